@@ -1,0 +1,222 @@
+"""HQMQ: Hurwitz quaternion multiplicative quantization (arXiv 2605.27646),
+as specified in METHOD.md section 1.
+
+Each 4-element chunk of a K/V vector is a quaternion r*u. The direction u is
+coded as the product p*s of one of the 24 unit Hurwitz quaternions (the group
+2T) and one of S seeded Haar-random unit quaternions, chosen to maximise
+<u, p*s>; the radius r gets `r` bits, uniform (or log-spaced) on
+[0, r_max], r_max being the largest coded chunk radius of that token vector,
+stored once in fp16. No calibration data is used.
+
+Search: <u, p*s> = <u*conj(s), p>, and the best p for a vector is O(1)
+(`nearest_hurwitz`), so coding is O(S) per chunk: one matmul rotates every
+chunk by all S conjugated secondaries.
+
+Med3x (`outliers=med3`): per write and per (batch row, kv-head) of that
+(layer, role), r_med is the median chunk radius over "the chunks being
+written": at prefill every chunk of every token of the write; at a one-token
+decode step the head_dim/4 chunks of that token. Chunks with r > C*r_med are
+kept exactly in fp16 behind a 1-bit-per-chunk flag bitmap, and r_max is taken
+over the remaining chunks only (the public code included outliers, which
+wastes the radius levels). Because the median depends on the write, appended
+writes differ from one big write when Med3x is on.
+
+Stored per token vector: packed codes (ceil(log2(24 S)) bits per chunk),
+packed radius codes (r bits per chunk), r_max (fp16); with Med3x also the flag
+bitmap, the fp16 outlier chunks in (batch, head, token, chunk) order, and an
+int32 running count of outliers per 64-token block that lets a kernel find a
+block's outliers without scanning. Per (layer, role): the S secondaries of
+each kv-head, fp16.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable
+from .packing import bits_for, pack_bits, unpack_bits
+from .quaternion import hamilton, hurwitz_units, nearest_hurwitz, random_unit_quaternions, right_mul_matrix
+
+OUTLIER_BLOCK = 64  # tokens per entry of the outlier index a kernel uses
+LOG_MIN_RATIO = 1 / 64  # smallest nonzero log-spaced radius level, relative to r_max
+COS_45 = math.sqrt(0.5)  # 2T's covering radius on S^3 is 45 degrees
+
+
+class HQMQ(Quantizer):
+    name = "hqmq"
+    description = "Hurwitz quaternion multiplicative VQ: 2T x S seeded secondaries, r radius bits, optional Med3x"
+    head_dim_multiple = 4
+
+    @dataclasses.dataclass
+    class Config:
+        S: int = 96
+        r: int = 4
+        outliers: str = "none"  # or "med3"
+        C: float = 3.0  # Med3x threshold: r > C * median radius
+        radius: str = "uniform"  # or "log"
+
+    def validate_config(self):
+        c = self.config
+        if c.S < 1:
+            raise QuantizerInputError(f"hqmq: S must be >= 1, got {c.S}")
+        if not 1 <= c.r <= 8:
+            raise QuantizerInputError(f"hqmq: r (radius bits) must be in 1..8, got {c.r}")
+        if c.outliers not in ("none", "med3"):
+            raise QuantizerInputError(f"hqmq: outliers must be none or med3, got {c.outliers!r}")
+        if not c.C > 1:
+            raise QuantizerInputError(f"hqmq: C must be > 1, got {c.C}")
+        if c.radius not in ("uniform", "log"):
+            raise QuantizerInputError(f"hqmq: radius must be uniform or log, got {c.radius!r}")
+        self.append_matches_single_write = c.outliers == "none"
+
+    @property
+    def code_bits(self) -> int:
+        return bits_for(24 * self.config.S)
+
+    @property
+    def med3(self) -> bool:
+        return self.config.outliers == "med3"
+
+    # ---- codebook ---------------------------------------------------------------
+    def make_shared(self, heads, head_dim):
+        secondaries = []
+        for h in range(heads):
+            g = torch.Generator().manual_seed(self.head_seed(h))
+            secondaries.append(random_unit_quaternions(self.config.S, g))
+        return {"secondaries": torch.stack(secondaries).half()}  # [H, S, 4]
+
+    @staticmethod
+    def secondaries(shared) -> torch.Tensor:
+        """The secondaries as used: the stored fp16 values, renormalised."""
+        s = shared["secondaries"].float()
+        return s / s.norm(dim=-1, keepdim=True)
+
+    # ---- radius levels ----------------------------------------------------------------
+    def radius_levels(self, r_max: torch.Tensor) -> torch.Tensor:
+        """`[..., 2^r]` radius values of each code for per-vector r_max `[...]`."""
+        L = (1 << self.config.r) - 1
+        q = torch.arange(L + 1, device=r_max.device, dtype=torch.float32)
+        if self.config.radius == "uniform" or L == 1:
+            rel = q / L
+        else:
+            rel = torch.where(q > 0, LOG_MIN_RATIO ** ((L - q) / (L - 1)), torch.zeros_like(q))
+        return r_max.unsqueeze(-1) * rel
+
+    def _radius_codes(self, r: torch.Tensor, rm: torch.Tensor) -> torch.Tensor:
+        L = (1 << self.config.r) - 1
+        if self.config.radius == "uniform":
+            safe = torch.where(rm > 0, rm, torch.ones_like(rm)).unsqueeze(-1)
+            return torch.round(r / safe * L).clamp(0, L).long()
+        levels = self.radius_levels(rm)  # [B, H, T, L+1]
+        return (r.unsqueeze(-1) - levels.unsqueeze(-2)).abs().argmin(-1)
+
+    # ---- classification shared by encode and error_bound ------------------------------
+    def _split(self, x: torch.Tensor):
+        """Chunks, radii, outlier mask and r_max (fp16-rounded) of float32 x."""
+        B, H, T, D = x.shape
+        chunks = x.reshape(B, H, T, D // 4, 4)
+        r = chunks.norm(dim=-1)  # [B, H, T, nc]
+        if self.med3:
+            r_med = r.reshape(B, H, -1).median(dim=-1).values.view(B, H, 1, 1)
+            outlier = (r > self.config.C * r_med) & (r > 0)
+        else:
+            outlier = torch.zeros_like(r, dtype=torch.bool)
+        r_max = torch.where(outlier, torch.zeros_like(r), r).amax(-1)  # without the outliers
+        check_fp16_storable("chunk radius r_max", r_max)
+        return chunks, r, outlier, r_max.half()
+
+    # ---- encode / decode --------------------------------------------------------------
+    def search(self, u: torch.Tensor, shared) -> torch.Tensor:
+        """Best code p*S + s for unit chunks u `[B, H, N, 4]`, O(S) per chunk."""
+        s = self.secondaries(shared).to(u.device)  # [H, S, 4]
+        S = s.shape[1]
+        rot = right_mul_matrix(s * s.new_tensor([1, -1, -1, -1]))  # right-mult by conj(s): [H, S, 4, 4]
+        rot = rot.permute(0, 2, 1, 3).reshape(s.shape[0], 4, S * 4)  # [H, 4, 4S]
+        B, H, N, _ = u.shape
+        block = max(1, (1 << 22) // max(1, B * H * S))  # bound the [B, H, n, S, 4] temporary
+        codes = []
+        for start in range(0, N, block):
+            a = torch.matmul(u[:, :, start : start + block], rot).unflatten(-1, (S, 4))
+            a = a.abs_()
+            # The score of nearest_hurwitz, computed for all S before any index work.
+            score = torch.maximum(a.amax(-1), a.sum(-1).mul_(0.5))  # [B, H, n, S]
+            best_s = score.argmax(-1)  # first maximum on ties
+            v = torch.einsum("bhnk,bhnkj->bhnj", u[:, :, start : start + block], self._rot_of(rot, best_s))
+            p, _ = nearest_hurwitz(v)
+            codes.append(p * S + best_s)
+        return torch.cat(codes, dim=2)
+
+    @staticmethod
+    def _rot_of(rot: torch.Tensor, s_idx: torch.Tensor) -> torch.Tensor:
+        """The 4x4 right-multiplication matrix of the chosen secondary of each chunk."""
+        H, _, S4 = rot.shape
+        per_s = rot.view(H, 4, S4 // 4, 4).permute(0, 2, 1, 3)  # [H, S, 4, 4]
+        heads = torch.arange(H, device=s_idx.device).view(1, H, 1)
+        return per_s[heads, s_idx]  # [B, H, n, 4, 4]
+
+    def encode_tokens(self, x, shared):
+        B, H, T, D = x.shape
+        nc = D // 4
+        chunks, r, outlier, r_max16 = self._split(x)
+        safe_r = torch.where(r > 0, r, torch.ones_like(r)).unsqueeze(-1)
+        u = torch.where((r > 0).unsqueeze(-1), chunks / safe_r, chunks.new_tensor([1.0, 0, 0, 0]))
+        code = self.search(u.reshape(B, H, T * nc, 4), shared).view(B, H, T, nc)
+        rq = self._radius_codes(torch.where(outlier, torch.zeros_like(r), r), r_max16.float())
+        fields = {
+            "codes": pack_bits(code, self.code_bits),
+            "radius": pack_bits(rq, self.config.r),
+            "r_max": r_max16,
+        }
+        if self.med3:
+            out_vals = chunks[outlier]  # [n_out, 4], row-major (b, h, t, chunk) order
+            check_fp16_storable("outlier chunk", out_vals)
+            per_block = torch.nn.functional.pad(outlier.sum(-1), (0, (-T) % OUTLIER_BLOCK))
+            per_block = per_block.view(B, H, -1, OUTLIER_BLOCK).sum(-1).flatten()
+            starts = torch.cumsum(per_block, 0) - per_block  # outliers before each (b, h, block)
+            fields.update(
+                flags=pack_bits(outlier.long(), 1),
+                outliers=out_vals.half(),
+                outlier_index=starts.view(B, H, -1).int(),
+            )
+        return Segment(fields, T)
+
+    def decode_tokens(self, seg, shared, shape):
+        B, H, T, D = shape
+        nc = D // 4
+        f = seg.fields
+        code = unpack_bits(f["codes"], self.code_bits, nc)  # [B, H, T, nc]
+        S = self.config.S
+        p_idx, s_idx = code // S, code % S
+        P = hurwitz_units(device=code.device)
+        s = self.secondaries(shared).to(code.device)  # [H, S, 4]
+        heads = torch.arange(H, device=code.device).view(1, H, 1, 1)
+        cw = hamilton(P[p_idx], s[heads, s_idx])  # [B, H, T, nc, 4]
+        levels = self.radius_levels(f["r_max"].float())  # [B, H, T, L+1]
+        r_hat = levels.gather(-1, unpack_bits(f["radius"], self.config.r, nc))
+        out = cw * r_hat.unsqueeze(-1)
+        if self.med3:
+            flags = unpack_bits(f["flags"], 1, nc).bool()
+            out[flags] = f["outliers"].float()
+        return out.reshape(B, H, T, D)
+
+    # ---- accounting and guarantees ----------------------------------------------------
+    def formula_bits(self, head_dim):
+        bits = (math.log2(24 * self.config.S) + self.config.r) / 4 + 16 / head_dim
+        if self.med3:
+            bits += 0.25  # the flag bit per chunk; each outlier adds 64 bits more, data-dependent
+        return bits
+
+    def error_bound(self, x):
+        """Per chunk: the direction is within 45 degrees (2T alone covers S^3 that
+        well; S secondaries only help), so ||u - p s|| <= 2 sin(22.5 deg); the radius
+        is within half a level gap (plus fp16 rounding of r_max). Outliers: fp16."""
+        chunks, r, outlier, r_max16 = self._split(x)
+        rm = r_max16.float()
+        levels = self.radius_levels(rm)
+        gap = (levels[..., 1:] - levels[..., :-1]).amax(-1, keepdim=True) / 2
+        clamp = (torch.where(outlier, torch.zeros_like(r), r) - rm.unsqueeze(-1)).clamp(min=0)
+        coded = r * math.sqrt(2 - 2 * COS_45) + gap + clamp
+        exact = r * 2.0**-10
+        return torch.where(outlier, exact, coded * 1.0001 + 1e-6).pow(2).sum(-1).sqrt()

@@ -1,0 +1,97 @@
+"""KIVI (Liu et al., ICML 2024), tuning-free: keys per channel, grouped over G
+tokens; values per token, grouped over G channels; asymmetric min/max; the
+most recent R tokens (and any tokens not yet filling a key group) stay fp16.
+
+Groups are cut at fixed token positions 0, G, 2G, ... and a token leaves the
+fp16 window only once R newer tokens exist, so writing token by token stores
+exactly what one big write stores. Under the quantize-on-write protocol a
+window of N <= R tokens is therefore never quantized: that is KIVI, not a bug.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable
+from .groups import dequantize_groups, group_error_bound, quantize_groups
+
+
+class KIVI(Quantizer):
+    name = "kivi"
+    description = "KIVI: per-channel keys / per-token values over groups of G, last R tokens fp16"
+    aliases = {"kivi2": {"bits": 2}, "kivi4": {"bits": 4}}
+
+    @dataclasses.dataclass
+    class Config:
+        bits: int = 2
+        group: int = 32
+        residual: int = 128
+
+    def validate_config(self):
+        c = self.config
+        if not 1 <= c.bits <= 8:
+            raise QuantizerInputError(f"kivi: bits must be in 1..8, got {c.bits}")
+        if c.group < 1 or c.residual < 0:
+            raise QuantizerInputError(f"kivi: need group >= 1 and residual >= 0, got {c}")
+
+    def append(self, packed, x):
+        if packed is None:
+            return self.encode(x)
+        self.check_input(x)
+        self._check_compatible(packed, x)
+        c, segs = self.config, list(packed.segments)
+        pending = x.float()
+        if segs and "residual" in segs[-1].fields:
+            pending = torch.cat([segs.pop().fields["residual"].float(), pending], dim=2)
+        n_quant = max(0, pending.shape[2] - c.residual) // c.group * c.group
+        for start in range(0, n_quant, c.group):
+            segs.append(self.encode_tokens(pending[:, :, start : start + c.group], packed.shared))
+        if pending.shape[2] > n_quant:
+            rest = pending[:, :, n_quant:]
+            check_fp16_storable("fp16 window value", rest)
+            segs.append(Segment({"residual": rest.half()}, rest.shape[2]))
+        return dataclasses.replace(packed, segments=segs)
+
+    def encode_tokens(self, x, shared):
+        """One full group of G tokens."""
+        c = self.config
+        if self.role == "K":  # per channel over the G tokens
+            return Segment(quantize_groups(x.transpose(2, 3), c.bits, c.group, -1), x.shape[2])
+        return Segment(quantize_groups(x, c.bits, self._channel_group(x.shape[-1]), -1), x.shape[2])
+
+    def decode_tokens(self, seg, shared, shape):
+        if "residual" in seg.fields:
+            return seg.fields["residual"].float()
+        c = self.config
+        B, H, T, D = shape
+        if self.role == "K":
+            return dequantize_groups(seg.fields, c.bits, c.group, -1, (B, H, D, T)).transpose(2, 3)
+        return dequantize_groups(seg.fields, c.bits, self._channel_group(D), -1, shape)
+
+    def _channel_group(self, d: int) -> int:
+        if d % self.config.group:
+            raise QuantizerInputError(f"kivi: group {self.config.group} does not divide head_dim {d}")
+        return self.config.group
+
+    def formula_bits(self, head_dim):
+        return self.config.bits + 32 / self.config.group  # quantized tokens; the fp16 window adds more
+
+    def error_bound(self, x):
+        c = self.config
+        T = x.shape[2]
+        n_quant = max(0, T - c.residual) // c.group * c.group
+        bound = (x.abs() * 2.0**-11).norm(dim=-1)  # fp16 window
+        if n_quant == 0:
+            return bound
+        q = x[:, :, :n_quant]
+        if self.role == "K":
+            per_elem = []
+            for s in range(0, n_quant, c.group):
+                blk = q[:, :, s : s + c.group].transpose(2, 3)
+                b = group_error_bound(blk, c.bits, c.group, -1) / c.group**0.5
+                per_elem.append(b.unsqueeze(2).expand(-1, -1, c.group, -1))
+            qb = torch.cat(per_elem, dim=2).norm(dim=-1)
+        else:
+            qb = group_error_bound(q, c.bits, self._channel_group(x.shape[-1]), -1)
+        return torch.cat([qb, bound[:, :, n_quant:]], dim=2)
