@@ -139,6 +139,9 @@ class Quantizer(ABC):
     append_matches_single_write: ClassVar[bool] = True
     # Head dims must be a multiple of this (4 for quaternion chunks).
     head_dim_multiple: ClassVar[int] = 1
+    # Configs that `kvqbench list`, the conformance suite and the benchmarks
+    # exercise; empty means just the plugin's name (its default config).
+    example_specs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config=None, *, layer: int = 0, role: str = "K", seed: int = 0):
         if role not in ROLES:
@@ -175,6 +178,10 @@ class Quantizer(ABC):
         return x.norm(dim=-1)
 
     # ---- the shared mechanics --------------------------------------------------------
+    @classmethod
+    def examples(cls) -> tuple[str, ...]:
+        return cls.example_specs or (cls.name,)
+
     @property
     def spec(self) -> str:
         fields = dataclasses.fields(self.config)

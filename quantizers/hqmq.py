@@ -47,6 +47,7 @@ COS_45 = math.sqrt(0.5)  # 2T's covering radius on S^3 is 45 degrees
 class HQMQ(Quantizer):
     name = "hqmq"
     description = "Hurwitz quaternion multiplicative VQ: 2T x S seeded secondaries, r radius bits, optional Med3x"
+    example_specs = ("hqmq:S=24,r=3", "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3", "hqmq:S=256,r=5,outliers=med3")
     head_dim_multiple = 4
 
     @dataclasses.dataclass
@@ -164,6 +165,9 @@ class HQMQ(Quantizer):
         u = torch.where((r > 0).unsqueeze(-1), chunks / safe_r, chunks.new_tensor([1.0, 0, 0, 0]))
         code = self.search(u.reshape(B, H, T * nc, 4), shared).view(B, H, T, nc)
         rq = self._radius_codes(torch.where(outlier, torch.zeros_like(r), r), r_max16.float())
+        # A chunk decoded to zero (radius code 0, or an outlier stored aside) has no
+        # direction: store code 0, so equal decoded tensors have equal bytes.
+        code = torch.where((rq == 0) | outlier, torch.zeros_like(code), code)
         fields = {
             "codes": pack_bits(code, self.code_bits),
             "radius": pack_bits(rq, self.config.r),

@@ -20,6 +20,7 @@ from .groups import dequantize_groups, group_error_bound, quantize_groups
 class KIVI(Quantizer):
     name = "kivi"
     description = "KIVI: per-channel keys / per-token values over groups of G, last R tokens fp16"
+    example_specs = ("kivi:bits=2", "kivi:bits=4")
     aliases = {"kivi2": {"bits": 2}, "kivi4": {"bits": 4}}
 
     @dataclasses.dataclass
@@ -41,7 +42,10 @@ class KIVI(Quantizer):
         self.check_input(x)
         self._check_compatible(packed, x)
         c, segs = self.config, list(packed.segments)
-        pending = x.float()
+        # Tokens wait in the fp16 window before they are quantized, so every token is
+        # quantized from its fp16 value: one write and token-by-token writes agree.
+        check_fp16_storable("K/V value", x)
+        pending = x.half().float()
         if segs and "residual" in segs[-1].fields:
             pending = torch.cat([segs.pop().fields["residual"].float(), pending], dim=2)
         n_quant = max(0, pending.shape[2] - c.residual) // c.group * c.group
@@ -49,7 +53,6 @@ class KIVI(Quantizer):
             segs.append(self.encode_tokens(pending[:, :, start : start + c.group], packed.shared))
         if pending.shape[2] > n_quant:
             rest = pending[:, :, n_quant:]
-            check_fp16_storable("fp16 window value", rest)
             segs.append(Segment({"residual": rest.half()}, rest.shape[2]))
         return dataclasses.replace(packed, segments=segs)
 

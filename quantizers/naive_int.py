@@ -21,6 +21,7 @@ from .groups import dequantize_groups, group_error_bound, quantize_groups
 class NaiveInt(Quantizer):
     name = "int"
     description = "naive asymmetric min/max ints, per-token groups of G along head_dim"
+    example_specs = ("int2", "int3", "int4", "int8", "int4:keys=per-channel")
     aliases = {f"int{b}": {"bits": b} for b in (2, 3, 4, 8)}
 
     @dataclasses.dataclass

