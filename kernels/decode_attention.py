@@ -281,7 +281,7 @@ def _int_split_kernel(q_ptr, kc, ks, kz, vc, vs, vz, po_ptr, pm_ptr, pl_ptr,
                       T, tiles_per_split, qk_scale,
                       GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                       W: tl.constexpr, CB: tl.constexpr, CNB: tl.constexpr, G: tl.constexpr,
-                      DOT_F32: tl.constexpr):
+                      DOT_F32: tl.constexpr, RND: tl.constexpr):
     pid_bh = tl.program_id(0)
     sp = tl.program_id(1)
     nsplit = tl.num_programs(1)

@@ -268,13 +268,21 @@ class KIVIFlat:
 
     read_nbytes = cache_nbytes
 
-    def tile(self, batch_reps: int, group_reps: int) -> "KIVIFlat":
-        """Repeat the quantized groups `group_reps` times (the fp16 window stays at the end)."""
-        r5 = (batch_reps, 1, group_reps, 1, 1) if self.role == "K" else (batch_reps, 1, group_reps, 1)
-        r4 = (batch_reps, 1, group_reps, 1)
+    def tile(self, batch_reps: int, n_groups: int) -> "KIVIFlat":
+        """A valid cache of `n_groups` quantized groups: this one's groups repeated
+        cyclically, along batch too; the fp16 window stays at the end (benchmarks)."""
+        if self.n_groups == 0:
+            raise ValueError("nothing to tile: no quantized groups")
+        reps = -(-n_groups // self.n_groups)
+        nt = n_groups if self.role == "K" else n_groups * self.group  # along axis 2
+
+        def rep(t):
+            r = (batch_reps, 1, reps) + (1,) * (t.dim() - 3)
+            return t.repeat(r)[:, :, :nt].contiguous()
+
         return dataclasses.replace(
-            self, B=self.B * batch_reps, n_groups=self.n_groups * group_reps,
-            codes=self.codes.repeat(r5), scale=self.scale.repeat(r4), zero=self.zero.repeat(r4),
+            self, B=self.B * batch_reps, n_groups=n_groups,
+            codes=rep(self.codes), scale=rep(self.scale), zero=rep(self.zero),
             residual=self.residual.repeat(batch_reps, 1, 1, 1),
         )
 

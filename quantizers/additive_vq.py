@@ -40,9 +40,10 @@ import torch
 from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable, stable_seed
 from .packing import pack_bits, unpack_bits
 
-SCORE_BLOCK = 1 << 24  # elements of the [.., chunks, beam, K] score temporary per block
-GAIN_SAMPLES = 8192  # synthetic chunks used to fix the stage gains
-GAIN_GRID = torch.linspace(0.2, 1.4, 25, dtype=torch.float64)  # x sqrt(residual energy per element)
+SCORE_BLOCK = 1 << 24  # elements of the [.., chunks, beam, K] score temporary per block (GPU)
+SCORE_BLOCK_CPU = 1 << 20  # smaller on CPU, where a block that fits in cache is faster
+GAIN_SAMPLES = 4096  # synthetic chunks used to fix the stage gains
+GAIN_GRID = torch.linspace(0.2, 1.4, 13, dtype=torch.float64)  # x sqrt(residual energy per element)
 
 
 def gaussian_codebooks(M: int, K: int, dim: int, gen: torch.Generator) -> torch.Tensor:
@@ -55,31 +56,40 @@ def gaussian_codebooks(M: int, K: int, dim: int, gen: torch.Generator) -> torch.
 def residual_search(r: torch.Tensor, cb: torch.Tensor, beam: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Code chunks r `[B, G, N, dim]` with codebooks cb `[G or 1, M, K, dim]`.
     Returns codes `[B, G, N, M]` and the final residual `[B, G, N, dim]`.
-    Scores ||r - c||^2 - ||r||^2 = ||c||^2 - 2 <r, c> by matmul, over blocks of
-    chunks so the score temporary stays under SCORE_BLOCK elements."""
+    Scores ||r - c||^2 - ||r||^2 = ||c||^2 - 2 <r, c> with one matmul per stage,
+    over blocks of chunks so the score temporary stays under a fixed size."""
     B, G, N, dim = r.shape
     _, M, K, _ = cb.shape
-    cnorm = cb.pow(2).sum(-1)  # [G, M, K]
+    cnorm = cb.pow(2).sum(-1).unsqueeze(-2)  # [G, M, 1, K]
+    cb_t = cb.transpose(-1, -2) * -2  # [G, M, dim, K]
     heads = torch.arange(cb.shape[0], device=r.device).view(1, -1, 1, 1)
-    block = max(1, SCORE_BLOCK // max(1, B * G * beam * K))
+    limit = SCORE_BLOCK if r.is_cuda else SCORE_BLOCK_CPU
+    block = max(1, limit // max(1, B * G * beam * K))
     codes_out, res_out = [], []
     for start in range(0, N, block):
-        res = r[:, :, start : start + block].unsqueeze(3)  # [B, G, n, b, dim], b = 1 at first
-        err = res.pow(2).sum(-1)  # [B, G, n, b]: ||residual||^2 of each beam
-        codes = res.new_zeros(*res.shape[:4], 0, dtype=torch.long)
+        res = r[:, :, start : start + block]
+        n = res.shape[2]
+        if beam == 1:  # greedy: the nearest codeword of each stage
+            codes = []
+            for m in range(M):
+                idx = torch.matmul(res, cb_t[:, m]).add_(cnorm[:, m]).argmin(-1)  # first minimum on ties
+                res = res - cb[:, m][heads[..., 0], idx]  # idx is [B, G, n]
+                codes.append(idx)
+            codes_out.append(torch.stack(codes, -1))
+            res_out.append(res)
+            continue
+        # beam search: keep the `beam` best partial sums, ranked by ||residual||^2
+        res = res.unsqueeze(3)  # [B, G, n, b, dim], b = 1 at first
+        err = res.pow(2).sum(-1)  # [B, G, n, b]
+        codes = res.new_zeros(B, G, n, 1, 0, dtype=torch.long)
         for m in range(M):
-            # [B, G, n*b, dim] @ [G, dim, K]: one matmul scores every beam of every chunk
-            dots = torch.matmul(res.flatten(2, 3), cb[:, m].transpose(-1, -2)).view(*res.shape[:4], K)
-            new = err.unsqueeze(-1) + cnorm[:, m].view(1, -1, 1, 1, K) - 2 * dots  # [B, G, n, b, K]
-            if beam == 1:
-                err, idx = new.squeeze(3).min(-1, keepdim=True)  # first minimum on ties
-                src = torch.zeros_like(idx)
-            else:
-                err, flat = new.flatten(3).topk(min(beam, new.shape[3] * K), dim=-1, largest=False)
-                src, idx = flat // K, flat % K
+            b = res.shape[3]
+            score = torch.matmul(res.flatten(2, 3), cb_t[:, m]).add_(cnorm[:, m]).view(B, G, n, b, K)
+            err, flat = score.add_(err.unsqueeze(-1)).flatten(3).topk(min(beam, b * K), dim=-1, largest=False)
+            src, idx = flat // K, flat % K  # which beam it extends, with which codeword
             res = res.gather(3, src.unsqueeze(-1).expand(*src.shape, dim)) - cb[:, m][heads, idx]
             codes = torch.cat([codes.gather(3, src.unsqueeze(-1).expand(*src.shape, m)), idx.unsqueeze(-1)], -1)
-        codes_out.append(codes[:, :, :, 0])  # the best beam (topk sorts ascending)
+        codes_out.append(codes[:, :, :, 0])  # the best beam: topk sorts ascending
         res_out.append(res[:, :, :, 0])
     return torch.cat(codes_out, 2), torch.cat(res_out, 2)
 
@@ -109,7 +119,10 @@ def stage_gains(M: int, K_bits: int, dim: int) -> tuple[float, ...]:
 class AdditiveVQ(Quantizer):
     name = "avq"
     description = "additive VQ (CommVQ-style): RMS gain, chunks of dim coded as sums of M seeded Gaussian codewords"
-    aliases = {f"avq{m}": {"M": m} for m in (2, 3, 4)}
+    # The aliases share one codebook set across kv-heads: seeded codebooks adapt to
+    # nothing, so per-head sets buy only seed diversity, at H times the amortised
+    # bytes (per head, M=4 costs 1 bit per element at 1024 tokens of 8 heads).
+    aliases = {f"avq{m}": {"M": m, "per_head": False} for m in (2, 3, 4)}
 
     @dataclasses.dataclass
     class Config:

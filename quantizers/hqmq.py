@@ -47,7 +47,9 @@ COS_45 = math.sqrt(0.5)  # 2T's covering radius on S^3 is 45 degrees
 class HQMQ(Quantizer):
     name = "hqmq"
     description = "Hurwitz quaternion multiplicative VQ: 2T x S seeded secondaries, r radius bits, optional Med3x"
-    example_specs = ("hqmq:S=24,r=3", "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3", "hqmq:S=256,r=5,outliers=med3")
+    example_specs = tuple(
+        f"hqmq:S={S},r={r}" + extra for S, r in ((24, 3), (96, 4), (256, 5)) for extra in ("", ",outliers=med3")
+    )
     head_dim_multiple = 4
 
     @dataclasses.dataclass

