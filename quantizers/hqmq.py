@@ -37,7 +37,7 @@ import torch
 
 from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable
 from .packing import bits_for, pack_bits, unpack_bits
-from .quaternion import hamilton, hurwitz_units, nearest_hurwitz, random_unit_quaternions, right_mul_matrix
+from .quaternion import conj, hamilton, hurwitz_units, nearest_hurwitz, random_unit_quaternions, right_mul_matrix
 
 OUTLIER_BLOCK = 64  # tokens per entry of the outlier index a kernel uses
 LOG_MIN_RATIO = 1 / 64  # smallest nonzero log-spaced radius level, relative to r_max
@@ -134,30 +134,27 @@ class HQMQ(Quantizer):
     def search(self, u: torch.Tensor, shared) -> torch.Tensor:
         """Best code p*S + s for unit chunks u `[B, H, N, 4]`, O(S) per chunk."""
         s = self.secondaries(shared).to(u.device)  # [H, S, 4]
-        S = s.shape[1]
-        rot = right_mul_matrix(s * s.new_tensor([1, -1, -1, -1]))  # right-mult by conj(s): [H, S, 4, 4]
-        rot = rot.permute(0, 2, 1, 3).reshape(s.shape[0], 4, S * 4)  # [H, 4, 4S]
-        B, H, N, _ = u.shape
-        block = max(1, (1 << 22) // max(1, B * H * S))  # bound the [B, H, n, S, 4] temporary
+        H, S, _ = s.shape
+        rot = right_mul_matrix(conj(s))  # u @ rot[h, j] = u * conj(s_j): [H, S, 4, 4]
+        # Component-major: one matmul gives component i of u*conj(s_j) for every j as a
+        # contiguous [n, S] slab, so the score below is four elementwise passes.
+        by_component = rot.permute(0, 2, 3, 1).reshape(H, 4, 4 * S)  # [H, 4 (u), 4 (i) x S]
+        B, _, N, _ = u.shape
+        block = max(1, (1 << 22) // max(1, B * H * S))  # bound the [B, H, n, 4S] temporary
         codes = []
         for start in range(0, N, block):
-            a = torch.matmul(u[:, :, start : start + block], rot).unflatten(-1, (S, 4))
-            a = a.abs_()
-            # The score of nearest_hurwitz, computed for all S before any index work.
-            score = torch.maximum(a.amax(-1), a.sum(-1).mul_(0.5))  # [B, H, n, S]
+            ub = u[:, :, start : start + block]
+            a = torch.matmul(ub, by_component).abs_()  # [B, H, n, 4S]
+            a0, a1, a2, a3 = a.chunk(4, dim=-1)
+            # nearest_hurwitz's score for all S at once: max(max_i |v_i|, sum_i |v_i| / 2).
+            axis = torch.maximum(a0, a1)
+            torch.maximum(axis, torch.maximum(a2, a3), out=axis)
+            score = torch.maximum(axis, (a0 + a1).add_(a2).add_(a3).mul_(0.5))
             best_s = score.argmax(-1)  # first maximum on ties
-            v = torch.einsum("bhnk,bhnkj->bhnj", u[:, :, start : start + block], self._rot_of(rot, best_s))
+            v = torch.einsum("bhnk,bhnkj->bhnj", ub, rot[torch.arange(H, device=u.device).view(1, H, 1), best_s])
             p, _ = nearest_hurwitz(v)
             codes.append(p * S + best_s)
         return torch.cat(codes, dim=2)
-
-    @staticmethod
-    def _rot_of(rot: torch.Tensor, s_idx: torch.Tensor) -> torch.Tensor:
-        """The 4x4 right-multiplication matrix of the chosen secondary of each chunk."""
-        H, _, S4 = rot.shape
-        per_s = rot.view(H, 4, S4 // 4, 4).permute(0, 2, 1, 3)  # [H, S, 4, 4]
-        heads = torch.arange(H, device=s_idx.device).view(1, H, 1)
-        return per_s[heads, s_idx]  # [B, H, n, 4, 4]
 
     def encode_tokens(self, x, shared):
         B, H, T, D = x.shape
