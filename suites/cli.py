@@ -24,6 +24,8 @@ def cmd_list(args) -> int:
           f"[1, 8, {args.tokens}, d] (keys, seed 0); formula in parentheses\n")
     print(f"{'spec':34s} " + " ".join(f"{'d=' + str(d):>16s}" for d in dims))
     for name, cls in sorted(registry().items()):
+        if args.names and name not in args.names:
+            continue
         print(f"\n{name}: {cls.description}  [{cls.__module__}]")
         for spec in cls.examples():
             cells = []
@@ -42,6 +44,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="kvqbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="every registered quantizer with its measured bits per element")
+    p.add_argument("names", nargs="*", help="only these quantizers (default: all)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the reference tensor")
     p.set_defaults(func=cmd_list)
     from kvqbench.suites import compare

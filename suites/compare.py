@@ -115,7 +115,7 @@ def run_compare(args) -> Path:
 
     from kvqbench.quantizers import get_quantizer
     from kvqbench.suites import report
-    from kvqbench.suites.corpora import _tokenize, load_corpus, token_windows, window_starts
+    from kvqbench.suites.corpora import _special_prefix, _tokenize, load_corpus, token_windows, window_starts
     from kvqbench.suites.models import load_model
     from kvqbench.suites.perplexity import ppl_prefill_then_decode, ppl_quantize_on_write
 
@@ -133,8 +133,10 @@ def run_compare(args) -> Path:
     n_tokens = len(_tokenize(tok, text))  # memoised by token_windows
     meta = {
         "model": model_info, "corpus": corpus_info, "protocols": protocols,
-        "windows": {"n": args.windows, "tokens": window, "starts": window_starts(n_tokens, window, args.windows),
-                    "placement": "evenly spaced over the whole tokenized corpus, disjoint, no special tokens"},
+        "windows": {"n": args.windows, "tokens": window,
+                    "starts": window_starts(n_tokens, window - len(_special_prefix(tok)), args.windows),
+                    "placement": "evenly spaced over the whole tokenized corpus, disjoint; only the special "
+                                 "tokens the tokenizer itself prepends (Gemma's BOS)"},
         "prefill_then_decode": {"context": args.context, "decode_tokens": window - args.context},
         "dtype": args.dtype, "versions": versions(), "hardware": hardware(device),
         "seed_spec": SEED_SPEC, "seeds": list(range(args.seeds)),

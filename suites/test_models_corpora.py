@@ -56,12 +56,15 @@ def test_default_model_scores_canterbury(smollm, canterbury, capsys):
     assert 1.5 < p < 100
 
 
+@pytest.mark.slow  # minutes of download and conversion on a fresh machine: `pytest -m slow`
 @pytest.mark.parametrize("name", [n for n in EMBEDDED_MODELS if n != "smollm2-135m"])
 def test_other_embedded_models(name, canterbury, capsys):
     t = time.time()
     model, tok, info = load_model(name)
     assert info["sha256"] == EMBEDDED_MODELS[name]["sha256"]
     ids = token_windows(tok, canterbury[0], 256, 1).to(info["device"])
+    if name.startswith("gemma"):  # its tokenizer adds <bos>, so the windows carry it
+        assert ids[0, 0].item() == tok.bos_token_id
     p = ppl(model, ids)
     report(capsys, f"{name}: load {time.time() - t:.1f} s, PPL on 256 canterbury tokens {p:.2f}, "
            f"layers/heads/kv/head_dim {info['n_layers']}/{info['n_heads']}/"
@@ -106,6 +109,7 @@ def test_canterbury(canterbury, smollm, capsys):
     assert 250_000 < n < 350_000
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("apt-get") is None, reason="austen comes from a Debian package")
 def test_austen(smollm, capsys):
     text, info = load_corpus("austen")
@@ -155,6 +159,16 @@ def test_windows_deterministic(smollm, canterbury):
         assert torch.equal(row, ids[s:s + 512])
     c = token_windows(tok, text, 128, 3, stride=128)
     assert torch.equal(c.flatten(), ids[:384])  # stride=window: contiguous from the start
+
+
+def test_windows_keep_the_tokenizers_bos():
+    class Tok:  # a minimal tokenizer that, like Gemma's, puts BOS=1 before text
+        def __call__(self, text, add_special_tokens=True, verbose=True):
+            ids = [ord(c) for c in text]
+            return {"input_ids": ([1] if add_special_tokens else []) + ids}
+
+    w = token_windows(Tok(), "abcdefghij", 4, 2)
+    assert w.tolist() == [[1, 97, 98, 99], [1, 104, 105, 106]]
 
 
 def test_windows_too_short(smollm):

@@ -49,7 +49,7 @@ def test_entry_point_plugin_is_registered_and_conforms(installed_plugin):
 
 
 def test_entry_point_plugin_is_listed(installed_plugin, capsys):
-    cli.main(["list", "--tokens", "64"])
+    cli.main(["list", "absmax", "--tokens", "64"])
     out = capsys.readouterr().out
     assert re.search(r"absmax:bits=4\s+4\.250", out), out
 
