@@ -17,7 +17,7 @@ assert not import_utils.is_kernels_available(), "transformers thinks HF kernels 
 spec = importlib.util.find_spec("kernels")
 assert spec is None or "kvqbench" not in str(spec.origin), spec
 torch.manual_seed(0)
-cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+cfg = LlamaConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=128)
 model = LlamaForCausalLM(cfg).eval()
 ids = torch.randint(0, 128, (1, 12))
