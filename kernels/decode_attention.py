@@ -12,8 +12,15 @@ heads of that kv head against it in one `tl.dot` (the GROUP rows are padded to
 16, the smallest dot), keeps an online softmax (running max, sum, unnormalised
 output, base 2), decodes the V tile and accumulates. It writes its partial
 (output, max, sum); `_combine_kernel` merges the NSPLIT partials of each query
-head. NSPLIT is chosen so that about 4 programs per multiprocessor exist, so
-batch 1 fills the GPU too.
+head. NSPLIT is chosen so that about 8 programs per multiprocessor exist (the
+best of 2/4/8/16 on the H200), so batch 1 fills the GPU too.
+
+Launch defaults are what tuned best on an H200 (kernels/NOTES.md): HQMQ BLOCK_T
+64, 4 warps, num_stages=1 (Triton's software pipelining turns the scattered
+gathers into cp.async through shared memory: 2-3x slower). The fastest HQMQ
+codeword source there is the fp16 codebook (`flatten(..., table_mode="codebook",
+table_dtype=torch.float16)`, within an fp16 ulp per codeword); the default, the
+fp32 secondaries, is bit-identical to `HQMQ.decode_tokens` but ~1.9x slower.
 
 Formats (see layout.py): `hqmq_decode_attention` (HQMQ, with or without Med3x
 outliers), `int_decode_attention` (naive per-token int groups),
@@ -34,6 +41,11 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+try:  # Triton >= 3.0
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover
+    from triton.language.extra.cuda import libdevice
 
 from .layout import OUTLIER_BLOCK, HQMQFlat, IntFlat, KIVIFlat
 
@@ -107,34 +119,116 @@ def _nbytes_span(n: int, width: int) -> int:
 # tile decoders: [BT, D] float32 of tokens t0 .. t0+BT-1 of kv row bh
 # ---------------------------------------------------------------------------------------
 @triton.jit
-def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, table_ptr, rel_ptr,
+def _f16_lane(w, K: tl.constexpr):
+    """fp16 number K (0..3) packed in int64 w, as float32."""
+    return ((w >> (16 * K)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _f32_pair(w):
+    """The two fp32 numbers packed in int64 w (low word first)."""
+    return w.to(tl.int32).to(tl.float32, bitcast=True), (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _popc(x, INTERP: tl.constexpr):
+    """Set bits of int32 x."""
+    if INTERP:
+        x = x - ((x >> 1) & 0x55555555)
+        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+        x = (x + (x >> 4)) & 0x0F0F0F0F
+        return ((x * 0x01010101) >> 24) & 0xFF
+    else:
+        return libdevice.popc(x)
+
+
+@triton.jit
+def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, table_ptr, ptab_ptr, rel_ptr,
                bh, h, t0, T, NBLK,
                BT: tl.constexpr, D: tl.constexpr, CW: tl.constexpr, CB: tl.constexpr, CNB: tl.constexpr,
                RW: tl.constexpr, RB: tl.constexpr, RNB: tl.constexpr, FB: tl.constexpr,
-               NCW: tl.constexpr, HAS_OUT: tl.constexpr):
+               S: tl.constexpr, HAS_OUT: tl.constexpr, TAB: tl.constexpr, LOGR: tl.constexpr,
+               INTERP: tl.constexpr):
+    """Decode tokens t0..t0+BT-1 of kv row bh: [BT, D] float32.
+
+    Codeword of chunk code = p*S + s (TAB): 0/1 the codebook [H, 24S, 4] fp32/fp16,
+    one or two 8-byte gathers; 2/3 the secondaries [H, S, 4] fp32/fp16 and the 24
+    units P [24, 4] fp32, then P[p]*S[s] as HQMQ.decode_tokens computes it (the
+    products by 0, +-1, +-1/2 are exact, the sums in the same order: bit identical
+    for fp32). Tables are viewed as int64 so a gather moves 8 bytes."""
     NC: tl.constexpr = D // 4
     tok = t0 + tl.arange(0, BT)
     tmask = tok < T
     row = bh.to(tl.int64) * T + tok
-    code = _unpack_rows(codes_ptr, row * CB, tmask, BT, NC, CW, CB, CNB)  # [BT, NC]
+    if CW == 12:  # two 12-bit codes in three bytes
+        i3 = 3 * tl.arange(0, NC // 2)
+        pc = codes_ptr + (row * CB)[:, None] + i3[None, :]
+        b0 = tl.load(pc, mask=tmask[:, None], other=0).to(tl.int32)
+        b1 = tl.load(pc + 1, mask=tmask[:, None], other=0).to(tl.int32)
+        b2 = tl.load(pc + 2, mask=tmask[:, None], other=0).to(tl.int32)
+        code = tl.reshape(tl.join(b0 | ((b1 & 15) << 8), (b1 >> 4) | (b2 << 4)), (BT, NC))
+    else:
+        code = _unpack_rows(codes_ptr, row * CB, tmask, BT, NC, CW, CB, CNB)  # [BT, NC]
     rq = _unpack_rows(rad_ptr, row * RB, tmask, BT, NC, RW, RB, RNB)
     rmax = tl.load(rmax_ptr + row, mask=tmask, other=0).to(tl.float32)
-    rhat = rmax[:, None] * tl.load(rel_ptr + rq)  # as HQMQ.radius_levels: r_max * rel[q]
-    k4 = tl.arange(0, 4)
-    tidx = (h * NCW + code) * 4
-    cw = tl.load(table_ptr + tidx[:, :, None] + k4[None, None, :]).to(tl.float32)  # [BT, NC, 4]
-    val = cw * rhat[:, :, None]
+    if LOGR:
+        rel = tl.load(rel_ptr + rq)
+    else:  # uniform levels: q / L, the IEEE quotient torch computes
+        rel = tl.div_rn(rq.to(tl.float32), tl.full([BT, NC], (1 << RW) - 1, tl.float32))
+    rhat = rmax[:, None] * rel  # as HQMQ.radius_levels: r_max * rel[q]
+    if TAB < 2:
+        cidx = (h * (24 * S) + code).to(tl.int64)
+        if TAB == 1:  # codebook fp16 [H, 24S, 4] as int64 [H*24S]
+            w = tl.load(table_ptr + cidx)
+            c0 = _f16_lane(w, 0)
+            c1 = _f16_lane(w, 1)
+            c2 = _f16_lane(w, 2)
+            c3 = _f16_lane(w, 3)
+        else:  # codebook fp32 [H, 24S, 4] as int64 [H*24S*2]
+            c0, c1 = _f32_pair(tl.load(table_ptr + cidx * 2))
+            c2, c3 = _f32_pair(tl.load(table_ptr + cidx * 2 + 1))
+    else:
+        p = code // S
+        sidx = (h * S + (code - p * S)).to(tl.int64)
+        a0, a1 = _f32_pair(tl.load(ptab_ptr + p * 2))  # P [24, 4] fp32 as int64 [48]
+        a2, a3 = _f32_pair(tl.load(ptab_ptr + p * 2 + 1))
+        if TAB == 3:  # secondaries fp16 [H, S, 4] as int64 [H*S]
+            w = tl.load(table_ptr + sidx)
+            s0 = _f16_lane(w, 0)
+            s1 = _f16_lane(w, 1)
+            s2 = _f16_lane(w, 2)
+            s3 = _f16_lane(w, 3)
+        else:  # secondaries fp32 [H, S, 4] as int64 [H*S*2]
+            s0, s1 = _f32_pair(tl.load(table_ptr + sidx * 2))
+            s2, s3 = _f32_pair(tl.load(table_ptr + sidx * 2 + 1))
+        # quaternion.hamilton(a, s), term order as there
+        c0 = a0 * s0 - a1 * s1 - a2 * s2 - a3 * s3
+        c1 = a0 * s1 + a1 * s0 + a2 * s3 - a3 * s2
+        c2 = a0 * s2 - a1 * s3 + a2 * s0 + a3 * s1
+        c3 = a0 * s3 + a1 * s2 - a2 * s1 + a3 * s0
+    v0 = c0 * rhat
+    v1 = c1 * rhat
+    v2 = c2 * rhat
+    v3 = c3 * rhat
     if HAS_OUT:
-        fl = _unpack_rows(flags_ptr, row * FB, tmask, BT, NC, 1, FB, 1)  # [BT, NC] 0/1
-        cnt = tl.reshape(tl.sum(fl, axis=1), (BT // 64, 64))
-        tok_ex = tl.reshape(tl.cumsum(cnt, axis=1) - cnt, (BT,))  # outliers earlier in the 64-block
-        ch_ex = tl.cumsum(fl, axis=1) - fl  # outliers earlier in the token
-        base = tl.load(oidx_ptr + bh.to(tl.int64) * NBLK + tok // 64, mask=tmask, other=0)
-        oi = (base + tok_ex).to(tl.int64)[:, None] + ch_ex
-        om = (fl != 0) & tmask[:, None]
-        ov = tl.load(outl_ptr + oi[:, :, None] * 4 + k4[None, None, :], mask=om[:, :, None], other=0)
-        val = tl.where(om[:, :, None], ov.to(tl.float32), val)
-    return tl.reshape(val, (BT, D))
+        fw = tl.zeros([BT], tl.int32)  # the token's flag bits, chunk c at bit c
+        for i in tl.static_range(FB):
+            fw = fw | (tl.load(flags_ptr + row * FB + i, mask=tmask, other=0).to(tl.int32) << (8 * i))
+        if tl.sum((fw != 0).to(tl.int32), axis=0) > 0:  # skip tiles without outliers
+            cnt = tl.reshape(_popc(fw, INTERP), (BT // 64, 64))
+            tok_ex = tl.reshape(tl.cumsum(cnt, axis=1) - cnt, (BT,))  # outliers earlier in the 64-block
+            c = tl.arange(0, NC)
+            fl = (fw[:, None] >> c[None, :]) & 1
+            ch_ex = _popc(fw[:, None] & ((1 << c) - 1)[None, :], INTERP)  # outliers earlier in the token
+            base = tl.load(oidx_ptr + bh.to(tl.int64) * NBLK + tok // 64, mask=tmask, other=0)
+            oi = (base + tok_ex).to(tl.int64)[:, None] + ch_ex
+            om = fl != 0
+            ow = tl.load(outl_ptr + oi, mask=om, other=0)  # outliers [n, 4] fp16 as int64 [n]
+            v0 = tl.where(om, _f16_lane(ow, 0), v0)
+            v1 = tl.where(om, _f16_lane(ow, 1), v1)
+            v2 = tl.where(om, _f16_lane(ow, 2), v2)
+            v3 = tl.where(om, _f16_lane(ow, 3), v3)
+    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (BT, D))  # element 4c+k = v_k[c]
 
 
 @triton.jit
@@ -243,15 +337,17 @@ def _store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nspli
 @triton.jit
 def _hqmq_split_kernel(q_ptr,
                        kc, kr, km, kf, ko, ki, kt, kl,
-                       vc, vr, vm, vf, vo, vi, vt, vl,
+                       vc, vr, vm, vf, vo, vi, vt, vl, ptab,
                        po_ptr, pm_ptr, pl_ptr,
                        T, NBLK, tiles_per_split, qk_scale,
                        HKV: tl.constexpr, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
                        BT: tl.constexpr,
                        K_CW: tl.constexpr, K_CB: tl.constexpr, K_CNB: tl.constexpr, K_RW: tl.constexpr,
-                       K_RB: tl.constexpr, K_RNB: tl.constexpr, K_NCW: tl.constexpr, K_OUT: tl.constexpr,
+                       K_RB: tl.constexpr, K_RNB: tl.constexpr, K_S: tl.constexpr, K_OUT: tl.constexpr,
+                       K_TAB: tl.constexpr, K_LOGR: tl.constexpr,
                        V_CW: tl.constexpr, V_CB: tl.constexpr, V_CNB: tl.constexpr, V_RW: tl.constexpr,
-                       V_RB: tl.constexpr, V_RNB: tl.constexpr, V_NCW: tl.constexpr, V_OUT: tl.constexpr,
+                       V_RB: tl.constexpr, V_RNB: tl.constexpr, V_S: tl.constexpr, V_OUT: tl.constexpr,
+                       V_TAB: tl.constexpr, V_LOGR: tl.constexpr,
                        FB: tl.constexpr, DOT_F32: tl.constexpr, RND: tl.constexpr):
     pid_bh = tl.program_id(0)
     sp = tl.program_id(1)
@@ -267,11 +363,11 @@ def _hqmq_split_kernel(q_ptr,
     for ti in range(first, last):
         t0 = ti * BT
         tmask = (t0 + tl.arange(0, BT)) < T
-        k = _hqmq_tile(kc, kr, km, kf, ko, ki, kt, kl, pid_bh, h, t0, T, NBLK,
-                       BT, D, K_CW, K_CB, K_CNB, K_RW, K_RB, K_RNB, FB, K_NCW, K_OUT)
+        k = _hqmq_tile(kc, kr, km, kf, ko, ki, kt, ptab, kl, pid_bh, h, t0, T, NBLK,
+                       BT, D, K_CW, K_CB, K_CNB, K_RW, K_RB, K_RNB, FB, K_S, K_OUT, K_TAB, K_LOGR, DOT_F32)
         s = _scores(q, k, tmask, qk_scale, DOT_F32, RND)
-        v = _hqmq_tile(vc, vr, vm, vf, vo, vi, vt, vl, pid_bh, h, t0, T, NBLK,
-                       BT, D, V_CW, V_CB, V_CNB, V_RW, V_RB, V_RNB, FB, V_NCW, V_OUT)
+        v = _hqmq_tile(vc, vr, vm, vf, vo, vi, vt, ptab, vl, pid_bh, h, t0, T, NBLK,
+                       BT, D, V_CW, V_CB, V_CNB, V_RW, V_RB, V_RNB, FB, V_S, V_OUT, V_TAB, V_LOGR, DOT_F32)
         m_i, l_i, acc = _update(s, v, m_i, l_i, acc, DOT_F32, q.dtype, RND)
     _store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D)
 
@@ -358,7 +454,7 @@ def _combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NSPLIT, D: tl.constexpr, SB
         den += w * tl.load(pl_ptr + row * NSPLIT + s0 + s, mask=sm, other=0)
         o = tl.load(po_ptr + (row * NSPLIT + s0 + s)[:, None] * D + d[None, :], mask=sm[:, None], other=0)
         num += tl.sum(o * w[:, None], axis=0)
-    tl.store(out_ptr + row * D + d, num / tl.sum(den, axis=0))
+    tl.store(out_ptr + row * D + d, (num / tl.sum(den, axis=0)).to(out_ptr.dtype.element_ty))
 
 
 # ---------------------------------------------------------------------------------------
@@ -377,7 +473,7 @@ def _sm_count(device) -> int:
 
 
 def choose_splits(rows: int, ntiles: int, device, num_splits: int | None = None,
-                  programs_per_sm: int = 4) -> tuple[int, int]:
+                  programs_per_sm: int = 8) -> tuple[int, int]:
     """(number of splits, tiles per split): about programs_per_sm programs per SM,
     every split non-empty."""
     if ntiles <= 0:
@@ -402,11 +498,11 @@ def _check_q(q: torch.Tensor, H: int, D: int, B: int):
 class _Workspace:
     """Partial-result buffers for one shape, reused between calls."""
 
-    def __init__(self, rows_q, nsplit, D, device):
+    def __init__(self, rows_q, nsplit, D, device, out_dtype=torch.float32):
         self.po = torch.empty(rows_q * nsplit * D, dtype=torch.float32, device=device)
         self.pm = torch.empty(rows_q * nsplit, dtype=torch.float32, device=device)
         self.pl = torch.empty(rows_q * nsplit, dtype=torch.float32, device=device)
-        self.out = torch.empty(rows_q * D, dtype=torch.float32, device=device)
+        self.out = torch.empty(rows_q * D, dtype=out_dtype, device=device)
 
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -416,7 +512,8 @@ def _launch(kernel, args, kw, q, B, H, nsplit, D, num_warps, num_stages, ws: _Wo
             cache_dtype, out_dtype):
     Hq = q.shape[1]
     rows_q = B * Hq
-    ws = ws or _Workspace(rows_q, nsplit, D, q.device)
+    out_dtype = out_dtype or q.dtype
+    ws = ws or _Workspace(rows_q, nsplit, D, q.device, out_dtype)
     dot_f32 = interpreting() or q.dtype == torch.float32
     group = Hq // H
     bh = max(16, triton.next_power_of_2(group))
@@ -425,11 +522,11 @@ def _launch(kernel, args, kw, q, B, H, nsplit, D, num_warps, num_stages, ws: _Wo
                             GROUP=group, BH=bh, D=D, DOT_F32=dot_f32, RND=_TL_DTYPES[cache_dtype],
                             **kw["ce"], **extra)
     _combine_kernel[(rows_q,)](ws.po, ws.pm, ws.pl, ws.out, nsplit, D=D, SB=16)
-    return ws.out.view(B, Hq, 1, D).to(out_dtype or q.dtype)
+    return ws.out.view(B, Hq, 1, D).to(out_dtype)
 
 
 def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_splits: int | None = None,
-                          block_t: int = 64, num_warps: int = 4, num_stages: int = 2,
+                          block_t: int = 64, num_warps: int = 4, num_stages: int = 1,
                           workspace: _Workspace | None = None, out_dtype=None) -> torch.Tensor:
     B, H, T, D = k.B, k.H, k.T, k.D
     _check_q(q, H, D, B)
@@ -444,19 +541,26 @@ def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_spli
 
     def args(f: HQMQFlat):
         dummy = f.codes
-        return [f.codes, f.radius, f.r_max, f.flags if f.has_outliers else dummy,
-                f.outliers if f.has_outliers and f.outliers.numel() else dummy,
-                f.outlier_index if f.has_outliers else dummy, f.table, f.rel]
+        outl = (f.outliers.view(torch.int64) if f.has_outliers and f.outliers.numel()
+                else torch.zeros(1, dtype=torch.int64, device=f.codes.device))
+        return [f.codes, f.radius, f.r_max, f.flags if f.has_outliers else dummy, outl,
+                f.outlier_index if f.has_outliers else dummy, f.table.view(torch.int64), f.rel]
 
     def ce(f: HQMQFlat, p):
         return {f"{p}_CW": f.code_bits, f"{p}_CB": f.codes.shape[-1], f"{p}_CNB": _nbytes_span(nc, f.code_bits),
                 f"{p}_RW": f.r_bits, f"{p}_RB": f.radius.shape[-1], f"{p}_RNB": _nbytes_span(nc, f.r_bits),
-                f"{p}_NCW": 24 * f.S, f"{p}_OUT": f.has_outliers}
+                f"{p}_S": f.S, f"{p}_OUT": f.has_outliers,
+                f"{p}_TAB": (0 if f.table_mode == "codebook" else 2) + (f.table.dtype == torch.float16),
+                f"{p}_LOGR": f.log_radius}
 
     nblk = triton.cdiv(T, OUTLIER_BLOCK)
     kw = {"rt": [T, nblk, per, 1.4426950408889634 / math.sqrt(D)],
           "ce": {**ce(k, "K"), **ce(v, "V"), "HKV": H, "BT": block_t, "FB": (nc + 7) // 8}}
-    return _launch(_hqmq_split_kernel, args(k) + args(v), kw, q, B, H, nsplit, D, num_warps, num_stages,
+    for f in (k, v):
+        if f.table.dtype not in (torch.float16, torch.float32) or f.table_mode not in ("codebook", "secondaries"):
+            raise ValueError(f"unsupported HQMQ table {f.table_mode}/{f.table.dtype}")
+    ptab = k.ptab.float().contiguous().view(torch.int64)
+    return _launch(_hqmq_split_kernel, args(k) + args(v) + [ptab], kw, q, B, H, nsplit, D, num_warps, num_stages,
                    workspace, k.dtype, out_dtype)
 
 

@@ -16,10 +16,13 @@ Formats:
   one-token appends) are concatenated along tokens; their outliers are put back
   in global (b, h, t, chunk) order and outlier_index is rebuilt for the
   concatenated token axis (per-segment blocks do not line up with 64-token
-  blocks of the whole cache). Derived, not stored: the codebook table
-  `[H, 24*S, 4]` (codeword p*S+s = P[p]*S[s], computed with the same fp32
-  Hamilton product as `HQMQ.decode_tokens`, so decoding through it is bit
-  identical) and the radius levels relative to r_max `[2^r]`.
+  blocks of the whole cache). Derived, not stored: the codeword source the
+  kernel gathers from (`table_mode`): by default the S normalised secondaries
+  `[H, S, 4]` fp32 plus the 24 unit Hurwitz quaternions, from which the kernel
+  forms P[p]*S[s] with the same fp32 Hamilton product as `HQMQ.decode_tokens`
+  (bit identical); or the full codebook `[H, 24*S, 4]` (one gather per chunk
+  from a 24x larger table, measured slower); fp16 variants of either; and the
+  radius levels relative to r_max `[2^r]`.
 - naive int, per-token groups (`IntFlat`): codes `[B,H,T,D*bits/8]` u8,
   scale/zero `[B,H,T,D/G]` fp16. Per-channel key variants are refused.
 - KIVI (`KIVIFlat`): keys codes `[B,H,NG,D,G*bits/8]` u8 with scale/zero
@@ -64,12 +67,16 @@ class HQMQFlat:
     codes: torch.Tensor
     radius: torch.Tensor
     r_max: torch.Tensor
-    table: torch.Tensor  # [H, 24*S, 4] fp32 (exact) or fp16
+    table: torch.Tensor  # what the kernel gathers codewords from (see table_mode)
     rel: torch.Tensor  # [2^r] fp32
+    sec: torch.Tensor | None = None  # [H, S, 4] fp32 normalised secondaries (HQMQ.secondaries)
+    ptab: torch.Tensor | None = None  # [24, 4] fp32 unit Hurwitz quaternions (hurwitz_units order)
+    table_mode: str = "secondaries"  # or "codebook"
     flags: torch.Tensor | None = None
     outliers: torch.Tensor | None = None
     outlier_index: torch.Tensor | None = None
     dtype: torch.dtype = torch.float16  # dtype the cache was written in
+    log_radius: bool = False  # radius levels log-spaced (else uniform q/L)
 
     @property
     def has_outliers(self) -> bool:
@@ -82,8 +89,25 @@ class HQMQFlat:
 
     @property
     def read_nbytes(self) -> int:
-        """Bytes a decode step must read: the cache plus the derived lookup tables."""
-        return self.cache_nbytes + _bytes(self.table, self.rel)
+        """Bytes a decode step must read: the cache plus the lookup tables it gathers from."""
+        return self.cache_nbytes + _bytes(self.table, self.rel) + (
+            _bytes(self.ptab) if self.table_mode == "secondaries" else 0)
+
+    def with_table(self, mode: str = "secondaries", dtype=torch.float32) -> "HQMQFlat":
+        """The same cache with another codeword source for the kernel:
+        - "secondaries": the S normalised secondaries `[H, S, 4]`; the kernel forms
+          P[p]*S[s] itself (exact in fp32: the products by 0, +-1, +-1/2 are exact and
+          the sums run in HQMQ.decode_tokens' order);
+        - "codebook": all 24*S codewords `[H, 24*S, 4]`, one gather per chunk but from
+          a table 24x larger (slow: scattered L1 lines).
+        fp16 tables are within an fp16 ulp per component (not bit-identical)."""
+        if mode == "secondaries":
+            t = self.sec
+        elif mode == "codebook":
+            t = codebook_from_secondaries(self.sec)
+        else:
+            raise ValueError(f"table mode must be secondaries or codebook, got {mode!r}")
+        return dataclasses.replace(self, table=t.to(dtype).contiguous(), table_mode=mode)
 
     def tile(self, batch_reps: int, token_reps: int) -> "HQMQFlat":
         """A larger valid cache: this one repeated along batch and tokens (benchmarks)."""
@@ -116,20 +140,29 @@ class HQMQFlat:
             new_starts = (torch.cumsum(pb, 0) - pb).view(B * batch_reps, H, -1)
             out.flags = self.flags.repeat(rep4)
             out.outliers = self.outliers[idx].contiguous()
+            if out.outliers.shape[0] >= 2**31:
+                raise ValueError("more outliers than int32 outlier_index can address")
             out.outlier_index = new_starts.int().contiguous()
         return out
 
 
-def hqmq_table(shared: dict, S: int, table_dtype=torch.float32) -> torch.Tensor:
-    """Codebook `[H, 24*S, 4]`: row p*S+s is P[p]*S[s], as `HQMQ.decode_tokens` computes it."""
+def normalised_secondaries(shared: dict) -> torch.Tensor:
     s = shared["secondaries"].float()
-    s = s / s.norm(dim=-1, keepdim=True)  # HQMQ.secondaries
-    H = s.shape[0]
+    return (s / s.norm(dim=-1, keepdim=True)).contiguous()  # HQMQ.secondaries
+
+
+def codebook_from_secondaries(s: torch.Tensor) -> torch.Tensor:
+    """Codebook `[H, 24*S, 4]`: row p*S+s is P[p]*S[s], as `HQMQ.decode_tokens` computes it."""
+    H, S, _ = s.shape
     P = hurwitz_units(device=s.device)  # [24, 4]
     code = torch.arange(24 * S, device=s.device)
     p_idx, s_idx = code // S, code % S
-    cw = hamilton(P[p_idx].unsqueeze(0).expand(H, -1, -1), s[:, s_idx])  # [H, 24S, 4]
-    return cw.to(table_dtype).contiguous()
+    return hamilton(P[p_idx].unsqueeze(0).expand(H, -1, -1), s[:, s_idx]).contiguous()  # [H, 24S, 4]
+
+
+def hqmq_table(shared: dict, S: int, table_dtype=torch.float32) -> torch.Tensor:
+    """The full codebook `[H, 24*S, 4]` in table_dtype."""
+    return codebook_from_secondaries(normalised_secondaries(shared)).to(table_dtype).contiguous()
 
 
 def _rebuild_outliers(packed: Packed, nc: int):
@@ -153,7 +186,7 @@ def _rebuild_outliers(packed: Packed, nc: int):
     return outliers, starts.view(B, H, -1).int().contiguous()
 
 
-def flatten_hqmq(packed: Packed, table_dtype=torch.float32) -> HQMQFlat:
+def flatten_hqmq(packed: Packed, table_dtype=torch.float32, table_mode: str = "secondaries") -> HQMQFlat:
     cls, cfg = _spec_of(packed)
     if cls.name != "hqmq":
         raise ValueError(f"flatten_hqmq needs an hqmq cache, got {packed.spec!r}")
@@ -173,8 +206,11 @@ def flatten_hqmq(packed: Packed, table_dtype=torch.float32) -> HQMQFlat:
         B=packed.batch, H=packed.heads, T=packed.tokens, D=D, S=cfg.S,
         code_bits=q.code_bits, r_bits=cfg.r,
         codes=cat("codes"), radius=cat("radius"), r_max=cat("r_max"),
-        table=hqmq_table(packed.shared, cfg.S, table_dtype), rel=rel, dtype=packed.dtype,
+        table=torch.empty(0), rel=rel, dtype=packed.dtype,
+        log_radius=cfg.radius == "log" and cfg.r > 1,
+        sec=normalised_secondaries(packed.shared), ptab=hurwitz_units(device=packed.device).contiguous(),
     )
+    flat = flat.with_table(table_mode, table_dtype)
     if q.med3:
         flat.flags = cat("flags")
         if len(segs) == 1:
@@ -328,4 +364,4 @@ def flatten(packed: Packed, role: str | None = None, **kw):
 
 
 __all__ = ["HQMQFlat", "IntFlat", "KIVIFlat", "flatten", "flatten_hqmq", "flatten_int",
-           "flatten_kivi", "hqmq_table", "OUTLIER_BLOCK"]
+           "flatten_kivi", "hqmq_table", "codebook_from_secondaries", "OUTLIER_BLOCK"]

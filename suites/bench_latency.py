@@ -225,9 +225,24 @@ def sdpa_callable(q, k, v):
 
 
 def fused_callable(q, kf, vf, cfg: dict):
+    """The fused call; cfg may say table="fp16" (HQMQ: fp16 codebook table)."""
     from kvqbench.kernels.decode_attention import decode_attention
 
+    cfg = dict(cfg)
+    pps = cfg.pop("programs_per_sm", None)  # -> splits for this shape (default 4 per SM)
+    if pps and GPU:
+        cfg["num_splits"] = max(1, math.ceil(pps * torch.cuda.get_device_properties(0).multi_processor_count
+                                             / (kf.B * kf.H)))
+    table = cfg.pop("table", None)
+    if table:
+        mode, dt = TABLES[table]
+        kf, vf = kf.with_table(mode, dt), vf.with_table(mode, dt)
     return lambda: decode_attention(q, kf, vf, **cfg)
+
+
+# HQMQ codeword sources (layout.HQMQFlat.with_table): secondaries + arithmetic, or the full codebook
+TABLES = {"sec32": ("secondaries", torch.float32), "sec16": ("secondaries", torch.float16),
+          "cb32": ("codebook", torch.float32), "cb16": ("codebook", torch.float16)}
 
 
 def fake_quant_callable(q, base: Base, kf, vf):
@@ -244,37 +259,44 @@ def fake_quant_callable(q, base: Base, kf, vf):
 
 
 def tune(q, kf, vf, name, sm_count, log) -> tuple[dict, list]:
-    """A few launch configs at the focus shape; returns the best and every timing."""
+    """Greedy search at the focus shape: block/warps, then (HQMQ) codeword source x
+    pipelining stages, or stages alone, then the number of splits. Returns the best
+    config and every timing."""
     B = kf.B
-    grid = [dict(block_t=64, num_warps=4), dict(block_t=128, num_warps=8)]
-    if name.startswith("fused-hqmq"):
-        grid += [dict(block_t=64, num_warps=8), dict(block_t=128, num_warps=4)]
     results = []
-    for cfg in grid:
+    best = {"time_us": float("inf")}
+    best_cfg = dict(block_t=64, num_warps=4)
+
+    def trial(cfg):
+        nonlocal best, best_cfg
         try:
             t = timeit_us(fused_callable(q, kf, vf, cfg))
             results.append({**cfg, "time_us": t})
             log(f"  tune {name} {cfg}: {t:.1f} us")
+            if t < best["time_us"] * 0.98:
+                best, best_cfg = results[-1], dict(cfg)
         except Exception as e:  # noqa: BLE001
             results.append({**cfg, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            log(f"  tune {name} {cfg}: ERROR {e}")
-    ok = [r for r in results if "time_us" in r]
-    if not ok:
-        return dict(block_t=64, num_warps=4), results
-    best = min(ok, key=lambda r: r["time_us"])
-    best_cfg = {k: best[k] for k in ("block_t", "num_warps")}
+            log(f"  tune {name} {cfg}: ERROR {str(e)[:200]}")
+
+    hq = name.startswith("fused-hqmq")
+    grid = [dict(block_t=64, num_warps=4), dict(block_t=64, num_warps=8), dict(block_t=128, num_warps=8),
+            dict(block_t=128, num_warps=4)]
+    grid += [dict(block_t=64, num_warps=16)] if hq else [dict(block_t=32, num_warps=4)]
+    for cfg in grid:  # HQMQ: fp16 codebook, no software pipelining (best in run 3)
+        trial({**cfg, "table": "cb16", "num_stages": 1} if hq else cfg)
+    base = dict(best_cfg)
+    if hq:  # other codeword sources, and pipelining
+        for table in ("sec32", "sec16", "cb32"):
+            trial({**base, "table": table})
+        trial({**base, "num_stages": 2})
+    else:
+        for ns in (1, 3):
+            trial({**base, "num_stages": ns})
     if sm_count:
-        for pps in (2, 8):  # splits: programs per SM (default 4)
-            ns = max(1, math.ceil(pps * sm_count / (B * HKV)))
-            cfg = {**best_cfg, "num_splits": ns}
-            try:
-                t = timeit_us(fused_callable(q, kf, vf, cfg))
-                results.append({**cfg, "programs_per_sm": pps, "time_us": t})
-                log(f"  tune {name} {cfg}: {t:.1f} us")
-                if t < best["time_us"] * 0.97:
-                    best, best_cfg = results[-1], cfg
-            except Exception as e:  # noqa: BLE001
-                results.append({**cfg, "error": str(e)[:300]})
+        base = dict(best_cfg)
+        for pps in (2, 8, 16):  # splits: programs per SM (default 4), per shape
+            trial({**base, "programs_per_sm": pps})
     return best_cfg, results
 
 

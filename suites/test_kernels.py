@@ -76,17 +76,19 @@ def build(spec, k, v):
     return (qk, pk), (qv, pv)
 
 
-def run_kernel(q, pk, pv, **kw):
-    return decode_attention(q, L.flatten(pk, "K"), L.flatten(pv, "V"), out_dtype=torch.float32, **kw)
+def run_kernel(q, pk, pv, table=None, **kw):
+    """table: (mode, dtype) of the HQMQ codeword source, else the default (secondaries, fp32)."""
+    fl = {"table_mode": table[0], "table_dtype": table[1]} if table else {}
+    return decode_attention(q, L.flatten(pk, "K", **fl), L.flatten(pv, "V", **fl), out_dtype=torch.float32, **kw)
 
 
-def check(q, kq, vq, **kw):
+def check(q, kq, vq, tolerance=None, **kw):
     (qk, pk), (qv, pv) = kq, vq
     out = run_kernel(q, pk, pv, **kw)
     ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
     assert torch.isfinite(out).all()
     err = rel_err(out, ref)
-    assert err < tol(q.dtype), f"relative error {err:.3g}"
+    assert err < (tolerance or tol(q.dtype)), f"relative error {err:.3g}"
     return out, ref
 
 
@@ -181,6 +183,21 @@ def test_decode_attention_matches_reference(spec, case):
     if "med3" in spec and kind == "outlier":
         assert pk.segments[0].fields["outliers"].shape[0] > 0
     check(q, (qk, pk), vq, num_splits=splits)
+
+
+@pytest.mark.parametrize("spec", ["hqmq:S=24,r=3,outliers=med3", "hqmq:S=256,r=5,radius=log"])
+def test_hqmq_tables_and_other_widths(spec):
+    """Every codeword source: secondaries (default) and the full codebook, fp32
+    (exact) and fp16 (within an fp16 ulp per codeword); other code widths (10, 13
+    bits) and log radius levels."""
+    B, Hq, Hkv, T, D = 1, 4, 2, 100, 64
+    k, v = make_kv(B, Hkv, T, D, "outlier", seed=21), make_kv(B, Hkv, T, D, seed=22)
+    q = make_q(B, Hq, D)
+    kq, vq = build(spec, k, v)
+    check(q, kq, vq, num_splits=2)
+    check(q, kq, vq, num_splits=2, table=("codebook", torch.float32))
+    for mode in ("secondaries", "codebook"):
+        check(q, kq, vq, num_splits=2, table=(mode, torch.float16), tolerance=max(2e-3, tol(q.dtype)))
 
 
 @pytest.mark.parametrize("spec", SPECS + ["kivi:bits=4,residual=0"])

@@ -1,0 +1,168 @@
+"""Compile the fused kernels for a GPU target WITHOUT a GPU, and report resources.
+
+    python -m kvqbench.kernels.aot_check            # sm_90 (H100/H200)
+
+Runs the real host wrappers on CPU tensors with the launches intercepted, then
+`triton.compile`s each captured launch for the target and prints registers,
+spills and shared memory (from the cubin metadata). Catches compile errors and
+register spills before any device time is spent. Needs TRITON_INTERPRET unset.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+_DT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8",
+       torch.int32: "i32", torch.int64: "i64", torch.int16: "i16"}
+
+
+class _Capture:
+    def __init__(self, fn):
+        self.fn = fn
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.calls.append((grid, args, kw))
+        return launch
+
+
+def _signature(fn, args, kw):
+    names = fn.arg_names
+    sig, const = {}, {}
+    vals = dict(zip(names, args))
+    opts = {}
+    for k, v in kw.items():
+        if k in ("num_warps", "num_stages"):
+            opts[k] = v
+        else:
+            vals[k] = v
+    for i, name in enumerate(names):
+        v = vals[name]
+        p = fn.params[i]
+        if p.is_constexpr:
+            sig[name] = "constexpr"
+            const[name] = v
+        elif isinstance(v, torch.Tensor):
+            sig[name] = "*" + _DT[v.dtype]
+        elif isinstance(v, bool):
+            sig[name] = "i1"
+        elif isinstance(v, int):
+            sig[name] = "i64" if abs(v) >= 2**31 else "i32"
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: {type(v)}")
+    return sig, const, opts
+
+
+def compile_captured(cap: _Capture, arch: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    out = []
+    for grid, args, kw in cap.calls:
+        sig, const, opts = _signature(cap.fn, args, kw)
+        src = ASTSource(cap.fn, sig, const)
+        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+        md = k.metadata
+        n_regs = getattr(k, "n_regs", None)
+        n_spills = getattr(k, "n_spills", None)
+        if n_regs is None:  # registers come from the cubin; parse ptxas-free via cuobjdump-less route
+            try:
+                k._init_handles()
+                n_regs, n_spills = k.n_regs, k.n_spills
+            except Exception:  # noqa: BLE001 - no driver here
+                pass
+        out.append({"kernel": cap.fn.__name__, "grid": grid, "opts": opts,
+                    "shared": getattr(md, "shared", None), "regs": n_regs, "spills": n_spills,
+                    "asm": k.asm})
+    return out
+
+
+def cubin_resources(cubin: bytes) -> str:
+    """Registers, spills (stack/local) and shared memory, read from the cubin with
+    the cuobjdump that ships inside Triton's package."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        f = os.path.join(d, "k.cubin")
+        open(f, "wb").write(cubin)
+        r = subprocess.run([tool, "-res-usage", f], capture_output=True, text=True)
+        return " ".join(ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "REG" in ln)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--sass", default="", help="write the cubin of the first HQMQ kernel here")
+    ap.add_argument("--extra", nargs="*", default=[], help="more BT:warps configs")
+    ap.add_argument("--only", default="", help="specs containing this")
+    ap.add_argument("--extra-only", action="store_true")
+    a = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("unset TRITON_INTERPRET: the interpreter does not compile")
+    from kvqbench.kernels import decode_attention as DA
+    from kvqbench.kernels import hqmq_encode as HE
+    from kvqbench.kernels import layout as L
+    from kvqbench.quantizers import get_quantizer
+
+    caps = {n: _Capture(getattr(DA, n)) for n in ("_hqmq_split_kernel", "_int_split_kernel", "_kivi_split_kernel",
+                                                   "_combine_kernel")}
+    caps["_hqmq_search_kernel"] = _Capture(HE._hqmq_search_kernel)
+    for n, c in caps.items():
+        (HE if n == "_hqmq_search_kernel" else DA).__dict__[n] = c
+    DA.interpreting = lambda: False
+    HE.interpreting = lambda: False
+    DA._sm_count = lambda device: 132
+    B, Hq, Hkv, T, d = 1, 32, 8, 256, a.d
+    x = torch.randn(B, Hkv, T, d)
+    x[..., 3] *= 25
+    q = torch.randn(B, Hq, 1, d).half()
+    cfgs = ([] if a.extra_only else [dict(block_t=64, num_warps=4), dict(block_t=128, num_warps=8)]) + \
+        [dict(block_t=int(c.split(":")[0]), num_warps=int(c.split(":")[1])) for c in a.extra]
+    for spec in [s for s in ("hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3", "int4", "kivi:bits=4", "kivi:bits=2")
+                 if a.only in s]:
+        qk, qv = get_quantizer(spec, role="K"), get_quantizer(spec, role="V")
+        kf, vf = L.flatten(qk.encode(x.half()), "K"), L.flatten(qv.encode(x.half()), "V")
+        for cfg in cfgs:
+            try:
+                DA.decode_attention(q, kf, vf, **cfg)
+            except Exception:  # noqa: BLE001 - the view of a never-written output
+                pass
+    HE.hqmq_search(torch.randn(1, Hkv, 64, 4), torch.randn(Hkv, 96, 4))
+    failures = 0
+    for n, cap in caps.items():
+        seen = set()
+        for grid, args, kw in cap.calls:
+            sig, const, opts = _signature(cap.fn, args, kw)
+            key = (tuple(sorted(sig.items())), tuple(sorted((k, str(v)) for k, v in const.items())),
+                   tuple(sorted(opts.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            one = _Capture(cap.fn)
+            one.calls = [(grid, args, kw)]
+            brief = {k: v for k, v in const.items() if k in ("BT", "W", "K_OUT", "K_CW", "G", "D", "BLOCK_N")}
+            try:
+                res = compile_captured(one, a.arch)[0]
+                print(f"OK   {n} {brief} {opts} dyn_shared={res['shared']} | {cubin_resources(res['asm']['cubin'])}", flush=True)
+                if a.sass and n == "_hqmq_split_kernel" and "cubin" in res["asm"]:
+                    open(a.sass, "wb").write(res["asm"]["cubin"])
+            except Exception as e:  # noqa: BLE001
+                failures += 1
+                print(f"FAIL {n} {brief} {opts}: {type(e).__name__}: {str(e)[:2000]}")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
