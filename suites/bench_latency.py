@@ -26,7 +26,7 @@ computed from a config.
 
     python -m kvqbench.suites.bench_latency --out reports/latency   # GPU: everything
     python -m kvqbench.suites.bench_latency --smoke --out /tmp/x    # CPU: plumbing only
-    pytest -m bench --benchmark-enable suites/bench_latency.py      # pytest-benchmark
+    pytest -m bench suites/bench_latency.py      # pytest-benchmark
 
 Writes latency.json, latency.md and latency.png into --out.
 """
@@ -290,6 +290,10 @@ def tune(q, kf, vf, name, sm_count, log) -> tuple[dict, list]:
         for table in ("sec32", "sec16", "cb32"):
             trial({**base, "table": table})
         trial({**base, "num_stages": 2})
+        # fp16 table held in registers, codewords gathered through shared memory (tl.gather)
+        for bt, nw in ((64, 4), (64, 8), (128, 8)):
+            for table in ("cb16", "sec16"):
+                trial({"block_t": bt, "num_warps": nw, "table": table, "num_stages": 1, "smem_table": True})
     else:
         for ns in (1, 3):
             trial({**base, "num_stages": ns})
@@ -687,7 +691,7 @@ def main(argv=None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------
-# pytest-benchmark entry points (GPU only; `pytest -m bench --benchmark-enable`)
+# pytest-benchmark entry points (GPU only; `pytest -m bench`)
 # ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def focus_setup():

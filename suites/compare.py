@@ -184,7 +184,7 @@ def add_arguments(sub) -> None:
     p.add_argument("--protocol", default="quantize-on-write",
                    choices=["quantize-on-write", "prefill-then-decode", "both"])
     p.add_argument("--window", type=int, default=512, help="tokens per window")
-    p.add_argument("--windows", type=int, default=6, help="number of windows")
+    p.add_argument("--windows", type=int, default=4, help="number of windows")
     p.add_argument("--context", type=int, default=384, help="prefill-then-decode: prefill tokens L")
     p.add_argument("--decode-tokens", type=int, default=64, help="prefill-then-decode: decode steps M")
     p.add_argument("--specs", default=None, help="';'-separated quantizer specs (default: every registered example)")
