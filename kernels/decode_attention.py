@@ -144,7 +144,7 @@ def _popc(x, INTERP: tl.constexpr):
 
 @triton.jit
 def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, table_ptr, ptab_ptr, rel_ptr,
-               treg, preg, bh, h, t0, T, NBLK,
+               bh, h, t0, T, NBLK,
                BT: tl.constexpr, D: tl.constexpr, CW: tl.constexpr, CB: tl.constexpr, CNB: tl.constexpr,
                RW: tl.constexpr, RB: tl.constexpr, RNB: tl.constexpr, FB: tl.constexpr,
                S: tl.constexpr, HAS_OUT: tl.constexpr, TAB: tl.constexpr, LOGR: tl.constexpr,
@@ -176,29 +176,7 @@ def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, tabl
     else:  # uniform levels: q / L, the IEEE quotient torch computes
         rel = tl.div_rn(rq.to(tl.float32), tl.full([BT, NC], (1 << RW) - 1, tl.float32))
     rhat = rmax[:, None] * rel  # as HQMQ.radius_levels: r_max * rel[q]
-    if TAB == 4:  # fp16 codebook held in registers (treg), gathered through shared memory
-        w = tl.reshape(tl.gather(treg, tl.reshape(code, (BT * NC,)), 0), (BT, NC))
-        c0 = _f16_lane(w, 0)
-        c1 = _f16_lane(w, 1)
-        c2 = _f16_lane(w, 2)
-        c3 = _f16_lane(w, 3)
-    elif TAB == 5:  # fp16 secondaries (treg) and fp16 units P (preg), gathered through shared memory
-        p = code // S
-        sv = tl.reshape(tl.gather(treg, tl.reshape(code - p * S, (BT * NC,)), 0), (BT, NC))
-        pv = tl.reshape(tl.gather(preg, tl.reshape(p, (BT * NC,)), 0), (BT, NC))
-        a0 = _f16_lane(pv, 0)
-        a1 = _f16_lane(pv, 1)
-        a2 = _f16_lane(pv, 2)
-        a3 = _f16_lane(pv, 3)
-        s0 = _f16_lane(sv, 0)
-        s1 = _f16_lane(sv, 1)
-        s2 = _f16_lane(sv, 2)
-        s3 = _f16_lane(sv, 3)
-        c0 = a0 * s0 - a1 * s1 - a2 * s2 - a3 * s3
-        c1 = a0 * s1 + a1 * s0 + a2 * s3 - a3 * s2
-        c2 = a0 * s2 - a1 * s3 + a2 * s0 + a3 * s1
-        c3 = a0 * s3 + a1 * s2 - a2 * s1 + a3 * s0
-    elif TAB < 2:
+    if TAB < 2:
         cidx = (h * (24 * S) + code).to(tl.int64)
         if TAB == 1:  # codebook fp16 [H, 24S, 4] as int64 [H*24S]
             w = tl.load(table_ptr + cidx)
@@ -357,28 +335,9 @@ def _store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nspli
 # split kernels
 # ---------------------------------------------------------------------------------------
 @triton.jit
-def _reg_tables(table_ptr, ptab16_ptr, h, S: tl.constexpr, TAB: tl.constexpr, NTP: tl.constexpr):
-    """Register-resident fp16 tables (as int64 [NTP], zero padded) of kv head h for
-    TAB 4 (codebook [24S]) / 5 (secondaries [S] + the 24 units P [32]); else dummies."""
-    if TAB == 4:
-        i = tl.arange(0, NTP)
-        treg = tl.load(table_ptr + h * (24 * S) + i, mask=i < 24 * S, other=0)
-        preg = tl.zeros([2], tl.int64)
-    elif TAB == 5:
-        i = tl.arange(0, NTP)
-        treg = tl.load(table_ptr + h * S + i, mask=i < S, other=0)
-        j = tl.arange(0, 32)
-        preg = tl.load(ptab16_ptr + j, mask=j < 24, other=0)
-    else:
-        treg = tl.zeros([2], tl.int64)
-        preg = tl.zeros([2], tl.int64)
-    return treg, preg
-
-
-@triton.jit
 def _hqmq_split_kernel(q_ptr,
                        kc, kr, km, kf, ko, ki, kt, kl,
-                       vc, vr, vm, vf, vo, vi, vt, vl, ptab, ptab16,
+                       vc, vr, vm, vf, vo, vi, vt, vl, ptab,
                        po_ptr, pm_ptr, pl_ptr,
                        T, NBLK, tiles_per_split, qk_scale,
                        HKV: tl.constexpr, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
@@ -389,15 +348,12 @@ def _hqmq_split_kernel(q_ptr,
                        V_CW: tl.constexpr, V_CB: tl.constexpr, V_CNB: tl.constexpr, V_RW: tl.constexpr,
                        V_RB: tl.constexpr, V_RNB: tl.constexpr, V_S: tl.constexpr, V_OUT: tl.constexpr,
                        V_TAB: tl.constexpr, V_LOGR: tl.constexpr,
-                       K_NTP: tl.constexpr, V_NTP: tl.constexpr,
                        FB: tl.constexpr, DOT_F32: tl.constexpr, RND: tl.constexpr):
     pid_bh = tl.program_id(0)
     sp = tl.program_id(1)
     nsplit = tl.num_programs(1)
     h = pid_bh % HKV
     q, qrow, hmask = _load_q(q_ptr, pid_bh, GROUP, BH, D, DOT_F32)
-    ktreg, kpreg = _reg_tables(kt, ptab16, h, K_S, K_TAB, K_NTP)
-    vtreg, vpreg = _reg_tables(vt, ptab16, h, V_S, V_TAB, V_NTP)
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, D], tl.float32)
@@ -407,10 +363,10 @@ def _hqmq_split_kernel(q_ptr,
     for ti in range(first, last):
         t0 = ti * BT
         tmask = (t0 + tl.arange(0, BT)) < T
-        k = _hqmq_tile(kc, kr, km, kf, ko, ki, kt, ptab, kl, ktreg, kpreg, pid_bh, h, t0, T, NBLK,
+        k = _hqmq_tile(kc, kr, km, kf, ko, ki, kt, ptab, kl, pid_bh, h, t0, T, NBLK,
                        BT, D, K_CW, K_CB, K_CNB, K_RW, K_RB, K_RNB, FB, K_S, K_OUT, K_TAB, K_LOGR, DOT_F32)
         s = _scores(q, k, tmask, qk_scale, DOT_F32, RND)
-        v = _hqmq_tile(vc, vr, vm, vf, vo, vi, vt, ptab, vl, vtreg, vpreg, pid_bh, h, t0, T, NBLK,
+        v = _hqmq_tile(vc, vr, vm, vf, vo, vi, vt, ptab, vl, pid_bh, h, t0, T, NBLK,
                        BT, D, V_CW, V_CB, V_CNB, V_RW, V_RB, V_RNB, FB, V_S, V_OUT, V_TAB, V_LOGR, DOT_F32)
         m_i, l_i, acc = _update(s, v, m_i, l_i, acc, DOT_F32, q.dtype, RND)
     _store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D)
@@ -571,10 +527,7 @@ def _launch(kernel, args, kw, q, B, H, nsplit, D, num_warps, num_stages, ws: _Wo
 
 def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_splits: int | None = None,
                           block_t: int = 64, num_warps: int = 4, num_stages: int = 1,
-                          workspace: _Workspace | None = None, out_dtype=None,
-                          smem_table: bool = False) -> torch.Tensor:
-    """smem_table: fp16 tables only: hold the kv head's table in registers and gather
-    codewords with `tl.gather` (through shared memory) instead of from global/L1."""
+                          workspace: _Workspace | None = None, out_dtype=None) -> torch.Tensor:
     B, H, T, D = k.B, k.H, k.T, k.D
     _check_q(q, H, D, B)
     if (v.B, v.H, v.T, v.D) != (B, H, T, D):
@@ -597,16 +550,8 @@ def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_spli
         return {f"{p}_CW": f.code_bits, f"{p}_CB": f.codes.shape[-1], f"{p}_CNB": _nbytes_span(nc, f.code_bits),
                 f"{p}_RW": f.r_bits, f"{p}_RB": f.radius.shape[-1], f"{p}_RNB": _nbytes_span(nc, f.r_bits),
                 f"{p}_S": f.S, f"{p}_OUT": f.has_outliers,
-                f"{p}_TAB": tab(f), f"{p}_NTP": triton.next_power_of_2(n_tab(f)),
+                f"{p}_TAB": (0 if f.table_mode == "codebook" else 2) + (f.table.dtype == torch.float16),
                 f"{p}_LOGR": f.log_radius}
-
-    def n_tab(f: HQMQFlat):
-        return 24 * f.S if f.table_mode == "codebook" else f.S
-
-    def tab(f: HQMQFlat):
-        if smem_table and f.table.dtype == torch.float16:
-            return 4 if f.table_mode == "codebook" else 5
-        return (0 if f.table_mode == "codebook" else 2) + (f.table.dtype == torch.float16)
 
     nblk = triton.cdiv(T, OUTLIER_BLOCK)
     kw = {"rt": [T, nblk, per, 1.4426950408889634 / math.sqrt(D)],
@@ -615,8 +560,7 @@ def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_spli
         if f.table.dtype not in (torch.float16, torch.float32) or f.table_mode not in ("codebook", "secondaries"):
             raise ValueError(f"unsupported HQMQ table {f.table_mode}/{f.table.dtype}")
     ptab = k.ptab.float().contiguous().view(torch.int64)
-    ptab16 = k.ptab.half().contiguous().view(torch.int64).reshape(-1)  # [24]: P[p] as 4 fp16
-    return _launch(_hqmq_split_kernel, args(k) + args(v) + [ptab, ptab16], kw, q, B, H, nsplit, D, num_warps, num_stages,
+    return _launch(_hqmq_split_kernel, args(k) + args(v) + [ptab], kw, q, B, H, nsplit, D, num_warps, num_stages,
                    workspace, k.dtype, out_dtype)
 
 

@@ -290,10 +290,6 @@ def tune(q, kf, vf, name, sm_count, log) -> tuple[dict, list]:
         for table in ("sec32", "sec16", "cb32"):
             trial({**base, "table": table})
         trial({**base, "num_stages": 2})
-        # fp16 table held in registers, codewords gathered through shared memory (tl.gather)
-        for bt, nw in ((64, 4), (64, 8), (128, 8)):
-            for table in ("cb16", "sec16"):
-                trial({"block_t": bt, "num_warps": nw, "table": table, "num_stages": 1, "smem_table": True})
     else:
         for ns in (1, 3):
             trial({**base, "num_stages": ns})
