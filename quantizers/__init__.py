@@ -45,9 +45,7 @@ def registry(refresh: bool = False) -> dict[str, type[Quantizer]]:
             raise RuntimeError(f"quantizer name {cls.name!r} registered twice ({origin})")
         found[cls.name] = cls
 
-    for info in pkgutil.iter_modules(__path__):
-        if info.name in {"base", "packing", "quaternion", "groups"}:
-            continue
+    for info in pkgutil.iter_modules(__path__):  # shared modules simply define no plugin
         mod = importlib.import_module(f"{__name__}.{info.name}")
         for cls in _subclasses_in(mod):
             add(cls, mod.__name__)
