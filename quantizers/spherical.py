@@ -80,7 +80,7 @@ class Spherical(Quantizer):
     # the measured bits at the formula's, where a dense fp16 rotation adds 2 bits
     # per element at 1024 tokens for no better coding.
     aliases = {f"spherical{b}": {"bits": b, "rotation": "hadamard"} for b in (2, 3, 4)}
-    example_specs = ("spherical2", "spherical3", "spherical4")
+    example_specs = ("spherical3", "spherical4")
 
     @dataclasses.dataclass
     class Config:
