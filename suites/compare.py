@@ -171,6 +171,22 @@ def run_compare(args) -> Path:
             run.add({"protocol": protocol, "spec": spec, "seed": seed, "error": f"{type(e).__name__}: {e}"})
             tqdm.write(f"FAILED {protocol} {spec} seed={seed}: {type(e).__name__}: {e}")
     bar.close()
+    if args.lm_eval:  # lm-eval task scores beside PPL and bits: seed 0, first protocol's records
+        from kvqbench.suites.lm_eval_model import compare_scores
+
+        meta_le = json.loads(args.lm_eval_metadata) if args.lm_eval_metadata else None
+        for rec in [r for r in run.data["results"] if "error" not in r and r["seed"] == 0
+                    and r["protocol"] == protocols[0] and r["spec"] in specs]:
+            if rec.get("lm_eval", {}).get("requested") == [args.lm_eval, args.lm_eval_limit, meta_le] \
+                    and "error" not in rec["lm_eval"]:
+                continue  # measured in an earlier run of the same request
+            print(f"lm-eval {args.lm_eval} with {rec['spec']} ...", file=sys.stderr, flush=True)
+            try:
+                rec["lm_eval"] = compare_scores(model, tok, rec["spec"], 0, args.lm_eval, args.lm_eval_limit, meta_le)
+            except Exception as e:  # keep the PPL results; record the failure
+                rec["lm_eval"] = {"requested": [args.lm_eval, args.lm_eval_limit, meta_le],
+                                  "error": f"{type(e).__name__}: {e}"}
+            run.save()
     out = report.write_report(run.folder)
     print(f"\nreport: {out}", file=sys.stderr)
     return out
@@ -194,4 +210,10 @@ def add_arguments(sub) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--fresh", action="store_true", help="discard earlier results of this run")
+    p.add_argument("--lm-eval", default=None, metavar="TASKS",
+                   help="also run these lm-eval tasks per spec (comma-separated; kvqbench_local = the offline "
+                        "passkey and rolling tasks; hub tasks such as piqa where the hub is reachable)")
+    p.add_argument("--lm-eval-limit", type=int, default=None, help="lm-eval: at most this many documents per task")
+    p.add_argument("--lm-eval-metadata", default=None, metavar="JSON",
+                   help='lm-eval task knobs, e.g. \'{"passkey_docs": 10}\' (see kvqbench.suites.lm_eval_tasks)')
     p.set_defaults(func=run_compare)

@@ -191,6 +191,36 @@ def _structure_claim():
             "holds" if ok else "does not hold")
 
 
+def lm_eval_section(results) -> list[str]:
+    """Markdown for the lm-eval task scores of `compare --lm-eval` (none: no lines)."""
+    rows = sorted((r for r in results if "error" not in r and "lm_eval" in r),
+                  key=lambda r: (r["bits_per_element"], r["spec"]))
+    if not rows:
+        return []
+    cols = []  # (task, metric) in first-seen order; stderr shown beside its metric
+    for r in rows:
+        for task, ms in r["lm_eval"].get("scores", {}).items():
+            cols += [(task, m) for m in ms if not m.endswith("_stderr") and m != "sample_len" and (task, m) not in cols]
+    heads = [f"{t} {m}" for t, m in cols] or ["lm-eval"]
+    req = rows[0]["lm_eval"]["requested"]
+    lines = ["## Downstream tasks (lm-eval)", "",
+             f"Tasks `{req[0]}`, limit {req[1]}, task knobs {req[2]}; seed 0. Loglikelihood requests run "
+             "`quantize-on-write` (a fresh quantized cache per sequence); generation runs the real quantized "
+             "cache through `generate` (prompt as one prefill write, then one append per token).", "",
+             "| spec | bits measured (PPL run) | PPL | " + " | ".join(heads) + " |",
+             "|---|---|---|" + "---|" * len(heads)]
+    for r in rows:
+        le, cells = r["lm_eval"], []
+        for t, m in cols:
+            ms = le.get("scores", {}).get(t, {})
+            v, se = ms.get(m), ms.get(m + "_stderr")
+            cells.append("-" if v is None else f"{v:.4g}" + (f" ± {se:.2g}" if isinstance(se, float) and se == se else ""))
+        if "error" in le:
+            cells = [f"FAILED: {le['error']}".replace("|", "\\|")] + [""] * (len(heads) - 1)
+        lines.append(f"| `{r['spec']}` | {r['bits_per_element']:.3f} | {r['ppl']:.4f} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def write_report(folder: Path) -> Path:
     folder = Path(folder)
     data = json.loads((folder / "results.json").read_text())
@@ -239,6 +269,7 @@ def write_report(folder: Path) -> Path:
         for claim in claims(results, meta, protocol):
             lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in claim) + " |")
         lines.append("")
+    lines += lm_eval_section(results)
     if data.get("diagnostics"):
         plot_outliers(data["diagnostics"], meta, folder / "outliers.png")
         worst = max(data["diagnostics"], key=lambda d: d["K_channel_max_over_median"])

@@ -1,0 +1,101 @@
+"""Shared by the asv benchmarks: the quantizer specs they are parameterized over.
+
+asv runs a parameter by its INDEX in the list it discovered, at every commit, so
+the list must be the same whichever commit is installed. It is therefore read
+from the registry of the checkout asv runs from (these files' own source tree:
+`quantizers/` beside `suites/`), not from the installed kvqbench: the quantizer
+modules are loaded from there under a private package name (no folder goes on
+sys.path), and every class with a `name` contributes `examples()`, as
+`kvqbench.quantizers.registry()` does. Entry-point plugins installed in asv's
+environment are added from the installed registry (the same at every commit).
+A commit that does not know a spec skips it (NotImplementedError: n/a in asv).
+Outside a source tree, the installed registry is used.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+SOURCE_QUANTIZERS = Path(__file__).resolve().parents[2] / "quantizers"
+_ALIAS = "_kvqbench_asv_source_quantizers"
+
+
+def _source_examples() -> dict[str, tuple[str, ...]] | None:
+    """{plugin name: example specs} of the source tree's built-in quantizers."""
+    init = SOURCE_QUANTIZERS / "__init__.py"
+    if not init.is_file():
+        return None
+    if _ALIAS not in sys.modules:
+        spec = importlib.util.spec_from_file_location(_ALIAS, init, submodule_search_locations=[str(SOURCE_QUANTIZERS)])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules[_ALIAS] = pkg
+        spec.loader.exec_module(pkg)
+    pkg = sys.modules[_ALIAS]
+    base = importlib.import_module(f"{_ALIAS}.base")
+    found = {}
+    for path in sorted(SOURCE_QUANTIZERS.glob("*.py")):
+        if path.stem.startswith("_"):
+            continue
+        mod = importlib.import_module(f"{_ALIAS}.{path.stem}")
+        for obj in vars(mod).values():
+            if isinstance(obj, type) and issubclass(obj, base.Quantizer) and obj.__module__ == mod.__name__ \
+                    and "name" in vars(obj):
+                found[obj.name] = tuple(obj.examples())
+    return found
+
+
+def _installed_examples(plugins_only: bool) -> dict[str, tuple[str, ...]]:
+    from kvqbench.quantizers import registry
+
+    return {name: tuple(cls.examples()) for name, cls in registry().items()
+            if not (plugins_only and cls.__module__.startswith("kvqbench.quantizers."))}
+
+
+def example_specs() -> list[str]:
+    """fp16 first, then every example config of every registered quantizer, by name."""
+    try:
+        examples = _source_examples()
+    except Exception:  # noqa: BLE001 (a broken source tree: fall back to what is installed)
+        examples = None
+    if examples is None:
+        examples = _installed_examples(plugins_only=False)
+    else:
+        try:
+            examples.update({k: v for k, v in _installed_examples(plugins_only=True).items() if k not in examples})
+        except Exception:  # noqa: BLE001 (an installed commit whose registry cannot load plugins)
+            pass
+    specs = ["fp16"]
+    for name in sorted(examples):
+        specs += [s for s in examples[name] if s not in specs]
+    return specs
+
+
+def quantizer_or_skip(spec: str, **kw):
+    """The installed commit's quantizer, or NotImplementedError (asv: skipped, shown as
+    n/a) when that commit does not know this spec."""
+    from kvqbench.quantizers import get_quantizer
+
+    try:
+        return get_quantizer(spec, **kw)
+    except ValueError as e:  # QuantizerInputError: unknown name or option at this commit
+        raise NotImplementedError(f"{spec}: {e}") from e
+
+
+def head_dim_for(spec: str) -> int:
+    """64 unless the config's groups need more (what the conformance suite uses)."""
+    import torch
+
+    q = quantizer_or_skip(spec)
+    for d in (64, 128, 256):
+        try:
+            q.check_input(torch.zeros(1, 1, 1, d))
+        except ValueError:
+            continue
+        if d % getattr(q.config, "group", 1) == 0:
+            return d
+    raise NotImplementedError(f"{spec}: accepts none of head_dim 64/128/256")
+
+
+SPECS = example_specs()

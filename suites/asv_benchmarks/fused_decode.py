@@ -1,0 +1,77 @@
+"""Fused decode attention over packed caches (kvqbench.kernels), one representative
+shape: Llama-3-8B attention (32 query heads, 8 kv heads, head_dim 128), batch 1,
+8192 cached tokens, fp16 queries; one decode step, timed with a CUDA sync. Beside it,
+fp16 K/V through torch SDPA (the uncompressed baseline).
+
+Skipped (NotImplementedError in setup) without a CUDA GPU, or where the installed
+kvqbench has no fused kernels (older commits, no Triton).
+"""
+from __future__ import annotations
+
+import torch
+
+B, HQ, HKV, T, D = 1, 32, 8, 8192, 128
+SPECS = ["hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3", "int4", "kivi:bits=4"]
+
+
+def _need_gpu():
+    if not torch.cuda.is_available():
+        raise NotImplementedError("needs a CUDA GPU")
+
+
+def _kv(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, HKV, T, D, generator=g)
+    k[..., 3] *= 25.0
+    k[..., 70] *= 25.0
+    v = torch.randn(B, HKV, T, D, generator=g)
+    return k.half().cuda(), v.half().cuda()
+
+
+class FusedDecode:
+    params = [SPECS]
+    param_names = ["spec"]
+    timeout = 600
+
+    def setup(self, spec):
+        _need_gpu()
+        try:
+            from kvqbench.kernels.decode_attention import decode_attention
+            from kvqbench.kernels.layout import flatten
+            from kvqbench.quantizers import get_quantizer
+        except ImportError as e:  # no kernels at this commit, or no triton
+            raise NotImplementedError(f"fused kernels unavailable: {e}") from e
+        k, v = _kv()
+        try:
+            qk, qv = get_quantizer(spec, role="K"), get_quantizer(spec, role="V")
+            self.kf, self.vf = flatten(qk.encode(k), "K"), flatten(qv.encode(v), "V")
+        except (ValueError, TypeError) as e:
+            raise NotImplementedError(f"{spec}: no fused kernel here: {e}") from e
+        self.q = torch.randn(B, HQ, 1, D, generator=torch.Generator().manual_seed(1)).half().cuda()
+        self.fn = decode_attention
+        self.fn(self.q, self.kf, self.vf)  # compile / autotune outside the timing
+        torch.cuda.synchronize()
+
+    def time_fused_decode(self, spec):
+        self.fn(self.q, self.kf, self.vf)
+        torch.cuda.synchronize()
+
+
+class SdpaFp16:
+    """The baseline at the same shape: fp16 K/V, torch SDPA with native GQA."""
+
+    timeout = 300
+
+    def setup(self):
+        _need_gpu()
+        import torch.nn.functional as F
+
+        self.k, self.v = _kv()
+        self.q = torch.randn(B, HQ, 1, D, device="cuda").half()
+        self.F = F
+        self.F.scaled_dot_product_attention(self.q, self.k, self.v, enable_gqa=True)
+        torch.cuda.synchronize()
+
+    def time_sdpa_decode(self):
+        self.F.scaled_dot_product_attention(self.q, self.k, self.v, enable_gqa=True)
+        torch.cuda.synchronize()

@@ -1,0 +1,56 @@
+"""Perplexity of the default embedded model (smollm2-135m) on a short fixed window of
+the default corpus (canterbury), K/V quantized by every registered quantizer's
+example configs, under `quantize-on-write` (METHOD.md 4). asv assumes lower is
+better, which PPL is.
+
+One window of 160 tokens (the first of `token_windows(tok, text, 160, 1)`: the
+corpus's first 160 tokens): short enough for a CPU run of every quantizer, long
+enough that KIVI (128-token fp16 window) quantizes some tokens. The model loads
+once, in setup_cache, which measures every spec; each track_ reads its figure.
+"""
+from __future__ import annotations
+
+import torch
+
+from .common import SPECS, quantizer_or_skip
+
+MODEL, CORPUS, WINDOW, N_WINDOWS = "smollm2-135m", "canterbury", 160, 1
+
+
+class Perplexity:
+    params = [SPECS]
+    param_names = ["spec"]
+    timeout = 3600  # setup_cache: every spec on the CPU
+
+    def setup_cache(self):
+        from kvqbench.suites.corpora import load_corpus, token_windows
+        from kvqbench.suites.models import load_model
+        from kvqbench.suites.perplexity import ppl_quantize_on_write
+
+        model, tok, _ = load_model(MODEL, device="cpu", dtype=torch.float32)
+        text, _ = load_corpus(CORPUS)
+        windows = token_windows(tok, text, WINDOW, N_WINDOWS)
+        out = {}
+        for spec in SPECS:
+            try:
+                quantizer_or_skip(spec)
+            except NotImplementedError:
+                continue
+            r = ppl_quantize_on_write(model, windows, spec, seed=0)
+            out[spec] = {"ppl": r["ppl"], "bits": r["bits_per_element"]}
+        return out
+
+    def setup(self, cache, spec):
+        if spec not in cache:
+            raise NotImplementedError(f"{spec} not available at this commit")
+
+    def track_ppl(self, cache, spec):
+        return cache[spec]["ppl"]
+
+    track_ppl.unit = "PPL"
+
+    def track_model_cache_bits(self, cache, spec):
+        """Bits per element measured on the model's real (post-RoPE) K/V."""
+        return cache[spec]["bits"]
+
+    track_model_cache_bits.unit = "bits"

@@ -1,0 +1,282 @@
+"""lm-evaluation-harness with the KV cache quantized by any registered quantizer.
+
+The model class `KVQuantLM` is lm-eval's `HFLM` (registered as `kvqbench`) with
+two methods replaced:
+
+- `_model_call` (every loglikelihood, loglikelihood_rolling and multiple-choice
+  request): each forward pass runs through a FRESH `QuantizedCache`, so every
+  K/V that attention reads, the sequence's own prefill included, has been
+  through quantize/dequantize: the `quantize-on-write` protocol of the PPL
+  suite (METHOD.md 4), one sequence per write.
+- `_model_generate` (generate_until): `model.generate` with a fresh
+  `QuantizedCache` as its cache: the prompt is one prefill write, then each
+  decode step appends its token to the packed store and attends to the
+  dequantized history, as a deployed quantized cache would.
+
+Batch size is 1: a padded batch would put padding tokens into the statistics
+of quantizers that group over tokens (KIVI keys, per-channel int, Med3x), and
+each sequence must start from a fresh cache. `quantizer=plain` runs the
+model's own cache (lm-eval's HFLM unchanged); `quantizer=fp16` stores K/V as
+fp16 through the same quantized-cache path.
+
+Python:
+
+    from kvqbench.suites.lm_eval_model import evaluate, task_scores
+    res = evaluate(["kvqbench_passkey"], quantizer="hqmq:S=96,r=4", limit=5)
+    task_scores(res)   # {"kvqbench_passkey": {"exact_match": 1.0, ...}}
+
+or lm-eval's own API with the class (`import kvqbench.suites.lm_eval_model`
+registers `kvqbench`; give `TaskManager(include_path=TASKS_DIR)` for the
+offline tasks):
+
+    lm_eval.simple_evaluate(model="kvqbench",
+                            model_args={"pretrained": "smollm2-135m", "quantizer": "int4"}, ...)
+
+Command line: lm-eval 0.4.x finds models only in its own table or through
+`@register_model` run in the same process (it reads no entry points for
+models), so a bare `lm_eval --model kvqbench` cannot see this class.
+`kvqbench-lm-eval` is lm-eval's command line, unchanged, with the class
+registered and the offline tasks (`kvqbench.suites.lm_eval_tasks`) on
+`--include_path`:
+
+    kvqbench-lm-eval --model kvqbench --model_args pretrained=smollm2-135m,quantizer=int4,seed=0 \\
+        --tasks kvqbench_local --device cpu
+    kvqbench-lm-eval --model kvqbench --model_args "pretrained=smollm2-135m,quantizer='hqmq:S=96,r=4'" ...
+
+(quote a spec that has commas; `python -m kvqbench.suites.lm_eval_model ...` is the same.)
+Model args: pretrained (embedded name, folder or hub id; `load_model`),
+quantizer (spec, `plain` for none), seed (codebook seed), dtype (float32),
+attn_implementation (sdpa), plus HFLM's own (max_length, add_bos_token, ...).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from kvqbench.quantizers import get_quantizer
+from kvqbench.suites.kv_cache import QuantizedCache, cache_kwargs
+
+log = logging.getLogger(__name__)
+PLAIN = ("plain", "none", "")
+MODEL_NAME = "kvqbench"
+
+
+def _spec(quantizer) -> str | None:
+    if quantizer is None or str(quantizer).strip().lower() in PLAIN:
+        return None
+    spec = str(quantizer).strip()
+    if len(spec) >= 2 and spec[0] == spec[-1] and spec[0] in "'\"":  # quoted on a command line
+        spec = spec[1:-1]
+    get_quantizer(spec)  # a typo fails now, not inside the first forward pass
+    return spec
+
+
+def _device(device) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    device = str(device)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        # lm-eval's command line defaults to cuda:0; on a CPU machine run on the CPU.
+        warnings.warn(f"device {device!r} requested but CUDA is not available: running on cpu", stacklevel=3)
+        return "cpu"
+    return device
+
+
+@register_model(MODEL_NAME)
+class KVQuantLM(HFLM):
+    """HFLM whose KV cache is quantized by `quantizer` (a kvqbench spec); see the module doc."""
+
+    def __init__(self, pretrained="smollm2-135m", quantizer: str = "fp16", seed: int = 0, *,
+                 tokenizer=None, device: str | None = None, dtype: str = "float32",
+                 attn_implementation: str = "sdpa", batch_size=1, **kwargs):
+        self.spec = _spec(quantizer)
+        self.kv_seed = int(seed)
+        if isinstance(pretrained, str):
+            from kvqbench.suites.models import load_model
+
+            torch_dtype = getattr(torch, str(dtype).removeprefix("torch.")) if not isinstance(dtype, torch.dtype) else dtype
+            model, loaded_tok, self.kv_model_info = load_model(
+                pretrained, device=_device(device), dtype=torch_dtype, attn_implementation=attn_implementation)
+            tokenizer = tokenizer or loaded_tok
+        else:  # an already loaded transformers model (kvqbench compare reuses its own)
+            if tokenizer is None:
+                raise ValueError("KVQuantLM: pass tokenizer= together with a model object")
+            model = pretrained
+            self.kv_model_info = {"name": getattr(model.config, "_name_or_path", "") or type(model).__name__}
+        if str(batch_size) != "1":
+            warnings.warn(f"kvqbench runs batch size 1 (each sequence through a fresh quantized cache; padding "
+                          f"would enter quantizer statistics): batch_size={batch_size} ignored", stacklevel=2)
+        for ignored in ("max_batch_size", "parallelize", "tp_plan"):
+            if kwargs.get(ignored) not in (None, False):
+                warnings.warn(f"KVQuantLM: {ignored}={kwargs[ignored]!r} ignored", stacklevel=2)
+            kwargs.pop(ignored, None)
+        # HFLM logs a warning for a model object; it is the intended path here.
+        hf_log = logging.getLogger("lm_eval.models.huggingface")
+        level = hf_log.level
+        hf_log.setLevel(logging.ERROR)
+        try:
+            super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=1, **kwargs)
+        finally:
+            hf_log.setLevel(level)
+        self.kv_name = pretrained if isinstance(pretrained, str) else self.kv_model_info["name"]
+        self.kv_nbytes = 0
+        self.kv_numel = 0
+        self.kv_calls = {"forward": 0, "generate": 0}
+
+    # ---- the two replaced methods ---------------------------------------------------
+    def _new_cache(self) -> QuantizedCache:
+        return QuantizedCache(self.spec, config=self.model.config, seed=self.kv_seed)
+
+    def _count(self, cache: QuantizedCache) -> None:
+        self.kv_nbytes += cache.nbytes()
+        self.kv_numel += cache.numel()
+
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        if self.spec is None or attn_mask is not None or labels is not None:
+            return super()._model_call(inps, attn_mask, labels)
+        out = []
+        with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                                             enabled=self.mixed_precision_dtype is not None):
+            for row in inps.split(1):  # one sequence per fresh cache (batch is 1 anyway)
+                cache = self._new_cache()
+                out.append(self.model(input_ids=row, **cache_kwargs(self.model, cache), use_cache=True).logits)
+                self._count(cache)
+                self.kv_calls["forward"] += 1
+        return torch.cat(out)
+
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
+        if self.spec is None:
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        if context.shape[0] != 1:
+            raise RuntimeError(f"KVQuantLM generates one sequence at a time, got a batch of {context.shape[0]}")
+        cache = self._new_cache()
+        generation_kwargs.update(cache_kwargs(self.model, cache))
+        out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+        self._count(cache)
+        self.kv_calls["generate"] += 1
+        return out
+
+    # ---- reporting ------------------------------------------------------------------
+    def bits_per_element(self) -> float:
+        """Measured over every cache this model ran: stored bytes x 8 / K/V elements."""
+        return self.kv_nbytes * 8 / self.kv_numel if self.kv_numel else float("nan")
+
+    def get_model_info(self) -> dict:
+        # HFLM's version asks the hub for a commit sha; this one stays offline.
+        info = {k: v for k, v in self.kv_model_info.items() if k in
+                ("name", "source", "sha256", "n_layers", "n_heads", "n_kv_heads", "head_dim", "note")}
+        return {
+            "model_num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "model_dtype": str(self.model.dtype),
+            "model_revision": None,
+            "model_sha": info.get("sha256"),
+            "kvqbench_model": info,
+            "kv_quantizer": self.spec or "plain",
+            "kv_seed": self.kv_seed,
+            "kv_bits_per_element": self.bits_per_element() if self.spec else None,
+            "kv_calls": dict(self.kv_calls),
+            "kv_protocol": {"loglikelihood": "quantize-on-write (fresh cache per sequence)",
+                            "generate_until": "prefill write then one append per generated token"},
+        }
+
+
+# ---- Python helpers ---------------------------------------------------------------------
+_TASK_MANAGERS: dict = {}
+
+
+def task_manager(metadata: dict | None = None, tasks=None):
+    """lm-eval TaskManager with the offline kvqbench tasks on its include path. lm-eval's
+    own tasks (thousands of YAMLs: ~10-40 s to index) are indexed only when `tasks`
+    names one of them (or is None); managers are reused per (defaults, metadata)."""
+    import json
+
+    from lm_eval.tasks import TaskManager
+
+    from kvqbench.suites.lm_eval_tasks import GROUP, TASK_NAMES, TASKS_DIR
+
+    defaults = tasks is None or not set(tasks) <= {*TASK_NAMES, GROUP}
+    key = (defaults, json.dumps(metadata, sort_keys=True, default=str))
+    if key not in _TASK_MANAGERS:
+        _TASK_MANAGERS[key] = TaskManager(include_path=str(TASKS_DIR), include_defaults=defaults,
+                                          metadata=metadata)
+    return _TASK_MANAGERS[key]
+
+
+def evaluate(tasks, quantizer: str = "fp16", pretrained="smollm2-135m", *, tokenizer=None, seed: int = 0,
+             limit=None, metadata: dict | None = None, device: str | None = None, lm: KVQuantLM | None = None,
+             **simple_evaluate_kwargs) -> dict:
+    """Run lm-eval `tasks` (names or a comma-separated string; hub tasks too where the hub
+    is reachable) with the KV cache quantized by `quantizer`; returns lm-eval's results
+    dict. `pretrained` may be a name (loaded with `load_model`) or a model object (then
+    give `tokenizer`); `lm` reuses a KVQuantLM. `metadata` sets task knobs
+    (kvqbench.suites.lm_eval_tasks)."""
+    import lm_eval
+
+    if isinstance(tasks, str):
+        tasks = [t for t in tasks.split(",") if t]
+    if lm is None:
+        lm = KVQuantLM(pretrained=pretrained, tokenizer=tokenizer, quantizer=quantizer, seed=seed, device=device)
+    simple_evaluate_kwargs.setdefault("log_samples", False)
+    simple_evaluate_kwargs.setdefault("verbosity", "WARNING")
+    return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager(metadata, tasks),
+                                   limit=limit, **simple_evaluate_kwargs)
+
+
+def task_scores(results: dict) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} from lm-eval's results (filter suffixes like ',none'
+    dropped; stderr kept as '<metric>_stderr'; groups included)."""
+    out: dict[str, dict[str, float]] = {}
+    for task, metrics in results.get("results", {}).items():
+        row = {}
+        for key, value in metrics.items():
+            if key == "alias" or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            name, _, flt = key.partition(",")
+            row[name if flt in ("", "none") else f"{name},{flt}"] = float(value)
+        out[task] = row
+    return out
+
+
+def compare_scores(model, tokenizer, spec: str, seed: int, tasks: str, limit=None, metadata=None) -> dict:
+    """What `kvqbench compare --lm-eval TASKS` stores on a result record: the task
+    scores of `spec` on an already loaded model, and the bits its caches stored."""
+    import time
+
+    t0 = time.perf_counter()
+    lm = KVQuantLM(model, tokenizer=tokenizer, quantizer=spec, seed=seed)
+    res = evaluate(tasks, lm=lm, limit=limit, metadata=metadata)
+    return {"requested": [tasks, limit, metadata], "scores": task_scores(res),
+            "n_samples": {t: v.get("effective", v.get("original")) for t, v in res.get("n-samples", {}).items()},
+            "bits_per_element": lm.bits_per_element(), "kv_calls": dict(lm.kv_calls),
+            "lm_eval_version": res.get("lm_eval_version"), "wall_s": time.perf_counter() - t0}
+
+
+def main(argv=None) -> int:
+    """`kvqbench-lm-eval`: lm-eval's command line with `--model kvqbench` registered and
+    the offline tasks on `--include_path` (unless one is given)."""
+    from lm_eval.__main__ import cli_evaluate
+
+    from kvqbench.suites.lm_eval_tasks import TASKS_DIR
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and not any(a in ("-h", "--help") for a in args) \
+            and not any(a == "--include_path" or a.startswith("--include_path=") for a in args):
+        args += ["--include_path", str(TASKS_DIR)]
+    saved = sys.argv
+    sys.argv = ["kvqbench-lm-eval"] + args
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
+    return 0
+
+
+__all__ = ["KVQuantLM", "evaluate", "task_scores", "task_manager", "compare_scores", "main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

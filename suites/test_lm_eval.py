@@ -1,0 +1,137 @@
+"""The lm-eval model class and the offline tasks, on the real default model (CPU, tiny
+slices): registration, that every K/V read is quantized (loglikelihood) and that
+generation goes through the quantized cache, that the passkey task tells a broken
+cache (int2 per token) from a good one, the `kvqbench-lm-eval` command line, and
+`kvqbench compare --lm-eval`."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+lm_eval = pytest.importorskip("lm_eval")
+
+from kvqbench.quantizers import QuantizerInputError  # noqa: E402
+from kvqbench.suites import lm_eval_tasks as T  # noqa: E402
+from kvqbench.suites.kv_cache import QuantizedCache, cache_kwargs  # noqa: E402
+from kvqbench.suites.lm_eval_model import KVQuantLM, evaluate, task_scores  # noqa: E402
+
+PASSKEY = {"passkey_docs": 3, "passkey_chars": 1200}  # ~330 tokens a prompt: seconds each
+ROLLING = {"rolling_docs": 1, "rolling_chars": 400}
+
+
+@pytest.fixture(scope="module")
+def base():
+    """The default model with its own cache, loaded once; each test wraps it again."""
+    return KVQuantLM("smollm2-135m", quantizer="plain", device="cpu")
+
+
+def wrap(base, spec, seed=0):
+    return KVQuantLM(base.model, tokenizer=base.tokenizer, quantizer=spec, seed=seed)
+
+
+def test_registered_with_lm_eval():
+    from lm_eval.api.registry import get_model
+
+    assert get_model("kvqbench") is KVQuantLM
+
+
+def test_bad_spec_fails_at_construction_and_quoted_specs_are_accepted(base):
+    with pytest.raises(QuantizerInputError):
+        wrap(base, "int4:bits=99")
+    assert wrap(base, "'hqmq:S=24,r=3'").spec == "hqmq:S=24,r=3"  # as a shell-quoted CLI value
+    assert wrap(base, "plain").spec is None
+
+
+def test_task_documents_are_fixed_and_well_formed():
+    a, b = T.passkey_docs(passkey_docs=5, passkey_chars=800)["test"], T.passkey_docs(passkey_docs=5, passkey_chars=800)["test"]
+    assert a.to_list() == b.to_list()
+    assert len({d["depth"] for d in a}) == 5 and len({d["answer"] for d in a}) == 5
+    for d in a:
+        assert d["input"].count(d["answer"]) == 2  # the needle says it twice; nothing else has it
+        assert d["input"].startswith(T.INTRO) and d["input"].endswith(T.QUESTION)
+        assert 800 <= len(d["input"]) - len(T.INTRO) - len(T.QUESTION) <= 800 + len(T.NEEDLE) + 10
+    assert T.passkey_process_results(a[0], [f" {a[0]['answer']}. Remember"]) == {"exact_match": 1.0}
+    assert T.passkey_process_results(a[0], [" the golden key"]) == {"exact_match": 0.0}
+    roll = T.rolling_docs(rolling_docs=3, rolling_chars=500)["test"]
+    assert len(roll) == 3 and all(400 <= len(d["text"]) <= 500 for d in roll)
+    assert roll[0]["start"] == 0 and roll.to_list() == T.rolling_docs(rolling_docs=3, rolling_chars=500)["test"].to_list()
+
+
+def test_loglikelihood_reads_quantized_kv(base):
+    """_model_call == one forward through a fresh QuantizedCache (quantize-on-write)."""
+    ids = torch.tensor([base.tok_encode("Alice was beginning to get very tired of sitting by her sister")])
+    plain = base._model_call(ids)
+    diff = {}
+    for spec in ("fp16", "int2"):
+        lm = wrap(base, spec, seed=3)
+        got = lm._model_call(ids)
+        cache = QuantizedCache(spec, config=base.model.config, seed=3)
+        with torch.no_grad():
+            want = base.model(input_ids=ids, **cache_kwargs(base.model, cache), use_cache=True).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert lm.kv_calls["forward"] == 1 and lm.bits_per_element() == cache.bits_per_element()
+        diff[spec] = (got - plain).abs().max().item()
+    assert diff["fp16"] < 0.1 and diff["int2"] > 20 * diff["fp16"], diff
+
+
+def test_rolling_task_orders_caches(base):
+    ppl = {}
+    for spec in ("plain", "fp16", "int2"):
+        lm = wrap(base, spec)
+        s = task_scores(evaluate(["kvqbench_rolling"], lm=lm, metadata=ROLLING))["kvqbench_rolling"]
+        ppl[spec] = s["word_perplexity"]
+    assert ppl["fp16"] == pytest.approx(ppl["plain"], rel=1e-3)
+    assert ppl["int2"] > 1.5 * ppl["fp16"]
+
+
+def test_passkey_tells_a_broken_cache_from_a_good_one(base):
+    acc = {}
+    for spec in ("fp16", "int2"):
+        lm = wrap(base, spec)
+        res = evaluate(["kvqbench_passkey"], lm=lm, metadata=PASSKEY)
+        acc[spec] = task_scores(res)["kvqbench_passkey"]["exact_match"]
+        assert lm.kv_calls["generate"] == PASSKEY["passkey_docs"]  # the quantized cache ran generate
+        assert lm.bits_per_element() == {"fp16": 16.0, "int2": 3.0}[spec]
+        assert res["config"]["kv_quantizer"] == spec
+    assert acc["fp16"] >= 2 / 3, acc
+    assert acc["int2"] == 0.0, acc
+
+
+def test_command_line(tmp_path):
+    """`kvqbench-lm-eval`: lm-eval's CLI with the model registered and the offline tasks
+    included; a quantizer spec with commas, quoted."""
+    exe = Path(sys.executable).with_name("kvqbench-lm-eval")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvqbench.suites.lm_eval_model"]
+    cmd += ["--model", "kvqbench", "--model_args", "pretrained=smollm2-135m,quantizer='hqmq:S=24,r=3',seed=1",
+            "--tasks", "kvqbench_rolling", "--device", "cpu", "--metadata", json.dumps(ROLLING),
+            "--output_path", str(tmp_path / "out")]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "kvqbench_rolling" in r.stdout and "word_perplexity" in r.stdout
+    [path] = (tmp_path / "out").rglob("results_*.json")
+    res = json.loads(path.read_text())
+    assert res["config"]["kv_quantizer"] == "hqmq:S=24,r=3" and res["config"]["kv_seed"] == 1
+    assert 3 < res["config"]["kv_bits_per_element"] < 5
+
+
+def test_compare_adds_task_scores(tmp_path):
+    from kvqbench.suites import cli
+
+    args = ["compare", "--specs", "fp16;int2", "--window", "48", "--windows", "1", "--seeds", "1",
+            "--device", "cpu", "--out", str(tmp_path), "--run", "t", "--lm-eval", "kvqbench_rolling",
+            "--lm-eval-metadata", json.dumps(ROLLING)]
+    cli.main(args)
+    data = json.loads((tmp_path / "t" / "results.json").read_text())
+    le = {r["spec"]: r["lm_eval"] for r in data["results"]}
+    assert set(le) == {"fp16", "int2"}
+    wp = {s: v["scores"]["kvqbench_rolling"]["word_perplexity"] for s, v in le.items()}
+    assert wp["int2"] > wp["fp16"] and le["int2"]["bits_per_element"] == 3.0
+    report = (tmp_path / "t" / "report.md").read_text()
+    assert "## Downstream tasks (lm-eval)" in report and "kvqbench_rolling word_perplexity" in report
