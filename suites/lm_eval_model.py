@@ -50,6 +50,7 @@ attn_implementation (sdpa), plus HFLM's own (max_length, add_bos_token, ...).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import warnings
@@ -223,8 +224,34 @@ def evaluate(tasks, quantizer: str = "fp16", pretrained="smollm2-135m", *, token
         lm = KVQuantLM(pretrained=pretrained, tokenizer=tokenizer, quantizer=quantizer, seed=seed, device=device)
     simple_evaluate_kwargs.setdefault("log_samples", False)
     simple_evaluate_kwargs.setdefault("verbosity", "WARNING")
-    return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager(metadata, tasks),
-                                   limit=limit, **simple_evaluate_kwargs)
+    with _brief_env_info():
+        return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager(metadata, tasks),
+                                       limit=limit, **simple_evaluate_kwargs)
+
+
+@contextlib.contextmanager
+def _brief_env_info():
+    """lm-eval records torch's collect_env report (pip list, nvidia-smi, ...: seconds)
+    with every evaluation; `evaluate` records versions only. The command line is unchanged."""
+    import lm_eval.evaluator as ev
+
+    original = getattr(ev, "add_env_info", None)
+
+    def brief(storage: dict) -> None:
+        import lm_eval
+        import transformers
+
+        storage.update({"pretty_env_info": "not collected (kvqbench.suites.lm_eval_model.evaluate)",
+                        "transformers_version": transformers.__version__, "torch_version": torch.__version__,
+                        "lm_eval_version": lm_eval.__version__})
+
+    if original is not None:
+        ev.add_env_info = brief
+    try:
+        yield
+    finally:
+        if original is not None:
+            ev.add_env_info = original
 
 
 def task_scores(results: dict) -> dict[str, dict[str, float]]:

@@ -14,6 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "suites" / "asv_benchmarks"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()  # small tensors and a small model: one thread is fastest here
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def bench():
     """asv's discovery (asv_runner) over the benchmark folder: {name: benchmark}, and

@@ -25,6 +25,16 @@ PASSKEY = {"passkey_docs": 3, "passkey_chars": 1200}  # ~330 tokens a prompt: se
 ROLLING = {"rolling_docs": 1, "rolling_chars": 400}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # A 135M model on short inputs: one thread is fastest, and on a loaded machine
+    # extra threads make every small matmul wait for a core (10x slower).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def base():
     """The default model with its own cache, loaded once; each test wraps it again."""
@@ -111,7 +121,7 @@ def test_command_line(tmp_path):
     cmd += ["--model", "kvqbench", "--model_args", "pretrained=smollm2-135m,quantizer='hqmq:S=24,r=3',seed=1",
             "--tasks", "kvqbench_rolling", "--device", "cpu", "--metadata", json.dumps(ROLLING),
             "--output_path", str(tmp_path / "out")]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "kvqbench_rolling" in r.stdout and "word_perplexity" in r.stdout
