@@ -35,3 +35,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "bench" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small models and short inputs run fastest on one thread; on a loaded
+    machine extra threads make every small matmul wait for a core (10-100x)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -18,6 +18,8 @@ from kvqbench.quantizers import Segment, get_quantizer
 from kvqbench.suites.kv_cache import QuantizedCache, cache_kwargs
 from kvqbench.suites.perplexity import ppl_prefill_then_decode, ppl_quantize_on_write
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
 VOCAB = 128
 
 
@@ -27,16 +29,6 @@ def tiny_llama(dtype=torch.float32, seed=0):
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                       max_position_embeddings=256, initializer_range=0.2)
     return LlamaForCausalLM(cfg).eval().to(dtype)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Matrices this small run fastest on one thread; on a loaded machine extra
-    # threads make each tiny matmul wait for a core (100x slower).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -21,18 +21,10 @@ from kvqbench.suites import lm_eval_tasks as T  # noqa: E402
 from kvqbench.suites.kv_cache import QuantizedCache, cache_kwargs  # noqa: E402
 from kvqbench.suites.lm_eval_model import KVQuantLM, evaluate, task_scores  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
 PASSKEY = {"passkey_docs": 3, "passkey_chars": 1200}  # ~330 tokens a prompt: seconds each
 ROLLING = {"rolling_docs": 1, "rolling_chars": 400}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # A 135M model on short inputs: one thread is fastest, and on a loaded machine
-    # extra threads make every small matmul wait for a core (10x slower).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
