@@ -80,6 +80,14 @@ def outlier_diagnostics(model, window: torch.Tensor) -> list[dict]:
     return rows
 
 
+def _identity(meta: dict) -> tuple:
+    """What must match for a rerun to resume: the same model bytes, text, windows
+    and protocols (not, say, how long the model took to load)."""
+    m, c = meta["model"], meta["corpus"]
+    return (m.get("name"), m.get("sha256"), c.get("name"), c.get("sha256"),
+            json.dumps(meta["windows"], sort_keys=True), tuple(meta["protocols"]))
+
+
 class Run:
     """results.json of one run: meta + one record per (protocol, spec, seed)."""
 
@@ -89,8 +97,7 @@ class Run:
         self.data = {"meta": meta, "results": [], "diagnostics": None}
         if self.path.exists() and not fresh:
             old = json.loads(self.path.read_text())
-            keys = ("model", "corpus", "windows", "protocols")
-            if all(old["meta"].get(k) == meta.get(k) for k in keys):
+            if _identity(old["meta"]) == _identity(meta):
                 self.data["results"] = [r for r in old["results"] if "error" not in r]
                 self.data["diagnostics"] = old.get("diagnostics")
             else:
