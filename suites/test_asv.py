@@ -12,14 +12,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "suites" / "asv_benchmarks"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()  # small tensors and a small model: one thread is fastest here
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")
