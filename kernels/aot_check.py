@@ -111,10 +111,10 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: the interpreter does not compile")
-    from kvqbench.kernels import decode_attention as DA
-    from kvqbench.kernels import hqmq_encode as HE
-    from kvqbench.kernels import layout as L
-    from kvqbench.quantizers import get_quantizer
+    from . import decode_attention as DA
+    from . import hqmq_encode as HE
+    from . import layout as L
+    from ..quantizers import get_quantizer
 
     caps = {n: _Capture(getattr(DA, n)) for n in ("_hqmq_split_kernel", "_int_split_kernel", "_kivi_split_kernel",
                                                    "_combine_kernel")}

@@ -21,7 +21,7 @@ order i = 0..3 (M the right-multiplication matrix of conj(s), as torch's
 matmul sees it) and sums |v_i| left to right; torch's matmul/sum may order or
 fuse (FMA) these differently. The two agree bit for bit except where two
 secondaries (or the axis and half candidates) score within a few ulps of each
-other: such near-ties can resolve differently. suites/test_kernels.py checks
+other: such near-ties can resolve differently. suites/tests/test_kernels.py checks
 that every differing code is such a tie (scores equal to 1e-6).
 """
 from __future__ import annotations

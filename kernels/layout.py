@@ -36,9 +36,9 @@ import dataclasses
 
 import torch
 
-from kvqbench.quantizers import Packed, parse_spec
-from kvqbench.quantizers.packing import unpack_bits
-from kvqbench.quantizers.quaternion import hamilton, hurwitz_units
+from ..quantizers import Packed, parse_spec
+from ..quantizers.packing import unpack_bits
+from ..quantizers.quaternion import hamilton, hurwitz_units
 
 OUTLIER_BLOCK = 64  # must match quantizers/hqmq.py
 

@@ -1,6 +1,6 @@
 """The contract every registered quantizer meets, as plain check functions.
 
-`suites/test_conformance.py` runs them on every example config of every
+`suites/tests/test_conformance.py` runs them on every example config of every
 registered quantizer (built-in and entry-point plugins alike); a plugin author
 can call `check_quantizer("myq:...")` directly while developing.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvqbench.quantizers import get_quantizer, registry
+from ..quantizers import get_quantizer, registry
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Decoding into a narrow dtype rounds once more: relative half-ulp of the output.

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvqbench.suites.models import cache_dir, fresh_tmp, locked, log, pip
+from .fetch import cache_dir, fresh_tmp, locked, log, pip
 
 CORPORA: dict[str, dict] = {
     "canterbury": dict(

@@ -1,8 +1,8 @@
 """CPU encode/decode time of every registered quantizer's example configs
 (pytest-benchmark; marked `bench`, so skipped unless `-m bench`).
 
-    pytest -m bench --benchmark-enable suites/bench_quantizers.py --benchmark-autosave
-    pytest -m bench --benchmark-enable suites/bench_quantizers.py \\
+    pytest -m bench --benchmark-enable suites/bench/bench_quantizers.py --benchmark-autosave
+    pytest -m bench --benchmark-enable suites/bench/bench_quantizers.py \\
         --benchmark-compare --benchmark-compare-fail=mean:10%
 
 One write of a seeded `[1, 2, 256, d]` key tensor (two outlier channels) into an

@@ -18,7 +18,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-SOURCE_QUANTIZERS = Path(__file__).resolve().parents[2] / "quantizers"
+SOURCE_QUANTIZERS = Path(__file__).resolve().parents[3] / "quantizers"
 _ALIAS = "_kvqbench_asv_source_quantizers"
 
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from kvqbench.quantizers import get_quantizer, registry
-from kvqbench.suites import cli, conformance
+from kvqbench.suites import conformance
+from kvqbench.suites.compare import cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -58,7 +59,7 @@ def test_entry_point_plugin_gets_the_conformance_suite(installed_plugin):
     """A fresh pytest run collects the plugin's configs into the same suite."""
     env = dict(os.environ, PYTHONPATH=str(installed_plugin))
     res = subprocess.run(
-        [sys.executable, "-m", "pytest", str(REPO / "suites" / "test_conformance.py"),
+        [sys.executable, "-m", "pytest", str(REPO / "suites" / "tests" / "test_conformance.py"),
          "-q", "-k", "absmax", "-p", "no:cacheprovider", "--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml")],
         cwd=installed_plugin, env=env, capture_output=True, text=True, timeout=600,
     )

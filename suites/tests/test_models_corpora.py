@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from kvqbench.suites import corpora
-from kvqbench.suites.corpora import CORPORA, load_corpus, token_windows, window_starts
-from kvqbench.suites.models import EMBEDDED_MODELS, load_model
+from kvqbench.suites.harness import corpora
+from kvqbench.suites.harness.corpora import CORPORA, load_corpus, token_windows, window_starts
+from kvqbench.suites.harness.models import EMBEDDED_MODELS, load_model
 
 
 def report(capsys, msg):

@@ -8,8 +8,8 @@ import sys
 def reference_bits(spec: str, head_dim: int, tokens: int = 2048, heads: int = 8) -> tuple[float, float]:
     """(measured, formula) bits per element of `spec` on a seeded Gaussian reference
     tensor [1, heads, tokens, head_dim] (keys, layer 0, seed 0)."""
-    from kvqbench.quantizers import get_quantizer
-    from kvqbench.suites.conformance import reference_tensor
+    from ...quantizers import get_quantizer
+    from ..conformance import reference_tensor
 
     q = get_quantizer(spec)
     x = reference_tensor(head_dim, tokens=tokens, heads=heads, batch=1, seed=0)
@@ -17,7 +17,7 @@ def reference_bits(spec: str, head_dim: int, tokens: int = 2048, heads: int = 8)
 
 
 def cmd_list(args) -> int:
-    from kvqbench.quantizers import registry
+    from ...quantizers import registry
 
     dims = (64, 128)
     print(f"bits per element measured from stored bytes on a reference tensor "
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("names", nargs="*", help="only these quantizers (default: all)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the reference tensor")
     p.set_defaults(func=cmd_list)
-    from kvqbench.suites import compare
+    from . import run as compare
 
     compare.add_arguments(sub)
     args = parser.parse_args(argv)

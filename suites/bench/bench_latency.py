@@ -24,9 +24,9 @@ memory figure: stored bytes per token per layer of each quantizer against
 fp16, measured from `Packed.nbytes`, with a PROJECTION to Llama-3-70B at 128k
 computed from a config.
 
-    python -m kvqbench.suites.bench_latency --out reports/latency   # GPU: everything
-    python -m kvqbench.suites.bench_latency --smoke --out /tmp/x    # CPU: plumbing only
-    pytest -m bench suites/bench_latency.py      # pytest-benchmark
+    python -m kvqbench.suites.bench.bench_latency --out reports/latency   # GPU: everything
+    python -m kvqbench.suites.bench.bench_latency --smoke --out /tmp/x    # CPU: plumbing only
+    pytest -m bench suites/bench/bench_latency.py      # pytest-benchmark
 
 Writes latency.json, latency.md and latency.png into --out.
 """

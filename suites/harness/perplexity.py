@@ -4,7 +4,7 @@
     r = ppl_prefill_then_decode(model, windows, "int4", seed=0, context=256)
     r["ppl"], r["bits_per_element"], r["protocol"]
 
-`windows` is a LongTensor [n, N] of token ids (suites/corpora.py `token_windows`).
+`windows` is a LongTensor [n, N] of token ids (suites/harness/corpora.py `token_windows`).
 `spec` is a quantizer spec; "fp16" is the fp16 baseline (K/V stored as fp16), and
 `None` means the model's own plain cache (DynamicCache, no quantizer at all).
 

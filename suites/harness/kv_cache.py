@@ -43,7 +43,7 @@ import inspect
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvqbench.quantizers import Packed, get_quantizer
+from ...quantizers import Packed, get_quantizer
 
 ROLES = ("K", "V")
 # Layer types whose K/V a full-history quantized layer serves correctly (the model's

@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import importlib.util, sys
@@ -12,7 +12,7 @@ import torch, transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import import_utils
 import kvqbench.kernels, kvqbench.quantizers, kvqbench.suites
-from kvqbench.suites.kv_cache import QuantizedCache
+from kvqbench.suites.harness.kv_cache import QuantizedCache
 assert not import_utils.is_kernels_available(), "transformers thinks HF kernels is installed"
 spec = importlib.util.find_spec("kernels")
 assert spec is None or "kvqbench" not in str(spec.origin), spec

@@ -176,7 +176,7 @@ def claims(results, meta, protocol) -> list[tuple[str, str, str, str]]:
 def _structure_claim():
     import torch
 
-    from kvqbench.quantizers.quaternion import group_closure_table, hamilton, hurwitz_units, random_unit_quaternions
+    from ...quantizers.quaternion import group_closure_table, hamilton, hurwitz_units, random_unit_quaternions
 
     P = hurwitz_units(torch.float64)
     closed = bool((group_closure_table() >= 0).all())

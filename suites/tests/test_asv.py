@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH_DIR = ROOT / "suites" / "asv_benchmarks"
+ROOT = Path(__file__).resolve().parents[2]
+BENCH_DIR = ROOT / "suites" / "bench" / "asv_benchmarks"
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 

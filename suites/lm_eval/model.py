@@ -21,11 +21,11 @@ fp16 through the same quantized-cache path.
 
 Python:
 
-    from kvqbench.suites.lm_eval_model import evaluate, task_scores
+    from .model import evaluate, task_scores
     res = evaluate(["kvqbench_passkey"], quantizer="hqmq:S=96,r=4", limit=5)
     task_scores(res)   # {"kvqbench_passkey": {"exact_match": 1.0, ...}}
 
-or lm-eval's own API with the class (`import kvqbench.suites.lm_eval_model`
+or lm-eval's own API with the class (`import kvqbench.suites.lm_eval.model`
 registers `kvqbench`; give `TaskManager(include_path=TASKS_DIR)` for the
 offline tasks):
 
@@ -36,14 +36,14 @@ Command line: lm-eval 0.4.x finds models only in its own table or through
 `@register_model` run in the same process (it reads no entry points for
 models), so a bare `lm_eval --model kvqbench` cannot see this class.
 `kvqbench-lm-eval` is lm-eval's command line, unchanged, with the class
-registered and the offline tasks (`kvqbench.suites.lm_eval_tasks`) on
+registered and the offline tasks (`kvqbench.suites.lm_eval.tasks`) on
 `--include_path`:
 
     kvqbench-lm-eval --model kvqbench --model_args pretrained=smollm2-135m,quantizer=int4,seed=0 \\
         --tasks kvqbench_local --device cpu
     kvqbench-lm-eval --model kvqbench --model_args "pretrained=smollm2-135m,quantizer='hqmq:S=96,r=4'" ...
 
-(quote a spec that has commas; `python -m kvqbench.suites.lm_eval_model ...` is the same.)
+(quote a spec that has commas; `python -m kvqbench.suites.lm_eval.model ...` is the same.)
 Model args: pretrained (embedded name, folder or hub id; `load_model`),
 quantizer (spec, `plain` for none), seed (codebook seed), dtype (float32),
 attn_implementation (sdpa), plus HFLM's own (max_length, add_bos_token, ...).
@@ -59,8 +59,8 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from kvqbench.quantizers import get_quantizer
-from kvqbench.suites.kv_cache import QuantizedCache, cache_kwargs
+from ...quantizers import get_quantizer
+from ..harness.kv_cache import QuantizedCache, cache_kwargs
 
 log = logging.getLogger(__name__)
 PLAIN = ("plain", "none", "")
@@ -98,7 +98,7 @@ class KVQuantLM(HFLM):
         self.spec = _spec(quantizer)
         self.kv_seed = int(seed)
         if isinstance(pretrained, str):
-            from kvqbench.suites.models import load_model
+            from ..harness.models import load_model
 
             torch_dtype = getattr(torch, str(dtype).removeprefix("torch.")) if not isinstance(dtype, torch.dtype) else dtype
             model, loaded_tok, self.kv_model_info = load_model(
@@ -198,7 +198,7 @@ def task_manager(metadata: dict | None = None, tasks=None):
 
     from lm_eval.tasks import TaskManager
 
-    from kvqbench.suites.lm_eval_tasks import GROUP, TASK_NAMES, TASKS_DIR
+    from .tasks import GROUP, TASK_NAMES, TASKS_DIR
 
     defaults = tasks is None or not set(tasks) <= {*TASK_NAMES, GROUP}
     key = (defaults, json.dumps(metadata, sort_keys=True, default=str))
@@ -215,7 +215,7 @@ def evaluate(tasks, quantizer: str = "fp16", pretrained="smollm2-135m", *, token
     is reachable) with the KV cache quantized by `quantizer`; returns lm-eval's results
     dict. `pretrained` may be a name (loaded with `load_model`) or a model object (then
     give `tokenizer`); `lm` reuses a KVQuantLM. `metadata` sets task knobs
-    (kvqbench.suites.lm_eval_tasks)."""
+    (kvqbench.suites.lm_eval.tasks)."""
     import lm_eval
 
     if isinstance(tasks, str):
@@ -241,7 +241,7 @@ def _brief_env_info():
         import lm_eval
         import transformers
 
-        storage.update({"pretty_env_info": "not collected (kvqbench.suites.lm_eval_model.evaluate)",
+        storage.update({"pretty_env_info": "not collected (kvqbench.suites.lm_eval.model.evaluate)",
                         "transformers_version": transformers.__version__, "torch_version": torch.__version__,
                         "lm_eval_version": lm_eval.__version__})
 
@@ -288,7 +288,7 @@ def main(argv=None) -> int:
     the offline tasks on `--include_path` (unless one is given)."""
     from lm_eval.__main__ import cli_evaluate
 
-    from kvqbench.suites.lm_eval_tasks import TASKS_DIR
+    from .tasks import TASKS_DIR
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args and not any(a in ("-h", "--help") for a in args) \

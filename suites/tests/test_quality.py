@@ -27,8 +27,8 @@ MODEL = os.environ.get("KVQBENCH_QUALITY_MODEL", "smollm2-135m")
 
 @pytest.fixture(scope="module")
 def setup():
-    from kvqbench.suites.corpora import load_corpus, token_windows
-    from kvqbench.suites.models import load_model
+    from kvqbench.suites.harness.corpora import load_corpus, token_windows
+    from kvqbench.suites.harness.models import load_model
 
     model, tok, info = load_model(MODEL, device=DEVICE)
     text, _ = load_corpus("canterbury")
@@ -37,7 +37,7 @@ def setup():
 
 @pytest.fixture(scope="module")
 def ppl(setup):
-    from kvqbench.suites.perplexity import ppl_quantize_on_write
+    from kvqbench.suites.harness.perplexity import ppl_quantize_on_write
 
     model, windows, _ = setup
     memo = {}

@@ -28,7 +28,7 @@ SEED_SPEC = "hqmq:S=96,r=4,outliers=med3"  # the HQMQ setting run over several s
 def default_specs() -> list[str]:
     """fp16 first, then every example config of every registered quantizer: a new
     plugin is compared without touching this file."""
-    from kvqbench.quantizers import registry
+    from ...quantizers import registry
 
     specs = ["fp16"]
     for name in sorted(registry()):
@@ -61,7 +61,7 @@ def outlier_diagnostics(model, window: torch.Tensor) -> list[dict]:
     """Per layer, for K (after RoPE) and V: max/median chunk radius (4-element
     chunks, over all tokens and kv-heads of one window) and max/median channel
     magnitude, from the K/V an fp16 cache stores."""
-    from kvqbench.suites.kv_cache import QuantizedCache, cache_kwargs
+    from ..harness.kv_cache import QuantizedCache, cache_kwargs
 
     cache = QuantizedCache("fp16", config=model.config)
     dev = next(model.parameters()).device
@@ -120,11 +120,11 @@ class Run:
 def run_compare(args) -> Path:
     from tqdm import tqdm
 
-    from kvqbench.quantizers import get_quantizer
-    from kvqbench.suites import report
-    from kvqbench.suites.corpora import _special_prefix, _tokenize, load_corpus, token_windows, window_starts
-    from kvqbench.suites.models import load_model
-    from kvqbench.suites.perplexity import ppl_prefill_then_decode, ppl_quantize_on_write
+    from ...quantizers import get_quantizer
+    from . import report
+    from ..harness.corpora import _special_prefix, _tokenize, load_corpus, token_windows, window_starts
+    from ..harness.models import load_model
+    from ..harness.perplexity import ppl_prefill_then_decode, ppl_quantize_on_write
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     specs = args.specs.split(";") if args.specs else default_specs()
@@ -179,7 +179,7 @@ def run_compare(args) -> Path:
             tqdm.write(f"FAILED {protocol} {spec} seed={seed}: {type(e).__name__}: {e}")
     bar.close()
     if args.lm_eval:  # lm-eval task scores beside PPL and bits: seed 0, first protocol's records
-        from kvqbench.suites.lm_eval_model import compare_scores
+        from ..lm_eval.model import compare_scores
 
         meta_le = json.loads(args.lm_eval_metadata) if args.lm_eval_metadata else None
         for rec in [r for r in run.data["results"] if "error" not in r and r["seed"] == 0
@@ -222,5 +222,5 @@ def add_arguments(sub) -> None:
                         "passkey and rolling tasks; hub tasks such as piqa where the hub is reachable)")
     p.add_argument("--lm-eval-limit", type=int, default=None, help="lm-eval: at most this many documents per task")
     p.add_argument("--lm-eval-metadata", default=None, metavar="JSON",
-                   help='lm-eval task knobs, e.g. \'{"passkey_docs": 10}\' (see kvqbench.suites.lm_eval_tasks)')
+                   help='lm-eval task knobs, e.g. \'{"passkey_docs": 10}\' (see kvqbench.suites.lm_eval.tasks)')
     p.set_defaults(func=run_compare)

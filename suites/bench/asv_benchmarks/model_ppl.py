@@ -23,9 +23,9 @@ class Perplexity:
     timeout = 3600  # setup_cache: every spec on the CPU
 
     def setup_cache(self):
-        from kvqbench.suites.corpora import load_corpus, token_windows
-        from kvqbench.suites.models import load_model
-        from kvqbench.suites.perplexity import ppl_quantize_on_write
+        from kvqbench.suites.harness.corpora import load_corpus, token_windows
+        from kvqbench.suites.harness.models import load_model
+        from kvqbench.suites.harness.perplexity import ppl_quantize_on_write
 
         model, tok, _ = load_model(MODEL, device="cpu", dtype=torch.float32)
         text, _ = load_corpus(CORPUS)

@@ -56,7 +56,7 @@ def _dataset(rows: list[dict]):
 def alice_text() -> str:
     """Alice's Adventures in Wonderland from the canterbury corpus, every run of
     whitespace collapsed to one space (the haystack reads as one long paragraph)."""
-    from kvqbench.suites.corpora import load_corpus
+    from ...harness.corpora import load_corpus
 
     text, _ = load_corpus("canterbury")
     end = text.index("THE END") + len("THE END")  # alice29.txt comes first
@@ -76,7 +76,7 @@ def _cut(text: str, start: int, n: int) -> str:
 def rolling_docs(**kwargs):
     """`n` passages of ~`chars` characters, evenly spaced over the whole canterbury
     corpus (first at its start, last at its end), whitespace collapsed."""
-    from kvqbench.suites.corpora import load_corpus
+    from ...harness.corpora import load_corpus
 
     n, chars = _int(kwargs, "rolling_docs", 8), _int(kwargs, "rolling_chars", 2000)
     text, _ = load_corpus("canterbury")

@@ -15,8 +15,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvqbench.quantizers import Segment, get_quantizer
-from kvqbench.suites.kv_cache import QuantizedCache, cache_kwargs
-from kvqbench.suites.perplexity import ppl_prefill_then_decode, ppl_quantize_on_write
+from kvqbench.suites.harness.kv_cache import QuantizedCache, cache_kwargs
+from kvqbench.suites.harness.perplexity import ppl_prefill_then_decode, ppl_quantize_on_write
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

@@ -1,0 +1,2 @@
+"""lm-eval integration: the `kvqbench` model (`model`: a quantized cache under
+lm-eval's loglikelihood and generate) and the offline tasks (`tasks`)."""
