@@ -1,0 +1,80 @@
+"""Randomised Hadamard rotations, shared by the quantizers that rotate a head
+vector before coding it (hadamard-int, spherical, additive VQ).
+
+The rotation of a head vector x of length D is R x = W_b diag(s) x / sqrt(b):
+s are seeded random signs (one per element, stored as 1 bit each), and W_b is
+Sylvester's Hadamard matrix of order b, the largest power of two dividing D,
+applied to each block of b consecutive elements (b = D for the usual power-of-
+two head dims; a 96-dim head gets blocks of 32). R is orthogonal, so it
+preserves norms and the inverse is diag(s) W_b / sqrt(b).
+
+`fwht` applies W_b by the fast Walsh-Hadamard butterflies: log2(b) stages of
+elementwise sums and differences, O(D log D), and, unlike a matmul, the same
+operations in the same order whatever the batch shape, so a token rotated alone
+gets bit-identical coordinates to the same token inside a long write.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .packing import pack_bits, unpack_bits
+
+
+def hadamard_block(d: int) -> int:
+    """The largest power of two dividing d: the order of the Hadamard blocks."""
+    if d < 1:
+        raise ValueError(f"head_dim must be >= 1, got {d}")
+    return d & -d
+
+
+def sylvester_hadamard(d: int) -> torch.Tensor:
+    """Sylvester's +-1 Hadamard matrix of order d (a power of two), float32."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"Sylvester's construction needs a power-of-two order, got {d}")
+    w = torch.ones(1, 1)
+    while w.shape[0] < d:
+        w = torch.cat([torch.cat([w, w], 1), torch.cat([w, -w], 1)], 0)
+    return w
+
+
+def fwht(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x @ W_block on each block of `block` elements of the last axis (unnormalised;
+    W is symmetric, so this is also W x). Butterflies only: deterministic."""
+    shape = x.shape
+    y = x.reshape(*shape[:-1], shape[-1] // block, block)
+    h = 1
+    while h < block:
+        y = y.unflatten(-1, (block // (2 * h), 2, h))
+        a, b = y.select(-2, 0), y.select(-2, 1)
+        y = torch.stack([a + b, a - b], dim=-2).flatten(-3)
+        h *= 2
+    return y.reshape(shape)
+
+
+def random_signs(seeds: list[int], d: int) -> torch.Tensor:
+    """Packed sign bits uint8 `[len(seeds), ceil(d/8)]`, one seeded set per seed;
+    bit 1 means a negative sign."""
+    rows = [torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(s)) for s in seeds]
+    return pack_bits(torch.stack(rows), 1)
+
+
+def signs_of(packed_signs: torch.Tensor, d: int, dtype=torch.float32) -> torch.Tensor:
+    """+-1 `[H, d]` from packed sign bits."""
+    return 1 - 2 * unpack_bits(packed_signs, 1, d).to(dtype)
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """R x for x `[B, H, T, D]` and +-1 signs `[H, D]` (one rotation per kv-head)."""
+    b = hadamard_block(x.shape[-1])
+    return fwht(x * signs.unsqueeze(-2), b) * (1 / math.sqrt(b))
+
+
+def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """R^T y, the inverse of `rotate`."""
+    b = hadamard_block(y.shape[-1])
+    return fwht(y, b) * (1 / math.sqrt(b)) * signs.unsqueeze(-2)
+
+
+__all__ = ["fwht", "hadamard_block", "random_signs", "rotate", "signs_of", "sylvester_hadamard", "unrotate"]
