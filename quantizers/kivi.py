@@ -1,11 +1,27 @@
 """KIVI (Liu et al., ICML 2024), tuning-free: keys per channel, grouped over G
-tokens; values per token, grouped over G channels; asymmetric min/max; the
-most recent R tokens (and any tokens not yet filling a key group) stay fp16.
+tokens; values per token, grouped over G channels; asymmetric min/max; recent
+tokens stay fp16.
+
+The fp16 windows (`window`):
+- "paper" (default), as the paper and its official code do for keys: the key
+  residual holds T mod R tokens (0..R-1); when it reaches R tokens all R are
+  quantized at once (R/G key groups; an R that is not a multiple of G, 0
+  included, is rounded up to one, since keys are coded in whole G-token
+  groups; the official code asserts R % G == 0). Values keep the latest R
+  tokens fp16 and are flushed in whole G-token groups, so R..R+G-1 values
+  are fp16 once T >= R + G.
+  The official code flushes one value token per step (exactly R fp16); values
+  are coded per token, so this changes no code, only keeps up to G-1 more
+  fp16 value tokens, and keeps every stored segment a whole G-token group,
+  which the fused kernel's layout reads.
+- "fixed" (the earlier behaviour here): keys and values both keep the latest
+  R tokens plus the G-1 of an unfilled group, R..R+G-1 tokens fp16, more
+  bits for more accuracy than the method named after.
 
 Groups are cut at fixed token positions 0, G, 2G, ... and a token leaves the
-fp16 window only once R newer tokens exist, so writing token by token stores
-exactly what one big write stores. Under the quantize-on-write protocol a
-window of N <= R tokens is therefore never quantized: that is KIVI, not a bug.
+fp16 window at a fixed step count, so writing token by token stores exactly
+what one big write stores. Under the quantize-on-write protocol a window of
+N < R tokens is therefore never quantized: that is KIVI, not a bug.
 """
 from __future__ import annotations
 
@@ -19,7 +35,7 @@ from .groups import dequantize_groups, group_error_bound, quantize_groups
 
 class KIVI(Quantizer):
     name = "kivi"
-    description = "KIVI: per-channel keys / per-token values over groups of G, last R tokens fp16"
+    description = "KIVI: per-channel keys / per-token values over groups of G; fp16 key residual T mod R (paper), values last R"
     example_specs = ("kivi:bits=2", "kivi:bits=4")
     aliases = {"kivi2": {"bits": 2}, "kivi4": {"bits": 4}}
 
@@ -28,6 +44,7 @@ class KIVI(Quantizer):
         bits: int = 2
         group: int = 32
         residual: int = 128
+        window: str = "paper"  # or "fixed" (see the module docstring)
 
     def validate_config(self):
         c = self.config
@@ -35,6 +52,17 @@ class KIVI(Quantizer):
             raise QuantizerInputError(f"kivi: bits must be in 1..8, got {c.bits}")
         if c.group < 1 or c.residual < 0:
             raise QuantizerInputError(f"kivi: need group >= 1 and residual >= 0, got {c}")
+        if c.window not in ("paper", "fixed"):
+            raise QuantizerInputError(f"kivi: window must be paper or fixed, got {c.window!r}")
+
+    def quantized_tokens(self, total: int) -> int:
+        """How many of the first `total` tokens written are quantized (the rest are
+        the fp16 window); always a whole number of G-token groups."""
+        c = self.config
+        if c.window == "paper" and self.role == "K":
+            flush = -(-max(c.residual, 1) // c.group) * c.group  # R, rounded up to whole groups
+            return total // flush * flush
+        return max(0, total - c.residual) // c.group * c.group
 
     def append(self, packed, x):
         if packed is None:
@@ -48,7 +76,8 @@ class KIVI(Quantizer):
         pending = x.half().float()
         if segs and "residual" in segs[-1].fields:
             pending = torch.cat([segs.pop().fields["residual"].float(), pending], dim=2)
-        n_quant = max(0, pending.shape[2] - c.residual) // c.group * c.group
+        done = sum(s.tokens for s in segs)  # already quantized: whole groups
+        n_quant = self.quantized_tokens(done + pending.shape[2]) - done
         for start in range(0, n_quant, c.group):
             segs.append(self.encode_tokens(pending[:, :, start : start + c.group], packed.shared))
         if pending.shape[2] > n_quant:
@@ -83,7 +112,7 @@ class KIVI(Quantizer):
     def error_bound(self, x):
         c = self.config
         T = x.shape[2]
-        n_quant = max(0, T - c.residual) // c.group * c.group
+        n_quant = self.quantized_tokens(T)
         bound = (x.abs() * 2.0**-11).norm(dim=-1)  # fp16 window
         if n_quant == 0:
             return bound
