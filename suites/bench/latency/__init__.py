@@ -1,0 +1,33 @@
+"""Decode-step latency of attention over quantized KV caches, one run, same shapes.
+
+Methods, for Llama-3-8B attention shapes (Hq 32, Hkv 8, d 128), T in {4k, 16k,
+32k, 128k}, B in {1, 8, 32}: `fp16-sdpa` (fp16 K/V, torch SDPA, flash backend,
+native GQA), `fake-quant` (the whole packed HQMQ cache decoded to fp16 by the
+quantizer's torch decode, then SDPA: what the public benchmark compared
+against), and `fused-hqmq`, `fused-hqmq-med3`, `fused-int4`, `fused-kivi4`,
+`fused-kivi2` (kvqbench.kernels' fused decode attention over the packed bytes).
+Every figure carries the bytes the method must read, the achieved GB/s and its
+fraction of the device-to-device copy bandwidth measured in the same run. Also
+HQMQ encode throughput beside an arithmetic floor, and the stored bytes per
+token per layer of each quantizer with a PROJECTION to Llama-3-70B at 128k.
+
+    config.py             LatencyConfig (shapes, limits, sections) and the method specs
+    timing.py             environment record, the timer, copy bandwidth, launch errors
+    caches.py             synthetic K/V, their encodings in the kernel layout, tiling
+    methods.py            the timed calls: fp16 SDPA, fused kernels, fake-quant
+    tuning.py             the launch-config tuner (greedy, at the focus shape)
+    decode_step.py        the latency section (every method at every (B, T))
+    encode_throughput.py  the HQMQ encode section
+    memory.py             the memory section
+    targets.py            the targets read off the rows
+    render.py             latency.md and latency.png from the result dict
+    run.py                one run: sections in order, latency.json saved after each
+    __main__.py           the command line
+
+    python -m kvqbench.suites.bench.latency --out reports/latency   # GPU: everything
+    python -m kvqbench.suites.bench.latency --smoke --out /tmp/x    # CPU: plumbing only
+    pytest -m bench suites/bench/bench_latency.py                   # pytest-benchmark (GPU)
+
+Nothing is imported here: the command line sets TRITON_INTERPRET (CPU) before
+kvqbench.kernels is first imported.
+"""

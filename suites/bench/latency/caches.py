@@ -1,0 +1,89 @@
+"""The packed caches the latency run reads: real encodings of synthetic K/V.
+
+`t0` tokens of synthetic K/V (Gaussian; keys with three 25x outlier channels)
+are encoded once per method (HQMQ through the kernel encoder, the rest through
+the quantizer) and flattened into the kernel layout; every larger (B, T) is
+that cache tiled (`*Flat.tile`), so no shape pays for another encode.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ....kernels.hqmq_encode import encode_with_kernel
+from ....kernels.layout import KIVIFlat, flatten
+from ....quantizers import Packed, Quantizer, Segment, get_quantizer
+from ....quantizers.packing import unpack_bits
+from .config import METHOD_SPECS
+
+OUTLIER_CHANNELS_SCALE = 25.0
+
+
+def synthetic_kv(B: int, H: int, T: int, d: int, device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 K and V `[B, H, T, d]`, Gaussian; three key channels scaled 25x (outliers)."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, H, T, d, generator=g)
+    for c in (3, d // 2 + 1, d - 2):
+        k[..., c] *= OUTLIER_CHANNELS_SCALE
+    v = torch.randn(B, H, T, d, generator=g)
+    return k.half().to(device), v.half().to(device)
+
+
+@dataclasses.dataclass
+class EncodedCache:
+    """One method's encoded K/V: the quantizers, their Packed caches and kernel layouts."""
+
+    spec: str
+    qk: Quantizer
+    qv: Quantizer
+    pk: Packed
+    pv: Packed
+    kf: object  # kernels.layout *Flat of pk
+    vf: object
+
+
+def encode_caches(device, hkv: int, t0: int, d: int) -> dict[str, EncodedCache]:
+    """{method: its encoded cache} for every method with a packed cache (config.METHOD_SPECS);
+    methods of the same spec share one encoding."""
+    k, v = synthetic_kv(1, hkv, t0, d, device)
+    by_spec: dict[str, EncodedCache] = {}
+    for spec in dict.fromkeys(METHOD_SPECS.values()):
+        qk, qv = get_quantizer(spec, role="K"), get_quantizer(spec, role="V")
+        # a quantizer with a searched codebook (HQMQ) encodes through the kernel search
+        enc = encode_with_kernel if hasattr(qk, "search") else (lambda q, x: q.encode(x))
+        pk, pv = enc(qk, k), enc(qv, v)
+        by_spec[spec] = EncodedCache(spec, qk, qv, pk, pv, flatten(pk, "K"), flatten(pv, "V"))
+    return {method: by_spec[spec] for method, spec in METHOD_SPECS.items()}
+
+
+def tiled(cache: EncodedCache, B: int, T: int, t0: int):
+    """The K and V layouts of `cache` tiled to B sequences of T tokens; ValueError where T
+    does not fit (not a multiple of the encoded tokens, or of KIVI's groups)."""
+    kf, vf = cache.kf, cache.vf
+    if isinstance(kf, KIVIFlat):  # quantized groups repeat, the fp16 window stays last
+        if (T - kf.T_res) % kf.group:
+            raise ValueError(f"T={T} does not fit KIVI groups of {kf.group} after a {kf.T_res}-token window")
+        groups = (T - kf.T_res) // kf.group
+        return kf.tile(B, groups), vf.tile(B, groups)
+    if T % t0:
+        raise ValueError(f"T={T} is not a multiple of the encoded {t0} tokens")
+    return kf.tile(B, T // t0), vf.tile(B, T // t0)
+
+
+def hqmq_segment(flat) -> Segment:
+    """The HQMQ Segment (what `HQMQ.decode_tokens` reads) holding the tokens of an
+    HQMQFlat, for the fake-quant pipeline that decodes a whole tiled cache in torch.
+    Outliers go back to the quantizer's (b, h, t, chunk) order: from per-(b, h) lists
+    `[B, H, Ocap, 4]` (the first n of each valid), or as they are if already global `[n, 4]`."""
+    T = flat.T
+    fields = {"codes": flat.codes[:, :, :T], "radius": flat.radius[:, :, :T], "r_max": flat.r_max[:, :, :T]}
+    if flat.has_outliers:
+        flags = flat.flags[:, :, :T]
+        outliers = flat.outliers
+        if outliers.dim() == 4:
+            per_bh = unpack_bits(flags, 1, flat.D // 4).sum((2, 3))  # [B, H]
+            valid = torch.arange(outliers.shape[2], device=outliers.device) < per_bh[..., None]
+            outliers = outliers[valid]
+        fields.update(flags=flags, outliers=outliers)
+    return Segment(fields, T)

@@ -1,0 +1,79 @@
+"""What one latency run measures: methods, shapes and limits, in one dataclass.
+
+`LatencyConfig.full()` is the GPU run (Llama-3-8B attention shapes); `smoke()`
+is the same plumbing at tiny shapes, which runs on the CPU through the Triton
+interpreter. Everything a section reads comes from here, nothing from argparse.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+# method name -> quantizer spec of its packed cache (fp16-sdpa needs none)
+FUSED_SPECS = {
+    "fused-hqmq": "hqmq:S=96,r=4",
+    "fused-hqmq-med3": "hqmq:S=96,r=4,outliers=med3",
+    "fused-int4": "int4",
+    "fused-kivi4": "kivi:bits=4",
+    "fused-kivi2": "kivi:bits=2",
+}
+FAKE_QUANT_SPEC = "hqmq:S=96,r=4,outliers=med3"
+METHOD_SPECS = {**FUSED_SPECS, "fake-quant": FAKE_QUANT_SPEC}
+ENCODE_SPECS = ("hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3")
+MEMORY_SPECS = ("fp16", "int4", "int2", "kivi:bits=4", "kivi:bits=2", "hqmq:S=24,r=3", "hqmq:S=96,r=4",
+                "hqmq:S=24,r=3,outliers=med3", "hqmq:S=96,r=4,outliers=med3")
+# The memory section's projection: computed from this config, never measured on the model.
+PROJECTION = {"model": "Llama-3-70B", "layers": 80, "kv_heads": 8, "head_dim": 128, "tokens": 131072}
+# Default launch config of the fused kernels (and the tuner's starting point).
+DEFAULT_LAUNCH = {"block_t": 64, "num_warps": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencyConfig:
+    hq: int  # query heads
+    hkv: int  # KV heads
+    d: int  # head dim
+    t0: int  # tokens really encoded; larger caches tile them (a multiple of 64)
+    tokens: tuple[int, ...]  # cached tokens T measured
+    batches: tuple[int, ...]  # batch sizes B measured
+    focus: tuple[int, int]  # (B, T) where the targets are checked and the kernels tuned
+    encode_tokens: int  # tokens of the encode-throughput input
+    memory_tokens: int  # tokens of the memory figure (its slope is measured between half and all)
+    copy_bytes: int  # bytes of the device-to-device copy that sets the bandwidth yardstick
+    budget_s: float = 400.0  # no new (B, T) shape starts after this many seconds
+    tune: bool = True  # tune the launch config at the focus shape (GPU only)
+    encode: bool = True  # run the encode-throughput section
+    memory: bool = True  # run the memory section
+    fp16_max_bytes: int = 80 << 30  # fp16 K+V larger than this are not allocated
+    fake_max_token_heads: int = 4 << 20  # torch decode temporaries ~10 KB per token-head
+
+    def __post_init__(self):
+        if self.hq % self.hkv:
+            raise ValueError(f"query heads {self.hq} must be a multiple of KV heads {self.hkv}")
+        if self.t0 % 64:
+            raise ValueError(f"encoded tokens t0={self.t0} must be a multiple of 64 (tiling along tokens)")
+        if self.focus[0] not in self.batches or self.focus[1] not in self.tokens:
+            raise ValueError(f"focus {self.focus} is not among batches {self.batches} x tokens {self.tokens}")
+
+    @classmethod
+    def full(cls, **overrides) -> "LatencyConfig":
+        """The GPU run: Hq 32, Hkv 8, d 128; T in {4k, 16k, 32k, 128k}; B in {1, 8, 32}."""
+        return cls(**{**dict(hq=32, hkv=8, d=128, t0=4096, tokens=(4096, 16384, 32768, 131072), batches=(1, 8, 32),
+                               focus=(8, 32768), encode_tokens=32768, memory_tokens=4096, copy_bytes=4 << 30),
+                      **overrides})
+
+    @classmethod
+    def smoke(cls, **overrides) -> "LatencyConfig":
+        """Tiny shapes that exercise every code path on the CPU (Triton interpreter)."""
+        return cls(**{**dict(hq=4, hkv=2, d=64, t0=256, tokens=(256, 512), batches=(1, 2), focus=(2, 512),
+                               encode_tokens=256, memory_tokens=256, copy_bytes=1 << 20),
+                      **overrides})
+
+    @property
+    def shape(self) -> dict:
+        """The shape block of the report."""
+        return {"Hq": self.hq, "Hkv": self.hkv, "d": self.d, "encoded_tokens": self.t0}
+
+    def combos(self) -> list[tuple[int, int]]:
+        """(B, T) in measuring order: the focus first (where tuning happens), then by B, T."""
+        return sorted(((b, t) for b in self.batches for t in self.tokens),
+                      key=lambda c: (c != self.focus, c[0], c[1]))

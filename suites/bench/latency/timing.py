@@ -1,0 +1,85 @@
+"""Where the run happens and how it is timed: environment record, the timer, the
+copy-bandwidth yardstick, and the failures a launch can really have.
+
+GPU timing is `triton.testing.do_bench` (CUDA events, median, L2 flushed before
+each call, warm-up first). On the CPU (smoke runs through the Triton
+interpreter) it is the median of three wall-clock calls after one warm-up: a
+plumbing check, not a figure.
+"""
+from __future__ import annotations
+
+import platform
+import subprocess
+import time
+
+import torch
+from triton.runtime.errors import OutOfResources
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+
+# What a launch at a too-large shape or config can raise (shared memory or
+# registers exceeded, device memory exhausted); anything else is a bug.
+LAUNCH_ERRORS = (OutOfResources, torch.OutOfMemoryError)
+
+
+def describe_error(e: BaseException, limit: int = 400) -> str:
+    return f"{type(e).__name__}: {e}"[:limit]
+
+
+def _smi(query: str) -> str:
+    """One nvidia-smi field of GPU 0, or "" where nvidia-smi is missing or fails."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    lines = out.stdout.strip().splitlines()
+    return lines[0] if out.returncode == 0 and lines else ""
+
+
+def env_info() -> dict:
+    import triton
+
+    info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+            "cuda": torch.version.cuda, "time": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    if GPU:
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sm_count=p.multi_processor_count, gpu_mem_GiB=round(p.total_memory / 2**30, 1),
+                    driver=_smi("driver_version"), sm_clock_max_MHz=_smi("clocks.max.sm"),
+                    sm_clock_now_MHz=_smi("clocks.sm"), mem_clock_max_MHz=_smi("clocks.max.mem"))
+    else:
+        info.update(gpu="none (CPU smoke run, Triton interpreter)", sm_count=0)
+    return info
+
+
+def sm_clock_mhz(env: dict) -> float:
+    """The maximum SM clock nvidia-smi reported, 0 where it reported none."""
+    try:
+        return float(env.get("sm_clock_max_MHz") or 0)
+    except ValueError:  # e.g. "[N/A]"
+        return 0.0
+
+
+def timeit_us(fn, rep_ms: int = 100) -> float:
+    """Median time of fn in microseconds (GPU: CUDA events, L2 flushed, warmed up)."""
+    if GPU:
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
+    fn()
+    ts = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[1] * 1e6
+
+
+def copy_bandwidth(nbytes: int) -> dict:
+    """Device-to-device copy of nbytes: the yardstick every GB/s figure is divided by."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_(0, 256)
+    dst = torch.empty_like(src)
+    t = timeit_us(lambda: dst.copy_(src), rep_ms=200)
+    del src, dst
+    return {"bytes_copied": nbytes, "time_us": t, "GBps_read_plus_write": 2 * nbytes / t / 1e3}
