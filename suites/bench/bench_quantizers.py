@@ -21,16 +21,8 @@ import torch
 from kvqbench.quantizers import get_quantizer
 from kvqbench.suites.conformance import all_example_specs, head_dim_for
 
-pytestmark = pytest.mark.bench
+pytestmark = [pytest.mark.bench, pytest.mark.usefixtures("one_thread")]  # one_thread: see conftest.py
 SPECS = ["fp16"] + [s for s in all_example_specs() if s != "fp16"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _setup(spec: str):

@@ -83,19 +83,37 @@ def quantizer_or_skip(spec: str, **kw):
         raise NotImplementedError(f"{spec}: {e}") from e
 
 
-def head_dim_for(spec: str) -> int:
-    """64 unless the config's groups need more (what the conformance suite uses)."""
-    import torch
+class CachedFigures:
+    """Base of benchmarks whose figures are all computed once, in `setup_cache`, as
+    {spec: {figure: value}}: a spec missing there (unknown to the installed commit) is
+    skipped. Their `track_` methods are `cached_figure(...)`."""
 
-    q = quantizer_or_skip(spec)
-    for d in (64, 128, 256):
-        try:
-            q.check_input(torch.zeros(1, 1, 1, d))
-        except ValueError:
-            continue
-        if d % getattr(q.config, "group", 1) == 0:
-            return d
-    raise NotImplementedError(f"{spec}: accepts none of head_dim 64/128/256")
+    def setup(self, cache, spec):
+        if spec not in cache:
+            raise NotImplementedError(f"{spec} not available at this commit")
+
+
+def cached_figure(key: str, unit: str, doc: str | None = None):
+    """A `track_` method returning figure `key` of its spec from `setup_cache`'s dict.
+    asv names it by the attribute it is assigned to and versions it by `pretty_source`."""
+
+    def track(self, cache, spec):
+        return cache[spec][key]
+
+    track.unit, track.__doc__ = unit, doc
+    track.pretty_source = f"return cache[spec][{key!r}]  # {unit}"
+    return track
+
+
+def head_dim_for(spec: str) -> int:
+    """The head_dim the conformance suite uses (64 unless the config's groups need more)."""
+    from kvqbench.suites.conformance import head_dim_for as conformance_head_dim
+
+    quantizer_or_skip(spec)  # a spec this commit does not know: skipped
+    try:
+        return conformance_head_dim(spec)
+    except (AssertionError, ValueError) as e:  # accepts none of the head dims tried
+        raise NotImplementedError(str(e)) from e
 
 
 SPECS = example_specs()

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from .common import SPECS, quantizer_or_skip
+from .common import SPECS, CachedFigures, cached_figure, quantizer_or_skip
 
 MODEL, CORPUS, WINDOW, N_WINDOWS = "smollm2-135m", "canterbury", 160, 1
 
 
-class Perplexity:
+class Perplexity(CachedFigures):
     params = [SPECS]
     param_names = ["spec"]
     timeout = 3600  # setup_cache: every spec on the CPU
@@ -40,17 +40,6 @@ class Perplexity:
             out[spec] = {"ppl": r["ppl"], "bits": r["bits_per_element"]}
         return out
 
-    def setup(self, cache, spec):
-        if spec not in cache:
-            raise NotImplementedError(f"{spec} not available at this commit")
-
-    def track_ppl(self, cache, spec):
-        return cache[spec]["ppl"]
-
-    track_ppl.unit = "PPL"
-
-    def track_model_cache_bits(self, cache, spec):
-        """Bits per element measured on the model's real (post-RoPE) K/V."""
-        return cache[spec]["bits"]
-
-    track_model_cache_bits.unit = "bits"
+    track_ppl = cached_figure("ppl", "PPL")
+    track_model_cache_bits = cached_figure("bits", "bits", "Bits per element measured on the model's real "
+                                                           "(post-RoPE) K/V.")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import SPECS, head_dim_for, quantizer_or_skip
+from .common import SPECS, CachedFigures, cached_figure, head_dim_for, quantizer_or_skip
 
 OUTLIERS = (1, 35)  # channels scaled up; both < 64
 
@@ -28,7 +28,7 @@ def _reference(d: int, tokens: int, heads: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
-class Figures:
+class Figures(CachedFigures):
     """Bits and round-trip error: computed once for all specs (setup_cache)."""
 
     params = [SPECS]
@@ -48,19 +48,8 @@ class Figures:
             out[spec] = {"bits": packed.bits_per_element, "err": ((y - x).norm() / x.norm()).item()}
         return out
 
-    def setup(self, cache, spec):
-        if spec not in cache:
-            raise NotImplementedError(f"{spec} not available at this commit")
-
-    def track_bits_per_element(self, cache, spec):
-        return cache[spec]["bits"]
-
-    track_bits_per_element.unit = "bits"
-
-    def track_roundtrip_error(self, cache, spec):
-        return cache[spec]["err"]
-
-    track_roundtrip_error.unit = "relative L2 error"
+    track_bits_per_element = cached_figure("bits", "bits")
+    track_roundtrip_error = cached_figure("err", "relative L2 error")
 
 
 class Codec:
