@@ -1,2 +1,9 @@
-"""Benchmarks: fused-kernel latency, quantizer encode/decode timings
-(pytest-benchmark) and the asv suite (`asv_benchmarks/`) that tracks figures across commits."""
+"""Benchmarks, one concern each:
+
+- `latency/`: decode-step attention latency of the fused kernels against fp16 SDPA
+  and fake-quant (config, measurement, rendering; `python -m kvqbench.suites.bench.latency`);
+- `bench_latency.py`: its pytest-benchmark entry points (GPU);
+- `bench_quantizers.py`: CPU encode/decode time of every registered quantizer
+  (pytest-benchmark);
+- `asv_benchmarks/`: the asv suite that tracks figures across commits.
+"""
