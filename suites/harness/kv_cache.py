@@ -5,16 +5,24 @@
     cache.bits_per_element()      # measured from the packed bytes of every layer
 
 Every write goes into the packed store of its (layer, role) through the quantizer's
-`append`, and what attention reads back is the DECODED history, the current write
-included. So:
+`append`; what attention reads is the quantized history, the current write included.
+Two ways to read it:
 
-- `quantize-on-write`: one forward pass over a window from a fresh cache; every K/V
-  that attention reads, prefill included, has been through quantize/dequantize.
-- `prefill-then-decode`: the same cache, used with a prefill call and then one-token
-  calls; each decode step appends its one token to the packed store (`append`) and
-  attention reads the dequantized history. Quantizers whose state spans writes
-  (KIVI's fp16 window, a per-write Med3x median) see exactly the write pattern a
-  deployed cache sees.
+- dense (any quantizer, any attention): the layer keeps the DECODED history in a
+  buffer that grows in place (kernels/store.py `TokenBuffer`); each write decodes only
+  its new segments into it (KIVI's replaced fp16 window included), so a decode step
+  costs O(1) decode work and no O(T) copy. Attention is the model's own (SDPA, eager).
+- fused (the model runs the "kvqbench" attention of suites/harness/attention.py, and
+  the quantizer has a fused kernel, on CUDA or under TRITON_INTERPRET=1): the layer
+  keeps a `KernelStore` (device buffers in the kernels' layout, appended in place)
+  and NO decoded history. A one-token decode step hands attention a `PackedHistory`
+  handle and the fused kernel reads the store; a multi-token write (prefill) decodes
+  the history once into a transient tensor for SDPA.
+
+Protocols (METHOD.md 4): `quantize-on-write` is one forward pass over a window from a
+fresh cache; `prefill-then-decode` is a prefill call then one-token calls, each
+appending its token, so quantizers whose state spans writes (KIVI's fp16 window, a
+per-write Med3x median) see the write pattern a deployed cache sees.
 
 Keys arrive AFTER RoPE (transformers applies the rotary embedding before
 `cache.update`), so quantizers code rotated keys, as a deployed cache stores them.
@@ -29,7 +37,7 @@ the installed version) and overrides only what touches storage; the cache subcla
 not `DynamicCache`, whose config-driven layer dispatch would build plain layers.
 Models with sliding-window layers (Gemma-3) are supported by keeping the full
 history in every layer: the model still builds a sliding mask for those layers, so
-attention is exact; the cache just stores (and counts) more than a sliding cache would.
+attention is exact (such layers never take the fused path: it has no mask).
 
 The installed transformers names the forward/generate argument either `cache`
 (newer 5.x; `past_key_values` is a deprecated alias) or `past_key_values` (older):
@@ -37,13 +45,15 @@ The installed transformers names the forward/generate argument either `cache`
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
+import os
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ...quantizers import Packed, get_quantizer
+from ...kernels.store import KernelStore, TokenBuffer, grown_capacity
+from ...quantizers import Packed, Segment, get_quantizer
+from .attention import PackedHistory, uses_fused_attention
 
 ROLES = ("K", "V")
 # Layer types whose K/V a full-history quantized layer serves correctly (the model's
@@ -62,24 +72,52 @@ def cache_kwargs(model, cache) -> dict:
     return {cache_kwarg_name(model): cache}
 
 
-class QuantizedLayer(DynamicLayer):
-    """One model layer: packed K and V stores plus the decoded history attention reads.
+def _triton_can_run(device: torch.device) -> bool:
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-    `self.keys` / `self.values` always hold the decoded history (what attention read
-    last), so the inherited DynamicLayer bookkeeping stays valid; the packed stores
-    are the ground truth and the only thing counted as storage.
-    """
+
+def _new_segments(old: Packed | None, new: Packed) -> tuple[list[Segment], int]:
+    """(segments of `new` not shared with `old`, tokens of the shared prefix).
+    Segments are immutable: a shared object holds the same bytes (KIVI replaces its
+    trailing fp16 window on each write; a tampered segment is a new object)."""
+    n, t = 0, 0
+    if old is not None:
+        for a, b in zip(old.segments, new.segments):
+            if a is not b:
+                break
+            n, t = n + 1, t + a.tokens
+    return new.segments[n:], t
+
+
+def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q K^T / sqrt(d)) V of one decode query `[B, Hq, 1, D]` over `[B, Hkv, T, D]`."""
+    g = q.shape[1] // k.shape[1]
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
+
+
+class QuantizedLayer(DynamicLayer):
+    """One model layer: packed K and V, plus either the decoded history (dense mode) or
+    the kernels' device store (fused mode); the packed bytes are the only thing counted."""
 
     is_croppable = False  # the packed store cannot be rolled back token by token
 
-    def __init__(self, spec: str, layer_idx: int, seed: int = 0):
+    def __init__(self, spec: str, layer_idx: int, seed: int = 0, layer_type: str | None = None):
         super().__init__()
         self.spec, self.layer_idx, self.seed = spec, layer_idx, seed
+        self.layer_type = layer_type
         self.quantizers = {r: get_quantizer(spec, layer=layer_idx, role=r, seed=seed) for r in ROLES}
+        self.fused_wanted = False  # set by the cache before each update
+        self.capacity_hint = 0  # tokens to preallocate for (e.g. prompt + new tokens)
+        self._clear()
+
+    def _clear(self) -> None:
         self.packed: dict[str, Packed | None] = {r: None for r in ROLES}
-        # (packed, decoded) of the last read per role: segments shared with it are
-        # not re-concatenated from their pieces on the next read.
-        self._last_read: dict[str, tuple[Packed, torch.Tensor] | None] = {r: None for r in ROLES}
+        self.decoded: dict[str, TokenBuffer | None] = {r: None for r in ROLES}  # dense mode
+        self.stores: dict[str, KernelStore | None] = {r: None for r in ROLES}  # fused mode
+        self.mode: str | None = None  # "dense" or "fused", fixed at the first write
+        self.fallbacks = 0  # fused steps the kernel refused (served densely instead)
+        self.tokens = 0
         self.keys = self.values = None
 
     # Signature differs across 5.x (value_states was added); accept both.
@@ -92,49 +130,88 @@ class QuantizedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[-2] == 0:  # nothing written (e.g. an early-init probe)
             return self.keys, self.values
-        self.keys = self._write("K", key_states)
-        self.values = self._write("V", value_states)
+        new = {}
+        for role, x in (("K", key_states), ("V", value_states)):
+            old = self.packed[role]
+            self.packed[role] = self.quantizers[role].append(old, x)  # append(None, x) == encode(x)
+            new[role] = _new_segments(old, self.packed[role])
+        self.tokens = self.packed["K"].tokens
+        if self.mode is None:  # the first write decides (and a new store absorbs it)
+            self.mode = "fused" if self._start_stores() else "dense"
+        elif self.mode == "fused":
+            for role in ROLES:
+                self.stores[role].append(*new[role])
+        if self.mode == "fused":
+            if key_states.shape[-2] == 1:
+                handle = PackedHistory(self)
+                return handle, handle
+            return self.read("K"), self.read("V")  # prefill: a transient decode
+        self.keys = self._decode_into("K", *new["K"])
+        self.values = self._decode_into("V", *new["V"])
         return self.keys, self.values
 
-    def _write(self, role: str, x: torch.Tensor) -> torch.Tensor:
-        q = self.quantizers[role]
-        self.packed[role] = q.append(self.packed[role], x)  # append(None, x) == encode(x)
-        return self.read(role)
+    def _start_stores(self) -> bool:
+        """Fused mode: a store per role, when asked for and a kernel reads this format."""
+        if not (self.fused_wanted and _triton_can_run(self.device)
+                and self.layer_type in (None, "full_attention")):
+            return False
+        hint = self.capacity_hint
+        stores = {r: KernelStore.create(self.packed[r], r, capacity=hint) for r in ROLES}
+        if any(s is None for s in stores.values()):
+            return False
+        self.stores = stores
+        return True
+
+    def _decode_into(self, role: str, new: list[Segment], shared_tokens: int) -> torch.Tensor:
+        """Decode a write's new segments into the growing decoded buffer at `shared_tokens`."""
+        part = self._decode_segments(role, new)
+        if self.decoded[role] is None:
+            self.decoded[role] = TokenBuffer(part, grown_capacity(max(part.shape[2], self.capacity_hint)))
+        self.decoded[role].write(shared_tokens, part)
+        return self.decoded[role].valid
+
+    def _decode_segments(self, role: str, segs: list[Segment]) -> torch.Tensor:
+        """Decoded tokens of `segs`, in the written dtype, without caching them on the
+        segments (a cached copy would be a dense history beside the packed bytes)."""
+        q, p = self.quantizers[role], self.packed[role]
+        parts = [q.decode_tokens(s, p.shared, (p.batch, p.heads, s.tokens, p.head_dim)).to(p.dtype) for s in segs]
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
     def read(self, role: str) -> torch.Tensor:
-        """The decoded history of `role` ("K" or "V"), `[B, H, T, D]`, in the written dtype."""
-        q, packed = self.quantizers[role], self.packed[role]
-        last = self._last_read[role]
-        n_same, t_same = 0, 0
-        if last is not None:
-            # Segments are immutable; a segment object shared with the last read decodes
-            # to the same values. (KIVI replaces its trailing fp16 segment on each write,
-            # a tampered segment is a new object: both end the shared prefix.)
-            for a, b in zip(last[0].segments, packed.segments):
-                if a is not b:
-                    break
-                n_same, t_same = n_same + 1, t_same + a.tokens
-        if n_same == 0:
-            out = q.decode(packed)
-        elif n_same == len(packed.segments) and t_same == last[1].shape[2]:
-            out = last[1]
-        else:
-            rest = q.decode(dataclasses.replace(packed, segments=packed.segments[n_same:]))
-            out = torch.cat([last[1][:, :, :t_same], rest], dim=2)
-        self._last_read[role] = (packed, out)
-        return out
+        """The decoded history of `role` ("K" or "V"), `[B, H, T, D]`, in the written dtype
+        (fused mode: decoded now, transiently)."""
+        if self.mode == "dense":
+            return self.decoded[role].valid
+        return self._decode_segments(role, self.packed[role].segments)
+
+    def fused_attend(self, query: torch.Tensor) -> torch.Tensor:
+        """The fused kernel over the K and V stores: `[B, Hq, 1, D]`."""
+        from ...kernels.decode_attention import decode_attention
+
+        try:
+            return decode_attention(query, self.stores["K"].kernel_view(), self.stores["V"].kernel_view())
+        except ValueError:
+            # A shape the kernel refuses (e.g. K and V windows of different lengths on
+            # kernels that need them equal): exact dense attention instead, counted.
+            self.fallbacks += 1
+            return _dense_attention(query, self.read("K"), self.read("V"))
 
     def replace_packed(self, role: str, packed: Packed) -> None:
-        """Swap in another packed store (diagnostics: e.g. tampered bytes). The next
-        read decodes it afresh for every segment that is a new object."""
+        """Swap in another packed store (diagnostics: e.g. tampered bytes). Every segment
+        from the first new object on is decoded (dense) or absorbed (fused) afresh."""
+        new, shared = _new_segments(self.packed[role], packed)
         self.packed[role] = packed
-        if role == "K":
-            self.keys = self.read("K")
-        else:
-            self.values = self.read("V")
+        if self.mode == "fused":
+            self.stores[role] = KernelStore.create(packed, role, capacity=self.capacity_hint)
+        elif new:
+            out = self._decode_into(role, new, shared)
+            if role == "K":
+                self.keys = out
+            else:
+                self.values = out
 
     def get_seq_length(self, *args, **kwargs) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
+        return self.tokens
 
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.packed.values() if p is not None)
@@ -143,12 +220,9 @@ class QuantizedLayer(DynamicLayer):
         return sum(p.numel for p in self.packed.values() if p is not None)
 
     def reset(self) -> None:
-        self.packed = {r: None for r in ROLES}
-        self._last_read = {r: None for r in ROLES}
-        # Drop (never zero in place) the decoded tensors: they may be the very tensors the
-        # segments cache as their decoded values. With is_initialized cleared first, the
+        # Drop (never zero in place) the buffers; with is_initialized cleared first, the
         # base reset only resets its own bookkeeping.
-        self.keys = self.values = None
+        self._clear()
         self.is_initialized = False
         super().reset()
 
@@ -183,15 +257,22 @@ class QuantizedLayer(DynamicLayer):
 class QuantizedCache(Cache):
     """A transformers Cache whose every layer stores K/V through quantizer `spec`.
 
-    QuantizedCache(spec, n_layers=None, *, config=None, seed=0)
+    QuantizedCache(spec, n_layers=None, *, config=None, seed=0, fused=None, capacity=0)
 
     Give `config=model.config` (preferred: the layer count and layer types are
     checked) or `n_layers`; with neither, layers are created as `update` reaches them.
+    `fused`: None (default) uses the fused decode path when the model runs the
+    "kvqbench" attention (`attention.fused_attention(model)`; needs `config`), True /
+    False force it on / off (on still needs a format a kernel reads and CUDA or
+    TRITON_INTERPRET=1; otherwise the layer stays dense). `capacity`: tokens to
+    preallocate per layer (e.g. prompt + new tokens); buffers grow by doubling anyway.
     """
 
-    def __init__(self, spec: str, n_layers: int | None = None, *, config=None, seed: int = 0):
+    def __init__(self, spec: str, n_layers: int | None = None, *, config=None, seed: int = 0,
+                 fused: bool | None = None, capacity: int = 0):
         get_quantizer(spec)  # fail on a bad spec now, not inside the forward pass
-        self.spec, self.seed = spec, int(seed)
+        self.spec, self.seed, self.fused, self.capacity = spec, int(seed), fused, int(capacity)
+        self.model_config, types = config, None
         if config is not None:
             text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
             types = getattr(text, "layer_types", None)
@@ -202,12 +283,25 @@ class QuantizedCache(Cache):
             if n_layers is not None and n_layers != text.num_hidden_layers:
                 raise ValueError(f"n_layers={n_layers} but the config has {text.num_hidden_layers} layers")
             n_layers = text.num_hidden_layers
-        layers = [QuantizedLayer(spec, i, self.seed) for i in range(n_layers or 0)]
+        self.layer_types = list(types) if types else None
+        layers = [self._new_layer(i) for i in range(n_layers or 0)]
         super().__init__(layers=layers)  # an explicit (possibly empty) list: no layer_class_to_replicate
+
+    def _new_layer(self, i: int) -> QuantizedLayer:
+        lt = self.layer_types[i] if self.layer_types and i < len(self.layer_types) else None
+        return QuantizedLayer(self.spec, i, self.seed, layer_type=lt)
+
+    def fused_wanted(self) -> bool:
+        if self.fused is not None:
+            return self.fused
+        return self.model_config is not None and uses_fused_attention(self.model_config)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:  # lazily grown when no layer count was given
-            self.layers.append(QuantizedLayer(self.spec, len(self.layers), self.seed))
+            self.layers.append(self._new_layer(len(self.layers)))
+        layer = self.layers[layer_idx]
+        if layer.mode is None:
+            layer.fused_wanted, layer.capacity_hint = self.fused_wanted(), self.capacity
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # ---- measurement and diagnostics ----------------------------------------------------
@@ -222,6 +316,18 @@ class QuantizedCache(Cache):
     def numel(self) -> int:
         """Number of K/V elements held, all layers, K and V."""
         return sum(layer.numel() for layer in self.layers)
+
+    def nbytes_as_row_caches(self) -> int:
+        """What the batch's rows would store as separate one-row caches: every segment
+        byte, plus the per-(layer, role) codebooks once PER ROW. Batched scoring reports
+        this, so its bits equal a one-window-at-a-time run's."""
+        n = 0
+        for layer in self.layers:
+            for p in layer.packed.values():
+                if p is not None:
+                    shared = sum(t.numel() * t.element_size() for t in p.shared.values())
+                    n += p.nbytes + (p.batch - 1) * shared
+        return n
 
     def bits_per_element(self) -> float:
         """Measured: sum of stored bytes x 8 / sum of K/V elements over every layer."""

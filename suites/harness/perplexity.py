@@ -8,15 +8,28 @@
 `spec` is a quantizer spec; "fp16" is the fp16 baseline (K/V stored as fp16), and
 `None` means the model's own plain cache (DynamicCache, no quantizer at all).
 
-Each window runs alone (batch 1) from a fresh cache: quantizers with per-write
-statistics (a Med3x median, per-channel key groups) must not mix windows.
+Batches: windows are scored `batch_size` at a time (all have the same length, so no
+padding), each batch from a fresh cache. Quantizers keep their statistics per (batch
+row, kv-head) (a Med3x median, KIVI's key groups), so a row's bytes and decoded values
+do not depend on its neighbours; suites/tests/test_decode_path.py checks, for every
+registered quantizer, that batched and one-by-one NLLs and bits agree. A quantizer
+whose statistics span rows must say `rows_independent = False`; it is then scored one
+window at a time. The batch is also capped so the logits stay within LOGITS_BUDGET.
+
+Prefill-then-decode runs the decode steps through the fused kernels when the model
+uses SDPA and the quantizer has a kernel (CUDA, or TRITON_INTERPRET=1): the packed
+store is read in place, with no dense copy of the history (`fused=False` turns it off).
 
 PPL = exp(nll_sum / n_predicted). Bits per element are measured from the bytes each
 window's cache stores after its last write, pooled over windows (sum of bytes x 8 /
-sum of K/V elements, i.e. averaged weighting by elements).
+sum of K/V elements). A batch's cache stores the per-(layer, role) codebooks once for
+all its rows; it reports them once per row (`QuantizedCache.nbytes_as_row_caches`),
+so the figure is the same as scoring one window at a time.
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
 import time
 from typing import Callable
@@ -25,9 +38,13 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from ...quantizers import parse_spec
+from .attention import fused_attention
 from .kv_cache import QuantizedCache, cache_kwargs, plain_cache_stats
 
 Progress = Callable[[int, int], None]  # (windows done, windows total)
+DEFAULT_BATCH = 8
+LOGITS_BUDGET = 1 << 29  # bytes of fp32 logits one forward pass may produce (512 MiB)
 
 
 def _device_of(model, device) -> torch.device:
@@ -41,22 +58,23 @@ def _device_of(model, device) -> torch.device:
     return device
 
 
-def _new_cache(model, spec: str | None, seed: int):
+def _new_cache(model, spec: str | None, seed: int, capacity: int = 0):
     if spec is None:
         return DynamicCache(config=model.config)
-    return QuantizedCache(spec, config=model.config, seed=seed)
+    return QuantizedCache(spec, config=model.config, seed=seed, capacity=capacity)
 
 
 def _cache_stats(cache) -> tuple[int, int]:
     if isinstance(cache, QuantizedCache):
-        return cache.nbytes(), cache.numel()
+        return cache.nbytes_as_row_caches(), cache.numel()
     return plain_cache_stats(cache)
 
 
 def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed NLL of `targets` [T] under `logits` [T, V]: float32 softmax, float64 sum.
-    Kept on the device (no per-step host sync); `.item()` once per window."""
-    return F.cross_entropy(logits.float(), targets, reduction="sum").double()
+    """Summed NLL of `targets` [..., T] under `logits` [..., T, V]: float32 softmax,
+    float64 sum. Kept on the device (no per-step host sync); `.item()` once per batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                           reduction="sum").double()
 
 
 def _check_windows(windows: torch.Tensor, min_len: int) -> torch.Tensor:
@@ -67,7 +85,32 @@ def _check_windows(windows: torch.Tensor, min_len: int) -> torch.Tensor:
     return windows
 
 
-def _result(protocol, params, spec, seed, windows, nll, n_pred, nbytes, numel, t0) -> dict:
+def batch_rows(model, spec: str | None, windows: torch.Tensor, batch_size: int, scored_len: int) -> int:
+    """Windows per forward pass: `batch_size`, 1 for a quantizer whose statistics span
+    rows, and no more than LOGITS_BUDGET allows for `scored_len` logits per row."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if spec is not None and not getattr(parse_spec(spec)[0], "rows_independent", True):
+        return 1
+    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 1
+    cap = max(1, LOGITS_BUDGET // max(1, scored_len * vocab * 4))
+    return max(1, min(batch_size, cap, windows.shape[0]))
+
+
+def _fused_context(model, spec: str | None, fused: bool):
+    """The "kvqbench" attention for decode steps, when it would change nothing but speed:
+    a quantized cache on a model that runs SDPA (its dense path IS SDPA)."""
+    if fused and spec is not None and getattr(model.config, "_attn_implementation", None) == "sdpa":
+        return fused_attention(model)
+    return contextlib.nullcontext()
+
+
+def _last_logit_only(model) -> dict:
+    """Ask the prefill for its last logit only, where the model's forward supports it."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
+def _result(protocol, params, spec, seed, windows, nll, n_pred, nbytes, numel, t0, batch) -> dict:
     return dict(
         protocol=protocol,
         **params,
@@ -81,41 +124,46 @@ def _result(protocol, params, spec, seed, windows, nll, n_pred, nbytes, numel, t
         bits_per_element=nbytes * 8 / numel if numel else float("nan"),
         cache_nbytes=nbytes,
         cache_elements=numel,
+        batch_size=batch,
         wall_s=time.perf_counter() - t0,
     )
 
 
 def ppl_quantize_on_write(model, windows: torch.Tensor, spec: str | None, seed: int = 0, *,
-                          device=None, progress: Progress | None = None) -> dict:
+                          device=None, progress: Progress | None = None,
+                          batch_size: int = DEFAULT_BATCH) -> dict:
     """`quantize-on-write` (the paper's protocol): one forward pass per window of N tokens
     through a fresh cache, so attention reads quantized K/V at every position, prefill
     included (the whole window is one write). Predicted: tokens 1..N-1 of each window
-    (N-1 per window), from logits 0..N-2.
+    (N-1 per window), from logits 0..N-2. `batch_size` windows share a forward pass.
 
     Caveat (METHOD.md 4): the single write lets per-write statistics (KIVI's per-channel
     key groups, the Med3x median) include tokens later than the query that reads them.
     """
     windows = _check_windows(windows, 2)
     dev = _device_of(model, device)
+    n_win, N = windows.shape
+    rows = batch_rows(model, spec, windows, batch_size, N)
     t0 = time.perf_counter()
     nll, n_pred, nbytes, numel = 0.0, 0, 0, 0
     with torch.inference_mode():
-        for i, w in enumerate(windows):
-            ids = w.to(dev).unsqueeze(0)
+        for i in range(0, n_win, rows):
+            ids = windows[i:i + rows].to(dev)
             cache = _new_cache(model, spec, seed)
-            logits = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits[0]
-            nll += _nll(logits[:-1], ids[0, 1:]).item()
-            n_pred += ids.shape[1] - 1
+            logits = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits
+            nll += _nll(logits[:, :-1], ids[:, 1:]).item()
+            n_pred += ids.shape[0] * (N - 1)
             b, n = _cache_stats(cache)
             nbytes, numel = nbytes + b, numel + n
             del cache, logits
             if progress:
-                progress(i + 1, len(windows))
-    return _result("quantize-on-write", {}, spec, seed, windows, nll, n_pred, nbytes, numel, t0)
+                progress(i + ids.shape[0], n_win)
+    return _result("quantize-on-write", {}, spec, seed, windows, nll, n_pred, nbytes, numel, t0, rows)
 
 
 def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed: int = 0, *,
-                            context: int, device=None, progress: Progress | None = None) -> dict:
+                            context: int, device=None, progress: Progress | None = None,
+                            batch_size: int = DEFAULT_BATCH, fused: bool = True) -> dict:
     """`prefill-then-decode`: tokens 0..L-1 (L = `context`) of each window are written in
     one prefill call; then tokens L..N-2 are fed one decode step at a time (each step
     writes its one token to the cache and attends to the quantized history).
@@ -124,33 +172,36 @@ def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed
     logit (position L-1, which read the quantized prefill); token t+1 by the decode step
     that feeds token t, for t = L..N-2. Token N-1 is never written. Every statistic a
     quantizer computes over the prefill write is fixed before any scored decode write.
+    `batch_size` windows share each call; `fused` lets decode steps read the packed
+    store through the fused kernels (module docstring).
     """
     windows = _check_windows(windows, 2)
-    N = windows.shape[1]
+    n_win, N = windows.shape
     if not 1 <= context < N:
         raise ValueError(f"context must be in 1..{N - 1} for windows of {N} tokens, got {context}")
     dev = _device_of(model, device)
+    rows = batch_rows(model, spec, windows, batch_size, 1)
     t0 = time.perf_counter()
     nll, n_pred, nbytes, numel = 0.0, 0, 0, 0
-    with torch.inference_mode():
-        for i, w in enumerate(windows):
-            ids = w.to(dev).unsqueeze(0)
-            cache = _new_cache(model, spec, seed)
+    with torch.inference_mode(), _fused_context(model, spec, fused):
+        for i in range(0, n_win, rows):
+            ids = windows[i:i + rows].to(dev)
+            cache = _new_cache(model, spec, seed, capacity=N)
             kw = cache_kwargs(model, cache)
-            logits = model(input_ids=ids[:, :context], **kw, use_cache=True).logits[0, -1:]
-            w_nll = _nll(logits, ids[0, context:context + 1])
+            logits = model(input_ids=ids[:, :context], **kw, use_cache=True, **_last_logit_only(model)).logits[:, -1:]
+            w_nll = _nll(logits, ids[:, context:context + 1])
             for t in range(context, N - 1):
-                logits = model(input_ids=ids[:, t:t + 1], **kw, use_cache=True).logits[0, -1:]
-                w_nll += _nll(logits, ids[0, t + 1:t + 2])
+                logits = model(input_ids=ids[:, t:t + 1], **kw, use_cache=True).logits[:, -1:]
+                w_nll += _nll(logits, ids[:, t + 1:t + 2])
             nll += w_nll.item()
-            n_pred += N - context
+            n_pred += ids.shape[0] * (N - context)
             b, n = _cache_stats(cache)
             nbytes, numel = nbytes + b, numel + n
             del cache, logits
             if progress:
-                progress(i + 1, len(windows))
+                progress(i + ids.shape[0], n_win)
     return _result("prefill-then-decode", {"context": context, "decode_steps": N - 1 - context},
-                   spec, seed, windows, nll, n_pred, nbytes, numel, t0)
+                   spec, seed, windows, nll, n_pred, nbytes, numel, t0, rows)
 
 
-__all__ = ["ppl_quantize_on_write", "ppl_prefill_then_decode"]
+__all__ = ["DEFAULT_BATCH", "batch_rows", "ppl_quantize_on_write", "ppl_prefill_then_decode"]

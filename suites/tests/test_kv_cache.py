@@ -173,7 +173,7 @@ def test_ppl_protocols(f32_model):
     assert int2["bits_per_element"] == 3.0  # 2 + 32/32
 
     seen = []
-    pd_plain = ppl_prefill_then_decode(f32_model, windows, None, context=16,
+    pd_plain = ppl_prefill_then_decode(f32_model, windows, None, context=16, batch_size=1,
                                        progress=lambda i, n: seen.append((i, n)))
     pd_fp16 = ppl_prefill_then_decode(f32_model, windows, "fp16", context=16)
     pd_int2 = ppl_prefill_then_decode(f32_model, windows, "int2", context=16)

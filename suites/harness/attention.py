@@ -1,0 +1,117 @@
+"""Fused decode attention inside the model, through transformers' `AttentionInterface`.
+
+    with fused_attention(model):                    # registers "kvqbench", switches to it
+        cache = QuantizedCache("hqmq:S=96,r=4", config=model.config)
+        model.generate(ids, max_new_tokens=64, **cache_kwargs(model, cache))
+
+A `QuantizedCache` whose model runs the "kvqbench" attention keeps each layer's packed
+K/V in a `KernelStore` (kernels/store.py: preallocated device buffers in the layout
+the fused kernels read). For a one-token decode step its `update` returns a
+`PackedHistory` handle instead of dense K/V, and the function registered here runs
+the fused kernel (kernels/decode_attention.py) over the store: the quantized history
+is never decoded to a dense tensor. Everything else (prefill: many queries; a padding
+mask; softcap; a sliding window; dropout) goes to transformers' own SDPA attention;
+a handle reaching that path is decoded transiently (`PackedHistory.dense`).
+
+The mask function registered beside it is transformers' SDPA mask, so the model
+builds exactly the masks it builds for "sdpa" (None for an unpadded decode step).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+ATTN_NAME = "kvqbench"
+
+
+class PackedHistory:
+    """What a quantized layer hands attention for a fused decode step: its K and V
+    stores (one handle serves as both `key` and `value`)."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:  # [B, Hkv, T, D], as dense K would be
+        p = self.layer.packed["K"]
+        return (p.batch, p.heads, self.layer.get_seq_length(), p.head_dim)
+
+    def attend(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """softmax(q K^T * scaling) V over the whole history: `[B, Hq, 1, D]`."""
+        D = query.shape[-1]
+        if scaling is not None and not math.isclose(scaling * math.sqrt(D), 1.0, rel_tol=1e-6):
+            query = query * (scaling * math.sqrt(D))  # the kernels scale by 1/sqrt(d)
+        return self.layer.fused_attend(query)
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoded history (transient): for the cases the fused kernel does not serve."""
+        return self.layer.read("K"), self.layer.read("V")
+
+
+def kvqbench_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                       scaling: float | None = None, **kwargs):
+    """transformers attention function: fused over a `PackedHistory`, else SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if isinstance(key, PackedHistory):
+        plain = (attention_mask is None and query.shape[2] == 1 and not dropout
+                 and kwargs.get("softcap") is None and kwargs.get("sliding_window") is None
+                 and not kwargs.get("output_attentions"))
+        if plain:
+            out = key.attend(query, scaling)  # [B, Hq, 1, D]
+            return out.transpose(1, 2).contiguous(), None
+        key, value = key.dense()
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, **kwargs)
+
+
+def register() -> str:
+    """Register the "kvqbench" attention and its mask (SDPA's) with transformers."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, kvqbench_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    return ATTN_NAME
+
+
+def _configs(model):
+    """The model's config and every sub-config that names an attention implementation."""
+    seen, out = set(), []
+    stack = [model.config]
+    while stack:
+        c = stack.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        if hasattr(c, "_attn_implementation"):
+            out.append(c)
+        for k in getattr(c, "sub_configs", {}) or {}:
+            sub = getattr(c, k, None)
+            if sub is not None:
+                stack.append(sub)
+    return out
+
+
+def uses_fused_attention(config) -> bool:
+    return getattr(config, "_attn_implementation", None) == ATTN_NAME
+
+
+@contextlib.contextmanager
+def fused_attention(model):
+    """Run `model` with the "kvqbench" attention inside the block; restore after."""
+    register()
+    saved = [(c, c._attn_implementation) for c in _configs(model)]
+    try:
+        for c, _ in saved:
+            c._attn_implementation = ATTN_NAME
+        yield model
+    finally:
+        for c, impl in saved:
+            c._attn_implementation = impl
+
+
+__all__ = ["ATTN_NAME", "PackedHistory", "fused_attention", "kvqbench_attention", "register",
+           "uses_fused_attention"]
