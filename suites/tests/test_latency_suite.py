@@ -104,3 +104,20 @@ def test_tuner_keeps_only_real_gains_and_records_failures():
     assert best == {"block_t": 128, "num_warps": 8, "table": "cb16", "num_stages": 1, "programs_per_sm": 8}
     assert len(trials) == 5 + 4 + 3
     assert [t for t in trials if "error" in t] == [trials[4]] and "OutOfResources" in trials[4]["error"]
+
+
+def test_fake_quant_reads_the_tiled_cache_back():
+    """hqmq_segment(tiled layout) decodes, through the quantizer's own torch decode, to
+    the encoded cache repeated along batch and tokens (outliers included)."""
+    from kvqbench.kernels.layout import flatten
+    from kvqbench.quantizers import get_quantizer
+    from kvqbench.suites.bench.latency.caches import hqmq_segment, synthetic_kv
+
+    k, _ = synthetic_kv(1, 2, 128, 64, "cpu")
+    q = get_quantizer("hqmq:S=24,r=3,outliers=med3", role="K")
+    packed = q.encode(k)
+    seg = hqmq_segment(flatten(packed, "K").tile(2, 2))
+    assert seg.fields["outliers"].shape[0] == 4 * packed.segments[0].fields["outliers"].shape[0] > 0
+    got = q.decode_tokens(seg, packed.shared, (2, 2, 256, 64))
+    want = q.decode(packed).repeat(2, 1, 2, 1)
+    assert torch.equal(got.to(want.dtype), want)

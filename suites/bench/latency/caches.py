@@ -57,15 +57,20 @@ def encode_caches(device, hkv: int, t0: int, d: int) -> dict[str, EncodedCache]:
     return {method: by_spec[spec] for method, spec in METHOD_SPECS.items()}
 
 
+def _tile_kivi(flat, B: int, T: int):
+    """KIVI: the quantized groups repeat, the fp16 window (its own length for K and V) stays last."""
+    if (T - flat.T_res) % flat.group:
+        raise ValueError(f"T={T} does not fit KIVI {flat.role} groups of {flat.group} after a "
+                         f"{flat.T_res}-token fp16 window")
+    return flat.tile(B, (T - flat.T_res) // flat.group)
+
+
 def tiled(cache: EncodedCache, B: int, T: int, t0: int):
     """The K and V layouts of `cache` tiled to B sequences of T tokens; ValueError where T
     does not fit (not a multiple of the encoded tokens, or of KIVI's groups)."""
     kf, vf = cache.kf, cache.vf
-    if isinstance(kf, KIVIFlat):  # quantized groups repeat, the fp16 window stays last
-        if (T - kf.T_res) % kf.group:
-            raise ValueError(f"T={T} does not fit KIVI groups of {kf.group} after a {kf.T_res}-token window")
-        groups = (T - kf.T_res) // kf.group
-        return kf.tile(B, groups), vf.tile(B, groups)
+    if isinstance(kf, KIVIFlat):
+        return _tile_kivi(kf, B, T), _tile_kivi(vf, B, T)
     if T % t0:
         raise ValueError(f"T={T} is not a multiple of the encoded {t0} tokens")
     return kf.tile(B, T // t0), vf.tile(B, T // t0)
