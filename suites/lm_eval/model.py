@@ -41,9 +41,13 @@ registered and the offline tasks (`kvqbench.suites.lm_eval.tasks`) on
 
     kvqbench-lm-eval --model kvqbench --model_args pretrained=smollm2-135m,quantizer=int4,seed=0 \\
         --tasks kvqbench_local --device cpu
-    kvqbench-lm-eval --model kvqbench --model_args "pretrained=smollm2-135m,quantizer='hqmq:S=96,r=4'" ...
+    kvqbench-lm-eval --model kvqbench --model_args "pretrained=smollm2-135m,quantizer=hqmq:S=96;r=4" ...
 
-(quote a spec that has commas; `python -m kvqbench.suites.lm_eval.model ...` is the same.)
+lm-eval splits model_args at every comma (its Python API even inside quotes), so a
+spec's own options are written with ';' (`quantizer=hqmq:S=96;r=4`); a spec whose
+options were split off at a comma (`quantizer=hqmq:S=96,r=4` arrives as
+quantizer='hqmq:S=96' and r=4) is refused with a message saying so, never run with
+`r` silently dropped. (`python -m kvqbench.suites.lm_eval.model ...` is the same command.)
 Model args: pretrained (embedded name, folder or hub id; `load_model`),
 quantizer (spec, `plain` for none), seed (codebook seed), dtype (float32),
 attn_implementation (sdpa), plus HFLM's own (max_length, add_bos_token, ...).
@@ -67,12 +71,32 @@ PLAIN = ("plain", "none", "")
 MODEL_NAME = "kvqbench"
 
 
-def _spec(quantizer) -> str | None:
+def _spec(quantizer, stray: dict | None = None) -> str | None:
+    """The quantizer spec of model_args: quotes stripped, ';' between its options read as
+    ','. `stray`: the other model_args; any that is an option of the spec's quantizer was
+    split off the spec at a comma by lm-eval, and is refused rather than dropped."""
+    import dataclasses
+
+    from ...quantizers import QuantizerInputError, parse_spec
+
     if quantizer is None or str(quantizer).strip().lower() in PLAIN:
         return None
     spec = str(quantizer).strip()
     if len(spec) >= 2 and spec[0] == spec[-1] and spec[0] in "'\"":  # quoted on a command line
         spec = spec[1:-1]
+    spec = spec.replace(";", ",")
+    try:
+        cls, _ = parse_spec(spec.strip("'\""))
+    except QuantizerInputError:
+        cls = None
+    options = {f.name for f in dataclasses.fields(cls.Config)} if cls else set()
+    split = {k: v for k, v in (stray or {}).items() if k in options}
+    if split or spec[:1] in "'\"":  # a leading quote left alone: its closing one went with a split-off part
+        whole = spec.strip("'\"") + "".join(f",{k}={str(v).strip(chr(39) + chr(34))}" for k, v in split.items())
+        raise QuantizerInputError(
+            f"model_args: quantizer={spec!r} with {', '.join(f'{k}={v}' for k, v in split.items()) or 'a stray quote'}"
+            f" looks like the spec {whole!r} split at its commas (lm-eval splits model_args on ','). Write "
+            f"its options with ';': quantizer={whole.replace(',', ';')}")
     get_quantizer(spec)  # a typo fails now, not inside the first forward pass
     return spec
 
@@ -95,7 +119,7 @@ class KVQuantLM(HFLM):
     def __init__(self, pretrained="smollm2-135m", quantizer: str = "fp16", seed: int = 0, *,
                  tokenizer=None, device: str | None = None, dtype: str = "float32",
                  attn_implementation: str = "sdpa", batch_size=1, **kwargs):
-        self.spec = _spec(quantizer)
+        self.spec = _spec(quantizer, kwargs)
         self.kv_seed = int(seed)
         if isinstance(pretrained, str):
             from ..harness.models import load_model

@@ -1,0 +1,184 @@
+"""The `kvqbench` command line on a tiny random model (harness/tiny_model.py): exit
+codes that tell success, bad usage, partial failure, errors and Ctrl-C apart; every
+argument checked before any model work; one-line errors, tracebacks only with
+--debug; `--decode-tokens` honoured."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvqbench.suites.compare import cli
+from kvqbench.suites.compare import run as compare_run
+from kvqbench.suites.harness import models, perplexity
+from kvqbench.suites.harness.tiny_model import make_tiny_model, tiny_corpus
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {"model": str(make_tiny_model(root / "model")), "corpus": str(tiny_corpus(root / "text.txt"))}
+
+
+def compare_args(tiny, out, *extra, specs="fp16;int4"):
+    return ["compare", "--model", tiny["model"], "--corpus", tiny["corpus"], "--device", "cpu",
+            "--window", "32", "--windows", "2", "--seeds", "1", "--specs", specs,
+            "--out", str(out), "--run", "r", *extra]
+
+
+def results(out):
+    return json.loads((out / "r" / "results.json").read_text())
+
+
+def test_success_exits_0_with_an_int(tiny, tmp_path):
+    code = cli.main(compare_args(tiny, tmp_path))
+    assert code == 0 and type(code) is int  # sys.exit(Path) would have exited 1
+    assert (tmp_path / "r" / "report.md").is_file()
+    assert {r["spec"] for r in results(tmp_path)["results"]} == {"fp16", "int4"}
+
+
+BAD_USAGE = [
+    (["--specs", ""], "names no quantizer spec"),
+    (["--specs", " ; "], "names no quantizer spec"),
+    (["--specs", "fp16;nosuch"], "unknown quantizer 'nosuch'"),
+    (["--specs", "int4:bits=x"], "not a valid int"),
+    (["--seeds", "0"], "--seeds must be >= 1"),
+    (["--seeds", "-1"], "--seeds must be >= 1"),
+    (["--windows", "0"], "--windows must be >= 1"),
+    (["--window", "1"], "--window must be >= 2"),
+    (["--context", "0"], "--context must be >= 1"),
+    (["--decode-tokens", "-4"], "--decode-tokens must be >= 1"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--lm-eval-limit", "0"], "--lm-eval-limit must be >= 1"),
+    (["--lm-eval-metadata", "notjson"], "--lm-eval-metadata is not JSON"),
+    (["--lm-eval-metadata", "[1, 2]"], "must be a JSON object"),
+    (["--model", "no-such-model"], "--model"),
+    (["--corpus", "no-such-corpus"], "--corpus"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD_USAGE, ids=[" ".join(a) for a, _ in BAD_USAGE])
+def test_bad_usage_exits_2_before_any_model_work(tiny, tmp_path, monkeypatch, capsys, extra, message):
+    def no_model_work(*a, **k):
+        raise AssertionError("model work started before the arguments were checked")
+
+    monkeypatch.setattr(models, "load_model", no_model_work)
+    args = compare_args(tiny, tmp_path)
+    for i in range(0, len(extra), 2):  # the later value of a repeated option wins in argparse
+        args += extra[i:i + 2]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_argparse_errors_and_help(capsys):
+    assert cli.main(["compare", "--protocol", "sideways"]) == 2
+    assert cli.main(["compare", "--windows", "four"]) == 2
+    assert cli.main(["frobnicate"]) == 2
+    assert cli.main(["--help"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_list_names_unknown_quantizers(capsys):
+    assert cli.main(["list", "nosuch"]) == 2
+    assert "unknown quantizer(s) 'nosuch'" in capsys.readouterr().err
+    assert cli.main(["list", "fp16", "--tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "fp16:" in out and "16.000" in out
+    assert cli.main(["list", "--tokens", "0"]) == 2
+
+
+def test_some_configuration_failed_exits_3_with_the_report_written(tiny, tmp_path, monkeypatch):
+    real = perplexity.ppl_quantize_on_write
+
+    def flaky(model, windows, spec, seed=0, **kw):
+        if spec == "int4":
+            raise RuntimeError("planted failure")
+        return real(model, windows, spec, seed, **kw)
+
+    monkeypatch.setattr(perplexity, "ppl_quantize_on_write", flaky)
+    assert cli.main(compare_args(tiny, tmp_path)) == compare_run.EXIT_PARTIAL == 3
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert "FAILED `int4`" in report and "planted failure" in report
+    monkeypatch.setattr(perplexity, "ppl_quantize_on_write", real)
+    assert cli.main(compare_args(tiny, tmp_path)) == 0  # the rerun retries only the failure
+
+
+def test_unexpected_error_is_one_line_and_debug_shows_the_traceback(tiny, tmp_path, monkeypatch, capsys):
+    def broken(*a, **k):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(models, "load_model", broken)
+    assert cli.main(compare_args(tiny, tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert "RuntimeError: disk on fire" in err and "--debug" in err and "Traceback" not in err
+    assert cli.main(["--debug"] + compare_args(tiny, tmp_path)) == 1
+    assert "Traceback" in capsys.readouterr().err
+    assert cli.main(compare_args(tiny, tmp_path, "--debug")) == 1
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_ctrl_c_exits_130_and_the_rerun_resumes(tiny, tmp_path, monkeypatch, capsys):
+    real, calls = perplexity.ppl_quantize_on_write, []
+
+    def interrupted(model, windows, spec, seed=0, **kw):
+        calls.append(spec)
+        if spec == "int4" and calls.count("int4") == 1:
+            raise KeyboardInterrupt
+        return real(model, windows, spec, seed, **kw)
+
+    monkeypatch.setattr(perplexity, "ppl_quantize_on_write", interrupted)
+    assert cli.main(compare_args(tiny, tmp_path)) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert [r["spec"] for r in results(tmp_path)["results"]] == ["fp16"]
+    assert cli.main(compare_args(tiny, tmp_path)) == 0
+    assert calls == ["fp16", "int4", "int4"]  # fp16 was not measured twice
+
+
+def test_decode_tokens_are_honoured(tiny, tmp_path):
+    """prefill-then-decode scores exactly --decode-tokens tokens after --context, in
+    windows of context + decode tokens, whatever --window says (it was ignored: a
+    context of 8 with 4 decode tokens in 64-token windows ran 55 steps)."""
+    args = compare_args(tiny, tmp_path, "--protocol", "both", "--window", "40", "--context", "8",
+                        "--decode-tokens", "4", specs="fp16")
+    assert cli.main(args) == 0
+    data = results(tmp_path)
+    by = {r["protocol"]: r for r in data["results"]}
+    ptd, qow = by["prefill-then-decode"], by["quantize-on-write"]
+    assert (ptd["window"], ptd["context"], ptd["n_predicted"]) == (12, 8, 2 * 4)
+    assert ptd["decode_steps"] == 3  # the last scored token is never written
+    assert (qow["window"], qow["n_predicted"]) == (40, 2 * 39)
+    assert data["meta"]["prefill_then_decode"] == {"context": 8, "decode_tokens": 4}
+    assert data["meta"]["windows"]["per_protocol"] == {"quantize-on-write": 40, "prefill-then-decode": 12}
+    assert "4 tokens scored after it" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_console_script_exit_statuses(tiny, tmp_path):
+    """The real process: 0 on success (not 1 from sys.exit(Path)), 130 on SIGINT."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    cmd = [sys.executable, "-m", "kvqbench.suites.compare.cli"]
+    ok = subprocess.run(cmd + compare_args(tiny, tmp_path / "a", specs="fp16"), env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    # Many slow configurations; interrupt once the first one is saved.
+    slow = ";".join(["fp16"] + [f"hqmq:S={s},r=4" for s in (96, 100, 104, 108, 112, 116)])
+    proc = subprocess.Popen(cmd + compare_args(tiny, tmp_path / "b", specs=slow), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    saved = tmp_path / "b" / "r" / "results.json"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if saved.is_file() and json.loads(saved.read_text())["results"]:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err and "Traceback" not in err

@@ -1,0 +1,210 @@
+"""results.json and report.md of `kvqbench compare`: one writer at a time, never half
+a file, resumed only under the same identity (dtype, device, ...), a clear message
+for a corrupt file; seeds of stochastic quantizers with their spread; claim
+verdicts computed from the run's data (lm-eval scores, latency report)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from filelock import FileLock
+
+from kvqbench.suites.compare import cli, claims, report, results
+from kvqbench.suites.compare import run as compare_run
+from kvqbench.suites.harness import fetch
+from kvqbench.suites.harness.tiny_model import make_tiny_model, tiny_corpus
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {"model": str(make_tiny_model(root / "model")), "corpus": str(tiny_corpus(root / "text.txt"))}
+
+
+def compare_args(tiny, out, *extra, specs="fp16;int4"):
+    return ["compare", "--model", tiny["model"], "--corpus", tiny["corpus"], "--device", "cpu",
+            "--window", "32", "--windows", "2", "--seeds", "1", "--specs", specs,
+            "--out", str(out), "--run", "r", *extra]
+
+
+def test_a_second_writer_waits_then_refuses(tiny, tmp_path, monkeypatch, capsys):
+    (tmp_path / "r").mkdir()
+    monkeypatch.setattr(results, "LOCK_WAIT_S", 0.3)
+    with FileLock(str(tmp_path / "r" / "results.json.lock")):  # another run holds the folder
+        assert cli.main(compare_args(tiny, tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert "another kvqbench compare is writing" in err and "--run NAME" in err and "Traceback" not in err
+    assert not (tmp_path / "r" / "results.json").exists()
+    assert cli.main(compare_args(tiny, tmp_path)) == 0  # once it is free
+
+
+def test_save_is_atomic_and_leaves_no_temp_files(tmp_path, monkeypatch):
+    meta = {"model": {"name": "m"}, "corpus": {"name": "c"}, "windows": {"n": 1}, "protocols": ["p"]}
+    with results.Run(tmp_path, meta, fresh=False) as run:
+        run.add({"protocol": "p", "spec": "fp16", "seed": 0, "ppl": 1.0})
+        before = (tmp_path / "results.json").read_bytes()
+
+        def disk_full(*a, **k):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(os, "fsync", disk_full)
+        with pytest.raises(OSError):
+            run.add({"protocol": "p", "spec": "int4", "seed": 0, "ppl": 2.0})
+        assert (tmp_path / "results.json").read_bytes() == before  # the old file, whole
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "results.json.lock"]
+    with pytest.raises(RuntimeError, match="under its lock"):
+        run.save()
+
+
+def test_resume_with_another_dtype_is_refused(tiny, tmp_path, capsys):
+    assert cli.main(compare_args(tiny, tmp_path, "--dtype", "float32")) == 0
+    assert cli.main(compare_args(tiny, tmp_path, "--dtype", "bfloat16")) == 1
+    err = capsys.readouterr().err
+    assert "dtype" in err and "--fresh" in err and "Traceback" not in err
+    assert cli.main(compare_args(tiny, tmp_path, "--dtype", "bfloat16", "--fresh")) == 0
+    data = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert data["meta"]["dtype"] == "bfloat16" and len(data["results"]) == 2
+
+
+def test_identity_covers_what_changes_a_figure():
+    base = {"model": {"name": "m", "sha256": "a", "attn_implementation": "sdpa"}, "corpus": {"name": "c"},
+            "windows": {"n": 2, "tokens": 32, "starts": [0, 9]}, "protocols": ["prefill-then-decode"],
+            "prefill_then_decode": {"context": 8, "decode_tokens": 4}, "dtype": "float32", "batch_size": 8,
+            "hardware": {"device": "cpu"}, "versions": {"torch": "2", "transformers": "5"}}
+    ident = results.identity(base)
+    for path, value in [(("dtype",), "float16"), (("hardware", "device"), "cuda"), (("batch_size",), 1),
+                        (("prefill_then_decode", "decode_tokens"), 64), (("model", "sha256"), "b"),
+                        (("versions", "torch"), "3"), (("windows", "starts"), [0, 10])]:
+        changed = json.loads(json.dumps(base))
+        node = changed
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        assert results.identity(changed) != ident, path
+    later = json.loads(json.dumps(base))
+    later["model"]["load_seconds"] = 99.0  # not a figure
+    assert results.identity(later) == ident
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"meta": {}}', '{"meta": 1, "results": []}', "[]"])
+def test_corrupt_results_file_names_fresh(tiny, tmp_path, capsys, content):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "results.json").write_text(content)
+    assert cli.main(compare_args(tiny, tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert "not a readable results file" in err and "--fresh" in err and "Traceback" not in err
+    assert cli.main(compare_args(tiny, tmp_path, "--fresh")) == 0
+
+
+def test_write_atomic_gives_the_umask_mode(tmp_path):
+    fetch.write_atomic(tmp_path / "f", b"x")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "f").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+# --- seeds --------------------------------------------------------------------------------
+
+def test_stochastic_quantizers_run_over_seeds_by_default(monkeypatch):
+    from kvqbench.quantizers import parse_spec
+
+    assert compare_run.is_stochastic("hqmq:S=24,r=3") and compare_run.is_stochastic("spherical3")
+    assert not compare_run.is_stochastic("int4") and not compare_run.is_stochastic("fp16")
+    cls = parse_spec("int4")[0]
+    monkeypatch.setattr(cls, "stochastic", True, raising=False)  # a plugin that says so
+    assert compare_run.is_stochastic("int4")
+    jobs = compare_run.jobs_for(["fp16", "int4", "hqmq:S=24,r=3"], ["quantize-on-write"], 3)
+    assert [j for j in jobs if j[1] == "fp16"] == [("quantize-on-write", "fp16", 0)]
+    assert sorted(s for _, spec, s in jobs if spec == "hqmq:S=24,r=3") == [0, 1, 2]
+    assert jobs[:3] == [("quantize-on-write", s, 0) for s in ("fp16", "int4", "hqmq:S=24,r=3")]
+    default = [a for a in cli.build_parser()._subparsers._group_actions[0].choices["compare"]._actions
+               if a.dest == "seeds"][0].default
+    assert default >= 3
+
+
+def test_compare_runs_seeds_and_reports_their_spread(tiny, tmp_path):
+    args = compare_args(tiny, tmp_path, specs="fp16;int4;hqmq:S=24,r=3")
+    args[args.index("--seeds") + 1] = "3"
+    assert cli.main(args) == 0
+    data = json.loads((tmp_path / "r" / "results.json").read_text())
+    seeds = {(r["spec"], r["seed"]) for r in data["results"]}
+    assert seeds == {("fp16", 0), ("int4", 0), ("hqmq:S=24,r=3", 0), ("hqmq:S=24,r=3", 1), ("hqmq:S=24,r=3", 2)}
+    rows = {r["spec"]: r for r in report.summarize(data["results"], "quantize-on-write")}
+    h = rows["hqmq:S=24,r=3"]
+    ppl = [r["ppl"] for r in data["results"] if r["spec"] == "hqmq:S=24,r=3"]
+    assert h["n"] == 3 and h["ppl_min"] == min(ppl) and h["ppl_max"] == max(ppl)
+    assert h["ppl"] == pytest.approx(sum(ppl) / 3) and rows["int4"]["ppl_sd"] is None
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert f"| `hqmq:S=24,r=3` | 3 |" in md and f"{min(ppl):.4f}-{max(ppl):.4f}" in md
+
+
+def _row(spec, family, bits, ppl, lo=None, hi=None, n=1):
+    return {"spec": spec, "family": family, "bits": bits, "formula_bits": bits, "ppl": ppl,
+            "ppl_min": lo if lo is not None else ppl, "ppl_max": hi if hi is not None else ppl, "n": n}
+
+
+def test_matched_bits_verdict_uses_the_seed_spread():
+    hq = [_row("hqmq:a", "hqmq", 3.0, 50, 45, 56, 3), _row("hqmq:b", "hqmq", 5.0, 40, 36, 44, 3)]
+    overlapping = claims.claim_matched_bits(hq + [_row("spherical4", "spherical", 4.0, 47)])
+    assert overlapping[3].startswith("holds in part") and "within the seed spread" in overlapping[2]
+    beaten = claims.claim_matched_bits(hq + [_row("spherical4", "spherical", 4.0, 60)])
+    assert beaten[3] == "holds"
+    narrow = [dict(r, ppl_min=r["ppl"], ppl_max=r["ppl"], n=1) for r in hq]
+    assert claims.claim_matched_bits(narrow + [_row("spherical4", "spherical", 4.0, 47)])[3] == "holds"
+
+
+def test_seed_spread_claim_and_five_bit_claim_from_the_data():
+    fp16 = _row("fp16", "fp16", 16, 10.0)
+    tight = _row("hqmq:S=256,r=5", "hqmq", 5.0, 10.01, 10.005, 10.02, 3)
+    assert claims.claim_5bits([fp16, tight], "m", fp16)[3].startswith("holds")
+    loose = _row("hqmq:S=256,r=5", "hqmq", 5.0, 10.02, 10.0, 10.05, 3)
+    assert claims.claim_5bits([fp16, loose], "m", fp16)[3].startswith("holds for some seeds only")
+    assert claims.claim_seed_spread([loose])[3].startswith("does not hold")
+    assert claims.claim_seed_spread([_row("hqmq:x", "hqmq", 5, 10.0, 9.999, 10.001, 3)])[3] == "holds"
+    assert claims.claim_seed_spread([fp16])[3].startswith(claims.NOT_RUN)
+
+
+# --- verdicts from the data -------------------------------------------------------------------
+
+def _lm(acc, se):
+    return {"requested": ["piqa", None, None], "scores": {"piqa": {"acc": acc, "acc_stderr": se}}}
+
+
+def test_zero_shot_claim_reads_lm_eval_scores():
+    recs = [{"spec": "fp16", "family": "fp16", "bits_per_element": 16.0},
+            {"spec": "hqmq:S=96,r=4", "family": "hqmq", "bits_per_element": 3.8}]
+    assert claims.claim_zero_shot(recs)[3].startswith(claims.NOT_RUN)
+    recs[0]["lm_eval"], recs[1]["lm_eval"] = _lm(0.70, 0.01), _lm(0.69, 0.01)
+    c = claims.claim_zero_shot(recs)
+    assert c[3].startswith("holds") and "piqa acc: 0.69 vs fp16 0.7" in c[2]
+    recs[1]["lm_eval"] = _lm(0.60, 0.01)
+    assert claims.claim_zero_shot(recs)[3].startswith("does not hold")
+
+
+def test_latency_claim_reads_the_latency_report(tmp_path):
+    run = tmp_path / "reports" / "run"
+    run.mkdir(parents=True)
+    assert claims.claim_latency(run)[3].startswith(claims.NOT_RUN)
+    lat = {"env": {"gpu": "G"}, "latency": [
+        {"method": "fused-hqmq", "B": 1, "T": 4096, "latency_us": 30.0},
+        {"method": "fused-hqmq", "B": 1, "T": 65536, "latency_us": 300.0},
+        {"method": "fake-quant", "B": 1, "T": 4096, "latency_us": 600.0},
+        {"method": "fake-quant", "B": 1, "T": 65536, "skipped": "too large"}]}
+    (tmp_path / "reports" / "latency").mkdir()
+    claims.latency_file(run).write_text(json.dumps(lat))
+    c = claims.claim_latency(run)
+    assert c[3].startswith("does not hold") and "30-300 us" in c[2] and "20.0-20.0x" in c[2]
+    lat["latency"][1]["latency_us"] = 35.0
+    claims.latency_file(run).write_text(json.dumps(lat))
+    assert claims.claim_latency(run)[3].startswith("holds")
+
+
+def test_report_has_no_fixed_sentences(tiny, tmp_path):
+    assert cli.main(compare_args(tiny, tmp_path, specs="fp16;kivi:bits=2;kivi:bits=4,residual=16")) == 0
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "128 tokens" not in md.replace("up to 128 recent tokens", "")
+    assert "up to 16 recent tokens" in md and "hub datasets unreachable" not in md
+    assert "not measured in this run: no latency report" in md
