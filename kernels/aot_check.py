@@ -67,7 +67,15 @@ def compile_captured(cap: _Capture, arch: int):
     out = []
     for grid, args, kw in cap.calls:
         sig, const, opts = _signature(cap.fn, args, kw)
-        src = ASTSource(cap.fn, sig, const)
+        # what the JIT's specialisation assumes at a real launch: 16-byte aligned
+        # pointers and the ints that are multiples of 16 (vectorisation depends on it)
+        vals = dict(zip(cap.fn.arg_names, args))
+        vals.update(kw)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(cap.fn.arg_names)
+                 if sig[n] != "constexpr" and (sig[n].startswith("*") or
+                                                (isinstance(vals[n], int) and not isinstance(vals[n], bool)
+                                                 and vals[n] % 16 == 0))}
+        src = ASTSource(cap.fn, sig, const, attrs)
         k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
         md = k.metadata
         n_regs = getattr(k, "n_regs", None)
@@ -104,7 +112,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--sass", default="", help="write the cubin of the first HQMQ kernel here")
+    ap.add_argument("--sass", default="", help="write the cubin of the first kernel matching --sass-kernel here")
+    ap.add_argument("--sass-kernel", default="_hqmq_split_kernel")
     ap.add_argument("--extra", nargs="*", default=[], help="more BT:warps configs")
     ap.add_argument("--only", default="", help="specs containing this")
     ap.add_argument("--extra-only", action="store_true")
@@ -117,7 +126,7 @@ def main(argv=None):
     from ..quantizers import get_quantizer
 
     caps = {n: _Capture(getattr(DA, n)) for n in ("_hqmq_split_kernel", "_int_split_kernel", "_kivi_split_kernel",
-                                                   "_combine_kernel")}
+                                                   "_fp8_split_kernel", "combine_kernel")}
     caps["_hqmq_search_kernel"] = _Capture(HE._hqmq_search_kernel)
     for n, c in caps.items():
         (HE if n == "_hqmq_search_kernel" else DA).__dict__[n] = c
@@ -130,10 +139,11 @@ def main(argv=None):
     q = torch.randn(B, Hq, 1, d).half()
     cfgs = ([] if a.extra_only else [dict(block_t=64, num_warps=4), dict(block_t=128, num_warps=8)]) + \
         [dict(block_t=int(c.split(":")[0]), num_warps=int(c.split(":")[1])) for c in a.extra]
-    for spec in [s for s in ("hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3", "int4", "kivi:bits=4", "kivi:bits=2")
-                 if a.only in s]:
+    for spec in [s for s in ("hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3", "int4", "kivi:bits=4", "kivi:bits=2",
+                             "fp8-e4m3") if a.only in s]:
         qk, qv = get_quantizer(spec, role="K"), get_quantizer(spec, role="V")
-        kf, vf = L.flatten(qk.encode(x.half()), "K"), L.flatten(qv.encode(x.half()), "V")
+        kw = {"table_mode": "codebook", "table_dtype": torch.float16} if spec.startswith("hqmq") else {}
+        kf, vf = L.flatten(qk.encode(x.half()), "K", **kw), L.flatten(qv.encode(x.half()), "V", **kw)
         for cfg in cfgs:
             try:
                 DA.decode_attention(q, kf, vf, **cfg)
@@ -156,8 +166,9 @@ def main(argv=None):
             try:
                 res = compile_captured(one, a.arch)[0]
                 print(f"OK   {n} {brief} {opts} dyn_shared={res['shared']} | {cubin_resources(res['asm']['cubin'])}", flush=True)
-                if a.sass and n == "_hqmq_split_kernel" and "cubin" in res["asm"]:
+                if a.sass and n == a.sass_kernel and "cubin" in res["asm"]:
                     open(a.sass, "wb").write(res["asm"]["cubin"])
+                    a.sass = ""
             except Exception as e:  # noqa: BLE001
                 failures += 1
                 print(f"FAIL {n} {brief} {opts}: {type(e).__name__}: {str(e)[:2000]}")

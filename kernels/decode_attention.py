@@ -1,57 +1,44 @@
 """Fused decode attention over packed KV caches (Triton), with a torch reference.
 
 One decode step: queries `q [B, Hq, 1, d]` (GQA: Hq = GROUP * Hkv, q head
-`h*GROUP + i` reads kv head `h`) attend to ALL T cached keys of their kv head,
-non-causally: `softmax(q K^T / sqrt(d)) V`. K and V are decoded from the
-packed bytes inside the kernel, tile by tile in registers, and never written
-out.
+`h*GROUP + i` reads kv head `h`) attend to ALL T valid cached keys of their kv
+head, non-causally: `softmax(q K^T / sqrt(d)) V`. K and V are decoded from the
+packed bytes inside the kernel, tile by tile in registers, and never written out.
 
-Flash-decoding: the grid is (B*Hkv, NSPLIT). Each program takes one kv head and
-a contiguous run of token tiles, decodes each K tile, scores the GROUP query
-heads of that kv head against it in one `tl.dot` (the GROUP rows are padded to
-16, the smallest dot), keeps an online softmax (running max, sum, unnormalised
-output, base 2), decodes the V tile and accumulates. It writes its partial
-(output, max, sum); `_combine_kernel` merges the NSPLIT partials of each query
-head. NSPLIT is chosen so that about 8 programs per multiprocessor exist (the
-best of 2/4/8/16 on the H200), so batch 1 fills the GPU too.
+Flash-decoding: the grid is (B*Hkv, NSPLIT). Each program takes one kv head (the
+whole GQA group of queries, padded to 16 rows for `tl.dot`) and a contiguous run of
+token tiles: decode a K tile, score it with one `tl.dot`, online softmax (base 2),
+decode the V tile, accumulate with a second `tl.dot`. Partials are merged by
+`combine_kernel`. NSPLIT gives about `programs_per_sm` programs per multiprocessor,
+so batch 1 fills the GPU too.
 
-Launch defaults are what tuned best on an H200 (kernels/NOTES.md): HQMQ BLOCK_T
-64, 4 warps, num_stages=1 (Triton's software pipelining turns the scattered
-gathers into cp.async through shared memory: 2-3x slower). The fastest HQMQ
-codeword source there is the fp16 codebook (`flatten(..., table_mode="codebook",
-table_dtype=torch.float16)`, within an fp16 ulp per codeword); the default, the
-fp32 secondaries, is bit-identical to `HQMQ.decode_tokens` but ~1.9x slower.
+Two decode paths (kernels/triton_common.py says why): on a GPU with fp16/bf16
+queries (`FAST`) tiles are decoded straight to fp16 with bit tricks (inline PTX, no
+conversion instructions) and the dots run on fp16 operands (bf16 queries are cast
+to fp16), fp32 accumulation; under the CPU interpreter, or with fp32 queries,
+decoding is plain fp32 arithmetic rounded to the cache dtype and the dots are
+fp32 (`input_precision="ieee"`): the tests match `Quantizer.decode` to ~1e-6 there.
 
-Formats (see layout.py): `hqmq_decode_attention` (HQMQ, with or without Med3x
-outliers), `int_decode_attention` (naive per-token int groups),
-`kivi_decode_attention` (KIVI: per-channel key groups, per-token value groups,
-fp16 window). Dot operands are the query's dtype (fp16/bf16; a decoded value is
-rounded to it, exactly as `Quantizer.decode` rounds to the cache dtype when the
-two agree), accumulation fp32. Under the Triton interpreter (CPU) everything is
-fp32 (the interpreter's bf16 arithmetic is not trustworthy).
+Buffers follow the store <-> kernel contract (layout.py): `[B, H, Tcap, ...]`
+with T valid tokens; every buffer is indexed with its real per-(b, h) stride.
 
-Reference: `reference_decode_attention(q, k, v)`: fp32 softmax attention over
-`Quantizer.decode(packed)` tensors.
+Formats: `hqmq_decode_attention` (HQMQ, with or without Med3x outliers),
+`int_decode_attention` (naive per-token int groups), `kivi_decode_attention`
+(KIVI: per-channel key groups, per-token value groups, fp16 window),
+`fp8_decode_attention` (fp8 e4m3/e5m2 with a per-kv-head scale folded into the
+score scale and the output). Reference: `reference_decode_attention(q, k, v)`.
 """
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-try:  # Triton >= 3.0
-    from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover
-    from triton.language.extra.cuda import libdevice
-
-from .layout import OUTLIER_BLOCK, HQMQFlat, IntFlat, KIVIFlat
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from .layout import OUTLIER_BLOCK, FP8Flat, HQMQFlat, IntFlat, KIVIFlat
+from .triton_common import (LOG2E, combine_kernel, dq_bytes, f16_lane, f16x4, hamilton, interpreting, popc,
+                            scores, softmax_update, split_prologue, store_partial)
 
 
 # ---------------------------------------------------------------------------------------
@@ -69,45 +56,21 @@ def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------
-# bit unpacking helpers
+# generic bit unpacking (widths that do not divide a byte)
 # ---------------------------------------------------------------------------------------
-@triton.jit
-def _byte_fields(b, W: tl.constexpr):
-    """Fields of width W (1, 2, 4 or 8) of bytes b (int32), LSB first, as a nested
-    join whose row-major flattening of the new trailing dims is the field order."""
-    if W == 8:
-        out = b
-    elif W == 4:
-        out = tl.join(b & 15, (b >> 4) & 15)
-    elif W == 2:
-        out = tl.join(tl.join(b & 3, (b >> 4) & 3), tl.join((b >> 2) & 3, (b >> 6) & 3))
-    else:
-        out = tl.join(
-            tl.join(tl.join(b & 1, (b >> 4) & 1), tl.join((b >> 2) & 1, (b >> 6) & 1)),
-            tl.join(tl.join((b >> 1) & 1, (b >> 5) & 1), tl.join((b >> 3) & 1, (b >> 7) & 1)),
-        )
-    return out
-
-
 @triton.jit
 def _unpack_rows(ptr, row_off, rmask, BT: tl.constexpr, NCOLS: tl.constexpr, W: tl.constexpr,
                  ROWB: tl.constexpr, NBYTES: tl.constexpr):
     """`[BT, NCOLS]` int32 fields of width W from BT packed rows (byte offsets row_off [BT])."""
-    if 8 % W == 0:
-        cols = tl.arange(0, NCOLS * W // 8)
-        b = tl.load(ptr + row_off[:, None] + cols[None, :], mask=rmask[:, None], other=0).to(tl.int32)
-        out = tl.reshape(_byte_fields(b, W), (BT, NCOLS))
-    else:
-        c = tl.arange(0, NCOLS)
-        bit = c * W
-        byte = bit // 8
-        p = ptr + row_off[:, None] + byte[None, :]
-        acc = tl.load(p, mask=rmask[:, None], other=0).to(tl.int32)
-        for i in tl.static_range(1, NBYTES):
-            nb = tl.load(p + i, mask=rmask[:, None] & (byte[None, :] + i < ROWB), other=0).to(tl.int32)
-            acc = acc | (nb << (8 * i))
-        out = (acc >> (bit % 8)[None, :]) & ((1 << W) - 1)
-    return out
+    c = tl.arange(0, NCOLS)
+    bit = c * W
+    byte = bit // 8
+    p = ptr + row_off[:, None] + byte[None, :]
+    acc = tl.load(p, mask=rmask[:, None], other=0).to(tl.int32)
+    for i in tl.static_range(1, NBYTES):
+        nb = tl.load(p + i, mask=rmask[:, None] & (byte[None, :] + i < ROWB), other=0).to(tl.int32)
+        acc = acc | (nb << (8 * i))
+    return (acc >> (bit % 8)[None, :]) & ((1 << W) - 1)
 
 
 def _nbytes_span(n: int, width: int) -> int:
@@ -115,97 +78,83 @@ def _nbytes_span(n: int, width: int) -> int:
     return max(((i * width) % 8 + width + 7) // 8 for i in range(min(n, 8)))
 
 
-# ---------------------------------------------------------------------------------------
-# tile decoders: [BT, D] float32 of tokens t0 .. t0+BT-1 of kv row bh
-# ---------------------------------------------------------------------------------------
 @triton.jit
-def _f16_lane(w, K: tl.constexpr):
-    """fp16 number K (0..3) packed in int64 w, as float32."""
-    return ((w >> (16 * K)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _f32_pair(w):
-    """The two fp32 numbers packed in int64 w (low word first)."""
-    return w.to(tl.int32).to(tl.float32, bitcast=True), (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _popc(x, INTERP: tl.constexpr):
-    """Set bits of int32 x."""
-    if INTERP:
-        x = x - ((x >> 1) & 0x55555555)
-        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
-        x = (x + (x >> 4)) & 0x0F0F0F0F
-        return ((x * 0x01010101) >> 24) & 0xFF
+def _finish(v, FAST: tl.constexpr, RND: tl.constexpr):
+    """A decoded tile as the dot operand: fp16 (FAST) or fp32 rounded to the cache dtype."""
+    if FAST:
+        return v.to(tl.float16)
     else:
-        return libdevice.popc(x)
+        return v.to(RND).to(tl.float32)
 
 
+# ---------------------------------------------------------------------------------------
+# tile decoders
+# ---------------------------------------------------------------------------------------
 @triton.jit
 def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, table_ptr, ptab_ptr, rel_ptr,
-               bh, h, t0, T, NBLK,
+               bh, h, t0, T, cs, rs, ms, fs, osb, isb,
                BT: tl.constexpr, D: tl.constexpr, CW: tl.constexpr, CB: tl.constexpr, CNB: tl.constexpr,
                RW: tl.constexpr, RB: tl.constexpr, RNB: tl.constexpr, FB: tl.constexpr,
                S: tl.constexpr, HAS_OUT: tl.constexpr, TAB: tl.constexpr, LOGR: tl.constexpr,
-               INTERP: tl.constexpr):
-    """Decode tokens t0..t0+BT-1 of kv row bh: [BT, D] float32.
-
-    Codeword of chunk code = p*S + s (TAB): 0/1 the codebook [H, 24S, 4] fp32/fp16,
-    one or two 8-byte gathers; 2/3 the secondaries [H, S, 4] fp32/fp16 and the 24
-    units P [24, 4] fp32, then P[p]*S[s] as HQMQ.decode_tokens computes it (the
-    products by 0, +-1, +-1/2 are exact, the sums in the same order: bit identical
-    for fp32). Tables are viewed as int64 so a gather moves 8 bytes."""
+               FAST: tl.constexpr, INTERP: tl.constexpr, RND: tl.constexpr):
+    """Tokens t0..t0+BT-1 of kv row bh: [BT, D]. Codeword of chunk code = p*S + s (TAB):
+    0/1 the codebook [H, 24S, 4] fp32/fp16, 2/3 the secondaries [H, S, 4] fp32/fp16
+    and the 24 units, P[p]*S[s] formed here (bit identical to HQMQ.decode_tokens in
+    fp32). Tables are viewed as int64 so a gather moves 8 bytes. FAST with the fp16
+    codebook: everything in fp16 (radius level table `rel_ptr` fp16 then)."""
     NC: tl.constexpr = D // 4
     tok = t0 + tl.arange(0, BT)
     tmask = tok < T
-    row = bh.to(tl.int64) * T + tok
+    bh64 = bh.to(tl.int64)
     if CW == 12:  # two 12-bit codes in three bytes
         i3 = 3 * tl.arange(0, NC // 2)
-        pc = codes_ptr + (row * CB)[:, None] + i3[None, :]
+        pc = codes_ptr + bh64 * cs + (tok * CB)[:, None] + i3[None, :]
         b0 = tl.load(pc, mask=tmask[:, None], other=0).to(tl.int32)
         b1 = tl.load(pc + 1, mask=tmask[:, None], other=0).to(tl.int32)
         b2 = tl.load(pc + 2, mask=tmask[:, None], other=0).to(tl.int32)
         code = tl.reshape(tl.join(b0 | ((b1 & 15) << 8), (b1 >> 4) | (b2 << 4)), (BT, NC))
     else:
-        code = _unpack_rows(codes_ptr, row * CB, tmask, BT, NC, CW, CB, CNB)  # [BT, NC]
-    rq = _unpack_rows(rad_ptr, row * RB, tmask, BT, NC, RW, RB, RNB)
-    rmax = tl.load(rmax_ptr + row, mask=tmask, other=0).to(tl.float32)
-    if LOGR:
-        rel = tl.load(rel_ptr + rq)
-    else:  # uniform levels: q / L, the IEEE quotient torch computes
-        rel = tl.div_rn(rq.to(tl.float32), tl.full([BT, NC], (1 << RW) - 1, tl.float32))
-    rhat = rmax[:, None] * rel  # as HQMQ.radius_levels: r_max * rel[q]
-    if TAB < 2:
-        cidx = (h * (24 * S) + code).to(tl.int64)
-        if TAB == 1:  # codebook fp16 [H, 24S, 4] as int64 [H*24S]
-            w = tl.load(table_ptr + cidx)
-            c0 = _f16_lane(w, 0)
-            c1 = _f16_lane(w, 1)
-            c2 = _f16_lane(w, 2)
-            c3 = _f16_lane(w, 3)
-        else:  # codebook fp32 [H, 24S, 4] as int64 [H*24S*2]
-            c0, c1 = _f32_pair(tl.load(table_ptr + cidx * 2))
-            c2, c3 = _f32_pair(tl.load(table_ptr + cidx * 2 + 1))
+        code = _unpack_rows(codes_ptr + bh64 * cs, tok * CB, tmask, BT, NC, CW, CB, CNB)
+    rq = _unpack_rows(rad_ptr + bh64 * rs, tok * RB, tmask, BT, NC, RW, RB, RNB)
+    rmax = tl.load(rmax_ptr + bh64 * ms + tok, mask=tmask, other=0)
+    if FAST and TAB == 1:
+        c0, c1, c2, c3 = f16x4(tl.load(table_ptr + (h * (24 * S) + code).to(tl.int64)), True)
+        rhat = rmax.to(tl.float16)[:, None] * tl.load(rel_ptr + rq)
     else:
-        p = code // S
-        sidx = (h * S + (code - p * S)).to(tl.int64)
-        a0, a1 = _f32_pair(tl.load(ptab_ptr + p * 2))  # P [24, 4] fp32 as int64 [48]
-        a2, a3 = _f32_pair(tl.load(ptab_ptr + p * 2 + 1))
-        if TAB == 3:  # secondaries fp16 [H, S, 4] as int64 [H*S]
-            w = tl.load(table_ptr + sidx)
-            s0 = _f16_lane(w, 0)
-            s1 = _f16_lane(w, 1)
-            s2 = _f16_lane(w, 2)
-            s3 = _f16_lane(w, 3)
-        else:  # secondaries fp32 [H, S, 4] as int64 [H*S*2]
-            s0, s1 = _f32_pair(tl.load(table_ptr + sidx * 2))
-            s2, s3 = _f32_pair(tl.load(table_ptr + sidx * 2 + 1))
-        # quaternion.hamilton(a, s), term order as there
-        c0 = a0 * s0 - a1 * s1 - a2 * s2 - a3 * s3
-        c1 = a0 * s1 + a1 * s0 + a2 * s3 - a3 * s2
-        c2 = a0 * s2 - a1 * s3 + a2 * s0 + a3 * s1
-        c3 = a0 * s3 + a1 * s2 - a2 * s1 + a3 * s0
+        rmax = rmax.to(tl.float32)
+        if LOGR:
+            rel = tl.load(rel_ptr + rq).to(tl.float32)
+        else:  # uniform levels: q / L, the IEEE quotient torch computes
+            rel = tl.div_rn(rq.to(tl.float32), tl.full([BT, NC], (1 << RW) - 1, tl.float32))
+        rhat = rmax[:, None] * rel  # as HQMQ.radius_levels: r_max * rel[q]
+        if TAB < 2:
+            cidx = (h * (24 * S) + code).to(tl.int64)
+            if TAB == 1:  # codebook fp16 [H, 24S, 4] as int64 [H*24S]
+                c0, c1, c2, c3 = f16x4(tl.load(table_ptr + cidx), False)
+            else:  # codebook fp32 [H, 24S, 4] as int64 [H*24S*2]
+                w0 = tl.load(table_ptr + cidx * 2)
+                w1 = tl.load(table_ptr + cidx * 2 + 1)
+                c0 = w0.to(tl.int32).to(tl.float32, bitcast=True)
+                c1 = (w0 >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+                c2 = w1.to(tl.int32).to(tl.float32, bitcast=True)
+                c3 = (w1 >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        else:
+            p = code // S
+            sidx = (h * S + (code - p * S)).to(tl.int64)
+            a0 = tl.load(ptab_ptr + p * 4)  # P [24, 4] fp32
+            a1 = tl.load(ptab_ptr + p * 4 + 1)
+            a2 = tl.load(ptab_ptr + p * 4 + 2)
+            a3 = tl.load(ptab_ptr + p * 4 + 3)
+            if TAB == 3:  # secondaries fp16 [H, S, 4] as int64 [H*S]
+                s0, s1, s2, s3 = f16x4(tl.load(table_ptr + sidx), False)
+            else:  # secondaries fp32 [H, S, 4] as int64 [H*S*2]
+                w0 = tl.load(table_ptr + sidx * 2)
+                w1 = tl.load(table_ptr + sidx * 2 + 1)
+                s0 = w0.to(tl.int32).to(tl.float32, bitcast=True)
+                s1 = (w0 >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+                s2 = w1.to(tl.int32).to(tl.float32, bitcast=True)
+                s3 = (w1 >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            c0, c1, c2, c3 = hamilton(a0, a1, a2, a3, s0, s1, s2, s3)
     v0 = c0 * rhat
     v1 = c1 * rhat
     v2 = c2 * rhat
@@ -213,122 +162,117 @@ def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, tabl
     if HAS_OUT:
         fw = tl.zeros([BT], tl.int32)  # the token's flag bits, chunk c at bit c
         for i in tl.static_range(FB):
-            fw = fw | (tl.load(flags_ptr + row * FB + i, mask=tmask, other=0).to(tl.int32) << (8 * i))
+            fw = fw | (tl.load(flags_ptr + bh64 * fs + tok * FB + i, mask=tmask, other=0).to(tl.int32) << (8 * i))
         if tl.sum((fw != 0).to(tl.int32), axis=0) > 0:  # skip tiles without outliers
-            cnt = tl.reshape(_popc(fw, INTERP), (BT // 64, 64))
+            cnt = tl.reshape(popc(fw, INTERP), (BT // 64, 64))
             tok_ex = tl.reshape(tl.cumsum(cnt, axis=1) - cnt, (BT,))  # outliers earlier in the 64-block
             c = tl.arange(0, NC)
             fl = (fw[:, None] >> c[None, :]) & 1
-            ch_ex = _popc(fw[:, None] & ((1 << c) - 1)[None, :], INTERP)  # outliers earlier in the token
-            base = tl.load(oidx_ptr + bh.to(tl.int64) * NBLK + tok // 64, mask=tmask, other=0)
+            ch_ex = popc(fw[:, None] & ((1 << c) - 1)[None, :], INTERP)  # outliers earlier in the token
+            base = tl.load(oidx_ptr + bh64 * isb + tok // 64, mask=tmask, other=0)
             oi = (base + tok_ex).to(tl.int64)[:, None] + ch_ex
             om = fl != 0
-            ow = tl.load(outl_ptr + oi, mask=om, other=0)  # outliers [n, 4] fp16 as int64 [n]
-            v0 = tl.where(om, _f16_lane(ow, 0), v0)
-            v1 = tl.where(om, _f16_lane(ow, 1), v1)
-            v2 = tl.where(om, _f16_lane(ow, 2), v2)
-            v3 = tl.where(om, _f16_lane(ow, 3), v3)
-    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (BT, D))  # element 4c+k = v_k[c]
+            o0, o1, o2, o3 = f16x4(tl.load(outl_ptr + bh64 * osb + oi, mask=om, other=0), FAST and TAB == 1)
+            v0 = tl.where(om, o0, v0)
+            v1 = tl.where(om, o1, v1)
+            v2 = tl.where(om, o2, v2)
+            v3 = tl.where(om, o3, v3)
+    out = tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (BT, D))  # element 4c+k = v_k[c]
+    return _finish(out, FAST, RND), tmask
 
 
 @triton.jit
-def _int_tile(codes_ptr, scale_ptr, zero_ptr, row, tmask,
+def _int_tile(codes_ptr, scale_ptr, zero_ptr, bh, tok, tmask, cs, ss,
               BT: tl.constexpr, D: tl.constexpr, W: tl.constexpr, CB: tl.constexpr, CNB: tl.constexpr,
-              G: tl.constexpr):
-    """Per-token groups of G along the head dim: codes row `row` [BT] (int64)."""
+              G: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr):
+    """Per-token groups of G along the head dim: [BT, D] of rows `tok` of kv row bh.
+    VEC: W divides 8 and a group is whole bytes: bytes [BT, D/G, G*W/8], bit-trick decode."""
     NG: tl.constexpr = D // G
-    code = _unpack_rows(codes_ptr, row * CB, tmask, BT, D, W, CB, CNB).to(tl.float32)
+    bh64 = bh.to(tl.int64)
     g = tl.arange(0, NG)
-    so = row[:, None] * NG + g[None, :]
-    sc = tl.load(scale_ptr + so, mask=tmask[:, None], other=0).to(tl.float32)
-    ze = tl.load(zero_ptr + so, mask=tmask[:, None], other=0).to(tl.float32)
-    val = tl.reshape(code, (BT, NG, G)) * sc[:, :, None] + ze[:, :, None]
-    return tl.reshape(val, (BT, D))
+    so = bh64 * ss + tok[:, None] * NG + g[None, :]
+    sc = tl.load(scale_ptr + so, mask=tmask[:, None], other=0)
+    ze = tl.load(zero_ptr + so, mask=tmask[:, None], other=0)
+    if not FAST:
+        sc = sc.to(tl.float32)
+        ze = ze.to(tl.float32)
+    if VEC:
+        GBY: tl.constexpr = G * W // 8
+        j = tl.arange(0, GBY)
+        off = bh64 * cs + (tok * CB)[:, None, None] + (g * GBY)[None, :, None] + j[None, None, :]
+        b = tl.load(codes_ptr + off, mask=tmask[:, None, None], other=0)
+        shp: tl.constexpr = (BT, NG, GBY)
+        val = dq_bytes(b, tl.broadcast_to(sc[:, :, None], shp), tl.broadcast_to(ze[:, :, None], shp), W, FAST, RND)
+        return tl.reshape(val, (BT, D))
+    else:
+        code = _unpack_rows(codes_ptr + bh64 * cs, tok * CB, tmask, BT, D, W, CB, CNB).to(tl.float32)
+        val = tl.reshape(code, (BT, NG, G)) * sc.to(tl.float32)[:, :, None] + ze.to(tl.float32)[:, :, None]
+        return _finish(tl.reshape(val, (BT, D)), FAST, RND)
 
 
 @triton.jit
-def _kivi_k_tile(codes_ptr, scale_ptr, zero_ptr, bh, t0, TQ, NG,
-                 BT: tl.constexpr, D: tl.constexpr, W: tl.constexpr, G: tl.constexpr, GB: tl.constexpr):
-    """Keys per channel over G-token groups: codes [NG, D, GB] per kv row bh."""
-    E: tl.constexpr = 8 // W  # tokens per byte
-    NR: tl.constexpr = BT // E
+def _kivi_kt_tile(codes_ptr, scale_ptr, zero_ptr, bh, t0, NG, cs, ss,
+                  BT: tl.constexpr, D: tl.constexpr, W: tl.constexpr, G: tl.constexpr, GB: tl.constexpr,
+                  FAST: tl.constexpr, RND: tl.constexpr):
+    """Keys per channel over G-token groups (codes [NGcap, D, GB] per kv row): the
+    TRANSPOSED tile k^T [D, BT] of tokens t0.. (BT a multiple of G, t0 too)."""
     NGT: tl.constexpr = BT // G
-    i = tl.arange(0, NR)
+    bh64 = bh.to(tl.int64)
+    gi = t0 // G + tl.arange(0, NGT)
+    gm = gi < NG
     j = tl.arange(0, D)
-    tok0 = t0 + i * E
-    rmask = tok0 < TQ
-    gi = tok0 // G
-    off = ((bh * NG + gi).to(tl.int64)[:, None] * D + j[None, :]) * GB + ((tok0 % G) // E)[:, None]
-    b = tl.load(codes_ptr + off, mask=rmask[:, None], other=0).to(tl.int32)  # [NR, D]
-    if W == 8:
-        code = b.to(tl.float32)
-    else:
-        f = tl.reshape(_byte_fields(b, W), (NR, D, E))
-        code = tl.reshape(tl.permute(f, (0, 2, 1)), (BT, D)).to(tl.float32)
-    gg = t0 // G + tl.arange(0, NGT)
-    gm = gg < NG
-    so = (bh * NG + gg).to(tl.int64)[:, None] * D + j[None, :]
-    sc = tl.load(scale_ptr + so, mask=gm[:, None], other=0).to(tl.float32)  # [NGT, D]
-    ze = tl.load(zero_ptr + so, mask=gm[:, None], other=0).to(tl.float32)
-    val = tl.reshape(code, (NGT, G, D)) * sc[:, None, :] + ze[:, None, :]
-    return tl.reshape(val, (BT, D))
+    by = tl.arange(0, GB)
+    off = bh64 * cs + ((gi.to(tl.int64)[:, None] * D + j[None, :]) * GB)[:, :, None] + by[None, None, :]
+    b = tl.load(codes_ptr + off, mask=gm[:, None, None], other=0)  # [NGT, D, GB]
+    so = bh64 * ss + gi.to(tl.int64)[:, None] * D + j[None, :]
+    sc = tl.load(scale_ptr + so, mask=gm[:, None], other=0)  # [NGT, D]
+    ze = tl.load(zero_ptr + so, mask=gm[:, None], other=0)
+    if not FAST:
+        sc = sc.to(tl.float32)
+        ze = ze.to(tl.float32)
+    shp: tl.constexpr = (NGT, D, GB)
+    val = dq_bytes(b, tl.broadcast_to(sc[:, :, None], shp), tl.broadcast_to(ze[:, :, None], shp), W, FAST, RND)
+    val = tl.reshape(val, (NGT, D, G))  # token within its group = byte * (8/W) + field
+    return tl.reshape(tl.permute(val, (1, 0, 2)), (D, BT))
 
 
 @triton.jit
-def _fp16_tile(ptr, bh, t0, TR, BT: tl.constexpr, D: tl.constexpr):
+def _fp16_tile(ptr, bh, t0, TR, rs, BT: tl.constexpr, D: tl.constexpr, FAST: tl.constexpr):
     tok = t0 + tl.arange(0, BT)
-    tmask = tok < TR
+    tmask = (tok >= 0) & (tok < TR)
     j = tl.arange(0, D)
-    off = (bh.to(tl.int64) * TR + tok)[:, None] * D + j[None, :]
-    return tl.load(ptr + off, mask=tmask[:, None], other=0).to(tl.float32), tmask
-
-
-# ---------------------------------------------------------------------------------------
-# online softmax pieces
-# ---------------------------------------------------------------------------------------
-@triton.jit
-def _scores(q, k, tmask, qk_scale, DOT_F32: tl.constexpr, RND: tl.constexpr):
-    if DOT_F32:
-        s = tl.dot(q, tl.trans(k.to(RND).to(tl.float32)), input_precision="ieee")
+    off = bh.to(tl.int64) * rs + tl.maximum(tok, 0)[:, None] * D + j[None, :]
+    x = tl.load(ptr + off, mask=tmask[:, None], other=0)
+    if FAST:
+        return x.to(tl.float16), tmask
     else:
-        s = tl.dot(q, tl.trans(k.to(q.dtype)))
-    s = s * qk_scale
-    return tl.where(tmask[None, :], s, float("-inf"))
+        return x.to(tl.float32), tmask
 
 
 @triton.jit
-def _update(s, v, m_i, l_i, acc, DOT_F32: tl.constexpr, DT: tl.constexpr, RND: tl.constexpr):
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if DOT_F32:
-        pv = tl.dot(p, v.to(RND).to(tl.float32), input_precision="ieee")
+def _fp8_tile(codes_ptr, bh, tok, tmask, cs, scale, D: tl.constexpr, E5: tl.constexpr,
+              FAST: tl.constexpr, RND: tl.constexpr):
+    """fp8 codes [BT, D]: FAST the unscaled fp16 values (the scale is folded by the
+    caller); else the scaled values rounded to the cache dtype, as decode rounds them."""
+    j = tl.arange(0, D)
+    b = tl.load(codes_ptr + bh.to(tl.int64) * cs + tok[:, None] * D + j[None, :], mask=tmask[:, None], other=0)
+    if FAST:
+        if E5:
+            return b.to(tl.float8e5, bitcast=True).to(tl.float16)
+        else:
+            return b.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     else:
-        pv = tl.dot(p.to(DT), v.to(DT))
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _load_q(q_ptr, pid_bh, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr):
-    hr = tl.arange(0, BH)
-    hmask = hr < GROUP
-    qrow = pid_bh * GROUP + hr  # (b*Hkv + h)*GROUP + i == b*Hq + h*GROUP + i
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + qrow.to(tl.int64)[:, None] * D + d[None, :], mask=hmask[:, None], other=0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    return q, qrow, hmask
-
-
-@triton.jit
-def _store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D: tl.constexpr):
-    d = tl.arange(0, D)
-    prow = qrow.to(tl.int64) * nsplit + sp
-    tl.store(po_ptr + prow[:, None] * D + d[None, :], acc, mask=hmask[:, None])
-    tl.store(pm_ptr + prow, m_i, mask=hmask)
-    tl.store(pl_ptr + prow, l_i, mask=hmask)
+        x = b.to(tl.int32)
+        if E5:  # 1-5-2, bias 15
+            e = (x >> 2) & 31
+            m = (x & 3).to(tl.float32)
+            mag = tl.where(e == 0, m * (2.0 ** -16), (4.0 + m) * tl.exp2((e - 17).to(tl.float32)))
+        else:  # 1-4-3, bias 7
+            e = (x >> 3) & 15
+            m = (x & 7).to(tl.float32)
+            mag = tl.where(e == 0, m * (2.0 ** -9), (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+        val = tl.where((x & 128) != 0, -mag, mag)
+        return (val * scale).to(RND).to(tl.float32)
 
 
 # ---------------------------------------------------------------------------------------
@@ -339,7 +283,8 @@ def _hqmq_split_kernel(q_ptr,
                        kc, kr, km, kf, ko, ki, kt, kl,
                        vc, vr, vm, vf, vo, vi, vt, vl, ptab,
                        po_ptr, pm_ptr, pl_ptr,
-                       T, NBLK, tiles_per_split, qk_scale,
+                       T, tiles_per_split, qk_scale,
+                       k_cs, k_rs, k_ms, k_fs, k_os, k_is, v_cs, v_rs, v_ms, v_fs, v_os, v_is,
                        HKV: tl.constexpr, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
                        BT: tl.constexpr,
                        K_CW: tl.constexpr, K_CB: tl.constexpr, K_CNB: tl.constexpr, K_RW: tl.constexpr,
@@ -348,113 +293,106 @@ def _hqmq_split_kernel(q_ptr,
                        V_CW: tl.constexpr, V_CB: tl.constexpr, V_CNB: tl.constexpr, V_RW: tl.constexpr,
                        V_RB: tl.constexpr, V_RNB: tl.constexpr, V_S: tl.constexpr, V_OUT: tl.constexpr,
                        V_TAB: tl.constexpr, V_LOGR: tl.constexpr,
-                       FB: tl.constexpr, DOT_F32: tl.constexpr, RND: tl.constexpr):
-    pid_bh = tl.program_id(0)
-    sp = tl.program_id(1)
-    nsplit = tl.num_programs(1)
+                       FB: tl.constexpr, FAST: tl.constexpr, INTERP: tl.constexpr, RND: tl.constexpr):
+    pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last = split_prologue(
+        q_ptr, tl.cdiv(T, BT), tiles_per_split, GROUP, BH, D, FAST)
     h = pid_bh % HKV
-    q, qrow, hmask = _load_q(q_ptr, pid_bh, GROUP, BH, D, DOT_F32)
-    m_i = tl.full([BH], float("-inf"), tl.float32)
-    l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, D], tl.float32)
-    ntiles = tl.cdiv(T, BT)
-    first = sp * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, ntiles)
     for ti in range(first, last):
         t0 = ti * BT
-        tmask = (t0 + tl.arange(0, BT)) < T
-        k = _hqmq_tile(kc, kr, km, kf, ko, ki, kt, ptab, kl, pid_bh, h, t0, T, NBLK,
-                       BT, D, K_CW, K_CB, K_CNB, K_RW, K_RB, K_RNB, FB, K_S, K_OUT, K_TAB, K_LOGR, DOT_F32)
-        s = _scores(q, k, tmask, qk_scale, DOT_F32, RND)
-        v = _hqmq_tile(vc, vr, vm, vf, vo, vi, vt, ptab, vl, pid_bh, h, t0, T, NBLK,
-                       BT, D, V_CW, V_CB, V_CNB, V_RW, V_RB, V_RNB, FB, V_S, V_OUT, V_TAB, V_LOGR, DOT_F32)
-        m_i, l_i, acc = _update(s, v, m_i, l_i, acc, DOT_F32, q.dtype, RND)
-    _store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D)
+        k, tmask = _hqmq_tile(kc, kr, km, kf, ko, ki, kt, ptab, kl, pid_bh, h, t0, T,
+                              k_cs, k_rs, k_ms, k_fs, k_os, k_is,
+                              BT, D, K_CW, K_CB, K_CNB, K_RW, K_RB, K_RNB, FB, K_S, K_OUT, K_TAB, K_LOGR,
+                              FAST, INTERP, RND)
+        s = scores(q, tl.trans(k), tmask, qk_scale, FAST)
+        v, tmask = _hqmq_tile(vc, vr, vm, vf, vo, vi, vt, ptab, vl, pid_bh, h, t0, T,
+                              v_cs, v_rs, v_ms, v_fs, v_os, v_is,
+                              BT, D, V_CW, V_CB, V_CNB, V_RW, V_RB, V_RNB, FB, V_S, V_OUT, V_TAB, V_LOGR,
+                              FAST, INTERP, RND)
+        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, FAST)
+    store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D)
 
 
 @triton.jit
 def _int_split_kernel(q_ptr, kc, ks, kz, vc, vs, vz, po_ptr, pm_ptr, pl_ptr,
-                      T, tiles_per_split, qk_scale,
+                      T, tiles_per_split, qk_scale, k_cs, k_ss, v_cs, v_ss,
                       GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                       W: tl.constexpr, CB: tl.constexpr, CNB: tl.constexpr, G: tl.constexpr,
-                      DOT_F32: tl.constexpr, RND: tl.constexpr):
-    pid_bh = tl.program_id(0)
-    sp = tl.program_id(1)
-    nsplit = tl.num_programs(1)
-    q, qrow, hmask = _load_q(q_ptr, pid_bh, GROUP, BH, D, DOT_F32)
-    m_i = tl.full([BH], float("-inf"), tl.float32)
-    l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, D], tl.float32)
-    ntiles = tl.cdiv(T, BT)
-    first = sp * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, ntiles)
+                      VEC: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr):
+    pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last = split_prologue(
+        q_ptr, tl.cdiv(T, BT), tiles_per_split, GROUP, BH, D, FAST)
     for ti in range(first, last):
         tok = ti * BT + tl.arange(0, BT)
         tmask = tok < T
-        row = pid_bh.to(tl.int64) * T + tok
-        k = _int_tile(kc, ks, kz, row, tmask, BT, D, W, CB, CNB, G)
-        s = _scores(q, k, tmask, qk_scale, DOT_F32, RND)
-        v = _int_tile(vc, vs, vz, row, tmask, BT, D, W, CB, CNB, G)
-        m_i, l_i, acc = _update(s, v, m_i, l_i, acc, DOT_F32, q.dtype, RND)
-    _store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D)
+        k = _int_tile(kc, ks, kz, pid_bh, tok, tmask, k_cs, k_ss, BT, D, W, CB, CNB, G, VEC, FAST, RND)
+        s = scores(q, tl.trans(k), tmask, qk_scale, FAST)
+        v = _int_tile(vc, vs, vz, pid_bh, tok, tmask, v_cs, v_ss, BT, D, W, CB, CNB, G, VEC, FAST, RND)
+        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, FAST)
+    store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D)
 
 
 @triton.jit
 def _kivi_split_kernel(q_ptr, kc, ks, kz, kres, vc, vs, vz, vres, po_ptr, pm_ptr, pl_ptr,
-                       TQ, NG, TR, tiles_per_split, qk_scale,
+                       NGK, TRK, NGV, TRV, tiles_per_split, qk_scale, k_cs, k_ss, k_rs, v_cs, v_ss, v_rs,
                        GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                        W: tl.constexpr, G: tl.constexpr, GB: tl.constexpr,
-                       VCB: tl.constexpr, VCNB: tl.constexpr, DOT_F32: tl.constexpr,
-                       RND: tl.constexpr):
-    pid_bh = tl.program_id(0)
-    sp = tl.program_id(1)
-    nsplit = tl.num_programs(1)
-    q, qrow, hmask = _load_q(q_ptr, pid_bh, GROUP, BH, D, DOT_F32)
-    m_i = tl.full([BH], float("-inf"), tl.float32)
-    l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, D], tl.float32)
-    ntiles = tl.cdiv(TQ, BT)
-    first = sp * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, ntiles)
+                       VCB: tl.constexpr, VCNB: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr):
+    """Keys: NGK quantized groups then TRK window rows; values: NGV groups then TRV rows
+    (KIVI keeps different windows for K and V; both cover the same T tokens). The
+    tiles where both are quantized are split over the programs; the tail from there
+    to T (under a window plus a tile) goes to the last split, each side decoded from
+    whichever part holds the token."""
+    TQK = NGK * G
+    TQV = NGV * G
+    T = TQK + TRK
+    n_main = tl.minimum(TQK, TQV) // BT
+    pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last = split_prologue(
+        q_ptr, n_main, tiles_per_split, GROUP, BH, D, FAST)
     for ti in range(first, last):
         t0 = ti * BT
         tok = t0 + tl.arange(0, BT)
-        tmask = tok < TQ
-        k = _kivi_k_tile(kc, ks, kz, pid_bh, t0, TQ, NG, BT, D, W, G, GB)
-        s = _scores(q, k, tmask, qk_scale, DOT_F32, RND)
-        row = pid_bh.to(tl.int64) * TQ + tok
-        v = _int_tile(vc, vs, vz, row, tmask, BT, D, W, VCB, VCNB, G)
-        m_i, l_i, acc = _update(s, v, m_i, l_i, acc, DOT_F32, q.dtype, RND)
-    # the fp16 window (KIVI's residual) goes to the last split
-    n_res = tl.where(sp == nsplit - 1, tl.cdiv(TR, BT), 0)
-    for ri in range(0, n_res):
-        k, tmask = _fp16_tile(kres, pid_bh, ri * BT, TR, BT, D)
-        s = _scores(q, k, tmask, qk_scale, DOT_F32, RND)
-        v, tmask = _fp16_tile(vres, pid_bh, ri * BT, TR, BT, D)
-        m_i, l_i, acc = _update(s, v, m_i, l_i, acc, DOT_F32, q.dtype, RND)
-    _store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D)
+        tmask = tok < T
+        kt = _kivi_kt_tile(kc, ks, kz, pid_bh, t0, NGK, k_cs, k_ss, BT, D, W, G, GB, FAST, RND)
+        s = scores(q, kt, tmask, qk_scale, FAST)
+        v = _int_tile(vc, vs, vz, pid_bh, tok, tmask, v_cs, v_ss, BT, D, W, VCB, VCNB, G, True, FAST, RND)
+        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, FAST)
+    n_tail = tl.where(sp == nsplit - 1, tl.cdiv(T - n_main * BT, BT), 0)
+    for ri in range(0, n_tail):
+        t0 = (n_main + ri) * BT
+        tok = t0 + tl.arange(0, BT)
+        tmask = tok < T
+        kq = _kivi_kt_tile(kc, ks, kz, pid_bh, t0, NGK, k_cs, k_ss, BT, D, W, G, GB, FAST, RND)
+        kr, _ = _fp16_tile(kres, pid_bh, t0 - TQK, TRK, k_rs, BT, D, FAST)
+        kt = tl.where((tok < TQK)[None, :], kq, tl.trans(kr))
+        s = scores(q, kt, tmask, qk_scale, FAST)
+        vq = _int_tile(vc, vs, vz, pid_bh, tok, tok < TQV, v_cs, v_ss, BT, D, W, VCB, VCNB, G, True, FAST, RND)
+        vr, _ = _fp16_tile(vres, pid_bh, t0 - TQV, TRV, v_rs, BT, D, FAST)
+        v = tl.where((tok < TQV)[:, None], vq, vr)
+        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, FAST)
+    store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D)
 
 
 @triton.jit
-def _combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NSPLIT, D: tl.constexpr, SB: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, SB)
-    d = tl.arange(0, D)
-    mx = tl.full([SB], float("-inf"), tl.float32)
-    for s0 in range(0, NSPLIT, SB):
-        sm = (s0 + s) < NSPLIT
-        mx = tl.maximum(mx, tl.load(pm_ptr + row * NSPLIT + s0 + s, mask=sm, other=float("-inf")))
-    M = tl.max(mx, axis=0)
-    num = tl.zeros([D], tl.float32)
-    den = tl.zeros([SB], tl.float32)
-    for s0 in range(0, NSPLIT, SB):
-        sm = (s0 + s) < NSPLIT
-        m = tl.load(pm_ptr + row * NSPLIT + s0 + s, mask=sm, other=float("-inf"))
-        w = tl.where(m > float("-inf"), tl.exp2(m - M), 0.0)
-        den += w * tl.load(pl_ptr + row * NSPLIT + s0 + s, mask=sm, other=0)
-        o = tl.load(po_ptr + (row * NSPLIT + s0 + s)[:, None] * D + d[None, :], mask=sm[:, None], other=0)
-        num += tl.sum(o * w[:, None], axis=0)
-    tl.store(out_ptr + row * D + d, (num / tl.sum(den, axis=0)).to(out_ptr.dtype.element_ty))
+def _fp8_split_kernel(q_ptr, kc, vc, ksc_ptr, vsc_ptr, po_ptr, pm_ptr, pl_ptr,
+                      T, tiles_per_split, qk_scale, k_cs, v_cs,
+                      HKV: tl.constexpr, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
+                      BT: tl.constexpr, E5: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr):
+    pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last = split_prologue(
+        q_ptr, tl.cdiv(T, BT), tiles_per_split, GROUP, BH, D, FAST)
+    h = pid_bh % HKV
+    ksc = tl.load(ksc_ptr + h)
+    vsc = tl.load(vsc_ptr + h)
+    if FAST:  # q.(s k8) = s (q.k8); sum p (s v8) = s sum p v8
+        qk_scale = qk_scale * ksc
+    for ti in range(first, last):
+        tok = ti * BT + tl.arange(0, BT)
+        tmask = tok < T
+        k = _fp8_tile(kc, pid_bh, tok, tmask, k_cs, ksc, D, E5, FAST, RND)
+        s = scores(q, tl.trans(k), tmask, qk_scale, FAST)
+        v = _fp8_tile(vc, pid_bh, tok, tmask, v_cs, vsc, D, E5, FAST, RND)
+        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, FAST)
+    if FAST:
+        acc = acc * vsc
+    store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D)
 
 
 # ---------------------------------------------------------------------------------------
@@ -495,39 +433,60 @@ def _check_q(q: torch.Tensor, H: int, D: int, B: int):
         raise ValueError(f"head_dim must be a power of two >= 16, got {D}")
 
 
-class _Workspace:
-    """Partial-result buffers for one shape, reused between calls."""
+def bh_stride(t: torch.Tensor, name: str = "buffer") -> int:
+    """Elements between consecutive (b, h) rows of a `[B, H, cap, ...]` buffer laid out
+    as the contract says (a contiguous buffer or a `[:, :, :n]` view of one)."""
+    inner = 1
+    for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:])):
+        if size > 1 and stride != inner:
+            raise ValueError(f"{name}: the token row must be contiguous, got strides {t.stride()}")
+        inner *= size
+    if t.shape[1] > 1 and t.shape[0] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
+        raise ValueError(f"{name}: batch stride {t.stride(0)} != H * head stride {t.stride(1)}")
+    if t.stride(1) < inner:
+        raise ValueError(f"{name}: head stride {t.stride(1)} shorter than the valid rows")
+    return t.stride(1)
+
+
+class Workspace:
+    """Partial-result buffers for one shape, reused between calls (and by CUDA graphs)."""
 
     def __init__(self, rows_q, nsplit, D, device, out_dtype=torch.float32):
+        self.nsplit = nsplit
         self.po = torch.empty(rows_q * nsplit * D, dtype=torch.float32, device=device)
         self.pm = torch.empty(rows_q * nsplit, dtype=torch.float32, device=device)
         self.pl = torch.empty(rows_q * nsplit, dtype=torch.float32, device=device)
         self.out = torch.empty(rows_q * D, dtype=out_dtype, device=device)
 
 
+_Workspace = Workspace  # the earlier name
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def _launch(kernel, args, kw, q, B, H, nsplit, D, num_warps, num_stages, ws: _Workspace | None,
-            cache_dtype, out_dtype):
+def _fast(q: torch.Tensor) -> bool:
+    return not interpreting() and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _launch(kernel, args, runtime, const, q, B, H, nsplit, D, num_warps, num_stages, ws, cache_dtype, out_dtype):
     Hq = q.shape[1]
     rows_q = B * Hq
     out_dtype = out_dtype or q.dtype
-    ws = ws or _Workspace(rows_q, nsplit, D, q.device, out_dtype)
-    dot_f32 = interpreting() or q.dtype == torch.float32
+    if ws is None or ws.nsplit != nsplit or ws.out.dtype != out_dtype or ws.out.numel() != rows_q * D:
+        ws = Workspace(rows_q, nsplit, D, q.device, out_dtype)
     group = Hq // H
     bh = max(16, triton.next_power_of_2(group))
     extra = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
-    kernel[(B * H, nsplit)](q, *args, ws.po, ws.pm, ws.pl, *kw["rt"],
-                            GROUP=group, BH=bh, D=D, DOT_F32=dot_f32, RND=_TL_DTYPES[cache_dtype],
-                            **kw["ce"], **extra)
-    _combine_kernel[(rows_q,)](ws.po, ws.pm, ws.pl, ws.out, nsplit, D=D, SB=16)
-    return ws.out.view(B, Hq, 1, D).to(out_dtype)
+    kernel[(B * H, nsplit)](q, *args, ws.po, ws.pm, ws.pl, *runtime,
+                            GROUP=group, BH=bh, D=D, FAST=_fast(q), RND=_TL_DTYPES[cache_dtype],
+                            **const, **extra)
+    combine_kernel[(rows_q,)](ws.po, ws.pm, ws.pl, ws.out, nsplit, D=D, SB=16)
+    return ws.out.view(B, Hq, 1, D)
 
 
 def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_splits: int | None = None,
                           block_t: int = 64, num_warps: int = 4, num_stages: int = 1,
-                          workspace: _Workspace | None = None, out_dtype=None) -> torch.Tensor:
+                          programs_per_sm: int = 8, workspace: Workspace | None = None,
+                          out_dtype=None) -> torch.Tensor:
     B, H, T, D = k.B, k.H, k.T, k.D
     _check_q(q, H, D, B)
     if (v.B, v.H, v.T, v.D) != (B, H, T, D):
@@ -535,95 +494,134 @@ def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_spli
     if block_t % OUTLIER_BLOCK:
         raise ValueError(f"block_t must be a multiple of {OUTLIER_BLOCK}")
     q = q.contiguous()
-    ntiles = triton.cdiv(T, block_t)
-    nsplit, per = choose_splits(B * H, ntiles, q.device, num_splits)
+    nsplit, per = choose_splits(B * H, triton.cdiv(T, block_t), q.device, num_splits, programs_per_sm)
     nc = D // 4
+    fast = _fast(q)
+
+    def tab(f: HQMQFlat) -> int:
+        if f.table.dtype not in (torch.float16, torch.float32) or f.table_mode not in ("codebook", "secondaries"):
+            raise ValueError(f"unsupported HQMQ table {f.table_mode}/{f.table.dtype}")
+        return (0 if f.table_mode == "codebook" else 2) + (f.table.dtype == torch.float16)
 
     def args(f: HQMQFlat):
         dummy = f.codes
         outl = (f.outliers.view(torch.int64) if f.has_outliers and f.outliers.numel()
-                else torch.zeros(1, dtype=torch.int64, device=f.codes.device))
+                else torch.zeros(1, 1, 1, 1, dtype=torch.int64, device=f.codes.device))
+        rel = f.rel16 if fast and tab(f) == 1 else f.rel
         return [f.codes, f.radius, f.r_max, f.flags if f.has_outliers else dummy, outl,
-                f.outlier_index if f.has_outliers else dummy, f.table.view(torch.int64), f.rel]
+                f.outlier_index if f.has_outliers else dummy, f.table.view(torch.int64), rel]
+
+    def strides(f: HQMQFlat):
+        if f.has_outliers:
+            o = [bh_stride(f.flags, "flags"), bh_stride(f.outliers, "outliers") // 4,
+                 bh_stride(f.outlier_index, "outlier_index")]
+        else:
+            o = [0, 0, 0]
+        return [bh_stride(f.codes, "codes"), bh_stride(f.radius, "radius"), bh_stride(f.r_max, "r_max")] + o
 
     def ce(f: HQMQFlat, p):
         return {f"{p}_CW": f.code_bits, f"{p}_CB": f.codes.shape[-1], f"{p}_CNB": _nbytes_span(nc, f.code_bits),
                 f"{p}_RW": f.r_bits, f"{p}_RB": f.radius.shape[-1], f"{p}_RNB": _nbytes_span(nc, f.r_bits),
-                f"{p}_S": f.S, f"{p}_OUT": f.has_outliers,
-                f"{p}_TAB": (0 if f.table_mode == "codebook" else 2) + (f.table.dtype == torch.float16),
-                f"{p}_LOGR": f.log_radius}
+                f"{p}_S": f.S, f"{p}_OUT": f.has_outliers, f"{p}_TAB": tab(f), f"{p}_LOGR": f.log_radius}
 
-    nblk = triton.cdiv(T, OUTLIER_BLOCK)
-    kw = {"rt": [T, nblk, per, 1.4426950408889634 / math.sqrt(D)],
-          "ce": {**ce(k, "K"), **ce(v, "V"), "HKV": H, "BT": block_t, "FB": (nc + 7) // 8}}
-    for f in (k, v):
-        if f.table.dtype not in (torch.float16, torch.float32) or f.table_mode not in ("codebook", "secondaries"):
-            raise ValueError(f"unsupported HQMQ table {f.table_mode}/{f.table.dtype}")
-    ptab = k.ptab.float().contiguous().view(torch.int64)
-    return _launch(_hqmq_split_kernel, args(k) + args(v) + [ptab], kw, q, B, H, nsplit, D, num_warps, num_stages,
-                   workspace, k.dtype, out_dtype)
+    runtime = [T, per, LOG2E / math.sqrt(D)] + strides(k) + strides(v)
+    const = {**ce(k, "K"), **ce(v, "V"), "HKV": H, "BT": block_t, "FB": (nc + 7) // 8, "INTERP": interpreting()}
+    ptab = k.ptab.float().contiguous()
+    return _launch(_hqmq_split_kernel, args(k) + args(v) + [ptab], runtime, const, q, B, H, nsplit, D,
+                   num_warps, num_stages, workspace, k.dtype, out_dtype)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def int_decode_attention(q: torch.Tensor, k: IntFlat, v: IntFlat, *, num_splits: int | None = None,
-                         block_t: int = 64, num_warps: int = 4, num_stages: int = 2,
-                         workspace: _Workspace | None = None, out_dtype=None) -> torch.Tensor:
+                         block_t: int = 64, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 8,
+                         workspace: Workspace | None = None, out_dtype=None) -> torch.Tensor:
     B, H, T, D = k.B, k.H, k.T, k.D
     _check_q(q, H, D, B)
     if (v.B, v.H, v.T, v.D, v.bits, v.group) != (B, H, T, D, k.bits, k.group):
         raise ValueError("K and V int caches differ in shape or config")
-    G = k.group
-    if D % G or (D // G) & (D // G - 1):
+    G, W = k.group, k.bits
+    if D % G or not _pow2(D // G):
         raise ValueError(f"fused int kernel needs head_dim/group a power of two, got {D}/{G}")
+    vec = 8 % W == 0 and (G * W) % 8 == 0 and _pow2(G * W // 8)
     q = q.contiguous()
-    ntiles = triton.cdiv(T, block_t)
-    nsplit, per = choose_splits(B * H, ntiles, q.device, num_splits)
-    kw = {"rt": [T, per, 1.4426950408889634 / math.sqrt(D)],
-          "ce": {"BT": block_t, "W": k.bits, "CB": k.codes.shape[-1], "CNB": _nbytes_span(D, k.bits), "G": G}}
-    return _launch(_int_split_kernel, [k.codes, k.scale, k.zero, v.codes, v.scale, v.zero], kw,
+    nsplit, per = choose_splits(B * H, triton.cdiv(T, block_t), q.device, num_splits, programs_per_sm)
+    runtime = [T, per, LOG2E / math.sqrt(D), bh_stride(k.codes, "codes"), bh_stride(k.scale, "scale"),
+               bh_stride(v.codes, "codes"), bh_stride(v.scale, "scale")]
+    for f in (k, v):
+        if f.zero.stride() != f.scale.stride():
+            raise ValueError("int scale and zero buffers must share a layout")
+    const = {"BT": block_t, "W": W, "CB": k.codes.shape[-1], "CNB": _nbytes_span(D, W), "G": G, "VEC": vec}
+    return _launch(_int_split_kernel, [k.codes, k.scale, k.zero, v.codes, v.scale, v.zero], runtime, const,
                    q, B, H, nsplit, D, num_warps, num_stages, workspace, k.dtype, out_dtype)
 
 
 def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_splits: int | None = None,
-                          block_t: int = 64, num_warps: int = 4, num_stages: int = 2,
-                          workspace: _Workspace | None = None, out_dtype=None) -> torch.Tensor:
+                          block_t: int = 64, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 8,
+                          workspace: Workspace | None = None, out_dtype=None) -> torch.Tensor:
     B, H, D = k.B, k.H, k.D
     _check_q(q, H, D, B)
-    if (v.B, v.H, v.D, v.n_groups, v.T_res, v.bits, v.group) != (B, H, D, k.n_groups, k.T_res, k.bits, k.group):
+    if (v.B, v.H, v.D, v.T, v.bits, v.group) != (B, H, D, k.T, k.bits, k.group):
         raise ValueError("K and V KIVI caches differ in shape or config")
     if k.role != "K" or v.role != "V":
         raise ValueError("pass the keys' KIVIFlat (role K) then the values' (role V)")
     G, W = k.group, k.bits
     if 8 % W:
-        raise ValueError(f"fused KIVI kernel supports 1, 2, 4 or 8 bits, got {W}")
-    if G & (G - 1) or D % G or (D // G) & (D // G - 1):
+        raise ValueError(f"fused KIVI kernel supports 2, 4 or 8 bits, got {W}")
+    if not _pow2(G) or D % G or not _pow2(D // G) or G * W < 8:
         raise ValueError(f"fused KIVI kernel needs a power-of-two group dividing head_dim, got G={G}")
     bt = max(block_t, G)
     if bt % G:
         raise ValueError(f"block_t {block_t} must be a multiple of the group {G}")
     q = q.contiguous()
-    TQ, NG, TR = k.T_quant, k.n_groups, k.T_res
-    ntiles = triton.cdiv(TQ, bt)
-    nsplit, per = choose_splits(B * H, ntiles, q.device, num_splits)
-    dummy8 = k.residual if NG == 0 else None
-    kargs = [k.codes if NG else dummy8, k.scale if NG else dummy8, k.zero if NG else dummy8, k.residual,
-             v.codes if NG else dummy8, v.scale if NG else dummy8, v.zero if NG else dummy8, v.residual]
-    vcb = D * W // 8
-    kw = {"rt": [TQ, NG, TR, per, 1.4426950408889634 / math.sqrt(D)],
-          "ce": {"BT": bt, "W": W, "G": G, "GB": G * W // 8, "VCB": vcb, "VCNB": _nbytes_span(D, W)}}
-    return _launch(_kivi_split_kernel, kargs, kw, q, B, H, nsplit, D, num_warps, num_stages, workspace,
-                   k.dtype, out_dtype)
+    n_main = min(k.n_groups, v.n_groups) * G // bt
+    nsplit, per = choose_splits(B * H, n_main, q.device, num_splits, programs_per_sm)
+
+    def parts(f: KIVIFlat, role: str):
+        if f.n_groups:
+            return ([f.codes, f.scale, f.zero, f.residual],
+                    [bh_stride(f.codes, f"{role} codes"), bh_stride(f.scale, f"{role} scale"),
+                     bh_stride(f.residual, f"{role} window")])
+        return [f.residual] * 4, [0, 0, bh_stride(f.residual, f"{role} window")]
+
+    kb, ks = parts(k, "K")
+    vb, vs = parts(v, "V")
+    runtime = [k.n_groups, k.T_res, v.n_groups, v.T_res, per, LOG2E / math.sqrt(D)] + ks + vs
+    const = {"BT": bt, "W": W, "G": G, "GB": G * W // 8, "VCB": D * W // 8, "VCNB": _nbytes_span(D, W)}
+    return _launch(_kivi_split_kernel, kb + vb, runtime, const, q, B, H, nsplit, D, num_warps, num_stages,
+                   workspace, k.dtype, out_dtype)
+
+
+def fp8_decode_attention(q: torch.Tensor, k: FP8Flat, v: FP8Flat, *, num_splits: int | None = None,
+                         block_t: int = 64, num_warps: int = 4, num_stages: int = 3, programs_per_sm: int = 8,
+                         workspace: Workspace | None = None, out_dtype=None) -> torch.Tensor:
+    B, H, T, D = k.B, k.H, k.T, k.D
+    _check_q(q, H, D, B)
+    if (v.B, v.H, v.T, v.D, v.fmt) != (B, H, T, D, k.fmt):
+        raise ValueError("K and V fp8 caches differ in shape or format")
+    q = q.contiguous()
+    nsplit, per = choose_splits(B * H, triton.cdiv(T, block_t), q.device, num_splits, programs_per_sm)
+    runtime = [T, per, LOG2E / math.sqrt(D), bh_stride(k.codes, "codes"), bh_stride(v.codes, "codes")]
+    const = {"HKV": H, "BT": block_t, "E5": k.fmt == "e5m2"}
+    return _launch(_fp8_split_kernel, [k.codes, v.codes, k.scale.float(), v.scale.float()], runtime, const,
+                   q, B, H, nsplit, D, num_warps, num_stages, workspace, k.dtype, out_dtype)
+
+
+_KERNELS = {HQMQFlat: hqmq_decode_attention, IntFlat: int_decode_attention, KIVIFlat: kivi_decode_attention,
+            FP8Flat: fp8_decode_attention}
 
 
 def decode_attention(q: torch.Tensor, k, v, **kw) -> torch.Tensor:
-    """Dispatch on the flattened cache type."""
-    if isinstance(k, HQMQFlat):
-        return hqmq_decode_attention(q, k, v, **kw)
-    if isinstance(k, IntFlat):
-        return int_decode_attention(q, k, v, **kw)
-    if isinstance(k, KIVIFlat):
-        return kivi_decode_attention(q, k, v, **kw)
-    raise TypeError(f"no fused kernel for {type(k).__name__}")
+    """Dispatch on the flattened cache type. Returns `[B, Hq, 1, d]` in out_dtype
+    (default q's dtype); the tensor is the workspace's buffer when one is passed."""
+    fn = _KERNELS.get(type(k))
+    if fn is None:
+        raise TypeError(f"no fused kernel for {type(k).__name__}")
+    return fn(q, k, v, **kw)
 
 
 __all__ = ["decode_attention", "hqmq_decode_attention", "int_decode_attention", "kivi_decode_attention",
-           "reference_decode_attention", "choose_splits", "interpreting"]
+           "fp8_decode_attention", "reference_decode_attention", "choose_splits", "interpreting", "Workspace",
+           "bh_stride"]

@@ -10,7 +10,7 @@ What runs where (the stored fields are exactly those of `quantizers/hqmq.py`):
   nearest_hurwitz(v) for the best s (ties to the axis element, lowest axis);
   code = p * S + s;
 - torch, after it: radius codes, the zeroing of codes of chunks that decode to
-  zero, the bit packing (`pack_bits`), flags, outliers and outlier_index.
+  zero, the bit packing (`pack_bits`), flags and outliers.
 
 `encode_with_kernel(q, x)` is `q.encode(x)` with `HQMQ.search` replaced by the
 kernel, so everything but the search is the reference code path. The torch
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import interpreting
+from .triton_common import hamilton, interpreting
 
 
 @triton.jit
@@ -57,11 +57,8 @@ def _hqmq_search_kernel(u_ptr, sec_ptr, code_ptr, N, H, S,
         c1 = -tl.load(sp + 1, mask=sm, other=0.0)[None, :]
         c2 = -tl.load(sp + 2, mask=sm, other=0.0)[None, :]
         c3 = -tl.load(sp + 3, mask=sm, other=0.0)[None, :]
-        # v = u * c (Hamilton), as u @ M with M = right_mul_matrix(c), rows i = 0..3
-        v0 = u0 * c0 + u1 * (-c1) + u2 * (-c2) + u3 * (-c3)
-        v1 = u0 * c1 + u1 * c0 + u2 * c3 + u3 * (-c2)
-        v2 = u0 * c2 + u1 * (-c3) + u2 * c0 + u3 * c1
-        v3 = u0 * c3 + u1 * c2 + u2 * (-c1) + u3 * c0
+        # v = u * c (Hamilton; the same products and order as u @ right_mul_matrix(c))
+        v0, v1, v2, v3 = hamilton(u0, u1, u2, u3, c0, c1, c2, c3)
         a0 = tl.abs(v0)
         a1 = tl.abs(v1)
         a2 = tl.abs(v2)
@@ -82,10 +79,7 @@ def _hqmq_search_kernel(u_ptr, sec_ptr, code_ptr, N, H, S,
     c1 = -tl.load(sp + 1)
     c2 = -tl.load(sp + 2)
     c3 = -tl.load(sp + 3)
-    v0 = u0 * c0 + u1 * (-c1) + u2 * (-c2) + u3 * (-c3)
-    v1 = u0 * c1 + u1 * c0 + u2 * c3 + u3 * (-c2)
-    v2 = u0 * c2 + u1 * (-c3) + u2 * c0 + u3 * c1
-    v3 = u0 * c3 + u1 * c2 + u2 * (-c1) + u3 * c0
+    v0, v1, v2, v3 = hamilton(u0, u1, u2, u3, c0, c1, c2, c3)
     a0 = tl.abs(v0)
     a1 = tl.abs(v1)
     a2 = tl.abs(v2)

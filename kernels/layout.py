@@ -1,55 +1,85 @@
-"""Flatten a `Packed` cache into the contiguous tensors the fused kernels read.
+"""The store <-> kernel contract: a `Packed` cache as the tensors the fused kernels read.
 
-The kernels read the STORED bytes unchanged (the bit layout of
-`quantizers/packing.py`: element i of width w at bits [i*w, (i+1)*w) of each
-row's little-endian, LSB-first stream); this module only concatenates segments
-and derives the small per-(layer, role) lookup tables. Nothing here is on the
-decode hot path: a serving system would append into these tensors in place;
-the tests and the benchmark build them once.
+Every `*Flat` describes buffers whose token axis has a CAPACITY that may exceed
+the valid length: the field `T` (KIVI: `n_groups` / `T_res`) is the valid length,
+tensors are `[B, H, Tcap, ...]` buffers (contiguous, or a `[:, :, :n]` view of one)
+and the kernels index them with their real per-(b, h) stride and read only valid
+tokens. `flatten(packed)` builds them with Tcap == T; kernels/store.py appends into
+larger buffers in place. The stored bytes are the quantizer's, unchanged (bit
+layout of `quantizers/packing.py`: element i of width w at bits [i*w, (i+1)*w) of
+each row's little-endian, LSB-first stream).
 
 Formats:
+- HQMQ (`HQMQFlat`): codes `[B,H,Tcap,CB]` u8, radius `[B,H,Tcap,RB]` u8, r_max
+  `[B,H,Tcap]` fp16; with Med3x flags `[B,H,Tcap,FB]` u8, outliers PER (b, h)
+  `[B,H,Ocap,4]` fp16 in (t, chunk) order, and `outlier_index [B,H,ceil(Tcap/64)]`
+  int32, the start of each 64-token block's outliers within its (b, h) list
+  (`quantizers.hqmq.outlier_block_starts`; derived kernel-side state, not part of
+  the quantizer's stored bytes). Derived, not stored: the codeword source the
+  kernel gathers from (`table_mode`): the S normalised secondaries `[H, S, 4]` plus
+  the 24 units (the kernel forms P[p]*S[s], bit identical to `HQMQ.decode_tokens`
+  in fp32), or the full codebook `[H, 24*S, 4]`; fp16 variants of either.
+- naive int, per-token groups (`IntFlat`): codes `[B,H,Tcap,D*bits/8]` u8,
+  scale/zero `[B,H,Tcap,D/G]` fp16. Per-channel key variants are refused.
+- KIVI (`KIVIFlat`): keys codes `[B,H,NGcap,D,G*bits/8]` u8, scale/zero
+  `[B,H,NGcap,D]`; values codes `[B,H,NGcap*G,D*bits/8]`, scale/zero
+  `[B,H,NGcap*G,D/G]`; the fp16 window `residual [B,H,Rcap,D]` with `T_res` valid
+  rows. `n_groups` quantized groups come first, the window last.
+- fp8 (`FP8Flat`): codes `[B,H,Tcap,D]` u8 (the e4m3 / e5m2 bit patterns) and the
+  per-kv-head scale `[H]` fp32.
 
-- HQMQ (`HQMQFlat`): codes `[B,H,T,CB]` u8, radius `[B,H,T,RB]` u8, r_max
-  `[B,H,T]` fp16; with Med3x also flags `[B,H,T,FB]` u8, outliers `[n,4]` fp16
-  in (b, h, t, chunk) order and outlier_index `[B,H,ceil(T/64)]` int32 (global
-  start of each 64-token block's outliers). Several segments (a prefill then
-  one-token appends) are concatenated along tokens; their outliers are put back
-  in global (b, h, t, chunk) order and outlier_index is rebuilt for the
-  concatenated token axis (per-segment blocks do not line up with 64-token
-  blocks of the whole cache). Derived, not stored: the codeword source the
-  kernel gathers from (`table_mode`): by default the S normalised secondaries
-  `[H, S, 4]` fp32 plus the 24 unit Hurwitz quaternions, from which the kernel
-  forms P[p]*S[s] with the same fp32 Hamilton product as `HQMQ.decode_tokens`
-  (bit identical); or the full codebook `[H, 24*S, 4]` (one gather per chunk
-  from a 24x larger table, measured slower); fp16 variants of either; and the
-  radius levels relative to r_max `[2^r]`.
-- naive int, per-token groups (`IntFlat`): codes `[B,H,T,D*bits/8]` u8,
-  scale/zero `[B,H,T,D/G]` fp16. Per-channel key variants are refused.
-- KIVI (`KIVIFlat`): keys codes `[B,H,NG,D,G*bits/8]` u8 with scale/zero
-  `[B,H,NG,D]` (per channel over each G-token group), values codes
-  `[B,H,NG*G,D*bits/8]` with scale/zero `[B,H,NG*G,D/G]`, and the fp16 window
-  `[B,H,TR,D]` (TR may be 0). The quantized tokens come first, the window last.
+A quantizer finds its kernel layout through its CLASS: a `kernel_layout(packed,
+role)` method on the quantizer, or an entry of `KERNEL_LAYOUTS` (filled below with
+`register_layout`); never by name.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
 from ..quantizers import Packed, parse_spec
+from ..quantizers.hqmq import HQMQ, OUTLIER_BLOCK, outlier_block_starts
+from ..quantizers.kivi import KIVI
+from ..quantizers.naive_int import NaiveInt
 from ..quantizers.packing import unpack_bits
 from ..quantizers.quaternion import hamilton, hurwitz_units
 
-OUTLIER_BLOCK = 64  # must match quantizers/hqmq.py
+try:  # the fp8 plugin may be absent at older commits
+    from ..quantizers.fp8 import FP8
+except ImportError:  # pragma: no cover
+    FP8 = None
+
+KERNEL_LAYOUTS: dict[type, Callable] = {}
 
 
-def _spec_of(packed: Packed):
-    cls, config = parse_spec(packed.spec)
-    return cls, config
+def register_layout(quantizer_cls):
+    """Decorator: `fn(packed, role, **kw) -> *Flat` is the kernel layout of that class."""
+    def deco(fn):
+        if quantizer_cls is not None:
+            KERNEL_LAYOUTS[quantizer_cls] = fn
+        return fn
+    return deco
 
 
 def _bytes(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _rows(t: torch.Tensor | None, n: int) -> int:
+    """Bytes of the first n rows (axis 2) of a [B, H, cap, ...] buffer."""
+    if t is None or t.shape[2] == 0:
+        return 0
+    return _bytes(t) * n // t.shape[2]
+
+
+def _cat(packed: Packed, name: str) -> torch.Tensor:
+    ts = [s.fields[name] for s in packed.segments]
+    return (torch.cat(ts, dim=2) if len(ts) > 1 else ts[0]).contiguous()
+
+
+_POPCOUNT8 = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
 
 
 # ---------------------------------------------------------------------------------------
@@ -59,7 +89,7 @@ def _bytes(*ts) -> int:
 class HQMQFlat:
     B: int
     H: int
-    T: int
+    T: int  # valid tokens (codes.shape[2] is the capacity)
     D: int
     S: int
     code_bits: int
@@ -68,29 +98,46 @@ class HQMQFlat:
     radius: torch.Tensor
     r_max: torch.Tensor
     table: torch.Tensor  # what the kernel gathers codewords from (see table_mode)
-    rel: torch.Tensor  # [2^r] fp32
+    rel: torch.Tensor  # [2^r] fp32 radius levels relative to r_max
     sec: torch.Tensor | None = None  # [H, S, 4] fp32 normalised secondaries (HQMQ.secondaries)
     ptab: torch.Tensor | None = None  # [24, 4] fp32 unit Hurwitz quaternions (hurwitz_units order)
     table_mode: str = "secondaries"  # or "codebook"
     flags: torch.Tensor | None = None
-    outliers: torch.Tensor | None = None
-    outlier_index: torch.Tensor | None = None
+    outliers: torch.Tensor | None = None  # [B, H, Ocap, 4] fp16, per (b, h)
+    outlier_index: torch.Tensor | None = None  # [B, H, ceil(Tcap/64)] int32
     dtype: torch.dtype = torch.float16  # dtype the cache was written in
     log_radius: bool = False  # radius levels log-spaced (else uniform q/L)
+
+    @property
+    def rel16(self) -> torch.Tensor:
+        """The radius levels in fp16 (the fp16 decode path)."""
+        return self.rel.half()
 
     @property
     def has_outliers(self) -> bool:
         return self.flags is not None
 
     @property
+    def n_outliers(self) -> int:
+        """Valid outlier chunks (set flag bits of the valid tokens); a host sync."""
+        if not self.has_outliers:
+            return 0
+        f = self.flags[:, :, : self.T].long()
+        return int(_POPCOUNT8.to(f.device)[f].sum())
+
+    @property
     def cache_nbytes(self) -> int:
-        """Stored bytes of the cache (what `Packed.nbytes` counts, less the fp16 secondaries)."""
-        return _bytes(self.codes, self.radius, self.r_max, self.flags, self.outliers, self.outlier_index)
+        """Valid stored bytes (what `Packed.nbytes` counts, less the fp16 secondaries)."""
+        n = _rows(self.codes, self.T) + _rows(self.radius, self.T) + _rows(self.r_max, self.T)
+        if self.has_outliers:
+            n += _rows(self.flags, self.T) + self.n_outliers * 4 * self.outliers.element_size()
+        return n
 
     @property
     def read_nbytes(self) -> int:
-        """Bytes a decode step must read: the cache plus the lookup tables it gathers from."""
-        return self.cache_nbytes + _bytes(self.table, self.rel) + (
+        """Bytes a decode step must read: the cache, the derived outlier index, the tables."""
+        idx = _bytes(self.outlier_index) * self.T // max(1, self.codes.shape[2]) if self.has_outliers else 0
+        return self.cache_nbytes + idx + _bytes(self.table, self.rel) + (
             _bytes(self.ptab) if self.table_mode == "secondaries" else 0)
 
     def with_table(self, mode: str = "secondaries", dtype=torch.float32) -> "HQMQFlat":
@@ -98,8 +145,7 @@ class HQMQFlat:
         - "secondaries": the S normalised secondaries `[H, S, 4]`; the kernel forms
           P[p]*S[s] itself (exact in fp32: the products by 0, +-1, +-1/2 are exact and
           the sums run in HQMQ.decode_tokens' order);
-        - "codebook": all 24*S codewords `[H, 24*S, 4]`, one gather per chunk but from
-          a table 24x larger (slow: scattered L1 lines).
+        - "codebook": all 24*S codewords `[H, 24*S, 4]`, one gather per chunk.
         fp16 tables are within an fp16 ulp per component (not bit-identical)."""
         if mode == "secondaries":
             t = self.sec
@@ -110,45 +156,34 @@ class HQMQFlat:
         return dataclasses.replace(self, table=t.to(dtype).contiguous(), table_mode=mode)
 
     def tile(self, batch_reps: int, token_reps: int) -> "HQMQFlat":
-        """A larger valid cache: this one repeated along batch and tokens (benchmarks)."""
+        """A larger valid cache (Tcap == T): this one's valid tokens repeated along batch
+        and tokens (benchmarks)."""
         if token_reps > 1 and self.T % OUTLIER_BLOCK:
             raise ValueError(f"tiling along tokens needs T % {OUTLIER_BLOCK} == 0, got T={self.T}")
         rep4 = (batch_reps, 1, token_reps, 1)
+        T = self.T
         out = dataclasses.replace(
-            self,
-            B=self.B * batch_reps,
-            T=self.T * token_reps,
-            codes=self.codes.repeat(rep4),
-            radius=self.radius.repeat(rep4),
-            r_max=self.r_max.repeat(rep4[:3]),
-        )
+            self, B=self.B * batch_reps, T=T * token_reps,
+            codes=self.codes[:, :, :T].repeat(rep4), radius=self.radius[:, :, :T].repeat(rep4),
+            r_max=self.r_max[:, :, :T].repeat(rep4[:3]))
         if self.has_outliers:
-            B, H = self.B, self.H
-            starts = self.outlier_index.long().flatten()
-            ends = torch.cat([starts[1:], starts.new_tensor([self.outliers.shape[0]])])
-            per_block = (ends - starts).view(B, H, -1)
-            total_bh = per_block.sum(-1)  # [B, H]
-            first_bh = starts.view(B, H, -1)[:, :, 0]
-            pieces = []
-            for _ in range(batch_reps):
-                for b in range(B):
-                    for h in range(H):
-                        n, s0 = int(total_bh[b, h]), int(first_bh[b, h])
-                        pieces.append(torch.arange(s0, s0 + n, device=starts.device).repeat(token_reps))
-            idx = torch.cat(pieces) if pieces else starts.new_zeros(0)
-            pb = per_block.repeat(batch_reps, 1, token_reps).flatten()
-            new_starts = (torch.cumsum(pb, 0) - pb).view(B * batch_reps, H, -1)
-            out.flags = self.flags.repeat(rep4)
-            out.outliers = self.outliers[idx].contiguous()
-            if out.outliers.shape[0] >= 2**31:
-                raise ValueError("more outliers than int32 outlier_index can address")
-            out.outlier_index = new_starts.int().contiguous()
+            flags = self.flags[:, :, :T]
+            nc = self.D // 4
+            per_tok = unpack_bits(flags, 1, nc).sum(-1)  # [B, H, T]
+            n_bh = per_tok.sum(-1)  # [B, H]
+            ocap = max(1, int(n_bh.max()) * token_reps)
+            pos = torch.arange(ocap, device=flags.device).view(1, 1, -1)
+            src = pos % n_bh.clamp_min(1).unsqueeze(-1)
+            outl = torch.gather(self.outliers, 2, src.unsqueeze(-1).expand(-1, -1, -1, 4))
+            outl = torch.where((pos < (n_bh * token_reps).unsqueeze(-1)).unsqueeze(-1), outl, 0)
+            out.flags = flags.repeat(rep4)
+            out.outliers = outl.repeat(batch_reps, 1, 1, 1).contiguous()
+            out.outlier_index = outlier_block_starts(per_tok.repeat(rep4[:3]))
         return out
 
 
 def normalised_secondaries(shared: dict) -> torch.Tensor:
-    s = shared["secondaries"].float()
-    return (s / s.norm(dim=-1, keepdim=True)).contiguous()  # HQMQ.secondaries
+    return HQMQ.secondaries(shared).contiguous()
 
 
 def codebook_from_secondaries(s: torch.Tensor) -> torch.Tensor:
@@ -165,59 +200,56 @@ def hqmq_table(shared: dict, S: int, table_dtype=torch.float32) -> torch.Tensor:
     return codebook_from_secondaries(normalised_secondaries(shared)).to(table_dtype).contiguous()
 
 
-def _rebuild_outliers(packed: Packed, nc: int):
-    """Outliers of several segments in global (b, h, t, chunk) order, and their index."""
+def per_head_outliers(packed: Packed, nc: int):
+    """Med3x outliers of every segment as per-(b, h) lists `[B, H, Ocap, 4]` in (t, chunk)
+    order, and the per-token outlier counts `[B, H, T]`. Each segment stores its outliers
+    in (b, h, t, chunk) order; a stable sort by (b, h) over the segments in time order
+    keeps (t, chunk) order within each (b, h)."""
     B, H = packed.batch, packed.heads
-    masks, vals = [], []
+    rows, vals, per_tok = [], [], []
     for seg in packed.segments:
-        f = seg.fields
-        m = unpack_bits(f["flags"], 1, nc).bool()  # [B, H, Ts, nc]
-        v = torch.zeros(*m.shape, 4, dtype=torch.float16, device=m.device)
-        v[m] = f["outliers"]
-        masks.append(m)
-        vals.append(v)
-    mask = torch.cat(masks, dim=2)
-    outliers = torch.cat(vals, dim=2)[mask].contiguous()
-    T = mask.shape[2]
-    per_tok = mask.sum(-1)
-    per_block = torch.nn.functional.pad(per_tok, (0, (-T) % OUTLIER_BLOCK))
-    per_block = per_block.view(B, H, -1, OUTLIER_BLOCK).sum(-1).flatten()
-    starts = torch.cumsum(per_block, 0) - per_block
-    return outliers, starts.view(B, H, -1).int().contiguous()
+        m = unpack_bits(seg.fields["flags"], 1, nc).bool()  # [B, H, Ts, nc]
+        per_tok.append(m.sum(-1))
+        rows.append(m.nonzero()[:, 0] * H + m.nonzero()[:, 1])
+        vals.append(seg.fields["outliers"])
+    per_tok = torch.cat(per_tok, dim=2)
+    row = torch.cat(rows)
+    val = torch.cat(vals)
+    order = torch.sort(row, stable=True).indices
+    row, val = row[order], val[order]
+    n_bh = torch.bincount(row, minlength=B * H)
+    first = torch.cumsum(n_bh, 0) - n_bh
+    rank = torch.arange(row.numel(), device=row.device) - first[row]
+    ocap = max(1, int(n_bh.max()) if row.numel() else 1)
+    out = torch.zeros(B * H, ocap, 4, dtype=torch.float16, device=per_tok.device)
+    out[row, rank] = val.to(torch.float16)
+    return out.view(B, H, ocap, 4), per_tok
 
 
-def flatten_hqmq(packed: Packed, table_dtype=torch.float32, table_mode: str = "secondaries") -> HQMQFlat:
-    cls, cfg = _spec_of(packed)
-    if cls.name != "hqmq":
+@register_layout(HQMQ)
+def flatten_hqmq(packed: Packed, role: str | None = None, table_dtype=torch.float32,
+                 table_mode: str = "secondaries") -> HQMQFlat:
+    cls, cfg = parse_spec(packed.spec)
+    if not issubclass(cls, HQMQ):
         raise ValueError(f"flatten_hqmq needs an hqmq cache, got {packed.spec!r}")
     if not packed.segments:
         raise ValueError("empty packed cache")
     q = cls(cfg)
     D = packed.head_dim
-    nc = D // 4
-    segs = packed.segments
-
-    def cat(name):
-        ts = [s.fields[name] for s in segs]
-        return (torch.cat(ts, dim=2) if len(ts) > 1 else ts[0]).contiguous()
-
     rel = q.radius_levels(torch.ones((), device=packed.device)).float().contiguous()
     flat = HQMQFlat(
         B=packed.batch, H=packed.heads, T=packed.tokens, D=D, S=cfg.S,
         code_bits=q.code_bits, r_bits=cfg.r,
-        codes=cat("codes"), radius=cat("radius"), r_max=cat("r_max"),
+        codes=_cat(packed, "codes"), radius=_cat(packed, "radius"), r_max=_cat(packed, "r_max"),
         table=torch.empty(0), rel=rel, dtype=packed.dtype,
         log_radius=cfg.radius == "log" and cfg.r > 1,
         sec=normalised_secondaries(packed.shared), ptab=hurwitz_units(device=packed.device).contiguous(),
     )
     flat = flat.with_table(table_mode, table_dtype)
     if q.med3:
-        flat.flags = cat("flags")
-        if len(segs) == 1:
-            flat.outliers = segs[0].fields["outliers"].contiguous()
-            flat.outlier_index = segs[0].fields["outlier_index"].contiguous()
-        else:
-            flat.outliers, flat.outlier_index = _rebuild_outliers(packed, nc)
+        flat.flags = _cat(packed, "flags")
+        flat.outliers, per_tok = per_head_outliers(packed, D // 4)
+        flat.outlier_index = outlier_block_starts(per_tok)
     return flat
 
 
@@ -228,44 +260,40 @@ def flatten_hqmq(packed: Packed, table_dtype=torch.float32, table_mode: str = "s
 class IntFlat:
     B: int
     H: int
-    T: int
+    T: int  # valid tokens
     D: int
     bits: int
     group: int
-    codes: torch.Tensor  # [B, H, T, D*bits/8] u8
-    scale: torch.Tensor  # [B, H, T, D/G] fp16
+    codes: torch.Tensor  # [B, H, Tcap, D*bits/8] u8
+    scale: torch.Tensor  # [B, H, Tcap, D/G] fp16
     zero: torch.Tensor
     dtype: torch.dtype = torch.float16
 
     @property
     def cache_nbytes(self) -> int:
-        return _bytes(self.codes, self.scale, self.zero)
+        return sum(_rows(t, self.T) for t in (self.codes, self.scale, self.zero))
 
     read_nbytes = cache_nbytes
 
     def tile(self, batch_reps: int, token_reps: int) -> "IntFlat":
         rep = (batch_reps, 1, token_reps, 1)
+        T = self.T
         return dataclasses.replace(
-            self, B=self.B * batch_reps, T=self.T * token_reps,
-            codes=self.codes.repeat(rep), scale=self.scale.repeat(rep), zero=self.zero.repeat(rep),
-        )
+            self, B=self.B * batch_reps, T=T * token_reps, codes=self.codes[:, :, :T].repeat(rep),
+            scale=self.scale[:, :, :T].repeat(rep), zero=self.zero[:, :, :T].repeat(rep))
 
 
-def flatten_int(packed: Packed) -> IntFlat:
-    cls, cfg = _spec_of(packed)
-    if cls.name != "int":
+@register_layout(NaiveInt)
+def flatten_int(packed: Packed, role: str | None = None) -> IntFlat:
+    cls, cfg = parse_spec(packed.spec)
+    if not issubclass(cls, NaiveInt):
         raise ValueError(f"flatten_int needs a naive int cache, got {packed.spec!r}")
     if "codes" not in packed.segments[0].fields:
         raise ValueError("the fused int kernel reads per-token groups only (keys=per-token); "
                          f"got per-channel key fields in {packed.spec!r}")
-
-    def cat(name):
-        ts = [s.fields[name] for s in packed.segments]
-        return (torch.cat(ts, dim=2) if len(ts) > 1 else ts[0]).contiguous()
-
     return IntFlat(B=packed.batch, H=packed.heads, T=packed.tokens, D=packed.head_dim,
-                   bits=cfg.bits, group=cfg.group, codes=cat("codes"), scale=cat("scale"),
-                   zero=cat("zero"), dtype=packed.dtype)
+                   bits=cfg.bits, group=cfg.group, codes=_cat(packed, "codes"), scale=_cat(packed, "scale"),
+                   zero=_cat(packed, "zero"), dtype=packed.dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -279,12 +307,13 @@ class KIVIFlat:
     bits: int
     group: int
     role: str
-    n_groups: int  # quantized G-token groups
-    codes: torch.Tensor | None  # K: [B,H,NG,D,GB]; V: [B,H,NG*G,DB]
-    scale: torch.Tensor | None  # K: [B,H,NG,D];    V: [B,H,NG*G,D/G]
+    n_groups: int  # valid quantized G-token groups
+    codes: torch.Tensor | None  # K: [B,H,NGcap,D,GB]; V: [B,H,NGcap*G,DB]
+    scale: torch.Tensor | None  # K: [B,H,NGcap,D];    V: [B,H,NGcap*G,D/G]
     zero: torch.Tensor | None
-    residual: torch.Tensor  # [B, H, TR, D] fp16 (TR may be 0)
+    residual: torch.Tensor  # [B, H, Rcap, D] fp16
     dtype: torch.dtype = torch.float16
+    n_res: int | None = None  # valid window rows (None: all of residual's rows)
 
     @property
     def T_quant(self) -> int:
@@ -292,7 +321,7 @@ class KIVIFlat:
 
     @property
     def T_res(self) -> int:
-        return self.residual.shape[2]
+        return self.residual.shape[2] if self.n_res is None else self.n_res
 
     @property
     def T(self) -> int:
@@ -300,7 +329,9 @@ class KIVIFlat:
 
     @property
     def cache_nbytes(self) -> int:
-        return _bytes(self.codes, self.scale, self.zero, self.residual)
+        nq = self.n_groups if self.role == "K" else self.T_quant
+        return (sum(_rows(t, nq) for t in (self.codes, self.scale, self.zero))
+                + _rows(self.residual, self.T_res))
 
     read_nbytes = cache_nbytes
 
@@ -310,23 +341,26 @@ class KIVIFlat:
         if self.n_groups == 0:
             raise ValueError("nothing to tile: no quantized groups")
         reps = -(-n_groups // self.n_groups)
-        nt = n_groups if self.role == "K" else n_groups * self.group  # along axis 2
+        per = 1 if self.role == "K" else self.group
+        nv, nt = self.n_groups * per, n_groups * per  # along axis 2
 
         def rep(t):
             r = (batch_reps, 1, reps) + (1,) * (t.dim() - 3)
-            return t.repeat(r)[:, :, :nt].contiguous()
+            return t[:, :, :nv].repeat(r)[:, :, :nt].contiguous()
 
         return dataclasses.replace(
-            self, B=self.B * batch_reps, n_groups=n_groups,
+            self, B=self.B * batch_reps, n_groups=n_groups, n_res=None,
             codes=rep(self.codes), scale=rep(self.scale), zero=rep(self.zero),
-            residual=self.residual.repeat(batch_reps, 1, 1, 1),
+            residual=self.residual[:, :, : self.T_res].repeat(batch_reps, 1, 1, 1),
         )
 
 
-def flatten_kivi(packed: Packed, role: str) -> KIVIFlat:
-    cls, cfg = _spec_of(packed)
-    if cls.name != "kivi":
+@register_layout(KIVI)
+def flatten_kivi(packed: Packed, role: str | None = "K") -> KIVIFlat:
+    cls, cfg = parse_spec(packed.spec)
+    if not issubclass(cls, KIVI):
         raise ValueError(f"flatten_kivi needs a kivi cache, got {packed.spec!r}")
+    role = role or "K"
     if role not in ("K", "V"):
         raise ValueError(f"role must be K or V, got {role!r}")
     B, H, D = packed.batch, packed.heads, packed.head_dim
@@ -339,29 +373,78 @@ def flatten_kivi(packed: Packed, role: str) -> KIVIFlat:
     ng = len(quant)
     codes = scale = zero = None
     if ng:
-        if role == "K":
-            codes = torch.stack([s.fields["codes"] for s in quant], dim=2).contiguous()
-            scale = torch.stack([s.fields["scale"].squeeze(-1) for s in quant], dim=2).contiguous()
-            zero = torch.stack([s.fields["zero"].squeeze(-1) for s in quant], dim=2).contiguous()
-        else:
-            codes = torch.cat([s.fields["codes"] for s in quant], dim=2).contiguous()
-            scale = torch.cat([s.fields["scale"] for s in quant], dim=2).contiguous()
-            zero = torch.cat([s.fields["zero"] for s in quant], dim=2).contiguous()
+        join = torch.stack if role == "K" else torch.cat
+
+        def field(name):
+            ts = [s.fields[name] for s in quant]
+            if role == "K" and name != "codes":
+                ts = [t.squeeze(-1) for t in ts]
+            return join(ts, dim=2).contiguous()
+
+        codes, scale, zero = field("codes"), field("scale"), field("zero")
     return KIVIFlat(B=B, H=H, D=D, bits=cfg.bits, group=cfg.group, role=role, n_groups=ng,
                     codes=codes, scale=scale, zero=zero, residual=residual, dtype=packed.dtype)
 
 
+# ---------------------------------------------------------------------------------------
+# fp8
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class FP8Flat:
+    B: int
+    H: int
+    T: int  # valid tokens
+    D: int
+    fmt: str  # "e4m3" or "e5m2"
+    codes: torch.Tensor  # [B, H, Tcap, D] u8 fp8 bit patterns
+    scale: torch.Tensor  # [H] fp32 (the stored fp16 scale, exactly)
+    dtype: torch.dtype = torch.float16
+
+    @property
+    def cache_nbytes(self) -> int:
+        return _rows(self.codes, self.T) + 2 * self.H
+
+    read_nbytes = cache_nbytes
+
+    def tile(self, batch_reps: int, token_reps: int) -> "FP8Flat":
+        return dataclasses.replace(self, B=self.B * batch_reps, T=self.T * token_reps,
+                                   codes=self.codes[:, :, : self.T].repeat(batch_reps, 1, token_reps, 1))
+
+
+@register_layout(FP8)
+def flatten_fp8(packed: Packed, role: str | None = None) -> FP8Flat:
+    cls, cfg = parse_spec(packed.spec)
+    if FP8 is None or not issubclass(cls, FP8):
+        raise ValueError(f"flatten_fp8 needs an fp8 cache, got {packed.spec!r}")
+    return FP8Flat(B=packed.batch, H=packed.heads, T=packed.tokens, D=packed.head_dim, fmt=cfg.format,
+                   codes=_cat(packed, "codes"), scale=packed.shared["scale"].float().contiguous(),
+                   dtype=packed.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# dispatch
+# ---------------------------------------------------------------------------------------
+def kernel_layout_of(cls) -> Callable | None:
+    """The layout function of a quantizer class (its own `kernel_layout`, else the
+    registry entry of the nearest class in its MRO), or None: no fused kernel."""
+    for c in cls.__mro__:
+        if c in KERNEL_LAYOUTS:
+            return KERNEL_LAYOUTS[c]
+    return None
+
+
 def flatten(packed: Packed, role: str | None = None, **kw):
-    """Dispatch on the cache's spec: HQMQFlat, IntFlat or KIVIFlat."""
-    cls, _ = _spec_of(packed)
-    if cls.name == "hqmq":
-        return flatten_hqmq(packed, **kw)
-    if cls.name == "int":
-        return flatten_int(packed)
-    if cls.name == "kivi":
-        return flatten_kivi(packed, role or "K")
-    raise ValueError(f"no fused kernel reads {cls.name!r} caches")
+    """The `*Flat` of a packed cache, found through its quantizer class."""
+    cls, cfg = parse_spec(packed.spec)
+    own = getattr(cls, "kernel_layout", None)
+    if own is not None:
+        return cls(cfg, role=role or "K").kernel_layout(packed, role or "K", **kw)
+    fn = kernel_layout_of(cls)
+    if fn is None:
+        raise ValueError(f"no fused kernel reads {cls.__name__} caches ({packed.spec!r})")
+    return fn(packed, role, **kw)
 
 
-__all__ = ["HQMQFlat", "IntFlat", "KIVIFlat", "flatten", "flatten_hqmq", "flatten_int",
-           "flatten_kivi", "hqmq_table", "codebook_from_secondaries", "OUTLIER_BLOCK"]
+__all__ = ["HQMQFlat", "IntFlat", "KIVIFlat", "FP8Flat", "flatten", "flatten_hqmq", "flatten_int",
+           "flatten_kivi", "flatten_fp8", "hqmq_table", "codebook_from_secondaries", "OUTLIER_BLOCK",
+           "KERNEL_LAYOUTS", "register_layout", "kernel_layout_of", "per_head_outliers"]

@@ -23,10 +23,10 @@ writes differ from one big write when Med3x is on.
 
 Stored per token vector: packed codes (ceil(log2(24 S)) bits per chunk),
 packed radius codes (r bits per chunk), r_max (fp16); with Med3x also the flag
-bitmap, the fp16 outlier chunks in (batch, head, token, chunk) order, and an
-int32 running count of outliers per 64-token block that lets a kernel find a
-block's outliers without scanning. Per (layer, role): the S secondaries of
-each kv-head, fp16.
+bitmap and the fp16 outlier chunks in (batch, head, token, chunk) order.
+Per (layer, role): the S secondaries of each kv-head, fp16. The per-64-token
+outlier index a fused kernel needs is derived state (`outlier_block_starts`,
+built by kernels/layout.py or a kernel-side store), not stored bytes.
 """
 from __future__ import annotations
 
@@ -42,6 +42,17 @@ from .quaternion import conj, hamilton, hurwitz_units, nearest_hurwitz, random_u
 OUTLIER_BLOCK = 64  # tokens per entry of the outlier index a kernel uses
 LOG_MIN_RATIO = 1 / 64  # smallest nonzero log-spaced radius level, relative to r_max
 COS_45 = math.sqrt(0.5)  # 2T's covering radius on S^3 is 45 degrees
+
+
+def outlier_block_starts(per_token: torch.Tensor) -> torch.Tensor:
+    """Kernel-side outlier index from outlier counts per token `[B, H, T]`:
+    `[B, H, ceil(T/64)]` int32, the start of each 64-token block's outliers within
+    its (b, h) list (outliers of one (b, h) in (token, chunk) order). Derived state:
+    HQMQ does not store it (kernels/layout.py and the kernel store rebuild it)."""
+    B, H, T = per_token.shape
+    per_block = torch.nn.functional.pad(per_token, (0, (-T) % OUTLIER_BLOCK))
+    per_block = per_block.view(B, H, -1, OUTLIER_BLOCK).sum(-1)
+    return (torch.cumsum(per_block, -1) - per_block).int().contiguous()
 
 
 class HQMQ(Quantizer):
@@ -175,14 +186,7 @@ class HQMQ(Quantizer):
         if self.med3:
             out_vals = chunks[outlier]  # [n_out, 4], row-major (b, h, t, chunk) order
             check_fp16_storable("outlier chunk", out_vals)
-            per_block = torch.nn.functional.pad(outlier.sum(-1), (0, (-T) % OUTLIER_BLOCK))
-            per_block = per_block.view(B, H, -1, OUTLIER_BLOCK).sum(-1).flatten()
-            starts = torch.cumsum(per_block, 0) - per_block  # outliers before each (b, h, block)
-            fields.update(
-                flags=pack_bits(outlier.long(), 1),
-                outliers=out_vals.half(),
-                outlier_index=starts.view(B, H, -1).int(),
-            )
+            fields.update(flags=pack_bits(outlier.long(), 1), outliers=out_vals.half())
         return Segment(fields, T)
 
     def decode_tokens(self, seg, shared, shape):

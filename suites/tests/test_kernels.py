@@ -98,6 +98,7 @@ SPECS = [
     "int4",
     "kivi:bits=2,residual=16",
     "kivi:bits=4",
+    "fp8-e4m3",
 ]
 CASES = [  # (B, Hq, Hkv, T, D, dtype, data, splits)
     (1, 4, 2, 1, 64, torch.float16, "random", None),
@@ -243,7 +244,8 @@ def test_hqmq_appended_segments():
         pk, pv = qk.append(pk, k[:, :, a:b]), qv.append(pv, v[:, :, a:b])
     assert len(pk.segments) == 6
     flat = L.flatten(pk)
-    assert flat.outliers.shape[0] == sum(s.fields["outliers"].shape[0] for s in pk.segments) > 0
+    assert flat.n_outliers == sum(s.fields["outliers"].shape[0] for s in pk.segments) > 0
+    assert "outlier_index" not in pk.segments[0].fields  # derived kernel-side, not stored (issue 13)
     check(q, (qk, pk), (qv, pv), num_splits=2)
 
 
@@ -277,7 +279,7 @@ def test_tile_int_and_kivi():
     for name in ("codes", "scale", "zero"):
         assert torch.equal(getattr(ti, name), getattr(ri, name)), name
     for role in ("K", "V"):
-        qk = get_quantizer("kivi:bits=2,residual=32", role=role)
+        qk = get_quantizer("kivi:bits=2,residual=32,window=fixed", role=role)
         xq, xr = x[:, :, :64], x[:, :, 64:]  # two groups of 32, then the window
         tk = L.flatten(qk.encode(x), role).tile(2, 5)
         rk = L.flatten(qk.encode(torch.cat([xq, xq, xq[:, :, :32], xr], 2).repeat(2, 1, 1, 1)), role)
@@ -325,3 +327,80 @@ def test_refuses_bad_input():
     pc = get_quantizer("int4:keys=per-channel", role="K").encode(k)
     with pytest.raises(ValueError, match="per-token"):
         L.flatten(pc)
+
+
+# ---------------------------------------------------------------------------------------
+# the store <-> kernel contract
+# ---------------------------------------------------------------------------------------
+def _with_capacity(flat, extra: int, seed: int = 0):
+    """The same cache in buffers with `extra` rows of garbage capacity per token-axis
+    buffer (what kernels/store.py hands the kernels); the valid length is unchanged."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(seed)
+
+    def grow(t, n=extra):
+        if t is None:
+            return None
+        pad_shape = t.shape[:2] + (n,) + t.shape[3:]
+        if t.dtype.is_floating_point:
+            junk = (torch.randn(pad_shape, generator=g) * 1e4).to(t.dtype)
+        else:
+            junk = torch.randint(0, 255, pad_shape, generator=g).to(t.dtype)
+        return torch.cat([t, junk.to(t.device)], dim=2).contiguous()
+
+    if isinstance(flat, L.KIVIFlat):
+        per = 1 if flat.role == "K" else flat.group
+        return dataclasses.replace(flat, codes=grow(flat.codes, 2 * per), scale=grow(flat.scale, 2 * per),
+                                   zero=grow(flat.zero, 2 * per), residual=grow(flat.residual),
+                                   n_res=flat.T_res)
+    names = {L.IntFlat: ("codes", "scale", "zero"), L.FP8Flat: ("codes",),
+             L.HQMQFlat: ("codes", "radius", "r_max", "flags")}[type(flat)]
+    out = dataclasses.replace(flat, **{n: grow(getattr(flat, n)) for n in names if getattr(flat, n) is not None})
+    if isinstance(flat, L.HQMQFlat) and flat.has_outliers:
+        out.outliers = grow(flat.outliers, 5)
+        tcap = out.codes.shape[2]
+        nblk = -(-tcap // L.OUTLIER_BLOCK)
+        idx = flat.outlier_index
+        out.outlier_index = torch.cat([idx, idx[:, :, -1:].expand(-1, -1, nblk - idx.shape[2])], 2).contiguous()
+    return out
+
+
+@pytest.mark.parametrize("spec", SPECS + ["kivi:bits=4,window=fixed"])
+def test_capacity_beyond_valid_length(spec):
+    """Buffers longer than the valid length (garbage after it) give the same output:
+    kernels read only valid tokens, through the buffers' real strides."""
+    B, Hq, Hkv, T, D = 2, 4, 2, 77, 64
+    k, v = make_kv(B, Hkv, T, D, "outlier", seed=31), make_kv(B, Hkv, T, D, seed=32)
+    q = make_q(B, Hq, D)
+    (qk, pk), (qv, pv) = build(spec, k, v)
+    kf, vf = _with_capacity(L.flatten(pk, "K"), 70), _with_capacity(L.flatten(pv, "V"), 70, seed=1)
+    out = decode_attention(q, kf, vf, out_dtype=torch.float32, num_splits=2)
+    ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < tol(q.dtype), f"relative error {rel_err(out, ref):.3g}"
+
+
+def test_layout_found_through_the_quantizer_class():
+    """flatten dispatches on the quantizer CLASS (registry or a kernel_layout method):
+    a subclass under another name inherits its parent's layout; a quantizer without a
+    fused kernel gets a clear error."""
+    from kvqbench.quantizers.hqmq import HQMQ
+
+    assert L.kernel_layout_of(HQMQ) is L.flatten_hqmq
+
+    class Renamed(HQMQ):
+        name = "renamed-hqmq-test"
+
+    assert L.kernel_layout_of(Renamed) is L.flatten_hqmq
+    x = make_kv(1, 2, 8, 64)
+    with pytest.raises(ValueError, match="no fused kernel"):
+        L.flatten(get_quantizer("fp16", role="K").encode(x))
+
+
+@pytest.mark.parametrize("spec", ["fp8-e5m2", "kivi:bits=2,residual=40", "int8"])
+def test_more_formats(spec):
+    """fp8 e5m2, a KIVI window that is not a whole number of groups, 8-bit ints."""
+    B, Hq, Hkv, T, D = 1, 8, 2, 150, 64
+    k, v = make_kv(B, Hkv, T, D, "outlier", seed=41), make_kv(B, Hkv, T, D, seed=42)
+    check(make_q(B, Hq, D), *build(spec, k, v), num_splits=3)

@@ -1,0 +1,226 @@
+"""One GPU call: check the fused decode kernels against the reference, then time
+launch-config variants of each at the issue-10 shape beside fp16 SDPA.
+
+    python -m kvqbench.kernels.bench_kernels --out $OUT [--B 8 --T 32768] [--quick]
+
+Checks (before any timing): every method against `reference_decode_attention` over
+`Quantizer.decode` at T = 1, an odd T and with only the last key changed. Timing:
+`triton.testing.do_bench` (CUDA events, median, L2 flushed before each call);
+fp16 SDPA (flash, native GQA) and the device copy bandwidth are measured in the
+same run, so the ratios are same-run ratios. B=1 also runs through a CUDA graph
+(`graph_decode`) to show the launch overhead. Writes bench_kernels.json under --out
+and prints a short table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+METHODS = {  # name: (spec, flatten kwargs)
+    "fp8": ("fp8-e4m3", {}),
+    "int4": ("int4", {}),
+    "kivi4": ("kivi:bits=4", {}),
+    "kivi2": ("kivi:bits=2", {}),
+    "hqmq": ("hqmq:S=96,r=4", {"table_mode": "codebook", "table_dtype": torch.float16}),
+    "hqmq-med3": ("hqmq:S=96,r=4,outliers=med3", {"table_mode": "codebook", "table_dtype": torch.float16}),
+}
+VARIANTS = [  # launch configs tried per method (block_t, num_warps, num_stages, programs_per_sm)
+    dict(block_t=64, num_warps=4, num_stages=2, programs_per_sm=8),
+    dict(block_t=64, num_warps=4, num_stages=3, programs_per_sm=8),
+    dict(block_t=128, num_warps=4, num_stages=2, programs_per_sm=8),
+    dict(block_t=128, num_warps=8, num_stages=2, programs_per_sm=8),
+    dict(block_t=64, num_warps=4, num_stages=2, programs_per_sm=16),
+    dict(block_t=64, num_warps=4, num_stages=1, programs_per_sm=8),
+]
+HQMQ_VARIANTS = [dict(block_t=64, num_warps=4, num_stages=1, programs_per_sm=8),
+                 dict(block_t=128, num_warps=8, num_stages=1, programs_per_sm=8),
+                 dict(block_t=64, num_warps=4, num_stages=1, programs_per_sm=16),
+                 dict(block_t=128, num_warps=4, num_stages=1, programs_per_sm=8)]
+
+
+def synthetic_kv(B, H, T, d, seed=0, device="cuda"):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, H, T, d, generator=g)
+    for c in (3, d // 2 + 1, d - 2):
+        k[..., c] *= 25.0
+    v = torch.randn(B, H, T, d, generator=g)
+    return k.half().to(device), v.half().to(device)
+
+
+def encode(spec, k, v):
+    from ..quantizers import get_quantizer
+    qk, qv = get_quantizer(spec, role="K", seed=3), get_quantizer(spec, role="V", seed=3)
+    return (qk, qk.encode(k)), (qv, qv.encode(v))
+
+
+def flats(name, pk, pv):
+    from .layout import flatten
+    kw = METHODS[name][1]
+    return flatten(pk, "K", **kw), flatten(pv, "V", **kw)
+
+
+def tile(flat, B, T):
+    from .layout import KIVIFlat
+    if isinstance(flat, KIVIFlat):
+        return flat.tile(B // flat.B, (T - flat.T_res) // flat.group)
+    return flat.tile(B // flat.B, T // flat.T)
+
+
+def rel_err(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def check_all(dev) -> list[dict]:
+    """Each method vs the reference at small shapes; the last-key test."""
+    from .decode_attention import decode_attention, reference_decode_attention
+    out = []
+    for name, (spec, _) in METHODS.items():
+        for (B, T, dtype) in [(1, 1, torch.float16), (2, 1000 + 17, torch.bfloat16), (1, 4096 + 33, torch.float16)]:
+            k, v = synthetic_kv(B, 8, T, 128, seed=T)
+            q = torch.randn(B, 32, 1, 128, device=dev).to(dtype)
+            (qk, pk), (qv, pv) = encode(spec, k, v)
+            kf, vf = flats(name, pk, pv)
+            o = decode_attention(q, kf, vf, out_dtype=torch.float32)
+            ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
+            out.append({"method": name, "B": B, "T": T, "dtype": str(dtype), "rel_err": rel_err(o, ref),
+                        "finite": bool(torch.isfinite(o).all())})
+        # last key only: aligned with every query of its head, it must take the softmax
+        B, T = 1, 2048 + 5
+        k, v = synthetic_kv(B, 8, T, 128, seed=7)
+        q = torch.randn(B, 32, 1, 128, device=dev).half()
+        k2 = k.clone()
+        k2[:, :, -1] = q.float().view(B, 8, 4, 128).sum(2).half()
+        outs = []
+        for kk in (k, k2):
+            (qk, pk), (qv, pv) = encode(spec, kk, v)
+            kf, vf = flats(name, pk, pv)
+            o = decode_attention(q, kf, vf, out_dtype=torch.float32)
+            ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
+            outs.append((o, rel_err(o, ref)))
+        out.append({"method": name, "B": B, "T": T, "dtype": "last-key", "rel_err": max(outs[0][1], outs[1][1]),
+                    "changed": rel_err(outs[1][0], outs[0][0]), "finite": True})
+    return out
+
+
+def copy_bandwidth(dev) -> float:
+    import triton
+    x = torch.empty(2 * 1024**3 // 2, dtype=torch.float16, device=dev)
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=10, rep=50, return_mode="median")
+    return 2 * x.numel() * 2 / (ms * 1e-3) / 1e9
+
+
+def graph_decode(fn, q):
+    """fn(q) captured once in a CUDA graph; returns a replay callable (B=1 launch overhead)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn(q)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn(q)
+    return g.replay
+
+
+def bench_shape(B, T, dev, base_cache, variants: bool, graphs: bool) -> list[dict]:
+    import triton
+
+    from .decode_attention import decode_attention
+    rows = []
+    D, Hq, Hkv = 128, 32, 8
+    q = torch.randn(B, Hq, 1, D, device=dev).half()
+    kf16 = torch.randn(B, Hkv, T, D, device=dev).half()
+    vf16 = torch.randn(B, Hkv, T, D, device=dev).half()
+    bench = lambda f: triton.testing.do_bench(f, warmup=20, rep=80, return_mode="median") * 1e3  # noqa: E731
+    sdpa = lambda: F.scaled_dot_product_attention(q, kf16, vf16, enable_gqa=True)  # noqa: E731
+    t_sdpa = bench(sdpa)
+    fp16_bytes = 2 * kf16.numel() * 2
+    rows.append({"B": B, "T": T, "method": "fp16-sdpa", "us": t_sdpa, "bytes": fp16_bytes})
+    if graphs:
+        rows.append({"B": B, "T": T, "method": "fp16-sdpa-graph", "us": bench(graph_decode(lambda x: sdpa(), q)),
+                     "bytes": fp16_bytes})
+    del kf16, vf16
+    for name in METHODS:
+        kf, vf = (tile(f, B, T) for f in base_cache[name])
+        nbytes = kf.read_nbytes + vf.read_nbytes
+        best = None
+        for cfg in (HQMQ_VARIANTS if name.startswith("hqmq") else VARIANTS)[: None if variants else 1]:
+            try:
+                t = bench(lambda: decode_attention(q, kf, vf, **cfg))
+            except Exception as e:  # noqa: BLE001 - a config that does not compile/fit is recorded, not fatal
+                rows.append({"B": B, "T": T, "method": name, "cfg": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
+                continue
+            rows.append({"B": B, "T": T, "method": name, "cfg": cfg, "us": t, "bytes": nbytes})
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        if graphs and best:  # the workspace is allocated inside the capture (the graph's pool)
+            cfg = best[1]
+            rows.append({"B": B, "T": T, "method": name + "-graph", "cfg": cfg, "bytes": nbytes,
+                         "us": bench(graph_decode(lambda x: decode_attention(x, kf, vf, **cfg), q))})
+        del kf, vf
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/bench_kernels")
+    ap.add_argument("--shapes", default="8x32768,1x32768", help="BxT,BxT,...")
+    ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--skip-check", action="store_true")
+    a = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    import triton
+    res["triton"] = triton.__version__
+    t0 = time.time()
+    if not a.skip_check:
+        res["checks"] = check_all(dev)
+        bad = [c for c in res["checks"] if not c["finite"] or c["rel_err"] > 3e-3 * (7 if "bf16" in c["dtype"] else 1)
+               or c.get("changed", 1) < 1e-3]
+        print(f"checks: {len(res['checks'])} run, {len(bad)} bad ({time.time() - t0:.0f}s)", flush=True)
+        for c in res["checks"]:
+            print(f"  {c['method']:10s} B={c['B']} T={c['T']:6d} {c['dtype']:15s} err={c['rel_err']:.2e}"
+                  + (f" changed={c['changed']:.2e}" if "changed" in c else ""), flush=True)
+    res["copy_GBps"] = copy_bandwidth(dev)
+    k, v = synthetic_kv(1, 8, 4096, 128, device=dev)
+    base = {}
+    for name, (spec, _) in METHODS.items():
+        (qk, pk), (qv, pv) = encode(spec, k, v)
+        base[name] = flats(name, pk, pv)
+    res["rows"] = []
+    for shp in a.shapes.split(","):
+        B, T = (int(x) for x in shp.split("x"))
+        res["rows"] += bench_shape(B, T, dev, base, not a.no_variants, graphs=B == 1)
+        (out / "bench_kernels.json").write_text(json.dumps(res, indent=1, default=str))
+        print(f"shape {B}x{T} done ({time.time() - t0:.0f}s)", flush=True)
+    bw = res["copy_GBps"]
+    print(f"\ncopy bandwidth {bw:.0f} GB/s; {res['device']}, torch {res['torch']}, triton {res['triton']}")
+    print(f"{'B':>2} {'T':>6} {'method':16s} {'us':>8} {'GB/s':>6} {'ofBW':>5} {'x fp16':>6}  cfg")
+    for B, T in {(r["B"], r["T"]) for r in res["rows"]}:
+        rs = [r for r in res["rows"] if (r["B"], r["T"]) == (B, T) and "us" in r]
+        ref = min(r["us"] for r in rs if r["method"] == "fp16-sdpa")
+        names = sorted({r["method"] for r in rs}, key=lambda n: (n != "fp16-sdpa", n))
+        for n in names:
+            r = min((r for r in rs if r["method"] == n), key=lambda r: r["us"])
+            gbs = r["bytes"] / (r["us"] * 1e-6) / 1e9
+            print(f"{B:>2} {T:>6} {n:16s} {r['us']:8.1f} {gbs:6.0f} {gbs / bw:5.2f} {ref / r['us']:6.2f}  "
+                  f"{r.get('cfg', '')}")
+    errs = [r for r in res["rows"] if "error" in r]
+    if errs:
+        print(f"{len(errs)} configs failed, e.g. {errs[0]['method']} {errs[0]['cfg']}: {errs[0]['error'][:200]}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

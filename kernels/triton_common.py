@@ -1,0 +1,216 @@
+"""Triton pieces shared by every kernel in kernels/: the jit Hamilton product, bit
+tricks that decode packed integers straight to fp16, the flash-decoding split
+prologue, online-softmax step, partial store and combine kernel.
+
+Decoding without conversion instructions (GPU path, `FAST`): on Hopper an
+int->float or float->half conversion issues at 1/8 of the FP32 rate, so a decoder
+that converts every element is issue-bound long before memory (NOTES.md: the
+first int4 kernel spent ~13 SASS instructions per element). Instead a packed byte
+field f at bit offset o is ORed into the mantissa of the fp16 number M = 2^(10-o)
+(its mantissa's bit o then weighs 1), after `prmt` has spread two bytes into the
+low bytes of two fp16 halves: (M + f) - M = f exactly, then one `fma.rn.f16x2`
+applies scale and zero. Per 32-bit word of 4 bytes and field: 2 PRMT (shared by
+the fields of a byte), 2 LOP3, 2 HSUB2, 2 HFMA2, all full-rate. The CPU
+interpreter cannot run inline PTX: there (and for fp32 queries) the same values
+come from plain integer arithmetic in fp32, rounded to the cache dtype as
+`Quantizer.decode` rounds them.
+"""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+try:  # Triton >= 3.0
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover
+    from triton.language.extra.cuda import libdevice
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------
+# quaternions
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def hamilton(a0, a1, a2, a3, b0, b1, b2, b3):
+    """a * b, with quaternion.hamilton's term order (bit identical in fp32)."""
+    c0 = a0 * b0 - a1 * b1 - a2 * b2 - a3 * b3
+    c1 = a0 * b1 + a1 * b0 + a2 * b3 - a3 * b2
+    c2 = a0 * b2 - a1 * b3 + a2 * b0 + a3 * b1
+    c3 = a0 * b3 + a1 * b2 - a2 * b1 + a3 * b0
+    return c0, c1, c2, c3
+
+
+# ---------------------------------------------------------------------------------------
+# bits
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def popc(x, INTERP: tl.constexpr):
+    """Set bits of int32 x."""
+    if INTERP:
+        x = x - ((x >> 1) & 0x55555555)
+        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+        x = (x + (x >> 4)) & 0x0F0F0F0F
+        return ((x * 0x01010101) >> 24) & 0xFF
+    else:
+        return libdevice.popc(x)
+
+
+@triton.jit
+def f16_lane(w, K: tl.constexpr):
+    """fp16 number K (0..3) packed in int64 w, as float32 (arithmetic path)."""
+    return ((w >> (16 * K)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def f16x4(w, FAST: tl.constexpr):
+    """The four fp16 numbers packed in int64 w: fp16 (FAST, a register move) or fp32."""
+    if FAST:
+        return tl.inline_asm_elementwise("mov.b64 {$0, $1, $2, $3}, $4;", "=h,=h,=h,=h,l", [w],
+                                         dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                         is_pure=True, pack=1)
+    else:
+        return f16_lane(w, 0), f16_lane(w, 1), f16_lane(w, 2), f16_lane(w, 3)
+
+
+def _dq_asm(width: int, offset: int) -> str:
+    """PTX: 4 bytes ($2) -> field (width bits at `offset` of each byte) * scale + zero,
+    4 fp16 in $0, $1; scale in $3, $4, zero in $5, $6 (fp16x2 each)."""
+    mask = ((1 << width) - 1) << offset
+    magic = (25 - offset) << 10  # fp16 2^(10 - offset): its mantissa bit `offset` weighs 1
+    m32, g32 = mask | (mask << 16), magic | (magic << 16)
+    return ("{ .reg .b32 t0, t1, zr, mg; mov.b32 zr, 0; mov.b32 mg, %d; "
+            "prmt.b32 t0, $2, zr, 0x4140; prmt.b32 t1, $2, zr, 0x4342; "
+            "lop3.b32 t0, t0, %d, mg, 0xea; lop3.b32 t1, t1, %d, mg, 0xea; "
+            "sub.f16x2 t0, t0, mg; sub.f16x2 t1, t1, mg; "
+            "fma.rn.f16x2 $0, t0, $3, $5; fma.rn.f16x2 $1, t1, $4, $6; }") % (g32, m32, m32)
+
+
+DQ8_0 = tl.constexpr(_dq_asm(8, 0))
+DQ4_0 = tl.constexpr(_dq_asm(4, 0))
+DQ4_4 = tl.constexpr(_dq_asm(4, 4))
+DQ2_0 = tl.constexpr(_dq_asm(2, 0))
+DQ2_2 = tl.constexpr(_dq_asm(2, 2))
+DQ2_4 = tl.constexpr(_dq_asm(2, 4))
+DQ2_6 = tl.constexpr(_dq_asm(2, 6))
+
+
+@triton.jit
+def _dq_field(b, s, z, ASM: tl.constexpr, W: tl.constexpr, O: tl.constexpr, FAST: tl.constexpr,
+              RND: tl.constexpr):
+    if FAST:
+        return tl.inline_asm_elementwise(ASM, "=r,=r,r,r,r,r,r", [b, s, z], dtype=tl.float16,
+                                         is_pure=True, pack=4)
+    else:
+        c = ((b.to(tl.int32) >> O) & ((1 << W) - 1)).to(tl.float32)
+        return (c * s + z).to(RND).to(tl.float32)
+
+
+@triton.jit
+def dq_bytes(b, s, z, W: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr):
+    """Dequantise the 8/W fields of bytes b (uint8, any shape [..., n]) as field*s + z
+    (s, z of b's shape: fp16 when FAST, else fp32). Returns the fields joined on new
+    trailing dims whose row-major flattening with n is the element order
+    (element i*E + e = field e of byte i, LSB first), fp16 (FAST) or fp32."""
+    if W == 8:
+        out = _dq_field(b, s, z, DQ8_0, 8, 0, FAST, RND)
+    elif W == 4:
+        out = tl.join(_dq_field(b, s, z, DQ4_0, 4, 0, FAST, RND), _dq_field(b, s, z, DQ4_4, 4, 4, FAST, RND))
+    else:
+        tl.static_assert(W == 2, "dq_bytes: widths 2, 4 or 8")
+        out = tl.join(tl.join(_dq_field(b, s, z, DQ2_0, 2, 0, FAST, RND), _dq_field(b, s, z, DQ2_4, 2, 4, FAST, RND)),
+                      tl.join(_dq_field(b, s, z, DQ2_2, 2, 2, FAST, RND), _dq_field(b, s, z, DQ2_6, 2, 6, FAST, RND)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# flash-decoding: prologue, online softmax, partials, combine
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def split_prologue(q_ptr, n_tiles, tiles_per_split, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
+                   FAST: tl.constexpr):
+    """Program (kv row, split): its GROUP queries (padded to BH rows for tl.dot; fp16
+    when FAST, else fp32), empty softmax state and its run of token tiles."""
+    pid_bh = tl.program_id(0)
+    sp = tl.program_id(1)
+    nsplit = tl.num_programs(1)
+    hr = tl.arange(0, BH)
+    hmask = hr < GROUP
+    qrow = pid_bh * GROUP + hr  # (b*Hkv + h)*GROUP + i == b*Hq + h*GROUP + i
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + qrow.to(tl.int64)[:, None] * D + d[None, :], mask=hmask[:, None], other=0)
+    if FAST:
+        q = q.to(tl.float16)
+    else:
+        q = q.to(tl.float32)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, D], tl.float32)
+    first = sp * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, n_tiles)
+    return pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last
+
+
+@triton.jit
+def scores(q, kt, tmask, qk_scale, FAST: tl.constexpr):
+    """Base-2 scores [BH, BT] of q against keys kt [D, BT] (already transposed)."""
+    if FAST:
+        s = tl.dot(q, kt)
+    else:
+        s = tl.dot(q, kt, input_precision="ieee")
+    s = s * qk_scale
+    return tl.where(tmask[None, :], s, float("-inf"))
+
+
+@triton.jit
+def softmax_update(s, v, m_i, l_i, acc, FAST: tl.constexpr):
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no valid key yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if FAST:
+        pv = tl.dot(p.to(tl.float16), v)
+    else:
+        pv = tl.dot(p, v, input_precision="ieee")
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D: tl.constexpr):
+    d = tl.arange(0, D)
+    prow = qrow.to(tl.int64) * nsplit + sp
+    tl.store(po_ptr + prow[:, None] * D + d[None, :], acc, mask=hmask[:, None])
+    tl.store(pm_ptr + prow, m_i, mask=hmask)
+    tl.store(pl_ptr + prow, l_i, mask=hmask)
+
+
+@triton.jit
+def combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NSPLIT, D: tl.constexpr, SB: tl.constexpr):
+    """Merge the NSPLIT partial (output, max, sum) of each query row."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SB)
+    d = tl.arange(0, D)
+    mx = tl.full([SB], float("-inf"), tl.float32)
+    for s0 in range(0, NSPLIT, SB):
+        sm = (s0 + s) < NSPLIT
+        mx = tl.maximum(mx, tl.load(pm_ptr + row * NSPLIT + s0 + s, mask=sm, other=float("-inf")))
+    M = tl.max(mx, axis=0)
+    num = tl.zeros([D], tl.float32)
+    den = tl.zeros([SB], tl.float32)
+    for s0 in range(0, NSPLIT, SB):
+        sm = (s0 + s) < NSPLIT
+        m = tl.load(pm_ptr + row * NSPLIT + s0 + s, mask=sm, other=float("-inf"))
+        w = tl.where(m > float("-inf"), tl.exp2(m - M), 0.0)
+        den += w * tl.load(pl_ptr + row * NSPLIT + s0 + s, mask=sm, other=0)
+        o = tl.load(po_ptr + (row * NSPLIT + s0 + s)[:, None] * D + d[None, :], mask=sm[:, None], other=0)
+        num += tl.sum(o * w[:, None], axis=0)
+    tl.store(out_ptr + row * D + d, (num / tl.sum(den, axis=0)).to(out_ptr.dtype.element_ty))
