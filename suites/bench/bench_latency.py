@@ -54,8 +54,8 @@ def test_fp16_sdpa_latency(benchmark):
 
 
 def test_latency_report(tmp_path):
-    """The whole report (what the command line writes)."""
-    from kvqbench.suites.bench.latency.run import run_latency
+    """The whole report, as the command line writes it."""
+    from kvqbench.suites.bench.latency.__main__ import main
 
-    res = run_latency(FULL, os.environ.get("KVQBENCH_LATENCY_OUT", str(tmp_path)))
+    res = main(["--out", os.environ.get("KVQBENCH_LATENCY_OUT", str(tmp_path))])
     assert any("latency_us" in r for r in res["latency"])

@@ -27,11 +27,14 @@ ROW_KEYS = {"method", "B", "T", "Hq", "Hkv", "d", "latency_us", "bytes", "GBps",
 @pytest.fixture(scope="module")
 def one_shape_run(tmp_path_factory):
     """One (B, T) = (1, t0): every method once, the correctness check on every fused one."""
+    from kvqbench.suites.bench.latency.render import render
     from kvqbench.suites.bench.latency.run import run_latency
 
     out = tmp_path_factory.mktemp("latency")
     cfg = LatencyConfig.smoke(hq=2, hkv=1, tokens=(256,), batches=(1,), focus=(1, 256), encode_tokens=64)
-    return run_latency(cfg, out, log=lambda s: None), out
+    res = run_latency(cfg, out, log=lambda s: None)
+    render(out, res)
+    return res, out
 
 
 def test_report_schema_and_files(one_shape_run):
@@ -72,13 +75,14 @@ def test_render_from_json_alone(one_shape_run, tmp_path):
     assert (tmp_path / "latency.md").read_text() == (out / "latency.md").read_text()
 
 
-def test_time_budget_skips_every_shape(tmp_path):
-    from kvqbench.suites.bench.latency.run import run_latency
+def test_time_budget_skips_every_shape(tmp_path, capsys):
+    """Through the command line: --smoke on the CPU, with a budget already spent."""
+    from kvqbench.suites.bench.latency.__main__ import main
 
-    cfg = LatencyConfig.smoke(budget_s=-1, encode=False, memory=False)
-    res = run_latency(cfg, tmp_path, log=lambda s: None)
+    res = main(["--smoke", "--budget-s", "-1", "--skip-encode", "--skip-memory", "--out", str(tmp_path)])
     assert [r["skipped"] for r in res["latency"]] == ["time budget"] * 4
     assert "Not measured:" in (tmp_path / "latency.md").read_text()
+    assert "skipped (time budget)" in capsys.readouterr().out
 
 
 def test_config_refuses_a_focus_it_does_not_measure():

@@ -2,7 +2,8 @@
 
 `latency.json` is rewritten (temp file + rename) after the latency section and
 again at the end, so a run cut short keeps what it measured; the Markdown and
-the plot are rendered from the final dict (or later, from the JSON alone).
+the plot are rendered from it by the caller (`render.render`), so rendering
+never costs a measurement.
 A section that runs out of device memory or kernel resources records the error
 in the report (`encode_error`, `memory_error`); any other exception is a bug
 and stops the run.
@@ -21,7 +22,6 @@ from .config import METHOD_SPECS, LatencyConfig
 from .decode_step import latency_section
 from .encode_throughput import encode_section
 from .memory import memory_section
-from .render import render
 from .targets import targets
 from .timing import DEVICE, LAUNCH_ERRORS, copy_bandwidth, describe_error, env_info, sm_clock_mhz
 
@@ -33,7 +33,7 @@ def save_json(path: Path, res: dict):
 
 
 def run_latency(cfg: LatencyConfig, out: Path, log=print) -> dict:
-    """Measure everything `cfg` asks for; write latency.json, latency.md and latency.png into out."""
+    """Measure everything `cfg` asks for; write latency.json into out; return the result dict."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
@@ -68,7 +68,6 @@ def run_latency(cfg: LatencyConfig, out: Path, log=print) -> dict:
             res["memory_error"] = describe_error(e, 10_000)
             log(f"memory section failed: {e}")
     save()
-    render(out, res)
     log(json.dumps(res["targets"], indent=1))
     log(f"done in {time.time() - t_start:.0f} s -> {out}")
     return res
