@@ -190,13 +190,19 @@ def run_compare(args) -> int:
     from . import report
     from ..harness.corpora import _special_prefix, _tokenize, load_corpus, token_windows, window_starts
     from ..harness.models import load_model
-    from ..harness.perplexity import ppl_prefill_then_decode, ppl_quantize_on_write
+    from ..harness.perplexity import batch_rows, ppl_prefill_then_decode, ppl_quantize_on_write
+    from . import distributed
 
     plan = validate(args)
     specs, protocols, device = plan["specs"], plan["protocols"], plan["device"]
+    try:  # under torchrun: one rank of several (distributed.py); else a single process, as ever
+        ranks = distributed.start(device) if distributed.launched() else None
+    except distributed.DistributedSetupError as e:
+        raise UsageError(str(e)) from None
     print(f"loading model {args.model} and corpus {args.corpus} ...", file=sys.stderr, flush=True)
-    model, tok, model_info = load_model(args.model, device=device, dtype=getattr(torch, args.dtype),
-                                        verify=args.verify)
+    with distributed.local_main_first(ranks):
+        model, tok, model_info = load_model(args.model, device=ranks.device if ranks else device,
+                                            dtype=getattr(torch, args.dtype), verify=args.verify)
     text, corpus_info = load_corpus(args.corpus)
     try:
         windows = token_windows(tok, text, plan["window"], args.windows)
@@ -215,6 +221,23 @@ def run_compare(args) -> int:
         "batch_size": args.batch_size,
         "seeds": list(range(args.seeds)), "stochastic_specs": [s for s in specs if is_stochastic(s)],
     }
+
+    def measure(protocol, spec, seed, rows=slice(None), batch_size=args.batch_size, progress=None):
+        w = windows[rows, :plan["lengths"][protocol]]
+        if protocol == "quantize-on-write":
+            return ppl_quantize_on_write(model, w, spec, seed, progress=progress, batch_size=batch_size)
+        return ppl_prefill_then_decode(model, w, spec, seed, context=args.context, progress=progress,
+                                       batch_size=batch_size)
+
+    if ranks is not None:  # the same window batches as one process, dealt over the ranks
+        meta["distributed"] = distributed.describe(ranks)
+        distributed.check_same(ranks, windows, "token windows")
+        rows_of = lambda job: batch_rows(model, job[1], windows, args.batch_size,  # noqa: E731
+                                         plan["lengths"][job[0]] if job[0] == "quantize-on-write" else 1)
+        measure_unit = lambda u: measure(*u.job, rows=slice(u.start, u.stop), batch_size=u.rows)  # noqa: E731
+        if not ranks.is_main:  # scores its share; rank 0 alone writes results.json and the report
+            distributed.score_rounds(ranks, None, rows_of, len(windows), measure_unit)
+            return 0
     name = args.run or f"{args.model}_{args.corpus}".replace("/", "-")
     with Run(Path(args.out) / name, meta, args.fresh) as run:
         if run.data["diagnostics"] is None:
@@ -224,16 +247,29 @@ def run_compare(args) -> int:
         todo = [j for j in jobs if not run.done(*j)]
         print(f"{len(jobs)} configurations, {len(jobs) - len(todo)} already measured in {run.path}", file=sys.stderr)
         bar = tqdm(total=len(todo) * len(windows), unit="window", dynamic_ncols=True)
-        for protocol, spec, seed in todo:
+
+        def on_record(job, r):  # a configuration gathered from the ranks
+            bar.update(len(windows))
+            if "error" in r:
+                run.add(r)
+                tqdm.write(f"FAILED {' '.join(map(str, job))}: {r['error']}")
+                return
+            q = get_quantizer(job[1])
+            r.update(formula_bits=q.formula_bits(model_info["head_dim"]), family=q.name,
+                     stochastic=is_stochastic(job[1]))
+            run.add(r)
+            tqdm.write(f"{job[0]:20s} {job[1]:34s} seed={job[2]}  PPL {r['ppl']:10.4f}  bits "
+                       f"{r['bits_per_element']:6.3f} (formula {r['formula_bits']:6.3f})  {r['wall_s']:6.1f} s")
+
+        if ranks is not None:
+            run.data["meta"]["distributed"]["scoring"] = distributed.score_rounds(
+                ranks, todo, rows_of, len(windows), measure_unit, on_record)
+            run.save()
+        for protocol, spec, seed in todo if ranks is None else []:
             bar.set_postfix_str(f"{protocol} {spec} seed={seed}")
             step = lambda done, total: bar.update(1)  # noqa: E731
-            w = windows[:, :plan["lengths"][protocol]]
             try:
-                if protocol == "quantize-on-write":
-                    r = ppl_quantize_on_write(model, w, spec, seed, progress=step, batch_size=args.batch_size)
-                else:
-                    r = ppl_prefill_then_decode(model, w, spec, seed, context=args.context, progress=step,
-                                                batch_size=args.batch_size)
+                r = measure(protocol, spec, seed, progress=step)
                 q = get_quantizer(spec)
                 r["formula_bits"] = q.formula_bits(model_info["head_dim"])
                 r["family"] = q.name
@@ -295,7 +331,9 @@ def add_arguments(sub, parents=()) -> None:
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 for every stochastic quantizer")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
                    help="windows scored per forward pass (same figures as one at a time, up to float rounding)")
-    p.add_argument("--run", default=None, help="run name (default <model>_<corpus>; reruns resume)")
+    # --run-name: torchrun (Python < 3.12 argparse) refuses "--run" as an ambiguous prefix of its --run-path
+    p.add_argument("--run", "--run-name", dest="run", default=None,
+                   help="run name (default <model>_<corpus>; reruns resume)")
     p.add_argument("--out", default="reports", help="reports folder")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
