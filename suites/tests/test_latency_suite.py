@@ -85,6 +85,22 @@ def test_time_budget_skips_every_shape(tmp_path, capsys):
     assert "skipped (time budget)" in capsys.readouterr().out
 
 
+def test_failures_and_usage_errors(tmp_path, capsys):
+    from kvqbench.suites.bench.latency.__main__ import failures, main
+
+    res = {"latency": [{"method": "fp16-sdpa", "B": 1, "T": 256, "latency_us": 1.0},
+                       {"method": "fused-int4", "B": 8, "T": 4096, "error": "OutOfMemoryError: ..."}],
+           "memory_error": "OutOfMemoryError: ..."}
+    assert failures(res) == ["fused-int4 B=8 T=4096: OutOfMemoryError: ...", "memory_error: OutOfMemoryError: ..."]
+    with pytest.raises(SystemExit) as e:
+        main(["--render", str(tmp_path / "missing.json")])
+    assert e.value.code == 2 and "cannot read" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as e:
+            main(["--out", str(tmp_path)])
+        assert e.value.code == 2 and "--smoke" in capsys.readouterr().err
+
+
 def test_config_refuses_a_focus_it_does_not_measure():
     with pytest.raises(ValueError, match="focus"):
         LatencyConfig.smoke(focus=(3, 512))

@@ -3,6 +3,9 @@
     python -m kvqbench.suites.bench.latency --out reports/latency    # GPU: everything
     python -m kvqbench.suites.bench.latency --smoke --out /tmp/x     # CPU: plumbing only
     python -m kvqbench.suites.bench.latency --render reports/latency/latency.json
+
+Exit status: 0 all measured, 2 bad usage (argparse's, or no GPU without --smoke),
+3 the report was written but something in it failed (an error row or section).
 """
 from __future__ import annotations
 
@@ -15,7 +18,10 @@ from pathlib import Path
 import torch
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+PARTIAL_FAILURE = 3
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m kvqbench.suites.bench.latency",
                                  description="Decode-step latency of attention over quantized KV caches.")
     ap.add_argument("--out", default="reports/latency", help="folder for latency.json, latency.md, latency.png")
@@ -26,22 +32,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--render", metavar="LATENCY_JSON", type=Path,
                     help="measure nothing: write latency.md and latency.png beside this JSON")
-    return ap.parse_args(argv)
+    return ap
 
 
 def main(argv=None) -> dict:
     """Measure (or, with --render, read latency.json), then write latency.md and latency.png."""
-    a = parse_args(argv)
+    ap = build_parser()
+    a = ap.parse_args(argv)
     from .render import render  # imports no kernels
 
     if a.render:
-        res = json.loads(a.render.read_text())
+        try:
+            res = json.loads(a.render.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            ap.error(f"--render: cannot read {a.render}: {e}")
         render(a.render.parent, res)
         return res
     gpu = torch.cuda.is_available()
     if not gpu:
         if not a.smoke:
-            raise SystemExit("the latency benchmark needs a CUDA GPU (use --smoke to test the plumbing)")
+            ap.error("the latency benchmark needs a CUDA GPU (use --smoke to test the plumbing)")
         # before kvqbench.kernels is imported: its kernels are built for the interpreter then
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from .config import LatencyConfig
@@ -54,5 +64,14 @@ def main(argv=None) -> dict:
     return res
 
 
+def failures(res: dict) -> list[str]:
+    """What in a report failed: error rows and failed sections."""
+    out = [f"{r.get('method')} B={r['B']} T={r['T']}: {r['error']}" for r in res.get("latency", []) if "error" in r]
+    return out + [f"{k}: {res[k]}" for k in ("encode_error", "memory_error") if k in res]
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    failed = failures(main(sys.argv[1:]))
+    if failed:
+        print(f"{len(failed)} failure(s) in the report:", *failed, sep="\n  ", file=sys.stderr)
+    sys.exit(PARTIAL_FAILURE if failed else 0)
