@@ -17,7 +17,7 @@ def make_tiny_model(folder: Path, seed: int = 0) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     # One token per byte: BPE over the 256 byte symbols with no merges.
-    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}  # same ids every run
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

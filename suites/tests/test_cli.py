@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -25,6 +23,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     return {"model": str(make_tiny_model(root / "model")), "corpus": str(tiny_corpus(root / "text.txt"))}
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Token files of the tiny model go to a temp cache, not the user's."""
+    monkeypatch.setenv("KVQBENCH_CACHE", str(tmp_path / "cache"))
 
 
 def compare_args(tiny, out, *extra, specs="fp16;int4"):
@@ -132,7 +136,8 @@ def test_ctrl_c_exits_130_and_the_rerun_resumes(tiny, tmp_path, monkeypatch, cap
     def interrupted(model, windows, spec, seed=0, **kw):
         calls.append(spec)
         if spec == "int4" and calls.count("int4") == 1:
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, delivered mid-configuration
+            time.sleep(5)
         return real(model, windows, spec, seed, **kw)
 
     monkeypatch.setattr(perplexity, "ppl_quantize_on_write", interrupted)
@@ -159,26 +164,3 @@ def test_decode_tokens_are_honoured(tiny, tmp_path):
     assert data["meta"]["prefill_then_decode"] == {"context": 8, "decode_tokens": 4}
     assert data["meta"]["windows"]["per_protocol"] == {"quantize-on-write": 40, "prefill-then-decode": 12}
     assert "4 tokens scored after it" in (tmp_path / "r" / "report.md").read_text()
-
-
-def test_console_script_exit_statuses(tiny, tmp_path):
-    """The real process: 0 on success (not 1 from sys.exit(Path)), 130 on SIGINT."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    cmd = [sys.executable, "-m", "kvqbench.suites.compare.cli"]
-    ok = subprocess.run(cmd + compare_args(tiny, tmp_path / "a", specs="fp16"), env=env,
-                        capture_output=True, text=True, timeout=300)
-    assert ok.returncode == 0, ok.stderr[-2000:]
-    # Many slow configurations; interrupt once the first one is saved.
-    slow = ";".join(["fp16"] + [f"hqmq:S={s},r=4" for s in (96, 100, 104, 108, 112, 116)])
-    proc = subprocess.Popen(cmd + compare_args(tiny, tmp_path / "b", specs=slow), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    saved = tmp_path / "b" / "r" / "results.json"
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if saved.is_file() and json.loads(saved.read_text())["results"]:
-            break
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-2000:]
-    assert "interrupted" in err and "Traceback" not in err

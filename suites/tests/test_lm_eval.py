@@ -50,6 +50,17 @@ def test_bad_spec_fails_at_construction_and_quoted_specs_are_accepted(base):
     assert wrap(base, "plain").spec is None
 
 
+def test_a_spec_split_at_its_commas_is_refused_not_truncated(base):
+    """lm-eval splits model_args on ',': `quantizer=hqmq:S=96,r=4` arrives as
+    quantizer='hqmq:S=96' plus r=4, which used to run S=96 with the default r."""
+    with pytest.raises(QuantizerInputError, match=r"r=4.*quantizer=hqmq:S=96;r=4"):
+        KVQuantLM.create_from_arg_string("pretrained=smollm2-135m,quantizer=hqmq:S=96,r=4,seed=1")
+    with pytest.raises(QuantizerInputError, match="split at its commas"):  # quotes do not survive the split
+        KVQuantLM.create_from_arg_string("pretrained=smollm2-135m,quantizer='hqmq:S=96,r=4'")
+    assert wrap(base, "hqmq:S=96;r=4").spec == "hqmq:S=96,r=4"
+    assert wrap(base, "'hqmq:S=96,r=4'").spec == "hqmq:S=96,r=4"
+
+
 def test_task_documents_are_fixed_and_well_formed():
     a, b = T.passkey_docs(passkey_docs=5, passkey_chars=800)["test"], T.passkey_docs(passkey_docs=5, passkey_chars=800)["test"]
     assert a.to_list() == b.to_list()
@@ -129,7 +140,7 @@ def test_compare_adds_task_scores(tmp_path):
     args = ["compare", "--specs", "fp16;int2", "--window", "48", "--windows", "1", "--seeds", "1",
             "--device", "cpu", "--out", str(tmp_path), "--run", "t", "--lm-eval", "kvqbench_rolling",
             "--lm-eval-metadata", json.dumps(ROLLING)]
-    cli.main(args)
+    assert cli.main(args) == 0
     data = json.loads((tmp_path / "t" / "results.json").read_text())
     le = {r["spec"]: r["lm_eval"] for r in data["results"]}
     assert set(le) == {"fp16", "int2"}

@@ -128,6 +128,14 @@ def test_local_text_file(tmp_path):
     assert info["source"] == str(p.resolve()) and len(info["sha256"]) == 64
 
 
+def test_non_utf8_text_file_is_named(tmp_path):
+    p = tmp_path / "latin1.txt"
+    p.write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    with pytest.raises(ValueError) as e:
+        load_corpus(str(p))
+    assert str(p) in str(e.value) and "not UTF-8" in str(e.value) and "offset 3" in str(e.value)
+
+
 def test_bad_corpus_name():
     with pytest.raises(ValueError) as e:
         load_corpus("canterbury2")

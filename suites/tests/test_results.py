@@ -24,6 +24,12 @@ def tiny(tmp_path_factory):
     return {"model": str(make_tiny_model(root / "model")), "corpus": str(tiny_corpus(root / "text.txt"))}
 
 
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Token files of the tiny model go to a temp cache, not the user's."""
+    monkeypatch.setenv("KVQBENCH_CACHE", str(tmp_path / "cache"))
+
+
 def compare_args(tiny, out, *extra, specs="fp16;int4"):
     return ["compare", "--model", tiny["model"], "--corpus", tiny["corpus"], "--device", "cpu",
             "--window", "32", "--windows", "2", "--seeds", "1", "--specs", specs,
@@ -43,9 +49,10 @@ def test_a_second_writer_waits_then_refuses(tiny, tmp_path, monkeypatch, capsys)
 
 def test_save_is_atomic_and_leaves_no_temp_files(tmp_path, monkeypatch):
     meta = {"model": {"name": "m"}, "corpus": {"name": "c"}, "windows": {"n": 1}, "protocols": ["p"]}
-    with results.Run(tmp_path, meta, fresh=False) as run:
+    folder = tmp_path / "run"
+    with results.Run(folder, meta, fresh=False) as run:
         run.add({"protocol": "p", "spec": "fp16", "seed": 0, "ppl": 1.0})
-        before = (tmp_path / "results.json").read_bytes()
+        before = (folder / "results.json").read_bytes()
 
         def disk_full(*a, **k):
             raise OSError(28, "No space left on device")
@@ -53,8 +60,8 @@ def test_save_is_atomic_and_leaves_no_temp_files(tmp_path, monkeypatch):
         monkeypatch.setattr(os, "fsync", disk_full)
         with pytest.raises(OSError):
             run.add({"protocol": "p", "spec": "int4", "seed": 0, "ppl": 2.0})
-        assert (tmp_path / "results.json").read_bytes() == before  # the old file, whole
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "results.json.lock"]
+        assert (folder / "results.json").read_bytes() == before  # the old file, whole
+        assert sorted(p.name for p in folder.iterdir()) == ["results.json", "results.json.lock"]
     with pytest.raises(RuntimeError, match="under its lock"):
         run.save()
 

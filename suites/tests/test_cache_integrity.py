@@ -1,0 +1,265 @@
+"""The cache verifies what it serves and runs nothing it fetches: converted model
+folders and token files are checked against hashes recorded when they were made
+(re-converted / re-tokenized when they differ), downloads are hash-checked before
+they are opened and fetched again when bad, the corpus archive is read with
+tarfile's 'data' filter, and release files are found through the package index
+(PEP 691 JSON or PEP 503 HTML), never by running pip on an sdist.
+
+Runs in a private cache ($KVQBENCH_CACHE = a temp folder) with the tiny random
+model standing in for the GGUF conversion, so nothing here downloads."""
+from __future__ import annotations
+
+import hashlib
+import http.server
+import io
+import json
+import os
+import tarfile
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvqbench.suites.harness import corpora, fetch, models
+from kvqbench.suites.harness.tiny_model import make_tiny_model
+
+NAME = "smollm2-135m"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("KVQBENCH_CACHE", str(root))
+    return root
+
+
+@pytest.fixture
+def conversions(cache, monkeypatch):
+    """Count conversions; the tiny model stands in for the dequantised GGUF."""
+    calls = []
+    monkeypatch.setattr(models, "_fetch_gguf", lambda name, spec, work: work / "fake.gguf")
+
+    def dequantise(name, gguf, out):
+        calls.append(name)
+        make_tiny_model(out)
+
+    monkeypatch.setattr(models, "_dequantise", dequantise)
+    return calls
+
+
+def load():
+    model, _, info = models.load_model(NAME, device="cpu")
+    return model, info
+
+
+def folder(cache):
+    return cache / "models" / NAME
+
+
+def flip_bytes(path, keep_mtime=False):
+    st = path.stat()
+    with open(path, "r+b") as fh:
+        fh.seek(st.st_size // 2)
+        block = fh.read(2000)
+        fh.seek(st.st_size // 2)
+        fh.write(bytes(b ^ 0xFF for b in block))
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_conversion_records_every_file_and_a_clean_cache_is_reused(cache, conversions):
+    load()
+    meta = json.loads((folder(cache) / models.META).read_text())
+    on_disk = sorted(p.name for p in folder(cache).iterdir() if p.name != models.META)
+    assert sorted(meta["files"]) == on_disk and "model.safetensors" in on_disk
+    for rel, f in meta["files"].items():
+        assert f["sha256"] == fetch.sha256_file(folder(cache) / rel)
+    load()
+    assert conversions == [NAME]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete_config", "edit_config", "legacy_meta"])
+def test_a_damaged_cached_model_is_converted_again(cache, conversions, capsys, damage):
+    model, _ = load()
+    want = model(torch.arange(10)[None]).logits
+    f = folder(cache)
+    if damage == "flip":
+        flip_bytes(f / "model.safetensors")
+    elif damage == "truncate":
+        with open(f / "model.safetensors", "r+b") as fh:
+            fh.truncate(1000)
+    elif damage == "delete_config":
+        (f / "config.json").unlink()
+    elif damage == "edit_config":
+        cfg = json.loads((f / "config.json").read_text())
+        cfg["num_hidden_layers"] = 1
+        (f / "config.json").write_text(json.dumps(cfg))
+    else:  # a folder converted before hashes were recorded
+        meta = json.loads((f / models.META).read_text())
+        del meta["files"]
+        (f / models.META).write_text(json.dumps(meta))
+    capsys.readouterr()
+    model, _ = load()
+    assert conversions == [NAME, NAME]
+    assert "failed its check" in capsys.readouterr().err
+    torch.testing.assert_close(model(torch.arange(10)[None]).logits, want, rtol=0, atol=0)
+
+
+def test_same_size_same_mtime_edit_needs_verify(cache, conversions):
+    """The cheap check trusts size+mtime; --verify hashes everything."""
+    load()
+    flip_bytes(folder(cache) / "model.safetensors", keep_mtime=True)
+    load()
+    assert conversions == [NAME]  # not noticed without --verify: the documented fast path
+    models.load_model(NAME, device="cpu", verify=True)
+    assert conversions == [NAME, NAME]
+
+
+def test_touched_but_unchanged_files_are_hashed_not_converted(cache, conversions):
+    load()
+    os.utime(folder(cache) / "model.safetensors")  # new mtime, same bytes
+    load()
+    assert conversions == [NAME]
+
+
+def test_token_files_are_checked_and_redone(cache, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path / "m"))
+    text = "the special magic number is 12345. " * 40
+    ids = corpora._tokenize(tok, text)
+    [npy] = (cache / "tokens").glob("*.npy")
+    assert json.loads(npy.with_suffix(".json").read_text())["sha256"] == fetch.sha256_file(npy)
+    bad = np.load(npy)
+    bad[:64] = 7  # 64 rewritten ids under the same text hash
+    np.save(npy, bad)
+    corpora._TOKENS_MEMO.clear()
+    assert corpora._tokenize(tok, text) == ids
+    assert "failed its check" in capsys.readouterr().err
+    assert np.load(npy).tolist() == ids  # rewritten correctly
+
+
+# --- downloads and archives -----------------------------------------------------------------
+
+def _tarball(members: dict[str, bytes | str]) -> bytes:
+    """A .tar.gz; a str value makes a symlink to that target."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            if isinstance(data, str):
+                info.type, info.linkname = tarfile.SYMTYPE, data
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _serve_archive(monkeypatch, tmp_path, blob: bytes, sha: str | None = None):
+    """Point the canterbury archive at a local file:// URL with `blob`."""
+    src = tmp_path / "index" / "brotli-1.2.1.tar.gz"
+    src.parent.mkdir(exist_ok=True)
+    src.write_bytes(blob)
+    sha = sha or hashlib.sha256(blob).hexdigest()
+    monkeypatch.setitem(corpora.CORPORA["canterbury"], "archive", ("brotli", src.name, sha))
+    monkeypatch.setattr(corpora, "index_file", lambda project, filename: src.as_uri())
+
+    def no_pip(*a, **k):
+        raise AssertionError("pip must not run to fetch a corpus (it would build the sdist)")
+
+    monkeypatch.setattr(corpora, "pip", no_pip)
+    return sha
+
+
+def _texts(n=4):
+    return {f"brotli-1.2.1/tests/testdata/{f}": f"text of {f}\r\nline two\r\n".encode()
+            for f in corpora.CANTERBURY_FILES[:n]}
+
+
+def test_archive_is_checked_before_opening_and_refetched_when_truncated(cache, tmp_path, monkeypatch):
+    blob = _tarball(_texts())
+    sha = _serve_archive(monkeypatch, tmp_path, blob)
+    dest = cache / "downloads" / "brotli-1.2.1.tar.gz"
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes(blob[: len(blob) // 2])  # an interrupted earlier download
+    text = corpora._canterbury(tmp_path / "work")
+    assert text.startswith("text of alice29.txt\nline two") and "\r" not in text
+    assert fetch.sha256_file(dest) == sha
+
+
+def test_a_download_with_the_wrong_hash_is_never_kept(cache, tmp_path, monkeypatch):
+    _serve_archive(monkeypatch, tmp_path, _tarball(_texts()), sha="0" * 64)
+    opened = []
+    monkeypatch.setattr(tarfile, "open", lambda *a, **k: opened.append(a) or pytest.fail("opened"))
+    with pytest.raises(RuntimeError, match="sha256"):
+        corpora._canterbury(tmp_path / "work")
+    assert not opened and not list((cache / "downloads").iterdir())
+
+
+def test_archive_links_out_of_the_folder_are_refused(cache, tmp_path, monkeypatch):
+    members = _texts(3)
+    members["brotli-1.2.1/tests/testdata/plrabn12.txt"] = "/etc/passwd"
+    _serve_archive(monkeypatch, tmp_path, _tarball(members))
+    with pytest.raises(tarfile.FilterError):
+        corpora._canterbury(tmp_path / "work")
+
+
+def test_non_utf8_archive_member_is_named(cache, tmp_path, monkeypatch):
+    members = _texts()
+    members["brotli-1.2.1/tests/testdata/lcet10.txt"] = b"caf\xe9"
+    _serve_archive(monkeypatch, tmp_path, _tarball(members))
+    with pytest.raises(ValueError, match="lcet10.txt is not ASCII text: byte 0xe9"):
+        corpora._canterbury(tmp_path / "work")
+
+
+# --- the package index ----------------------------------------------------------------------
+
+def test_index_urls_follow_pips_configuration(monkeypatch):
+    monkeypatch.setenv("PIP_INDEX_URL", "https://mirror.example/simple")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "file:///srv/extra")
+    assert fetch.pip_index_urls() == ["https://mirror.example/simple", "file:///srv/extra"]
+
+
+def test_index_pages_json_and_html(tmp_path, monkeypatch):
+    payload = {"files": [{"filename": "brotli-1.2.1.tar.gz", "url": "../../files/brotli-1.2.1.tar.gz",
+                          "hashes": {"sha256": "ab" * 32}}]}
+
+    class JSONIndex(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            assert "application/vnd.pypi.simple.v1+json" in self.headers["Accept"]
+            body = json.dumps(payload).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/vnd.pypi.simple.v1+json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), JSONIndex)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        index = f"http://127.0.0.1:{server.server_port}/simple"
+        files, _ = fetch._index_page(index, "brotli")
+        assert files == [{"filename": "brotli-1.2.1.tar.gz", "sha256": "ab" * 32,
+                          "url": f"http://127.0.0.1:{server.server_port}/files/brotli-1.2.1.tar.gz"}]
+    finally:
+        server.shutdown()
+    html = tmp_path / "simple" / "brotli"
+    html.mkdir(parents=True)
+    (html / "index.html").write_text('<a href="../../f/brotli-1.2.1.tar.gz#sha256=' + "cd" * 32
+                                     + '">brotli-1.2.1.tar.gz</a>')
+    monkeypatch.setattr(fetch, "pip_index_urls", lambda: ["file:///nonexistent/simple", (tmp_path / "simple").as_uri()])
+    assert fetch.index_file("brotli", "brotli-1.2.1.tar.gz") == (tmp_path / "f" / "brotli-1.2.1.tar.gz").as_uri()
+    with pytest.raises(RuntimeError, match="not found on any configured package index"):
+        fetch.index_file("brotli", "brotli-9.9.tar.gz")
+
+
+def test_locks_are_filelocks(cache):
+    from filelock import FileLock, Timeout
+
+    with fetch.locked("models/x"):
+        with pytest.raises(Timeout):
+            FileLock(str(cache / "models" / "x.lock"), timeout=0.1).acquire()
