@@ -16,15 +16,17 @@ outlier chunks are the exception: the segment keeps its (b, h, t, chunk)-ordered
 list, the store a per-(b, h) copy (outliers are a few percent of the chunks).
 
 Formats (by the `*Flat` type `flatten` returns for the first write):
-- `IntFlat`, `HQMQFlat`: token-axis fields copied from the segments (codes, radius,
-  r_max, flags / codes, scale, zero). HQMQ + Med3x outliers per (b, h):
+- `IntFlat`, `HQMQFlat`, `FP8Flat`: token-axis fields copied from the segments
+  (codes, scale, zero / codes, radius, r_max, flags / codes; static parts such as
+  codebook tables and fp8's per-head scale come from the first write's flatten).
+  HQMQ + Med3x outliers per (b, h):
   `outliers [B, H, Ocap, 4]`, and `outlier_index [B, H, ceil(Tcap/64)]`, the start of
   each 64-token block within its (b, h) list, updated for the blocks a write starts.
 - `KIVIFlat`: the new segments of a write are flattened by `layout.flatten` (so the
   KIVI layout has one definition) and their quantized groups appended; the fp16
   window is replaced by the write's window.
 
-Host synchronisation: none per step for int and KIVI. HQMQ + Med3x needs the largest
+Host synchronisation: none per step for int, fp8 and KIVI. HQMQ + Med3x needs the largest
 per-(b, h) outlier count only when a host-side upper bound (previous bound plus the
 write's total outlier count, a shape, so known without a sync) says the outlier
 buffer might overflow; with doubling capacity that is O(log T) syncs. (The
@@ -107,7 +109,8 @@ class KernelStore:
 
     # Segment fields that lie along the token axis as [B, H, t, ...], per Flat type
     TOKEN_FIELDS = {layout.IntFlat: ("codes", "scale", "zero"),
-                    layout.HQMQFlat: ("codes", "radius", "r_max", "flags")}
+                    layout.HQMQFlat: ("codes", "radius", "r_max", "flags"),
+                    layout.FP8Flat: ("codes",)}
 
     def __init__(self, flat, packed: Packed, role: str):
         self.role, self.kind = role, type(flat)
@@ -127,13 +130,18 @@ class KernelStore:
 
     # ---- construction ---------------------------------------------------------------
     @classmethod
-    def create(cls, packed: Packed, role: str, capacity: int | None = None) -> "KernelStore | None":
+    def create(cls, packed: Packed, role: str, capacity: int | None = None,
+               hqmq_table: tuple[str, torch.dtype] | None = None) -> "KernelStore | None":
+        """`hqmq_table`: (table_mode, dtype) of the HQMQ codeword source the kernel gathers
+        from (`HQMQFlat.with_table`); None keeps layout's default (exact fp32 secondaries)."""
         try:
             flat = layout.flatten(packed, role)
         except (ValueError, TypeError, NotImplementedError):
             return None  # no fused kernel reads this format (the dense path serves it)
-        if not isinstance(flat, (layout.IntFlat, layout.HQMQFlat, layout.KIVIFlat)):
+        if not isinstance(flat, tuple(cls.TOKEN_FIELDS) + (layout.KIVIFlat,)):
             return None
+        if hqmq_table is not None and isinstance(flat, layout.HQMQFlat):
+            flat = flat.with_table(*hqmq_table)
         store = cls(flat, packed, role)
         store.capacity_hint = capacity or 0
         store.append(packed.segments, 0)
@@ -246,16 +254,10 @@ class KernelStore:
 
     # ---- what the kernels read ------------------------------------------------------------
     def _refresh_flat(self) -> None:
-        b = self.buffers
-        if self.kind is layout.IntFlat:
-            self.flat = dataclasses.replace(self.flat, T=self.tokens + 0, codes=b["codes"].buf,
-                                            scale=b["scale"].buf, zero=b["zero"].buf)
-        else:
-            kw = dict(codes=b["codes"].buf, radius=b["radius"].buf, r_max=b["r_max"].buf)
-            if "flags" in b:
-                kw.update(flags=b["flags"].buf, outliers=self.outliers, outlier_index=self.outlier_index.buf)
-            self.flat = dataclasses.replace(self.flat, **kw)
-        self.flat.T = self.buffers["codes"].length
+        kw = {name: self.buffers[name].buf for name in self.TOKEN_FIELDS[self.kind] if name in self.buffers}
+        if self.outliers is not None:
+            kw.update(outliers=self.outliers, outlier_index=self.outlier_index.buf)
+        self.flat = dataclasses.replace(self.flat, T=self.buffers["codes"].length, **kw)
 
     def kernel_view(self):
         """The `*Flat` the fused kernels read: the capacity buffers themselves, with the

@@ -45,6 +45,7 @@ The installed transformers names the forward/generate argument either `cache`
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 
@@ -173,9 +174,11 @@ class QuantizedLayer(DynamicLayer):
     def _decode_segments(self, role: str, segs: list[Segment]) -> torch.Tensor:
         """Decoded tokens of `segs`, in the written dtype, without caching them on the
         segments (a cached copy would be a dense history beside the packed bytes)."""
-        q, p = self.quantizers[role], self.packed[role]
-        parts = [q.decode_tokens(s, p.shared, (p.batch, p.heads, s.tokens, p.head_dim)).to(p.dtype) for s in segs]
-        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+        # Through the quantizer's own `decode` (plugins may override it), on throwaway
+        # Segment objects over the same fields, so its per-segment cache dies with them.
+        p = self.packed[role]
+        fresh = [Segment(s.fields, s.tokens) for s in segs]
+        return self.quantizers[role].decode(dataclasses.replace(p, segments=fresh))
 
     def read(self, role: str) -> torch.Tensor:
         """The decoded history of `role` ("K" or "V"), `[B, H, T, D]`, in the written dtype

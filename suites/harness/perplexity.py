@@ -13,8 +13,8 @@ padding), each batch from a fresh cache. Quantizers keep their statistics per (b
 row, kv-head) (a Med3x median, KIVI's key groups), so a row's bytes and decoded values
 do not depend on its neighbours; suites/tests/test_decode_path.py checks, for every
 registered quantizer, that batched and one-by-one NLLs and bits agree. A quantizer
-whose statistics span rows must say `rows_independent = False`; it is then scored one
-window at a time. The batch is also capped so the logits stay within LOGITS_BUDGET.
+whose statistics span rows (`rows_independent`: those that fit shared tensors on the
+first write, or that say `rows_independent = False`) is scored one window at a time. The batch is also capped so the logits stay within LOGITS_BUDGET.
 
 Prefill-then-decode runs the decode steps through the fused kernels when the model
 uses SDPA and the quantizer has a kernel (CUDA, or TRITON_INTERPRET=1): the packed
@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from ...quantizers import parse_spec
+from ...quantizers.fitted import FitsOnFirstWrite
 from .attention import fused_attention
 from .kv_cache import QuantizedCache, cache_kwargs, plain_cache_stats
 
@@ -85,12 +86,21 @@ def _check_windows(windows: torch.Tensor, min_len: int) -> torch.Tensor:
     return windows
 
 
+def rows_independent(quantizer_cls) -> bool:
+    """Whether a row's bytes and decoded values are independent of the other rows of
+    its write: the class's `rows_independent` if it says, else False for quantizers
+    that fit shared tensors (scales, codebooks) on the first write, whose rows all
+    feed one fit, and True otherwise (statistics per (row, kv-head))."""
+    said = getattr(quantizer_cls, "rows_independent", None)
+    return bool(said) if said is not None else not issubclass(quantizer_cls, FitsOnFirstWrite)
+
+
 def batch_rows(model, spec: str | None, windows: torch.Tensor, batch_size: int, scored_len: int) -> int:
     """Windows per forward pass: `batch_size`, 1 for a quantizer whose statistics span
     rows, and no more than LOGITS_BUDGET allows for `scored_len` logits per row."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if spec is not None and not getattr(parse_spec(spec)[0], "rows_independent", True):
+    if spec is not None and not rows_independent(parse_spec(spec)[0]):
         return 1
     vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 1
     cap = max(1, LOGITS_BUDGET // max(1, scored_len * vocab * 4))
@@ -204,4 +214,4 @@ def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed
                    spec, seed, windows, nll, n_pred, nbytes, numel, t0, rows)
 
 
-__all__ = ["DEFAULT_BATCH", "batch_rows", "ppl_quantize_on_write", "ppl_prefill_then_decode"]
+__all__ = ["DEFAULT_BATCH", "batch_rows", "rows_independent", "ppl_quantize_on_write", "ppl_prefill_then_decode"]

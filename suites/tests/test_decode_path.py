@@ -30,14 +30,18 @@ from kvqbench.quantizers import get_quantizer, registry  # noqa: E402
 from kvqbench.suites.conformance import head_dim_for  # noqa: E402
 from kvqbench.suites.harness.attention import fused_attention  # noqa: E402
 from kvqbench.suites.harness.kv_cache import QuantizedCache, cache_kwargs  # noqa: E402
-from kvqbench.suites.harness.perplexity import ppl_prefill_then_decode, ppl_quantize_on_write  # noqa: E402
+from kvqbench.suites.harness.perplexity import (  # noqa: E402
+    ppl_prefill_then_decode,
+    ppl_quantize_on_write,
+    rows_independent,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 VOCAB = 128
 DEV = torch.device("cuda" if CUDA else "cpu")
-FUSED_SPECS = ["int4", "hqmq:S=8,r=4", "hqmq:S=8,r=4,outliers=med3", "kivi:bits=2,group=8,residual=8,window=fixed"]
-STORE_SPECS = FUSED_SPECS + ["kivi:bits=2,group=4,residual=8"]
+FUSED_SPECS = ["int4", "hqmq:S=8,r=4", "hqmq:S=8,r=4,outliers=med3", "kivi:bits=2,group=8,residual=8", "fp8-e4m3"]
+STORE_SPECS = FUSED_SPECS + ["kivi:bits=2,group=4,residual=8,window=fixed", "fp8-e5m2"]
 
 
 def tiny_llama(head_dim=32, dtype=torch.float32, seed=0):
@@ -88,9 +92,11 @@ def test_store_appends_equal_flatten(spec, role):
         assert torch.equal(got.residual[:, :, :ref.T_res], ref.residual[:, :, :ref.T_res])
     else:
         assert got.T == ref.T == 150 and got.codes.shape[2] >= 150  # capacity beyond T
-        for name in ("codes", "radius", "r_max", "flags", "scale", "zero"):
+        for name in KernelStore.TOKEN_FIELDS[type(ref)]:
             if getattr(ref, name, None) is not None:
                 assert torch.equal(getattr(got, name)[:, :, :150], getattr(ref, name)), name
+        if isinstance(ref, L.FP8Flat):
+            assert torch.equal(got.scale, ref.scale)  # fitted on the first write, then fixed
         if getattr(ref, "flags", None) is not None:
             counts = store.outlier_len.view(2, 2)
             assert counts.min() < counts.max()  # rows differ: the per-(b, h) lists matter
@@ -197,10 +203,11 @@ def test_batched_windows_equal_one_by_one(name):
     windows = tokens(20, batch=3, seed=11)
     for spec in registry()[name].examples():
         m = _model_for(spec)
-        for fn, kw in ((ppl_quantize_on_write, {}), (ppl_prefill_then_decode, {"context": 14})):
+        # (the dense path: fused decode steps are compared with it above)
+        for fn, kw in ((ppl_quantize_on_write, {}), (ppl_prefill_then_decode, {"context": 14, "fused": False})):
             one = fn(m, windows, spec, seed=2, batch_size=1, **kw)
             many = fn(m, windows, spec, seed=2, batch_size=3, **kw)
-            assert many["batch_size"] == (3 if getattr(registry()[name], "rows_independent", True) else 1)
+            assert many["batch_size"] == (3 if rows_independent(registry()[name]) else 1)
             assert many["nll_sum"] == pytest.approx(one["nll_sum"], rel=1e-4), (spec, fn.__name__)
             assert many["bits_per_element"] == pytest.approx(one["bits_per_element"], rel=1e-12), spec
             assert many["n_predicted"] == one["n_predicted"]
