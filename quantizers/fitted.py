@@ -11,6 +11,13 @@ write could not fit a codebook, and re-fitting per write would store a
 codebook per token). Under quantize-on-write each window is one write, so the
 fit sees the whole window, later tokens included (METHOD.md section 4 caveat).
 Appended writes therefore differ from one big write.
+
+Error bounds of such a quantizer depend on what was fitted, so `error_bound(x)`
+bounds x as coded with `fitted_shared(x)`: the shared tensors of the first
+write this instance coded last (x is then a write into that cache: the
+prefill itself or a later append), or, before any write or for another
+shape, those that x's own first write would store. A quantizer instance
+serves one (layer, role) of one cache, so "last" is that cache.
 """
 from __future__ import annotations
 
@@ -29,7 +36,11 @@ class FitsOnFirstWrite:
         raise NotImplementedError
 
     def fitted_shared(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The shared tensors a first write of x would store (for error bounds)."""
+        """The shared tensors x is coded with (see the module docstring)."""
+        key = (x.shape[1], x.shape[3], x.device)
+        last = getattr(self, "_last_fit", None)
+        if last is not None and last[0] == key:
+            return last[1]
         shared = self.empty(x).shared
         return {**shared, **self.fit_shared(x.float(), shared)}
 
@@ -39,6 +50,7 @@ class FitsOnFirstWrite:
             self._check_compatible(packed, x)
             fitted = self.fit_shared(x.float(), packed.shared)
             packed = dataclasses.replace(packed, shared={**packed.shared, **fitted})
+            self._last_fit = ((x.shape[1], x.shape[3], x.device), packed.shared)
         return super().append(packed, x)
 
 

@@ -113,7 +113,8 @@ class KIVI(Quantizer):
         c = self.config
         T = x.shape[2]
         n_quant = self.quantized_tokens(T)
-        bound = (x.abs() * 2.0**-11).norm(dim=-1)  # fp16 window
+        # fp16 window: half an ulp, relative for normal values, 2^-25 below them
+        bound = torch.clamp_min(x.abs() * 2.0**-11, 2.0**-25).norm(dim=-1)
         if n_quant == 0:
             return bound
         q = x[:, :, :n_quant]

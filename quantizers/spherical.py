@@ -1,92 +1,89 @@
-"""Spherical random quantizer (TurboQuant-style), calibration-free: the
-`spherical random` baseline of METHOD.md section 2.
+"""Spherical random quantizer (TurboQuant, Zandieh et al. 2025), calibration-free:
+the `spherical random` baseline of METHOD.md section 2.
 
 Each K/V token vector x (one kv-head, length D) is rotated by a seeded random
 orthogonal matrix O of its (layer, role, kv-head): y = O x. After a random
-rotation every coordinate of the unit vector u = y/||y|| is close to N(0, 1/D)
-whatever x was, so one fixed scalar codebook serves every coordinate: the
-Lloyd-Max quantizer of N(0, 1/D) with 2^bits levels, computed at init by
-Lloyd's iterations on the Gaussian density (closed-form cell centroids), never
-from data, then rounded to fp16 values. It is a deterministic function of
-(bits, D) and is not stored, like HQMQ's 2T. Each coordinate of u gets the
-nearest level: v.
+rotation the unit vector u = y/||y|| is uniform on the sphere whatever x was,
+so each coordinate follows one known law, (1 + u_i)/2 ~ Beta((D-1)/2, (D-1)/2),
+and one scalar codebook serves every coordinate: the Lloyd-Max quantizer of
+that exact law with 2^bits levels (`levels=beta`, default; lloyd_max.py),
+computed at first use, never from data, rounded to fp16 values, a
+deterministic function of (bits, D) and not stored, like HQMQ's 2T.
+`levels=gaussian` is the earlier N(0, 1/D) approximation. Each coordinate of u
+gets the nearest level: v.
 
 Gain (`gain`): "lsq" (default) stores the least-squares scale g of the decoded
-direction w = O^T v, g = <x, w>/||w||^2, and decodes g w: the best scale for
-those codes, so never worse than the norm, at the same 16 bits. "norm" stores
-||y|| and decodes ||y|| O^T v/||v||: renormalising v matters there, since the
-Lloyd-Max codes shrink the vector (E||v||^2 = 1 - mse) and the true norm would
-otherwise be applied to a short vector.
+direction w = O^T v, g = <x, w>/||w||^2: the best scale for those codes, so
+never worse than the norm, at the same 16 bits. "norm" stores ||y|| and
+decodes ||y|| O^T v/||v|| (TurboQuant_mse stores the norm).
+
+QJL (`qjl=true`, keys only: TurboQuant_prod): the MSE stage gets bits-1 bits,
+and the residual r = x - x_mse (x_mse exactly what decode returns for it) is
+sketched by 1 bit per row of a seeded Gaussian matrix S (m = D rows, stored
+fp16 [D, D] per (layer, role), shared by the kv-heads and counted), z =
+sign(S r), plus ||r|| in fp16. Decode adds r_hat = sqrt(pi/2)/m ||r|| S^T z,
+so <q, x_hat> = <q, x_mse> + the QJL estimator of <q, r>: unbiased over S for
+every query q (what makes key inner products unbiased), at the price of a
+larger reconstruction error than the MSE stage alone. Values ignore qjl and
+use all `bits` for the MSE stage (TurboQuant_prod is about inner products).
 
 Rotation (`rotation`): "dense" (default) is a Haar rotation, the Q of a QR of
 a seeded Gaussian with its signs fixed by diag(R) > 0, stored fp16 [H, D, D]
 (amortised over the cache: D*D*16 bits per kv-head, 2 bits per element at
 1024 tokens, fading only at long context). "hadamard" is the randomised
-Hadamard O = W diag(s)/sqrt(D) (W Sylvester's, s seeded signs stored as 1 bit
-each; D a power of two): D bits per kv-head. Decode applies exactly the stored
-values (O^T from the fp16 matrix, or from the signs); encode applies the exact
-inverse of that matrix (not its transpose: fp16 leaves it ~1e-3 from
-orthogonal), so the coordinates coded are exactly those decode reads and the
-fp16 storage costs no error beyond a condition number of 1 + ~1e-3.
+Hadamard O = W diag(s)/sqrt(D) (rotation.py; W Sylvester's, s seeded signs
+stored as 1 bit each; D a power of two): D bits per kv-head. Decode applies
+exactly the stored values; encode applies the exact inverse of that matrix
+(not its transpose: fp16 leaves it ~1e-3 from orthogonal), so the
+coordinates coded are exactly those decode reads.
 
-Stored per token vector: D codes of `bits` bits, bit-packed (`codes`), and the
-fp16 gain (`gain`). Per (layer, role): the `rotation` of each kv-head (fp16
-[H, D, D]), or its `signs` (uint8 [H, D/8]) with rotation=hadamard.
+What of TurboQuant is not here: its KV experiments split outlier channels
+into a separately coded group with more bits (e.g. 2.5 and 3.5 bits per
+channel on average); here every coordinate gets `bits`. Its rotation is a
+dense random matrix (as here by default) and its codebooks are the same
+Lloyd-Max levels of the Beta law.
+
+Stored per token vector: D codes of `bits` bits (bits-1 for qjl keys),
+bit-packed (`codes`), the fp16 gain (`gain`); qjl keys add the D sign bits
+(`qjl_signs`) and the fp16 residual norm (`qjl_norm`). Per (layer, role): the
+`rotation` of each kv-head (fp16 [H, D, D]) or its `signs` (uint8 [H, D/8]);
+qjl keys add the sketch matrix `qjl` (fp16 [D, D]).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
 
-from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable
+from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable, stable_seed
+from .lloyd_max import lloyd_max_gaussian, lloyd_max_sphere
 from .packing import pack_bits, unpack_bits
+from .rotation import random_signs, sylvester_hadamard
 
-LLOYD_MAX_ITERS = 1000  # upper limit; stops once the levels move < 1e-13
-
-
-@functools.lru_cache(maxsize=None)
-def lloyd_max_gaussian(levels: int) -> tuple[float, ...]:
-    """The `levels` Lloyd-Max reconstruction levels of N(0, 1), ascending,
-    exactly symmetric. Lloyd's iteration with the closed-form centroid of a
-    Gaussian cell, E[X | a < X < b] = (phi(a) - phi(b)) / (Phi(b) - Phi(a)),
-    from the quantile midpoints; float64 on CPU, so deterministic."""
-    q = torch.special.ndtri((torch.arange(levels, dtype=torch.float64) + 0.5) / levels)
-    inf = torch.tensor([math.inf], dtype=torch.float64)
-    for _ in range(LLOYD_MAX_ITERS):
-        edges = torch.cat([-inf, (q[1:] + q[:-1]) / 2, inf])
-        pdf = torch.exp(-edges**2 / 2) / math.sqrt(2 * math.pi)  # 0 at +-inf
-        new = (pdf[:-1] - pdf[1:]) / (torch.special.ndtr(edges[1:]) - torch.special.ndtr(edges[:-1]))
-        done = float((new - q).abs().max()) < 1e-13
-        q = new
-        if done:
-            break
-    return tuple(((q - q.flip(0)) / 2).tolist())
-
-
-def sylvester_hadamard(d: int) -> torch.Tensor:
-    w = torch.ones(1, 1)
-    while w.shape[0] < d:
-        w = torch.cat([torch.cat([w, w], 1), torch.cat([w, -w], 1)], 0)
-    return w
+QJL_SCALE = math.sqrt(math.pi / 2)  # E[<s, q> sign(<s, r>)] = sqrt(2/pi) <q, r>/||r|| for Gaussian s
 
 
 class Spherical(Quantizer):
     name = "spherical"
-    description = "TurboQuant-style: seeded random rotation, Lloyd-Max N(0,1/D) scalar codes per coordinate, fp16 gain"
+    description = "TurboQuant: seeded random rotation, Lloyd-Max codes of the exact Beta coordinate law, fp16 gain, optional QJL"
+    stochastic = True  # seeded rotation (and QJL sketch)
     # The aliases use the randomised Hadamard rotation: its D bits per kv-head keep
     # the measured bits at the formula's, where a dense fp16 rotation adds 2 bits
     # per element at 1024 tokens for no better coding.
-    aliases = {f"spherical{b}": {"bits": b, "rotation": "hadamard"} for b in (2, 3, 4)}
-    example_specs = ("spherical3", "spherical4")
+    aliases = {
+        **{f"spherical{b}": {"bits": b, "rotation": "hadamard"} for b in (2, 3, 4)},
+        **{f"spherical{b}-qjl": {"bits": b, "rotation": "hadamard", "qjl": True} for b in (3, 4)},
+    }
+    example_specs = ("spherical3", "spherical4", "spherical4-qjl")
 
     @dataclasses.dataclass
     class Config:
         bits: int = 4
         gain: str = "lsq"  # or "norm"
         rotation: str = "dense"  # or "hadamard"
+        levels: str = "beta"  # or "gaussian" (the earlier N(0, 1/D) levels)
+        qjl: bool = False  # keys: bits-1 MSE bits + a 1-bit QJL sketch of the residual
 
     def validate_config(self):
         c = self.config
@@ -96,23 +93,39 @@ class Spherical(Quantizer):
             raise QuantizerInputError(f"spherical: gain must be lsq or norm, got {c.gain!r}")
         if c.rotation not in ("dense", "hadamard"):
             raise QuantizerInputError(f"spherical: rotation must be dense or hadamard, got {c.rotation!r}")
+        if c.levels not in ("beta", "gaussian"):
+            raise QuantizerInputError(f"spherical: levels must be beta or gaussian, got {c.levels!r}")
+        if c.qjl and c.bits < 2:
+            raise QuantizerInputError("spherical: qjl needs bits >= 2 (bits-1 for the MSE stage, 1 for the sketch)")
+        if c.levels == "beta":
+            self.head_dim_multiple = 2  # the Beta law of a coordinate needs D >= 2; D = 1 has no sphere
 
-    # ---- the rotation -----------------------------------------------------------------
+    @property
+    def use_qjl(self) -> bool:
+        return self.config.qjl and self.role == "K"
+
+    @property
+    def mse_bits(self) -> int:
+        return self.config.bits - 1 if self.use_qjl else self.config.bits
+
+    # ---- the rotation and the sketch ---------------------------------------------------
     def make_shared(self, heads, head_dim):
+        shared = {}
+        if self.use_qjl:
+            g = torch.Generator().manual_seed(stable_seed(self.name, self.seed, self.layer, self.role, "qjl"))
+            shared["qjl"] = torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64).half()
         if self.config.rotation == "hadamard":
             if head_dim & (head_dim - 1):
                 raise QuantizerInputError(f"spherical: rotation=hadamard needs a power-of-two head_dim, got {head_dim}")
-            signs = []
-            for h in range(heads):
-                g = torch.Generator().manual_seed(self.head_seed(h))
-                signs.append(torch.randint(0, 2, (head_dim,), generator=g))
-            return {"signs": pack_bits(torch.stack(signs), 1)}  # [H, D/8]; bit 1 = negative
+            shared["signs"] = random_signs([self.head_seed(h) for h in range(heads)], head_dim)  # [H, D/8]
+            return shared
         rots = []
         for h in range(heads):
             g = torch.Generator().manual_seed(self.head_seed(h))
             q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64))
             rots.append(q * torch.sign(torch.diagonal(r)))  # sign fix: the unique QR with diag(R) > 0
-        return {"rotation": torch.stack(rots).half()}  # [H, D, D]
+        shared["rotation"] = torch.stack(rots).half()  # [H, D, D]
+        return shared
 
     def matrices(self, shared, head_dim: int, device):
         """Decode is x = c * (y @ M) for rows y (x = O^T y in columns), with M
@@ -137,10 +150,14 @@ class Spherical(Quantizer):
         return m, c, inv
 
     # ---- the scalar codebook ---------------------------------------------------------
-    def levels(self, head_dim: int, device):
-        """float64 levels of N(0, 1/D), rounded to fp16 values (see `_unscaled`),
-        and the midpoints between them (cell edges)."""
-        lv = torch.tensor(lloyd_max_gaussian(1 << self.config.bits), dtype=torch.float64) / math.sqrt(head_dim)
+    def levels(self, head_dim: int, device, bits: int | None = None):
+        """float64 levels of one coordinate of u (the Beta law, or N(0, 1/D)),
+        rounded to fp16 values (see `_unscaled`), and the midpoints between them."""
+        n = 1 << (self.mse_bits if bits is None else bits)
+        if self.config.levels == "beta":
+            lv = torch.tensor(lloyd_max_sphere(n, head_dim), dtype=torch.float64)
+        else:
+            lv = torch.tensor(lloyd_max_gaussian(n), dtype=torch.float64) / math.sqrt(head_dim)
         lv = lv.half().double().to(device)
         return lv, (lv[1:] + lv[:-1]) / 2
 
@@ -175,35 +192,60 @@ class Spherical(Quantizer):
         else:
             g = n.squeeze(-1)
         check_fp16_storable("spherical gain", g)
-        return Segment({"codes": pack_bits(codes, self.config.bits), "gain": g.half()}, T)
+        fields = {"codes": pack_bits(codes, self.mse_bits), "gain": g.half()}
+        if self.use_qjl:
+            r = x.double() - self._mse_decoded(lv[codes], fields["gain"], mats)  # exactly what decode adds to
+            rn = r.norm(dim=-1)
+            check_fp16_storable("spherical qjl residual norm", rn)
+            proj = torch.matmul(r, shared["qjl"].double().transpose(0, 1))  # [B, H, T, m]
+            fields.update(qjl_signs=pack_bits((proj < 0).long(), 1), qjl_norm=rn.half())
+        return Segment(fields, T)
+
+    def _mse_decoded(self, v, gain16, mats):
+        """float64 MSE-stage decode from levels v [B, H, T, D] and the stored gain."""
+        scale = gain16.double() * mats[1]
+        if self.config.gain == "norm":
+            scale = scale / v.pow(2).sum(-1).sqrt()  # exact sum too: fp16-grid squares
+        return self._unscaled(v, mats) * scale.unsqueeze(-1)
+
+    def _qjl_decoded(self, fields, s_matrix, D):
+        """r_hat = sqrt(pi/2)/m ||r|| S^T z; z @ S is exact in float64 (+-1 times
+        fp16 values: integer multiples of 2^-24 far below 2^53 of them)."""
+        z = 1 - 2 * unpack_bits(fields["qjl_signs"], 1, D).double()  # [B, H, T, m]
+        m = s_matrix.shape[0]
+        return torch.matmul(z, s_matrix.double()) * (fields["qjl_norm"].double() * (QJL_SCALE / m)).unsqueeze(-1)
 
     def decode_tokens(self, seg, shared, shape):
         B, H, T, D = shape
-        g = seg.fields["gain"].double()
+        g = seg.fields["gain"]
         mats = self.matrices(shared, D, g.device)
         lv, _ = self.levels(D, g.device)
-        v = lv[unpack_bits(seg.fields["codes"], self.config.bits, D)]
-        scale = g * mats[1]
-        if self.config.gain == "norm":
-            scale = scale / v.pow(2).sum(-1).sqrt()  # exact sum too: fp16-grid squares
-        return (self._unscaled(v, mats) * scale.unsqueeze(-1)).float()
+        out = self._mse_decoded(lv[unpack_bits(seg.fields["codes"], self.mse_bits, D)], g, mats)
+        if self.use_qjl:
+            out = out + self._qjl_decoded(seg.fields, shared["qjl"], D)
+        return out.float()
 
     # ---- accounting and guarantees ----------------------------------------------------
     def formula_bits(self, head_dim):
-        return self.config.bits + 16 / head_dim
+        bits = self.config.bits + 16 / head_dim
+        return bits + 16 / head_dim if self.use_qjl else bits  # + the residual norm
 
     def error_bound(self, x):
-        """Per coordinate of u: at most the largest distance from the level of
-        its cell to that cell's edges (for an outer cell, to u itself: the
-        clipping error). Their L2 sum eps bounds ||u - v||, so the angle between
-        u and v is at most asin(eps) and ||u - v/||v|||| <= f = 2 sin(asin(eps)/2)
-        (2 when eps >= 1). Decoding ||y|| v/||v|| then errs by at most
-        sigma_max(A) ||y|| f <= kappa(A) ||x|| f, and the lsq gain is the best
-        scale for v, so no worse. Add the fp16 rounding of the gain (relative
+        """MSE stage: per coordinate of u, at most the largest distance from the
+        level of its cell to that cell's edges (for an outer cell, to u itself:
+        the clipping error). Their L2 sum eps bounds ||u - v||, so the angle
+        between u and v is at most asin(eps) and ||u - v/||v|||| <= f =
+        2 sin(asin(eps)/2) (2 when eps >= 1). Decoding ||y|| v/||v|| then errs by
+        at most sigma_max(A) ||y|| f <= kappa(A) ||x|| f, and the lsq gain is the
+        best scale for v, so no worse. Add the fp16 rounding of the gain (relative
         2^-11, times kappa; absolute 2^-25 times ||v @ A|| <= sigma_max sqrt(D)
-        max|level|) and slack for the float32 output."""
+        max|level|) and slack for the float32 output.
+        QJL keys: ||r - r_hat|| <= ||r|| + ||r_hat||, and ||r_hat|| <=
+        sqrt(pi/2)/m ||r||_fp16 sigma_max(S) sqrt(m), ||r|| being at most the MSE
+        bound above (plus fp16 rounding of the stored norm)."""
         D = x.shape[-1]
-        mats = self.matrices(self.empty(x).shared, D, x.device)
+        shared = self.empty(x).shared
+        mats = self.matrices(shared, D, x.device)
         _, n, u = self._coords(x, mats)
         lv, edges = self.levels(D, x.device)
         k = torch.bucketize(u, edges)
@@ -219,4 +261,8 @@ class Spherical(Quantizer):
         v_max = math.sqrt(D) * float(lv.abs().max())
         nx = x.double().norm(dim=-1)
         bound = nx * kappa * (f + 2.0**-11) + 2.0**-25 * smax * max(1.0, v_max)
+        if self.use_qjl:
+            s_max = float(torch.linalg.svdvals(shared["qjl"].double().cpu())[0])
+            m = shared["qjl"].shape[0]
+            bound = bound * (1 + QJL_SCALE / math.sqrt(m) * s_max * (1 + 2.0**-10))
         return (bound * (1 + 1e-6) + 1e-6 * nx).float()

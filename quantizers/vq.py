@@ -1,0 +1,113 @@
+"""Vector-quantization mechanics shared by flat VQ and additive VQ: k-means
+fitting (Lloyd's algorithm), nearest-codeword and residual (greedy or beam)
+encoding.
+
+Every fitted codebook keeps codeword 0 at the zero vector: a stage can always
+decline to code, so a chunk's residual never grows, which is what gives the
+VQ quantizers a sound error bound (||error|| <= ||x||) whatever the data.
+"""
+from __future__ import annotations
+
+import torch
+
+KMEANS_ITERS = 10  # Lloyd iterations per fit: a few are enough from a data-point start
+FIT_POINTS_PER_CODEWORD = 16  # k-means runs on a seeded sample of at most 16 K points per codebook
+SCORE_BLOCK = 1 << 24  # elements of the [.., chunks, beam, K] score temporary per block (GPU)
+SCORE_BLOCK_CPU = 1 << 20  # smaller on CPU, where a block that fits in cache is faster
+
+
+def kmeans(points: torch.Tensor, k: int, gen: torch.Generator, iters: int = KMEANS_ITERS,
+           history: list | None = None) -> torch.Tensor:
+    """Lloyd's k-means on `points` [G, N, d] (G independent problems), in their dtype.
+    Starts from k points of a seeded random order (repeated if N < k); an empty
+    cluster keeps its centroid, so the objective (mean squared distance to the
+    nearest centroid) never increases. `history`, if given, receives the
+    objective before each assignment step and after the last. Returns [G, k, d]."""
+    G, N, d = points.shape
+    if N == 0:
+        raise ValueError("k-means needs at least one point")
+    x = points
+    order = torch.randperm(N, generator=gen).to(x.device)
+    start = order[torch.arange(k, device=x.device) % N]
+    c = x[:, start].clone()  # [G, k, d]
+    xx = x.pow(2).sum(-1, keepdim=True)
+    for it in range(iters + 1):
+        d2 = (xx - 2 * x @ c.transpose(1, 2) + c.pow(2).sum(-1).unsqueeze(1)).clamp_(min=0)  # [G, N, k]
+        dist, assign = d2.min(-1)
+        if history is not None:
+            history.append(float(dist.mean()))
+        if it == iters:
+            break
+        sums = torch.zeros_like(c).scatter_add_(1, assign.unsqueeze(-1).expand(-1, -1, d), x)
+        counts = torch.zeros(G, k, 1, dtype=x.dtype, device=x.device).scatter_add_(
+            1, assign.unsqueeze(-1), torch.ones(G, N, 1, dtype=x.dtype, device=x.device))
+        c = torch.where(counts > 0, sums / counts.clamp(min=1), c)
+    return c
+
+
+def sample_points(points: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+    """A seeded sample of at most FIT_POINTS_PER_CODEWORD * k (16 k) of the N points
+    [G, N, d]: the fit's cost stays fixed however long the write."""
+    n = points.shape[1]
+    cap = FIT_POINTS_PER_CODEWORD * k
+    if n <= cap:
+        return points
+    idx = torch.randperm(n, generator=gen)[:cap].to(points.device)
+    return points[:, idx]
+
+
+def fit_codebook_with_zero(points: torch.Tensor, K: int, gen: torch.Generator) -> torch.Tensor:
+    """[G, K, d] codebook: codeword 0 the zero vector, the other K-1 k-means
+    centroids of a seeded sample of `points` [G, N, d], fitted in float32 (the
+    fit need not be bit-stable across batch shapes: it runs once per cache)."""
+    pts = sample_points(points.float(), K - 1, gen)
+    c = kmeans(pts, K - 1, gen) if K > 1 else pts.new_zeros(pts.shape[0], 0, pts.shape[2])
+    return torch.cat([torch.zeros_like(c[:, :1]), c], 1)
+
+
+def residual_search(r: torch.Tensor, cb: torch.Tensor, beam: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Code chunks r `[B, G, N, dim]` with codebooks cb `[G or 1, M, K, dim]`.
+    Returns codes `[B, G, N, M]` and the final residual `[B, G, N, dim]`.
+    Scores ||r - c||^2 - ||r||^2 = ||c||^2 - 2 <r, c> with one matmul per stage,
+    over blocks of chunks so the score temporary stays under a fixed size.
+    M = 1 is nearest-codeword (flat) VQ."""
+    B, G, N, dim = r.shape
+    _, M, K, _ = cb.shape
+    # Scores in float64: the codes must not hang on the order a matmul of this
+    # batch shape sums in (a token written alone stores what it stores inside a
+    # long write); residuals stay in r's dtype, updated elementwise.
+    cnorm = cb.double().pow(2).sum(-1).unsqueeze(-2)  # [G, M, 1, K]
+    cb_t = cb.double().transpose(-1, -2) * -2  # [G, M, dim, K]
+    heads = torch.arange(cb.shape[0], device=r.device).view(1, -1, 1, 1)
+    limit = SCORE_BLOCK if r.is_cuda else SCORE_BLOCK_CPU
+    block = max(1, limit // max(1, B * G * beam * K))
+    codes_out, res_out = [], []
+    for start in range(0, N, block):
+        res = r[:, :, start : start + block]
+        n = res.shape[2]
+        if beam == 1:  # greedy: the nearest codeword of each stage
+            codes = []
+            for m in range(M):
+                idx = torch.matmul(res.double(), cb_t[:, m]).add_(cnorm[:, m]).argmin(-1)  # first minimum on ties
+                res = res - cb[:, m][heads[..., 0], idx]  # idx is [B, G, n]
+                codes.append(idx)
+            codes_out.append(torch.stack(codes, -1))
+            res_out.append(res)
+            continue
+        # beam search: keep the `beam` best partial sums, ranked by ||residual||^2
+        res = res.unsqueeze(3)  # [B, G, n, b, dim], b = 1 at first
+        err = res.double().pow(2).sum(-1)  # [B, G, n, b]
+        codes = res.new_zeros(B, G, n, 1, 0, dtype=torch.long)
+        for m in range(M):
+            b = res.shape[3]
+            score = torch.matmul(res.flatten(2, 3).double(), cb_t[:, m]).add_(cnorm[:, m]).view(B, G, n, b, K)
+            err, flat = score.add_(err.unsqueeze(-1)).flatten(3).topk(min(beam, b * K), dim=-1, largest=False)
+            src, idx = flat // K, flat % K  # which beam it extends, with which codeword
+            res = res.gather(3, src.unsqueeze(-1).expand(*src.shape, dim)) - cb[:, m][heads, idx]
+            codes = torch.cat([codes.gather(3, src.unsqueeze(-1).expand(*src.shape, m)), idx.unsqueeze(-1)], -1)
+        codes_out.append(codes[:, :, :, 0])  # the best beam: topk sorts ascending
+        res_out.append(res[:, :, :, 0])
+    return torch.cat(codes_out, 2), torch.cat(res_out, 2)
+
+
+__all__ = ["KMEANS_ITERS", "fit_codebook_with_zero", "kmeans", "residual_search", "sample_points"]
