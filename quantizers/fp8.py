@@ -104,7 +104,7 @@ class FP8(FitsOnFirstWrite, Quantizer):
         """Per element, in units of the scale: the clipping |v| - max beyond the
         range, plus fp8 rounding: half an ulp, at most |v| 2^-(m+1) for normals
         and 2^(e_min - m - 1) in the subnormal range (m mantissa bits); times the
-        scale, plus float32 slack. For x written as a first write (its own scale)."""
+        scale, plus float32 slack. x coded with the scale of `fitted_shared(x)`."""
         _, mant, e_min = FORMATS[self.config.format]
         s = self.fitted_shared(x)["scale"].float().view(1, -1, 1, 1)
         v = self._scaled(x.float(), s[0, :, 0, 0]).abs()
