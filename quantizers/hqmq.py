@@ -21,6 +21,12 @@ over the remaining chunks only (the public code included outliers, which
 wastes the radius levels). Because the median depends on the write, appended
 writes differ from one big write when Med3x is on.
 
+Fill (`fill=true`): codes take whole bits, so S=96 pays 12 bits for 2304 of
+4096 code values. With fill, S is raised to floor(2^b / 24) for the b code
+bits the given S already pays for (96 -> 170 at 12 bits, 24 -> 42 at 10,
+256 -> 341 at 13): the same code bytes, and only the added secondaries as
+extra stored bytes (measured, like everything else).
+
 Stored per token vector: packed codes (ceil(log2(24 S)) bits per chunk),
 packed radius codes (r bits per chunk), r_max (fp16); with Med3x also the flag
 bitmap and the fp16 outlier chunks in (batch, head, token, chunk) order.
@@ -60,8 +66,9 @@ class HQMQ(Quantizer):
     description = "Hurwitz quaternion multiplicative VQ: 2T x S seeded secondaries, r radius bits, optional Med3x"
     example_specs = tuple(
         f"hqmq:S={S},r={r}" + extra for S, r in ((24, 3), (96, 4), (256, 5)) for extra in ("", ",outliers=med3")
-    )
+    ) + ("hqmq:S=96,r=4,fill=true",)  # the paper's 3.79-bit point with its code field filled
     head_dim_multiple = 4
+    stochastic = True  # seeded secondaries: compare runs several seeds
 
     @dataclasses.dataclass
     class Config:
@@ -70,11 +77,17 @@ class HQMQ(Quantizer):
         outliers: str = "none"  # or "med3"
         C: float = 3.0  # Med3x threshold: r > C * median radius
         radius: str = "uniform"  # or "log"
+        # Fill the code field: S becomes floor(2^b / 24), b = ceil(log2(24 S)) the code
+        # bits the given S pays for (S=96 -> 170 at 12 bits), so the whole-bit code
+        # field holds 24 S codewords instead of wasting most of its values.
+        fill: bool = False
 
     def validate_config(self):
         c = self.config
         if c.S < 1:
             raise QuantizerInputError(f"hqmq: S must be >= 1, got {c.S}")
+        if c.fill:  # the spec then names the S used: "hqmq:S=96,fill=true" -> S=170
+            self.config = c = dataclasses.replace(c, S=(1 << bits_for(24 * c.S)) // 24)
         if not 1 <= c.r <= 8:
             raise QuantizerInputError(f"hqmq: r (radius bits) must be in 1..8, got {c.r}")
         if c.outliers not in ("none", "med3"):
