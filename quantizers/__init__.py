@@ -16,7 +16,7 @@ import importlib.metadata
 import pkgutil
 import typing
 
-from .base import Packed, Quantizer, QuantizerInputError, Segment
+from .base import CorruptPackedError, Packed, Quantizer, QuantizerInputError, Segment
 
 ENTRY_POINT_GROUP = "kvqbench.quantizers"
 _registry: dict[str, type[Quantizer]] | None = None
@@ -114,6 +114,7 @@ def get_quantizer(spec: str, *, layer: int = 0, role: str = "K", seed: int = 0) 
 
 
 __all__ = [
+    "CorruptPackedError",
     "Packed",
     "Quantizer",
     "QuantizerInputError",

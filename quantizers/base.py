@@ -17,7 +17,14 @@ measured from it, never computed from a formula.
 
 A plugin implements `encode_tokens` / `decode_tokens` for one run of tokens
 (float32 in, float32 out) and `formula_bits`; it overrides `append` only when
-its state spans writes (KIVI's fp16 window and token groups).
+its state spans writes (KIVI's fp16 window and token groups; `append_windowed`
+is that mechanism, shared).
+
+`decode` trusts nothing it is given (`check_packed`, run once per segment):
+the Packed must come from this quantizer's spec; every segment must hold exactly
+the fields, shapes and dtypes that `encode_tokens` stores for its shape (learnt
+by encoding reference tensors of that shape once); and finite stored bytes that
+decode to NaN/Inf raise `CorruptPackedError` instead of reaching attention.
 """
 from __future__ import annotations
 
@@ -33,8 +40,19 @@ ROLES = ("K", "V")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+# A segment whose only field is this holds its tokens as written, in fp16 (a KIVI-style
+# window of recent tokens not yet quantized). The base class validates and decodes it,
+# so every plugin that keeps a window stores it the same way.
+WINDOW_FIELD = "residual"
+
+
 class QuantizerInputError(ValueError):
     """Bad input to a quantizer: the message names the problem."""
+
+
+class CorruptPackedError(QuantizerInputError):
+    """A Packed its quantizer cannot have written (another spec, fields of the wrong
+    shape or dtype) or whose stored bytes decode to NaN/Inf."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -112,6 +130,12 @@ def stable_seed(*parts) -> int:
     runs and machines, unlike Python's salted hash()."""
     h = hashlib.sha256(repr(parts).encode()).digest()
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def fp16_rounding_bound(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise bound on |fp16(x) - x| for |x| <= FP16_MAX: half an ulp, 2^-11 |x|
+    for normal values, and half the subnormal spacing, 2^-25, below 2^-14."""
+    return torch.clamp_min(x.abs() * 2.0**-11, 2.0**-25)
 
 
 def check_fp16_storable(name: str, t: torch.Tensor) -> None:
@@ -231,23 +255,170 @@ class Quantizer(ABC):
             return self.encode(x)
         self.check_input(x)
         self._check_compatible(packed, x)
-        seg = self.encode_tokens(x.float(), packed.shared)
+        seg = self._encode_segment(x.float(), packed.shared)
         return dataclasses.replace(packed, segments=packed.segments + [seg])
 
+    def append_windowed(self, packed: Packed | None, x: torch.Tensor, group: int, residual: int) -> Packed:
+        """`append` for methods that quantize runs of `group` tokens cut at fixed
+        positions 0, G, 2G, ... (KIVI's scheme): the newest tokens wait in an fp16
+        window segment until a whole group of them is at least `residual` tokens old,
+        so a one-token decode write stores one fp16 token, not a one-token group,
+        and token-by-token writes store exactly what one write stores."""
+        if packed is None:
+            self.check_input(x)
+            packed = self.empty(x)
+        self.check_input(x)
+        self._check_compatible(packed, x)
+        check_fp16_storable("K/V value", x)
+        segs = list(packed.segments)
+        # Every token is quantized from its fp16 value, whether it waited or not.
+        pending = x.half().float()
+        if segs and set(segs[-1].fields) == {WINDOW_FIELD}:
+            pending = torch.cat([segs.pop().fields[WINDOW_FIELD].float(), pending], dim=2)
+        n_quant = max(0, pending.shape[2] - residual) // group * group
+        for start in range(0, n_quant, group):
+            segs.append(self._encode_segment(pending[:, :, start : start + group], packed.shared))
+        if pending.shape[2] > n_quant:
+            rest = pending[:, :, n_quant:]
+            segs.append(Segment({WINDOW_FIELD: rest.half()}, rest.shape[2]))
+        return dataclasses.replace(packed, segments=segs)
+
     def decode(self, packed: Packed) -> torch.Tensor:
-        """Everything written so far, `[B, H, T, D]` in the dtype that was written."""
+        """Everything written so far, `[B, H, T, D]` in the dtype that was written.
+        Raises CorruptPackedError for a Packed this quantizer cannot have written."""
+        self.check_packed(packed)
         if not packed.segments:
             raise QuantizerInputError("decode of an empty packed cache")
-        parts = [self._decode_segment(packed, s) for s in packed.segments]
+        parts = [self._decode_segment(packed, i, s) for i, s in enumerate(packed.segments)]
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
-    def _decode_segment(self, packed: Packed, seg: Segment) -> torch.Tensor:
+    def _decode_segment(self, packed: Packed, index: int, seg: Segment) -> torch.Tensor:
+        if not isinstance(seg, Segment) or not isinstance(seg.tokens, int) or seg.tokens < 1:
+            raise CorruptPackedError(f"segment {index} of a {packed.spec} cache is not a Segment of >= 1 tokens")
         if seg._decoded is None:
             shape = (packed.batch, packed.heads, seg.tokens, packed.head_dim)
-            seg._decoded = self.decode_tokens(seg, packed.shared, shape).to(packed.dtype)
+            self._check_segment(packed, index, seg, shape)
+            where = f"segment {index} ({seg.tokens} tokens) of a {packed.spec} cache"
+            try:
+                if set(seg.fields) == {WINDOW_FIELD}:
+                    out = seg.fields[WINDOW_FIELD].float()
+                else:
+                    out = self.decode_tokens(seg, packed.shared, shape)
+            except QuantizerInputError:
+                raise
+            except (RuntimeError, IndexError, ValueError, TypeError) as e:
+                # Fields of the right shapes can still hold values the format never
+                # writes (a code past the codebook, outlier counts that disagree).
+                raise CorruptPackedError(f"{where} does not decode ({type(e).__name__}: {e}); "
+                                         "its stored bytes are corrupt") from e
+            if tuple(out.shape) != shape:
+                raise CorruptPackedError(f"{where} decodes to shape {tuple(out.shape)}, not {shape}")
+            _check_finite(out, where, "decodes to")
+            out = out.to(packed.dtype)
+            _check_finite(out, where, f"overflows {packed.dtype} with")
+            seg._decoded = out
         return seg._decoded
 
+    # ---- validation of what decode and append are given --------------------------------
+    def check_packed(self, packed: Packed) -> None:
+        """Raise CorruptPackedError unless `packed` is something this quantizer writes:
+        its spec, shared tensors of the shapes and dtypes `make_shared` gives, and
+        segments whose fields `_check_segment` accepts (checked when first decoded)."""
+        if not isinstance(packed, Packed):
+            raise QuantizerInputError(f"expected a Packed, got {type(packed).__name__}")
+        if packed.spec != self.spec:
+            raise CorruptPackedError(
+                f"this cache was written by {packed.spec!r}; {self.spec!r} cannot read it "
+                "(use the quantizer that wrote it)"
+            )
+        dims = (packed.batch, packed.heads, packed.head_dim)
+        if not all(isinstance(n, int) and n > 0 for n in dims) or packed.dtype not in SUPPORTED_DTYPES:
+            raise CorruptPackedError(f"packed cache of [B, H, D] = {dims}, dtype {packed.dtype} is not one "
+                                     "a quantizer writes")
+        expected = self._shared_layout(packed.heads, packed.head_dim)
+        _compare_fields(packed.shared, expected, "shared tensors", variable=())
+
+    def _check_segment(self, packed: Packed, index: int, seg: Segment, shape) -> None:
+        where = f"segment {index} of a {packed.spec} cache"
+        if set(seg.fields) == {WINDOW_FIELD}:
+            expected = {WINDOW_FIELD: (shape, torch.float16)}
+            variable = ()
+        else:
+            expected, variable = self._segment_layout(shape)
+            if expected is None:
+                raise CorruptPackedError(f"{where}: {self.spec} never stores a segment of {shape[2]} tokens "
+                                         f"at [B, H, D] = {(shape[0], shape[1], shape[3])} ({variable})")
+        _compare_fields(seg.fields, expected, where, variable)
+        for name, t in seg.fields.items():
+            if t.is_floating_point():
+                _check_finite(t, f"{where}, field {name!r},", "holds")
+
+    # Field layouts {name: (shape, dtype)} per (class, spec, role, segment shape): learnt
+    # from this process's own writes (free) or, for a shape never written here, from
+    # encoding zeros of that shape once.
+    _layouts: ClassVar[dict] = {}
+    # Fields whose leading dimension depends on the values (a list of outliers): only
+    # their dtype and trailing dims are checked. A plugin may declare them; they are
+    # also found by encoding zeros and heavy-tailed data once per (spec, role, H, D).
+    data_dependent_fields: ClassVar[tuple[str, ...]] = ()
+
+    def _encode_segment(self, x: torch.Tensor, shared: dict) -> Segment:
+        """`encode_tokens`, remembering the layout it stores for this shape."""
+        seg = self.encode_tokens(x, shared)
+        key = self._layout_key("segment", tuple(x.shape))
+        layout = {k: (tuple(t.shape), t.dtype) for k, t in seg.fields.items()}
+        known = Quantizer._layouts.setdefault(key, layout)
+        if known != layout:  # a second write of this shape stored other lengths: data-dependent
+            self._variable(tuple(x.shape)).update(k for k in layout if layout[k] != known.get(k))
+        return seg
+
+    def _layout_key(self, *parts):
+        return (type(self), self.spec, self.role) + parts
+
+    def _variable(self, shape) -> set[str]:
+        key = self._layout_key("variable", shape[1], shape[3])
+        if key not in Quantizer._layouts:
+            found = set(self.data_dependent_fields)
+            shared = self._reference_shared(shape[1], shape[3])
+            try:
+                zeros = self.encode_tokens(torch.zeros(shape), shared).fields
+                g = torch.Generator().manual_seed(0)
+                scale = torch.rand(shape, generator=g).pow(8).mul(100).add(0.1)  # heavy tails
+                heavy = self.encode_tokens(torch.randn(shape, generator=g) * scale, shared).fields
+                found |= {k for k in zeros if k in heavy and zeros[k].shape != heavy[k].shape}
+            except (ValueError, RuntimeError):
+                pass  # not a shape this format stores; the layout check says so
+            Quantizer._layouts[key] = found
+        return Quantizer._layouts[key]
+
+    def _segment_layout(self, shape):
+        """(layout, data-dependent field names) of a segment of `shape`, or (None, why)."""
+        variable = self._variable(shape)
+        key = self._layout_key("segment", tuple(shape))
+        if key not in Quantizer._layouts:
+            try:
+                fields = self.encode_tokens(torch.zeros(shape), self._reference_shared(shape[1], shape[3])).fields
+            except (ValueError, RuntimeError) as e:  # not a shape this format stores
+                return None, str(e)
+            Quantizer._layouts[key] = {k: (tuple(t.shape), t.dtype) for k, t in fields.items()}
+        return Quantizer._layouts[key], variable
+
+    def _reference_shared(self, heads: int, head_dim: int) -> dict[str, torch.Tensor]:
+        key = self._layout_key("shared", heads, head_dim)
+        if key not in Quantizer._layouts:
+            Quantizer._layouts[key] = self.make_shared(heads, head_dim)
+        return Quantizer._layouts[key]
+
+    def _shared_layout(self, heads: int, head_dim: int) -> dict:
+        return {k: (tuple(t.shape), t.dtype) for k, t in self._reference_shared(heads, head_dim).items()}
+
     def _check_compatible(self, packed: Packed, x: torch.Tensor) -> None:
+        if not isinstance(packed, Packed):
+            raise QuantizerInputError(f"append to a {type(packed).__name__}, not a Packed")
+        if packed.spec != self.spec:
+            raise CorruptPackedError(
+                f"append with {self.spec!r} to a cache written by {packed.spec!r}: one cache holds one format"
+            )
         B, H, _, D = x.shape
         if (B, H, D) != (packed.batch, packed.heads, packed.head_dim):
             raise QuantizerInputError(
@@ -261,3 +432,27 @@ class Quantizer(ABC):
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         return self.decode(self.encode(x))
+
+
+def _compare_fields(fields: dict, expected: dict, where: str, variable) -> None:
+    """Names, dtypes and shapes of stored tensors against the format's."""
+    if set(fields) != set(expected):
+        raise CorruptPackedError(f"{where} holds fields {sorted(fields)}; the format stores {sorted(expected)}")
+    for name, t in fields.items():
+        shape, dtype = expected[name]
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise CorruptPackedError(f"{where}: field {name!r} is {got}; the format stores {dtype}")
+        ok = tuple(t.shape)[1:] == shape[1:] and t.dim() == len(shape) if name in variable \
+            else tuple(t.shape) == shape
+        if not ok:
+            raise CorruptPackedError(f"{where}: field {name!r} has shape {tuple(t.shape)}; the format stores "
+                                     f"{shape}" + (" (any length)" if name in variable else ""))
+
+
+def _check_finite(t: torch.Tensor, where: str, verb: str) -> None:
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        raise CorruptPackedError(f"{where} {verb} {int(bad.sum())} NaN/Inf values from finite stored bytes"
+                                 if verb != "holds" else
+                                 f"{where} {verb} {int(bad.sum())} NaN/Inf values: the stored bytes are corrupt")

@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from .base import Quantizer, Segment, check_fp16_storable
+from .base import Quantizer, Segment, check_fp16_storable, fp16_rounding_bound
 
 
 class FP16(Quantizer):
@@ -27,4 +27,4 @@ class FP16(Quantizer):
         return 16.0
 
     def error_bound(self, x):
-        return (x.abs() * 2.0 ** -11).pow(2).sum(-1).sqrt()  # fp16 rounding, half an ulp
+        return fp16_rounding_bound(x).norm(dim=-1)  # half an ulp, subnormals included

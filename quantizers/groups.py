@@ -1,12 +1,39 @@
 """Asymmetric min/max integer quantization over groups, shared by the naive
 int baselines and KIVI. A group is a slice of the input along one axis;
-each stores fp16 `scale` and `zero` (the group minimum) beside its codes."""
+each stores fp16 `scale` and `zero` beside its codes.
+
+The stored fp16 parameters are rounded outward: `zero` down to at most the group
+minimum, `scale` up so that zero + levels * scale reaches the maximum. Every
+member then lies on the code grid's span and no code ever clamps, even when the
+scale is an fp16 subnormal (inputs around 1e-7), so each element is within half
+a stored step of its code: the bound `group_error_bound` states.
+"""
 from __future__ import annotations
 
 import torch
 
-from .base import check_fp16_storable
+from .base import FP16_MAX, QuantizerInputError, check_fp16_storable
 from .packing import pack_bits, unpack_bits
+
+
+def _fp16_toward(t: torch.Tensor, direction: float) -> torch.Tensor:
+    """fp16 of float32 t, rounded toward -inf (direction < 0) or +inf (> 0)."""
+    h = t.half()
+    off = h.float() > t if direction < 0 else h.float() < t
+    return torch.where(off, torch.nextafter(h, torch.full_like(h, direction * float("inf"))), h)
+
+
+def group_params(g: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(zero, scale) in fp16 for groups whose members lie on axis `dim` of g."""
+    lo, hi = g.amin(dim, keepdim=True), g.amax(dim, keepdim=True)
+    check_fp16_storable("group min/max", torch.cat([lo, hi]))
+    levels = (1 << bits) - 1
+    zero = _fp16_toward(lo, -1.0)
+    span = (hi - zero.float()) / levels
+    if span.numel() and float(span.max()) > FP16_MAX:
+        raise QuantizerInputError(f"a group's range {float(span.max()) * levels:.4g} needs a step beyond "
+                                  f"the fp16 the cache stores ({bits} bits); rescale the input")
+    return zero, _fp16_toward(span, 1.0)
 
 
 def quantize_groups(x: torch.Tensor, bits: int, group: int, dim: int) -> dict[str, torch.Tensor]:
@@ -18,12 +45,8 @@ def quantize_groups(x: torch.Tensor, bits: int, group: int, dim: int) -> dict[st
     if n % group:
         raise ValueError(f"group {group} does not divide axis of length {n}")
     g = x.unflatten(dim, (n // group, group))  # group members on axis dim+1
-    lo = g.amin(dim + 1, keepdim=True)
-    hi = g.amax(dim + 1, keepdim=True)
-    check_fp16_storable("group min/max", torch.cat([lo, hi]))
+    zero, scale = group_params(g, bits, dim + 1)
     levels = (1 << bits) - 1
-    zero = lo.half()
-    scale = ((hi - lo) / levels).half()
     # Computed with the fp16 values actually stored, so decode sees what encode saw.
     z, s = zero.float(), scale.float()
     safe = torch.where(s > 0, s, torch.ones_like(s))
@@ -45,13 +68,14 @@ def dequantize_groups(fields: dict[str, torch.Tensor], bits: int, group: int, di
 
 
 def group_error_bound(x: torch.Tensor, bits: int, group: int, dim: int) -> torch.Tensor:
-    """Per-token L2 error bound: each element is off by at most half a step of
-    its group, plus fp16 rounding of the stored zero (and of the scale, times the
-    largest code)."""
+    """L2 error bound over the last axis, the same for every member of a group:
+    half the stored step (no code clamps, see the module docstring), plus the
+    float32 rounding of encode's (x - zero) / scale and decode's code * scale + zero,
+    a few ulps of |zero| + levels * scale."""
     dim = dim % x.dim()
     g = x.unflatten(dim, (x.shape[dim] // group, group))
-    lo, hi = g.amin(dim + 1, keepdim=True), g.amax(dim + 1, keepdim=True)
-    step = (hi - lo) / ((1 << bits) - 1)
-    fp16_slack = 2.0 ** -10 * (lo.abs() + hi - lo)
-    per_elem = (step / 2 + fp16_slack).expand_as(g).flatten(dim, dim + 1)
-    return per_elem.pow(2).sum(-1).sqrt()
+    zero, scale = group_params(g, bits, dim + 1)
+    z, s = zero.float(), scale.float()
+    levels = (1 << bits) - 1
+    per_elem = s / 2 + 2.0**-22 * (z.abs() + levels * s)
+    return per_elem.expand_as(g).flatten(dim, dim + 1).pow(2).sum(-1).sqrt()

@@ -229,14 +229,42 @@ class HQMQ(Quantizer):
         return bits
 
     def error_bound(self, x):
-        """Per chunk: the direction is within 45 degrees (2T alone covers S^3 that
-        well; S secondaries only help), so ||u - p s|| <= 2 sin(22.5 deg); the radius
-        is within half a level gap (plus fp16 rounding of r_max). Outliers: fp16."""
+        """Per chunk r*u coded as r^*c: ||r u - r^ c||^2 = (r - r^)^2 + r r^ ||u - c||^2
+        for unit c. c is taken as the best of the 24 S codewords, found here by
+        exhaustive search (independent of `search`: a search that misses the best
+        codeword, e.g. one ignoring the secondaries, exceeds this bound); r^ is within
+        half the widest level gap of r, or is r_max when r exceeds the fp16-rounded
+        r_max; the expression is convex in r^, so the worst r^ is an end of that
+        interval. Outliers: fp16 rounding of each element."""
+        from .base import fp16_rounding_bound  # local: a minimal edit beside the owner's work
+
+        B, H, T, D = x.shape
         chunks, r, outlier, r_max16 = self._split(x)
-        rm = r_max16.float()
-        levels = self.radius_levels(rm)
-        gap = (levels[..., 1:] - levels[..., :-1]).amax(-1, keepdim=True) / 2
-        clamp = (torch.where(outlier, torch.zeros_like(r), r) - rm.unsqueeze(-1)).clamp(min=0)
-        coded = r * math.sqrt(2 - 2 * COS_45) + gap + clamp
-        exact = r * 2.0**-10
-        return torch.where(outlier, exact, coded * 1.0001 + 1e-6).pow(2).sum(-1).sqrt()
+        rm = r_max16.float().unsqueeze(-1)
+        levels = self.radius_levels(r_max16.float())
+        g = (levels[..., 1:] - levels[..., :-1]).amax(-1, keepdim=True) / 2
+        clamped = r > rm
+        r_lo = torch.where(clamped, rm, (r - g).clamp(min=0))
+        r_hi = torch.where(clamped, rm, torch.minimum(r + g, rm))
+        d2 = self._best_direction_error(chunks, r, H).pow(2)
+        e2 = torch.maximum((r - r_lo) ** 2 + r * r_lo * d2, (r - r_hi) ** 2 + r * r_hi * d2)
+        exact = fp16_rounding_bound(chunks).pow(2).sum(-1)
+        return torch.where(outlier, exact, e2).sum(-1).sqrt()
+
+    def _best_direction_error(self, chunks: torch.Tensor, r: torch.Tensor, heads: int) -> torch.Tensor:
+        """||u - c|| for the best codeword c of each chunk's direction u, by brute force."""
+        shared = self.make_shared(heads, chunks.shape[-2] * 4)
+        s = self.secondaries(shared)  # [H, S, 4]
+        P = hurwitz_units()
+        book = hamilton(P.view(1, 24, 1, 4), s.view(heads, 1, -1, 4)).reshape(heads, -1, 4)  # [H, 24S, 4]
+        B, H, T, nc, _ = chunks.shape
+        safe = torch.where(r > 0, r, torch.ones_like(r)).unsqueeze(-1)
+        u = (chunks / safe).reshape(B, H, T * nc, 4)
+        block = max(1, (1 << 22) // max(1, B * H * book.shape[1]))
+        out = []
+        for start in range(0, T * nc, block):
+            ub = u[:, :, start : start + block]
+            best = torch.matmul(ub, book.transpose(1, 2)).argmax(-1)  # [B, H, n]
+            c = book[torch.arange(H).view(1, H, 1), best]
+            out.append((ub - c).norm(dim=-1))
+        return torch.cat(out, dim=2).view(B, H, T, nc)

@@ -3,10 +3,13 @@ dimension, per token (the common naive choice); or, for keys, per channel
 over groups of G tokens (`keys=per-channel`), since per-token keys are the
 known weak choice under channel outliers.
 
-Per-token groups make appended writes identical to one write. Per-channel
-key groups are cut from each write separately (a trailing partial group is
-quantized as it is), so there they differ; KIVI is the variant that keeps a
-window instead.
+Per-channel key groups are cut at fixed token positions 0, G, 2G, ... and the
+newest tokens wait in an fp16 window (`Quantizer.append_windowed`, KIVI's
+scheme) until their group is complete and at least `residual` tokens old. So
+a one-token decode write stores one fp16 token, not a one-token group (which
+would cost 40 bits per element at 4 bits), and token-by-token writes store
+exactly what one write stores. `residual=0` (the default) keeps only the
+unfilled group fp16: the smallest window per-channel groups allow.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import dataclasses
 
 import torch
 
-from .base import Quantizer, QuantizerInputError, Segment
+from .base import Quantizer, QuantizerInputError, Segment, fp16_rounding_bound
 from .groups import dequantize_groups, group_error_bound, quantize_groups
 
 
@@ -29,6 +32,7 @@ class NaiveInt(Quantizer):
         bits: int = 4
         group: int = 32
         keys: str = "per-token"  # or "per-channel" (keys only; values stay per-token)
+        residual: int = 0  # per-channel keys: tokens kept fp16 beyond the unfilled group
 
     def validate_config(self):
         c = self.config
@@ -38,8 +42,8 @@ class NaiveInt(Quantizer):
             raise QuantizerInputError(f"int: group must be >= 1, got {c.group}")
         if c.keys not in ("per-token", "per-channel"):
             raise QuantizerInputError(f"int: keys must be per-token or per-channel, got {c.keys!r}")
-        # Per-channel key groups are cut per write (see module docstring).
-        self.append_matches_single_write = not self.per_channel
+        if c.residual < 0:
+            raise QuantizerInputError(f"int: residual must be >= 0, got {c.residual}")
 
     @property
     def per_channel(self) -> bool:
@@ -51,41 +55,44 @@ class NaiveInt(Quantizer):
             raise QuantizerInputError(f"int: group {self.config.group} does not divide head_dim {d}")
         return self.config.group
 
+    def append(self, packed, x):
+        if not self.per_channel:
+            return super().append(packed, x)
+        return self.append_windowed(packed, x, self.config.group, self.config.residual)
+
     def encode_tokens(self, x, shared):
         c = self.config
         if not self.per_channel:
             return Segment(quantize_groups(x, c.bits, self._token_group(x.shape[-1]), -1), x.shape[2])
-        # Per channel: one stored block per run of G tokens (the last may be shorter).
-        fields = {}
-        for i, start in enumerate(range(0, x.shape[2], c.group)):
-            blk = x[:, :, start : start + c.group].transpose(2, 3)  # [B, H, D, g]: channels as rows
-            for k, v in quantize_groups(blk, c.bits, blk.shape[-1], -1).items():
-                fields[f"{k}{i}"] = v
-        return Segment(fields, x.shape[2])
+        # One group of G tokens (append_windowed cuts them): channels as rows.
+        return Segment(quantize_groups(x.transpose(2, 3), c.bits, c.group, -1), x.shape[2])
 
     def decode_tokens(self, seg, shared, shape):
         c = self.config
         if not self.per_channel:
             return dequantize_groups(seg.fields, c.bits, self._token_group(shape[-1]), -1, shape)
         B, H, T, D = shape
-        parts = []
-        for i, start in enumerate(range(0, T, c.group)):
-            g = min(c.group, T - start)
-            f = {k: seg.fields[f"{k}{i}"] for k in ("codes", "scale", "zero")}
-            parts.append(dequantize_groups(f, c.bits, g, -1, (B, H, D, g)).transpose(2, 3))
-        return torch.cat(parts, dim=2)
+        return dequantize_groups(seg.fields, c.bits, c.group, -1, (B, H, D, T)).transpose(2, 3)
 
     def formula_bits(self, head_dim):
-        return self.config.bits + 32 / self.config.group
+        return self.config.bits + 32 / self.config.group  # per-channel: quantized tokens; the window adds
+
+    def quantized_tokens(self, total: int) -> int:
+        """Per-channel keys: how many of `total` tokens written are quantized."""
+        c = self.config
+        return max(0, total - c.residual) // c.group * c.group
 
     def error_bound(self, x):
         c = self.config
         if not self.per_channel:
             return group_error_bound(x, c.bits, self._token_group(x.shape[-1]), -1)
-        parts = []
-        for start in range(0, x.shape[2], c.group):
-            blk = x[:, :, start : start + c.group].transpose(2, 3)
-            g = blk.shape[-1]
-            b = group_error_bound(blk, c.bits, g, -1) / g**0.5  # [B, H, D]: per element of a channel
-            parts.append(b.unsqueeze(2).expand(-1, -1, blk.shape[-1], -1))  # same bound for each token
-        return torch.cat(parts, dim=2).norm(dim=-1)
+        # Quantized tokens are coded from their fp16 values: fp16 rounding, then half a step.
+        x16 = x.half().float()
+        elem = fp16_rounding_bound(x)  # [B, H, T, D]; the window's whole error
+        n = self.quantized_tokens(x.shape[2])
+        if n:
+            blocks = x16[:, :, :n].unflatten(2, (n // c.group, c.group)).transpose(3, 4)  # [B,H,n/G,D,G]
+            step = group_error_bound(blocks, c.bits, c.group, -1) / c.group**0.5  # [B, H, n/G, D]
+            q = step.unsqueeze(3).expand(-1, -1, -1, c.group, -1).flatten(2, 3)  # per token and channel
+            elem = torch.cat([elem[:, :, :n] + q, elem[:, :, n:]], dim=2)
+        return elem.norm(dim=-1)

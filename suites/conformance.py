@@ -11,8 +11,17 @@ import torch
 from ..quantizers import get_quantizer, registry
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Decoding into a narrow dtype rounds once more: relative half-ulp of the output.
-OUTPUT_ROUNDING = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
+# Decoding into a narrow dtype rounds once more: half an ulp of the output, relative
+# for normal values, absolute (half the smallest subnormal) below them.
+OUTPUT_ROUNDING = {torch.float16: (2.0**-11, 2.0**-25), torch.bfloat16: (2.0**-8, 2.0**-134),
+                   torch.float32: (0.0, 0.0)}
+# The only slack a bound gets: relative, for float32 rounding inside encode, decode and
+# the bound's own arithmetic (a few ulps, 2^-24 each, over a few hundred operations).
+# No absolute slack: at input scale 1e-7 an absolute 1e-6 would hide every error.
+RELATIVE_SLACK = 1e-5
+# Input scales the bound is checked at: ordinary, large, and where fp16 scales and
+# values are subnormal.
+SCALES = (1.0, 1e3, 1e-7)
 
 
 def all_example_specs() -> list[str]:
@@ -44,34 +53,47 @@ def head_dim_for(spec: str) -> int:
     raise AssertionError(f"{spec}: accepts none of head_dim 64/128/256")
 
 
+def bound_excess(q, x: torch.Tensor, y: torch.Tensor) -> float:
+    """How far (relative to the bound) decode `y` of input `x` exceeds q's stated
+    per-token bound plus the output dtype's rounding; <= 0 means it holds."""
+    xf = x.double()
+    err = (y.double() - xf).norm(dim=-1)
+    rel, tiny = OUTPUT_ROUNDING[y.dtype]
+    out_round = torch.clamp_min(y.double().abs() * rel, tiny).norm(dim=-1)
+    bound = (q.error_bound(x.float()).double() + out_round) * (1 + RELATIVE_SLACK)
+    return float(((err - bound) / bound.clamp_min(torch.finfo(torch.float64).tiny)).max())
+
+
 def check_shapes_dtypes_and_bound(spec: str, role: str) -> None:
     d = head_dim_for(spec)
-    x32 = reference_tensor(d, tokens=200, outlier_channels=(3,), outlier_scale=8.0)
-    for dtype in DTYPES:
-        x = x32.to(dtype)
-        q = get_quantizer(spec, role=role, layer=1, seed=5)
-        packed = q.encode(x)
-        y = q.decode(packed)
-        assert y.shape == x.shape, f"{spec}: decode shape {tuple(y.shape)} != {tuple(x.shape)}"
-        assert y.dtype == dtype and y.device == x.device, f"{spec}: decode gave {y.dtype} on {y.device}"
-        assert torch.isfinite(y).all(), f"{spec}: decode produced NaN/Inf"
-        xf = x.float()
-        err = (y.float() - xf).norm(dim=-1)
-        bound = q.error_bound(xf) + OUTPUT_ROUNDING[dtype] * y.float().norm(dim=-1) + 1e-6
-        worst = (err - bound).max().item()
-        assert worst <= 0, f"{spec} {role} {dtype}: round-trip error exceeds its stated bound by {worst:.3g}"
+    base = reference_tensor(d, tokens=200, outlier_channels=(3,), outlier_scale=8.0)
+    for scale in SCALES:
+        for dtype in DTYPES:
+            x = (base * scale).to(dtype)
+            q = get_quantizer(spec, role=role, layer=1, seed=5)
+            packed = q.encode(x)
+            y = q.decode(packed)
+            assert y.shape == x.shape, f"{spec}: decode shape {tuple(y.shape)} != {tuple(x.shape)}"
+            assert y.dtype == dtype and y.device == x.device, f"{spec}: decode gave {y.dtype} on {y.device}"
+            assert torch.isfinite(y).all(), f"{spec}: decode produced NaN/Inf"
+            worst = bound_excess(q, x, y)
+            assert worst <= 0, (f"{spec} {role} {dtype} at input scale {scale:g}: round-trip error exceeds "
+                                f"its stated bound by {worst:.3g} of the bound")
+
+
+WRITE_CUTS = (0, 133, 134, 135, 170, 200)  # a prefill, single-token decode steps, a block
 
 
 def check_append(spec: str, role: str) -> None:
     """Token-by-token writes: same decode and same bytes as one write, where the
-    method says so; otherwise still the right shape and within its bound per write."""
+    method says so (then one write's bound covers them); otherwise the right shape
+    and every write within the bound of that write alone."""
     d = head_dim_for(spec)
     x = reference_tensor(d, tokens=200)  # past KIVI's default 128-token fp16 window
     q = get_quantizer(spec, role=role, seed=3)
     whole = q.encode(x)
-    cuts = [0, 133, 134, 135, 170, 200]  # a prefill, single-token decode steps, a block
     packed = None
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in zip(WRITE_CUTS, WRITE_CUTS[1:]):
         packed = q.append(packed, x[:, :, a:b])
     assert packed.shape == whole.shape
     y = q.decode(packed)
@@ -80,6 +102,12 @@ def check_append(spec: str, role: str) -> None:
         torch.testing.assert_close(y, q.decode(whole), rtol=0, atol=0,
                                    msg=f"{spec}: appended writes decode differently from one write")
         assert packed.nbytes == whole.nbytes, f"{spec}: appended writes store other byte counts"
+        worst = bound_excess(q, x, y)
+        assert worst <= 0, f"{spec} {role}: appended writes exceed the one-write bound by {worst:.3g}"
+    else:
+        for a, b in zip(WRITE_CUTS, WRITE_CUTS[1:]):
+            worst = bound_excess(q, x[:, :, a:b], y[:, :, a:b])
+            assert worst <= 0, f"{spec} {role}: the write of tokens {a}..{b} exceeds its bound by {worst:.3g}"
 
 
 def check_determinism(spec: str) -> None:

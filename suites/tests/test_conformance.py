@@ -24,3 +24,22 @@ def test_deterministic_bytes(quantizer_spec):
 
 def test_measured_bits(quantizer_spec):
     conformance.check_measured_bits(quantizer_spec)
+
+
+def test_hqmq_bound_catches_a_search_that_ignores_the_secondaries(monkeypatch):
+    """The bound is tight enough to fail: a search that only ever uses secondary 0
+    (so effectively 24 codewords, not 24 S) must exceed it."""
+    import torch
+
+    from kvqbench.quantizers.hqmq import HQMQ
+    from kvqbench.quantizers.quaternion import conj, hamilton, nearest_hurwitz
+
+    def search_ignoring_S(self, u, shared):
+        s0 = self.secondaries(shared).to(u.device)[:, :1]  # [H, 1, 4]
+        p, _ = nearest_hurwitz(hamilton(u, conj(s0).unsqueeze(0)))  # best p for s_0 alone
+        return p * self.config.S
+
+    conformance.check_shapes_dtypes_and_bound("hqmq:S=96,r=4", "K")  # holds with the real search
+    monkeypatch.setattr(HQMQ, "search", search_ignoring_S)
+    with pytest.raises(AssertionError, match="exceeds its stated bound"):
+        conformance.check_shapes_dtypes_and_bound("hqmq:S=96,r=4", "K")

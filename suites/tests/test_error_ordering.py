@@ -44,3 +44,21 @@ def test_measured_bits_acceptance_figures():
     assert abs(q.formula_bits(128) - 3.92) < 0.005
     assert 3.92 <= bits <= 4.2, bits
     assert get_quantizer("int4:group=32").encode(x).bits_per_element == 5.0
+
+
+def test_per_channel_int_keys_pay_deployed_bits_under_prefill_then_decode():
+    """Decode-step writes wait in the fp16 window until their 32-token group is
+    complete: after a 256-token prefill and 64 one-token writes the keys store
+    exactly what one 320-token write stores (5.0 bits), not 64 one-token groups
+    (4 + 32 bits each)."""
+    x = reference_tensor(64, tokens=320, heads=2, batch=1, seed=10)
+    q = get_quantizer("int4:keys=per-channel", role="K")
+    packed = q.encode(x[:, :, :256])
+    bits = []
+    for t in range(256, 320):
+        packed = q.append(packed, x[:, :, t : t + 1])
+        bits.append(packed.bits_per_element)
+    assert packed.bits_per_element == q.encode(x).bits_per_element == 5.0
+    # In between, the unfilled group costs its fp16 tokens, never more.
+    assert max(bits) <= (256 * 5.0 + 31 * 16) / 287 + 1e-12, max(bits)
+    torch.testing.assert_close(q.decode(packed), q.decode(q.encode(x)), rtol=0, atol=0)
