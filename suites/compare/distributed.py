@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import os
 import socket
+import struct
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -36,6 +39,9 @@ Job = tuple  # (protocol, spec, seed), as run.jobs_for makes them
 # collectives' timeout is generous (NCCL's default is 10 minutes).
 COLLECTIVE_TIMEOUT = timedelta(hours=2)
 UNITS_PER_RANK = 4  # units each rank scores per round: fewer syncs, better balance, more lost on a kill
+# A model whose weights take more than this share of one GPU is spread over the node's
+# GPUs: the rest is for activations, the logits (perplexity.LOGITS_BUDGET) and the cache.
+FITS_ONE_GPU = 0.75
 SUMMED = ("nll_sum", "n_predicted", "cache_nbytes", "cache_elements", "n_windows", "wall_s")
 
 
@@ -118,6 +124,38 @@ def plan_ranks(device: str, device_map: str | None = None, environ=None, cuda_co
         raise DistributedSetupError(f"{local_world} ranks on this node but {count} GPU(s) visible: "
                                     "--nproc-per-node must not exceed the GPUs per node")
     return Ranks(rank, world, local_rank, local_world, "nccl", f"cuda:{local_rank}")
+
+
+def weights_bytes(folder: Path, dtype: torch.dtype) -> int:
+    """Bytes the model in `folder` takes as `dtype`, from its safetensors headers (the
+    tensors themselves are not read)."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    numel = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        numel += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+def choose_device_map(flag: str | None, model: str, dtype: torch.dtype, device: str) -> str | None:
+    """`--device-map`: "auto" or "none" as given; unset, "auto" on a GPU run when the
+    weights of a local model folder exceed FITS_ONE_GPU of one GPU's memory (embedded
+    models are small; a hub id is not sized before it is fetched: pass the flag)."""
+    on_gpu = torch.device(device).type == "cuda"
+    if flag == "auto" and not on_gpu:
+        raise DistributedSetupError(f"--device-map auto spreads a model over GPUs; this run is on {device}")
+    if flag is not None or not on_gpu or not Path(model).expanduser().is_dir():
+        return None if flag in (None, "none") else flag
+    try:
+        need = weights_bytes(Path(model).expanduser(), dtype)
+    except (OSError, ValueError, KeyError):
+        return None  # not sized here: the load will say what is wrong with the folder
+    have = torch.cuda.get_device_properties(torch.device(device).index or 0).total_memory
+    return "auto" if need > FITS_ONE_GPU * have else None
 
 
 def start(device: str, device_map: str | None = None) -> Ranks:
@@ -272,6 +310,7 @@ def score_rounds(ranks: Ranks, todo: list[Job] | None, rows_of: Callable[[Job], 
             "units": sum(len(u) for u in rounds), "rounds": len(rounds), "busy_s_per_rank": busy_all}
 
 
-__all__ = ["Ranks", "Unit", "DistributedSetupError", "launched", "plan_ranks", "start", "stop",
+__all__ = ["Ranks", "Unit", "DistributedSetupError", "launched", "plan_ranks", "weights_bytes",
+           "choose_device_map", "start", "stop",
            "local_main_first", "describe", "check_same", "units_of", "plan_rounds", "mine", "combine",
            "score_rounds", "COLLECTIVE_TIMEOUT", "UNITS_PER_RANK"]

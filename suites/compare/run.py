@@ -196,13 +196,15 @@ def run_compare(args) -> int:
     plan = validate(args)
     specs, protocols, device = plan["specs"], plan["protocols"], plan["device"]
     try:  # under torchrun: one rank of several (distributed.py); else a single process, as ever
-        ranks = distributed.start(device) if distributed.launched() else None
+        device_map = distributed.choose_device_map(args.device_map, args.model, getattr(torch, args.dtype), device)
+        ranks = distributed.start(device, device_map) if distributed.launched() else None
     except distributed.DistributedSetupError as e:
         raise UsageError(str(e)) from None
     print(f"loading model {args.model} and corpus {args.corpus} ...", file=sys.stderr, flush=True)
     with distributed.local_main_first(ranks):
         model, tok, model_info = load_model(args.model, device=ranks.device if ranks else device,
-                                            dtype=getattr(torch, args.dtype), verify=args.verify)
+                                            dtype=getattr(torch, args.dtype), verify=args.verify,
+                                            device_map=device_map)
     text, corpus_info = load_corpus(args.corpus)
     try:
         windows = token_windows(tok, text, plan["window"], args.windows)
@@ -337,6 +339,9 @@ def add_arguments(sub, parents=()) -> None:
     p.add_argument("--out", default="reports", help="reports folder")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device-map", default=None, choices=["auto", "none"],
+                   help="auto: spread the model over the node's GPUs (accelerate; then one rank per node under "
+                        "torchrun); default: auto when a local model folder exceeds 3/4 of one GPU")
     p.add_argument("--fresh", action="store_true", help="discard earlier results of this run")
     p.add_argument("--verify", action="store_true",
                    help="hash every file of the cached model, not only those whose size or mtime changed")

@@ -231,14 +231,16 @@ def check_model_name(name_or_path) -> str:
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype=torch.float32,
-               attn_implementation: str = "sdpa", verify: bool = False):
+               attn_implementation: str = "sdpa", verify: bool = False, device_map: str | None = None):
     """Return (model, tokenizer, info) with the model in eval mode on `device`.
 
     name_or_path: an EMBEDDED_MODELS key, a local HF model folder, or a hub id
     'org/name'. device: default cuda if available, else cpu. attn_implementation:
     "sdpa" (default) or "eager"; both gave bit-identical logits run to run on CPU, and
     sdpa is faster. verify: hash every file of an embedded model's cached folder, not
-    only those whose size or mtime changed. info: name, source, sha256 (the GGUF's for embedded models, else
+    only those whose size or mtime changed. device_map: "auto" spreads the layers over
+    every visible GPU through accelerate (a model larger than one GPU; `device` is then
+    ignored). info: name, source, sha256 (the GGUF's for embedded models, else
     None), n_layers, n_heads, n_kv_heads, head_dim, folder, note, load_seconds.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -257,14 +259,15 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype=torch.float
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, attn_implementation=attn_implementation)
+            folder, dtype=dtype, attn_implementation=attn_implementation,
+            **({"device_map": device_map} if device_map else {}))
         tok = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
         if source.startswith("hub "):
             raise _model_error(name, f"loading it from the Hugging Face hub failed (offline? "
                                f"{type(e).__name__}: {str(e)[:300]})") from e
         raise
-    model.to(device).eval()
+    (model if device_map else model.to(device)).eval()  # a dispatched model stays where accelerate put it
     cfg = model.config.get_text_config()  # Gemma3-style configs nest the text part
     n_heads = cfg.num_attention_heads
     info = dict(
@@ -275,7 +278,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype=torch.float
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads,
         vocab_size=cfg.vocab_size, sliding_window=getattr(cfg, "sliding_window", None),
         dtype=str(dtype).removeprefix("torch."), device=str(device),
-        attn_implementation=attn_implementation, note=note,
+        attn_implementation=attn_implementation, note=note, device_map=device_map,
         load_seconds=round(time.time() - t0, 2),
     )
     return model, tok, info

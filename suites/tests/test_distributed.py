@@ -59,6 +59,29 @@ def test_setups_that_cannot_work_are_refused_with_the_reason(device, device_map,
         D.plan_ranks(device, device_map, environ={**TORCHRUN_ENV, **env}, cuda_count=count)
 
 
+def test_weights_are_sized_from_the_safetensors_headers(tiny):
+    import torch
+
+    from kvqbench.suites.harness.models import load_model
+
+    model, _, _ = load_model(tiny["model"], device="cpu")
+    n = sum(p.numel() for p in model.parameters())
+    assert D.weights_bytes(tiny["model"], torch.float32) == 4 * n
+    assert D.weights_bytes(tiny["model"], torch.bfloat16) == 2 * n
+
+
+def test_device_map_is_for_gpus(tiny, tmp_path, capsys):
+    import torch
+
+    assert D.choose_device_map(None, tiny["model"], torch.float32, "cpu") is None
+    assert D.choose_device_map("none", tiny["model"], torch.float32, "cpu") is None
+    with pytest.raises(D.DistributedSetupError, match="over GPUs; this run is on cpu"):
+        D.choose_device_map("auto", tiny["model"], torch.float32, "cpu")
+    assert cli.main(compare_args(tiny, tmp_path) + ["--device-map", "auto"]) == 2
+    assert "--device-map auto spreads a model over GPUs" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
 # --- units, rounds, assignment ---------------------------------------------------------
 
 def test_units_are_the_single_process_batches():
