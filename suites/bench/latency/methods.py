@@ -9,8 +9,6 @@
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -61,14 +59,10 @@ def sdpa_callable(q, k, v):
 
 
 def fused_callable(q, kf, vf, launch: dict):
-    """The fused call with a launch config: decode_attention's keywords, plus
-    `programs_per_sm` (-> num_splits for this shape; GPU only) and `table` (HQMQ:
-    one of TABLES, the codeword source)."""
+    """The fused call with a launch config: decode_attention's keywords (block_t,
+    num_warps, num_stages, programs_per_sm, ...), plus `table` (HQMQ: one of TABLES,
+    the codeword source the kernel gathers from)."""
     launch = dict(launch)
-    programs_per_sm = launch.pop("programs_per_sm", None)
-    if programs_per_sm and GPU:
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        launch["num_splits"] = max(1, math.ceil(programs_per_sm * sms / (kf.B * kf.H)))
     table = launch.pop("table", None)
     if table:
         mode, dtype = TABLES[table]

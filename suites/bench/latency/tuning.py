@@ -20,7 +20,8 @@ NOISE_MARGIN = 0.02
 def launch_stages(hqmq: bool, has_sms: bool) -> list[list[dict]]:
     """The search: block/warps first (HQMQ: fp16 codebook, no software pipelining, the
     best in run 3), then HQMQ's other codeword sources and pipelining, or the
-    pipelining depth alone, then (GPU) the splits as programs per SM (default 4)."""
+    pipelining depth alone, then (GPU) the number of splits, as programs per SM
+    (decode_attention's `programs_per_sm`)."""
     shapes = [dict(block_t=64, num_warps=4), dict(block_t=64, num_warps=8), dict(block_t=128, num_warps=8),
               dict(block_t=128, num_warps=4)]
     if hqmq:
