@@ -67,15 +67,19 @@ def dequantize_groups(fields: dict[str, torch.Tensor], bits: int, group: int, di
     return out.flatten(dim, dim + 1)
 
 
-def group_error_bound(x: torch.Tensor, bits: int, group: int, dim: int) -> torch.Tensor:
-    """L2 error bound over the last axis, the same for every member of a group:
-    half the stored step (no code clamps, see the module docstring), plus the
-    float32 rounding of encode's (x - zero) / scale and decode's code * scale + zero,
-    a few ulps of |zero| + levels * scale."""
+def group_step_bound(x: torch.Tensor, bits: int, group: int, dim: int) -> torch.Tensor:
+    """Elementwise error bound, shaped like x, for quantizing x in groups of `group`
+    along `dim`: half the stored step (no code clamps, see the module docstring),
+    plus the float32 rounding of encode's (x - zero) / scale and decode's
+    code * scale + zero, a few ulps of |zero| + levels * scale."""
     dim = dim % x.dim()
     g = x.unflatten(dim, (x.shape[dim] // group, group))
     zero, scale = group_params(g, bits, dim + 1)
     z, s = zero.float(), scale.float()
     levels = (1 << bits) - 1
-    per_elem = s / 2 + 2.0**-22 * (z.abs() + levels * s)
-    return per_elem.expand_as(g).flatten(dim, dim + 1).pow(2).sum(-1).sqrt()
+    return (s / 2 + 2.0**-22 * (z.abs() + levels * s)).expand_as(g).flatten(dim, dim + 1)
+
+
+def group_error_bound(x: torch.Tensor, bits: int, group: int, dim: int) -> torch.Tensor:
+    """`group_step_bound` as an L2 norm over the last axis."""
+    return group_step_bound(x, bits, group, dim).norm(dim=-1)

@@ -29,8 +29,8 @@ import dataclasses
 
 import torch
 
-from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable
-from .groups import dequantize_groups, group_error_bound, quantize_groups
+from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable, fp16_rounding_bound
+from .groups import dequantize_groups, group_step_bound, quantize_groups
 
 
 class KIVI(Quantizer):
@@ -110,21 +110,16 @@ class KIVI(Quantizer):
         return self.config.bits + 32 / self.config.group  # quantized tokens; the fp16 window adds more
 
     def error_bound(self, x):
+        # Tokens are quantized from their fp16 values: per element, fp16 rounding (the
+        # window's whole error; subnormals included) plus half a stored step.
         c = self.config
-        T = x.shape[2]
-        n_quant = self.quantized_tokens(T)
-        # fp16 window: half an ulp, relative for normal values, 2^-25 below them
-        bound = torch.clamp_min(x.abs() * 2.0**-11, 2.0**-25).norm(dim=-1)
-        if n_quant == 0:
-            return bound
-        q = x[:, :, :n_quant]
-        if self.role == "K":
-            per_elem = []
-            for s in range(0, n_quant, c.group):
-                blk = q[:, :, s : s + c.group].transpose(2, 3)
-                b = group_error_bound(blk, c.bits, c.group, -1) / c.group**0.5
-                per_elem.append(b.unsqueeze(2).expand(-1, -1, c.group, -1))
-            qb = torch.cat(per_elem, dim=2).norm(dim=-1)
-        else:
-            qb = group_error_bound(q, c.bits, self._channel_group(x.shape[-1]), -1)
-        return torch.cat([qb, bound[:, :, n_quant:]], dim=2)
+        n_quant = self.quantized_tokens(x.shape[2])
+        elem = fp16_rounding_bound(x)
+        if n_quant:
+            q = x.half().float()[:, :, :n_quant]
+            if self.role == "K":  # per channel over groups of G tokens
+                step = group_step_bound(q.transpose(2, 3), c.bits, c.group, -1).transpose(2, 3)
+            else:
+                step = group_step_bound(q, c.bits, self._channel_group(x.shape[-1]), -1)
+            elem = torch.cat([elem[:, :, :n_quant] + step, elem[:, :, n_quant:]], dim=2)
+        return elem.norm(dim=-1)

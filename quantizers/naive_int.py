@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from .base import Quantizer, QuantizerInputError, Segment, fp16_rounding_bound
-from .groups import dequantize_groups, group_error_bound, quantize_groups
+from .groups import dequantize_groups, group_error_bound, group_step_bound, quantize_groups
 
 
 class NaiveInt(Quantizer):
@@ -91,8 +91,7 @@ class NaiveInt(Quantizer):
         elem = fp16_rounding_bound(x)  # [B, H, T, D]; the window's whole error
         n = self.quantized_tokens(x.shape[2])
         if n:
-            blocks = x16[:, :, :n].unflatten(2, (n // c.group, c.group)).transpose(3, 4)  # [B,H,n/G,D,G]
-            step = group_error_bound(blocks, c.bits, c.group, -1) / c.group**0.5  # [B, H, n/G, D]
-            q = step.unsqueeze(3).expand(-1, -1, -1, c.group, -1).flatten(2, 3)  # per token and channel
-            elem = torch.cat([elem[:, :, :n] + q, elem[:, :, n:]], dim=2)
+            blocks = x16[:, :, :n].transpose(2, 3)  # [B, H, D, n]: channels as rows, groups of G tokens
+            step = group_step_bound(blocks, c.bits, c.group, -1).transpose(2, 3)
+            elem = torch.cat([elem[:, :, :n] + step, elem[:, :, n:]], dim=2)
         return elem.norm(dim=-1)
