@@ -120,7 +120,7 @@ class KernelStore:
         # What a KIVI piece needs to be flattened exactly like the whole cache.
         self._meta = (packed.dtype, packed.device, packed.shared, packed.spec)
         self.tokens = 0
-        self._adopted: list[Segment] = []  # segments whose fields are views of our buffers
+        self._adopted: list[tuple[Segment, int]] = []  # (segment, first row) whose fields view our buffers
         self.buffers: dict[str, TokenBuffer] = {}
         self.outliers: torch.Tensor | None = None  # HQMQ + Med3x: [B, H, Ocap, 4]
         self.outlier_len: torch.Tensor | None = None  # [B, H] int64, valid entries per (b, h)
@@ -179,20 +179,43 @@ class KernelStore:
             grew |= buf.write(t0, _cat_tokens(new, name))
         if "outliers" in new[0].fields:
             self._append_outliers(new, t0, t)
-        self._adopt(new, grew)
+        starts, t = [], t0
+        for seg in new:
+            starts.append((seg, t))
+            t += seg.tokens
+        self._adopt(starts, grew)
         self._refresh_flat()
 
-    def _adopt(self, new: list[Segment], grew: bool) -> None:
-        """Point the segments' token-axis fields at views of the store's buffers, so the
-        bytes are held once. After a reallocation every adopted segment is re-pointed."""
+    def _adopt(self, new: list[tuple[Segment, int]], grew: bool) -> None:
+        """Point the absorbed segments' fields at views of the store's buffers, so each
+        byte is held once; `new` pairs each segment with its first row on axis 2
+        (tokens; KIVI keys: groups). After a reallocation every adopted segment is
+        re-pointed. A view whose shape or dtype differs from the field is not used."""
         self._adopted.extend(new)
-        segs = self._adopted if grew else new
-        start = self.tokens if not grew else 0
+        for seg, start in (self._adopted if grew else new):
+            for name, view in self._segment_views(seg, start).items():
+                old = seg.fields.get(name)
+                if old is not None and old.shape == view.shape and old.dtype == view.dtype:
+                    seg.fields[name] = view
+
+    def _adopt_window(self, segs: list[Segment]) -> None:
+        """KIVI's fp16 window segment (replaced on every write) reads the window buffer."""
         for seg in segs:
-            for name in self.TOKEN_FIELDS[self.kind]:
-                if name in seg.fields:
-                    seg.fields[name] = self.buffers[name].buf[:, :, start : start + seg.tokens]
-            start += seg.tokens
+            view = self.buffers["residual"].buf[:, :, : seg.tokens]
+            if seg.fields["residual"].shape == view.shape:
+                seg.fields["residual"] = view
+
+    def _segment_views(self, seg: Segment, start: int) -> dict[str, torch.Tensor]:
+        b = self.buffers
+        if self.kind is not layout.KIVIFlat:
+            return {n: b[n].buf[:, :, start : start + seg.tokens] for n in self.TOKEN_FIELDS[self.kind]
+                    if n in seg.fields and n in b}
+        if "residual" in seg.fields:
+            return {"residual": b["residual"].buf[:, :, : seg.tokens]}
+        if self.role == "K":  # one group per row: codes [B,H,D,GB], scale/zero [B,H,D,1]
+            return {n: b[n].buf[:, :, start] if n == "codes" else b[n].buf[:, :, start].unsqueeze(-1)
+                    for n in ("codes", "scale", "zero")}
+        return {n: b[n].buf[:, :, start : start + seg.tokens] for n in ("codes", "scale", "zero")}
 
     def _append_outliers(self, new: list[Segment], t0: int, t: int) -> None:
         """Med3x outliers of the write, from (b, h, t, chunk) order into per-(b, h) lists."""
@@ -239,12 +262,16 @@ class KernelStore:
         dtype, device, shared, spec = self._meta
         piece = layout.flatten(Packed(self.B, self.H, self.D, dtype, device, new, shared, spec), self.role)
         ng, ng_new = f.n_groups, piece.n_groups
+        per_group = 1 if self.role == "K" else f.group  # rows of axis 2 per group
+        grew = False
         if ng_new:
-            per_group = 1 if self.role == "K" else f.group  # rows of axis 2 per group
             for name in ("codes", "scale", "zero"):
                 buf = self._buffer(name, getattr(piece, name), (ng + ng_new) * per_group, f.group // per_group)
-                buf.write(ng * per_group, getattr(piece, name))
+                grew |= buf.write(ng * per_group, getattr(piece, name))
         self._buffer("residual", piece.residual, max(piece.T_res, 1)).write(0, piece.residual)
+        quant = [s for s in new if "residual" not in s.fields]
+        self._adopt([(s, (ng + i) * per_group) for i, s in enumerate(quant)], grew)
+        self._adopt_window([s for s in new if "residual" in s.fields])
         self.flat = dataclasses.replace(
             f, n_groups=ng + ng_new,
             codes=self.buffers["codes"].buf if "codes" in self.buffers else None,

@@ -110,6 +110,7 @@ class QuantizedLayer(DynamicLayer):
         self.quantizers = {r: get_quantizer(spec, layer=layer_idx, role=r, seed=seed) for r in ROLES}
         self.fused_wanted = False  # set by the cache before each update
         self.capacity_hint = 0  # tokens to preallocate for (e.g. prompt + new tokens)
+        self.hqmq_table: tuple[str, torch.dtype] | None = None  # HQMQ codeword source of the kernel
         self._clear()
 
     def _clear(self) -> None:
@@ -156,12 +157,17 @@ class QuantizedLayer(DynamicLayer):
         if not (self.fused_wanted and _triton_can_run(self.device)
                 and self.layer_type in (None, "full_attention")):
             return False
-        hint = self.capacity_hint
-        stores = {r: KernelStore.create(self.packed[r], r, capacity=hint) for r in ROLES}
+        stores = {r: KernelStore.create(self.packed[r], r, capacity=self.capacity_hint, hqmq_table=self._table())
+                  for r in ROLES}
         if any(s is None for s in stores.values()):
             return False
         self.stores = stores
         return True
+
+    def _table(self) -> tuple[str, torch.dtype] | None:
+        if self.hqmq_table == "auto":  # the fastest source on a GPU (kernels/NOTES.md): fp16 codebook
+            return ("codebook", torch.float16) if self.device.type == "cuda" else None
+        return self.hqmq_table
 
     def _decode_into(self, role: str, new: list[Segment], shared_tokens: int) -> torch.Tensor:
         """Decode a write's new segments into the growing decoded buffer at `shared_tokens`."""
@@ -205,7 +211,8 @@ class QuantizedLayer(DynamicLayer):
         new, shared = _new_segments(self.packed[role], packed)
         self.packed[role] = packed
         if self.mode == "fused":
-            self.stores[role] = KernelStore.create(packed, role, capacity=self.capacity_hint)
+            self.stores[role] = KernelStore.create(packed, role, capacity=self.capacity_hint,
+                                                   hqmq_table=self._table())
         elif new:
             out = self._decode_into(role, new, shared)
             if role == "K":
@@ -260,7 +267,8 @@ class QuantizedLayer(DynamicLayer):
 class QuantizedCache(Cache):
     """A transformers Cache whose every layer stores K/V through quantizer `spec`.
 
-    QuantizedCache(spec, n_layers=None, *, config=None, seed=0, fused=None, capacity=0)
+    QuantizedCache(spec, n_layers=None, *, config=None, seed=0, fused=None, capacity=0,
+                   hqmq_table="auto")
 
     Give `config=model.config` (preferred: the layer count and layer types are
     checked) or `n_layers`; with neither, layers are created as `update` reaches them.
@@ -269,12 +277,16 @@ class QuantizedCache(Cache):
     False force it on / off (on still needs a format a kernel reads and CUDA or
     TRITON_INTERPRET=1; otherwise the layer stays dense). `capacity`: tokens to
     preallocate per layer (e.g. prompt + new tokens); buffers grow by doubling anyway.
+    `hqmq_table`: the codeword source HQMQ's kernel gathers from, (table_mode, dtype) of
+    `HQMQFlat.with_table`; "auto" is the fp16 codebook on CUDA (the fastest measured;
+    within an fp16 ulp per codeword component) and the exact fp32 secondaries elsewhere.
     """
 
     def __init__(self, spec: str, n_layers: int | None = None, *, config=None, seed: int = 0,
-                 fused: bool | None = None, capacity: int = 0):
+                 fused: bool | None = None, capacity: int = 0, hqmq_table="auto"):
         get_quantizer(spec)  # fail on a bad spec now, not inside the forward pass
         self.spec, self.seed, self.fused, self.capacity = spec, int(seed), fused, int(capacity)
+        self.hqmq_table = hqmq_table
         self.model_config, types = config, None
         if config is not None:
             text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -305,6 +317,7 @@ class QuantizedCache(Cache):
         layer = self.layers[layer_idx]
         if layer.mode is None:
             layer.fused_wanted, layer.capacity_hint = self.fused_wanted(), self.capacity
+            layer.hqmq_table = self.hqmq_table
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # ---- measurement and diagnostics ----------------------------------------------------

@@ -1,0 +1,110 @@
+"""python -m kvqbench.suites.bench.decode: run the decode benchmark, write JSON, Markdown, plot.
+
+Results are saved after every configuration (write to a temp file, then rename), so
+a run stopped by its time budget still leaves what it measured; `--budget-s` stops
+starting new configurations once that many seconds have passed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_SPECS = ["plain", "int4", "kivi:bits=4", "fp8-e4m3", "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3"]
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(prog="python -m kvqbench.suites.bench.decode", description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="llama3-8b-4l", help="model shape (measure.SHAPES); random weights")
+    p.add_argument("--specs", nargs="+", default=DEFAULT_SPECS, help="'plain' = DynamicCache; else quantizer specs")
+    p.add_argument("--contexts", nargs="+", type=int, default=[4096, 16384, 32768])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--check", nargs="*", default=None, metavar="SPEC",
+                   help="first compare fused and dense decoding of these specs (default: every fused one)")
+    p.add_argument("--budget-s", type=float, default=float("inf"), help="start no configuration after this")
+    p.add_argument("--out", type=Path, default=Path("reports/decode"))
+    p.add_argument("--render", type=Path, default=None, help="only render this JSON to Markdown + plot")
+    a = p.parse_args(argv)
+    for name in ("contexts", "batches"):
+        if any(v < 1 for v in getattr(a, name)):
+            p.error(f"--{name} must be positive")
+    if a.steps < 1 or a.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    return a
+
+
+def _save(path: Path, run: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(run, indent=1))
+    os.replace(tmp, path)
+
+
+def environment() -> dict:
+    import transformers
+
+    from ..latency.timing import env_info
+
+    return {**env_info(), "transformers": transformers.__version__}
+
+
+def main(argv=None) -> int:
+    a = _args(sys.argv[1:] if argv is None else argv)
+    from .render import render
+
+    if a.render:
+        for p in render(a.render):
+            print(p)
+        return 0
+    from ...harness.kv_cache import QuantizedCache  # noqa: F401  (fail early on a broken install)
+    from ....quantizers import get_quantizer
+    from .measure import build_model, compare_paths, measure
+
+    specs = [None if s == "plain" else s for s in a.specs]
+    for s in specs:
+        if s is not None:
+            get_quantizer(s)  # a bad spec fails now, before the model is built
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t_start = time.perf_counter()
+    model = build_model(a.shape, getattr(torch, a.dtype), device, max_positions=max(a.contexts) + a.steps + 64)
+    a.out.mkdir(parents=True, exist_ok=True)
+    path = a.out / "decode.json"
+    run = {"config": {"shape": a.shape, "dtype": a.dtype, "steps": a.steps, "warmup": a.warmup,
+                      "device": device, "weights": "random"},
+           "environment": environment(), "checks": [], "results": []}
+    for spec in (a.check if a.check else [s for s in specs if s is not None]) if a.check is not None else []:
+        r = compare_paths(model, spec, context=min(1024, max(a.contexts)), batch=2)
+        print(f"check {spec}: {r}", flush=True)
+        run["checks"].append(r)
+        _save(path, run)
+    # The configurations the issue's targets name come first (a budget cut drops the rest).
+    pairs = [(c, b) for c in a.contexts for b in a.batches]
+    pairs.sort(key=lambda cb: (cb not in ((4096, 1), (max(a.contexts), max(a.batches))), cb))
+    for ctx, batch in pairs:
+        for spec in specs:
+            if time.perf_counter() - t_start > a.budget_s:
+                print(f"budget reached: skipping {spec} ctx {ctx} batch {batch}", flush=True)
+                continue
+            try:
+                r = measure(model, spec, context=ctx, batch=batch, steps=a.steps, warmup=a.warmup)
+            except torch.OutOfMemoryError as e:  # a shape too large for the card: recorded, not fatal
+                r = {"spec": spec or "plain", "context": ctx, "batch": batch,
+                     "error": f"OutOfMemoryError: {e}"[:300]}
+                torch.cuda.empty_cache()
+            print(json.dumps({k: v for k, v in r.items()}), flush=True)
+            run["results"].append(r)
+            _save(path, run)
+    for p in render(path):
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

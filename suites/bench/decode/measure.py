@@ -1,0 +1,149 @@
+"""One end-to-end decode measurement: a model, a cache, a prefill, then timed decode steps.
+
+    r = measure(model, "hqmq:S=96,r=4", context=4096, batch=1, steps=32)
+    r["ms_per_step"], r["tokens_per_s"], r["kv_live_bytes"]
+
+The model is built from a shape (`SHAPES`) with RANDOM weights (real shapes, no
+checkpoint: speed and memory do not depend on the weights; say so with every
+figure). A decode step is what greedy `generate` runs per token: one forward pass of
+one new token per row through the cache, the argmax fed back; timed over `steps`
+steps after `warmup` steps, CUDA-synchronised at both ends only (no per-step sync of
+ours; the quantizers' own encode still synchronises, see kernels/store.py).
+
+Caches: `spec=None` is transformers' plain DynamicCache (the model's own, SDPA);
+a spec is our QuantizedCache under the "kvqbench" attention, so quantizers with a
+fused kernel decode through it (`mode` and `fallbacks` say what really ran).
+
+Memory (bytes, from torch's allocator, relative to the model alone):
+- `kv_live_bytes`: held after the last step (the cache: store buffers at capacity,
+  segment leftovers, shared tables), what the cache costs while decoding;
+- `decode_peak_bytes`: the peak during the timed steps (cache + one step's temporaries);
+- `peak_bytes`: the peak over prefill and decode (the prefill's activations dominate).
+`packed_nbytes` is the cache's measured stored bytes (`QuantizedCache.nbytes`).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from ...harness.attention import fused_attention
+from ...harness.kv_cache import QuantizedCache, cache_kwargs, plain_cache_stats
+
+SHAPES = {
+    # Llama-3-8B attention and MLP shapes, 4 of its 32 layers (as issue 9's table)
+    "llama3-8b-4l": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0),
+    # the embedded model's shapes (SmolLM2-135M), all 30 layers
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0),
+    # CPU plumbing checks only
+    "tiny": dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+}
+
+
+def build_model(shape: str, dtype=torch.bfloat16, device="cuda", max_positions: int = 1 << 16):
+    """A causal LM of `shape` with random weights (seeded), in eval mode, SDPA attention."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=max_positions, attn_implementation="sdpa")
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _mem(device) -> int:
+    return torch.cuda.memory_allocated() if torch.device(device).type == "cuda" else 0
+
+
+def measure(model, spec: str | None, *, context: int, batch: int, steps: int = 32, warmup: int = 3,
+            seed: int = 0) -> dict:
+    """Prefill `context` random tokens per row, then time `steps` greedy decode steps."""
+    dev = next(model.parameters()).device
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+    base = _mem(dev)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=g).to(dev)
+    total = context + warmup + steps
+    if spec is None:
+        cache, ctx = DynamicCache(config=model.config), contextlib.nullcontext()
+    else:
+        cache = QuantizedCache(spec, config=model.config, seed=seed, capacity=total)
+        ctx = fused_attention(model)
+    kw = cache_kwargs(model, cache)
+    with torch.inference_mode(), ctx:
+        t0 = time.perf_counter()
+        logits = model(input_ids=ids, **kw, use_cache=True, logits_to_keep=1).logits
+        tok = logits[:, -1:].argmax(-1)
+        _sync(dev)
+        prefill_s = time.perf_counter() - t0
+        del logits
+        for _ in range(warmup):
+            tok = model(input_ids=tok, **kw, use_cache=True).logits[:, -1:].argmax(-1)
+        _sync(dev)
+        peak_all = torch.cuda.max_memory_allocated() - base if cuda else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tok = model(input_ids=tok, **kw, use_cache=True).logits[:, -1:].argmax(-1)
+        _sync(dev)
+        dt = time.perf_counter() - t0
+    out = dict(spec=spec or "plain", context=context, batch=batch, steps=steps, warmup=warmup,
+               prefill_s=prefill_s, ms_per_step=dt / steps * 1e3, tokens_per_s=batch * steps / dt,
+               kv_live_bytes=_mem(dev) - base, decode_peak_bytes=(torch.cuda.max_memory_allocated() - base) if cuda else 0,
+               seq_length=cache.get_seq_length())
+    out["peak_bytes"] = max(peak_all, out["decode_peak_bytes"])
+    if isinstance(cache, QuantizedCache):
+        out.update(packed_nbytes=cache.nbytes(), bits_per_element=cache.bits_per_element(),
+                   mode=sorted({layer.mode for layer in cache.layers}),
+                   fallbacks=sum(layer.fallbacks for layer in cache.layers),
+                   store_allocated_bytes=sum(s.allocated_nbytes for layer in cache.layers
+                                             for s in layer.stores.values() if s is not None))
+    else:
+        out.update(packed_nbytes=plain_cache_stats(cache)[0], bits_per_element=16.0, mode=["plain"], fallbacks=0)
+    del cache, tok
+    return out
+
+
+def compare_paths(model, spec: str, *, context: int, batch: int, steps: int = 8, seed: int = 0) -> dict:
+    """The same greedy decode through the fused kernels and through the dense path
+    (dequantize + SDPA), the fused path's tokens fed to both so they stay comparable:
+    how many greedy tokens agree and how far the logits are apart."""
+    dev = next(model.parameters()).device
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=g).to(dev)
+    caches = {name: QuantizedCache(spec, config=model.config, seed=seed, fused=name == "fused",
+                                   capacity=context + steps) for name in ("fused", "dense")}
+    agree, diff, scale = 0, 0.0, 0.0
+    with torch.inference_mode(), fused_attention(model):
+        tok = None
+        for step in range(steps + 1):
+            inp = ids if step == 0 else tok
+            out = {n: model(input_ids=inp, **cache_kwargs(model, c), use_cache=True, logits_to_keep=1).logits[:, -1]
+                   for n, c in caches.items()}
+            if step:  # decode steps only (the prefill is dense in both)
+                agree += int((out["fused"].argmax(-1) == out["dense"].argmax(-1)).sum())
+                diff = max(diff, float((out["fused"].float() - out["dense"].float()).abs().max()))
+                scale = max(scale, float(out["dense"].float().abs().max()))
+            tok = out["fused"].argmax(-1, keepdim=True)
+    modes = {n: sorted({layer.mode for layer in c.layers}) for n, c in caches.items()}
+    return dict(spec=spec, context=context, batch=batch, steps=steps, greedy_agree=agree, greedy_total=steps * batch,
+                max_abs_logit_diff=diff, max_abs_logit=scale, modes=modes,
+                fallbacks=sum(layer.fallbacks for layer in caches["fused"].layers))
+
+
+__all__ = ["SHAPES", "build_model", "compare_paths", "measure"]
