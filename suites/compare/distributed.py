@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import socket
 import struct
 import time
@@ -156,6 +157,25 @@ def choose_device_map(flag: str | None, model: str, dtype: torch.dtype, device: 
         return None  # not sized here: the load will say what is wrong with the folder
     have = torch.cuda.get_device_properties(torch.device(device).index or 0).total_memory
     return "auto" if need > FITS_ONE_GPU * have else None
+
+
+def pin_xdist_worker_gpu(environ=None, gpus: int | None = None) -> str | None:
+    """`pytest -n N` on a multi-GPU runner: pin pytest-xdist worker gwK to GPU K (mod the
+    GPUs visible) through CUDA_VISIBLE_DEVICES, so everything it runs sees one GPU.
+    Call it from a `pytest_configure` hook (before any test module asks torch for CUDA).
+    Returns the GPU chosen, or None outside xdist or without GPUs."""
+    env = os.environ if environ is None else environ
+    worker = env.get("PYTEST_XDIST_WORKER", "")
+    if not re.fullmatch(r"gw\d+", worker):
+        return None
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        count = torch.cuda.device_count() if gpus is None else gpus  # NVML: CUDA itself stays uninitialised
+        visible = [str(i) for i in range(count)]
+    if not visible:
+        return None
+    env["CUDA_VISIBLE_DEVICES"] = visible[int(worker[2:]) % len(visible)]
+    return env["CUDA_VISIBLE_DEVICES"]
 
 
 def start(device: str, device_map: str | None = None) -> Ranks:
@@ -311,6 +331,6 @@ def score_rounds(ranks: Ranks, todo: list[Job] | None, rows_of: Callable[[Job], 
 
 
 __all__ = ["Ranks", "Unit", "DistributedSetupError", "launched", "plan_ranks", "weights_bytes",
-           "choose_device_map", "start", "stop",
+           "choose_device_map", "pin_xdist_worker_gpu", "start", "stop",
            "local_main_first", "describe", "check_same", "units_of", "plan_rounds", "mine", "combine",
            "score_rounds", "COLLECTIVE_TIMEOUT", "UNITS_PER_RANK"]

@@ -82,6 +82,16 @@ def test_device_map_is_for_gpus(tiny, tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+def test_xdist_workers_are_pinned_one_gpu_each():
+    env = {"PYTEST_XDIST_WORKER": "gw5"}
+    assert D.pin_xdist_worker_gpu(env, gpus=4) == "1" and env["CUDA_VISIBLE_DEVICES"] == "1"
+    env = {"PYTEST_XDIST_WORKER": "gw1", "CUDA_VISIBLE_DEVICES": "4,6"}  # a runner's own choice is kept
+    assert D.pin_xdist_worker_gpu(env) == "6" and env["CUDA_VISIBLE_DEVICES"] == "6"
+    for env in ({}, {"PYTEST_XDIST_WORKER": "master"}, {"PYTEST_XDIST_WORKER": "gw0"}):
+        gpus = 0 if env else 2
+        assert D.pin_xdist_worker_gpu(env, gpus=gpus) is None and "CUDA_VISIBLE_DEVICES" not in env
+
+
 # --- units, rounds, assignment ---------------------------------------------------------
 
 def test_units_are_the_single_process_batches():
