@@ -114,7 +114,7 @@ def claim_zero_shot(recs: list[dict]):
 
 
 def latency_file(folder: Path) -> Path:
-    """Where `bench_latency --out reports/latency` writes, beside the compare runs."""
+    """Where `python -m kvqbench.suites.bench.latency --out reports/latency` writes, beside the compare runs."""
     return Path(folder).parent / "latency" / "latency.json"
 
 
@@ -126,7 +126,7 @@ def claim_latency(folder: Path):
         rows = [r for r in lat["latency"] if isinstance(r.get("latency_us"), (int, float))]  # not skipped
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return (claim, "0.033 ms flat", "-", f"{NOT_RUN}: no latency report at {path} "
-                "(python -m kvqbench.suites.bench.bench_latency --out reports/latency, on a GPU)")
+                "(python -m kvqbench.suites.bench.latency --out reports/latency, on a GPU)")
     fused = [r for r in rows if r.get("method") == "fused-hqmq"]
     if not fused:
         return (claim, "0.033 ms flat", "-", f"{NOT_RUN}: {path} has no fused-hqmq rows")
