@@ -50,6 +50,9 @@ def _signature(fn, args, kw):
             sig[name] = "*" + _DT[v.dtype]
         elif isinstance(v, bool):
             sig[name] = "i1"
+        elif isinstance(v, int) and v == 1:  # the JIT specialises ints equal to 1 as constants
+            sig[name] = "constexpr"
+            const[name] = 1
         elif isinstance(v, int):
             sig[name] = "i64" if abs(v) >= 2**31 else "i32"
         elif isinstance(v, float):
@@ -117,6 +120,7 @@ def main(argv=None):
     ap.add_argument("--extra", nargs="*", default=[], help="more BT:warps configs")
     ap.add_argument("--only", default="", help="specs containing this")
     ap.add_argument("--extra-only", action="store_true")
+    ap.add_argument("--T", type=int, default=256, help="cache length of the captured launches")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: the interpreter does not compile")
@@ -133,7 +137,7 @@ def main(argv=None):
     DA.interpreting = lambda: False
     HE.interpreting = lambda: False
     DA._sm_count = lambda device: 132
-    B, Hq, Hkv, T, d = 1, 32, 8, 256, a.d
+    B, Hq, Hkv, T, d = 1, 32, 8, a.T, a.d
     x = torch.randn(B, Hkv, T, d)
     x[..., 3] *= 25
     q = torch.randn(B, Hq, 1, d).half()

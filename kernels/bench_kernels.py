@@ -30,18 +30,16 @@ METHODS = {  # name: (spec, flatten kwargs)
     "hqmq": ("hqmq:S=96,r=4", {"table_mode": "codebook", "table_dtype": torch.float16}),
     "hqmq-med3": ("hqmq:S=96,r=4,outliers=med3", {"table_mode": "codebook", "table_dtype": torch.float16}),
 }
-VARIANTS = [  # launch configs tried per method (block_t, num_warps, num_stages, programs_per_sm)
-    dict(block_t=64, num_warps=4, num_stages=2, programs_per_sm=8),
-    dict(block_t=64, num_warps=4, num_stages=3, programs_per_sm=8),
-    dict(block_t=128, num_warps=4, num_stages=2, programs_per_sm=8),
-    dict(block_t=128, num_warps=8, num_stages=2, programs_per_sm=8),
-    dict(block_t=64, num_warps=4, num_stages=2, programs_per_sm=16),
-    dict(block_t=64, num_warps=4, num_stages=1, programs_per_sm=8),
+VARIANTS = [  # launch configs tried per method; then programs per SM around the best one
+    dict(block_t=64, num_warps=4, num_stages=2),
+    dict(block_t=64, num_warps=4, num_stages=3),
+    dict(block_t=128, num_warps=4, num_stages=2),
+    dict(block_t=128, num_warps=8, num_stages=2),
+    dict(block_t=64, num_warps=8, num_stages=2),
 ]
-HQMQ_VARIANTS = [dict(block_t=64, num_warps=4, num_stages=1, programs_per_sm=8),
-                 dict(block_t=128, num_warps=8, num_stages=1, programs_per_sm=8),
-                 dict(block_t=64, num_warps=4, num_stages=1, programs_per_sm=16),
-                 dict(block_t=128, num_warps=4, num_stages=1, programs_per_sm=8)]
+HQMQ_VARIANTS = [dict(block_t=64, num_warps=4, num_stages=1), dict(block_t=128, num_warps=8, num_stages=1),
+                 dict(block_t=128, num_warps=4, num_stages=1), dict(block_t=64, num_warps=2, num_stages=1)]
+PROGRAMS_PER_SM = (2, 3, 4, 6, 8, 12, 16)  # 8 is the default; waves vs tail effects
 
 
 def synthetic_kv(B, H, T, d, seed=0, device="cuda"):
@@ -134,6 +132,7 @@ def bench_shape(B, T, dev, base_cache, variants: bool, graphs: bool) -> list[dic
     import triton
 
     from .decode_attention import decode_attention
+    from .graphs import GraphedDecode
     rows = []
     D, Hq, Hkv = 128, 32, 8
     q = torch.randn(B, Hq, 1, D, device=dev).half()
@@ -152,7 +151,12 @@ def bench_shape(B, T, dev, base_cache, variants: bool, graphs: bool) -> list[dic
         kf, vf = (tile(f, B, T) for f in base_cache[name])
         nbytes = kf.read_nbytes + vf.read_nbytes
         best = None
-        for cfg in (HQMQ_VARIANTS if name.startswith("hqmq") else VARIANTS)[: None if variants else 1]:
+        base = (HQMQ_VARIANTS if name.startswith("hqmq") else VARIANTS)
+        tried = [dict(c, programs_per_sm=8) for c in base[: None if variants else 1]]
+        i = 0
+        while i < len(tried):
+            cfg = tried[i]
+            i += 1
             try:
                 t = bench(lambda: decode_attention(q, kf, vf, **cfg))
             except Exception as e:  # noqa: BLE001 - a config that does not compile/fit is recorded, not fatal
@@ -161,13 +165,19 @@ def bench_shape(B, T, dev, base_cache, variants: bool, graphs: bool) -> list[dic
             rows.append({"B": B, "T": T, "method": name, "cfg": cfg, "us": t, "bytes": nbytes})
             if best is None or t < best[0]:
                 best = (t, cfg)
-        if graphs and best:  # the workspace is allocated inside the capture (the graph's pool)
+            if variants and i == len(base):  # then the split count around the best config
+                tried += [dict(best[1], programs_per_sm=p) for p in PROGRAMS_PER_SM if p != 8]
+        if graphs and best:
             cfg = best[1]
             rows.append({"B": B, "T": T, "method": name + "-graph", "cfg": cfg, "bytes": nbytes,
-                         "us": bench(graph_decode(lambda x: decode_attention(x, kf, vf, **cfg), q))})
+                         "us": bench(_replay(GraphedDecode(kf, vf, q, **cfg), q))})
         del kf, vf
         torch.cuda.empty_cache()
     return rows
+
+
+def _replay(step, q):
+    return lambda: step(q)
 
 
 def main(argv=None):
@@ -201,7 +211,7 @@ def main(argv=None):
     res["rows"] = []
     for shp in a.shapes.split(","):
         B, T = (int(x) for x in shp.split("x"))
-        res["rows"] += bench_shape(B, T, dev, base, not a.no_variants, graphs=B == 1)
+        res["rows"] += bench_shape(B, T, dev, base, not a.no_variants and B > 1, graphs=B == 1)
         (out / "bench_kernels.json").write_text(json.dumps(res, indent=1, default=str))
         print(f"shape {B}x{T} done ({time.time() - t0:.0f}s)", flush=True)
     bw = res["copy_GBps"]

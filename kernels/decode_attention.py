@@ -27,6 +27,10 @@ Formats: `hqmq_decode_attention` (HQMQ, with or without Med3x outliers),
 (KIVI: per-channel key groups, per-token value groups, fp16 window),
 `fp8_decode_attention` (fp8 e4m3/e5m2 with a per-kv-head scale folded into the
 score scale and the output). Reference: `reference_decode_attention(q, k, v)`.
+
+Launch defaults are the best of a sweep at B=8, T=32k on an H200 (kernels/NOTES.md,
+run 8): HQMQ 128-token tiles, 4 warps, no pipelining; int 128/4, 2 stages; KIVI
+64/4, 2 stages, 12 programs per SM; fp8 64/4, 3 stages, 12 per SM.
 """
 from __future__ import annotations
 
@@ -232,8 +236,11 @@ def _kivi_kt_tile(codes_ptr, scale_ptr, zero_ptr, bh, t0, NG, cs, ss,
         ze = ze.to(tl.float32)
     shp: tl.constexpr = (NGT, D, GB)
     val = dq_bytes(b, tl.broadcast_to(sc[:, :, None], shp), tl.broadcast_to(ze[:, :, None], shp), W, FAST, RND)
-    val = tl.reshape(val, (NGT, D, G))  # token within its group = byte * (8/W) + field
-    return tl.reshape(tl.permute(val, (1, 0, 2)), (D, BT))
+    if NGT == 1:  # one group per tile: no transposition of groups and channels
+        return tl.reshape(val, (D, BT))  # token within its group = byte * (8/W) + field
+    else:
+        val = tl.reshape(val, (NGT, D, G))
+        return tl.reshape(tl.permute(val, (1, 0, 2)), (D, BT))
 
 
 @triton.jit
@@ -484,7 +491,7 @@ def _launch(kernel, args, runtime, const, q, B, H, nsplit, D, num_warps, num_sta
 
 
 def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_splits: int | None = None,
-                          block_t: int = 64, num_warps: int = 4, num_stages: int = 1,
+                          block_t: int = 128, num_warps: int = 4, num_stages: int = 1,
                           programs_per_sm: int = 8, workspace: Workspace | None = None,
                           out_dtype=None) -> torch.Tensor:
     B, H, T, D = k.B, k.H, k.T, k.D
@@ -536,7 +543,7 @@ def _pow2(n: int) -> bool:
 
 
 def int_decode_attention(q: torch.Tensor, k: IntFlat, v: IntFlat, *, num_splits: int | None = None,
-                         block_t: int = 64, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 8,
+                         block_t: int = 128, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 8,
                          workspace: Workspace | None = None, out_dtype=None) -> torch.Tensor:
     B, H, T, D = k.B, k.H, k.T, k.D
     _check_q(q, H, D, B)
@@ -559,7 +566,7 @@ def int_decode_attention(q: torch.Tensor, k: IntFlat, v: IntFlat, *, num_splits:
 
 
 def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_splits: int | None = None,
-                          block_t: int = 64, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 8,
+                          block_t: int = 64, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 12,
                           workspace: Workspace | None = None, out_dtype=None) -> torch.Tensor:
     B, H, D = k.B, k.H, k.D
     _check_q(q, H, D, B)
@@ -584,7 +591,8 @@ def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_spli
             return ([f.codes, f.scale, f.zero, f.residual],
                     [bh_stride(f.codes, f"{role} codes"), bh_stride(f.scale, f"{role} scale"),
                      bh_stride(f.residual, f"{role} window")])
-        return [f.residual] * 4, [0, 0, bh_stride(f.residual, f"{role} window")]
+        codes = torch.zeros(1, dtype=torch.uint8, device=f.residual.device)  # never read; typed as codes are
+        return [codes, f.residual, f.residual, f.residual], [0, 0, bh_stride(f.residual, f"{role} window")]
 
     kb, ks = parts(k, "K")
     vb, vs = parts(v, "V")
@@ -595,7 +603,7 @@ def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_spli
 
 
 def fp8_decode_attention(q: torch.Tensor, k: FP8Flat, v: FP8Flat, *, num_splits: int | None = None,
-                         block_t: int = 64, num_warps: int = 4, num_stages: int = 3, programs_per_sm: int = 8,
+                         block_t: int = 64, num_warps: int = 4, num_stages: int = 3, programs_per_sm: int = 12,
                          workspace: Workspace | None = None, out_dtype=None) -> torch.Tensor:
     B, H, T, D = k.B, k.H, k.T, k.D
     _check_q(q, H, D, B)

@@ -110,8 +110,13 @@ class HQMQFlat:
 
     @property
     def rel16(self) -> torch.Tensor:
-        """The radius levels in fp16 (the fp16 decode path)."""
-        return self.rel.half()
+        """The radius levels in fp16 (the fp16 decode path), made once per rel tensor:
+        the per-call host cost matters at batch 1."""
+        cached = self.__dict__.get("_rel16")
+        if cached is None or cached[0] is not self.rel:
+            cached = (self.rel, self.rel.half())
+            self.__dict__["_rel16"] = cached
+        return cached[1]
 
     @property
     def has_outliers(self) -> bool:

@@ -404,3 +404,21 @@ def test_more_formats(spec):
     B, Hq, Hkv, T, D = 1, 8, 2, 150, 64
     k, v = make_kv(B, Hkv, T, D, "outlier", seed=41), make_kv(B, Hkv, T, D, seed=42)
     check(make_q(B, Hq, D), *build(spec, k, v), num_splits=3)
+
+
+def test_graphed_decode_replays_the_call():
+    """GraphedDecode (CUDA graph on a GPU, the plain call elsewhere) gives the plain
+    call's output for each new query, and refuses a query of another shape."""
+    from kvqbench.kernels.graphs import GraphedDecode
+
+    B, Hq, Hkv, T, D = 1, 4, 2, 96, 64
+    k, v = make_kv(B, Hkv, T, D, seed=51), make_kv(B, Hkv, T, D, seed=52)
+    (qk, pk), (qv, pv) = build("int4", k, v)
+    kf, vf = L.flatten(pk, "K"), L.flatten(pv, "V")
+    step = GraphedDecode(kf, vf, make_q(B, Hq, D), num_splits=2, out_dtype=torch.float32)
+    for seed in (2, 3):
+        q = make_q(B, Hq, D, seed=seed)
+        want = decode_attention(q, kf, vf, num_splits=2, out_dtype=torch.float32)
+        assert torch.equal(step(q), want)
+    with pytest.raises(ValueError, match="differs from the captured"):
+        step(make_q(B, Hq + 4, D))

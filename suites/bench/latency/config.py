@@ -15,6 +15,7 @@ FUSED_SPECS = {
     "fused-int4": "int4",
     "fused-kivi4": "kivi:bits=4",
     "fused-kivi2": "kivi:bits=2",
+    "fused-fp8": "fp8-e4m3",
 }
 FAKE_QUANT_SPEC = "hqmq:S=96,r=4,outliers=med3"
 METHOD_SPECS = {**FUSED_SPECS, "fake-quant": FAKE_QUANT_SPEC}
