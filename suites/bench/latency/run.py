@@ -1,6 +1,6 @@
 """One latency run: the sections in order, the result dict saved after each.
 
-`latency.json` is rewritten (temp file + rename) after the latency section and
+`latency.json` is rewritten (temp file + fsync + rename) after the latency section and
 again at the end, so a run cut short keeps what it measured; the Markdown and
 the plot are rendered from it by the caller (`render.render`), so rendering
 never costs a measurement.
@@ -11,12 +11,12 @@ and stops the run.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from ...harness.fetch import write_atomic
 from .caches import encode_caches
 from .config import METHOD_SPECS, LatencyConfig
 from .decode_step import latency_section
@@ -24,12 +24,6 @@ from .encode_throughput import encode_section
 from .memory import memory_section
 from .targets import targets
 from .timing import DEVICE, LAUNCH_ERRORS, copy_bandwidth, describe_error, env_info, sm_clock_mhz
-
-
-def save_json(path: Path, res: dict):
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(res, indent=1, default=str))
-    os.replace(tmp, path)
 
 
 def run_latency(cfg: LatencyConfig, out: Path, log=print) -> dict:
@@ -50,7 +44,7 @@ def run_latency(cfg: LatencyConfig, out: Path, log=print) -> dict:
 
     def save():
         res["elapsed_s"] = time.time() - t_start
-        save_json(out / "latency.json", res)
+        write_atomic(out / "latency.json", json.dumps(res, indent=1, default=str).encode())
 
     res["latency"], res["tuning"] = latency_section(cfg, caches, copy_GBps, sm_count, log, t_start)
     res["targets"] = targets(res["latency"], cfg.focus)
