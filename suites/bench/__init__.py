@@ -3,6 +3,8 @@
 - `latency/`: decode-step attention latency of the fused kernels against fp16 SDPA
   and fake-quant (config, measurement, rendering; `python -m kvqbench.suites.bench.latency`);
 - `bench_latency.py`: its pytest-benchmark entry points (GPU);
+- `decode/`: end-to-end greedy decoding through the quantized cache (tokens/s, memory;
+  `python -m kvqbench.suites.bench.decode`);
 - `bench_quantizers.py`: CPU encode/decode time of every registered quantizer
   (pytest-benchmark);
 - `asv_benchmarks/`: the asv suite that tracks figures across commits.
