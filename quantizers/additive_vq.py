@@ -52,7 +52,7 @@ from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable, 
 from .fitted import FitsOnFirstWrite
 from .packing import pack_bits, unpack_bits
 from .rotation import random_signs, rotate, signs_of, unrotate
-from .vq import fit_codebook_with_zero, residual_search
+from .vq import fit_codebook_with_zero, nearest, residual_search
 
 GAIN_SAMPLES = 4096  # synthetic chunks used to fix the stage gains (codebooks=gaussian)
 GAIN_GRID = torch.linspace(0.2, 1.4, 13, dtype=torch.float64)  # x sqrt(residual energy per element)
@@ -91,12 +91,12 @@ def stage_gains(M: int, K_bits: int, dim: int) -> tuple[float, ...]:
 def fit_residual_codebooks(z: torch.Tensor, M: int, K: int, gen: torch.Generator) -> torch.Tensor:
     """Residual k-means: chunks z [G, N, dim] -> fp16-valued codebooks [G, M, K, dim].
     Stage m is fitted to the residual the stored (fp16) stages 1..m-1 leave."""
-    res, stages = z, []
-    for _ in range(M):
+    res, stages = z.float(), []
+    for m in range(M):
         cb = fit_codebook_with_zero(res, K, gen).half().float()  # [G, K, dim], as stored
         stages.append(cb)
-        _, res = residual_search(res.unsqueeze(0), cb.unsqueeze(1), 1)
-        res = res[0]
+        if m + 1 < M:
+            res = res - cb.gather(1, nearest(res, cb).unsqueeze(-1).expand_as(res))
     return torch.stack(stages, 1)
 
 

@@ -30,12 +30,13 @@ def kmeans(points: torch.Tensor, k: int, gen: torch.Generator, iters: int = KMEA
     order = torch.randperm(N, generator=gen).to(x.device)
     start = order[torch.arange(k, device=x.device) % N]
     c = x[:, start].clone()  # [G, k, d]
-    xx = x.pow(2).sum(-1, keepdim=True)
+    xx = x.pow(2).sum(-1)
     for it in range(iters + 1):
-        d2 = (xx - 2 * x @ c.transpose(1, 2) + c.pow(2).sum(-1).unsqueeze(1)).clamp_(min=0)  # [G, N, k]
+        # ||x - c||^2 - ||x||^2 = ||c||^2 - 2 <x, c>: one fused pass, [G, N, k]
+        d2 = torch.baddbmm(c.pow(2).sum(-1).unsqueeze(1), x, c.transpose(1, 2), alpha=-2)
         dist, assign = d2.min(-1)
         if history is not None:
-            history.append(float(dist.mean()))
+            history.append(float((dist + xx).clamp(min=0).mean()))
         if it == iters:
             break
         sums = torch.zeros_like(c).scatter_add_(1, assign.unsqueeze(-1).expand(-1, -1, d), x)
@@ -43,6 +44,12 @@ def kmeans(points: torch.Tensor, k: int, gen: torch.Generator, iters: int = KMEA
             1, assign.unsqueeze(-1), torch.ones(G, N, 1, dtype=x.dtype, device=x.device))
         c = torch.where(counts > 0, sums / counts.clamp(min=1), c)
     return c
+
+
+def nearest(points: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest codeword of cb [G, K, d] for points [G, N, d], in their
+    dtype (for fitting; stored codes come from `residual_search`, in float64)."""
+    return torch.baddbmm(cb.pow(2).sum(-1).unsqueeze(1), points, cb.transpose(1, 2), alpha=-2).argmin(-1)
 
 
 def sample_points(points: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -110,4 +117,4 @@ def residual_search(r: torch.Tensor, cb: torch.Tensor, beam: int) -> tuple[torch
     return torch.cat(codes_out, 2), torch.cat(res_out, 2)
 
 
-__all__ = ["KMEANS_ITERS", "fit_codebook_with_zero", "kmeans", "residual_search", "sample_points"]
+__all__ = ["KMEANS_ITERS", "fit_codebook_with_zero", "kmeans", "nearest", "residual_search", "sample_points"]
