@@ -77,18 +77,15 @@ def tiled(cache: EncodedCache, B: int, T: int, t0: int):
 
 
 def hqmq_segment(flat) -> Segment:
-    """The HQMQ Segment (what `HQMQ.decode_tokens` reads) holding the tokens of an
-    HQMQFlat, for the fake-quant pipeline that decodes a whole tiled cache in torch.
-    Outliers go back to the quantizer's (b, h, t, chunk) order: from per-(b, h) lists
-    `[B, H, Ocap, 4]` (the first n of each valid), or as they are if already global `[n, 4]`."""
+    """The HQMQ Segment (what `HQMQ.decode_tokens` reads) holding the valid tokens of an
+    HQMQFlat, for the fake-quant pipeline that decodes a whole tiled cache in torch. The
+    layout keeps Med3x outliers per (b, h) `[B, H, Ocap, 4]` (the first n of each valid);
+    the quantizer stores them in one (b, h, t, chunk) list."""
     T = flat.T
     fields = {"codes": flat.codes[:, :, :T], "radius": flat.radius[:, :, :T], "r_max": flat.r_max[:, :, :T]}
     if flat.has_outliers:
         flags = flat.flags[:, :, :T]
-        outliers = flat.outliers
-        if outliers.dim() == 4:
-            per_bh = unpack_bits(flags, 1, flat.D // 4).sum((2, 3))  # [B, H]
-            valid = torch.arange(outliers.shape[2], device=outliers.device) < per_bh[..., None]
-            outliers = outliers[valid]
-        fields.update(flags=flags, outliers=outliers)
+        per_bh = unpack_bits(flags, 1, flat.D // 4).sum((2, 3))  # [B, H]
+        valid = torch.arange(flat.outliers.shape[2], device=flags.device) < per_bh[..., None]
+        fields.update(flags=flags, outliers=flat.outliers[valid])
     return Segment(fields, T)
