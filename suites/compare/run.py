@@ -140,6 +140,10 @@ def validate(args) -> dict:
         raise UsageError(f"--device: {e}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} GPU(s)")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out} exists and is not a folder")
     lm_meta = None
     if args.lm_eval_metadata is not None:
         try:

@@ -65,6 +65,7 @@ BAD_USAGE = [
     (["--lm-eval-metadata", "[1, 2]"], "must be a JSON object"),
     (["--model", "no-such-model"], "--model"),
     (["--corpus", "no-such-corpus"], "--corpus"),
+    (["--out", __file__], "is not a folder"),
 ]
 
 
