@@ -162,10 +162,11 @@ class KernelStore:
             self._append_tokens(new)
         self.tokens = shared_tokens + sum(s.tokens for s in new)
 
-    def _buffer(self, name: str, like: torch.Tensor, need: int, unit: int = 1) -> TokenBuffer:
-        """The buffer `name`, created for `need` rows of axis 2 (each `unit` tokens)."""
+    def _buffer(self, name: str, like: torch.Tensor, need: int, unit: int = 1, hinted: bool = True) -> TokenBuffer:
+        """The buffer `name`, created for `need` rows of axis 2 (each `unit` tokens), or
+        for the capacity hint if larger (`hinted`)."""
         if name not in self.buffers:
-            cap = -(-grown_capacity(max(need * unit, self.capacity_hint)) // unit)
+            cap = -(-grown_capacity(max(need * unit, self.capacity_hint if hinted else 0)) // unit)
             self.buffers[name] = TokenBuffer(like, cap)
         return self.buffers[name]
 
@@ -268,7 +269,9 @@ class KernelStore:
             for name in ("codes", "scale", "zero"):
                 buf = self._buffer(name, getattr(piece, name), (ng + ng_new) * per_group, f.group // per_group)
                 grew |= buf.write(ng * per_group, getattr(piece, name))
-        self._buffer("residual", piece.residual, max(piece.T_res, 1)).write(0, piece.residual)
+        # The window is bounded (a few groups), so no capacity hint: it would size an
+        # fp16 buffer for the whole context.
+        self._buffer("residual", piece.residual, max(piece.T_res, 1), hinted=False).write(0, piece.residual)
         quant = [s for s in new if "residual" not in s.fields]
         self._adopt([(s, (ng + i) * per_group) for i, s in enumerate(quant)], grew)
         self._adopt_window([s for s in new if "residual" in s.fields])

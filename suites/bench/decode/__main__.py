@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_SPECS = ["plain", "int4", "kivi:bits=4", "fp8-e4m3", "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3"]
+DEFAULT_SPECS = ["plain", "plain-static", "int4", "kivi:bits=4", "fp8-e4m3", "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3"]
 
 
 def _args(argv):
     p = argparse.ArgumentParser(prog="python -m kvqbench.suites.bench.decode", description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama3-8b-4l", help="model shape (measure.SHAPES); random weights")
-    p.add_argument("--specs", nargs="+", default=DEFAULT_SPECS, help="'plain' = DynamicCache; else quantizer specs")
+    p.add_argument("--specs", nargs="+", default=DEFAULT_SPECS,
+                   help="'plain' = DynamicCache, 'plain-static' = StaticCache; else quantizer specs")
     p.add_argument("--contexts", nargs="+", type=int, default=[4096, 16384, 32768])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     p.add_argument("--steps", type=int, default=32)
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
 
     specs = [None if s == "plain" else s for s in a.specs]
     for s in specs:
-        if s is not None:
+        if s not in (None, "plain-static"):
             get_quantizer(s)  # a bad spec fails now, before the model is built
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t_start = time.perf_counter()
@@ -79,7 +80,8 @@ def main(argv=None) -> int:
     run = {"config": {"shape": a.shape, "dtype": a.dtype, "steps": a.steps, "warmup": a.warmup,
                       "device": device, "weights": "random"},
            "environment": environment(), "checks": [], "results": []}
-    for spec in (a.check if a.check else [s for s in specs if s is not None]) if a.check is not None else []:
+    quantized = [s for s in specs if s not in (None, "plain-static")]
+    for spec in (a.check or quantized) if a.check is not None else []:
         r = compare_paths(model, spec, context=min(1024, max(a.contexts)), batch=2)
         print(f"check {spec}: {r}", flush=True)
         run["checks"].append(r)

@@ -7,10 +7,13 @@ The model is built from a shape (`SHAPES`) with RANDOM weights (real shapes, no
 checkpoint: speed and memory do not depend on the weights; say so with every
 figure). A decode step is what greedy `generate` runs per token: one forward pass of
 one new token per row through the cache, the argmax fed back; timed over `steps`
-steps after `warmup` steps, CUDA-synchronised at both ends only (no per-step sync of
-ours; the quantizers' own encode still synchronises, see kernels/store.py).
+steps after `warmup` steps, synchronised after every step; `ms_per_step` is the
+median step (robust to host stalls), `ms_per_step_mean` and `_min` beside it (the
+quantizers' own encode synchronises anyway, see kernels/store.py).
 
-Caches: `spec=None` is transformers' plain DynamicCache (the model's own, SDPA);
+Caches: `spec=None` is transformers' plain DynamicCache (the model's own, SDPA; it
+grows by `torch.cat`, a fresh allocation per step and layer); "plain-static" is its
+StaticCache (fp16/bf16 preallocated for the whole run, written in place);
 a spec is our QuantizedCache under the "kvqbench" attention, so quantizers with a
 fused kernel decode through it (`mode` and `fallbacks` say what really ran).
 
@@ -27,7 +30,7 @@ import contextlib
 import time
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from ...harness.attention import fused_attention
 from ...harness.kv_cache import QuantizedCache, cache_kwargs, plain_cache_stats
@@ -78,8 +81,10 @@ def measure(model, spec: str | None, *, context: int, batch: int, steps: int = 3
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=g).to(dev)
     total = context + warmup + steps
-    if spec is None:
-        cache, ctx = DynamicCache(config=model.config), contextlib.nullcontext()
+    if spec is None or spec == "plain-static":
+        cache = (DynamicCache(config=model.config) if spec is None
+                 else StaticCache(config=model.config, max_cache_len=total))
+        ctx = contextlib.nullcontext()
     else:
         cache = QuantizedCache(spec, config=model.config, seed=seed, capacity=total)
         ctx = fused_attention(model)
@@ -98,14 +103,20 @@ def measure(model, spec: str | None, *, context: int, batch: int, steps: int = 3
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        for _ in range(steps):
+        per_step = []
+        for _ in range(steps):  # synchronised per step: the median shrugs off host stalls
+            t1 = time.perf_counter()
             tok = model(input_ids=tok, **kw, use_cache=True).logits[:, -1:].argmax(-1)
-        _sync(dev)
+            _sync(dev)
+            per_step.append(time.perf_counter() - t1)
         dt = time.perf_counter() - t0
+        per_step.sort()
     out = dict(spec=spec or "plain", context=context, batch=batch, steps=steps, warmup=warmup,
-               prefill_s=prefill_s, ms_per_step=dt / steps * 1e3, tokens_per_s=batch * steps / dt,
+               prefill_s=prefill_s, ms_per_step=per_step[len(per_step) // 2] * 1e3,
+               ms_per_step_mean=dt / steps * 1e3, ms_per_step_min=per_step[0] * 1e3,
+               tokens_per_s=batch / per_step[len(per_step) // 2],
                kv_live_bytes=_mem(dev) - base, decode_peak_bytes=(torch.cuda.max_memory_allocated() - base) if cuda else 0,
-               seq_length=cache.get_seq_length())
+               seq_length=int(cache.get_seq_length()))
     out["peak_bytes"] = max(peak_all, out["decode_peak_bytes"])
     if isinstance(cache, QuantizedCache):
         out.update(packed_nbytes=cache.nbytes(), bits_per_element=cache.bits_per_element(),

@@ -13,7 +13,11 @@ MEMORY_TARGET = ("hqmq:S=96,r=4", 0.35)
 
 
 def _index(rows):
-    return {(r["spec"], r["context"], r["batch"]): r for r in rows if "error" not in r}
+    idx = {}
+    for r in rows:  # a repeated configuration: the later row counts
+        if "error" not in r:
+            idx[(r["spec"], r["context"], r["batch"])] = r
+    return idx
 
 
 def targets(run: dict) -> list[tuple[str, str, str]]:
@@ -48,8 +52,9 @@ def markdown(run: dict) -> str:
              f"transformers {env.get('transformers')}, CUDA {env.get('cuda')}, driver {env.get('driver', '?')}; "
              f"{env.get('time', '')}.", "",
              "Greedy decoding after a prefill of `context` random tokens per row; ms per decode step "
-             f"over {cfg['steps']} steps after {cfg['warmup']} warm-up steps. `plain` is transformers' "
-             "DynamicCache (SDPA); the others are kvqbench's QuantizedCache under the 'kvqbench' "
+             f"(median of {cfg['steps']} steps, synchronised per step, after {cfg['warmup']} warm-up steps). "
+             "`plain` is transformers' DynamicCache (SDPA; grows by torch.cat, a new allocation per step "
+             "and layer), `plain-static` its StaticCache (preallocated, written in place); the others are kvqbench's QuantizedCache under the 'kvqbench' "
              "attention (mode `fused`: the fused kernel reads the packed device store; `dense`: "
              "dequantized history + SDPA). Weights are random (real shapes): speed and memory do not "
              "depend on them. KV = memory held by the cache after decoding (allocator, model excluded). "
