@@ -114,16 +114,17 @@ def test_tuner_keeps_only_real_gains_and_records_failures():
     from kvqbench.suites.bench.latency.tuning import greedy_tune, launch_stages
 
     def time_us(cfg):
-        if cfg["num_warps"] == 16:
+        if cfg.get("num_warps") == 16:
             raise OutOfResources(1 << 20, 1 << 16, "shared memory")
-        t = 100.0 - (10 if cfg["block_t"] == 128 else 0) - (1 if cfg["table"] == "sec32" else 0)
+        t = 100.0 - (10 if cfg.get("block_t") == 128 else 0) - (1 if cfg.get("table") == "sec32" else 0)
         return t - (20 if cfg.get("programs_per_sm") == 8 else 0)
 
     best, trials = greedy_tune(time_us, launch_stages(hqmq=True, has_sms=True), log=lambda s: None)
     # 10% (block 128) and 20% (8 programs per SM) gains kept; sec32's 1% is noise
     assert best == {"block_t": 128, "num_warps": 8, "table": "cb16", "num_stages": 1, "programs_per_sm": 8}
-    assert len(trials) == 5 + 4 + 3
-    assert [t for t in trials if "error" in t] == [trials[4]] and "OutOfResources" in trials[4]["error"]
+    assert trials[0] == {"time_us": 100.0}  # the kernel's own defaults compete first
+    assert len(trials) == 6 + 4 + 3
+    assert [t for t in trials if "error" in t] == [trials[5]] and "OutOfResources" in trials[5]["error"]
 
 
 def test_fake_quant_reads_the_tiled_cache_back():

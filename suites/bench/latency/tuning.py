@@ -18,19 +18,19 @@ NOISE_MARGIN = 0.02
 
 
 def launch_stages(hqmq: bool, has_sms: bool) -> list[list[dict]]:
-    """The search: block/warps first (HQMQ: fp16 codebook, no software pipelining, the
-    best in run 3), then HQMQ's other codeword sources and pipelining, or the
-    pipelining depth alone, then (GPU) the number of splits, as programs per SM
-    (decode_attention's `programs_per_sm`)."""
+    """The search: the kernel's own defaults and block/warps first (HQMQ: fp16
+    codebook, no software pipelining, the best in run 3), then HQMQ's other codeword
+    sources and pipelining, or the pipelining depth alone, then (GPU) the number of
+    splits, as programs per SM (decode_attention's `programs_per_sm`)."""
     shapes = [dict(block_t=64, num_warps=4), dict(block_t=64, num_warps=8), dict(block_t=128, num_warps=8),
               dict(block_t=128, num_warps=4)]
     if hqmq:
         shapes.append(dict(block_t=64, num_warps=16))
-        stages = [[{**s, "table": "cb16", "num_stages": 1} for s in shapes],
+        stages = [[DEFAULT_LAUNCH] + [{**s, "table": "cb16", "num_stages": 1} for s in shapes],
                   [{"table": t} for t in ("sec32", "sec16", "cb32")] + [{"num_stages": 2}]]
     else:
         shapes.append(dict(block_t=32, num_warps=4))
-        stages = [shapes, [{"num_stages": n} for n in (1, 3)]]
+        stages = [[DEFAULT_LAUNCH] + shapes, [{"num_stages": n} for n in (1, 3)]]
     if has_sms:
         stages.append([{"programs_per_sm": p} for p in (2, 8, 16)])
     return stages
