@@ -237,3 +237,31 @@ def test_two_gloo_ranks_give_the_single_process_figures_and_resume_across_world_
     assert all(again[k] == got[k] for k in set(got) - redo)
     assert_same_figures(again, want)
 
+
+
+# --- the scaling benchmark's arithmetic (its runs are GPU work; suites/bench/scaling.py) ----
+
+def _scaling_run(ranks: int, wall_s: float, nll_shift: float = 0.0) -> dict:
+    results = [{"protocol": "quantize-on-write", "spec": s, "seed": 0, "n_predicted": 100,
+                "ppl": 10.0 * (1 + nll_shift), "nll_sum": 230.0 + nll_shift, "cache_nbytes": 64}
+               for s in ("fp16", "int4")]
+    results.append({"protocol": "quantize-on-write", "spec": "int2", "seed": 0, "error": "boom"})
+    return {"meta": {"distributed": {"scoring": {"wall_s": wall_s, "busy_s_per_rank": [wall_s] * ranks,
+                                                 "rounds": 1, "units": 2},
+                                     "ranks": [{"device": f"cuda:{r}", "gpu": "H200"} for r in range(ranks)]}},
+            "results": results}
+
+
+def test_scaling_throughput_speedup_and_agreement():
+    from kvqbench.suites.bench import scaling
+
+    s = scaling.summarise({1: _scaling_run(1, 10.0), 2: _scaling_run(2, 5.5)})
+    one, two = s["rows"]
+    assert one["scored_tokens"] == two["scored_tokens"] == 200  # failed configurations score nothing
+    assert one["tokens_per_s"] == 20.0 and two["speedup"] == pytest.approx(10 / 5.5)
+    assert two["efficiency"] == pytest.approx(10 / 5.5 / 2)
+    assert two["agreement"]["same"] and two["agreement"]["bit_identical"] == 2
+    off = scaling.summarise({1: _scaling_run(1, 10.0), 2: _scaling_run(2, 5.0, nll_shift=1e-5)})["rows"][1]
+    assert not off["agreement"]["same"] and off["agreement"]["max_ppl_rel_diff"] == pytest.approx(1e-5)
+    assert scaling.compare_command(2, ["--device", "cpu"], "out", "r")[1:4] == [
+        "-m", "torch.distributed.run", "--standalone"]
