@@ -306,7 +306,7 @@ class Quantizer(ABC):
                     out = self.decode_tokens(seg, packed.shared, shape)
             except QuantizerInputError:
                 raise
-            except (RuntimeError, IndexError, ValueError, TypeError) as e:
+            except (RuntimeError, LookupError, ValueError, TypeError) as e:
                 # Fields of the right shapes can still hold values the format never
                 # writes (a code past the codebook, outlier counts that disagree).
                 raise CorruptPackedError(f"{where} does not decode ({type(e).__name__}: {e}); "

@@ -55,13 +55,17 @@ def test_entry_point_plugin_is_listed(installed_plugin, capsys):
     assert re.search(r"absmax:bits=4\s+4\.250", out), out
 
 
-def test_entry_point_plugin_gets_the_conformance_suite(installed_plugin):
-    """A fresh pytest run collects the plugin's configs into the same suite."""
+def test_entry_point_plugin_gets_the_per_quantizer_suites(installed_plugin):
+    """A fresh pytest run collects the plugin's configs into the conformance, fuzz
+    and bad-input suites, as it does every built-in's."""
     env = dict(os.environ, PYTHONPATH=str(installed_plugin))
+    suites = [str(REPO / "suites" / "tests" / f) for f in ("test_conformance.py", "test_fuzz.py", "test_bad_input.py")]
     res = subprocess.run(
-        [sys.executable, "-m", "pytest", str(REPO / "suites" / "tests" / "test_conformance.py"),
+        [sys.executable, "-m", "pytest", *suites,
          "-q", "-k", "absmax", "-p", "no:cacheprovider", "--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml")],
         cwd=installed_plugin, env=env, capture_output=True, text=True, timeout=600,
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    assert re.search(r"\b6 passed\b", res.stdout), res.stdout
+    # conformance 6, fuzz 2, bad input 9 (3 NaN/Inf, 3 empty, dtype/rank, append, zeros, overflow)
+    assert re.search(r"\b(\d+) passed\b", res.stdout), res.stdout
+    assert int(re.search(r"\b(\d+) passed\b", res.stdout).group(1)) >= 6 + 2 + 9, res.stdout
