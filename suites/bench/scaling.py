@@ -140,6 +140,15 @@ def render(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def scored(folder: Path) -> bool:
+    """Did the run finish its scoring phase? (torchrun exits 1 whatever a rank's own
+    status, so a partial failure, exit 3 of one process, is told apart by the file.)"""
+    try:
+        return "scoring" in read_run(folder)["meta"]["distributed"]
+    except (OSError, ValueError, KeyError):
+        return False
+
+
 def saved_count(path: Path) -> int:
     try:
         return len(records(read_run(path)))
@@ -195,7 +204,8 @@ def main(argv=None) -> int:
     commands, runs, walls = [], {}, {}
     if not args.no_warmup:
         cmd = compare_command(max(ranks), compare_args, folder / "runs", "warmup")
-        if launch(cmd, folder / "warmup.log")["rc"] not in (0, 3):
+        launch(cmd, folder / "warmup.log")
+        if not scored(folder / "runs" / "warmup"):
             print(f"warm-up run failed; see {folder / 'warmup.log'}", file=sys.stderr)
             return 1
     for n in ranks:
@@ -203,7 +213,7 @@ def main(argv=None) -> int:
         commands.append(cmd)
         done = launch(cmd, folder / f"ranks{n}.log")
         print(f"{n} rank(s): exit {done['rc']} in {done['wall_s']:.1f} s", file=sys.stderr)
-        if done["rc"] not in (0, 3):  # 3: some configuration failed, the rest is comparable
+        if not scored(folder / "runs" / f"ranks{n}"):  # a failed configuration is not a failed run
             print(f"run with {n} ranks failed; see {done['log']}", file=sys.stderr)
             return 1
         runs[n], walls[n] = read_run(folder / "runs" / f"ranks{n}"), done["wall_s"]
