@@ -14,6 +14,11 @@ alone holds results.json (its lock, its saves) and writes the report; it saves a
 every round, so a killed run loses at most the round in flight, and a rerun with any
 world size resumes on the (protocol, spec, seed) records as before.
 
+A configuration's `wall_s` is then the summed scoring time of its batches on all
+ranks; the scoring phase's own wall time and each rank's busy time are in
+meta.distributed.scoring. Also here: `--device-map` (a model spread over a node's GPUs
+by accelerate: one rank per node) and the GPU pinning of pytest-xdist workers.
+
 A single process without torchrun never comes here (`launched()` is False).
 """
 from __future__ import annotations
