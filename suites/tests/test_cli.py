@@ -165,3 +165,19 @@ def test_decode_tokens_are_honoured(tiny, tmp_path):
     assert data["meta"]["prefill_then_decode"] == {"context": 8, "decode_tokens": 4}
     assert data["meta"]["windows"]["per_protocol"] == {"quantize-on-write": 40, "prefill-then-decode": 12}
     assert "4 tokens scored after it" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_default_windows_depend_on_the_device(tiny, monkeypatch):
+    """The CPU default is sized to the 5-minute budget (run.CPU_WINDOWS); a GPU gets more."""
+    import torch
+
+    parser = cli.build_parser()
+    for device, want in (("cpu", compare_run.CPU_WINDOWS), ("cuda", compare_run.GPU_WINDOWS)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: device == "cuda")
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        args = parser.parse_args(["compare", "--model", tiny["model"], "--corpus", tiny["corpus"], "--specs", "fp16"])
+        compare_run.validate(args)
+        assert args.windows == want
+    args = parser.parse_args(["compare", "--model", tiny["model"], "--corpus", tiny["corpus"], "--windows", "5"])
+    compare_run.validate(args)
+    assert args.windows == 5
