@@ -213,11 +213,14 @@ def run_compare(args) -> int:
     except distributed.DistributedSetupError as e:
         raise UsageError(str(e)) from None
     print(f"loading model {args.model} and corpus {args.corpus} ...", file=sys.stderr, flush=True)
+    try:  # before the model: a text file that is not UTF-8 is the user's to fix
+        text, corpus_info = load_corpus(args.corpus)
+    except ValueError as e:
+        raise UsageError(f"--corpus: {e}") from None
     with distributed.local_main_first(ranks):
         model, tok, model_info = load_model(args.model, device=ranks.device if ranks else device,
                                             dtype=getattr(torch, args.dtype), verify=args.verify,
                                             device_map=device_map)
-    text, corpus_info = load_corpus(args.corpus)
     try:
         windows = token_windows(tok, text, plan["window"], args.windows)
     except ValueError as e:  # corpus too short for these windows: the user's numbers

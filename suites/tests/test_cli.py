@@ -84,6 +84,17 @@ def test_bad_usage_exits_2_before_any_model_work(tiny, tmp_path, monkeypatch, ca
     assert not (tmp_path / "r").exists()
 
 
+def test_non_utf8_corpus_is_a_usage_error_naming_the_file(tiny, tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\u00e9 ".encode("latin-1") * 500)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model loaded before the corpus"))
+    args = compare_args(tiny, tmp_path)
+    args[args.index("--corpus") + 1] = str(bad)
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "not UTF-8" in err and "Traceback" not in err
+
+
 def test_argparse_errors_and_help(capsys):
     assert cli.main(["compare", "--protocol", "sideways"]) == 2
     assert cli.main(["compare", "--windows", "four"]) == 2
