@@ -318,7 +318,12 @@ class QuantizedCache(Cache):
         if layer.mode is None:
             layer.fused_wanted, layer.capacity_hint = self.fused_wanted(), self.capacity
             layer.hqmq_table = self.hqmq_table
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if (isinstance(out[0], PackedHistory) and self.model_config is not None
+                and not uses_fused_attention(self.model_config)):
+            raise RuntimeError("a fused QuantizedCache hands attention its packed store: run the model under "
+                               "kvqbench.suites.harness.attention.fused_attention(model), or use fused=False")
+        return out
 
     # ---- measurement and diagnostics ----------------------------------------------------
     def packed(self, layer_idx: int) -> dict[str, Packed | None]:

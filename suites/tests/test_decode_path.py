@@ -210,3 +210,60 @@ def test_batched_windows_equal_one_by_one(name):
             assert many["nll_sum"] == pytest.approx(one["nll_sum"], rel=1e-4), (spec, fn.__name__)
             assert many["bits_per_element"] == pytest.approx(one["bits_per_element"], rel=1e-12), spec
             assert many["n_predicted"] == one["n_predicted"]
+
+
+# ---- the embedded model (real weights) ------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["int4", "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3", "kivi:bits=4", "fp8-e4m3"])
+def test_embedded_model_greedy_fused_equals_dense(spec):
+    # The embedded SmolLM2-135M (fp32 on CPU: the kernels' exact path under the
+    # interpreter), a corpus prompt, a few greedy tokens: fused == dense, every layer fused.
+    from kvqbench.suites.harness.corpora import load_corpus
+    from kvqbench.suites.harness.models import load_model
+
+    model, tok, _ = load_model("smollm2-135m", device=DEV)
+    text, _ = load_corpus()
+    ids = tok(text[:400], return_tensors="pt").input_ids[:, :48].to(DEV)
+    outs = {}
+    with torch.inference_mode(), fused_attention(model):
+        for fused in (False, True):
+            cache = QuantizedCache(spec, config=model.config, fused=fused)
+            outs[fused] = model.generate(ids, max_new_tokens=4, do_sample=False, **cache_kwargs(model, cache))
+            assert all(layer.mode == ("fused" if fused else "dense") for layer in cache.layers)
+            assert all(layer.fallbacks == 0 for layer in cache.layers)
+    assert torch.equal(outs[True], outs[False])
+
+
+# ---- the dense path ---------------------------------------------------------------------------------
+def test_dense_history_grows_in_place(model, monkeypatch):
+    # Each decode step decodes only its own token into a buffer that is preallocated
+    # and written in place (no re-decode of the history, no O(T) concatenation).
+    q_cls = type(get_quantizer("int4"))
+    decoded_tokens = []
+    real = q_cls.decode_tokens
+
+    def spy(self, seg, shared, shape):
+        decoded_tokens.append(shape[2])
+        return real(self, seg, shared, shape)
+
+    monkeypatch.setattr(q_cls, "decode_tokens", spy)
+    ids = tokens(30).to(DEV)
+    cache = QuantizedCache("int4", config=model.config, fused=False, capacity=30)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :20], **cache_kwargs(model, cache), use_cache=True)
+        ptrs = [layer.decoded["K"].buf.data_ptr() for layer in cache.layers]
+        decoded_tokens.clear()
+        for t in range(20, 30):
+            model(input_ids=ids[:, t:t + 1], **cache_kwargs(model, cache), use_cache=True)
+    assert decoded_tokens == [1] * (10 * 2 * 2)  # steps x layers x roles, one token each
+    assert [layer.decoded["K"].buf.data_ptr() for layer in cache.layers] == ptrs
+    assert all(layer.keys.shape[2] == 30 and layer.decoded["K"].capacity >= 30 for layer in cache.layers)
+
+
+def test_fused_cache_needs_the_fused_attention(model):
+    cache = QuantizedCache("int4", config=model.config, fused=True)
+    ids = tokens(10).to(DEV)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :9], **cache_kwargs(model, cache), use_cache=True)  # prefill: dense SDPA
+        with pytest.raises(RuntimeError, match="fused_attention"):
+            model(input_ids=ids[:, 9:], **cache_kwargs(model, cache), use_cache=True)
