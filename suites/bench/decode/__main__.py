@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         return 0
     from ...harness.kv_cache import QuantizedCache  # noqa: F401  (fail early on a broken install)
     from ....quantizers import get_quantizer
-    from .measure import build_model, compare_paths, measure
+    from .measure import append_cost, build_model, compare_paths, measure
 
     specs = [None if s == "plain" else s for s in a.specs]
     for s in specs:
@@ -89,6 +89,10 @@ def main(argv=None) -> int:
     # The configurations the targets name come first (a budget cut drops the rest).
     pairs = [(c, b) for c in a.contexts for b in a.batches]
     pairs.sort(key=lambda cb: (cb not in ((4096, 1), (max(a.contexts), max(a.batches))), cb))
+    cfg = model.config
+    run["append_cost"] = [append_cost(s, heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, device=device)
+                          for s in quantized]
+    _save(path, run)
     for ctx, batch in pairs:
         for spec in specs:
             if time.perf_counter() - t_start > a.budget_s:

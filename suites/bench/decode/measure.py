@@ -157,4 +157,29 @@ def compare_paths(model, spec: str, *, context: int, batch: int, steps: int = 8,
                 fallbacks=sum(layer.fallbacks for layer in caches["fused"].layers))
 
 
-__all__ = ["SHAPES", "build_model", "compare_paths", "measure"]
+def append_cost(spec: str, *, heads: int = 8, head_dim: int = 128, context: int = 256, device="cpu") -> dict:
+    """What one decode step's write costs a quantizer, per (layer, role): the number of
+    top-level torch ops `Quantizer.append` of one token runs (each a kernel launch on a
+    GPU) and how many of them read a value back to the host (`.item()`, `bool()`: a
+    device synchronisation on a GPU). Counted with torch's profiler; device-independent."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ....quantizers import get_quantizer
+
+    out = {"spec": spec, "heads": heads, "head_dim": head_dim}
+    for role in ("K", "V"):
+        q = get_quantizer(spec, role=role)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1, heads, context + 1, head_dim, generator=g).to(device, torch.bfloat16)
+        packed = q.encode(x[:, :, :context])
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            q.append(packed, x[:, :, context:])
+        events = list(prof.events())
+        top = [e for e in events if e.name.startswith("aten::")
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+        out[f"{role}_ops"] = len(top)
+        out[f"{role}_host_reads"] = sum(e.name == "aten::_local_scalar_dense" for e in events)
+    return out
+
+
+__all__ = ["SHAPES", "append_cost", "build_model", "compare_paths", "measure"]
