@@ -142,7 +142,12 @@ def main(argv=None):
     x[..., 3] *= 25
     q = torch.randn(B, Hq, 1, d).half()
     cfgs = ([] if a.extra_only else [dict(block_t=64, num_warps=4), dict(block_t=128, num_warps=8)]) + \
-        [dict(block_t=int(c.split(":")[0]), num_warps=int(c.split(":")[1])) for c in a.extra]
+        [dict(block_t=int(c.split(":")[0]), num_warps=int(c.split(":")[1]),
+              **dict(kv.split("=") for kv in c.split(":")[2:])) for c in a.extra]
+    for c in cfgs:  # extra keywords as BT:warps:key=value (ints or booleans)
+        for key, val in list(c.items()):
+            if isinstance(val, str):
+                c[key] = {"True": True, "False": False}.get(val, int(val) if val.isdigit() else val)
     for spec in [s for s in ("hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3", "int4", "kivi:bits=4", "kivi:bits=2",
                              "fp8-e4m3") if a.only in s]:
         qk, qv = get_quantizer(spec, role="K"), get_quantizer(spec, role="V")

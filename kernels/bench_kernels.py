@@ -153,6 +153,8 @@ def bench_shape(B, T, dev, base_cache, variants: bool, graphs: bool) -> list[dic
         best = None
         base = (HQMQ_VARIANTS if name.startswith("hqmq") else VARIANTS)
         tried = [dict(c, programs_per_sm=8) for c in base[: None if variants else 1]]
+        if B == 1:  # few rows: more splits (shorter serial chains per program) may pay
+            tried = [dict(base[0], block_t=64, programs_per_sm=p) for p in (8, 16, 32)]
         i = 0
         while i < len(tried):
             cfg = tried[i]
@@ -168,12 +170,33 @@ def bench_shape(B, T, dev, base_cache, variants: bool, graphs: bool) -> list[dic
             if variants and i == len(base):  # then the split count around the best config
                 tried += [dict(best[1], programs_per_sm=p) for p in PROGRAMS_PER_SM if p != 8]
         if graphs and best:
-            cfg = best[1]
-            rows.append({"B": B, "T": T, "method": name + "-graph", "cfg": cfg, "bytes": nbytes,
-                         "us": bench(_replay(GraphedDecode(kf, vf, q, **cfg), q))})
+            # every config that ran, as a graph: at B=1 the plain timings rank host overhead
+            # (run 9 picked 32 programs/SM from them; its graph was slower than 8/SM's in run 8)
+            for cfg in [r["cfg"] for r in rows if r["method"] == name and (r["B"], r["T"]) == (B, T) and "us" in r]:
+                step = GraphedDecode(kf, vf, q, **cfg)
+                rows.append({"B": B, "T": T, "method": name + "-graph", "cfg": cfg, "bytes": nbytes,
+                             "us": bench(_replay(step, q)),
+                             "host_us_per_call": host_overhead(lambda: decode_attention(q, kf, vf, **cfg),
+                                                               _replay(step, q))})
+                del step
         del kf, vf
         torch.cuda.empty_cache()
     return rows
+
+
+def host_overhead(plain, replay, n: int = 200) -> float:
+    """Wall time per call of `plain` minus that of `replay` (a CUDA graph of the same
+    work), back to back without L2 flushes: the host cost a graph removes."""
+    out = []
+    for fn in (plain, replay):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) / n * 1e6)
+    return out[0] - out[1]
 
 
 def _replay(step, q):
@@ -186,7 +209,11 @@ def main(argv=None):
     ap.add_argument("--shapes", default="8x32768,1x32768", help="BxT,BxT,...")
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--methods", default="", help="comma-separated subset of " + ",".join(METHODS))
     a = ap.parse_args(argv)
+    if a.methods:
+        for name in set(METHODS) - set(a.methods.split(",")):
+            del METHODS[name]
     dev = torch.device("cuda")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

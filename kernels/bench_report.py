@@ -29,7 +29,8 @@ def best_rows(res: dict) -> list[dict]:
             r = min((r for r in rs if r["method"] == name), key=lambda r: r["us"])
             gbs = r["bytes"] / (r["us"] * 1e-6) / 1e9
             out.append({"B": B, "T": T, "method": name, "us": r["us"], "MB": r["bytes"] / 1e6, "GBps": gbs,
-                        "of_copy_bw": gbs / bw, "speedup_vs_fp16_sdpa": ref / r["us"], "cfg": r.get("cfg", {})})
+                        "of_copy_bw": gbs / bw, "speedup_vs_fp16_sdpa": ref / r["us"], "cfg": r.get("cfg", {}),
+                        "host_us_per_call": r.get("host_us_per_call")})
     return out
 
 
@@ -70,6 +71,8 @@ def render(res: dict, out: Path, stem: str = "kernels") -> None:
     for r in rows:
         c = r["cfg"]
         cfg = f"{c['block_t']}/{c['num_warps']}w/{c['num_stages']}s/{c['programs_per_sm']}pps" if c else ""
+        if r.get("host_us_per_call") is not None:
+            cfg += f"; host overhead a graph removes: {r['host_us_per_call']:.0f} us/call"
         lines.append(f"| {r['B']} | {r['T']} | {r['method']} | {r['us']:.1f} | {r['MB']:.1f} | {r['GBps']:.0f} | "
                      f"{r['of_copy_bw']:.2f} | {r['speedup_vs_fp16_sdpa']:.2f} | {cfg} |")
     lines += ["", "## Issue-10 targets (same-run ratios)", "", "| target | measured | met |", "|---|---:|---|"]

@@ -110,7 +110,24 @@ def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, tabl
     tok = t0 + tl.arange(0, BT)
     tmask = tok < T
     bh64 = bh.to(tl.int64)
-    if CW == 12:  # two 12-bit codes in three bytes
+    if CW == 12 and NC % 8 == 0:  # eight 12-bit codes in three 32-bit words: 3 loads, not 12
+        g = tl.arange(0, NC // 8)
+        pw = (codes_ptr + bh64 * cs + (tok * CB)[:, None] + (g * 12)[None, :]).to(tl.pointer_type(tl.int32))
+        w0 = tl.load(pw, mask=tmask[:, None], other=0)
+        w1 = tl.load(pw + 1, mask=tmask[:, None], other=0)
+        w2 = tl.load(pw + 2, mask=tmask[:, None], other=0)
+        # code k of the group = bits 12k .. 12k+11 of the 96-bit little-endian word stream
+        x0 = w0 & 0xFFF
+        x1 = (w0 >> 12) & 0xFFF
+        x2 = ((w0 >> 24) & 0xFF) | ((w1 & 0xF) << 8)
+        x3 = (w1 >> 4) & 0xFFF
+        x4 = (w1 >> 16) & 0xFFF
+        x5 = ((w1 >> 28) & 0xF) | ((w2 & 0xFF) << 4)
+        x6 = (w2 >> 8) & 0xFFF
+        x7 = (w2 >> 20) & 0xFFF
+        code = tl.reshape(tl.join(tl.join(tl.join(x0, x4), tl.join(x2, x6)),
+                                  tl.join(tl.join(x1, x5), tl.join(x3, x7))), (BT, NC))  # x_{4p+2q+r}
+    elif CW == 12:  # two 12-bit codes in three bytes
         i3 = 3 * tl.arange(0, NC // 2)
         pc = codes_ptr + bh64 * cs + (tok * CB)[:, None] + i3[None, :]
         b0 = tl.load(pc, mask=tmask[:, None], other=0).to(tl.int32)
@@ -119,11 +136,20 @@ def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, tabl
         code = tl.reshape(tl.join(b0 | ((b1 & 15) << 8), (b1 >> 4) | (b2 << 4)), (BT, NC))
     else:
         code = _unpack_rows(codes_ptr + bh64 * cs, tok * CB, tmask, BT, NC, CW, CB, CNB)
-    rq = _unpack_rows(rad_ptr + bh64 * rs, tok * RB, tmask, BT, NC, RW, RB, RNB)
+    if RW == 4:  # two radius codes per byte: one vector load of the row
+        rb = tl.load(rad_ptr + bh64 * rs + (tok * RB)[:, None] + tl.arange(0, NC // 2)[None, :],
+                     mask=tmask[:, None], other=0).to(tl.int32)
+        rq = tl.reshape(tl.join(rb & 15, rb >> 4), (BT, NC))
+    else:
+        rq = _unpack_rows(rad_ptr + bh64 * rs, tok * RB, tmask, BT, NC, RW, RB, RNB)
     rmax = tl.load(rmax_ptr + bh64 * ms + tok, mask=tmask, other=0)
     if FAST and TAB == 1:
-        c0, c1, c2, c3 = f16x4(tl.load(table_ptr + (h * (24 * S) + code).to(tl.int64)), True)
-        rhat = rmax.to(tl.float16)[:, None] * tl.load(rel_ptr + rq)
+        c0, c1, c2, c3 = f16x4(tl.load(table_ptr + (h * (24 * S) + code)), True)
+        if LOGR:
+            rhat = rmax.to(tl.float16)[:, None] * tl.load(rel_ptr + rq)
+        else:  # q * (r_max / L): q to fp16 exactly by the magic-number trick, no table gather
+            qh = (rq | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+            rhat = qh * (rmax.to(tl.float32) / ((1 << RW) - 1)).to(tl.float16)[:, None]
     else:
         rmax = rmax.to(tl.float32)
         if LOGR:
@@ -346,7 +372,8 @@ def _kivi_split_kernel(q_ptr, kc, ks, kz, kres, vc, vs, vz, vres, po_ptr, pm_ptr
     """Keys: NGK quantized groups then TRK window rows; values: NGV groups then TRV rows
     (KIVI keeps different windows for K and V; both cover the same T tokens). The
     tiles where both are quantized are split over the programs; the tail from there
-    to T (under a window plus a tile) goes to the last split, each side decoded from
+    to T (under a window plus a tile) goes to the last split (the host adds one for it,
+    so it does not lengthen a split that also has main tiles), each side decoded from
     whichever part holds the token."""
     TQK = NGK * G
     TQV = NGV * G
@@ -585,6 +612,8 @@ def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_spli
     q = q.contiguous()
     n_main = min(k.n_groups, v.n_groups) * G // bt
     nsplit, per = choose_splits(B * H, n_main, q.device, num_splits, programs_per_sm)
+    if n_main and k.T > n_main * bt:  # the tail gets a program of its own (its first tile is past n_main)
+        nsplit += 1
 
     def parts(f: KIVIFlat, role: str):
         if f.n_groups:
