@@ -32,9 +32,10 @@ DEFAULT_CORPUS = "canterbury"
 STOCHASTIC_NAMES = ("hqmq", "spherical", "avq")
 EXIT_PARTIAL = 3  # the report was written, but some configuration failed
 # Default windows of --window tokens. On a CPU the default sweep (26 configs, 14 of them
-# stochastic, each over 3 seeds) must finish in about 5 minutes on 2 cores: its cost
-# was measured per config (1 thread, process CPU time: fitted avq/flatvq and HQMQ
-# S=256 dominate) and fits with 2 windows, not 4. A GPU affords 16.
+# stochastic, each over 3 seeds) should finish in about 5 minutes on 2 cores. Measured
+# per config (process CPU time, 1 thread, 512-token windows; fitted avq/flatvq and
+# HQMQ S=256 dominate) it costs ~360 CPU-seconds per window: 2 windows, not 4. A GPU
+# affords 16.
 CPU_WINDOWS, GPU_WINDOWS = 2, 16
 
 
