@@ -1,5 +1,5 @@
 """Lloyd-Max scalar quantizers (minimum-MSE levels for a known density), computed
-at import-free first use, float64 on CPU, deterministic; never from data.
+on first use and cached, float64 on CPU, deterministic; never from data.
 
 - `lloyd_max_gaussian(L)`: the L levels of N(0, 1).
 - `lloyd_max_sphere(L, d)`: the L levels of ONE coordinate of a point drawn
