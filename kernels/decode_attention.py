@@ -41,8 +41,8 @@ import triton
 import triton.language as tl
 
 from .layout import OUTLIER_BLOCK, FP8Flat, HQMQFlat, IntFlat, KIVIFlat
-from .triton_common import (LOG2E, combine_kernel, dq_bytes, f16_lane, f16x4, hamilton, interpreting, popc,
-                            scores, softmax_update, split_prologue, store_partial)
+from .triton_common import (LOG2E, combine_kernel, dq_bytes, f16x4, hamilton, interpreting, popc, scores,
+                            softmax_update, split_prologue, store_partial, table_quad)
 
 
 # ---------------------------------------------------------------------------------------
@@ -157,33 +157,15 @@ def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, tabl
         else:  # uniform levels: q / L, the IEEE quotient torch computes
             rel = tl.div_rn(rq.to(tl.float32), tl.full([BT, NC], (1 << RW) - 1, tl.float32))
         rhat = rmax[:, None] * rel  # as HQMQ.radius_levels: r_max * rel[q]
-        if TAB < 2:
-            cidx = (h * (24 * S) + code).to(tl.int64)
-            if TAB == 1:  # codebook fp16 [H, 24S, 4] as int64 [H*24S]
-                c0, c1, c2, c3 = f16x4(tl.load(table_ptr + cidx), False)
-            else:  # codebook fp32 [H, 24S, 4] as int64 [H*24S*2]
-                w0 = tl.load(table_ptr + cidx * 2)
-                w1 = tl.load(table_ptr + cidx * 2 + 1)
-                c0 = w0.to(tl.int32).to(tl.float32, bitcast=True)
-                c1 = (w0 >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-                c2 = w1.to(tl.int32).to(tl.float32, bitcast=True)
-                c3 = (w1 >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        else:
+        if TAB < 2:  # codebook [H, 24S, 4], fp16 (TAB 1) or fp32 (TAB 0)
+            c0, c1, c2, c3 = table_quad(table_ptr, (h * (24 * S) + code).to(tl.int64), TAB == 1)
+        else:  # P [24, 4] fp32 times the secondaries [H, S, 4], fp16 (TAB 3) or fp32 (TAB 2)
             p = code // S
-            sidx = (h * S + (code - p * S)).to(tl.int64)
-            a0 = tl.load(ptab_ptr + p * 4)  # P [24, 4] fp32
+            a0 = tl.load(ptab_ptr + p * 4)
             a1 = tl.load(ptab_ptr + p * 4 + 1)
             a2 = tl.load(ptab_ptr + p * 4 + 2)
             a3 = tl.load(ptab_ptr + p * 4 + 3)
-            if TAB == 3:  # secondaries fp16 [H, S, 4] as int64 [H*S]
-                s0, s1, s2, s3 = f16x4(tl.load(table_ptr + sidx), False)
-            else:  # secondaries fp32 [H, S, 4] as int64 [H*S*2]
-                w0 = tl.load(table_ptr + sidx * 2)
-                w1 = tl.load(table_ptr + sidx * 2 + 1)
-                s0 = w0.to(tl.int32).to(tl.float32, bitcast=True)
-                s1 = (w0 >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-                s2 = w1.to(tl.int32).to(tl.float32, bitcast=True)
-                s3 = (w1 >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            s0, s1, s2, s3 = table_quad(table_ptr, (h * S + (code - p * S)).to(tl.int64), TAB == 3)
             c0, c1, c2, c3 = hamilton(a0, a1, a2, a3, s0, s1, s2, s3)
     v0 = c0 * rhat
     v1 = c1 * rhat

@@ -80,6 +80,19 @@ def f16x4(w, FAST: tl.constexpr):
         return f16_lane(w, 0), f16_lane(w, 1), f16_lane(w, 2), f16_lane(w, 3)
 
 
+@triton.jit
+def table_quad(ptr, idx, F16: tl.constexpr):
+    """Row idx of a [N, 4] table of fp16 (F16) or fp32 numbers viewed as int64 (one or
+    two 8-byte gathers): four fp32 numbers, exactly the stored ones."""
+    if F16:
+        return f16x4(tl.load(ptr + idx), False)
+    else:
+        w0 = tl.load(ptr + idx * 2)
+        w1 = tl.load(ptr + idx * 2 + 1)
+        return (w0.to(tl.int32).to(tl.float32, bitcast=True), (w0 >> 32).to(tl.int32).to(tl.float32, bitcast=True),
+                w1.to(tl.int32).to(tl.float32, bitcast=True), (w1 >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+
+
 def _dq_asm(width: int, offset: int) -> str:
     """PTX: 4 bytes ($2) -> field (width bits at `offset` of each byte) * scale + zero,
     4 fp16 in $0, $1; scale in $3, $4, zero in $5, $6 (fp16x2 each)."""
