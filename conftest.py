@@ -6,6 +6,13 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+
+# Triton fixes interpreter-or-compiler when a @triton.jit function is defined, and
+# importing transformers' models already imports triton.language: without a GPU the
+# kernels run only under the interpreter, so switch it on before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Hypothesis: a CI profile that is thorough but bounded in time.
 try:

@@ -13,7 +13,8 @@ Two ways to read it:
   its new segments into it (KIVI's replaced fp16 window included), so a decode step
   costs O(1) decode work and no O(T) copy. Attention is the model's own (SDPA, eager).
 - fused (the model runs the "kvqbench" attention of suites/harness/attention.py, and
-  the quantizer has a fused kernel, on CUDA or under TRITON_INTERPRET=1): the layer
+  the quantizer has a fused kernel, on CUDA; `fused=True` also under the Triton
+  interpreter on a CPU, TRITON_INTERPRET=1, for tests): the layer
   keeps a `KernelStore` (device buffers in the kernels' layout, appended in place)
   and NO decoded history. A one-token decode step hands attention a `PackedHistory`
   handle and the fused kernel reads the store; a multi-token write (prefill) decodes
@@ -80,7 +81,8 @@ def _triton_can_run(device: torch.device) -> bool:
 def _new_segments(old: Packed | None, new: Packed) -> tuple[list[Segment], int]:
     """(segments of `new` not shared with `old`, tokens of the shared prefix).
     Segments are immutable: a shared object holds the same bytes (KIVI replaces its
-    trailing fp16 window on each write; a tampered segment is a new object)."""
+    trailing fp16 window on each write; a tampered segment is a new object). A full
+    scan: for diagnostics (`replace_packed`), where any segment may be new."""
     n, t = 0, 0
     if old is not None:
         for a, b in zip(old.segments, new.segments):
@@ -88,6 +90,22 @@ def _new_segments(old: Packed | None, new: Packed) -> tuple[list[Segment], int]:
                 break
             n, t = n + 1, t + a.tokens
     return new.segments[n:], t
+
+
+def _appended_segments(old: Packed | None, new: Packed, old_tokens: int) -> tuple[list[Segment], int]:
+    """`_new_segments` for `new = quantizer.append(old, x)`, in time independent of the
+    history's length: an append shares a prefix of `old`'s segments and replaces only
+    trailing ones (KIVI's window), so scan back from the end of what both hold."""
+    if old is None:
+        return new.segments, 0
+    k = min(len(old.segments), len(new.segments))
+    t = old_tokens
+    for i in range(len(old.segments) - 1, k - 1, -1):  # old segments past new's length
+        t -= old.segments[i].tokens
+    while k and old.segments[k - 1] is not new.segments[k - 1]:
+        k -= 1
+        t -= old.segments[k].tokens
+    return new.segments[k:], t
 
 
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -108,7 +126,7 @@ class QuantizedLayer(DynamicLayer):
         self.spec, self.layer_idx, self.seed = spec, layer_idx, seed
         self.layer_type = layer_type
         self.quantizers = {r: get_quantizer(spec, layer=layer_idx, role=r, seed=seed) for r in ROLES}
-        self.fused_wanted = False  # set by the cache before each update
+        self.fused_wanted: bool | None = False  # set by the cache before the first write
         self.capacity_hint = 0  # tokens to preallocate for (e.g. prompt + new tokens)
         self.hqmq_table: tuple[str, torch.dtype] | None = None  # HQMQ codeword source of the kernel
         self._clear()
@@ -136,8 +154,8 @@ class QuantizedLayer(DynamicLayer):
         for role, x in (("K", key_states), ("V", value_states)):
             old = self.packed[role]
             self.packed[role] = self.quantizers[role].append(old, x)  # append(None, x) == encode(x)
-            new[role] = _new_segments(old, self.packed[role])
-        self.tokens = self.packed["K"].tokens
+            new[role] = _appended_segments(old, self.packed[role], self.tokens)
+        self.tokens += key_states.shape[-2]  # (Packed.tokens would sum over every segment)
         if self.mode is None:  # the first write decides (and a new store absorbs it)
             self.mode = "fused" if self._start_stores() else "dense"
         elif self.mode == "fused":
@@ -153,9 +171,12 @@ class QuantizedLayer(DynamicLayer):
         return self.keys, self.values
 
     def _start_stores(self) -> bool:
-        """Fused mode: a store per role, when asked for and a kernel reads this format."""
-        if not (self.fused_wanted and _triton_can_run(self.device)
-                and self.layer_type in (None, "full_attention")):
+        """Fused mode: a store per role, when asked for and a kernel reads this format.
+        `fused_wanted` None (automatic) means on CUDA only; True also runs the kernels
+        under the Triton interpreter on a CPU (tests: slow, exact fp32)."""
+        can = self.device.type == "cuda" if self.fused_wanted is None else (
+            bool(self.fused_wanted) and _triton_can_run(self.device))
+        if not (can and self.layer_type in (None, "full_attention")):
             return False
         stores = {r: KernelStore.create(self.packed[r], r, capacity=self.capacity_hint, hqmq_table=self._table())
                   for r in ROLES}
@@ -272,8 +293,8 @@ class QuantizedCache(Cache):
 
     Give `config=model.config` (preferred: the layer count and layer types are
     checked) or `n_layers`; with neither, layers are created as `update` reaches them.
-    `fused`: None (default) uses the fused decode path when the model runs the
-    "kvqbench" attention (`attention.fused_attention(model)`; needs `config`), True /
+    `fused`: None (default) uses the fused decode path on CUDA when the model runs the
+    "kvqbench" attention (`attention.fused_attention(model)`; needs `config`); True /
     False force it on / off (on still needs a format a kernel reads and CUDA or
     TRITON_INTERPRET=1; otherwise the layer stays dense). `capacity`: tokens to
     preallocate per layer (e.g. prompt + new tokens); buffers grow by doubling anyway.
@@ -306,10 +327,12 @@ class QuantizedCache(Cache):
         lt = self.layer_types[i] if self.layer_types and i < len(self.layer_types) else None
         return QuantizedLayer(self.spec, i, self.seed, layer_type=lt)
 
-    def fused_wanted(self) -> bool:
+    def fused_wanted(self) -> bool | None:
+        """True / False when forced; None (automatic: CUDA only) when the model runs the
+        "kvqbench" attention; False otherwise."""
         if self.fused is not None:
             return self.fused
-        return self.model_config is not None and uses_fused_attention(self.model_config)
+        return None if self.model_config is not None and uses_fused_attention(self.model_config) else False
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:  # lazily grown when no layer count was given

@@ -17,8 +17,9 @@ whose statistics span rows (`rows_independent`: those that fit shared tensors on
 first write, or that say `rows_independent = False`) is scored one window at a time. The batch is also capped so the logits stay within LOGITS_BUDGET.
 
 Prefill-then-decode runs the decode steps through the fused kernels when the model
-uses SDPA and the quantizer has a kernel (CUDA, or TRITON_INTERPRET=1): the packed
-store is read in place, with no dense copy of the history (`fused=False` turns it off).
+uses SDPA, the quantizer has a kernel and the model is on CUDA: the packed store is
+read in place, with no dense copy of the history (`fused=False` turns it off,
+`fused=True` forces it, under the Triton interpreter on a CPU).
 
 PPL = exp(nll_sum / n_predicted). Bits per element are measured from the bytes each
 window's cache stores after its last write, pooled over windows (sum of bytes x 8 /
@@ -59,10 +60,10 @@ def _device_of(model, device) -> torch.device:
     return device
 
 
-def _new_cache(model, spec: str | None, seed: int, capacity: int = 0):
+def _new_cache(model, spec: str | None, seed: int, capacity: int = 0, fused: bool | None = False):
     if spec is None:
         return DynamicCache(config=model.config)
-    return QuantizedCache(spec, config=model.config, seed=seed, capacity=capacity)
+    return QuantizedCache(spec, config=model.config, seed=seed, capacity=capacity, fused=fused)
 
 
 def _cache_stats(cache) -> tuple[int, int]:
@@ -107,12 +108,13 @@ def batch_rows(model, spec: str | None, windows: torch.Tensor, batch_size: int, 
     return max(1, min(batch_size, cap, windows.shape[0]))
 
 
-def _fused_context(model, spec: str | None, fused: bool):
-    """The "kvqbench" attention for decode steps, when it would change nothing but speed:
-    a quantized cache on a model that runs SDPA (its dense path IS SDPA)."""
-    if fused and spec is not None and getattr(model.config, "_attn_implementation", None) == "sdpa":
-        return fused_attention(model)
-    return contextlib.nullcontext()
+def _fused_setting(model, spec: str | None, fused: bool | None):
+    """(context, the cache's `fused`): the "kvqbench" attention for decode steps where it
+    changes nothing but speed, a quantized cache on a model that runs SDPA (its dense
+    path IS SDPA); elsewhere no context and a dense cache."""
+    if fused is not False and spec is not None and getattr(model.config, "_attn_implementation", None) == "sdpa":
+        return fused_attention(model), fused
+    return contextlib.nullcontext(), False
 
 
 def _last_logit_only(model) -> dict:
@@ -173,7 +175,7 @@ def ppl_quantize_on_write(model, windows: torch.Tensor, spec: str | None, seed: 
 
 def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed: int = 0, *,
                             context: int, device=None, progress: Progress | None = None,
-                            batch_size: int = DEFAULT_BATCH, fused: bool = True) -> dict:
+                            batch_size: int = DEFAULT_BATCH, fused: bool | None = None) -> dict:
     """`prefill-then-decode`: tokens 0..L-1 (L = `context`) of each window are written in
     one prefill call; then tokens L..N-2 are fed one decode step at a time (each step
     writes its one token to the cache and attends to the quantized history).
@@ -183,7 +185,8 @@ def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed
     that feeds token t, for t = L..N-2. Token N-1 is never written. Every statistic a
     quantizer computes over the prefill write is fixed before any scored decode write.
     `batch_size` windows share each call; `fused` lets decode steps read the packed
-    store through the fused kernels (module docstring).
+    store through the fused kernels: None (default) on CUDA, True also under the Triton
+    interpreter on a CPU (slow; tests), False never (module docstring).
     """
     windows = _check_windows(windows, 2)
     n_win, N = windows.shape
@@ -193,10 +196,11 @@ def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed
     rows = batch_rows(model, spec, windows, batch_size, 1)
     t0 = time.perf_counter()
     nll, n_pred, nbytes, numel = 0.0, 0, 0, 0
-    with torch.inference_mode(), _fused_context(model, spec, fused):
+    context_manager, fused = _fused_setting(model, spec, fused)
+    with torch.inference_mode(), context_manager:
         for i in range(0, n_win, rows):
             ids = windows[i:i + rows].to(dev)
-            cache = _new_cache(model, spec, seed, capacity=N)
+            cache = _new_cache(model, spec, seed, capacity=N, fused=fused)
             kw = cache_kwargs(model, cache)
             logits = model(input_ids=ids[:, :context], **kw, use_cache=True, **_last_logit_only(model)).logits[:, -1:]
             w_nll = _nll(logits, ids[:, context:context + 1])

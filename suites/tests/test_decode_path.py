@@ -140,7 +140,7 @@ def test_fused_generate_equals_dense(model, spec):
         dense = QuantizedCache(spec, config=model.config)
         out_dense = model.generate(ids, max_new_tokens=6, do_sample=False, **cache_kwargs(model, dense))
         with fused_attention(model):
-            fused = QuantizedCache(spec, config=model.config)
+            fused = QuantizedCache(spec, config=model.config, fused=True)  # True: the interpreter on a CPU
             out_fused = model.generate(ids, max_new_tokens=6, do_sample=False, **cache_kwargs(model, fused))
     assert model.config._attn_implementation == "sdpa"  # restored
     assert all(layer.mode == "dense" for layer in dense.layers)
