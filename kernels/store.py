@@ -24,12 +24,14 @@ Formats (by the `*Flat` type `flatten` returns for the first write):
   each 64-token block within its (b, h) list, updated for the blocks a write starts.
 - `KIVIFlat`: the new segments of a write are flattened by `layout.flatten` (so the
   KIVI layout has one definition) and their quantized groups appended; the fp16
-  window is replaced by the write's window.
+  window is replaced by the write's window (its buffer is sized for the window, not
+  for the capacity hint). KIVI's segments are re-pointed at the buffers too.
 
 Host synchronisation: none per step for int, fp8 and KIVI. HQMQ + Med3x needs the largest
 per-(b, h) outlier count only when a host-side upper bound (previous bound plus the
 write's total outlier count, a shape, so known without a sync) says the outlier
-buffer might overflow; with doubling capacity that is O(log T) syncs. (The
+buffer might overflow: the bound grows B*H times faster than the largest list, so that
+is about B*H*log(T) syncs over T tokens, not one per step. (The
 quantizers' own encode still synchronises: input checks, pack range checks and
 Med3x's boolean-mask indexing.)
 """

@@ -267,3 +267,23 @@ def test_fused_cache_needs_the_fused_attention(model):
         model(input_ids=ids[:, :9], **cache_kwargs(model, cache), use_cache=True)  # prefill: dense SDPA
         with pytest.raises(RuntimeError, match="fused_attention"):
             model(input_ids=ids[:, 9:], **cache_kwargs(model, cache), use_cache=True)
+
+
+# ---- the benchmark's plumbing --------------------------------------------------------------------
+def test_decode_benchmark_plumbing(tmp_path):
+    # The end-to-end benchmark on a tiny random model on the CPU: every configuration
+    # recorded, the report rendered from the JSON (the figures themselves need a GPU).
+    import json
+
+    from kvqbench.suites.bench.decode.__main__ import main
+
+    out = tmp_path / "decode"
+    assert main(["--shape", "tiny", "--contexts", "40", "--batches", "1", "2", "--steps", "2", "--warmup", "1",
+                 "--specs", "plain", "int4", "--dtype", "float32", "--out", str(out)]) == 0
+    run = json.loads((out / "decode.json").read_text())
+    got = {(r["spec"], r["batch"]) for r in run["results"]}
+    assert got == {("plain", 1), ("plain", 2), ("int4", 1), ("int4", 2)}
+    assert all(r["seq_length"] == 40 + 1 + 2 for r in run["results"])
+    assert [c["spec"] for c in run["append_cost"]] == ["int4"] and run["append_cost"][0]["K_ops"] > 0
+    md = (out / "decode.md").read_text()
+    assert "| 40 | 2 | int4 |" in md and "## Targets (issue 9)" in md
