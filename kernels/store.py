@@ -25,7 +25,8 @@ Formats (by the `*Flat` type `flatten` returns for the first write):
 - `KIVIFlat`: the new segments of a write are flattened by `layout.flatten` (so the
   KIVI layout has one definition) and their quantized groups appended; the fp16
   window is replaced by the write's window (its buffer is sized for the window, not
-  for the capacity hint). KIVI's segments are re-pointed at the buffers too.
+  for the capacity hint). KIVI's quantized segments are re-pointed at the buffers
+  too; its window segment (a few groups of fp16) keeps its own bytes.
 
 Host synchronisation: none per step for int, fp8 and KIVI. HQMQ + Med3x needs the largest
 per-(b, h) outlier count only when a host-side upper bound (previous bound plus the
@@ -201,20 +202,11 @@ class KernelStore:
                 if old is not None and old.shape == view.shape and old.dtype == view.dtype:
                     seg.fields[name] = view
 
-    def _adopt_window(self, segs: list[Segment]) -> None:
-        """KIVI's fp16 window segment (replaced on every write) reads the window buffer."""
-        for seg in segs:
-            view = self.buffers["residual"].buf[:, :, : seg.tokens]
-            if seg.fields["residual"].shape == view.shape:
-                seg.fields["residual"] = view
-
     def _segment_views(self, seg: Segment, start: int) -> dict[str, torch.Tensor]:
         b = self.buffers
         if self.kind is not layout.KIVIFlat:
             return {n: b[n].buf[:, :, start : start + seg.tokens] for n in self.TOKEN_FIELDS[self.kind]
                     if n in seg.fields and n in b}
-        if "residual" in seg.fields:
-            return {"residual": b["residual"].buf[:, :, : seg.tokens]}
         if self.role == "K":  # one group per row: codes [B,H,D,GB], scale/zero [B,H,D,1]
             return {n: b[n].buf[:, :, start] if n == "codes" else b[n].buf[:, :, start].unsqueeze(-1)
                     for n in ("codes", "scale", "zero")}
@@ -275,8 +267,9 @@ class KernelStore:
         # fp16 buffer for the whole context.
         self._buffer("residual", piece.residual, max(piece.T_res, 1), hinted=False).write(0, piece.residual)
         quant = [s for s in new if "residual" not in s.fields]
+        # (The window segment keeps its own bytes: the window buffer is rewritten in place
+        # on every write, which would change what an earlier Packed's window reads.)
         self._adopt([(s, (ng + i) * per_group) for i, s in enumerate(quant)], grew)
-        self._adopt_window([s for s in new if "residual" in s.fields])
         self.flat = dataclasses.replace(
             f, n_groups=ng + ng_new,
             codes=self.buffers["codes"].buf if "codes" in self.buffers else None,
