@@ -37,17 +37,28 @@ exactly the stored values; encode applies the exact inverse of that matrix
 (not its transpose: fp16 leaves it ~1e-3 from orthogonal), so the
 coordinates coded are exactly those decode reads.
 
-What of TurboQuant is not here: its KV experiments split outlier channels
-into a separately coded group with more bits (e.g. 2.5 and 3.5 bits per
-channel on average); here every coordinate gets `bits`. Its rotation is a
-dense random matrix (as here by default) and its codebooks are the same
-Lloyd-Max levels of the Beta law.
+Outlier channels (`outliers=N`, TurboQuant's KV experiments): the N channels
+of each kv-head with the largest RMS over the first write (fitted.py; a
+calibration-free stand-in for however the paper picks them) are split off and
+coded by a second, independent instance with `outlier_bits` bits (default
+bits+1) and its own rotation and gain; the other D-N get `bits`. E.g. D=128,
+N=32, bits=2: (96*2 + 32*3)/128 = 2.25 code bits per element. The channel
+mask is stored, 1 bit per channel per kv-head. Not combined with qjl here.
+
+What of TurboQuant is not here: how the paper picks its outlier channels
+(here: RMS over the first write) and QJL together with the outlier split.
+Its rotation is a dense random matrix (as here by default) and its codebooks
+are the same Lloyd-Max levels of the Beta law.
 
 Stored per token vector: D codes of `bits` bits (bits-1 for qjl keys),
 bit-packed (`codes`), the fp16 gain (`gain`); qjl keys add the D sign bits
 (`qjl_signs`) and the fp16 residual norm (`qjl_norm`). Per (layer, role): the
 `rotation` of each kv-head (fp16 [H, D, D]) or its `signs` (uint8 [H, D/8]);
-qjl keys add the sketch matrix `qjl` (fp16 [D, D]).
+qjl keys add the sketch matrix `qjl` (fp16 [D, D]). With outliers=N the
+outlier part stores `codes_o` (N codes of outlier_bits) and `gain_o` per token
+vector, and per (layer, role) `outlier_mask` (uint8 [H, D/8]) and its own
+`rotation_o` (fp16 [H, N, N]) or `signs_o`; the regular part's rotation is then
+[H, D-N, D-N].
 """
 from __future__ import annotations
 
@@ -57,6 +68,7 @@ import math
 import torch
 
 from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable, stable_seed
+from .fitted import FitsOnFirstWrite
 from .lloyd_max import lloyd_max_gaussian, lloyd_max_sphere
 from .packing import pack_bits, unpack_bits
 from .rotation import random_signs, sylvester_hadamard
@@ -64,7 +76,7 @@ from .rotation import random_signs, sylvester_hadamard
 QJL_SCALE = math.sqrt(math.pi / 2)  # E[<s, q> sign(<s, r>)] = sqrt(2/pi) <q, r>/||r|| for Gaussian s
 
 
-class Spherical(Quantizer):
+class Spherical(FitsOnFirstWrite, Quantizer):
     name = "spherical"
     description = "TurboQuant: seeded random rotation, Lloyd-Max codes of the exact Beta coordinate law, fp16 gain, optional QJL"
     stochastic = True  # seeded rotation (and QJL sketch)
@@ -84,6 +96,8 @@ class Spherical(Quantizer):
         rotation: str = "dense"  # or "hadamard"
         levels: str = "beta"  # or "gaussian" (the earlier N(0, 1/D) levels)
         qjl: bool = False  # keys: bits-1 MSE bits + a 1-bit QJL sketch of the residual
+        outliers: int = 0  # channels per kv-head split off and coded with outlier_bits
+        outlier_bits: int = 0  # 0 = bits + 1
 
     def validate_config(self):
         c = self.config
@@ -97,8 +111,30 @@ class Spherical(Quantizer):
             raise QuantizerInputError(f"spherical: levels must be beta or gaussian, got {c.levels!r}")
         if c.qjl and c.bits < 2:
             raise QuantizerInputError("spherical: qjl needs bits >= 2 (bits-1 for the MSE stage, 1 for the sketch)")
+        if c.outliers < 0 or not 0 <= c.outlier_bits <= 8:
+            raise QuantizerInputError(f"spherical: need outliers >= 0 and outlier_bits in 0..8, got {c}")
+        if c.outliers and c.qjl:
+            raise QuantizerInputError("spherical: qjl with outlier channels is not implemented; use one of them")
         if c.levels == "beta":
             self.head_dim_multiple = 2  # the Beta law of a coordinate needs D >= 2; D = 1 has no sphere
+        # Without outlier channels nothing is fitted: every write codes alike.
+        self.append_matches_single_write = c.outliers == 0
+
+    @property
+    def n_out(self) -> int:
+        return self.config.outliers
+
+    @property
+    def out_bits(self) -> int:
+        return self.config.outlier_bits or min(8, self.config.bits + 1)
+
+    def parts(self, head_dim: int):
+        """(field suffix, channels, bits) of each independently coded part."""
+        if not self.n_out:
+            return [("", head_dim, self.mse_bits)]
+        if not 0 < self.n_out < head_dim:
+            raise QuantizerInputError(f"spherical: outliers={self.n_out} must be below head_dim {head_dim}")
+        return [("", head_dim - self.n_out, self.mse_bits), ("_o", self.n_out, self.out_bits)]
 
     @property
     def use_qjl(self) -> bool:
@@ -114,20 +150,47 @@ class Spherical(Quantizer):
         if self.use_qjl:
             g = torch.Generator().manual_seed(stable_seed(self.name, self.seed, self.layer, self.role, "qjl"))
             shared["qjl"] = torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64).half()
-        if self.config.rotation == "hadamard":
-            if head_dim & (head_dim - 1):
-                raise QuantizerInputError(f"spherical: rotation=hadamard needs a power-of-two head_dim, got {head_dim}")
-            shared["signs"] = random_signs([self.head_seed(h) for h in range(heads)], head_dim)  # [H, D/8]
-            return shared
-        rots = []
-        for h in range(heads):
-            g = torch.Generator().manual_seed(self.head_seed(h))
-            q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64))
-            rots.append(q * torch.sign(torch.diagonal(r)))  # sign fix: the unique QR with diag(R) > 0
-        shared["rotation"] = torch.stack(rots).half()  # [H, D, D]
+        if self.n_out:  # placeholder: the first N channels, replaced at the first write
+            shared["outlier_mask"] = pack_bits((torch.arange(head_dim) < self.n_out).long().expand(heads, -1), 1)
+        for part, d, _ in self.parts(head_dim):
+            seeds = [self.head_seed(h) if not part else stable_seed(self.name, self.seed, self.layer, h, self.role, part)
+                     for h in range(heads)]
+            if self.config.rotation == "hadamard":
+                if d & (d - 1):
+                    raise QuantizerInputError(f"spherical: rotation=hadamard needs power-of-two parts, got {d} channels")
+                shared["signs" + part] = random_signs(seeds, d)  # [H, d/8]
+                continue
+            rots = []
+            for seed in seeds:
+                g = torch.Generator().manual_seed(seed)
+                q, r = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+                rots.append(q * torch.sign(torch.diagonal(r)))  # sign fix: the unique QR with diag(R) > 0
+            shared["rotation" + part] = torch.stack(rots).half()  # [H, d, d]
         return shared
 
-    def matrices(self, shared, head_dim: int, device):
+    def fit_shared(self, x, shared):
+        if not self.n_out:
+            return {}
+        rms = x.pow(2).mean(dim=(0, 2))  # [H, D]
+        mask = torch.zeros_like(rms, dtype=torch.long).scatter_(1, rms.topk(self.n_out, dim=-1).indices, 1)
+        return {"outlier_mask": pack_bits(mask, 1)}
+
+    def channel_index(self, shared, head_dim: int, device):
+        """Sorted channel indices [H, d] of each part, from the stored mask."""
+        if not self.n_out:
+            return [None]
+        mask = unpack_bits(shared["outlier_mask"].to(device), 1, head_dim)  # [H, D]
+        order = torch.argsort(mask, dim=-1, descending=True, stable=True)
+        return [order[:, self.n_out :].sort(-1).values, order[:, : self.n_out].sort(-1).values]
+
+    @staticmethod
+    def _take(x, idx):
+        if idx is None:
+            return x
+        B, H, T, _ = x.shape
+        return x.gather(-1, idx.view(1, H, 1, -1).expand(B, H, T, -1))
+
+    def matrices(self, shared, head_dim: int, device, part: str = ""):
         """Decode is x = c * (y @ M) for rows y (x = O^T y in columns), with M
         exactly the stored values: the fp16 rotation (c = 1), or W diag(s) with
         entries +-1 (c = 1/sqrt(D)). Returns float64 (M, c, A_inv), A_inv the
@@ -137,11 +200,11 @@ class Spherical(Quantizer):
         square the ~1e-3 error of the fp16 rotation each step (exact for
         hadamard): deterministic, no solver."""
         if self.config.rotation == "hadamard":
-            s = 1 - 2 * unpack_bits(shared["signs"].to(device), 1, head_dim).double()  # [H, D]
+            s = 1 - 2 * unpack_bits(shared["signs" + part].to(device), 1, head_dim).double()  # [H, D]
             m = sylvester_hadamard(head_dim).double().to(device) * s.unsqueeze(-2)  # W diag(s)
             c = 1 / math.sqrt(head_dim)
         else:
-            m, c = shared["rotation"].to(device).double(), 1.0
+            m, c = shared["rotation" + part].to(device).double(), 1.0
         a = m * c
         eye = torch.eye(head_dim, dtype=torch.float64, device=device)
         inv = a.transpose(-1, -2)
@@ -182,18 +245,21 @@ class Spherical(Quantizer):
     # ---- encode / decode --------------------------------------------------------------
     def encode_tokens(self, x, shared):
         B, H, T, D = x.shape
-        mats = self.matrices(shared, D, x.device)
-        y, n, u = self._coords(x, mats)
-        lv, edges = self.levels(D, x.device)
-        codes = torch.bucketize(u, edges)  # nearest level: cells are split at the midpoints
-        if self.config.gain == "lsq":
-            w = self._unscaled(lv[codes], mats) * mats[1]  # what decode returns for gain 1; != 0
-            g = (x.double() * w).sum(-1) / w.pow(2).sum(-1)  # (no level is 0, A is invertible)
-        else:
-            g = n.squeeze(-1)
-        check_fp16_storable("spherical gain", g)
-        fields = {"codes": pack_bits(codes, self.mse_bits), "gain": g.half()}
-        if self.use_qjl:
+        fields = {}
+        for (part, d, bits), idx in zip(self.parts(D), self.channel_index(shared, D, x.device)):
+            xp = self._take(x, idx)
+            mats = self.matrices(shared, d, x.device, part)
+            y, n, u = self._coords(xp, mats)
+            lv, edges = self.levels(d, x.device, bits)
+            codes = torch.bucketize(u, edges)  # nearest level: cells are split at the midpoints
+            if self.config.gain == "lsq":
+                w = self._unscaled(lv[codes], mats) * mats[1]  # what decode returns for gain 1; != 0
+                g = (xp.double() * w).sum(-1) / w.pow(2).sum(-1)  # (no level is 0, A is invertible)
+            else:
+                g = n.squeeze(-1)
+            check_fp16_storable("spherical gain", g)
+            fields.update({"codes" + part: pack_bits(codes, bits), "gain" + part: g.half()})
+        if self.use_qjl:  # (no outlier parts: validate_config)
             r = x.double() - self._mse_decoded(lv[codes], fields["gain"], mats)  # exactly what decode adds to
             rn = r.norm(dim=-1)
             check_fp16_storable("spherical qjl residual norm", rn)
@@ -217,18 +283,24 @@ class Spherical(Quantizer):
 
     def decode_tokens(self, seg, shared, shape):
         B, H, T, D = shape
-        g = seg.fields["gain"]
-        mats = self.matrices(shared, D, g.device)
-        lv, _ = self.levels(D, g.device)
-        out = self._mse_decoded(lv[unpack_bits(seg.fields["codes"], self.mse_bits, D)], g, mats)
+        dev = seg.fields["gain"].device
+        out = torch.zeros(B, H, T, D, dtype=torch.float64, device=dev)
+        for (part, d, bits), idx in zip(self.parts(D), self.channel_index(shared, D, dev)):
+            mats = self.matrices(shared, d, dev, part)
+            lv, _ = self.levels(d, dev, bits)
+            xp = self._mse_decoded(lv[unpack_bits(seg.fields["codes" + part], bits, d)], seg.fields["gain" + part], mats)
+            if idx is None:
+                out = xp
+            else:
+                out.scatter_(-1, idx.view(1, H, 1, -1).expand(B, H, T, -1), xp)
         if self.use_qjl:
             out = out + self._qjl_decoded(seg.fields, shared["qjl"], D)
         return out.float()
 
     # ---- accounting and guarantees ----------------------------------------------------
     def formula_bits(self, head_dim):
-        bits = self.config.bits + 16 / head_dim
-        return bits + 16 / head_dim if self.use_qjl else bits  # + the residual norm
+        bits = sum(d * b + 16 for _, d, b in self.parts(head_dim)) / head_dim  # codes and a gain per part
+        return bits + 1 + 16 / head_dim if self.use_qjl else bits  # + a sketch bit per row and the residual norm
 
     def error_bound(self, x):
         """MSE stage: per coordinate of u, at most the largest distance from the
@@ -242,12 +314,26 @@ class Spherical(Quantizer):
         max|level|) and slack for the float32 output.
         QJL keys: ||r - r_hat|| <= ||r|| + ||r_hat||, and ||r_hat|| <=
         sqrt(pi/2)/m ||r||_fp16 sigma_max(S) sqrt(m), ||r|| being at most the MSE
-        bound above (plus fp16 rounding of the stored norm)."""
+        bound above (plus fp16 rounding of the stored norm).
+        Outlier channels: the two parts are disjoint channel sets, each coded as
+        above, so their bounds add in quadrature."""
         D = x.shape[-1]
-        shared = self.empty(x).shared
-        mats = self.matrices(shared, D, x.device)
+        shared = self.fitted_shared(x)
+        total = 0
+        for (part, d, bits), idx in zip(self.parts(D), self.channel_index(shared, D, x.device)):
+            total = total + self._part_bound(self._take(x, idx), shared, part, d, bits).pow(2)
+        bound, nx = total.sqrt(), x.double().norm(dim=-1)
+        if self.use_qjl:
+            s_max = float(torch.linalg.svdvals(shared["qjl"].double().cpu())[0])
+            m = shared["qjl"].shape[0]
+            bound = bound * (1 + QJL_SCALE / math.sqrt(m) * s_max * (1 + 2.0**-10))
+        return (bound * (1 + 1e-6) + 1e-6 * nx).float()
+
+    def _part_bound(self, x, shared, part, d, bits):
+        """The MSE-stage bound above for one part (channels d, `bits` bits), float64."""
+        mats = self.matrices(shared, d, x.device, part)
         _, n, u = self._coords(x, mats)
-        lv, edges = self.levels(D, x.device)
+        lv, edges = self.levels(d, x.device, bits)
         k = torch.bucketize(u, edges)
         c = lv[k]
         inf = edges.new_tensor([math.inf])
@@ -256,13 +342,7 @@ class Spherical(Quantizer):
         hi = torch.where(torch.isinf(hi), torch.maximum(u, c), hi)
         eps = (torch.maximum(c - lo, hi - c) + 1e-12).pow(2).sum(-1).sqrt()
         f = torch.where(eps < 1, 2 * torch.sin(torch.asin(eps.clamp(max=1.0)) / 2), torch.full_like(eps, 2.0))
-        sv = torch.linalg.svdvals(mats[0].cpu() * mats[1]).to(x.device)  # [H, D], descending
+        sv = torch.linalg.svdvals(mats[0].cpu() * mats[1]).to(x.device)  # [H, d], descending
         smax, kappa = sv[:, 0].view(-1, 1), (sv[:, 0] / sv[:, -1]).view(-1, 1)  # per kv-head
-        v_max = math.sqrt(D) * float(lv.abs().max())
-        nx = x.double().norm(dim=-1)
-        bound = nx * kappa * (f + 2.0**-11) + 2.0**-25 * smax * max(1.0, v_max)
-        if self.use_qjl:
-            s_max = float(torch.linalg.svdvals(shared["qjl"].double().cpu())[0])
-            m = shared["qjl"].shape[0]
-            bound = bound * (1 + QJL_SCALE / math.sqrt(m) * s_max * (1 + 2.0**-10))
-        return (bound * (1 + 1e-6) + 1e-6 * nx).float()
+        v_max = math.sqrt(d) * float(lv.abs().max())
+        return x.double().norm(dim=-1) * kappa * (f + 2.0**-11) + 2.0**-25 * smax * max(1.0, v_max)

@@ -8,6 +8,7 @@ import torch
 
 from kvqbench.quantizers import get_quantizer, registry
 from kvqbench.quantizers.lloyd_max import lloyd_max_gaussian, lloyd_max_sphere, sphere_abs_mean
+from kvqbench.quantizers.packing import unpack_bits
 from kvqbench.quantizers.rotation import fwht, hadamard_block, random_signs, rotate, signs_of, sylvester_hadamard, unrotate
 from kvqbench.quantizers.vq import kmeans
 
@@ -114,6 +115,24 @@ def test_qjl_bits_counted():
     assert by["qjl_signs"] == 2 * 64 * 64 // 8 and by["qjl_norm"] == 2 * 64 * 2
     assert by["codes"] == 2 * 64 * 64 * 3 // 8  # bits-1 for the MSE stage
     assert "qjl" not in get_quantizer("spherical4-qjl", role="V").encode(x).shared  # keys only
+
+
+def test_spherical_outlier_channels_split_off():
+    """TurboQuant's KV split: the N largest-RMS channels of each head (first write)
+    get their own instance with more bits; the mask and both parts are stored."""
+    x = gaussian(1, 2, 64, 64)
+    x[:, 0, :, [5, 9]] *= 20.0
+    x[:, 1, :, [1, 40]] *= 20.0
+    q = get_quantizer("spherical:bits=2,outliers=32,rotation=hadamard")
+    p = q.encode(x)
+    mask = unpack_bits(p.shared["outlier_mask"], 1, 64).bool()
+    assert mask.sum(-1).tolist() == [32, 32]
+    assert mask[0, [5, 9]].all() and mask[1, [1, 40]].all()
+    by = p.nbytes_by_field()
+    assert by["codes"] == by["codes_o"] * 2 // 3  # 32 channels at 2 bits, 32 at 3
+    assert q.formula_bits(64) == (32 * 2 + 32 * 3 + 32) / 64
+    split = float((q.decode(p) - x).pow(2).sum() / x.pow(2).sum())
+    assert split < rel_mse("spherical:bits=2,rotation=hadamard", x) / 1.5
 
 
 # ---- k-means and fitted codebooks ------------------------------------------------------
