@@ -337,6 +337,9 @@ class Quantizer(ABC):
                                      "a quantizer writes")
         expected = self._shared_layout(packed.heads, packed.head_dim)
         _compare_fields(packed.shared, expected, "shared tensors", variable=())
+        for name, t in packed.shared.items():
+            if t.is_floating_point():
+                _check_finite(t, f"shared tensor {name!r}", "holds")
 
     def _check_segment(self, packed: Packed, index: int, seg: Segment, shape) -> None:
         where = f"segment {index} of a {packed.spec} cache"
