@@ -15,7 +15,7 @@ Codebooks (`codebooks`):
 - "fitted" (default): residual k-means on the data being written, no
   calibration set: stage 1 is k-means on the chunks of z, stage m on the
   residuals that stages 1..m-1 (as stored, fp16) leave (vq.py: KMEANS_ITERS =
-  10 Lloyd iterations on a seeded sample of at most 16 points per codeword).
+  6 Lloyd iterations on a seeded sample of at most 16 points per codeword).
   The first write into a cache fits them (fitted.py); later appends reuse
   them. They are stored fp16 and counted, amortised over the cache: M*K*dim*16
   bits per (layer, role) (per kv-head with per_head=true).

@@ -9,7 +9,7 @@ one write and gets its own codebook, which it pays for: the fp16 codebook is
 a stored, counted field, amortised over the cache (K * dim * 16 bits per
 kv-head, or per (layer, role) with per_head=false).
 
-Fit: Lloyd's k-means (vq.py; KMEANS_ITERS = 10 iterations from K-1 seeded
+Fit: Lloyd's k-means (vq.py; KMEANS_ITERS = 6 iterations from K-1 seeded
 sample points, on a seeded sample of at most 16 points per codeword), K-1
 centroids plus codeword 0 fixed at zero. The seeds make it stochastic.
 

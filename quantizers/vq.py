@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-KMEANS_ITERS = 10  # Lloyd iterations per fit: a few are enough from a data-point start
+KMEANS_ITERS = 6  # Lloyd iterations per fit: on real K/V, 10 lowered the MSE only ~2% more, at ~1.5x the time
 FIT_POINTS_PER_CODEWORD = 16  # k-means runs on a seeded sample of at most 16 K points per codebook
 SCORE_BLOCK = 1 << 24  # elements of the [.., chunks, beam, K] score temporary per block (GPU)
 SCORE_BLOCK_CPU = 1 << 20  # smaller on CPU, where a block that fits in cache is faster
