@@ -8,6 +8,13 @@ import os
 import pytest
 import torch
 
+# `pytest -n N` on a multi-GPU runner: xdist worker gwK sees only GPU K (mod the GPUs
+# present). It must run before anything initialises CUDA (the is_available below does):
+# CUDA reads CUDA_VISIBLE_DEVICES once, at its first call.
+from kvqbench.suites.compare.distributed import pin_xdist_worker_gpu  # noqa: E402
+
+pin_xdist_worker_gpu()
+
 # Triton fixes interpreter-or-compiler when a @triton.jit function is defined, and
 # importing transformers' models already imports triton.language: without a GPU the
 # kernels run only under the interpreter, so switch it on before any test module loads.
