@@ -8,6 +8,6 @@
 - `bench_quantizers.py`: CPU encode/decode time of every registered quantizer
   (pytest-benchmark);
 - `asv_benchmarks/`: the asv suite that tracks figures across commits.
-- `scaling.py`: `kvqbench compare` throughput at 1..N torchrun ranks on one grid, with
+- `scaling/`: `kvqbench compare` throughput at 1..N torchrun ranks on one grid, with
   the figures checked equal across rank counts (`python -m kvqbench.suites.bench.scaling`).
 """

@@ -175,7 +175,7 @@ def validate(args) -> dict:
 
 def _check_lm_eval_tasks(tasks: str, metadata) -> None:
     try:
-        from ..lm_eval.model import task_manager
+        from ..lm_eval.evaluate import task_manager
     except ImportError as e:
         raise UsageError(f"--lm-eval needs lm-eval (pip install 'kvqbench[eval]'): {e}") from None
     names = [t for t in tasks.split(",") if t]
@@ -318,7 +318,7 @@ def run_compare(args) -> int:
 
 def _lm_eval_scores(args, run, model, tok, specs, protocol, meta_le) -> None:
     """lm-eval task scores beside PPL and bits: seed 0, first protocol's records."""
-    from ..lm_eval.model import compare_scores
+    from ..lm_eval.evaluate import compare_scores
 
     requested = [args.lm_eval, args.lm_eval_limit, meta_le]
     for rec in [r for r in run.data["results"] if "error" not in r and r["seed"] == 0

@@ -37,3 +37,11 @@ def tiny_corpus(path: Path, n_chars: int = 6000) -> Path:
     text = " ".join(words[(i * 7) % len(words)] for i in range(n_chars // 5))
     Path(path).write_text(text[:n_chars], encoding="utf-8")
     return Path(path)
+
+
+def tiny_compare_args(tiny: dict, out, *extra: str, specs: str = "fp16;int4") -> list[str]:
+    """`kvqbench compare` arguments for a fast run on the tiny model (`tiny`: {"model":
+    folder, "corpus": text file}): CPU, 2 windows of 32 tokens, one seed, run name "r"."""
+    return ["compare", "--model", tiny["model"], "--corpus", tiny["corpus"], "--device", "cpu",
+            "--window", "32", "--windows", "2", "--seeds", "1", "--specs", specs,
+            "--out", str(out), "--run", "r", *extra]

@@ -1,2 +1,3 @@
 """lm-eval integration: the `kvqbench` model (`model`: a quantized cache under
-lm-eval's loglikelihood and generate) and the offline tasks (`tasks`)."""
+lm-eval's loglikelihood and generate), running it from Python (`evaluate`), the
+`kvqbench-lm-eval` command (`cli`) and the offline tasks (`tasks`)."""

@@ -14,27 +14,12 @@ import pytest
 from kvqbench.suites.compare import cli
 from kvqbench.suites.compare import run as compare_run
 from kvqbench.suites.harness import models, perplexity
-from kvqbench.suites.harness.tiny_model import make_tiny_model, tiny_corpus
+from kvqbench.suites.harness.tiny_model import tiny_compare_args
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return {"model": str(make_tiny_model(root / "model")), "corpus": str(tiny_corpus(root / "text.txt"))}
+pytestmark = pytest.mark.usefixtures("one_thread", "private_cache")
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    """Token files of the tiny model go to a temp cache, not the user's."""
-    monkeypatch.setenv("KVQBENCH_CACHE", str(tmp_path / "cache"))
-
-
-def compare_args(tiny, out, *extra, specs="fp16;int4"):
-    return ["compare", "--model", tiny["model"], "--corpus", tiny["corpus"], "--device", "cpu",
-            "--window", "32", "--windows", "2", "--seeds", "1", "--specs", specs,
-            "--out", str(out), "--run", "r", *extra]
+compare_args = tiny_compare_args
 
 
 def results(out):

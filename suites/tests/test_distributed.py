@@ -23,7 +23,6 @@ from kvqbench.quantizers import parse_spec
 from kvqbench.suites.compare import cli
 from kvqbench.suites.compare import distributed as D
 from kvqbench.suites.harness.perplexity import rows_independent
-from kvqbench.suites.harness.tiny_model import make_tiny_model, tiny_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,12 +161,6 @@ FIGURES = ("nll_sum", "ppl", "bits_per_element", "n_predicted", "cache_nbytes", 
            "n_windows", "window", "batch_size")
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return {"model": str(make_tiny_model(root / "model")), "corpus": str(tiny_corpus(root / "text.txt"))}
-
-
 def compare_args(tiny, out):
     # 3 windows in batches of 2: an uneven last batch; both protocols; 8 configurations.
     return ["compare", "--model", tiny["model"], "--corpus", tiny["corpus"], "--device", "cpu",
@@ -258,7 +251,7 @@ def _scaling_run(ranks: int, wall_s: float, nll_shift: float = 0.0) -> dict:
 
 
 def test_scaling_throughput_speedup_and_agreement():
-    from kvqbench.suites.bench import scaling
+    from kvqbench.suites.bench.scaling import measure as scaling
 
     s = scaling.summarise({1: _scaling_run(1, 10.0), 2: _scaling_run(2, 5.5)})
     one, two = s["rows"]

@@ -19,7 +19,8 @@ lm_eval = pytest.importorskip("lm_eval")
 from kvqbench.quantizers import QuantizerInputError  # noqa: E402
 from kvqbench.suites.lm_eval import tasks as T  # noqa: E402
 from kvqbench.suites.harness.kv_cache import QuantizedCache, cache_kwargs  # noqa: E402
-from kvqbench.suites.lm_eval.model import KVQuantLM, evaluate, task_scores  # noqa: E402
+from kvqbench.suites.lm_eval.evaluate import evaluate, task_scores  # noqa: E402
+from kvqbench.suites.lm_eval.model import KVQuantLM  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -120,7 +121,7 @@ def test_command_line(tmp_path):
     """`kvqbench-lm-eval`: lm-eval's CLI with the model registered and the offline tasks
     included; a quantizer spec with commas, quoted."""
     exe = Path(sys.executable).with_name("kvqbench-lm-eval")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvqbench.suites.lm_eval.model"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvqbench.suites.lm_eval.cli"]
     cmd += ["--model", "kvqbench", "--model_args", "pretrained=smollm2-135m,quantizer='hqmq:S=24,r=3',seed=1",
             "--tasks", "kvqbench_rolling", "--device", "cpu", "--metadata", json.dumps(ROLLING),
             "--output_path", str(tmp_path / "out")]
