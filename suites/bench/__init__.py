@@ -9,5 +9,7 @@
   (pytest-benchmark);
 - `asv_benchmarks/`: the asv suite that tracks figures across commits.
 - `scaling/`: `kvqbench compare` throughput at 1..N torchrun ranks on one grid, with
-  the figures checked equal across rank counts (`python -m kvqbench.suites.bench.scaling`).
+  the figures checked equal across rank counts (`python -m kvqbench.suites.bench.scaling`);
+- `kernel_sweep/`: one GPU call that checks every fused kernel and times launch-config
+  variants beside fp16 SDPA (`python -m kvqbench.suites.bench.kernel_sweep run|render`).
 """

@@ -1,7 +1,7 @@
 """One GPU call: check the fused decode kernels against the reference, then time
 launch-config variants of each at the issue-10 shape beside fp16 SDPA.
 
-    python -m kvqbench.kernels.bench_kernels --out $OUT [--B 8 --T 32768] [--quick]
+    python -m kvqbench.suites.bench.kernel_sweep run --out $OUT [--shapes 8x32768,1x32768]
 
 Checks (before any timing): every method against `reference_decode_attention` over
 `Quantizer.decode` at T = 1, an odd T and with only the last key changed. Timing:
@@ -9,13 +9,11 @@ Checks (before any timing): every method against `reference_decode_attention` ov
 fp16 SDPA (flash, native GQA) and the device copy bandwidth are measured in the
 same run, so the ratios are same-run ratios. B=1 also runs through a CUDA graph
 (`graph_decode`) to show the launch overhead. Writes bench_kernels.json under --out
-and prints a short table last.
+(the entry point, __main__.py, prints a short table last).
 """
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -52,19 +50,19 @@ def synthetic_kv(B, H, T, d, seed=0, device="cuda"):
 
 
 def encode(spec, k, v):
-    from ..quantizers import get_quantizer
+    from ...quantizers import get_quantizer
     qk, qv = get_quantizer(spec, role="K", seed=3), get_quantizer(spec, role="V", seed=3)
     return (qk, qk.encode(k)), (qv, qv.encode(v))
 
 
 def flats(name, pk, pv):
-    from .layout import flatten
+    from ...kernels.layout import flatten
     kw = METHODS[name][1]
     return flatten(pk, "K", **kw), flatten(pv, "V", **kw)
 
 
 def tile(flat, B, T):
-    from .layout import KIVIFlat
+    from ...kernels.layout import KIVIFlat
     if isinstance(flat, KIVIFlat):
         return flat.tile(B // flat.B, (T - flat.T_res) // flat.group)
     return flat.tile(B // flat.B, T // flat.T)
@@ -76,7 +74,7 @@ def rel_err(a, b):
 
 def check_all(dev) -> list[dict]:
     """Each method vs the reference at small shapes; the last-key test."""
-    from .decode_attention import decode_attention, reference_decode_attention
+    from ...kernels.decode_attention import decode_attention, reference_decode_attention
     out = []
     for name, (spec, _) in METHODS.items():
         for (B, T, dtype) in [(1, 1, torch.float16), (2, 1000 + 17, torch.bfloat16), (1, 4096 + 33, torch.float16)]:
@@ -131,8 +129,8 @@ def graph_decode(fn, q):
 def bench_shape(B, T, dev, base_cache, variants: bool, graphs: bool) -> list[dict]:
     import triton
 
-    from .decode_attention import decode_attention
-    from .graphs import GraphedDecode
+    from ...kernels.decode_attention import decode_attention
+    from ...kernels.graphs import GraphedDecode
     rows = []
     D, Hq, Hkv = 128, 32, 8
     q = torch.randn(B, Hq, 1, D, device=dev).half()
@@ -203,25 +201,21 @@ def _replay(step, q):
     return lambda: step(q)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="/tmp/bench_kernels")
-    ap.add_argument("--shapes", default="8x32768,1x32768", help="BxT,BxT,...")
-    ap.add_argument("--no-variants", action="store_true")
-    ap.add_argument("--skip-check", action="store_true")
-    ap.add_argument("--methods", default="", help="comma-separated subset of " + ",".join(METHODS))
-    a = ap.parse_args(argv)
-    if a.methods:
-        for name in set(METHODS) - set(a.methods.split(",")):
+def run_sweep(out, shapes: str = "8x32768,1x32768", variants: bool = True, check: bool = True,
+              methods: list[str] | None = None) -> dict:
+    """Checks, copy bandwidth, then every method (or `methods`) at every BxT of `shapes`;
+    writes bench_kernels.json under `out` after each shape and returns the results."""
+    if methods:
+        for name in set(METHODS) - set(methods):
             del METHODS[name]
     dev = torch.device("cuda")
-    out = Path(a.out)
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     import triton
     res["triton"] = triton.__version__
     t0 = time.time()
-    if not a.skip_check:
+    if check:
         res["checks"] = check_all(dev)
         bad = [c for c in res["checks"] if not c["finite"] or c["rel_err"] > 3e-3 * (7 if "bf16" in c["dtype"] else 1)
                or c.get("changed", 1) < 1e-3]
@@ -236,28 +230,11 @@ def main(argv=None):
         (qk, pk), (qv, pv) = encode(spec, k, v)
         base[name] = flats(name, pk, pv)
     res["rows"] = []
-    for shp in a.shapes.split(","):
+    for shp in shapes.split(","):
         B, T = (int(x) for x in shp.split("x"))
-        res["rows"] += bench_shape(B, T, dev, base, not a.no_variants and B > 1, graphs=B == 1)
+        res["rows"] += bench_shape(B, T, dev, base, variants and B > 1, graphs=B == 1)
         (out / "bench_kernels.json").write_text(json.dumps(res, indent=1, default=str))
         print(f"shape {B}x{T} done ({time.time() - t0:.0f}s)", flush=True)
-    bw = res["copy_GBps"]
-    print(f"\ncopy bandwidth {bw:.0f} GB/s; {res['device']}, torch {res['torch']}, triton {res['triton']}")
-    print(f"{'B':>2} {'T':>6} {'method':16s} {'us':>8} {'GB/s':>6} {'ofBW':>5} {'x fp16':>6}  cfg")
-    for B, T in {(r["B"], r["T"]) for r in res["rows"]}:
-        rs = [r for r in res["rows"] if (r["B"], r["T"]) == (B, T) and "us" in r]
-        ref = min(r["us"] for r in rs if r["method"] == "fp16-sdpa")
-        names = sorted({r["method"] for r in rs}, key=lambda n: (n != "fp16-sdpa", n))
-        for n in names:
-            r = min((r for r in rs if r["method"] == n), key=lambda r: r["us"])
-            gbs = r["bytes"] / (r["us"] * 1e-6) / 1e9
-            print(f"{B:>2} {T:>6} {n:16s} {r['us']:8.1f} {gbs:6.0f} {gbs / bw:5.2f} {ref / r['us']:6.2f}  "
-                  f"{r.get('cfg', '')}")
-    errs = [r for r in res["rows"] if "error" in r]
-    if errs:
-        print(f"{len(errs)} configs failed, e.g. {errs[0]['method']} {errs[0]['cfg']}: {errs[0]['error'][:200]}")
     return res
 
 
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
-"""Render `bench_kernels.json` (one GPU call of kernels/bench_kernels.py) into a
+"""Render `bench_kernels.json` (one GPU call of `kernel_sweep run`, measure.py) into a
 Markdown table, the issue-10 targets and a roofline-style plot.
 
-    python -m kvqbench.kernels.bench_report RUN/bench_kernels.json --out reports/latency
+    python -m kvqbench.suites.bench.kernel_sweep render RUN/bench_kernels.json --out reports/latency
 
 Per method and shape: the fastest launch config's latency, the bytes it must read
 (packed K+V, tables, derived outlier index), GB/s, that over the copy bandwidth
@@ -9,9 +9,7 @@ measured in the same run, and the speed-up over fp16 SDPA of the same run.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 from pathlib import Path
 
 # issue 10, B=8, T=32k: minimum speed-up over fp16 SDPA; B=1: at least as fast
@@ -107,16 +105,20 @@ def render(res: dict, out: Path, stem: str = "kernels") -> None:
     fig.savefig(out / f"{stem}.png", dpi=110)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("json", type=Path)
-    ap.add_argument("--out", type=Path, default=Path("reports/latency"))
-    ap.add_argument("--log", type=Path, help="bench log to copy beside the report")
-    a = ap.parse_args(argv)
-    render(json.loads(a.json.read_text()), a.out)
-    if a.log:
-        shutil.copy(a.log, a.out / "kernels_bench.log")
-
-
-if __name__ == "__main__":
-    main()
+def print_table(res: dict) -> None:
+    """The short per-shape table a GPU call prints last (its reply shows the tail)."""
+    bw = res["copy_GBps"]
+    print(f"\ncopy bandwidth {bw:.0f} GB/s; {res['device']}, torch {res['torch']}, triton {res['triton']}")
+    print(f"{'B':>2} {'T':>6} {'method':16s} {'us':>8} {'GB/s':>6} {'ofBW':>5} {'x fp16':>6}  cfg")
+    for B, T in {(r["B"], r["T"]) for r in res["rows"]}:
+        rs = [r for r in res["rows"] if (r["B"], r["T"]) == (B, T) and "us" in r]
+        ref = min(r["us"] for r in rs if r["method"] == "fp16-sdpa")
+        names = sorted({r["method"] for r in rs}, key=lambda n: (n != "fp16-sdpa", n))
+        for n in names:
+            r = min((r for r in rs if r["method"] == n), key=lambda r: r["us"])
+            gbs = r["bytes"] / (r["us"] * 1e-6) / 1e9
+            print(f"{B:>2} {T:>6} {n:16s} {r['us']:8.1f} {gbs:6.0f} {gbs / bw:5.2f} {ref / r['us']:6.2f}  "
+                  f"{r.get('cfg', '')}")
+    errs = [r for r in res["rows"] if "error" in r]
+    if errs:
+        print(f"{len(errs)} configs failed, e.g. {errs[0]['method']} {errs[0]['cfg']}: {errs[0]['error'][:200]}")
