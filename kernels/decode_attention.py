@@ -475,7 +475,6 @@ class Workspace:
         self.out = torch.empty(rows_q * D, dtype=out_dtype, device=device)
 
 
-_Workspace = Workspace  # the earlier name
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -521,8 +520,9 @@ def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_spli
 
     def args(f: HQMQFlat):
         dummy = f.codes
-        outl = (f.outliers.view(torch.int64) if f.has_outliers and f.outliers.numel()
-                else torch.zeros(1, 1, 1, 1, dtype=torch.int64, device=f.codes.device))
+        # Without outliers the kernel never reads this argument: any int64 view will do
+        # (no allocation per call on the decode path).
+        outl = f.outliers.view(torch.int64) if f.has_outliers and f.outliers.numel() else f.table.view(torch.int64)
         rel = f.rel16 if fast and tab(f) == 1 else f.rel
         return [f.codes, f.radius, f.r_max, f.flags if f.has_outliers else dummy, outl,
                 f.outlier_index if f.has_outliers else dummy, f.table.view(torch.int64), rel]

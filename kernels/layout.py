@@ -107,16 +107,11 @@ class HQMQFlat:
     outlier_index: torch.Tensor | None = None  # [B, H, ceil(Tcap/64)] int32
     dtype: torch.dtype = torch.float16  # dtype the cache was written in
     log_radius: bool = False  # radius levels log-spaced (else uniform q/L)
+    rel16: torch.Tensor | None = dataclasses.field(default=None, repr=False)  # rel in fp16 (fp16 decode path)
 
-    @property
-    def rel16(self) -> torch.Tensor:
-        """The radius levels in fp16 (the fp16 decode path), made once per rel tensor:
-        the per-call host cost matters at batch 1."""
-        cached = self.__dict__.get("_rel16")
-        if cached is None or cached[0] is not self.rel:
-            cached = (self.rel, self.rel.half())
-            self.__dict__["_rel16"] = cached
-        return cached[1]
+    def __post_init__(self):
+        if self.rel16 is None:  # made once; dataclasses.replace (the store's per-step refresh) carries it
+            self.rel16 = self.rel.half()
 
     @property
     def has_outliers(self) -> bool:

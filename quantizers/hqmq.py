@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable
+from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable, fp16_rounding_bound
 from .packing import bits_for, pack_bits, unpack_bits
 from .quaternion import conj, hamilton, hurwitz_units, nearest_hurwitz, random_unit_quaternions, right_mul_matrix
 
@@ -236,8 +236,6 @@ class HQMQ(Quantizer):
         half the widest level gap of r, or is r_max when r exceeds the fp16-rounded
         r_max; the expression is convex in r^, so the worst r^ is an end of that
         interval. Outliers: fp16 rounding of each element."""
-        from .base import fp16_rounding_bound  # local: a minimal edit beside the owner's work
-
         B, H, T, D = x.shape
         chunks, r, outlier, r_max16 = self._split(x)
         rm = r_max16.float().unsqueeze(-1)
@@ -254,8 +252,8 @@ class HQMQ(Quantizer):
     def _best_direction_error(self, chunks: torch.Tensor, r: torch.Tensor, heads: int) -> torch.Tensor:
         """||u - c|| for the best codeword c of each chunk's direction u, by brute force."""
         shared = self.make_shared(heads, chunks.shape[-2] * 4)
-        s = self.secondaries(shared)  # [H, S, 4]
-        P = hurwitz_units()
+        s = self.secondaries(shared).to(chunks.device)  # [H, S, 4]; make_shared builds on the CPU
+        P = hurwitz_units(device=s.device)
         book = hamilton(P.view(1, 24, 1, 4), s.view(heads, 1, -1, 4)).reshape(heads, -1, 4)  # [H, 24S, 4]
         B, H, T, nc, _ = chunks.shape
         safe = torch.where(r > 0, r, torch.ones_like(r)).unsqueeze(-1)
@@ -265,6 +263,6 @@ class HQMQ(Quantizer):
         for start in range(0, T * nc, block):
             ub = u[:, :, start : start + block]
             best = torch.matmul(ub, book.transpose(1, 2)).argmax(-1)  # [B, H, n]
-            c = book[torch.arange(H).view(1, H, 1), best]
+            c = book[torch.arange(H, device=book.device).view(1, H, 1), best]
             out.append((ub - c).norm(dim=-1))
         return torch.cat(out, dim=2).view(B, H, T, nc)

@@ -82,7 +82,7 @@ def hardware(device: str) -> dict:
     hw = {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": device}
     if device.startswith("cuda"):
-        hw["gpu"] = torch.cuda.get_device_name(0)
+        hw["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return hw
 
 

@@ -18,9 +18,6 @@ from .model import KVQuantLM
 _TASK_MANAGERS: dict = {}
 
 
-_TASK_MANAGERS: dict = {}
-
-
 def task_manager(metadata: dict | None = None, tasks=None):
     """lm-eval TaskManager with the offline kvqbench tasks on its include path. lm-eval's
     own tasks (thousands of YAMLs: ~10-40 s to index) are indexed only when `tasks`

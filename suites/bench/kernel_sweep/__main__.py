@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     res = run_sweep(a.out, a.shapes, variants=not a.no_variants, check=not a.skip_check,
                     methods=[m for m in a.methods.split(",") if m] or None)
     print_table(res)
+    if res.get("checks_bad"):
+        print(f"{len(res['checks_bad'])} kernel checks FAILED against the reference", file=sys.stderr)
+        return 1
     return 1 if any("error" in r for r in res["rows"]) else 0
 
 

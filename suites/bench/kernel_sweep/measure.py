@@ -217,8 +217,9 @@ def run_sweep(out, shapes: str = "8x32768,1x32768", variants: bool = True, check
     t0 = time.time()
     if check:
         res["checks"] = check_all(dev)
-        bad = [c for c in res["checks"] if not c["finite"] or c["rel_err"] > 3e-3 * (7 if "bf16" in c["dtype"] else 1)
+        bad = [c for c in res["checks"] if not c["finite"] or c["rel_err"] > 3e-3 * (7 if "bfloat16" in c["dtype"] else 1)
                or c.get("changed", 1) < 1e-3]
+        res["checks_bad"] = bad
         print(f"checks: {len(res['checks'])} run, {len(bad)} bad ({time.time() - t0:.0f}s)", flush=True)
         for c in res["checks"]:
             print(f"  {c['method']:10s} B={c['B']} T={c['T']:6d} {c['dtype']:15s} err={c['rel_err']:.2e}"
