@@ -266,8 +266,8 @@ def run_compare(args) -> int:
         print(f"{len(jobs)} configurations, {len(jobs) - len(todo)} already measured in {run.path}", file=sys.stderr)
         bar = tqdm(total=len(todo) * len(windows), unit="window", dynamic_ncols=True)
 
-        def on_record(job, r):  # a configuration gathered from the ranks
-            bar.update(len(windows))
+        def on_record(job, r, windows_done: int = len(windows)):  # one finished configuration
+            bar.update(windows_done)
             if "error" in r:
                 run.add(r)
                 tqdm.write(f"FAILED {' '.join(map(str, job))}: {r['error']}")
@@ -288,20 +288,13 @@ def run_compare(args) -> int:
             step = lambda done, total: bar.update(1)  # noqa: E731
             try:
                 r = measure(protocol, spec, seed, progress=step)
-                q = get_quantizer(spec)
-                r["formula_bits"] = q.formula_bits(model_info["head_dim"])
-                r["family"] = q.name
-                r["stochastic"] = is_stochastic(spec)
-                run.add(r)
-                tqdm.write(f"{protocol:20s} {spec:34s} seed={seed}  PPL {r['ppl']:10.4f}  "
-                           f"bits {r['bits_per_element']:6.3f} (formula {r['formula_bits']:6.3f})  {r['wall_s']:6.1f} s")
             except Exception as e:  # keep what is measured; record the failure
                 if args.debug:
                     import traceback
 
                     traceback.print_exc()
-                run.add({"protocol": protocol, "spec": spec, "seed": seed, "error": f"{type(e).__name__}: {e}"})
-                tqdm.write(f"FAILED {protocol} {spec} seed={seed}: {type(e).__name__}: {e}")
+                r = {"protocol": protocol, "spec": spec, "seed": seed, "error": f"{type(e).__name__}: {e}"}
+            on_record((protocol, spec, seed), r, windows_done=0)  # the bar moved window by window
         bar.close()
         if args.lm_eval:
             _lm_eval_scores(args, run, model, tok, specs, protocols[0], plan["lm_eval_metadata"])
