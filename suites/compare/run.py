@@ -27,14 +27,12 @@ from .results import Run, RunError
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "canterbury"
-# Families whose codebooks/rotations come from the seed, for plugins that predate the
-# `stochastic` class attribute.
-STOCHASTIC_NAMES = ("hqmq", "spherical", "avq")
 EXIT_PARTIAL = 3  # the report was written, but some configuration failed
 # Default windows of --window tokens. On a CPU the default sweep (26 configs, 14 of them
-# stochastic, each over 3 seeds) should finish in about 5 minutes on 2 cores. Measured
-# per config (process CPU time, 1 thread, 512-token windows; fitted avq/flatvq and
-# HQMQ S=256 dominate) it costs ~360 CPU-seconds per window: 2 windows, not 4. A GPU
+# stochastic, 3 seeds each: 54 jobs) costs ~360 CPU-seconds per 512-token window (the
+# whole sweep, 1 thread; fitted avq/flatvq and HQMQ S=256 dominate), so 2 windows, not 4:
+# measured 4 min 57 s wall from a fresh clone and empty cache on a 2-core x86-64 VM
+# (model fetch + conversion included; reports/cpu2core_smollm2-135m_canterbury). A GPU
 # affords 16.
 CPU_WINDOWS, GPU_WINDOWS = 2, 16
 
@@ -56,13 +54,11 @@ def default_specs() -> list[str]:
 
 def is_stochastic(spec: str) -> bool:
     """Does the figure of `spec` depend on its seed? The plugin says so with a class
-    attribute `stochastic`; plugins without one are judged by family name."""
+    attribute `stochastic = True` (every built-in with seeded codebooks or rotations
+    does); a plugin that says nothing is run with one seed."""
     from ...quantizers import parse_spec
 
-    cls, _ = parse_spec(spec)
-    if any("stochastic" in vars(c) for c in cls.__mro__):
-        return bool(getattr(cls, "stochastic"))
-    return cls.name in STOCHASTIC_NAMES
+    return bool(getattr(parse_spec(spec)[0], "stochastic", False))
 
 
 def versions() -> dict:
