@@ -258,14 +258,14 @@ class Quantizer(ABC):
         seg = self._encode_segment(x.float(), packed.shared)
         return dataclasses.replace(packed, segments=packed.segments + [seg])
 
-    def append_windowed(self, packed: Packed | None, x: torch.Tensor, group: int, residual: int) -> Packed:
+    def append_windowed(self, packed: Packed | None, x: torch.Tensor, group: int) -> Packed:
         """`append` for methods that quantize runs of `group` tokens cut at fixed
         positions 0, G, 2G, ... (KIVI's scheme): the newest tokens wait in an fp16
-        window segment until a whole group of them is at least `residual` tokens old,
-        so a one-token decode write stores one fp16 token, not a one-token group,
-        and token-by-token writes store exactly what one write stores."""
+        window segment until `self.quantized_tokens(total)` (whole groups; the subclass
+        says how many of `total` written tokens are quantized) reaches them, so a
+        one-token decode write stores one fp16 token, not a one-token group, and
+        token-by-token writes store exactly what one write stores."""
         if packed is None:
-            self.check_input(x)
             packed = self.empty(x)
         self.check_input(x)
         self._check_compatible(packed, x)
@@ -275,7 +275,8 @@ class Quantizer(ABC):
         pending = x.half().float()
         if segs and set(segs[-1].fields) == {WINDOW_FIELD}:
             pending = torch.cat([segs.pop().fields[WINDOW_FIELD].float(), pending], dim=2)
-        n_quant = max(0, pending.shape[2] - residual) // group * group
+        done = sum(s.tokens for s in segs)  # already quantized: whole groups
+        n_quant = self.quantized_tokens(done + pending.shape[2]) - done
         for start in range(0, n_quant, group):
             segs.append(self._encode_segment(pending[:, :, start : start + group], packed.shared))
         if pending.shape[2] > n_quant:

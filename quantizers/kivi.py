@@ -29,7 +29,7 @@ import dataclasses
 
 import torch
 
-from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable, fp16_rounding_bound
+from .base import Quantizer, QuantizerInputError, Segment, fp16_rounding_bound
 from .groups import dequantize_groups, group_step_bound, quantize_groups
 
 
@@ -67,23 +67,7 @@ class KIVI(Quantizer):
     def append(self, packed, x):
         if packed is None:
             return self.encode(x)
-        self.check_input(x)
-        self._check_compatible(packed, x)
-        c, segs = self.config, list(packed.segments)
-        # Tokens wait in the fp16 window before they are quantized, so every token is
-        # quantized from its fp16 value: one write and token-by-token writes agree.
-        check_fp16_storable("K/V value", x)
-        pending = x.half().float()
-        if segs and "residual" in segs[-1].fields:
-            pending = torch.cat([segs.pop().fields["residual"].float(), pending], dim=2)
-        done = sum(s.tokens for s in segs)  # already quantized: whole groups
-        n_quant = self.quantized_tokens(done + pending.shape[2]) - done
-        for start in range(0, n_quant, c.group):
-            segs.append(self.encode_tokens(pending[:, :, start : start + c.group], packed.shared))
-        if pending.shape[2] > n_quant:
-            rest = pending[:, :, n_quant:]
-            segs.append(Segment({"residual": rest.half()}, rest.shape[2]))
-        return dataclasses.replace(packed, segments=segs)
+        return self.append_windowed(packed, x, self.config.group)  # window: quantized_tokens above
 
     def encode_tokens(self, x, shared):
         """One full group of G tokens."""
@@ -92,9 +76,7 @@ class KIVI(Quantizer):
             return Segment(quantize_groups(x.transpose(2, 3), c.bits, c.group, -1), x.shape[2])
         return Segment(quantize_groups(x, c.bits, self._channel_group(x.shape[-1]), -1), x.shape[2])
 
-    def decode_tokens(self, seg, shared, shape):
-        if "residual" in seg.fields:
-            return seg.fields["residual"].float()
+    def decode_tokens(self, seg, shared, shape):  # window segments are decoded by the base class
         c = self.config
         B, H, T, D = shape
         if self.role == "K":

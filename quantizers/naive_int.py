@@ -58,7 +58,7 @@ class NaiveInt(Quantizer):
     def append(self, packed, x):
         if not self.per_channel:
             return super().append(packed, x)
-        return self.append_windowed(packed, x, self.config.group, self.config.residual)
+        return self.append_windowed(packed, x, self.config.group)
 
     def encode_tokens(self, x, shared):
         c = self.config
