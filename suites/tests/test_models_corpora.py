@@ -104,7 +104,7 @@ def test_canterbury(canterbury, smollm, capsys):
     text, info = canterbury
     assert info["sha256"] == CORPORA["canterbury"]["sha256"]
     assert text.startswith("                ALICE'S ADVENTURES IN WONDERLAND") and "\r" not in text
-    n = len(corpora._tokenize(smollm[1], text))
+    n = len(corpora.tokenize_text(smollm[1], text))
     report(capsys, f"canterbury: {len(text)} chars, {n} smollm2 tokens")
     assert 250_000 < n < 350_000
 
@@ -115,7 +115,7 @@ def test_austen(smollm, capsys):
     text, info = load_corpus("austen")
     assert info["sha256"] == CORPORA["austen"]["sha256"]
     assert text.startswith("SENSE AND SENSIBILITY") and text.endswith("Finis")
-    n = len(corpora._tokenize(smollm[1], text))
+    n = len(corpora.tokenize_text(smollm[1], text))
     report(capsys, f"austen: {len(text)} chars, {n} smollm2 tokens")
     assert 900_000 < n < 1_100_000
 
