@@ -34,18 +34,14 @@ from .triton_common import hamilton, interpreting
 
 
 @triton.jit
-def _hqmq_search_kernel(u_ptr, sec_ptr, code_ptr, N, H, S,
-                        BLOCK_N: tl.constexpr, SB: tl.constexpr):
-    pid_bh = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    h = pid_bh % H
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < N
-    base = (pid_bh.to(tl.int64) * N + n) * 4
-    u0 = tl.load(u_ptr + base + 0, mask=nm, other=1.0)[:, None]
-    u1 = tl.load(u_ptr + base + 1, mask=nm, other=0.0)[:, None]
-    u2 = tl.load(u_ptr + base + 2, mask=nm, other=0.0)[:, None]
-    u3 = tl.load(u_ptr + base + 3, mask=nm, other=0.0)[:, None]
+def best_codes(u0, u1, u2, u3, sec_ptr, h, S, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+    """Code p*S + s of unit chunks (u0..u3: [BLOCK_N] fp32 each) against kv head h's
+    normalised secondaries (`sec_ptr`: [H, S, 4] fp32): the search of `HQMQ.search`
+    (shared by the search kernel and the decode-step encoder, kernels/step_encode.py)."""
+    w0 = u0[:, None]
+    w1 = u1[:, None]
+    w2 = u2[:, None]
+    w3 = u3[:, None]
     best = tl.full([BLOCK_N], -1.0, tl.float32)
     best_i = tl.zeros([BLOCK_N], tl.int32)
     sl = tl.arange(0, SB)
@@ -58,7 +54,7 @@ def _hqmq_search_kernel(u_ptr, sec_ptr, code_ptr, N, H, S,
         c2 = -tl.load(sp + 2, mask=sm, other=0.0)[None, :]
         c3 = -tl.load(sp + 3, mask=sm, other=0.0)[None, :]
         # v = u * c (Hamilton; the same products and order as u @ right_mul_matrix(c))
-        v0, v1, v2, v3 = hamilton(u0, u1, u2, u3, c0, c1, c2, c3)
+        v0, v1, v2, v3 = hamilton(w0, w1, w2, w3, c0, c1, c2, c3)
         a0 = tl.abs(v0)
         a1 = tl.abs(v1)
         a2 = tl.abs(v2)
@@ -70,10 +66,6 @@ def _hqmq_search_kernel(u_ptr, sec_ptr, code_ptr, N, H, S,
         best = tl.where(upd, bs, best)
         best_i = tl.where(upd, bi + s0, best_i)
     # the best secondary's v, then its nearest element of 2T
-    u0 = tl.reshape(u0, (BLOCK_N,))
-    u1 = tl.reshape(u1, (BLOCK_N,))
-    u2 = tl.reshape(u2, (BLOCK_N,))
-    u3 = tl.reshape(u3, (BLOCK_N,))
     sp = sec_ptr + (h * S + best_i) * 4
     c0 = tl.load(sp + 0)
     c1 = -tl.load(sp + 1)
@@ -102,7 +94,24 @@ def _hqmq_search_kernel(u_ptr, sec_ptr, code_ptr, N, H, S,
     half_idx = 8 + (v0 < 0).to(tl.int32) + 2 * (v1 < 0).to(tl.int32) + 4 * (v2 < 0).to(tl.int32) \
         + 8 * (v3 < 0).to(tl.int32)
     p = tl.where(half_s > ax_s, half_idx, axis_idx)
-    tl.store(code_ptr + pid_bh.to(tl.int64) * N + n, p * S + best_i, mask=nm)
+    return p * S + best_i
+
+
+@triton.jit
+def _hqmq_search_kernel(u_ptr, sec_ptr, code_ptr, N, H, S,
+                        BLOCK_N: tl.constexpr, SB: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    h = pid_bh % H
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    base = (pid_bh.to(tl.int64) * N + n) * 4
+    u0 = tl.load(u_ptr + base + 0, mask=nm, other=1.0)
+    u1 = tl.load(u_ptr + base + 1, mask=nm, other=0.0)
+    u2 = tl.load(u_ptr + base + 2, mask=nm, other=0.0)
+    u3 = tl.load(u_ptr + base + 3, mask=nm, other=0.0)
+    code = best_codes(u0, u1, u2, u3, sec_ptr, h, S, BLOCK_N, SB)
+    tl.store(code_ptr + pid_bh.to(tl.int64) * N + n, code, mask=nm)
 
 
 def hqmq_search(u: torch.Tensor, secondaries: torch.Tensor, *, block_n: int | None = None,
@@ -147,4 +156,4 @@ def encode_with_kernel(q, x: torch.Tensor):
     return kernel_quantizer(q).encode(x)
 
 
-__all__ = ["hqmq_search", "kernel_quantizer", "encode_with_kernel"]
+__all__ = ["best_codes", "hqmq_search", "kernel_quantizer", "encode_with_kernel"]

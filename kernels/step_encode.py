@@ -1,0 +1,411 @@
+"""Decode-step writes encoded on the device, straight into a `KernelStore`'s buffers.
+
+The old write path of a fused cache runs the quantizer's torch `append` (tens to
+hundreds of small ops and several host reads per (layer, role) and token), then
+copies the new segment into the store. Here one Triton launch per (layer, role)
+encodes the step's token(s) and writes the stored bytes in place at the current
+length, which the host knows: no Python loop over fields or tokens, no host read.
+`KernelStore.step` (kernels/store.py) calls these; the stored bytes are exactly
+those of the quantizer's `encode_tokens` (suites/tests/test_step_encode.py):
+
+- naive int, per-token groups (`IntFlat`) and KIVI's flushes: `int_rows`, asymmetric
+  min/max groups as `quantizers/groups.py` (fp16 zero rounded down, scale up);
+- fp8 (`FP8Flat`): `fp8_tokens`, torch's saturating float8 cast of x / scale, by
+  integer arithmetic (round to nearest even), the same on the GPU and the interpreter;
+- KIVI's fp16 window: `kivi_window` (the flush every G or R steps is `int_rows` on the
+  window plus one shift);
+- HQMQ incl. Med3x (`HQMQFlat`): `hqmq_tokens`: radii, the per-write median and
+  outliers, r_max, the direction search (`hqmq_encode.best_codes`, the search
+  kernel's own code), radius codes, packing, the per-(b, h) outlier lists and the
+  64-token outlier index.
+
+Arithmetic follows torch's op by op: IEEE division (`div_rn`), `sqrt_rn`, sums in
+torch's order, round-half-even by the 1.5*2^23 trick (libdevice's rint is not in the
+interpreter), and no FMA contraction on the GPU (`enable_fp_fusion=False`). The one
+known difference is HQMQ's search at exact score ties (as `hqmq_search`, whose
+products torch's matmul may order or fuse differently).
+
+Bad input cannot raise from a kernel without a host read, so the kernels raise a
+device-side flag instead (`StepErrors`): error bits, the first bad token, the count
+of bad values per role. The cache checks it when results are read and polls it
+without a sync (suites/harness/kv_cache.py says when) and raises the old path's
+QuantizerInputError then, naming layer, role and token.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quantizers.base import FP16_MAX, QuantizerInputError
+from .hqmq_encode import best_codes
+from .triton_common import interpreting
+
+NONFINITE, FP16_OVERFLOW = 1, 2  # error bits a kernel ORs into its role's flag row
+NO_TOKEN = 2**31 - 1
+
+# Launches are counted here (tests and `write_cost` count them: the profiler does not
+# see Triton launches); `launch_hook`, when set, replaces the launch (cost counting).
+LAUNCHES = [0]
+launch_hook = None
+
+
+def _launch(kernel, grid, *args, **const):
+    LAUNCHES[0] += 1
+    if launch_hook is not None:
+        return launch_hook(kernel, grid, *args, **const)
+    if not interpreting():
+        const["enable_fp_fusion"] = False  # torch rounds each product: no FMA here either
+    kernel[grid](*args, **const)
+
+
+def _p2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+# ---------------------------------------------------------------------------------------
+# jit helpers
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def rne(y):
+    """Round half to even of float32 |y| < 2^22 (torch.round)."""
+    return (y + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def fp16_toward(t, UP: tl.constexpr):
+    """fp16 of float32 t rounded toward +inf (UP) or -inf, as `groups._fp16_toward`:
+    round to nearest, then one fp16 step (nextafter) when that went the wrong way."""
+    h = t.to(tl.float16)
+    u = h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    neg = (u & 0x8000) != 0
+    if UP:
+        off = h.to(tl.float32) < t
+        nxt = tl.where(u == 0x8000, 1, tl.where(neg, u - 1, u + 1))
+    else:
+        off = h.to(tl.float32) > t
+        nxt = tl.where(u == 0, 0x8001, tl.where(neg, u + 1, u - 1))
+    u = tl.where(off, nxt, u)
+    return u.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def pack_row(v, W: tl.constexpr, NP: tl.constexpr, NBP: tl.constexpr):
+    """Bytes `[NBP]` (int32, 0..255) of the W-bit values v `[NP]` (int32 >= 0, zero past
+    the row): value i at bits [i*W, (i+1)*W) of a little-endian LSB-first stream, the
+    layout of quantizers/packing.py. Byte j gathers the bits of every value overlapping it."""
+    j = tl.arange(0, NBP)[:, None]
+    i = tl.arange(0, NP)[None, :]
+    sh = i * W - 8 * j  # where value i's bit 0 falls relative to byte j's bit 0
+    ov = (sh > -W) & (sh < 8)
+    left = tl.where(ov & (sh > 0), sh, 0)
+    right = tl.where(ov & (sh < 0), -sh, 0)
+    part = tl.where(ov, ((v[None, :] << left) >> right) & 0xFF, 0)
+    return tl.sum(part, axis=1)  # disjoint bits: the sum is the OR
+
+
+@triton.jit
+def flag(err_ptr, bits, n_bad, token):
+    """Raise this write's error bits (0: none) in its role's flag row."""
+    tl.atomic_or(err_ptr, bits, mask=bits != 0)
+    tl.atomic_min(err_ptr + 1, token, mask=bits != 0)
+    tl.atomic_add(err_ptr + 2, n_bad, mask=n_bad != 0)
+
+
+@triton.jit
+def nonfinite(x):
+    return (x != x) | (tl.abs(x) == float("inf"))
+
+
+# ---------------------------------------------------------------------------------------
+# int groups: IntFlat tokens and KIVI flushes
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def _int_rows_kernel(x_ptr, sxb, sxh, sxr, sxe, sxk,
+                     c_ptr, scb, sch, scr, sck, s_ptr, z_ptr, ssb, ssh, ssr, ssk,
+                     row0, blk0, H, err_ptr, tok0, TOKROWS: tl.constexpr,
+                     N: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, NP: tl.constexpr,
+                     NGP: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr):
+    """One row of N elements (program (b*H+h, row, block)) in groups of G along the row:
+    `quantize_groups` of that row, written at output row row0+row of block blk0+block."""
+    bh = tl.program_id(0)
+    r = tl.program_id(1)
+    k = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    e = tl.arange(0, NP)
+    em = e < N
+    xo = b.to(tl.int64) * sxb + h * sxh + r * sxr + k * sxk
+    x = tl.load(x_ptr + xo + e * sxe, mask=em, other=0.0).to(tl.float32)
+    bad = nonfinite(x) & em
+    # group statistics: a [groups, elements] tile (no gather from registers in Triton)
+    g = tl.arange(0, NGP)[:, None]
+    mine = (e[None, :] // G == g) & em[None, :]
+    lo = tl.min(tl.where(mine, x[None, :], float("inf")), axis=1)
+    hi = tl.max(tl.where(mine, x[None, :], float("-inf")), axis=1)
+    gm = tl.arange(0, NGP) < N // G
+    over = gm & ((tl.abs(lo) > 65504.0) | (tl.abs(hi) > 65504.0))
+    zero = fp16_toward(lo, False)
+    span = tl.math.div_rn(hi - zero.to(tl.float32), ((1 << BITS) - 1) * 1.0)
+    over = over | (gm & (span > 65504.0))
+    scale = fp16_toward(span, True)
+    so = b.to(tl.int64) * ssb + h * ssh + (row0 + r) * ssr + (blk0 + k) * ssk
+    gi = tl.arange(0, NGP)
+    tl.store(s_ptr + so + gi, scale, mask=gm)
+    tl.store(z_ptr + so + gi, zero, mask=gm)
+    # each element's group parameters, back from the tile
+    z = tl.sum(tl.where(mine, zero.to(tl.float32)[:, None], 0.0), axis=0)
+    s = tl.sum(tl.where(mine, scale.to(tl.float32)[:, None], 0.0), axis=0)
+    pos = s > 0
+    q = rne(tl.math.div_rn(x - z, tl.where(pos, s, 1.0)))
+    q = tl.where(pos, q, 0.0)
+    q = tl.minimum(tl.maximum(q, 0.0), ((1 << BITS) - 1) * 1.0)
+    q = tl.where(em, q, 0.0).to(tl.int32)
+    byt = pack_row(q, BITS, NP, NBP)
+    co = b.to(tl.int64) * scb + h * sch + (row0 + r) * scr + (blk0 + k) * sck
+    j = tl.arange(0, NBP)
+    tl.store(c_ptr + co + j, byt.to(tl.uint8), mask=j < NB)
+    n_bad = tl.sum(bad.to(tl.int32), axis=0)
+    bits = tl.where(n_bad > 0, 1, 0) | tl.where(tl.max(over.to(tl.int32), axis=0) > 0, 2, 0)
+    flag(err_ptr, bits, n_bad, tok0 + r * TOKROWS)
+
+
+def int_rows(x, x_strides, rows: int, blocks: int, codes, c_strides, scale, zero, s_strides,
+             row0: int, blk0: int, *, n: int, group: int, bits: int, err, tok0: int, token_rows: bool):
+    """`quantize_groups` of `rows` x `blocks` rows of n elements of x, each written at
+    output row row0 + row, block blk0 + block. Strides in elements: x (b, h, row,
+    element, block); codes and scale/zero (b, h, row, block), the row's bytes / groups
+    contiguous. `token_rows`: rows are tokens tok0 + row (for the error flag)."""
+    B, H = x.shape[0], x.shape[1]
+    nb = (n * bits + 7) // 8
+    _launch(_int_rows_kernel, (B * H, rows, blocks), x, *x_strides, codes, *c_strides, scale, zero, *s_strides,
+            row0, blk0, H, err, tok0, TOKROWS=int(token_rows), N=n, G=group, BITS=bits, NP=_p2(n),
+            NGP=_p2(n // group), NB=nb, NBP=_p2(nb))
+
+
+# ---------------------------------------------------------------------------------------
+# fp8
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def _fp8_kernel(x_ptr, sxb, sxh, sxt, c_ptr, scb, sch, sct, scale_ptr, t0, H, err_ptr,
+                D: tl.constexpr, DP: tl.constexpr, M: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr):
+    """`(x / scale[h]).clamp(-max, max).to(float8)` bit patterns of one token row, by
+    integer arithmetic: M mantissa bits, EMIN the smallest normal exponent."""
+    bh = tl.program_id(0)
+    t = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    d = tl.arange(0, DP)
+    dm = d < D
+    x = tl.load(x_ptr + b.to(tl.int64) * sxb + h * sxh + t * sxt + d, mask=dm, other=0.0).to(tl.float32)
+    bad = nonfinite(x) & dm
+    y = tl.math.div_rn(x, tl.load(scale_ptr + h))
+    y = tl.minimum(tl.maximum(y, -MAXV), MAXV)
+    ybits = y.to(tl.int32, bitcast=True)
+    a = tl.abs(y)
+    ex = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)  # binade, normal or not
+    q = rne(a * ((127 + M - ex) << 23).to(tl.float32, bitcast=True))  # a / 2^(ex - M), exact scaling
+    code = q.to(tl.int32) + ((ex - EMIN) << M)  # q = 2^(M+1) carries into the exponent
+    code = code | ((ybits >> 24) & 0x80)  # the sign, -0 included
+    tl.store(c_ptr + b.to(tl.int64) * scb + h * sch + (t0 + t) * sct + d, code.to(tl.uint8), mask=dm)
+    n_bad = tl.sum(bad.to(tl.int32), axis=0)
+    flag(err_ptr, tl.where(n_bad > 0, 1, 0), n_bad, t0 + t)
+
+
+FP8_FORMATS = {"e4m3": (3, -6, 448.0), "e5m2": (2, -14, 57344.0)}  # mantissa bits, min exponent, max
+
+
+def fp8_tokens(x, codes, scale, fmt: str, t0: int, err):
+    """fp8 codes of x `[B, H, t, D]` into codes `[B, H, Tcap, D]` at token t0; scale `[H]` fp32."""
+    B, H, t, D = x.shape
+    m, emin, mx = FP8_FORMATS[fmt]
+    _launch(_fp8_kernel, (B * H, t), x, x.stride(0), x.stride(1), x.stride(2), codes, codes.stride(0),
+            codes.stride(1), codes.stride(2), scale, t0, H, err, D=D, DP=_p2(D), M=m, EMIN=emin, MAXV=mx)
+
+
+# ---------------------------------------------------------------------------------------
+# KIVI's fp16 window
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def _window_kernel(x_ptr, sxb, sxh, r_ptr, srb, srh, row, H, err_ptr, tok,
+                   D: tl.constexpr, DP: tl.constexpr):
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    d = tl.arange(0, DP)
+    dm = d < D
+    x = tl.load(x_ptr + b.to(tl.int64) * sxb + h * sxh + d, mask=dm, other=0.0).to(tl.float32)
+    bad = nonfinite(x) & dm
+    over = (tl.abs(x) > 65504.0) & dm & ~bad
+    tl.store(r_ptr + b.to(tl.int64) * srb + h * srh + row * D + d, x.to(tl.float16), mask=dm)
+    n_bad = tl.sum(bad.to(tl.int32), axis=0)
+    bits = tl.where(n_bad > 0, 1, 0) | tl.where(tl.sum(over.to(tl.int32), axis=0) > 0, 2, 0)
+    flag(err_ptr, bits, n_bad, tok)
+
+
+def kivi_window(x, residual, row: int, err, tok: int):
+    """x `[B, H, 1, D]` as fp16 into row `row` of the window buffer `[B, H, Rcap, D]`."""
+    B, H, _, D = x.shape
+    assert x.stride(3) == 1 and residual.stride(3) == 1 and residual.stride(2) == D
+    _launch(_window_kernel, (B * H,), x, x.stride(0), x.stride(1), residual, residual.stride(0),
+            residual.stride(1), row, H, err, tok, D=D, DP=_p2(D))
+
+
+# ---------------------------------------------------------------------------------------
+# HQMQ (+ Med3x)
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def _hqmq_kernel(x_ptr, sxb, sxh, sxt, sec_ptr, rel_ptr, S, H, t0,
+                 c_ptr, c_h, c_t, rad_ptr, r_h, r_t, m_ptr, m_h, m_t, f_ptr, f_h, f_t,
+                 o_ptr, o_h, olen_ptr, oi_ptr, oi_h, blk, err_ptr, C,
+                 NC: tl.constexpr, NCP: tl.constexpr, CBITS: tl.constexpr, CB: tl.constexpr, CBP: tl.constexpr,
+                 RBITS: tl.constexpr, RB: tl.constexpr, RBP: tl.constexpr, FB: tl.constexpr, FBP: tl.constexpr,
+                 LOG: tl.constexpr, MED3: tl.constexpr, INDEX: tl.constexpr, SB: tl.constexpr):
+    """`HQMQ.encode_tokens` of one token row (program (b*H+h, t)). With Med3x (MED3, one
+    token per write) the median is over this token's chunks and the outliers go to the
+    end of the (b, h) list (`olen_ptr`), the block start to the index when the token
+    opens a 64-token block (INDEX, at block `blk`). `sb`/`sh`: the shared b/h strides of
+    the token buffers (one [B, H, Tcap] layout), `ct`..`ft` their token strides."""
+    bh = tl.program_id(0)
+    t = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    c = tl.arange(0, NCP)
+    cm = c < NC
+    xo = x_ptr + b.to(tl.int64) * sxb + h * sxh + t * sxt + c * 4
+    x0 = tl.load(xo + 0, mask=cm, other=0.0).to(tl.float32)
+    x1 = tl.load(xo + 1, mask=cm, other=0.0).to(tl.float32)
+    x2 = tl.load(xo + 2, mask=cm, other=0.0).to(tl.float32)
+    x3 = tl.load(xo + 3, mask=cm, other=0.0).to(tl.float32)
+    n_bad = tl.sum((nonfinite(x0).to(tl.int32) + nonfinite(x1).to(tl.int32) + nonfinite(x2).to(tl.int32)
+                    + nonfinite(x3).to(tl.int32)) * cm.to(tl.int32), axis=0)
+    r = tl.sqrt_rn(((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3)  # torch's norm: in order, then sqrt
+    if MED3:
+        # torch.median (the lower middle value): the radius with at most k smaller and more than k
+        # smaller-or-equal, k = (NC - 1) // 2, by an [NC, NC] comparison
+        ri = r[:, None]
+        rj = tl.where(cm, r, float("inf"))[None, :]
+        less = tl.sum((rj < ri).to(tl.int32), axis=1)
+        leq = tl.sum((rj <= ri).to(tl.int32), axis=1)
+        med = cm & (less <= (NC - 1) // 2) & (leq > (NC - 1) // 2)
+        r_med = tl.max(tl.where(med, r, -1.0), axis=0)
+        outl = (r > C * r_med) & (r > 0) & cm
+    else:
+        outl = c < 0
+    rr = tl.where(outl | ~cm, 0.0, r)
+    r_max = tl.max(rr, axis=0)
+    over = r_max > 65504.0
+    rm16 = r_max.to(tl.float16)
+    rm = rm16.to(tl.float32)
+    pos = r > 0
+    safe_r = tl.where(pos, r, 1.0)
+    u0 = tl.where(pos, tl.math.div_rn(x0, safe_r), 1.0)
+    u1 = tl.where(pos, tl.math.div_rn(x1, safe_r), 0.0)
+    u2 = tl.where(pos, tl.math.div_rn(x2, safe_r), 0.0)
+    u3 = tl.where(pos, tl.math.div_rn(x3, safe_r), 0.0)
+    code = best_codes(u0, u1, u2, u3, sec_ptr, h, S, NCP, SB)
+    L: tl.constexpr = (1 << RBITS) - 1
+    if LOG:  # argmin |r - r_max * rel[q]|, the first on ties
+        rq = tl.zeros([NCP], tl.int32)
+        bestd = tl.abs(rr - rm * tl.load(rel_ptr))
+        for q in tl.static_range(1, L + 1):
+            dq = tl.abs(rr - rm * tl.load(rel_ptr + q))
+            rq = tl.where(dq < bestd, q, rq)
+            bestd = tl.minimum(dq, bestd)
+    else:
+        rq = rne(tl.math.div_rn(rr, tl.where(rm > 0, rm, 1.0)) * (L * 1.0))
+        rq = tl.minimum(tl.maximum(rq, 0.0), L * 1.0).to(tl.int32)
+    rq = tl.where(cm, rq, 0)
+    code = tl.where((rq == 0) | outl | ~cm, 0, code)
+    bh64 = bh.to(tl.int64)
+    tok = t0 + t
+    j = tl.arange(0, CBP)
+    tl.store(c_ptr + bh64 * c_h + tok * c_t + j, pack_row(code, CBITS, NCP, CBP).to(tl.uint8), mask=j < CB)
+    j = tl.arange(0, RBP)
+    tl.store(rad_ptr + bh64 * r_h + tok * r_t + j, pack_row(rq, RBITS, NCP, RBP).to(tl.uint8), mask=j < RB)
+    tl.store(m_ptr + bh64 * m_h + tok * m_t, rm16)
+    if MED3:
+        oi = outl.to(tl.int32)
+        j = tl.arange(0, FBP)
+        tl.store(f_ptr + bh64 * f_h + tok * f_t + j, pack_row(oi, 1, NCP, FBP).to(tl.uint8), mask=j < FB)
+        start = tl.load(olen_ptr + bh)
+        dest = start + tl.cumsum(oi, axis=0) - oi  # list end + rank among this token's outliers
+        ob = o_ptr + bh64 * o_h + dest * 4
+        tl.store(ob + 0, x0.to(tl.float16), mask=outl)
+        tl.store(ob + 1, x1.to(tl.float16), mask=outl)
+        tl.store(ob + 2, x2.to(tl.float16), mask=outl)
+        tl.store(ob + 3, x3.to(tl.float16), mask=outl)
+        big = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
+        over = over | (tl.max(tl.where(outl, big, 0.0), axis=0) > 65504.0)
+        tl.store(olen_ptr + bh, start + tl.sum(oi, axis=0))
+        if INDEX:
+            tl.store(oi_ptr + bh64 * oi_h + blk, start.to(tl.int32))
+    flag(err_ptr, tl.where(n_bad > 0, 1, 0) | tl.where(over, 2, 0), n_bad, tok)
+
+
+def hqmq_tokens(x, flat, S: int, rel, t0: int, err, *, C: float = 3.0, med3: bool = False,
+                outlier_len=None, index_block: int | None = None):
+    """HQMQ codes of x `[B, H, t, D]` into the buffers of `flat` (an `HQMQFlat`) at token
+    t0. Med3x (one token): outliers appended to `flat.outliers`' (b, h) lists at
+    `outlier_len` (`[B*H]` int64, advanced), the block start written to
+    `flat.outlier_index` at `index_block` (None: the token opens no block)."""
+    B, H, t, D = x.shape
+    nc = D // 4
+    cb, rb, fb = (nc * flat.code_bits + 7) // 8, (nc * flat.r_bits + 7) // 8, (nc + 7) // 8
+    c, r, m = flat.codes, flat.radius, flat.r_max
+    if med3:
+        f, o, oi = flat.flags, flat.outliers, flat.outlier_index
+        med = (f, f.stride(1), f.stride(2), o, o.stride(1), outlier_len, oi, oi.stride(1), index_block or 0)
+    else:
+        med = (c, 0, 0, c, 0, c, c, 0, 0)  # never read
+    _launch(_hqmq_kernel, (B * H, t), x, x.stride(0), x.stride(1), x.stride(2), flat.sec, rel, S, H, t0,
+            c, c.stride(1), c.stride(2), r, r.stride(1), r.stride(2), m, m.stride(1), m.stride(2), *med,
+            err, float(C), NC=nc, NCP=_p2(nc), CBITS=flat.code_bits, CB=cb, CBP=_p2(cb),
+            RBITS=flat.r_bits, RB=rb, RBP=_p2(rb), FB=fb, FBP=_p2(fb), LOG=flat.log_radius, MED3=med3,
+            INDEX=index_block is not None, SB=32)
+
+
+# ---------------------------------------------------------------------------------------
+# deferred input errors
+# ---------------------------------------------------------------------------------------
+class StepErrors:
+    """The error flags the step kernels of one layer raise: int32 `[2 roles, 3]` on the
+    device, per role (error bits, first bad token, bad values). `poll()` looks without a
+    host sync (a CPU tensor is read in place; on CUDA an asynchronous copy to pinned
+    memory, read once its event has completed); `check()` reads it now (a sync)."""
+
+    def __init__(self, device: torch.device):
+        self.flags = torch.zeros(2, 3, dtype=torch.int32, device=device)
+        self.flags[:, 1] = NO_TOKEN
+        self.rows = (self.flags[0], self.flags[1])
+        self.cuda = self.flags.is_cuda
+        self.host = torch.zeros(2, 3, dtype=torch.int32, pin_memory=True) if self.cuda else self.flags
+        self.host_np = self.host.numpy()  # a view: reading it is no torch op and no sync
+        self.event = None
+
+    def poll(self) -> bool:
+        """True when an error is known on the host (no sync; CUDA: as of an earlier poll)."""
+        if self.cuda:
+            if self.event is not None and not self.event.query():
+                return False
+            bad = bool(self.host_np[:, 0].any())
+            self.host.copy_(self.flags, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+            return bad
+        return bool(self.host_np[:, 0].any())
+
+    def check(self, layer: int) -> None:
+        """Raise the input error a step kernel found (a host sync on CUDA)."""
+        for role, (bits, tok, n_bad) in zip(("K", "V"), self.flags.tolist()):
+            if not bits:
+                continue
+            where = (f"layer {layer} {role}: a decode-step write (token {tok}, encoded on the device; "
+                     "reported when the cache was next checked, see kvqbench.suites.harness.kv_cache)")
+            if bits & NONFINITE:
+                raise QuantizerInputError(f"{where}: input has {n_bad} NaN/Inf values; a cache cannot store them")
+            raise QuantizerInputError(f"{where}: a value overflows the fp16 the cache stores (max {FP16_MAX}); "
+                                      "rescale the input")
+
+
+__all__ = ["StepErrors", "fp8_tokens", "hqmq_tokens", "int_rows", "kivi_window", "LAUNCHES", "FP8_FORMATS"]
