@@ -632,9 +632,31 @@ _KERNELS = {HQMQFlat: hqmq_decode_attention, IntFlat: int_decode_attention, KIVI
             FP8Flat: fp8_decode_attention}
 
 
-def decode_attention(q: torch.Tensor, k, v, **kw) -> torch.Tensor:
+_TRITON_ONLY = ("block_t", "num_warps", "num_stages")  # launch options only the Triton kernels have
+
+
+def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", **kw) -> torch.Tensor:
     """Dispatch on the flattened cache type. Returns `[B, Hq, 1, d]` in out_dtype
-    (default q's dtype); the tensor is the workspace's buffer when one is passed."""
+    (default q's dtype); the tensor is the workspace's buffer when one is passed.
+
+    backend: "triton", "cuda" (kernels/cuda_decode.py: int4 with groups of 32 and fp8;
+    raises where it cannot run) or "auto": the CUDA kernel when it takes the call
+    (`cuda_decode.unsupported` is None) and builds here (`cuda_decode.why_unavailable()`
+    says why not), else Triton; Triton's launch options (block_t, num_warps,
+    num_stages) select Triton. `programs_per_sm` means CTAs per SM for the CUDA kernel."""
+    if backend not in ("auto", "cuda", "triton"):
+        raise ValueError(f"backend must be auto, cuda or triton, got {backend!r}")
+    if backend != "triton" and isinstance(k, (IntFlat, FP8Flat)) and q.is_cuda:
+        from . import cuda_decode
+
+        if backend == "cuda" or (not set(kw) & set(_TRITON_ONLY) and cuda_decode.unsupported(q, k, v) is None
+                                 and cuda_decode.available()):
+            ckw = dict(kw)
+            if "programs_per_sm" in ckw:
+                ckw["ctas_per_sm"] = ckw.pop("programs_per_sm")
+            return cuda_decode.decode(q, k, v, **ckw)
+    elif backend == "cuda":
+        raise ValueError(f"no CUDA kernel for {type(k).__name__} (or q not on a CUDA device)")
     fn = _KERNELS.get(type(k))
     if fn is None:
         raise TypeError(f"no fused kernel for {type(k).__name__}")

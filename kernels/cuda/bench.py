@@ -1,0 +1,130 @@
+"""Same-run timings of the CUDA decode kernels (kernels/cuda_decode.py) beside torch
+SDPA on the fp16 cache and the Triton kernels, at the issue-10 shapes.
+
+    python kernels/cuda/bench.py [--out DIR] [--shapes 8x32768,1x32768]
+
+Protocol: Hq 32 / Hkv 8 / d 128, one query token, fp16 q; caches are real encodings of
+4096 synthetic tokens (3 outlier key channels) tiled to T (the kernel sweep's
+helpers, suites/bench/kernel_sweep/measure.py); every time is
+`triton.testing.do_bench` (CUDA events, median, 256 MB L2 flush before each call,
+rep 40 ms => well over 30 timed calls); B=1 is also timed as a CUDA graph replay
+(launch overhead removed). Prints a table and writes cuda_bench.json under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from kvqbench.kernels import cuda_decode
+from kvqbench.kernels.decode_attention import decode_attention
+from kvqbench.suites.bench.kernel_sweep.measure import copy_bandwidth, encode, flats, graph_decode, synthetic_kv, tile
+
+METHODS = {"int4": 0, "fp8": 1}  # name in the kernel sweep: CUDA format id
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+
+
+def rel_err(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def run(shapes, out: Path) -> dict:
+    dev = torch.device("cuda")
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "regs": {f"{m}/v{v}": cuda_decode.num_regs(f, 128, v) for m, f in METHODS.items()
+                    for v in range(cuda_decode.NUM_VARIANTS)}, "rows": []}
+    res["copy_GBps"] = copy_bandwidth(dev)
+    k, v = synthetic_kv(1, 8, 4096, 128, device=dev)
+    base = {}
+    for name in METHODS:
+        spec = {"int4": "int4", "fp8": "fp8-e4m3"}[name]
+        (_, pk), (_, pv) = encode(spec, k, v)
+        base[name] = flats(name, pk, pv)
+    best_variant = {}
+    for B, T in shapes:
+        rows = res["rows"]
+        q = torch.randn(B, 32, 1, 128, device=dev).half()
+        kf16 = torch.randn(B, 8, T, 128, device=dev).half()
+        vf16 = torch.randn(B, 8, T, 128, device=dev).half()
+        sdpa = lambda: F.scaled_dot_product_attention(q, kf16, vf16, enable_gqa=True)  # noqa: E731
+        t_sdpa = bench(sdpa)
+        rows.append({"B": B, "T": T, "method": "fp16-sdpa", "us": t_sdpa})
+        if B == 1:
+            rows.append({"B": B, "T": T, "method": "fp16-sdpa-graph", "us": bench(graph_decode(lambda x: sdpa(), q))})
+        del kf16, vf16
+        for name in METHODS:
+            kf, vf = (tile(f, B, T) for f in base[name])
+            nbytes = kf.read_nbytes + vf.read_nbytes
+            ref = decode_attention(q, kf, vf, backend="triton", out_dtype=torch.float32)
+            got = decode_attention(q, kf, vf, backend="cuda", out_dtype=torch.float32)
+            err = rel_err(got, ref)
+            t_tri = bench(lambda: decode_attention(q, kf, vf, backend="triton"))
+            rows.append({"B": B, "T": T, "method": f"{name}-triton", "us": t_tri, "bytes": nbytes})
+            if B > 1:
+                cfgs = [dict(variant=vv, ctas_per_sm=c) for vv in range(cuda_decode.NUM_VARIANTS) for c in (4, 8, 16)]
+            else:
+                cfgs = [dict(variant=best_variant.get(name, 0), ctas_per_sm=c) for c in (8, 16, 32)]
+            best = None
+            for cfg in cfgs:
+                t = bench(lambda: decode_attention(q, kf, vf, backend="cuda", **cfg))
+                rows.append({"B": B, "T": T, "method": f"{name}-cuda", "cfg": cfg, "us": t, "bytes": nbytes,
+                             "err_vs_triton": err})
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            if B > 1:
+                best_variant[name] = best[1]["variant"]
+            if B == 1:
+                for tag, kw in (("cuda", dict(backend="cuda", **best[1])), ("triton", dict(backend="triton"))):
+                    fn = graph_decode(lambda x, kw=kw: decode_attention(x, kf, vf, **kw), q)
+                    rows.append({"B": B, "T": T, "method": f"{name}-{tag}-graph", "us": bench(fn), "bytes": nbytes,
+                                 "cfg": kw})
+            del kf, vf
+            torch.cuda.empty_cache()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "cuda_bench.json").write_text(json.dumps(res, indent=1, default=str))
+    return res
+
+
+def table(res: dict) -> str:
+    lines = [f"{res['device']}  torch {res['torch']}  triton {res['triton']}  copy {res['copy_GBps']:.0f} GB/s",
+             f"registers per thread: {res['regs']}",
+             "| B | T | method | config | us | x faster than SDPA | GB/s | err vs triton |", "|---|---|---|---|---:|---:|---:|---:|"]
+    sd = {}
+    for r in res["rows"]:
+        if r["method"].startswith("fp16-sdpa"):
+            sd[(r["B"], r["T"], r["method"].endswith("graph"))] = r["us"]
+    for r in res["rows"]:
+        ref = sd.get((r["B"], r["T"], r["method"].endswith("graph")), sd.get((r["B"], r["T"], False)))
+        gbps = f"{r['bytes'] / r['us'] / 1e3:.0f}" if "bytes" in r else ""
+        err = f"{r['err_vs_triton']:.1e}" if "err_vs_triton" in r else ""
+        cfg = r.get("cfg", "")
+        if isinstance(cfg, dict):
+            cfg = ",".join(f"{k}={v}" for k, v in cfg.items() if k != "backend")
+        lines.append(f"| {r['B']} | {r['T']} | {r['method']} | {cfg} | {r['us']:.1f} | {ref / r['us']:.2f} | {gbps} | {err} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/cuda_bench")
+    ap.add_argument("--shapes", default="8x32768,1x32768")
+    a = ap.parse_args()
+    shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+    t0 = time.time()
+    res = run(shapes, Path(a.out))
+    txt = table(res)
+    Path(a.out, "cuda_bench.md").write_text(txt + "\n")
+    print(txt)
+    print(f"({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""CUDA C++ fused decode attention (kernels/cuda/decode_attention.cu) for int4 and fp8
+caches: built at first use, called through ctypes.
+
+Why CUDA and not Triton (kernels/NOTES.md, "CUDA decode kernels"): the mma operand of
+p @ V wants pairs of TOKENS in a register; Triton decodes pairs of dims and transposes
+the tile through 16-bit shared-memory stores (~2 SASS instructions per element). Here
+the packed bytes of two tokens are interleaved by one PRMT before decoding, the
+zero point goes through one extra mma per tile, and the kernel loop issues ~2.4
+(int4) / ~1.4 (fp8) instructions per element.
+
+Build: `nvcc -O3 --use_fast_math -shared` of the one .cu file (no torch headers: ~15 s)
+for the device's architecture (sm_90a on an H100/H200), into the torch extensions
+cache (`TORCH_EXTENSIONS_DIR`, else torch's default) under a name hashing the source,
+flags and nvcc version; concurrent builders write a temporary file and rename it.
+`why_unavailable()` says why the CUDA path cannot run here (no CUDA torch, a ROCm
+torch, no nvcc, a GPU older than sm_80, a failed build); `decode_attention` then
+uses the Triton kernels and the reason stays readable from here.
+
+Formats: `IntFlat` with 4 bits and groups of 32 (the `int4` spec), head_dim 64 or 128;
+`FP8Flat` e4m3 / e5m2 (sm_89+), head_dim 64 or 128. GQA groups up to 8 query heads per
+kv head. Anything else: `unsupported(q, k, v)` names the reason (the dispatcher then
+uses Triton). Numerics: K/V decoded to fp16 exactly as the Triton FAST path (int: one
+fp16 rounding of s*x, the zero point added in fp32 by the tensor core), fp16
+operands, fp32 accumulation. Limit of the int4 decode trick: 1024 * scale must be
+finite in fp16 (scale < 64, i.e. a group's range below ~960).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "cuda" / "decode_attention.cu"
+FLAGS = ["-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"]
+NUM_VARIANTS = 4  # VARIANTS in the .cu: (prefetch stages, min CTAs per SM)
+DEFAULT_VARIANT = 0
+DEFAULT_CTAS_PER_SM = 8
+
+_lock = threading.Lock()
+_lib = None
+_why: str | None = None
+_tried = False
+_QTYPE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+def _nvcc() -> str | None:
+    from torch.utils import cpp_extension
+
+    home = os.environ.get("CUDA_HOME") or cpp_extension.CUDA_HOME
+    for cand in ([os.path.join(home, "bin", "nvcc")] if home else []) + [shutil.which("nvcc") or ""]:
+        if cand and os.path.exists(cand):
+            return cand
+    return None
+
+
+def _arch_flags(cap: tuple[int, int]) -> list[str]:
+    a = f"{cap[0]}{cap[1]}"
+    if cap == (9, 0):  # Hopper: the arch-specific target
+        return ["-gencode", "arch=compute_90a,code=sm_90a"]
+    return ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+
+
+def _build_dir() -> Path:
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / "kvqbench_cuda_decode"
+
+
+def _load():
+    """Build (once per source/flags/compiler/arch) and load the library; sets _why on failure."""
+    global _lib, _why, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if not torch.cuda.is_available():
+            _why = "torch has no CUDA device"
+            return None
+        if getattr(torch.version, "hip", None):
+            _why = "ROCm torch: the kernels are CUDA (mma.sync, movmatrix)"
+            return None
+        cap = torch.cuda.get_device_capability()
+        if cap < (8, 0):
+            _why = f"GPU sm_{cap[0]}{cap[1]}: the kernels need sm_80+ (mma.sync m16n8k16)"
+            return None
+        nvcc = _nvcc()
+        if nvcc is None:
+            _why = "no nvcc found (CUDA_HOME / PATH): cannot build the CUDA kernels"
+            return None
+        try:
+            ver = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+            flags = FLAGS + _arch_flags(cap)
+            key = hashlib.sha256((SOURCE.read_text() + "\0".join(flags) + ver).encode()).hexdigest()[:16]
+            out = _build_dir() / f"kvq_decode_sm{cap[0]}{cap[1]}_{key}.so"
+            if not out.exists():
+                out.parent.mkdir(parents=True, exist_ok=True)
+                tmp = out.with_suffix(f".{os.getpid()}.tmp")
+                r = subprocess.run([nvcc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True,
+                                   timeout=900)
+                if r.returncode != 0:
+                    _why = f"nvcc failed ({r.returncode}): {(r.stderr or r.stdout)[-800:]}"
+                    return None
+                os.replace(tmp, out)
+            lib = ctypes.CDLL(str(out))
+        except (OSError, subprocess.SubprocessError) as e:
+            _why = f"building/loading the CUDA kernels failed: {type(e).__name__}: {e}"
+            return None
+        P, I, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+        lib.kvq_decode.argtypes = [I, I, P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, I, I, I, I, I, I, F, P, P, P,
+                                   P, I, I, P]
+        lib.kvq_decode.restype = I
+        lib.kvq_num_regs.argtypes = [I, I, I]
+        lib.kvq_num_regs.restype = I
+        _lib = lib
+        return lib
+
+
+def why_unavailable() -> str | None:
+    """None when the CUDA kernels are built and loadable here, else the reason (builds
+    them on the first call)."""
+    _load()
+    return _why
+
+
+def available() -> bool:
+    return why_unavailable() is None
+
+
+def num_regs(fmt: int, head_dim: int, variant: int = DEFAULT_VARIANT) -> int:
+    lib = _load()
+    return -1 if lib is None else lib.kvq_num_regs(fmt, head_dim, variant)
+
+
+def _aligned(t: torch.Tensor, stride_bytes: int, n: int) -> bool:
+    return t.data_ptr() % n == 0 and stride_bytes % n == 0
+
+
+def unsupported(q: torch.Tensor, k, v) -> str | None:
+    """Why the CUDA kernels cannot take this call (None: they can). Does not build."""
+    from .decode_attention import bh_stride
+    from .layout import FP8Flat, IntFlat
+
+    if not q.is_cuda:
+        return "q is not on a CUDA device"
+    if q.dtype not in _QTYPE:
+        return f"q dtype {q.dtype}"
+    if type(k) is not type(v) or not isinstance(k, (IntFlat, FP8Flat)):
+        return f"no CUDA kernel for {type(k).__name__}"
+    D, H = k.D, k.H
+    if D not in (64, 128):
+        return f"head_dim {D} (the CUDA kernels take 64 or 128)"
+    if q.dim() != 4 or q.shape[1] % H or not 1 <= q.shape[1] // H <= 8:
+        return f"GQA group of q {tuple(q.shape)} over {H} kv heads (the CUDA kernels take 1..8)"
+    row_align = 16 if D == 128 else 8  # a lane's K chunk: D/8 bytes (int4), D/4 (fp8) >= this
+    if isinstance(k, IntFlat):
+        for f in (k, v):
+            if f.bits != 4 or f.group != 32:
+                return f"int{f.bits} g{f.group} (the CUDA kernel takes int4 with groups of 32)"
+            if f.scale.dtype != torch.float16 or f.zero.dtype != torch.float16 or f.codes.dtype != torch.uint8:
+                return "int scale/zero must be fp16, codes uint8"
+            if f.zero.stride() != f.scale.stride():
+                return "int scale and zero buffers must share a layout"
+            try:
+                cs = bh_stride(f.codes, "codes")
+                bh_stride(f.scale, "scale")
+            except ValueError as e:
+                return str(e)
+            if not _aligned(f.codes, cs, row_align):
+                return f"codes not {row_align}-byte aligned"
+    else:
+        if torch.cuda.get_device_capability(q.device) < (8, 9):
+            return "fp8 conversions need sm_89+"
+        for f in (k, v):
+            try:
+                cs = bh_stride(f.codes, "codes")
+            except ValueError as e:
+                return str(e)
+            if not _aligned(f.codes, cs, row_align):
+                return f"codes not {row_align}-byte aligned"
+    return None
+
+
+def splits(rows: int, T: int, device, num_splits: int | None = None,
+           ctas_per_sm: int = DEFAULT_CTAS_PER_SM) -> tuple[int, int]:
+    """(number of splits, 16-token tiles per split): about ctas_per_sm CTAs per SM, every
+    split non-empty."""
+    from .decode_attention import _sm_count
+
+    tiles = max(1, -(-T // 16))
+    want = num_splits or max(1, math.ceil(ctas_per_sm * _sm_count(device) / max(1, rows)))
+    want = max(1, min(want, tiles))
+    per = -(-tiles // want)
+    return -(-tiles // per), per
+
+
+def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int = DEFAULT_CTAS_PER_SM,
+           variant: int = DEFAULT_VARIANT, workspace=None, out_dtype=None) -> torch.Tensor:
+    """softmax(q K^T / sqrt(d)) V over the T valid tokens of int4 (`IntFlat`) or fp8
+    (`FP8Flat`) caches; `[B, Hq, 1, d]` in out_dtype (default q's). Raises ValueError
+    when `unsupported` gives a reason, RuntimeError when the kernels are unavailable."""
+    from .decode_attention import Workspace, _check_q, bh_stride
+    from .layout import IntFlat
+
+    B, H, T, D = k.B, k.H, k.T, k.D
+    _check_q(q, H, D, B)
+    if (v.B, v.H, v.T, v.D) != (B, H, T, D):
+        raise ValueError("K and V caches differ in shape")
+    why = unsupported(q, k, v)
+    if why:
+        raise ValueError(f"CUDA decode kernel: {why}")
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"CUDA decode kernels unavailable: {_why}")
+    if not 0 <= variant < NUM_VARIANTS:
+        raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
+    q = q.contiguous()
+    gqa = q.shape[1] // H
+    nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm)
+    out_dtype = out_dtype or q.dtype
+    if out_dtype not in _QTYPE:
+        raise ValueError(f"out dtype {out_dtype}")
+    rows_q = B * q.shape[1]
+    ws = workspace
+    if ws is None or ws.nsplit != nsplit or ws.out.dtype != out_dtype or ws.out.numel() != rows_q * D:
+        ws = Workspace(rows_q, nsplit, D, q.device, out_dtype)
+    if isinstance(k, IntFlat):
+        fmt = 0
+        ptrs = [k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, None, None]
+        strides = [bh_stride(k.codes), bh_stride(k.scale), bh_stride(v.codes), bh_stride(v.scale)]
+    else:
+        if k.fmt != v.fmt:
+            raise ValueError("K and V fp8 caches differ in format")
+        fmt = 1 if k.fmt == "e4m3" else 2
+        ks, vs = k.scale.float().contiguous(), v.scale.float().contiguous()
+        ptrs = [k.codes, None, None, v.codes, None, None, ks, vs]
+        strides = [bh_stride(k.codes), 0, bh_stride(v.codes), 0]
+    if T == 0:
+        raise ValueError("empty cache (T = 0)")
+    addr = [None if t is None else t.data_ptr() for t in ptrs]
+    with torch.cuda.device(q.device):
+        err = lib.kvq_decode(fmt, D, q.data_ptr(), _QTYPE[q.dtype], *addr, *strides, B, H, gqa, T, per, nsplit,
+                             1.4426950408889634 / math.sqrt(D), ws.po.data_ptr(), ws.pm.data_ptr(),
+                             ws.pl.data_ptr(), ws.out.data_ptr(), _QTYPE[out_dtype], variant,
+                             torch.cuda.current_stream(q.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"CUDA decode kernel launch failed: error {err}")
+    return ws.out.view(B, q.shape[1], 1, D)
+
+
+__all__ = ["decode", "unsupported", "why_unavailable", "available", "splits", "num_regs", "SOURCE",
+           "NUM_VARIANTS"]

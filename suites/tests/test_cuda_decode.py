@@ -1,0 +1,246 @@
+"""The CUDA decode kernels (kvqbench.kernels.cuda_decode: int4 g32 and fp8) against the
+dequantize-then-attend reference.
+
+On a machine without a CUDA GPU or nvcc every kernel test skips, with the reason
+`cuda_decode.why_unavailable()` gives; the dispatch tests at the end run anywhere.
+Tolerances as test_kernels.py's GPU ones (fp16 operands, fp32 accumulation).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvqbench.kernels import cuda_decode
+from kvqbench.kernels import layout as L
+from kvqbench.quantizers import get_quantizer
+
+CUDA = torch.cuda.is_available()
+WHY = cuda_decode.why_unavailable() if CUDA else "no CUDA device"
+needs_cuda = pytest.mark.skipif(WHY is not None, reason=f"CUDA decode kernels unavailable: {WHY}")
+DEV = torch.device("cuda" if CUDA else "cpu")
+TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 3e-3}
+
+
+def rel_err(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def make(B, Hkv, T, D, seed, dtype=torch.float16, outlier=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, Hkv, T, D, generator=g)
+    if outlier:
+        for c in (3, D // 2 + 1, D - 2):
+            x[..., c] *= 25.0
+    return x.to(dtype).to(DEV)
+
+
+def build(spec, k, v):
+    qk, qv = get_quantizer(spec, role="K", seed=3), get_quantizer(spec, role="V", seed=3)
+    pk, pv = qk.encode(k), qv.encode(v)
+    return qk, pk, qv, pv
+
+
+def attend(q, k, v, **kw):
+    from kvqbench.kernels.decode_attention import decode_attention
+
+    return decode_attention(q, k, v, backend="cuda", out_dtype=torch.float32, **kw)
+
+
+def check(spec, B, Hq, Hkv, T, D, dtype, seed=0, k=None, v=None, **kw):
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    k = make(B, Hkv, T, D, seed) if k is None else k
+    v = make(B, Hkv, T, D, seed + 1, outlier=False) if v is None else v
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(seed + 2)).to(dtype).to(DEV)
+    qk, pk, qv, pv = build(spec, k, v)
+    out = attend(q, L.flatten(pk, "K"), L.flatten(pv, "V"), **kw)
+    ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
+    assert torch.isfinite(out).all()
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"{spec} B={B} T={T} {dtype}: relative error {err:.3g}"
+    return out, ref
+
+
+SPECS = ["int4", "fp8-e4m3"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("T", [1, 7, 16, 33, 1000, 4099])
+@pytest.mark.parametrize("B,dtype", [(1, torch.float16), (3, torch.bfloat16)])
+def test_matches_reference(spec, T, B, dtype):
+    check(spec, B, 32, 8, T, 128, dtype, seed=T)
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("gqa", [1, 8])
+@pytest.mark.parametrize("T", [33, 4099])
+def test_gqa(spec, gqa, T):
+    check(spec, 3, 2 * gqa, 2, T, 128, torch.float16, seed=gqa + T)
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", SPECS + ["fp8-e5m2"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_head_dims_formats_and_fp32_q(spec, D):
+    check(spec, 2, 8, 2, 777, D, torch.float16, seed=D)
+    check(spec, 2, 8, 2, 200, D, torch.float32, seed=D + 1)
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", SPECS)
+def test_splits_and_variants(spec):
+    """Every launch variant and split count gives the reference (one split: the whole T
+    in one CTA; many: tiny splits)."""
+    for variant in range(cuda_decode.NUM_VARIANTS):
+        for ns in (1, 3, None, 10_000):
+            check(spec, 2, 8, 2, 1500, 128, torch.float16, seed=variant, variant=variant, num_splits=ns)
+
+
+def _with_capacity(flat, extra, seed=0):
+    """The same cache in [B, H, T + extra, ...] buffers, garbage after the valid T rows
+    (inf and NaN included: a kernel reading past T produces non-finite output)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def grow(t):
+        pad = t.shape[:2] + (extra,) + t.shape[3:]
+        if t.dtype.is_floating_point:
+            junk = (torch.randn(pad, generator=g) * 1e4).to(t.dtype)
+            junk.view(-1)[::7] = float("nan")
+            junk.view(-1)[::11] = float("inf")
+        else:
+            junk = torch.randint(0, 256, pad, generator=g).to(t.dtype)
+        return torch.cat([t, junk.to(t.device)], dim=2)
+
+    names = ("codes", "scale", "zero") if isinstance(flat, L.IntFlat) else ("codes",)
+    return dataclasses.replace(flat, **{n: grow(getattr(flat, n)) for n in names})
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("view", [False, True])
+def test_capacity_beyond_valid_length(spec, view):
+    """Store buffers with capacity > T (whole buffers, or [:, :, :n] views with n > T:
+    non-contiguous), garbage after T: only the valid tokens count."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    B, Hq, Hkv, T, D = 3, 16, 4, 1037, 128
+    k, v = make(B, Hkv, T, D, 5), make(B, Hkv, T, D, 6, outlier=False)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(7)).half().to(DEV)
+    qk, pk, qv, pv = build(spec, k, v)
+    kf, vf = _with_capacity(L.flatten(pk, "K"), 300), _with_capacity(L.flatten(pv, "V"), 300, seed=1)
+    if view:
+        names = ("codes", "scale", "zero") if isinstance(kf, L.IntFlat) else ("codes",)
+        kf = dataclasses.replace(kf, **{n: getattr(kf, n)[:, :, : T + 100] for n in names})
+        vf = dataclasses.replace(vf, **{n: getattr(vf, n)[:, :, : T + 100] for n in names})
+        assert not kf.codes.is_contiguous()
+    out = attend(q, kf, vf)
+    ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[torch.float16]
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("role", ["K", "V"])
+@pytest.mark.parametrize("T", [16, 4099])
+def test_last_token_matters(spec, role, T):
+    """Change only the last key (aligned with every query of its head: it takes the
+    softmax) or value: the output changes, and still matches the reference."""
+    B, Hq, Hkv, D = 1, 32, 8, 128
+    k, v = make(B, Hkv, T, D, 1), make(B, Hkv, T, D, 2, outlier=False)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(3)).half().to(DEV)
+    k2, v2 = k.clone(), v.clone()
+    if role == "K":
+        k2[:, :, -1] = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * 0.5).half()
+    else:
+        v2[:, :, -1] = (-8.0 * v[:, :, -1].float()).half()
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    outs = []
+    for kk, vv in ((k, v), (k2, v2)):
+        qk, pk, qv, pv = build(spec, kk, vv)
+        out = attend(q, L.flatten(pk, "K"), L.flatten(pv, "V"), num_splits=3)
+        ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
+        assert rel_err(out, ref) < TOL[torch.float16]
+        outs.append(out)
+    assert rel_err(outs[1], outs[0]) > 1e-3, "output ignores the last token"
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", SPECS)
+def test_auto_uses_cuda_and_agrees_with_triton(spec):
+    """backend="auto" takes the CUDA kernel (same bytes out as backend="cuda"); Triton's
+    launch options select Triton; both agree within the tolerance."""
+    from kvqbench.kernels.decode_attention import decode_attention
+
+    B, Hq, Hkv, T, D = 2, 32, 8, 2049, 128
+    k, v = make(B, Hkv, T, D, 11), make(B, Hkv, T, D, 12, outlier=False)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(13)).bfloat16().to(DEV)
+    _, pk, _, pv = build(spec, k, v)
+    kf, vf = L.flatten(pk, "K"), L.flatten(pv, "V")
+    auto = decode_attention(q, kf, vf).float()
+    cuda = decode_attention(q, kf, vf, backend="cuda").float()
+    tri = decode_attention(q, kf, vf, backend="triton").float()
+    tri2 = decode_attention(q, kf, vf, block_t=64).float()
+    assert torch.equal(auto, cuda)
+    assert torch.equal(tri, tri2) or rel_err(tri2, tri) < 1e-2
+    assert rel_err(cuda, tri) < TOL[torch.bfloat16]
+    assert auto.dtype == torch.float32 and decode_attention(q, kf, vf).dtype == torch.bfloat16
+
+
+@needs_cuda
+def test_long_context_int4():
+    check("int4", 1, 32, 8, 65536 + 5, 128, torch.bfloat16, seed=4)
+
+
+@needs_cuda
+def test_cuda_graph_replay():
+    from kvqbench.kernels.decode_attention import decode_attention
+    from kvqbench.kernels.graphs import GraphedDecode
+
+    B, Hq, Hkv, T, D = 1, 32, 8, 3000, 128
+    _, pk, _, pv = build("int4", make(B, Hkv, T, D, 21), make(B, Hkv, T, D, 22))
+    kf, vf = L.flatten(pk, "K"), L.flatten(pv, "V")
+    q0 = torch.randn(B, Hq, 1, D, device=DEV).half()
+    step = GraphedDecode(kf, vf, q0, out_dtype=torch.float32)
+    for s in range(2):
+        q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(s)).half().to(DEV)
+        assert torch.equal(step(q), decode_attention(q, kf, vf, out_dtype=torch.float32))
+
+
+# ---------------------------------------------------------------------------------------
+# dispatch (any machine)
+# ---------------------------------------------------------------------------------------
+def test_unsupported_names_a_reason():
+    k = torch.randn(1, 2, 40, 64)
+    qk = get_quantizer("int8", role="K")
+    f8 = L.flatten(qk.encode(k))
+    q = torch.randn(1, 4, 1, 64)
+    assert "CUDA" in cuda_decode.unsupported(q, f8, f8)  # a CPU q
+    if CUDA:
+        assert "int8" in cuda_decode.unsupported(q.to(DEV), *(2 * [L.flatten(qk.encode(k.to(DEV)))]))
+
+
+def test_why_unavailable_is_a_reason_or_none():
+    why = cuda_decode.why_unavailable()
+    assert why is None or (isinstance(why, str) and why)
+    if not CUDA:
+        assert why is not None
+
+
+def test_backend_argument_is_checked():
+    from kvqbench.kernels.decode_attention import decode_attention
+
+    k = torch.randn(1, 2, 8, 64)
+    qk = get_quantizer("int4", role="K")
+    f = L.flatten(qk.encode(k))
+    with pytest.raises(ValueError, match="backend"):
+        decode_attention(torch.randn(1, 4, 1, 64), f, f, backend="cutlass")
+    if not CUDA:
+        with pytest.raises(ValueError, match="CUDA"):
+            decode_attention(torch.randn(1, 4, 1, 64), f, f, backend="cuda")
