@@ -20,6 +20,13 @@ def _index(rows):
     return idx
 
 
+def _rehearsed(idx) -> bool:
+    """Whether the plain DynamicCache rows were timed after a rehearsal over the same
+    lengths (runs before that change timed cuDNN SDPA's per-length plan builds: ~10x)."""
+    plain = [r for k, r in idx.items() if k[0] == "plain"]
+    return bool(plain) and all("ms_per_step_cold" in r for r in plain)
+
+
 def targets(run: dict) -> list[tuple[str, str, str]]:
     """(target, measured, verdict) rows for the run's main shape."""
     idx = _index(run["results"])
@@ -29,7 +36,9 @@ def targets(run: dict) -> list[tuple[str, str, str]]:
         a, p = idx.get((spec, ctx, b)), idx.get((base, ctx, b))
         return None if a is None or p is None else a[key] / p[key]
 
-    def verdict(r, limit):
+    def verdict(r, limit, base="plain-static"):
+        if base == "plain" and r is not None and not _rehearsed(idx):
+            return f"{r:.2f}x", "not judged: plain timed cold (measure.py)"
         return ("not run", "-") if r is None else (f"{r:.2f}x", "met" if r <= limit else "NOT met")
 
     # The issue states its speed targets against the plain DynamicCache; the StaticCache
@@ -40,10 +49,10 @@ def targets(run: dict) -> list[tuple[str, str, str]]:
             continue
         for spec, ctx, b, limit in SPEED_TARGETS:
             out.append((f"{spec} ms/step <= {limit}x {base} (ctx {ctx}, batch {b})",
-                        *verdict(ratio(spec, ctx, b, "ms_per_step", base), limit)))
+                        *verdict(ratio(spec, ctx, b, "ms_per_step", base), limit, base)))
         for spec in fused:
             out.append((f"{spec} at least as fast as {base} (ctx {BIG[0]}, batch {BIG[1]})",
-                        *verdict(ratio(spec, *BIG, "ms_per_step", base), 1.0)))
+                        *verdict(ratio(spec, *BIG, "ms_per_step", base), 1.0, base)))
     spec, limit = MEMORY_TARGET
     r = ratio(spec, *BIG, "kv_live_bytes")
     out.append((f"{spec} KV memory <= {limit}x plain (ctx {BIG[0]}, batch {BIG[1]}, measured)",
@@ -60,24 +69,27 @@ def markdown(run: dict) -> str:
              "Greedy decoding after a prefill of `context` random tokens per row; ms per decode step "
              f"(median of {cfg['steps']} steps, synchronised per step, after {cfg['warmup']} warm-up steps). "
              "`plain` is transformers' DynamicCache (SDPA; grows by torch.cat, a new allocation per step "
-             "and layer), `plain-static` its StaticCache (preallocated, written in place); the others are kvqbench's QuantizedCache under the 'kvqbench' "
+             "and layer; timed on a second pass over the same lengths, since cuDNN SDPA builds a plan per new "
+             "length: the first pass is the `cold` column), "
+             "`plain-static` its StaticCache (preallocated, written in place); the others are kvqbench's QuantizedCache under the 'kvqbench' "
              "attention (mode `fused`: the fused kernel reads the packed device store; `dense`: "
              "dequantized history + SDPA). Weights are random (real shapes): speed and memory do not "
              "depend on them. KV = memory held by the cache after decoding (allocator, model excluded). "
              "No CUDA graphs (the valid length changes every step).", "",
-             "| context | batch | cache | mode | ms/step | mean | x plain | tokens/s | KV GiB | x plain | bits/elem | prefill s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| context | batch | cache | mode | ms/step | mean | cold | x plain | tokens/s | KV GiB | x plain | bits/elem | prefill s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     idx = _index(run["results"])
     for r in run["results"]:
         if "error" in r:
-            lines.append(f"| {r['context']} | {r['batch']} | {r['spec']} | error | {r['error'][:80]} ||||||||")
+            lines.append(f"| {r['context']} | {r['batch']} | {r['spec']} | error | {r['error'][:80]} |||||||||")
             continue
         p = idx.get(("plain", r["context"], r["batch"]))
         xs = f"{r['ms_per_step'] / p['ms_per_step']:.2f}" if p else "-"
         xm = f"{r['kv_live_bytes'] / p['kv_live_bytes']:.3f}" if p and p["kv_live_bytes"] else "-"
         mode = "/".join(r.get("mode", [])) + (f" ({r['fallbacks']} fallbacks)" if r.get("fallbacks") else "")
         mean = f"{r['ms_per_step_mean']:.1f}" if "ms_per_step_mean" in r else "-"
-        lines.append(f"| {r['context']} | {r['batch']} | {r['spec']} | {mode} | {r['ms_per_step']:.2f} | {mean} | {xs} | "
+        cold = f"{r['ms_per_step_cold']:.2f}" if "ms_per_step_cold" in r else "-"
+        lines.append(f"| {r['context']} | {r['batch']} | {r['spec']} | {mode} | {r['ms_per_step']:.2f} | {mean} | {cold} | {xs} | "
                      f"{r['tokens_per_s']:.0f} | {r['kv_live_bytes'] / GiB:.3f} | {xm} | "
                      f"{r['bits_per_element']:.3f} | {r['prefill_s']:.2f} |")
     if run.get("checks"):
