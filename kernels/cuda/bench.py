@@ -23,7 +23,9 @@ import triton
 
 from kvqbench.kernels import cuda_decode
 from kvqbench.kernels.decode_attention import decode_attention
-from kvqbench.suites.bench.kernel_sweep.measure import copy_bandwidth, encode, flats, graph_decode, synthetic_kv, tile
+from kvqbench.kernels.layout import flatten
+from kvqbench.quantizers import get_quantizer
+from kvqbench.suites.bench.kernel_sweep.measure import copy_bandwidth, graph_decode, synthetic_kv
 
 METHODS = {"int4": 0, "fp8": 1}  # name in the kernel sweep: CUDA format id
 
@@ -46,8 +48,10 @@ def run(shapes, out: Path) -> dict:
     base = {}
     for name in METHODS:
         spec = {"int4": "int4", "fp8": "fp8-e4m3"}[name]
-        (_, pk), (_, pv) = encode(spec, k, v)
-        base[name] = flats(name, pk, pv)
+        # (the sweep's encode/flats/tile import kvqbench.suites.quantizers: a broken relative import)
+        pk = get_quantizer(spec, role="K", seed=3).encode(k)
+        pv = get_quantizer(spec, role="V", seed=3).encode(v)
+        base[name] = (flatten(pk, "K"), flatten(pv, "V"))
     best_variant = {}
     for B, T in shapes:
         rows = res["rows"]
@@ -61,7 +65,7 @@ def run(shapes, out: Path) -> dict:
             rows.append({"B": B, "T": T, "method": "fp16-sdpa-graph", "us": bench(graph_decode(lambda x: sdpa(), q))})
         del kf16, vf16
         for name in METHODS:
-            kf, vf = (tile(f, B, T) for f in base[name])
+            kf, vf = (f.tile(B // f.B, T // f.T) for f in base[name])
             nbytes = kf.read_nbytes + vf.read_nbytes
             ref = decode_attention(q, kf, vf, backend="triton", out_dtype=torch.float32)
             got = decode_attention(q, kf, vf, backend="cuda", out_dtype=torch.float32)
