@@ -28,7 +28,19 @@ Formats (by the `*Flat` type `flatten` returns for the first write):
   for the capacity hint). KIVI's quantized segments are re-pointed at the buffers
   too; its window segment (a few groups of fp16) keeps its own bytes.
 
-Host synchronisation: none per step for int, fp8 and KIVI. HQMQ + Med3x needs the largest
+Decode steps (`step`): a one-token write of a format with a step encoder (the
+built-in int per-token groups, fp8, KIVI and HQMQ classes exactly; plugins and
+subclasses take the old path) is encoded on the device by kernels/step_encode.py
+straight into the buffers at the current length: one launch per step (KIVI: plus
+one int launch and one shift when its window flushes, every G or R steps), no host
+read (Med3x: one every >= 64 steps, see `_reserve_outliers`). Such writes make no
+Segment: they form a RUN, and `run_segments` gives the Segments that hold exactly the
+bytes the old path would have stored (views of the buffers; KIVI's window and
+Med3x's (b, h, t, chunk)-ordered outliers copied), made only when someone reads the
+Packed. `end_run` turns them into ordinary absorbed segments (the next old-path
+write appends after them).
+
+Host synchronisation (old path, `append`): none per step for int, fp8 and KIVI. HQMQ + Med3x needs the largest
 per-(b, h) outlier count only when a host-side upper bound (previous bound plus the
 write's total outlier count, a shape, so known without a sync) says the outlier
 buffer might overflow: the bound grows B*H times faster than the largest list, so that
@@ -42,12 +54,20 @@ import dataclasses
 
 import torch
 
-from ..quantizers import Packed, Segment
-from ..quantizers.packing import unpack_bits
-from . import layout
+from ..quantizers import Packed, Segment, parse_spec
+from ..quantizers.fp8 import FP8
+from ..quantizers.hqmq import HQMQ
+from ..quantizers.kivi import KIVI
+from ..quantizers.naive_int import NaiveInt
+from ..quantizers.packing import packed_nbytes, unpack_bits
+from . import layout, step_encode
 
 OUTLIER_BLOCK = layout.OUTLIER_BLOCK
 MIN_CAPACITY = 256  # tokens; small caches would otherwise regrow every few steps
+OUTLIER_SLACK_STEPS = 64  # Med3x decode steps of worst-case outliers to spare when the list grows
+# Quantizer classes whose encode the step encoders reproduce (exact classes: a subclass may
+# encode differently), with the Flat kind they write.
+STEP_ENCODED = {NaiveInt: layout.IntFlat, FP8: layout.FP8Flat, KIVI: layout.KIVIFlat, HQMQ: layout.HQMQFlat}
 
 
 def grown_capacity(need: int, current: int = 0) -> int:
@@ -79,6 +99,14 @@ class TokenBuffer:
         new[:, :, : self.length] = self.buf[:, :, : self.length]
         self.buf = new
         return True
+
+    def extend(self, need: int) -> bool:
+        """Room for `need` valid tokens, which the caller writes in place (a kernel);
+        True when the buffer was reallocated."""
+        if need <= self.capacity:
+            return False
+        with torch.inference_mode(self.buf.is_inference()):
+            return self.ensure(need)
 
     def write(self, start: int, x: torch.Tensor) -> bool:
         if start > self.length:
@@ -130,13 +158,20 @@ class KernelStore:
         self.outlier_index: TokenBuffer | None = None  # [B, H, nblk_cap] int32 (one entry per block)
         self._outlier_bound = 0  # host-side upper bound of outlier_len.max()
         self.capacity_hint = 0  # tokens to allocate for at the first write (e.g. prompt + new tokens)
+        self.stepper = None  # the quantizer (exact built-in class) when `step` can encode its writes
+        # The current run of `step` writes: where it began (tokens; KIVI: groups), the last
+        # Segment made for it (with its first row) and KIVI's flushed groups' Segments.
+        self._run_start: int | None = None
+        self._run_seg: tuple[Segment, int] | None = None
+        self._run_groups: list[Segment] = []
 
     # ---- construction ---------------------------------------------------------------
     @classmethod
     def create(cls, packed: Packed, role: str, capacity: int | None = None,
-               hqmq_table: tuple[str, torch.dtype] | None = None) -> "KernelStore | None":
+               hqmq_table: tuple[str, torch.dtype] | None = None, step: bool = True) -> "KernelStore | None":
         """`hqmq_table`: (table_mode, dtype) of the HQMQ codeword source the kernel gathers
-        from (`HQMQFlat.with_table`); None keeps layout's default (exact fp32 secondaries)."""
+        from (`HQMQFlat.with_table`); None keeps layout's default (exact fp32 secondaries).
+        `step`: encode decode steps on the device (`step`) where a step encoder exists."""
         try:
             flat = layout.flatten(packed, role)
         except (ValueError, TypeError, NotImplementedError):
@@ -148,6 +183,9 @@ class KernelStore:
         store = cls(flat, packed, role)
         store.capacity_hint = capacity or 0
         store.append(packed.segments, 0)
+        q_cls, cfg = parse_spec(packed.spec)
+        if step and STEP_ENCODED.get(q_cls) is store.kind:
+            store.stepper = q_cls(cfg, role=role)
         return store
 
     # ---- appends ----------------------------------------------------------------------
@@ -196,7 +234,8 @@ class KernelStore:
         (tokens; KIVI keys: groups). After a reallocation every adopted segment is
         re-pointed. A view whose shape or dtype differs from the field is not used."""
         self._adopted.extend(new)
-        for seg, start in (self._adopted if grew else new):
+        every = self._adopted + ([self._run_seg] if self._run_seg is not None else [])
+        for seg, start in (every if grew else new):
             for name, view in self._segment_views(seg, start).items():
                 old = seg.fields.get(name)
                 if old is not None and old.shape == view.shape and old.dtype == view.dtype:
@@ -206,7 +245,7 @@ class KernelStore:
         b = self.buffers
         if self.kind is not layout.KIVIFlat:
             return {n: b[n].buf[:, :, start : start + seg.tokens] for n in self.TOKEN_FIELDS[self.kind]
-                    if n in seg.fields and n in b}
+                    if n in b and (n in seg.fields or not seg.fields)}
         if self.role == "K":  # one group per row: codes [B,H,D,GB], scale/zero [B,H,D,1]
             return {n: b[n].buf[:, :, start] if n == "codes" else b[n].buf[:, :, start].unsqueeze(-1)
                     for n in ("codes", "scale", "zero")}
@@ -225,15 +264,8 @@ class KernelStore:
             self.outliers = vals.new_zeros(B, H, max(OUTLIER_BLOCK, 2 * n // max(1, B * H)), 4)
             self.outlier_index = TokenBuffer(torch.zeros(B, H, 1, dtype=torch.int32, device=vals.device),
                                              grown_capacity(t) // OUTLIER_BLOCK)
+        self._reserve_outliers(n)
         ocap = self.outliers.shape[2]
-        if self._outlier_bound + n > ocap:  # might overflow: look at the real counts (a sync)
-            self._outlier_bound = int(self.outlier_len.max())
-            if self._outlier_bound + n > ocap:
-                grown = self.outliers.new_zeros(B, H, max(2 * ocap, self._outlier_bound + n), 4)
-                grown[:, :, :ocap] = self.outliers
-                self.outliers = grown
-                ocap = grown.shape[2]
-        self._outlier_bound += n
         # Destination of each outlier: its row's list end plus its rank within the row.
         rows = torch.arange(B * H, device=vals.device)
         row_of = torch.repeat_interleave(rows, per_row, output_size=n)
@@ -248,6 +280,23 @@ class KernelStore:
             starts = self.outlier_len.view(B, H, 1) + before[:, :, first::OUTLIER_BLOCK]
             self.outlier_index.write(-(-t0 // OUTLIER_BLOCK), starts.int())
         self.outlier_len += per_row
+
+    def _reserve_outliers(self, extra: int, slack: int = 0) -> bool:
+        """Room for `extra` more outliers in every (b, h) list; True when the buffer grew.
+        A host-side upper bound of the longest list says when it might overflow; only then
+        are the real lengths read (a sync), and the buffer grows with `slack` to spare so
+        the next read is that far off."""
+        ocap = self.outliers.shape[2]
+        grew = False
+        if self._outlier_bound + extra > ocap:  # might overflow: look at the real counts (a sync)
+            self._outlier_bound = int(self.outlier_len.max())
+            if self._outlier_bound + extra + slack > ocap:
+                B, H = self.B, self.H
+                grown = self.outliers.new_zeros(B, H, max(2 * ocap, self._outlier_bound + extra + slack), 4)
+                grown[:, :, :ocap] = self.outliers
+                self.outliers, grew = grown, True
+        self._outlier_bound += extra
+        return grew
 
     def _append_kivi(self, new: list[Segment], shared_tokens: int) -> None:
         f = self.flat
@@ -275,7 +324,178 @@ class KernelStore:
             codes=self.buffers["codes"].buf if "codes" in self.buffers else None,
             scale=self.buffers["scale"].buf if "scale" in self.buffers else None,
             zero=self.buffers["zero"].buf if "zero" in self.buffers else None,
-            residual=self.buffers["residual"].valid)
+            residual=self.buffers["residual"].valid, n_res=None)
+
+    # ---- decode steps encoded on the device ----------------------------------------------
+    def step(self, x: torch.Tensor, errors: torch.Tensor) -> bool:
+        """Encode the one-token write x `[B, H, 1, D]` (checked by the caller: this
+        store's B, H, D, dtype and device) straight into the buffers; False (nothing
+        done) when no step encoder serves it, and the caller takes the old path. Input
+        errors raise `errors` (a `StepErrors` row) on the device instead of an exception."""
+        if self.stepper is None or x.shape[2] != 1:
+            return False
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if self._run_start is None:
+            self._run_start = self.flat.n_groups if self.kind is layout.KIVIFlat else self.tokens
+        if self.kind is layout.KIVIFlat:
+            self._step_kivi(x, errors)
+        else:
+            self._step_tokens(x, errors)
+        return True
+
+    def _step_tokens(self, x: torch.Tensor, errors: torch.Tensor) -> None:
+        t0 = self.tokens
+        end = t0 + 1
+        grew = False
+        for name in self.TOKEN_FIELDS[self.kind]:
+            if name in self.buffers:
+                grew |= self.buffers[name].extend(end)
+        f, q = self.flat, self.stepper
+        if self.kind is layout.HQMQFlat:
+            block = None
+            if self.outliers is not None:  # Med3x: a one-token write adds at most nc/2 outliers per (b, h)
+                most = self.D // 4 // 2
+                grew |= self._reserve_outliers(most, OUTLIER_SLACK_STEPS * most)
+                if t0 % OUTLIER_BLOCK == 0:  # the token opens a block: the kernel writes its start
+                    block = t0 // OUTLIER_BLOCK
+                    grew |= self.outlier_index.extend(block + 1)
+                    self.outlier_index.length = block + 1
+            if grew:
+                self._repoint()
+                f = self.flat
+            step_encode.hqmq_tokens(x, f, f.S, f.rel, t0, errors, C=q.config.C, med3=f.has_outliers,
+                                    outlier_len=self.outlier_len, index_block=block)
+        else:
+            if grew:
+                self._repoint()
+                f = self.flat
+            if self.kind is layout.FP8Flat:
+                step_encode.fp8_tokens(x, f.codes, f.scale, f.fmt, t0, errors)
+            else:
+                c, sc = f.codes, f.scale
+                step_encode.int_rows(x, x.stride()[:4] + (0,), 1, 1, c, c.stride()[:3] + (0,), sc, f.zero,
+                                     sc.stride()[:3] + (0,), t0, 0, n=self.D, group=f.group, bits=f.bits,
+                                     err=errors, tok0=t0, token_rows=True)
+        for name in self.TOKEN_FIELDS[self.kind]:
+            if name in self.buffers:
+                self.buffers[name].length = end
+        self.tokens = f.T = end  # the flat is the store's live view: its length grows in place
+
+    def _repoint(self) -> None:
+        """After a reallocation: segments and the flat onto the new buffers."""
+        self._adopt([], True)
+        self._refresh_flat()
+
+    def _step_kivi(self, x: torch.Tensor, errors: torch.Tensor) -> None:
+        f, res = self.flat, self.buffers["residual"]
+        n = res.length
+        res.extend(n + 1)
+        step_encode.kivi_window(x, res.buf, n, errors, self.tokens)
+        res.length = n + 1
+        done = f.n_groups * f.group
+        flush = self.stepper.quantized_tokens(done + n + 1) - done
+        if flush:
+            self._flush_kivi(flush, errors)
+        f.residual, f.n_res = res.buf, res.length
+        self.tokens += 1
+
+    def _flush_kivi(self, n: int, errors: torch.Tensor) -> None:
+        """Quantize the window's first n tokens (whole groups) as KIVI's `append_windowed`
+        does, into the group buffers, and shift the rest of the window down."""
+        f, res = self.flat, self.buffers["residual"]
+        G, ng, new = f.group, f.n_groups, n // f.group
+        w, B, H, D = res.buf, self.B, self.H, self.D
+        key = self.role == "K"
+        per = 1 if key else G  # rows of axis 2 per group
+        if "codes" not in self.buffers:  # no group stored yet: buffers shaped like one group's fields
+            codes = w.new_empty((B, H, 1, D, packed_nbytes(G, f.bits)) if key else
+                                (B, H, 1, packed_nbytes(D, f.bits)), dtype=torch.uint8)
+            scale = w.new_empty((B, H, 1, D) if key else (B, H, 1, D // G))
+            for name, like in (("codes", codes), ("scale", scale), ("zero", scale)):
+                self._buffer(name, like, (ng + new) * per, G // per)
+        grew = False
+        for name in ("codes", "scale", "zero"):
+            grew |= self.buffers[name].extend((ng + new) * per)
+        c, sc, z = (self.buffers[k].buf for k in ("codes", "scale", "zero"))
+        if key:  # rows: channels, their G tokens D apart; blocks: groups
+            step_encode.int_rows(w, (w.stride(0), w.stride(1), 1, w.stride(2), G * w.stride(2)), D, new,
+                                 c, (c.stride(0), c.stride(1), c.stride(3), c.stride(2)), sc, z,
+                                 (sc.stride(0), sc.stride(1), 1, sc.stride(2)), 0, ng, n=G, group=G, bits=f.bits,
+                                 err=errors, tok0=self.tokens, token_rows=False)
+        else:  # rows: tokens, groups of G channels
+            step_encode.int_rows(w, (w.stride(0), w.stride(1), w.stride(2), 1, 0), n, 1,
+                                 c, (c.stride(0), c.stride(1), c.stride(2), 0), sc, z,
+                                 (sc.stride(0), sc.stride(1), sc.stride(2), 0), ng * G, 0, n=D, group=G,
+                                 bits=f.bits, err=errors, tok0=self.tokens, token_rows=False)
+        rest = res.length - n
+        if rest:
+            with torch.inference_mode(w.is_inference()):
+                w[:, :, :rest] = w[:, :, n : n + rest].clone()  # overlapping ranges: through a copy
+        res.length = rest
+        for name in ("codes", "scale", "zero"):
+            self.buffers[name].length = (ng + new) * per
+        f.n_groups, f.codes, f.scale, f.zero = ng + new, c, sc, z
+        if grew:
+            self._adopt([], True)
+
+    @property
+    def in_run(self) -> bool:
+        return self._run_start is not None
+
+    def run_segments(self, base: list[Segment]) -> list[Segment]:
+        """The segments of a Packed holding `base` (the Packed's segments when the run
+        began) then the run's writes: exactly the bytes the old path stores for them (one
+        segment for the run's tokens; KIVI: one per flushed group and a copy of the
+        window). Reads the device (Med3x outlier counts): for when results are read."""
+        if self._run_start is None:
+            return base
+        if self.kind is layout.KIVIFlat:
+            return self._run_segments_kivi(base)
+        start, t = self._run_start, self.tokens - self._run_start
+        if not t:
+            return base
+        seg = Segment({}, t)
+        seg.fields.update(self._segment_views(seg, start))
+        if self.outliers is not None:
+            seg.fields["outliers"] = self._run_outliers(start)
+        self._run_seg = (seg, start)
+        return base + [seg]
+
+    def _run_outliers(self, start: int) -> torch.Tensor:
+        """The run's Med3x outliers in (b, h, t, chunk) order (a segment's order), from the
+        ends of the per-(b, h) lists: each row's count from the run's flags."""
+        BH, nc = self.B * self.H, self.D // 4
+        flags = self.buffers["flags"].buf[:, :, start : self.tokens]
+        per_row = unpack_bits(flags, 1, nc).sum((-1, -2)).flatten()  # [B*H]
+        n = int(per_row.sum())
+        row = torch.repeat_interleave(torch.arange(BH, device=per_row.device), per_row, output_size=n)
+        first = self.outlier_len - per_row  # each row's first outlier of the run
+        pos = first[row] + torch.arange(n, device=row.device) - (torch.cumsum(per_row, 0) - per_row)[row]
+        return self.outliers.view(BH, -1, 4)[row, pos].clone()
+
+    def _run_segments_kivi(self, base: list[Segment]) -> list[Segment]:
+        if base and "residual" in base[-1].fields:
+            base = base[:-1]  # the window of the run's start: now in the buffer
+        f = self.flat
+        per = 1 if self.role == "K" else f.group
+        for g in range(self._run_start + len(self._run_groups), f.n_groups):
+            seg = Segment({}, f.group)
+            seg.fields.update(self._segment_views(seg, g * per))
+            self._adopted.append((seg, g * per))  # written once: re-pointed like absorbed segments
+            self._run_groups.append(seg)
+        out = base + self._run_groups
+        n_res = self.buffers["residual"].length
+        if n_res:  # rewritten in place by later steps: a copy (a few groups of fp16)
+            out = out + [Segment({"residual": self.buffers["residual"].buf[:, :, :n_res].clone()}, n_res)]
+        return out
+
+    def end_run(self) -> None:
+        """The run's segments (the last `run_segments`) become ordinary absorbed segments;
+        the next `step` starts a new run."""
+        if self._run_seg is not None:
+            self._adopted.append(self._run_seg)
+        self._run_start, self._run_seg, self._run_groups = None, None, []
 
     # ---- what the kernels read ------------------------------------------------------------
     def _refresh_flat(self) -> None:

@@ -53,6 +53,7 @@ import os
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from ...kernels.step_encode import StepErrors
 from ...kernels.store import KernelStore, TokenBuffer, grown_capacity
 from ...quantizers import Packed, Segment, get_quantizer
 from .attention import PackedHistory, uses_fused_attention
@@ -129,10 +130,15 @@ class QuantizedLayer(DynamicLayer):
         self.fused_wanted: bool | None = False  # set by the cache before the first write
         self.capacity_hint = 0  # tokens to preallocate for (e.g. prompt + new tokens)
         self.hqmq_table: tuple[str, torch.dtype] | None = None  # HQMQ codeword source of the kernel
+        self.step_encode = True  # fused decode steps encoded on the device (kernels/step_encode.py)
         self._clear()
 
     def _clear(self) -> None:
-        self.packed: dict[str, Packed | None] = {r: None for r in ROLES}
+        # Packed per role as of the last write through the quantizer; fused steps since
+        # are in the stores' runs (`packed` brings it up to date).
+        self._packed: dict[str, Packed | None] = {r: None for r in ROLES}
+        self._view: dict[str, tuple[int, Packed]] = {}  # role -> (tokens, up-to-date Packed)
+        self.errors: StepErrors | None = None  # fused mode: the step kernels' input-error flags
         self.decoded: dict[str, TokenBuffer | None] = {r: None for r in ROLES}  # dense mode
         self.stores: dict[str, KernelStore | None] = {r: None for r in ROLES}  # fused mode
         self.mode: str | None = None  # "dense" or "fused", fixed at the first write
@@ -150,11 +156,15 @@ class QuantizedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[-2] == 0:  # nothing written (e.g. an early-init probe)
             return self.keys, self.values
+        if self.mode == "fused" and self._step(key_states, value_states):
+            handle = PackedHistory(self)
+            return handle, handle
+        self._end_runs()
         new = {}
         for role, x in (("K", key_states), ("V", value_states)):
-            old = self.packed[role]
-            self.packed[role] = self.quantizers[role].append(old, x)  # append(None, x) == encode(x)
-            new[role] = _appended_segments(old, self.packed[role], self.tokens)
+            old = self._packed[role]
+            self._packed[role] = self.quantizers[role].append(old, x)  # append(None, x) == encode(x)
+            new[role] = _appended_segments(old, self._packed[role], self.tokens)
         self.tokens += key_states.shape[-2]  # (Packed.tokens would sum over every segment)
         if self.mode is None:  # the first write decides (and a new store absorbs it)
             self.mode = "fused" if self._start_stores() else "dense"
@@ -170,6 +180,54 @@ class QuantizedLayer(DynamicLayer):
         self.values = self._decode_into("V", *new["V"])
         return self.keys, self.values
 
+    def _step(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """A fused one-token write encoded on the device by both stores (see the module
+        docstring); False when the old path must serve it. Host-side checks only: a
+        write this cache cannot take goes to the old path, whose checks name the problem."""
+        if not self.step_encode or k.shape[-2] != 1:
+            return False
+        for role, x in (("K", k), ("V", v)):
+            p, store = self._packed[role], self.stores[role]
+            if (store.stepper is None or x.shape != (p.batch, p.heads, 1, p.head_dim) or x.dtype != p.dtype
+                    or x.device != p.device):
+                return False
+        if self.errors.poll():
+            self.errors.check(self.layer_idx)
+        self.stores["K"].step(k, self.errors.rows[0])
+        self.stores["V"].step(v, self.errors.rows[1])
+        self.tokens += 1
+        return True
+
+    def _current(self, role: str) -> Packed | None:
+        """The Packed of `role` holding every token written: the last one written through
+        the quantizer plus the store's run of device-encoded steps. Checks the step
+        kernels' input-error flags first (results are being read)."""
+        store = self.stores[role]
+        if store is None or not store.in_run:
+            return self._packed[role]
+        self.errors.check(self.layer_idx)
+        at, p = self._view.get(role, (None, None))
+        if at != self.tokens:
+            base = self._packed[role]
+            p = dataclasses.replace(base, segments=store.run_segments(base.segments))
+            self._view[role] = (self.tokens, p)
+        return p
+
+    @property
+    def packed(self) -> dict[str, Packed | None]:
+        """{"K": Packed, "V": Packed} holding everything written (None before the first write)."""
+        return {r: self._current(r) for r in ROLES}
+
+    def _end_runs(self) -> None:
+        """Before a write through the quantizers: fold the device-encoded steps into the
+        Packed they append to."""
+        for role in ROLES:
+            store = self.stores[role]
+            if store is not None and store.in_run:
+                self._packed[role] = self._current(role)
+                store.end_run()
+        self._view.clear()
+
     def _start_stores(self) -> bool:
         """Fused mode: a store per role, when asked for and a kernel reads this format.
         `fused_wanted` None (automatic) means on CUDA only; True also runs the kernels
@@ -178,11 +236,12 @@ class QuantizedLayer(DynamicLayer):
             bool(self.fused_wanted) and _triton_can_run(self.device))
         if not (can and self.layer_type in (None, "full_attention")):
             return False
-        stores = {r: KernelStore.create(self.packed[r], r, capacity=self.capacity_hint, hqmq_table=self._table())
-                  for r in ROLES}
+        stores = {r: KernelStore.create(self._packed[r], r, capacity=self.capacity_hint, hqmq_table=self._table(),
+                                        step=self.step_encode) for r in ROLES}
         if any(s is None for s in stores.values()):
             return False
         self.stores = stores
+        self.errors = StepErrors(self.device)
         return True
 
     def _table(self) -> tuple[str, torch.dtype] | None:
@@ -203,7 +262,7 @@ class QuantizedLayer(DynamicLayer):
         segments (a cached copy would be a dense history beside the packed bytes)."""
         # Through the quantizer's own `decode` (plugins may override it), on throwaway
         # Segment objects over the same fields, so its per-segment cache dies with them.
-        p = self.packed[role]
+        p = self._current(role)
         fresh = [Segment(s.fields, s.tokens) for s in segs]
         return self.quantizers[role].decode(dataclasses.replace(p, segments=fresh))
 
@@ -212,7 +271,7 @@ class QuantizedLayer(DynamicLayer):
         (fused mode: decoded now, transiently)."""
         if self.mode == "dense":
             return self.decoded[role].valid
-        return self._decode_segments(role, self.packed[role].segments)
+        return self._decode_segments(role, self._current(role).segments)
 
     def fused_attend(self, query: torch.Tensor) -> torch.Tensor:
         """The fused kernel over the K and V stores: `[B, Hq, 1, D]`."""
@@ -229,11 +288,12 @@ class QuantizedLayer(DynamicLayer):
     def replace_packed(self, role: str, packed: Packed) -> None:
         """Swap in another packed store (diagnostics: e.g. tampered bytes). Every segment
         from the first new object on is decoded (dense) or absorbed (fused) afresh."""
-        new, shared = _new_segments(self.packed[role], packed)
-        self.packed[role] = packed
+        self._end_runs()
+        new, shared = _new_segments(self._packed[role], packed)
+        self._packed[role] = packed
         if self.mode == "fused":
             self.stores[role] = KernelStore.create(packed, role, capacity=self.capacity_hint,
-                                                   hqmq_table=self._table())
+                                                   hqmq_table=self._table(), step=self.step_encode)
         elif new:
             out = self._decode_into(role, new, shared)
             if role == "K":
@@ -289,7 +349,7 @@ class QuantizedCache(Cache):
     """A transformers Cache whose every layer stores K/V through quantizer `spec`.
 
     QuantizedCache(spec, n_layers=None, *, config=None, seed=0, fused=None, capacity=0,
-                   hqmq_table="auto")
+                   hqmq_table="auto", step_encode=True)
 
     Give `config=model.config` (preferred: the layer count and layer types are
     checked) or `n_layers`; with neither, layers are created as `update` reaches them.
@@ -301,13 +361,15 @@ class QuantizedCache(Cache):
     `hqmq_table`: the codeword source HQMQ's kernel gathers from, (table_mode, dtype) of
     `HQMQFlat.with_table`; "auto" is the fp16 codebook on CUDA (the fastest measured;
     within an fp16 ulp per codeword component) and the exact fp32 secondaries elsewhere.
+    `step_encode`: fused decode steps encoded on the device (see the module docstring);
+    False sends every write through the quantizer's `append` (the old path).
     """
 
     def __init__(self, spec: str, n_layers: int | None = None, *, config=None, seed: int = 0,
-                 fused: bool | None = None, capacity: int = 0, hqmq_table="auto"):
+                 fused: bool | None = None, capacity: int = 0, hqmq_table="auto", step_encode: bool = True):
         get_quantizer(spec)  # fail on a bad spec now, not inside the forward pass
         self.spec, self.seed, self.fused, self.capacity = spec, int(seed), fused, int(capacity)
-        self.hqmq_table = hqmq_table
+        self.hqmq_table, self.step_encode = hqmq_table, bool(step_encode)
         self.model_config, types = config, None
         if config is not None:
             text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -340,7 +402,7 @@ class QuantizedCache(Cache):
         layer = self.layers[layer_idx]
         if layer.mode is None:
             layer.fused_wanted, layer.capacity_hint = self.fused_wanted(), self.capacity
-            layer.hqmq_table = self.hqmq_table
+            layer.hqmq_table, layer.step_encode = self.hqmq_table, self.step_encode
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if (isinstance(out[0], PackedHistory) and self.model_config is not None
                 and not uses_fused_attention(self.model_config)):
@@ -349,6 +411,12 @@ class QuantizedCache(Cache):
         return out
 
     # ---- measurement and diagnostics ----------------------------------------------------
+    def check(self) -> None:
+        """Raise now any input error a device-encoded decode step flagged (a host sync)."""
+        for layer in self.layers:
+            if layer.errors is not None:
+                layer.errors.check(layer.layer_idx)
+
     def packed(self, layer_idx: int) -> dict[str, Packed | None]:
         """{"K": Packed, "V": Packed} of one layer (None before its first write)."""
         return dict(self.layers[layer_idx].packed)
