@@ -5,8 +5,8 @@ Why CUDA and not Triton (kernels/NOTES.md, "CUDA decode kernels"): the mma opera
 p @ V wants pairs of TOKENS in a register; Triton decodes pairs of dims and transposes
 the tile through 16-bit shared-memory stores (~2 SASS instructions per element). Here
 the packed bytes of two tokens are interleaved by one PRMT before decoding, the
-zero point goes through one extra mma per tile, and the kernel loop issues ~2.4
-(int4) / ~1.4 (fp8) instructions per element.
+int4 decode is the Triton FAST path's arithmetic (LOP3, HSUB2, HFMA2), and the kernel
+loop issues ~2.8 (int4) / ~1.6 (fp8) SASS instructions per element (Triton: 5.3).
 
 Build: `nvcc -O3 --use_fast_math -shared` of the one .cu file (no torch headers: ~15 s)
 for the device's architecture (sm_90a on an H100/H200), into the torch extensions
@@ -14,15 +14,16 @@ cache (`TORCH_EXTENSIONS_DIR`, else torch's default) under a name hashing the so
 flags and nvcc version; concurrent builders write a temporary file and rename it.
 `why_unavailable()` says why the CUDA path cannot run here (no CUDA torch, a ROCm
 torch, no nvcc, a GPU older than sm_80, a failed build); `decode_attention` then
-uses the Triton kernels and the reason stays readable from here.
+uses the Triton kernels and the reason stays readable from here. backend="auto" sends
+only the formats in AUTO_FORMATS here (int4: 1.83x faster than fp16 SDPA vs Triton's
+1.20x in GPU run 3; fp8 was no faster than Triton).
 
 Formats: `IntFlat` with 4 bits and groups of 32 (the `int4` spec), head_dim 64 or 128;
 `FP8Flat` e4m3 / e5m2 (sm_89+), head_dim 64 or 128. GQA groups up to 8 query heads per
 kv head. Anything else: `unsupported(q, k, v)` names the reason (the dispatcher then
 uses Triton). Numerics: K/V decoded to fp16 exactly as the Triton FAST path (int: one
 fp16 rounding of s*x, the zero point added in fp32 by the tensor core), fp16
-operands, fp32 accumulation. Limit of the int4 decode trick: 1024 * scale must be
-finite in fp16 (scale < 64, i.e. a group's range below ~960).
+operands, fp32 accumulation.
 """
 from __future__ import annotations
 
@@ -40,8 +41,13 @@ import torch
 SOURCE = Path(__file__).parent / "cuda" / "decode_attention.cu"
 FLAGS = ["-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"]
 NUM_VARIANTS = 4  # VARIANTS in the .cu: (prefetch stages, min CTAs per SM)
-DEFAULT_VARIANT = 0
+# Best of GPU run 3 at B=8, T=32k (kernels/NOTES.md): int4 variant 0 (no register cap,
+# 1 tile prefetched), fp8 variant 3 (2 tiles prefetched, 168 registers), 8 CTAs per SM.
+DEFAULT_VARIANT = {0: 0, 1: 3, 2: 3}  # by format: int4, fp8 e4m3, fp8 e5m2
 DEFAULT_CTAS_PER_SM = 8
+# What decode_attention(backend="auto") sends here: int4 only. fp8 measured no faster
+# than its Triton kernel (161-174 vs 166.5 us at B=8, T=32k; 61.1 vs 61.2 at B=1).
+AUTO_FORMATS = ("int4",)
 
 _lock = threading.Lock()
 _lib = None
@@ -134,7 +140,7 @@ def available() -> bool:
     return why_unavailable() is None
 
 
-def num_regs(fmt: int, head_dim: int, variant: int = DEFAULT_VARIANT) -> int:
+def num_regs(fmt: int, head_dim: int, variant: int = 0) -> int:
     lib = _load()
     return -1 if lib is None else lib.kvq_num_regs(fmt, head_dim, variant)
 
@@ -201,8 +207,15 @@ def splits(rows: int, T: int, device, num_splits: int | None = None,
     return -(-tiles // per), per
 
 
+def takes_by_default(k) -> bool:
+    """Whether backend="auto" routes this cache type here (AUTO_FORMATS)."""
+    from .layout import FP8Flat, IntFlat
+
+    return (isinstance(k, IntFlat) and "int4" in AUTO_FORMATS) or (isinstance(k, FP8Flat) and "fp8" in AUTO_FORMATS)
+
+
 def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int = DEFAULT_CTAS_PER_SM,
-           variant: int = DEFAULT_VARIANT, workspace=None, out_dtype=None) -> torch.Tensor:
+           variant: int | None = None, workspace=None, out_dtype=None) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V over the T valid tokens of int4 (`IntFlat`) or fp8
     (`FP8Flat`) caches; `[B, Hq, 1, d]` in out_dtype (default q's). Raises ValueError
     when `unsupported` gives a reason, RuntimeError when the kernels are unavailable."""
@@ -219,8 +232,6 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     lib = _load()
     if lib is None:
         raise RuntimeError(f"CUDA decode kernels unavailable: {_why}")
-    if not 0 <= variant < NUM_VARIANTS:
-        raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
     q = q.contiguous()
     gqa = q.shape[1] // H
     nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm)
@@ -244,6 +255,9 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
         strides = [bh_stride(k.codes), 0, bh_stride(v.codes), 0]
     if T == 0:
         raise ValueError("empty cache (T = 0)")
+    variant = DEFAULT_VARIANT[fmt] if variant is None else variant
+    if not 0 <= variant < NUM_VARIANTS:
+        raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
     addr = [None if t is None else t.data_ptr() for t in ptrs]
     with torch.cuda.device(q.device):
         err = lib.kvq_decode(fmt, D, q.data_ptr(), _QTYPE[q.dtype], *addr, *strides, B, H, gqa, T, per, nsplit,
@@ -255,5 +269,5 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     return ws.out.view(B, q.shape[1], 1, D)
 
 
-__all__ = ["decode", "unsupported", "why_unavailable", "available", "splits", "num_regs", "SOURCE",
+__all__ = ["decode", "unsupported", "takes_by_default", "AUTO_FORMATS", "why_unavailable", "available", "splits", "num_regs", "SOURCE",
            "NUM_VARIANTS"]

@@ -640,17 +640,17 @@ def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", **kw) -> torc
     (default q's dtype); the tensor is the workspace's buffer when one is passed.
 
     backend: "triton", "cuda" (kernels/cuda_decode.py: int4 with groups of 32 and fp8;
-    raises where it cannot run) or "auto": the CUDA kernel when it takes the call
-    (`cuda_decode.unsupported` is None) and builds here (`cuda_decode.why_unavailable()`
-    says why not), else Triton; Triton's launch options (block_t, num_warps,
+    raises where it cannot run) or "auto": the CUDA kernel for the formats it is faster
+    on (`cuda_decode.AUTO_FORMATS`: int4) when it takes the call (`cuda_decode.unsupported`
+    is None) and builds here (`cuda_decode.why_unavailable()` says why not), else Triton; Triton's launch options (block_t, num_warps,
     num_stages) select Triton. `programs_per_sm` means CTAs per SM for the CUDA kernel."""
     if backend not in ("auto", "cuda", "triton"):
         raise ValueError(f"backend must be auto, cuda or triton, got {backend!r}")
     if backend != "triton" and isinstance(k, (IntFlat, FP8Flat)) and q.is_cuda:
         from . import cuda_decode
 
-        if backend == "cuda" or (not set(kw) & set(_TRITON_ONLY) and cuda_decode.unsupported(q, k, v) is None
-                                 and cuda_decode.available()):
+        if backend == "cuda" or (cuda_decode.takes_by_default(k) and not set(kw) & set(_TRITON_ONLY)
+                                 and cuda_decode.unsupported(q, k, v) is None and cuda_decode.available()):
             ckw = dict(kw)
             if "programs_per_sm" in ckw:
                 ckw["ctas_per_sm"] = ckw.pop("programs_per_sm")

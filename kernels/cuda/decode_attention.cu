@@ -24,18 +24,15 @@
 //   tokens BEFORE decoding (the packed bytes of token pairs are interleaved, then the
 //   same nibble masks decode (t, t+1) pairs of one dim).
 //
-// int4 decode without conversions: (w & 0x000F000F) | 0x64006400 is the half2
-// (1024 + x0, 1024 + x1); fma(h, s, -1024 s) = s x with one rounding (s * 1024 is exact
-// in fp16). The high nibble of a byte, (w & 0x00F000F0) | 0x64006400 = 1024 + 16 x,
-// decodes with the same fma to 16 s x: for K the matching Q elements are divided by
-// 16, for V the output rows of those dims are divided by 16 at the end. The zero point
-// never touches an element: sum_d q_d (s x_d + z) = sum_d q_d s x_d + z sum_d q_d is one
-// extra mma per K tile (A = z per (token, lane chunk), B = the chunk sums of Q), and
-// sum_t p_t z_t,grp for V one extra mma per tile (A = Z^T per (group, token)) into an
-// accumulator added to every dim of its group at the end. So an int4 element costs
-// LOP3 + half an HFMA2 (+ 1/8 SHR, + 1/8 PRMT for V); fp8 one CVT per two (e4m3x2).
-// Limit of the trick: 1024 * scale must stay finite in fp16 (scale < 64, a group range
-// below ~960); kernels/cuda_decode.py documents it.
+// int4 decode without conversions, as the Triton FAST path (kernels/triton_common.py):
+// (w & 0x000F000F) | 0x64006400 is the half2 (1024 + x0, 1024 + x1) (high nibbles:
+// & 0x00F000F0 | 0x54005400 = 64 + x), one HSUB2 removes the magic exactly, one HFMA2
+// gives round16(x s + z). Per element: LOP3 + HSUB2 + HFMA2 per two, a SHR per eight,
+// for V a PRMT per eight; fp8: one CVT per two (e4m3x2 / e5m2x2, sm_89+).
+// (Tried on the H200 and dropped, NOTES.md: folding the zero point into an extra mma
+// and decoding s x with one HFMA2 (fma(1024 + x, s, -1024 s)) saves the HSUB2 but
+// rounds s x, whose error is relative to the group range, not to the value:
+// 3.3e-3..4.9e-3 relative output error vs 1.7e-3.)
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -45,8 +42,8 @@
 
 namespace {
 
-constexpr uint32_t MAGIC = 0x64006400u;    // fp16 1024 in both halves
-constexpr uint32_t NEG1024 = 0xE400E400u;  // fp16 -1024 in both halves
+constexpr uint32_t MAGIC_LO = 0x64006400u;  // fp16 1024 in both halves: mantissa bit 0 weighs 1
+constexpr uint32_t MAGIC_HI = 0x54005400u;  // fp16 64: mantissa bit 4 weighs 1
 #define NEG_INF (-__int_as_float(0x7f800000))  // -inf (a device intrinsic, not constexpr)
 
 struct Params {
@@ -75,9 +72,9 @@ __device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
   asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
 }
-__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+__device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
   uint32_t d;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
 }
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
@@ -143,12 +140,14 @@ __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// (x & MASK) | 0x64006400 in ONE lop3 (C code gives an AND and an OR: two immediates)
-template <uint32_t MASK>
+// The nibbles of x at bits 0-3 and 16-19 (HI: 4-7, 20-23) as an exact half2 (x0, x1):
+// (x & MASK) | MAGIC in ONE lop3 (C code gives an AND and an OR), then minus the magic.
+template <bool HI>
 __device__ __forceinline__ uint32_t nibbles(uint32_t x) {
   uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(x), "n"(MASK), "n"(MAGIC));
-  return d;
+  if constexpr (HI) asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(x), "n"(0x00F000F0u), "n"(MAGIC_HI));
+  else asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(x), "n"(0x000F000Fu), "n"(MAGIC_LO));
+  return hsub2(d, HI ? MAGIC_HI : MAGIC_LO);
 }
 
 template <int N>
@@ -178,36 +177,38 @@ __device__ __forceinline__ uint32_t ldg_u16(const uint16_t* p, bool ok) {
 // formats: how a lane's bytes become mma A fragments
 // ---------------------------------------------------------------------------------
 // A format provides: ROWB (bytes per token row), KW / VW (32-bit words a lane loads
-// per token for K / V), ZERO (int: scale + zero per group), ODD16 (odd dims decode
-// to 16 x s), kdim(kk, slot, half) (dim within the lane's K chunk of k-step kk, slot
-// 0 = k 2c, 2c+1 / 1 = k 2c+8, 2c+9, half 0/1), kfrag, vfrag.
+// per token for K / V), ZERO (int: an fp16 scale and zero per token and group of 32),
+// kdim(kk, slot, half) (dim within the lane's K chunk of k-step kk, slot 0 = k 2c,
+// 2c+1 / 1 = k 2c+8, 2c+9, half 0/1), kfrag, vpair. int4 elements decode as the
+// Triton FAST path does: round16(x s + z), one rounding (kernels/triton_common.py).
 template <int D>
 struct Int4 {
   static constexpr int ROWB = D / 2, KW = D / 32, VW = D / 64, NG = D / 32;  // groups of 32
-  static constexpr bool ZERO = true, ODD16 = true;
+  static constexpr bool ZERO = true;
   __device__ static int kdim(int kk, int slot, int half) { return 8 * (kk >> 1) + 2 * (kk & 1) + slot + 4 * half; }
   // K: word kk/2 of the token; even k-steps the bytes 0, 2, odd ones (>> 8) bytes 1, 3;
-  // slot 0 the low nibbles (x), slot 1 the high ones (16 x)
-  __device__ static uint32_t kfrag(const uint32_t (&w)[KW], int kk, int slot, uint32_t s2, uint32_t m2) {
+  // slot 0 the low nibbles, slot 1 the high ones; s2, z2 = (s, s), (z, z) of the token
+  __device__ static uint32_t kfrag(const uint32_t (&w)[KW], int kk, int slot, uint32_t s2, uint32_t z2) {
     uint32_t x = w[kk >> 1];
     if (kk & 1) x >>= 8;
-    return hfma2(slot ? nibbles<0x00F000F0u>(x) : nibbles<0x000F000Fu>(x), s2, m2);
+    return hfma2(slot ? nibbles<true>(x) : nibbles<false>(x), s2, z2);
   }
-  // V: m-tile mt takes dims 2mt (row g, x) and 2mt+1 (row g+8, 16 x) of tokens a, b:
-  // interleave the two tokens' bytes (a.b0, a.b1, b.b0, b.b1) so each half holds one token
+  // V: m-tile mt takes dims 2mt (row g: low nibble) and 2mt+1 (row g+8: high) of tokens
+  // a, b: interleave the two tokens' bytes (a.b0, a.b1, b.b0, b.b1) so each half holds
+  // one token; s2, z2 = (s_a, s_b), (z_a, z_b)
   __device__ static void vpair(const uint32_t (&a)[VW], const uint32_t (&b)[VW], int mt, uint32_t s2,
-                               uint32_t m2, uint32_t& row_g, uint32_t& row_g8) {
+                               uint32_t z2, uint32_t& row_g, uint32_t& row_g8) {
     uint32_t u = __byte_perm(a[mt >> 2], b[mt >> 2], (mt & 2) ? 0x7632 : 0x5410);
     if (mt & 1) u >>= 8;
-    row_g = hfma2(nibbles<0x000F000Fu>(u), s2, m2);
-    row_g8 = hfma2(nibbles<0x00F000F0u>(u), s2, m2);
+    row_g = hfma2(nibbles<false>(u), s2, z2);
+    row_g8 = hfma2(nibbles<true>(u), s2, z2);
   }
 };
 
 template <int D, bool E5>
 struct Fp8 {
   static constexpr int ROWB = D, KW = D / 16, VW = D / 32, NG = 1;
-  static constexpr bool ZERO = false, ODD16 = false;
+  static constexpr bool ZERO = false;
   __device__ static int kdim(int kk, int slot, int half) { return 4 * kk + 2 * slot + half; }
   __device__ static uint32_t cvt_lo(uint32_t w) { return E5 ? e5m2x2_lo(w) : e4m3x2_lo(w); }
   __device__ static uint32_t cvt_hi(uint32_t w) { return E5 ? e5m2x2_hi(w) : e4m3x2_hi(w); }
@@ -264,7 +265,7 @@ __device__ __forceinline__ void load_tile(Raw<F>& r, Cursor<F>& cur, int tend, b
     load_words(r.v[i], cur.v + dt * F::ROWB, ok);
     if constexpr (F::ZERO) {
       r.vs[i] = ldg_u16(cur.vs + dt * NG, ok);
-      r.vz[i] = ldg_u16(cur.vz + dt * NG, ok && g < NG);  // A of the zero mma: row = group g
+      r.vz[i] = ldg_u16(cur.vz + dt * NG, ok);
     }
   }
   constexpr int STEP = NW * 16;  // tokens between a warp's tiles
@@ -277,12 +278,10 @@ __device__ __forceinline__ void load_tile(Raw<F>& r, Cursor<F>& cur, int tend, b
 }
 
 // Q^T as B fragments of QK^T (k = this lane's permuted chunk of head dims, n = head g),
-// scaled to base-2 scores and rounded to fp16; int: odd dims / 16 (they meet 16 x s),
-// and the chunk sum (the B of the zero-point mma).
+// scaled to base-2 scores and rounded to fp16.
 template <class F, int D, typename QT>
 __device__ __forceinline__ void load_q(const QT* q, long long row, bool real, float scale, int c,
-                                       uint32_t (&qb)[D / 16][2], uint32_t& qz) {
-  float qsum = 0.f;
+                                       uint32_t (&qb)[D / 16][2]) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
@@ -297,17 +296,11 @@ __device__ __forceinline__ void load_q(const QT* q, long long row, bool real, fl
           else if constexpr (std::is_same<QT, __half>::value) v = __half2float(q[row * D + d]);
           else v = __uint_as_float((uint32_t)q[row * D + d] << 16);  // bf16 bits
         }
-        v = __half2float(__float2half_rn(v * scale));  // the fp16 operand
-        qsum += v;
-        x[half] = (F::ODD16 && (d & 1)) ? v * 0.0625f : v;
+        x[half] = v * scale;
       }
       qb[kk][slot] = pack_half2(x[0], x[1]);
     }
   }
-  // (hi, lo): the chunk sum to ~22 bits as two fp16 (one fp16 of it put an error of
-  // |z| |sum q| 2^-11 into every score: 3.9e-3 relative output error at T=4099 on an H200)
-  const float hi = __half2float(__float2half_rn(qsum));
-  qz = F::ZERO ? pack_half2(hi, qsum - hi) : 0u;
 }
 
 // ---------------------------------------------------------------------------------
@@ -326,17 +319,15 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   float qk = p.qk_scale;
   if (!F::ZERO && p.khs) qk *= p.khs[h];  // fp8: q . (s k8) = (s q) . k8
   uint32_t qb[KS][2];
-  uint32_t qz;  // the sum of this lane's chunk of q as fp16 (hi, lo): B of the zero-point mma
   {
     const bool real = g < p.gqa;
     const long long row = (long long)bh * p.gqa + g;
-    if (p.qtype == 0) load_q<F, D>(reinterpret_cast<const __half*>(p.q), row, real, qk, c, qb, qz);
-    else if (p.qtype == 1) load_q<F, D>(reinterpret_cast<const uint16_t*>(p.q), row, real, qk, c, qb, qz);
-    else load_q<F, D>(reinterpret_cast<const float*>(p.q), row, real, qk, c, qb, qz);
+    if (p.qtype == 0) load_q<F, D>(reinterpret_cast<const __half*>(p.q), row, real, qk, c, qb);
+    else if (p.qtype == 1) load_q<F, D>(reinterpret_cast<const uint16_t*>(p.q), row, real, qk, c, qb);
+    else load_q<F, D>(reinterpret_cast<const float*>(p.q), row, real, qk, c, qb);
   }
 
   float acc[KS][4];  // O^T: rows dims g D/8 + 2mt (+1 for c2, c3), cols heads 2c, 2c+1
-  float zacc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int i = 0; i < KS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
@@ -356,7 +347,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
       const long long ko = bh * p.k_ss + (long long)(t0 + g) * NG + c * (D / 4) / 32;
       const long long vo = bh * p.v_ss + (long long)(t0 + 2 * c) * NG;
       cur.ks = p.ks + ko; cur.kz = p.kz + ko;
-      cur.vs = p.vs + vo + vgrp; cur.vz = p.vz + vo + (g < NG ? g : 0);
+      cur.vs = p.vs + vo + vgrp; cur.vz = p.vz + vo + vgrp;
     }
   }
   Raw<F> buf[STAGES];
@@ -374,22 +365,20 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
 
       // ---- scores S^T (tokens g, g+8; heads 2c, 2c+1), base 2
       float s[4] = {0.f, 0.f, 0.f, 0.f};
-      uint32_t ks2[2] = {0, 0}, km2[2] = {0, 0};
+      uint32_t ks2[2] = {0, 0}, kz2[2] = {0, 0};  // (s, s), (z, z) of tokens g, g+8
       if constexpr (F::ZERO) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           ks2[j] = __byte_perm(r.ks[j], 0, 0x1010);
-          km2[j] = hmul2(ks2[j], NEG1024);
+          kz2[j] = __byte_perm(r.kz[j], 0, 0x1010);
         }
       }
 #pragma unroll
       for (int kk = 0; kk < KS; ++kk) {
-        mma16816(s, F::kfrag(r.k[0], kk, 0, ks2[0], km2[0]), F::kfrag(r.k[1], kk, 0, ks2[1], km2[1]),
-                 F::kfrag(r.k[0], kk, 1, ks2[0], km2[0]), F::kfrag(r.k[1], kk, 1, ks2[1], km2[1]), qb[kk][0],
+        mma16816(s, F::kfrag(r.k[0], kk, 0, ks2[0], kz2[0]), F::kfrag(r.k[1], kk, 0, ks2[1], kz2[1]),
+                 F::kfrag(r.k[0], kk, 1, ks2[0], kz2[0]), F::kfrag(r.k[1], kk, 1, ks2[1], kz2[1]), qb[kk][0],
                  qb[kk][1]);
       }
-      if constexpr (F::ZERO)  // + z (sum_hi + sum_lo): A = (z, z) at k = 2c, 2c+1
-        mma16816(s, __byte_perm(r.kz[0], 0, 0x1010), __byte_perm(r.kz[1], 0, 0x1010), 0u, 0u, qz, 0u);
       if (t0 + g >= tend) s[0] = s[1] = NEG_INF;
       if (t0 + g + 8 >= tend) s[2] = s[3] = NEG_INF;
 
@@ -414,7 +403,6 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
         for (int i = 0; i < KS; ++i) {
           acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
         }
-        zacc[0] *= alpha[0]; zacc[1] *= alpha[1]; zacc[2] *= alpha[0]; zacc[3] *= alpha[1];
       }
       const float ms0 = m[0] == NEG_INF ? 0.f : m[0], ms1 = m[1] == NEG_INF ? 0.f : m[1];
       const float p0 = exp2f(s[0] - ms0), p1 = exp2f(s[1] - ms1), p2 = exp2f(s[2] - ms0), p3 = exp2f(s[3] - ms1);
@@ -424,24 +412,20 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
       const uint32_t pb1 = movtrans(pack_half2(p2, p3));  //      k = tokens 2c+8, 2c+9
 
       // ---- O^T += V^T P^T
-      uint32_t vs2[2] = {0, 0}, vm2[2] = {0, 0};
+      uint32_t vs2[2] = {0, 0}, vz2[2] = {0, 0};
       if constexpr (F::ZERO) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           vs2[j] = __byte_perm(r.vs[2 * j], r.vs[2 * j + 1], 0x5410);  // (s_t, s_t+1)
-          vm2[j] = hmul2(vs2[j], NEG1024);
+          vz2[j] = __byte_perm(r.vz[2 * j], r.vz[2 * j + 1], 0x5410);  // (z_t, z_t+1)
         }
       }
 #pragma unroll
       for (int mt = 0; mt < KS; ++mt) {
         uint32_t a0, a1, a2, a3;
-        F::vpair(r.v[0], r.v[1], mt, vs2[0], vm2[0], a0, a1);
-        F::vpair(r.v[2], r.v[3], mt, vs2[1], vm2[1], a2, a3);
+        F::vpair(r.v[0], r.v[1], mt, vs2[0], vz2[0], a0, a1);
+        F::vpair(r.v[2], r.v[3], mt, vs2[1], vz2[1], a2, a3);
         mma16816(acc[mt], a0, a1, a2, a3, pb0, pb1);
-      }
-      if constexpr (F::ZERO) {
-        mma16816(zacc, __byte_perm(r.vz[0], r.vz[1], 0x5410), 0u, __byte_perm(r.vz[2], r.vz[3], 0x5410), 0u, pb0,
-                 pb1);
       }
     }
   }
@@ -451,11 +435,6 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   for (int e = 0; e < 2; ++e) {
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) l[e] += __shfl_xor_sync(0xffffffffu, l[e], o);
-  }
-  float zt[2] = {0.f, 0.f};  // the zero term of this lane's group, heads 2c, 2c+1
-  if constexpr (F::ZERO) {
-    zt[0] = __shfl_sync(0xffffffffu, zacc[0], vgrp * 4 + c);
-    zt[1] = __shfl_sync(0xffffffffu, zacc[1], vgrp * 4 + c);
   }
 
   // ---- merge the warps of the CTA in shared memory, write the partial
@@ -478,8 +457,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
 #pragma unroll
     for (int mt = 0; mt < KS; ++mt) {
       const int d = g * (D / 8) + 2 * mt;
-      red[warp][hd][d] = f * (acc[mt][e] + zt[e]);
-      red[warp][hd][d + 1] = f * (acc[mt][2 + e] * (F::ODD16 ? 0.0625f : 1.f) + zt[e]);
+      red[warp][hd][d] = f * acc[mt][e];
+      red[warp][hd][d + 1] = f * acc[mt][2 + e];
     }
   }
   __syncthreads();
@@ -503,19 +482,35 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
 }
 
 // Merge the nsplit partials of each query row: one CTA per row, one thread per dim.
+// The max over the splits is a block reduction and the weighted sum is unrolled by 8,
+// so the loads of 8 splits are in flight together (GPU run 3: the first version, one
+// dependent round trip per split, is the suspect for B=1's 53 us where the bytes take
+// ~10 us: 132 splits per row there).
 template <typename OutT>
-__global__ void combine_kernel(const float* __restrict__ po, const float* __restrict__ pm,
-                               const float* __restrict__ pl, OutT* __restrict__ out, int nsplit, int D) {
+__global__ void __launch_bounds__(128) combine_kernel(const float* __restrict__ po, const float* __restrict__ pm,
+                                                      const float* __restrict__ pl, OutT* __restrict__ out,
+                                                      int nsplit, int D) {
+  __shared__ float wmax[4];
   const long long row = blockIdx.x;
   const int d = threadIdx.x;
+  const float* pmr = pm + row * nsplit;
+  const float* plr = pl + row * nsplit;
+  const float* por = po + row * nsplit * D + d;
   float M = NEG_INF;
-  for (int s = 0; s < nsplit; ++s) M = fmaxf(M, pm[row * nsplit + s]);
+  for (int s = d; s < nsplit; s += blockDim.x) M = fmaxf(M, pmr[s]);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  if ((d & 31) == 0) wmax[d >> 5] = M;
+  __syncthreads();
+  M = wmax[0];
+  for (int i = 1; i < (int)(blockDim.x >> 5); ++i) M = fmaxf(M, wmax[i]);
   float num = 0.f, den = 0.f;
+#pragma unroll 8
   for (int s = 0; s < nsplit; ++s) {
-    const float ms = pm[row * nsplit + s];
+    const float ms = pmr[s];
     const float w = (ms == NEG_INF) ? 0.f : exp2f(ms - M);
-    den += w * pl[row * nsplit + s];
-    num += w * po[(row * nsplit + s) * D + d];
+    den += w * plr[s];
+    num += w * por[(long long)s * D];
   }
   const float o = num / den;
   if constexpr (sizeof(OutT) == 4) out[row * D + d] = o;
