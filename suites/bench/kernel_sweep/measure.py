@@ -50,19 +50,19 @@ def synthetic_kv(B, H, T, d, seed=0, device="cuda"):
 
 
 def encode(spec, k, v):
-    from ...quantizers import get_quantizer
+    from ....quantizers import get_quantizer
     qk, qv = get_quantizer(spec, role="K", seed=3), get_quantizer(spec, role="V", seed=3)
     return (qk, qk.encode(k)), (qv, qv.encode(v))
 
 
 def flats(name, pk, pv):
-    from ...kernels.layout import flatten
+    from ....kernels.layout import flatten
     kw = METHODS[name][1]
     return flatten(pk, "K", **kw), flatten(pv, "V", **kw)
 
 
 def tile(flat, B, T):
-    from ...kernels.layout import KIVIFlat
+    from ....kernels.layout import KIVIFlat
     if isinstance(flat, KIVIFlat):
         return flat.tile(B // flat.B, (T - flat.T_res) // flat.group)
     return flat.tile(B // flat.B, T // flat.T)
@@ -74,7 +74,7 @@ def rel_err(a, b):
 
 def check_all(dev) -> list[dict]:
     """Each method vs the reference at small shapes; the last-key test."""
-    from ...kernels.decode_attention import decode_attention, reference_decode_attention
+    from ....kernels.decode_attention import decode_attention, reference_decode_attention
     out = []
     for name, (spec, _) in METHODS.items():
         for (B, T, dtype) in [(1, 1, torch.float16), (2, 1000 + 17, torch.bfloat16), (1, 4096 + 33, torch.float16)]:
@@ -129,8 +129,8 @@ def graph_decode(fn, q):
 def bench_shape(B, T, dev, base_cache, variants: bool, graphs: bool) -> list[dict]:
     import triton
 
-    from ...kernels.decode_attention import decode_attention
-    from ...kernels.graphs import GraphedDecode
+    from ....kernels.decode_attention import decode_attention
+    from ....kernels.graphs import GraphedDecode
     rows = []
     D, Hq, Hkv = 128, 32, 8
     q = torch.randn(B, Hq, 1, D, device=dev).half()
