@@ -21,9 +21,12 @@ only the formats in AUTO_FORMATS here (int4: 1.83x faster than fp16 SDPA vs Trit
 Formats: `IntFlat` with 4 bits and groups of 32 (the `int4` spec), head_dim 64 or 128;
 `FP8Flat` e4m3 / e5m2 (sm_89+), head_dim 64 or 128. GQA groups up to 8 query heads per
 kv head. Anything else: `unsupported(q, k, v)` names the reason (the dispatcher then
-uses Triton). Numerics: K/V decoded to fp16 exactly as the Triton FAST path (int: one
-fp16 rounding of s*x, the zero point added in fp32 by the tensor core), fp16
-operands, fp32 accumulation.
+uses Triton). Numerics as the Triton FAST path: K/V decoded to fp16 with one rounding
+of s*x + z (int4), q rounded to fp16 unscaled, the base-2 softmax scale applied to the
+fp32 scores, P rounded to fp16, fp32 accumulation.
+
+Variants (`variant=`): 0, 1 hold prefetched tiles in registers; 2..5 stream each
+warp's tiles through a cp.async shared-memory pipeline (SMEM_VARIANTS).
 """
 from __future__ import annotations
 
@@ -40,10 +43,13 @@ import torch
 
 SOURCE = Path(__file__).parent / "cuda" / "decode_attention.cu"
 FLAGS = ["-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"]
-NUM_VARIANTS = 4  # VARIANTS in the .cu: (prefetch stages, min CTAs per SM)
-# Best of GPU run 3 at B=8, T=32k (kernels/NOTES.md): int4 variant 0 (no register cap,
-# 1 tile prefetched), fp8 variant 3 (2 tiles prefetched, 168 registers), 8 CTAs per SM.
-DEFAULT_VARIANT = {0: 0, 1: 3, 2: 3}  # by format: int4, fp8 e4m3, fp8 e5m2
+# VARIANTS in the .cu: (register stages, min CTAs per SM, shared-memory stages):
+# 0 (2, 1, 0) and 1 (3, 3, 0) are the register-prefetch kernels of GPU runs 11-13
+# (int4 / fp8 best there); 2..5 the cp.async shared-memory pipeline with 4, 3, 6, 8
+# stages per warp (115-118 registers, no spills: 4 CTAs/SM by registers).
+NUM_VARIANTS = 6
+SMEM_VARIANTS = (2, 3, 4, 5)
+DEFAULT_VARIANT = {0: 2, 1: 2, 2: 2}  # by format: int4, fp8 e4m3, fp8 e5m2 (provisional: NOTES.md)
 DEFAULT_CTAS_PER_SM = 8
 # What decode_attention(backend="auto") sends here: int4 only. fp8 measured no faster
 # than its Triton kernel (161-174 vs 166.5 us at B=8, T=32k; 61.1 vs 61.2 at B=1).
@@ -165,7 +171,7 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
         return f"head_dim {D} (the CUDA kernels take 64 or 128)"
     if q.dim() != 4 or q.shape[1] % H or not 1 <= q.shape[1] // H <= 8:
         return f"GQA group of q {tuple(q.shape)} over {H} kv heads (the CUDA kernels take 1..8)"
-    row_align = 16 if D == 128 else 8  # a lane's K chunk: D/8 bytes (int4), D/4 (fp8) >= this
+    row_align = 16  # cp.async copies 16-byte chunks of codes (rows are 32..128 bytes)
     if isinstance(k, IntFlat):
         for f in (k, v):
             if f.bits != 4 or f.group != 32:
@@ -174,6 +180,8 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
                 return "int scale/zero must be fp16, codes uint8"
             if f.zero.stride() != f.scale.stride():
                 return "int scale and zero buffers must share a layout"
+            if any(t.data_ptr() % (D // 16) for t in (f.scale, f.zero)):  # cp.async: one token's NG fp16
+                return f"int scale/zero not {D // 16}-byte aligned"
             try:
                 cs = bh_stride(f.codes, "codes")
                 bh_stride(f.scale, "scale")

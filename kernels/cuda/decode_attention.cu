@@ -304,9 +304,223 @@ __device__ __forceinline__ void load_q(const QT* q, long long row, bool real, fl
 }
 
 // ---------------------------------------------------------------------------------
+// shared-memory pipeline (cp.async): each warp streams its own tiles through SMS
+// stages of shared memory, SMS - 1 tiles in flight while it computes one, with no
+// register cost (the register path holds every prefetched tile in registers: 28 per
+// tile for int4). A tile's bytes are contiguous per buffer (16 token rows of codes,
+// 16 x NG scales), so lanes copy 16-byte chunks of codes and one token's scales
+// (NG*2 bytes) each; tokens >= T are zero-filled (src-size 0: nothing read), so the
+// garbage past T in a store's capacity never reaches the mma.
+// ---------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+template <int N>
+__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, bool ok) {
+  static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
+  if constexpr (N == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(dst), "l"(src), "n"(N), "r"(ok ? N : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Where chunk j (16 bytes) of token row t (0..15) of a tile lies in shared memory, in
+// chunks: rows permuted / chunks XORed so that the fragment reads (K: lanes read
+// tokens g, g+8 at chunk c; V: tokens 2c, 2c+1, 2c+8, 2c+9 at byte g*VW*4) hit
+// distinct banks (64-byte rows: tokens 2c of one read land in both 64-byte halves).
+template <int CPT>
+__device__ __forceinline__ int swz(int t, int j) {
+  if constexpr (CPT == 2) return 2 * (t ^ ((t >> 2) & 1)) + j;  // 32-byte rows
+  else if constexpr (CPT == 4) return 4 * (t ^ ((t >> 1) & 1)) + j;  // 64-byte rows
+  else return CPT * t + (j ^ ((2 * ((t >> 1) & 3) + (t & 1)) & (CPT - 1)));  // 128-byte rows
+}
+
+template <class F>
+struct SmemTile {  // byte layout of one stage
+  static constexpr int CPT = F::ROWB / 16;               // 16-byte chunks per token row
+  static constexpr int CODES = 16 * F::ROWB;             // one tensor's codes
+  static constexpr int SCL = F::ZERO ? 16 * F::NG * 2 : 0;  // one tensor's scales (or zeros)
+  static constexpr int BYTES = 2 * CODES + 4 * SCL;       // K codes, V codes, ks, kz, vs, vz
+  static constexpr int PER_LANE = 16 * CPT / 32;          // code chunks per lane per tensor
+  static_assert(CPT >= 2 && PER_LANE >= 1, "rows of >= 32 bytes");
+};
+
+// A lane's global pointers for its copies of the next tile (chunk `lane` of each
+// buffer; scales: lanes 0-15 copy ks / vs of token lane, lanes 16-31 kz / vz).
+struct CpCursor {
+  const uint8_t* k;
+  const uint8_t* v;
+  const uint16_t* sa;  // ks or kz
+  const uint16_t* sb;  // vs or vz
+  int t0;
+};
+
+template <class F, int NW>
+__device__ __forceinline__ void copy_tile(uint32_t stage, CpCursor& cur, int tend, bool on, int lane) {
+  using S = SmemTile<F>;
+  constexpr int CPT = S::CPT;
+#pragma unroll
+  for (int r = 0; r < S::PER_LANE; ++r) {
+    const int i = lane + 32 * r, t = i / CPT, j = i % CPT;
+    const bool ok = on && cur.t0 + t < tend;
+    const uint32_t off = 16 * swz<CPT>(t, j);
+    cp_async<16>(stage + off, cur.k + 512 * r, ok);
+    cp_async<16>(stage + S::CODES + off, cur.v + 512 * r, ok);
+  }
+  if constexpr (F::ZERO) {
+    constexpr int N = F::NG * 2;  // one token's scales
+    const int t = lane & 15;
+    const bool ok = on && cur.t0 + t < tend;
+    const uint32_t off = 2 * S::CODES + (lane >> 4) * S::SCL + t * N;
+    cp_async<N>(stage + off, cur.sa, ok);
+    cp_async<N>(stage + off + 2 * S::SCL, cur.sb, ok);
+  }
+  constexpr int STEP = NW * 16;
+  cur.t0 += STEP;
+  cur.k += STEP * F::ROWB;
+  cur.v += STEP * F::ROWB;
+  if constexpr (F::ZERO) {
+    cur.sa += STEP * F::NG;
+    cur.sb += STEP * F::NG;
+  }
+}
+
+// N words of token row t from byte `o` of the row (o aligned to min(16, 4N)).
+template <int CPT, int N>
+__device__ __forceinline__ void lds_row(uint32_t (&w)[N], const uint8_t* base, int t, int o) {
+  if constexpr (N * 4 >= 16) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const uint4 x = *reinterpret_cast<const uint4*>(base + 16 * swz<CPT>(t, o / 16 + i));
+      w[4 * i] = x.x; w[4 * i + 1] = x.y; w[4 * i + 2] = x.z; w[4 * i + 3] = x.w;
+    }
+  } else if constexpr (N == 2) {
+    const uint2 x = *reinterpret_cast<const uint2*>(base + 16 * swz<CPT>(t, o / 16) + o % 16);
+    w[0] = x.x; w[1] = x.y;
+  } else {
+    static_assert(N == 1, "lds_row: 1, 2 or a multiple of 4 words");
+    w[0] = *reinterpret_cast<const uint32_t*>(base + 16 * swz<CPT>(t, o / 16) + o % 16);
+  }
+}
+
+// The lane's Raw of a tile from its stage (the same words load_tile reads from global).
+template <class F, int D>
+__device__ __forceinline__ void read_stage(Raw<F>& r, const uint8_t* st, int g, int c) {
+  using S = SmemTile<F>;
+  constexpr int CPT = S::CPT;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) lds_row<CPT>(r.k[i], st, g + 8 * i, c * F::KW * 4);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) lds_row<CPT>(r.v[i], st + S::CODES, 2 * c + (i & 1) + 8 * (i >> 1), g * F::VW * 4);
+  if constexpr (F::ZERO) {
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(st + 2 * S::CODES);
+    constexpr int L = 16 * F::NG;  // fp16 per scale tensor
+    const int kg = c * (D / 4) / 32, vg = g * (D / 8) / 32;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      r.ks[i] = sc[(g + 8 * i) * F::NG + kg];
+      r.kz[i] = sc[L + (g + 8 * i) * F::NG + kg];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int t = 2 * c + (i & 1) + 8 * (i >> 1);
+      r.vs[i] = sc[2 * L + t * F::NG + vg];
+      r.vz[i] = sc[3 * L + t * F::NG + vg];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------
 // the split kernel
 // ---------------------------------------------------------------------------------
-template <class F, int D, int NW, int STAGES, int MINB>
+// One 16-token tile of a warp: scores, online softmax, O^T += V^T P^T.
+template <class F, int D>
+__device__ __forceinline__ void tile_step(const Raw<F>& r, int t0, int tend, float qk, const uint32_t (&qb)[D / 16][2],
+                                          float (&acc)[D / 16][4], float (&m)[2], float (&l)[2], int g) {
+  constexpr int KS = D / 16;
+  // ---- scores S^T (tokens g, g+8; heads 2c, 2c+1); q is exact fp16, the base-2
+  // scale is applied to the fp32 scores (as the Triton kernels do)
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+  uint32_t ks2[2] = {0, 0}, kz2[2] = {0, 0};  // (s, s), (z, z) of tokens g, g+8
+  if constexpr (F::ZERO) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      ks2[j] = __byte_perm(r.ks[j], 0, 0x1010);
+      kz2[j] = __byte_perm(r.kz[j], 0, 0x1010);
+    }
+  }
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+    mma16816(s, F::kfrag(r.k[0], kk, 0, ks2[0], kz2[0]), F::kfrag(r.k[1], kk, 0, ks2[1], kz2[1]),
+             F::kfrag(r.k[0], kk, 1, ks2[0], kz2[0]), F::kfrag(r.k[1], kk, 1, ks2[1], kz2[1]), qb[kk][0], qb[kk][1]);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) s[i] *= qk;
+  if (t0 + g >= tend) s[0] = s[1] = NEG_INF;
+  if (t0 + g + 8 >= tend) s[2] = s[3] = NEG_INF;
+
+  // ---- online softmax per head (2c + e); the max over the 16 tokens is over g
+  float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], o));
+  }
+  const bool grow = mx[0] > m[0] || mx[1] > m[1];
+  if (__any_sync(0xffffffffu, grow)) {  // rescale only when some max grew (rare after the start)
+    float alpha[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float mn = fmaxf(m[e], mx[e]);
+      alpha[e] = (mn == NEG_INF) ? 1.f : exp2f(m[e] - mn);
+      m[e] = mn;
+      l[e] *= alpha[e];
+    }
+#pragma unroll
+    for (int i = 0; i < KS; ++i) {
+      acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
+    }
+  }
+  const float ms0 = m[0] == NEG_INF ? 0.f : m[0], ms1 = m[1] == NEG_INF ? 0.f : m[1];
+  const float p0 = exp2f(s[0] - ms0), p1 = exp2f(s[1] - ms1), p2 = exp2f(s[2] - ms0), p3 = exp2f(s[3] - ms1);
+  l[0] += p0 + p2;
+  l[1] += p1 + p3;
+  const uint32_t pb0 = movtrans(pack_half2(p0, p1));  // P^T: k = tokens 2c, 2c+1; n = head g
+  const uint32_t pb1 = movtrans(pack_half2(p2, p3));  //      k = tokens 2c+8, 2c+9
+
+  // ---- O^T += V^T P^T
+  uint32_t vs2[2] = {0, 0}, vz2[2] = {0, 0};
+  if constexpr (F::ZERO) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      vs2[j] = __byte_perm(r.vs[2 * j], r.vs[2 * j + 1], 0x5410);  // (s_t, s_t+1)
+      vz2[j] = __byte_perm(r.vz[2 * j], r.vz[2 * j + 1], 0x5410);  // (z_t, z_t+1)
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < KS; ++mt) {
+    uint32_t a0, a1, a2, a3;
+    F::vpair(r.v[0], r.v[1], mt, vs2[0], vz2[0], a0, a1);
+    F::vpair(r.v[2], r.v[3], mt, vs2[1], vz2[1], a2, a3);
+    mma16816(acc[mt], a0, a1, a2, a3, pb0, pb1);
+  }
+}
+
+// Shared memory of the SMS-stage pipeline (0: the register path), and of the merge.
+template <class F, int D, int NW, int SMS>
+constexpr int dyn_smem() {
+  constexpr int pipe = SMS * NW * SmemTile<F>::BYTES;
+  constexpr int red = NW * 8 * D * 4;
+  return SMS ? (pipe > red ? pipe : red) : 0;
+}
+
+// STAGES: register path (SMS = 0), tiles held = STAGES (STAGES - 1 loaded ahead);
+// SMS > 0: the shared-memory pipeline of SMS stages per warp (STAGES unused).
+template <class F, int D, int NW, int STAGES, int MINB, int SMS>
 __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   constexpr int KS = D / 16;  // k-steps of QK^T = m-tiles of PV
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -314,17 +528,16 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   const int bh = blockIdx.x, sp = blockIdx.y;
   const int h = bh % p.Hkv;
   constexpr int NG = F::NG;
-  const int vgrp = g * (D / 8) / 32;  // the group of this lane's V dims (int4)
 
   float qk = p.qk_scale;
-  if (!F::ZERO && p.khs) qk *= p.khs[h];  // fp8: q . (s k8) = (s q) . k8
+  if (!F::ZERO && p.khs) qk *= p.khs[h];  // fp8: q . (s k8) = s (q . k8)
   uint32_t qb[KS][2];
   {
     const bool real = g < p.gqa;
     const long long row = (long long)bh * p.gqa + g;
-    if (p.qtype == 0) load_q<F, D>(reinterpret_cast<const __half*>(p.q), row, real, qk, c, qb);
-    else if (p.qtype == 1) load_q<F, D>(reinterpret_cast<const uint16_t*>(p.q), row, real, qk, c, qb);
-    else load_q<F, D>(reinterpret_cast<const float*>(p.q), row, real, qk, c, qb);
+    if (p.qtype == 0) load_q<F, D>(reinterpret_cast<const __half*>(p.q), row, real, 1.f, c, qb);
+    else if (p.qtype == 1) load_q<F, D>(reinterpret_cast<const uint16_t*>(p.q), row, real, 1.f, c, qb);
+    else load_q<F, D>(reinterpret_cast<const float*>(p.q), row, real, 1.f, c, qb);
   }
 
   float acc[KS][4];  // O^T: rows dims g D/8 + 2mt (+1 for c2, c3), cols heads 2c, 2c+1
@@ -336,98 +549,73 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   const int first = sp * p.steps_per_split;
   const int last = min(first + p.steps_per_split, nsteps);
   const int tend = p.T;
+  extern __shared__ __align__(16) uint8_t dsm[];
 
-  Cursor<F> cur;  // at this warp's first tile
-  {
-    const int t0 = (first + warp) * 16;
-    cur.t0 = t0;
-    cur.k = p.kc + bh * p.k_cs + (long long)(t0 + g) * F::ROWB + c * (F::KW * 4);
-    cur.v = p.vc + bh * p.v_cs + (long long)(t0 + 2 * c) * F::ROWB + g * (F::VW * 4);
-    if constexpr (F::ZERO) {
-      const long long ko = bh * p.k_ss + (long long)(t0 + g) * NG + c * (D / 4) / 32;
-      const long long vo = bh * p.v_ss + (long long)(t0 + 2 * c) * NG;
-      cur.ks = p.ks + ko; cur.kz = p.kz + ko;
-      cur.vs = p.vs + vo + vgrp; cur.vz = p.vz + vo + vgrp;
-    }
-  }
-  Raw<F> buf[STAGES];
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) load_tile<F, NW>(buf[i], cur, tend, first + warp + i * NW < last, g, c);
-  for (int base = first + warp; base < last; base += STAGES * NW) {
-#pragma unroll
-    for (int i = 0; i < STAGES; ++i) {
-      const int st = base + i * NW;
-      // prefetch STAGES-1 tiles ahead (the cursor is there)
-      load_tile<F, NW>(buf[(i + STAGES - 1) % STAGES], cur, tend, st + (STAGES - 1) * NW < last, g, c);
-      if (st >= last) break;  // warp-uniform
-      const Raw<F>& r = buf[i];
-      const int t0 = st * 16;
-
-      // ---- scores S^T (tokens g, g+8; heads 2c, 2c+1), base 2
-      float s[4] = {0.f, 0.f, 0.f, 0.f};
-      uint32_t ks2[2] = {0, 0}, kz2[2] = {0, 0};  // (s, s), (z, z) of tokens g, g+8
+  if constexpr (SMS == 0) {
+    const int vgrp = g * (D / 8) / 32;  // the group of this lane's V dims (int4)
+    Cursor<F> cur;  // at this warp's first tile
+    {
+      const int t0 = (first + warp) * 16;
+      cur.t0 = t0;
+      cur.k = p.kc + bh * p.k_cs + (long long)(t0 + g) * F::ROWB + c * (F::KW * 4);
+      cur.v = p.vc + bh * p.v_cs + (long long)(t0 + 2 * c) * F::ROWB + g * (F::VW * 4);
       if constexpr (F::ZERO) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          ks2[j] = __byte_perm(r.ks[j], 0, 0x1010);
-          kz2[j] = __byte_perm(r.kz[j], 0, 0x1010);
-        }
-      }
-#pragma unroll
-      for (int kk = 0; kk < KS; ++kk) {
-        mma16816(s, F::kfrag(r.k[0], kk, 0, ks2[0], kz2[0]), F::kfrag(r.k[1], kk, 0, ks2[1], kz2[1]),
-                 F::kfrag(r.k[0], kk, 1, ks2[0], kz2[0]), F::kfrag(r.k[1], kk, 1, ks2[1], kz2[1]), qb[kk][0],
-                 qb[kk][1]);
-      }
-      if (t0 + g >= tend) s[0] = s[1] = NEG_INF;
-      if (t0 + g + 8 >= tend) s[2] = s[3] = NEG_INF;
-
-      // ---- online softmax per head (2c + e); the max over the 16 tokens is over g
-      float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], o));
-      }
-      const bool grow = mx[0] > m[0] || mx[1] > m[1];
-      if (__any_sync(0xffffffffu, grow)) {  // rescale only when some max grew (rare after the start)
-        float alpha[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float mn = fmaxf(m[e], mx[e]);
-          alpha[e] = (mn == NEG_INF) ? 1.f : exp2f(m[e] - mn);
-          m[e] = mn;
-          l[e] *= alpha[e];
-        }
-#pragma unroll
-        for (int i = 0; i < KS; ++i) {
-          acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
-        }
-      }
-      const float ms0 = m[0] == NEG_INF ? 0.f : m[0], ms1 = m[1] == NEG_INF ? 0.f : m[1];
-      const float p0 = exp2f(s[0] - ms0), p1 = exp2f(s[1] - ms1), p2 = exp2f(s[2] - ms0), p3 = exp2f(s[3] - ms1);
-      l[0] += p0 + p2;
-      l[1] += p1 + p3;
-      const uint32_t pb0 = movtrans(pack_half2(p0, p1));  // P^T: k = tokens 2c, 2c+1; n = head g
-      const uint32_t pb1 = movtrans(pack_half2(p2, p3));  //      k = tokens 2c+8, 2c+9
-
-      // ---- O^T += V^T P^T
-      uint32_t vs2[2] = {0, 0}, vz2[2] = {0, 0};
-      if constexpr (F::ZERO) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          vs2[j] = __byte_perm(r.vs[2 * j], r.vs[2 * j + 1], 0x5410);  // (s_t, s_t+1)
-          vz2[j] = __byte_perm(r.vz[2 * j], r.vz[2 * j + 1], 0x5410);  // (z_t, z_t+1)
-        }
-      }
-#pragma unroll
-      for (int mt = 0; mt < KS; ++mt) {
-        uint32_t a0, a1, a2, a3;
-        F::vpair(r.v[0], r.v[1], mt, vs2[0], vz2[0], a0, a1);
-        F::vpair(r.v[2], r.v[3], mt, vs2[1], vz2[1], a2, a3);
-        mma16816(acc[mt], a0, a1, a2, a3, pb0, pb1);
+        const long long ko = bh * p.k_ss + (long long)(t0 + g) * NG + c * (D / 4) / 32;
+        const long long vo = bh * p.v_ss + (long long)(t0 + 2 * c) * NG;
+        cur.ks = p.ks + ko; cur.kz = p.kz + ko;
+        cur.vs = p.vs + vo + vgrp; cur.vz = p.vz + vo + vgrp;
       }
     }
+    Raw<F> buf[STAGES];
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) load_tile<F, NW>(buf[i], cur, tend, first + warp + i * NW < last, g, c);
+    for (int base = first + warp; base < last; base += STAGES * NW) {
+#pragma unroll
+      for (int i = 0; i < STAGES; ++i) {
+        const int st = base + i * NW;
+        // prefetch STAGES-1 tiles ahead (the cursor is there)
+        load_tile<F, NW>(buf[(i + STAGES - 1) % STAGES], cur, tend, st + (STAGES - 1) * NW < last, g, c);
+        if (st >= last) break;  // warp-uniform
+        tile_step<F, D>(buf[i], st * 16, tend, qk, qb, acc, m, l, g);
+      }
+    }
+  } else {
+    using S = SmemTile<F>;
+    CpCursor cur;
+    {
+      const int t0 = (first + warp) * 16;
+      cur.t0 = t0;
+      cur.k = p.kc + bh * p.k_cs + (long long)t0 * F::ROWB + 16 * lane;
+      cur.v = p.vc + bh * p.v_cs + (long long)t0 * F::ROWB + 16 * lane;
+      if constexpr (F::ZERO) {
+        const long long ko = bh * p.k_ss + (long long)(t0 + (lane & 15)) * NG;
+        const long long vo = bh * p.v_ss + (long long)(t0 + (lane & 15)) * NG;
+        cur.sa = (lane < 16 ? p.ks : p.kz) + ko;
+        cur.sb = (lane < 16 ? p.vs : p.vz) + vo;
+      }
+    }
+    const uint8_t* wsm = dsm + warp * (SMS * S::BYTES);
+    const uint32_t wsa = smem_u32(wsm);
+    const int ntile = last > first + warp ? (last - first - warp + NW - 1) / NW : 0;  // this warp's tiles
+#pragma unroll
+    for (int i = 0; i < SMS - 1; ++i) {
+      copy_tile<F, NW>(wsa + i * S::BYTES, cur, tend, i < ntile, lane);
+      cp_commit();
+    }
+    int rd = 0, wr = SMS - 1;  // stage read next, stage written next
+    for (int j = 0; j < ntile; ++j) {
+      __syncwarp();  // every lane has read the stage written now (read at j - 1)
+      copy_tile<F, NW>(wsa + wr * S::BYTES, cur, tend, j + SMS - 1 < ntile, lane);
+      cp_commit();
+      cp_wait<SMS - 1>();  // this lane's copies of tile j are done
+      __syncwarp();        // ... and every lane's
+      Raw<F> r;
+      read_stage<F, D>(r, wsm + rd * S::BYTES, g, c);
+      rd = rd == SMS - 1 ? 0 : rd + 1;
+      wr = wr == SMS - 1 ? 0 : wr + 1;
+      tile_step<F, D>(r, (first + warp + j * NW) * 16, tend, qk, qb, acc, m, l, g);
+    }
+    cp_wait<0>();
   }
 
   // ---- the warp's sums over its tokens (l is per lane so far)
@@ -438,8 +626,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   }
 
   // ---- merge the warps of the CTA in shared memory, write the partial
-  __shared__ float red[NW][8][D];
+  // (the pipeline's stages are free once every warp is past the first barrier)
   __shared__ float sm_m[NW][8], sm_l[NW][8];
+  __shared__ float red_static[SMS ? 1 : NW][SMS ? 1 : 8][SMS ? 1 : D];
+  float(*red)[8][D] = SMS ? reinterpret_cast<float(*)[8][D]>(dsm) : reinterpret_cast<float(*)[8][D]>(&red_static[0][0][0]);
   if (g == 0) {
     sm_m[warp][2 * c] = m[0]; sm_m[warp][2 * c + 1] = m[1];
     sm_l[warp][2 * c] = l[0]; sm_l[warp][2 * c + 1] = l[1];
@@ -481,36 +671,48 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   }
 }
 
-// Merge the nsplit partials of each query row: one CTA per row, one thread per dim.
-// The max over the splits is a block reduction and the weighted sum is unrolled by 8,
-// so the loads of 8 splits are in flight together (GPU run 3: the first version, one
-// dependent round trip per split, is the suspect for B=1's 53 us where the bytes take
-// ~10 us: 132 splits per row there).
+// Merge the nsplit partials of each query row: one CTA per row, PARTS x D threads;
+// thread (part, d) sums the splits part, part + PARTS, ... (unrolled: many loads in
+// flight), then the parts are added in shared memory. GPU run 13: the first version
+// (one thread per dim walking every split, one dependent round trip each) grew by
+// ~0.23 us per split: 53 / 83 / 147 us at 132 / 264 / 528 splits (B=1).
+constexpr int COMBINE_THREADS = 512;
 template <typename OutT>
-__global__ void __launch_bounds__(128) combine_kernel(const float* __restrict__ po, const float* __restrict__ pm,
-                                                      const float* __restrict__ pl, OutT* __restrict__ out,
-                                                      int nsplit, int D) {
-  __shared__ float wmax[4];
+__global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const float* __restrict__ po,
+                                                                  const float* __restrict__ pm,
+                                                                  const float* __restrict__ pl, OutT* __restrict__ out,
+                                                                  int nsplit, int D) {
+  __shared__ float wmax[COMBINE_THREADS / 32];
+  __shared__ float part_num[COMBINE_THREADS], part_den[COMBINE_THREADS];
   const long long row = blockIdx.x;
-  const int d = threadIdx.x;
+  const int tid = threadIdx.x, parts = blockDim.x / D;
+  const int d = tid % D, part = tid / D;
   const float* pmr = pm + row * nsplit;
   const float* plr = pl + row * nsplit;
   const float* por = po + row * nsplit * D + d;
   float M = NEG_INF;
-  for (int s = d; s < nsplit; s += blockDim.x) M = fmaxf(M, pmr[s]);
+  for (int s = tid; s < nsplit; s += blockDim.x) M = fmaxf(M, pmr[s]);
 #pragma unroll
   for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-  if ((d & 31) == 0) wmax[d >> 5] = M;
+  if ((tid & 31) == 0) wmax[tid >> 5] = M;
   __syncthreads();
   M = wmax[0];
   for (int i = 1; i < (int)(blockDim.x >> 5); ++i) M = fmaxf(M, wmax[i]);
   float num = 0.f, den = 0.f;
-#pragma unroll 8
-  for (int s = 0; s < nsplit; ++s) {
+#pragma unroll 4
+  for (int s = part; s < nsplit; s += parts) {
     const float ms = pmr[s];
     const float w = (ms == NEG_INF) ? 0.f : exp2f(ms - M);
     den += w * plr[s];
     num += w * por[(long long)s * D];
+  }
+  part_num[tid] = num;
+  part_den[tid] = den;
+  __syncthreads();
+  if (part) return;
+  for (int i = 1; i < parts; ++i) {
+    num += part_num[i * D + d];
+    den += part_den[i * D + d];
   }
   const float o = num / den;
   if constexpr (sizeof(OutT) == 4) out[row * D + d] = o;
@@ -521,43 +723,67 @@ __global__ void __launch_bounds__(128) combine_kernel(const float* __restrict__ 
   }
 }
 
-// Launch variants (timed in NOTES.md): register prefetch depth (stages: tiles loaded
-// ahead + 1) and a minimum of resident CTAs per SM (a register cap, may spill).
-constexpr int VARIANTS[][2] = {{2, 1}, {2, 4}, {3, 1}, {3, 3}};
-constexpr int NVARIANTS = 4;
+// Launch variants (timed in NOTES.md): {register stages, min CTAs per SM (a register
+// cap, may spill), shared-memory stages (0: the register path)}.
+constexpr int VARIANTS[][3] = {{2, 1, 0}, {3, 3, 0}, {1, 1, 4}, {1, 4, 3}, {1, 3, 6}, {1, 2, 8}};
+constexpr int NVARIANTS = 6;
 
-template <class F, int D>
-const void* kernel_ptr(int variant) {
-  switch (variant) {
-    case 1: return (const void*)split_kernel<F, D, 4, VARIANTS[1][0], VARIANTS[1][1]>;
-    case 2: return (const void*)split_kernel<F, D, 4, VARIANTS[2][0], VARIANTS[2][1]>;
-    case 3: return (const void*)split_kernel<F, D, 4, VARIANTS[3][0], VARIANTS[3][1]>;
-    default: return (const void*)split_kernel<F, D, 4, VARIANTS[0][0], VARIANTS[0][1]>;
+template <class F, int D, int V>
+int launch_v(const Params& p, int rows, cudaStream_t stream) {
+  constexpr int NW = 4, SMS = VARIANTS[V][2];
+  constexpr int smem = dyn_smem<F, D, NW, SMS>();
+  auto k = split_kernel<F, D, NW, VARIANTS[V][0], VARIANTS[V][1], SMS>;
+  if constexpr (smem > 48 * 1024) {
+    static bool set = false;  // once per instance (benign race: the same value)
+    if (!set) {
+      const cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (e != cudaSuccess) return (int)e;
+      set = true;
+    }
   }
+  k<<<dim3(rows, p.nsplit), NW * 32, smem, stream>>>(p);
+  return 0;
+}
+
+template <class F, int D, int V>
+int regs_v() {
+  cudaFuncAttributes a;
+  const cudaError_t e =
+      cudaFuncGetAttributes(&a, split_kernel<F, D, 4, VARIANTS[V][0], VARIANTS[V][1], VARIANTS[V][2]>);
+  return e == cudaSuccess ? a.numRegs : -(int)e;
 }
 
 template <class F, int D>
 int launch(const Params& p, int rows, void* out, int otype, int variant, cudaStream_t stream) {
-  constexpr int NW = 4;
-  const dim3 grid(rows, p.nsplit);
+  int e = 0;
   switch (variant) {
-    case 1: split_kernel<F, D, NW, VARIANTS[1][0], VARIANTS[1][1]><<<grid, NW * 32, 0, stream>>>(p); break;
-    case 2: split_kernel<F, D, NW, VARIANTS[2][0], VARIANTS[2][1]><<<grid, NW * 32, 0, stream>>>(p); break;
-    case 3: split_kernel<F, D, NW, VARIANTS[3][0], VARIANTS[3][1]><<<grid, NW * 32, 0, stream>>>(p); break;
-    default: split_kernel<F, D, NW, VARIANTS[0][0], VARIANTS[0][1]><<<grid, NW * 32, 0, stream>>>(p); break;
+    case 1: e = launch_v<F, D, 1>(p, rows, stream); break;
+    case 2: e = launch_v<F, D, 2>(p, rows, stream); break;
+    case 3: e = launch_v<F, D, 3>(p, rows, stream); break;
+    case 4: e = launch_v<F, D, 4>(p, rows, stream); break;
+    case 5: e = launch_v<F, D, 5>(p, rows, stream); break;
+    default: e = launch_v<F, D, 0>(p, rows, stream); break;
   }
+  if (e) return e;
   const int rows_q = rows * p.gqa;
-  if (otype == 0) combine_kernel<__half><<<rows_q, D, 0, stream>>>(p.po, p.pm, p.pl, (__half*)out, p.nsplit, D);
-  else if (otype == 1) combine_kernel<uint16_t><<<rows_q, D, 0, stream>>>(p.po, p.pm, p.pl, (uint16_t*)out, p.nsplit, D);
-  else combine_kernel<float><<<rows_q, D, 0, stream>>>(p.po, p.pm, p.pl, (float*)out, p.nsplit, D);
+  const int threads = (COMBINE_THREADS / D) * D;
+  if (otype == 0) combine_kernel<__half><<<rows_q, threads, 0, stream>>>(p.po, p.pm, p.pl, (__half*)out, p.nsplit, D);
+  else if (otype == 1)
+    combine_kernel<uint16_t><<<rows_q, threads, 0, stream>>>(p.po, p.pm, p.pl, (uint16_t*)out, p.nsplit, D);
+  else combine_kernel<float><<<rows_q, threads, 0, stream>>>(p.po, p.pm, p.pl, (float*)out, p.nsplit, D);
   return (int)cudaGetLastError();
 }
 
 template <class F, int D>
 int regs_of(int variant) {
-  cudaFuncAttributes a;
-  const cudaError_t e = cudaFuncGetAttributes(&a, kernel_ptr<F, D>(variant));
-  return e == cudaSuccess ? a.numRegs : -(int)e;
+  switch (variant) {
+    case 1: return regs_v<F, D, 1>();
+    case 2: return regs_v<F, D, 2>();
+    case 3: return regs_v<F, D, 3>();
+    case 4: return regs_v<F, D, 4>();
+    case 5: return regs_v<F, D, 5>();
+    default: return regs_v<F, D, 0>();
+  }
 }
 
 }  // namespace
