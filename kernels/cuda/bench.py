@@ -79,7 +79,13 @@ def run(shapes, out: Path) -> dict:
                 cfgs = [dict(variant=vv, ctas_per_sm=c) for vv in vs for c in (2, 4, 8)]
             best = None
             for cfg in cfgs:
-                t = bench(lambda: decode_attention(q, kf, vf, backend="cuda", **cfg))
+                try:
+                    t = bench(lambda: decode_attention(q, kf, vf, backend="cuda", **cfg))
+                except RuntimeError as e:  # a launch error is not sticky: record it, go on
+                    rows.append({"B": B, "T": T, "method": f"{name}-cuda", "cfg": cfg, "us": float("nan"),
+                                 "error": str(e)[:200]})
+                    print("FAILED", name, B, T, cfg, str(e)[:200], flush=True)
+                    continue
                 rows.append({"B": B, "T": T, "method": f"{name}-cuda", "cfg": cfg, "us": t, "bytes": nbytes,
                              "err_vs_triton": err})
                 if best is None or t < best[0]:

@@ -17,7 +17,7 @@ t0=$(date +%s)
 $PY -c "from kvqbench.kernels import cuda_decode as c; print('why_unavailable:', c.why_unavailable()); print('regs', {v: c.num_regs(0, 128, v) for v in range(c.NUM_VARIANTS)}, {v: c.num_regs(1, 128, v) for v in range(c.NUM_VARIANTS)})" 2>&1 | tail -5 | tee "$OUT/build.txt"
 echo "build+load $(( $(date +%s) - t0 )) s"
 XD=""; $PY -c "import xdist" 2>/dev/null && XD="-n 8"
-timeout "$T_TEST" $PY -m pytest -q $XD suites/tests/test_cuda_decode.py suites/tests/test_kernels.py -p no:cacheprovider 2>&1 \
+timeout "$T_TEST" $PY -m pytest -q $XD suites/tests/test_cuda_decode.py suites/tests/test_kernels.py -k "${TEST_K:-not nothing}" -p no:cacheprovider 2>&1 \
   | tee "$OUT/tests.log" | grep -vE "^(SKIPPED|PASSED)" | tail -30
 echo "tests done at $(( $(date +%s) - t0 )) s"
 timeout "$T_BENCH" $PY kernels/cuda/bench.py --out "$OUT" "$@" 2>&1 | tail -70
