@@ -15,8 +15,8 @@ flags and nvcc version; concurrent builders write a temporary file and rename it
 `why_unavailable()` says why the CUDA path cannot run here (no CUDA torch, a ROCm
 torch, no nvcc, a GPU older than sm_80, a failed build); `decode_attention` then
 uses the Triton kernels and the reason stays readable from here. backend="auto" sends
-only the formats in AUTO_FORMATS here (int4: 1.83x faster than fp16 SDPA vs Triton's
-1.20x in GPU run 3; fp8 was no faster than Triton).
+the formats in AUTO_FORMATS here (GPU run 15, B=8, T=32k, vs fp16 SDPA: int4 2.20x vs
+Triton's 1.17x, fp8 1.71x vs 1.52x).
 
 Formats: `IntFlat` with 4 bits and groups of 32 (the `int4` spec), head_dim 64 or 128;
 `FP8Flat` e4m3 / e5m2 (sm_89+), head_dim 64 or 128. GQA groups up to 8 query heads per
@@ -44,16 +44,25 @@ import torch
 SOURCE = Path(__file__).parent / "cuda" / "decode_attention.cu"
 FLAGS = ["-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"]
 # VARIANTS in the .cu: (register stages, min CTAs per SM, shared-memory stages):
-# 0 (2, 1, 0) and 1 (3, 3, 0) are the register-prefetch kernels of GPU runs 11-13
-# (int4 / fp8 best there); 2..5 the cp.async shared-memory pipeline with 4, 3, 6, 8
-# stages per warp (115-118 registers, no spills: 4 CTAs/SM by registers).
+# 0 (2, 1, 0) and 1 (3, 3, 0) are the register-prefetch kernels of GPU runs 11-13;
+# 2..5 the cp.async shared-memory pipeline with 4, 3, 6, 8 stages per warp (115-118
+# registers, no spills). GPU run 15 (NOTES.md), B=8, T=32k: int4 v2 114.3 us (v0 144.2),
+# fp8 v2 146.1 (best v3 144.3; v0 165.1); B=1: fp8 v2 33.8 us (v0 83.1).
 NUM_VARIANTS = 6
 SMEM_VARIANTS = (2, 3, 4, 5)
-DEFAULT_VARIANT = {0: 2, 1: 2, 2: 2}  # by format: int4, fp8 e4m3, fp8 e5m2 (provisional: NOTES.md)
-DEFAULT_CTAS_PER_SM = 8
-# What decode_attention(backend="auto") sends here: int4 only. fp8 measured no faster
-# than its Triton kernel (161-174 vs 166.5 us at B=8, T=32k; 61.1 vs 61.2 at B=1).
-AUTO_FORMATS = ("int4",)
+DEFAULT_VARIANT = {0: 2, 1: 2, 2: 2}  # by format: int4, fp8 e4m3, fp8 e5m2
+# Default split count (ctas_per_sm=None): about TILES_PER_SPLIT 16-token tiles per split,
+# but at least MIN_CTAS_PER_SM CTAs per SM. Run 15's optima were ~62 tiles per split at
+# both shapes: B=8 (64 rows) 33 splits (ctas_per_sm=16: int4 114.3 us vs 115.9 at 8,
+# 127.1 at 4), B=1 (8 rows) 33 splits (ctas_per_sm=2: fp8 33.8 us vs 38.0 at 4, 38.6 at 8).
+TILES_PER_SPLIT = 64
+MIN_CTAS_PER_SM = 2
+DEFAULT_CTAS_PER_SM = None
+# What decode_attention(backend="auto") sends here: both formats, each GPU-verified in
+# run 15 (76 tests passed) and faster than Triton: int4 2.20x vs 1.17x fp16 SDPA, fp8
+# 1.71x vs 1.52x at B=8, T=32k; B=1 as CUDA graphs: int4 26.2 us, fp8 33.3 vs Triton
+# 48.0 / 48.8 and SDPA 48.4.
+AUTO_FORMATS = ("int4", "fp8")
 
 _lock = threading.Lock()
 _lib = None
@@ -203,13 +212,20 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
 
 
 def splits(rows: int, T: int, device, num_splits: int | None = None,
-           ctas_per_sm: int = DEFAULT_CTAS_PER_SM) -> tuple[int, int]:
-    """(number of splits, 16-token tiles per split): about ctas_per_sm CTAs per SM, every
-    split non-empty."""
+           ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM) -> tuple[int, int]:
+    """(number of splits, 16-token tiles per split), every split non-empty: num_splits
+    if given, else about ctas_per_sm CTAs per SM if given, else about TILES_PER_SPLIT
+    tiles per split with at least MIN_CTAS_PER_SM CTAs per SM."""
     from .decode_attention import _sm_count
 
     tiles = max(1, -(-T // 16))
-    want = num_splits or max(1, math.ceil(ctas_per_sm * _sm_count(device) / max(1, rows)))
+    sms = _sm_count(device)
+    if num_splits:
+        want = num_splits
+    elif ctas_per_sm:
+        want = math.ceil(ctas_per_sm * sms / max(1, rows))
+    else:
+        want = max(-(-tiles // TILES_PER_SPLIT), math.ceil(MIN_CTAS_PER_SM * sms / max(1, rows)))
     want = max(1, min(want, tiles))
     per = -(-tiles // want)
     return -(-tiles // per), per
@@ -222,7 +238,7 @@ def takes_by_default(k) -> bool:
     return (isinstance(k, IntFlat) and "int4" in AUTO_FORMATS) or (isinstance(k, FP8Flat) and "fp8" in AUTO_FORMATS)
 
 
-def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int = DEFAULT_CTAS_PER_SM,
+def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM,
            variant: int | None = None, workspace=None, out_dtype=None) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V over the T valid tokens of int4 (`IntFlat`) or fp8
     (`FP8Flat`) caches; `[B, Hq, 1, d]` in out_dtype (default q's). Raises ValueError
@@ -278,4 +294,4 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
 
 
 __all__ = ["decode", "unsupported", "takes_by_default", "AUTO_FORMATS", "why_unavailable", "available", "splits", "num_regs", "SOURCE",
-           "NUM_VARIANTS"]
+           "NUM_VARIANTS", "SMEM_VARIANTS"]

@@ -641,7 +641,7 @@ def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", **kw) -> torc
 
     backend: "triton", "cuda" (kernels/cuda_decode.py: int4 with groups of 32 and fp8;
     raises where it cannot run) or "auto": the CUDA kernel for the formats it is faster
-    on (`cuda_decode.AUTO_FORMATS`: int4) when it takes the call (`cuda_decode.unsupported`
+    on (`cuda_decode.AUTO_FORMATS`: int4 and fp8) when it takes the call (`cuda_decode.unsupported`
     is None) and builds here (`cuda_decode.why_unavailable()` says why not), else Triton; Triton's launch options (block_t, num_warps,
     num_stages) select Triton. `programs_per_sm` means CTAs per SM for the CUDA kernel."""
     if backend not in ("auto", "cuda", "triton"):
