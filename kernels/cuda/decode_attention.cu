@@ -673,9 +673,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
 
 // Merge the nsplit partials of each query row: one CTA per row, PARTS x D threads;
 // thread (part, d) sums the splits part, part + PARTS, ... (unrolled: many loads in
-// flight), then the parts are added in shared memory. GPU run 13: the first version
-// (one thread per dim walking every split, one dependent round trip each) grew by
-// ~0.23 us per split: 53 / 83 / 147 us at 132 / 264 / 528 splits (B=1).
+// flight), then the parts are added in shared memory. GPU run 13: B=1 took 53 / 83 /
+// 147 us at 132 / 264 / 528 splits (~0.23 us per split), which points at the first
+// version (one thread per dim walking every split, one dependent round trip each).
 constexpr int COMBINE_THREADS = 512;
 template <typename OutT>
 __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const float* __restrict__ po,

@@ -245,3 +245,16 @@ def test_backend_argument_is_checked():
     if not CUDA:
         with pytest.raises(ValueError, match="CUDA"):
             decode_attention(torch.randn(1, 4, 1, 64), f, f, backend="cuda")
+
+
+@pytest.mark.parametrize("rows,T", [(8, 1), (8, 4099), (8, 32768), (64, 32768), (256, 1000)])
+def test_default_splits_cover_every_tile(rows, T):
+    """splits(): every split non-empty, all tiles covered; the default keeps ~TILES_PER_SPLIT
+    tiles per split, explicit ctas_per_sm / num_splits as asked (capped by the tiles)."""
+    dev = torch.device("cpu")  # _sm_count is 1 off the GPU
+    tiles = -(-T // 16)
+    for kw in ({}, {"ctas_per_sm": 16}, {"num_splits": 3}, {"num_splits": 10_000}):
+        n, per = cuda_decode.splits(rows, T, dev, **kw)
+        assert n * per >= tiles and (n - 1) * per < tiles and n >= 1
+    n, per = cuda_decode.splits(rows, T, dev)
+    assert per <= cuda_decode.TILES_PER_SPLIT or n == 1
