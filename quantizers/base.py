@@ -35,6 +35,8 @@ from typing import ClassVar
 
 import torch
 
+from .checks import require
+
 FP16_MAX = 65504.0
 ROLES = ("K", "V")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -139,12 +141,13 @@ def fp16_rounding_bound(x: torch.Tensor) -> torch.Tensor:
 
 
 def check_fp16_storable(name: str, t: torch.Tensor) -> None:
-    """Values stored as fp16 must fit: silently storing inf would decode garbage."""
-    if t.numel() and float(t.abs().max()) > FP16_MAX:
-        raise QuantizerInputError(
-            f"{name} of magnitude {float(t.abs().max()):.4g} overflows the fp16 the cache stores "
-            f"(max {FP16_MAX}); rescale the input"
-        )
+    """Values stored as fp16 must fit: silently storing inf would decode garbage.
+    (Through `checks.require`: deferred inside `deferred_checks()`.)"""
+    if t.numel():
+        mx = t.detach().abs().amax()
+        require(mx > FP16_MAX, lambda: QuantizerInputError(
+            f"{name} of magnitude {float(mx):.4g} overflows the fp16 the cache stores "
+            f"(max {FP16_MAX}); rescale the input"))
 
 
 class Quantizer(ABC):
@@ -234,9 +237,8 @@ class Quantizer(ABC):
             raise QuantizerInputError(
                 f"{self.name} needs head_dim divisible by {self.head_dim_multiple}, got {d}"
             )
-        if not torch.isfinite(x).all():
-            bad = (~torch.isfinite(x)).sum().item()
-            raise QuantizerInputError(f"input has {bad} NaN/Inf values; a cache cannot store them")
+        bad = (~torch.isfinite(x)).sum()
+        require(bad > 0, lambda: QuantizerInputError(f"input has {int(bad)} NaN/Inf values; a cache cannot store them"))
 
     def empty(self, like: torch.Tensor) -> Packed:
         B, H, _, D = like.shape
@@ -315,9 +317,10 @@ class Quantizer(ABC):
             if tuple(out.shape) != shape:
                 raise CorruptPackedError(f"{where} decodes to shape {tuple(out.shape)}, not {shape}")
             cast = out.to(packed.dtype)
-            if not bool(torch.isfinite(cast).all()):  # one host sync per segment; the cause only on failure
-                _check_finite(out, where, "decodes to")
-                _check_finite(cast, where, f"overflows {packed.dtype} with")
+            n_dec, n_cast = _non_finite(out), _non_finite(cast)
+            require((n_dec + n_cast) > 0, lambda: CorruptPackedError(
+                f"{where} decodes to {int(n_dec)} NaN/Inf values from finite stored bytes" if int(n_dec) else
+                f"{where} overflows {packed.dtype} with {int(n_cast)} NaN/Inf values from finite stored bytes"))
             out = cast
             seg._decoded = out
         return seg._decoded
@@ -342,7 +345,7 @@ class Quantizer(ABC):
         _compare_fields(packed.shared, expected, "shared tensors", variable=())
         for name, t in packed.shared.items():
             if t.is_floating_point():
-                _check_finite(t, f"shared tensor {name!r}", "holds")
+                _check_stored_finite(t, f"shared tensor {name!r}")
 
     def _check_segment(self, packed: Packed, index: int, seg: Segment, shape) -> None:
         where = f"segment {index} of a {packed.spec} cache"
@@ -357,7 +360,7 @@ class Quantizer(ABC):
         _compare_fields(seg.fields, expected, where, variable)
         for name, t in seg.fields.items():
             if t.is_floating_point():
-                _check_finite(t, f"{where}, field {name!r},", "holds")
+                _check_stored_finite(t, f"{where}, field {name!r},")
 
     # Field layouts {name: (shape, dtype)} per (class, spec, role, segment shape): learnt
     # from this process's own writes (free) or, for a shape never written here, from
@@ -456,9 +459,10 @@ def _compare_fields(fields: dict, expected: dict, where: str, variable) -> None:
                                      f"{shape}" + (" (any length)" if name in variable else ""))
 
 
-def _check_finite(t: torch.Tensor, where: str, verb: str) -> None:
-    bad = ~torch.isfinite(t)
-    if bool(bad.any()):
-        raise CorruptPackedError(f"{where} {verb} {int(bad.sum())} NaN/Inf values from finite stored bytes"
-                                 if verb != "holds" else
-                                 f"{where} {verb} {int(bad.sum())} NaN/Inf values: the stored bytes are corrupt")
+def _non_finite(t: torch.Tensor) -> torch.Tensor:
+    return (~torch.isfinite(t)).sum()
+
+
+def _check_stored_finite(t: torch.Tensor, where: str) -> None:
+    n = _non_finite(t)
+    require(n > 0, lambda: CorruptPackedError(f"{where} holds {int(n)} NaN/Inf values: the stored bytes are corrupt"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .base import FP16_MAX, QuantizerInputError, check_fp16_storable
+from .checks import require
 from .packing import pack_bits, unpack_bits
 
 
@@ -30,9 +31,11 @@ def group_params(g: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, to
     levels = (1 << bits) - 1
     zero = _fp16_toward(lo, -1.0)
     span = (hi - zero.float()) / levels
-    if span.numel() and float(span.max()) > FP16_MAX:
-        raise QuantizerInputError(f"a group's range {float(span.max()) * levels:.4g} needs a step beyond "
-                                  f"the fp16 the cache stores ({bits} bits); rescale the input")
+    if span.numel():
+        mx = span.amax()
+        require(mx > FP16_MAX, lambda: QuantizerInputError(
+            f"a group's range {float(mx) * levels:.4g} needs a step beyond "
+            f"the fp16 the cache stores ({bits} bits); rescale the input"))
     return zero, _fp16_toward(span, 1.0)
 
 

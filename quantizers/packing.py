@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from .checks import require
+
 MAX_WIDTH = 32
 
 
@@ -30,8 +32,10 @@ def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     if values.is_floating_point():
         raise TypeError(f"pack_bits needs an integer tensor, got {values.dtype}")
     v = values.to(torch.int64)
-    if v.numel() and (int(v.min()) < 0 or int(v.max()) >= (1 << width)):
-        raise ValueError(f"codes out of range for {width} bits: [{int(v.min())}, {int(v.max())}]")
+    if v.numel():
+        lo, hi = torch.aminmax(v)
+        require((lo < 0) | (hi >= (1 << width)),
+                lambda: ValueError(f"codes out of range for {width} bits: [{int(lo)}, {int(hi)}]"))
     n = v.shape[-1]
     shifts = torch.arange(width, device=v.device)
     bits = ((v.unsqueeze(-1) >> shifts) & 1).to(torch.uint8).flatten(-2)  # [..., n*width]
@@ -39,7 +43,8 @@ def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     if pad:
         bits = torch.nn.functional.pad(bits, (0, pad))
     bits = bits.unflatten(-1, (-1, 8))
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=v.device)
+    # made on the device: a host tensor copied there would wait for the stream (a hidden sync)
+    weights = torch.ones(8, dtype=torch.uint8, device=v.device) << torch.arange(8, dtype=torch.uint8, device=v.device)
     out = (bits * weights).sum(-1, dtype=torch.uint8)
     assert out.shape[-1] == packed_nbytes(n, width)
     return out

@@ -57,7 +57,7 @@ def nearest_hurwitz(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     axis_sign = torch.gather(v, -1, axis.unsqueeze(-1)).squeeze(-1) < 0
     axis_idx = 2 * axis + axis_sign.long()
     half_score = a.sum(-1) * 0.5
-    weights = torch.tensor([1, 2, 4, 8], device=v.device)
+    weights = 1 << torch.arange(4, device=v.device)  # on the device: no host copy (a hidden sync)
     half_idx = 8 + ((v < 0).long() * weights).sum(-1)
     use_half = half_score > axis_score
     return torch.where(use_half, half_idx, axis_idx), torch.where(use_half, half_score, axis_score)

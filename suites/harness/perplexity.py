@@ -28,6 +28,10 @@ uses SDPA, the quantizer has a kernel and the model is on CUDA: the packed store
 read in place, with no dense copy of the history (`fused=False` turns it off,
 `fused=True` forces it, under the Triton interpreter on a CPU).
 
+Value checks of the writes (NaN/Inf input, fp16 range, finite decodes) are deferred
+(`quantizers.checks`) and read once per batch, beside the loss: a bad value still
+fails the run with its own message, without a host synchronisation per layer and step.
+
 PPL = exp(nll_sum / n_predicted). Bits per element are measured from the bytes each
 window's cache stores after its last write, pooled over windows (sum of bytes x 8 /
 sum of K/V elements). A batch's cache stores the per-(layer, role) codebooks once for
@@ -47,6 +51,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from ...quantizers import parse_spec
+from ...quantizers.checks import deferred_checks, flush
 from ...quantizers.fitted import FitsOnFirstWrite
 from .attention import fused_attention
 from .kv_cache import QuantizedCache, cache_kwargs, plain_cache_stats
@@ -165,12 +170,15 @@ def ppl_quantize_on_write(model, windows: torch.Tensor, spec: str | None, seed: 
     rows = batch_rows(model, spec, windows, batch_size, N)
     t0 = time.perf_counter()
     nll, n_pred, nbytes, numel = 0.0, 0, 0, 0
-    with torch.inference_mode():
+    # Value checks (NaN/Inf, fp16 range) are read once per batch, with the loss.
+    with torch.inference_mode(), deferred_checks():
         for i in range(0, n_win, rows):
             ids = windows[i:i + rows].to(dev)
             cache = _new_cache(model, spec, seed)
             logits = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits
-            nll += _nll(logits[:, :-1], ids[:, 1:]).item()
+            batch_nll = _nll(logits[:, :-1], ids[:, 1:])
+            flush()
+            nll += batch_nll.item()
             n_pred += ids.shape[0] * (N - 1)
             b, n = _cache_stats(cache)
             nbytes, numel = nbytes + b, numel + n
@@ -204,7 +212,9 @@ def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed
     t0 = time.perf_counter()
     nll, n_pred, nbytes, numel = 0.0, 0, 0, 0
     context_manager, fused = _fused_setting(model, spec, fused)
-    with torch.inference_mode(), context_manager:
+    # Value checks (NaN/Inf, fp16 range) of every write are read once per batch, with
+    # the loss: no host synchronisation inside the decode loop from them.
+    with torch.inference_mode(), context_manager, deferred_checks():
         for i in range(0, n_win, rows):
             ids = windows[i:i + rows].to(dev)
             cache = _new_cache(model, spec, seed, capacity=N, fused=fused)
@@ -214,6 +224,7 @@ def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed
             for t in range(context, N - 1):
                 logits = model(input_ids=ids[:, t:t + 1], **kw, use_cache=True).logits[:, -1:]
                 w_nll += _nll(logits, ids[:, t + 1:t + 2])
+            flush()
             nll += w_nll.item()
             n_pred += ids.shape[0] * (N - context)
             b, n = _cache_stats(cache)

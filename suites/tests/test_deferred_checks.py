@@ -1,0 +1,69 @@
+"""Value checks deferred to one host synchronisation (quantizers/checks.py): they still
+fail loudly with their own message, and a decode step's write no longer reads values
+back to the host for them."""
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvqbench.quantizers import QuantizerInputError, get_quantizer
+from kvqbench.quantizers.checks import deferred_checks, flush, require
+from kvqbench.suites.conformance import all_example_specs
+
+HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::item")
+
+
+def test_require_outside_a_block_raises_at_once():
+    with pytest.raises(ValueError, match="now"):
+        require(torch.tensor(True), lambda: ValueError("now"))
+    require(torch.tensor(False), lambda: ValueError("never"))
+
+
+def test_deferred_failure_is_raised_at_the_end_of_the_block_first_failure_first():
+    reached = False
+    with pytest.raises(ValueError, match="first"):
+        with deferred_checks():
+            require(torch.tensor(False), lambda: ValueError("fine"))
+            require(torch.tensor(True), lambda: ValueError("first"))
+            require(torch.tensor(True), lambda: ValueError("second"))
+            reached = True
+    assert reached
+    require(torch.tensor(False), lambda: ValueError("the queue was dropped"))  # raises at once again
+
+
+def test_flush_inside_a_block_raises_there_and_empties_the_queue():
+    with deferred_checks():
+        require(torch.tensor(True), lambda: KeyError("bad"))
+        with pytest.raises(KeyError):
+            flush()
+        flush()  # nothing left
+
+
+def test_an_error_inside_the_block_wins_over_queued_checks():
+    with pytest.raises(RuntimeError, match="inner"):
+        with deferred_checks():
+            require(torch.tensor(True), lambda: ValueError("queued"))
+            raise RuntimeError("inner")
+
+
+def test_nan_input_still_fails_with_its_message_when_deferred():
+    q = get_quantizer("int4")
+    x = torch.randn(1, 2, 8, 64)
+    x[0, 1, 3, 5] = float("nan")
+    with pytest.raises(QuantizerInputError, match="1 NaN/Inf"):
+        with deferred_checks():
+            q.encode(x)
+
+
+@pytest.mark.parametrize("spec", all_example_specs())
+def test_a_one_token_append_reads_nothing_back_when_deferred(spec):
+    """Inside deferred_checks a decode step's write makes no host read, except the
+    ones the format's data-dependent field sizes need (e.g. Med3x's outlier count)."""
+    for role in ("K", "V"):
+        q = get_quantizer(spec, role=role)
+        x = torch.randn(2, 3, 65, 64)
+        packed = q.encode(x[:, :, :64])
+        variable = q._segment_layout((2, 3, 1, 64))[1]
+        with profile(activities=[ProfilerActivity.CPU]) as prof, deferred_checks():
+            q.append(packed, x[:, :, 64:])
+        reads = sum(e.name in HOST_READS for e in prof.events())
+        assert reads <= len(variable), f"{spec} {role}: {reads} host reads in a one-token append"
