@@ -38,6 +38,7 @@ import time
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
+from ....quantizers.checks import deferred_checks, flush
 from ...harness.attention import fused_attention
 from ...harness.kv_cache import QuantizedCache, cache_kwargs, plain_cache_stats
 
@@ -98,6 +99,7 @@ def _run(model, cache, ids, warmup: int, steps: int, dev, base: int = 0):
         tok = model(input_ids=tok, **kw, use_cache=True).logits[:, -1:].argmax(-1)
         _sync(dev)
         per_step.append(time.perf_counter() - t1)
+        flush()
     return prefill_s, peak_all, sorted(per_step), time.perf_counter() - t0, tok
 
 
@@ -124,7 +126,8 @@ def measure(model, spec: str | None, *, context: int, batch: int, steps: int = 3
 
     ctx = contextlib.nullcontext() if spec is None or spec == "plain-static" else fused_attention(model)
     cold = None
-    with torch.inference_mode(), ctx:
+    # Value checks of the writes are read after each synchronised step (quantizers/checks.py).
+    with torch.inference_mode(), ctx, deferred_checks():
         if spec is None:  # the rehearsal: cuDNN SDPA plans for every length (module docstring)
             cold = _run(model, new_cache(), ids, warmup, steps, dev)[2]
             if cuda:
