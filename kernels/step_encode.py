@@ -120,7 +120,7 @@ def nonfinite(x):
 # ---------------------------------------------------------------------------------------
 # int groups: IntFlat tokens and KIVI flushes
 # ---------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["row0", "blk0", "tok0"])  # per-step values: no variant per value class
 def _int_rows_kernel(x_ptr, sxb, sxh, sxr, sxe, sxk,
                      c_ptr, scb, sch, scr, sck, s_ptr, z_ptr, ssb, ssh, ssr, ssk,
                      row0, blk0, H, err_ptr, tok0, TOKROWS: tl.constexpr,
@@ -186,7 +186,7 @@ def int_rows(x, x_strides, rows: int, blocks: int, codes, c_strides, scale, zero
 # ---------------------------------------------------------------------------------------
 # fp8
 # ---------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["t0"])
 def _fp8_kernel(x_ptr, sxb, sxh, sxt, c_ptr, scb, sch, sct, scale_ptr, t0, H, err_ptr,
                 D: tl.constexpr, DP: tl.constexpr, M: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr):
     """`(x / scale[h]).clamp(-max, max).to(float8)` bit patterns of one token row, by
@@ -226,7 +226,7 @@ def fp8_tokens(x, codes, scale, fmt: str, t0: int, err):
 # ---------------------------------------------------------------------------------------
 # KIVI's fp16 window
 # ---------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["row", "tok"])
 def _window_kernel(x_ptr, sxb, sxh, r_ptr, srb, srh, row, H, err_ptr, tok,
                    D: tl.constexpr, DP: tl.constexpr):
     bh = tl.program_id(0)
@@ -254,7 +254,7 @@ def kivi_window(x, residual, row: int, err, tok: int):
 # ---------------------------------------------------------------------------------------
 # HQMQ (+ Med3x)
 # ---------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["t0", "blk"])
 def _hqmq_kernel(x_ptr, sxb, sxh, sxt, sec_ptr, rel_ptr, S, H, t0,
                  c_ptr, c_h, c_t, rad_ptr, r_h, r_t, m_ptr, m_h, m_t, f_ptr, f_h, f_t,
                  o_ptr, o_h, olen_ptr, oi_ptr, oi_h, blk, err_ptr, C,

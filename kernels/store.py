@@ -186,6 +186,9 @@ class KernelStore:
         q_cls, cfg = parse_spec(packed.spec)
         if step and STEP_ENCODED.get(q_cls) is store.kind:
             store.stepper = q_cls(cfg, role=role)
+            if store.outliers is not None:  # the exact bound now (the first write syncs anyway), room to spare
+                store._sync_outliers(OUTLIER_SLACK_STEPS * (store.D // 8))
+                store._refresh_flat()
         return store
 
     # ---- appends ----------------------------------------------------------------------
@@ -263,7 +266,7 @@ class KernelStore:
             self.outlier_len = torch.zeros(B * H, dtype=torch.int64, device=vals.device)
             self.outliers = vals.new_zeros(B, H, max(OUTLIER_BLOCK, 2 * n // max(1, B * H)), 4)
             self.outlier_index = TokenBuffer(torch.zeros(B, H, 1, dtype=torch.int32, device=vals.device),
-                                             grown_capacity(t) // OUTLIER_BLOCK)
+                                             grown_capacity(max(t, self.capacity_hint)) // OUTLIER_BLOCK)
         self._reserve_outliers(n)
         ocap = self.outliers.shape[2]
         # Destination of each outlier: its row's list end plus its rank within the row.
@@ -286,17 +289,23 @@ class KernelStore:
         A host-side upper bound of the longest list says when it might overflow; only then
         are the real lengths read (a sync), and the buffer grows with `slack` to spare so
         the next read is that far off."""
-        ocap = self.outliers.shape[2]
         grew = False
-        if self._outlier_bound + extra > ocap:  # might overflow: look at the real counts (a sync)
-            self._outlier_bound = int(self.outlier_len.max())
-            if self._outlier_bound + extra + slack > ocap:
-                B, H = self.B, self.H
-                grown = self.outliers.new_zeros(B, H, max(2 * ocap, self._outlier_bound + extra + slack), 4)
-                grown[:, :, :ocap] = self.outliers
-                self.outliers, grew = grown, True
+        if self._outlier_bound + extra > self.outliers.shape[2]:  # might overflow
+            grew = self._sync_outliers(extra + slack)
         self._outlier_bound += extra
         return grew
+
+    def _sync_outliers(self, room: int) -> bool:
+        """Read the longest (b, h) list (a sync) into the bound; grow the buffer when it has
+        less than `room` to spare. True when it grew."""
+        ocap = self.outliers.shape[2]
+        self._outlier_bound = int(self.outlier_len.max())
+        if self._outlier_bound + room <= ocap:
+            return False
+        grown = self.outliers.new_zeros(self.B, self.H, max(2 * ocap, self._outlier_bound + room), 4)
+        grown[:, :, :ocap] = self.outliers
+        self.outliers = grown
+        return True
 
     def _append_kivi(self, new: list[Segment], shared_tokens: int) -> None:
         f = self.flat
@@ -353,17 +362,19 @@ class KernelStore:
                 grew |= self.buffers[name].extend(end)
         f, q = self.flat, self.stepper
         if self.kind is layout.HQMQFlat:
-            block = None
+            block, moved = None, False
             if self.outliers is not None:  # Med3x: a one-token write adds at most nc/2 outliers per (b, h)
-                most = self.D // 4 // 2
-                grew |= self._reserve_outliers(most, OUTLIER_SLACK_STEPS * most)
+                most = self.D // 8  # (half the chunks can exceed C times their median)
+                moved = self._reserve_outliers(most, OUTLIER_SLACK_STEPS * most)
                 if t0 % OUTLIER_BLOCK == 0:  # the token opens a block: the kernel writes its start
                     block = t0 // OUTLIER_BLOCK
-                    grew |= self.outlier_index.extend(block + 1)
+                    moved |= self.outlier_index.extend(block + 1)
                     self.outlier_index.length = block + 1
             if grew:
                 self._repoint()
-                f = self.flat
+            elif moved:  # no segment views these: the flat alone
+                self._refresh_flat()
+            f = self.flat
             step_encode.hqmq_tokens(x, f, f.S, f.rel, t0, errors, C=q.config.C, med3=f.has_outliers,
                                     outlier_len=self.outlier_len, index_block=block)
         else:

@@ -151,6 +151,8 @@ def test_fused_generate_equals_dense(model, spec):
     # The fused layers hold no decoded history: only the stores.
     assert all(layer.decoded == {"K": None, "V": None} and layer.keys is None for layer in fused.layers)
     assert all(layer.fallbacks == 0 for layer in fused.layers)
+    # The decode steps were encoded on the device (kernels/step_encode.py), not by `append`.
+    assert all(s.in_run for layer in fused.layers for s in layer.stores.values())
     assert torch.equal(out_dense, out_fused)
     assert fused.nbytes() == dense.nbytes() and fused.get_seq_length() == dense.get_seq_length()
 
