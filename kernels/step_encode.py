@@ -60,7 +60,8 @@ def _launch(kernel, grid, *args, **const):
 
 
 def _p2(n: int) -> int:
-    return triton.next_power_of_2(max(1, n))
+    """The next power of two (plain Python: triton.next_power_of_2 is a slow constexpr function)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 # ---------------------------------------------------------------------------------------
@@ -371,8 +372,11 @@ def hqmq_tokens(x, flat, S: int, rel, t0: int, err, *, C: float = 3.0, med3: boo
 class StepErrors:
     """The error flags the step kernels of one layer raise: int32 `[2 roles, 3]` on the
     device, per role (error bits, first bad token, bad values). `poll()` looks without a
-    host sync (a CPU tensor is read in place; on CUDA an asynchronous copy to pinned
-    memory, read once its event has completed); `check()` reads it now (a sync)."""
+    host sync (a CPU tensor is read in place; on CUDA every POLL_EVERY-th call an
+    asynchronous copy to pinned memory, read by a later poll once its event has
+    completed); `check()` reads it now (a sync)."""
+
+    POLL_EVERY = 16
 
     def __init__(self, device: torch.device):
         self.flags = torch.zeros(2, 3, dtype=torch.int32, device=device)
@@ -382,11 +386,13 @@ class StepErrors:
         self.host = torch.zeros(2, 3, dtype=torch.int32, pin_memory=True) if self.cuda else self.flags
         self.host_np = self.host.numpy()  # a view: reading it is no torch op and no sync
         self.event = None
+        self.calls = 0
 
     def poll(self) -> bool:
         """True when an error is known on the host (no sync; CUDA: as of an earlier poll)."""
         if self.cuda:
-            if self.event is not None and not self.event.query():
+            self.calls += 1
+            if self.calls % self.POLL_EVERY or (self.event is not None and not self.event.query()):
                 return False
             bad = bool(self.host_np[:, 0].any())
             self.host.copy_(self.flags, non_blocking=True)
