@@ -640,7 +640,7 @@ def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", **kw) -> torc
     (default q's dtype); the tensor is the workspace's buffer when one is passed.
 
     backend: "triton", "cuda" (kernels/cuda_decode.py: int4 with groups of 32 and fp8;
-    raises where it cannot run) or "auto": the CUDA kernel for the formats it is faster
+    kernels/cuda_hqmq.py: HQMQ 12-bit codes, r=4, d=128, no Med3x; raises where it cannot run) or "auto": the CUDA kernel for the formats it is faster
     on (`cuda_decode.AUTO_FORMATS`: int4 and fp8) when it takes the call (`cuda_decode.unsupported`
     is None) and builds here (`cuda_decode.why_unavailable()` says why not), else Triton; Triton's launch options (block_t, num_warps,
     num_stages) select Triton. `programs_per_sm` means CTAs per SM for the CUDA kernel."""
@@ -655,6 +655,15 @@ def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", **kw) -> torc
             if "programs_per_sm" in ckw:
                 ckw["ctas_per_sm"] = ckw.pop("programs_per_sm")
             return cuda_decode.decode(q, k, v, **ckw)
+    elif backend != "triton" and isinstance(k, HQMQFlat) and q.is_cuda:
+        from . import cuda_hqmq  # HQMQ: kernels/cuda/hqmq_decode.cu (no Med3x: Triton under auto)
+
+        if backend == "cuda" or (cuda_hqmq.takes_by_default(k) and not set(kw) & set(_TRITON_ONLY)
+                                 and cuda_hqmq.unsupported(q, k, v) is None and cuda_hqmq.available()):
+            ckw = dict(kw)
+            if "programs_per_sm" in ckw:
+                ckw["ctas_per_sm"] = ckw.pop("programs_per_sm")
+            return cuda_hqmq.decode(q, k, v, **ckw)
     elif backend == "cuda":
         raise ValueError(f"no CUDA kernel for {type(k).__name__} (or q not on a CUDA device)")
     fn = _KERNELS.get(type(k))

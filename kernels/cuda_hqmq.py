@@ -1,0 +1,241 @@
+"""CUDA C++ fused decode attention for HQMQ caches (kernels/cuda/hqmq_decode.cu): built at
+first use with kernels/cuda_decode.py's compiler helpers, called through ctypes.
+
+Takes: `HQMQFlat` K and V with 12-bit codes (24 S <= 4096, S <= 170), r = 4 uniform
+radius levels, head_dim 128, NO Med3x outliers (those go to Triton: `unsupported` names
+the reason), GQA groups of 1..8, q fp16/bf16/fp32. The kernel gathers codewords from the
+fp16 codebook `[H, 24 S, 4]` held in shared memory; when a flat carries another table
+(the default is the fp32 secondaries) the fp16 codebook is built once per secondaries
+tensor and cached here.
+
+Numerics as the Triton FAST path with the fp16 codebook: codeword (fp16) * round16(rq *
+round16(r_max / 15)) rounded to fp16, q exact in fp16, base-2 softmax scale on the fp32
+scores, P in fp16, fp32 accumulation. kernels/NOTES.md ("CUDA HQMQ decode") has the
+design, SASS counts and GPU figures.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "cuda" / "hqmq_decode.cu"
+# VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM)
+NUM_VARIANTS = 5
+DEFAULT_VARIANT = 0
+TILES_PER_SPLIT = 64  # 16-token tiles per split by default (as cuda_decode), >= MIN_CTAS_PER_SM CTAs/SM
+MIN_CTAS_PER_SM = 2
+# backend="auto" routes HQMQ here only once a GPU run showed it correct and faster than
+# Triton (kernels/NOTES.md): set by that run's result.
+AUTO = False
+
+_lock = threading.Lock()
+_lib = None
+_why: str | None = None
+_tried = False
+_QTYPE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_TABLES: dict = {}
+
+
+def _load():
+    global _lib, _why, _tried
+    from . import cuda_decode as cd
+
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if not torch.cuda.is_available():
+            _why = "torch has no CUDA device"
+            return None
+        if getattr(torch.version, "hip", None):
+            _why = "ROCm torch: the kernel is CUDA (mma.sync, movmatrix)"
+            return None
+        cap = torch.cuda.get_device_capability()
+        if cap < (8, 0):
+            _why = f"GPU sm_{cap[0]}{cap[1]}: the kernel needs sm_80+"
+            return None
+        nvcc = cd._nvcc()
+        if nvcc is None:
+            _why = "no nvcc found (CUDA_HOME / PATH)"
+            return None
+        try:
+            ver = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+            flags = cd.FLAGS + cd._arch_flags(cap)
+            key = hashlib.sha256((SOURCE.read_text() + "\0".join(flags) + ver).encode()).hexdigest()[:16]
+            out = cd._build_dir() / f"kvq_hqmq_sm{cap[0]}{cap[1]}_{key}.so"
+            if not out.exists():
+                out.parent.mkdir(parents=True, exist_ok=True)
+                tmp = out.with_suffix(f".{os.getpid()}.tmp")
+                r = subprocess.run([nvcc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True,
+                                   timeout=900)
+                if r.returncode != 0:
+                    _why = f"nvcc failed ({r.returncode}): {(r.stderr or r.stdout)[-800:]}"
+                    return None
+                os.replace(tmp, out)
+            lib = ctypes.CDLL(str(out))
+        except (OSError, subprocess.SubprocessError) as e:
+            _why = f"building/loading the CUDA HQMQ kernel failed: {type(e).__name__}: {e}"
+            return None
+        P, I, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+        lib.kvq_hqmq_decode.argtypes = [P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F,
+                                        P, P, P, P, I, I, P]
+        lib.kvq_hqmq_decode.restype = I
+        lib.kvq_hqmq_num_regs.argtypes = [I, I]
+        lib.kvq_hqmq_num_regs.restype = I
+        _lib = lib
+        return lib
+
+
+def why_unavailable() -> str | None:
+    _load()
+    return _why
+
+
+def available() -> bool:
+    return why_unavailable() is None
+
+
+def num_regs(variant: int = 0, S: int = 96) -> int:
+    lib = _load()
+    return -1 if lib is None else lib.kvq_hqmq_num_regs(variant, S)
+
+
+def unsupported(q: torch.Tensor, k, v) -> str | None:
+    """Why the CUDA HQMQ kernel cannot take this call (None: it can). Does not build."""
+    from .decode_attention import bh_stride
+    from .layout import HQMQFlat
+
+    if not q.is_cuda:
+        return "q is not on a CUDA device"
+    if q.dtype not in _QTYPE:
+        return f"q dtype {q.dtype}"
+    if not (isinstance(k, HQMQFlat) and isinstance(v, HQMQFlat)):
+        return f"no CUDA HQMQ kernel for {type(k).__name__}"
+    if k.D != 128:
+        return f"head_dim {k.D} (the CUDA HQMQ kernel takes 128)"
+    if q.dim() != 4 or q.shape[1] % k.H or not 1 <= q.shape[1] // k.H <= 8:
+        return f"GQA group of q {tuple(q.shape)} over {k.H} kv heads (1..8)"
+    for f in (k, v):
+        if f.has_outliers:
+            return "Med3x outliers (the CUDA HQMQ kernel has no outlier path yet: Triton)"
+        if f.code_bits != 12 or not 1 <= f.S <= 170:
+            return f"code bits {f.code_bits} / S={f.S} (the CUDA kernel takes 12-bit codes, S <= 170)"
+        if f.r_bits != 4 or f.log_radius:
+            return "radius levels other than r=4 uniform"
+        if f.sec is None:
+            return "no secondaries to build the fp16 codebook from"
+        if f.codes.dtype != torch.uint8 or f.radius.dtype != torch.uint8 or f.r_max.dtype != torch.float16:
+            return "codes/radius must be uint8, r_max fp16"
+        if f.codes.shape[-1] != 48 or f.radius.shape[-1] != 16:
+            return "code/radius rows of 48/16 bytes expected"
+        try:
+            cs = bh_stride(f.codes, "codes")
+            rs = bh_stride(f.radius, "radius")
+            bh_stride(f.r_max, "r_max")
+        except ValueError as e:
+            return str(e)
+        if f.codes.data_ptr() % 16 or f.radius.data_ptr() % 16 or cs % 16 or rs % 16:
+            return "codes/radius not 16-byte aligned (cp.async)"
+        if f.r_max.data_ptr() % 2:
+            return "r_max not 2-byte aligned"
+    return None
+
+
+def codebook16(f) -> torch.Tensor:
+    """The fp16 codebook [H, 24 S, 4] of a flat (its own table if it is that, else built
+    from its secondaries once and cached)."""
+    if f.table_mode == "codebook" and f.table.dtype == torch.float16 and f.table.is_contiguous() \
+            and f.table.data_ptr() % 16 == 0:
+        return f.table
+    key = (f.sec.data_ptr(), f.sec._version, tuple(f.sec.shape), f.sec.device)
+    t = _TABLES.get(key)
+    if t is None:
+        from .layout import codebook_from_secondaries
+
+        t = codebook_from_secondaries(f.sec.float()).half().contiguous()
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        _TABLES[key] = t
+    return t
+
+
+def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm: int | None = None):
+    from .decode_attention import _sm_count
+
+    tiles = max(1, -(-T // 16))
+    sms = _sm_count(device)
+    if num_splits:
+        want = num_splits
+    elif ctas_per_sm:
+        want = math.ceil(ctas_per_sm * sms / max(1, rows))
+    else:
+        want = max(-(-tiles // TILES_PER_SPLIT), math.ceil(MIN_CTAS_PER_SM * sms / max(1, rows)))
+    want = max(1, min(want, tiles))
+    per = -(-tiles // want)
+    return -(-tiles // per), per
+
+
+def takes_by_default(k) -> bool:
+    from .layout import HQMQFlat
+
+    return AUTO and isinstance(k, HQMQFlat)
+
+
+def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int | None = None,
+           variant: int | None = None, workspace=None, out_dtype=None) -> torch.Tensor:
+    """softmax(q K^T / sqrt(d)) V over the T valid tokens of HQMQ caches; `[B, Hq, 1, d]`
+    in out_dtype (default q's). ValueError when `unsupported` gives a reason,
+    RuntimeError when the kernel is unavailable."""
+    from .decode_attention import Workspace, _check_q, bh_stride
+
+    B, H, T, D = k.B, k.H, k.T, k.D
+    _check_q(q, H, D, B)
+    if (v.B, v.H, v.T, v.D) != (B, H, T, D):
+        raise ValueError("K and V caches differ in shape")
+    why = unsupported(q, k, v)
+    if why:
+        raise ValueError(f"CUDA HQMQ kernel: {why}")
+    if T == 0:
+        raise ValueError("empty cache (T = 0)")
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"CUDA HQMQ kernel unavailable: {_why}")
+    if k.S != v.S:
+        raise ValueError("K and V differ in S")
+    q = q.contiguous()
+    gqa = q.shape[1] // H
+    nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm)
+    out_dtype = out_dtype or q.dtype
+    if out_dtype not in _QTYPE:
+        raise ValueError(f"out dtype {out_dtype}")
+    rows_q = B * q.shape[1]
+    ws = workspace
+    if ws is None or ws.nsplit != nsplit or ws.out.dtype != out_dtype or ws.out.numel() != rows_q * D:
+        ws = Workspace(rows_q, nsplit, D, q.device, out_dtype)
+    kt, vt = codebook16(k), codebook16(v)
+    variant = DEFAULT_VARIANT if variant is None else variant
+    if not 0 <= variant < NUM_VARIANTS:
+        raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
+    strides = [bh_stride(k.codes), bh_stride(k.radius), bh_stride(k.r_max),
+               bh_stride(v.codes), bh_stride(v.radius), bh_stride(v.r_max)]
+    with torch.cuda.device(q.device):
+        err = lib.kvq_hqmq_decode(q.data_ptr(), _QTYPE[q.dtype], k.codes.data_ptr(), k.radius.data_ptr(),
+                                  k.r_max.data_ptr(), v.codes.data_ptr(), v.radius.data_ptr(), v.r_max.data_ptr(),
+                                  kt.data_ptr(), vt.data_ptr(), *strides, B, H, gqa, T, k.S, per, nsplit,
+                                  1.4426950408889634 / math.sqrt(D), ws.po.data_ptr(), ws.pm.data_ptr(),
+                                  ws.pl.data_ptr(), ws.out.data_ptr(), _QTYPE[out_dtype], variant,
+                                  torch.cuda.current_stream(q.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"CUDA HQMQ kernel launch failed: error {err}")
+    return ws.out.view(B, q.shape[1], 1, D)
+
+
+__all__ = ["decode", "unsupported", "why_unavailable", "available", "num_regs", "splits", "codebook16",
+           "takes_by_default", "AUTO", "NUM_VARIANTS", "SOURCE"]
