@@ -1,5 +1,5 @@
-"""CUDA C++ fused decode attention (kernels/cuda/decode_attention.cu) for int4 and fp8
-caches: built at first use, called through ctypes.
+"""CUDA C++ fused decode attention (kernels/cuda/decode_attention.cu) for int4, fp8 and
+KIVI-2 / KIVI-4 caches: built at first use, called through ctypes.
 
 Why CUDA and not Triton (kernels/NOTES.md, "CUDA decode kernels"): the mma operand of
 p @ V wants pairs of TOKENS in a register; Triton decodes pairs of dims and transposes
@@ -25,8 +25,15 @@ uses Triton). Numerics as the Triton FAST path: K/V decoded to fp16 with one rou
 of s*x + z (int4), q rounded to fp16 unscaled, the base-2 softmax scale applied to the
 fp32 scores, P rounded to fp16, fp32 accumulation.
 
+`KIVIFlat` (2 or 4 bits, groups of 32, head_dim 128; NOT GPU-verified yet, so
+backend="auto" keeps it on Triton until "kivi" is in CUDA_VERIFIED): keys per channel
+over 32-token groups (codes along tokens), values per token; the quantized tokens both
+sides have go through the same kernel template (a KIVI decode functor), the fp16
+windows' tail through a second, small launch of the template (direct loads), both
+into one workspace, one combine. NOTES.md, "KIVI as a format of the CUDA template".
+
 Variants (`variant=`): 0, 1 hold prefetched tiles in registers; 2..5 stream each
-warp's tiles through a cp.async shared-memory pipeline (SMEM_VARIANTS).
+warp's tiles through a cp.async shared-memory pipeline (SMEM_VARIANTS). KIVI takes 2..5.
 """
 from __future__ import annotations
 
@@ -50,7 +57,7 @@ FLAGS = ["-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC
 # fp8 v2 146.1 (best v3 144.3; v0 165.1); B=1: fp8 v2 33.8 us (v0 83.1).
 NUM_VARIANTS = 6
 SMEM_VARIANTS = (2, 3, 4, 5)
-DEFAULT_VARIANT = {0: 2, 1: 2, 2: 2}  # by format: int4, fp8 e4m3, fp8 e5m2
+DEFAULT_VARIANT = {0: 2, 1: 2, 2: 2, "kivi": 2}  # by format: int4, fp8 e4m3, fp8 e5m2, KIVI
 # Default split count (ctas_per_sm=None): about TILES_PER_SPLIT 16-token tiles per split,
 # but at least MIN_CTAS_PER_SM CTAs per SM. Run 15's optima were ~62 tiles per split at
 # both shapes: B=8 (64 rows) 33 splits (ctas_per_sm=16: int4 114.3 us vs 115.9 at 8,
@@ -62,7 +69,14 @@ DEFAULT_CTAS_PER_SM = None
 # run 15 (76 tests passed) and faster than Triton: int4 2.20x vs 1.17x fp16 SDPA, fp8
 # 1.71x vs 1.52x at B=8, T=32k; B=1 as CUDA graphs: int4 26.2 us, fp8 33.3 vs Triton
 # 48.0 / 48.8 and SDPA 48.4.
-AUTO_FORMATS = ("int4", "fp8")
+#
+# THE SWITCH the lead flips after a GPU run: the formats whose CUDA kernels passed the
+# GPU tests. backend="auto" routes only these here; backend="cuda" takes every format
+# `unsupported` accepts. KIVI ("kivi") is written and compiles (sm_90a) but has never
+# run on a GPU: add "kivi" once `bash kernels/cuda/gpu_run.sh` shows its tests passing
+# and it beating Triton.
+CUDA_VERIFIED = {"int4", "fp8"}
+AUTO_FORMATS = CUDA_VERIFIED  # the older name (same object)
 
 _lock = threading.Lock()
 _lib = None
@@ -140,6 +154,11 @@ def _load():
         lib.kvq_decode.restype = I
         lib.kvq_num_regs.argtypes = [I, I, I]
         lib.kvq_num_regs.restype = I
+        lib.kvq_decode_kivi.argtypes = [I, P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, LL, LL, I, I, I, I, I, I, I,
+                                        I, I, I, I, F, P, P, P, P, I, I, P]
+        lib.kvq_decode_kivi.restype = I
+        lib.kvq_num_regs_kivi.argtypes = [I, I, I]
+        lib.kvq_num_regs_kivi.restype = I
         _lib = lib
         return lib
 
@@ -160,6 +179,12 @@ def num_regs(fmt: int, head_dim: int, variant: int = 0) -> int:
     return -1 if lib is None else lib.kvq_num_regs(fmt, head_dim, variant)
 
 
+def num_regs_kivi(bits: int, tail: bool = False, variant: int = 2) -> int:
+    """Registers per thread of the KIVI instances (tail=True: the window-tail path)."""
+    lib = _load()
+    return -1 if lib is None else lib.kvq_num_regs_kivi(bits, int(tail), variant)
+
+
 def _aligned(t: torch.Tensor, stride_bytes: int, n: int) -> bool:
     return t.data_ptr() % n == 0 and stride_bytes % n == 0
 
@@ -167,14 +192,16 @@ def _aligned(t: torch.Tensor, stride_bytes: int, n: int) -> bool:
 def unsupported(q: torch.Tensor, k, v) -> str | None:
     """Why the CUDA kernels cannot take this call (None: they can). Does not build."""
     from .decode_attention import bh_stride
-    from .layout import FP8Flat, IntFlat
+    from .layout import FP8Flat, IntFlat, KIVIFlat
 
     if not q.is_cuda:
         return "q is not on a CUDA device"
     if q.dtype not in _QTYPE:
         return f"q dtype {q.dtype}"
-    if type(k) is not type(v) or not isinstance(k, (IntFlat, FP8Flat)):
+    if type(k) is not type(v) or not isinstance(k, (IntFlat, FP8Flat, KIVIFlat)):
         return f"no CUDA kernel for {type(k).__name__}"
+    if isinstance(k, KIVIFlat):
+        return _kivi_unsupported(q, k, v)
     D, H = k.D, k.H
     if D not in (64, 128):
         return f"head_dim {D} (the CUDA kernels take 64 or 128)"
@@ -211,6 +238,45 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
     return None
 
 
+def _kivi_unsupported(q: torch.Tensor, k, v) -> str | None:
+    from .decode_attention import bh_stride
+
+    if k.role != "K" or v.role != "V":
+        return "pass the keys' KIVIFlat (role K) then the values' (role V)"
+    if k.D != 128:
+        return f"head_dim {k.D} (the CUDA KIVI kernel takes 128)"
+    if (k.bits, k.group) != (v.bits, v.group) or k.bits not in (2, 4) or k.group != 32:
+        return f"kivi {k.bits}/{v.bits} bits, groups {k.group}/{v.group} (the CUDA kernel takes 2 or 4 bits, groups of 32)"
+    if (v.B, v.H, v.D, v.T) != (k.B, k.H, k.D, k.T):
+        return "K and V KIVI caches differ in shape or length"
+    if q.dim() != 4 or q.shape[1] % k.H or not 1 <= q.shape[1] // k.H <= 8:
+        return f"GQA group of q {tuple(q.shape)} over {k.H} kv heads (the CUDA kernels take 1..8)"
+    for f, role in ((k, "K"), (v, "V")):
+        if f.residual.dtype != torch.float16 or (f.T_res and f.residual.data_ptr() % 16):
+            return f"{role} window must be fp16, 16-byte aligned"
+        if f.T_res:
+            try:
+                rs = bh_stride(f.residual, f"{role} window")
+            except ValueError as e:
+                return str(e)
+            if rs % 8:
+                return f"{role} window head stride not 16-byte aligned"
+        if f.n_groups:
+            if f.codes.dtype != torch.uint8 or f.scale.dtype != torch.float16 or f.zero.dtype != torch.float16:
+                return "kivi codes must be uint8, scale/zero fp16"
+            if f.zero.stride() != f.scale.stride():
+                return "kivi scale and zero buffers must share a layout"
+            try:
+                cs, ss = bh_stride(f.codes, f"{role} codes"), bh_stride(f.scale, f"{role} scale")
+            except ValueError as e:
+                return str(e)
+            if not _aligned(f.codes, cs, 16):
+                return f"{role} codes not 16-byte aligned"
+            if any(t.data_ptr() % 16 for t in (f.scale, f.zero)) or (2 * ss) % 16:
+                return f"{role} scale/zero not 16-byte aligned"
+    return None
+
+
 def splits(rows: int, T: int, device, num_splits: int | None = None,
            ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM) -> tuple[int, int]:
     """(number of splits, 16-token tiles per split), every split non-empty: num_splits
@@ -231,11 +297,16 @@ def splits(rows: int, T: int, device, num_splits: int | None = None,
     return -(-tiles // per), per
 
 
-def takes_by_default(k) -> bool:
-    """Whether backend="auto" routes this cache type here (AUTO_FORMATS)."""
-    from .layout import FP8Flat, IntFlat
+def format_name(k) -> str | None:
+    """The CUDA_VERIFIED name of a cache type ("int4", "fp8", "kivi"), None if none."""
+    from .layout import FP8Flat, IntFlat, KIVIFlat
 
-    return (isinstance(k, IntFlat) and "int4" in AUTO_FORMATS) or (isinstance(k, FP8Flat) and "fp8" in AUTO_FORMATS)
+    return {IntFlat: "int4", FP8Flat: "fp8", KIVIFlat: "kivi"}.get(type(k))
+
+
+def takes_by_default(k) -> bool:
+    """Whether backend="auto" routes this cache type here (CUDA_VERIFIED)."""
+    return format_name(k) in CUDA_VERIFIED
 
 
 def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM,
@@ -244,12 +315,15 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     (`FP8Flat`) caches; `[B, Hq, 1, d]` in out_dtype (default q's). Raises ValueError
     when `unsupported` gives a reason, RuntimeError when the kernels are unavailable."""
     from .decode_attention import Workspace, _check_q, bh_stride
-    from .layout import IntFlat
+    from .layout import IntFlat, KIVIFlat
 
     B, H, T, D = k.B, k.H, k.T, k.D
     _check_q(q, H, D, B)
     if (v.B, v.H, v.T, v.D) != (B, H, T, D):
         raise ValueError("K and V caches differ in shape")
+    if isinstance(k, KIVIFlat):
+        return _decode_kivi(q, k, v, num_splits=num_splits, ctas_per_sm=ctas_per_sm, variant=variant,
+                            workspace=workspace, out_dtype=out_dtype)
     why = unsupported(q, k, v)
     if why:
         raise ValueError(f"CUDA decode kernel: {why}")
@@ -293,5 +367,67 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     return ws.out.view(B, q.shape[1], 1, D)
 
 
-__all__ = ["decode", "unsupported", "takes_by_default", "AUTO_FORMATS", "why_unavailable", "available", "splits", "num_regs", "SOURCE",
+def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM):
+    """How a KIVI call is cut: (n_main, (splits, tiles per split) of tokens [0, n_main),
+    (splits, tiles per split) of the tail [n_main, T)). n_main = min(TQK, TQV): both sides
+    quantized (whole groups, whole tiles); num_splits / ctas_per_sm apply to that part,
+    the tail (the windows, usually < R + G tokens) takes the default rule."""
+    rows = k.B * k.H
+    n_main = min(k.T_quant, v.T_quant)
+    main = splits(rows, n_main, device, num_splits, ctas_per_sm) if n_main else (0, 0)
+    tail_tokens = k.T - n_main
+    tail = splits(rows, tail_tokens, device) if tail_tokens else (0, 0)
+    return n_main, main, tail
+
+
+def _decode_kivi(q, k, v, *, num_splits, ctas_per_sm, variant, workspace, out_dtype):
+    from .decode_attention import Workspace, bh_stride
+
+    B, H, T, D = k.B, k.H, k.T, k.D
+    why = unsupported(q, k, v)
+    if why:
+        raise ValueError(f"CUDA decode kernel: {why}")
+    if T == 0:
+        raise ValueError("empty cache (T = 0)")
+    variant = DEFAULT_VARIANT["kivi"] if variant is None else variant
+    if variant not in SMEM_VARIANTS:
+        raise ValueError(f"KIVI takes the shared-memory variants {SMEM_VARIANTS}, got {variant}")
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"CUDA decode kernels unavailable: {_why}")
+    q = q.contiguous()
+    n_main, (ns_m, per_m), (ns_t, per_t) = kivi_plan(k, v, q.device, num_splits, ctas_per_sm)
+    nsplit = ns_m + ns_t
+    out_dtype = out_dtype or q.dtype
+    if out_dtype not in _QTYPE:
+        raise ValueError(f"out dtype {out_dtype}")
+    rows_q = B * q.shape[1]
+    ws = workspace
+    if ws is None or ws.nsplit != nsplit or ws.out.dtype != out_dtype or ws.out.numel() != rows_q * D:
+        ws = Workspace(rows_q, nsplit, D, q.device, out_dtype)
+
+    def side(f, role):
+        if f.n_groups:
+            ptrs = [f.codes.data_ptr(), f.scale.data_ptr(), f.zero.data_ptr()]
+            strides = [bh_stride(f.codes, f"{role} codes"), bh_stride(f.scale, f"{role} scale")]
+        else:  # never read: no quantized token on this side
+            ptrs, strides = [None, None, None], [0, 0]
+        r = f.residual
+        return ptrs + [r.data_ptr() if f.T_res else None], strides + [bh_stride(r, f"{role} window") if f.T_res else 0]
+
+    kp, ks = side(k, "K")
+    vp, vs = side(v, "V")
+    with torch.cuda.device(q.device):
+        err = lib.kvq_decode_kivi(k.bits, q.data_ptr(), _QTYPE[q.dtype], *kp, *vp, *ks, *vs, B, H, q.shape[1] // H,
+                                  k.T_quant, v.T_quant, T, n_main, per_m, ns_m, per_t, ns_t,
+                                  1.4426950408889634 / math.sqrt(D), ws.po.data_ptr(), ws.pm.data_ptr(),
+                                  ws.pl.data_ptr(), ws.out.data_ptr(), _QTYPE[out_dtype], variant,
+                                  torch.cuda.current_stream(q.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"CUDA KIVI decode kernel launch failed: error {err}")
+    return ws.out.view(B, q.shape[1], 1, D)
+
+
+__all__ = ["decode", "unsupported", "takes_by_default", "AUTO_FORMATS", "CUDA_VERIFIED", "format_name", "kivi_plan",
+           "num_regs_kivi", "why_unavailable", "available", "splits", "num_regs", "SOURCE",
            "NUM_VARIANTS", "SMEM_VARIANTS"]

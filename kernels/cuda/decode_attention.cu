@@ -57,6 +57,16 @@ struct Params {
   const float* khs;     // fp8: per-kv-head scale [Hkv] fp32 (K), or null
   const float* vhs;     // fp8: V
   long long k_cs, k_ss, v_cs, v_ss;  // per-(b, h) strides in elements of each buffer
+  // KIVI only: the fp16 windows [B, Hkv, Rcap, D] and their per-(b, h) strides; TQK / TQV
+  // quantized tokens of K / V (whole groups of 32), the window rows follow
+  const uint16_t* kr;
+  const uint16_t* vr;
+  long long k_rs, v_rs;
+  int TQK, TQV;
+  // this launch covers tokens [t_first, T) in 16-token tiles, its split sp writes partial
+  // split0 + sp of nsplit (int4 / fp8: t_first = split0 = 0; KIVI: the quantized part and
+  // the window tail are two launches into one workspace)
+  int t_first, split0;
   int qtype, T, Hkv, gqa, steps_per_split, nsplit;
   float qk_scale;       // log2(e) / sqrt(D)
   float* po;            // partials [B*Hq, nsplit, D], [B*Hq, nsplit] x2
@@ -185,6 +195,7 @@ template <int D>
 struct Int4 {
   static constexpr int ROWB = D / 2, KW = D / 32, VW = D / 64, NG = D / 32;  // groups of 32
   static constexpr bool ZERO = true;
+  static constexpr int KIND = 0;  // token rows: Raw / load_tile / copy_tile (KIVI: 1, 2 below)
   __device__ static int kdim(int kk, int slot, int half) { return 8 * (kk >> 1) + 2 * (kk & 1) + slot + 4 * half; }
   // K: word kk/2 of the token; even k-steps the bytes 0, 2, odd ones (>> 8) bytes 1, 3;
   // slot 0 the low nibbles, slot 1 the high ones; s2, z2 = (s, s), (z, z) of the token
@@ -209,6 +220,7 @@ template <int D, bool E5>
 struct Fp8 {
   static constexpr int ROWB = D, KW = D / 16, VW = D / 32, NG = 1;
   static constexpr bool ZERO = false;
+  static constexpr int KIND = 0;
   __device__ static int kdim(int kk, int slot, int half) { return 4 * kk + 2 * slot + half; }
   __device__ static uint32_t cvt_lo(uint32_t w) { return E5 ? e5m2x2_lo(w) : e4m3x2_lo(w); }
   __device__ static uint32_t cvt_hi(uint32_t w) { return E5 ? e5m2x2_hi(w) : e4m3x2_hi(w); }
@@ -434,34 +446,365 @@ __device__ __forceinline__ void read_stage(Raw<F>& r, const uint8_t* st, int g, 
   }
 }
 
+// The token-row formats' stream through the shared-memory pipeline (copy_tile /
+// read_stage above); KIVI brings its own (KiviStream below). One pipeline loop in
+// split_kernel drives either.
+template <class F, int D, int NW>
+struct RowStream {
+  using RawT = Raw<F>;
+  static constexpr int BYTES = SmemTile<F>::BYTES;
+  CpCursor cur;
+  __device__ __forceinline__ void init(const Params& p, int bh, int t0, int lane) {
+    constexpr int NG = F::NG;
+    cur.t0 = t0;
+    cur.k = p.kc + bh * p.k_cs + (long long)t0 * F::ROWB + 16 * lane;
+    cur.v = p.vc + bh * p.v_cs + (long long)t0 * F::ROWB + 16 * lane;
+    if constexpr (F::ZERO) {
+      const long long ko = bh * p.k_ss + (long long)(t0 + (lane & 15)) * NG;
+      const long long vo = bh * p.v_ss + (long long)(t0 + (lane & 15)) * NG;
+      cur.sa = (lane < 16 ? p.ks : p.kz) + ko;
+      cur.sb = (lane < 16 ? p.vs : p.vz) + vo;
+    }
+  }
+  __device__ __forceinline__ void copy(uint32_t stage, int tend, bool on, int lane) {
+    copy_tile<F, NW>(stage, cur, tend, on, lane);
+  }
+  __device__ __forceinline__ static void read(RawT& r, const uint8_t* st, int g, int c) { read_stage<F, D>(r, st, g, c); }
+};
+
+// ---------------------------------------------------------------------------------
+// KIVI (head dim 128, groups of G = 32; kernels/layout.py KIVIFlat): keys per CHANNEL
+// over 32-token groups, codes packed along TOKENS ([group][dim][32 BITS / 8 bytes], token
+// i of a group at bits [i BITS, (i+1) BITS)), fp16 scale / zero per (group, dim); values
+// per token in groups of 32 dims (2 or 4 bits, rows like int4); then fp16 windows of K
+// and V (different lengths allowed). Tokens [0, min(TQK, TQV)) -- both sides quantized,
+// whole 16-token tiles -- are KiviQ through the cp.async pipeline; the rest (the window
+// tail, usually < R + G tokens) is KiviTail, a second launch of the same kernel template
+// with direct loads and a scalar decode, into the same workspace.
+//
+// K operand: the QK^T A fragment wants (one token, two dims) per register; a K code
+// word holds 16 tokens of ONE dim (2 bits) or 8 (4 bits), so one PRMT takes the byte of
+// the lane's tokens from the words of two dims (byte 0 <- dim d, byte 2 <- dim d+1) and
+// the masks / magics of the int4 decode give (d, d+1) of one token (the V-side
+// interleave of int4, transposed). The score ROWS are permuted so that both tokens of a
+// lane share that byte: row g -> token row_tok(g), row g+8 -> row_tok(g) + 1 (2 bits:
+// 4 (g>>1) + 2 (g&1), bit 4 (g&1) of byte g>>1; 4 bits: 2g, the nibbles of byte g).
+// P^T's k index is the score row, so V is read at tokens row_tok(2c), row_tok(2c+1),
+// row_tok(2c+8), row_tok(2c+9) = 4c, 4c+2, 4c+1, 4c+3. Contracted dims: lane c owns dims
+// [32c, 32c+32), k-step kk the dims 4kk..4kk+3 (one 16-byte shared load of codes, 8
+// bytes of scales and of zeros, as (s_d, s_d+1) pairs: no PRMT for scales).
+// Per element: PRMT per 4, LOP3 + HSUB2 + HFMA2 per 2 (K and V): ~1.75 instructions.
+// ---------------------------------------------------------------------------------
+template <int P>  // 2-bit fields at bits P, P+16 (P <= 8) -> exact half2
+__device__ __forceinline__ uint32_t crumbs(uint32_t x) {
+  constexpr uint32_t M = 0x00030003u << P, MAG = (0x6400u - 0x400u * P) * 0x10001u;  // 2^(10-P)
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(x), "n"(M), "n"(MAG));
+  return hsub2(d, MAG);
+}
+__device__ __forceinline__ uint32_t crumbs_r(uint32_t x, uint32_t m, uint32_t mag) {  // lane-dependent P
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(x), "r"(m), "r"(mag));
+  return hsub2(d, mag);
+}
+
+template <int BITS_>
+struct KiviQ {
+  static constexpr int BITS = BITS_, KIND = 1, D = 128, G = 32, NG = D / G;
+  static constexpr bool ZERO = true;
+  static_assert(BITS == 2 || BITS == 4, "KIVI: 2 or 4 bits");
+  static constexpr int GB = G * BITS / 8;   // K bytes per (group, dim)
+  static constexpr int KPL = BITS / 2;      // K words per dim per 16-token tile ("planes")
+  static constexpr int KBLK = 144;          // one plane's 32 dims (128 B) + 16 B: lanes c hit other banks
+  static constexpr int SBLK = 80;           // 32 dims of fp16 scales (64 B) + 16 B
+  static constexpr int RB = D * BITS / 8, VW = RB / 32, CPT = RB / 16;  // V row bytes, words per lane, chunks
+  static constexpr int KSO = KPL * 4 * KBLK, KZO = KSO + 4 * SBLK, VC = KZO + 4 * SBLK;
+  static constexpr int VSO = VC + 16 * RB, VZO = VSO + 16 * NG * 2, BYTES = VZO + 16 * NG * 2;
+  __device__ static int kdim(int kk, int slot, int half) { return 4 * kk + 2 * slot + half; }
+  __device__ static int row_tok(int r) {
+    const int b = r & 7;
+    return (BITS == 2 ? 4 * (b >> 1) + 2 * (b & 1) : 2 * b) + (r >> 3);
+  }
+  // V rows in a stage: row t at vrow(t) (the 4 rows 4c + x a read takes land in 4 bank
+  // groups), 16-byte chunk j at vchunk (64-byte rows: halves c < 2 / c >= 2 swapped)
+  __device__ static int vrow(int t) { return (t & ~3) | ((t & 3) ^ ((t >> 2) & 3)); }
+  __device__ static int vchunk(int t, int j) { return BITS == 4 ? j ^ (2 * ((t >> 3) & 1)) : j; }
+  struct Raw {
+    const uint8_t* kb;  // the lane's K codes in the stage (its plane, dims 32c..)
+    const uint8_t* sb;  // its K scales (zeros at + 4 SBLK)
+    uint32_t sel;       // PRMT: byte of the lane's tokens of dim d -> byte 0, of dim d+1 -> byte 2
+    uint32_t ma, mga, mb, mgb;  // 2 bits: masks / magics of rows g, g+8
+    uint32_t v[4][VW];
+    uint32_t vs2[2], vz2[2];
+  };
+  __device__ static void kstep(const Raw& r, int kk, uint32_t (&a)[4]) {
+    const uint4 w = *reinterpret_cast<const uint4*>(r.kb + 16 * kk);        // dims 4kk..4kk+3
+    const uint2 s = *reinterpret_cast<const uint2*>(r.sb + 8 * kk);         // (s0, s1), (s2, s3)
+    const uint2 z = *reinterpret_cast<const uint2*>(r.sb + 4 * SBLK + 8 * kk);
+    const uint32_t x01 = __byte_perm(w.x, w.y, r.sel), x23 = __byte_perm(w.z, w.w, r.sel);
+    if constexpr (BITS == 4) {
+      a[0] = hfma2(nibbles<false>(x01), s.x, z.x);
+      a[1] = hfma2(nibbles<true>(x01), s.x, z.x);
+      a[2] = hfma2(nibbles<false>(x23), s.y, z.y);
+      a[3] = hfma2(nibbles<true>(x23), s.y, z.y);
+    } else {
+      a[0] = hfma2(crumbs_r(x01, r.ma, r.mga), s.x, z.x);
+      a[1] = hfma2(crumbs_r(x01, r.mb, r.mgb), s.x, z.x);
+      a[2] = hfma2(crumbs_r(x23, r.ma, r.mga), s.y, z.y);
+      a[3] = hfma2(crumbs_r(x23, r.mb, r.mgb), s.y, z.y);
+    }
+  }
+  // V^T: m-tile mt = dims 2mt (row g) and 2mt+1 (row g+8) of the lane's 16 dims, of
+  // tokens (v[0], v[1]) -> a0, a1 and (v[2], v[3]) -> a2, a3
+  __device__ static void vpair2(uint32_t x, uint32_t y, int mt, uint32_t s2, uint32_t z2, uint32_t& rg,
+                                uint32_t& rg8) {
+    const int j = mt >> 1;  // the byte of dims 2mt, 2mt+1 (bits 4mt .. 4mt+3)
+    const uint32_t u = __byte_perm(x, y, j | ((4 + j) << 8));
+    if (mt & 1) {
+      rg = hfma2(crumbs<4>(u), s2, z2);
+      rg8 = hfma2(crumbs<6>(u), s2, z2);
+    } else {
+      rg = hfma2(crumbs<0>(u), s2, z2);
+      rg8 = hfma2(crumbs<2>(u), s2, z2);
+    }
+  }
+  __device__ static void vstep(const Raw& r, int mt, uint32_t (&a)[4]) {
+    if constexpr (BITS == 4) {
+      Int4<128>::vpair(r.v[0], r.v[1], mt, r.vs2[0], r.vz2[0], a[0], a[1]);
+      Int4<128>::vpair(r.v[2], r.v[3], mt, r.vs2[1], r.vz2[1], a[2], a[3]);
+    } else {
+      vpair2(r.v[0][0], r.v[1][0], mt, r.vs2[0], r.vz2[0], a[0], a[1]);
+      vpair2(r.v[2][0], r.v[3][0], mt, r.vs2[1], r.vz2[1], a[2], a[3]);
+    }
+  }
+};
+
+template <int BITS, int NW>
+struct KiviStream {
+  using F = KiviQ<BITS>;
+  using RawT = typename F::Raw;
+  static constexpr int BYTES = F::BYTES;
+  const uint8_t* k;     // K codes of the lane's dim `lane` in the tile's group, at the tile's half
+  const uint16_t* ksz;  // lanes 0-15: 8 K scales (dims 8 lane..), 16-31: 8 K zeros
+  const uint8_t* v;     // V codes: chunk `lane` of the tile
+  const uint16_t* vsz;  // lanes 0-15: V scales of token lane, 16-31: V zeros
+  int t0;
+  __device__ __forceinline__ void init(const Params& p, int bh, int t0_, int lane) {
+    t0 = t0_;  // a multiple of 16; the warp's tiles keep its parity in the group (NW * 16 = 2 groups)
+    const long long grp = t0 >> 5;
+    k = p.kc + bh * p.k_cs + grp * (F::D * F::GB) + ((t0 >> 4) & 1) * (F::GB / 2) + lane * F::GB;
+    ksz = (lane < 16 ? p.ks : p.kz) + bh * p.k_ss + grp * F::D + 8 * (lane & 15);
+    v = p.vc + bh * p.v_cs + (long long)t0 * F::RB + 16 * lane;
+    vsz = (lane < 16 ? p.vs : p.vz) + bh * p.v_ss + (long long)(t0 + (lane & 15)) * F::NG;
+  }
+  __device__ __forceinline__ void copy(uint32_t stage, int tend, bool on, int lane) {
+    // K codes: dim lane + 32 i, word w of the half group -> plane w, block i (4-byte copies)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int w = 0; w < F::KPL; ++w)
+        cp_async<4>(stage + w * 4 * F::KBLK + i * F::KBLK + 4 * lane, k + 32 * i * F::GB + 4 * w, on);
+    }
+    cp_async<16>(stage + (lane < 16 ? F::KSO : F::KZO) + F::SBLK * ((lane & 15) >> 2) + 16 * (lane & 3), ksz, on);
+#pragma unroll
+    for (int r = 0; r < F::VW; ++r) {  // 16 rows x CPT chunks = 32 VW chunks
+      const int i = lane + 32 * r, t = i / F::CPT, j = i % F::CPT;
+      const bool ok = on && t0 + t < tend;
+      cp_async<16>(stage + F::VC + F::RB * F::vrow(t) + 16 * F::vchunk(t, j), v + 512 * r, ok);
+    }
+    cp_async<F::NG * 2>(stage + (lane < 16 ? F::VSO : F::VZO) + F::NG * 2 * (lane & 15), vsz,
+                        on && t0 + (lane & 15) < tend);
+    constexpr int STEP = NW * 16;
+    static_assert(STEP % 32 == 0, "a warp's tiles keep their half of the group");
+    t0 += STEP;
+    k += (STEP / 32) * F::D * F::GB;
+    ksz += (STEP / 32) * F::D;
+    v += STEP * F::RB;
+    vsz += STEP * F::NG;
+  }
+  __device__ __forceinline__ static void read(RawT& r, const uint8_t* st, int g, int c) {
+    const int plane = BITS == 4 ? g >> 2 : 0, byte = BITS == 4 ? g & 3 : g >> 1;
+    r.kb = st + plane * 4 * F::KBLK + c * F::KBLK;
+    r.sb = st + F::KSO + c * F::SBLK;
+    r.sel = byte | ((4 + byte) << 8);
+    if constexpr (BITS == 2) {
+      const int P = 4 * (g & 1);
+      r.ma = 0x00030003u << P;
+      r.mb = 0x00030003u << (P + 2);
+      r.mga = (0x6400u - 0x400u * P) * 0x10001u;
+      r.mgb = (0x6400u - 0x400u * (P + 2)) * 0x10001u;
+    }
+    const uint16_t* vs = reinterpret_cast<const uint16_t*>(st + F::VSO);
+    const uint16_t* vz = reinterpret_cast<const uint16_t*>(st + F::VZO);
+    uint32_t s[4], z[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int t = F::row_tok(2 * c + (i & 1) + 8 * (i >> 1));
+      const int o = g * F::VW * 4;  // byte of the lane's 16 dims in the row
+      const uint8_t* row = st + F::VC + F::RB * F::vrow(t) + 16 * F::vchunk(t, o / 16) + o % 16;
+      if constexpr (F::VW == 2) {
+        const uint2 x = *reinterpret_cast<const uint2*>(row);
+        r.v[i][0] = x.x;
+        r.v[i][1] = x.y;
+      } else {
+        r.v[i][0] = *reinterpret_cast<const uint32_t*>(row);
+      }
+      s[i] = vs[t * F::NG + (g >> 1)];
+      z[i] = vz[t * F::NG + (g >> 1)];
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      r.vs2[j] = __byte_perm(s[2 * j], s[2 * j + 1], 0x5410);
+      r.vz2[j] = __byte_perm(z[2 * j], z[2 * j + 1], 0x5410);
+    }
+  }
+};
+
+// The KIVI tail: tokens [min(TQK, TQV), T) of each row, K and V each from its quantized
+// groups or its fp16 window (a 16-token tile lies in one of them: TQK, TQV are whole
+// groups). Direct global loads, scalar decode of quantized elements (round16(x s + z),
+// as the main path), zeros past T. Score rows are tokens as they are.
+template <int BITS_>
+struct KiviTail {
+  static constexpr int BITS = BITS_, KIND = 2, D = 128, G = 32, NG = D / G, GB = G * BITS / 8, RB = D * BITS / 8;
+  static constexpr bool ZERO = true;
+  __device__ static int kdim(int kk, int slot, int half) { return 4 * kk + 2 * slot + half; }
+  __device__ static int row_tok(int r) { return r; }
+  struct Raw {
+    const uint8_t* kc;    // K codes / scale / zero / window of the row (b, h)
+    const uint16_t* ks;
+    const uint16_t* kz;
+    const uint16_t* kr;
+    int t0, TQK, T, c, g;
+    uint32_t v[4][8];  // V of tokens 2c, 2c+1, 2c+8, 2c+9, dims 16g.. as fp16 pairs
+  };
+  __device__ static uint32_t kq2(const Raw& r, int t, int d) {  // quantized K (t, d), (t, d+1)
+    const int gi = t >> 5, w = t & 31;
+    __half h[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const long long o = (long long)gi * D + d + e;
+      const uint32_t code = (r.kc[o * GB + ((w * BITS) >> 3)] >> ((w * BITS) & 7)) & ((1u << BITS) - 1);
+      h[e] = __hfma(__ushort2half_rn((unsigned short)code), __ushort_as_half(r.ks[o]), __ushort_as_half(r.kz[o]));
+    }
+    return (uint32_t)__half_as_ushort(h[0]) | ((uint32_t)__half_as_ushort(h[1]) << 16);
+  }
+  __device__ static void kstep(const Raw& r, int kk, uint32_t (&a)[4]) {
+    const int d = r.c * (D / 4) + 4 * kk;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int t = r.t0 + r.g + 8 * i;
+      uint32_t lo = 0, hi = 0;
+      if (t < r.TQK) {
+        lo = kq2(r, t, d);
+        hi = kq2(r, t, d + 2);
+      } else if (t < r.T) {
+        const uint2 x = *reinterpret_cast<const uint2*>(r.kr + (long long)(t - r.TQK) * D + d);
+        lo = x.x;
+        hi = x.y;
+      }
+      a[i] = lo;      // a0 / a1: rows g / g+8, dims d, d+1
+      a[2 + i] = hi;  // a2 / a3: dims d+2, d+3
+    }
+  }
+  __device__ static void load(Raw& r, const Params& p, int bh, int t0, int g, int c) {
+    r.kc = p.kc + bh * p.k_cs;
+    r.ks = p.ks + bh * p.k_ss;
+    r.kz = p.kz + bh * p.k_ss;
+    r.kr = p.kr + bh * p.k_rs;
+    r.t0 = t0; r.TQK = p.TQK; r.T = p.T; r.c = c; r.g = g;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int t = t0 + 2 * c + (i & 1) + 8 * (i >> 1);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) r.v[i][j] = 0;
+      if (t < p.TQV) {
+        const uint8_t* row = p.vc + bh * p.v_cs + (long long)t * RB + g * (RB / 8);  // 16 dims
+        const long long so = bh * p.v_ss + (long long)t * NG + (g >> 1);
+        const __half s = __ushort_as_half(p.vs[so]), z = __ushort_as_half(p.vz[so]);
+        uint32_t w[BITS / 2];
+#pragma unroll
+        for (int j = 0; j < BITS / 2; ++j) w[j] = reinterpret_cast<const uint32_t*>(row)[j];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          __half h[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int bit = (2 * j + e) * BITS;
+            const uint32_t code = (w[bit >> 5] >> (bit & 31)) & ((1u << BITS) - 1);
+            h[e] = __hfma(__ushort2half_rn((unsigned short)code), s, z);
+          }
+          r.v[i][j] = (uint32_t)__half_as_ushort(h[0]) | ((uint32_t)__half_as_ushort(h[1]) << 16);
+        }
+      } else if (t < p.T) {
+        const uint4* row = reinterpret_cast<const uint4*>(p.vr + bh * p.v_rs + (long long)(t - p.TQV) * D + 16 * g);
+        const uint4 x = row[0], y = row[1];
+        r.v[i][0] = x.x; r.v[i][1] = x.y; r.v[i][2] = x.z; r.v[i][3] = x.w;
+        r.v[i][4] = y.x; r.v[i][5] = y.y; r.v[i][6] = y.z; r.v[i][7] = y.w;
+      }
+    }
+  }
+  __device__ static void vstep(const Raw& r, int mt, uint32_t (&a)[4]) {
+    a[0] = __byte_perm(r.v[0][mt], r.v[1][mt], 0x5410);  // dim 2mt of tokens 2c, 2c+1
+    a[1] = __byte_perm(r.v[0][mt], r.v[1][mt], 0x7632);  // dim 2mt+1
+    a[2] = __byte_perm(r.v[2][mt], r.v[3][mt], 0x5410);
+    a[3] = __byte_perm(r.v[2][mt], r.v[3][mt], 0x7632);
+  }
+};
+
+template <class F, int D, int NW, int KIND = F::KIND>
+struct StreamOf {
+  using type = RowStream<F, D, NW>;
+};
+template <class F, int D, int NW>
+struct StreamOf<F, D, NW, 1> {
+  using type = KiviStream<F::BITS, NW>;
+};
+
 // ---------------------------------------------------------------------------------
 // the split kernel
 // ---------------------------------------------------------------------------------
 // One 16-token tile of a warp: scores, online softmax, O^T += V^T P^T.
-template <class F, int D>
-__device__ __forceinline__ void tile_step(const Raw<F>& r, int t0, int tend, float qk, const uint32_t (&qb)[D / 16][2],
+// R: Raw<F> for the token-row formats (KIND 0); F::Raw for KIVI, whose K fragments are
+// read per k-step (F::kstep) and V fragments per m-tile (F::vstep). Score row r of the
+// mma is token t0 + r for KIND 0, t0 + F::row_tok(r) for KIVI.
+template <class F, int D, class R>
+__device__ __forceinline__ void tile_step(const R& r, int t0, int tend, float qk, const uint32_t (&qb)[D / 16][2],
                                           float (&acc)[D / 16][4], float (&m)[2], float (&l)[2], int g) {
   constexpr int KS = D / 16;
   // ---- scores S^T (tokens g, g+8; heads 2c, 2c+1); q is exact fp16, the base-2
   // scale is applied to the fp32 scores (as the Triton kernels do)
   float s[4] = {0.f, 0.f, 0.f, 0.f};
-  uint32_t ks2[2] = {0, 0}, kz2[2] = {0, 0};  // (s, s), (z, z) of tokens g, g+8
-  if constexpr (F::ZERO) {
+  int tg = g, tg8 = g + 8;  // the tokens of score rows g, g+8
+  if constexpr (F::KIND == 0) {
+    uint32_t ks2[2] = {0, 0}, kz2[2] = {0, 0};  // (s, s), (z, z) of tokens g, g+8
+    if constexpr (F::ZERO) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      ks2[j] = __byte_perm(r.ks[j], 0, 0x1010);
-      kz2[j] = __byte_perm(r.kz[j], 0, 0x1010);
+      for (int j = 0; j < 2; ++j) {
+        ks2[j] = __byte_perm(r.ks[j], 0, 0x1010);
+        kz2[j] = __byte_perm(r.kz[j], 0, 0x1010);
+      }
     }
-  }
 #pragma unroll
-  for (int kk = 0; kk < KS; ++kk) {
-    mma16816(s, F::kfrag(r.k[0], kk, 0, ks2[0], kz2[0]), F::kfrag(r.k[1], kk, 0, ks2[1], kz2[1]),
-             F::kfrag(r.k[0], kk, 1, ks2[0], kz2[0]), F::kfrag(r.k[1], kk, 1, ks2[1], kz2[1]), qb[kk][0], qb[kk][1]);
+    for (int kk = 0; kk < KS; ++kk) {
+      mma16816(s, F::kfrag(r.k[0], kk, 0, ks2[0], kz2[0]), F::kfrag(r.k[1], kk, 0, ks2[1], kz2[1]),
+               F::kfrag(r.k[0], kk, 1, ks2[0], kz2[0]), F::kfrag(r.k[1], kk, 1, ks2[1], kz2[1]), qb[kk][0],
+               qb[kk][1]);
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+      uint32_t a[4];
+      F::kstep(r, kk, a);
+      mma16816(s, a[0], a[1], a[2], a[3], qb[kk][0], qb[kk][1]);
+    }
+    tg = F::row_tok(g);
+    tg8 = F::row_tok(g + 8);
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) s[i] *= qk;
-  if (t0 + g >= tend) s[0] = s[1] = NEG_INF;
-  if (t0 + g + 8 >= tend) s[2] = s[3] = NEG_INF;
+  if (t0 + tg >= tend) s[0] = s[1] = NEG_INF;
+  if (t0 + tg8 >= tend) s[2] = s[3] = NEG_INF;
 
   // ---- online softmax per head (2c + e); the max over the 16 tokens is over g
   float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
@@ -493,29 +836,42 @@ __device__ __forceinline__ void tile_step(const Raw<F>& r, int t0, int tend, flo
   const uint32_t pb1 = movtrans(pack_half2(p2, p3));  //      k = tokens 2c+8, 2c+9
 
   // ---- O^T += V^T P^T
-  uint32_t vs2[2] = {0, 0}, vz2[2] = {0, 0};
-  if constexpr (F::ZERO) {
+  if constexpr (F::KIND == 0) {
+    uint32_t vs2[2] = {0, 0}, vz2[2] = {0, 0};
+    if constexpr (F::ZERO) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      vs2[j] = __byte_perm(r.vs[2 * j], r.vs[2 * j + 1], 0x5410);  // (s_t, s_t+1)
-      vz2[j] = __byte_perm(r.vz[2 * j], r.vz[2 * j + 1], 0x5410);  // (z_t, z_t+1)
+      for (int j = 0; j < 2; ++j) {
+        vs2[j] = __byte_perm(r.vs[2 * j], r.vs[2 * j + 1], 0x5410);  // (s_t, s_t+1)
+        vz2[j] = __byte_perm(r.vz[2 * j], r.vz[2 * j + 1], 0x5410);  // (z_t, z_t+1)
+      }
     }
-  }
 #pragma unroll
-  for (int mt = 0; mt < KS; ++mt) {
-    uint32_t a0, a1, a2, a3;
-    F::vpair(r.v[0], r.v[1], mt, vs2[0], vz2[0], a0, a1);
-    F::vpair(r.v[2], r.v[3], mt, vs2[1], vz2[1], a2, a3);
-    mma16816(acc[mt], a0, a1, a2, a3, pb0, pb1);
+    for (int mt = 0; mt < KS; ++mt) {
+      uint32_t a0, a1, a2, a3;
+      F::vpair(r.v[0], r.v[1], mt, vs2[0], vz2[0], a0, a1);
+      F::vpair(r.v[2], r.v[3], mt, vs2[1], vz2[1], a2, a3);
+      mma16816(acc[mt], a0, a1, a2, a3, pb0, pb1);
+    }
+  } else {
+#pragma unroll
+    for (int mt = 0; mt < KS; ++mt) {
+      uint32_t a[4];
+      F::vstep(r, mt, a);
+      mma16816(acc[mt], a[0], a[1], a[2], a[3], pb0, pb1);
+    }
   }
 }
 
 // Shared memory of the SMS-stage pipeline (0: the register path), and of the merge.
 template <class F, int D, int NW, int SMS>
 constexpr int dyn_smem() {
-  constexpr int pipe = SMS * NW * SmemTile<F>::BYTES;
-  constexpr int red = NW * 8 * D * 4;
-  return SMS ? (pipe > red ? pipe : red) : 0;
+  if constexpr (SMS == 0 || F::KIND == 2) {
+    return 0;
+  } else {
+    constexpr int pipe = SMS * NW * StreamOf<F, D, NW>::type::BYTES;
+    constexpr int red = NW * 8 * D * 4;
+    return pipe > red ? pipe : red;
+  }
 }
 
 // STAGES: register path (SMS = 0), tiles held = STAGES (STAGES - 1 loaded ahead);
@@ -545,17 +901,25 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   for (int i = 0; i < KS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 
-  const int nsteps = (p.T + 15) / 16;
+  const int nsteps = (p.T - p.t_first + 15) / 16;  // tiles of this launch's tokens [t_first, T)
   const int first = sp * p.steps_per_split;
   const int last = min(first + p.steps_per_split, nsteps);
   const int tend = p.T;
   extern __shared__ __align__(16) uint8_t dsm[];
 
-  if constexpr (SMS == 0) {
+  if constexpr (F::KIND == 2) {  // KIVI tail: direct loads, one tile per warp at a time
+    for (int st = first + warp; st < last; st += NW) {
+      typename F::Raw r;
+      const int t0 = p.t_first + st * 16;
+      F::load(r, p, bh, t0, g, c);
+      tile_step<F, D>(r, t0, tend, qk, qb, acc, m, l, g);
+    }
+  } else if constexpr (SMS == 0) {
+    static_assert(F::KIND == 0, "the register path reads token rows");
     const int vgrp = g * (D / 8) / 32;  // the group of this lane's V dims (int4)
     Cursor<F> cur;  // at this warp's first tile
     {
-      const int t0 = (first + warp) * 16;
+      const int t0 = p.t_first + (first + warp) * 16;
       cur.t0 = t0;
       cur.k = p.kc + bh * p.k_cs + (long long)(t0 + g) * F::ROWB + c * (F::KW * 4);
       cur.v = p.vc + bh * p.v_cs + (long long)(t0 + 2 * c) * F::ROWB + g * (F::VW * 4);
@@ -576,44 +940,33 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
         // prefetch STAGES-1 tiles ahead (the cursor is there)
         load_tile<F, NW>(buf[(i + STAGES - 1) % STAGES], cur, tend, st + (STAGES - 1) * NW < last, g, c);
         if (st >= last) break;  // warp-uniform
-        tile_step<F, D>(buf[i], st * 16, tend, qk, qb, acc, m, l, g);
+        tile_step<F, D>(buf[i], p.t_first + st * 16, tend, qk, qb, acc, m, l, g);
       }
     }
   } else {
-    using S = SmemTile<F>;
-    CpCursor cur;
-    {
-      const int t0 = (first + warp) * 16;
-      cur.t0 = t0;
-      cur.k = p.kc + bh * p.k_cs + (long long)t0 * F::ROWB + 16 * lane;
-      cur.v = p.vc + bh * p.v_cs + (long long)t0 * F::ROWB + 16 * lane;
-      if constexpr (F::ZERO) {
-        const long long ko = bh * p.k_ss + (long long)(t0 + (lane & 15)) * NG;
-        const long long vo = bh * p.v_ss + (long long)(t0 + (lane & 15)) * NG;
-        cur.sa = (lane < 16 ? p.ks : p.kz) + ko;
-        cur.sb = (lane < 16 ? p.vs : p.vz) + vo;
-      }
-    }
+    using S = typename StreamOf<F, D, NW>::type;  // RowStream (int4, fp8) or KiviStream
+    S cur;
+    cur.init(p, bh, p.t_first + (first + warp) * 16, lane);
     const uint8_t* wsm = dsm + warp * (SMS * S::BYTES);
     const uint32_t wsa = smem_u32(wsm);
     const int ntile = last > first + warp ? (last - first - warp + NW - 1) / NW : 0;  // this warp's tiles
 #pragma unroll
     for (int i = 0; i < SMS - 1; ++i) {
-      copy_tile<F, NW>(wsa + i * S::BYTES, cur, tend, i < ntile, lane);
+      cur.copy(wsa + i * S::BYTES, tend, i < ntile, lane);
       cp_commit();
     }
     int rd = 0, wr = SMS - 1;  // stage read next, stage written next
     for (int j = 0; j < ntile; ++j) {
       __syncwarp();  // every lane has read the stage written now (read at j - 1)
-      copy_tile<F, NW>(wsa + wr * S::BYTES, cur, tend, j + SMS - 1 < ntile, lane);
+      cur.copy(wsa + wr * S::BYTES, tend, j + SMS - 1 < ntile, lane);
       cp_commit();
       cp_wait<SMS - 1>();  // this lane's copies of tile j are done
       __syncwarp();        // ... and every lane's
-      Raw<F> r;
-      read_stage<F, D>(r, wsm + rd * S::BYTES, g, c);
+      typename S::RawT r;
+      S::read(r, wsm + rd * S::BYTES, g, c);
       rd = rd == SMS - 1 ? 0 : rd + 1;
       wr = wr == SMS - 1 ? 0 : wr + 1;
-      tile_step<F, D>(r, (first + warp + j * NW) * 16, tend, qk, qb, acc, m, l, g);
+      tile_step<F, D>(r, p.t_first + (first + warp + j * NW) * 16, tend, qk, qb, acc, m, l, g);
     }
     cp_wait<0>();
   }
@@ -657,7 +1010,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
     float o = 0.f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) o += red[w][hd][d];
-    const long long prow = ((long long)bh * p.gqa + hd) * p.nsplit + sp;
+    const long long prow = ((long long)bh * p.gqa + hd) * p.nsplit + p.split0 + sp;
     p.po[prow * D + d] = o;
     if (d == 0) {
       float M = NEG_INF, L = 0.f;
@@ -729,10 +1082,15 @@ constexpr int VARIANTS[][3] = {{2, 1, 0}, {3, 3, 0}, {1, 1, 4}, {1, 4, 3}, {1, 3
 constexpr int NVARIANTS = 6;
 
 template <class F, int D, int V>
-int launch_v(const Params& p, int rows, cudaStream_t stream) {
-  constexpr int NW = 4, SMS = VARIANTS[V][2];
+int launch_v(const Params& p, int rows, int grid_y, cudaStream_t stream) {
+  constexpr int NW = 4;
+  constexpr int SMS = F::KIND == 2 ? 0 : VARIANTS[V][2];  // the KIVI tail: direct loads, any variant
+  constexpr int MINB = F::KIND == 2 ? 1 : VARIANTS[V][1];
+  if constexpr (F::KIND == 1 && SMS == 0) {
+    return (int)cudaErrorInvalidValue;  // KIVI's quantized part streams through shared memory only
+  } else {
   constexpr int smem = dyn_smem<F, D, NW, SMS>();
-  auto k = split_kernel<F, D, NW, VARIANTS[V][0], VARIANTS[V][1], SMS>;
+  auto k = split_kernel<F, D, NW, VARIANTS[V][0], MINB, SMS>;
   if constexpr (smem > 0) {  // dynamic + static (256 B) may pass the default 48 KiB (fp8, 3 stages: 48 KiB + 256 B)
     static bool set = false;  // once per instance (benign race: the same value)
     if (!set) {
@@ -741,30 +1099,39 @@ int launch_v(const Params& p, int rows, cudaStream_t stream) {
       set = true;
     }
   }
-  k<<<dim3(rows, p.nsplit), NW * 32, smem, stream>>>(p);
+  k<<<dim3(rows, grid_y), NW * 32, smem, stream>>>(p);
   return 0;
+  }
 }
 
 template <class F, int D, int V>
 int regs_v() {
-  cudaFuncAttributes a;
-  const cudaError_t e =
-      cudaFuncGetAttributes(&a, split_kernel<F, D, 4, VARIANTS[V][0], VARIANTS[V][1], VARIANTS[V][2]>);
-  return e == cudaSuccess ? a.numRegs : -(int)e;
+  constexpr int SMS = F::KIND == 2 ? 0 : VARIANTS[V][2];
+  if constexpr (F::KIND == 1 && SMS == 0) {
+    return -1;
+  } else {
+    cudaFuncAttributes a;
+    const cudaError_t e =
+        cudaFuncGetAttributes(&a, split_kernel<F, D, 4, VARIANTS[V][0], F::KIND == 2 ? 1 : VARIANTS[V][1], SMS>);
+    return e == cudaSuccess ? a.numRegs : -(int)e;
+  }
 }
 
 template <class F, int D>
-int launch(const Params& p, int rows, void* out, int otype, int variant, cudaStream_t stream) {
-  int e = 0;
+int launch_split(const Params& p, int rows, int grid_y, int variant, cudaStream_t stream) {
+  if constexpr (F::KIND == 2) return launch_v<F, D, 0>(p, rows, grid_y, stream);  // the tail: one instance
   switch (variant) {
-    case 1: e = launch_v<F, D, 1>(p, rows, stream); break;
-    case 2: e = launch_v<F, D, 2>(p, rows, stream); break;
-    case 3: e = launch_v<F, D, 3>(p, rows, stream); break;
-    case 4: e = launch_v<F, D, 4>(p, rows, stream); break;
-    case 5: e = launch_v<F, D, 5>(p, rows, stream); break;
-    default: e = launch_v<F, D, 0>(p, rows, stream); break;
+    case 1: return launch_v<F, D, 1>(p, rows, grid_y, stream);
+    case 2: return launch_v<F, D, 2>(p, rows, grid_y, stream);
+    case 3: return launch_v<F, D, 3>(p, rows, grid_y, stream);
+    case 4: return launch_v<F, D, 4>(p, rows, grid_y, stream);
+    case 5: return launch_v<F, D, 5>(p, rows, grid_y, stream);
+    default: return launch_v<F, D, 0>(p, rows, grid_y, stream);
   }
-  if (e) return e;
+}
+
+template <int D>
+int launch_combine(const Params& p, int rows, void* out, int otype, cudaStream_t stream) {
   const int rows_q = rows * p.gqa;
   const int threads = (COMBINE_THREADS / D) * D;
   if (otype == 0) combine_kernel<__half><<<rows_q, threads, 0, stream>>>(p.po, p.pm, p.pl, (__half*)out, p.nsplit, D);
@@ -772,6 +1139,13 @@ int launch(const Params& p, int rows, void* out, int otype, int variant, cudaStr
     combine_kernel<uint16_t><<<rows_q, threads, 0, stream>>>(p.po, p.pm, p.pl, (uint16_t*)out, p.nsplit, D);
   else combine_kernel<float><<<rows_q, threads, 0, stream>>>(p.po, p.pm, p.pl, (float*)out, p.nsplit, D);
   return (int)cudaGetLastError();
+}
+
+template <class F, int D>
+int launch(const Params& p, int rows, void* out, int otype, int variant, cudaStream_t stream) {
+  const int e = launch_split<F, D>(p, rows, p.nsplit, variant, stream);
+  if (e) return e;
+  return launch_combine<D>(p, rows, out, otype, stream);
 }
 
 template <class F, int D>
@@ -807,7 +1181,7 @@ extern "C" int kvq_decode(int fmt, int D, const void* q, int qtype, const void* 
                           long long k_cs, long long k_ss, long long v_cs, long long v_ss, int B, int Hkv, int gqa,
                           int T, int steps_per_split, int nsplit, float qk_scale, float* po, float* pm, float* pl,
                           void* out, int otype, int variant, void* stream) {
-  Params p;
+  Params p = {};
   p.q = q; p.qtype = qtype;
   p.kc = (const uint8_t*)kc; p.ks = (const uint16_t*)ks; p.kz = (const uint16_t*)kz;
   p.vc = (const uint8_t*)vc; p.vs = (const uint16_t*)vs; p.vz = (const uint16_t*)vz;
@@ -819,6 +1193,53 @@ extern "C" int kvq_decode(int fmt, int D, const void* q, int qtype, const void* 
   const int rows = B * Hkv;
   cudaStream_t s = (cudaStream_t)stream;
   KVQ_DISPATCH(launch, (p, rows, out, otype, variant, s))
+}
+
+// KIVI, head dim 128, groups of 32, 2 or 4 bits: tokens [0, n_main) (both K and V
+// quantized; n_main = min(TQK, TQV), whole groups) in nsplit_main splits of per_main
+// tiles through the pipeline (variant 2..5), then tokens [n_main, T) (the windows) in
+// nsplit_tail splits of per_tail tiles by the tail path; one combine over both.
+// kr / vr: the fp16 windows (window row i = token TQK + i / TQV + i).
+extern "C" int kvq_decode_kivi(int bits, const void* q, int qtype, const void* kc, const void* ks, const void* kz,
+                               const void* kr, const void* vc, const void* vs, const void* vz, const void* vr,
+                               long long k_cs, long long k_ss, long long k_rs, long long v_cs, long long v_ss,
+                               long long v_rs, int B, int Hkv, int gqa, int TQK, int TQV, int T, int n_main,
+                               int per_main, int nsplit_main, int per_tail, int nsplit_tail, float qk_scale, float* po,
+                               float* pm, float* pl, void* out, int otype, int variant, void* stream) {
+  if (bits != 2 && bits != 4) return -1;
+  Params p = {};
+  p.q = q; p.qtype = qtype;
+  p.kc = (const uint8_t*)kc; p.ks = (const uint16_t*)ks; p.kz = (const uint16_t*)kz;
+  p.vc = (const uint8_t*)vc; p.vs = (const uint16_t*)vs; p.vz = (const uint16_t*)vz;
+  p.kr = (const uint16_t*)kr; p.vr = (const uint16_t*)vr;
+  p.k_cs = k_cs; p.k_ss = k_ss; p.v_cs = v_cs; p.v_ss = v_ss; p.k_rs = k_rs; p.v_rs = v_rs;
+  p.TQK = TQK; p.TQV = TQV;
+  p.Hkv = Hkv; p.gqa = gqa; p.qk_scale = qk_scale;
+  p.nsplit = nsplit_main + nsplit_tail;
+  p.po = po; p.pm = pm; p.pl = pl;
+  const int rows = B * Hkv;
+  cudaStream_t s = (cudaStream_t)stream;
+  int e = 0;
+  if (nsplit_main) {
+    p.t_first = 0; p.T = n_main; p.split0 = 0; p.steps_per_split = per_main;
+    e = bits == 2 ? launch_split<KiviQ<2>, 128>(p, rows, nsplit_main, variant, s)
+                  : launch_split<KiviQ<4>, 128>(p, rows, nsplit_main, variant, s);
+    if (e) return e;
+  }
+  if (nsplit_tail) {
+    p.t_first = n_main; p.T = T; p.split0 = nsplit_main; p.steps_per_split = per_tail;
+    e = bits == 2 ? launch_split<KiviTail<2>, 128>(p, rows, nsplit_tail, 0, s)
+                  : launch_split<KiviTail<4>, 128>(p, rows, nsplit_tail, 0, s);
+    if (e) return e;
+  }
+  return launch_combine<128>(p, rows, out, otype, s);
+}
+
+// Registers of the KIVI instances: tail = 0 the quantized part (variant), 1 the tail path.
+extern "C" int kvq_num_regs_kivi(int bits, int tail, int variant) {
+  if (tail) return bits == 2 ? regs_v<KiviTail<2>, 128, 0>() : regs_v<KiviTail<4>, 128, 0>();
+  if (bits == 2) return regs_of<KiviQ<2>, 128>(variant);
+  return regs_of<KiviQ<4>, 128>(variant);
 }
 
 extern "C" int kvq_num_variants() { return NVARIANTS; }

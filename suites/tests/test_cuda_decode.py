@@ -258,3 +258,195 @@ def test_default_splits_cover_every_tile(rows, T):
         assert n * per >= tiles and (n - 1) * per < tiles and n >= 1
     n, per = cuda_decode.splits(rows, T, dev)
     assert per <= cuda_decode.TILES_PER_SPLIT or n == 1
+
+
+# ---------------------------------------------------------------------------------------
+# KIVI-2 / KIVI-4 (groups of 32, d 128): the quantized part through the KiviQ functor,
+# the fp16 windows' tail through the KiviTail launch (kernels/NOTES.md, "KIVI as a
+# format of the CUDA template"). backend="cuda" only until "kivi" is in CUDA_VERIFIED.
+# ---------------------------------------------------------------------------------------
+KIVI_SPECS = ["kivi:bits=2", "kivi:bits=4"]
+
+
+def check_kivi(kspec, B, Hq, Hkv, T, dtype, seed=0, vspec=None, k=None, v=None, **kw):
+    """kspec / vspec: the K and V quantizers (the same unless vspec: other windows)."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    D = 128
+    k = make(B, Hkv, T, D, seed) if k is None else k
+    v = make(B, Hkv, T, D, seed + 1, outlier=False) if v is None else v
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(seed + 2)).to(dtype).to(DEV)
+    qk, qv = get_quantizer(kspec, role="K", seed=3), get_quantizer(vspec or kspec, role="V", seed=3)
+    pk, pv = qk.encode(k), qv.encode(v)
+    kf, vf = L.flatten(pk, "K"), L.flatten(pv, "V")
+    out = attend(q, kf, vf, **kw)
+    ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
+    assert torch.isfinite(out).all()
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"{kspec}/{vspec} B={B} T={T} {dtype}: relative error {err:.3g}"
+    return out, ref, (kf, vf)
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", KIVI_SPECS)
+@pytest.mark.parametrize("T", [1, 20, 32, 333, 4099])  # window only, T < G, T = G, odd, long
+@pytest.mark.parametrize("B,dtype", [(1, torch.float16), (3, torch.bfloat16)])
+def test_kivi_matches_reference(spec, T, B, dtype):
+    _, _, (kf, vf) = check_kivi(spec, B, 32, 8, T, dtype, seed=T)
+    if T == 4099:  # the default windows differ: K holds T mod 128, V 128..159 tokens
+        assert kf.T_res != vf.T_res and kf.n_groups and vf.n_groups
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", KIVI_SPECS)
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("T", [97, 4099])
+def test_kivi_gqa(spec, gqa, T):
+    check_kivi(spec, 3, 2 * gqa, 2, T, torch.float16, seed=gqa + T)
+
+
+@needs_cuda
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("T", [200, 1111])
+def test_kivi_windows_of_k_and_v_differ(bits, T):
+    """More quantized V than K (K: a fixed window of 64, V: 8) and the other way round
+    (K: no window, V: 40): the tail mixes quantized and window tiles on both sides."""
+    _, _, (kf, vf) = check_kivi(f"kivi:bits={bits},residual=64,window=fixed", 2, 8, 2, T, torch.float16, seed=T,
+                                vspec=f"kivi:bits={bits},residual=8")
+    assert vf.T_quant > kf.T_quant
+    _, _, (kf, vf) = check_kivi(f"kivi:bits={bits},residual=0", 2, 8, 2, T, torch.bfloat16, seed=T + 1,
+                                vspec=f"kivi:bits={bits},residual=40")
+    assert kf.T_quant > vf.T_quant
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", KIVI_SPECS)
+def test_kivi_splits_and_variants(spec):
+    for variant in cuda_decode.SMEM_VARIANTS:
+        for ns in (1, 3, None, 10_000):
+            check_kivi(spec, 2, 8, 2, 1500, torch.float16, seed=variant, variant=variant, num_splits=ns)
+    q = torch.zeros(1, 8, 1, 128, device=DEV).half()
+    _, pk, _, pv = build(spec, make(1, 2, 64, 128, 0), make(1, 2, 64, 128, 1))
+    with pytest.raises(ValueError, match="variants"):
+        attend(q, L.flatten(pk, "K"), L.flatten(pv, "V"), variant=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", ["kivi:bits=2", "kivi:bits=4,residual=0"])
+@pytest.mark.parametrize("role", ["K", "V"])
+@pytest.mark.parametrize("T", [16, 4096])
+def test_kivi_last_token_matters(spec, role, T):
+    """The last key / value (in the window, or quantized: residual=0, T = 4096) changes
+    the output, which still matches the reference."""
+    B, Hq, Hkv, D = 1, 32, 8, 128
+    k, v = make(B, Hkv, T, D, 1), make(B, Hkv, T, D, 2, outlier=False)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(3)).half().to(DEV)
+    k2, v2 = k.clone(), v.clone()
+    if role == "K":
+        k2[:, :, -1] = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * 0.5).half()
+    else:
+        v2[:, :, -1] = (-8.0 * v[:, :, -1].float()).half()
+    outs = [check_kivi(spec, B, Hq, Hkv, T, torch.float16, k=kk, v=vv, num_splits=3)[0]
+            for kk, vv in ((k, v), (k2, v2))]
+    assert rel_err(outs[1], outs[0]) > 1e-3, "output ignores the last token"
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", KIVI_SPECS)
+def test_kivi_capacity_beyond_valid_length(spec):
+    """Store-like buffers: two more groups of garbage capacity (NaN / inf included) and a
+    longer window buffer with n_res valid rows."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    g = torch.Generator().manual_seed(0)
+
+    def grow(t, n):
+        pad = t.shape[:2] + (n,) + t.shape[3:]
+        if t.dtype.is_floating_point:
+            junk = (torch.randn(pad, generator=g) * 1e4).to(t.dtype)
+            junk.view(-1)[::7] = float("nan")
+            junk.view(-1)[::11] = float("inf")
+        else:
+            junk = torch.randint(0, 256, pad, generator=g).to(t.dtype)
+        return torch.cat([t, junk.to(t.device)], dim=2)
+
+    B, Hq, Hkv, T, D = 3, 16, 4, 1037, 128
+    k, v = make(B, Hkv, T, D, 5), make(B, Hkv, T, D, 6, outlier=False)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(7)).half().to(DEV)
+    qk, pk, qv, pv = build(spec, k, v)
+    flats = []
+    for f in (L.flatten(pk, "K"), L.flatten(pv, "V")):
+        per = 1 if f.role == "K" else f.group
+        flats.append(dataclasses.replace(f, codes=grow(f.codes, 2 * per), scale=grow(f.scale, 2 * per),
+                                         zero=grow(f.zero, 2 * per), residual=grow(f.residual, 40), n_res=f.T_res))
+    out = attend(q, *flats)
+    ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[torch.float16]
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", KIVI_SPECS)
+def test_kivi_auto_follows_the_switch_and_agrees_with_triton(spec):
+    """backend="auto" takes CUDA for KIVI only when "kivi" is in CUDA_VERIFIED (the lead's
+    switch), else Triton; CUDA and Triton agree."""
+    from kvqbench.kernels.decode_attention import decode_attention
+
+    B, Hq, Hkv, T, D = 2, 32, 8, 2049, 128
+    k, v = make(B, Hkv, T, D, 11), make(B, Hkv, T, D, 12, outlier=False)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(13)).bfloat16().to(DEV)
+    _, pk, _, pv = build(spec, k, v)
+    kf, vf = L.flatten(pk, "K"), L.flatten(pv, "V")
+    auto = decode_attention(q, kf, vf).float()
+    cuda = decode_attention(q, kf, vf, backend="cuda").float()
+    tri = decode_attention(q, kf, vf, backend="triton").float()
+    assert torch.equal(auto, cuda if "kivi" in cuda_decode.CUDA_VERIFIED else tri)
+    assert rel_err(cuda, tri) < TOL[torch.bfloat16]
+
+
+@needs_cuda
+def test_kivi_long_context():
+    check_kivi("kivi:bits=2", 1, 32, 8, 65536 + 5, torch.bfloat16, seed=4)
+
+
+def _kivi_flats(spec, T, D=128, B=1, H=2, kspec=None):
+    x = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(T))
+    return (L.flatten(get_quantizer(kspec or spec, role="K").encode(x), "K"),
+            L.flatten(get_quantizer(spec, role="V").encode(x), "V"))
+
+
+def test_kivi_switch_gates_auto():
+    """takes_by_default follows CUDA_VERIFIED (KIVI is not verified on a GPU yet)."""
+    kf, _ = _kivi_flats("kivi:bits=2", 100)
+    assert cuda_decode.format_name(kf) == "kivi"
+    assert cuda_decode.takes_by_default(kf) == ("kivi" in cuda_decode.CUDA_VERIFIED)
+    assert cuda_decode.AUTO_FORMATS is cuda_decode.CUDA_VERIFIED
+
+
+def test_kivi_unsupported_names_a_reason():
+    q = torch.randn(1, 4, 1, 128)
+    kf, vf = _kivi_flats("kivi:bits=2", 100)
+    assert "CUDA" in cuda_decode.unsupported(q, kf, vf)  # a CPU q
+    assert cuda_decode._kivi_unsupported(q, kf, vf) is None  # the layout itself is taken
+    assert "role" in cuda_decode._kivi_unsupported(q, vf, kf)
+    assert "bits" in cuda_decode._kivi_unsupported(q, *_kivi_flats("kivi:bits=3", 100))
+    assert "groups" in cuda_decode._kivi_unsupported(q, *_kivi_flats("kivi:bits=2,group=64", 200))
+    assert "head_dim" in cuda_decode._kivi_unsupported(torch.randn(1, 4, 1, 64), *_kivi_flats("kivi:bits=2", 100, D=64))
+
+
+@pytest.mark.parametrize("T,kspec", [(1, None), (20, None), (4099, None), (8192 + 7, None),
+                                     (1111, "kivi:bits=2,residual=64,window=fixed")])
+def test_kivi_plan_covers_every_token(T, kspec):
+    """kivi_plan: the quantized part [0, n_main) is whole groups both sides have, its
+    splits and the tail's cover every tile once, non-empty (CPU)."""
+    kf, vf = _kivi_flats("kivi:bits=2,residual=8" if kspec else "kivi:bits=2", T, kspec=kspec)
+    dev = torch.device("cpu")
+    for kw in ({}, {"num_splits": 3}, {"ctas_per_sm": 16}):
+        n_main, (nm, pm), (nt, pt) = cuda_decode.kivi_plan(kf, vf, dev, **kw)
+        assert n_main == min(kf.T_quant, vf.T_quant) and n_main % 32 == 0
+        tm, tt = n_main // 16, -(-(T - n_main) // 16)
+        assert (nm == 0) == (tm == 0) and (nt == 0) == (tt == 0)
+        if tm:
+            assert nm * pm >= tm and (nm - 1) * pm < tm
+        if tt:
+            assert nt * pt >= tt and (nt - 1) * pt < tt
