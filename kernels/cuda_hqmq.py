@@ -8,8 +8,8 @@ fp16 codebook `[H, 24 S, 4]` held in shared memory; when a flat carries another 
 (the default is the fp32 secondaries) the fp16 codebook is built once per secondaries
 tensor and cached here.
 
-Numerics as the Triton FAST path with the fp16 codebook: codeword (fp16) * round16(rq *
-round16(r_max / 15)) rounded to fp16, q exact in fp16, base-2 softmax scale on the fp32
+Numerics: codeword (fp16) * rq rounded to fp16 (one rounding), r_max / 15 applied in fp32
+to the scores (K) and to P before its fp16 rounding (V); q exact in fp16, base-2 softmax scale on the fp32
 scores, P in fp16, fp32 accumulation. kernels/NOTES.md ("CUDA HQMQ decode") has the
 design, SASS counts and GPU figures.
 """
@@ -21,12 +21,15 @@ import math
 import os
 import subprocess
 import threading
+import weakref
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).parent / "cuda" / "hqmq_decode.cu"
-# VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM)
+# VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM):
+# 0 (4, 4, 3), 1 (8, 4, 1), 2 (4, 3, 3), 3 (8, 2, 2), 4 (4, 6, 1). GPU run 1 (min 1 everywhere,
+# before the r_max fold), B=8 T=32k: v0 195.8 us, best v3 at 4 CTAs/SM 192.0 (1.31x SDPA).
 NUM_VARIANTS = 5
 DEFAULT_VARIANT = 0
 TILES_PER_SPLIT = 64  # 16-token tiles per split by default (as cuda_decode), >= MIN_CTAS_PER_SM CTAs/SM
@@ -40,6 +43,11 @@ _lib = None
 _why: str | None = None
 _tried = False
 _QTYPE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+# fp16 codebooks keyed by the secondaries TENSOR (weakly: dropped with it). GPU run 1 keyed
+# them by data_ptr, and a freed tensor's address reused by another quantizer's secondaries
+# served a stale codebook (relative error 1.4 in one test).
+# (A WeakKeyDictionary cannot hold tensors: its lookups compare keys with ==.) Here:
+# id(tensor) -> (weak reference, _version, codebook), checked against the tensor itself.
 _TABLES: dict = {}
 
 
@@ -154,15 +162,16 @@ def codebook16(f) -> torch.Tensor:
     if f.table_mode == "codebook" and f.table.dtype == torch.float16 and f.table.is_contiguous() \
             and f.table.data_ptr() % 16 == 0:
         return f.table
-    key = (f.sec.data_ptr(), f.sec._version, tuple(f.sec.shape), f.sec.device)
-    t = _TABLES.get(key)
-    if t is None:
-        from .layout import codebook_from_secondaries
+    hit = _TABLES.get(id(f.sec))
+    if hit is not None and hit[0]() is f.sec and hit[1] == f.sec._version:
+        return hit[2]
+    from .layout import codebook_from_secondaries
 
-        t = codebook_from_secondaries(f.sec.float()).half().contiguous()
-        if len(_TABLES) > 64:
-            _TABLES.clear()
-        _TABLES[key] = t
+    t = codebook_from_secondaries(f.sec.float()).half().contiguous()
+    if len(_TABLES) > 256:  # drop the entries whose tensors are gone
+        for key in [k for k, e in _TABLES.items() if e[0]() is None]:
+            del _TABLES[key]
+    _TABLES[id(f.sec)] = (weakref.ref(f.sec), f.sec._version, t)
     return t
 
 

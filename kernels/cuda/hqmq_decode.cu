@@ -12,9 +12,12 @@
 // One CTA of NW warps per (b * Hkv + h, split). The CTA first copies the kv head's two
 // codebooks (K and V, [24 S, 4] fp16 = 192 S bytes each, 18 KB at S=96) into shared
 // memory; every chunk of 4 dims is then ONE 8-byte LDS gather table[code] (two half2),
-// times its radius level rhat = rq * (r_max / 15) in fp16 (rq to fp16 by the
-// magic-number trick: one LOP3 + one HSUB2 per two chunks, then one HMUL2 by the token
-// pair's r_max/15).
+// times its radius code rq (0..15, exact in fp16 by the magic-number trick: one LOP3 +
+// one HSUB2 per two chunks): one rounding of cw * rq. The token's r_max / 15 is applied
+// in fp32 outside the mma: K to the scores (s_t = r_max_t / 15 sum_c rq <q_c, cw_c>),
+// V to P (p_t r_max_t / 15, then rounded to fp16 as P is anyway). GPU run 1 (NOTES.md)
+// rounded rhat = rq * round16(r_max / 15) into the decode as Triton does: ~3e-3 relative
+// output error at the tolerance's edge, and 16 more HMUL2 per tile.
 // Each warp streams its 16-token tiles through SMS cp.async stages (K and V codes 48 B
 // per token, radius 16 B per token, and a 16-byte-aligned 48-byte window of r_max).
 //
@@ -28,7 +31,7 @@
 //                                            gathered codewords are interleaved by PRMT
 //                                            into (t, t+1) pairs of one dim)
 // so per chunk: 2 address ops (SHF/LOP3), 1 LDS.64, 2 HMUL2 (+2 PRMT for V), and the
-// radius level (~1.5 per chunk); an HMMA per 2 chunks.
+// radius code (~1 per chunk); an HMMA per 2 chunks.
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -218,6 +221,7 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
                                           float (&acc)[KS][4], float (&m)[2], float (&l)[2], int g, int c) {
   // ---- K: tokens g, g+8; chunks 8c .. 8c+7
   float s[4] = {0.f, 0.f, 0.f, 0.f};
+  float rk[2];
   {
     uint32_t w[2][3], rw[2], rmb[2];
 #pragma unroll
@@ -230,7 +234,8 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
       rw[i] = *reinterpret_cast<const uint32_t*>(st + Stage::KR + t * RB + 4 * c);
       rmb[i] = *reinterpret_cast<const uint16_t*>(st + Stage::KM + moff_k + 2 * t);
     }
-    const __half2 rm2 = h2(pack_half2(rm15(rmb[0]), rm15(rmb[1])));  // (token g, token g+8)
+    rk[0] = rm15(rmb[0]);  // r_max / 15 of tokens g, g+8 in fp32: applied to the fp32 scores
+    rk[1] = rm15(rmb[1]);
     const uint32_t rlo = __byte_perm(rw[0], rw[1], 0x5410);  // chunks 0-3 of g, g+8
     const uint32_t rhi = __byte_perm(rw[0], rw[1], 0x7632);  // chunks 4-7
     uint32_t off[2][8];
@@ -249,8 +254,7 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
     for (int kk = 0; kk < KS; ++kk) {
       uint32_t x = kk < 4 ? rlo : rhi;
       if (kk & 2) x >>= 8;
-      const __half2 rq = (kk & 1) ? nibbles<true>(x) : nibbles<false>(x);
-      const __half2 rh = __hmul2(rq, rm2);  // (rhat of token g, of token g+8)
+      const __half2 rh = (kk & 1) ? nibbles<true>(x) : nibbles<false>(x);  // (rq of token g, of g+8), exact
       const uint2 cg = gather(ktab, off[0][kk]);
       const uint2 cg8 = gather(ktab, off[1][kk]);
       const __half2 rg = __low2half2(rh), rg8 = __high2half2(rh);
@@ -258,8 +262,7 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
                u32(__hmul2(h2(cg8.y), rg8)), qb[kk][0], qb[kk][1]);
     }
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) s[i] *= qk;
+  s[0] *= qk * rk[0]; s[1] *= qk * rk[0]; s[2] *= qk * rk[1]; s[3] *= qk * rk[1];
   if (t0 + g >= T) s[0] = s[1] = NEG_INF;
   if (t0 + g + 8 >= T) s[2] = s[3] = NEG_INF;
 
@@ -289,15 +292,19 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
   const float p0 = exp2f(s[0] - ms0), p1 = exp2f(s[1] - ms1), p2 = exp2f(s[2] - ms0), p3 = exp2f(s[3] - ms1);
   l[0] += p0 + p2;
   l[1] += p1 + p3;
-  const uint32_t pb0 = movtrans(pack_half2(p0, p1));  // P^T: k = tokens 2c, 2c+1; n = head g
-  const uint32_t pb1 = movtrans(pack_half2(p2, p3));  //      k = tokens 2c+8, 2c+9
+  // V's r_max / 15 folded into P (v_t = (r_max_t / 15) rq cw): P^T carries p_t r_max_t / 15;
+  // zero past T, so no garbage r_max of the capacity reaches the sums
+  const float rv0 = t0 + g < T ? rm15(*reinterpret_cast<const uint16_t*>(st + Stage::VM + moff_v + 2 * g)) : 0.f;
+  const float rv1 =
+      t0 + g + 8 < T ? rm15(*reinterpret_cast<const uint16_t*>(st + Stage::VM + moff_v + 2 * (g + 8))) : 0.f;
+  const uint32_t pb0 = movtrans(pack_half2(p0 * rv0, p1 * rv0));  // P^T: k = tokens 2c, 2c+1; n = head g
+  const uint32_t pb1 = movtrans(pack_half2(p2 * rv1, p3 * rv1));  //      k = tokens 2c+8, 2c+9
 
   // ---- V: tokens 2c, 2c+1 (pair 0), 2c+8, 2c+9 (pair 1); chunks 4g .. 4g+3
   const int sh = 16 * (g & 1);
   const int wo = 4 * ((3 * g) >> 1);  // byte of the word holding bit 48 g of the row
   uint32_t off[4][4];  // [token 2c, 2c+1, 2c+8, 2c+9][chunk jj] table byte offsets
   uint32_t rb[4];
-  float rmf[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int t = 2 * c + (j & 1) + 8 * (j >> 1);
@@ -309,18 +316,15 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
     off[j][2] = __funnelshift_r(lo, hi, 21) & 0x7FF8u;
     off[j][3] = (hi >> 1) & 0x7FF8u;
     rb[j] = *reinterpret_cast<const uint16_t*>(st + Stage::VR + t * RB + 2 * g);
-    const uint32_t mb = *reinterpret_cast<const uint16_t*>(st + Stage::VM + moff_v + 2 * t);
-    rmf[j] = t0 + t < T ? rm15(mb) : 0.f;  // zero past T: no garbage r_max reaches the sums
   }
-  const __half2 rm01 = h2(pack_half2(rmf[0], rmf[1])), rm89 = h2(pack_half2(rmf[2], rmf[3]));
   const uint32_t u01 = __byte_perm(rb[0], rb[1], 0x5410), u89 = __byte_perm(rb[2], rb[3], 0x5410);  // t.b0 t.b1 t1.b0 t1.b1
   // chunk jj of the lane = m-tiles 2 jj (dims 4jj, 4jj+1 = rows g, g+8) and 2 jj + 1 (dims 4jj+2, +3):
   // dim 16 g + 2 mt + row, as the merge below expects
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj) {
     const uint32_t x01 = (jj & 2) ? (u01 >> 8) : u01, x89 = (jj & 2) ? (u89 >> 8) : u89;
-    const __half2 r01 = __hmul2((jj & 1) ? nibbles<true>(x01) : nibbles<false>(x01), rm01);  // (rhat_2c, rhat_2c+1)
-    const __half2 r89 = __hmul2((jj & 1) ? nibbles<true>(x89) : nibbles<false>(x89), rm89);
+    const __half2 r01 = (jj & 1) ? nibbles<true>(x01) : nibbles<false>(x01);  // (rq_2c, rq_2c+1), exact
+    const __half2 r89 = (jj & 1) ? nibbles<true>(x89) : nibbles<false>(x89);
     const uint2 c0 = gather(vtab, off[0][jj]), c1 = gather(vtab, off[1][jj]);
     const uint2 c8 = gather(vtab, off[2][jj]), c9 = gather(vtab, off[3][jj]);
     mma16816(acc[2 * jj], u32(__hmul2(h2(__byte_perm(c0.x, c1.x, 0x5410)), r01)),
@@ -517,8 +521,10 @@ __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const float* _
   }
 }
 
-// Launch variants: {warps per CTA, cp.async stages per warp, min CTAs per SM}
-constexpr int VARIANTS[][3] = {{4, 4, 1}, {8, 4, 1}, {4, 3, 1}, {8, 2, 1}, {4, 6, 1}};
+// Launch variants: {warps per CTA, cp.async stages per warp, min CTAs per SM (a register cap)}.
+// GPU run 1 (NOTES.md) had min 1 everywhere: 168-176 registers = 2 CTAs of 4 warps per SM;
+// the caps (3 x 4 warps: 167 registers, 2 x 8 warps: 128) compile without spills (offline).
+constexpr int VARIANTS[][3] = {{4, 4, 3}, {8, 4, 1}, {4, 3, 3}, {8, 2, 2}, {4, 6, 1}};
 constexpr int NVARIANTS = 5;
 constexpr int TAB_SMALL = 192 * 96;   // S <= 96
 constexpr int TAB_LARGE = 192 * 170;  // S <= 170 (fill=true at 12 bits)
