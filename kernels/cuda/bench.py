@@ -23,11 +23,25 @@ import triton
 
 from kvqbench.kernels import cuda_decode
 from kvqbench.kernels.decode_attention import decode_attention
-from kvqbench.kernels.layout import flatten
+from kvqbench.kernels.layout import KIVIFlat, flatten
 from kvqbench.quantizers import get_quantizer
 from kvqbench.suites.bench.kernel_sweep.measure import copy_bandwidth, graph_decode, synthetic_kv
 
-METHODS = {"int4": 0, "fp8": 1}  # name in the kernel sweep: CUDA format id
+METHODS = {"int4": 0, "fp8": 1, "kivi2": "kivi2", "kivi4": "kivi4"}  # name in the kernel sweep: CUDA format id
+SPECS = {"int4": "int4", "fp8": "fp8-e4m3", "kivi2": "kivi:bits=2", "kivi4": "kivi:bits=4"}
+
+
+def regs(name, variant):
+    if name.startswith("kivi"):
+        return cuda_decode.num_regs_kivi(int(name[-1]), False, variant) if variant in cuda_decode.SMEM_VARIANTS else None
+    return cuda_decode.num_regs(METHODS[name], 128, variant)
+
+
+def tiled(f, B, T):
+    """A valid cache of B x T tokens from the encoded base (KIVI: its window stays last)."""
+    if isinstance(f, KIVIFlat):
+        return f.tile(B // f.B, (T - f.T_res) // f.group)
+    return f.tile(B // f.B, T // f.T)
 
 
 def bench(fn) -> float:
@@ -38,16 +52,17 @@ def rel_err(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def run(shapes, out: Path) -> dict:
+def run(shapes, out: Path, methods=tuple(METHODS)) -> dict:
     dev = torch.device("cuda")
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "regs": {f"{m}/v{v}": cuda_decode.num_regs(f, 128, v) for m, f in METHODS.items()
-                    for v in range(cuda_decode.NUM_VARIANTS)}, "rows": []}
+           "regs": {f"{m}/v{v}": regs(m, v) for m in METHODS for v in range(cuda_decode.NUM_VARIANTS)},
+           "rows": []}
+    res["regs"].update({f"kivi{b}/tail": cuda_decode.num_regs_kivi(b, True) for b in (2, 4)})
     res["copy_GBps"] = copy_bandwidth(dev)
     k, v = synthetic_kv(1, 8, 4096, 128, device=dev)
     base = {}
-    for name in METHODS:
-        spec = {"int4": "int4", "fp8": "fp8-e4m3"}[name]
+    for name in methods:
+        spec = SPECS[name]
         # (encoded here directly; the sweep's encode() does the same since its imports were fixed)
         pk = get_quantizer(spec, role="K", seed=3).encode(k)
         pv = get_quantizer(spec, role="V", seed=3).encode(v)
@@ -64,18 +79,27 @@ def run(shapes, out: Path) -> dict:
         if B == 1:
             rows.append({"B": B, "T": T, "method": "fp16-sdpa-graph", "us": bench(graph_decode(lambda x: sdpa(), q))})
         del kf16, vf16
-        for name in METHODS:
-            kf, vf = (f.tile(B // f.B, T // f.T) for f in base[name])
+        for name in methods:
+            kf, vf = (tiled(f, B, T) for f in base[name])
+            assert kf.T == vf.T == T
             nbytes = kf.read_nbytes + vf.read_nbytes
             ref = decode_attention(q, kf, vf, backend="triton", out_dtype=torch.float32)
-            got = decode_attention(q, kf, vf, backend="cuda", out_dtype=torch.float32)
-            err = rel_err(got, ref)
             t_tri = bench(lambda: decode_attention(q, kf, vf, backend="triton"))
             rows.append({"B": B, "T": T, "method": f"{name}-triton", "us": t_tri, "bytes": nbytes})
+            try:  # a first CUDA call that fails (unverified KIVI) must not stop the other methods
+                got = decode_attention(q, kf, vf, backend="cuda", out_dtype=torch.float32)
+                err = rel_err(got, ref)
+            except (RuntimeError, ValueError) as e:
+                rows.append({"B": B, "T": T, "method": f"{name}-cuda", "us": float("nan"), "error": str(e)[:200]})
+                print("FAILED", name, B, T, str(e)[:200], flush=True)
+                continue
+            kivi = name.startswith("kivi")  # KIVI: the shared-memory variants only
+            variants = cuda_decode.SMEM_VARIANTS if kivi else range(cuda_decode.NUM_VARIANTS)
             if B > 1:
-                cfgs = [dict(variant=vv, ctas_per_sm=c) for vv in range(cuda_decode.NUM_VARIANTS) for c in (4, 8, 16)]
+                cfgs = [dict(variant=vv, ctas_per_sm=c) for vv in variants for c in (4, 8, 16)]
+                cfgs.append(dict())  # the defaults (variant 2, ~64 tiles per split)
             else:  # few rows: fewer, longer splits (the shared-memory pipeline keeps bytes in flight)
-                vs = sorted({best_variant.get(name, 0), 0, *cuda_decode.SMEM_VARIANTS})
+                vs = sorted({best_variant.get(name, 2), *cuda_decode.SMEM_VARIANTS} | (set() if kivi else {0}))
                 cfgs = [dict(variant=vv, ctas_per_sm=c) for vv in vs for c in (2, 4, 8)]
             best = None
             for cfg in cfgs:
@@ -90,8 +114,10 @@ def run(shapes, out: Path) -> dict:
                              "err_vs_triton": err})
                 if best is None or t < best[0]:
                     best = (t, cfg)
+            if best is None:
+                continue
             if B > 1:
-                best_variant[name] = best[1]["variant"]
+                best_variant[name] = best[1].get("variant", 2)
             if B == 1:
                 for tag, kw in (("cuda", dict(backend="cuda", **best[1])), ("triton", dict(backend="triton"))):
                     fn = graph_decode(lambda x, kw=kw: decode_attention(x, kf, vf, **kw), q)
@@ -136,11 +162,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/cuda_bench")
     ap.add_argument("--shapes", default="8x32768,1x32768")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {','.join(METHODS)}")
     ap.add_argument("--best-only", action="store_true", help="print only SDPA, Triton and the best CUDA row per shape")
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     t0 = time.time()
-    res = run(shapes, Path(a.out))
+    res = run(shapes, Path(a.out), tuple(a.methods.split(",")))
     txt = table(res, best_only=a.best_only)
     Path(a.out, "cuda_bench.md").write_text(txt + "\n")
     print(txt)
