@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         for p in render(a.render):
             print(p)
         return 0
-    from ...harness.kv_cache import QuantizedCache  # noqa: F401  (fail early on a broken install)
+    from ...harness.kv_cache import QuantizedCache, write_cost  # noqa: F401  (fail early on a broken install)
     from ....quantizers import get_quantizer
     from .measure import append_cost, build_model, compare_paths, measure
 
@@ -92,6 +92,10 @@ def main(argv=None) -> int:
     cfg = model.config
     run["append_cost"] = [append_cost(s, heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, device=device)
                           for s in quantized]
+    # The real write path of a decode step (device encode into the store) beside the
+    # quantizer-only count above, and the old path for comparison.
+    run["write_cost"] = [write_cost(s, heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, device=device,
+                                    step_encode=fast) for s in quantized for fast in (True, False)]
     _save(path, run)
     for ctx, batch in pairs:
         for spec in specs:

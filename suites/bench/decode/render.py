@@ -105,6 +105,15 @@ def markdown(run: dict) -> str:
                   "| cache | K ops | K host reads | V ops | V host reads |", "|---|---|---|---|---|"]
         lines += [f"| {c['spec']} | {c['K_ops']} | {c['K_host_reads']} | {c['V_ops']} | {c['V_host_reads']} |"
                   for c in run["append_cost"]]
+    if run.get("write_cost"):
+        lines += ["", "## One decode step's write through the cache, per layer (K and V)", "",
+                  "`QuantizedLayer.update` of one token (attention excluded), "
+                  "`suites/harness/kv_cache.write_cost`: step encode = the device kernels write into the store; "
+                  "off = the quantizer's `append` + the store's `append`. Maxima over the counted steps; host us = "
+                  "host wall time per update.", "",
+                  "| cache | step encode | torch ops | Triton launches | host reads | host us |", "|---|---|---|---|---|---|"]
+        lines += [f"| {c['spec']} | {'on' if c['step_encode'] else 'off'} | {c['max_ops']} | {c['max_launches']} | "
+                  f"{c['max_host_reads']} | {c['host_us']:.0f} |" for c in run["write_cost"]]
     lines += ["", "## Targets (issue 9)", "", "| target | measured | verdict |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in targets(run)]
     if run.get("notes"):
