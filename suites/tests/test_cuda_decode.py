@@ -346,9 +346,12 @@ def test_kivi_last_token_matters(spec, role, T):
         k2[:, :, -1] = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * 0.5).half()
     else:
         v2[:, :, -1] = (-8.0 * v[:, :, -1].float()).half()
-    outs = [check_kivi(spec, B, Hq, Hkv, T, torch.float16, k=kk, v=vv, num_splits=3)[0]
-            for kk, vv in ((k, v), (k2, v2))]
-    assert rel_err(outs[1], outs[0]) > 1e-3, "output ignores the last token"
+    (o1, r1, _), (o2, r2, _) = [check_kivi(spec, B, Hq, Hkv, T, torch.float16, k=kk, v=vv, num_splits=3)
+                                for kk, vv in ((k, v), (k2, v2))]
+    # The kernel's change must be the reference's change (H200 run 16: a fixed 1e-3 floor
+    # failed at 9.8e-4 for 2-bit keys at T = 4096, where one key of 4096 moves little).
+    assert rel_err(r2, r1) > 1e-4, "the modification does not reach the reference output"
+    assert rel_err(o2 - o1, r2 - r1) < 0.5, "the kernel does not follow the last token's change"
 
 
 @needs_cuda
