@@ -110,44 +110,53 @@ def _build_dir() -> Path:
     return Path(root) / "kvqbench_cuda_decode"
 
 
+def compile_library(source: Path, stem: str, cap: tuple[int, int]) -> Path:
+    """nvcc `source` into a shared library for compute capability `cap`, once per
+    source/flags/compiler/arch (the file name carries their hash); raises RuntimeError
+    (nvcc missing or failing) or OSError / SubprocessError."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        raise RuntimeError("no nvcc found (CUDA_HOME / PATH): cannot build the CUDA kernels")
+    ver = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    flags = FLAGS + _arch_flags(cap)
+    headers = "".join(h.read_text() for h in sorted(source.parent.glob("*.cuh")))  # included by every source
+    key = hashlib.sha256((source.read_text() + headers + "\0".join(flags) + ver).encode()).hexdigest()[:16]
+    out = _build_dir() / f"{stem}_sm{cap[0]}{cap[1]}_{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        r = subprocess.run([nvcc, *flags, "-o", str(tmp), str(source)], capture_output=True, text=True, timeout=900)
+        if r.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({r.returncode}): {(r.stderr or r.stdout)[-800:]}")
+        os.replace(tmp, out)
+    return out
+
+
+def load_library(source: Path, stem: str) -> tuple[ctypes.CDLL | None, str | None]:
+    """(library, None) for `source` built for this GPU, or (None, why not): no CUDA
+    device, ROCm, a GPU below sm_80 (mma.sync m16n8k16), no nvcc, a failed build."""
+    if not torch.cuda.is_available():
+        return None, "torch has no CUDA device"
+    if getattr(torch.version, "hip", None):
+        return None, "ROCm torch: the kernels are CUDA (mma.sync, movmatrix)"
+    cap = torch.cuda.get_device_capability()
+    if cap < (8, 0):
+        return None, f"GPU sm_{cap[0]}{cap[1]}: the kernels need sm_80+ (mma.sync m16n8k16)"
+    try:
+        return ctypes.CDLL(str(compile_library(source, stem, cap))), None
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        return None, f"building/loading {source.name} failed: {type(e).__name__}: {e}"
+
+
 def _load():
-    """Build (once per source/flags/compiler/arch) and load the library; sets _why on failure."""
+    """Build and load the library once per process; sets _why on failure."""
     global _lib, _why, _tried
     with _lock:
         if _tried:
             return _lib
         _tried = True
-        if not torch.cuda.is_available():
-            _why = "torch has no CUDA device"
-            return None
-        if getattr(torch.version, "hip", None):
-            _why = "ROCm torch: the kernels are CUDA (mma.sync, movmatrix)"
-            return None
-        cap = torch.cuda.get_device_capability()
-        if cap < (8, 0):
-            _why = f"GPU sm_{cap[0]}{cap[1]}: the kernels need sm_80+ (mma.sync m16n8k16)"
-            return None
-        nvcc = _nvcc()
-        if nvcc is None:
-            _why = "no nvcc found (CUDA_HOME / PATH): cannot build the CUDA kernels"
-            return None
-        try:
-            ver = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
-            flags = FLAGS + _arch_flags(cap)
-            key = hashlib.sha256((SOURCE.read_text() + "\0".join(flags) + ver).encode()).hexdigest()[:16]
-            out = _build_dir() / f"kvq_decode_sm{cap[0]}{cap[1]}_{key}.so"
-            if not out.exists():
-                out.parent.mkdir(parents=True, exist_ok=True)
-                tmp = out.with_suffix(f".{os.getpid()}.tmp")
-                r = subprocess.run([nvcc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True,
-                                   timeout=900)
-                if r.returncode != 0:
-                    _why = f"nvcc failed ({r.returncode}): {(r.stderr or r.stdout)[-800:]}"
-                    return None
-                os.replace(tmp, out)
-            lib = ctypes.CDLL(str(out))
-        except (OSError, subprocess.SubprocessError) as e:
-            _why = f"building/loading the CUDA kernels failed: {type(e).__name__}: {e}"
+        lib, _why = load_library(SOURCE, "kvq_decode")
+        if lib is None:
             return None
         P, I, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
         lib.kvq_decode.argtypes = [I, I, P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, I, I, I, I, I, I, F, P, P, P,

@@ -16,10 +16,7 @@ design, SASS counts and GPU figures.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
-import os
-import subprocess
 import threading
 import weakref
 from pathlib import Path
@@ -52,44 +49,16 @@ _TABLES: dict = {}
 
 
 def _load():
+    """Build and load the library once per process (cuda_decode.load_library); sets _why on failure."""
     global _lib, _why, _tried
-    from . import cuda_decode as cd
+    from .cuda_decode import load_library
 
     with _lock:
         if _tried:
             return _lib
         _tried = True
-        if not torch.cuda.is_available():
-            _why = "torch has no CUDA device"
-            return None
-        if getattr(torch.version, "hip", None):
-            _why = "ROCm torch: the kernel is CUDA (mma.sync, movmatrix)"
-            return None
-        cap = torch.cuda.get_device_capability()
-        if cap < (8, 0):
-            _why = f"GPU sm_{cap[0]}{cap[1]}: the kernel needs sm_80+"
-            return None
-        nvcc = cd._nvcc()
-        if nvcc is None:
-            _why = "no nvcc found (CUDA_HOME / PATH)"
-            return None
-        try:
-            ver = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
-            flags = cd.FLAGS + cd._arch_flags(cap)
-            key = hashlib.sha256((SOURCE.read_text() + "\0".join(flags) + ver).encode()).hexdigest()[:16]
-            out = cd._build_dir() / f"kvq_hqmq_sm{cap[0]}{cap[1]}_{key}.so"
-            if not out.exists():
-                out.parent.mkdir(parents=True, exist_ok=True)
-                tmp = out.with_suffix(f".{os.getpid()}.tmp")
-                r = subprocess.run([nvcc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True,
-                                   timeout=900)
-                if r.returncode != 0:
-                    _why = f"nvcc failed ({r.returncode}): {(r.stderr or r.stdout)[-800:]}"
-                    return None
-                os.replace(tmp, out)
-            lib = ctypes.CDLL(str(out))
-        except (OSError, subprocess.SubprocessError) as e:
-            _why = f"building/loading the CUDA HQMQ kernel failed: {type(e).__name__}: {e}"
+        lib, _why = load_library(SOURCE, "kvq_hqmq")
+        if lib is None:
             return None
         P, I, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
         lib.kvq_hqmq_decode.argtypes = [P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F,

@@ -40,11 +40,10 @@
 
 #include <type_traits>
 
+#include "common.cuh"
+
 namespace {
 
-constexpr uint32_t MAGIC_LO = 0x64006400u;  // fp16 1024 in both halves: mantissa bit 0 weighs 1
-constexpr uint32_t MAGIC_HI = 0x54005400u;  // fp16 64: mantissa bit 4 weighs 1
-#define NEG_INF (-__int_as_float(0x7f800000))  // -inf (a device intrinsic, not constexpr)
 
 struct Params {
   const void* q;        // [B, Hq, 1, D] contiguous, qtype 0 fp16, 1 bf16, 2 fp32
@@ -85,11 +84,6 @@ __device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
 __device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  uint32_t d;  // cvt.rn.f16x2.f32 d, a, b puts a in the upper half
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
   return d;
 }
 // fp8 -> f16x2 conversions exist from sm_89 on; the loader refuses fp8 below that.
@@ -137,18 +131,6 @@ __device__ __forceinline__ uint32_t e5m2x2_hi(uint32_t w) {
 #endif
 }
 // 8x8 b16 transpose in the mma fragment layout (row lane/4, cols 2(lane%4), +1)
-__device__ __forceinline__ uint32_t movtrans(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
-  return y;
-}
-__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // The nibbles of x at bits 0-3 and 16-19 (HI: 4-7, 20-23) as an exact half2 (x0, x1):
 // (x & MASK) | MAGIC in ONE lop3 (C code gives an AND and an OR), then minus the magic.
@@ -324,9 +306,6 @@ __device__ __forceinline__ void load_q(const QT* q, long long row, bool real, fl
 // (NG*2 bytes) each; tokens >= T are zero-filled (src-size 0: nothing read), so the
 // garbage past T in a store's capacity never reaches the mma.
 // ---------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 template <int N>
 __device__ __forceinline__ void cp_async(uint32_t dst, const void* src, bool ok) {
   static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
@@ -336,9 +315,6 @@ __device__ __forceinline__ void cp_async(uint32_t dst, const void* src, bool ok)
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(dst), "l"(src), "n"(N), "r"(ok ? N : 0)
                  : "memory");
 }
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // Where chunk j (16 bytes) of token row t (0..15) of a tile lies in shared memory, in
 // chunks: rows permuted / chunks XORed so that the fragment reads (K: lanes read
@@ -1024,57 +1000,6 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   }
 }
 
-// Merge the nsplit partials of each query row: one CTA per row, PARTS x D threads;
-// thread (part, d) sums the splits part, part + PARTS, ... (unrolled: many loads in
-// flight), then the parts are added in shared memory. GPU run 13: B=1 took 53 / 83 /
-// 147 us at 132 / 264 / 528 splits (~0.23 us per split), which points at the first
-// version (one thread per dim walking every split, one dependent round trip each).
-constexpr int COMBINE_THREADS = 512;
-template <typename OutT>
-__global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const float* __restrict__ po,
-                                                                  const float* __restrict__ pm,
-                                                                  const float* __restrict__ pl, OutT* __restrict__ out,
-                                                                  int nsplit, int D) {
-  __shared__ float wmax[COMBINE_THREADS / 32];
-  __shared__ float part_num[COMBINE_THREADS], part_den[COMBINE_THREADS];
-  const long long row = blockIdx.x;
-  const int tid = threadIdx.x, parts = blockDim.x / D;
-  const int d = tid % D, part = tid / D;
-  const float* pmr = pm + row * nsplit;
-  const float* plr = pl + row * nsplit;
-  const float* por = po + row * nsplit * D + d;
-  float M = NEG_INF;
-  for (int s = tid; s < nsplit; s += blockDim.x) M = fmaxf(M, pmr[s]);
-#pragma unroll
-  for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-  if ((tid & 31) == 0) wmax[tid >> 5] = M;
-  __syncthreads();
-  M = wmax[0];
-  for (int i = 1; i < (int)(blockDim.x >> 5); ++i) M = fmaxf(M, wmax[i]);
-  float num = 0.f, den = 0.f;
-#pragma unroll 4
-  for (int s = part; s < nsplit; s += parts) {
-    const float ms = pmr[s];
-    const float w = (ms == NEG_INF) ? 0.f : exp2f(ms - M);
-    den += w * plr[s];
-    num += w * por[(long long)s * D];
-  }
-  part_num[tid] = num;
-  part_den[tid] = den;
-  __syncthreads();
-  if (part) return;
-  for (int i = 1; i < parts; ++i) {
-    num += part_num[i * D + d];
-    den += part_den[i * D + d];
-  }
-  const float o = num / den;
-  if constexpr (sizeof(OutT) == 4) out[row * D + d] = o;
-  else if constexpr (std::is_same<OutT, __half>::value) out[row * D + d] = __float2half_rn(o);
-  else {  // bf16 bits, round to nearest even
-    const uint32_t u = __float_as_uint(o);
-    out[row * D + d] = (OutT)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  }
-}
 
 // Launch variants (timed in NOTES.md): {register stages, min CTAs per SM (a register
 // cap, may spill), shared-memory stages (0: the register path)}.

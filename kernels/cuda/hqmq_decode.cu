@@ -39,11 +39,10 @@
 
 #include <type_traits>
 
+#include "common.cuh"
+
 namespace {
 
-constexpr uint32_t MAGIC_LO = 0x64006400u;  // fp16 1024 in both halves: mantissa bit 0 weighs 1
-constexpr uint32_t MAGIC_HI = 0x54005400u;  // fp16 64: mantissa bit 4 weighs 1
-#define NEG_INF (-__int_as_float(0x7f800000))
 
 constexpr int D = 128;
 constexpr int NC = D / 4;     // chunks per token
@@ -82,23 +81,6 @@ __device__ __forceinline__ uint32_t u32(__half2 h) {
   memcpy(&u, &h, 4);
   return u;
 }
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  uint32_t d;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
-__device__ __forceinline__ uint32_t movtrans(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
-  return y;
-}
-__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 // nibbles at bits 0-3 and 16-19 (HI: 4-7, 20-23) of x as an exact half2: one LOP3 + HSUB2
 template <bool HI>
 __device__ __forceinline__ __half2 nibbles(uint32_t x) {
@@ -107,15 +89,9 @@ __device__ __forceinline__ __half2 nibbles(uint32_t x) {
   else asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(x), "n"(0x000F000Fu), "n"(MAGIC_LO));
   return __hsub2(h2(d), h2(HI ? MAGIC_HI : MAGIC_LO));
 }
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
 }
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // fp16 r_max bits -> r_max / 15 in fp32 (rounded to fp16 by the caller, as the Triton kernel does)
 __device__ __forceinline__ float rm15(uint32_t bits) {
@@ -473,53 +449,6 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   }
 }
 
-// combine over the splits (a copy of decode_attention.cu's)
-constexpr int COMBINE_THREADS = 512;
-template <typename OutT>
-__global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const float* __restrict__ po,
-                                                                  const float* __restrict__ pm,
-                                                                  const float* __restrict__ pl, OutT* __restrict__ out,
-                                                                  int nsplit) {
-  __shared__ float wmax[COMBINE_THREADS / 32];
-  __shared__ float part_num[COMBINE_THREADS], part_den[COMBINE_THREADS];
-  const long long row = blockIdx.x;
-  const int tid = threadIdx.x, parts = blockDim.x / D;
-  const int d = tid % D, part = tid / D;
-  const float* pmr = pm + row * nsplit;
-  const float* plr = pl + row * nsplit;
-  const float* por = po + row * nsplit * D + d;
-  float M = NEG_INF;
-  for (int s = tid; s < nsplit; s += blockDim.x) M = fmaxf(M, pmr[s]);
-#pragma unroll
-  for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-  if ((tid & 31) == 0) wmax[tid >> 5] = M;
-  __syncthreads();
-  M = wmax[0];
-  for (int i = 1; i < (int)(blockDim.x >> 5); ++i) M = fmaxf(M, wmax[i]);
-  float num = 0.f, den = 0.f;
-#pragma unroll 4
-  for (int s = part; s < nsplit; s += parts) {
-    const float ms = pmr[s];
-    const float w = (ms == NEG_INF) ? 0.f : exp2f(ms - M);
-    den += w * plr[s];
-    num += w * por[(long long)s * D];
-  }
-  part_num[tid] = num;
-  part_den[tid] = den;
-  __syncthreads();
-  if (part) return;
-  for (int i = 1; i < parts; ++i) {
-    num += part_num[i * D + d];
-    den += part_den[i * D + d];
-  }
-  const float o = num / den;
-  if constexpr (sizeof(OutT) == 4) out[row * D + d] = o;
-  else if constexpr (std::is_same<OutT, __half>::value) out[row * D + d] = __float2half_rn(o);
-  else {
-    const uint32_t u = __float_as_uint(o);
-    out[row * D + d] = (OutT)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  }
-}
 
 // Launch variants: {warps per CTA, cp.async stages per warp, min CTAs per SM (a register cap)}.
 // GPU run 1 (NOTES.md) had min 1 everywhere: 168-176 registers = 2 CTAs of 4 warps per SM;
@@ -593,9 +522,9 @@ extern "C" int kvq_hqmq_decode(const void* q, int qtype, const void* kc, const v
   if (e) return e;
   const int rows_q = rows * gqa;
   const int threads = (COMBINE_THREADS / D) * D;
-  if (otype == 0) combine_kernel<__half><<<rows_q, threads, 0, s>>>(po, pm, pl, (__half*)out, nsplit);
-  else if (otype == 1) combine_kernel<uint16_t><<<rows_q, threads, 0, s>>>(po, pm, pl, (uint16_t*)out, nsplit);
-  else combine_kernel<float><<<rows_q, threads, 0, s>>>(po, pm, pl, (float*)out, nsplit);
+  if (otype == 0) combine_kernel<__half><<<rows_q, threads, 0, s>>>(po, pm, pl, (__half*)out, nsplit, D);
+  else if (otype == 1) combine_kernel<uint16_t><<<rows_q, threads, 0, s>>>(po, pm, pl, (uint16_t*)out, nsplit, D);
+  else combine_kernel<float><<<rows_q, threads, 0, s>>>(po, pm, pl, (float*)out, nsplit, D);
   return (int)cudaGetLastError();
 }
 

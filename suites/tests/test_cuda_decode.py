@@ -453,3 +453,18 @@ def test_kivi_plan_covers_every_token(T, kspec):
             assert nm * pm >= tm and (nm - 1) * pm < tm
         if tt:
             assert nt * pt >= tt and (nt - 1) * pt < tt
+
+
+@pytest.mark.skipif(cuda_decode._nvcc() is None, reason="no nvcc: nothing to build")
+def test_both_sources_build_and_load_without_a_gpu(tmp_path, monkeypatch):
+    """The sources, their shared header and the loader's build path compile for sm_90a and
+    load (a compile error or a missing export shows here, on any machine with nvcc)."""
+    import ctypes
+
+    from kvqbench.kernels import cuda_hqmq
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    for source, stem, symbol in ((cuda_decode.SOURCE, "kvq_decode", "kvq_decode_kivi"),
+                                 (cuda_hqmq.SOURCE, "kvq_hqmq", "kvq_hqmq_decode")):
+        lib = ctypes.CDLL(str(cuda_decode.compile_library(source, stem, (9, 0))))
+        assert hasattr(lib, symbol)

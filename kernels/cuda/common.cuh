@@ -1,0 +1,92 @@
+// Device helpers and the split combine shared by decode_attention.cu (int4, fp8, KIVI)
+// and hqmq_decode.cu: included by both, each built into its own library
+// (kernels/cuda_decode.py `compile_library` hashes this header with the source).
+#pragma once
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+namespace {
+
+constexpr uint32_t MAGIC_LO = 0x64006400u;  // fp16 1024 in both halves: mantissa bit 0 weighs 1
+constexpr uint32_t MAGIC_HI = 0x54005400u;  // fp16 64: mantissa bit 4 weighs 1
+#define NEG_INF (-__int_as_float(0x7f800000))  // -inf (a device intrinsic, not constexpr)
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  uint32_t d;  // cvt.rn.f16x2.f32 d, a, b puts a in the upper half
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+__device__ __forceinline__ uint32_t movtrans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Merge the nsplit partials of each query row: one CTA per row, PARTS x D threads;
+// thread (part, d) sums the splits part, part + PARTS, ... (unrolled: many loads in
+// flight), then the parts are added in shared memory. GPU run 13: B=1 took 53 / 83 /
+// 147 us at 132 / 264 / 528 splits (~0.23 us per split), which points at the first
+// version (one thread per dim walking every split, one dependent round trip each).
+constexpr int COMBINE_THREADS = 512;
+template <typename OutT>
+__global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const float* __restrict__ po,
+                                                                  const float* __restrict__ pm,
+                                                                  const float* __restrict__ pl, OutT* __restrict__ out,
+                                                                  int nsplit, int D) {
+  __shared__ float wmax[COMBINE_THREADS / 32];
+  __shared__ float part_num[COMBINE_THREADS], part_den[COMBINE_THREADS];
+  const long long row = blockIdx.x;
+  const int tid = threadIdx.x, parts = blockDim.x / D;
+  const int d = tid % D, part = tid / D;
+  const float* pmr = pm + row * nsplit;
+  const float* plr = pl + row * nsplit;
+  const float* por = po + row * nsplit * D + d;
+  float M = NEG_INF;
+  for (int s = tid; s < nsplit; s += blockDim.x) M = fmaxf(M, pmr[s]);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  if ((tid & 31) == 0) wmax[tid >> 5] = M;
+  __syncthreads();
+  M = wmax[0];
+  for (int i = 1; i < (int)(blockDim.x >> 5); ++i) M = fmaxf(M, wmax[i]);
+  float num = 0.f, den = 0.f;
+#pragma unroll 4
+  for (int s = part; s < nsplit; s += parts) {
+    const float ms = pmr[s];
+    const float w = (ms == NEG_INF) ? 0.f : exp2f(ms - M);
+    den += w * plr[s];
+    num += w * por[(long long)s * D];
+  }
+  part_num[tid] = num;
+  part_den[tid] = den;
+  __syncthreads();
+  if (part) return;
+  for (int i = 1; i < parts; ++i) {
+    num += part_num[i * D + d];
+    den += part_den[i * D + d];
+  }
+  const float o = num / den;
+  if constexpr (sizeof(OutT) == 4) out[row * D + d] = o;
+  else if constexpr (std::is_same<OutT, __half>::value) out[row * D + d] = __float2half_rn(o);
+  else {  // bf16 bits, round to nearest even
+    const uint32_t u = __float_as_uint(o);
+    out[row * D + d] = (OutT)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+
+}  // namespace
