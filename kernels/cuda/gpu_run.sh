@@ -1,26 +1,16 @@
 #!/usr/bin/env bash
 # One GPU call (kernels/NOTES.md, "CUDA decode kernels"): the package on PYTHONPATH
-# through a symlinked kvqbench/ (pip install -e . gave no importable package there),
+# through a symlinked kvqbench/ (gpu_env.sh: no install step on a bare machine),
 # tests first, then the bench; logs and JSON under $OUT.
 # usage: bash kernels/cuda/gpu_run.sh [test seconds] [bench seconds] [bench args...]
 # Defaults: the CUDA decode tests (int4, fp8, KIVI-2/4 with backend="cuda") plus the int4 /
 # fp8 / KIVI tests of test_kernels.py (TEST_K), then the bench of int4, fp8, KIVI-2,
 # KIVI-4 (CUDA and Triton) beside fp16 SDPA at B=8 and B=1, T=32k: ~25 s build + <= 75 +
 # <= 55 s. `bash kernels/cuda/gpu_run.sh 75 55 --methods kivi2,kivi4` times KIVI only.
-set -u
 T_TEST=${1:-75}; T_BENCH=${2:-55}; shift 2 || true
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PP=/tmp/pp; mkdir -p $PP/kvqbench
-for d in kernels quantizers suites; do ln -sfn "$PWD/$d" $PP/kvqbench/$d; done
-export PYTHONPATH=$PP TORCH_EXTENSIONS_DIR=/tmp/kvq_ext PYTHONDONTWRITEBYTECODE=1
-PY=${PYTHON:-python}
-{ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-  nvcc --version | tail -2; date -u; } 2>&1 | tee "$OUT/env.txt"
-t0=$(date +%s)
+source "$(dirname "$0")/gpu_env.sh"
 $PY -c "from kvqbench.kernels import cuda_decode as c; print('why_unavailable:', c.why_unavailable()); print('regs', {v: c.num_regs(0, 128, v) for v in range(c.NUM_VARIANTS)}, {v: c.num_regs(1, 128, v) for v in range(c.NUM_VARIANTS)}); print('kivi regs', {b: [c.num_regs_kivi(b, False, v) for v in c.SMEM_VARIANTS] + [c.num_regs_kivi(b, True)] for b in (2, 4)}, 'CUDA_VERIFIED', sorted(c.CUDA_VERIFIED))" 2>&1 | tail -5 | tee "$OUT/build.txt"
 echo "build+load $(( $(date +%s) - t0 )) s"
-XD=""; $PY -c "import xdist" 2>/dev/null && XD="-n 8"
 timeout "$T_TEST" $PY -m pytest -q $XD suites/tests/test_cuda_decode.py suites/tests/test_kernels.py -k "${TEST_K:-int4 or fp8 or kivi or cuda or auto or splits or unsupported or backend}" -p no:cacheprovider 2>&1 \
   | tee "$OUT/tests.log" | grep -vE "^(SKIPPED|PASSED)" | tail -30
 echo "tests done at $(( $(date +%s) - t0 )) s"

@@ -2,19 +2,10 @@
 # One GPU call for the CUDA HQMQ kernel (kernels/NOTES.md, "CUDA HQMQ decode"): package on
 # PYTHONPATH through a symlinked kvqbench/ (as gpu_run.sh), build, tests (-x -q), bench.
 # usage: bash kernels/cuda/hqmq_gpu_run.sh [test seconds] [bench seconds] [bench args...]
-set -u
 T_TEST=${1:-60}; T_BENCH=${2:-75}; shift 2 || true
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PP=/tmp/pp; mkdir -p $PP/kvqbench
-for d in kernels quantizers suites; do ln -sfn "$PWD/$d" $PP/kvqbench/$d; done
-export PYTHONPATH=$PP TORCH_EXTENSIONS_DIR=/tmp/kvq_ext PYTHONDONTWRITEBYTECODE=1
-PY=${PYTHON:-python}
-{ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; date -u; } 2>&1 | tee "$OUT/env.txt"
-t0=$(date +%s)
+source "$(dirname "$0")/gpu_env.sh"
 $PY -c "from kvqbench.kernels import cuda_hqmq as c; print('why_unavailable:', c.why_unavailable()); print('regs', {v: c.num_regs(v, 96) for v in range(c.NUM_VARIANTS)}, {v: c.num_regs(v, 170) for v in range(c.NUM_VARIANTS)})" 2>&1 | tail -5 | tee "$OUT/build.txt"
 echo "build+load $(( $(date +%s) - t0 )) s"
-XD=""; $PY -c "import xdist" 2>/dev/null && XD="-n 8"
 timeout "$T_TEST" $PY -m pytest -x -q $XD suites/tests/test_cuda_hqmq.py -p no:cacheprovider 2>&1 \
   | tee "$OUT/tests.log" | grep -vE "^(SKIPPED|PASSED)" | tail -25
 echo "tests done at $(( $(date +%s) - t0 )) s"

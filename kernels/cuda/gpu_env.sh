@@ -1,0 +1,14 @@
+# Sourced by gpu_run.sh and hqmq_gpu_run.sh: the environment of one GPU call. The package
+# goes on PYTHONPATH through a symlinked kvqbench/ (no install step on a bare machine),
+# the build cache under /tmp; prints the GPU, versions and date into $OUT/env.txt.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PP=/tmp/pp; mkdir -p $PP/kvqbench
+for d in kernels quantizers suites; do ln -sfn "$PWD/$d" $PP/kvqbench/$d; done
+export PYTHONPATH=$PP TORCH_EXTENSIONS_DIR=/tmp/kvq_ext PYTHONDONTWRITEBYTECODE=1
+PY=${PYTHON:-python}
+{ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  nvcc --version | tail -2; date -u; } 2>&1 | tee "$OUT/env.txt"
+XD=""; $PY -c "import xdist" 2>/dev/null && XD="-n 8"
+t0=$(date +%s)
