@@ -28,7 +28,8 @@ from kvqbench.quantizers import QuantizerInputError, get_quantizer  # noqa: E402
 from kvqbench.quantizers.groups import quantize_groups  # noqa: E402
 from kvqbench.quantizers.packing import unpack_bits  # noqa: E402
 from kvqbench.quantizers.quaternion import hamilton, hurwitz_units  # noqa: E402
-from kvqbench.suites.harness.kv_cache import QuantizedCache, QuantizedLayer, cache_kwargs, write_cost  # noqa: E402
+from kvqbench.suites.bench.decode.measure import write_cost  # noqa: E402
+from kvqbench.suites.harness.kv_cache import QuantizedCache, QuantizedLayer, cache_kwargs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

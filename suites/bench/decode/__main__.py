@@ -64,9 +64,9 @@ def main(argv=None) -> int:
         for p in render(a.render):
             print(p)
         return 0
-    from ...harness.kv_cache import QuantizedCache, write_cost  # noqa: F401  (fail early on a broken install)
+    from ...harness.kv_cache import QuantizedCache  # noqa: F401  (fail early on a broken install)
     from ....quantizers import get_quantizer
-    from .measure import append_cost, build_model, compare_paths, measure
+    from .measure import build_model, compare_paths, measure, write_cost
 
     specs = [None if s == "plain" else s for s in a.specs]
     for s in specs:
@@ -90,10 +90,7 @@ def main(argv=None) -> int:
     pairs = [(c, b) for c in a.contexts for b in a.batches]
     pairs.sort(key=lambda cb: (cb not in ((4096, 1), (max(a.contexts), max(a.batches))), cb))
     cfg = model.config
-    run["append_cost"] = [append_cost(s, heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, device=device)
-                          for s in quantized]
-    # The real write path of a decode step (device encode into the store) beside the
-    # quantizer-only count above, and the old path for comparison.
+    # A decode step's write (device encode into the store) and the old path (append) beside it.
     run["write_cost"] = [write_cost(s, heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, device=device,
                                     step_encode=fast) for s in quantized for fast in (True, False)]
     _save(path, run)

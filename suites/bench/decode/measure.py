@@ -33,6 +33,7 @@ Memory (bytes, from torch's allocator, relative to the model alone):
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
@@ -40,7 +41,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 
 from ....quantizers.checks import deferred_checks, flush
 from ...harness.attention import fused_attention
-from ...harness.kv_cache import QuantizedCache, cache_kwargs, plain_cache_stats
+from ...harness.kv_cache import QuantizedCache, QuantizedLayer, cache_kwargs, plain_cache_stats
 
 SHAPES = {
     # Llama-3-8B attention and MLP shapes, 4 of its 32 layers (as issue 9's table)
@@ -182,29 +183,59 @@ def compare_paths(model, spec: str, *, context: int, batch: int, steps: int = 8,
                 fallbacks=sum(layer.fallbacks for layer in caches["fused"].layers))
 
 
-def append_cost(spec: str, *, heads: int = 8, head_dim: int = 128, context: int = 256, device="cpu") -> dict:
-    """What one decode step's write costs a quantizer, per (layer, role): the number of
-    top-level torch ops `Quantizer.append` of one token runs (each a kernel launch on a
-    GPU) and how many of them read a value back to the host (`.item()`, `bool()`: a
-    device synchronisation on a GPU). Counted with torch's profiler; device-independent."""
+def write_cost(spec: str, *, heads: int = 8, head_dim: int = 128, batch: int = 1, context: int = 256,
+               steps: int = 8, step_encode: bool = True, dtype=torch.bfloat16, device="cpu", seed: int = 0) -> dict:
+    """What the REAL fused write path costs per decode step: `QuantizedLayer.update` of
+    one token (K and V of one layer, attention excluded) after a prefill of `context`
+    tokens, `steps` steps. Counted with torch's profiler, per step (lists) and their
+    maxima: `ops`, the top-level torch ops (each a kernel launch on a GPU, a few are
+    views); `launches`, the Triton launches; `host_reads`, the reads of a device value
+    by the host (`aten::_local_scalar_dense`: `.item()`, `bool()`; a sync on a GPU).
+    Per (layer, role) is half of each. `host_us`: host wall time per update, timed over
+    the same number of steps without the profiler. On a CPU the Triton kernels are
+    counted but not run (the interpreter would add torch ops of its own and its run
+    time), so `host_us` there is the Python side of the write alone.
+    `step_encode=False` measures the old path (quantizer `append` + store `append`)."""
+    import time
+    from unittest import mock
+
     from torch.profiler import ProfilerActivity, profile
 
-    from ....quantizers import get_quantizer
+    from ....kernels import step_encode as se
 
-    out = {"spec": spec, "heads": heads, "head_dim": head_dim}
-    for role in ("K", "V"):
-        q = get_quantizer(spec, role=role)
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(1, heads, context + 1, head_dim, generator=g).to(device, torch.bfloat16)
-        packed = q.encode(x[:, :, :context])
-        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
-            q.append(packed, x[:, :, context:])
-        events = list(prof.events())
-        top = [e for e in events if e.name.startswith("aten::")
-               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
-        out[f"{role}_ops"] = len(top)
-        out[f"{role}_host_reads"] = sum(e.name == "aten::_local_scalar_dense" for e in events)
+    dev = torch.device(device)
+    layer = QuantizedLayer(spec, 0, seed=seed)
+    layer.fused_wanted, layer.step_encode, layer.capacity_hint = True, step_encode, context + 2 * steps + 1
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, batch, heads, context + 2 * steps, head_dim, generator=g).to(dev, dtype)
+    stub = dev.type == "cpu"
+    env = {"TRITON_INTERPRET": "1"} if stub else {}
+    hook = (lambda *a, **k: None) if stub else se.launch_hook
+    out = {"spec": spec, "heads": heads, "head_dim": head_dim, "batch": batch, "context": context,
+           "step_encode": step_encode, "ops": [], "launches": [], "host_reads": []}
+    with mock.patch.dict(os.environ, env), mock.patch.object(se, "launch_hook", hook), torch.inference_mode():
+        layer.update(x[0, :, :, :context], x[1, :, :, :context])
+        out["mode"] = layer.mode
+        for t in range(context, context + steps):
+            n0, k, v = se.LAUNCHES[0], x[0, :, :, t : t + 1], x[1, :, :, t : t + 1]
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                layer.update(k, v)
+            events = list(prof.events())
+            out["ops"].append(sum(e.name.startswith("aten::") and (
+                e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")) for e in events))
+            out["host_reads"].append(sum(e.name == "aten::_local_scalar_dense" for e in events))
+            out["launches"].append(se.LAUNCHES[0] - n0)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        kv = [(x[0, :, :, t : t + 1], x[1, :, :, t : t + 1]) for t in range(context + steps, context + 2 * steps)]
+        t0 = time.perf_counter()
+        for k, v in kv:
+            layer.update(k, v)
+        out["host_us"] = (time.perf_counter() - t0) / steps * 1e6
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    out.update(max_ops=max(out["ops"]), max_launches=max(out["launches"]), max_host_reads=max(out["host_reads"]))
     return out
 
 
-__all__ = ["SHAPES", "append_cost", "build_model", "compare_paths", "measure"]
+__all__ = ["SHAPES", "build_model", "compare_paths", "measure", "write_cost"]

@@ -98,17 +98,10 @@ def markdown(run: dict) -> str:
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {c['spec']} | {c['context']} | {c['batch']} | {c['greedy_agree']}/{c['greedy_total']} | "
                   f"{c['max_abs_logit_diff']:.3g} | {c['max_abs_logit']:.3g} | {c['fallbacks']} |" for c in run["checks"]]
-    if run.get("append_cost"):
-        lines += ["", "## One decode step's write, per layer and role (`Quantizer.append` of one token)", "",
-                  "Top-level torch ops (each a kernel launch on a GPU) and host reads (`.item()`/`bool()`: each "
-                  "a device synchronisation on a GPU), counted with torch's profiler.", "",
-                  "| cache | K ops | K host reads | V ops | V host reads |", "|---|---|---|---|---|"]
-        lines += [f"| {c['spec']} | {c['K_ops']} | {c['K_host_reads']} | {c['V_ops']} | {c['V_host_reads']} |"
-                  for c in run["append_cost"]]
     if run.get("write_cost"):
         lines += ["", "## One decode step's write through the cache, per layer (K and V)", "",
                   "`QuantizedLayer.update` of one token (attention excluded), "
-                  "`suites/harness/kv_cache.write_cost`: step encode = the device kernels write into the store; "
+                  "`measure.write_cost`: step encode = the device kernels write into the store; "
                   "off = the quantizer's `append` + the store's `append`. Maxima over the counted steps; host us = "
                   "host wall time per update.", "",
                   "| cache | step encode | torch ops | Triton launches | host reads | host us |", "|---|---|---|---|---|---|"]
