@@ -154,8 +154,12 @@ def test_last_token_matters(role, T):
         out = attend(q, L.flatten(pk, "K"), L.flatten(pv, "V"), num_splits=3)
         ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
         assert rel_err(out, ref) < TOL[torch.float16]
-        outs.append(out)
-    assert rel_err(outs[1], outs[0]) > 1e-3, "output ignores the last token"
+        outs.append((out, ref))
+    (o1, r1), (o2, r2) = outs
+    # The kernel's change must follow the reference's (a fixed floor on the change alone
+    # failed for KIVI-2 keys at T = 4096 in H200 run 16: one key of 4096 moves little).
+    assert rel_err(r2, r1) > 1e-4, "the modification does not reach the reference output"
+    assert rel_err(o2 - o1, r2 - r1) < 0.5, "the kernel does not follow the last token's change"
 
 
 @needs_cuda
