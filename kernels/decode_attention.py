@@ -640,9 +640,10 @@ def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", **kw) -> torc
     (default q's dtype); the tensor is the workspace's buffer when one is passed.
 
     backend: "triton", "cuda" (kernels/cuda_decode.py: int4 with groups of 32, fp8, and
-    KIVI-2 / KIVI-4 with groups of 32 at d 128 (auto: not until "kivi" is in
-    `cuda_decode.CUDA_VERIFIED`, after a GPU run); kernels/cuda_hqmq.py: HQMQ 12-bit codes, r=4, d=128, no Med3x; raises where it cannot run) or "auto": the CUDA kernel for the formats it is faster
-    on (`cuda_decode.AUTO_FORMATS`: int4 and fp8) when it takes the call (`cuda_decode.unsupported`
+    KIVI-2 / KIVI-4 with groups of 32 at d 128; kernels/cuda_hqmq.py: HQMQ 12-bit codes,
+    r=4, d=128, no Med3x; raises where it cannot run) or "auto": the CUDA kernel for the
+    formats verified on a GPU and faster there (`cuda_decode.CUDA_VERIFIED`: int4, fp8,
+    KIVI; HQMQ when `cuda_hqmq.AUTO`) when it takes the call (`cuda_decode.unsupported`
     is None) and builds here (`cuda_decode.why_unavailable()` says why not), else Triton; Triton's launch options (block_t, num_warps,
     num_stages) select Triton. `programs_per_sm` means CTAs per SM for the CUDA kernel."""
     if backend not in ("auto", "cuda", "triton"):
