@@ -37,6 +37,40 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
+// Online softmax over one 16-token tile (log2 domain). s: the scores of heads 2c, 2c+1 (e)
+// for tile rows g (s[e]) and g+8 (s[2+e]); m, l: the running max and sum per head; acc:
+// O^T fragments, rescaled when a max grows; p0..p3: the tile's weights (as s), relative to
+// the new max. The max over the 16 tokens is over g (the lanes of equal c).
+template <int KS>
+__device__ __forceinline__ void online_softmax(const float (&s)[4], float (&m)[2], float (&l)[2], float (&acc)[KS][4],
+                                               float& p0, float& p1, float& p2, float& p3) {
+  float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], o));
+  }
+  const bool grow = mx[0] > m[0] || mx[1] > m[1];
+  if (__any_sync(0xffffffffu, grow)) {  // rescale only when some max grew (rare after the start)
+    float alpha[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float mn = fmaxf(m[e], mx[e]);
+      alpha[e] = (mn == NEG_INF) ? 1.f : exp2f(m[e] - mn);
+      m[e] = mn;
+      l[e] *= alpha[e];
+    }
+#pragma unroll
+    for (int i = 0; i < KS; ++i) {
+      acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
+    }
+  }
+  const float ms0 = m[0] == NEG_INF ? 0.f : m[0], ms1 = m[1] == NEG_INF ? 0.f : m[1];
+  p0 = exp2f(s[0] - ms0); p1 = exp2f(s[1] - ms1); p2 = exp2f(s[2] - ms0); p3 = exp2f(s[3] - ms1);
+  l[0] += p0 + p2;
+  l[1] += p1 + p3;
+}
+
 // Merge the nsplit partials of each query row: one CTA per row, PARTS x D threads;
 // thread (part, d) sums the splits part, part + PARTS, ... (unrolled: many loads in
 // flight), then the parts are added in shared memory. GPU run 13: B=1 took 53 / 83 /

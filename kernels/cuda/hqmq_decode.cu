@@ -242,32 +242,9 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
   if (t0 + g >= T) s[0] = s[1] = NEG_INF;
   if (t0 + g + 8 >= T) s[2] = s[3] = NEG_INF;
 
-  // ---- online softmax per head 2c + e (as decode_attention.cu)
-  float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], o));
-  }
-  const bool grow = mx[0] > m[0] || mx[1] > m[1];
-  if (__any_sync(0xffffffffu, grow)) {
-    float alpha[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float mn = fmaxf(m[e], mx[e]);
-      alpha[e] = (mn == NEG_INF) ? 1.f : exp2f(m[e] - mn);
-      m[e] = mn;
-      l[e] *= alpha[e];
-    }
-#pragma unroll
-    for (int i = 0; i < KS; ++i) {
-      acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
-    }
-  }
-  const float ms0 = m[0] == NEG_INF ? 0.f : m[0], ms1 = m[1] == NEG_INF ? 0.f : m[1];
-  const float p0 = exp2f(s[0] - ms0), p1 = exp2f(s[1] - ms1), p2 = exp2f(s[2] - ms0), p3 = exp2f(s[3] - ms1);
-  l[0] += p0 + p2;
-  l[1] += p1 + p3;
+  // ---- online softmax per head (2c + e): common.cuh
+  float p0, p1, p2, p3;
+  online_softmax<KS>(s, m, l, acc, p0, p1, p2, p3);
   // V's r_max / 15 folded into P (v_t = (r_max_t / 15) rq cw): P^T carries p_t r_max_t / 15;
   // zero past T, so no garbage r_max of the capacity reaches the sums
   const float rv0 = t0 + g < T ? rm15(*reinterpret_cast<const uint16_t*>(st + Stage::VM + moff_v + 2 * g)) : 0.f;
