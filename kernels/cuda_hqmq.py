@@ -23,6 +23,9 @@ from pathlib import Path
 
 import torch
 
+from .decode_attention import Workspace, _check_q, _sm_count, bh_stride
+from .layout import HQMQFlat, codebook_from_secondaries
+
 SOURCE = Path(__file__).parent / "cuda" / "hqmq_decode.cu"
 # VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM):
 # 0 (4, 4, 3), 1 (8, 4, 1), 2 (4, 3, 3), 3 (8, 2, 2), 4 (4, 6, 1). GPU run 1 (min 1 everywhere,
@@ -34,6 +37,7 @@ MIN_CTAS_PER_SM = 2
 # backend="auto" routes HQMQ here only once a GPU run showed it correct and faster than
 # Triton (kernels/NOTES.md): set by that run's result.
 AUTO = False
+_QK_SCALE = 1.4426950408889634 / math.sqrt(128)  # log2(e) / sqrt(d): the base-2 softmax scale, d = 128
 
 _lock = threading.Lock()
 _lib = None
@@ -62,7 +66,7 @@ def _load():
             return None
         P, I, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
         lib.kvq_hqmq_decode.argtypes = [P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F,
-                                        P, P, P, P, I, I, P]
+                                        P, P, P, P, I, I, P, P]
         lib.kvq_hqmq_decode.restype = I
         lib.kvq_hqmq_num_regs.argtypes = [I, I]
         lib.kvq_hqmq_num_regs.restype = I
@@ -84,44 +88,88 @@ def num_regs(variant: int = 0, S: int = 96) -> int:
     return -1 if lib is None else lib.kvq_hqmq_num_regs(variant, S)
 
 
+def _flat_reason(f) -> str | None:
+    """Why the kernel cannot read this flat (None: it can)."""
+    if not isinstance(f, HQMQFlat):
+        return f"no CUDA HQMQ kernel for {type(f).__name__}"
+    if f.D != 128:
+        return f"head_dim {f.D} (the CUDA HQMQ kernel takes 128)"
+    if f.has_outliers:
+        return "Med3x outliers (the CUDA HQMQ kernel has no outlier path yet: Triton)"
+    if f.code_bits != 12 or not 1 <= f.S <= 170:
+        return f"code bits {f.code_bits} / S={f.S} (the CUDA kernel takes 12-bit codes, S <= 170)"
+    if f.r_bits != 4 or f.log_radius:
+        return "radius levels other than r=4 uniform"
+    if f.sec is None:
+        return "no secondaries to build the fp16 codebook from"
+    if f.codes.dtype != torch.uint8 or f.radius.dtype != torch.uint8 or f.r_max.dtype != torch.float16:
+        return "codes/radius must be uint8, r_max fp16"
+    if f.codes.shape[-1] != 48 or f.radius.shape[-1] != 16:
+        return "code/radius rows of 48/16 bytes expected"
+    if not (f.codes.is_cuda and f.radius.is_cuda and f.r_max.is_cuda):
+        return "cache buffers not on a CUDA device"
+    try:
+        cs = bh_stride(f.codes, "codes")
+        rs = bh_stride(f.radius, "radius")
+        bh_stride(f.r_max, "r_max")
+    except ValueError as e:
+        return str(e)
+    if f.codes.data_ptr() % 16 or f.radius.data_ptr() % 16 or cs % 16 or rs % 16:
+        return "codes/radius not 16-byte aligned (cp.async)"
+    if f.r_max.data_ptr() % 2:
+        return "r_max not 2-byte aligned"
+    return None
+
+
+# Per-call host work (the bh_stride checks, the codebook lookup) is cached per set of
+# buffers: key = the ids of the flat's tensors and its format fields, entry = weak
+# references to those tensors (checked by identity: an id can be reused once a tensor
+# dies), sec._version (the codebook follows the secondaries) and the result: a reason
+# string, or ((codes, radius, r_max strides), fp16 codebook). The store makes a new flat
+# object per decode step over the same buffers, so the key is not the flat itself.
+_INFO: dict = {}
+_TENSOR_FIELDS = ("codes", "radius", "r_max", "sec", "table")
+
+
+def _flat_info(f):
+    if not isinstance(f, HQMQFlat):
+        return f"no CUDA HQMQ kernel for {type(f).__name__}"
+    ts = (f.codes, f.radius, f.r_max, f.sec, f.table)
+    key = (tuple(map(id, ts)), f.D, f.S, f.code_bits, f.r_bits, f.log_radius, f.table_mode, f.flags is None)
+    hit = _INFO.get(key)
+    if hit is not None and all(r is None if t is None else r() is t for r, t in zip(hit[0], ts)) \
+            and (f.sec is None or hit[1] == f.sec._version):
+        return hit[2]
+    why = _flat_reason(f)
+    if why is None:
+        info = ((bh_stride(f.codes), bh_stride(f.radius), bh_stride(f.r_max)), codebook16(f))
+    else:
+        info = why
+    if len(_INFO) > 256:  # drop the entries whose tensors are gone
+        for key_ in [k_ for k_, e in _INFO.items() if any(r is not None and r() is None for r in e[0])]:
+            del _INFO[key_]
+    _INFO[key] = (tuple(None if t is None else weakref.ref(t) for t in ts),
+                  None if f.sec is None else f.sec._version, info)
+    return info
+
+
 def unsupported(q: torch.Tensor, k, v) -> str | None:
     """Why the CUDA HQMQ kernel cannot take this call (None: it can). Does not build."""
-    from .decode_attention import bh_stride
-    from .layout import HQMQFlat
-
     if not q.is_cuda:
         return "q is not on a CUDA device"
     if q.dtype not in _QTYPE:
         return f"q dtype {q.dtype}"
-    if not (isinstance(k, HQMQFlat) and isinstance(v, HQMQFlat)):
-        return f"no CUDA HQMQ kernel for {type(k).__name__}"
+    for f in (k, v):
+        if not isinstance(f, HQMQFlat):
+            return f"no CUDA HQMQ kernel for {type(f).__name__}"
     if k.D != 128:
         return f"head_dim {k.D} (the CUDA HQMQ kernel takes 128)"
     if q.dim() != 4 or q.shape[1] % k.H or not 1 <= q.shape[1] // k.H <= 8:
         return f"GQA group of q {tuple(q.shape)} over {k.H} kv heads (1..8)"
     for f in (k, v):
-        if f.has_outliers:
-            return "Med3x outliers (the CUDA HQMQ kernel has no outlier path yet: Triton)"
-        if f.code_bits != 12 or not 1 <= f.S <= 170:
-            return f"code bits {f.code_bits} / S={f.S} (the CUDA kernel takes 12-bit codes, S <= 170)"
-        if f.r_bits != 4 or f.log_radius:
-            return "radius levels other than r=4 uniform"
-        if f.sec is None:
-            return "no secondaries to build the fp16 codebook from"
-        if f.codes.dtype != torch.uint8 or f.radius.dtype != torch.uint8 or f.r_max.dtype != torch.float16:
-            return "codes/radius must be uint8, r_max fp16"
-        if f.codes.shape[-1] != 48 or f.radius.shape[-1] != 16:
-            return "code/radius rows of 48/16 bytes expected"
-        try:
-            cs = bh_stride(f.codes, "codes")
-            rs = bh_stride(f.radius, "radius")
-            bh_stride(f.r_max, "r_max")
-        except ValueError as e:
-            return str(e)
-        if f.codes.data_ptr() % 16 or f.radius.data_ptr() % 16 or cs % 16 or rs % 16:
-            return "codes/radius not 16-byte aligned (cp.async)"
-        if f.r_max.data_ptr() % 2:
-            return "r_max not 2-byte aligned"
+        i = _flat_info(f)
+        if isinstance(i, str):
+            return i
     return None
 
 
@@ -134,8 +182,6 @@ def codebook16(f) -> torch.Tensor:
     hit = _TABLES.get(id(f.sec))
     if hit is not None and hit[0]() is f.sec and hit[1] == f.sec._version:
         return hit[2]
-    from .layout import codebook_from_secondaries
-
     t = codebook_from_secondaries(f.sec.float()).half().contiguous()
     if len(_TABLES) > 256:  # drop the entries whose tensors are gone
         for key in [k for k, e in _TABLES.items() if e[0]() is None]:
@@ -145,8 +191,6 @@ def codebook16(f) -> torch.Tensor:
 
 
 def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm: int | None = None):
-    from .decode_attention import _sm_count
-
     tiles = max(1, -(-T // 16))
     sms = _sm_count(device)
     if num_splits:
@@ -161,59 +205,95 @@ def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm
 
 
 def takes_by_default(k) -> bool:
-    from .layout import HQMQFlat
-
     return AUTO and isinstance(k, HQMQFlat)
 
 
-def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int | None = None,
-           variant: int | None = None, workspace=None, out_dtype=None) -> torch.Tensor:
-    """softmax(q K^T / sqrt(d)) V over the T valid tokens of HQMQ caches; `[B, Hq, 1, d]`
-    in out_dtype (default q's). ValueError when `unsupported` gives a reason,
-    RuntimeError when the kernel is unavailable."""
-    from .decode_attention import Workspace, _check_q, bh_stride
+def workspace(q: torch.Tensor, k, *, num_splits: int | None = None, ctas_per_sm: int | None = None,
+              out_dtype=None) -> Workspace:
+    """A Workspace sized for `decode(q, k, ...)` with these split arguments (the splits
+    follow k.T, the capacity bound when a valid_len tensor is passed): give it to every
+    call of a captured CUDA graph so the call allocates nothing."""
+    nsplit, _ = splits(k.B * k.H, k.T, q.device, num_splits, ctas_per_sm)
+    return Workspace(k.B * q.shape[1], nsplit, k.D, q.device, out_dtype or q.dtype)
 
+
+def _checked(q: torch.Tensor, k, v):
+    """(strides of the 6 buffers, K table, V table) or ValueError; the per-flat part is
+    cached (see _flat_info)."""
     B, H, T, D = k.B, k.H, k.T, k.D
     _check_q(q, H, D, B)
     if (v.B, v.H, v.T, v.D) != (B, H, T, D):
         raise ValueError("K and V caches differ in shape")
-    why = unsupported(q, k, v)
-    if why:
-        raise ValueError(f"CUDA HQMQ kernel: {why}")
-    if T == 0:
-        raise ValueError("empty cache (T = 0)")
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"CUDA HQMQ kernel unavailable: {_why}")
+    if not q.is_cuda:
+        raise ValueError("CUDA HQMQ kernel: q is not on a CUDA device")
+    if q.dtype not in _QTYPE:
+        raise ValueError(f"CUDA HQMQ kernel: q dtype {q.dtype}")
+    if not 1 <= q.shape[1] // H <= 8:
+        raise ValueError(f"CUDA HQMQ kernel: GQA group of q {tuple(q.shape)} over {H} kv heads (1..8)")
+    ik, iv = _flat_info(k), _flat_info(v)
+    for i in (ik, iv):
+        if isinstance(i, str):
+            raise ValueError(f"CUDA HQMQ kernel: {i}")
     if k.S != v.S:
         raise ValueError("K and V differ in S")
-    q = q.contiguous()
-    gqa = q.shape[1] // H
+    return ik[0] + iv[0], ik[1], iv[1]
+
+
+def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int | None = None,
+           variant: int | None = None, workspace=None, out_dtype=None,
+           valid_len: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q K^T / sqrt(d)) V over the valid tokens of HQMQ caches; `[B, Hq, 1, d]` in
+    out_dtype (default q's), the workspace's buffer. ValueError when `unsupported` gives a
+    reason, RuntimeError when the kernel is unavailable.
+
+    valid_len: None (the flats' T tokens are valid), or an int32 CUDA tensor of shape [1]
+    on q's device holding the number of valid tokens, read by the kernel at run time:
+    k.T is then the CAPACITY bound (the splits are sized from it; values above it are
+    clamped to it, below 0 to 0; 0 gives zeros). With valid_len and a fitting `workspace`
+    (`cuda_hqmq.workspace(...)`) a call makes no host sync and no allocation, so a CUDA
+    graph captured once serves every decode step: change the tensor's value on the device
+    between replays."""
+    lib = _lib if _lib is not None else _load()
+    if lib is None:
+        raise RuntimeError(f"CUDA HQMQ kernel unavailable: {_why}")
+    B, H, T, D = k.B, k.H, k.T, k.D
+    strides, kt, vt = _checked(q, k, v)
+    if T == 0:
+        raise ValueError("empty cache (T = 0)")
+    vl = 0
+    if valid_len is not None:
+        if not (isinstance(valid_len, torch.Tensor) and valid_len.dtype == torch.int32
+                and valid_len.numel() == 1 and valid_len.device == q.device):
+            raise ValueError("valid_len must be an int32 tensor of one element on q's device")
+        vl = valid_len.data_ptr()
+    if not q.is_contiguous():
+        q = q.contiguous()
+    Hq = q.shape[1]
     nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm)
     out_dtype = out_dtype or q.dtype
     if out_dtype not in _QTYPE:
         raise ValueError(f"out dtype {out_dtype}")
-    rows_q = B * q.shape[1]
+    rows_q = B * Hq
     ws = workspace
     if ws is None or ws.nsplit != nsplit or ws.out.dtype != out_dtype or ws.out.numel() != rows_q * D:
         ws = Workspace(rows_q, nsplit, D, q.device, out_dtype)
-    kt, vt = codebook16(k), codebook16(v)
     variant = DEFAULT_VARIANT if variant is None else variant
     if not 0 <= variant < NUM_VARIANTS:
         raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
-    strides = [bh_stride(k.codes), bh_stride(k.radius), bh_stride(k.r_max),
-               bh_stride(v.codes), bh_stride(v.radius), bh_stride(v.r_max)]
-    with torch.cuda.device(q.device):
-        err = lib.kvq_hqmq_decode(q.data_ptr(), _QTYPE[q.dtype], k.codes.data_ptr(), k.radius.data_ptr(),
-                                  k.r_max.data_ptr(), v.codes.data_ptr(), v.radius.data_ptr(), v.r_max.data_ptr(),
-                                  kt.data_ptr(), vt.data_ptr(), *strides, B, H, gqa, T, k.S, per, nsplit,
-                                  1.4426950408889634 / math.sqrt(D), ws.po.data_ptr(), ws.pm.data_ptr(),
-                                  ws.pl.data_ptr(), ws.out.data_ptr(), _QTYPE[out_dtype], variant,
-                                  torch.cuda.current_stream(q.device).cuda_stream)
+    dev = q.device.index
+    args = (q.data_ptr(), _QTYPE[q.dtype], k.codes.data_ptr(), k.radius.data_ptr(), k.r_max.data_ptr(),
+            v.codes.data_ptr(), v.radius.data_ptr(), v.r_max.data_ptr(), kt.data_ptr(), vt.data_ptr(), *strides, B,
+            H, Hq // H, T, k.S, per, nsplit, _QK_SCALE, ws.po.data_ptr(), ws.pm.data_ptr(), ws.pl.data_ptr(),
+            ws.out.data_ptr(), _QTYPE[out_dtype], variant, vl)
+    if torch.cuda.current_device() == dev:  # the usual case: no device switch around the launch
+        err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev))
+    else:
+        with torch.cuda.device(dev):
+            err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev))
     if err:
         raise RuntimeError(f"CUDA HQMQ kernel launch failed: error {err}")
-    return ws.out.view(B, q.shape[1], 1, D)
+    return ws.out.view(B, Hq, 1, D)
 
 
-__all__ = ["decode", "unsupported", "why_unavailable", "available", "num_regs", "splits", "codebook16",
+__all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "splits", "codebook16",
            "takes_by_default", "AUTO", "NUM_VARIANTS", "SOURCE"]

@@ -61,6 +61,7 @@ struct Params {
   const uint16_t* ktab;  // [Hkv, 24 S, 4] fp16 codebook of K
   const uint16_t* vtab;
   long long k_cs, k_rs, k_ms, v_cs, v_rs, v_ms;  // per-(b, h) strides in elements
+  const int* vlen;  // device-side valid length (nullptr: T); T is then the capacity bound
   int qtype, T, Hkv, gqa, steps_per_split, nsplit, tab_bytes;  // tab_bytes = 192 S
   float qk_scale;
   float* po;
@@ -311,10 +312,14 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   uint8_t* vtab = dsm + TABB;
   uint8_t* stages = dsm + 2 * TABB;
 
-  const int nsteps = (p.T + 15) / 16;
+  // The valid length: p.T, or read from device memory at run time (CUDA-graph replays of a
+  // growing cache) and clamped to the capacity p.T the splits were sized for. CTAs whose
+  // tiles all lie past it run no tile and write an empty partial (m = -inf, l = 0, o = 0),
+  // which the combine weights by 0.
+  const int T = p.vlen ? max(0, min(__ldg(p.vlen), p.T)) : p.T;
+  const int nsteps = (T + 15) / 16;
   const int first = sp * p.steps_per_split;
   const int last = min(first + p.steps_per_split, nsteps);
-  const int T = p.T;
 
   // ---- start this warp's pipeline first (the DRAM stream), then the tables
   CpCursor cur;
@@ -420,8 +425,12 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       for (int w = 0; w < NW; ++w) M = fmaxf(M, sm_m[w][hd]);
 #pragma unroll
       for (int w = 0; w < NW; ++w) L += (sm_m[w][hd] == NEG_INF) ? 0.f : sm_l[w][hd] * exp2f(sm_m[w][hd] - M);
-      p.pm[prow] = M;
-      p.pl[prow] = L;
+      // No valid token at all (valid length 0): every split is empty and the combine would
+      // return 0/0; split 0 then says (m = 0, l = 1, o = 0), so the output is zeros, the
+      // flash-attention convention for a fully masked row.
+      const bool none = T == 0 && sp == 0;
+      p.pm[prow] = none ? 0.f : M;
+      p.pl[prow] = none ? 1.f : L;
     }
   }
 }
@@ -480,8 +489,9 @@ extern "C" int kvq_hqmq_decode(const void* q, int qtype, const void* kc, const v
                                long long k_cs, long long k_rs, long long k_ms, long long v_cs, long long v_rs,
                                long long v_ms, int B, int Hkv, int gqa, int T, int S, int steps_per_split,
                                int nsplit, float qk_scale, float* po, float* pm, float* pl, void* out, int otype,
-                               int variant, void* stream) {
+                               int variant, const int* vlen, void* stream) {
   Params p;
+  p.vlen = vlen;
   p.q = q; p.qtype = qtype;
   p.kc = (const uint8_t*)kc; p.kr = (const uint8_t*)kr; p.km = (const uint16_t*)km;
   p.vc = (const uint8_t*)vc; p.vr = (const uint8_t*)vr; p.vm = (const uint16_t*)vm;

@@ -2,10 +2,13 @@
 dequantize-then-attend reference. Kernel tests skip without a CUDA GPU / nvcc (the
 reason is `cuda_hqmq.why_unavailable()`); the dispatch tests at the end run anywhere.
 Tolerances as test_kernels.py's fp16-codebook HQMQ checks (fp16 operands, fp32 sums).
+Encodings are cached per worker (`encoded`): one GPU call runs the whole file, and the
+encode plus the dequantized reference cost more than the kernel.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -41,6 +44,18 @@ def build(spec, k, v):
     return qk, qk.encode(k), qv, qv.encode(v)
 
 
+@functools.lru_cache(maxsize=16)
+def encoded(B, Hkv, T, seed, spec=SPEC):
+    """(K flat, V flat, decoded K, decoded V) of make()'s synthetic cache (cached)."""
+    k, v = make(B, Hkv, T, 128, seed), make(B, Hkv, T, 128, seed + 1, outlier=False)
+    qk, pk, qv, pv = build(spec, k, v)
+    return L.flatten(pk, "K"), L.flatten(pv, "V"), qk.decode(pk), qv.decode(pv)
+
+
+def query(B, Hq, seed, dtype=torch.float16):
+    return torch.randn(B, Hq, 1, 128, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEV)
+
+
 def attend(q, kf, vf, **kw):
     from kvqbench.kernels.decode_attention import decode_attention
 
@@ -50,14 +65,12 @@ def attend(q, kf, vf, **kw):
 def check(B, Hq, Hkv, T, dtype=torch.float16, seed=0, spec=SPEC, flat_kw=None, **kw):
     from kvqbench.kernels.decode_attention import reference_decode_attention
 
-    D = 128
-    k, v = make(B, Hkv, T, D, seed), make(B, Hkv, T, D, seed + 1, outlier=False)
-    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(seed + 2)).to(dtype).to(DEV)
-    qk, pk, qv, pv = build(spec, k, v)
-    fk = L.flatten(pk, "K", **(flat_kw or {}))
-    fv = L.flatten(pv, "V", **(flat_kw or {}))
+    fk, fv, kd, vd = encoded(B, Hkv, T, seed, spec)
+    if flat_kw:
+        fk, fv = fk.with_table(**flat_kw), fv.with_table(**flat_kw)
+    q = query(B, Hq, seed + 2, dtype)
     out = attend(q, fk, fv, **kw)
-    ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
+    ref = reference_decode_attention(q, kd, vd)
     assert torch.isfinite(out).all()
     err = rel_err(out, ref)
     assert err < TOL[dtype], f"{spec} B={B} T={T} {dtype} {kw}: relative error {err:.3g}"
@@ -81,7 +94,7 @@ def test_gqa(gqa):
 def test_variants_and_splits():
     for variant in range(cuda_hqmq.NUM_VARIANTS):
         for ns in (1, 3, None, 10_000):
-            check(2, 8, 2, 1500, seed=variant, variant=variant, num_splits=ns)
+            check(2, 8, 2, 1500, seed=1, variant=variant, num_splits=ns)  # one encoding (cached)
 
 
 @needs_cuda
@@ -89,8 +102,8 @@ def test_fill_S170_and_codebook_tables():
     """S=170 (fill: the large-table instance), and a flat that already carries the fp16
     codebook (used as is) or the fp32 codebook (rebuilt in fp16)."""
     check(1, 8, 2, 999, spec="hqmq:S=96,r=4,fill=true", seed=5)
-    check(1, 8, 2, 999, seed=6, flat_kw={"table_mode": "codebook", "table_dtype": torch.float16})
-    check(1, 8, 2, 999, seed=7, flat_kw={"table_mode": "codebook", "table_dtype": torch.float32})
+    check(1, 8, 2, 999, seed=6, flat_kw={"mode": "codebook", "dtype": torch.float16})
+    check(1, 8, 2, 999, seed=6, flat_kw={"mode": "codebook", "dtype": torch.float32})
 
 
 def _with_capacity(flat, extra, seed=0):
@@ -117,11 +130,10 @@ def test_capacity_beyond_valid_length(T, view):
     the valid tokens count (r_max is read through a 16-byte window that may cover some)."""
     from kvqbench.kernels.decode_attention import reference_decode_attention
 
-    B, Hq, Hkv, D = 3, 16, 4, 128
-    k, v = make(B, Hkv, T, D, 5), make(B, Hkv, T, D, 6, outlier=False)
-    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(7)).half().to(DEV)
-    qk, pk, qv, pv = build(SPEC, k, v)
-    kf, vf = _with_capacity(L.flatten(pk, "K"), 300), _with_capacity(L.flatten(pv, "V"), 300, seed=1)
+    B, Hq, Hkv = 3, 16, 4
+    fk, fv, kd, vd = encoded(B, Hkv, T, 5)
+    q = query(B, Hq, 7)
+    kf, vf = _with_capacity(fk, 300), _with_capacity(fv, 300, seed=1)
     if view:
         names = ("codes", "radius", "r_max")
         kf = dataclasses.replace(kf, **{n: getattr(kf, n)[:, :, : T + 101] for n in names})
@@ -129,7 +141,7 @@ def test_capacity_beyond_valid_length(T, view):
         assert not kf.codes.is_contiguous()
     for ns in (None, 3):
         out = attend(q, kf, vf, num_splits=ns)
-        ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
+        ref = reference_decode_attention(q, kd, vd)
         assert torch.isfinite(out).all()
         assert rel_err(out, ref) < TOL[torch.float16]
 
@@ -186,7 +198,18 @@ def test_agrees_with_triton_and_auto_routing():
 
 @needs_cuda
 def test_long_context():
-    check(1, 32, 8, 65536 + 5, torch.bfloat16, seed=4)
+    """T = 131072 (4096 encoded tokens tiled 32 times) and an odd valid length below it
+    (131069: the last tile partial, the capacity beyond it real data)."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    fk, fv, kd, vd = encoded(1, 8, 4096, 31)
+    kf, vf = fk.tile(1, 32), fv.tile(1, 32)
+    kd, vd = kd.repeat(1, 1, 32, 1), vd.repeat(1, 1, 32, 1)
+    q = query(1, 32, 4, torch.bfloat16)
+    for T in (131072, 131069):
+        out = attend(q, dataclasses.replace(kf, T=T), dataclasses.replace(vf, T=T))
+        err = rel_err(out, reference_decode_attention(q, kd[:, :, :T], vd[:, :, :T]))
+        assert err < TOL[torch.bfloat16], f"T={T}: relative error {err:.3g}"
 
 
 @needs_cuda
@@ -202,6 +225,88 @@ def test_cuda_graph_replay():
     for s in range(2):
         q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(s)).half().to(DEV)
         assert torch.equal(step(q), decode_attention(q, kf, vf, out_dtype=torch.float32, backend="cuda"))
+
+
+# ---------------------------------------------------------------------------------------
+# device-side valid length (valid_len): one captured graph serves every decode step
+# ---------------------------------------------------------------------------------------
+def _vl(n):
+    return torch.tensor([n], dtype=torch.int32, device=DEV)
+
+
+@needs_cuda
+def test_valid_len_equal_to_T_is_the_plain_call():
+    fk, fv, _, _ = encoded(2, 8, 1999, 41)
+    q = query(2, 32, 42)
+    for ns in (None, 7):
+        plain = cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32)
+        assert torch.equal(cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32, valid_len=_vl(1999)),
+                           plain)
+        # above the capacity: clamped to it
+        assert torch.equal(cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32, valid_len=_vl(5000)),
+                           plain)
+
+
+@needs_cuda
+@pytest.mark.parametrize("ns", [None, 1, 12])
+def test_valid_len_below_capacity(ns):
+    """Only the first n tokens count (the rest of the capacity is real data that would
+    change the result); with 12 splits most CTAs are empty for small n (rows partly
+    empty: their m = -inf partials weigh 0); n = 0 empties every split (zeros)."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    cap = 2077
+    fk, fv, kd, vd = encoded(2, 8, cap, 43)
+    q = query(2, 32, 44)
+    for n in (1, 15, 16, 17, 200, 1000, cap - 1):
+        out = cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32, valid_len=_vl(n))
+        ref = reference_decode_attention(q, kd[:, :, :n], vd[:, :, :n])
+        assert torch.isfinite(out).all(), f"n={n}"
+        err = rel_err(out, ref)
+        assert err < TOL[torch.float16], f"n={n} splits={ns}: relative error {err:.3g}"
+    out = cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32, valid_len=_vl(0))
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@needs_cuda
+def test_valid_len_graph_replay():
+    """Captured once with valid_len and a workspace (no allocation, no sync inside), then
+    replayed after device-side changes of the valid length and of q: each replay equals
+    the eager call and the reference over the first n tokens."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    cap = 3000
+    fk, fv, kd, vd = encoded(1, 8, cap, 45)
+    q = query(1, 32, 46)
+    vl = _vl(1000)
+    ws = cuda_hqmq.workspace(q, fk, out_dtype=torch.float32)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (the build, the cached tables) outside the capture
+        cuda_hqmq.decode(q, fk, fv, workspace=ws, out_dtype=torch.float32, valid_len=vl)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_hqmq.decode(q, fk, fv, workspace=ws, out_dtype=torch.float32, valid_len=vl)
+    assert out.data_ptr() == ws.out.data_ptr()
+    for step, n in enumerate((1000, 2999, 17, cap)):
+        vl.fill_(n)  # on the device: the graph reads it at replay
+        q.copy_(query(1, 32, 100 + step))
+        graph.replay()
+        eager = cuda_hqmq.decode(q, fk, fv, out_dtype=torch.float32, valid_len=_vl(n))
+        assert torch.equal(out, eager), f"n={n}"
+        err = rel_err(out, reference_decode_attention(q, kd[:, :, :n], vd[:, :, :n]))
+        assert err < TOL[torch.float16], f"n={n}: relative error {err:.3g}"
+
+
+@needs_cuda
+def test_valid_len_argument_checks():
+    fk, fv, _, _ = encoded(1, 8, 64, 47)
+    q = query(1, 32, 48)
+    for bad in (torch.tensor([5], device=DEV), torch.tensor([5, 6], dtype=torch.int32, device=DEV),
+                torch.tensor([5], dtype=torch.int32)):
+        with pytest.raises(ValueError, match="valid_len"):
+            cuda_hqmq.decode(q, fk, fv, valid_len=bad)
 
 
 # ---------------------------------------------------------------------------------------
