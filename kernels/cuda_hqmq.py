@@ -28,12 +28,19 @@ from .layout import HQMQFlat, codebook_from_secondaries
 
 SOURCE = Path(__file__).parent / "cuda" / "hqmq_decode.cu"
 # VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM):
-# 0 (4, 4, 3), 1 (8, 4, 1), 2 (4, 3, 3), 3 (8, 2, 2), 4 (4, 6, 1). GPU run 1 (min 1 everywhere,
-# before the r_max fold), B=8 T=32k: v0 195.8 us, best v3 at 4 CTAs/SM 192.0 (1.31x SDPA).
-NUM_VARIANTS = 5
+# 0 (4, 4, 3), 1 (8, 4, 1), 2 (4, 3, 3), 3 (8, 2, 2), 4 (4, 6, 1), 5 (8, 4, 2), 6 (4, 2, 4),
+# 7 (16, 4, 1), 8 (16, 5, 1; not with S > 96: its shared memory). GPU run 16, B=8 T=32k: v0
+# 179.0 us at 4 CTAs/SM (1.43x SDPA), 188.1 by default. Since run 17's table copy by
+# cp.async every instance takes ~120 registers (was 167-177), so shared memory sets the
+# CTAs per SM.
+NUM_VARIANTS = 9
 DEFAULT_VARIANT = 0
-TILES_PER_SPLIT = 64  # 16-token tiles per split by default (as cuda_decode), >= MIN_CTAS_PER_SM CTAs/SM
-MIN_CTAS_PER_SM = 2
+# Default split count: about FILL of `occupancy x SMs` CTAs in the fewest whole waves
+# (`splits`). Run 16: 9 splits at B=8 (576 CTAs, 1.45 waves of 396) 179.0 us, 33 splits
+# (5.3 waves) 188.1, 5 splits (0.8 wave) 184.6.
+FILL = 0.9
+MIN_CTAS_PER_SM = 2  # the fallback rule's floor when the occupancy is unknown
+TILES_PER_SPLIT = 64
 # backend="auto" routes HQMQ here only once a GPU run showed it correct and faster than
 # Triton (kernels/NOTES.md): set by that run's result.
 AUTO = False
@@ -70,6 +77,8 @@ def _load():
         lib.kvq_hqmq_decode.restype = I
         lib.kvq_hqmq_num_regs.argtypes = [I, I]
         lib.kvq_hqmq_num_regs.restype = I
+        lib.kvq_hqmq_occupancy.argtypes = [I, I]
+        lib.kvq_hqmq_occupancy.restype = I
         _lib = lib
         return lib
 
@@ -190,7 +199,27 @@ def codebook16(f) -> torch.Tensor:
     return t
 
 
-def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm: int | None = None):
+def occupancy(variant: int = DEFAULT_VARIANT, S: int = 96) -> int:
+    """CTAs of a variant resident per SM (the CUDA occupancy query; -1 when unavailable)."""
+    lib = _load()
+    if lib is None:
+        return -1
+    key = (variant, S <= 96)
+    if key not in _OCC:
+        _OCC[key] = lib.kvq_hqmq_occupancy(variant, S)
+    return _OCC[key]
+
+
+_OCC: dict = {}
+
+
+def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm: int | None = None,
+           variant: int = DEFAULT_VARIANT, S: int = 96):
+    """(number of splits, 16-token tiles per split), every split non-empty: num_splits if
+    given, else about ctas_per_sm CTAs per SM if given, else the whole-wave rule: for
+    w = 1, 2, ... waves of `slots = occupancy x SMs` CTAs, the most splits that fit w
+    waves, first taken when they fill at least FILL of them (B=8 T=32k at 3 CTAs/SM: 6
+    splits = 384 of 396 slots; B=1: 49 splits)."""
     tiles = max(1, -(-T // 16))
     sms = _sm_count(device)
     if num_splits:
@@ -198,7 +227,17 @@ def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm
     elif ctas_per_sm:
         want = math.ceil(ctas_per_sm * sms / max(1, rows))
     else:
-        want = max(-(-tiles // TILES_PER_SPLIT), math.ceil(MIN_CTAS_PER_SM * sms / max(1, rows)))
+        occ = occupancy(variant, S) if device.type == "cuda" else -1
+        if occ <= 0:
+            want = max(-(-tiles // TILES_PER_SPLIT), math.ceil(MIN_CTAS_PER_SM * sms / max(1, rows)))
+        else:
+            slots, want = occ * sms, 0
+            for w in range(1, 9):
+                n = w * slots // rows
+                if n >= 1 and rows * n >= FILL * w * slots:
+                    want = n
+                    break
+            want = want or max(1, -(-slots // rows))
     want = max(1, min(want, tiles))
     per = -(-tiles // want)
     return -(-tiles // per), per
@@ -209,11 +248,12 @@ def takes_by_default(k) -> bool:
 
 
 def workspace(q: torch.Tensor, k, *, num_splits: int | None = None, ctas_per_sm: int | None = None,
-              out_dtype=None) -> Workspace:
+              variant: int | None = None, out_dtype=None) -> Workspace:
     """A Workspace sized for `decode(q, k, ...)` with these split arguments (the splits
     follow k.T, the capacity bound when a valid_len tensor is passed): give it to every
     call of a captured CUDA graph so the call allocates nothing."""
-    nsplit, _ = splits(k.B * k.H, k.T, q.device, num_splits, ctas_per_sm)
+    variant = DEFAULT_VARIANT if variant is None else variant
+    nsplit, _ = splits(k.B * k.H, k.T, q.device, num_splits, ctas_per_sm, variant, k.S)
     return Workspace(k.B * q.shape[1], nsplit, k.D, q.device, out_dtype or q.dtype)
 
 
@@ -269,7 +309,10 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     if not q.is_contiguous():
         q = q.contiguous()
     Hq = q.shape[1]
-    nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm)
+    variant = DEFAULT_VARIANT if variant is None else variant
+    if not 0 <= variant < NUM_VARIANTS:
+        raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
+    nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm, variant, k.S)
     out_dtype = out_dtype or q.dtype
     if out_dtype not in _QTYPE:
         raise ValueError(f"out dtype {out_dtype}")
@@ -277,9 +320,6 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     ws = workspace
     if ws is None or ws.nsplit != nsplit or ws.out.dtype != out_dtype or ws.out.numel() != rows_q * D:
         ws = Workspace(rows_q, nsplit, D, q.device, out_dtype)
-    variant = DEFAULT_VARIANT if variant is None else variant
-    if not 0 <= variant < NUM_VARIANTS:
-        raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
     dev = q.device.index
     args = (q.data_ptr(), _QTYPE[q.dtype], k.codes.data_ptr(), k.radius.data_ptr(), k.r_max.data_ptr(),
             v.codes.data_ptr(), v.radius.data_ptr(), v.r_max.data_ptr(), kt.data_ptr(), vt.data_ptr(), *strides, B,
@@ -295,5 +335,5 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     return ws.out.view(B, Hq, 1, D)
 
 
-__all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "splits", "codebook16",
+__all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits", "codebook16",
            "takes_by_default", "AUTO", "NUM_VARIANTS", "SOURCE"]

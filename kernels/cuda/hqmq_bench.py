@@ -1,11 +1,14 @@
 """Same-run timings of the CUDA HQMQ decode kernel (kernels/cuda_hqmq.py) beside fp16
 SDPA and the Triton HQMQ kernels (HQMQ, HQMQ + Med3x), at B=8 and B=1, T=32k.
 
-    python kernels/cuda/hqmq_bench.py [--out DIR] [--shapes 8x32768,1x32768]
+    python kernels/cuda/hqmq_bench.py [--out DIR] [--shapes 8x32768,1x32768] [--quick]
 
 Protocol as kernels/cuda/bench.py (its `bench`: do_bench median, L2 flushed, rep 40 ms):
 Hq 32 / Hkv 8 / d 128, fp16 q; caches = real encodings of 4096 synthetic tokens (3
-outlier key channels) tiled to T; B=1 also as CUDA graph replays.
+outlier key channels) tiled to T. Every variant with the default (whole-wave) split rule
+and a few fixed split counts; B=1 also as CUDA graph replays (every config), the graph
+with a device-side valid_len (the decode-loop form), and the host time of an eager call.
+--quick: the default variant's configs only.
 """
 from __future__ import annotations
 
@@ -19,19 +22,22 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench import bench, rel_err  # noqa: E402
+from bench import bench, host_us, rel_err  # noqa: E402
 
 from kvqbench.kernels import cuda_hqmq  # noqa: E402
 from kvqbench.kernels.decode_attention import decode_attention  # noqa: E402
 from kvqbench.kernels.layout import flatten  # noqa: E402
 from kvqbench.quantizers import get_quantizer  # noqa: E402
-from kvqbench.suites.bench.kernel_sweep.measure import graph_decode, synthetic_kv  # noqa: E402
+from kvqbench.suites.bench.kernel_sweep.measure import copy_bandwidth, graph_decode, synthetic_kv  # noqa: E402
+
+SPLITS = {8: (None, 9, 12, 33), 1: (None, 33, 98)}  # num_splits (None: the default rule)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/hqmq_bench")
     ap.add_argument("--shapes", default="8x32768,1x32768")
+    ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     t0 = time.time()
@@ -43,8 +49,11 @@ def main():
         pv = get_quantizer(spec, role="V", seed=3).encode(v)
         base[name] = (flatten(pk, "K"), flatten(pv, "V"))
     rows = []
-    regs = {vv: cuda_hqmq.num_regs(vv, 96) for vv in range(cuda_hqmq.NUM_VARIANTS)}
-    print("registers per variant:", regs, flush=True)
+    variants = [cuda_hqmq.DEFAULT_VARIANT] if a.quick else list(range(cuda_hqmq.NUM_VARIANTS))
+    regs = {vv: cuda_hqmq.num_regs(vv, 96) for vv in variants}
+    occ = {vv: cuda_hqmq.occupancy(vv, 96) for vv in variants}
+    copy = copy_bandwidth(dev)
+    print("registers per variant:", regs, "CTAs/SM:", occ, f"copy {copy:.0f} GB/s", flush=True)
 
     def add(B, T, method, us, sd, **extra):
         r = {"B": B, "T": T, "method": method, "us": us, "x_sdpa": sd / us, **extra}
@@ -67,27 +76,43 @@ def main():
         del kf16, vf16
         kf, vf = (f.tile(B // f.B, T // f.T) for f in base["hqmq"])
         ref = decode_attention(q, kf, vf, backend="triton", out_dtype=torch.float32)
-        got = decode_attention(q, kf, vf, backend="cuda", out_dtype=torch.float32)
-        err = f"{rel_err(got, ref):.1e}"
         add(B, T, "hqmq-triton", bench(lambda: decode_attention(q, kf, vf, backend="triton")), sd)
         best = None
-        cps = (2, 4) if B > 1 else (1,)
-        for vv in range(cuda_hqmq.NUM_VARIANTS):
-            for cpsm in (None,) + cps:
-                cfg = dict(variant=vv, ctas_per_sm=cpsm)
+        for vv in variants:
+            err = f"{rel_err(cuda_hqmq.decode(q, kf, vf, variant=vv, out_dtype=torch.float32), ref):.1e}"
+            for ns in SPLITS.get(B, (None,)):
+                cfg = dict(variant=vv, num_splits=ns)
+                nsplit = cuda_hqmq.splits(B * 8, T, dev, ns, None, vv)[0]
                 try:
-                    t = bench(lambda: decode_attention(q, kf, vf, backend="cuda", **cfg))
+                    fn = lambda cfg=cfg: cuda_hqmq.decode(q, kf, vf, **cfg)  # noqa: E731
+                    t = bench(fn)
+                    tg = bench(graph_decode(lambda x, cfg=cfg: cuda_hqmq.decode(x, kf, vf, **cfg), q)) if B == 1 \
+                        else None
                 except RuntimeError as e:
                     print("FAILED", cfg, str(e)[:200], flush=True)
                     continue
-                add(B, T, "hqmq-cuda", t, sd, cfg=cfg, err=err)
-                if best is None or t < best[0]:
-                    best = (t, cfg)
-        print(f"BEST B={B} T={T}: {best[0]:.1f} us {best[1]} = {sd / best[0]:.2f}x SDPA", flush=True)
+                add(B, T, "hqmq-cuda", t, sd, cfg=cfg, nsplit=nsplit, err=err)
+                if tg is not None:
+                    add(B, T, "hqmq-cuda-graph", tg, sdg, cfg=cfg, nsplit=nsplit, err=err)
+                key = tg if tg is not None else t
+                if best is None or key < best[0]:
+                    best = (key, cfg)
+        print(f"BEST B={B} T={T}: {best[0]:.1f} us {best[1]} = {(sdg or sd) / best[0]:.2f}x SDPA"
+              f"{' (graphs)' if B == 1 else ''}", flush=True)
         if B == 1:
-            for tag, kw in (("cuda", dict(backend="cuda", **best[1])), ("triton", dict(backend="triton"))):
-                fn = graph_decode(lambda x, kw=kw: decode_attention(x, kf, vf, **kw), q)
-                add(B, T, f"hqmq-{tag}-graph", bench(fn), sdg, cfg=kw)
+            fn = graph_decode(lambda x: decode_attention(x, kf, vf, backend="triton"), q)
+            add(B, T, "hqmq-triton-graph", bench(fn), sdg)
+            # the decode-loop form: valid_len on the device, a workspace, one graph for every step
+            vl = torch.tensor([T], dtype=torch.int32, device=dev)
+            ws = cuda_hqmq.workspace(q, kf)
+            fn = graph_decode(lambda x: cuda_hqmq.decode(x, kf, vf, workspace=ws, valid_len=vl), q)
+            add(B, T, "hqmq-cuda-graph-valid_len", bench(fn), sdg, cfg="default, valid_len")
+            for method, fn in (("cuda_hqmq.decode(workspace, valid_len)",
+                                lambda: cuda_hqmq.decode(q, kf, vf, workspace=ws, valid_len=vl)),
+                               ("decode_attention(backend=cuda)", lambda: decode_attention(q, kf, vf, backend="cuda"))):
+                h = host_us(fn)
+                rows.append({"B": B, "T": T, "method": "host-us-per-call", "cfg": method, "us": h})
+                print(f"| {B} | {T} | host us per eager call | {method} | {h:.1f} | | |", flush=True)
         del kf, vf
         kf3, vf3 = (f.tile(B // f.B, T // f.T) for f in base["hqmq-med3"])
         add(B, T, "hqmq-med3-triton", bench(lambda: decode_attention(q, kf3, vf3, backend="triton")), sd)
@@ -96,7 +121,8 @@ def main():
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "hqmq_bench.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "regs": regs,
-                                                      "rows": rows}, indent=1, default=str))
+                                                      "ctas_per_sm": occ, "copy_GBps": copy, "rows": rows},
+                                                     indent=1, default=str))
     print(f"({time.time() - t0:.0f} s)")
 
 

@@ -338,6 +338,21 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     cur.m = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(mine) & ~uintptr_t(15)) + 16 * (lane % 3);
     cur.mlast = reinterpret_cast<const uint8_t*>(lane < 3 ? p.km + bh * p.k_ms + (T - 1) : p.vm + bh * p.v_ms + (T - 1));
   }
+  // The kv head's two codebooks: cp.async, every thread's 16-byte pieces in flight at once
+  // (one group, committed before the stage prologue, so the loop's first wait covers it).
+  // GPU run 16 copied them through registers (__ldg + store, a few loads in flight per
+  // thread): ~36 KB of L2 latency at the start of every CTA.
+  {
+    const uint8_t* kt = reinterpret_cast<const uint8_t*>(p.ktab) + (long long)h * p.tab_bytes;
+    const uint8_t* vt = reinterpret_cast<const uint8_t*>(p.vtab) + (long long)h * p.tab_bytes;
+    const uint32_t ka = smem_u32(ktab), va = smem_u32(vtab);
+    const int n = p.tab_bytes / 16;
+    for (int i = threadIdx.x; i < n; i += NW * 32) {
+      cp_async16(ka + 16 * i, kt + 16 * i, true);
+      cp_async16(va + 16 * i, vt + 16 * i, true);
+    }
+    cp_commit();
+  }
   const uint8_t* wsm = stages + warp * (SMS * Stage::BYTES);
   const uint32_t wsa = smem_u32(wsm);
   const int ntile = last > first + warp ? (last - first - warp + NW - 1) / NW : 0;
@@ -345,15 +360,6 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   for (int i = 0; i < SMS - 1; ++i) {
     copy_tile<NW>(wsa + i * Stage::BYTES, cur, T, i < ntile, lane);
     cp_commit();
-  }
-  {
-    const uint4* kt = reinterpret_cast<const uint4*>(p.ktab + (long long)h * (p.tab_bytes / 2));
-    const uint4* vt = reinterpret_cast<const uint4*>(p.vtab + (long long)h * (p.tab_bytes / 2));
-    const int n = p.tab_bytes / 16;
-    for (int i = threadIdx.x; i < n; i += NW * 32) {
-      reinterpret_cast<uint4*>(ktab)[i] = __ldg(kt + i);
-      reinterpret_cast<uint4*>(vtab)[i] = __ldg(vt + i);
-    }
   }
 
   uint32_t qb[KS][2];
@@ -368,7 +374,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
 #pragma unroll
   for (int i = 0; i < KS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-  __syncthreads();  // the tables are in
+  cp_wait<SMS - 1>();  // this thread's table pieces (the oldest group) have landed
+  __syncthreads();     // and every thread's: the tables are in
 
   int rd = 0, wr = SMS - 1;
   for (int j = 0; j < ntile; ++j) {
@@ -439,26 +446,51 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
 // Launch variants: {warps per CTA, cp.async stages per warp, min CTAs per SM (a register cap)}.
 // GPU run 1 (NOTES.md) had min 1 everywhere: 168-176 registers = 2 CTAs of 4 warps per SM;
 // the caps (3 x 4 warps: 167 registers, 2 x 8 warps: 128) compile without spills (offline).
-constexpr int VARIANTS[][3] = {{4, 4, 3}, {8, 4, 1}, {4, 3, 3}, {8, 2, 2}, {4, 6, 1}};
-constexpr int NVARIANTS = 5;
+// Since the tables are copied by cp.async (run 17) every instance needs ~120 registers, no
+// spills (the __ldg copy loop had set the peak: 167-177), so shared memory (36 KB of tables
+// + NW x SMS x 2144 B per CTA) decides the CTAs per SM. 5..8 (run 17) take 16 warps per SM
+// for the latency of the bank-conflicted gathers: 2 CTAs of 8 warps with 4 stages (v3 has
+// 2), 4 CTAs of 4 warps with 2, one CTA of 16 warps with 4 or 5 (one copy of the tables
+// per SM). 20 warps (102 registers) spilled 60 bytes offline: not taken.
+constexpr int VARIANTS[][3] = {{4, 4, 3}, {8, 4, 1}, {4, 3, 3}, {8, 2, 2}, {4, 6, 1},
+                               {8, 4, 2}, {4, 2, 4}, {16, 4, 1}, {16, 5, 1}};
+constexpr int NVARIANTS = 9;
 constexpr int TAB_SMALL = 192 * 96;   // S <= 96
 constexpr int TAB_LARGE = 192 * 170;  // S <= 170 (fill=true at 12 bits)
 static_assert(TAB_SMALL % 16 == 0, "table alignment");
 
 template <int V, int TABB>
+constexpr int smem_of() {
+  return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16>();
+}
+template <int V, int TABB>
+constexpr auto kernel_of() {
+  return hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, VARIANTS[V][2]>;
+}
+
+// The dynamic shared-memory opt-in, once per instance (also before an occupancy query).
+template <int V, int TABB>
+int prepare() {
+  static cudaError_t e = cudaFuncSetAttribute(kernel_of<V, TABB>(), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              smem_of<V, TABB>());
+  return (int)e;
+}
+
+template <int V, int TABB>
 int launch_v(const Params& p, int rows, cudaStream_t stream) {
-  constexpr int NW = VARIANTS[V][0], SMS = VARIANTS[V][1], MINB = VARIANTS[V][2];
-  constexpr int TB = (TABB + 15) / 16 * 16;
-  constexpr int smem = dyn_smem<NW, SMS, TB>();
-  auto k = hqmq_split_kernel<NW, SMS, TB, MINB>;
-  static bool set = false;
-  if (!set) {
-    const cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return (int)e;
-    set = true;
-  }
-  k<<<dim3(rows, p.nsplit), NW * 32, smem, stream>>>(p);
+  if (const int e = prepare<V, TABB>()) return e;
+  kernel_of<V, TABB>()<<<dim3(rows, p.nsplit), VARIANTS[V][0] * 32, smem_of<V, TABB>(), stream>>>(p);
   return 0;
+}
+
+// CTAs of this instance resident per SM (registers, shared memory, threads); < 0: -error.
+template <int V, int TABB>
+int occupancy_v() {
+  if (const int e = prepare<V, TABB>()) return -e;
+  int n = 0;
+  const cudaError_t e =
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel_of<V, TABB>(), VARIANTS[V][0] * 32, smem_of<V, TABB>());
+  return e == cudaSuccess ? n : -(int)e;
 }
 
 template <int V, int TABB>
@@ -477,6 +509,10 @@ int launch_t(const Params& p, int rows, int variant, cudaStream_t s) {
     case 2: return launch_v<2, TABB>(p, rows, s);
     case 3: return launch_v<3, TABB>(p, rows, s);
     case 4: return launch_v<4, TABB>(p, rows, s);
+    case 5: return launch_v<5, TABB>(p, rows, s);
+    case 6: return launch_v<6, TABB>(p, rows, s);
+    case 7: return launch_v<7, TABB>(p, rows, s);
+    case 8: return launch_v<8, TABB>(p, rows, s);
     default: return launch_v<0, TABB>(p, rows, s);
   }
 }
@@ -517,6 +553,21 @@ extern "C" int kvq_hqmq_decode(const void* q, int qtype, const void* kc, const v
 
 extern "C" int kvq_hqmq_num_variants() { return NVARIANTS; }
 
+extern "C" int kvq_hqmq_occupancy(int variant, int S) {
+  const bool small = 192 * S <= TAB_SMALL;
+  switch (variant) {
+    case 1: return small ? occupancy_v<1, TAB_SMALL>() : occupancy_v<1, TAB_LARGE>();
+    case 2: return small ? occupancy_v<2, TAB_SMALL>() : occupancy_v<2, TAB_LARGE>();
+    case 3: return small ? occupancy_v<3, TAB_SMALL>() : occupancy_v<3, TAB_LARGE>();
+    case 4: return small ? occupancy_v<4, TAB_SMALL>() : occupancy_v<4, TAB_LARGE>();
+    case 5: return small ? occupancy_v<5, TAB_SMALL>() : occupancy_v<5, TAB_LARGE>();
+    case 6: return small ? occupancy_v<6, TAB_SMALL>() : occupancy_v<6, TAB_LARGE>();
+    case 7: return small ? occupancy_v<7, TAB_SMALL>() : occupancy_v<7, TAB_LARGE>();
+    case 8: return small ? occupancy_v<8, TAB_SMALL>() : occupancy_v<8, TAB_LARGE>();
+    default: return small ? occupancy_v<0, TAB_SMALL>() : occupancy_v<0, TAB_LARGE>();
+  }
+}
+
 extern "C" int kvq_hqmq_num_regs(int variant, int S) {
   const bool small = 192 * S <= TAB_SMALL;
   switch (variant) {
@@ -524,6 +575,10 @@ extern "C" int kvq_hqmq_num_regs(int variant, int S) {
     case 2: return small ? regs_v<2, TAB_SMALL>() : regs_v<2, TAB_LARGE>();
     case 3: return small ? regs_v<3, TAB_SMALL>() : regs_v<3, TAB_LARGE>();
     case 4: return small ? regs_v<4, TAB_SMALL>() : regs_v<4, TAB_LARGE>();
+    case 5: return small ? regs_v<5, TAB_SMALL>() : regs_v<5, TAB_LARGE>();
+    case 6: return small ? regs_v<6, TAB_SMALL>() : regs_v<6, TAB_LARGE>();
+    case 7: return small ? regs_v<7, TAB_SMALL>() : regs_v<7, TAB_LARGE>();
+    case 8: return small ? regs_v<8, TAB_SMALL>() : regs_v<8, TAB_LARGE>();
     default: return small ? regs_v<0, TAB_SMALL>() : regs_v<0, TAB_LARGE>();
   }
 }

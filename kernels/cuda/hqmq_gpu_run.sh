@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One GPU call for the CUDA HQMQ kernel (kernels/NOTES.md, "CUDA HQMQ decode"): package on
-# PYTHONPATH through a symlinked kvqbench/ (as gpu_run.sh), build, tests (-x -q), bench.
+# PYTHONPATH through a symlinked kvqbench/ (gpu_env.sh), build, the whole test file (no -x:
+# every failure shows; the slowest tests listed for the next trim), bench.
 # usage: bash kernels/cuda/hqmq_gpu_run.sh [test seconds] [bench seconds] [bench args...]
-T_TEST=${1:-60}; T_BENCH=${2:-75}; shift 2 || true
+T_TEST=${1:-120}; T_BENCH=${2:-100}; shift 2 || true
 source "$(dirname "$0")/gpu_env.sh"
-$PY -c "from kvqbench.kernels import cuda_hqmq as c; print('why_unavailable:', c.why_unavailable()); print('regs', {v: c.num_regs(v, 96) for v in range(c.NUM_VARIANTS)}, {v: c.num_regs(v, 170) for v in range(c.NUM_VARIANTS)})" 2>&1 | tail -5 | tee "$OUT/build.txt"
+$PY -c "from kvqbench.kernels import cuda_hqmq as c; print('why_unavailable:', c.why_unavailable()); n = range(c.NUM_VARIANTS); print('regs', {v: c.num_regs(v, 96) for v in n}, {v: c.num_regs(v, 170) for v in n}); print('CTAs/SM', {v: c.occupancy(v, 96) for v in n}, {v: c.occupancy(v, 170) for v in n})" 2>&1 | tail -5 | tee "$OUT/build.txt"
 echo "build+load $(( $(date +%s) - t0 )) s"
-timeout "$T_TEST" $PY -m pytest -x -q $XD suites/tests/test_cuda_hqmq.py -p no:cacheprovider 2>&1 \
-  | tee "$OUT/tests.log" | grep -vE "^(SKIPPED|PASSED)" | tail -25
+timeout "$T_TEST" $PY -m pytest -q -rfE --durations=12 $XD suites/tests/test_cuda_hqmq.py -p no:cacheprovider 2>&1 \
+  | tee "$OUT/tests.log" | grep -vE "^(SKIPPED|PASSED)" | tail -40
 echo "tests done at $(( $(date +%s) - t0 )) s"
-timeout "$T_BENCH" $PY kernels/cuda/hqmq_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
+timeout "$T_BENCH" $PY kernels/cuda/hqmq_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -100
 echo "all done at $(( $(date +%s) - t0 )) s"

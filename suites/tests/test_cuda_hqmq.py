@@ -182,13 +182,16 @@ def test_agrees_with_triton_and_auto_routing():
 
     B, Hq, Hkv, T, D = 2, 32, 8, 2049, 128
     k, v = make(B, Hkv, T, D, 11), make(B, Hkv, T, D, 12, outlier=False)
-    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(13)).bfloat16().to(DEV)
+    # fp16 q, as hqmq_bench.py: the same Triton specialisations (compiled once per GPU call)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(13)).half().to(DEV)
     _, pk, _, pv = build(SPEC, k, v)
     kf, vf = L.flatten(pk, "K"), L.flatten(pv, "V")
     cuda = decode_attention(q, kf, vf, backend="cuda").float()
     tri = decode_attention(q, kf, vf, backend="triton").float()
     auto = decode_attention(q, kf, vf).float()
-    assert rel_err(cuda, tri) < TOL[torch.bfloat16]
+    # two approximations of the reference (fp16 codebook here, fp32 secondaries in Triton),
+    # each within 3e-3 of it: run 16 measured 1.8e-3 / 2.0e-3 between them at the bench shapes
+    assert rel_err(cuda, tri) < 5e-3
     assert torch.equal(auto, cuda if cuda_hqmq.AUTO else tri)
     _, pk3, _, pv3 = build(SPEC + ",outliers=med3", k, v)
     kf3, vf3 = L.flatten(pk3, "K"), L.flatten(pv3, "V")
@@ -327,6 +330,27 @@ def test_why_unavailable_is_a_reason_or_none():
     assert why is None or (isinstance(why, str) and why)
     if not CUDA:
         assert why is not None
+
+
+def test_default_splits_fill_whole_waves(monkeypatch):
+    """The default split rule: the fewest whole waves of occupancy x SMs CTAs filled to at
+    least FILL; every split non-empty; the old rule when the occupancy is unknown."""
+    monkeypatch.setattr(cuda_hqmq, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(cuda_hqmq, "occupancy", lambda variant=0, S=96: 3)
+    dev = torch.device("cuda")
+    assert cuda_hqmq.splits(64, 32768, dev) == (6, 342)  # B=8: 384 of 396 slots
+    assert cuda_hqmq.splits(8, 32768, dev) == (49, 42)  # B=1: 392 of 396
+    assert cuda_hqmq.splits(256, 32768, dev)[0] == 3  # 768 of 2 waves' 792 (1 split: 65% of one)
+    assert cuda_hqmq.splits(512, 32768, dev)[0] == 3  # 1536 of 4 waves' 1584
+    assert cuda_hqmq.splits(8, 20, dev) == (2, 1)  # no more splits than tiles
+    assert cuda_hqmq.splits(64, 32768, dev, num_splits=9) == (9, 228)
+    for rows in (1, 7, 64, 300, 5000):
+        for T in (1, 17, 4099, 131072):
+            ns, per = cuda_hqmq.splits(rows, T, dev)
+            tiles = -(-T // 16)
+            assert ns * per >= tiles and (ns - 1) * per < tiles
+    monkeypatch.setattr(cuda_hqmq, "occupancy", lambda variant=0, S=96: -1)
+    assert cuda_hqmq.splits(64, 32768, dev) == (32, 64)  # max(2048 / 64 tiles, 2 x 132 / 64)
 
 
 def test_cpu_dispatch_stays_on_triton():
