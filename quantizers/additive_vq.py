@@ -17,8 +17,11 @@ Codebooks (`codebooks`):
   residuals that stages 1..m-1 (as stored, fp16) leave (vq.py: KMEANS_ITERS =
   6 Lloyd iterations on a seeded sample of at most 16 points per codeword).
   The first write into a cache fits them (fitted.py); later appends reuse
-  them. They are stored fp16 and counted, amortised over the cache: M*K*dim*16
-  bits per (layer, role) (per kv-head with per_head=true).
+  them. The fit is per row (per sequence): a cache of B batch rows fits B sets,
+  row b's on row b's tokens alone, coding row b only, so a batch of windows
+  stores, byte for byte, what B one-window caches store. They are stored fp16
+  and counted, amortised over the cache: M*K*dim*16 bits per (layer, role) and
+  row (per kv-head with per_head=true).
 - "gaussian" (the earlier strawman): seeded N(0, gain_m^2 I) codewords,
   stage gains fixed on synthetic N(0, I) chunks (`stage_gains`), never fitted.
 Codeword 0 of every codebook is the zero vector, so a stage can always
@@ -37,8 +40,10 @@ calibration-free VQ, not CommVQ's.
 
 Stored per token vector: (D/dim)*M codes of K_bits bits, bit-packed, in
 (chunk, stage) order (`codes`), and the fp16 gain (`gain`). Per (layer, role):
-the codebooks, fp16 [H, M, K, dim] ([1, M, K, dim] with per_head=false), and
-with rotation=hadamard the sign bits, uint8 [H, D/8].
+the codebooks, fp16 [R, H, M, K, dim] ([R, 1, M, K, dim] with per_head=false),
+R = B batch rows when fitted (one set per row), R = 1 when seeded (gaussian:
+one set serves every row), and with rotation=hadamard the sign bits, uint8
+[H, D/8].
 """
 from __future__ import annotations
 
@@ -49,7 +54,7 @@ import math
 import torch
 
 from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable, stable_seed
-from .fitted import FitsOnFirstWrite
+from .fitted import FitsOnFirstWrite, row_index
 from .packing import pack_bits, unpack_bits
 from .rotation import random_signs, rotate, signs_of, unrotate
 from .vq import fit_codebook_with_zero, nearest, residual_search
@@ -147,8 +152,8 @@ class AdditiveVQ(FitsOnFirstWrite, Quantizer):
         if c.rotation == "hadamard":
             shared["signs"] = random_signs([self.head_seed(h) for h in range(heads)], head_dim)
         groups = heads if c.per_head else 1
-        if c.codebooks == "fitted":  # replaced at the first write
-            shared["codebooks"] = torch.zeros(groups, c.M, 1 << c.K_bits, c.dim, dtype=torch.float16)
+        if c.codebooks == "fitted":  # one row, replaced at the first write; B rows hold B (fitted.py)
+            shared["codebooks"] = torch.zeros(1, groups, c.M, 1 << c.K_bits, c.dim, dtype=torch.float16)
             return shared
         g = torch.tensor(stage_gains(c.M, c.K_bits, c.dim), dtype=torch.float64).view(-1, 1, 1)
         if c.per_head:
@@ -156,10 +161,13 @@ class AdditiveVQ(FitsOnFirstWrite, Quantizer):
         else:
             seeds = [stable_seed(self.name, self.seed, self.layer, "all-heads", self.role)]
         cbs = [gaussian_codebooks(c.M, 1 << c.K_bits, c.dim, torch.Generator().manual_seed(s)) * g for s in seeds]
-        shared["codebooks"] = torch.stack(cbs).half()  # [H or 1, M, K, dim]
+        shared["codebooks"] = torch.stack(cbs).half().unsqueeze(0)  # [1, H or 1, M, K, dim]: every row's
         return shared
 
-    def fit_shared(self, x, shared):
+    def per_row_shared(self):
+        return ("codebooks",) if self.config.codebooks == "fitted" else ()
+
+    def fit_shared(self, x, shared):  # x: one row [1, H, T, D]
         c = self.config
         if c.codebooks != "fitted":
             return {}
@@ -171,7 +179,7 @@ class AdditiveVQ(FitsOnFirstWrite, Quantizer):
         gen = torch.Generator().manual_seed(stable_seed(self.name, self.seed, self.layer, self.role, "fit"))
         cb = fit_residual_codebooks(pts, c.M, 1 << c.K_bits, gen)
         check_fp16_storable("avq codeword", cb)
-        return {"codebooks": cb.half()}
+        return {"codebooks": cb.half().unsqueeze(0)}
 
     def _rotate(self, x, shared):
         if self.config.rotation == "none":
@@ -195,8 +203,11 @@ class AdditiveVQ(FitsOnFirstWrite, Quantizer):
         c = self.config
         y = self._rotate(x, shared)
         z, s = self._normalise(y)
-        cb = shared["codebooks"].float()
-        codes, _ = residual_search(z.reshape(B, H, T * (D // c.dim), c.dim), cb, c.beam)
+        # Rows folded into the group axis: residual_search codes group (b, h) with row b's
+        # codebooks of head h, the same float64 scores as a one-row write of row b.
+        cb = shared["codebooks"].float()  # [1 or B, H or 1, M, K, dim]
+        cb = cb.expand(B, H, *cb.shape[2:]).reshape(B * H, *cb.shape[2:])
+        codes, _ = residual_search(z.reshape(1, B * H, T * (D // c.dim), c.dim), cb, c.beam)
         if c.gain == "lsq":
             zhat = self._decoded(codes, shared, (B, H, T, D)).double()  # exactly what decode sums
             nz = zhat.pow(2).sum(-1)
@@ -218,11 +229,11 @@ class AdditiveVQ(FitsOnFirstWrite, Quantizer):
         c = self.config
         nc = D // c.dim
         codes = codes.reshape(B, H, T, nc, c.M)
-        cb = shared["codebooks"].float()
-        heads = torch.arange(cb.shape[0], device=codes.device).view(1, -1, 1, 1)
+        cb = shared["codebooks"].float()  # [1 or B, H or 1, M, K, dim]
+        rows, heads = row_index(cb, 4), torch.arange(cb.shape[1], device=codes.device).view(1, -1, 1, 1)
         out = torch.zeros(B, H, T, nc, c.dim, device=codes.device)
         for m in range(c.M):  # one stage at a time: no [.., M, dim] temporary
-            out += cb[:, m][heads, codes[..., m]]
+            out += cb[:, :, m][rows, heads, codes[..., m]]
         return out.reshape(B, H, T, D)
 
     # ---- accounting and guarantees ----------------------------------------------------
@@ -245,11 +256,11 @@ class AdditiveVQ(FitsOnFirstWrite, Quantizer):
         B, H, T, D = x.shape
         z, s16 = self._normalise(self._rotate(x.float(), shared))
         ch = z.double().reshape(B, H, -1, c.dim)
-        cb1 = shared["codebooks"].double()[:, 0]  # [G, K, dim]
-        cb1 = cb1[torch.arange(H, device=cb1.device) % cb1.shape[0]]  # [H, K, dim]
+        cb1 = shared["codebooks"].double()[:, :, 0]  # [1 or B, H or 1, K, dim]
+        cb1 = cb1.expand(B, H, *cb1.shape[2:])  # row b's stage-1 codebook of each kv-head
         d2 = torch.stack([  # ||z - c||^2 = ||z||^2 - 2 <z, c> + ||c||^2, one batch row at a time
-            (ch[b].pow(2).sum(-1, keepdim=True) - 2 * ch[b] @ cb1.transpose(1, 2) + cb1.pow(2).sum(-1).unsqueeze(1))
-            .amin(-1).clamp(min=0) for b in range(B)])  # [B, H, T*nc]
+            (ch[b].pow(2).sum(-1, keepdim=True) - 2 * ch[b] @ cb1[b].transpose(1, 2)
+             + cb1[b].pow(2).sum(-1).unsqueeze(1)).amin(-1).clamp(min=0) for b in range(B)])  # [B, H, T*nc]
         e = d2.reshape(B, H, T, -1).sum(-1).sqrt()
         n = x.double().norm(dim=-1)
         coded = s16.double() * e

@@ -1,6 +1,6 @@
 """Shared tensors fitted on the first write, for the calibration-free methods
-that learn something from the data they store (fp8's scale, flat VQ's and
-additive VQ's codebooks).
+that learn something from the data they store (flat VQ's and additive VQ's
+codebooks, spherical's outlier channels, fp8's scale).
 
 `make_shared` still creates every shared tensor, with its final shape and dtype
 (unfitted values), so a packed cache's format never depends on the data. The
@@ -12,6 +12,21 @@ codebook per token). Under quantize-on-write each window is one write, so the
 fit sees the whole window, later tokens included (METHOD.md section 4 caveat).
 Appended writes therefore differ from one big write.
 
+Per row (`fit_per_row = True`, the default): a cache of B sequences (batch rows)
+fits B sets of tensors, row b's on row b's tokens alone, as a deployed cache
+serves each sequence, and codes row b with row b's. The per-row tensors
+(`per_row_shared()`) are stored with a leading row dimension: `make_shared`
+gives them as ONE row, `[1, ...]`; an empty cache of B rows holds B copies,
+`[B, ...]`, each replaced by its row's fit. `fit_shared` sees one row at a time
+(`x[b:b+1]`, the shared tensors with row b's), so row b's tensors are, byte for
+byte, what a one-row cache of that sequence fits; the segments of a B-row write
+are those of B one-row writes (the quantizers broadcast row b's tensors over
+row b), and `nbytes_as_row_caches` counts per-row tensors once per row (they
+ARE one per row) and the rest once per row too: a batch measures the bits of
+one window at a time. A quantizer whose fit spans rows sets `fit_per_row =
+False` (fp8, whose `[H]` scale the fused kernels read): `fit_shared` then sees
+the whole write and the batch harness scores it one window at a time.
+
 Error bounds of such a quantizer depend on what was fitted, so `error_bound(x)`
 bounds x as coded with `fitted_shared(x)`: the shared tensors of the first
 write this instance coded last (x is then a write into that cache: the
@@ -22,36 +37,115 @@ serves one (layer, role) of one cache, so "last" is that cache.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 
+from .base import CorruptPackedError, Packed, _check_stored_finite
+
 
 class FitsOnFirstWrite:
-    """Mixin for a Quantizer: implement `fit_shared(x, shared) -> dict` (float32
-    x of the first write; returns the shared tensors it replaces)."""
+    """Mixin for a Quantizer: implement `fit_shared(x, shared) -> dict` (float32 x
+    of the first write, one row `[1, H, T, D]` when `fit_per_row`; returns the
+    shared tensors it replaces, per-row ones as one row `[1, ...]`) and, when
+    `fit_per_row`, `per_row_shared()` (the names it may return)."""
 
     append_matches_single_write = False
+    # One fit per batch row (module docstring); False: one fit over the whole write.
+    fit_per_row: ClassVar[bool] = True
 
     def fit_shared(self, x: torch.Tensor, shared: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def per_row_shared(self) -> tuple[str, ...]:
+        """Names of the shared tensors fitted per row, stored `[rows, ...]` (this config's;
+        empty when it fits nothing)."""
+        return ()
+
+    def _row_names(self) -> tuple[str, ...]:
+        return tuple(self.per_row_shared()) if self.fit_per_row else ()
+
+    def empty(self, like: torch.Tensor) -> Packed:
+        """A cache of `like`'s B rows: the per-row shared tensors repeated to B rows."""
+        packed = super().empty(like)
+        names = self._row_names()
+        if not names:
+            return packed
+        B = like.shape[0]
+        shared = {k: v.repeat(B, *[1] * (v.dim() - 1)) if k in names else v for k, v in packed.shared.items()}
+        return dataclasses.replace(packed, shared=shared)
+
+    def _fit(self, x: torch.Tensor, shared: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors the first write `x` (float32) replaces in `shared` (a cache of x's rows)."""
+        names = self._row_names()
+        if not self.fit_per_row:
+            return self.fit_shared(x, shared)
+        rows = []
+        for b in range(x.shape[0]):  # row b's fit sees row b's tokens and tensors only
+            fitted = self.fit_shared(x[b:b + 1], {k: v[b:b + 1] if k in names else v for k, v in shared.items()})
+            extra = set(fitted) - set(names)
+            if extra:  # a plugin bug: these would be fitted on one row but shared by all
+                raise TypeError(f"{type(self).__name__}.fit_shared returned {sorted(extra)}, not in per_row_shared()")
+            rows.append(fitted)
+        return {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+
     def fitted_shared(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """The shared tensors x is coded with (see the module docstring)."""
-        key = (x.shape[1], x.shape[3], x.device)
+        key = (x.shape[0], x.shape[1], x.shape[3], x.device)
         last = getattr(self, "_last_fit", None)
         if last is not None and last[0] == key:
             return last[1]
         shared = self.empty(x).shared
-        return {**shared, **self.fit_shared(x.float(), shared)}
+        return {**shared, **self._fit(x.float(), shared)}
 
     def append(self, packed, x):
         if packed is not None and not packed.segments:
             self.check_input(x)
             self._check_compatible(packed, x)
-            fitted = self.fit_shared(x.float(), packed.shared)
+            fitted = self._fit(x.float(), packed.shared)
             packed = dataclasses.replace(packed, shared={**packed.shared, **fitted})
-            self._last_fit = ((x.shape[1], x.shape[3], x.device), packed.shared)
+            self._last_fit = ((x.shape[0], x.shape[1], x.shape[3], x.device), packed.shared)
         return super().append(packed, x)
 
+    def check_packed(self, packed) -> None:
+        """The base checks, with each per-row shared tensor checked for one row per batch
+        row (`[packed.batch, ...]`, each row of the one-row layout, every value finite)."""
+        names = self._row_names()
+        if (names and isinstance(packed, Packed) and packed.spec == self.spec and isinstance(packed.shared, dict)
+                and isinstance(packed.batch, int) and packed.batch > 0):
+            shared = dict(packed.shared)
+            for name in names:
+                t = shared.get(name)
+                if not isinstance(t, torch.Tensor):
+                    continue  # the base check names it
+                if t.dim() == 0 or t.shape[0] != packed.batch:
+                    raise CorruptPackedError(f"shared tensor {name!r} has shape {tuple(t.shape)}; the format stores "
+                                             f"one per batch row: [{packed.batch}, ...]")
+                if t.is_floating_point():
+                    _check_stored_finite(t, f"shared tensor {name!r}")
+                shared[name] = t[:1]  # the base compares one row with make_shared's one-row layout
+            packed = dataclasses.replace(packed, shared=shared)
+        super().check_packed(packed)
 
-__all__ = ["FitsOnFirstWrite"]
+
+def nbytes_as_row_caches(packed: Packed, quantizer=None) -> int:
+    """Bytes the rows of `packed` would store as separate one-row caches: every segment
+    byte, the per-row shared tensors as stored (one row each already), and every other
+    shared tensor (a seeded rotation, a whole-write fit) once PER ROW. `quantizer`: the
+    one that wrote `packed` (default: its spec's)."""
+    if quantizer is None:
+        from . import get_quantizer
+
+        quantizer = get_quantizer(packed.spec)
+    per_row = set(quantizer._row_names()) if isinstance(quantizer, FitsOnFirstWrite) else set()
+    common = sum(t.numel() * t.element_size() for k, t in packed.shared.items() if k not in per_row)
+    return packed.nbytes + (packed.batch - 1) * common
+
+
+def row_index(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    """arange over the row dimension of a per-row tensor `t` ([1 or B, ...]), shaped to
+    broadcast over `ndim` index dims: a one-row tensor serves every row."""
+    return torch.arange(t.shape[0], device=t.device).view(-1, *[1] * (ndim - 1))
+
+
+__all__ = ["FitsOnFirstWrite", "nbytes_as_row_caches", "row_index"]

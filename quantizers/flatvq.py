@@ -9,6 +9,10 @@ one write and gets its own codebook, which it pays for: the fp16 codebook is
 a stored, counted field, amortised over the cache (K * dim * 16 bits per
 kv-head, or per (layer, role) with per_head=false).
 
+The fit is per row (per sequence): a cache of B batch rows stores B codebooks,
+row b's fitted on row b's tokens alone and coding row b only, so a batch of
+windows stores, byte for byte, what B one-window caches store (fitted.py).
+
 Fit: Lloyd's k-means (vq.py; KMEANS_ITERS = 6 iterations from K-1 seeded
 sample points, on a seeded sample of at most 16 points per codeword), K-1
 centroids plus codeword 0 fixed at zero. The seeds make it stochastic.
@@ -20,7 +24,8 @@ per-token normalisation (the k-means sees the raw sub-vectors, key-channel
 outliers included).
 
 Stored per token vector: D/dim codes of K_bits bits, bit-packed (`codes`).
-Per (layer, role): `codebook`, fp16 [H, K, dim] ([1, K, dim] with per_head=false).
+Per (layer, role) and batch row: `codebook`, fp16 [B, H, K, dim] ([B, 1, K, dim]
+with per_head=false).
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ import dataclasses
 import torch
 
 from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable, stable_seed
-from .fitted import FitsOnFirstWrite
+from .fitted import FitsOnFirstWrite, row_index
 from .packing import pack_bits, unpack_bits
 from .vq import fit_codebook_with_zero, residual_search
 
@@ -58,15 +63,18 @@ class FlatVQ(FitsOnFirstWrite, Quantizer):
             raise QuantizerInputError(f"flatvq: K_bits must be in 1..14, got {c.K_bits}")
         self.head_dim_multiple = c.dim  # sub-vectors tile the head vector
 
-    def make_shared(self, heads, head_dim):
+    def make_shared(self, heads, head_dim):  # one row; a cache of B rows holds B (fitted.py)
         c = self.config
-        return {"codebook": torch.zeros(heads if c.per_head else 1, 1 << c.K_bits, c.dim, dtype=torch.float16)}
+        return {"codebook": torch.zeros(1, heads if c.per_head else 1, 1 << c.K_bits, c.dim, dtype=torch.float16)}
+
+    def per_row_shared(self):
+        return ("codebook",)
 
     def _chunks(self, x):
         B, H, T, D = x.shape
         return x.reshape(B, H, T * (D // self.config.dim), self.config.dim)
 
-    def fit_shared(self, x, shared):
+    def fit_shared(self, x, shared):  # x: one row [1, H, T, D]
         c = self.config
         pts = self._chunks(x).transpose(0, 1).reshape(x.shape[1], -1, c.dim)  # [H, B*N, dim]
         if not c.per_head:
@@ -74,19 +82,28 @@ class FlatVQ(FitsOnFirstWrite, Quantizer):
         gen = torch.Generator().manual_seed(stable_seed(self.name, self.seed, self.layer, self.role, "fit"))
         cb = fit_codebook_with_zero(pts, 1 << c.K_bits, gen)
         check_fp16_storable("flatvq codeword", cb)
-        return {"codebook": cb.half()}
+        return {"codebook": cb.half().unsqueeze(0)}
+
+    def _row_codebooks(self, shared, B, H):
+        """The codebook of every (row, kv-head), float32 [B*H, 1, K, dim] (a one-row
+        codebook serves every row; per_head=false: one per row serves every head)."""
+        cb = shared["codebook"].float()  # [1 or B, H or 1, K, dim]
+        return cb.expand(B, H, *cb.shape[2:]).reshape(B * H, 1, *cb.shape[2:])
 
     def encode_tokens(self, x, shared):
         B, H, T, D = x.shape
-        codes, _ = residual_search(self._chunks(x), shared["codebook"].float().unsqueeze(1), 1)
+        # Rows folded into the group axis: residual_search codes group (b, h) with its own
+        # codebook, the same float64 scores as a one-row write of row b.
+        ch = self._chunks(x).reshape(1, B * H, -1, self.config.dim)
+        codes, _ = residual_search(ch, self._row_codebooks(shared, B, H), 1)
         return Segment({"codes": pack_bits(codes.reshape(B, H, T, -1), self.config.K_bits)}, T)
 
     def decode_tokens(self, seg, shared, shape):
         B, H, T, D = shape
         codes = unpack_bits(seg.fields["codes"], self.config.K_bits, D // self.config.dim)
-        cb = shared["codebook"].float()
-        heads = torch.arange(cb.shape[0], device=codes.device).view(1, -1, 1, 1)
-        return cb[heads, codes].reshape(B, H, T, D)
+        cb = shared["codebook"].float()  # [1 or B, H or 1, K, dim]
+        heads = torch.arange(cb.shape[1], device=codes.device).view(1, -1, 1, 1)
+        return cb[row_index(cb, 4), heads, codes].reshape(B, H, T, D)
 
     def formula_bits(self, head_dim):
         return self.config.K_bits / self.config.dim
@@ -96,11 +113,12 @@ class FlatVQ(FitsOnFirstWrite, Quantizer):
         codeword of the fitted fp16 codebook, by brute force over every codeword
         (independent of the encoder's search; the zero codeword keeps it <= the
         sub-vector's norm), summed in quadrature, plus float32 slack."""
-        cb = self.fitted_shared(x)["codebook"].double()  # [G, K, dim]
+        B, H = x.shape[:2]
+        cb = self.fitted_shared(x)["codebook"].double()  # [1 or B, H or 1, K, dim]
+        cb = cb.expand(B, H, *cb.shape[2:])  # row b's codebook of each kv-head
         ch = self._chunks(x.double())  # [B, H, N, dim]
-        cb = cb[torch.arange(x.shape[1], device=cb.device) % cb.shape[0]]  # [H, K, dim]
         d2 = torch.stack([  # ||x - c||^2 = ||x||^2 - 2 <x, c> + ||c||^2, one batch row at a time
-            (ch[b].pow(2).sum(-1, keepdim=True) - 2 * ch[b] @ cb.transpose(1, 2) + cb.pow(2).sum(-1).unsqueeze(1))
-            .amin(-1).clamp(min=0) for b in range(x.shape[0])])  # [B, H, N]
+            (ch[b].pow(2).sum(-1, keepdim=True) - 2 * ch[b] @ cb[b].transpose(1, 2) + cb[b].pow(2).sum(-1).unsqueeze(1))
+            .amin(-1).clamp(min=0) for b in range(B)])  # [B, H, N]
         d2 = d2.reshape(*x.shape[:3], -1).sum(-1)
         return (d2.sqrt() * (1 + BOUND_SLACK) + BOUND_SLACK * x.double().norm(dim=-1)).float()

@@ -14,7 +14,12 @@ amax / max over that head's values in the first write (all batch rows);
 "unit": 1.0, vLLM's default when a checkpoint ships no scales. Fitted scales
 are fixed at the first write and reused by every later append, like vLLM's
 `calculate_kv_scales` (see fitted.py); a later token larger than the first
-write's amax saturates. The scale is stored fp16, clamped to at least 2^-14
+write's amax saturates. The fit is NOT per row: one scale per kv-head over all
+batch rows of the first write (`fit_per_row = False`), because the fused decode
+kernels and the device step encoder (kernels/) read the scale as `[H]`; a
+per-row scale would be `[B, H]`. A batch harness therefore scores fp8 one
+window at a time (suites/harness/perplexity.py `rows_independent`), where the
+scale is each window's own, as a deployed per-sequence cache would fit it. The scale is stored fp16, clamped to at least 2^-14
 (fp16's smallest normal) so it never underflows; tiny inputs then code into
 fp8 subnormals, which the error bound covers.
 
@@ -48,6 +53,7 @@ class FP8(FitsOnFirstWrite, Quantizer):
     description = "fp8 KV (e4m3 / e5m2, torch's float8 casts), per-kv-head or per-tensor scale from the first write"
     aliases = {"fp8-e4m3": {"format": "e4m3"}, "fp8-e5m2": {"format": "e5m2"}}
     example_specs = ("fp8-e4m3", "fp8-e5m2")
+    fit_per_row = False  # the kernels read scale [H] (module docstring): one fit over all rows
 
     @dataclasses.dataclass
     class Config:

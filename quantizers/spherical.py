@@ -44,6 +44,10 @@ coded by a second, independent instance with `outlier_bits` bits (default
 bits+1) and its own rotation and gain; the other D-N get `bits`. E.g. D=128,
 N=32, bits=2: (96*2 + 32*3)/128 = 2.25 code bits per element. The channel
 mask is stored, 1 bit per channel per kv-head. Not combined with qjl here.
+The fit is per row (per sequence): a cache of B batch rows stores B masks,
+row b's from row b's first-write RMS alone and splitting row b only, so a
+batch of windows stores, byte for byte, what B one-window caches store
+(fitted.py). Without outlier channels nothing is fitted.
 
 What of TurboQuant is not here: how the paper picks its outlier channels
 (here: RMS over the first write) and QJL together with the outlier split.
@@ -56,7 +60,7 @@ bit-packed (`codes`), the fp16 gain (`gain`); qjl keys add the D sign bits
 `rotation` of each kv-head (fp16 [H, D, D]) or its `signs` (uint8 [H, D/8]);
 qjl keys add the sketch matrix `qjl` (fp16 [D, D]). With outliers=N the
 outlier part stores `codes_o` (N codes of outlier_bits) and `gain_o` per token
-vector, and per (layer, role) `outlier_mask` (uint8 [H, D/8]) and its own
+vector, and per (layer, role) and batch row `outlier_mask` (uint8 [B, H, D/8]) and its own
 `rotation_o` (fp16 [H, N, N]) or `signs_o`; the regular part's rotation is then
 [H, D-N, D-N].
 """
@@ -74,6 +78,12 @@ from .packing import pack_bits, unpack_bits
 from .rotation import random_signs, sylvester_hadamard
 
 QJL_SCALE = math.sqrt(math.pi / 2)  # E[<s, q> sign(<s, r>)] = sqrt(2/pi) <q, r>/||r|| for Gaussian s
+
+
+def _expand_index(idx, shape):
+    """Channel indices [R, H, d] (R = 1 or B) as a gather/scatter index [B, H, T, d]."""
+    B, H, T, _ = shape
+    return idx.unsqueeze(2).expand(B, H, T, idx.shape[-1])
 
 
 class Spherical(FitsOnFirstWrite, Quantizer):
@@ -150,8 +160,8 @@ class Spherical(FitsOnFirstWrite, Quantizer):
         if self.use_qjl:
             g = torch.Generator().manual_seed(stable_seed(self.name, self.seed, self.layer, self.role, "qjl"))
             shared["qjl"] = torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64).half()
-        if self.n_out:  # placeholder: the first N channels, replaced at the first write
-            shared["outlier_mask"] = pack_bits((torch.arange(head_dim) < self.n_out).long().expand(heads, -1), 1)
+        if self.n_out:  # placeholder: the first N channels, replaced at the first write; one row (fitted.py)
+            shared["outlier_mask"] = pack_bits((torch.arange(head_dim) < self.n_out).long().expand(1, heads, -1), 1)
         for part, d, _ in self.parts(head_dim):
             seeds = [self.head_seed(h) if not part else stable_seed(self.name, self.seed, self.layer, h, self.role, part)
                      for h in range(heads)]
@@ -168,27 +178,28 @@ class Spherical(FitsOnFirstWrite, Quantizer):
             shared["rotation" + part] = torch.stack(rots).half()  # [H, d, d]
         return shared
 
-    def fit_shared(self, x, shared):
+    def per_row_shared(self):
+        return ("outlier_mask",) if self.n_out else ()
+
+    def fit_shared(self, x, shared):  # x: one row [1, H, T, D]
         if not self.n_out:
             return {}
         rms = x.pow(2).mean(dim=(0, 2))  # [H, D]
         mask = torch.zeros_like(rms, dtype=torch.long).scatter_(1, rms.topk(self.n_out, dim=-1).indices, 1)
-        return {"outlier_mask": pack_bits(mask, 1)}
+        return {"outlier_mask": pack_bits(mask, 1).unsqueeze(0)}
 
     def channel_index(self, shared, head_dim: int, device):
-        """Sorted channel indices [H, d] of each part, from the stored mask."""
+        """Sorted channel indices [R, H, d] of each part, from the stored mask (R = 1
+        or the batch rows: a one-row mask serves every row)."""
         if not self.n_out:
             return [None]
-        mask = unpack_bits(shared["outlier_mask"].to(device), 1, head_dim)  # [H, D]
+        mask = unpack_bits(shared["outlier_mask"].to(device), 1, head_dim)  # [R, H, D]
         order = torch.argsort(mask, dim=-1, descending=True, stable=True)
-        return [order[:, self.n_out :].sort(-1).values, order[:, : self.n_out].sort(-1).values]
+        return [order[..., self.n_out :].sort(-1).values, order[..., : self.n_out].sort(-1).values]
 
     @staticmethod
     def _take(x, idx):
-        if idx is None:
-            return x
-        B, H, T, _ = x.shape
-        return x.gather(-1, idx.view(1, H, 1, -1).expand(B, H, T, -1))
+        return x if idx is None else x.gather(-1, _expand_index(idx, x.shape))
 
     def matrices(self, shared, head_dim: int, device, part: str = ""):
         """Decode is x = c * (y @ M) for rows y (x = O^T y in columns), with M
@@ -292,7 +303,7 @@ class Spherical(FitsOnFirstWrite, Quantizer):
             if idx is None:
                 out = xp
             else:
-                out.scatter_(-1, idx.view(1, H, 1, -1).expand(B, H, T, -1), xp)
+                out.scatter_(-1, _expand_index(idx, (B, H, T, D)), xp)
         if self.use_qjl:
             out = out + self._qjl_decoded(seg.fields, shared["qjl"], D)
         return out.float()

@@ -12,9 +12,12 @@ Batches: windows are scored `batch_size` at a time (all have the same length, so
 padding), each batch from a fresh cache. Quantizers keep their statistics per (batch
 row, kv-head) (a Med3x median, KIVI's key groups), so a row's bytes and decoded values
 do not depend on its neighbours; suites/tests/test_decode_path.py checks, for every
-registered quantizer, that batched and one-by-one NLLs and bits agree. A quantizer
-whose statistics span rows (`rows_independent`: those that fit shared tensors on the
-first write, or that say `rows_independent = False`) is scored one window at a time.
+registered quantizer, that batched and one-by-one NLLs and bits agree. Quantizers that
+fit shared tensors on the first write (codebooks, an outlier-channel mask) fit them per
+row (quantizers/fitted.py): row b's from row b alone, as a one-window cache would. A
+quantizer whose statistics span rows (`rows_independent`: a fit over all rows,
+`fit_per_row = False`, as fp8's scale; or a class that says `rows_independent =
+False`) is scored one window at a time.
 Batched and one-by-one scoring do the same arithmetic per row, except that a batch's
 matrix products may round differently (float noise); a quantizer's rounding steps can
 amplify it. Measured on the embedded SmolLM2-135M (CPU, fp32), prefill-then-decode, 2
@@ -34,9 +37,10 @@ fails the run with its own message, without a host synchronisation per layer and
 
 PPL = exp(nll_sum / n_predicted). Bits per element are measured from the bytes each
 window's cache stores after its last write, pooled over windows (sum of bytes x 8 /
-sum of K/V elements). A batch's cache stores the per-(layer, role) codebooks once for
-all its rows; it reports them once per row (`QuantizedCache.nbytes_as_row_caches`),
-so the figure is the same as scoring one window at a time.
+sum of K/V elements). A batch's cache stores the per-(layer, role) tensors shared by
+all its rows (a seeded rotation) once; it reports them once per row, and the per-row
+fitted ones as stored (one per row already: `fitted.nbytes_as_row_caches`), so the
+figure is the same as scoring one window at a time.
 """
 from __future__ import annotations
 
@@ -52,7 +56,7 @@ from transformers import DynamicCache
 
 from ...quantizers import parse_spec
 from ...quantizers.checks import deferred_checks, flush
-from ...quantizers.fitted import FitsOnFirstWrite
+from ...quantizers.fitted import FitsOnFirstWrite, nbytes_as_row_caches
 from .attention import fused_attention
 from .kv_cache import QuantizedCache, cache_kwargs, plain_cache_stats
 
@@ -79,8 +83,11 @@ def _new_cache(model, spec: str | None, seed: int, capacity: int = 0, fused: boo
 
 
 def _cache_stats(cache) -> tuple[int, int]:
+    """(bytes, K/V elements) of a batch's cache, as its rows would store them one by one."""
     if isinstance(cache, QuantizedCache):
-        return cache.nbytes_as_row_caches(), cache.numel()
+        nbytes = sum(nbytes_as_row_caches(p, layer.quantizers[role])
+                     for layer in cache.layers for role, p in layer.packed.items() if p is not None)
+        return nbytes, cache.numel()
     return plain_cache_stats(cache)
 
 
@@ -101,11 +108,14 @@ def _check_windows(windows: torch.Tensor, min_len: int) -> torch.Tensor:
 
 def rows_independent(quantizer_cls) -> bool:
     """Whether a row's bytes and decoded values are independent of the other rows of
-    its write: the class's `rows_independent` if it says, else False for quantizers
-    that fit shared tensors (scales, codebooks) on the first write, whose rows all
-    feed one fit, and True otherwise (statistics per (row, kv-head))."""
+    its write: the class's `rows_independent` if it says; else, for quantizers that
+    fit shared tensors on the first write, whether they fit them per row
+    (`fit_per_row`: fp8's one scale over all rows does not); True otherwise
+    (statistics per (row, kv-head))."""
     said = getattr(quantizer_cls, "rows_independent", None)
-    return bool(said) if said is not None else not issubclass(quantizer_cls, FitsOnFirstWrite)
+    if said is not None:
+        return bool(said)
+    return bool(quantizer_cls.fit_per_row) if issubclass(quantizer_cls, FitsOnFirstWrite) else True
 
 
 def batch_rows(model, spec: str | None, windows: torch.Tensor, batch_size: int, scored_len: int) -> int:

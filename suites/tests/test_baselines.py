@@ -125,7 +125,7 @@ def test_spherical_outlier_channels_split_off():
     x[:, 1, :, [1, 40]] *= 20.0
     q = get_quantizer("spherical:bits=2,outliers=32,rotation=hadamard")
     p = q.encode(x)
-    mask = unpack_bits(p.shared["outlier_mask"], 1, 64).bool()
+    mask = unpack_bits(p.shared["outlier_mask"], 1, 64).bool()[0]  # [B, H, D]: one mask per batch row
     assert mask.sum(-1).tolist() == [32, 32]
     assert mask[0, [5, 9]].all() and mask[1, [1, 40]].all()
     by = p.nbytes_by_field()
