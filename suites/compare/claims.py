@@ -248,3 +248,63 @@ def claim_structure():
             f"closed: {closed}; max inner product of distinct elements {sep:.3f} (cos 60 = 0.5); "
             f"{distinct} distinct codewords for S=96 (also property-tested for random S)",
             "holds" if ok else "does not hold")
+
+
+def _word(o: str) -> str:
+    return {"<": "HQMQ wins", ">": "HQMQ loses", "~": "within the seed spread"}[o]
+
+
+def hqmq_standing(rows: list[dict]) -> list[str]:
+    """Markdown: HQMQ against every other quantizer at that quantizer's measured bits.
+
+    HQMQ's PPL at b bits is read off the Pareto front of all HQMQ configurations (seed
+    means, log-PPL interpolation between neighbours, their seed min/max interpolated
+    alike), so a baseline is compared with the best HQMQ the run measured at its bits.
+    A verdict counts only non-overlapping seed ranges (`order`). Rows outside HQMQ's
+    measured bit range are listed as such, never extrapolated. The last line asks
+    whether `fill=true` (S chosen to fill the code field) moves the front: the fill rows
+    against the front of the HQMQ rows without it."""
+    hq = [r for r in rows if r["family"] == "hqmq"]
+    if not hq:
+        return []
+    lo, hi = min(r["bits"] for r in hq), max(r["bits"] for r in hq)
+    out = ["| baseline | bits measured | baseline PPL | HQMQ at those bits (front, seed range) | HQMQ / baseline PPL | verdict |",
+           "|---|---|---|---|---|---|"]
+    tally, outside = {"<": [], ">": [], "~": []}, []
+    for r in rows:
+        if r["family"] == "hqmq" or r["spec"] == "fp16":
+            continue
+        h = interp(rows, "hqmq", r["bits"])
+        if h is None:
+            outside.append(f"`{r['spec']}` ({r['bits']:.2f} b)")
+            continue
+        o = order(h, r)
+        tally[o].append(r["spec"])
+        out.append(f"| `{r['spec']}` | {r['bits']:.3f} | {fmt(r)} | {h['ppl']:.3f} ({h['ppl_min']:.3f}-"
+                   f"{h['ppl_max']:.3f}) | {h['ppl'] / r['ppl']:.3f} | {_word(o)} |")
+    if len(out) == 2:
+        return []
+    out += ["", f"HQMQ's measured bits span {lo:.2f}-{hi:.2f}. In that range HQMQ wins against "
+            f"{len(tally['<'])} ({', '.join(tally['<']) or 'none'}), loses against {len(tally['>'])} "
+            f"({', '.join(tally['>']) or 'none'}), and is within the seed spread of {len(tally['~'])} "
+            f"({', '.join(tally['~']) or 'none'})."
+            + (f" Outside it (not compared): {', '.join(outside)}." if outside else "")]
+    fill = [r for r in hq if "fill=true" in r["spec"]]
+    plain = [r for r in rows if r["family"] != "hqmq" or "fill=true" not in r["spec"]]
+    for f in fill:
+        h = interp(plain, "hqmq", f["bits"])
+        if h is None:
+            out.append(f"\n`{f['spec']}` ({f['bits']:.2f} b) lies outside the bit range of the HQMQ rows "
+                       "without fill: whether it moves the front is not measured in this run.")
+            continue
+        o = order(f, h)
+        moved = {"<": "moves the front down (lower PPL at its bits, seed ranges apart)",
+                 ">": "lies above the front (higher PPL at its bits, seed ranges apart)",
+                 "~": "does not move the front beyond the seed spread"}[o]
+        same = next((r for r in hq if r["spec"] == f["spec"].replace(",fill=true", "")), None)
+        vs_same = "" if same is None else (
+            f" Against `{same['spec']}` {fmt(same)} at {same['bits']:.2f} b (same S and radius bits, "
+            f"{f['bits'] - same['bits']:+.2f} b): {_word(order(f, same)).replace('HQMQ', 'fill')}.")
+        out.append(f"\n`{f['spec']}` {fmt(f)} at {f['bits']:.2f} b vs the front without fill there "
+                   f"{h['ppl']:.3f} ({h['ppl_min']:.3f}-{h['ppl_max']:.3f}): {moved}." + vs_same)
+    return out

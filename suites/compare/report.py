@@ -9,7 +9,7 @@ import math
 import statistics
 from pathlib import Path
 
-from .claims import claims, pareto_rows
+from .claims import claims, hqmq_standing, pareto_rows
 
 import matplotlib
 
@@ -199,6 +199,9 @@ def write_report(folder: Path) -> Path:
         for claim in claims(rows, _ok(results, protocol), meta, folder):
             lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in claim) + " |")
         lines.append("")
+        standing = hqmq_standing(rows)
+        if standing:
+            lines += [f"### Where HQMQ wins and loses at matched measured bits ({protocol})", "", *standing, ""]
     lines += lm_eval_section(results)
     if data.get("diagnostics"):
         plot_outliers(data["diagnostics"], meta, folder / "outliers.png")

@@ -200,3 +200,21 @@ def test_report_has_no_fixed_sentences(tiny, tmp_path):
     assert "128 tokens" not in md.replace("up to 128 recent tokens", "")
     assert "up to 16 recent tokens" in md and "hub datasets unreachable" not in md
     assert "not measured in this run: no latency report" in md
+
+
+def test_hqmq_standing_names_wins_losses_spread_and_fill():
+    hq = [_row("hqmq:a", "hqmq", 3.0, 50, 49, 51, 3), _row("hqmq:b", "hqmq", 5.0, 40, 39, 41, 3)]
+    rows = hq + [_row("fp16", "fp16", 16, 30), _row("int4", "int", 4.0, 60), _row("kivi", "kivi", 4.0, 30),
+                 _row("avq3", "avq", 4.0, 44.5, 44, 45, 3), _row("int8", "int", 9.0, 31)]
+    md = "\n".join(claims.hqmq_standing(rows))
+    # HQMQ at 4.0 b on its front: exp(mean(log 50, log 40)) = 44.72, seed range 43.7-45.7
+    assert "| `int4` | 4.000 | 60.000 | 44.721" in md and "| HQMQ wins |" in md
+    assert "`kivi` | 4.000 | 30.000" in md and "| HQMQ loses |" in md
+    assert "| `avq3` |" in md and "| within the seed spread |" in md
+    assert "`int8` (9.00 b)" in md and "fp16" not in md  # outside the range: listed, never extrapolated
+    assert "wins against 1 (int4), loses against 1 (kivi)" in md
+    fill = [_row("hqmq:b,fill=true", "hqmq", 4.0, 30, 29, 31, 3)]
+    assert "moves the front down" in "\n".join(claims.hqmq_standing(rows + fill))
+    fill = [_row("hqmq:b,fill=true", "hqmq", 4.0, 44.7, 44, 45.5, 3)]
+    assert "does not move the front" in "\n".join(claims.hqmq_standing(rows + fill))
+    assert claims.hqmq_standing([_row("int4", "int", 4.0, 60)]) == []
