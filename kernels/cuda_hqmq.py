@@ -29,21 +29,25 @@ from .layout import HQMQFlat, codebook_from_secondaries
 SOURCE = Path(__file__).parent / "cuda" / "hqmq_decode.cu"
 # VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM):
 # 0 (4, 4, 3), 1 (8, 4, 1), 2 (4, 3, 3), 3 (8, 2, 2), 4 (4, 6, 1), 5 (8, 4, 2), 6 (4, 2, 4),
-# 7 (16, 4, 1), 8 (16, 5, 1; not with S > 96: its shared memory). GPU run 16, B=8 T=32k: v0
-# 179.0 us at 4 CTAs/SM (1.43x SDPA), 188.1 by default. Since run 17's table copy by
-# cp.async every instance takes ~120 registers (was 167-177), so shared memory sets the
-# CTAs per SM.
+# 7 (16, 4, 1), 8 (16, 5, 1; not with S > 96: its shared memory). Since the table copy by
+# cp.async (GPU call 17a) every instance takes 120-126 registers (was 167-177), so shared
+# memory sets the CTAs per SM (v0 3, v3 2, v6 4, v7 1).
 NUM_VARIANTS = 9
-DEFAULT_VARIANT = 0
-# Default split count: about FILL of `occupancy x SMs` CTAs in the fewest whole waves
-# (`splits`). Run 16: 9 splits at B=8 (576 CTAs, 1.45 waves of 396) 179.0 us, 33 splits
-# (5.3 waves) 188.1, 5 splits (0.8 wave) 184.6.
+# GPU call 17a (H200, same-run fp16 SDPA 251.9 / 48.2 us as a graph), default split rule:
+# B=8 T=32k every variant 155.5-164.8 us (v3 155.5 = 1.62x; run 16's default 188.1 =
+# 1.36x), B=1 as graphs 33.0-38.1 (v3 33.0 = 1.46x). v3 was best or within 0.5 us of the
+# best at both shapes.
+DEFAULT_VARIANT = 3
+# Default split count: the whole-wave rule of `splits` (FILL of occupancy x SMs CTAs in
+# the fewest waves). Call 17a, B=8: 6 splits (v0, 3 CTAs/SM) 157.6 us against 9 (1.45
+# waves) 177.6, 12 (2 waves) 162.5, 33 (5.3 waves, run 16's rule) 182.4.
 FILL = 0.9
 MIN_CTAS_PER_SM = 2  # the fallback rule's floor when the occupancy is unknown
 TILES_PER_SPLIT = 64
-# backend="auto" routes HQMQ here only once a GPU run showed it correct and faster than
-# Triton (kernels/NOTES.md): set by that run's result.
-AUTO = False
+# backend="auto" routes HQMQ (no Med3x) here: GPU call 17a passed the whole test file (43
+# passed; the CPU-only dispatch test skips on a GPU) and the kernel is 9.7x faster than
+# the Triton one at B=8 T=32k (155.5 vs 1503.7 us), 6.3x as B=1 graphs (33.0 vs 209.2).
+AUTO = True
 _QK_SCALE = 1.4426950408889634 / math.sqrt(128)  # log2(e) / sqrt(d): the base-2 softmax scale, d = 128
 
 _lock = threading.Lock()
@@ -312,6 +316,8 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     variant = DEFAULT_VARIANT if variant is None else variant
     if not 0 <= variant < NUM_VARIANTS:
         raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
+    if occupancy(variant, k.S) <= 0:  # v8 with S > 96 (call 17a: the opt-in is refused)
+        raise ValueError(f"variant {variant} does not fit the shared memory with S={k.S}")
     nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm, variant, k.S)
     out_dtype = out_dtype or q.dtype
     if out_dtype not in _QTYPE:
