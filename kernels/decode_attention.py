@@ -294,13 +294,24 @@ def _fp8_tile(codes_ptr, bh, tok, tmask, cs, scale, D: tl.constexpr, E5: tl.cons
 # split kernels
 # ---------------------------------------------------------------------------------------
 @triton.jit
+def valid_tokens(T, vlen_ptr, VLEN: tl.constexpr):
+    """The tokens a program attends to: T (a host argument), or with VLEN the device
+    valid length at vlen_ptr, read at run time (a CUDA graph replays the same launch
+    while the cache grows), clamped to T, which is then the capacity bound the grid was
+    cut for: splits past the valid tokens run no tile and leave an empty partial."""
+    if VLEN:
+        T = tl.minimum(tl.load(vlen_ptr), T)
+    return T
+
+
+@triton.jit
 def _hqmq_split_kernel(q_ptr,
                        kc, kr, km, kf, ko, ki, kt, kl,
                        vc, vr, vm, vf, vo, vi, vt, vl, ptab,
                        po_ptr, pm_ptr, pl_ptr,
                        T, tiles_per_split, qk_scale,
-                       k_cs, k_rs, k_ms, k_fs, k_os, k_is, v_cs, v_rs, v_ms, v_fs, v_os, v_is,
-                       HKV: tl.constexpr, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
+                       k_cs, k_rs, k_ms, k_fs, k_os, k_is, v_cs, v_rs, v_ms, v_fs, v_os, v_is, vlen_ptr,
+                       VLEN: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
                        BT: tl.constexpr,
                        K_CW: tl.constexpr, K_CB: tl.constexpr, K_CNB: tl.constexpr, K_RW: tl.constexpr,
                        K_RB: tl.constexpr, K_RNB: tl.constexpr, K_S: tl.constexpr, K_OUT: tl.constexpr,
@@ -309,6 +320,7 @@ def _hqmq_split_kernel(q_ptr,
                        V_RB: tl.constexpr, V_RNB: tl.constexpr, V_S: tl.constexpr, V_OUT: tl.constexpr,
                        V_TAB: tl.constexpr, V_LOGR: tl.constexpr,
                        FB: tl.constexpr, FAST: tl.constexpr, INTERP: tl.constexpr, RND: tl.constexpr):
+    T = valid_tokens(T, vlen_ptr, VLEN)
     pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last = split_prologue(
         q_ptr, tl.cdiv(T, BT), tiles_per_split, GROUP, BH, D, FAST)
     h = pid_bh % HKV
@@ -329,10 +341,11 @@ def _hqmq_split_kernel(q_ptr,
 
 @triton.jit
 def _int_split_kernel(q_ptr, kc, ks, kz, vc, vs, vz, po_ptr, pm_ptr, pl_ptr,
-                      T, tiles_per_split, qk_scale, k_cs, k_ss, v_cs, v_ss,
+                      T, tiles_per_split, qk_scale, k_cs, k_ss, v_cs, v_ss, vlen_ptr, VLEN: tl.constexpr,
                       GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                       W: tl.constexpr, CB: tl.constexpr, CNB: tl.constexpr, G: tl.constexpr,
                       VEC: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr):
+    T = valid_tokens(T, vlen_ptr, VLEN)
     pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last = split_prologue(
         q_ptr, tl.cdiv(T, BT), tiles_per_split, GROUP, BH, D, FAST)
     for ti in range(first, last):
@@ -389,9 +402,10 @@ def _kivi_split_kernel(q_ptr, kc, ks, kz, kres, vc, vs, vz, vres, po_ptr, pm_ptr
 
 @triton.jit
 def _fp8_split_kernel(q_ptr, kc, vc, ksc_ptr, vsc_ptr, po_ptr, pm_ptr, pl_ptr,
-                      T, tiles_per_split, qk_scale, k_cs, v_cs,
+                      T, tiles_per_split, qk_scale, k_cs, v_cs, vlen_ptr, VLEN: tl.constexpr,
                       HKV: tl.constexpr, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
                       BT: tl.constexpr, E5: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr):
+    T = valid_tokens(T, vlen_ptr, VLEN)
     pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last = split_prologue(
         q_ptr, tl.cdiv(T, BT), tiles_per_split, GROUP, BH, D, FAST)
     h = pid_bh % HKV
@@ -449,6 +463,19 @@ def _check_q(q: torch.Tensor, H: int, D: int, B: int):
         raise ValueError(f"head_dim must be a power of two >= 16, got {D}")
 
 
+def _valid_len(valid_len, q: torch.Tensor):
+    """(kernel argument, VLEN) for an optional device valid length: an int32 tensor of one
+    element on q's device (checked without reading it: a host read would sync and could
+    not be captured in a CUDA graph)."""
+    if valid_len is None:
+        return q, False  # never read (VLEN False): any pointer will do
+    if not isinstance(valid_len, torch.Tensor) or valid_len.dtype != torch.int32 or valid_len.numel() != 1:
+        raise ValueError("valid_len must be an int32 tensor of one element (the number of valid tokens)")
+    if valid_len.device != q.device:
+        raise ValueError(f"valid_len is on {valid_len.device}, q on {q.device}")
+    return valid_len, True
+
+
 def bh_stride(t: torch.Tensor, name: str = "buffer") -> int:
     """Elements between consecutive (b, h) rows of a `[B, H, cap, ...]` buffer laid out
     as the contract says (a contiguous buffer or a `[:, :, :n]` view of one)."""
@@ -501,9 +528,10 @@ def _launch(kernel, args, runtime, const, q, B, H, nsplit, D, num_warps, num_sta
 def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_splits: int | None = None,
                           block_t: int = 128, num_warps: int = 4, num_stages: int = 1,
                           programs_per_sm: int = 8, workspace: Workspace | None = None,
-                          out_dtype=None) -> torch.Tensor:
+                          out_dtype=None, valid_len: torch.Tensor | None = None) -> torch.Tensor:
     B, H, T, D = k.B, k.H, k.T, k.D
     _check_q(q, H, D, B)
+    vl, has_vl = _valid_len(valid_len, q)
     if (v.B, v.H, v.T, v.D) != (B, H, T, D):
         raise ValueError("K and V caches differ in shape")
     if block_t % OUTLIER_BLOCK:
@@ -540,8 +568,8 @@ def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_spli
                 f"{p}_RW": f.r_bits, f"{p}_RB": f.radius.shape[-1], f"{p}_RNB": _nbytes_span(nc, f.r_bits),
                 f"{p}_S": f.S, f"{p}_OUT": f.has_outliers, f"{p}_TAB": tab(f), f"{p}_LOGR": f.log_radius}
 
-    runtime = [T, per, LOG2E / math.sqrt(D)] + strides(k) + strides(v)
-    const = {**ce(k, "K"), **ce(v, "V"), "HKV": H, "BT": block_t, "FB": (nc + 7) // 8, "INTERP": interpreting()}
+    runtime = [T, per, LOG2E / math.sqrt(D)] + strides(k) + strides(v) + [vl]
+    const = {**ce(k, "K"), **ce(v, "V"), "VLEN": has_vl, "HKV": H, "BT": block_t, "FB": (nc + 7) // 8, "INTERP": interpreting()}
     ptab = k.ptab.float().contiguous()
     return _launch(_hqmq_split_kernel, args(k) + args(v) + [ptab], runtime, const, q, B, H, nsplit, D,
                    num_warps, num_stages, workspace, k.dtype, out_dtype)
@@ -553,9 +581,11 @@ def _pow2(n: int) -> bool:
 
 def int_decode_attention(q: torch.Tensor, k: IntFlat, v: IntFlat, *, num_splits: int | None = None,
                          block_t: int = 128, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 8,
-                         workspace: Workspace | None = None, out_dtype=None) -> torch.Tensor:
+                         workspace: Workspace | None = None, out_dtype=None,
+                         valid_len: torch.Tensor | None = None) -> torch.Tensor:
     B, H, T, D = k.B, k.H, k.T, k.D
     _check_q(q, H, D, B)
+    vl, has_vl = _valid_len(valid_len, q)
     if (v.B, v.H, v.T, v.D, v.bits, v.group) != (B, H, T, D, k.bits, k.group):
         raise ValueError("K and V int caches differ in shape or config")
     G, W = k.group, k.bits
@@ -565,20 +595,23 @@ def int_decode_attention(q: torch.Tensor, k: IntFlat, v: IntFlat, *, num_splits:
     q = q.contiguous()
     nsplit, per = choose_splits(B * H, triton.cdiv(T, block_t), q.device, num_splits, programs_per_sm)
     runtime = [T, per, LOG2E / math.sqrt(D), bh_stride(k.codes, "codes"), bh_stride(k.scale, "scale"),
-               bh_stride(v.codes, "codes"), bh_stride(v.scale, "scale")]
+               bh_stride(v.codes, "codes"), bh_stride(v.scale, "scale"), vl]
     for f in (k, v):
         if f.zero.stride() != f.scale.stride():
             raise ValueError("int scale and zero buffers must share a layout")
-    const = {"BT": block_t, "W": W, "CB": k.codes.shape[-1], "CNB": _nbytes_span(D, W), "G": G, "VEC": vec}
+    const = {"VLEN": has_vl, "BT": block_t, "W": W, "CB": k.codes.shape[-1], "CNB": _nbytes_span(D, W), "G": G,
+             "VEC": vec}
     return _launch(_int_split_kernel, [k.codes, k.scale, k.zero, v.codes, v.scale, v.zero], runtime, const,
                    q, B, H, nsplit, D, num_warps, num_stages, workspace, k.dtype, out_dtype)
 
 
 def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_splits: int | None = None,
                           block_t: int = 64, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 12,
-                          workspace: Workspace | None = None, out_dtype=None) -> torch.Tensor:
+                          workspace: Workspace | None = None, out_dtype=None, valid_len=None) -> torch.Tensor:
     B, H, D = k.B, k.H, k.D
     _check_q(q, H, D, B)
+    if valid_len is not None:  # its window flushes on the host's count: no device length to follow
+        raise ValueError("the KIVI kernel takes no valid_len (its split into groups and window is host-side)")
     if (v.B, v.H, v.D, v.T, v.bits, v.group) != (B, H, D, k.T, k.bits, k.group):
         raise ValueError("K and V KIVI caches differ in shape or config")
     if k.role != "K" or v.role != "V":
@@ -615,15 +648,17 @@ def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_spli
 
 def fp8_decode_attention(q: torch.Tensor, k: FP8Flat, v: FP8Flat, *, num_splits: int | None = None,
                          block_t: int = 64, num_warps: int = 4, num_stages: int = 3, programs_per_sm: int = 12,
-                         workspace: Workspace | None = None, out_dtype=None) -> torch.Tensor:
+                         workspace: Workspace | None = None, out_dtype=None,
+                         valid_len: torch.Tensor | None = None) -> torch.Tensor:
     B, H, T, D = k.B, k.H, k.T, k.D
     _check_q(q, H, D, B)
+    vl, has_vl = _valid_len(valid_len, q)
     if (v.B, v.H, v.T, v.D, v.fmt) != (B, H, T, D, k.fmt):
         raise ValueError("K and V fp8 caches differ in shape or format")
     q = q.contiguous()
     nsplit, per = choose_splits(B * H, triton.cdiv(T, block_t), q.device, num_splits, programs_per_sm)
-    runtime = [T, per, LOG2E / math.sqrt(D), bh_stride(k.codes, "codes"), bh_stride(v.codes, "codes")]
-    const = {"HKV": H, "BT": block_t, "E5": k.fmt == "e5m2"}
+    runtime = [T, per, LOG2E / math.sqrt(D), bh_stride(k.codes, "codes"), bh_stride(v.codes, "codes"), vl]
+    const = {"VLEN": has_vl, "HKV": H, "BT": block_t, "E5": k.fmt == "e5m2"}
     return _launch(_fp8_split_kernel, [k.codes, v.codes, k.scale.float(), v.scale.float()], runtime, const,
                    q, B, H, nsplit, D, num_warps, num_stages, workspace, k.dtype, out_dtype)
 
@@ -635,7 +670,27 @@ _KERNELS = {HQMQFlat: hqmq_decode_attention, IntFlat: int_decode_attention, KIVI
 _TRITON_ONLY = ("block_t", "num_warps", "num_stages")  # launch options only the Triton kernels have
 
 
-def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", **kw) -> torch.Tensor:
+_TAKES_VALID_LEN: dict = {}
+
+
+def _takes_valid_len(fn) -> bool:
+    """Whether a CUDA entry point takes `valid_len` (kernels/cuda_decode.py and cuda_hqmq.py
+    grow it separately; until then a call with a device length stays on Triton). Cached:
+    inspect.signature costs ~10 us, a decode step's budget."""
+    hit = _TAKES_VALID_LEN.get(fn)
+    if hit is None:
+        import inspect
+
+        try:
+            hit = "valid_len" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            hit = False
+        _TAKES_VALID_LEN[fn] = hit
+    return hit
+
+
+def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", valid_len: torch.Tensor | None = None,
+                     **kw) -> torch.Tensor:
     """Dispatch on the flattened cache type. Returns `[B, Hq, 1, d]` in out_dtype
     (default q's dtype); the tensor is the workspace's buffer when one is passed.
 
@@ -645,33 +700,46 @@ def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", **kw) -> torc
     formats verified on a GPU and faster there (`cuda_decode.CUDA_VERIFIED`: int4, fp8,
     KIVI; HQMQ when `cuda_hqmq.AUTO`) when it takes the call (`cuda_decode.unsupported`
     is None) and builds here (`cuda_decode.why_unavailable()` says why not), else Triton; Triton's launch options (block_t, num_warps,
-    num_stages) select Triton. `programs_per_sm` means CTAs per SM for the CUDA kernel."""
+    num_stages) select Triton. `programs_per_sm` means CTAs per SM for the CUDA kernel.
+
+    valid_len: None, or an int32 CUDA/CPU tensor of one element on q's device holding the
+    number of valid tokens, read by the kernel at run time (so a CUDA graph can replay
+    the call while the cache grows); the flats' T is then the capacity bound the launch
+    grid is cut for (valid_len <= T; a larger value is clamped to T). Int, fp8 and HQMQ
+    (Triton; CUDA where its entry point takes valid_len); KIVI refuses it."""
     if backend not in ("auto", "cuda", "triton"):
         raise ValueError(f"backend must be auto, cuda or triton, got {backend!r}")
+    if valid_len is not None:
+        kw["valid_len"] = valid_len
     if backend != "triton" and isinstance(k, (IntFlat, FP8Flat, KIVIFlat)) and q.is_cuda:
         from . import cuda_decode
 
         if backend == "cuda" or (cuda_decode.takes_by_default(k) and not set(kw) & set(_TRITON_ONLY)
+                                 and (valid_len is None or _takes_valid_len(cuda_decode.decode))
                                  and cuda_decode.unsupported(q, k, v) is None and cuda_decode.available()):
-            ckw = dict(kw)
-            if "programs_per_sm" in ckw:
-                ckw["ctas_per_sm"] = ckw.pop("programs_per_sm")
-            return cuda_decode.decode(q, k, v, **ckw)
+            return cuda_decode.decode(q, k, v, **_cuda_kw(kw, cuda_decode.decode))
     elif backend != "triton" and isinstance(k, HQMQFlat) and q.is_cuda:
         from . import cuda_hqmq  # HQMQ: kernels/cuda/hqmq_decode.cu (no Med3x: Triton under auto)
 
         if backend == "cuda" or (cuda_hqmq.takes_by_default(k) and not set(kw) & set(_TRITON_ONLY)
+                                 and (valid_len is None or _takes_valid_len(cuda_hqmq.decode))
                                  and cuda_hqmq.unsupported(q, k, v) is None and cuda_hqmq.available()):
-            ckw = dict(kw)
-            if "programs_per_sm" in ckw:
-                ckw["ctas_per_sm"] = ckw.pop("programs_per_sm")
-            return cuda_hqmq.decode(q, k, v, **ckw)
+            return cuda_hqmq.decode(q, k, v, **_cuda_kw(kw, cuda_hqmq.decode))
     elif backend == "cuda":
         raise ValueError(f"no CUDA kernel for {type(k).__name__} (or q not on a CUDA device)")
     fn = _KERNELS.get(type(k))
     if fn is None:
         raise TypeError(f"no fused kernel for {type(k).__name__}")
     return fn(q, k, v, **kw)
+
+
+def _cuda_kw(kw: dict, fn) -> dict:
+    ckw = dict(kw)
+    if "programs_per_sm" in ckw:
+        ckw["ctas_per_sm"] = ckw.pop("programs_per_sm")
+    if "valid_len" in ckw and not _takes_valid_len(fn):
+        raise ValueError(f"{fn.__module__}.decode takes no valid_len yet: use backend='triton'")
+    return ckw
 
 
 __all__ = ["decode_attention", "hqmq_decode_attention", "int_decode_attention", "kivi_decode_attention",

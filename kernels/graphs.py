@@ -1,4 +1,11 @@
-"""Batch-1 decode without launch overhead: a fused decode step captured in a CUDA graph.
+"""Decode without launch overhead: CUDA graphs of a fused decode kernel and of a model's step.
+
+`GraphedDecode` captures the attention kernel alone over fixed buffers and a fixed
+length (kernel benchmarks); `GraphedDecodeStep` captures a whole one-token forward
+pass of a model over its cache, valid while the cache grows (decode engines).
+
+GraphedDecode
+-------------
 
 At B=1 a decode step moves little data (T=32k: ~20 MB packed, ~5 us at copy
 bandwidth) while the Python wrapper, the Triton launcher (two launches: split
@@ -14,6 +21,9 @@ re-captured when T changes). `out` is the graph's own buffer, overwritten by the
 replay. On machines without CUDA, `GraphedDecode` runs the plain call (no capture).
 """
 from __future__ import annotations
+
+import contextlib
+import inspect
 
 import torch
 
@@ -48,4 +58,142 @@ class GraphedDecode:
         return self.out
 
 
-__all__ = ["GraphedDecode"]
+class GraphedDecodeStep:
+    """One greedy-decode step of a causal LM (one new token per row) over its cache,
+    captured in a CUDA graph and replayed while the cache grows.
+
+        cache = QuantizedCache("int4", config=model.config)       # under fused_attention(model)
+        model(input_ids=prompt, **cache_kwargs(model, cache))    # the prefill, as usual
+        step = GraphedDecodeStep(model, cache, batch=B, max_tokens=prompt_len + new_tokens)
+        logits = step(next_ids)    # [B, 1, vocab]: ids copied in, one replay (a buffer of the graph)
+
+    Why it can be captured: a graph bakes in every kernel argument, so nothing that
+    changes per step may be a host value. A `QuantizedCache` in `device_steps` keeps
+    the number of stored tokens in a device int32 counter: the step encoders write at
+    it (kernels/step_encode.py, `pos`), the fused attention reads it as its valid length
+    (`decode_attention(valid_len=)`, the grid cut for the `reserve`d capacity), the
+    captured step adds 1 to it and to the position ids; buffers are reserved up front so
+    none moves. The host side (token counts, the stores' lengths, the Packed views
+    behind `bits_per_element`) is advanced after each replay without reading the device
+    (`cache.advance(1)`: the host knows it replayed one step). The "kvqbench" mask
+    function returns no mask for an unpadded one-token step (attention.py), so no
+    host-sized mask is baked in either. A transformers `StaticCache` (its length is a
+    device tensor too) is captured as it is: the plain engine baseline.
+
+    Modes (`mode`, with `why` saying why not "graph"):
+    - "graph": captured after `warmup` device-position steps run eagerly on a side
+      stream (the Triton kernels compile, cuBLAS sets up), then replayed;
+    - "device": device-position steps without capture (no CUDA: the CPU interpreter,
+      TRITON_INTERPRET=1, runs the same kernels, which the tests use; or a capture
+      that failed);
+    - "eager": the cache cannot take device-position steps (`graph_unsupported()`:
+      KIVI, Med3x, a dense layer, ...; a DynamicCache grows by cat): the ordinary
+      forward per call.
+
+    Positions: each step continues the cache (position id = tokens held, no padding),
+    as greedy `generate` does. A write to the cache between calls through the ordinary
+    path is picked up (the counter and the position ids are re-set before the next
+    replay, outside the graph); anything that moves the cache's buffers (growth past
+    the reserved room, `reset`) needs a new object. Warm-up steps are real steps.
+    """
+
+    def __init__(self, model, cache, batch: int, *, max_tokens: int | None = None, warmup: int = 2):
+        self.model, self.cache, self.batch, self.warmup = model, cache, int(batch), int(warmup)
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = {("cache" if "cache" in params else "past_key_values"): cache}
+        self.device = next(model.parameters()).device
+        self.quantized = hasattr(cache, "device_steps")
+        self.graph, self.logits, self.steps = None, None, 0
+        self.mode, self.why = "graph", None
+        with torch.inference_mode():
+            if self.quantized:
+                why = cache.graph_unsupported()
+                if why is None:
+                    need = max_tokens or getattr(cache, "capacity", 0)
+                    if not need or need <= cache.get_seq_length():
+                        raise ValueError(f"max_tokens={max_tokens}: give the total tokens to reserve room for "
+                                         f"(more than the {cache.get_seq_length()} held)")
+                    cache.reserve(need)
+                else:
+                    self.mode, self.why = "eager", why
+            elif not _static_length(cache):
+                self.mode, self.why = "eager", (f"{type(cache).__name__} keeps its length on the host or grows its "
+                                                "buffers (a StaticCache does not)")
+            if self.mode != "eager" and self.device.type != "cuda":
+                self.mode, self.why = "device", "no CUDA device: device-position steps run eagerly, uncaptured"
+            t = int(cache.get_seq_length())  # (a StaticCache: a device tensor, read once here)
+            self.ids = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
+            self.pos = torch.full((self.batch, 1), t, dtype=torch.long, device=self.device)
+            self._pos_at = t  # the host token count self.pos holds
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if tuple(input_ids.shape) != (self.batch, 1):
+            raise ValueError(f"input_ids must be [{self.batch}, 1] (one new token per row), got {tuple(input_ids.shape)}")
+        with torch.inference_mode():
+            if self.mode == "eager":
+                return self.model(input_ids=input_ids, **self.cache_kw, use_cache=True).logits
+            if self.quantized:
+                t = self.cache.get_seq_length()
+                if t + 1 > self.cache.reserved:
+                    raise RuntimeError(f"the cache holds {t} tokens, the {self.cache.reserved} reserved are used up "
+                                       "(a graphed step cannot grow it: build the step with a larger max_tokens)")
+                self.cache.device_position()  # re-set outside the graph when a host-path write came between
+                if t != self._pos_at:
+                    self.pos.fill_(t)
+                    self._pos_at = t
+            self.ids.copy_(input_ids)
+            if self.graph is not None:
+                self.graph.replay()
+                out = self.logits
+            elif self.mode == "graph" and self.steps >= self.warmup:
+                out = self._capture()
+            elif self.mode == "graph":  # warm-up: a real step, eagerly, on a side stream
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    out = self._device_step()
+                torch.cuda.current_stream(self.device).wait_stream(side)
+            else:
+                out = self._device_step()
+            if self.quantized:
+                self.cache.advance(1)
+                self.cache.poll_errors()
+            self._pos_at += 1
+            self.steps += 1
+            return out
+
+    def _device_step(self) -> torch.Tensor:
+        """The step as captured: forward at the device position, then the counters + 1."""
+        ctx = self.cache.device_steps() if self.quantized else contextlib.nullcontext()
+        with ctx:
+            out = self.model(input_ids=self.ids, position_ids=self.pos, **self.cache_kw, use_cache=True).logits
+        if self.quantized:
+            self.cache.step_done()
+        self.pos.add_(1)
+        return out
+
+    def _capture(self) -> torch.Tensor:
+        """Capture the step, then replay it once (capturing runs nothing). A failed capture
+        leaves the device state as it was (nothing ran): the step then runs uncaptured."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                out = self._device_step()
+        except Exception as e:  # noqa: BLE001 (any failure: the reason is kept, the steps stay right)
+            torch.cuda.synchronize(self.device)
+            self.mode, self.why = "device", f"CUDA graph capture failed ({type(e).__name__}: {str(e)[:300]})"
+            return self._device_step()
+        self.graph, self.logits = graph, out
+        graph.replay()
+        return out
+
+
+def _static_length(cache) -> bool:
+    """Whether a transformers cache keeps its length on the device and never reallocates
+    (StaticCache: preallocated layers with a device `cumulative_length`)."""
+    layers = getattr(cache, "layers", None) or []
+    return bool(layers) and all(isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)
+                                and getattr(layer, "is_compileable", False) for layer in layers)
+
+
+__all__ = ["GraphedDecode", "GraphedDecodeStep"]

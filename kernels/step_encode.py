@@ -59,6 +59,18 @@ def _launch(kernel, grid, *args, **const):
     kernel[grid](*args, **const)
 
 
+def device_pos(pos, x: torch.Tensor):
+    """(kernel argument, DEVPOS) for an optional device write position: an int32 tensor on
+    x's device whose first element is the position, read by the kernel (not the host: no
+    sync, and a CUDA graph replays the launch at the position of the moment). Checked
+    without reading it."""
+    if pos is None:
+        return x, False  # never read
+    if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int32 or pos.numel() < 1 or pos.device != x.device:
+        raise ValueError(f"pos must be an int32 tensor on {x.device} (the write position)")
+    return pos, True
+
+
 def _p2(n: int) -> int:
     """The next power of two (plain Python: triton.next_power_of_2 is a slow constexpr function)."""
     return 1 << max(0, n - 1).bit_length()
@@ -124,11 +136,16 @@ def nonfinite(x):
 @triton.jit(do_not_specialize=["row0", "blk0", "tok0"])  # per-step values: no variant per value class
 def _int_rows_kernel(x_ptr, sxb, sxh, sxr, sxe, sxk,
                      c_ptr, scb, sch, scr, sck, s_ptr, z_ptr, ssb, ssh, ssr, ssk,
-                     row0, blk0, H, err_ptr, tok0, TOKROWS: tl.constexpr,
+                     row0, blk0, H, err_ptr, tok0, pos_ptr, TOKROWS: tl.constexpr, DEVPOS: tl.constexpr,
                      N: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, NP: tl.constexpr,
                      NGP: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr):
     """One row of N elements (program (b*H+h, row, block)) in groups of G along the row:
-    `quantize_groups` of that row, written at output row row0+row of block blk0+block."""
+    `quantize_groups` of that row, written at output row row0+row of block blk0+block
+    (DEVPOS: plus the device position at pos_ptr, also added to tok0)."""
+    if DEVPOS:
+        p = tl.load(pos_ptr)
+        row0 += p
+        tok0 += p
     bh = tl.program_id(0)
     r = tl.program_id(1)
     k = tl.program_id(2)
@@ -172,15 +189,18 @@ def _int_rows_kernel(x_ptr, sxb, sxh, sxr, sxe, sxk,
 
 
 def int_rows(x, x_strides, rows: int, blocks: int, codes, c_strides, scale, zero, s_strides,
-             row0: int, blk0: int, *, n: int, group: int, bits: int, err, tok0: int, token_rows: bool):
+             row0: int, blk0: int, *, n: int, group: int, bits: int, err, tok0: int, token_rows: bool, pos=None):
     """`quantize_groups` of `rows` x `blocks` rows of n elements of x, each written at
     output row row0 + row, block blk0 + block. Strides in elements: x (b, h, row,
     element, block); codes and scale/zero (b, h, row, block), the row's bytes / groups
-    contiguous. `token_rows`: rows are tokens tok0 + row (for the error flag)."""
+    contiguous. `token_rows`: rows are tokens tok0 + row (for the error flag).
+    `pos`: None, or a device int32 tensor whose first element is added to row0 and tok0
+    when the kernel runs (a CUDA graph's write position; see `device_pos`)."""
     B, H = x.shape[0], x.shape[1]
     nb = (n * bits + 7) // 8
+    pos_arg, devpos = device_pos(pos, x)
     _launch(_int_rows_kernel, (B * H, rows, blocks), x, *x_strides, codes, *c_strides, scale, zero, *s_strides,
-            row0, blk0, H, err, tok0, TOKROWS=int(token_rows), N=n, G=group, BITS=bits, NP=_p2(n),
+            row0, blk0, H, err, tok0, pos_arg, TOKROWS=int(token_rows), DEVPOS=devpos, N=n, G=group, BITS=bits, NP=_p2(n),
             NGP=_p2(n // group), NB=nb, NBP=_p2(nb))
 
 
@@ -188,10 +208,14 @@ def int_rows(x, x_strides, rows: int, blocks: int, codes, c_strides, scale, zero
 # fp8
 # ---------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["t0"])
-def _fp8_kernel(x_ptr, sxb, sxh, sxt, c_ptr, scb, sch, sct, scale_ptr, t0, H, err_ptr,
-                D: tl.constexpr, DP: tl.constexpr, M: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr):
+def _fp8_kernel(x_ptr, sxb, sxh, sxt, c_ptr, scb, sch, sct, scale_ptr, t0, H, err_ptr, pos_ptr,
+                DEVPOS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, M: tl.constexpr, EMIN: tl.constexpr,
+                MAXV: tl.constexpr):
     """`(x / scale[h]).clamp(-max, max).to(float8)` bit patterns of one token row, by
-    integer arithmetic: M mantissa bits, EMIN the smallest normal exponent."""
+    integer arithmetic: M mantissa bits, EMIN the smallest normal exponent. DEVPOS: the
+    device position at pos_ptr is added to t0."""
+    if DEVPOS:
+        t0 += tl.load(pos_ptr)
     bh = tl.program_id(0)
     t = tl.program_id(1)
     b = bh // H
@@ -216,12 +240,15 @@ def _fp8_kernel(x_ptr, sxb, sxh, sxt, c_ptr, scb, sch, sct, scale_ptr, t0, H, er
 FP8_FORMATS = {"e4m3": (3, -6, 448.0), "e5m2": (2, -14, 57344.0)}  # mantissa bits, min exponent, max
 
 
-def fp8_tokens(x, codes, scale, fmt: str, t0: int, err):
-    """fp8 codes of x `[B, H, t, D]` into codes `[B, H, Tcap, D]` at token t0; scale `[H]` fp32."""
+def fp8_tokens(x, codes, scale, fmt: str, t0: int, err, pos=None):
+    """fp8 codes of x `[B, H, t, D]` into codes `[B, H, Tcap, D]` at token t0 (plus the
+    device position `pos`, see `int_rows`); scale `[H]` fp32."""
     B, H, t, D = x.shape
     m, emin, mx = FP8_FORMATS[fmt]
+    pos_arg, devpos = device_pos(pos, x)
     _launch(_fp8_kernel, (B * H, t), x, x.stride(0), x.stride(1), x.stride(2), codes, codes.stride(0),
-            codes.stride(1), codes.stride(2), scale, t0, H, err, D=D, DP=_p2(D), M=m, EMIN=emin, MAXV=mx)
+            codes.stride(1), codes.stride(2), scale, t0, H, err, pos_arg, DEVPOS=devpos, D=D, DP=_p2(D), M=m,
+            EMIN=emin, MAXV=mx)
 
 
 # ---------------------------------------------------------------------------------------
@@ -258,7 +285,7 @@ def kivi_window(x, residual, row: int, err, tok: int):
 @triton.jit(do_not_specialize=["t0", "blk"])
 def _hqmq_kernel(x_ptr, sxb, sxh, sxt, sec_ptr, rel_ptr, S, H, t0,
                  c_ptr, c_h, c_t, rad_ptr, r_h, r_t, m_ptr, m_h, m_t, f_ptr, f_h, f_t,
-                 o_ptr, o_h, olen_ptr, oi_ptr, oi_h, blk, err_ptr, C,
+                 o_ptr, o_h, olen_ptr, oi_ptr, oi_h, blk, err_ptr, C, pos_ptr, DEVPOS: tl.constexpr,
                  NC: tl.constexpr, NCP: tl.constexpr, CBITS: tl.constexpr, CB: tl.constexpr, CBP: tl.constexpr,
                  RBITS: tl.constexpr, RB: tl.constexpr, RBP: tl.constexpr, FB: tl.constexpr, FBP: tl.constexpr,
                  LOG: tl.constexpr, MED3: tl.constexpr, INDEX: tl.constexpr, SB: tl.constexpr):
@@ -266,7 +293,10 @@ def _hqmq_kernel(x_ptr, sxb, sxh, sxt, sec_ptr, rel_ptr, S, H, t0,
     token per write) the median is over this token's chunks and the outliers go to the
     end of the (b, h) list (`olen_ptr`), the block start to the index when the token
     opens a 64-token block (INDEX, at block `blk`). `sb`/`sh`: the shared b/h strides of
-    the token buffers (one [B, H, Tcap] layout), `ct`..`ft` their token strides."""
+    the token buffers (one [B, H, Tcap] layout), `ct`..`ft` their token strides.
+    DEVPOS (not with MED3): the device position at pos_ptr is added to t0."""
+    if DEVPOS:
+        t0 += tl.load(pos_ptr)
     bh = tl.program_id(0)
     t = tl.program_id(1)
     b = bh // H
@@ -345,12 +375,16 @@ def _hqmq_kernel(x_ptr, sxb, sxh, sxt, sec_ptr, rel_ptr, S, H, t0,
 
 
 def hqmq_tokens(x, flat, S: int, rel, t0: int, err, *, C: float = 3.0, med3: bool = False,
-                outlier_len=None, index_block: int | None = None):
+                outlier_len=None, index_block: int | None = None, pos=None):
     """HQMQ codes of x `[B, H, t, D]` into the buffers of `flat` (an `HQMQFlat`) at token
-    t0. Med3x (one token): outliers appended to `flat.outliers`' (b, h) lists at
-    `outlier_len` (`[B*H]` int64, advanced), the block start written to
-    `flat.outlier_index` at `index_block` (None: the token opens no block)."""
+    t0 (plus the device position `pos`, see `int_rows`). Med3x (one token): outliers
+    appended to `flat.outliers`' (b, h) lists at `outlier_len` (`[B*H]` int64, advanced),
+    the block start written to `flat.outlier_index` at `index_block` (None: the token
+    opens no block)."""
+    if pos is not None and med3:  # which token opens a 64-token block is decided on the host
+        raise ValueError("Med3x writes take host positions (their outlier index block is chosen on the host)")
     B, H, t, D = x.shape
+    pos_arg, devpos = device_pos(pos, x)
     nc = D // 4
     cb, rb, fb = (nc * flat.code_bits + 7) // 8, (nc * flat.r_bits + 7) // 8, (nc + 7) // 8
     c, r, m = flat.codes, flat.radius, flat.r_max
@@ -361,7 +395,7 @@ def hqmq_tokens(x, flat, S: int, rel, t0: int, err, *, C: float = 3.0, med3: boo
         med = (c, 0, 0, c, 0, c, c, 0, 0)  # never read
     _launch(_hqmq_kernel, (B * H, t), x, x.stride(0), x.stride(1), x.stride(2), flat.sec, rel, S, H, t0,
             c, c.stride(1), c.stride(2), r, r.stride(1), r.stride(2), m, m.stride(1), m.stride(2), *med,
-            err, float(C), NC=nc, NCP=_p2(nc), CBITS=flat.code_bits, CB=cb, CBP=_p2(cb),
+            err, float(C), pos_arg, DEVPOS=devpos, NC=nc, NCP=_p2(nc), CBITS=flat.code_bits, CB=cb, CBP=_p2(cb),
             RBITS=flat.r_bits, RB=rb, RBP=_p2(rb), FB=fb, FBP=_p2(fb), LOG=flat.log_radius, MED3=med3,
             INDEX=index_block is not None, SB=32)
 
@@ -414,4 +448,4 @@ class StepErrors:
                                       "rescale the input")
 
 
-__all__ = ["StepErrors", "fp8_tokens", "hqmq_tokens", "int_rows", "kivi_window", "LAUNCHES", "FP8_FORMATS"]
+__all__ = ["StepErrors", "device_pos", "fp8_tokens", "hqmq_tokens", "int_rows", "kivi_window", "LAUNCHES", "FP8_FORMATS"]

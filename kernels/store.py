@@ -164,6 +164,7 @@ class KernelStore:
         self._run_start: int | None = None
         self._run_seg: tuple[Segment, int] | None = None
         self._run_groups: list[Segment] = []
+        self._graph_flat = None  # (flat, capacity, flat with T = capacity): `graph_view`'s cache
 
     # ---- construction ---------------------------------------------------------------
     @classmethod
@@ -449,6 +450,77 @@ class KernelStore:
         f.n_groups, f.codes, f.scale, f.zero = ng + new, c, sc, z
         if grew:
             self._adopt([], True)
+
+    # ---- decode steps at a device position (CUDA graphs) ----------------------------------------
+    def graph_unsupported(self) -> str | None:
+        """Why `step_at` cannot serve this store's decode steps (None: it can)."""
+        if self.stepper is None:
+            return "no device step encoder for this format (a plugin, a subclass or step_encode=False)"
+        if self.kind is layout.KIVIFlat:
+            return "KIVI flushes its fp16 window into groups every G / R steps, decided on the host"
+        if self.outliers is not None:
+            return ("Med3x: a step's outlier count is data-dependent (the outlier lists' room and the "
+                    "64-token index blocks are managed on the host)")
+        return None
+
+    def reserve(self, tokens: int) -> None:
+        """Room for `tokens` valid tokens in every token buffer, allocated now: steps at a
+        device position must never move a buffer (a CUDA graph holds their addresses)."""
+        grew = False
+        for name in self.TOKEN_FIELDS[self.kind]:
+            if name in self.buffers:
+                grew |= self.buffers[name].extend(tokens)
+        if grew:
+            self._repoint()
+
+    @property
+    def token_capacity(self) -> int:
+        """Tokens the token buffers hold without growing."""
+        return min(self.buffers[n].capacity for n in self.TOKEN_FIELDS[self.kind] if n in self.buffers)
+
+    def step_at(self, x: torch.Tensor, errors: torch.Tensor, pos: torch.Tensor) -> None:
+        """Encode the one-token write x `[B, H, 1, D]` (checked by the caller, as for
+        `step`) at the device position `pos` (int32, its first element: tokens stored
+        before it; the kernel reads it, the host does not), touching no host state: the
+        caller accounts for the steps that ran with `advance` (the host knows how many it
+        replayed) and must have `reserve`d room (`graph_unsupported` must be None)."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        f, q = self.flat, self.stepper
+        if self.kind is layout.HQMQFlat:
+            step_encode.hqmq_tokens(x, f, f.S, f.rel, 0, errors, C=q.config.C, pos=pos)
+        elif self.kind is layout.FP8Flat:
+            step_encode.fp8_tokens(x, f.codes, f.scale, f.fmt, 0, errors, pos=pos)
+        else:
+            c, sc = f.codes, f.scale
+            step_encode.int_rows(x, x.stride()[:4] + (0,), 1, 1, c, c.stride()[:3] + (0,), sc, f.zero,
+                                 sc.stride()[:3] + (0,), 0, 0, n=self.D, group=f.group, bits=f.bits,
+                                 err=errors, tok0=0, token_rows=True, pos=pos)
+
+    def advance(self, n: int) -> None:
+        """Host bookkeeping of n `step_at` steps that ran (tokens, lengths, the flat's T, the
+        run `run_segments` turns into a Segment), exactly what `step` keeps per step."""
+        end = self.tokens + n
+        if end > self.token_capacity:
+            raise RuntimeError(f"{n} device steps after {self.tokens} tokens overran the reserved "
+                               f"{self.token_capacity}: the store's bytes past it were not written")
+        if self._run_start is None:
+            self._run_start = self.tokens
+        for name in self.TOKEN_FIELDS[self.kind]:
+            if name in self.buffers:
+                self.buffers[name].length = end
+        self.tokens = self.flat.T = end
+
+    def graph_view(self, capacity: int):
+        """What the attention of a device-position step reads: the flat with T = `capacity`,
+        the bound the launch grid is cut for (the valid length is a device argument).
+        Cached per (flat, capacity): no allocation per step."""
+        hit = self._graph_flat
+        if hit is None or hit[0] is not self.flat or hit[1] != capacity:
+            if capacity > self.token_capacity:
+                raise ValueError(f"capacity {capacity} beyond the {self.token_capacity} tokens reserved")
+            hit = self._graph_flat = (self.flat, capacity, dataclasses.replace(self.flat, T=capacity))
+        return hit[2]
 
     @property
     def in_run(self) -> bool:

@@ -13,8 +13,12 @@ is never decoded to a dense tensor. Everything else (prefill: many queries; a pa
 mask; softcap; a sliding window; dropout) goes to transformers' own SDPA attention;
 a handle reaching that path is decoded transiently (`PackedHistory.dense`).
 
-The mask function registered beside it is transformers' SDPA mask, so the model
-builds exactly the masks it builds for "sdpa" (None for an unpadded decode step).
+The mask function registered beside it (`kvqbench_mask`) is transformers' SDPA mask,
+so the model builds exactly the masks it builds for "sdpa", except that an unpadded
+one-token step gets no mask (None) also while a CUDA graph is being captured: SDPA's
+mask refuses that skip under any tracing or stream capture (a traced prefill would
+hard-code `is_causal`), and would then bake a mask sized by the host's length into the
+graph. One query over the whole history needs no mask, traced or not.
 """
 from __future__ import annotations
 
@@ -67,13 +71,25 @@ def kvqbench_attention(module, query, key, value, attention_mask, dropout: float
                                   scaling=scaling, **kwargs)
 
 
+def kvqbench_mask(batch_size: int, q_length: int, kv_length: int, *args, **kwargs):
+    """transformers mask function: None for an unpadded one-token causal step (module
+    docstring), else exactly `sdpa_mask`'s mask."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    if (q_length == 1 and not args and kwargs.get("attention_mask") is None and kwargs.get("local_size") is None
+            and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+            and kwargs.get("allow_is_causal_skip", True)):
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, *args, **kwargs)
+
+
 def register() -> str:
-    """Register the "kvqbench" attention and its mask (SDPA's) with transformers."""
+    """Register the "kvqbench" attention and its mask (`kvqbench_mask`) with transformers."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME, kvqbench_attention)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTN_NAME, kvqbench_mask)
     return ATTN_NAME
 
 
@@ -113,5 +129,5 @@ def fused_attention(model):
             c._attn_implementation = impl
 
 
-__all__ = ["ATTN_NAME", "PackedHistory", "fused_attention", "kvqbench_attention", "register",
+__all__ = ["ATTN_NAME", "PackedHistory", "fused_attention", "kvqbench_attention", "kvqbench_mask", "register",
            "uses_fused_attention"]

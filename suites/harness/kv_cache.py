@@ -20,6 +20,18 @@ Two ways to read it:
   handle and the fused kernel reads the store; a multi-token write (prefill) decodes
   the history once into a transient tensor for SDPA.
 
+Device-position decode steps (CUDA graphs, kernels/graphs.py `GraphedDecodeStep`): a
+fused cache whose every layer has a device step encoder (int, fp8, HQMQ without
+Med3x) can take one-token steps that read the number of stored tokens from a device
+int32 counter instead of the host (`reserve`, `device_steps`, `step_done`, `advance`):
+the step encoders write at it, attention reads it as its valid length over the
+reserved capacity, and the step adds 1 to it on the device, so the step has no host
+value in it and can be captured once and replayed. The host's bookkeeping (token
+counts, store lengths, the Packed views behind `bits_per_element`) is advanced after
+each step by `advance(n)`, without reading the device. KIVI (its window flushes every
+G / R steps, decided on the host) and Med3x (a data-dependent outlier count) are not
+graphable: `graph_unsupported()` names the reason and their steps stay eager.
+
 Protocols (METHOD.md 4): `quantize-on-write` is one forward pass over a window from a
 fresh cache; `prefill-then-decode` is a prefill call then one-token calls, each
 appending its token, so quantizers whose state spans writes (KIVI's fp16 window, a
@@ -46,6 +58,7 @@ The installed transformers names the forward/generate argument either `cache`
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -131,6 +144,10 @@ class QuantizedLayer(DynamicLayer):
         self.capacity_hint = 0  # tokens to preallocate for (e.g. prompt + new tokens)
         self.hqmq_table: tuple[str, torch.dtype] | None = None  # HQMQ codeword source of the kernel
         self.step_encode = True  # fused decode steps encoded on the device (kernels/step_encode.py)
+        # Device-position steps (CUDA graphs, set by `QuantizedCache.device_steps`): (write
+        # position, valid length, capacity) -- int32 views of the cache's counter and the
+        # token bound the attention grid is cut for; None: host positions.
+        self.device_pos: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._clear()
 
     def _clear(self) -> None:
@@ -156,6 +173,8 @@ class QuantizedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[-2] == 0:  # nothing written (e.g. an early-init probe)
             return self.keys, self.values
+        if self.device_pos is not None:
+            return self._device_step(key_states, value_states)
         if self.mode == "fused" and self._step(key_states, value_states):
             handle = PackedHistory(self)
             return handle, handle
@@ -197,6 +216,43 @@ class QuantizedLayer(DynamicLayer):
         self.stores["V"].step(v, self.errors.rows[1])
         self.tokens += 1
         return True
+
+    def _device_step(self, k: torch.Tensor, v: torch.Tensor):
+        """A one-token write at the cache's device position (`QuantizedCache.device_steps`):
+        both stores encode it there (`KernelStore.step_at`) and no host state changes (the
+        cache's `advance` accounts for it). Anything else raises: a CUDA graph cannot
+        take the host path, and silently serving it another way would be wrong."""
+        for role, x in (("K", k), ("V", v)):
+            p = self._packed[role]
+            if p is None or self.mode != "fused" or x.shape != (p.batch, p.heads, 1, p.head_dim) \
+                    or x.dtype != p.dtype or x.device != p.device:
+                got = f"{tuple(x.shape)} {x.dtype} on {x.device}"
+                want = "a fused layer" if p is None or self.mode != "fused" else \
+                    f"{(p.batch, p.heads, 1, p.head_dim)} {p.dtype} on {p.device}"
+                raise RuntimeError(f"layer {self.layer_idx} {role}: a device-position step takes one token "
+                                   f"of {want}, got {got}")
+        pos = self.device_pos[0]
+        self.stores["K"].step_at(k, self.errors.rows[0], pos)
+        self.stores["V"].step_at(v, self.errors.rows[1], pos)
+        handle = PackedHistory(self)
+        return handle, handle
+
+    def graph_unsupported(self) -> str | None:
+        """Why this layer cannot take device-position steps (None: it can)."""
+        if self.mode != "fused":
+            return (f"layer {self.layer_idx} is {self.mode or 'empty'}, not fused (the fused kernels and the "
+                    "'kvqbench' attention on CUDA or under TRITON_INTERPRET=1, after a prefill)")
+        for role in ROLES:
+            why = self.stores[role].graph_unsupported()
+            if why:
+                return f"layer {self.layer_idx} {role}: {why}"
+        return None
+
+    def advance(self, n: int) -> None:
+        """Host bookkeeping of n device-position steps that ran (see `_device_step`)."""
+        for role in ROLES:
+            self.stores[role].advance(n)
+        self.tokens += n
 
     def _current(self, role: str) -> Packed | None:
         """The Packed of `role` holding every token written: the last one written through
@@ -277,6 +333,14 @@ class QuantizedLayer(DynamicLayer):
         """The fused kernel over the K and V stores: `[B, Hq, 1, D]`."""
         from ...kernels.decode_attention import decode_attention
 
+        if self.device_pos is not None:  # the valid length on the device; no fallback (module docstring)
+            _, valid, cap = self.device_pos
+            try:
+                return decode_attention(query, self.stores["K"].graph_view(cap), self.stores["V"].graph_view(cap),
+                                        valid_len=valid)
+            except ValueError as e:
+                raise RuntimeError(f"layer {self.layer_idx}: the fused kernel refused a device-position "
+                                   f"step ({e})") from e
         try:
             return decode_attention(query, self.stores["K"].kernel_view(), self.stores["V"].kernel_view())
         except ValueError:
@@ -382,6 +446,11 @@ class QuantizedCache(Cache):
                 raise ValueError(f"n_layers={n_layers} but the config has {text.num_hidden_layers} layers")
             n_layers = text.num_hidden_layers
         self.layer_types = list(types) if types else None
+        # device-position steps (`device_steps`): the reserved capacity, the device counter
+        # and the host token count it holds (None: not yet set)
+        self.reserved = 0
+        self._pos: torch.Tensor | None = None
+        self._pos_at: int | None = None
         layers = [self._new_layer(i) for i in range(n_layers or 0)]
         super().__init__(layers=layers)  # an explicit (possibly empty) list: no layer_class_to_replicate
 
@@ -410,11 +479,107 @@ class QuantizedCache(Cache):
                                "kvqbench.suites.harness.attention.fused_attention(model), or use fused=False")
         return out
 
+    # ---- decode steps at a device position (CUDA graphs: kernels/graphs.py) -----------------
+    def graph_unsupported(self) -> str | None:
+        """Why this cache cannot take device-position decode steps (None: it can): every
+        layer fused, with a device step encoder (int, fp8, HQMQ without Med3x; not KIVI),
+        all holding the same number of tokens. Checked on the host, no sync."""
+        if not self.layers or self.get_seq_length() == 0:
+            return "the cache is empty: prefill first (the first write decides each layer's store)"
+        for layer in self.layers:
+            why = layer.graph_unsupported()
+            if why:
+                return why
+        if len({layer.tokens for layer in self.layers}) != 1:
+            return "layers hold different numbers of tokens"
+        return None
+
+    def reserve(self, tokens: int) -> None:
+        """Room for `tokens` tokens in every layer's stores, allocated now, and the bound the
+        attention grid of device-position steps is cut for (`device_steps` steps never
+        grow a buffer: a CUDA graph holds their addresses)."""
+        why = self.graph_unsupported()
+        if why:
+            raise ValueError(f"reserve: {why}")
+        if tokens < self.get_seq_length():
+            raise ValueError(f"reserve({tokens}) below the {self.get_seq_length()} tokens held")
+        for layer in self.layers:
+            for role in ROLES:
+                layer.stores[role].reserve(tokens)
+        self.reserved = int(tokens)
+
+    def device_position(self) -> torch.Tensor:
+        """The device step counter, int32 `[2]`: (write position, valid length) of the next
+        device-position step, brought up to the host's token count when it lags (a step
+        written through the host path in between): two fills, no host read."""
+        t = self.get_seq_length()
+        if self._pos is None:
+            self._pos = torch.zeros(2, dtype=torch.int32, device=self.layers[0].device)
+        if self._pos_at != t:
+            with torch.inference_mode(self._pos.is_inference()):
+                self._pos[0].fill_(t)
+                self._pos[1].fill_(t + 1)
+            self._pos_at = t
+        return self._pos
+
+    @contextlib.contextmanager
+    def device_steps(self):
+        """Inside the block, one-token writes go to every layer at the device write position
+        (`device_position()[0]`, read by the step kernels) and attention reads the device
+        valid length (`[1]`), over the `reserve`d capacity; nothing on the host changes,
+        so the block's work can be captured in a CUDA graph and replayed. After each step
+        run inside it: `step_done()` (captured with the step: the counter + 1 on the
+        device), and after it ran, `advance(1)` on the host (per replay)."""
+        why = self.graph_unsupported()
+        if why:
+            raise ValueError(f"device steps: {why}")
+        if self.reserved <= self.get_seq_length():
+            raise ValueError(f"device steps: no reserved room past the {self.get_seq_length()} tokens held "
+                             f"(cache.reserve(total tokens) first)")
+        pos = self.device_position()
+        views = (pos[0:1], pos[1:2], self.reserved)
+        for layer in self.layers:
+            layer.device_pos = views
+        try:
+            yield pos
+        finally:
+            for layer in self.layers:
+                layer.device_pos = None
+
+    def step_done(self) -> None:
+        """The device counter + 1 (on the device: call it inside the captured step)."""
+        with torch.inference_mode(self._pos.is_inference()):
+            self._pos.add_(1)
+
+    def advance(self, n: int = 1) -> None:
+        """Host bookkeeping after n device-position steps ran (each wrote one token at the
+        counter and advanced it): token counts, store lengths, the Packed segments'
+        views. Refuses to pass the reserved room (the steps would have been dropped)."""
+        t = self.get_seq_length()
+        if t + n > self.reserved:
+            raise RuntimeError(f"{n} device steps after {t} tokens pass the {self.reserved} reserved")
+        for layer in self.layers:
+            layer.advance(n)
+        if self._pos_at == t:
+            self._pos_at = t + n
+
+    def reset(self) -> None:
+        super().reset()
+        self.reserved, self._pos_at = 0, None  # new stores: reserve again
+
     # ---- measurement and diagnostics ----------------------------------------------------
     def check(self) -> None:
         """Raise now any input error a device-encoded decode step flagged (a host sync)."""
         for layer in self.layers:
             if layer.errors is not None:
+                layer.errors.check(layer.layer_idx)
+
+    def poll_errors(self) -> None:
+        """Raise an input error a device-encoded step flagged, if the host already knows
+        of one (`StepErrors.poll`: no sync; what a host-path step does before its write).
+        Device-position steps call it after each step, outside the graph."""
+        for layer in self.layers:
+            if layer.errors is not None and layer.errors.poll():
                 layer.errors.check(layer.layer_idx)
 
     def packed(self, layer_idx: int) -> dict[str, Packed | None]:

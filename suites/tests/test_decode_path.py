@@ -277,19 +277,56 @@ def test_fused_cache_needs_the_fused_attention(model):
 # ---- the benchmark's plumbing --------------------------------------------------------------------
 def test_decode_benchmark_plumbing(tmp_path):
     # The end-to-end benchmark on a tiny random model on the CPU: every configuration
-    # recorded, the report rendered from the JSON (the figures themselves need a GPU).
+    # recorded in both run modes (graph rows of caches a graph cannot take name the
+    # reason: the DynamicCache, KIVI, and on a CPU every quantized cache, which stays
+    # dense there), the report rendered from the JSON (the figures need a GPU).
     import json
 
     from kvqbench.suites.bench.decode.__main__ import main
 
     out = tmp_path / "decode"
     assert main(["--shape", "tiny", "--contexts", "40", "--batches", "1", "2", "--steps", "2", "--warmup", "1",
-                 "--specs", "plain", "int4", "--dtype", "float32", "--out", str(out)]) == 0
+                 "--specs", "plain", "int4", "kivi:bits=2,group=8,residual=8", "--dtype", "float32",
+                 "--out", str(out)]) == 0
     run = json.loads((out / "decode.json").read_text())
-    got = {(r["spec"], r["batch"]) for r in run["results"]}
-    assert got == {("plain", 1), ("plain", 2), ("int4", 1), ("int4", 2)}
-    assert all(r["seq_length"] == 40 + 1 + 2 for r in run["results"])
+    got = {(r["spec"], r["batch"], r["run"]) for r in run["results"]}
+    assert got == {(s, b, m) for s in ("plain", "int4", "kivi:bits=2,group=8,residual=8") for b in (1, 2)
+                   for m in ("eager", "graph")}
+    for r in run["results"]:
+        graphable = r["spec"] == "int4" and DEV.type == "cuda"
+        assert r["start_tokens"] == 40 + (0 if r["run"] == "eager" else 3)
+        if r["run"] == "graph" and not graphable:
+            assert "not graphable" in r["skipped"] and "ms_per_step" not in r
+        else:
+            assert r["seq_length"] == r["start_tokens"] + 3 and r["ms_per_step"] > 0
+        if r["run"] == "graph" and graphable:
+            assert r["graph_mode"] == "graph" and r["graph_why"] is None
+    if DEV.type == "cpu":
+        assert "- int4: not graphable: layer 0 is dense" in (out / "decode.md").read_text()
     costs = {(c["spec"], c["step_encode"]) for c in run["write_cost"]}
-    assert costs == {("int4", True), ("int4", False)} and all(c["max_ops"] + c["max_launches"] > 0 for c in run["write_cost"])
+    assert ("int4", True) in costs and ("int4", False) in costs
+    assert all(c["max_ops"] + c["max_launches"] > 0 for c in run["write_cost"])
     md = (out / "decode.md").read_text()
-    assert "| 40 | 2 | int4 |" in md and "## Targets (issue 9)" in md
+    assert "| 40 | 2 | int4 | eager |" in md and "## Targets (issue 9)" in md
+    assert "- plain: not graphable: DynamicCache" in md and "- kivi:bits=2,group=8,residual=8: not graphable" in md
+
+
+def test_targets_judge_each_run_against_both_baselines():
+    from kvqbench.suites.bench.decode.render import targets
+
+    def row(spec, ms, run="eager", mode=("fused",), ctx=4096, b=1, **kw):
+        return dict(spec=spec, context=ctx, batch=b, run=run, ms_per_step=ms, mode=list(mode),
+                    kv_live_bytes=1, ms_per_step_cold=40.0, **kw)
+
+    rows = [row("plain", 4.0, mode=("plain",)), row("plain-static", 5.0, mode=("plain",)),
+            row("plain-static", 3.0, run="graph", mode=("plain",)),
+            row("int4", 5.0), row("int4", 3.3, run="graph"),
+            dict(spec="kivi:bits=4", context=4096, batch=1, run="graph", skipped="not graphable: KIVI")]
+    got = {t: (m, v) for t, m, v in targets({"results": rows})}
+    eager_plain = "int4 eager ms/step <= 1.15x plain DynamicCache (eager) (ctx 4096, batch 1)"
+    graph_plain = "int4 graph ms/step <= 1.15x plain DynamicCache (eager) (ctx 4096, batch 1)"
+    graph_best = "int4 graph ms/step <= 1.15x the fastest plain (plain-static graph) (ctx 4096, batch 1)"
+    assert got[eager_plain] == ("1.25x (5.00 / 4.00 ms)", "NOT met")
+    assert got[graph_plain] == ("0.82x (3.30 / 4.00 ms)", "met")
+    assert got[graph_best] == ("1.10x (3.30 / 3.00 ms)", "met")
+    assert not any(t.startswith("kivi:bits=4 graph") and v == "met" for t, (m, v) in got.items())

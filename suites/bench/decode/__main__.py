@@ -27,6 +27,10 @@ def _args(argv):
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--modes", nargs="+", default=["eager", "graph"], choices=["eager", "graph"],
+                   help="run modes, each timed after one shared prefill: eager (the model called per step) and "
+                        "graph (the step captured in a CUDA graph and replayed, kernels/graphs.py)")
+    p.add_argument("--no-write-cost", action="store_true", help="skip the per-step write cost table")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--check", nargs="*", default=None, metavar="SPEC",
                    help="first compare fused and dense decoding of these specs (default: every fused one)")
@@ -66,7 +70,7 @@ def main(argv=None) -> int:
         return 0
     from ...harness.kv_cache import QuantizedCache  # noqa: F401  (fail early on a broken install)
     from ....quantizers import get_quantizer
-    from .measure import build_model, compare_paths, measure, write_cost
+    from .measure import build_model, compare_paths, measure_modes, write_cost
 
     specs = [None if s == "plain" else s for s in a.specs]
     for s in specs:
@@ -78,7 +82,7 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / "decode.json"
     run = {"config": {"shape": a.shape, "dtype": a.dtype, "steps": a.steps, "warmup": a.warmup,
-                      "device": device, "weights": "random"},
+                      "device": device, "weights": "random", "modes": a.modes},
            "environment": environment(), "checks": [], "results": []}
     quantized = [s for s in specs if s not in (None, "plain-static")]
     for spec in (a.check or quantized) if a.check is not None else []:
@@ -91,8 +95,9 @@ def main(argv=None) -> int:
     pairs.sort(key=lambda cb: (cb not in ((4096, 1), (max(a.contexts), max(a.batches))), cb))
     cfg = model.config
     # A decode step's write (device encode into the store) and the old path (append) beside it.
-    run["write_cost"] = [write_cost(s, heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, device=device,
-                                    step_encode=fast) for s in quantized for fast in (True, False)]
+    run["write_cost"] = [] if a.no_write_cost else [
+        write_cost(s, heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, device=device, step_encode=fast)
+        for s in quantized for fast in (True, False)]
     _save(path, run)
     for ctx, batch in pairs:
         for spec in specs:
@@ -100,13 +105,15 @@ def main(argv=None) -> int:
                 print(f"budget reached: skipping {spec} ctx {ctx} batch {batch}", flush=True)
                 continue
             try:
-                r = measure(model, spec, context=ctx, batch=batch, steps=a.steps, warmup=a.warmup)
+                rows = measure_modes(model, spec, context=ctx, batch=batch, steps=a.steps, warmup=a.warmup,
+                                     modes=a.modes)
             except torch.OutOfMemoryError as e:  # a shape too large for the card: recorded, not fatal
-                r = {"spec": spec or "plain", "context": ctx, "batch": batch,
-                     "error": f"OutOfMemoryError: {e}"[:300]}
+                rows = [{"spec": spec or "plain", "context": ctx, "batch": batch,
+                         "error": f"OutOfMemoryError: {e}"[:300]}]
                 torch.cuda.empty_cache()
-            print(json.dumps({k: v for k, v in r.items()}), flush=True)
-            run["results"].append(r)
+            for r in rows:
+                print(json.dumps({k: v for k, v in r.items()}), flush=True)
+            run["results"].extend(rows)
             _save(path, run)
     for p in render(path):
         print(p)

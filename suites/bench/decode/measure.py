@@ -2,6 +2,7 @@
 
     r = measure(model, "hqmq:S=96,r=4", context=4096, batch=1, steps=32)
     r["ms_per_step"], r["tokens_per_s"], r["kv_live_bytes"]
+    eager, graph = measure_modes(model, "int4", context=4096, batch=1)   # one prefill, both modes
 
 The model is built from a shape (`SHAPES`) with RANDOM weights (real shapes, no
 checkpoint: speed and memory do not depend on the weights; say so with every
@@ -22,6 +23,13 @@ kept as `ms_per_step_cold`. "plain-static" is its
 StaticCache (fp16/bf16 preallocated for the whole run, written in place);
 a spec is our QuantizedCache under the "kvqbench" attention, so quantizers with a
 fused kernel decode through it (`mode` and `fallbacks` say what really ran).
+
+Run modes (`measure_modes`, the row's `run`): "eager" calls the model per step (its
+Python, the launches and the host-side cache code every step); "graph" replays the
+step captured by `kernels.graphs.GraphedDecodeStep` (a QuantizedCache keeps its length
+on the device for it; a StaticCache does by itself), so the step costs GPU time and one
+graph launch. Both modes share one prefill: the graph rows start `warmup + steps`
+tokens later (`start_tokens`).
 
 Memory (bytes, from torch's allocator, relative to the model alone):
 - `kv_live_bytes`: held after the last step (the cache: store buffers at capacity,
@@ -76,19 +84,21 @@ def _mem(device) -> int:
     return torch.cuda.memory_allocated() if torch.device(device).type == "cuda" else 0
 
 
-def _run(model, cache, ids, warmup: int, steps: int, dev, base: int = 0):
-    """Prefill `ids` into `cache`, `warmup` untimed steps, then `steps` timed greedy steps:
-    (prefill s, peak bytes over prefill + warm-up, sorted per-step s, total s, last tokens)."""
-    cuda = dev.type == "cuda"
-    kw = cache_kwargs(model, cache)
+def _prefill(model, cache, ids, dev):
+    """(prefill s, the first greedy token)."""
     t0 = time.perf_counter()
-    logits = model(input_ids=ids, **kw, use_cache=True, logits_to_keep=1).logits
+    logits = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits
     tok = logits[:, -1:].argmax(-1)
     _sync(dev)
-    prefill_s = time.perf_counter() - t0
-    del logits
+    return time.perf_counter() - t0, tok
+
+
+def _decode(step, tok, warmup: int, steps: int, dev, base: int = 0):
+    """`warmup` untimed steps, then `steps` timed greedy steps of `step(tok) -> logits`:
+    (peak bytes over what ran before the timed steps, sorted per-step s, total s, last token)."""
+    cuda = dev.type == "cuda"
     for _ in range(warmup):
-        tok = model(input_ids=tok, **kw, use_cache=True).logits[:, -1:].argmax(-1)
+        tok = step(tok)[:, -1:].argmax(-1)
     _sync(dev)
     peak_all = torch.cuda.max_memory_allocated() - base if cuda else 0
     if cuda:
@@ -97,16 +107,45 @@ def _run(model, cache, ids, warmup: int, steps: int, dev, base: int = 0):
     per_step = []
     for _ in range(steps):  # synchronised per step: the median shrugs off host stalls
         t1 = time.perf_counter()
-        tok = model(input_ids=tok, **kw, use_cache=True).logits[:, -1:].argmax(-1)
+        tok = step(tok)[:, -1:].argmax(-1)
         _sync(dev)
         per_step.append(time.perf_counter() - t1)
         flush()
-    return prefill_s, peak_all, sorted(per_step), time.perf_counter() - t0, tok
+    return peak_all, sorted(per_step), time.perf_counter() - t0, tok
+
+
+def _run(model, cache, ids, warmup: int, steps: int, dev, base: int = 0):
+    """Prefill `ids` into `cache`, `warmup` untimed steps, then `steps` timed greedy steps:
+    (prefill s, peak bytes over prefill + warm-up, sorted per-step s, total s, last tokens)."""
+    prefill_s, tok = _prefill(model, cache, ids, dev)
+    kw = cache_kwargs(model, cache)
+    peak_all, per_step, dt, tok = _decode(lambda t: model(input_ids=t, **kw, use_cache=True).logits, tok,
+                                          warmup, steps, dev, base)
+    return prefill_s, peak_all, per_step, dt, tok
 
 
 def measure(model, spec: str | None, *, context: int, batch: int, steps: int = 32, warmup: int = 3,
-            seed: int = 0) -> dict:
-    """Prefill `context` random tokens per row, then time `steps` greedy decode steps."""
+            seed: int = 0, graph: bool = False) -> dict:
+    """Prefill `context` random tokens per row, then time `steps` greedy decode steps
+    (`graph`: through `GraphedDecodeStep`, see `measure_modes`)."""
+    return measure_modes(model, spec, context=context, batch=batch, steps=steps, warmup=warmup, seed=seed,
+                         modes=("graph",) if graph else ("eager",))[0]
+
+
+def measure_modes(model, spec: str | None, *, context: int, batch: int, steps: int = 32, warmup: int = 3,
+                  seed: int = 0, modes=("eager", "graph")) -> list[dict]:
+    """One prefill of `context` random tokens per row, then per mode in `modes` `warmup`
+    untimed and `steps` timed greedy decode steps on the same cache (the second mode
+    continues where the first stopped: its context is longer by warmup + steps): "eager"
+    calls the model per step; "graph" replays the step captured by
+    `kernels.graphs.GraphedDecodeStep` (its first warm-up steps run uncaptured, see
+    there). A cache the graph cannot take (DynamicCache; KIVI, Med3x) gives a row with
+    `skipped` (the reason) instead of timings: never the eager figures under another name."""
+    from ....kernels.graphs import GraphedDecodeStep
+
+    for m in modes:
+        if m not in ("eager", "graph"):
+            raise ValueError(f"mode must be eager or graph, got {m!r}")
     dev = next(model.parameters()).device
     cuda = dev.type == "cuda"
     if cuda:
@@ -116,7 +155,7 @@ def measure(model, spec: str | None, *, context: int, batch: int, steps: int = 3
         torch.cuda.reset_peak_memory_stats()
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=g).to(dev)
-    total = context + warmup + steps
+    total = context + len(modes) * (warmup + steps)
 
     def new_cache():
         if spec is None:
@@ -127,33 +166,55 @@ def measure(model, spec: str | None, *, context: int, batch: int, steps: int = 3
 
     ctx = contextlib.nullcontext() if spec is None or spec == "plain-static" else fused_attention(model)
     cold = None
+    rows = []
     # Value checks of the writes are read after each synchronised step (quantizers/checks.py).
     with torch.inference_mode(), ctx, deferred_checks():
-        if spec is None:  # the rehearsal: cuDNN SDPA plans for every length (module docstring)
+        if spec is None and "eager" in modes:  # the rehearsal: cuDNN SDPA plans for every length (docstring)
             cold = _run(model, new_cache(), ids, warmup, steps, dev)[2]
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
         cache = new_cache()
-        prefill_s, peak_all, per_step, dt, tok = _run(model, cache, ids, warmup, steps, dev, base)
-    out = dict(spec=spec or "plain", context=context, batch=batch, steps=steps, warmup=warmup,
-               prefill_s=prefill_s, ms_per_step=per_step[len(per_step) // 2] * 1e3,
-               ms_per_step_mean=dt / steps * 1e3, ms_per_step_min=per_step[0] * 1e3,
-               tokens_per_s=batch / per_step[len(per_step) // 2],
-               kv_live_bytes=_mem(dev) - base, decode_peak_bytes=(torch.cuda.max_memory_allocated() - base) if cuda else 0,
-               seq_length=int(cache.get_seq_length()))
-    out["peak_bytes"] = max(peak_all, out["decode_peak_bytes"])
-    if cold is not None:
-        out["ms_per_step_cold"] = cold[len(cold) // 2] * 1e3
-    if isinstance(cache, QuantizedCache):
-        out.update(packed_nbytes=cache.nbytes(), bits_per_element=cache.bits_per_element(),
-                   mode=sorted({layer.mode for layer in cache.layers}),
-                   fallbacks=sum(layer.fallbacks for layer in cache.layers),
-                   store_allocated_bytes=sum(s.allocated_nbytes for layer in cache.layers
-                                             for s in layer.stores.values() if s is not None))
-    else:
-        out.update(packed_nbytes=plain_cache_stats(cache)[0], bits_per_element=16.0, mode=["plain"], fallbacks=0)
+        prefill_s, tok = _prefill(model, cache, ids, dev)
+        kw = cache_kwargs(model, cache)
+        for mode in modes:
+            t_start = int(cache.get_seq_length())
+            out = dict(spec=spec or "plain", context=context, batch=batch, steps=steps, warmup=warmup,
+                       run=mode, start_tokens=t_start, prefill_s=prefill_s)
+            if mode == "graph":
+                step = GraphedDecodeStep(model, cache, batch, max_tokens=total)
+                out.update(graph_mode=step.mode, graph_why=step.why)
+                if step.mode == "eager":
+                    out["skipped"] = f"not graphable: {step.why}"
+                    rows.append(out)
+                    continue
+            else:
+                def step(t):
+                    return model(input_ids=t, **kw, use_cache=True).logits
+            peak_all, per_step, dt, tok = _decode(step, tok, warmup, steps, dev, base)
+            if mode == "graph":  # (a capture can fail at its first replay: the mode says what ran)
+                out.update(graph_mode=step.mode, graph_why=step.why)
+            med = per_step[len(per_step) // 2]
+            out.update(ms_per_step=med * 1e3, ms_per_step_mean=dt / steps * 1e3, ms_per_step_min=per_step[0] * 1e3,
+                       tokens_per_s=batch / med, kv_live_bytes=_mem(dev) - base,
+                       decode_peak_bytes=(torch.cuda.max_memory_allocated() - base) if cuda else 0,
+                       seq_length=int(cache.get_seq_length()))
+            out["peak_bytes"] = max(peak_all, out["decode_peak_bytes"])
+            if cold is not None and mode == "eager":
+                out["ms_per_step_cold"] = cold[len(cold) // 2] * 1e3
+            if isinstance(cache, QuantizedCache):
+                out.update(packed_nbytes=cache.nbytes(), bits_per_element=cache.bits_per_element(),
+                           mode=sorted({layer.mode for layer in cache.layers}),
+                           fallbacks=sum(layer.fallbacks for layer in cache.layers),
+                           store_allocated_bytes=sum(s.allocated_nbytes for layer in cache.layers
+                                                     for s in layer.stores.values() if s is not None))
+            else:
+                out.update(packed_nbytes=plain_cache_stats(cache)[0], bits_per_element=16.0, mode=["plain"],
+                           fallbacks=0)
+            rows.append(out)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
     del cache, tok
-    return out
+    return rows
 
 
 def compare_paths(model, spec: str, *, context: int, batch: int, steps: int = 8, seed: int = 0) -> dict:
@@ -238,4 +299,4 @@ def write_cost(spec: str, *, heads: int = 8, head_dim: int = 128, batch: int = 1
     return out
 
 
-__all__ = ["SHAPES", "build_model", "compare_paths", "measure", "write_cost"]
+__all__ = ["SHAPES", "build_model", "compare_paths", "measure", "measure_modes", "write_cost"]

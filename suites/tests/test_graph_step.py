@@ -1,0 +1,285 @@
+"""Decode steps at a device position, the part of a decode step a CUDA graph replays
+(kernels/graphs.py `GraphedDecodeStep`, `QuantizedCache.device_steps`):
+
+- the step encoders write at a position read from a device tensor exactly the bytes
+  they write at the same host position;
+- the fused attention with a device valid length (`valid_len`, the flat's T then the
+  capacity bound of the grid) equals the call with that host length, whatever the
+  buffers hold past it, and the fp32 reference;
+- a model's decode steps through `GraphedDecodeStep` give the same logits, tokens,
+  stored bytes and measured bits as the ordinary fused steps; formats a graph cannot
+  take (KIVI, Med3x) run eagerly with the reason named; bad use raises.
+
+CPU: no graph can be captured, so `GraphedDecodeStep` runs its device-position steps
+uncaptured ("device" mode), through the same kernels under the Triton interpreter.
+GPU (skipped without CUDA): the captured graph against the uncaptured device steps
+(bit-equal) and the host-position fused steps (same tokens, close logits).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvqbench.kernels import layout as L  # noqa: E402
+from kvqbench.kernels import step_encode as se  # noqa: E402
+from kvqbench.kernels.decode_attention import decode_attention, reference_decode_attention  # noqa: E402
+from kvqbench.kernels.graphs import GraphedDecodeStep  # noqa: E402
+from kvqbench.quantizers import get_quantizer  # noqa: E402
+from kvqbench.suites.harness.attention import fused_attention, kvqbench_mask  # noqa: E402
+from kvqbench.suites.harness.kv_cache import QuantizedCache, cache_kwargs  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+
+def _errors():
+    e = torch.zeros(3, dtype=torch.int32, device=DEV)
+    e[1] = se.NO_TOKEN
+    return e
+
+
+def _data(shape, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 2).to(DEV, dtype)
+
+
+def _pos(t):
+    return torch.tensor([t, t + 1], dtype=torch.int32, device=DEV)
+
+
+# ---- step encoders: device position == host position, byte for byte ---------------------------
+def test_int_rows_at_a_device_position_write_the_host_position_bytes():
+    B, H, D, G, cap, t0 = 2, 3, 64, 16, 12, 7
+    x = _data((B, H, 1, D), seed=1)
+    x[1, 2, 0, 5] = float("nan")  # the error flag names the same token too
+    out = {}
+    for dev in (False, True):
+        codes = torch.zeros(B, H, cap, D // 2, dtype=torch.uint8, device=DEV)
+        scale, zero = (torch.zeros(B, H, cap, D // G, dtype=torch.float16, device=DEV) for _ in range(2))
+        err = _errors()
+        se.int_rows(x, x.stride()[:4] + (0,), 1, 1, codes, codes.stride()[:3] + (0,), scale, zero,
+                    scale.stride()[:3] + (0,), 0 if dev else t0, 0, n=D, group=G, bits=4, err=err,
+                    tok0=0 if dev else t0, token_rows=True, pos=_pos(t0) if dev else None)
+        out[dev] = (codes, scale, zero, err)
+    for a, b in zip(out[False], out[True]):
+        assert torch.equal(a, b)
+    assert out[True][0][:, :, t0].any() and not out[True][0][:, :, :t0].any()  # written at t0 only
+    assert out[True][3].tolist() == [se.NONFINITE, t0, 1]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_tokens_at_a_device_position_write_the_host_position_bytes(fmt):
+    B, H, D, cap, t0 = 2, 2, 32, 9, 5
+    x = _data((B, H, 1, D), seed=2)
+    scale = torch.tensor([0.5, 2.0], device=DEV)
+    out = {}
+    for dev in (False, True):
+        codes = torch.zeros(B, H, cap, D, dtype=torch.uint8, device=DEV)
+        se.fp8_tokens(x, codes, scale, fmt, 0 if dev else t0, _errors(), pos=_pos(t0) if dev else None)
+        out[dev] = codes
+    assert torch.equal(out[False], out[True]) and out[True][:, :, t0].any()
+
+
+@pytest.mark.parametrize("spec", ["hqmq:S=8,r=4", "hqmq:S=24,r=3,radius=log"])
+def test_hqmq_tokens_at_a_device_position_write_the_host_position_bytes(spec):
+    q = get_quantizer(spec, role="K", seed=0)
+    B, H, D, cap, t0 = 2, 2, 64, 12, 9
+    packed = q.encode(_data((B, H, 4, D), seed=3))
+    x = _data((B, H, 1, D), seed=4)
+    out = {}
+    for dev in (False, True):
+        flat = L.flatten(packed, "K")
+        for name in ("codes", "radius", "r_max"):
+            buf = getattr(flat, name)
+            setattr(flat, name, torch.zeros(buf.shape[:2] + (cap,) + buf.shape[3:], dtype=buf.dtype, device=DEV))
+        se.hqmq_tokens(x, flat, q.config.S, flat.rel, 0 if dev else t0, _errors(), C=q.config.C,
+                       pos=_pos(t0) if dev else None)
+        out[dev] = flat
+    for name in ("codes", "radius", "r_max"):
+        assert torch.equal(getattr(out[False], name), getattr(out[True], name)), name
+    assert out[True].codes[:, :, t0].any() and not out[True].codes[:, :, :t0].any()
+
+
+def test_device_positions_are_checked_without_a_host_read():
+    x = _data((1, 1, 1, 32))
+    codes = torch.zeros(1, 1, 4, 32, dtype=torch.uint8, device=DEV)
+    for bad in (torch.tensor([1], dtype=torch.int64, device=DEV), 3):
+        with pytest.raises(ValueError, match="int32 tensor"):
+            se.fp8_tokens(x, codes, torch.ones(1, device=DEV), "e4m3", 0, _errors(), pos=bad)
+    q = get_quantizer("hqmq:S=8,r=4,outliers=med3", role="K")
+    flat = L.flatten(q.encode(_data((1, 1, 4, 32))), "K")
+    with pytest.raises(ValueError, match="Med3x writes take host positions"):
+        se.hqmq_tokens(x, flat, 8, flat.rel, 0, _errors(), med3=True, pos=_pos(4))
+
+
+# ---- attention over a device valid length ------------------------------------------------------------
+def _flats(spec, B, H, T, D, seed, extra=40):
+    """(k, v) flats holding T + extra tokens (the tail: what a valid length of T must
+    hide) and the dequantized first T tokens of K and V."""
+    out = []
+    for role in ("K", "V"):
+        q = get_quantizer(spec, role=role, seed=seed)
+        p = q.encode(_data((B, H, T + extra, D), seed=seed + (role == "V")))
+        out.append((L.flatten(p, role), q.decode(p)[:, :, :T]))
+    return out
+
+
+@pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "hqmq:S=8,r=4"])
+def test_valid_len_attention_equals_the_host_length_call_and_the_reference(spec):
+    B, H, Hq, D, T = 2, 2, 4, 32, 70
+    (kc, kd), (vc, vd) = _flats(spec, B, H, T, D, seed=5)
+    q = _data((B, Hq, 1, D), torch.float32, seed=6)
+    cap = T + 40
+    assert kc.T == cap
+    kf, vf = (dataclasses.replace(f, T=T) for f in (kc, vc))
+    host = decode_attention(q, kf, vf, backend="triton", num_splits=3, out_dtype=torch.float32).clone()
+    vl = torch.tensor([T], dtype=torch.int32, device=DEV)
+    # 5 splits cut for the capacity: the last ones hold no valid token (empty partials)
+    dev = decode_attention(q, kc, vc, backend="triton", num_splits=5, out_dtype=torch.float32, valid_len=vl)
+    ref = reference_decode_attention(q, kd, vd)
+    assert torch.allclose(dev, host, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(dev, ref, atol=1e-4, rtol=1e-4)
+    junk = decode_attention(q, kc, vc, backend="triton", num_splits=5, out_dtype=torch.float32).clone()
+    assert not torch.allclose(junk, ref, atol=1e-3)  # without the valid length the tail counts
+    vl.fill_(cap + 100)  # clamped to T: the capacity bound
+    assert torch.equal(decode_attention(q, kc, vc, backend="triton", num_splits=5, out_dtype=torch.float32,
+                                        valid_len=vl), junk)
+
+
+def test_valid_len_is_checked():
+    (kf, _), (vf, _) = _flats("int4", 1, 1, 16, 32, seed=0, extra=0)
+    q = _data((1, 1, 1, 32), torch.float32)
+    for bad in (torch.tensor([16], device=DEV), torch.tensor([16, 1], dtype=torch.int32, device=DEV), 16):
+        with pytest.raises(ValueError, match="valid_len"):
+            decode_attention(q, kf, vf, backend="triton", valid_len=bad)
+    kv = [L.flatten(get_quantizer("kivi:bits=2,group=8,residual=8", role=r).encode(_data((1, 1, 16, 32))), r)
+          for r in ("K", "V")]
+    with pytest.raises(ValueError, match="KIVI kernel takes no valid_len"):
+        decode_attention(q, *kv, backend="triton", valid_len=torch.tensor([16], dtype=torch.int32, device=DEV))
+
+
+# ---- the mask function --------------------------------------------------------------------------------
+def test_mask_is_none_for_a_one_token_step_even_while_capturing(monkeypatch):
+    import transformers.masking_utils as mu
+
+    # What a CUDA graph capture looks like to SDPA's mask in transformers 5.17 (5.24 refuses
+    # the skip only when exporting): it then builds a [B, 1, 1, kv_length] mask, kv_length
+    # the host's count, which a graph would bake in.
+    monkeypatch.setattr(mu, "is_tracing", lambda *a: True)
+    if hasattr(mu, "is_torchdynamo_exporting"):
+        monkeypatch.setattr(mu, "is_torchdynamo_exporting", lambda *a: True)
+    assert mu.sdpa_mask(batch_size=2, q_length=1, kv_length=9) is not None
+    assert kvqbench_mask(batch_size=2, q_length=1, kv_length=9) is None
+    pad = torch.ones(2, 9, dtype=torch.bool)
+    pad[0, 0] = False
+    for kw in (dict(q_length=3, kv_length=9), dict(q_length=1, kv_length=9, attention_mask=pad),
+               dict(q_length=1, kv_length=9, allow_is_causal_skip=False)):
+        assert torch.equal(kvqbench_mask(batch_size=2, **kw), mu.sdpa_mask(batch_size=2, **kw))
+
+
+# ---- a model's decode steps ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model():
+    from kvqbench.suites.bench.decode.measure import build_model
+
+    return build_model("tiny", torch.float32 if DEV.type == "cpu" else torch.bfloat16, DEV)
+
+
+def _decode(model, spec, steps, *, graphed: bool, between: int | None = None, prompt=20, batch=2):
+    """Prefill then `steps` greedy steps: (logits [B, steps, V], cache, step object).
+    `between`: one step at that index through the ordinary (host-path) call instead."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0)).to(DEV)
+    with torch.inference_mode(), fused_attention(model):
+        cache = QuantizedCache(spec, config=model.config, fused=True, seed=1)
+        kw = cache_kwargs(model, cache)
+        tok = model(input_ids=ids, **kw, use_cache=True).logits[:, -1:].argmax(-1)
+        step = GraphedDecodeStep(model, cache, batch, max_tokens=prompt + steps + 4) if graphed else None
+        out = []
+        for i in range(steps):
+            if step is not None and i != between:
+                logits = step(tok).clone()
+            else:
+                logits = model(input_ids=tok, **kw, use_cache=True).logits
+            out.append(logits)
+            tok = logits[:, -1:].argmax(-1)
+        return torch.cat(out, 1), cache, step
+
+
+def _assert_same_bytes(a: QuantizedCache, b: QuantizedCache):
+    assert a.get_seq_length() == b.get_seq_length()
+    assert a.nbytes() == b.nbytes() and a.numel() == b.numel() and a.bits_per_element() == b.bits_per_element()
+    for la, lb in zip(a.layers, b.layers):
+        for role in ("K", "V"):
+            pa, pb = la.packed[role], lb.packed[role]
+            assert [s.tokens for s in pa.segments] == [s.tokens for s in pb.segments]
+            assert pa.nbytes_by_field() == pb.nbytes_by_field()
+            for sa, sb in zip(pa.segments, pb.segments):
+                for name in sa.fields:
+                    assert torch.equal(sa.fields[name], sb.fields[name]), (la.layer_idx, role, name)
+            assert torch.equal(la.read(role), lb.read(role))
+
+
+@pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "hqmq:S=8,r=4"])
+def test_device_steps_equal_fused_steps(model, spec):
+    eager, ce, _ = _decode(model, spec, 4, graphed=False)
+    dev, cd, step = _decode(model, spec, 4, graphed=True, between=2)  # one host-path step in between
+    assert step.mode == ("graph" if DEV.type == "cuda" else "device") and step.steps == 3
+    assert all(s.in_run for layer in cd.layers for s in layer.stores.values())
+    if DEV.type == "cpu":  # the interpreter: same grid (one split), exact fp32
+        assert torch.equal(dev, eager)
+        _assert_same_bytes(cd, ce)
+    else:  # the graph's grid is cut for the capacity: another split, fp rounding
+        assert torch.equal(dev.argmax(-1), eager.argmax(-1))
+        assert torch.allclose(dev.float(), eager.float(), atol=0.05)
+    # after the graphed steps the cache goes on through the host path, from where they left it
+    assert cd.get_seq_length() == 20 + 4 and cd.reserved == 20 + 4 + 4
+
+
+@pytest.mark.parametrize("spec,why", [("kivi:bits=2,group=8,residual=8", "KIVI flushes"),
+                                      ("hqmq:S=8,r=4,outliers=med3", "Med3x")])
+def test_formats_a_graph_cannot_take_run_eagerly_with_the_reason(model, spec, why):
+    eager, ce, _ = _decode(model, spec, 3, graphed=False)
+    got, cg, step = _decode(model, spec, 3, graphed=True)
+    assert step.mode == "eager" and why in step.why
+    assert torch.equal(got, eager)
+    _assert_same_bytes(cg, ce)
+
+
+def test_bad_use_raises(model):
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0)).to(DEV)
+    with torch.inference_mode(), fused_attention(model):
+        cache = QuantizedCache("int4", config=model.config, fused=True)
+        with pytest.raises(ValueError, match="empty: prefill first"):
+            cache.reserve(16)
+        tok = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
+        with pytest.raises(ValueError, match="max_tokens"):
+            GraphedDecodeStep(model, cache, 1)  # no room asked for (capacity 0)
+        step = GraphedDecodeStep(model, cache, 1, max_tokens=10)
+        with pytest.raises(ValueError, match=r"input_ids must be \[1, 1\]"):
+            step(ids[:, :2])
+        step(tok)
+        step(tok)
+        with pytest.raises(RuntimeError, match="reserved are used up"):
+            step(tok)
+        assert cache.get_seq_length() == 10  # the refused step wrote nothing
+
+
+@cuda_only
+@pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "hqmq:S=96,r=4"])
+def test_graph_replays_equal_uncaptured_device_steps(model, spec, monkeypatch):
+    # Same kernels, same grid: the replayed graph must match bit for bit, bytes included.
+    graph, cg, step = _decode(model, spec, 6, graphed=True)
+    assert step.mode == "graph" and step.graph is not None, step.why
+    monkeypatch.setattr(GraphedDecodeStep, "_capture", lambda self: self._device_step())
+    plain, cp, step2 = _decode(model, spec, 6, graphed=True)
+    assert step2.graph is None
+    assert torch.equal(graph, plain)
+    _assert_same_bytes(cg, cp)
