@@ -44,9 +44,13 @@ import os
 import shutil
 import subprocess
 import threading
+import weakref
 from pathlib import Path
 
 import torch
+
+from .decode_attention import Workspace, _check_q, _sm_count, bh_stride
+from .layout import FP8Flat, IntFlat, KIVIFlat
 
 SOURCE = Path(__file__).parent / "cuda" / "decode_attention.cu"
 FLAGS = ["-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"]
@@ -78,6 +82,7 @@ DEFAULT_CTAS_PER_SM = None
 # Triton 4.3e-5, 2.4x faster than Triton at B=8, T=32k.
 CUDA_VERIFIED = {"int4", "fp8", "kivi"}
 
+_FORMAT = {IntFlat: "int4", FP8Flat: "fp8", KIVIFlat: "kivi"}  # cache type -> CUDA_VERIFIED name
 _lock = threading.Lock()
 _lib = None
 _why: str | None = None
@@ -157,15 +162,15 @@ def _load():
         lib, _why = load_library(SOURCE, "kvq_decode")
         if lib is None:
             return None
-        P, I, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
-        lib.kvq_decode.argtypes = [I, I, P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, I, I, I, I, I, I, F, P, P, P,
-                                   P, I, I, P]
-        lib.kvq_decode.restype = I
+        P, I = ctypes.c_void_p, ctypes.c_int
+        lib.kvq_args_size.restype = I
+        if lib.kvq_args_size() != ctypes.sizeof(_Args):  # a struct out of step with the .cu: refuse, never misread
+            _why = f"HostArgs is {lib.kvq_args_size()} bytes in the library, _Args {ctypes.sizeof(_Args)}"
+            return None
+        lib.kvq_run.argtypes = [P, P, P, P, P, P, P, P]
+        lib.kvq_run.restype = I
         lib.kvq_num_regs.argtypes = [I, I, I]
         lib.kvq_num_regs.restype = I
-        lib.kvq_decode_kivi.argtypes = [I, P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, LL, LL, I, I, I, I, I, I, I,
-                                        I, I, I, I, F, P, P, P, P, I, I, P]
-        lib.kvq_decode_kivi.restype = I
         lib.kvq_num_regs_kivi.argtypes = [I, I, I]
         lib.kvq_num_regs_kivi.restype = I
         _lib = lib
@@ -199,10 +204,12 @@ def _aligned(t: torch.Tensor, stride_bytes: int, n: int) -> bool:
 
 
 def unsupported(q: torch.Tensor, k, v) -> str | None:
-    """Why the CUDA kernels cannot take this call (None: they can). Does not build."""
-    from .decode_attention import bh_stride
-    from .layout import FP8Flat, IntFlat, KIVIFlat
-
+    """Why the CUDA kernels cannot take this call (None: they can). Does not build.
+    (A layout a default-options call has planned already is taken without re-checking:
+    decode_attention's auto route asks this on every call.)"""
+    if type(k) in _FORMAT and type(v) is type(k) and q.is_cuda and _PLANS:
+        if _lookup(q, k, v, None, DEFAULT_CTAS_PER_SM, None, None)[0] is not None:
+            return None
     if not q.is_cuda:
         return "q is not on a CUDA device"
     if q.dtype not in _QTYPE:
@@ -248,8 +255,6 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
 
 
 def _kivi_unsupported(q: torch.Tensor, k, v) -> str | None:
-    from .decode_attention import bh_stride
-
     if k.role != "K" or v.role != "V":
         return "pass the keys' KIVIFlat (role K) then the values' (role V)"
     if k.D != 128:
@@ -291,8 +296,6 @@ def splits(rows: int, T: int, device, num_splits: int | None = None,
     """(number of splits, 16-token tiles per split), every split non-empty: num_splits
     if given, else about ctas_per_sm CTAs per SM if given, else about TILES_PER_SPLIT
     tiles per split with at least MIN_CTAS_PER_SM CTAs per SM."""
-    from .decode_attention import _sm_count
-
     tiles = max(1, -(-T // 16))
     sms = _sm_count(device)
     if num_splits:
@@ -308,9 +311,7 @@ def splits(rows: int, T: int, device, num_splits: int | None = None,
 
 def format_name(k) -> str | None:
     """The CUDA_VERIFIED name of a cache type ("int4", "fp8", "kivi"), None if none."""
-    from .layout import FP8Flat, IntFlat, KIVIFlat
-
-    return {IntFlat: "int4", FP8Flat: "fp8", KIVIFlat: "kivi"}.get(type(k))
+    return _FORMAT.get(type(k))
 
 
 def takes_by_default(k) -> bool:
@@ -318,62 +319,210 @@ def takes_by_default(k) -> bool:
     return format_name(k) in CUDA_VERIFIED
 
 
-def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM,
-           variant: int | None = None, workspace=None, out_dtype=None) -> torch.Tensor:
-    """softmax(q K^T / sqrt(d)) V over the T valid tokens of int4 (`IntFlat`) or fp8
-    (`FP8Flat`) caches; `[B, Hq, 1, d]` in out_dtype (default q's). Raises ValueError
-    when `unsupported` gives a reason, RuntimeError when the kernels are unavailable."""
-    from .decode_attention import Workspace, _check_q, bh_stride
-    from .layout import IntFlat, KIVIFlat
+# ---------------------------------------------------------------------------------------
+# the call path. At B=1 a decode call's time is host time (run 16: KIVI 67.5 us eager vs
+# 37.8 us as a CUDA graph), so what does not change between calls -- the checks, strides,
+# split plan and the ~35 launch arguments -- is computed once per cache layout and kept in
+# a plan (a ctypes struct the C side reads: kvq_run takes one pointer plus the per-call q,
+# valid count, workspace and stream).
+# ---------------------------------------------------------------------------------------
+class _Args(ctypes.Structure):  # mirrors HostArgs in decode_attention.cu (checked by kvq_args_size)
+    _fields_ = ([(n, ctypes.c_void_p) for n in ("kc", "ks", "kz", "kr", "vc", "vs", "vz", "vr", "khs", "vhs")]
+                + [(n, ctypes.c_longlong) for n in ("k_cs", "k_ss", "k_rs", "v_cs", "v_ss", "v_rs")]
+                + [(n, ctypes.c_int) for n in ("kind", "fmt", "D", "qtype", "otype", "variant", "B", "Hkv", "gqa", "T",
+                                               "per", "nsplit", "TQK", "TQV", "n_main", "per_main", "nsplit_main",
+                                               "per_tail", "nsplit_tail")]
+                + [("qk_scale", ctypes.c_float)])
 
+
+class _Plan:
+    """What a call on one cache layout launches: the argument struct, the split count and
+    the workspace size, with weak references to the cache tensors it points into (a plan
+    is used only while every one of them is alive and the same object)."""
+    __slots__ = ("refs", "keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind")
+
+
+_PLANS: dict = {}
+_PLANS_MAX = 64  # layouts kept (cleared when full: a plan is cheap to rebuild)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the handle without a Stream object
+_cur_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def _flat_key(f):
+    """(tensors a plan reads, the ints that place the valid tokens in them) of a flat."""
+    if type(f) is IntFlat:
+        return (f.codes, f.scale, f.zero), (f.B, f.H, f.T, f.D, f.bits, f.group)
+    if type(f) is FP8Flat:
+        return (f.codes, f.scale), (f.B, f.H, f.T, f.D, f.fmt)
+    return (f.codes, f.scale, f.zero, f.residual), (f.B, f.H, f.D, f.bits, f.group, f.role, f.n_groups, f.n_res)
+
+
+def _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype):
+    """(the cached plan of this call or None, its key, the tensors it reads)."""
+    tk, ik = _flat_key(k)
+    tv, iv = _flat_key(v)
+    ts = tk + tv
+    key = (type(k), ik, iv, tuple(map(id, ts)), q.dtype, q.shape, q.device, num_splits, ctas_per_sm, variant,
+           out_dtype)
+    plan = _PLANS.get(key)
+    if plan is not None and all(r() is t for r, t in zip(plan.refs, ts)):
+        return plan, key, ts
+    return None, key, ts
+
+
+def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype) -> _Plan:
+    if type(k) not in _FORMAT or type(v) is not type(k):
+        raise ValueError(f"CUDA decode kernel: no CUDA kernel for {type(k).__name__}/{type(v).__name__}")
+    plan, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype)
+    if plan is not None:
+        return plan
+    plan = _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype)
+    plan.refs = tuple(weakref.ref(t) if t is not None else (lambda: None) for t in ts)
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype) -> _Plan:
     B, H, T, D = k.B, k.H, k.T, k.D
     _check_q(q, H, D, B)
     if (v.B, v.H, v.T, v.D) != (B, H, T, D):
         raise ValueError("K and V caches differ in shape")
-    if isinstance(k, KIVIFlat):
-        return _decode_kivi(q, k, v, num_splits=num_splits, ctas_per_sm=ctas_per_sm, variant=variant,
-                            workspace=workspace, out_dtype=out_dtype)
     why = unsupported(q, k, v)
     if why:
         raise ValueError(f"CUDA decode kernel: {why}")
+    if T == 0:
+        raise ValueError("empty cache (T = 0)")
     lib = _load()
     if lib is None:
         raise RuntimeError(f"CUDA decode kernels unavailable: {_why}")
-    q = q.contiguous()
-    gqa = q.shape[1] // H
-    nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm)
     out_dtype = out_dtype or q.dtype
     if out_dtype not in _QTYPE:
         raise ValueError(f"out dtype {out_dtype}")
-    rows_q = B * q.shape[1]
-    ws = workspace
-    if ws is None or ws.nsplit != nsplit or ws.out.dtype != out_dtype or ws.out.numel() != rows_q * D:
-        ws = Workspace(rows_q, nsplit, D, q.device, out_dtype)
-    if isinstance(k, IntFlat):
-        fmt = 0
-        ptrs = [k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, None, None]
-        strides = [bh_stride(k.codes), bh_stride(k.scale), bh_stride(v.codes), bh_stride(v.scale)]
+    Hq = q.shape[1]
+    a = _Args()
+    a.D, a.qtype, a.otype, a.B, a.Hkv, a.gqa, a.T = D, _QTYPE[q.dtype], _QTYPE[out_dtype], B, H, Hq // H, T
+    a.qk_scale = 1.4426950408889634 / math.sqrt(D)
+    keep = []
+    if isinstance(k, KIVIFlat):
+        variant = DEFAULT_VARIANT["kivi"] if variant is None else variant
+        if variant not in SMEM_VARIANTS:
+            raise ValueError(f"KIVI takes the shared-memory variants {SMEM_VARIANTS}, got {variant}")
+        n_main, (ns_m, per_m), (ns_t, per_t) = kivi_plan(k, v, q.device, num_splits, ctas_per_sm)
+        a.kind, a.fmt = 1, k.bits
+        for f, role, pre in ((k, "K", "k"), (v, "V", "v")):
+            if f.n_groups:  # else never read: no quantized token on this side
+                setattr(a, pre + "c", f.codes.data_ptr())
+                setattr(a, pre + "s", f.scale.data_ptr())
+                setattr(a, pre + "z", f.zero.data_ptr())
+                setattr(a, pre + "_cs", bh_stride(f.codes, f"{role} codes"))
+                setattr(a, pre + "_ss", bh_stride(f.scale, f"{role} scale"))
+            if f.T_res:
+                setattr(a, pre + "r", f.residual.data_ptr())
+                setattr(a, pre + "_rs", bh_stride(f.residual, f"{role} window"))
+        a.TQK, a.TQV, a.n_main = k.T_quant, v.T_quant, n_main
+        a.per_main, a.nsplit_main, a.per_tail, a.nsplit_tail = per_m, ns_m, per_t, ns_t
+        a.nsplit = nsplit = ns_m + ns_t
     else:
-        if k.fmt != v.fmt:
-            raise ValueError("K and V fp8 caches differ in format")
-        fmt = 1 if k.fmt == "e4m3" else 2
-        ks, vs = k.scale.float().contiguous(), v.scale.float().contiguous()
-        ptrs = [k.codes, None, None, v.codes, None, None, ks, vs]
-        strides = [bh_stride(k.codes), 0, bh_stride(v.codes), 0]
-    if T == 0:
-        raise ValueError("empty cache (T = 0)")
-    variant = DEFAULT_VARIANT[fmt] if variant is None else variant
-    if not 0 <= variant < NUM_VARIANTS:
-        raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
-    addr = [None if t is None else t.data_ptr() for t in ptrs]
-    with torch.cuda.device(q.device):
-        err = lib.kvq_decode(fmt, D, q.data_ptr(), _QTYPE[q.dtype], *addr, *strides, B, H, gqa, T, per, nsplit,
-                             1.4426950408889634 / math.sqrt(D), ws.po.data_ptr(), ws.pm.data_ptr(),
-                             ws.pl.data_ptr(), ws.out.data_ptr(), _QTYPE[out_dtype], variant,
-                             torch.cuda.current_stream(q.device).cuda_stream)
+        nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm)
+        a.per, a.nsplit = per, nsplit
+        if isinstance(k, IntFlat):
+            a.kind, a.fmt = 0, 0
+            a.kc, a.ks, a.kz = k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr()
+            a.vc, a.vs, a.vz = v.codes.data_ptr(), v.scale.data_ptr(), v.zero.data_ptr()
+            a.k_cs, a.k_ss, a.v_cs, a.v_ss = bh_stride(k.codes), bh_stride(k.scale), bh_stride(v.codes), bh_stride(v.scale)
+        else:
+            if k.fmt != v.fmt:
+                raise ValueError("K and V fp8 caches differ in format")
+            a.kind, a.fmt = 0, 1 if k.fmt == "e4m3" else 2
+            ks, vs = k.scale.float().contiguous(), v.scale.float().contiguous()
+            keep += [ks, vs]  # (the same tensors when already fp32 and contiguous, as FP8Flat keeps them)
+            a.kc, a.vc, a.khs, a.vhs = k.codes.data_ptr(), v.codes.data_ptr(), ks.data_ptr(), vs.data_ptr()
+            a.k_cs, a.v_cs = bh_stride(k.codes), bh_stride(v.codes)
+        variant = DEFAULT_VARIANT[a.fmt] if variant is None else variant
+        if not 0 <= variant < NUM_VARIANTS:
+            raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
+    a.variant = variant
+    plan = _Plan()
+    plan.keep, plan.args, plan.ptr = keep, a, ctypes.addressof(a)
+    plan.nsplit, plan.rows_q, plan.D, plan.out_dtype, plan.kind = nsplit, B * Hq, D, out_dtype, a.kind
+    plan.shape = (B, Hq, 1, D)
+    return plan
+
+
+def make_workspace(q: torch.Tensor, k, v, *, num_splits: int | None = None,
+                   ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM, out_dtype=None) -> Workspace:
+    """A workspace that fits `decode(q, k, v, ...)` with the same options (the one a
+    valid_len / CUDA-graph caller must pass: such a call allocates nothing)."""
+    plan = _plan(q, k, v, num_splits, ctas_per_sm, None, out_dtype)
+    return Workspace(plan.rows_q, plan.nsplit, plan.D, q.device, plan.out_dtype)
+
+
+def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM,
+           variant: int | None = None, workspace=None, out_dtype=None,
+           valid_len: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q K^T / sqrt(d)) V over the valid tokens of int4 (`IntFlat`), fp8 (`FP8Flat`)
+    or KIVI (`KIVIFlat`) caches; `[B, Hq, 1, d]` in out_dtype (default q's). Raises
+    ValueError when `unsupported` gives a reason, RuntimeError when the kernels are
+    unavailable or a launch fails.
+
+    valid_len (int4 / fp8 only): an int32 CUDA tensor of one element on q's device holding
+    the number of valid tokens. The flat's T is then the CAPACITY bound: the grid and the
+    splits are sized from it, and the kernel reads min(valid_len, T) at run time (CTAs
+    whose tokens all lie past it write empty partials); a count < 1 gives NaN (no token to
+    attend to). It is read on the device only, so with a `workspace` that fits
+    (`make_workspace`) the call neither synchronises nor allocates: it can be captured in
+    a CUDA graph and replayed after the count changes (`valid_len.fill_(n)` on the
+    device). A workspace that does not fit is then an error, not a silent allocation.
+    KIVI takes no valid_len: its valid state is two lengths per side (quantized groups and
+    window rows), which move when a window flushes.
+
+    With a workspace, the result is its `out` buffer (overwritten by the next call with
+    it); without one, a fresh tensor."""
+    plan = _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype)
+    if not q.is_contiguous():
+        q = q.contiguous()
+    vptr = None
+    if valid_len is not None:
+        if plan.kind != 0:
+            raise ValueError("valid_len: int4 / fp8 caches only (KIVI has two lengths per side)")
+        if (type(valid_len) is not torch.Tensor or valid_len.dtype != torch.int32 or valid_len.numel() != 1
+                or valid_len.get_device() != q.get_device()):
+            raise ValueError("valid_len must be an int32 tensor of one element on q's CUDA device")
+        vptr = valid_len.data_ptr()
+    ws = workspace
+    if ws is not None and (ws.nsplit != plan.nsplit or ws.out.dtype != plan.out_dtype
+                           or ws.out.numel() != plan.rows_q * plan.D):
+        if valid_len is not None:
+            raise ValueError(f"workspace does not fit this call ({plan.nsplit} splits, {plan.rows_q} x {plan.D} "
+                             f"{plan.out_dtype}): use cuda_decode.make_workspace")
+        ws = None
+    if ws is None:  # one buffer for the three partials, one for the result
+        n = plan.rows_q * plan.nsplit
+        part = torch.empty(n * (plan.D + 2), dtype=torch.float32, device=q.device)
+        out = torch.empty(plan.shape, dtype=plan.out_dtype, device=q.device)
+        po = part.data_ptr()
+        pm = po + 4 * n * plan.D
+        pl = pm + 4 * n
+        optr = out.data_ptr()
+    else:
+        po, pm, pl, optr = ws.po.data_ptr(), ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr()
+        out = ws.__dict__.get("_kvq_out")
+        if out is None or out.shape != plan.shape or out.data_ptr() != optr:
+            out = ws.out.view(plan.shape)
+            ws._kvq_out = out  # (the view, made once per workspace)
+    dev = q.get_device()
+    lib = _lib
+    if _cur_device is not None and _raw_stream is not None and _cur_device() == dev:
+        err = lib.kvq_run(plan.ptr, q.data_ptr(), vptr, po, pm, pl, optr, _raw_stream(dev))
+    else:
+        with torch.cuda.device(dev):
+            err = lib.kvq_run(plan.ptr, q.data_ptr(), vptr, po, pm, pl, optr,
+                              torch.cuda.current_stream(dev).cuda_stream)
     if err:
         raise RuntimeError(f"CUDA decode kernel launch failed: error {err}")
-    return ws.out.view(B, q.shape[1], 1, D)
+    return out
 
 
 def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM):
@@ -389,54 +538,6 @@ def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | No
     return n_main, main, tail
 
 
-def _decode_kivi(q, k, v, *, num_splits, ctas_per_sm, variant, workspace, out_dtype):
-    from .decode_attention import Workspace, bh_stride
-
-    B, H, T, D = k.B, k.H, k.T, k.D
-    why = unsupported(q, k, v)
-    if why:
-        raise ValueError(f"CUDA decode kernel: {why}")
-    if T == 0:
-        raise ValueError("empty cache (T = 0)")
-    variant = DEFAULT_VARIANT["kivi"] if variant is None else variant
-    if variant not in SMEM_VARIANTS:
-        raise ValueError(f"KIVI takes the shared-memory variants {SMEM_VARIANTS}, got {variant}")
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"CUDA decode kernels unavailable: {_why}")
-    q = q.contiguous()
-    n_main, (ns_m, per_m), (ns_t, per_t) = kivi_plan(k, v, q.device, num_splits, ctas_per_sm)
-    nsplit = ns_m + ns_t
-    out_dtype = out_dtype or q.dtype
-    if out_dtype not in _QTYPE:
-        raise ValueError(f"out dtype {out_dtype}")
-    rows_q = B * q.shape[1]
-    ws = workspace
-    if ws is None or ws.nsplit != nsplit or ws.out.dtype != out_dtype or ws.out.numel() != rows_q * D:
-        ws = Workspace(rows_q, nsplit, D, q.device, out_dtype)
-
-    def side(f, role):
-        if f.n_groups:
-            ptrs = [f.codes.data_ptr(), f.scale.data_ptr(), f.zero.data_ptr()]
-            strides = [bh_stride(f.codes, f"{role} codes"), bh_stride(f.scale, f"{role} scale")]
-        else:  # never read: no quantized token on this side
-            ptrs, strides = [None, None, None], [0, 0]
-        r = f.residual
-        return ptrs + [r.data_ptr() if f.T_res else None], strides + [bh_stride(r, f"{role} window") if f.T_res else 0]
-
-    kp, ks = side(k, "K")
-    vp, vs = side(v, "V")
-    with torch.cuda.device(q.device):
-        err = lib.kvq_decode_kivi(k.bits, q.data_ptr(), _QTYPE[q.dtype], *kp, *vp, *ks, *vs, B, H, q.shape[1] // H,
-                                  k.T_quant, v.T_quant, T, n_main, per_m, ns_m, per_t, ns_t,
-                                  1.4426950408889634 / math.sqrt(D), ws.po.data_ptr(), ws.pm.data_ptr(),
-                                  ws.pl.data_ptr(), ws.out.data_ptr(), _QTYPE[out_dtype], variant,
-                                  torch.cuda.current_stream(q.device).cuda_stream)
-    if err:
-        raise RuntimeError(f"CUDA KIVI decode kernel launch failed: error {err}")
-    return ws.out.view(B, q.shape[1], 1, D)
-
-
-__all__ = ["decode", "unsupported", "takes_by_default", "CUDA_VERIFIED", "format_name", "kivi_plan",
+__all__ = ["decode", "make_workspace", "unsupported", "takes_by_default", "CUDA_VERIFIED", "format_name", "kivi_plan",
            "num_regs_kivi", "why_unavailable", "available", "splits", "num_regs", "SOURCE",
            "NUM_VARIANTS", "SMEM_VARIANTS"]

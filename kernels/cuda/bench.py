@@ -48,6 +48,20 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
 
 
+def host_us(fn, n: int = 200) -> float:
+    """Host time per call: n calls enqueued back to back (no sync between them; 200 calls
+    of <= 3 launches stay inside the launch queue), timed on the host clock. At B=1 an
+    eager call costs max(this, its GPU time) once the queue runs dry."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
 def rel_err(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -78,6 +92,7 @@ def run(shapes, out: Path, methods=tuple(METHODS)) -> dict:
         rows.append({"B": B, "T": T, "method": "fp16-sdpa", "us": t_sdpa})
         if B == 1:
             rows.append({"B": B, "T": T, "method": "fp16-sdpa-graph", "us": bench(graph_decode(lambda x: sdpa(), q))})
+            rows[-2]["host_us"] = host_us(sdpa)
         del kf16, vf16
         for name in methods:
             kf, vf = (tiled(f, B, T) for f in base[name])
@@ -119,6 +134,11 @@ def run(shapes, out: Path, methods=tuple(METHODS)) -> dict:
             if B > 1:
                 best_variant[name] = best[1].get("variant", 2)
             if B == 1:
+                for r in rows:  # host time per eager call of the best CUDA config and of Triton
+                    if (r["B"], r["T"]) == (B, T) and ((r["method"] == f"{name}-cuda" and r.get("cfg") == best[1])
+                                                       or r["method"] == f"{name}-triton"):
+                        kw = dict(backend="cuda", **best[1]) if r["method"].endswith("cuda") else dict(backend="triton")
+                        r["host_us"] = host_us(lambda kw=kw: decode_attention(q, kf, vf, **kw))
                 for tag, kw in (("cuda", dict(backend="cuda", **best[1])), ("triton", dict(backend="triton"))):
                     fn = graph_decode(lambda x, kw=kw: decode_attention(x, kf, vf, **kw), q)
                     rows.append({"B": B, "T": T, "method": f"{name}-{tag}-graph", "us": bench(fn), "bytes": nbytes,
@@ -133,7 +153,8 @@ def run(shapes, out: Path, methods=tuple(METHODS)) -> dict:
 def table(res: dict, best_only: bool = False) -> str:
     lines = [f"{res['device']}  torch {res['torch']}  triton {res['triton']}  copy {res['copy_GBps']:.0f} GB/s",
              f"registers per thread: {res['regs']}",
-             "| B | T | method | config | us | x faster than SDPA | GB/s | err vs triton |", "|---|---|---|---|---:|---:|---:|---:|"]
+             "| B | T | method | config | us | x faster than SDPA | GB/s | err vs triton | host us/call |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|"]
     sd = {}
     for r in res["rows"]:
         if r["method"].startswith("fp16-sdpa"):
@@ -154,8 +175,26 @@ def table(res: dict, best_only: bool = False) -> str:
         cfg = r.get("cfg", "")
         if isinstance(cfg, dict):
             cfg = ",".join(f"{k}={v}" for k, v in cfg.items() if k != "backend")
-        lines.append(f"| {r['B']} | {r['T']} | {r['method']} | {cfg} | {r['us']:.1f} | {ref / r['us']:.2f} | {gbps} | {err} |")
+        host = f"{r['host_us']:.1f}" if "host_us" in r else ""
+        lines.append(f"| {r['B']} | {r['T']} | {r['method']} | {cfg} | {r['us']:.1f} | {ref / r['us']:.2f} | {gbps} | {err} "
+                     f"| {host} |")
     return "\n".join(lines)
+
+
+def once(shapes, methods) -> None:
+    """One CUDA call per method and shape, nothing timed: the target of a profiler
+    (`ncu -k regex:KiviQ python kernels/cuda/bench.py --once kivi2 --shapes 8x32768`)."""
+    dev = torch.device("cuda")
+    k, v = synthetic_kv(1, 8, 4096, 128, device=dev)
+    for B, T in shapes:
+        q = torch.randn(B, 32, 1, 128, device=dev).half()
+        for name in methods:
+            pk = get_quantizer(SPECS[name], role="K", seed=3).encode(k)
+            pv = get_quantizer(SPECS[name], role="V", seed=3).encode(v)
+            kf, vf = (tiled(f, B, T) for f in (flatten(pk, "K"), flatten(pv, "V")))
+            decode_attention(q, kf, vf, backend="cuda")
+            torch.cuda.synchronize()
+            print("once", name, B, T, flush=True)
 
 
 def main():
@@ -164,8 +203,11 @@ def main():
     ap.add_argument("--shapes", default="8x32768,1x32768")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {','.join(METHODS)}")
     ap.add_argument("--best-only", action="store_true", help="print only SDPA, Triton and the best CUDA row per shape")
+    ap.add_argument("--once", action="store_true", help="one CUDA call per method and shape, for a profiler")
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+    if a.once:
+        return once(shapes, a.methods.split(","))
     t0 = time.time()
     res = run(shapes, Path(a.out), tuple(a.methods.split(",")))
     txt = table(res, best_only=a.best_only)

@@ -67,6 +67,10 @@ struct Params {
   // the window tail are two launches into one workspace)
   int t_first, split0;
   int qtype, T, Hkv, gqa, steps_per_split, nsplit;
+  // int4 / fp8: the valid token count on the device (null: T). T is then the capacity
+  // bound the grid was sized for; the kernel reads min(*vlen, T) at run time, so one
+  // captured CUDA graph serves every decode step (CTAs past it write an empty partial).
+  const int* vlen;
   float qk_scale;       // log2(e) / sqrt(D)
   float* po;            // partials [B*Hq, nsplit, D], [B*Hq, nsplit] x2
   float* pm;
@@ -854,10 +858,13 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   for (int i = 0; i < KS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 
-  const int nsteps = (p.T - p.t_first + 15) / 16;  // tiles of this launch's tokens [t_first, T)
+  // valid tokens: p.T, or the device count (int4 / fp8; may be below T, down to none:
+  // a CTA whose tiles all lie past it keeps m = -inf, l = 0, acc = 0 and writes exactly
+  // that empty partial, which the combine weighs by 0)
+  const int tend = p.vlen ? min(p.T, __ldg(p.vlen)) : p.T;
+  const int nsteps = tend > p.t_first ? (tend - p.t_first + 15) / 16 : 0;  // tiles of [t_first, tend)
   const int first = sp * p.steps_per_split;
   const int last = min(first + p.steps_per_split, nsteps);
-  const int tend = p.T;
   extern __shared__ __align__(16) uint8_t dsm[];
 
   if constexpr (F::KIND == 2) {  // KIVI tail: direct loads, one tile per warp at a time
@@ -1062,7 +1069,25 @@ int regs_of(int variant) {
   }
 }
 
-}  // namespace
+// The launch arguments that stay the same from call to call, built once per cache layout
+// by the loader (kernels/cuda_decode.py `_Args` mirrors this struct field by field;
+// kvq_args_size lets it check the size): a call then passes one pointer and the per-call
+// q / valid count / workspace / stream, not ~35 converted arguments (host time at B=1).
+struct HostArgs {
+  const void* kc; const void* ks; const void* kz; const void* kr;  // K codes, scale, zero, KIVI window
+  const void* vc; const void* vs; const void* vz; const void* vr;
+  const float* khs; const float* vhs;  // fp8 per-kv-head scales (fp32), else null
+  long long k_cs, k_ss, k_rs, v_cs, v_ss, v_rs;  // per-(b, h) strides in elements
+  int kind;     // 0: int4 / fp8 token rows, 1: KIVI
+  int fmt;      // kind 0: 0 int4 (groups of 32), 1 fp8 e4m3, 2 e5m2; kind 1: bits (2 or 4)
+  int D, qtype, otype, variant;
+  int B, Hkv, gqa, T;  // kind 0: T = the capacity bound when a valid count is passed
+  int per, nsplit;     // kind 0: tiles per split, splits; kind 1: nsplit = main + tail
+  // KIVI: TQK / TQV quantized tokens, tokens [0, n_main) in nsplit_main splits of per_main
+  // tiles through the pipeline, [n_main, T) in nsplit_tail splits of per_tail by the tail path
+  int TQK, TQV, n_main, per_main, nsplit_main, per_tail, nsplit_tail;
+  float qk_scale;  // log2(e) / sqrt(D)
+};
 
 // fmt: 0 int4 (groups of 32), 1 fp8 e4m3, 2 fp8 e5m2; variant: VARIANTS above.
 // Returns a cudaError_t (0 = launched), or -1 for a head dim other than 64 / 128.
@@ -1078,23 +1103,9 @@ int regs_of(int variant) {
   }                                                                \
   return -1;
 
-extern "C" int kvq_decode(int fmt, int D, const void* q, int qtype, const void* kc, const void* ks, const void* kz,
-                          const void* vc, const void* vs, const void* vz, const float* khs, const float* vhs,
-                          long long k_cs, long long k_ss, long long v_cs, long long v_ss, int B, int Hkv, int gqa,
-                          int T, int steps_per_split, int nsplit, float qk_scale, float* po, float* pm, float* pl,
-                          void* out, int otype, int variant, void* stream) {
-  Params p = {};
-  p.q = q; p.qtype = qtype;
-  p.kc = (const uint8_t*)kc; p.ks = (const uint16_t*)ks; p.kz = (const uint16_t*)kz;
-  p.vc = (const uint8_t*)vc; p.vs = (const uint16_t*)vs; p.vz = (const uint16_t*)vz;
-  p.khs = khs; p.vhs = vhs;
-  p.k_cs = k_cs; p.k_ss = k_ss; p.v_cs = v_cs; p.v_ss = v_ss;
-  p.T = T; p.Hkv = Hkv; p.gqa = gqa;
-  p.steps_per_split = steps_per_split; p.nsplit = nsplit; p.qk_scale = qk_scale;
-  p.po = po; p.pm = pm; p.pl = pl;
-  const int rows = B * Hkv;
-  cudaStream_t s = (cudaStream_t)stream;
-  KVQ_DISPATCH(launch, (p, rows, out, otype, variant, s))
+static int run_rows(const HostArgs& a, const Params& p, int rows, void* out, cudaStream_t s) {
+  const int fmt = a.fmt, D = a.D;
+  KVQ_DISPATCH(launch, (p, rows, out, a.otype, a.variant, s))
 }
 
 // KIVI, head dim 128, groups of 32, 2 or 4 bits: tokens [0, n_main) (both K and V
@@ -1102,39 +1113,57 @@ extern "C" int kvq_decode(int fmt, int D, const void* q, int qtype, const void* 
 // tiles through the pipeline (variant 2..5), then tokens [n_main, T) (the windows) in
 // nsplit_tail splits of per_tail tiles by the tail path; one combine over both.
 // kr / vr: the fp16 windows (window row i = token TQK + i / TQV + i).
-extern "C" int kvq_decode_kivi(int bits, const void* q, int qtype, const void* kc, const void* ks, const void* kz,
-                               const void* kr, const void* vc, const void* vs, const void* vz, const void* vr,
-                               long long k_cs, long long k_ss, long long k_rs, long long v_cs, long long v_ss,
-                               long long v_rs, int B, int Hkv, int gqa, int TQK, int TQV, int T, int n_main,
-                               int per_main, int nsplit_main, int per_tail, int nsplit_tail, float qk_scale, float* po,
-                               float* pm, float* pl, void* out, int otype, int variant, void* stream) {
+static int run_kivi(const HostArgs& a, Params p, int rows, void* out, cudaStream_t s) {
+  const int bits = a.fmt;
   if (bits != 2 && bits != 4) return -1;
-  Params p = {};
-  p.q = q; p.qtype = qtype;
-  p.kc = (const uint8_t*)kc; p.ks = (const uint16_t*)ks; p.kz = (const uint16_t*)kz;
-  p.vc = (const uint8_t*)vc; p.vs = (const uint16_t*)vs; p.vz = (const uint16_t*)vz;
-  p.kr = (const uint16_t*)kr; p.vr = (const uint16_t*)vr;
-  p.k_cs = k_cs; p.k_ss = k_ss; p.v_cs = v_cs; p.v_ss = v_ss; p.k_rs = k_rs; p.v_rs = v_rs;
-  p.TQK = TQK; p.TQV = TQV;
-  p.Hkv = Hkv; p.gqa = gqa; p.qk_scale = qk_scale;
-  p.nsplit = nsplit_main + nsplit_tail;
-  p.po = po; p.pm = pm; p.pl = pl;
-  const int rows = B * Hkv;
-  cudaStream_t s = (cudaStream_t)stream;
+  p.TQK = a.TQK; p.TQV = a.TQV;
   int e = 0;
-  if (nsplit_main) {
-    p.t_first = 0; p.T = n_main; p.split0 = 0; p.steps_per_split = per_main;
-    e = bits == 2 ? launch_split<KiviQ<2>, 128>(p, rows, nsplit_main, variant, s)
-                  : launch_split<KiviQ<4>, 128>(p, rows, nsplit_main, variant, s);
+  if (a.nsplit_main) {
+    p.t_first = 0; p.T = a.n_main; p.split0 = 0; p.steps_per_split = a.per_main;
+    e = bits == 2 ? launch_split<KiviQ<2>, 128>(p, rows, a.nsplit_main, a.variant, s)
+                  : launch_split<KiviQ<4>, 128>(p, rows, a.nsplit_main, a.variant, s);
     if (e) return e;
   }
-  if (nsplit_tail) {
-    p.t_first = n_main; p.T = T; p.split0 = nsplit_main; p.steps_per_split = per_tail;
-    e = bits == 2 ? launch_split<KiviTail<2>, 128>(p, rows, nsplit_tail, 0, s)
-                  : launch_split<KiviTail<4>, 128>(p, rows, nsplit_tail, 0, s);
+  if (a.nsplit_tail) {
+    p.t_first = a.n_main; p.T = a.T; p.split0 = a.nsplit_main; p.steps_per_split = a.per_tail;
+    e = bits == 2 ? launch_split<KiviTail<2>, 128>(p, rows, a.nsplit_tail, 0, s)
+                  : launch_split<KiviTail<4>, 128>(p, rows, a.nsplit_tail, 0, s);
     if (e) return e;
   }
-  return launch_combine<128>(p, rows, out, otype, s);
+  return launch_combine<128>(p, rows, out, a.otype, s);
+}
+
+}  // namespace
+
+extern "C" int kvq_args_size() { return (int)sizeof(HostArgs); }
+
+// One decode call: q [B, Hq, 1, D] contiguous; vlen: null, or (kind 0) a device int32
+// holding the valid token count (<= a.T; the kernel clamps to a.T); po / pm / pl the
+// partials [B*Hq, nsplit, D] / [B*Hq, nsplit] x2 (fp32), out [B*Hq, D] in a.otype.
+// Launches only (no allocation, no synchronisation): capturable in a CUDA graph.
+// (args is a HostArgs*: a type of the anonymous namespace in the signature would give the
+// function internal linkage, and the library would not export it)
+extern "C" int kvq_run(const void* args, const void* q, const int* vlen, float* po, float* pm, float* pl, void* out,
+                       void* stream) {
+  const HostArgs* a = static_cast<const HostArgs*>(args);
+  Params p = {};
+  p.q = q; p.qtype = a->qtype;
+  p.kc = (const uint8_t*)a->kc; p.ks = (const uint16_t*)a->ks; p.kz = (const uint16_t*)a->kz;
+  p.vc = (const uint8_t*)a->vc; p.vs = (const uint16_t*)a->vs; p.vz = (const uint16_t*)a->vz;
+  p.kr = (const uint16_t*)a->kr; p.vr = (const uint16_t*)a->vr;
+  p.khs = a->khs; p.vhs = a->vhs;
+  p.k_cs = a->k_cs; p.k_ss = a->k_ss; p.v_cs = a->v_cs; p.v_ss = a->v_ss; p.k_rs = a->k_rs; p.v_rs = a->v_rs;
+  p.T = a->T; p.Hkv = a->Hkv; p.gqa = a->gqa;
+  p.steps_per_split = a->per; p.nsplit = a->nsplit; p.qk_scale = a->qk_scale;
+  p.po = po; p.pm = pm; p.pl = pl;
+  const int rows = a->B * a->Hkv;
+  cudaStream_t s = (cudaStream_t)stream;
+  if (a->kind == 1) {
+    if (vlen) return -2;  // KIVI: no device valid count (its windows and groups are two lengths per side)
+    return run_kivi(*a, p, rows, out, s);
+  }
+  p.vlen = vlen;
+  return run_rows(*a, p, rows, out, s);
 }
 
 // Registers of the KIVI instances: tail = 0 the quantized part (variant), 1 the tail path.

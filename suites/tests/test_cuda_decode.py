@@ -219,6 +219,128 @@ def test_cuda_graph_replay():
 
 
 # ---------------------------------------------------------------------------------------
+# device-side valid length (int4 / fp8): the flat's T is the capacity, the count is read
+# by the kernel at run time, so one captured graph serves every decode step
+# ---------------------------------------------------------------------------------------
+def _capacity_flats(spec, T, cap, seed):
+    """(q, K / V flats whose T is the capacity `cap` >= T: real tokens [0, T), NaN / inf
+    garbage after them, decoded K / V of the real tokens)."""
+    B, Hq, Hkv, D = 2, 16, 4, 128
+    k, v = make(B, Hkv, T, D, seed), make(B, Hkv, T, D, seed + 1, outlier=False)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(seed + 2)).half().to(DEV)
+    qk, pk, qv, pv = build(spec, k, v)
+    kf, vf = (_with_capacity(L.flatten(p_, r), cap - T, seed=i) for i, (p_, r) in enumerate(((pk, "K"), (pv, "V"))))
+    kf, vf = dataclasses.replace(kf, T=cap), dataclasses.replace(vf, T=cap)
+    return q, kf, vf, qk.decode(pk), qv.decode(pv)
+
+
+def _vlen(n):
+    return torch.tensor([n], dtype=torch.int32, device=DEV)
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", SPECS)
+def test_valid_len_equal_to_T_is_the_plain_call(spec):
+    """valid_len = T: the same grid, the same tokens: the same bits as without it."""
+    _, pk, _, pv = build(spec, make(1, 8, 1037, 128, 31), make(1, 8, 1037, 128, 32))
+    kf, vf = L.flatten(pk, "K"), L.flatten(pv, "V")
+    q = torch.randn(1, 32, 1, 128, generator=torch.Generator().manual_seed(33)).half().to(DEV)
+    for ns in (None, 3):
+        plain = cuda_decode.decode(q, kf, vf, num_splits=ns, out_dtype=torch.float32)
+        assert torch.equal(cuda_decode.decode(q, kf, vf, num_splits=ns, out_dtype=torch.float32,
+                                              valid_len=_vlen(1037)), plain)
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", SPECS)
+def test_valid_len_below_capacity_matches_the_reference(spec):
+    """Capacity 1800 (real tokens to 1500, NaN / inf garbage after): valid_len 1, odd,
+    a split boundary -1 / 0 / +1 and the last real tokens give the reference over the
+    first valid_len tokens: empty splits (all past the count) and splits partly past it
+    combine exactly. Register and cp.async variants; one split, 4 splits of 29 tiles
+    (boundary at token 464), the default, and one tile per split."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    q, kf, vf, kd, vd = _capacity_flats(spec, 1500, 1800, seed=40)
+    assert cuda_decode.splits(kf.B * kf.H, 1800, DEV, 4) == (4, 29)  # 4 splits of 29 tiles: boundary at 464
+    for n in (1, 7, 463, 464, 465, 1499, 1500):
+        ref = reference_decode_attention(q, kd[:, :, :n], vd[:, :, :n])
+        for variant in (0, 2):
+            for ns in (1, 4, None, 10_000):
+                out = cuda_decode.decode(q, kf, vf, num_splits=ns, variant=variant, valid_len=_vlen(n),
+                                         out_dtype=torch.float32)
+                assert torch.isfinite(out).all(), (n, variant, ns)
+                err = rel_err(out, ref)
+                assert err < TOL[torch.float16], f"{spec} n={n} variant={variant} splits={ns}: {err:.3g}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", SPECS)
+def test_valid_len_graph_replay_follows_the_count(spec):
+    """A call captured once in a CUDA graph (valid_len + a fitting workspace: no sync, no
+    allocation) gives the reference over the new count after valid_len.fill_ on the
+    device, bit-identical to the eager call; an eager call with the workspace allocates
+    nothing."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    q, kf, vf, kd, vd = _capacity_flats(spec, 3000, 3500, seed=50)
+    vl = _vlen(3000)
+    ws = cuda_decode.make_workspace(q, kf, vf, out_dtype=torch.float32)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # build, load, set the kernels' attributes outside the capture
+        cuda_decode.decode(q, kf, vf, workspace=ws, valid_len=vl, out_dtype=torch.float32)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    eager = cuda_decode.decode(q, kf, vf, workspace=ws, valid_len=vl, out_dtype=torch.float32).clone()
+    assert torch.cuda.memory_allocated() - before == eager.numel() * 4  # the clone only
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = cuda_decode.decode(q, kf, vf, workspace=ws, valid_len=vl, out_dtype=torch.float32)
+    for n in (3000, 1, 777, 2049, 3000):
+        vl.fill_(n)
+        g.replay()
+        ref = reference_decode_attention(q, kd[:, :, :n], vd[:, :, :n])
+        assert rel_err(out, ref) < TOL[torch.float16], (spec, n)
+        assert torch.equal(out, cuda_decode.decode(q, kf, vf, valid_len=_vlen(n), out_dtype=torch.float32))
+    vl.fill_(3000)
+    g.replay()
+    assert torch.equal(out, eager)
+
+
+@needs_cuda
+def test_valid_len_arguments_are_checked():
+    q, kf, vf, _, _ = _capacity_flats("int4", 100, 120, seed=60)
+    with pytest.raises(ValueError, match="int32"):
+        cuda_decode.decode(q, kf, vf, valid_len=torch.tensor([50], device=DEV))  # int64
+    with pytest.raises(ValueError, match="int32"):
+        cuda_decode.decode(q, kf, vf, valid_len=torch.tensor([50], dtype=torch.int32))  # on the host
+    ws = cuda_decode.make_workspace(q, kf, vf, num_splits=2)
+    with pytest.raises(ValueError, match="workspace"):
+        cuda_decode.decode(q, kf, vf, num_splits=3, workspace=ws, valid_len=_vlen(50))
+    _, _, (kk, kv) = check_kivi("kivi:bits=2", 1, 8, 2, 100, torch.float16)
+    with pytest.raises(ValueError, match="valid_len"):
+        cuda_decode.decode(torch.zeros(1, 8, 1, 128, device=DEV).half(), kk, kv, valid_len=_vlen(50))
+
+
+@needs_cuda
+def test_a_cached_plan_follows_the_flat():
+    """The per-layout plan (strides, splits, launch arguments) is rebuilt when the flat's T
+    or one of its tensors changes: a stale plan would attend over the old tokens."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    q, kf, vf, kd, vd = _capacity_flats("int4", 600, 600, seed=70)
+    for n in (600, 333):
+        kf.T = vf.T = n  # the same flat objects, mutated
+        ref = reference_decode_attention(q, kd[:, :, :n], vd[:, :, :n])
+        assert rel_err(cuda_decode.decode(q, kf, vf, out_dtype=torch.float32), ref) < TOL[torch.float16]
+    kf.codes = kf.codes.flip(2).contiguous()  # new tensor, same metadata: the new bytes count
+    flipped = cuda_decode.decode(q, kf, vf, out_dtype=torch.float32)
+    assert rel_err(flipped, reference_decode_attention(q, kd[:, :, :333], vd[:, :, :333])) > 1e-2
+
+
+# ---------------------------------------------------------------------------------------
 # dispatch (any machine)
 # ---------------------------------------------------------------------------------------
 def test_unsupported_names_a_reason():
@@ -467,7 +589,9 @@ def test_both_sources_build_and_load_without_a_gpu(tmp_path, monkeypatch):
     from kvqbench.kernels import cuda_hqmq
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    for source, stem, symbol in ((cuda_decode.SOURCE, "kvq_decode", "kvq_decode_kivi"),
+    for source, stem, symbol in ((cuda_decode.SOURCE, "kvq_decode", "kvq_run"),
                                  (cuda_hqmq.SOURCE, "kvq_hqmq", "kvq_hqmq_decode")):
         lib = ctypes.CDLL(str(cuda_decode.compile_library(source, stem, (9, 0))))
         assert hasattr(lib, symbol)
+        if symbol == "kvq_run":  # the launch-argument struct the loader fills has the .cu's layout
+            assert lib.kvq_args_size() == ctypes.sizeof(cuda_decode._Args)
