@@ -48,6 +48,12 @@ TILES_PER_SPLIT = 64
 # passed; the CPU-only dispatch test skips on a GPU) and the kernel is 9.7x faster than
 # the Triton one at B=8 T=32k (155.5 vs 1503.7 us), 6.3x as B=1 graphs (33.0 vs 209.2).
 AUTO = True
+# Med3x (outliers extracted and stored aside): variants with an outlier path (the .cu's
+# OUT_OK: v0, v2 at 164 registers; the 128-register variants spilled), written after call
+# 17a. backend="auto" keeps Med3x caches on Triton until a GPU run verifies it: AUTO_MED3.
+MED3_VARIANTS = (0, 2)
+DEFAULT_VARIANT_MED3 = 0
+AUTO_MED3 = False
 _QK_SCALE = 1.4426950408889634 / math.sqrt(128)  # log2(e) / sqrt(d): the base-2 softmax scale, d = 128
 
 _lock = threading.Lock()
@@ -76,12 +82,12 @@ def _load():
         if lib is None:
             return None
         P, I, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
-        lib.kvq_hqmq_decode.argtypes = [P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F,
-                                        P, P, P, P, I, I, P, P]
+        lib.kvq_hqmq_decode.argtypes = [P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, LL, LL, P, P, P, P, P, P, LL,
+                                        LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F, P, P, P, P, I, I, P, P]
         lib.kvq_hqmq_decode.restype = I
-        lib.kvq_hqmq_num_regs.argtypes = [I, I]
+        lib.kvq_hqmq_num_regs.argtypes = [I, I, I]
         lib.kvq_hqmq_num_regs.restype = I
-        lib.kvq_hqmq_occupancy.argtypes = [I, I]
+        lib.kvq_hqmq_occupancy.argtypes = [I, I, I]
         lib.kvq_hqmq_occupancy.restype = I
         _lib = lib
         return lib
@@ -96,9 +102,10 @@ def available() -> bool:
     return why_unavailable() is None
 
 
-def num_regs(variant: int = 0, S: int = 96) -> int:
+def num_regs(variant: int = 0, S: int = 96, med3: bool = False) -> int:
+    """Registers per thread of a variant's instance (med3: its Med3x one); < 0: none / error."""
     lib = _load()
-    return -1 if lib is None else lib.kvq_hqmq_num_regs(variant, S)
+    return -1 if lib is None else lib.kvq_hqmq_num_regs(variant, S, int(med3))
 
 
 def _flat_reason(f) -> str | None:
@@ -107,8 +114,6 @@ def _flat_reason(f) -> str | None:
         return f"no CUDA HQMQ kernel for {type(f).__name__}"
     if f.D != 128:
         return f"head_dim {f.D} (the CUDA HQMQ kernel takes 128)"
-    if f.has_outliers:
-        return "Med3x outliers (the CUDA HQMQ kernel has no outlier path yet: Triton)"
     if f.code_bits != 12 or not 1 <= f.S <= 170:
         return f"code bits {f.code_bits} / S={f.S} (the CUDA kernel takes 12-bit codes, S <= 170)"
     if f.r_bits != 4 or f.log_radius:
@@ -131,6 +136,19 @@ def _flat_reason(f) -> str | None:
         return "codes/radius not 16-byte aligned (cp.async)"
     if f.r_max.data_ptr() % 2:
         return "r_max not 2-byte aligned"
+    if f.has_outliers:  # Med3x: flag words, the outlier list (8-byte items), the block starts
+        fl, ol, ix = f.flags, f.outliers, f.outlier_index
+        if fl.dtype != torch.uint8 or fl.shape[-1] != 4 or ol.dtype != torch.float16 or ol.shape[-1] != 4 \
+                or ix.dtype != torch.int32:
+            return "Med3x flags [.., 4] uint8, outliers [.., 4] fp16, outlier_index int32 expected"
+        if not (fl.is_cuda and ol.is_cuda and ix.is_cuda):
+            return "Med3x buffers not on a CUDA device"
+        try:
+            fs, os_, is_ = bh_stride(fl, "flags"), bh_stride(ol, "outliers"), bh_stride(ix, "outlier_index")
+        except ValueError as e:
+            return str(e)
+        if fl.data_ptr() % 4 or fs % 4 or ol.data_ptr() % 8 or os_ % 4 or ix.data_ptr() % 4:
+            return "Med3x flags / outliers / outlier_index not 4 / 8 / 4-byte aligned"
     return None
 
 
@@ -138,24 +156,28 @@ def _flat_reason(f) -> str | None:
 # buffers: key = the ids of the flat's tensors and its format fields, entry = weak
 # references to those tensors (checked by identity: an id can be reused once a tensor
 # dies), sec._version (the codebook follows the secondaries) and the result: a reason
-# string, or ((codes, radius, r_max strides), fp16 codebook). The store makes a new flat
-# object per decode step over the same buffers, so the key is not the flat itself.
+# string, or ((codes, radius, r_max strides), fp16 codebook, Med3x (pointers, strides) or
+# None). The store makes a new flat object per decode step over the same buffers, so the key
+# is not the flat itself.
 _INFO: dict = {}
-_TENSOR_FIELDS = ("codes", "radius", "r_max", "sec", "table")
 
 
 def _flat_info(f):
     if not isinstance(f, HQMQFlat):
         return f"no CUDA HQMQ kernel for {type(f).__name__}"
-    ts = (f.codes, f.radius, f.r_max, f.sec, f.table)
-    key = (tuple(map(id, ts)), f.D, f.S, f.code_bits, f.r_bits, f.log_radius, f.table_mode, f.flags is None)
+    ts = (f.codes, f.radius, f.r_max, f.sec, f.table, f.flags, f.outliers, f.outlier_index)
+    key = (tuple(map(id, ts)), f.D, f.S, f.code_bits, f.r_bits, f.log_radius, f.table_mode)
     hit = _INFO.get(key)
     if hit is not None and all(r is None if t is None else r() is t for r, t in zip(hit[0], ts)) \
             and (f.sec is None or hit[1] == f.sec._version):
         return hit[2]
     why = _flat_reason(f)
     if why is None:
-        info = ((bh_stride(f.codes), bh_stride(f.radius), bh_stride(f.r_max)), codebook16(f))
+        med3 = None
+        if f.has_outliers:  # pointers, then strides in flag words / 8-byte items / ints
+            med3 = ((f.flags.data_ptr(), f.outliers.data_ptr(), f.outlier_index.data_ptr()),
+                    (bh_stride(f.flags) // 4, bh_stride(f.outliers) // 4, bh_stride(f.outlier_index)))
+        info = ((bh_stride(f.codes), bh_stride(f.radius), bh_stride(f.r_max)), codebook16(f), med3)
     else:
         info = why
     if len(_INFO) > 256:  # drop the entries whose tensors are gone
@@ -183,6 +205,8 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
         i = _flat_info(f)
         if isinstance(i, str):
             return i
+    if k.has_outliers != v.has_outliers:
+        return "Med3x outliers on one side only"
     return None
 
 
@@ -203,14 +227,15 @@ def codebook16(f) -> torch.Tensor:
     return t
 
 
-def occupancy(variant: int = DEFAULT_VARIANT, S: int = 96) -> int:
-    """CTAs of a variant resident per SM (the CUDA occupancy query; -1 when unavailable)."""
+def occupancy(variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False) -> int:
+    """CTAs of a variant resident per SM (the CUDA occupancy query; < 0 when unavailable:
+    no library, no such instance (NO_INSTANCE: no Med3x instance), a refused opt-in)."""
     lib = _load()
     if lib is None:
         return -1
-    key = (variant, S <= 96)
+    key = (variant, S <= 96, med3)
     if key not in _OCC:
-        _OCC[key] = lib.kvq_hqmq_occupancy(variant, S)
+        _OCC[key] = lib.kvq_hqmq_occupancy(variant, S, int(med3))
     return _OCC[key]
 
 
@@ -218,12 +243,13 @@ _OCC: dict = {}
 
 
 def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm: int | None = None,
-           variant: int = DEFAULT_VARIANT, S: int = 96):
+           variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False):
     """(number of splits, 16-token tiles per split), every split non-empty: num_splits if
     given, else about ctas_per_sm CTAs per SM if given, else the whole-wave rule: for
     w = 1, 2, ... waves of `slots = occupancy x SMs` CTAs, the most splits that fit w
     waves, first taken when they fill at least FILL of them (B=8 T=32k at 3 CTAs/SM: 6
-    splits = 384 of 396 slots; B=1: 49 splits)."""
+    splits = 384 of 396 slots; B=1: 49 splits). med3: tiles per split a multiple of 4 (a
+    split starts on a 64-token outlier block)."""
     tiles = max(1, -(-T // 16))
     sms = _sm_count(device)
     if num_splits:
@@ -231,7 +257,7 @@ def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm
     elif ctas_per_sm:
         want = math.ceil(ctas_per_sm * sms / max(1, rows))
     else:
-        occ = occupancy(variant, S) if device.type == "cuda" else -1
+        occ = occupancy(variant, S, med3) if device.type == "cuda" else -1
         if occ <= 0:
             want = max(-(-tiles // TILES_PER_SPLIT), math.ceil(MIN_CTAS_PER_SM * sms / max(1, rows)))
         else:
@@ -244,11 +270,14 @@ def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm
             want = want or max(1, -(-slots // rows))
     want = max(1, min(want, tiles))
     per = -(-tiles // want)
+    if med3:
+        per = -(-per // 4) * 4
     return -(-tiles // per), per
 
 
 def takes_by_default(k) -> bool:
-    return AUTO and isinstance(k, HQMQFlat)
+    """Whether backend="auto" routes this cache here: AUTO, and AUTO_MED3 for Med3x."""
+    return AUTO and isinstance(k, HQMQFlat) and (AUTO_MED3 or not k.has_outliers)
 
 
 def workspace(q: torch.Tensor, k, *, num_splits: int | None = None, ctas_per_sm: int | None = None,
@@ -256,14 +285,18 @@ def workspace(q: torch.Tensor, k, *, num_splits: int | None = None, ctas_per_sm:
     """A Workspace sized for `decode(q, k, ...)` with these split arguments (the splits
     follow k.T, the capacity bound when a valid_len tensor is passed): give it to every
     call of a captured CUDA graph so the call allocates nothing."""
-    variant = DEFAULT_VARIANT if variant is None else variant
-    nsplit, _ = splits(k.B * k.H, k.T, q.device, num_splits, ctas_per_sm, variant, k.S)
+    med3 = k.has_outliers
+    variant = (DEFAULT_VARIANT_MED3 if med3 else DEFAULT_VARIANT) if variant is None else variant
+    nsplit, _ = splits(k.B * k.H, k.T, q.device, num_splits, ctas_per_sm, variant, k.S, med3)
     return Workspace(k.B * q.shape[1], nsplit, k.D, q.device, out_dtype or q.dtype)
 
 
+_NO_MED3_ARGS = (None,) * 6 + (0,) * 6  # no Med3x: null flag pointer, the kernel's OUT=false instance
+
+
 def _checked(q: torch.Tensor, k, v):
-    """(strides of the 6 buffers, K table, V table) or ValueError; the per-flat part is
-    cached (see _flat_info)."""
+    """(strides of the 6 buffers, K table, V table, Med3x pointers and strides or None) or
+    ValueError; the per-flat part is cached (see _flat_info)."""
     B, H, T, D = k.B, k.H, k.T, k.D
     _check_q(q, H, D, B)
     if (v.B, v.H, v.T, v.D) != (B, H, T, D):
@@ -280,7 +313,13 @@ def _checked(q: torch.Tensor, k, v):
             raise ValueError(f"CUDA HQMQ kernel: {i}")
     if k.S != v.S:
         raise ValueError("K and V differ in S")
-    return ik[0] + iv[0], ik[1], iv[1]
+    if (ik[2] is None) != (iv[2] is None):
+        raise ValueError("CUDA HQMQ kernel: Med3x outliers on one side only")
+    if ik[2] is None:
+        return ik[0] + iv[0], ik[1], iv[1], None
+    (kp, ks), (vp, vs) = ik[2], iv[2]
+    # the kernel's order: kf, vf, ko, vo, ki, vi, then k_fs, k_os, k_is, v_fs, v_os, v_is
+    return ik[0] + iv[0], ik[1], iv[1], (kp[0], vp[0], kp[1], vp[1], kp[2], vp[2]) + ks + vs
 
 
 def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int | None = None,
@@ -301,7 +340,7 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     if lib is None:
         raise RuntimeError(f"CUDA HQMQ kernel unavailable: {_why}")
     B, H, T, D = k.B, k.H, k.T, k.D
-    strides, kt, vt = _checked(q, k, v)
+    strides, kt, vt, med3 = _checked(q, k, v)
     if T == 0:
         raise ValueError("empty cache (T = 0)")
     vl = 0
@@ -313,12 +352,15 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     if not q.is_contiguous():
         q = q.contiguous()
     Hq = q.shape[1]
-    variant = DEFAULT_VARIANT if variant is None else variant
+    out = med3 is not None
+    variant = (DEFAULT_VARIANT_MED3 if out else DEFAULT_VARIANT) if variant is None else variant
     if not 0 <= variant < NUM_VARIANTS:
         raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
-    if occupancy(variant, k.S) <= 0:  # v8 with S > 96 (call 17a: the opt-in is refused)
+    if out and variant not in MED3_VARIANTS:
+        raise ValueError(f"variant {variant} has no Med3x instance (MED3_VARIANTS: {MED3_VARIANTS})")
+    if occupancy(variant, k.S, out) <= 0:  # v8 with S > 96 (call 17a: the opt-in is refused)
         raise ValueError(f"variant {variant} does not fit the shared memory with S={k.S}")
-    nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm, variant, k.S)
+    nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm, variant, k.S, out)
     out_dtype = out_dtype or q.dtype
     if out_dtype not in _QTYPE:
         raise ValueError(f"out dtype {out_dtype}")
@@ -328,9 +370,9 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
         ws = Workspace(rows_q, nsplit, D, q.device, out_dtype)
     dev = q.device.index
     args = (q.data_ptr(), _QTYPE[q.dtype], k.codes.data_ptr(), k.radius.data_ptr(), k.r_max.data_ptr(),
-            v.codes.data_ptr(), v.radius.data_ptr(), v.r_max.data_ptr(), kt.data_ptr(), vt.data_ptr(), *strides, B,
-            H, Hq // H, T, k.S, per, nsplit, _QK_SCALE, ws.po.data_ptr(), ws.pm.data_ptr(), ws.pl.data_ptr(),
-            ws.out.data_ptr(), _QTYPE[out_dtype], variant, vl)
+            v.codes.data_ptr(), v.radius.data_ptr(), v.r_max.data_ptr(), kt.data_ptr(), vt.data_ptr(), *strides,
+            *(med3 or _NO_MED3_ARGS), B, H, Hq // H, T, k.S, per, nsplit, _QK_SCALE, ws.po.data_ptr(),
+            ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr(), _QTYPE[out_dtype], variant, vl)
     if torch.cuda.current_device() == dev:  # the usual case: no device switch around the launch
         err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev))
     else:
@@ -341,5 +383,5 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     return ws.out.view(B, Hq, 1, D)
 
 
-__all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits", "codebook16",
-           "takes_by_default", "AUTO", "NUM_VARIANTS", "SOURCE"]
+__all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits",
+           "codebook16", "takes_by_default", "AUTO", "AUTO_MED3", "NUM_VARIANTS", "MED3_VARIANTS", "SOURCE"]

@@ -1,14 +1,15 @@
 """Same-run timings of the CUDA HQMQ decode kernel (kernels/cuda_hqmq.py) beside fp16
 SDPA and the Triton HQMQ kernels (HQMQ, HQMQ + Med3x), at B=8 and B=1, T=32k.
 
-    python kernels/cuda/hqmq_bench.py [--out DIR] [--shapes 8x32768,1x32768] [--quick]
+    python kernels/cuda/hqmq_bench.py [--out DIR] [--shapes 8x32768,1x32768] [--quick] [--variants 0,3]
 
 Protocol as kernels/cuda/bench.py (its `bench`: do_bench median, L2 flushed, rep 40 ms):
 Hq 32 / Hkv 8 / d 128, fp16 q; caches = real encodings of 4096 synthetic tokens (3
 outlier key channels) tiled to T. Every variant with the default (whole-wave) split rule
 and a few fixed split counts; B=1 also as CUDA graph replays (every config), the graph
 with a device-side valid_len (the decode-loop form), and the host time of an eager call.
---quick: the default variant's configs only.
+--quick: the default variant's configs only. HQMQ + Med3x: the CUDA variants with an
+outlier path (cuda_hqmq.MED3_VARIANTS) beside the Triton kernel.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from kvqbench.kernels.layout import flatten  # noqa: E402
 from kvqbench.quantizers import get_quantizer  # noqa: E402
 from kvqbench.suites.bench.kernel_sweep.measure import copy_bandwidth, graph_decode, synthetic_kv  # noqa: E402
 
-SPLITS = {8: (None, 9, 12, 33), 1: (None, 33, 98)}  # num_splits (None: the default rule)
+SPLITS = {8: (None, 12), 1: (None, 33)}  # num_splits (None: the default rule); call 17a also had 9, 33 / 98
 
 
 def main():
@@ -38,6 +39,7 @@ def main():
     ap.add_argument("--out", default="/tmp/hqmq_bench")
     ap.add_argument("--shapes", default="8x32768,1x32768")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--variants", default="", help="comma-separated HQMQ variants (default: all)")
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     t0 = time.time()
@@ -50,8 +52,12 @@ def main():
         base[name] = (flatten(pk, "K"), flatten(pv, "V"))
     rows = []
     variants = [cuda_hqmq.DEFAULT_VARIANT] if a.quick else list(range(cuda_hqmq.NUM_VARIANTS))
+    if a.variants:
+        variants = [int(x) for x in a.variants.split(",")]
     regs = {vv: cuda_hqmq.num_regs(vv, 96) for vv in variants}
     occ = {vv: cuda_hqmq.occupancy(vv, 96) for vv in variants}
+    regs.update({f"med3/{vv}": cuda_hqmq.num_regs(vv, 96, True) for vv in cuda_hqmq.MED3_VARIANTS})
+    occ.update({f"med3/{vv}": cuda_hqmq.occupancy(vv, 96, True) for vv in cuda_hqmq.MED3_VARIANTS})
     copy = copy_bandwidth(dev)
     print("registers per variant:", regs, "CTAs/SM:", occ, f"copy {copy:.0f} GB/s", flush=True)
 
@@ -113,10 +119,32 @@ def main():
                 h = host_us(fn)
                 rows.append({"B": B, "T": T, "method": "host-us-per-call", "cfg": method, "us": h})
                 print(f"| {B} | {T} | host us per eager call | {method} | {h:.1f} | | |", flush=True)
-        del kf, vf
         kf3, vf3 = (f.tile(B // f.B, T // f.T) for f in base["hqmq-med3"])
-        add(B, T, "hqmq-med3-triton", bench(lambda: decode_attention(q, kf3, vf3, backend="triton")), sd)
-        del kf3, vf3
+        add(B, T, "hqmq-med3-triton", bench(lambda: decode_attention(q, kf3, vf3, backend="triton")), sd,
+            outliers_k=kf3.n_outliers, outliers_v=vf3.n_outliers)
+        ref3 = decode_attention(q, kf3, vf3, backend="triton", out_dtype=torch.float32)
+        for vv in cuda_hqmq.MED3_VARIANTS:
+            try:
+                err = f"{rel_err(cuda_hqmq.decode(q, kf3, vf3, variant=vv, out_dtype=torch.float32), ref3):.1e}"
+            except (RuntimeError, ValueError) as e:
+                print("FAILED med3", vv, str(e)[:200], flush=True)
+                continue
+            for ns in SPLITS.get(B, (None,))[:2]:
+                cfg = dict(variant=vv, num_splits=ns)
+                nsplit = cuda_hqmq.splits(B * 8, T, dev, ns, None, vv, 96, True)[0]
+                add(B, T, "hqmq-med3-cuda", bench(lambda cfg=cfg: cuda_hqmq.decode(q, kf3, vf3, **cfg)), sd, cfg=cfg,
+                    nsplit=nsplit, err=err)
+                if B == 1:
+                    fn = graph_decode(lambda x, cfg=cfg: cuda_hqmq.decode(x, kf3, vf3, **cfg), q)
+                    add(B, T, "hqmq-med3-cuda-graph", bench(fn), sdg, cfg=cfg, nsplit=nsplit, err=err)
+        if B == 1:  # eager again at the end, with a workspace (the host quiet by now), twice
+            for name, (fk_, fv_) in (("hqmq-cuda", (kf, vf)), ("hqmq-med3-cuda", (kf3, vf3))):
+                ws = cuda_hqmq.workspace(q, fk_)
+                for rep_ in range(2):
+                    add(B, T, f"{name}-eager-default",
+                        bench(lambda fk_=fk_, fv_=fv_, ws=ws: cuda_hqmq.decode(q, fk_, fv_, workspace=ws)), sd,
+                        cfg=f"default, workspace, repeat {rep_}")
+        del kf3, vf3, kf, vf
         torch.cuda.empty_cache()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

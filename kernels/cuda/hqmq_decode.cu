@@ -61,6 +61,16 @@ struct Params {
   const uint16_t* ktab;  // [Hkv, 24 S, 4] fp16 codebook of K
   const uint16_t* vtab;
   long long k_cs, k_rs, k_ms, v_cs, v_rs, v_ms;  // per-(b, h) strides in elements
+  // Med3x (the OUT instances): flag words [B, Hkv, Tcap] (bit c = chunk c is an outlier),
+  // the fp16 outlier chunks per (b, h) in (token, chunk) order as 8-byte items, and the
+  // start of each 64-token block's outliers within that list; strides in those units
+  const uint32_t* kf;
+  const uint32_t* vf;
+  const uint2* ko;
+  const uint2* vo;
+  const int* ki;
+  const int* vi;
+  long long k_fs, k_os, k_is, v_fs, v_os, v_is;
   const int* vlen;  // device-side valid length (nullptr: T); T is then the capacity bound
   int qtype, T, Hkv, gqa, steps_per_split, nsplit, tab_bytes;  // tab_bytes = 192 S
   float qk_scale;
@@ -93,6 +103,9 @@ __device__ __forceinline__ __half2 nibbles(uint32_t x) {
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
 }
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
+}
 
 // fp16 r_max bits -> r_max / 15 in fp32 (rounded to fp16 by the caller, as the Triton kernel does)
 __device__ __forceinline__ float rm15(uint32_t bits) {
@@ -105,7 +118,12 @@ __device__ __forceinline__ float rm15(uint32_t bits) {
 struct Stage {
   static constexpr int KC = 0, VC = 16 * CB, KR = 2 * 16 * CB, VR = KR + 16 * RB, KM = VR + 16 * RB, VM = KM + 48;
   static constexpr int BYTES = VM + 48;  // 2144
+  // Med3x: the tile's 16 flag words per role and the 64-token block's outlier start per role
+  static constexpr int FL = BYTES, OX = FL + 2 * 64;  // K at +0, V at +64 (flags) / +4 (start)
+  static constexpr int BYTES_OUT = OX + 16;  // 2288
 };
+template <bool OUT>
+constexpr int STAGE_BYTES = OUT ? Stage::BYTES_OUT : Stage::BYTES;
 
 // A lane's global source pointers for its copies of the next tile (advanced by warp strides).
 struct CpCursor {
@@ -114,12 +132,24 @@ struct CpCursor {
   const uint8_t* r;   // radius row lane & 15: K (lanes 0..15) or V (16..31)
   const uint8_t* m;   // r_max window granule (lanes 0..2 K, 3..5 V)
   const uint8_t* mlast;  // last valid r_max byte of this lane's tensor (the window is read only up to it)
+  const uint32_t* frow;  // Med3x: flag words of this lane's role (lanes 0..15 K, 16..31 V)
+  const int* irow;       // Med3x: its 64-token block starts
   int t0;
+  int i;  // tiles copied so far (Med3x: position in the 64-token block)
 };
 
-template <int NW>
+// Tokens from one tile of a warp to its next: NW tiles on (a warp takes every NW-th tile),
+// or with Med3x (OUT) the warp takes whole 64-token blocks (4 tiles), every NW-th block,
+// so it can carry the running outlier offset within a block.
+template <int NW, bool OUT>
+__device__ __forceinline__ int tile_advance(int i) {
+  if constexpr (OUT) return (i & 3) == 3 ? (NW - 1) * 64 + 16 : 16;
+  else return NW * 16;
+}
+
+template <int NW, bool OUT>
 __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor& cur, int T, bool on, int lane) {
-  constexpr int STEP = NW * 16;
+  const int STEP = tile_advance<NW, OUT>(cur.i);
   {
     const int i = lane;  // code chunk i: token i / 3
     const bool ok = on && cur.t0 + i / 3 < T;
@@ -142,6 +172,13 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor& cur, int T, boo
     const bool ok = on && cur.m <= cur.mlast;
     cp_async16(st + (lane < 3 ? Stage::KM : Stage::VM) + 16 * (lane % 3), cur.m, ok);
   }
+  if constexpr (OUT) {
+    const int t = cur.t0 + (lane & 15);  // lanes 0..15: K flags of token lane, 16..31: V's
+    cp_async4(st + Stage::FL + 4 * lane, cur.frow + t, on && t < T);
+    if ((cur.i & 3) == 0 && (lane & 15) == 0)  // the block's outlier start, at its first tile
+      cp_async4(st + Stage::OX + (lane >> 2), cur.irow + (cur.t0 >> 6), on);
+  }
+  cur.i += 1;
   cur.t0 += STEP;
   cur.c0 += STEP * CB;
   cur.vc0 += STEP * CB;
@@ -193,9 +230,63 @@ __device__ __forceinline__ uint2 gather(const uint8_t* tab, uint32_t off) {
   return *reinterpret_cast<const uint2*>(tab + off);
 }
 
+// Med3x outliers are ADDED by two more mma per tile: the format stores radius code 0 for an
+// outlier chunk (quantizers/hqmq.py encode: rq of where(outlier, 0, r); kernels/step_encode.py
+// writes the same bytes), so the quantized path contributes 0 there, and
+//   scores += qk * O_K q  (A = the tile's K outliers, zeros elsewhere; unscaled by r_max),
+//   O^T    += O_V^T P^T   (P without V's r_max / 15).
+// A chunk's outlier is item pre(t) + popc(flags_t below the chunk) of its (b, h) list, with
+// pre(t) = the block start + the popcounts of the block's earlier tokens: `run` carries the
+// count over the warp's consecutive tiles of a block (lanes 0..15 for K, 16..31 for V), a
+// 16-lane scan gives the tile's tokens. Loads come from global memory (L2: the lists are
+// small), issued before the quantized path that hides their latency.
+struct OutRows {
+  const uint2* k;  // this (b, h)'s K outlier list
+  const uint2* v;
+};
+
+template <bool OUT>
 __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab, const uint8_t* vtab, int moff_k,
                                           int moff_v, int t0, int T, float qk, const uint32_t (&qb)[KS][2],
-                                          float (&acc)[KS][4], float (&m)[2], float (&l)[2], int g, int c) {
+                                          float (&acc)[KS][4], float (&m)[2], float (&l)[2], int g, int c,
+                                          int& run, bool block_start, const OutRows& orow) {
+  const int lane = 4 * g + c;
+  // ---- Med3x: flags, offsets, the K outliers' loads
+  uint32_t myw = 0, outb = 0;
+  int pre_l = 0;
+  uint2 ko[2][8];
+  if constexpr (OUT) {
+    myw = *reinterpret_cast<const uint32_t*>(st + Stage::FL + 4 * lane);  // K token lane / V token lane - 16
+    const int x = __popc(myw);
+    int inc = x;
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, inc, o, 16);
+      if ((lane & 15) >= o) inc += y;
+    }
+    if (block_start) run = *reinterpret_cast<const int*>(st + Stage::OX + 4 * (lane >> 4));
+    pre_l = run + inc - x;  // outliers of this role before token (lane & 15) of the tile
+    run += __shfl_sync(0xffffffffu, inc, 15, 16);
+    outb = __ballot_sync(0xffffffffu, myw != 0);  // bits 0..15: K tokens with outliers, 16..31: V
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) ko[i][kk] = make_uint2(0u, 0u);
+    if (outb & 0xFFFFu) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int t = g + 8 * i;
+        const uint32_t fw = __shfl_sync(0xffffffffu, myw, t);
+        int idx = __shfl_sync(0xffffffffu, pre_l, t) + __popc(fw & ((1u << (8 * c)) - 1u));
+        const uint32_t bits = fw >> (8 * c);
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+          if ((bits >> kk) & 1u) ko[i][kk] = __ldg(orow.k + idx);
+          idx += (bits >> kk) & 1u;
+        }
+      }
+    }
+  }
   // ---- K: tokens g, g+8; chunks 8c .. 8c+7
   float s[4] = {0.f, 0.f, 0.f, 0.f};
   float rk[2];
@@ -240,6 +331,36 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
     }
   }
   s[0] *= qk * rk[0]; s[1] *= qk * rk[0]; s[2] *= qk * rk[1]; s[3] *= qk * rk[1];
+  uint2 vo[4][4];
+  if constexpr (OUT) {
+    if (outb & 0xFFFFu) {  // the K outliers' scores, unscaled by r_max
+      float so[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk)
+        mma16816(so, ko[0][kk].x, ko[1][kk].x, ko[0][kk].y, ko[1][kk].y, qb[kk][0], qb[kk][1]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[e] += qk * so[e];
+    }
+    // the V outliers' loads (tokens 2c, 2c+1, 2c+8, 2c+9; chunks 4g .. 4g+3), consumed after P
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) vo[j][jj] = make_uint2(0u, 0u);
+    if (outb >> 16) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int t = 2 * c + (j & 1) + 8 * (j >> 1);
+        const uint32_t fw = __shfl_sync(0xffffffffu, myw, 16 + t);
+        int idx = __shfl_sync(0xffffffffu, pre_l, 16 + t) + __popc(fw & ((1u << (4 * g)) - 1u));
+        const uint32_t bits = fw >> (4 * g);
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          if ((bits >> jj) & 1u) vo[j][jj] = __ldg(orow.v + idx);
+          idx += (bits >> jj) & 1u;
+        }
+      }
+    }
+  }
   if (t0 + g >= T) s[0] = s[1] = NEG_INF;
   if (t0 + g + 8 >= T) s[2] = s[3] = NEG_INF;
 
@@ -290,19 +411,35 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
              u32(__hmul2(h2(__byte_perm(c8.y, c9.y, 0x5410)), r89)),
              u32(__hmul2(h2(__byte_perm(c8.y, c9.y, 0x7632)), r89)), pb0, pb1);
   }
+  if constexpr (OUT) {
+    if (outb >> 16) {  // the V outliers, weighted by P without r_max / 15
+      const uint32_t qb0 = movtrans(pack_half2(p0, p1)), qb1 = movtrans(pack_half2(p2, p3));
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        mma16816(acc[2 * jj], __byte_perm(vo[0][jj].x, vo[1][jj].x, 0x5410), __byte_perm(vo[0][jj].x, vo[1][jj].x, 0x7632),
+                 __byte_perm(vo[2][jj].x, vo[3][jj].x, 0x5410), __byte_perm(vo[2][jj].x, vo[3][jj].x, 0x7632), qb0,
+                 qb1);
+        mma16816(acc[2 * jj + 1], __byte_perm(vo[0][jj].y, vo[1][jj].y, 0x5410),
+                 __byte_perm(vo[0][jj].y, vo[1][jj].y, 0x7632), __byte_perm(vo[2][jj].y, vo[3][jj].y, 0x5410),
+                 __byte_perm(vo[2][jj].y, vo[3][jj].y, 0x7632), qb0, qb1);
+      }
+    }
+  }
 }
 
-template <int NW, int SMS, int TABB>
+template <int NW, int SMS, int TABB, bool OUT>
 constexpr int dyn_smem() {
-  constexpr int body = 2 * TABB + SMS * NW * Stage::BYTES;
+  constexpr int body = 2 * TABB + SMS * NW * STAGE_BYTES<OUT>;
   constexpr int red = NW * 8 * D * 4;
   return body > red ? body : red;
 }
 
 // TABB: bytes reserved per codebook (>= 192 S): the V table sits at a compile-time offset,
 // so both gathers are [reg + immediate] LDS.64.
-template <int NW, int SMS, int TABB, int MINB>
+// OUT: Med3x (flags and outlier lists in Params; a split starts on a 64-token block).
+template <int NW, int SMS, int TABB, int MINB, bool OUT>
 __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params p) {
+  constexpr int SB = STAGE_BYTES<OUT>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int bh = blockIdx.x, sp = blockIdx.y;
@@ -325,8 +462,13 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   CpCursor cur;
   int moff_k, moff_v;
   {
-    const int t0 = (first + warp) * 16;
+    const int t0 = (first + (OUT ? 4 * warp : warp)) * 16;
     cur.t0 = t0;
+    cur.i = 0;
+    if constexpr (OUT) {
+      cur.frow = lane < 16 ? p.kf + bh * p.k_fs : p.vf + bh * p.v_fs;
+      cur.irow = lane < 16 ? p.ki + bh * p.k_is : p.vi + bh * p.v_is;
+    }
     cur.c0 = p.kc + bh * p.k_cs + (long long)t0 * CB + 16 * lane;
     cur.vc0 = p.vc + bh * p.v_cs + (long long)t0 * CB + 16 * lane;
     cur.r = (lane < 16 ? p.kr + bh * p.k_rs : p.vr + bh * p.v_rs) + (long long)t0 * RB + 16 * (lane & 15);
@@ -353,13 +495,25 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     }
     cp_commit();
   }
-  const uint8_t* wsm = stages + warp * (SMS * Stage::BYTES);
+  const uint8_t* wsm = stages + warp * (SMS * SB);
   const uint32_t wsa = smem_u32(wsm);
-  const int ntile = last > first + warp ? (last - first - warp + NW - 1) / NW : 0;
+  int ntile;
+  if constexpr (OUT) {  // whole blocks: the final block's tiles past T are masked (and cost a tile)
+    const int nb = (last - first + 3) / 4;
+    ntile = nb > warp ? 4 * ((nb - warp + NW - 1) / NW) : 0;
+  } else {
+    ntile = last > first + warp ? (last - first - warp + NW - 1) / NW : 0;
+  }
 #pragma unroll
   for (int i = 0; i < SMS - 1; ++i) {
-    copy_tile<NW>(wsa + i * Stage::BYTES, cur, T, i < ntile, lane);
+    copy_tile<NW, OUT>(wsa + i * SB, cur, T, i < ntile, lane);
     cp_commit();
+  }
+  int run = 0;  // Med3x: outliers of this lane's role before the current tile, in its block
+  OutRows orow;
+  if constexpr (OUT) {
+    orow.k = p.ko + bh * p.k_os;
+    orow.v = p.vo + bh * p.v_os;
   }
 
   uint32_t qb[KS][2];
@@ -380,12 +534,13 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   int rd = 0, wr = SMS - 1;
   for (int j = 0; j < ntile; ++j) {
     __syncwarp();
-    copy_tile<NW>(wsa + wr * Stage::BYTES, cur, T, j + SMS - 1 < ntile, lane);
+    copy_tile<NW, OUT>(wsa + wr * SB, cur, T, j + SMS - 1 < ntile, lane);
     cp_commit();
     cp_wait<SMS - 1>();
     __syncwarp();
-    tile_step(wsm + rd * Stage::BYTES, ktab, vtab, moff_k, moff_v, (first + warp + j * NW) * 16, T, p.qk_scale, qb,
-              acc, m, l, g, c);
+    const int tile = OUT ? first + 4 * (warp + NW * (j >> 2)) + (j & 3) : first + warp + j * NW;
+    tile_step<OUT>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16, T, p.qk_scale, qb, acc, m, l, g, c, run,
+                   (j & 3) == 0, orow);
     rd = rd == SMS - 1 ? 0 : rd + 1;
     wr = wr == SMS - 1 ? 0 : wr + 1;
   }
@@ -459,73 +614,92 @@ constexpr int TAB_SMALL = 192 * 96;   // S <= 96
 constexpr int TAB_LARGE = 192 * 170;  // S <= 170 (fill=true at 12 bits)
 static_assert(TAB_SMALL % 16 == 0, "table alignment");
 
-template <int V, int TABB>
+// Variants with a Med3x (OUT) instance: the outlier fragments take ~44 more registers (164
+// for v0 / v2 under their 168 cap, no spills offline); the 128-register variants (v3, v6)
+// spilled 108 bytes, so they have none and are refused for Med3x caches.
+constexpr bool OUT_OK[NVARIANTS] = {true, false, true, false, false, false, false, false, false};
+
+template <int V, int TABB, bool OUT>
 constexpr int smem_of() {
-  return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16>();
+  return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, OUT>();
 }
-template <int V, int TABB>
+template <int V, int TABB, bool OUT>
 constexpr auto kernel_of() {
-  return hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, VARIANTS[V][2]>;
+  return hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, VARIANTS[V][2], OUT>;
 }
 
 // The dynamic shared-memory opt-in, once per instance (also before an occupancy query).
-template <int V, int TABB>
+template <int V, int TABB, bool OUT>
 int prepare() {
-  static cudaError_t e = cudaFuncSetAttribute(kernel_of<V, TABB>(), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              smem_of<V, TABB>());
+  static cudaError_t e = cudaFuncSetAttribute(kernel_of<V, TABB, OUT>(), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              smem_of<V, TABB, OUT>());
   return (int)e;
 }
 
-template <int V, int TABB>
-int launch_v(const Params& p, int rows, cudaStream_t stream) {
-  if (const int e = prepare<V, TABB>()) return e;
-  kernel_of<V, TABB>()<<<dim3(rows, p.nsplit), VARIANTS[V][0] * 32, smem_of<V, TABB>(), stream>>>(p);
-  return 0;
-}
+enum What { LAUNCH = 0, OCCUPANCY = 1, REGS = 2 };
+constexpr int NO_INSTANCE = -1001;  // no Med3x instance of this variant
 
-// CTAs of this instance resident per SM (registers, shared memory, threads); < 0: -error.
-template <int V, int TABB>
-int occupancy_v() {
-  if (const int e = prepare<V, TABB>()) return -e;
-  int n = 0;
-  const cudaError_t e =
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel_of<V, TABB>(), VARIANTS[V][0] * 32, smem_of<V, TABB>());
-  return e == cudaSuccess ? n : -(int)e;
-}
-
-template <int V, int TABB>
-int regs_v() {
-  constexpr int TB = (TABB + 15) / 16 * 16;
-  cudaFuncAttributes a;
-  const cudaError_t e =
-      cudaFuncGetAttributes(&a, hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], TB, VARIANTS[V][2]>);
-  return e == cudaSuccess ? a.numRegs : -(int)e;
-}
-
-template <int TABB>
-int launch_t(const Params& p, int rows, int variant, cudaStream_t s) {
-  switch (variant) {
-    case 1: return launch_v<1, TABB>(p, rows, s);
-    case 2: return launch_v<2, TABB>(p, rows, s);
-    case 3: return launch_v<3, TABB>(p, rows, s);
-    case 4: return launch_v<4, TABB>(p, rows, s);
-    case 5: return launch_v<5, TABB>(p, rows, s);
-    case 6: return launch_v<6, TABB>(p, rows, s);
-    case 7: return launch_v<7, TABB>(p, rows, s);
-    case 8: return launch_v<8, TABB>(p, rows, s);
-    default: return launch_v<0, TABB>(p, rows, s);
+// LAUNCH: 0 or a cudaError_t; OCCUPANCY: CTAs resident per SM (registers, shared memory,
+// threads), < 0 = -error; REGS: registers per thread, < 0 = -error.
+template <int V, int TABB, bool OUT>
+int act(What what, const Params* p, int rows, cudaStream_t stream) {
+  if constexpr (OUT && !OUT_OK[V]) {
+    return NO_INSTANCE;
+  } else {
+    constexpr auto k = kernel_of<V, TABB, OUT>();
+    constexpr int NT = VARIANTS[V][0] * 32, SM = smem_of<V, TABB, OUT>();
+    if (what == REGS) {
+      cudaFuncAttributes a;
+      const cudaError_t e = cudaFuncGetAttributes(&a, k);
+      return e == cudaSuccess ? a.numRegs : -(int)e;
+    }
+    if (const int e = prepare<V, TABB, OUT>()) return what == LAUNCH ? e : -e;
+    if (what == OCCUPANCY) {
+      int n = 0;
+      const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, NT, SM);
+      return e == cudaSuccess ? n : -(int)e;
+    }
+    k<<<dim3(rows, p->nsplit), NT, SM, stream>>>(*p);
+    return 0;
   }
+}
+
+template <int TABB, bool OUT>
+int act_t(int variant, What what, const Params* p, int rows, cudaStream_t s) {
+  switch (variant) {
+    case 1: return act<1, TABB, OUT>(what, p, rows, s);
+    case 2: return act<2, TABB, OUT>(what, p, rows, s);
+    case 3: return act<3, TABB, OUT>(what, p, rows, s);
+    case 4: return act<4, TABB, OUT>(what, p, rows, s);
+    case 5: return act<5, TABB, OUT>(what, p, rows, s);
+    case 6: return act<6, TABB, OUT>(what, p, rows, s);
+    case 7: return act<7, TABB, OUT>(what, p, rows, s);
+    case 8: return act<8, TABB, OUT>(what, p, rows, s);
+    default: return act<0, TABB, OUT>(what, p, rows, s);
+  }
+}
+
+// -1 for S outside 1..170 (the tables), NO_INSTANCE for a variant without a Med3x instance
+int dispatch(int variant, int S, bool out, What what, const Params* p, int rows, cudaStream_t s) {
+  if (S < 1 || 192 * S > TAB_LARGE) return -1;
+  const bool small = 192 * S <= TAB_SMALL;
+  if (out) return small ? act_t<TAB_SMALL, true>(variant, what, p, rows, s)
+                        : act_t<TAB_LARGE, true>(variant, what, p, rows, s);
+  return small ? act_t<TAB_SMALL, false>(variant, what, p, rows, s) : act_t<TAB_LARGE, false>(variant, what, p, rows, s);
 }
 
 }  // namespace
 
-// Returns a cudaError_t (0 = launched) or -1 (S too large for the tables).
+// Returns a cudaError_t (0 = launched), -1 (S too large for the tables) or NO_INSTANCE.
+// kf == nullptr: no Med3x outliers (kf..v_is unused).
 extern "C" int kvq_hqmq_decode(const void* q, int qtype, const void* kc, const void* kr, const void* km,
                                const void* vc, const void* vr, const void* vm, const void* ktab, const void* vtab,
                                long long k_cs, long long k_rs, long long k_ms, long long v_cs, long long v_rs,
-                               long long v_ms, int B, int Hkv, int gqa, int T, int S, int steps_per_split,
-                               int nsplit, float qk_scale, float* po, float* pm, float* pl, void* out, int otype,
-                               int variant, const int* vlen, void* stream) {
+                               long long v_ms, const void* kf, const void* vf, const void* ko, const void* vo,
+                               const void* ki, const void* vi, long long k_fs, long long k_os, long long k_is,
+                               long long v_fs, long long v_os, long long v_is, int B, int Hkv, int gqa, int T, int S,
+                               int steps_per_split, int nsplit, float qk_scale, float* po, float* pm, float* pl,
+                               void* out, int otype, int variant, const int* vlen, void* stream) {
   Params p;
   p.vlen = vlen;
   p.q = q; p.qtype = qtype;
@@ -533,15 +707,15 @@ extern "C" int kvq_hqmq_decode(const void* q, int qtype, const void* kc, const v
   p.vc = (const uint8_t*)vc; p.vr = (const uint8_t*)vr; p.vm = (const uint16_t*)vm;
   p.ktab = (const uint16_t*)ktab; p.vtab = (const uint16_t*)vtab;
   p.k_cs = k_cs; p.k_rs = k_rs; p.k_ms = k_ms; p.v_cs = v_cs; p.v_rs = v_rs; p.v_ms = v_ms;
+  p.kf = (const uint32_t*)kf; p.vf = (const uint32_t*)vf; p.ko = (const uint2*)ko; p.vo = (const uint2*)vo;
+  p.ki = (const int*)ki; p.vi = (const int*)vi;
+  p.k_fs = k_fs; p.k_os = k_os; p.k_is = k_is; p.v_fs = v_fs; p.v_os = v_os; p.v_is = v_is;
   p.T = T; p.Hkv = Hkv; p.gqa = gqa; p.steps_per_split = steps_per_split; p.nsplit = nsplit;
   p.tab_bytes = 192 * S; p.qk_scale = qk_scale;
   p.po = po; p.pm = pm; p.pl = pl;
   const int rows = B * Hkv;
   cudaStream_t s = (cudaStream_t)stream;
-  int e;
-  if (192 * S <= TAB_SMALL) e = launch_t<TAB_SMALL>(p, rows, variant, s);
-  else if (192 * S <= TAB_LARGE) e = launch_t<TAB_LARGE>(p, rows, variant, s);
-  else return -1;
+  const int e = dispatch(variant, S, kf != nullptr, LAUNCH, &p, rows, s);
   if (e) return e;
   const int rows_q = rows * gqa;
   const int threads = (COMBINE_THREADS / D) * D;
@@ -553,32 +727,11 @@ extern "C" int kvq_hqmq_decode(const void* q, int qtype, const void* kc, const v
 
 extern "C" int kvq_hqmq_num_variants() { return NVARIANTS; }
 
-extern "C" int kvq_hqmq_occupancy(int variant, int S) {
-  const bool small = 192 * S <= TAB_SMALL;
-  switch (variant) {
-    case 1: return small ? occupancy_v<1, TAB_SMALL>() : occupancy_v<1, TAB_LARGE>();
-    case 2: return small ? occupancy_v<2, TAB_SMALL>() : occupancy_v<2, TAB_LARGE>();
-    case 3: return small ? occupancy_v<3, TAB_SMALL>() : occupancy_v<3, TAB_LARGE>();
-    case 4: return small ? occupancy_v<4, TAB_SMALL>() : occupancy_v<4, TAB_LARGE>();
-    case 5: return small ? occupancy_v<5, TAB_SMALL>() : occupancy_v<5, TAB_LARGE>();
-    case 6: return small ? occupancy_v<6, TAB_SMALL>() : occupancy_v<6, TAB_LARGE>();
-    case 7: return small ? occupancy_v<7, TAB_SMALL>() : occupancy_v<7, TAB_LARGE>();
-    case 8: return small ? occupancy_v<8, TAB_SMALL>() : occupancy_v<8, TAB_LARGE>();
-    default: return small ? occupancy_v<0, TAB_SMALL>() : occupancy_v<0, TAB_LARGE>();
-  }
+// CTAs per SM of a variant (out: its Med3x instance); < 0: -error, -1 bad S, NO_INSTANCE.
+extern "C" int kvq_hqmq_occupancy(int variant, int S, int out) {
+  return dispatch(variant, S, out != 0, OCCUPANCY, nullptr, 0, nullptr);
 }
 
-extern "C" int kvq_hqmq_num_regs(int variant, int S) {
-  const bool small = 192 * S <= TAB_SMALL;
-  switch (variant) {
-    case 1: return small ? regs_v<1, TAB_SMALL>() : regs_v<1, TAB_LARGE>();
-    case 2: return small ? regs_v<2, TAB_SMALL>() : regs_v<2, TAB_LARGE>();
-    case 3: return small ? regs_v<3, TAB_SMALL>() : regs_v<3, TAB_LARGE>();
-    case 4: return small ? regs_v<4, TAB_SMALL>() : regs_v<4, TAB_LARGE>();
-    case 5: return small ? regs_v<5, TAB_SMALL>() : regs_v<5, TAB_LARGE>();
-    case 6: return small ? regs_v<6, TAB_SMALL>() : regs_v<6, TAB_LARGE>();
-    case 7: return small ? regs_v<7, TAB_SMALL>() : regs_v<7, TAB_LARGE>();
-    case 8: return small ? regs_v<8, TAB_SMALL>() : regs_v<8, TAB_LARGE>();
-    default: return small ? regs_v<0, TAB_SMALL>() : regs_v<0, TAB_LARGE>();
-  }
+extern "C" int kvq_hqmq_num_regs(int variant, int S, int out) {
+  return dispatch(variant, S, out != 0, REGS, nullptr, 0, nullptr);
 }

@@ -23,6 +23,7 @@ needs_cuda = pytest.mark.skipif(WHY is not None, reason=f"CUDA HQMQ kernel unava
 DEV = torch.device("cuda" if CUDA else "cpu")
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 3e-3}
 SPEC = "hqmq:S=96,r=4"
+MED3 = SPEC + ",outliers=med3"
 
 
 def rel_err(a, b) -> float:
@@ -44,10 +45,11 @@ def build(spec, k, v):
     return qk, qk.encode(k), qv, qv.encode(v)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=24)
 def encoded(B, Hkv, T, seed, spec=SPEC):
-    """(K flat, V flat, decoded K, decoded V) of make()'s synthetic cache (cached)."""
-    k, v = make(B, Hkv, T, 128, seed), make(B, Hkv, T, 128, seed + 1, outlier=False)
+    """(K flat, V flat, decoded K, decoded V) of make()'s synthetic cache (cached). With
+    Med3x both K and V get the 3 large channels, so both sides have outliers."""
+    k, v = make(B, Hkv, T, 128, seed), make(B, Hkv, T, 128, seed + 1, outlier="med3" in spec)
     qk, pk, qv, pv = build(spec, k, v)
     return L.flatten(pk, "K"), L.flatten(pv, "V"), qk.decode(pk), qv.decode(pv)
 
@@ -66,6 +68,8 @@ def check(B, Hq, Hkv, T, dtype=torch.float16, seed=0, spec=SPEC, flat_kw=None, *
     from kvqbench.kernels.decode_attention import reference_decode_attention
 
     fk, fv, kd, vd = encoded(B, Hkv, T, seed, spec)
+    if "med3" in spec and T >= 16:  # the outlier path runs on both sides
+        assert fk.n_outliers > 0 and fv.n_outliers > 0
     if flat_kw:
         fk, fv = fk.with_table(**flat_kw), fv.with_table(**flat_kw)
     q = query(B, Hq, seed + 2, dtype)
@@ -119,23 +123,31 @@ def _with_capacity(flat, extra, seed=0):
             junk = torch.randint(0, 256, pad, generator=g).to(t.dtype)
         return torch.cat([t, junk.to(t.device)], dim=2)
 
-    return dataclasses.replace(flat, **{n: grow(getattr(flat, n)) for n in ("codes", "radius", "r_max")})
+    out = dataclasses.replace(flat, **{n: grow(getattr(flat, n)) for n in ("codes", "radius", "r_max")})
+    if flat.has_outliers:  # garbage flags past T (they must not count), a longer list and index
+        out.flags = grow(flat.flags)
+        out.outliers = grow(flat.outliers)
+        nblk = -(-out.codes.shape[2] // L.OUTLIER_BLOCK)
+        idx = flat.outlier_index
+        out.outlier_index = torch.cat([idx, idx[:, :, -1:].expand(-1, -1, nblk - idx.shape[2])], 2).contiguous()
+    return out
 
 
 @needs_cuda
 @pytest.mark.parametrize("T", [77, 1037])
 @pytest.mark.parametrize("view", [False, True])
-def test_capacity_beyond_valid_length(T, view):
+@pytest.mark.parametrize("spec", [SPEC, MED3])
+def test_capacity_beyond_valid_length(T, view, spec):
     """Garbage (NaN, inf) after T in every buffer, whole buffers or [:, :, :n] views: only
     the valid tokens count (r_max is read through a 16-byte window that may cover some)."""
     from kvqbench.kernels.decode_attention import reference_decode_attention
 
     B, Hq, Hkv = 3, 16, 4
-    fk, fv, kd, vd = encoded(B, Hkv, T, 5)
+    fk, fv, kd, vd = encoded(B, Hkv, T, 5, spec)
     q = query(B, Hq, 7)
     kf, vf = _with_capacity(fk, 300), _with_capacity(fv, 300, seed=1)
     if view:
-        names = ("codes", "radius", "r_max")
+        names = ("codes", "radius", "r_max") + (("flags",) if kf.has_outliers else ())
         kf = dataclasses.replace(kf, **{n: getattr(kf, n)[:, :, : T + 101] for n in names})
         vf = dataclasses.replace(vf, **{n: getattr(vf, n)[:, :, : T + 101] for n in names})
         assert not kf.codes.is_contiguous()
@@ -193,10 +205,14 @@ def test_agrees_with_triton_and_auto_routing():
     # each within 3e-3 of it: run 16 measured 1.8e-3 / 2.0e-3 between them at the bench shapes
     assert rel_err(cuda, tri) < 5e-3
     assert torch.equal(auto, cuda if cuda_hqmq.AUTO else tri)
-    _, pk3, _, pv3 = build(SPEC + ",outliers=med3", k, v)
+    _, pk3, _, pv3 = build(MED3, k, v)
     kf3, vf3 = L.flatten(pk3, "K"), L.flatten(pv3, "V")
-    assert "Med3x" in cuda_hqmq.unsupported(q, kf3, vf3)
-    assert torch.equal(decode_attention(q, kf3, vf3), decode_attention(q, kf3, vf3, backend="triton"))
+    assert cuda_hqmq.unsupported(q, kf3, vf3) is None
+    cuda3 = decode_attention(q, kf3, vf3, backend="cuda").float()
+    tri3 = decode_attention(q, kf3, vf3, backend="triton").float()
+    assert rel_err(cuda3, tri3) < 5e-3
+    auto3 = decode_attention(q, kf3, vf3).float()
+    assert torch.equal(auto3, cuda3 if cuda_hqmq.AUTO and cuda_hqmq.AUTO_MED3 else tri3)
 
 
 @needs_cuda
@@ -231,6 +247,77 @@ def test_cuda_graph_replay():
 
 
 # ---------------------------------------------------------------------------------------
+# Med3x: outlier chunks stored aside (flags, per-(b, h) lists, 64-token block starts)
+# ---------------------------------------------------------------------------------------
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 33, 1000, 4099])
+@pytest.mark.parametrize("B,dtype", [(1, torch.float16), (3, torch.bfloat16)])
+def test_med3_matches_reference(T, B, dtype):
+    check(B, 32, 8, T, dtype, seed=T, spec=MED3)
+
+
+@needs_cuda
+def test_med3_fp32_q():
+    check(2, 32, 8, 100, torch.float32, seed=100, spec=MED3)
+
+
+@needs_cuda
+def test_med3_variants_splits_gqa():
+    """Every variant with an outlier path x split counts (a split starts on a 64-token
+    block: 3 and 10000 splits round up), GQA 1 and 8; the others refuse a Med3x cache."""
+    for variant in cuda_hqmq.MED3_VARIANTS:
+        for ns in (1, 3, None, 10_000):
+            check(2, 8, 2, 1500, seed=2, spec=MED3, variant=variant, num_splits=ns)
+    for gqa in (1, 8):
+        check(2, 2 * gqa, 2, 777, seed=3, spec=MED3)
+    fk, fv, _, _ = encoded(2, 2, 1500, 2, MED3)
+    bad = next(v for v in range(cuda_hqmq.NUM_VARIANTS) if v not in cuda_hqmq.MED3_VARIANTS)
+    with pytest.raises(ValueError, match="Med3x"):
+        cuda_hqmq.decode(query(2, 8, 1), fk, fv, variant=bad)
+
+
+@needs_cuda
+def test_med3_long_context():
+    """T = 131072 (4096 tokens tiled 32 times: the index follows) and 131069."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    fk, fv, kd, vd = encoded(1, 8, 4096, 33, MED3)
+    kf, vf = fk.tile(1, 32), fv.tile(1, 32)
+    kd, vd = kd.repeat(1, 1, 32, 1), vd.repeat(1, 1, 32, 1)
+    q = query(1, 32, 34)
+    for T in (131072, 131069):
+        out = attend(q, dataclasses.replace(kf, T=T), dataclasses.replace(vf, T=T))
+        err = rel_err(out, reference_decode_attention(q, kd[:, :, :T], vd[:, :, :T]))
+        assert err < TOL[torch.float16], f"T={T}: relative error {err:.3g}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("role", ["K", "V"])
+def test_med3_last_token_matters(role):
+    """The last token made an outlier everywhere (x 40): the output follows the reference."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    B, Hq, Hkv, T, D = 1, 32, 8, 4099, 128
+    k, v = make(B, Hkv, T, D, 1), make(B, Hkv, T, D, 2)
+    q = query(B, Hq, 3)
+    k2, v2 = k.clone(), v.clone()
+    if role == "K":
+        k2[:, :, -1] = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * 0.5).half()
+    else:
+        v2[:, :, -1] = (-40.0 * v[:, :, -1].float()).half()
+    outs = []
+    for kk, vv in ((k, v), (k2, v2)):
+        qk, pk, qv, pv = build(MED3, kk, vv)
+        out = attend(q, L.flatten(pk, "K"), L.flatten(pv, "V"), num_splits=3)
+        ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
+        assert rel_err(out, ref) < TOL[torch.float16]
+        outs.append((out, ref))
+    (o1, r1), (o2, r2) = outs
+    assert rel_err(r2, r1) > 1e-4, "the modification does not reach the reference output"
+    assert rel_err(o2 - o1, r2 - r1) < 0.5, "the kernel does not follow the last token's change"
+
+
+# ---------------------------------------------------------------------------------------
 # device-side valid length (valid_len): one captured graph serves every decode step
 # ---------------------------------------------------------------------------------------
 def _vl(n):
@@ -252,14 +339,15 @@ def test_valid_len_equal_to_T_is_the_plain_call():
 
 @needs_cuda
 @pytest.mark.parametrize("ns", [None, 1, 12])
-def test_valid_len_below_capacity(ns):
+@pytest.mark.parametrize("spec", [SPEC, MED3])
+def test_valid_len_below_capacity(ns, spec):
     """Only the first n tokens count (the rest of the capacity is real data that would
     change the result); with 12 splits most CTAs are empty for small n (rows partly
     empty: their m = -inf partials weigh 0); n = 0 empties every split (zeros)."""
     from kvqbench.kernels.decode_attention import reference_decode_attention
 
     cap = 2077
-    fk, fv, kd, vd = encoded(2, 8, cap, 43)
+    fk, fv, kd, vd = encoded(2, 8, cap, 43, spec)
     q = query(2, 32, 44)
     for n in (1, 15, 16, 17, 200, 1000, cap - 1):
         out = cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32, valid_len=_vl(n))
@@ -336,7 +424,7 @@ def test_default_splits_fill_whole_waves(monkeypatch):
     """The default split rule: the fewest whole waves of occupancy x SMs CTAs filled to at
     least FILL; every split non-empty; the old rule when the occupancy is unknown."""
     monkeypatch.setattr(cuda_hqmq, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(cuda_hqmq, "occupancy", lambda variant=0, S=96: 3)
+    monkeypatch.setattr(cuda_hqmq, "occupancy", lambda variant=0, S=96, med3=False: 3)
     dev = torch.device("cuda")
     assert cuda_hqmq.splits(64, 32768, dev) == (6, 342)  # B=8: 384 of 396 slots
     assert cuda_hqmq.splits(8, 32768, dev) == (49, 42)  # B=1: 392 of 396
@@ -349,7 +437,12 @@ def test_default_splits_fill_whole_waves(monkeypatch):
             ns, per = cuda_hqmq.splits(rows, T, dev)
             tiles = -(-T // 16)
             assert ns * per >= tiles and (ns - 1) * per < tiles
-    monkeypatch.setattr(cuda_hqmq, "occupancy", lambda variant=0, S=96: -1)
+    assert cuda_hqmq.splits(64, 32768, dev, med3=True) == (6, 344)  # Med3x: whole 64-token blocks
+    assert cuda_hqmq.splits(8, 20, dev, med3=True) == (1, 4)
+    for ns in (1, 3, 7, 10_000):
+        n, per = cuda_hqmq.splits(8, 4099, dev, num_splits=ns, med3=True)
+        assert per % 4 == 0 and n * per >= 257 and (n - 1) * per < 257
+    monkeypatch.setattr(cuda_hqmq, "occupancy", lambda variant=0, S=96, med3=False: -1)
     assert cuda_hqmq.splits(64, 32768, dev) == (32, 64)  # max(2048 / 64 tiles, 2 x 132 / 64)
 
 
