@@ -54,7 +54,7 @@ import math
 import torch
 
 from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable, stable_seed
-from .fitted import FitsOnFirstWrite, row_index
+from .fitted import FitsOnFirstWrite, fold_rows, row_index
 from .packing import pack_bits, unpack_bits
 from .rotation import random_signs, rotate, signs_of, unrotate
 from .vq import fit_codebook_with_zero, nearest, residual_search
@@ -203,11 +203,10 @@ class AdditiveVQ(FitsOnFirstWrite, Quantizer):
         c = self.config
         y = self._rotate(x, shared)
         z, s = self._normalise(y)
-        # Rows folded into the group axis: residual_search codes group (b, h) with row b's
-        # codebooks of head h, the same float64 scores as a one-row write of row b.
-        cb = shared["codebooks"].float()  # [1 or B, H or 1, M, K, dim]
-        cb = cb.expand(B, H, *cb.shape[2:]).reshape(B * H, *cb.shape[2:])
-        codes, _ = residual_search(z.reshape(1, B * H, T * (D // c.dim), c.dim), cb, c.beam)
+        # Row b's chunks meet row b's codebooks (fold_rows): the same float64 scores as a
+        # one-row write of row b.
+        r, cb = fold_rows(z.reshape(B, H, T * (D // c.dim), c.dim), shared["codebooks"].float())
+        codes, _ = residual_search(r, cb, c.beam)
         if c.gain == "lsq":
             zhat = self._decoded(codes, shared, (B, H, T, D)).double()  # exactly what decode sums
             nz = zhat.pow(2).sum(-1)

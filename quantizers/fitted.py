@@ -142,10 +142,26 @@ def nbytes_as_row_caches(packed: Packed, quantizer=None) -> int:
     return packed.nbytes + (packed.batch - 1) * common
 
 
+def fold_rows(r: torch.Tensor, cb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunks r `[B, H, N, dim]` and per-row codebooks cb `[R, G, M, K, dim]` (R = 1 or B
+    rows, G = H or 1 groups) as the `[B', G', N', dim]` and `[G', M, K, dim]` that
+    vq.residual_search takes, so that every chunk meets its own row's (and head's)
+    codebooks, with no copy of the codebooks per row or head: R = 1 is the one-row
+    call itself; shared by the heads (G = 1), rows become groups and each row's heads
+    one run of chunks; else every (row, head) is a group. Codes come back in r's order
+    (reshape to `[B, H, N, M]`)."""
+    B, H, N, dim = r.shape
+    if cb.shape[0] == 1:
+        return r, cb[0]
+    if cb.shape[1] == 1:
+        return r.reshape(1, B, H * N, dim), cb[:, 0]
+    return r.reshape(1, B * H, N, dim), cb.flatten(0, 1)
+
+
 def row_index(t: torch.Tensor, ndim: int) -> torch.Tensor:
     """arange over the row dimension of a per-row tensor `t` ([1 or B, ...]), shaped to
     broadcast over `ndim` index dims: a one-row tensor serves every row."""
     return torch.arange(t.shape[0], device=t.device).view(-1, *[1] * (ndim - 1))
 
 
-__all__ = ["FitsOnFirstWrite", "nbytes_as_row_caches", "row_index"]
+__all__ = ["FitsOnFirstWrite", "fold_rows", "nbytes_as_row_caches", "row_index"]

@@ -34,7 +34,7 @@ import dataclasses
 import torch
 
 from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable, stable_seed
-from .fitted import FitsOnFirstWrite, row_index
+from .fitted import FitsOnFirstWrite, fold_rows, row_index
 from .packing import pack_bits, unpack_bits
 from .vq import fit_codebook_with_zero, residual_search
 
@@ -84,18 +84,12 @@ class FlatVQ(FitsOnFirstWrite, Quantizer):
         check_fp16_storable("flatvq codeword", cb)
         return {"codebook": cb.half().unsqueeze(0)}
 
-    def _row_codebooks(self, shared, B, H):
-        """The codebook of every (row, kv-head), float32 [B*H, 1, K, dim] (a one-row
-        codebook serves every row; per_head=false: one per row serves every head)."""
-        cb = shared["codebook"].float()  # [1 or B, H or 1, K, dim]
-        return cb.expand(B, H, *cb.shape[2:]).reshape(B * H, 1, *cb.shape[2:])
-
     def encode_tokens(self, x, shared):
         B, H, T, D = x.shape
-        # Rows folded into the group axis: residual_search codes group (b, h) with its own
-        # codebook, the same float64 scores as a one-row write of row b.
-        ch = self._chunks(x).reshape(1, B * H, -1, self.config.dim)
-        codes, _ = residual_search(ch, self._row_codebooks(shared, B, H), 1)
+        # Row b's chunks meet row b's codebook (fold_rows): the same float64 scores as a
+        # one-row write of row b.
+        r, cb = fold_rows(self._chunks(x), shared["codebook"].float().unsqueeze(2))  # M = 1 stage
+        codes, _ = residual_search(r, cb, 1)
         return Segment({"codes": pack_bits(codes.reshape(B, H, T, -1), self.config.K_bits)}, T)
 
     def decode_tokens(self, seg, shared, shape):
