@@ -181,6 +181,13 @@ class KernelStore:
             return None
         if hqmq_table is not None and isinstance(flat, layout.HQMQFlat):
             flat = flat.with_table(*hqmq_table)
+        if isinstance(flat, layout.HQMQFlat) and flat.sec is not None and flat.sec.is_inference():
+            # A cache filled under torch.inference_mode makes inference tensors, which keep
+            # no version counter; kernels/cuda_hqmq.py keys its per-flat cache on the
+            # secondaries' `_version` (RuntimeError on an inference tensor, seen on the H200
+            # in the decode benchmark): hold a normal copy (H x S x 4 numbers) instead.
+            with torch.inference_mode(False):
+                flat = dataclasses.replace(flat, sec=flat.sec.clone())
         store = cls(flat, packed, role)
         store.capacity_hint = capacity or 0
         store.append(packed.segments, 0)

@@ -25,6 +25,8 @@ def _args(argv):
                    help="'plain' = DynamicCache, 'plain-static' = StaticCache; else quantizer specs")
     p.add_argument("--contexts", nargs="+", type=int, default=[4096, 16384, 32768])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--pairs", nargs="+", default=None, metavar="CTX:BATCH",
+                   help="measure these (context, batch) pairs instead of every context x batch")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--modes", nargs="+", default=["eager", "graph"], choices=["eager", "graph"],
@@ -43,6 +45,14 @@ def _args(argv):
             p.error(f"--{name} must be positive")
     if a.steps < 1 or a.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
+    if a.pairs is not None:
+        try:
+            a.pairs = [tuple(int(x) for x in s.split(":")) for s in a.pairs]
+        except ValueError:
+            p.error("--pairs takes CTX:BATCH, e.g. 4096:1 32768:8")
+        if any(len(pr) != 2 or min(pr) < 1 for pr in a.pairs):
+            p.error("--pairs takes CTX:BATCH with positive numbers, e.g. 4096:1 32768:8")
+        a.contexts = sorted({c for c, _ in a.pairs})
     return a
 
 
@@ -91,7 +101,7 @@ def main(argv=None) -> int:
         run["checks"].append(r)
         _save(path, run)
     # The configurations the targets name come first (a budget cut drops the rest).
-    pairs = [(c, b) for c in a.contexts for b in a.batches]
+    pairs = a.pairs or [(c, b) for c in a.contexts for b in a.batches]
     pairs.sort(key=lambda cb: (cb not in ((4096, 1), (max(a.contexts), max(a.batches))), cb))
     cfg = model.config
     # A decode step's write (device encode into the store) and the old path (append) beside it.

@@ -217,31 +217,54 @@ def measure_modes(model, spec: str | None, *, context: int, batch: int, steps: i
     return rows
 
 
-def compare_paths(model, spec: str, *, context: int, batch: int, steps: int = 8, seed: int = 0) -> dict:
+def compare_paths(model, spec: str, *, context: int, batch: int, steps: int = 8, seed: int = 0,
+                  graph: bool = True) -> dict:
     """The same greedy decode through the fused kernels and through the dense path
     (dequantize + SDPA), the fused path's tokens fed to both so they stay comparable:
-    how many greedy tokens agree and how far the logits are apart."""
+    how many greedy tokens agree and how far the logits are apart. `graph`: a third
+    cache decodes the same tokens through `GraphedDecodeStep` (captured on a GPU), and
+    its logits are compared with the fused (eager) path's: `graph_agree`,
+    `graph_max_abs_logit_diff`, `graph_mode` (what ran: "graph", or why not)."""
+    from ....kernels.graphs import GraphedDecodeStep
+
     dev = next(model.parameters()).device
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=g).to(dev)
-    caches = {name: QuantizedCache(spec, config=model.config, seed=seed, fused=name == "fused",
-                                   capacity=context + steps) for name in ("fused", "dense")}
-    agree, diff, scale = 0, 0.0, 0.0
+    names = ("fused", "dense") + (("graph",) if graph else ())
+    caches = {name: QuantizedCache(spec, config=model.config, seed=seed, fused=name != "dense",
+                                   capacity=context + steps + 1) for name in names}
+    agree, diff, scale, g_agree, g_diff = 0, 0.0, 0.0, 0, 0.0
+    step = None
     with torch.inference_mode(), fused_attention(model):
         tok = None
-        for step in range(steps + 1):
-            inp = ids if step == 0 else tok
-            out = {n: model(input_ids=inp, **cache_kwargs(model, c), use_cache=True, logits_to_keep=1).logits[:, -1]
-                   for n, c in caches.items()}
-            if step:  # decode steps only (the prefill is dense in both)
+        for i in range(steps + 1):
+            inp = ids if i == 0 else tok
+            out = {}
+            for n, c in caches.items():
+                if n == "graph" and i:
+                    if step is None:
+                        step = GraphedDecodeStep(model, c, batch, max_tokens=context + steps + 1)
+                    out[n] = step(inp)[:, -1]
+                else:
+                    out[n] = model(input_ids=inp, **cache_kwargs(model, c), use_cache=True, logits_to_keep=1).logits[:, -1]
+            if i:  # decode steps only (the prefill is dense in both)
                 agree += int((out["fused"].argmax(-1) == out["dense"].argmax(-1)).sum())
                 diff = max(diff, float((out["fused"].float() - out["dense"].float()).abs().max()))
                 scale = max(scale, float(out["dense"].float().abs().max()))
+                if graph:
+                    g_agree += int((out["fused"].argmax(-1) == out["graph"].argmax(-1)).sum())
+                    g_diff = max(g_diff, float((out["fused"].float() - out["graph"].float()).abs().max()))
             tok = out["fused"].argmax(-1, keepdim=True)
     modes = {n: sorted({layer.mode for layer in c.layers}) for n, c in caches.items()}
-    return dict(spec=spec, context=context, batch=batch, steps=steps, greedy_agree=agree, greedy_total=steps * batch,
-                max_abs_logit_diff=diff, max_abs_logit=scale, modes=modes,
-                fallbacks=sum(layer.fallbacks for layer in caches["fused"].layers))
+    res = dict(spec=spec, context=context, batch=batch, steps=steps, greedy_agree=agree, greedy_total=steps * batch,
+               max_abs_logit_diff=diff, max_abs_logit=scale, modes=modes,
+               fallbacks=sum(layer.fallbacks for layer in caches["fused"].layers))
+    if graph:
+        res.update(graph_agree=g_agree, graph_max_abs_logit_diff=g_diff,
+                   graph_mode=step.mode if step.mode != "eager" else f"eager: {step.why}",
+                   graph_same_bits=caches["graph"].bits_per_element() == caches["fused"].bits_per_element(),
+                   graph_same_nbytes=caches["graph"].nbytes() == caches["fused"].nbytes())
+    return res
 
 
 def write_cost(spec: str, *, heads: int = 8, head_dim: int = 128, batch: int = 1, context: int = 256,

@@ -139,11 +139,19 @@ def markdown(run: dict) -> str:
                 seen.add((r["spec"], r["skipped"]))
                 lines.append(f"- {r['spec']}: {r['skipped']}")
     if run.get("checks"):
-        lines += ["", "## Fused vs dense decoding (same model, same tokens fed to both)", "",
-                  "| cache | context | batch | greedy tokens equal | max abs logit diff | max abs logit | fallbacks |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {c['spec']} | {c['context']} | {c['batch']} | {c['greedy_agree']}/{c['greedy_total']} | "
-                  f"{c['max_abs_logit_diff']:.3g} | {c['max_abs_logit']:.3g} | {c['fallbacks']} |" for c in run["checks"]]
+        lines += ["", "## Fused vs dense decoding, and graphed vs eager fused (same model, same tokens fed to all)",
+                  "", "Graph: the same steps through `GraphedDecodeStep` (captured, replayed) against the eager "
+                  "fused steps: greedy tokens equal, max abs logit difference, and whether the cache's measured "
+                  "bytes and bits agree after the steps.", "",
+                  "| cache | context | batch | greedy tokens equal | max abs logit diff | max abs logit | fallbacks | "
+                  "graph run | graph tokens equal | graph max abs logit diff | graph bytes, bits equal |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for c in run["checks"]:
+            g = ("| - | - | - | - |" if "graph_mode" not in c else
+                 f"| {c['graph_mode'][:90]} | {c['graph_agree']}/{c['greedy_total']} | "
+                 f"{c['graph_max_abs_logit_diff']:.3g} | {c['graph_same_nbytes']}, {c['graph_same_bits']} |")
+            lines.append(f"| {c['spec']} | {c['context']} | {c['batch']} | {c['greedy_agree']}/{c['greedy_total']} | "
+                         f"{c['max_abs_logit_diff']:.3g} | {c['max_abs_logit']:.3g} | {c['fallbacks']} {g}")
     if run.get("write_cost"):
         lines += ["", "## One decode step's write through the cache, per layer (K and V)", "",
                   "`QuantizedLayer.update` of one token (attention excluded), "
