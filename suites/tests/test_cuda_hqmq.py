@@ -446,6 +446,24 @@ def test_default_splits_fill_whole_waves(monkeypatch):
     assert cuda_hqmq.splits(64, 32768, dev) == (32, 64)  # max(2048 / 64 tiles, 2 x 132 / 64)
 
 
+def test_codebook_cache_takes_inference_tensors():
+    """Secondaries made under inference_mode (a store filled there) have no version
+    counter: the fp16 codebook is still built once and cached, and follows an in-place
+    change of ordinary secondaries."""
+    k = torch.randn(1, 2, 8, 128)
+    with torch.inference_mode():
+        f = L.flatten(get_quantizer(SPEC, role="K").encode(k))
+    assert f.sec.is_inference()
+    t = cuda_hqmq.codebook16(f)
+    assert t.dtype == torch.float16 and t.shape == (2, 24 * 96, 4)
+    assert cuda_hqmq.codebook16(f) is t
+    g = dataclasses.replace(f, sec=f.sec.clone())  # an ordinary tensor
+    t2 = cuda_hqmq.codebook16(g)
+    g.sec.mul_(-1)
+    t3 = cuda_hqmq.codebook16(g)
+    assert t3 is not t2 and torch.equal(t3, -t2)
+
+
 def test_cpu_dispatch_stays_on_triton():
     """Off the GPU, HQMQ with backend auto is the Triton kernel; backend cuda refuses."""
     if CUDA:
