@@ -170,8 +170,8 @@ def _flat_reason(f) -> str | None:
 # buffers: key = the ids of the flat's tensors and its format fields, entry = weak
 # references to those tensors (checked by identity: an id can be reused once a tensor
 # dies), sec._version (the codebook follows the secondaries) and the result: a reason
-# string, or ((codes, radius, r_max strides), fp16 codebook, Med3x (pointers, strides) or
-# None). The store makes a new flat object per decode step over the same buffers, so the key
+# string, or ((codes, radius, r_max strides), fp16 codebook, Med3x strides or None); data
+# pointers are read per call. The store makes a new flat object per decode step over the same buffers, so the key
 # is not the flat itself.
 _INFO: dict = {}
 
@@ -188,9 +188,8 @@ def _flat_info(f):
     why = _flat_reason(f)
     if why is None:
         med3 = None
-        if f.has_outliers:  # pointers, then strides in flag words / 8-byte items / ints
-            med3 = ((f.flags.data_ptr(), f.outliers.data_ptr(), f.outlier_index.data_ptr()),
-                    (bh_stride(f.flags) // 4, bh_stride(f.outliers) // 4, bh_stride(f.outlier_index)))
+        if f.has_outliers:  # strides in flag words / 8-byte items / ints (pointers: read per call)
+            med3 = (bh_stride(f.flags) // 4, bh_stride(f.outliers) // 4, bh_stride(f.outlier_index))
         info = ((bh_stride(f.codes), bh_stride(f.radius), bh_stride(f.r_max)), codebook16(f), med3)
     else:
         info = why
@@ -331,9 +330,10 @@ def _checked(q: torch.Tensor, k, v):
         raise ValueError("CUDA HQMQ kernel: Med3x outliers on one side only")
     if ik[2] is None:
         return ik[0] + iv[0], ik[1], iv[1], None
-    (kp, ks), (vp, vs) = ik[2], iv[2]
     # the kernel's order: kf, vf, ko, vo, ki, vi, then k_fs, k_os, k_is, v_fs, v_os, v_is
-    return ik[0] + iv[0], ik[1], iv[1], (kp[0], vp[0], kp[1], vp[1], kp[2], vp[2]) + ks + vs
+    ptrs = (k.flags.data_ptr(), v.flags.data_ptr(), k.outliers.data_ptr(), v.outliers.data_ptr(),
+            k.outlier_index.data_ptr(), v.outlier_index.data_ptr())
+    return ik[0] + iv[0], ik[1], iv[1], ptrs + ik[2] + iv[2]
 
 
 def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int | None = None,

@@ -19,8 +19,10 @@ for spec in ('hqmq:S=96,r=4', 'hqmq:S=96,r=4,outliers=med3'):
         q = get_quantizer(spec, role=role, seed=3); q.decode(q.encode(x))
 " 2>&1 | tail -3 || true
 echo "encoder warm-up done at $(( $(date +%s) - t0 )) s"
-timeout "$T_TEST" $PY -m pytest -q -rfE --durations=12 $XD suites/tests/test_cuda_hqmq.py -p no:cacheprovider 2>&1 \
-  | tee "$OUT/tests.log" | grep -vE "^(SKIPPED|PASSED)" | tail -40
+# -v: one line per test in tests.log, so a run cut by the limit still says which passed
+# (call 17b's -q dots did not); the summary shows failures and the slowest tests
+timeout "$T_TEST" $PY -m pytest -v -rfE --durations=12 $XD suites/tests/test_cuda_hqmq.py -p no:cacheprovider 2>&1 \
+  | tee "$OUT/tests.log" | grep -vE "(PASSED|SKIPPED|PytestBenchmarkWarning|warner\()" | tail -40
 echo "tests done at $(( $(date +%s) - t0 )) s"
 timeout "$T_BENCH" $PY kernels/cuda/hqmq_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -100
 echo "all done at $(( $(date +%s) - t0 )) s"
