@@ -52,6 +52,8 @@ def targets(run: dict) -> list[tuple[str, str, str]]:
     out = []
     runs = sorted({k[3] for k in idx if k[0] not in PLAIN}, key=lambda m: m != "eager")
 
+    skipped = {(r["spec"], r["context"], r["batch"], _run_of(r)) for r in run["results"] if "skipped" in r}
+
     def verdict(spec, ctx, b, mode, limit, base):
         a = idx.get((spec, ctx, b, mode))
         if base == "plain":
@@ -59,6 +61,8 @@ def targets(run: dict) -> list[tuple[str, str, str]]:
         else:
             p, label = best_plain(idx, ctx, b)
             label = f"the fastest plain ({label})" if label else "the fastest plain"
+        if a is None and (spec, ctx, b, mode) in skipped:
+            return label, "not graphable (see above)", "-"
         if a is None or p is None:
             return label, "not run", "-"
         r = a["ms_per_step"] / p["ms_per_step"]
