@@ -94,7 +94,9 @@ class GraphedDecodeStep:
     as greedy `generate` does. A write to the cache between calls through the ordinary
     path is picked up (the counter and the position ids are re-set before the next
     replay, outside the graph); anything that moves the cache's buffers (growth past
-    the reserved room, `reset`) needs a new object. Warm-up steps are real steps.
+    the reserved room, `reset`, `replace_packed`) needs a new object: a replay checks
+    the buffers' addresses (`QuantizedCache.buffer_signature`) and refuses. Warm-up
+    steps are real steps.
     """
 
     def __init__(self, model, cache, batch: int, *, max_tokens: int | None = None, warmup: int = 2):
@@ -105,6 +107,7 @@ class GraphedDecodeStep:
         self.quantized = hasattr(cache, "device_steps")
         self.graph, self.logits, self.steps = None, None, 0
         self.mode, self.why = "graph", None
+        self._signature: tuple | None = None  # the cache's buffer addresses the graph holds
         with torch.inference_mode():
             if self.quantized:
                 why = cache.graph_unsupported()
@@ -143,6 +146,10 @@ class GraphedDecodeStep:
                     self._pos_at = t
             self.ids.copy_(input_ids)
             if self.graph is not None:
+                if self.quantized and self.cache.buffer_signature() != self._signature:
+                    raise RuntimeError("the cache's buffers moved since the step was captured (reset, replace_packed, "
+                                       "growth): the graph would write and read freed memory; build a new "
+                                       "GraphedDecodeStep")
                 self.graph.replay()
                 out = self.logits
             elif self.mode == "graph" and self.steps >= self.warmup:
@@ -184,6 +191,8 @@ class GraphedDecodeStep:
             self.mode, self.why = "device", f"CUDA graph capture failed ({type(e).__name__}: {str(e)[:300]})"
             return self._device_step()
         self.graph, self.logits = graph, out
+        if self.quantized:
+            self._signature = self.cache.buffer_signature()
         graph.replay()
         return out
 

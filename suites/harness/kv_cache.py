@@ -546,6 +546,19 @@ class QuantizedCache(Cache):
             for layer in self.layers:
                 layer.device_pos = None
 
+    def buffer_signature(self) -> tuple:
+        """The addresses of every buffer a device-position step touches (the stores' token
+        buffers, the step counter, the error flags): a CUDA graph holds them, so a graphed
+        step compares this before each replay (e.g. `replace_packed` builds new stores)."""
+        sig = [self._pos.data_ptr() if self._pos is not None else 0]
+        for layer in self.layers:
+            sig.append(layer.errors.flags.data_ptr() if layer.errors is not None else 0)
+            for role in ROLES:
+                store = layer.stores[role]
+                if store is not None:
+                    sig.extend(b.buf.data_ptr() for b in store.buffers.values())
+        return tuple(sig)
+
     def step_done(self) -> None:
         """The device counter + 1 (on the device: call it inside the captured step)."""
         with torch.inference_mode(self._pos.is_inference()):

@@ -193,9 +193,11 @@ def model():
     return build_model("tiny", torch.float32 if DEV.type == "cpu" else torch.bfloat16, DEV)
 
 
-def _decode(model, spec, steps, *, graphed: bool, between: int | None = None, prompt=20, batch=2):
+def _decode(model, spec, steps, *, graphed: bool, between: int | None = None, prompt=20, batch=2, chunk=None):
     """Prefill then `steps` greedy steps: (logits [B, steps, V], cache, step object).
-    `between`: one step at that index through the ordinary (host-path) call instead."""
+    `between`: one step at that index through the ordinary (host-path) call instead;
+    `chunk` (index, n): before that step, an ordinary n-token write of the last token
+    repeated (folds the device steps' run into segments)."""
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0)).to(DEV)
     with torch.inference_mode(), fused_attention(model):
         cache = QuantizedCache(spec, config=model.config, fused=True, seed=1)
@@ -204,6 +206,8 @@ def _decode(model, spec, steps, *, graphed: bool, between: int | None = None, pr
         step = GraphedDecodeStep(model, cache, batch, max_tokens=prompt + steps + 4) if graphed else None
         out = []
         for i in range(steps):
+            if chunk and i == chunk[0]:
+                model(input_ids=tok.repeat(1, chunk[1]), **kw, use_cache=True)
             if step is not None and i != between:
                 logits = step(tok).clone()
             else:
@@ -241,6 +245,30 @@ def test_device_steps_equal_fused_steps(model, spec):
         assert torch.allclose(dev.float(), eager.float(), atol=0.05)
     # after the graphed steps the cache goes on through the host path, from where they left it
     assert cd.get_seq_length() == 20 + 4 and cd.reserved == 20 + 4 + 4
+
+
+def test_device_steps_around_a_multi_token_write(model):
+    # device steps, then an ordinary 3-token write (the device steps' run folded into
+    # segments, the quantizer appending after them), then device steps again
+    eager, ce, _ = _decode(model, "int4", 4, graphed=False, chunk=(2, 3))
+    dev, cd, step = _decode(model, "int4", 4, graphed=True, chunk=(2, 3))
+    assert step.steps == 4 and cd.get_seq_length() == 20 + 4 + 3
+    if DEV.type == "cpu":
+        assert torch.equal(dev, eager)
+        _assert_same_bytes(cd, ce)
+    else:
+        assert torch.equal(dev.argmax(-1), eager.argmax(-1))
+
+
+def test_buffer_signature_follows_the_buffers(model):
+    _, cache, step = _decode(model, "int4", 2, graphed=True)
+    sig = cache.buffer_signature()
+    with torch.inference_mode(), fused_attention(model):
+        step(torch.zeros(2, 1, dtype=torch.long, device=DEV))
+        assert cache.buffer_signature() == sig  # steps move nothing
+        layer = cache.layers[1]
+        layer.replace_packed("V", layer.packed["V"])  # a new store: new buffers
+    assert cache.buffer_signature() != sig
 
 
 @pytest.mark.parametrize("spec,why", [("kivi:bits=2,group=8,residual=8", "KIVI flushes"),
@@ -296,3 +324,14 @@ def test_hqmq_store_tables_keep_a_version_counter_under_inference_mode():
         f = cache.layers[0].stores["K"].kernel_view()
         assert not f.sec.is_inference() and f.sec._version >= 0
         assert torch.equal(f.sec, L.normalised_secondaries(cache.layers[0].packed["K"].shared))
+
+
+@cuda_only
+def test_a_replay_refuses_moved_buffers(model):
+    _, cache, step = _decode(model, "int4", 4, graphed=True)
+    assert step.graph is not None
+    with torch.inference_mode():
+        layer = cache.layers[0]
+        layer.replace_packed("K", layer.packed["K"])
+    with pytest.raises(RuntimeError, match="buffers moved"), fused_attention(model):
+        step(torch.zeros(2, 1, dtype=torch.long, device=DEV))
