@@ -25,15 +25,18 @@ uses Triton). Numerics as the Triton FAST path: K/V decoded to fp16 with one rou
 of s*x + z (int4), q rounded to fp16 unscaled, the base-2 softmax scale applied to the
 fp32 scores, P rounded to fp16, fp32 accumulation.
 
-`KIVIFlat` (2 or 4 bits, groups of 32, head_dim 128; NOT GPU-verified yet, so
-backend="auto" keeps it on Triton until "kivi" is in CUDA_VERIFIED): keys per channel
-over 32-token groups (codes along tokens), values per token; the quantized tokens both
-sides have go through the same kernel template (a KIVI decode functor), the fp16
-windows' tail through a second, small launch of the template (direct loads), both
-into one workspace, one combine. NOTES.md, "KIVI as a format of the CUDA template".
+`KIVIFlat` (2 or 4 bits, groups of 32, head_dim 128; GPU-verified since run 16): keys
+per channel over 32-token groups (codes along tokens), values per token; the quantized
+tokens both sides have go through the same kernel template (a KIVI decode functor), the
+fp16 windows' tail through a branch of the same launch (its first splits; direct loads),
+one combine. NOTES.md, "KIVI as a format of the CUDA template" and "GPU run 17".
 
 Variants (`variant=`): 0, 1 hold prefetched tiles in registers; 2..5 stream each
-warp's tiles through a cp.async shared-memory pipeline (SMEM_VARIANTS). KIVI takes 2..5.
+warp's tiles through a cp.async shared-memory pipeline (SMEM_VARIANTS). KIVI has its
+own 2..6 (KIVI_VARIANTS).
+
+valid_len (int4 / fp8): the number of valid tokens read on the device, so one captured
+CUDA graph serves every decode step (`decode`, `make_workspace`).
 """
 from __future__ import annotations
 
@@ -61,13 +64,24 @@ FLAGS = ["-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC
 # fp8 v2 146.1 (best v3 144.3; v0 165.1); B=1: fp8 v2 33.8 us (v0 83.1).
 NUM_VARIANTS = 6
 SMEM_VARIANTS = (2, 3, 4, 5)
-DEFAULT_VARIANT = {0: 2, 1: 2, 2: 2, "kivi": 2}  # by format: int4, fp8 e4m3, fp8 e5m2, KIVI
+# KIVI's own variants (KVARIANTS in the .cu, run 17): 2, 3, 4 stream whole 32-token groups
+# per stage (2 / 3 / 2 group stages; 2, 3 capped at 128 registers = 4 CTAs per SM, 4
+# uncapped at ~137 = 3 CTAs); 5, 6 run 16's one-tile stages (its variants 2 and 3).
+KIVI_VARIANTS = (2, 3, 4, 5, 6)
+# by format: int4, fp8 e4m3, fp8 e5m2, KIVI. KIVI 4 (group stream, uncapped: 136-138
+# registers, 3 CTAs per SM) was the fastest in GPU run 17b at both shapes: B=8 KIVI-2
+# 114.0 us (v2 116.6, v3 114.8, run 16's stream v5 118.5), KIVI-4 124.8 (v2 125.3, v5 141.0).
+DEFAULT_VARIANT = {0: 2, 1: 2, 2: 2, "kivi": 4}
 # Default split count (ctas_per_sm=None): about TILES_PER_SPLIT 16-token tiles per split,
 # but at least MIN_CTAS_PER_SM CTAs per SM. Run 15's optima were ~62 tiles per split at
 # both shapes: B=8 (64 rows) 33 splits (ctas_per_sm=16: int4 114.3 us vs 115.9 at 8,
 # 127.1 at 4), B=1 (8 rows) 33 splits (ctas_per_sm=2: fp8 33.8 us vs 38.0 at 4, 38.6 at 8).
 TILES_PER_SPLIT = 64
 MIN_CTAS_PER_SM = 2
+# KIVI's quantized part (group stream, variant 4): ~128 tiles per split. GPU run 17b, B=8
+# T=32k, variant 4 at 4 / 8 / 16 CTAs per SM (9 / 17 / 33 splits): KIVI-2 115.5 / 114.0 /
+# 119.0 us, KIVI-4 126.8 / 124.8 / 130.3; B=1 (the 2-per-SM floor: 33 splits) 30.8 / 34.5.
+KIVI_TILES_PER_SPLIT = 128
 DEFAULT_CTAS_PER_SM = None
 # What decode_attention(backend="auto") sends here: both formats, each GPU-verified in
 # run 15 (76 tests passed) and faster than Triton: int4 2.20x vs 1.17x fp16 SDPA, fp8
@@ -194,7 +208,8 @@ def num_regs(fmt: int, head_dim: int, variant: int = 0) -> int:
 
 
 def num_regs_kivi(bits: int, tail: bool = False, variant: int = 2) -> int:
-    """Registers per thread of the KIVI instances (tail=True: the window-tail path)."""
+    """Registers per thread of the KIVI instances (tail=True: the window-tail path, a
+    branch of the variant-2 kernel since run 17)."""
     lib = _load()
     return -1 if lib is None else lib.kvq_num_regs_kivi(bits, int(tail), variant)
 
@@ -292,9 +307,9 @@ def _kivi_unsupported(q: torch.Tensor, k, v) -> str | None:
 
 
 def splits(rows: int, T: int, device, num_splits: int | None = None,
-           ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM) -> tuple[int, int]:
+           ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM, tiles_per_split: int = TILES_PER_SPLIT) -> tuple[int, int]:
     """(number of splits, 16-token tiles per split), every split non-empty: num_splits
-    if given, else about ctas_per_sm CTAs per SM if given, else about TILES_PER_SPLIT
+    if given, else about ctas_per_sm CTAs per SM if given, else about tiles_per_split
     tiles per split with at least MIN_CTAS_PER_SM CTAs per SM."""
     tiles = max(1, -(-T // 16))
     sms = _sm_count(device)
@@ -303,7 +318,7 @@ def splits(rows: int, T: int, device, num_splits: int | None = None,
     elif ctas_per_sm:
         want = math.ceil(ctas_per_sm * sms / max(1, rows))
     else:
-        want = max(-(-tiles // TILES_PER_SPLIT), math.ceil(MIN_CTAS_PER_SM * sms / max(1, rows)))
+        want = max(-(-tiles // tiles_per_split), math.ceil(MIN_CTAS_PER_SM * sms / max(1, rows)))
     want = max(1, min(want, tiles))
     per = -(-tiles // want)
     return -(-tiles // per), per
@@ -407,8 +422,8 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype) -> _Plan:
     keep = []
     if isinstance(k, KIVIFlat):
         variant = DEFAULT_VARIANT["kivi"] if variant is None else variant
-        if variant not in SMEM_VARIANTS:
-            raise ValueError(f"KIVI takes the shared-memory variants {SMEM_VARIANTS}, got {variant}")
+        if variant not in KIVI_VARIANTS:
+            raise ValueError(f"KIVI takes the shared-memory variants {KIVI_VARIANTS}, got {variant}")
         n_main, (ns_m, per_m), (ns_t, per_t) = kivi_plan(k, v, q.device, num_splits, ctas_per_sm)
         a.kind, a.fmt = 1, k.bits
         for f, role, pre in ((k, "K", "k"), (v, "V", "v")):
@@ -528,11 +543,16 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
 def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM):
     """How a KIVI call is cut: (n_main, (splits, tiles per split) of tokens [0, n_main),
     (splits, tiles per split) of the tail [n_main, T)). n_main = min(TQK, TQV): both sides
-    quantized (whole groups, whole tiles); num_splits / ctas_per_sm apply to that part,
-    the tail (the windows, usually < R + G tokens) takes the default rule."""
+    quantized (whole groups, whole tiles); its splits hold whole groups (an even number of
+    tiles: the group stream's stage is a group); num_splits / ctas_per_sm apply to that
+    part, the tail (the windows, usually < R + G tokens) takes the default rule."""
     rows = k.B * k.H
     n_main = min(k.T_quant, v.T_quant)
-    main = splits(rows, n_main, device, num_splits, ctas_per_sm) if n_main else (0, 0)
+    main = (0, 0)
+    if n_main:
+        _, per = splits(rows, n_main, device, num_splits, ctas_per_sm, KIVI_TILES_PER_SPLIT)
+        per += per % 2
+        main = (-(-(n_main // 16) // per), per)
     tail_tokens = k.T - n_main
     tail = splits(rows, tail_tokens, device) if tail_tokens else (0, 0)
     return n_main, main, tail
@@ -540,4 +560,4 @@ def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | No
 
 __all__ = ["decode", "make_workspace", "unsupported", "takes_by_default", "CUDA_VERIFIED", "format_name", "kivi_plan",
            "num_regs_kivi", "why_unavailable", "available", "splits", "num_regs", "SOURCE",
-           "NUM_VARIANTS", "SMEM_VARIANTS"]
+           "NUM_VARIANTS", "SMEM_VARIANTS", "KIVI_VARIANTS"]

@@ -33,7 +33,7 @@ SPECS = {"int4": "int4", "fp8": "fp8-e4m3", "kivi2": "kivi:bits=2", "kivi4": "ki
 
 def regs(name, variant):
     if name.startswith("kivi"):
-        return cuda_decode.num_regs_kivi(int(name[-1]), False, variant) if variant in cuda_decode.SMEM_VARIANTS else None
+        return cuda_decode.num_regs_kivi(int(name[-1]), False, variant) if variant in cuda_decode.KIVI_VARIANTS else None
     return cuda_decode.num_regs(METHODS[name], 128, variant)
 
 
@@ -69,7 +69,7 @@ def rel_err(a, b) -> float:
 def run(shapes, out: Path, methods=tuple(METHODS)) -> dict:
     dev = torch.device("cuda")
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "regs": {f"{m}/v{v}": regs(m, v) for m in METHODS for v in range(cuda_decode.NUM_VARIANTS)},
+           "regs": {f"{m}/v{v}": regs(m, v) for m in METHODS for v in range(max(cuda_decode.KIVI_VARIANTS) + 1)},
            "rows": []}
     res["regs"].update({f"kivi{b}/tail": cuda_decode.num_regs_kivi(b, True) for b in (2, 4)})
     res["copy_GBps"] = copy_bandwidth(dev)
@@ -109,12 +109,13 @@ def run(shapes, out: Path, methods=tuple(METHODS)) -> dict:
                 print("FAILED", name, B, T, str(e)[:200], flush=True)
                 continue
             kivi = name.startswith("kivi")  # KIVI: the shared-memory variants only
-            variants = cuda_decode.SMEM_VARIANTS if kivi else range(cuda_decode.NUM_VARIANTS)
+            variants = cuda_decode.KIVI_VARIANTS if kivi else range(cuda_decode.NUM_VARIANTS)
             if B > 1:
                 cfgs = [dict(variant=vv, ctas_per_sm=c) for vv in variants for c in (4, 8, 16)]
                 cfgs.append(dict())  # the defaults (variant 2, ~64 tiles per split)
             else:  # few rows: fewer, longer splits (the shared-memory pipeline keeps bytes in flight)
-                vs = sorted({best_variant.get(name, 2), *cuda_decode.SMEM_VARIANTS} | (set() if kivi else {0}))
+                vs = sorted({best_variant.get(name, 2)} | (set(cuda_decode.KIVI_VARIANTS) if kivi
+                                                           else {0, *cuda_decode.SMEM_VARIANTS}))
                 cfgs = [dict(variant=vv, ctas_per_sm=c) for vv in vs for c in (2, 4, 8)]
             best = None
             for cfg in cfgs:

@@ -66,6 +66,11 @@ struct Params {
   // split0 + sp of nsplit (int4 / fp8: t_first = split0 = 0; KIVI: the quantized part and
   // the window tail are two launches into one workspace)
   int t_first, split0;
+  // KIVI, one launch: splits [0, nsplit_tail) take the window tail [n_main, T) in
+  // per_tail tiles each (KiviTail, direct loads), the others the quantized part
+  // [0, n_main) in steps_per_split tiles each (KiviQ through the pipeline). The tail's
+  // CTAs come first in the grid, so they run beside the first wave, not after the last.
+  int n_main, per_tail, nsplit_tail;
   int qtype, T, Hkv, gqa, steps_per_split, nsplit;
   // int4 / fp8: the valid token count on the device (null: T). T is then the capacity
   // bound the grid was sized for; the kernel reads min(*vlen, T) at run time, so one
@@ -432,7 +437,7 @@ __device__ __forceinline__ void read_stage(Raw<F>& r, const uint8_t* st, int g, 
 template <class F, int D, int NW>
 struct RowStream {
   using RawT = Raw<F>;
-  static constexpr int BYTES = SmemTile<F>::BYTES;
+  static constexpr int BYTES = SmemTile<F>::BYTES, TILES = 1;  // one 16-token tile per stage
   CpCursor cur;
   __device__ __forceinline__ void init(const Params& p, int bh, int t0, int lane) {
     constexpr int NG = F::NG;
@@ -449,7 +454,9 @@ struct RowStream {
   __device__ __forceinline__ void copy(uint32_t stage, int tend, bool on, int lane) {
     copy_tile<F, NW>(stage, cur, tend, on, lane);
   }
-  __device__ __forceinline__ static void read(RawT& r, const uint8_t* st, int g, int c) { read_stage<F, D>(r, st, g, c); }
+  __device__ __forceinline__ static void read(RawT& r, const uint8_t* st, int g, int c, int) {
+    read_stage<F, D>(r, st, g, c);
+  }
 };
 
 // ---------------------------------------------------------------------------------
@@ -498,8 +505,6 @@ struct KiviQ {
   static constexpr int KBLK = 144;          // one plane's 32 dims (128 B) + 16 B: lanes c hit other banks
   static constexpr int SBLK = 80;           // 32 dims of fp16 scales (64 B) + 16 B
   static constexpr int RB = D * BITS / 8, VW = RB / 32, CPT = RB / 16;  // V row bytes, words per lane, chunks
-  static constexpr int KSO = KPL * 4 * KBLK, KZO = KSO + 4 * SBLK, VC = KZO + 4 * SBLK;
-  static constexpr int VSO = VC + 16 * RB, VZO = VSO + 16 * NG * 2, BYTES = VZO + 16 * NG * 2;
   __device__ static int kdim(int kk, int slot, int half) { return 4 * kk + 2 * slot + half; }
   __device__ static int row_tok(int r) {
     const int b = r & 7;
@@ -559,11 +564,120 @@ struct KiviQ {
   }
 };
 
+// KIVI's stream through the pipeline: a stage holds one whole 32-token group (two
+// tiles, read one after the other), so every copy is coalesced and the group's K scales
+// and zeros are copied once. (Before GPU run 17 a stage held one 16-token tile, the
+// warps of a CTA took the two halves of a group, and each copied its half of the K codes
+// -- every other 4 or 8 bytes of the group's rows, 8-16 sectors per 128 useful bytes --
+// and the group's 512 B of K scales and zeros again.)
+// Stage layout: K codes as [plane][4 blocks of 32 dims, KBLK][dim], a plane = one 32-bit
+// word per dim (2 bits: 16 tokens, planes 0/1 = tiles 0/1; 4 bits: 8 tokens, planes
+// 2h, 2h+1 = tile h), plane stride PLS chosen so that the copies' 32 lanes (consecutive
+// words of the global rows: (dim, plane) pairs) hit 32 banks; K scales / zeros as before
+// (SBLK per 32 dims); V rows of tile h as a 16-row block at VC + h 16 RB (KiviQ::vrow /
+// vchunk); the group's 32 tokens' V scales then zeros (NG fp16 per token).
 template <int BITS, int NW>
 struct KiviStream {
   using F = KiviQ<BITS>;
   using RawT = typename F::Raw;
-  static constexpr int BYTES = F::BYTES;
+  static constexpr int D = F::D, G = F::G, NG = F::NG, GB = F::GB, RB = F::RB, KBLK = F::KBLK, SBLK = F::SBLK;
+  static constexpr int PLANES = 2 * F::KPL, PLS = 4 * KBLK + (BITS == 4 ? 32 : 0);
+  static constexpr int KSO = PLANES * PLS, KZO = KSO + 4 * SBLK, VC = KZO + 4 * SBLK;
+  static constexpr int VSO = VC + 32 * RB, VZO = VSO + 32 * NG * 2, BYTES = VZO + 32 * NG * 2;
+  static constexpr int TILES = 2;             // 16-token tiles per stage
+  static constexpr int RUNS = D * GB / 128;   // 128-byte runs of the group's K codes
+  static constexpr int VCH = RB / 16;         // V 16-byte chunks per lane
+  static_assert(KSO % 16 == 0 && VC % 16 == 0 && VSO % 16 == 0 && BYTES % 16 == 0, "16-byte aligned blocks");
+  const uint8_t* k;     // K codes: word `lane` of the group's first run
+  const uint16_t* ksz;  // lanes 0-15: 8 K scales (dims 8 lane..), 16-31: 8 K zeros
+  const uint8_t* v;     // V codes: chunk `lane` of the group's rows
+  const uint16_t* vsz;  // lanes 0-15: V scales of tokens 2 lane, 2 lane + 1; 16-31: their zeros
+  int t0;
+  uint32_t kdst;        // the lane's K word in a stage, run 0
+  __device__ __forceinline__ void init(const Params& p, int bh, int t0_, int lane) {
+    t0 = t0_;  // a multiple of 32: the warp's units are whole groups
+    const long long grp = t0 >> 5;
+    k = p.kc + bh * p.k_cs + grp * (D * GB) + 4 * lane;
+    ksz = (lane < 16 ? p.ks : p.kz) + bh * p.k_ss + grp * D + 8 * (lane & 15);
+    v = p.vc + bh * p.v_cs + (long long)t0 * RB + 16 * lane;
+    vsz = (lane < 16 ? p.vs : p.vz) + bh * p.v_ss + (long long)(t0 + 2 * (lane & 15)) * NG;
+    // word `lane` of a run: 2 bits dim 16 r + lane / 2, plane lane % 2; 4 bits dim 8 r + lane / 4, plane lane % 4
+    constexpr int WPD = GB / 4;  // words per dim
+    kdst = (lane % WPD) * PLS + 4 * (lane / WPD);
+  }
+  __device__ __forceinline__ void copy(uint32_t stage, int tend, bool on, int lane) {
+    constexpr int DPR = 128 / GB;  // dims per run
+#pragma unroll
+    for (int r = 0; r < RUNS; ++r) {
+      const int d0 = DPR * r;  // the run's first dim: block d0 / 32, column d0 % 32
+      cp_async<4>(stage + kdst + (d0 >> 5) * KBLK + 4 * (d0 & 31), k + 128 * r, on);
+    }
+    cp_async<16>(stage + (lane < 16 ? KSO : KZO) + SBLK * ((lane & 15) >> 2) + 16 * (lane & 3), ksz, on);
+#pragma unroll
+    for (int r = 0; r < VCH; ++r) {  // 32 rows x 2 VCH chunks
+      const int i = lane + 32 * r, t = i / (RB / 16), j = i % (RB / 16), h = t >> 4, tt = t & 15;
+      const bool ok = on && t0 + t < tend;
+      cp_async<16>(stage + VC + h * 16 * RB + RB * F::vrow(tt) + 16 * F::vchunk(tt, j), v + 512 * r, ok);
+    }
+    cp_async<16>(stage + (lane < 16 ? VSO : VZO) + 16 * (lane & 15), vsz, on && t0 + 2 * (lane & 15) < tend);
+    constexpr int STEP = NW * 32;  // tokens between a warp's groups
+    t0 += STEP;
+    k += NW * (D * GB);
+    ksz += NW * D;
+    v += STEP * RB;
+    vsz += STEP * NG;
+  }
+  // tile h (0, 1) of the stage's group
+  __device__ __forceinline__ static void read(RawT& r, const uint8_t* st, int g, int c, int h) {
+    const int plane = F::KPL * h + (BITS == 4 ? g >> 2 : 0), byte = BITS == 4 ? g & 3 : g >> 1;
+    r.kb = st + plane * PLS + c * KBLK;
+    r.sb = st + KSO + c * SBLK;
+    r.sel = byte | ((4 + byte) << 8);
+    if constexpr (BITS == 2) {
+      const int P = 4 * (g & 1);
+      r.ma = 0x00030003u << P;
+      r.mb = 0x00030003u << (P + 2);
+      r.mga = (0x6400u - 0x400u * P) * 0x10001u;
+      r.mgb = (0x6400u - 0x400u * (P + 2)) * 0x10001u;
+    }
+    const uint16_t* vs = reinterpret_cast<const uint16_t*>(st + VSO) + 16 * NG * h;
+    const uint16_t* vz = reinterpret_cast<const uint16_t*>(st + VZO) + 16 * NG * h;
+    const uint8_t* vb = st + VC + h * 16 * RB;
+    uint32_t s[4], z[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int t = F::row_tok(2 * c + (i & 1) + 8 * (i >> 1));
+      const int o = g * F::VW * 4;  // byte of the lane's 16 dims in the row
+      const uint8_t* row = vb + RB * F::vrow(t) + 16 * F::vchunk(t, o / 16) + o % 16;
+      if constexpr (F::VW == 2) {
+        const uint2 x = *reinterpret_cast<const uint2*>(row);
+        r.v[i][0] = x.x;
+        r.v[i][1] = x.y;
+      } else {
+        r.v[i][0] = *reinterpret_cast<const uint32_t*>(row);
+      }
+      s[i] = vs[t * NG + (g >> 1)];
+      z[i] = vz[t * NG + (g >> 1)];
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      r.vs2[j] = __byte_perm(s[2 * j], s[2 * j + 1], 0x5410);
+      r.vz2[j] = __byte_perm(z[2 * j], z[2 * j + 1], 0x5410);
+    }
+  }
+};
+
+// The stream of KIVI variants 5, 6 (run 16's, kept beside the group stream to compare
+// in one GPU run): a stage holds one 16-token tile; the warps of a CTA take the two
+// halves of a group, so each copies every other 4 bytes (2 bits: 8) of the group's K
+// rows and the group's K scales / zeros again.
+template <int BITS, int NW>
+struct KiviTileStream {
+  using F = KiviQ<BITS>;
+  using RawT = typename F::Raw;
+  static constexpr int KSO = F::KPL * 4 * F::KBLK, KZO = KSO + 4 * F::SBLK, VC = KZO + 4 * F::SBLK;
+  static constexpr int VSO = VC + 16 * F::RB, VZO = VSO + 16 * F::NG * 2, BYTES = VZO + 16 * F::NG * 2;
+  static constexpr int TILES = 1;
   const uint8_t* k;     // K codes of the lane's dim `lane` in the tile's group, at the tile's half
   const uint16_t* ksz;  // lanes 0-15: 8 K scales (dims 8 lane..), 16-31: 8 K zeros
   const uint8_t* v;     // V codes: chunk `lane` of the tile
@@ -585,14 +699,14 @@ struct KiviStream {
       for (int w = 0; w < F::KPL; ++w)
         cp_async<4>(stage + w * 4 * F::KBLK + i * F::KBLK + 4 * lane, k + 32 * i * F::GB + 4 * w, on);
     }
-    cp_async<16>(stage + (lane < 16 ? F::KSO : F::KZO) + F::SBLK * ((lane & 15) >> 2) + 16 * (lane & 3), ksz, on);
+    cp_async<16>(stage + (lane < 16 ? KSO : KZO) + F::SBLK * ((lane & 15) >> 2) + 16 * (lane & 3), ksz, on);
 #pragma unroll
     for (int r = 0; r < F::VW; ++r) {  // 16 rows x CPT chunks = 32 VW chunks
       const int i = lane + 32 * r, t = i / F::CPT, j = i % F::CPT;
       const bool ok = on && t0 + t < tend;
-      cp_async<16>(stage + F::VC + F::RB * F::vrow(t) + 16 * F::vchunk(t, j), v + 512 * r, ok);
+      cp_async<16>(stage + VC + F::RB * F::vrow(t) + 16 * F::vchunk(t, j), v + 512 * r, ok);
     }
-    cp_async<F::NG * 2>(stage + (lane < 16 ? F::VSO : F::VZO) + F::NG * 2 * (lane & 15), vsz,
+    cp_async<F::NG * 2>(stage + (lane < 16 ? VSO : VZO) + F::NG * 2 * (lane & 15), vsz,
                         on && t0 + (lane & 15) < tend);
     constexpr int STEP = NW * 16;
     static_assert(STEP % 32 == 0, "a warp's tiles keep their half of the group");
@@ -602,10 +716,10 @@ struct KiviStream {
     v += STEP * F::RB;
     vsz += STEP * F::NG;
   }
-  __device__ __forceinline__ static void read(RawT& r, const uint8_t* st, int g, int c) {
+  __device__ __forceinline__ static void read(RawT& r, const uint8_t* st, int g, int c, int) {
     const int plane = BITS == 4 ? g >> 2 : 0, byte = BITS == 4 ? g & 3 : g >> 1;
     r.kb = st + plane * 4 * F::KBLK + c * F::KBLK;
-    r.sb = st + F::KSO + c * F::SBLK;
+    r.sb = st + KSO + c * F::SBLK;
     r.sel = byte | ((4 + byte) << 8);
     if constexpr (BITS == 2) {
       const int P = 4 * (g & 1);
@@ -614,14 +728,14 @@ struct KiviStream {
       r.mga = (0x6400u - 0x400u * P) * 0x10001u;
       r.mgb = (0x6400u - 0x400u * (P + 2)) * 0x10001u;
     }
-    const uint16_t* vs = reinterpret_cast<const uint16_t*>(st + F::VSO);
-    const uint16_t* vz = reinterpret_cast<const uint16_t*>(st + F::VZO);
+    const uint16_t* vs = reinterpret_cast<const uint16_t*>(st + VSO);
+    const uint16_t* vz = reinterpret_cast<const uint16_t*>(st + VZO);
     uint32_t s[4], z[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int t = F::row_tok(2 * c + (i & 1) + 8 * (i >> 1));
       const int o = g * F::VW * 4;  // byte of the lane's 16 dims in the row
-      const uint8_t* row = st + F::VC + F::RB * F::vrow(t) + 16 * F::vchunk(t, o / 16) + o % 16;
+      const uint8_t* row = st + VC + F::RB * F::vrow(t) + 16 * F::vchunk(t, o / 16) + o % 16;
       if constexpr (F::VW == 2) {
         const uint2 x = *reinterpret_cast<const uint2*>(row);
         r.v[i][0] = x.x;
@@ -640,10 +754,15 @@ struct KiviStream {
   }
 };
 
+
 // The KIVI tail: tokens [min(TQK, TQV), T) of each row, K and V each from its quantized
 // groups or its fp16 window (a 16-token tile lies in one of them: TQK, TQV are whole
 // groups). Direct global loads, scalar decode of quantized elements (round16(x s + z),
-// as the main path), zeros past T. Score rows are tokens as they are.
+// as the main path), zeros past T. Score rows are tokens as they are. A branch of the
+// KIVI kernel (its first splits), so it holds little across the tile: K and V are read
+// where the mma wants them (kstep / vstep), from per-row base pointers (before run 17
+// the tile's V was decoded up front into 32 registers: 136 per thread, which in the
+// shared kernel would have cost the quantized path a CTA per SM).
 template <int BITS_>
 struct KiviTail {
   static constexpr int BITS = BITS_, KIND = 2, D = 128, G = 32, NG = D / G, GB = G * BITS / 8, RB = D * BITS / 8;
@@ -655,8 +774,11 @@ struct KiviTail {
     const uint16_t* ks;
     const uint16_t* kz;
     const uint16_t* kr;
-    int t0, TQK, T, c, g;
-    uint32_t v[4][8];  // V of tokens 2c, 2c+1, 2c+8, 2c+9, dims 16g.. as fp16 pairs
+    const uint8_t* vc;    // V likewise
+    const uint16_t* vs;
+    const uint16_t* vz;
+    const uint16_t* vr;
+    int t0, TQK, TQV, T, c, g;
   };
   __device__ static uint32_t kq2(const Raw& r, int t, int d) {  // quantized K (t, d), (t, d+1)
     const int gi = t >> 5, w = t & 31;
@@ -686,59 +808,56 @@ struct KiviTail {
       a[i] = lo;      // a0 / a1: rows g / g+8, dims d, d+1
       a[2 + i] = hi;  // a2 / a3: dims d+2, d+3
     }
+    // keep the next k-step's loads after this one's: hoisted all together (8 k-steps x
+    // 12 scalar loads) they take more registers than the quantized path of the kernel
+    asm volatile("" ::: "memory");
   }
   __device__ static void load(Raw& r, const Params& p, int bh, int t0, int g, int c) {
     r.kc = p.kc + bh * p.k_cs;
     r.ks = p.ks + bh * p.k_ss;
     r.kz = p.kz + bh * p.k_ss;
     r.kr = p.kr + bh * p.k_rs;
-    r.t0 = t0; r.TQK = p.TQK; r.T = p.T; r.c = c; r.g = g;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int t = t0 + 2 * c + (i & 1) + 8 * (i >> 1);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) r.v[i][j] = 0;
-      if (t < p.TQV) {
-        const uint8_t* row = p.vc + bh * p.v_cs + (long long)t * RB + g * (RB / 8);  // 16 dims
-        const long long so = bh * p.v_ss + (long long)t * NG + (g >> 1);
-        const __half s = __ushort_as_half(p.vs[so]), z = __ushort_as_half(p.vz[so]);
-        uint32_t w[BITS / 2];
-#pragma unroll
-        for (int j = 0; j < BITS / 2; ++j) w[j] = reinterpret_cast<const uint32_t*>(row)[j];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          __half h[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int bit = (2 * j + e) * BITS;
-            const uint32_t code = (w[bit >> 5] >> (bit & 31)) & ((1u << BITS) - 1);
-            h[e] = __hfma(__ushort2half_rn((unsigned short)code), s, z);
-          }
-          r.v[i][j] = (uint32_t)__half_as_ushort(h[0]) | ((uint32_t)__half_as_ushort(h[1]) << 16);
-        }
-      } else if (t < p.T) {
-        const uint4* row = reinterpret_cast<const uint4*>(p.vr + bh * p.v_rs + (long long)(t - p.TQV) * D + 16 * g);
-        const uint4 x = row[0], y = row[1];
-        r.v[i][0] = x.x; r.v[i][1] = x.y; r.v[i][2] = x.z; r.v[i][3] = x.w;
-        r.v[i][4] = y.x; r.v[i][5] = y.y; r.v[i][6] = y.z; r.v[i][7] = y.w;
-      }
+    r.vc = p.vc + bh * p.v_cs;
+    r.vs = p.vs + bh * p.v_ss;
+    r.vz = p.vz + bh * p.v_ss;
+    r.vr = p.vr + bh * p.v_rs;
+    r.t0 = t0; r.TQK = p.TQK; r.TQV = p.TQV; r.T = p.T; r.c = c; r.g = g;
+  }
+  // dims 16g + 2mt, +1 of V token t as a half2 (zeros past T)
+  __device__ static uint32_t vword(const Raw& r, int t, int mt) {
+    const int j = 16 * r.g + 2 * mt;
+    if (t < r.TQV) {
+      const long long so = (long long)t * NG + (j >> 5);
+      const __half s = __ushort_as_half(r.vs[so]), z = __ushort_as_half(r.vz[so]);
+      const int bit = j * BITS;  // both dims' codes lie in one byte
+      const uint32_t b = r.vc[(long long)t * RB + (bit >> 3)] >> (bit & 7);
+      const __half h0 = __hfma(__ushort2half_rn((unsigned short)(b & ((1u << BITS) - 1))), s, z);
+      const __half h1 = __hfma(__ushort2half_rn((unsigned short)((b >> BITS) & ((1u << BITS) - 1))), s, z);
+      return (uint32_t)__half_as_ushort(h0) | ((uint32_t)__half_as_ushort(h1) << 16);
     }
+    if (t < r.T) return *reinterpret_cast<const uint32_t*>(r.vr + (long long)(t - r.TQV) * D + j);
+    return 0u;
   }
   __device__ static void vstep(const Raw& r, int mt, uint32_t (&a)[4]) {
-    a[0] = __byte_perm(r.v[0][mt], r.v[1][mt], 0x5410);  // dim 2mt of tokens 2c, 2c+1
-    a[1] = __byte_perm(r.v[0][mt], r.v[1][mt], 0x7632);  // dim 2mt+1
-    a[2] = __byte_perm(r.v[2][mt], r.v[3][mt], 0x5410);
-    a[3] = __byte_perm(r.v[2][mt], r.v[3][mt], 0x7632);
+    const int t = r.t0 + 2 * r.c;  // tokens t, t+1 (k 2c, 2c+1) and t+8, t+9
+    const uint32_t w0 = vword(r, t, mt), w1 = vword(r, t + 1, mt), w2 = vword(r, t + 8, mt), w3 = vword(r, t + 9, mt);
+    a[0] = __byte_perm(w0, w1, 0x5410);  // dim 2mt of tokens 2c, 2c+1
+    a[1] = __byte_perm(w0, w1, 0x7632);  // dim 2mt+1
+    a[2] = __byte_perm(w2, w3, 0x5410);
+    a[3] = __byte_perm(w2, w3, 0x7632);
+    asm volatile("" ::: "memory");  // (as kstep)
   }
 };
 
-template <class F, int D, int NW, int KIND = F::KIND>
+// The pipeline's stream of a format: token rows (int4, fp8) or KIVI's, whose stage holds a
+// whole group (GS = 1, since run 17) or one tile (GS = 0, run 16's).
+template <class F, int D, int NW, int GS, int KIND = F::KIND>
 struct StreamOf {
   using type = RowStream<F, D, NW>;
 };
-template <class F, int D, int NW>
-struct StreamOf<F, D, NW, 1> {
-  using type = KiviStream<F::BITS, NW>;
+template <class F, int D, int NW, int GS>
+struct StreamOf<F, D, NW, GS, 1> {
+  using type = typename std::conditional<GS != 0, KiviStream<F::BITS, NW>, KiviTileStream<F::BITS, NW>>::type;
 };
 
 // ---------------------------------------------------------------------------------
@@ -819,13 +938,21 @@ __device__ __forceinline__ void tile_step(const R& r, int t0, int tend, float qk
   }
 }
 
+// Stages of a stream whose stage holds TILES tiles: the variant's SMS 16-token stages in
+// units of TILES tiles (at least 2), about the same bytes per warp.
+template <int SMS, int TILES>
+__host__ __device__ constexpr int unit_stages() {
+  return SMS / TILES < 2 ? 2 : SMS / TILES;
+}
+
 // Shared memory of the SMS-stage pipeline (0: the register path), and of the merge.
-template <class F, int D, int NW, int SMS>
+template <class F, int D, int NW, int SMS, int GS>
 constexpr int dyn_smem() {
   if constexpr (SMS == 0 || F::KIND == 2) {
     return 0;
   } else {
-    constexpr int pipe = SMS * NW * StreamOf<F, D, NW>::type::BYTES;
+    using S = typename StreamOf<F, D, NW, GS>::type;
+    constexpr int pipe = unit_stages<SMS, S::TILES>() * NW * S::BYTES;
     constexpr int red = NW * 8 * D * 4;
     return pipe > red ? pipe : red;
   }
@@ -833,12 +960,13 @@ constexpr int dyn_smem() {
 
 // STAGES: register path (SMS = 0), tiles held = STAGES (STAGES - 1 loaded ahead);
 // SMS > 0: the shared-memory pipeline of SMS stages per warp (STAGES unused).
-template <class F, int D, int NW, int STAGES, int MINB, int SMS>
+// GS: KIVI's stream (StreamOf).
+template <class F, int D, int NW, int STAGES, int MINB, int SMS, int GS>
 __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   constexpr int KS = D / 16;  // k-steps of QK^T = m-tiles of PV
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
-  const int bh = blockIdx.x, sp = blockIdx.y;
+  const int bh = blockIdx.x;
   const int h = bh % p.Hkv;
   constexpr int NG = F::NG;
 
@@ -861,25 +989,40 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   // valid tokens: p.T, or the device count (int4 / fp8; may be below T, down to none:
   // a CTA whose tiles all lie past it keeps m = -inf, l = 0, acc = 0 and writes exactly
   // that empty partial, which the combine weighs by 0)
-  const int tend = p.vlen ? min(p.T, __ldg(p.vlen)) : p.T;
-  const int nsteps = tend > p.t_first ? (tend - p.t_first + 15) / 16 : 0;  // tiles of [t_first, tend)
-  const int first = sp * p.steps_per_split;
-  const int last = min(first + p.steps_per_split, nsteps);
+  int tend = p.vlen ? min(p.T, __ldg(p.vlen)) : p.T;
+  int t_first = p.t_first, sp = blockIdx.y, per = p.steps_per_split;
+  bool tail_cta = false;
+  if constexpr (F::KIND == 1) {  // KIVI: this CTA's part (the tail's splits first)
+    tail_cta = sp < p.nsplit_tail;
+    if (tail_cta) {
+      t_first = p.n_main;
+      per = p.per_tail;
+    } else {
+      tend = p.n_main;
+      sp -= p.nsplit_tail;
+    }
+  }
+  const int nsteps = tend > t_first ? (tend - t_first + 15) / 16 : 0;  // tiles of [t_first, tend)
+  const int first = sp * per;
+  const int last = min(first + per, nsteps);
   extern __shared__ __align__(16) uint8_t dsm[];
 
-  if constexpr (F::KIND == 2) {  // KIVI tail: direct loads, one tile per warp at a time
-    for (int st = first + warp; st < last; st += NW) {
-      typename F::Raw r;
-      const int t0 = p.t_first + st * 16;
-      F::load(r, p, bh, t0, g, c);
-      tile_step<F, D>(r, t0, tend, qk, qb, acc, m, l, g);
+  if (tail_cta) {
+    if constexpr (F::KIND == 1) {  // KIVI window tail: direct loads, one tile per warp at a time
+      using TF = KiviTail<F::BITS>;
+      for (int st = first + warp; st < last; st += NW) {
+        typename TF::Raw r;
+        const int t0 = t_first + st * 16;
+        TF::load(r, p, bh, t0, g, c);
+        tile_step<TF, D>(r, t0, tend, qk, qb, acc, m, l, g);
+      }
     }
   } else if constexpr (SMS == 0) {
     static_assert(F::KIND == 0, "the register path reads token rows");
     const int vgrp = g * (D / 8) / 32;  // the group of this lane's V dims (int4)
     Cursor<F> cur;  // at this warp's first tile
     {
-      const int t0 = p.t_first + (first + warp) * 16;
+      const int t0 = t_first + (first + warp) * 16;
       cur.t0 = t0;
       cur.k = p.kc + bh * p.k_cs + (long long)(t0 + g) * F::ROWB + c * (F::KW * 4);
       cur.v = p.vc + bh * p.v_cs + (long long)(t0 + 2 * c) * F::ROWB + g * (F::VW * 4);
@@ -900,33 +1043,39 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
         // prefetch STAGES-1 tiles ahead (the cursor is there)
         load_tile<F, NW>(buf[(i + STAGES - 1) % STAGES], cur, tend, st + (STAGES - 1) * NW < last, g, c);
         if (st >= last) break;  // warp-uniform
-        tile_step<F, D>(buf[i], p.t_first + st * 16, tend, qk, qb, acc, m, l, g);
+        tile_step<F, D>(buf[i], t_first + st * 16, tend, qk, qb, acc, m, l, g);
       }
     }
   } else {
-    using S = typename StreamOf<F, D, NW>::type;  // RowStream (int4, fp8) or KiviStream
+    using S = typename StreamOf<F, D, NW, GS>::type;  // RowStream (int4, fp8), KiviStream or KiviTileStream
+    constexpr int TPU = S::TILES, NS = unit_stages<SMS, TPU>();  // tiles per stage (unit), stages
+    const int ufirst = first / TPU, ulast = (last + TPU - 1) / TPU;  // KIVI: splits are whole groups
     S cur;
-    cur.init(p, bh, p.t_first + (first + warp) * 16, lane);
-    const uint8_t* wsm = dsm + warp * (SMS * S::BYTES);
+    cur.init(p, bh, t_first + (ufirst + warp) * TPU * 16, lane);
+    const uint8_t* wsm = dsm + warp * (NS * S::BYTES);
     const uint32_t wsa = smem_u32(wsm);
-    const int ntile = last > first + warp ? (last - first - warp + NW - 1) / NW : 0;  // this warp's tiles
+    const int nunit = ulast > ufirst + warp ? (ulast - ufirst - warp + NW - 1) / NW : 0;  // this warp's units
 #pragma unroll
-    for (int i = 0; i < SMS - 1; ++i) {
-      cur.copy(wsa + i * S::BYTES, tend, i < ntile, lane);
+    for (int i = 0; i < NS - 1; ++i) {
+      cur.copy(wsa + i * S::BYTES, tend, i < nunit, lane);
       cp_commit();
     }
-    int rd = 0, wr = SMS - 1;  // stage read next, stage written next
-    for (int j = 0; j < ntile; ++j) {
+    int rd = 0, wr = NS - 1;  // stage read next, stage written next
+    for (int j = 0; j < nunit; ++j) {
       __syncwarp();  // every lane has read the stage written now (read at j - 1)
-      cur.copy(wsa + wr * S::BYTES, tend, j + SMS - 1 < ntile, lane);
+      cur.copy(wsa + wr * S::BYTES, tend, j + NS - 1 < nunit, lane);
       cp_commit();
-      cp_wait<SMS - 1>();  // this lane's copies of tile j are done
-      __syncwarp();        // ... and every lane's
-      typename S::RawT r;
-      S::read(r, wsm + rd * S::BYTES, g, c);
-      rd = rd == SMS - 1 ? 0 : rd + 1;
-      wr = wr == SMS - 1 ? 0 : wr + 1;
-      tile_step<F, D>(r, p.t_first + (first + warp + j * NW) * 16, tend, qk, qb, acc, m, l, g);
+      cp_wait<NS - 1>();  // this lane's copies of unit j are done
+      __syncwarp();       // ... and every lane's
+      const int u0 = t_first + (ufirst + warp + j * NW) * TPU * 16;
+#pragma unroll
+      for (int h = 0; h < TPU; ++h) {
+        typename S::RawT r;
+        S::read(r, wsm + rd * S::BYTES, g, c, h);
+        tile_step<F, D>(r, u0 + 16 * h, tend, qk, qb, acc, m, l, g);
+      }
+      rd = rd == NS - 1 ? 0 : rd + 1;
+      wr = wr == NS - 1 ? 0 : wr + 1;
     }
     cp_wait<0>();
   }
@@ -970,7 +1119,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
     float o = 0.f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) o += red[w][hd][d];
-    const long long prow = ((long long)bh * p.gqa + hd) * p.nsplit + p.split0 + sp;
+    const long long prow = ((long long)bh * p.gqa + hd) * p.nsplit + p.split0 + blockIdx.y;
     p.po[prow * D + d] = o;
     if (d == 0) {
       float M = NEG_INF, L = 0.f;
@@ -989,17 +1138,18 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
 // cap, may spill), shared-memory stages (0: the register path)}.
 constexpr int VARIANTS[][3] = {{2, 1, 0}, {3, 3, 0}, {1, 1, 4}, {1, 4, 3}, {1, 3, 6}, {1, 2, 8}};
 constexpr int NVARIANTS = 6;
+// KIVI's variants 2..6 (run 17): {min CTAs per SM, shared-memory stages in 16-token tiles
+// (the group stream holds SMS / 2 groups, at least 2), GS: group stream (1) or run 16's
+// tile stream (0)}. The group stream unrolls a stage's two tiles: 137-140 registers
+// uncapped (3 CTAs per SM: v4), <= 128 capped (4 CTAs: v2, v3; KIVI-2 spills 16 bytes).
+constexpr int KVARIANTS[][3] = {{4, 4, 1}, {4, 6, 1}, {3, 4, 1}, {1, 4, 0}, {4, 3, 0}};
+constexpr int KVARIANT0 = 2, NKVARIANTS = 5;
 
-template <class F, int D, int V>
-int launch_v(const Params& p, int rows, int grid_y, cudaStream_t stream) {
+template <class F, int D, int STAGES, int MINB, int SMS, int GS>
+int launch_cfg(const Params& p, int rows, int grid_y, cudaStream_t stream) {
   constexpr int NW = 4;
-  constexpr int SMS = F::KIND == 2 ? 0 : VARIANTS[V][2];  // the KIVI tail: direct loads, any variant
-  constexpr int MINB = F::KIND == 2 ? 1 : VARIANTS[V][1];
-  if constexpr (F::KIND == 1 && SMS == 0) {
-    return (int)cudaErrorInvalidValue;  // KIVI's quantized part streams through shared memory only
-  } else {
-  constexpr int smem = dyn_smem<F, D, NW, SMS>();
-  auto k = split_kernel<F, D, NW, VARIANTS[V][0], MINB, SMS>;
+  constexpr int smem = dyn_smem<F, D, NW, SMS, GS>();
+  auto k = split_kernel<F, D, NW, STAGES, MINB, SMS, GS>;
   if constexpr (smem > 0) {  // dynamic + static (256 B) may pass the default 48 KiB (fp8, 3 stages: 48 KiB + 256 B)
     static bool set = false;  // once per instance (benign race: the same value)
     if (!set) {
@@ -1010,32 +1160,59 @@ int launch_v(const Params& p, int rows, int grid_y, cudaStream_t stream) {
   }
   k<<<dim3(rows, grid_y), NW * 32, smem, stream>>>(p);
   return 0;
+}
+
+template <class F, int D, int STAGES, int MINB, int SMS, int GS>
+int regs_cfg() {
+  cudaFuncAttributes a;
+  const cudaError_t e = cudaFuncGetAttributes(&a, split_kernel<F, D, 4, STAGES, MINB, SMS, GS>);
+  return e == cudaSuccess ? a.numRegs : -(int)e;
+}
+
+// variant V of a format: VARIANTS (int4, fp8: 0..5) or KVARIANTS (KIVI: 2..6); else invalid
+template <class F, int D, int V>
+int launch_v(const Params& p, int rows, int grid_y, cudaStream_t stream) {
+  if constexpr (F::KIND == 1) {
+    if constexpr (V < KVARIANT0 || V >= KVARIANT0 + NKVARIANTS) {
+      return (int)cudaErrorInvalidValue;  // KIVI's quantized part streams through shared memory only
+    } else {
+      constexpr int MINB = KVARIANTS[V - KVARIANT0][0], SMS = KVARIANTS[V - KVARIANT0][1];
+      return launch_cfg<F, D, 1, MINB, SMS, KVARIANTS[V - KVARIANT0][2]>(p, rows, grid_y, stream);
+    }
+  } else if constexpr (V >= NVARIANTS) {
+    return (int)cudaErrorInvalidValue;
+  } else {
+    return launch_cfg<F, D, VARIANTS[V][0], VARIANTS[V][1], VARIANTS[V][2], 0>(p, rows, grid_y, stream);
   }
 }
 
 template <class F, int D, int V>
 int regs_v() {
-  constexpr int SMS = F::KIND == 2 ? 0 : VARIANTS[V][2];
-  if constexpr (F::KIND == 1 && SMS == 0) {
+  if constexpr (F::KIND == 1) {
+    if constexpr (V < KVARIANT0 || V >= KVARIANT0 + NKVARIANTS) {
+      return -1;
+    } else {
+      constexpr int MINB = KVARIANTS[V - KVARIANT0][0], SMS = KVARIANTS[V - KVARIANT0][1];
+      return regs_cfg<F, D, 1, MINB, SMS, KVARIANTS[V - KVARIANT0][2]>();
+    }
+  } else if constexpr (V >= NVARIANTS) {
     return -1;
   } else {
-    cudaFuncAttributes a;
-    const cudaError_t e =
-        cudaFuncGetAttributes(&a, split_kernel<F, D, 4, VARIANTS[V][0], F::KIND == 2 ? 1 : VARIANTS[V][1], SMS>);
-    return e == cudaSuccess ? a.numRegs : -(int)e;
+    return regs_cfg<F, D, VARIANTS[V][0], VARIANTS[V][1], VARIANTS[V][2], 0>();
   }
 }
 
 template <class F, int D>
 int launch_split(const Params& p, int rows, int grid_y, int variant, cudaStream_t stream) {
-  if constexpr (F::KIND == 2) return launch_v<F, D, 0>(p, rows, grid_y, stream);  // the tail: one instance
   switch (variant) {
+    case 0: return launch_v<F, D, 0>(p, rows, grid_y, stream);
     case 1: return launch_v<F, D, 1>(p, rows, grid_y, stream);
     case 2: return launch_v<F, D, 2>(p, rows, grid_y, stream);
     case 3: return launch_v<F, D, 3>(p, rows, grid_y, stream);
     case 4: return launch_v<F, D, 4>(p, rows, grid_y, stream);
     case 5: return launch_v<F, D, 5>(p, rows, grid_y, stream);
-    default: return launch_v<F, D, 0>(p, rows, grid_y, stream);
+    case 6: return launch_v<F, D, 6>(p, rows, grid_y, stream);
+    default: return (int)cudaErrorInvalidValue;
   }
 }
 
@@ -1060,12 +1237,14 @@ int launch(const Params& p, int rows, void* out, int otype, int variant, cudaStr
 template <class F, int D>
 int regs_of(int variant) {
   switch (variant) {
+    case 0: return regs_v<F, D, 0>();
     case 1: return regs_v<F, D, 1>();
     case 2: return regs_v<F, D, 2>();
     case 3: return regs_v<F, D, 3>();
     case 4: return regs_v<F, D, 4>();
     case 5: return regs_v<F, D, 5>();
-    default: return regs_v<F, D, 0>();
+    case 6: return regs_v<F, D, 6>();
+    default: return -1;
   }
 }
 
@@ -1108,28 +1287,21 @@ static int run_rows(const HostArgs& a, const Params& p, int rows, void* out, cud
   KVQ_DISPATCH(launch, (p, rows, out, a.otype, a.variant, s))
 }
 
-// KIVI, head dim 128, groups of 32, 2 or 4 bits: tokens [0, n_main) (both K and V
-// quantized; n_main = min(TQK, TQV), whole groups) in nsplit_main splits of per_main
-// tiles through the pipeline (variant 2..5), then tokens [n_main, T) (the windows) in
-// nsplit_tail splits of per_tail tiles by the tail path; one combine over both.
+// KIVI, head dim 128, groups of 32, 2 or 4 bits, ONE launch: tokens [n_main, T) (the
+// windows) in nsplit_tail splits of per_tail tiles by the tail path, then tokens
+// [0, n_main) (both K and V quantized; n_main = min(TQK, TQV), whole groups) in
+// nsplit_main splits of per_main tiles through the pipeline (variant 2..5); one combine.
+// (Before GPU run 17 the tail was a second launch after the quantized part's.)
 // kr / vr: the fp16 windows (window row i = token TQK + i / TQV + i).
 static int run_kivi(const HostArgs& a, Params p, int rows, void* out, cudaStream_t s) {
   const int bits = a.fmt;
   if (bits != 2 && bits != 4) return -1;
   p.TQK = a.TQK; p.TQV = a.TQV;
-  int e = 0;
-  if (a.nsplit_main) {
-    p.t_first = 0; p.T = a.n_main; p.split0 = 0; p.steps_per_split = a.per_main;
-    e = bits == 2 ? launch_split<KiviQ<2>, 128>(p, rows, a.nsplit_main, a.variant, s)
-                  : launch_split<KiviQ<4>, 128>(p, rows, a.nsplit_main, a.variant, s);
-    if (e) return e;
-  }
-  if (a.nsplit_tail) {
-    p.t_first = a.n_main; p.T = a.T; p.split0 = a.nsplit_main; p.steps_per_split = a.per_tail;
-    e = bits == 2 ? launch_split<KiviTail<2>, 128>(p, rows, a.nsplit_tail, 0, s)
-                  : launch_split<KiviTail<4>, 128>(p, rows, a.nsplit_tail, 0, s);
-    if (e) return e;
-  }
+  p.t_first = 0; p.T = a.T; p.split0 = 0;
+  p.n_main = a.n_main; p.steps_per_split = a.per_main; p.per_tail = a.per_tail; p.nsplit_tail = a.nsplit_tail;
+  const int e = bits == 2 ? launch_split<KiviQ<2>, 128>(p, rows, p.nsplit, a.variant, s)
+                          : launch_split<KiviQ<4>, 128>(p, rows, p.nsplit, a.variant, s);
+  if (e) return e;
   return launch_combine<128>(p, rows, out, a.otype, s);
 }
 
@@ -1168,7 +1340,7 @@ extern "C" int kvq_run(const void* args, const void* q, const int* vlen, float* 
 
 // Registers of the KIVI instances: tail = 0 the quantized part (variant), 1 the tail path.
 extern "C" int kvq_num_regs_kivi(int bits, int tail, int variant) {
-  if (tail) return bits == 2 ? regs_v<KiviTail<2>, 128, 0>() : regs_v<KiviTail<4>, 128, 0>();
+  if (tail) variant = 2;  // (the tail path is a branch of the same kernel since run 17)
   if (bits == 2) return regs_of<KiviQ<2>, 128>(variant);
   return regs_of<KiviQ<4>, 128>(variant);
 }

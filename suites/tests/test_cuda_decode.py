@@ -448,7 +448,9 @@ def test_kivi_windows_of_k_and_v_differ(bits, T):
 @needs_cuda
 @pytest.mark.parametrize("spec", KIVI_SPECS)
 def test_kivi_splits_and_variants(spec):
-    for variant in cuda_decode.SMEM_VARIANTS:
+    """Every KIVI variant (group and tile streams) and split count gives the reference;
+    the register variants are refused."""
+    for variant in cuda_decode.KIVI_VARIANTS:
         for ns in (1, 3, None, 10_000):
             check_kivi(spec, 2, 8, 2, 1500, torch.float16, seed=variant, variant=variant, num_splits=ns)
     q = torch.zeros(1, 8, 1, 128, device=DEV).half()
@@ -576,6 +578,7 @@ def test_kivi_plan_covers_every_token(T, kspec):
         assert (nm == 0) == (tm == 0) and (nt == 0) == (tt == 0)
         if tm:
             assert nm * pm >= tm and (nm - 1) * pm < tm
+            assert pm % 2 == 0  # whole groups per split: the group stream's stage is a group
         if tt:
             assert nt * pt >= tt and (nt - 1) * pt < tt
 
