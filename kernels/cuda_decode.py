@@ -66,8 +66,11 @@ NUM_VARIANTS = 6
 SMEM_VARIANTS = (2, 3, 4, 5)
 # KIVI's own variants (KVARIANTS in the .cu, run 17): 2, 3, 4 stream whole 32-token groups
 # per stage (2 / 3 / 2 group stages; 2, 3 capped at 128 registers = 4 CTAs per SM, 4
-# uncapped at ~137 = 3 CTAs); 5, 6 run 16's one-tile stages (its variants 2 and 3).
-KIVI_VARIANTS = (2, 3, 4, 5, 6)
+# uncapped at ~137 = 3 CTAs); 5, 6 run 16's one-tile stages (its variants 2 and 3); 7, 8
+# the group stream with a group's two tiles in one step (one softmax pass per group, the
+# two QK^T mma chains interleaved; 7 uncapped: 137 registers, 8 capped: 122-126, 4 CTAs;
+# 9 as 8 with 3 group stages).
+KIVI_VARIANTS = (2, 3, 4, 5, 6, 7, 8, 9)
 # by format: int4, fp8 e4m3, fp8 e5m2, KIVI. KIVI 4 (group stream, uncapped: 136-138
 # registers, 3 CTAs per SM) was the fastest in GPU run 17b at both shapes: B=8 KIVI-2
 # 114.0 us (v2 116.6, v3 114.8, run 16's stream v5 118.5), KIVI-4 124.8 (v2 125.3, v5 141.0).

@@ -522,6 +522,30 @@ struct KiviQ {
     uint32_t v[4][VW];
     uint32_t vs2[2], vz2[2];
   };
+  // k-step kk of both tiles of a group (the fused variants): one load of the dims'
+  // scales and zeros for both; kb1 = tile 1's codes (r's the tile-0 ones)
+  __device__ static void kstep2(const Raw& r, const uint8_t* kb1, int kk, uint32_t (&a)[4], uint32_t (&b)[4]) {
+    const uint4 w = *reinterpret_cast<const uint4*>(r.kb + 16 * kk);
+    const uint4 w1 = *reinterpret_cast<const uint4*>(kb1 + 16 * kk);
+    const uint2 s = *reinterpret_cast<const uint2*>(r.sb + 8 * kk);
+    const uint2 z = *reinterpret_cast<const uint2*>(r.sb + 4 * SBLK + 8 * kk);
+    kdec(r, w, s, z, a);
+    kdec(r, w1, s, z, b);
+  }
+  __device__ static void kdec(const Raw& r, const uint4 w, const uint2 s, const uint2 z, uint32_t (&a)[4]) {
+    const uint32_t x01 = __byte_perm(w.x, w.y, r.sel), x23 = __byte_perm(w.z, w.w, r.sel);
+    if constexpr (BITS == 4) {
+      a[0] = hfma2(nibbles<false>(x01), s.x, z.x);
+      a[1] = hfma2(nibbles<true>(x01), s.x, z.x);
+      a[2] = hfma2(nibbles<false>(x23), s.y, z.y);
+      a[3] = hfma2(nibbles<true>(x23), s.y, z.y);
+    } else {
+      a[0] = hfma2(crumbs_r(x01, r.ma, r.mga), s.x, z.x);
+      a[1] = hfma2(crumbs_r(x01, r.mb, r.mgb), s.x, z.x);
+      a[2] = hfma2(crumbs_r(x23, r.ma, r.mga), s.y, z.y);
+      a[3] = hfma2(crumbs_r(x23, r.mb, r.mgb), s.y, z.y);
+    }
+  }
   __device__ static void kstep(const Raw& r, int kk, uint32_t (&a)[4]) {
     const uint4 w = *reinterpret_cast<const uint4*>(r.kb + 16 * kk);        // dims 4kk..4kk+3
     const uint2 s = *reinterpret_cast<const uint2*>(r.sb + 8 * kk);         // (s0, s1), (s2, s3)
@@ -580,7 +604,7 @@ template <int BITS, int NW>
 struct KiviStream {
   using F = KiviQ<BITS>;
   using RawT = typename F::Raw;
-  static constexpr int D = F::D, G = F::G, NG = F::NG, GB = F::GB, RB = F::RB, KBLK = F::KBLK, SBLK = F::SBLK;
+  static constexpr int D = F::D, NG = F::NG, GB = F::GB, RB = F::RB, KBLK = F::KBLK, SBLK = F::SBLK;
   static constexpr int PLANES = 2 * F::KPL, PLS = 4 * KBLK + (BITS == 4 ? 32 : 0);
   static constexpr int KSO = PLANES * PLS, KZO = KSO + 4 * SBLK, VC = KZO + 4 * SBLK;
   static constexpr int VSO = VC + 32 * RB, VZO = VSO + 32 * NG * 2, BYTES = VZO + 32 * NG * 2;
@@ -627,10 +651,14 @@ struct KiviStream {
     v += STEP * RB;
     vsz += STEP * NG;
   }
+  // the lane's K codes of tile h in a stage
+  __device__ __forceinline__ static const uint8_t* kb_of(const uint8_t* st, int g, int c, int h) {
+    return st + (F::KPL * h + (BITS == 4 ? g >> 2 : 0)) * PLS + c * KBLK;
+  }
   // tile h (0, 1) of the stage's group
   __device__ __forceinline__ static void read(RawT& r, const uint8_t* st, int g, int c, int h) {
-    const int plane = F::KPL * h + (BITS == 4 ? g >> 2 : 0), byte = BITS == 4 ? g & 3 : g >> 1;
-    r.kb = st + plane * PLS + c * KBLK;
+    const int byte = BITS == 4 ? g & 3 : g >> 1;
+    r.kb = kb_of(st, g, c, h);
     r.sb = st + KSO + c * SBLK;
     r.sel = byte | ((4 + byte) << 8);
     if constexpr (BITS == 2) {
@@ -938,6 +966,89 @@ __device__ __forceinline__ void tile_step(const R& r, int t0, int tend, float qk
   }
 }
 
+// The online softmax over the 32 tokens of two tiles (s0: tile 0, s1: tile 1, each as
+// online_softmax's s): one max reduction and at most one rescale per group.
+template <int KS>
+__device__ __forceinline__ void online_softmax2(const float (&s0)[4], const float (&s1)[4], float (&m)[2],
+                                                float (&l)[2], float (&acc)[KS][4], float (&p)[8]) {
+  float mx[2] = {fmaxf(fmaxf(s0[0], s0[2]), fmaxf(s1[0], s1[2])), fmaxf(fmaxf(s0[1], s0[3]), fmaxf(s1[1], s1[3]))};
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], o));
+  }
+  const bool grow = mx[0] > m[0] || mx[1] > m[1];
+  if (__any_sync(0xffffffffu, grow)) {
+    float alpha[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float mn = fmaxf(m[e], mx[e]);
+      alpha[e] = (mn == NEG_INF) ? 1.f : exp2f(m[e] - mn);
+      m[e] = mn;
+      l[e] *= alpha[e];
+    }
+#pragma unroll
+    for (int i = 0; i < KS; ++i) {
+      acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
+    }
+  }
+  const float ms0 = m[0] == NEG_INF ? 0.f : m[0], ms1 = m[1] == NEG_INF ? 0.f : m[1];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    p[i] = exp2f(s0[i] - ((i & 1) ? ms1 : ms0));
+    p[4 + i] = exp2f(s1[i] - ((i & 1) ? ms1 : ms0));
+  }
+  l[0] += (p[0] + p[2]) + (p[4] + p[6]);
+  l[1] += (p[1] + p[3]) + (p[5] + p[7]);
+}
+
+// Both tiles of a KIVI group in one step (the fused variants): the two score chains of
+// QK^T interleaved (independent mma chains: more work between dependent mma), the
+// k-steps' scales / zeros loaded once for both, one softmax pass over 32 tokens, then
+// O^T += V^T P^T tile by tile. u0: the group's first token.
+template <class S, int D>
+__device__ __forceinline__ void group_step(const uint8_t* st, int u0, int tend, float qk,
+                                           const uint32_t (&qb)[D / 16][2], float (&acc)[D / 16][4], float (&m)[2],
+                                           float (&l)[2], int g, int c) {
+  using F = typename S::F;
+  constexpr int KS = D / 16;
+  typename F::Raw r;
+  S::read(r, st, g, c, 0);
+  const uint8_t* kb1 = S::kb_of(st, g, c, 1);
+  float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+    uint32_t a[4], b[4];
+    F::kstep2(r, kb1, kk, a, b);
+    mma16816(s0, a[0], a[1], a[2], a[3], qb[kk][0], qb[kk][1]);
+    mma16816(s1, b[0], b[1], b[2], b[3], qb[kk][0], qb[kk][1]);
+  }
+  const int tg = F::row_tok(g), tg8 = F::row_tok(g + 8);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    s0[i] *= qk;
+    s1[i] *= qk;
+  }
+  if (u0 + tg >= tend) s0[0] = s0[1] = NEG_INF;
+  if (u0 + tg8 >= tend) s0[2] = s0[3] = NEG_INF;
+  if (u0 + 16 + tg >= tend) s1[0] = s1[1] = NEG_INF;
+  if (u0 + 16 + tg8 >= tend) s1[2] = s1[3] = NEG_INF;
+  float p[8];
+  online_softmax2<KS>(s0, s1, m, l, acc, p);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (h) S::read(r, st, g, c, 1);  // tile 1's V (its K part is not used again)
+    const uint32_t pb0 = movtrans(pack_half2(p[4 * h], p[4 * h + 1]));
+    const uint32_t pb1 = movtrans(pack_half2(p[4 * h + 2], p[4 * h + 3]));
+#pragma unroll
+    for (int mt = 0; mt < KS; ++mt) {
+      uint32_t a[4];
+      F::vstep(r, mt, a);
+      mma16816(acc[mt], a[0], a[1], a[2], a[3], pb0, pb1);
+    }
+  }
+}
+
 // Stages of a stream whose stage holds TILES tiles: the variant's SMS 16-token stages in
 // units of TILES tiles (at least 2), about the same bytes per warp.
 template <int SMS, int TILES>
@@ -1068,11 +1179,15 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
       cp_wait<NS - 1>();  // this lane's copies of unit j are done
       __syncwarp();       // ... and every lane's
       const int u0 = t_first + (ufirst + warp + j * NW) * TPU * 16;
+      if constexpr (F::KIND == 1 && GS == 2) {
+        group_step<S, D>(wsm + rd * S::BYTES, u0, tend, qk, qb, acc, m, l, g, c);
+      } else {
 #pragma unroll
-      for (int h = 0; h < TPU; ++h) {
-        typename S::RawT r;
-        S::read(r, wsm + rd * S::BYTES, g, c, h);
-        tile_step<F, D>(r, u0 + 16 * h, tend, qk, qb, acc, m, l, g);
+        for (int h = 0; h < TPU; ++h) {
+          typename S::RawT r;
+          S::read(r, wsm + rd * S::BYTES, g, c, h);
+          tile_step<F, D>(r, u0 + 16 * h, tend, qk, qb, acc, m, l, g);
+        }
       }
       rd = rd == NS - 1 ? 0 : rd + 1;
       wr = wr == NS - 1 ? 0 : wr + 1;
@@ -1142,8 +1257,10 @@ constexpr int NVARIANTS = 6;
 // (the group stream holds SMS / 2 groups, at least 2), GS: group stream (1) or run 16's
 // tile stream (0)}. The group stream unrolls a stage's two tiles: 137-140 registers
 // uncapped (3 CTAs per SM: v4), <= 128 capped (4 CTAs: v2, v3; KIVI-2 spills 16 bytes).
-constexpr int KVARIANTS[][3] = {{4, 4, 1}, {4, 6, 1}, {3, 4, 1}, {1, 4, 0}, {4, 3, 0}};
-constexpr int KVARIANT0 = 2, NKVARIANTS = 5;
+// 7, 8, 9 (GS = 2): the group stream with both tiles of a group in one step (group_step),
+// uncapped / capped at 128 registers with 2 group stages, capped with 3.
+constexpr int KVARIANTS[][3] = {{4, 4, 1}, {4, 6, 1}, {3, 4, 1}, {1, 4, 0}, {4, 3, 0}, {3, 4, 2}, {4, 4, 2}, {4, 6, 2}};
+constexpr int KVARIANT0 = 2, NKVARIANTS = 8;
 
 template <class F, int D, int STAGES, int MINB, int SMS, int GS>
 int launch_cfg(const Params& p, int rows, int grid_y, cudaStream_t stream) {
@@ -1212,6 +1329,9 @@ int launch_split(const Params& p, int rows, int grid_y, int variant, cudaStream_
     case 4: return launch_v<F, D, 4>(p, rows, grid_y, stream);
     case 5: return launch_v<F, D, 5>(p, rows, grid_y, stream);
     case 6: return launch_v<F, D, 6>(p, rows, grid_y, stream);
+    case 7: return launch_v<F, D, 7>(p, rows, grid_y, stream);
+    case 8: return launch_v<F, D, 8>(p, rows, grid_y, stream);
+    case 9: return launch_v<F, D, 9>(p, rows, grid_y, stream);
     default: return (int)cudaErrorInvalidValue;
   }
 }
@@ -1244,6 +1364,9 @@ int regs_of(int variant) {
     case 4: return regs_v<F, D, 4>();
     case 5: return regs_v<F, D, 5>();
     case 6: return regs_v<F, D, 6>();
+    case 7: return regs_v<F, D, 7>();
+    case 8: return regs_v<F, D, 8>();
+    case 9: return regs_v<F, D, 9>();
     default: return -1;
   }
 }

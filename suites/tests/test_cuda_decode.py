@@ -540,6 +540,17 @@ def test_kivi_long_context():
     check_kivi("kivi:bits=2", 1, 32, 8, 65536 + 5, torch.bfloat16, seed=4)
 
 
+@needs_cuda
+@pytest.mark.parametrize("spec,T", [("int4", 131072), ("fp8-e4m3", 131072), ("kivi:bits=2", 131072),
+                                    ("kivi:bits=4", 131072), ("kivi:bits=4", 131071)])
+def test_T_131072(spec, T):
+    """The issue's longest check: T = 131072 (and odd, 131071) with the default launch."""
+    if spec.startswith("kivi"):
+        check_kivi(spec, 1, 32, 8, T, torch.float16, seed=6)
+    else:
+        check(spec, 1, 32, 8, T, 128, torch.float16, seed=6)
+
+
 def _kivi_flats(spec, T, D=128, B=1, H=2, kspec=None):
     x = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(T))
     return (L.flatten(get_quantizer(kspec or spec, role="K").encode(x), "K"),
