@@ -1,7 +1,8 @@
 """pytest-benchmark entry points of the latency suite (GPU only; `pytest -m bench`).
 
 The fused kernels and fp16 SDPA at the focus shape (B=8, T=32k, Hq 32, Hkv 8,
-d 128), and the whole report as `python -m kvqbench.suites.bench.latency` writes
+d 128): each format as shipped (decode_attention, backend="auto": CUDA where the
+dispatcher routes it) and as the Triton kernel at its defaults; and the whole report as `python -m kvqbench.suites.bench.latency` writes
 it (into $KVQBENCH_LATENCY_OUT or a temp folder). The measurement itself lives
 in the package `kvqbench.suites.bench.latency`; its kernel-importing modules are
 imported inside the fixtures, so that collecting this file on a CPU machine
@@ -32,13 +33,15 @@ def caches():
     return encode_caches("cuda", FULL.hkv, FULL.t0, FULL.d)
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])
 @pytest.mark.parametrize("method", list(FUSED_SPECS))
-def test_fused_decode_latency(benchmark, caches, method):
+def test_fused_decode_latency(benchmark, caches, method, backend):
     from kvqbench.suites.bench.latency.caches import tiled
-    from kvqbench.suites.bench.latency.methods import fused_callable
+    from kvqbench.suites.bench.latency.methods import fused_callable, shipped_callable
 
     kf, vf = tiled(caches[method], *FULL.focus, FULL.t0)
-    fn = fused_callable(_query(FULL.focus[0]), kf, vf, DEFAULT_LAUNCH)
+    q = _query(FULL.focus[0])
+    fn = shipped_callable(q, kf, vf) if backend == "auto" else fused_callable(q, kf, vf, DEFAULT_LAUNCH)
     fn()
     torch.cuda.synchronize()
     benchmark(lambda: (fn(), torch.cuda.synchronize()))

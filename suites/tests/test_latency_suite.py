@@ -1,7 +1,9 @@
 """The latency suite's plumbing on the CPU (Triton interpreter, tiny shapes): the
-report's schema, the in-benchmark correctness check, rendering from the JSON, the
-time budget, and the launch-config tuner. No timing is asserted (speed lives in
-`python -m kvqbench.suites.bench.latency` on a GPU)."""
+report's schema (shipped, Triton and CUDA rows; CUDA ones "not run here" with the
+reason), the in-benchmark correctness check, which backend the shipped row says ran,
+the issue-10 targets and the roofline figure from a synthetic result, rendering from
+the JSON, the time budget, and the launch-config tuner. No timing is asserted (speed
+lives in `python -m kvqbench.suites.bench.latency` on a GPU)."""
 from __future__ import annotations
 
 import json
@@ -40,30 +42,145 @@ def one_shape_run(tmp_path_factory):
 def test_report_schema_and_files(one_shape_run):
     res, out = one_shape_run
     assert list(json.loads((out / "latency.json").read_text())) == TOP_KEYS
-    rows = {r["method"]: r for r in res["latency"]}
-    assert set(rows) == {"fp16-sdpa", *METHOD_SPECS}
+    rows = {r["method"]: r for r in res["latency"] if "latency_us" in r}
+    triton = {f"{m}-triton" for m in FUSED_SPECS}
+    assert set(rows) == {"fp16-sdpa", *METHOD_SPECS, *triton}
     for method, row in rows.items():
         assert ROW_KEYS <= set(row), method
         assert row["bytes"] > 0 and row["latency_us"] > 0
+        assert row["speedup_vs_fp16_sdpa"] == pytest.approx(rows["fp16-sdpa"]["latency_us"] / row["latency_us"])
     fp16_bytes = 2 * 1 * 1 * 256 * 64 * 2 + 2 * (1 * 2 * 64) * 2  # K+V, then q and the output
     assert rows["fp16-sdpa"]["bytes"] == fp16_bytes
-    for method in FUSED_SPECS:  # every packed cache reads fewer bytes than fp16
-        assert rows[method]["bytes"] < fp16_bytes and 0 < rows[method]["bits_per_element"] < 16
+    for method in FUSED_SPECS:  # every packed cache reads fewer bytes than fp16, whichever kernel reads it
+        assert rows[method]["bytes"] == rows[f"{method}-triton"]["bytes"] < fp16_bytes
+        assert 0 < rows[method]["bits_per_element"] < 16
+        # no GPU here: what auto runs is Triton, and the row says why not CUDA
+        assert rows[method]["backend"] == rows[f"{method}-triton"]["backend"] == "triton"
+        assert rows[method]["why_not_cuda"] == "torch has no CUDA device"
+    # the CUDA rows and the B=1 graph replays: reported as not run, with the reason, never a number
+    skipped = {r["method"]: r["skipped"] for r in res["latency"] if "skipped" in r}
+    want = {f"{m}-cuda" for m in FUSED_SPECS} | {f"{m}-graph" for m in ["fp16-sdpa", *FUSED_SPECS, *triton]}
+    assert set(skipped) == want
+    assert all(why.startswith("not run here: ") for why in skipped.values())
+    assert skipped["fused-int4-cuda"] == "not run here: torch has no CUDA device"
     assert set(res["memory"]["rows"][0]) >= {"spec", "bits_per_element", "projection_GB"}
     assert res["memory"]["rows"][0]["bits_per_element"] == 16.0  # fp16 first
     assert set(res["encode"]) == {"shape", "chunks", "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3"}
     md = (out / "latency.md").read_text()
     assert md.count("| 1 | 256 |") == len(rows)
+    assert "fused-kivi2-cuda: not run here: torch has no CUDA device" in md
     assert (out / "latency.png").stat().st_size > 0
+    assert (out / "latency_roofline.png").stat().st_size > 0
 
 
 def test_fused_output_matches_the_reference(one_shape_run):
-    """Fused kernels vs fp32 attention over the quantizer's own decode: observed ~2e-4
-    (fp16 output rounding) for every method; 1e-3 leaves a 5x margin."""
+    """Shipped and Triton rows vs fp32 attention over the quantizer's own decode: observed
+    ~2e-4 (fp16 output rounding) for every method; 1e-3 leaves a 5x margin."""
     res, _ = one_shape_run
-    errs = {r["method"]: r["rel_err_vs_reference"] for r in res["latency"] if r["method"] in FUSED_SPECS}
-    assert set(errs) == set(FUSED_SPECS)
+    want = {*FUSED_SPECS, *(f"{m}-triton" for m in FUSED_SPECS)}
+    errs = {r["method"]: r["rel_err_vs_reference"] for r in res["latency"] if r["method"] in want and "latency_us" in r}
+    assert set(errs) == want
     assert all(e < 1e-3 for e in errs.values()), errs
+
+
+def _flats(spec: str):
+    from kvqbench.kernels.layout import flatten
+    from kvqbench.quantizers import get_quantizer
+    from kvqbench.suites.bench.latency.caches import synthetic_kv
+
+    k, v = synthetic_kv(1, 1, 64, 64, "cpu")
+    return (flatten(get_quantizer(spec, role="K").encode(k), "K"),
+            flatten(get_quantizer(spec, role="V").encode(v), "V"))
+
+
+@pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "kivi:bits=2", "hqmq:S=24,r=3",
+                                  "hqmq:S=24,r=3,outliers=med3"])
+@pytest.mark.parametrize("builds,refusal", [(True, None), (True, "head_dim 64"), (False, None)])
+def test_auto_backend_agrees_with_the_dispatcher(monkeypatch, spec, builds, refusal):
+    """The shipped row's `backend` is what decode_attention(backend="auto") runs: the
+    dispatcher is driven with a stand-in CUDA query and stubbed kernels (each returns its
+    name), the library built or not, the layout taken or refused."""
+    from types import SimpleNamespace
+
+    from kvqbench.kernels import cuda_decode, cuda_hqmq, decode_attention as da
+    from kvqbench.suites.bench.latency.methods import auto_backend
+
+    kf, vf = _flats(spec)
+    for m in (cuda_decode, cuda_hqmq):
+        monkeypatch.setattr(m, "why_unavailable", lambda: None if builds else "no nvcc found")
+        monkeypatch.setattr(m, "unsupported", lambda q, k, v: refusal)
+        monkeypatch.setattr(m, "decode", lambda q, k, v, **kw: "cuda")
+    monkeypatch.setattr(da, "_KERNELS", {t: (lambda q, k, v, **kw: "triton") for t in da._KERNELS})
+    q = SimpleNamespace(is_cuda=True)
+    backend, why = auto_backend(q, kf, vf)
+    assert backend == da.decode_attention(q, kf, vf)
+    if "med3" in spec and not cuda_hqmq.AUTO_MED3:
+        assert backend == "triton" and "AUTO_MED3" in why
+    elif builds and refusal is None:
+        assert (backend, why) == ("cuda", None)
+    else:
+        assert backend == "triton" and why == (refusal or "no nvcc found")
+
+
+def _synthetic_result() -> dict:
+    """A run's result dict at the full run's shapes, made up (not measured): shipped rows
+    slower than the Triton rows at the focus, so reading the wrong row flips a verdict."""
+    us = {(8, "fp16-sdpa"): 250.0, (8, "fused-int4"): 110.0, (8, "fused-int4-triton"): 100.0,
+          (8, "fused-kivi2"): 110.0, (8, "fused-kivi2-triton"): 90.0, (8, "fused-kivi4"): 120.0,
+          (8, "fused-fp8"): 150.0, (8, "fused-hqmq"): 160.0, (8, "fused-hqmq-med3"): 1150.0,
+          (8, "fused-hqmq-med3-cuda"): 190.0,
+          (1, "fp16-sdpa"): 50.0, (1, "fp16-sdpa-graph"): 40.0, (1, "fused-int4"): 45.0, (1, "fused-int4-graph"): 42.0,
+          (1, "fused-fp8"): 60.0, (1, "fused-fp8-graph"): 39.0, (1, "fused-kivi2"): 30.0, (1, "fused-kivi4"): 35.0,
+          (1, "fused-hqmq"): 70.0, (1, "fused-hqmq-graph"): 33.0}
+    rows = [{"method": m, "B": B, "T": 32768, "latency_us": t, "bytes": int(1e6 * t), "GBps": 1.0,
+             "frac_copy_bw": 0.5, "backend": "triton" if "med3" in m and "cuda" not in m else "cuda"}
+            for (B, m), t in us.items()]
+    rows.append({"method": "fused-hqmq-med3", "B": 1, "T": 32768, "error": "OutOfMemoryError: ..."})
+    return {"env": {"gpu": "synthetic"}, "shape": {"Hq": 32, "Hkv": 8, "d": 128, "encoded_tokens": 4096},
+            "copy_bandwidth": {"GBps_read_plus_write": 4000.0}, "latency": rows, "tuning": {}}
+
+
+def test_targets_read_the_shipped_rows_of_the_run():
+    from kvqbench.suites.bench.latency.targets import add_speedups, targets
+
+    res = _synthetic_result()
+    add_speedups(res["latency"])
+    t = targets(res["latency"], (8, 32768))
+    f = t["focus"]
+    assert f["fused-int4"]["row"] == "fused-int4" and f["fused-int4"]["speedup"] == pytest.approx(250 / 110)
+    assert f["fused-int4"]["met"] is True and f["fused-int4"]["backend"] == "cuda"
+    assert f["fused-kivi2"]["met"] is False  # 2.27x shipped (its Triton row's 2.78x does not count)
+    assert f["fused-kivi4"]["met"] is True and f["fused-fp8"]["met"] is True and f["fused-hqmq"]["met"] is True
+    assert f["fused-hqmq-med3"]["ratio_to_hqmq"] == pytest.approx(1150 / 160) and f["fused-hqmq-med3"]["met"] is False
+    opt = t["cuda_opt_in_not_shipped"]["fused-hqmq-med3-cuda"]  # beside, not instead of, the shipped row
+    assert opt["ratio_to_hqmq"] == pytest.approx(190 / 160) and opt["met"] is True
+    b1 = t["b1"]
+    assert b1["fused-int4"]["eager_speedup"] == pytest.approx(50 / 45)
+    assert b1["fused-int4"]["graph_speedup"] == pytest.approx(40 / 42) and b1["fused-int4"]["met"] is True
+    assert b1["fused-fp8"]["met"] is True  # eager 0.83x, graph 40/39 like for like
+    assert b1["fused-hqmq"]["met"] is True and b1["fused-kivi4"]["met"] is True
+    assert b1["fused-hqmq-med3"]["met"] is None  # its row failed: not judged, not "met"
+    sp = {r["method"]: r.get("speedup_vs_fp16_sdpa") for r in res["latency"] if r["B"] == 1}
+    assert sp["fused-fp8-graph"] == pytest.approx(40 / 39) and sp["fused-fp8"] == pytest.approx(50 / 60)
+    missing = targets([r for r in res["latency"] if r["method"] != "fused-fp8"], (8, 32768))["focus"]["fused-fp8"]
+    assert missing["met"] is None and "no fused-fp8" in missing["missing"]
+
+
+def test_render_writes_the_roofline_and_the_targets_table(tmp_path):
+    from kvqbench.suites.bench.latency.render import render, write_roofline
+    from kvqbench.suites.bench.latency.targets import add_speedups, targets
+
+    res = _synthetic_result()
+    add_speedups(res["latency"])
+    res["targets"] = targets(res["latency"], (8, 32768))
+    render(tmp_path, res)
+    assert (tmp_path / "latency_roofline.png").stat().st_size > 10_000
+    md = (tmp_path / "latency.md").read_text()
+    assert "| focus B=8 T=32768 | fused-kivi2 | cuda | 110.0 | 250.0 / 2.27x | >= 2.5x | **no** |" in md
+    assert "| B=1 T=32768 | fused-hqmq-med3 | | |  | >= 1.0x (eager or graph, like for like) | not measured |" in md
+    elsewhere = {**res, "latency": [{**r, "T": 4096} for r in res["latency"]]}
+    assert write_roofline(tmp_path / "none.png", elsewhere) is False  # no row at the two shapes: no figure
+    assert not (tmp_path / "none.png").exists()
 
 
 def test_render_from_json_alone(one_shape_run, tmp_path):

@@ -4,23 +4,32 @@ Methods, for Llama-3-8B attention shapes (Hq 32, Hkv 8, d 128), T in {4k, 16k,
 32k, 128k}, B in {1, 8, 32}: `fp16-sdpa` (fp16 K/V, torch SDPA, flash backend,
 native GQA), `fake-quant` (the whole packed HQMQ cache decoded to fp16 by the
 quantizer's torch decode, then SDPA: what the public benchmark compared
-against), and `fused-hqmq`, `fused-hqmq-med3`, `fused-int4`, `fused-kivi4`,
-`fused-kivi2` (kvqbench.kernels' fused decode attention over the packed bytes).
-Every figure carries the bytes the method must read, the achieved GB/s and its
-fraction of the device-to-device copy bandwidth measured in the same run. Also
-HQMQ encode throughput beside an arithmetic floor, and the stored bytes per
-token per layer of each quantizer with a PROJECTION to Llama-3-70B at 128k.
+against), and per packed format (`hqmq`, `hqmq-med3`, `int4`, `kivi4`, `kivi2`,
+`fp8`: the fp8-e4m3 plugin) three rows over the same packed bytes:
+`fused-<x>`, what ships (`decode_attention(q, k, v)`, backend="auto": the CUDA C++
+kernel where the dispatcher routes the format, with its default config, else
+Triton; the row records the backend and why not CUDA), `fused-<x>-triton` (the
+Triton kernel, launch config tuned at the focus shape) and, where auto leaves a
+CUDA kernel unused (Med3x), `fused-<x>-cuda` by opt-in. At B=1 every call is also
+timed as a CUDA-graph replay (`-graph`), the eager call there tracking host time.
+Every figure carries the bytes the method must read, the achieved GB/s, its
+fraction of the device-to-device copy bandwidth and its speed-up over fp16 SDPA,
+both measured in the same run; issue 10's targets are read off the shipped rows;
+a roofline plot (bytes read against us, the copy-bandwidth line) beside the
+latency plot. Also HQMQ encode throughput beside an arithmetic floor, and the
+stored bytes per token per layer of each quantizer with a PROJECTION to
+Llama-3-70B at 128k.
 
     config.py             LatencyConfig (shapes, limits, sections) and the method specs
     timing.py             environment record, the timer, copy bandwidth, launch errors
     caches.py             synthetic K/V, their encodings in the kernel layout, tiling
-    methods.py            the timed calls: fp16 SDPA, fused kernels, fake-quant
+    methods.py            the timed calls: fp16 SDPA, fused kernels (shipped / Triton / CUDA), fake-quant, graphs
     tuning.py             the launch-config tuner (greedy, at the focus shape)
     decode_step.py        the latency section (every method at every (B, T))
     encode_throughput.py  the HQMQ encode section
     memory.py             the memory section
-    targets.py            the targets read off the rows
-    render.py             latency.md and latency.png from the result dict
+    targets.py            issue 10's targets read off the rows; speed-ups over fp16 SDPA
+    render.py             latency.md, latency.png, latency_roofline.png from the result dict
     run.py                one run: sections in order, latency.json saved after each
     __main__.py           the command line
 

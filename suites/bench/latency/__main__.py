@@ -24,19 +24,20 @@ PARTIAL_FAILURE = 3
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m kvqbench.suites.bench.latency",
                                  description="Decode-step latency of attention over quantized KV caches.")
-    ap.add_argument("--out", default="reports/latency", help="folder for latency.json, latency.md, latency.png")
+    ap.add_argument("--out", default="reports/latency",
+                    help="folder for latency.json, latency.md, latency.png, latency_roofline.png")
     ap.add_argument("--budget-s", type=float, default=400, help="start no new shape after this many seconds")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: Triton interpreter) to test the plumbing")
-    ap.add_argument("--no-tune", action="store_true", help="default launch config everywhere")
+    ap.add_argument("--no-tune", action="store_true", help="the Triton rows at their default launch config too")
     ap.add_argument("--skip-encode", action="store_true")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--render", metavar="LATENCY_JSON", type=Path,
-                    help="measure nothing: write latency.md and latency.png beside this JSON")
+                    help="measure nothing: write latency.md and the plots beside this JSON")
     return ap
 
 
 def main(argv=None) -> dict:
-    """Measure (or, with --render, read latency.json), then write latency.md and latency.png."""
+    """Measure (or, with --render, read latency.json), then write latency.md and the plots."""
     ap = build_parser()
     a = ap.parse_args(argv)
     from .render import render  # imports no kernels

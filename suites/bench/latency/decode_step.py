@@ -1,12 +1,20 @@
 """The decode-step latency section: every method at every (B, T) of the config.
 
-Each row carries the bytes the method must read at least (packed K+V cache and
-lookup tables, or fp16 K+V; plus q and the output), the achieved GB/s on those
-bytes and its fraction of the copy bandwidth measured in the same run.
-Fake-quant is charged only the packed bytes it starts from (its real traffic is
-far larger). At B=1, T=t0 (the encoded cache itself, untiled) each fused row
-also carries its relative error against the fp32 reference attention over the
-quantizer's own decode of that cache.
+Rows per (B, T) (methods.py says what each call is): `fp16-sdpa`; per packed format
+`fused-<x>` (what ships: decode_attention, backend="auto", defaults; the row records
+the backend that ran and why not CUDA), `fused-<x>-triton` (the Triton kernel, the
+tuner's config), `fused-<x>-cuda` where the auto route leaves a CUDA kernel unused
+(measured by opt-in, or "not run here" with the reason; never a number from another
+path); `fake-quant`. At B=1 every timed call is also timed as a CUDA-graph replay
+(`<row>-graph`; the fp16 baseline too), since there the eager call tracks host time.
+
+Each row carries the bytes the method must read at least (the flats' read_nbytes:
+packed K+V cache and lookup tables, or fp16 K+V; plus q and the output), the achieved
+GB/s on those bytes and its fraction of the copy bandwidth measured in the same run
+(run.py adds the speed-up over the same run's fp16 SDPA). Fake-quant is charged only
+the packed bytes it starts from (its real traffic is far larger). At B=1, T=t0 (the
+encoded cache itself, untiled) each eager fused row also carries its relative error
+against the fp32 reference attention over the quantizer's own decode of that cache.
 """
 from __future__ import annotations
 
@@ -17,7 +25,8 @@ import torch
 from ....kernels.decode_attention import reference_decode_attention
 from .caches import EncodedCache, tiled
 from .config import DEFAULT_LAUNCH, LatencyConfig
-from .methods import fake_quant_callable, fused_callable, sdpa_callable
+from .methods import (auto_backend, cuda_refusal, fake_quant_callable, fused_callable, graph_replay,
+                      sdpa_callable, shipped_callable)
 from .timing import DEVICE, GPU, LAUNCH_ERRORS, describe_error, timeit_us
 from .tuning import greedy_tune, launch_stages
 
@@ -33,15 +42,44 @@ class _Rows:
         row = {"method": method, "B": self.B, "T": self.T, "Hq": c.hq, "Hkv": c.hkv, "d": c.d, "latency_us": t_us,
                "bytes": nbytes, "GBps": gbps, "frac_copy_bw": gbps / self.copy_GBps, **extra}
         self.rows.append(row)
-        self.log(f"B={self.B:3d} T={self.T:7d} {method:17s} {t_us:10.1f} us {gbps:8.1f} GB/s "
+        self.log(f"B={self.B:3d} T={self.T:7d} {method:28s} {t_us:10.1f} us {gbps:8.1f} GB/s "
                  f"{row['frac_copy_bw']:.2f} of copy  {extra.get('note', '')}")
 
     def skipped(self, method: str, why: str):
         self.rows.append({"method": method, "B": self.B, "T": self.T, "skipped": why})
+        self.log(f"{method} B={self.B} T={self.T}: {why}")
 
     def failed(self, method: str, e: BaseException):
         self.rows.append({"method": method, "B": self.B, "T": self.T, "error": describe_error(e)})
         self.log(f"{method} B={self.B} T={self.T}: ERROR {describe_error(e, 200)}")
+
+
+# What a timed call can raise and still leave the run going: a launch at a too-large
+# shape or config, and (CUDA kernels, graph capture) a RuntimeError from the launch.
+ROW_ERRORS = LAUNCH_ERRORS + (RuntimeError, ValueError)
+NO_GRAPH = "not run here: CUDA graphs need a CUDA device"
+
+
+def _timed(out: _Rows, method: str, fn, nbytes: int, extra: dict, graph: bool, check=None):
+    """The eager row of fn, then (graph) its CUDA-graph replay row; `check` adds fields
+    to the eager row from fn (the correctness check)."""
+    try:
+        row = dict(extra)
+        if check:
+            row.update(check(fn))
+        out.measured(method, timeit_us(fn), nbytes, **row)
+    except ROW_ERRORS as e:
+        out.failed(method, e)
+        return
+    if not graph:
+        return
+    if not GPU:
+        out.skipped(f"{method}-graph", NO_GRAPH)
+        return
+    try:
+        out.measured(f"{method}-graph", timeit_us(graph_replay(fn)), nbytes, **extra)
+    except ROW_ERRORS as e:
+        out.failed(f"{method}-graph", e)
 
 
 def _fp16_sdpa(cfg: LatencyConfig, q, out: _Rows, qo_bytes: int):
@@ -54,9 +92,9 @@ def _fp16_sdpa(cfg: LatencyConfig, q, out: _Rows, qo_bytes: int):
         k16 = torch.randn(B, cfg.hkv, T, cfg.d, device=DEVICE, dtype=torch.float16)
         v16 = torch.randn(B, cfg.hkv, T, cfg.d, device=DEVICE, dtype=torch.float16)
         fn, backend, errs = sdpa_callable(q, k16, v16)
-        out.measured("fp16-sdpa", timeit_us(fn), kv16 + qo_bytes, backend=backend,
-                     note=f"backend={backend}" + (f" ({'; '.join(errs)})" if errs else ""))
-    except LAUNCH_ERRORS as e:
+        _timed(out, "fp16-sdpa", fn, kv16 + qo_bytes, graph=B == 1,
+               extra={"backend": backend, "note": f"backend={backend}" + (f" ({'; '.join(errs)})" if errs else "")})
+    except LAUNCH_ERRORS as e:  # the fp16 K/V themselves
         out.failed("fp16-sdpa", e)
     finally:
         if GPU:
@@ -70,10 +108,63 @@ def _reference_error(q, cache: EncodedCache, fn) -> float:
     return float((got - ref).norm() / ref.norm())
 
 
+def _same_output(q, kf, vf, backend: str):
+    """On a GPU: whether the auto call's output is bit-identical to backend=`backend`'s
+    (each kernel is deterministic), so the row's backend is observed, not only inferred."""
+    if not GPU:
+        return {}
+    a, b = shipped_callable(q, kf, vf)().clone(), shipped_callable(q, kf, vf, backend)()
+    return {"same_output_as_backend": bool(torch.equal(a, b))}
+
+
+def _fused_rows(cfg: LatencyConfig, out: _Rows, q, method: str, cache: EncodedCache, kf, vf, nbytes: int,
+                tuning: dict, sm_count: int, log):
+    """fused-<x> (shipped), fused-<x>-triton (tuned Triton), fused-<x>-cuda (opt-in)."""
+    B, T = out.B, out.T
+    base = {"spec": cache.spec,
+            "bits_per_element": 8 * (kf.cache_nbytes + vf.cache_nbytes) / (2 * B * cfg.hkv * T * cfg.d)}
+    graph = B == 1
+    check = (lambda fn: {"rel_err_vs_reference": _reference_error(q, cache, fn)}) if (B, T) == (1, cfg.t0) else None
+    try:
+        backend, why = auto_backend(q, kf, vf)
+        ship = {**base, "backend": backend, "config": "defaults (backend=auto)",
+                **({"why_not_cuda": why} if why else {}), **_same_output(q, kf, vf, backend)}
+    except ROW_ERRORS as e:
+        out.failed(method, e)
+        return
+    _timed(out, method, shipped_callable(q, kf, vf), nbytes, ship, graph, check)
+
+    tri = f"{method}-triton"
+    chosen, trials = tuning["chosen"], tuning["trials"]
+    if tri not in chosen:
+        if (B, T) == cfg.focus and GPU and cfg.tune:
+            stages = launch_stages(hqmq=hasattr(kf, "with_table"), has_sms=bool(sm_count))
+            try:
+                chosen[tri], trials[tri] = greedy_tune(lambda c: timeit_us(fused_callable(q, kf, vf, c)),
+                                                       stages, log, tri)
+            except ROW_ERRORS as e:
+                out.failed(tri, e)
+                return
+        else:
+            chosen[tri] = dict(DEFAULT_LAUNCH)
+    _timed(out, tri, fused_callable(q, kf, vf, chosen[tri]), nbytes,
+           {**base, "backend": "triton", "config": chosen[tri]}, graph, check)
+
+    if backend == "cuda":  # the shipped row is the CUDA kernel already
+        return
+    why_cuda = cuda_refusal(q, kf, vf)
+    if why_cuda:
+        out.skipped(f"{method}-cuda", f"not run here: {why_cuda}")
+        return
+    _timed(out, f"{method}-cuda", shipped_callable(q, kf, vf, "cuda"), nbytes,
+           {**base, "backend": "cuda", "config": "defaults (backend=cuda)",
+            "note": f"opt-in, not what auto runs: {why}"}, graph, check)
+
+
 def latency_section(cfg: LatencyConfig, caches: dict[str, EncodedCache], copy_GBps: float, sm_count: int,
                     log, t_start: float) -> tuple[list, dict]:
-    """(rows, tuning record {"chosen": {method: config}, "trials": {method: [...]}})."""
-    rows, trials, chosen = [], {}, {}
+    """(rows, tuning record {"chosen": {row: config}, "trials": {row: [...]}}) of the Triton rows."""
+    rows, tuning = [], {"chosen": {}, "trials": {}}
     for B, T in cfg.combos():
         if time.time() - t_start > cfg.budget_s:
             rows.append({"B": B, "T": T, "skipped": "time budget"})
@@ -100,23 +191,8 @@ def latency_section(cfg: LatencyConfig, caches: dict[str, EncodedCache], copy_GB
                 except LAUNCH_ERRORS as e:
                     out.failed(method, e)
                 continue
-            try:
-                if method not in chosen:
-                    if (B, T) == cfg.focus and GPU and cfg.tune:
-                        stages = launch_stages(hqmq=hasattr(kf, "with_table"), has_sms=bool(sm_count))
-                        chosen[method], trials[method] = greedy_tune(
-                            lambda c: timeit_us(fused_callable(q, kf, vf, c)), stages, log, method)
-                    else:
-                        chosen[method] = dict(DEFAULT_LAUNCH)
-                fn = fused_callable(q, kf, vf, chosen[method])
-                extra = {"config": chosen[method], "spec": cache.spec,
-                         "bits_per_element": 8 * (kf.cache_nbytes + vf.cache_nbytes) / (2 * B * cfg.hkv * T * cfg.d)}
-                if (B, T) == (1, cfg.t0):  # a correctness check inside the benchmark
-                    extra["rel_err_vs_reference"] = _reference_error(q, cache, fn)
-                out.measured(method, timeit_us(fn), nbytes, **extra)
-            except LAUNCH_ERRORS as e:
-                out.failed(method, e)
+            _fused_rows(cfg, out, q, method, cache, kf, vf, nbytes, tuning, sm_count, log)
             del kf, vf
         if GPU:
             torch.cuda.empty_cache()
-    return rows, {"chosen": chosen, "trials": trials}
+    return rows, tuning

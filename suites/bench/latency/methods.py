@@ -2,10 +2,19 @@
 
 - `fp16-sdpa`: fp16 K/V through torch SDPA (flash backend with native GQA when it
   runs here, else torch's default, said so in the row);
-- `fused-*`: kvqbench.kernels' fused decode attention over the packed bytes,
-  with a launch config (block/warps/stages, splits, HQMQ's codeword table);
+- `fused-<x>`: what ships: `decode_attention(q, k, v)` with backend="auto" and no
+  options (the CUDA C++ kernel where the dispatcher routes the format, with its
+  default config, else Triton with its defaults); `auto_backend` says which ran
+  and why not CUDA;
+- `fused-<x>-triton`: the Triton kernel (backend="triton") with a launch config
+  (block/warps/stages, splits, HQMQ's codeword table), the tuner's at the focus;
+- `fused-<x>-cuda`: the CUDA kernel by opt-in (backend="cuda") where the auto
+  route does not take it although it could run (Med3x behind cuda_hqmq.AUTO_MED3);
 - `fake-quant`: what the public benchmark compared against: the whole packed
   HQMQ cache decoded to fp16 by the quantizer's torch decode, then the same SDPA.
+
+`graph_replay` captures any of them in a CUDA graph: at B=1 an eager call costs
+host time comparable to the kernel, so B=1 is also timed as graph replays.
 """
 from __future__ import annotations
 
@@ -59,15 +68,73 @@ def sdpa_callable(q, k, v):
 
 
 def fused_callable(q, kf, vf, launch: dict):
-    """The fused call with a launch config: decode_attention's keywords (block_t,
+    """The Triton call with a launch config: decode_attention's keywords (block_t,
     num_warps, num_stages, programs_per_sm, ...), plus `table` (HQMQ: one of TABLES,
-    the codeword source the kernel gathers from)."""
+    the codeword source the kernel gathers from). backend="triton" explicitly: an
+    empty config would otherwise be routed to CUDA."""
     launch = dict(launch)
     table = launch.pop("table", None)
     if table:
         mode, dtype = TABLES[table]
         kf, vf = kf.with_table(mode, dtype), vf.with_table(mode, dtype)
-    return lambda: decode_attention(q, kf, vf, **launch)
+    return lambda: decode_attention(q, kf, vf, backend="triton", **launch)
+
+
+def shipped_callable(q, kf, vf, backend: str = "auto"):
+    """decode_attention as a caller uses it: no launch options (each backend's defaults)."""
+    return lambda: decode_attention(q, kf, vf, backend=backend)
+
+
+def _cuda_module(kf):
+    """The module holding the CUDA kernel of this cache format (both import no GPU state)."""
+    from ....kernels.layout import HQMQFlat
+
+    if isinstance(kf, HQMQFlat):
+        from ....kernels import cuda_hqmq as m
+    else:
+        from ....kernels import cuda_decode as m
+    return m
+
+
+def cuda_refusal(q, kf, vf) -> str | None:
+    """Why backend="cuda" cannot run this call here (None: it can): the library does not
+    build or load here (no CUDA device, no nvcc, ...) or the kernel does not take the layout."""
+    m = _cuda_module(kf)
+    return m.why_unavailable() or m.unsupported(q, kf, vf)
+
+
+def auto_backend(q, kf, vf) -> tuple[str, str | None]:
+    """("cuda" | "triton", why not CUDA) for decode_attention(q, kf, vf, backend="auto")
+    without options: the dispatcher's conditions in its order (decode_attention.py), asked
+    through the same module functions. Rows measured on a GPU also check the answer
+    against the outputs (`same_output_as_backend`)."""
+    m = _cuda_module(kf)
+    if not q.is_cuda:
+        return "triton", m.why_unavailable() or "q is not on a CUDA device"
+    if not m.takes_by_default(kf):
+        if getattr(kf, "has_outliers", False) and not m.AUTO_MED3:
+            return "triton", "cuda_hqmq.AUTO_MED3 is False: auto keeps Med3x caches on Triton"
+        if hasattr(m, "CUDA_VERIFIED"):
+            return "triton", f"{m.format_name(kf)} is not in cuda_decode.CUDA_VERIFIED"
+        return "triton", "cuda_hqmq.AUTO is False"
+    why = cuda_refusal(q, kf, vf)
+    return ("triton", why) if why else ("cuda", None)
+
+
+def graph_replay(fn):
+    """fn() captured once in a CUDA graph (warmed up on a side stream first, so that
+    kernels compile and plans/workspaces are built outside the capture); returns the
+    replay. The graph's output buffers come from its own memory pool."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def fake_quant_callable(q, cache: EncodedCache, kf, vf):

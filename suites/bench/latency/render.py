@@ -1,6 +1,6 @@
-"""Rendering of a latency report: Markdown tables and the latency-vs-T plot, from
-the result dict alone (so `latency.json` of any run can be rendered again:
-`python -m kvqbench.suites.bench.latency --render reports/latency/latency.json`).
+"""Rendering of a latency report: Markdown tables, the latency-vs-T plot and the
+roofline plot, from the result dict alone (so `latency.json` of any run can be
+rendered again: `python -m kvqbench.suites.bench.latency --render reports/latency/latency.json`).
 """
 from __future__ import annotations
 
@@ -18,17 +18,23 @@ def write_markdown(path: Path, res: dict):
          "Latency = median of triton.testing.do_bench (CUDA events, L2 flushed before each call). GB/s = bytes "
          "the method must read (packed or fp16 K+V, lookup tables, q, output) / latency; fake-quant is charged "
          "only the packed bytes it starts from.", "",
-         "| B | T | method | latency (us) | GB/s | of copy BW | bytes (MB) | note |",
-         "|---:|---:|---|---:|---:|---:|---:|---|"]
+         "Rows: `fused-<x>` is what ships, `decode_attention(q, k, v)` with backend=\"auto\" and each "
+         "backend's defaults (backend = the one that ran; why not CUDA in the note); `fused-<x>-triton` the "
+         "Triton kernel with the tuner's config; `fused-<x>-cuda` the CUDA kernel by opt-in where auto does "
+         "not take it; `-graph` the same call replayed as a CUDA graph (B=1), compared with `fp16-sdpa-graph`. "
+         "x = same-run fp16 SDPA us / row us.", "",
+         "| B | T | method | backend | latency (us) | x fp16 SDPA | GB/s | of copy BW | bytes (MB) | note |",
+         "|---:|---:|---|---|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (r["B"], r["T"], r["method"])):
-        note = r.get("note", "") or (f"{r.get('config', '')}" if r.get("config") else "")
-        L.append(f"| {r['B']} | {r['T']} | {r['method']} | {r['latency_us']:.1f} | {r['GBps']:.0f} | "
-                 f"{r['frac_copy_bw']:.2f} | {r['bytes'] / 1e6:.1f} | {note} |")
+        note = "; ".join(str(n) for n in (r.get("note"), r.get("why_not_cuda"), r.get("config")) if n)
+        x = f"{r['speedup_vs_fp16_sdpa']:.2f}" if "speedup_vs_fp16_sdpa" in r else ""
+        L.append(f"| {r['B']} | {r['T']} | {r['method']} | {r.get('backend', '')} | {r['latency_us']:.1f} | {x} | "
+                 f"{r['GBps']:.0f} | {r['frac_copy_bw']:.2f} | {r['bytes'] / 1e6:.1f} | {note} |")
     skipped = [r for r in res["latency"] if "latency_us" not in r]
     if skipped:
         L += ["", "Not measured:", ""] + [f"- B={r['B']} T={r['T']} {r.get('method', '')}: "
                                           f"{r.get('skipped') or r.get('error')}" for r in skipped]
-    L += ["", "## Targets (reported, not asserted)", "", "```", json.dumps(res["targets"], indent=1), "```"]
+    L += target_lines(res["targets"])
     enc = res.get("encode")
     if enc:
         L += ["", "## HQMQ encode throughput", "", f"Shape {enc['shape']} ({enc['chunks']} chunks).", "",
@@ -57,6 +63,97 @@ def write_markdown(path: Path, res: dict):
     if res.get("tuning"):
         L += ["", "## Launch configs tried at the focus shape", "", "```", json.dumps(res["tuning"], indent=1), "```"]
     path.write_text("\n".join(L) + "\n")
+
+
+def _fmt(v, spec=".1f"):
+    return "" if v is None else format(v, spec)
+
+
+def target_lines(t: dict) -> list[str]:
+    """The targets section: issue 10's targets as a table (from targets.targets), the rest as JSON."""
+    L = ["", "## Targets (issue 10; reported, not asserted)", ""]
+    if "focus" not in t:  # a report from before the issue-10 targets
+        return L + ["```", json.dumps(t, indent=1), "```"]
+    met = {True: "yes", False: "**no**", None: "not measured"}
+    fb, b1 = t["shapes"]["focus_B_T"], t["shapes"]["b1_B_T"]
+    L += [f"Shipped rows (`fused-<x>`) at B={fb[0]} T={fb[1]} and B={b1[0]} T={b1[1]}, against this run's fp16 SDPA.",
+          "", "| shape | row | backend | us | fp16 SDPA us / x | target | met |", "|---|---|---|---:|---|---|---|"]
+    for name, group in (("focus", t["focus"]), ("CUDA opt-in (not shipped)", t.get("cuda_opt_in_not_shipped", {}))):
+        for m, g in group.items():
+            x = (f"{_fmt(g.get('fp16_sdpa_us'))} / {_fmt(g.get('speedup'), '.2f')}x" if "speedup" in g else "")
+            if "ratio_to_hqmq" in g:
+                x += f" ({g['ratio_to_hqmq']:.2f}x {g.get('hqmq_row', 'fused-hqmq')})"
+            L.append(f"| {name} B={fb[0]} T={fb[1]} | {m} | {g.get('backend') or ''} | {_fmt(g.get('us'))} | {x} | "
+                     f"{g['target']} | {met[g['met']]}{' (' + g['missing'] + ')' if g.get('missing') else ''} |")
+    for m, g in t["b1"].items():
+        x = ", ".join(f"{k.split('_')[0]} {g[k]:.2f}x" for k in ("eager_speedup", "graph_speedup") if k in g)
+        L.append(f"| B={b1[0]} T={b1[1]} | {m} | | | {x} | {g['target']} | {met[g['met']]} |")
+    rest = {k: v for k, v in t.items() if k not in ("shapes", "focus", "b1", "cuda_opt_in_not_shipped")}
+    return L + ["", "```", json.dumps(rest, indent=1), "```"]
+
+
+def _format(method: str) -> str:
+    """The cache format of a row ("int4", "hqmq-med3", "fp16-sdpa"): its name without
+    the fused- prefix and the -triton / -cuda / -graph suffixes."""
+    return method.removeprefix("fused-").removesuffix("-graph").removesuffix("-triton").removesuffix("-cuda")
+
+
+def _kind(method: str) -> str:
+    if method.startswith("fp16-sdpa"):
+        return "fp16 SDPA"
+    for suffix, kind in (("-triton", "Triton (tuned)"), ("-cuda", "CUDA opt-in")):
+        if method.removesuffix("-graph").endswith(suffix):
+            return kind
+    return "shipped (auto)"
+
+
+def write_roofline(path: Path, res: dict) -> bool:
+    """Bytes read per call (x) against us (y), log-log, at the focus shape and at B=1 of its
+    T (two panels), with the line us = bytes / copy bandwidth of the same run; one marker
+    per row kind, filled eager, hollow CUDA-graph replays. False when no row is there."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    shapes = res.get("targets", {}).get("shapes", {})
+    shapes = [tuple(shapes.get("focus_B_T", (8, 32768))), tuple(shapes.get("b1_B_T", (1, 32768)))]
+    rows = [r for r in res["latency"] if "latency_us" in r and "bytes" in r and r.get("method") != "fake-quant"]
+    panels = [(s, [r for r in rows if (r["B"], r["T"]) == s]) for s in dict.fromkeys(shapes)]
+    panels = [p for p in panels if p[1]]
+    if not panels:
+        return False
+    copy = res["copy_bandwidth"]["GBps_read_plus_write"]
+    markers = {"shipped (auto)": "o", "Triton (tuned)": "s", "CUDA opt-in": "^", "fp16 SDPA": "*"}
+    fmts = sorted({_format(r["method"]) for r in rows})
+    colors = {f: plt.cm.tab10(i % 10) for i, f in enumerate(fmts)}
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5), squeeze=False)
+    for ax, ((B, T), prs) in zip(axes[0], panels):
+        lo, hi = min(r["bytes"] for r in prs) / 2, max(r["bytes"] for r in prs) * 2
+        ax.plot([lo, hi], [lo / copy / 1e3, hi / copy / 1e3], "k--", lw=1)  # GB/s = bytes / us / 1e3
+        for r in prs:
+            m = r["method"]
+            c = colors[_format(m)]
+            ax.plot(r["bytes"], r["latency_us"], markers[_kind(m)], ms=9 if _kind(m) == "fp16 SDPA" else 7,
+                    color=c, mfc="none" if m.endswith("-graph") else c)
+            ax.annotate(m.removeprefix("fused-"), (r["bytes"], r["latency_us"]), fontsize=6,
+                        xytext=(4, 2), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("bytes read per call (packed or fp16 K+V, tables, q, output)")
+        ax.set_ylabel("us per decode-step attention call")
+        ax.set_title(f"B={B}, T={T} (hollow: CUDA-graph replay)")
+        ax.grid(True, which="both", alpha=0.3)
+        handles = [Line2D([], [], ls="--", color="k", label=f"us = bytes / copy BW ({copy:.3g} GB/s)")]
+        handles += [Line2D([], [], ls="", marker=mk, color="gray", label=k) for k, mk in markers.items()]
+        handles += [Line2D([], [], ls="", marker="o", color=c, label=f) for f, c in colors.items()]
+        ax.legend(handles=handles, fontsize=7)
+    fig.suptitle(f"{res['env'].get('gpu')} - roofline: time against bytes read, same-run copy bandwidth")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def write_plot(path: Path, res: dict):
@@ -89,6 +186,7 @@ def write_plot(path: Path, res: dict):
 
 
 def render(out: Path, res: dict):
-    """latency.md and latency.png beside latency.json."""
+    """latency.md, latency.png and latency_roofline.png beside latency.json."""
     write_markdown(out / "latency.md", res)
     write_plot(out / "latency.png", res)
+    write_roofline(out / "latency_roofline.png", res)

@@ -22,7 +22,7 @@ from .config import METHOD_SPECS, LatencyConfig
 from .decode_step import latency_section
 from .encode_throughput import encode_section
 from .memory import memory_section
-from .targets import targets
+from .targets import add_speedups, targets
 from .timing import DEVICE, LAUNCH_ERRORS, copy_bandwidth, describe_error, env_info, sm_clock_mhz
 
 
@@ -47,6 +47,7 @@ def run_latency(cfg: LatencyConfig, out: Path, log=print) -> dict:
         write_atomic(out / "latency.json", json.dumps(res, indent=1, default=str).encode())
 
     res["latency"], res["tuning"] = latency_section(cfg, caches, copy_GBps, sm_count, log, t_start)
+    add_speedups(res["latency"])
     res["targets"] = targets(res["latency"], cfg.focus)
     save()
     if cfg.encode:
