@@ -145,7 +145,7 @@ def write_roofline(path: Path, res: dict) -> bool:
         ax.set_ylabel("us per decode-step attention call")
         ax.set_title(f"B={B}, T={T} (hollow: CUDA-graph replay)")
         ax.grid(True, which="both", alpha=0.3)
-        handles = [Line2D([], [], ls="--", color="k", label=f"us = bytes / copy BW ({copy:.3g} GB/s)")]
+        handles = [Line2D([], [], ls="--", color="k", label=f"us = bytes / copy BW ({copy:.4g} GB/s)")]
         handles += [Line2D([], [], ls="", marker=mk, color="gray", label=k) for k, mk in markers.items()]
         handles += [Line2D([], [], ls="", marker="o", color=c, label=f) for f, c in colors.items()]
         ax.legend(handles=handles, fontsize=7)
