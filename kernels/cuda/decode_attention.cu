@@ -99,43 +99,19 @@ __device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
 #define KVQ_NO_FP8_CVT 1
 #endif
-__device__ __forceinline__ uint32_t e4m3x2_lo(uint32_t w) {  // bytes 0, 1 -> half2
+// Two fp8 (E5: e5m2, else e4m3) -> f16x2: bytes 0, 1 of w (HI: 2, 3). The format and the
+// half are PTX text, so each case is its own asm string.
+template <bool E5, bool HI>
+__device__ __forceinline__ uint32_t fp8x2(uint32_t w) {
 #ifdef KVQ_NO_FP8_CVT
   __trap();
   return w;
 #else
   uint32_t d;
-  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, l; }" : "=r"(d) : "r"(w));
-  return d;
-#endif
-}
-__device__ __forceinline__ uint32_t e4m3x2_hi(uint32_t w) {  // bytes 2, 3 -> half2
-#ifdef KVQ_NO_FP8_CVT
-  __trap();
-  return w;
-#else
-  uint32_t d;
-  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, h; }" : "=r"(d) : "r"(w));
-  return d;
-#endif
-}
-__device__ __forceinline__ uint32_t e5m2x2_lo(uint32_t w) {
-#ifdef KVQ_NO_FP8_CVT
-  __trap();
-  return w;
-#else
-  uint32_t d;
-  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e5m2x2 %0, l; }" : "=r"(d) : "r"(w));
-  return d;
-#endif
-}
-__device__ __forceinline__ uint32_t e5m2x2_hi(uint32_t w) {
-#ifdef KVQ_NO_FP8_CVT
-  __trap();
-  return w;
-#else
-  uint32_t d;
-  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e5m2x2 %0, h; }" : "=r"(d) : "r"(w));
+  if constexpr (E5 && HI) asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e5m2x2 %0, h; }" : "=r"(d) : "r"(w));
+  else if constexpr (E5) asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e5m2x2 %0, l; }" : "=r"(d) : "r"(w));
+  else if constexpr (HI) asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, h; }" : "=r"(d) : "r"(w));
+  else asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, l; }" : "=r"(d) : "r"(w));
   return d;
 #endif
 }
@@ -213,8 +189,8 @@ struct Fp8 {
   static constexpr bool ZERO = false;
   static constexpr int KIND = 0;
   __device__ static int kdim(int kk, int slot, int half) { return 4 * kk + 2 * slot + half; }
-  __device__ static uint32_t cvt_lo(uint32_t w) { return E5 ? e5m2x2_lo(w) : e4m3x2_lo(w); }
-  __device__ static uint32_t cvt_hi(uint32_t w) { return E5 ? e5m2x2_hi(w) : e4m3x2_hi(w); }
+  __device__ static uint32_t cvt_lo(uint32_t w) { return fp8x2<E5, false>(w); }
+  __device__ static uint32_t cvt_hi(uint32_t w) { return fp8x2<E5, true>(w); }
   __device__ static uint32_t kfrag(const uint32_t (&w)[KW], int kk, int slot, uint32_t, uint32_t) {
     return slot ? cvt_hi(w[kk]) : cvt_lo(w[kk]);
   }
@@ -522,6 +498,42 @@ struct KiviQ {
     uint32_t v[4][VW];
     uint32_t vs2[2], vz2[2];
   };
+  // The rest of a stage read (KiviStream, KiviTileStream; r.kb, r.sb set): the lane's K
+  // byte selector (and 2-bit masks / magics of rows g, g+8), its V words of the 16-row V
+  // block vb (rows at vrow / vchunk) and their V scales / zeros (vs, vz: NG per row) as pairs.
+  __device__ __forceinline__ static void read_rest(Raw& r, const uint8_t* vb, const uint16_t* vs, const uint16_t* vz,
+                                                   int g, int c) {
+    const int byte = BITS == 4 ? g & 3 : g >> 1;
+    r.sel = byte | ((4 + byte) << 8);
+    if constexpr (BITS == 2) {
+      const int P = 4 * (g & 1);
+      r.ma = 0x00030003u << P;
+      r.mb = 0x00030003u << (P + 2);
+      r.mga = (0x6400u - 0x400u * P) * 0x10001u;
+      r.mgb = (0x6400u - 0x400u * (P + 2)) * 0x10001u;
+    }
+    uint32_t s[4], z[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int t = row_tok(2 * c + (i & 1) + 8 * (i >> 1));
+      const int o = g * VW * 4;  // byte of the lane's 16 dims in the row
+      const uint8_t* row = vb + RB * vrow(t) + 16 * vchunk(t, o / 16) + o % 16;
+      if constexpr (VW == 2) {
+        const uint2 x = *reinterpret_cast<const uint2*>(row);
+        r.v[i][0] = x.x;
+        r.v[i][1] = x.y;
+      } else {
+        r.v[i][0] = *reinterpret_cast<const uint32_t*>(row);
+      }
+      s[i] = vs[t * NG + (g >> 1)];
+      z[i] = vz[t * NG + (g >> 1)];
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      r.vs2[j] = __byte_perm(s[2 * j], s[2 * j + 1], 0x5410);
+      r.vz2[j] = __byte_perm(z[2 * j], z[2 * j + 1], 0x5410);
+    }
+  }
   // k-step kk of both tiles of a group (the fused variants): one load of the dims'
   // scales and zeros for both; kb1 = tile 1's codes (r's the tile-0 ones)
   __device__ static void kstep2(const Raw& r, const uint8_t* kb1, int kk, uint32_t (&a)[4], uint32_t (&b)[4]) {
@@ -550,18 +562,7 @@ struct KiviQ {
     const uint4 w = *reinterpret_cast<const uint4*>(r.kb + 16 * kk);        // dims 4kk..4kk+3
     const uint2 s = *reinterpret_cast<const uint2*>(r.sb + 8 * kk);         // (s0, s1), (s2, s3)
     const uint2 z = *reinterpret_cast<const uint2*>(r.sb + 4 * SBLK + 8 * kk);
-    const uint32_t x01 = __byte_perm(w.x, w.y, r.sel), x23 = __byte_perm(w.z, w.w, r.sel);
-    if constexpr (BITS == 4) {
-      a[0] = hfma2(nibbles<false>(x01), s.x, z.x);
-      a[1] = hfma2(nibbles<true>(x01), s.x, z.x);
-      a[2] = hfma2(nibbles<false>(x23), s.y, z.y);
-      a[3] = hfma2(nibbles<true>(x23), s.y, z.y);
-    } else {
-      a[0] = hfma2(crumbs_r(x01, r.ma, r.mga), s.x, z.x);
-      a[1] = hfma2(crumbs_r(x01, r.mb, r.mgb), s.x, z.x);
-      a[2] = hfma2(crumbs_r(x23, r.ma, r.mga), s.y, z.y);
-      a[3] = hfma2(crumbs_r(x23, r.mb, r.mgb), s.y, z.y);
-    }
+    kdec(r, w, s, z, a);
   }
   // V^T: m-tile mt = dims 2mt (row g) and 2mt+1 (row g+8) of the lane's 16 dims, of
   // tokens (v[0], v[1]) -> a0, a1 and (v[2], v[3]) -> a2, a3
@@ -657,41 +658,10 @@ struct KiviStream {
   }
   // tile h (0, 1) of the stage's group
   __device__ __forceinline__ static void read(RawT& r, const uint8_t* st, int g, int c, int h) {
-    const int byte = BITS == 4 ? g & 3 : g >> 1;
     r.kb = kb_of(st, g, c, h);
     r.sb = st + KSO + c * SBLK;
-    r.sel = byte | ((4 + byte) << 8);
-    if constexpr (BITS == 2) {
-      const int P = 4 * (g & 1);
-      r.ma = 0x00030003u << P;
-      r.mb = 0x00030003u << (P + 2);
-      r.mga = (0x6400u - 0x400u * P) * 0x10001u;
-      r.mgb = (0x6400u - 0x400u * (P + 2)) * 0x10001u;
-    }
-    const uint16_t* vs = reinterpret_cast<const uint16_t*>(st + VSO) + 16 * NG * h;
-    const uint16_t* vz = reinterpret_cast<const uint16_t*>(st + VZO) + 16 * NG * h;
-    const uint8_t* vb = st + VC + h * 16 * RB;
-    uint32_t s[4], z[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int t = F::row_tok(2 * c + (i & 1) + 8 * (i >> 1));
-      const int o = g * F::VW * 4;  // byte of the lane's 16 dims in the row
-      const uint8_t* row = vb + RB * F::vrow(t) + 16 * F::vchunk(t, o / 16) + o % 16;
-      if constexpr (F::VW == 2) {
-        const uint2 x = *reinterpret_cast<const uint2*>(row);
-        r.v[i][0] = x.x;
-        r.v[i][1] = x.y;
-      } else {
-        r.v[i][0] = *reinterpret_cast<const uint32_t*>(row);
-      }
-      s[i] = vs[t * NG + (g >> 1)];
-      z[i] = vz[t * NG + (g >> 1)];
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      r.vs2[j] = __byte_perm(s[2 * j], s[2 * j + 1], 0x5410);
-      r.vz2[j] = __byte_perm(z[2 * j], z[2 * j + 1], 0x5410);
-    }
+    F::read_rest(r, st + VC + h * 16 * RB, reinterpret_cast<const uint16_t*>(st + VSO) + 16 * NG * h,
+                 reinterpret_cast<const uint16_t*>(st + VZO) + 16 * NG * h, g, c);
   }
 };
 
@@ -745,40 +715,11 @@ struct KiviTileStream {
     vsz += STEP * F::NG;
   }
   __device__ __forceinline__ static void read(RawT& r, const uint8_t* st, int g, int c, int) {
-    const int plane = BITS == 4 ? g >> 2 : 0, byte = BITS == 4 ? g & 3 : g >> 1;
+    const int plane = BITS == 4 ? g >> 2 : 0;
     r.kb = st + plane * 4 * F::KBLK + c * F::KBLK;
     r.sb = st + KSO + c * F::SBLK;
-    r.sel = byte | ((4 + byte) << 8);
-    if constexpr (BITS == 2) {
-      const int P = 4 * (g & 1);
-      r.ma = 0x00030003u << P;
-      r.mb = 0x00030003u << (P + 2);
-      r.mga = (0x6400u - 0x400u * P) * 0x10001u;
-      r.mgb = (0x6400u - 0x400u * (P + 2)) * 0x10001u;
-    }
-    const uint16_t* vs = reinterpret_cast<const uint16_t*>(st + VSO);
-    const uint16_t* vz = reinterpret_cast<const uint16_t*>(st + VZO);
-    uint32_t s[4], z[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int t = F::row_tok(2 * c + (i & 1) + 8 * (i >> 1));
-      const int o = g * F::VW * 4;  // byte of the lane's 16 dims in the row
-      const uint8_t* row = st + VC + F::RB * F::vrow(t) + 16 * F::vchunk(t, o / 16) + o % 16;
-      if constexpr (F::VW == 2) {
-        const uint2 x = *reinterpret_cast<const uint2*>(row);
-        r.v[i][0] = x.x;
-        r.v[i][1] = x.y;
-      } else {
-        r.v[i][0] = *reinterpret_cast<const uint32_t*>(row);
-      }
-      s[i] = vs[t * F::NG + (g >> 1)];
-      z[i] = vz[t * F::NG + (g >> 1)];
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      r.vs2[j] = __byte_perm(s[2 * j], s[2 * j + 1], 0x5410);
-      r.vz2[j] = __byte_perm(z[2 * j], z[2 * j + 1], 0x5410);
-    }
+    F::read_rest(r, st + VC, reinterpret_cast<const uint16_t*>(st + VSO), reinterpret_cast<const uint16_t*>(st + VZO),
+                 g, c);
   }
 };
 
