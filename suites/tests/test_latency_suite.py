@@ -108,6 +108,7 @@ def test_auto_backend_agrees_with_the_dispatcher(monkeypatch, spec, builds, refu
     kf, vf = _flats(spec)
     for m in (cuda_decode, cuda_hqmq):
         monkeypatch.setattr(m, "why_unavailable", lambda: None if builds else "no nvcc found")
+        monkeypatch.setattr(m, "available", lambda: builds)  # (not always a wrapper of why_unavailable)
         monkeypatch.setattr(m, "unsupported", lambda q, k, v: refusal)
         monkeypatch.setattr(m, "decode", lambda q, k, v, **kw: "cuda")
     monkeypatch.setattr(da, "_KERNELS", {t: (lambda q, k, v, **kw: "triton") for t in da._KERNELS})
