@@ -23,8 +23,15 @@ matrix products may round differently (float noise); a quantizer's rounding step
 amplify it. Measured on the embedded SmolLM2-135M (CPU, fp32), prefill-then-decode, 2
 windows of 64 + 32 tokens, batch 2 vs 1, relative NLL difference: plain cache 4e-8,
 fp16 2e-5, int4 3.6e-3 (a few K/V codes flip at rounding boundaries); 4 x 512-token
-quantize-on-write windows with int4 gave the same PPL to 4 decimals. So record the
-batch size with every figure (compare does). The batch is also capped so the logits stay within LOGITS_BUDGET.
+quantize-on-write windows with int4 gave the same PPL to 4 decimals. At compare's
+prefill-then-decode shape (4 windows of 384 + 64 tokens, batch 4 vs 1, same machine) the
+PPL moved by 0.5% for int4, 0.8% / 1.3% for avq2 / avq3, 0.0% / 0.2% for flatvq dim 4 /
+2, 0.2-0.5% for spherical3/4 and 3.1% for spherical4-qjl: the one-token steps' batched
+matmuls round otherwise and flipped codes feed every later layer (the fitted tensors and
+codes of a row are byte-identical to a one-window run's given the same K/V:
+suites/tests/test_fitted_rows.py); their seed ranges in the CPU report (quantize-on-write,
+3 seeds) are 1.8% (avq3, flatvq dim 2, spherical4) to 7% (spherical4-qjl) wide. So record
+the batch size with every figure (compare does). The batch is also capped so the logits stay within LOGITS_BUDGET.
 
 Prefill-then-decode runs the decode steps through the fused kernels when the model
 uses SDPA, the quantizer has a kernel and the model is on CUDA: the packed store is
