@@ -100,10 +100,6 @@ DEFAULT_CTAS_PER_SM = None
 CUDA_VERIFIED = {"int4", "fp8", "kivi"}
 
 _FORMAT = {IntFlat: "int4", FP8Flat: "fp8", KIVIFlat: "kivi"}  # cache type -> CUDA_VERIFIED name
-_lock = threading.Lock()
-_lib = None
-_why: str | None = None
-_tried = False
 _QTYPE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
@@ -169,40 +165,57 @@ def load_library(source: Path, stem: str) -> tuple[ctypes.CDLL | None, str | Non
         return None, f"building/loading {source.name} failed: {type(e).__name__}: {e}"
 
 
-def _load():
-    """Build and load the library once per process; sets _why on failure."""
-    global _lib, _why, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        lib, _why = load_library(SOURCE, "kvq_decode")
-        if lib is None:
-            return None
-        P, I = ctypes.c_void_p, ctypes.c_int
-        lib.kvq_args_size.restype = I
-        if lib.kvq_args_size() != ctypes.sizeof(_Args):  # a struct out of step with the .cu: refuse, never misread
-            _why = f"HostArgs is {lib.kvq_args_size()} bytes in the library, _Args {ctypes.sizeof(_Args)}"
-            return None
-        lib.kvq_run.argtypes = [P, P, P, P, P, P, P, P]
-        lib.kvq_run.restype = I
-        lib.kvq_num_regs.argtypes = [I, I, I]
-        lib.kvq_num_regs.restype = I
-        lib.kvq_num_regs_kivi.argtypes = [I, I, I]
-        lib.kvq_num_regs_kivi.restype = I
-        _lib = lib
-        return lib
+class KernelLibrary:
+    """One CUDA source's library (this module's and cuda_hqmq's), built and loaded once
+    per process at first use: `load()` gives it or None, `why` the reason when it is None
+    (from `load_library`, or from `declare(lib)`, which sets the entry points' ctypes
+    signatures and may refuse the library by returning a reason)."""
+
+    def __init__(self, source: Path, stem: str, declare):
+        self.source, self.stem, self._declare = source, stem, declare
+        self.lib: ctypes.CDLL | None = None
+        self.why: str | None = None
+        self._tried = False
+        self._lock = threading.Lock()
+
+    def load(self) -> ctypes.CDLL | None:
+        with self._lock:
+            if not self._tried:
+                self._tried = True
+                lib, self.why = load_library(self.source, self.stem)
+                if lib is not None:
+                    self.why = self._declare(lib)
+                    self.lib = lib if self.why is None else None
+            return self.lib
+
+    def why_unavailable(self) -> str | None:
+        """None when the CUDA kernels are built and loadable here, else the reason (builds
+        them on the first call)."""
+        self.load()
+        return self.why
+
+    def available(self) -> bool:
+        return self.why_unavailable() is None
 
 
-def why_unavailable() -> str | None:
-    """None when the CUDA kernels are built and loadable here, else the reason (builds
-    them on the first call)."""
-    _load()
-    return _why
+def _declare(lib) -> str | None:
+    P, I = ctypes.c_void_p, ctypes.c_int
+    lib.kvq_args_size.restype = I
+    if lib.kvq_args_size() != ctypes.sizeof(_Args):  # a struct out of step with the .cu: refuse, never misread
+        return f"HostArgs is {lib.kvq_args_size()} bytes in the library, _Args {ctypes.sizeof(_Args)}"
+    lib.kvq_run.argtypes = [P, P, P, P, P, P, P, P]
+    lib.kvq_run.restype = I
+    lib.kvq_num_regs.argtypes = [I, I, I]
+    lib.kvq_num_regs.restype = I
+    lib.kvq_num_regs_kivi.argtypes = [I, I, I]
+    lib.kvq_num_regs_kivi.restype = I
+    return None
 
 
-def available() -> bool:
-    return why_unavailable() is None
+_LIB = KernelLibrary(SOURCE, "kvq_decode", _declare)
+_load = _LIB.load
+why_unavailable = _LIB.why_unavailable
+available = _LIB.available
 
 
 def num_regs(fmt: int, head_dim: int, variant: int = 0) -> int:
@@ -309,22 +322,33 @@ def _kivi_unsupported(q: torch.Tensor, k, v) -> str | None:
     return None
 
 
-def splits(rows: int, T: int, device, num_splits: int | None = None,
-           ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM, tiles_per_split: int = TILES_PER_SPLIT) -> tuple[int, int]:
-    """(number of splits, 16-token tiles per split), every split non-empty: num_splits
-    if given, else about ctas_per_sm CTAs per SM if given, else about tiles_per_split
-    tiles per split with at least MIN_CTAS_PER_SM CTAs per SM."""
+def split_tiles(rows: int, T: int, sms: int, num_splits: int | None, ctas_per_sm: int | None, default,
+                multiple: int = 1) -> tuple[int, int]:
+    """(number of splits, 16-token tiles per split) of T tokens in each of `rows` rows, every
+    split non-empty: num_splits if given, else about ctas_per_sm CTAs per SM (of `sms`) if
+    given, else `default(tiles)` splits; tiles per split rounded up to a multiple of
+    `multiple` (cuda_hqmq's Med3x blocks)."""
     tiles = max(1, -(-T // 16))
-    sms = _sm_count(device)
     if num_splits:
         want = num_splits
     elif ctas_per_sm:
         want = math.ceil(ctas_per_sm * sms / max(1, rows))
     else:
-        want = max(-(-tiles // tiles_per_split), math.ceil(MIN_CTAS_PER_SM * sms / max(1, rows)))
+        want = default(tiles)
     want = max(1, min(want, tiles))
     per = -(-tiles // want)
+    per = -(-per // multiple) * multiple
     return -(-tiles // per), per
+
+
+def splits(rows: int, T: int, device, num_splits: int | None = None,
+           ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM, tiles_per_split: int = TILES_PER_SPLIT) -> tuple[int, int]:
+    """(number of splits, 16-token tiles per split), every split non-empty: num_splits
+    if given, else about ctas_per_sm CTAs per SM if given, else about tiles_per_split
+    tiles per split with at least MIN_CTAS_PER_SM CTAs per SM."""
+    sms = _sm_count(device)
+    return split_tiles(rows, T, sms, num_splits, ctas_per_sm, lambda tiles: max(
+        -(-tiles // tiles_per_split), math.ceil(MIN_CTAS_PER_SM * sms / max(1, rows))))
 
 
 def format_name(k) -> str | None:
@@ -414,7 +438,7 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype) -> _Plan:
         raise ValueError("empty cache (T = 0)")
     lib = _load()
     if lib is None:
-        raise RuntimeError(f"CUDA decode kernels unavailable: {_why}")
+        raise RuntimeError(f"CUDA decode kernels unavailable: {_LIB.why}")
     out_dtype = out_dtype or q.dtype
     if out_dtype not in _QTYPE:
         raise ValueError(f"out dtype {out_dtype}")
@@ -531,7 +555,7 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
             out = ws.out.view(plan.shape)
             ws._kvq_out = out  # (the view, made once per workspace)
     dev = q.get_device()
-    lib = _lib
+    lib = _LIB.lib
     if _cur_device is not None and _raw_stream is not None and _cur_device() == dev:
         err = lib.kvq_run(plan.ptr, q.data_ptr(), vptr, po, pm, pl, optr, _raw_stream(dev))
     else:
@@ -562,5 +586,5 @@ def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | No
 
 
 __all__ = ["decode", "make_workspace", "unsupported", "takes_by_default", "CUDA_VERIFIED", "format_name", "kivi_plan",
-           "num_regs_kivi", "why_unavailable", "available", "splits", "num_regs", "SOURCE",
+           "num_regs_kivi", "why_unavailable", "available", "splits", "split_tiles", "num_regs", "SOURCE", "KernelLibrary",
            "NUM_VARIANTS", "SMEM_VARIANTS", "KIVI_VARIANTS"]

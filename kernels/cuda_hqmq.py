@@ -1,5 +1,5 @@
 """CUDA C++ fused decode attention for HQMQ caches (kernels/cuda/hqmq_decode.cu): built at
-first use with kernels/cuda_decode.py's compiler helpers, called through ctypes.
+first use by kernels/cuda_decode.py's loader (`KernelLibrary`), called through ctypes.
 
 Takes: `HQMQFlat` K and V with 12-bit codes (24 S <= 4096, S <= 170), r = 4 uniform
 radius levels, head_dim 128, with or without Med3x outliers (both sides alike;
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-import threading
 import weakref
 from pathlib import Path
 
 import torch
 
+from .cuda_decode import _QTYPE, KernelLibrary, split_tiles
 from .decode_attention import Workspace, _check_q, _sm_count, bh_stride
 from .layout import HQMQFlat, codebook_from_secondaries
 
@@ -64,11 +64,6 @@ DEFAULT_VARIANT_MED3 = 0
 AUTO_MED3 = False
 _QK_SCALE = 1.4426950408889634 / math.sqrt(128)  # log2(e) / sqrt(d): the base-2 softmax scale, d = 128
 
-_lock = threading.Lock()
-_lib = None
-_why: str | None = None
-_tried = False
-_QTYPE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 # fp16 codebooks keyed by the secondaries TENSOR (weakly: dropped with it). GPU run 1 keyed
 # them by data_ptr, and a freed tensor's address reused by another quantizer's secondaries
 # served a stale codebook (relative error 1.4 in one test).
@@ -83,37 +78,21 @@ def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
-def _load():
-    """Build and load the library once per process (cuda_decode.load_library); sets _why on failure."""
-    global _lib, _why, _tried
-    from .cuda_decode import load_library
-
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        lib, _why = load_library(SOURCE, "kvq_hqmq")
-        if lib is None:
-            return None
-        P, I, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
-        lib.kvq_hqmq_decode.argtypes = [P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, LL, LL, P, P, P, P, P, P, LL,
-                                        LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F, P, P, P, P, I, I, P, P]
-        lib.kvq_hqmq_decode.restype = I
-        lib.kvq_hqmq_num_regs.argtypes = [I, I, I]
-        lib.kvq_hqmq_num_regs.restype = I
-        lib.kvq_hqmq_occupancy.argtypes = [I, I, I]
-        lib.kvq_hqmq_occupancy.restype = I
-        _lib = lib
-        return lib
+def _declare(lib) -> None:
+    P, I, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+    lib.kvq_hqmq_decode.argtypes = [P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, LL, LL, P, P, P, P, P, P, LL,
+                                    LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F, P, P, P, P, I, I, P, P]
+    lib.kvq_hqmq_decode.restype = I
+    lib.kvq_hqmq_num_regs.argtypes = [I, I, I]
+    lib.kvq_hqmq_num_regs.restype = I
+    lib.kvq_hqmq_occupancy.argtypes = [I, I, I]
+    lib.kvq_hqmq_occupancy.restype = I
 
 
-def why_unavailable() -> str | None:
-    _load()
-    return _why
-
-
-def available() -> bool:
-    return why_unavailable() is None
+_LIB = KernelLibrary(SOURCE, "kvq_hqmq", _declare)  # built / loaded once, as cuda_decode's
+_load = _LIB.load
+why_unavailable = _LIB.why_unavailable
+available = _LIB.available
 
 
 def num_regs(variant: int = 0, S: int = 96, med3: bool = False) -> int:
@@ -263,29 +242,20 @@ def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm
     waves, first taken when they fill at least FILL of them (B=8 T=32k at 3 CTAs/SM: 6
     splits = 384 of 396 slots; B=1: 49 splits). med3: tiles per split a multiple of 4 (a
     split starts on a 64-token outlier block)."""
-    tiles = max(1, -(-T // 16))
     sms = _sm_count(device)
-    if num_splits:
-        want = num_splits
-    elif ctas_per_sm:
-        want = math.ceil(ctas_per_sm * sms / max(1, rows))
-    else:
+
+    def whole_waves(tiles: int) -> int:
         occ = occupancy(variant, S, med3) if device.type == "cuda" else -1
         if occ <= 0:
-            want = max(-(-tiles // TILES_PER_SPLIT), math.ceil(MIN_CTAS_PER_SM * sms / max(1, rows)))
-        else:
-            slots, want = occ * sms, 0
-            for w in range(1, 9):
-                n = w * slots // rows
-                if n >= 1 and rows * n >= FILL * w * slots:
-                    want = n
-                    break
-            want = want or max(1, -(-slots // rows))
-    want = max(1, min(want, tiles))
-    per = -(-tiles // want)
-    if med3:
-        per = -(-per // 4) * 4
-    return -(-tiles // per), per
+            return max(-(-tiles // TILES_PER_SPLIT), math.ceil(MIN_CTAS_PER_SM * sms / max(1, rows)))
+        slots = occ * sms
+        for w in range(1, 9):
+            n = w * slots // rows
+            if n >= 1 and rows * n >= FILL * w * slots:
+                return n
+        return max(1, -(-slots // rows))
+
+    return split_tiles(rows, T, sms, num_splits, ctas_per_sm, whole_waves, 4 if med3 else 1)
 
 
 def takes_by_default(k) -> bool:
@@ -350,9 +320,9 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     (`cuda_hqmq.workspace(...)`) a call makes no host sync and no allocation, so a CUDA
     graph captured once serves every decode step: change the tensor's value on the device
     between replays."""
-    lib = _lib if _lib is not None else _load()
+    lib = _LIB.lib if _LIB.lib is not None else _load()
     if lib is None:
-        raise RuntimeError(f"CUDA HQMQ kernel unavailable: {_why}")
+        raise RuntimeError(f"CUDA HQMQ kernel unavailable: {_LIB.why}")
     B, H, T, D = k.B, k.H, k.T, k.D
     strides, kt, vt, med3 = _checked(q, k, v)
     if T == 0:
