@@ -1,8 +1,9 @@
-// Device helpers and the split combine shared by decode_attention.cu (int4, fp8, KIVI)
-// and hqmq_decode.cu: included by both, each built into its own library
+// Device helpers and the split combine (kernel and launch) shared by decode_attention.cu
+// (int4, fp8, KIVI) and hqmq_decode.cu: included by both, each built into its own library
 // (kernels/cuda_decode.py `compile_library` hashes this header with the source).
 #pragma once
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 #include <stdint.h>
 
 #include <type_traits>
@@ -121,6 +122,18 @@ __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const float* _
     const uint32_t u = __float_as_uint(o);
     out[row * D + d] = (OutT)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
   }
+}
+
+// The combine launch of a call: rows_q query rows of D dims, out in otype (0 fp16, 1 bf16
+// bits, 2 fp32). Returns a cudaError_t.
+template <int D>
+int launch_combine(const float* po, const float* pm, const float* pl, void* out, int otype, int rows_q, int nsplit,
+                   cudaStream_t stream) {
+  const int threads = (COMBINE_THREADS / D) * D;
+  if (otype == 0) combine_kernel<__half><<<rows_q, threads, 0, stream>>>(po, pm, pl, (__half*)out, nsplit, D);
+  else if (otype == 1) combine_kernel<uint16_t><<<rows_q, threads, 0, stream>>>(po, pm, pl, (uint16_t*)out, nsplit, D);
+  else combine_kernel<float><<<rows_q, threads, 0, stream>>>(po, pm, pl, (float*)out, nsplit, D);
+  return (int)cudaGetLastError();
 }
 
 }  // namespace

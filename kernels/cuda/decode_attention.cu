@@ -1277,22 +1277,11 @@ int launch_split(const Params& p, int rows, int grid_y, int variant, cudaStream_
   }
 }
 
-template <int D>
-int launch_combine(const Params& p, int rows, void* out, int otype, cudaStream_t stream) {
-  const int rows_q = rows * p.gqa;
-  const int threads = (COMBINE_THREADS / D) * D;
-  if (otype == 0) combine_kernel<__half><<<rows_q, threads, 0, stream>>>(p.po, p.pm, p.pl, (__half*)out, p.nsplit, D);
-  else if (otype == 1)
-    combine_kernel<uint16_t><<<rows_q, threads, 0, stream>>>(p.po, p.pm, p.pl, (uint16_t*)out, p.nsplit, D);
-  else combine_kernel<float><<<rows_q, threads, 0, stream>>>(p.po, p.pm, p.pl, (float*)out, p.nsplit, D);
-  return (int)cudaGetLastError();
-}
-
 template <class F, int D>
 int launch(const Params& p, int rows, void* out, int otype, int variant, cudaStream_t stream) {
   const int e = launch_split<F, D>(p, rows, p.nsplit, variant, stream);
   if (e) return e;
-  return launch_combine<D>(p, rows, out, otype, stream);
+  return launch_combine<D>(p.po, p.pm, p.pl, out, otype, rows * p.gqa, p.nsplit, stream);
 }
 
 template <class F, int D>
@@ -1366,7 +1355,7 @@ static int run_kivi(const HostArgs& a, Params p, int rows, void* out, cudaStream
   const int e = bits == 2 ? launch_split<KiviQ<2>, 128>(p, rows, p.nsplit, a.variant, s)
                           : launch_split<KiviQ<4>, 128>(p, rows, p.nsplit, a.variant, s);
   if (e) return e;
-  return launch_combine<128>(p, rows, out, a.otype, s);
+  return launch_combine<128>(p.po, p.pm, p.pl, out, a.otype, rows * p.gqa, p.nsplit, s);
 }
 
 }  // namespace

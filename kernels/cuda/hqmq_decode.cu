@@ -717,12 +717,7 @@ extern "C" int kvq_hqmq_decode(const void* q, int qtype, const void* kc, const v
   cudaStream_t s = (cudaStream_t)stream;
   const int e = dispatch(variant, S, kf != nullptr, LAUNCH, &p, rows, s);
   if (e) return e;
-  const int rows_q = rows * gqa;
-  const int threads = (COMBINE_THREADS / D) * D;
-  if (otype == 0) combine_kernel<__half><<<rows_q, threads, 0, s>>>(po, pm, pl, (__half*)out, nsplit, D);
-  else if (otype == 1) combine_kernel<uint16_t><<<rows_q, threads, 0, s>>>(po, pm, pl, (uint16_t*)out, nsplit, D);
-  else combine_kernel<float><<<rows_q, threads, 0, s>>>(po, pm, pl, (float*)out, nsplit, D);
-  return (int)cudaGetLastError();
+  return launch_combine<D>(po, pm, pl, out, otype, rows * gqa, nsplit, s);  // common.cuh
 }
 
 extern "C" int kvq_hqmq_num_variants() { return NVARIANTS; }
