@@ -40,6 +40,14 @@ Med3x's (b, h, t, chunk)-ordered outliers copied), made only when someone reads 
 Packed. `end_run` turns them into ordinary absorbed segments (the next old-path
 write appends after them).
 
+Decode steps at a device position (`step_at`, for CUDA graphs; suites/harness/kv_cache.py
+`device_steps`): the same encoders write at a position read from a device int32 tensor
+and touch no host state; `advance(n)` then does the host bookkeeping `step` does, for
+n steps that ran; `reserve` allocates the room up front (a graph holds the buffers'
+addresses) and `graph_view` is the flat attention reads, its T the reserved capacity
+(the valid length is a device argument). Int, fp8 and HQMQ without Med3x;
+`graph_unsupported` names why not for the others.
+
 Host synchronisation (old path, `append`): none per step for int, fp8 and KIVI. HQMQ + Med3x needs the largest
 per-(b, h) outlier count only when a host-side upper bound (previous bound plus the
 write's total outlier count, a shape, so known without a sync) says the outlier
