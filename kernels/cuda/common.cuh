@@ -38,6 +38,29 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
+// N bytes global -> shared, asynchronously (cp_commit / cp_wait); !ok: zeros (src-size
+// 0: nothing is read, so a pointer past the valid rows is safe)
+template <int N>
+__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, bool ok) {
+  static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
+  if constexpr (N == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(dst), "l"(src), "n"(N), "r"(ok ? N : 0)
+                 : "memory");
+}
+
+// The nibbles at bits 0-3 and 16-19 (HI: 4-7, 20-23) of x, each in the mantissa of an
+// fp16 MAGIC (1024 + x, HI: 64 + x): (x & MASK) | MAGIC in ONE lop3 (C code gives an AND
+// and an OR). Minus the magic (an HSUB2, each kernel's own way) that is the exact half2.
+template <bool HI>
+__device__ __forceinline__ uint32_t nibbles_magic(uint32_t x) {
+  uint32_t d;
+  if constexpr (HI) asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(x), "n"(0x00F000F0u), "n"(MAGIC_HI));
+  else asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(x), "n"(0x000F000Fu), "n"(MAGIC_LO));
+  return d;
+}
+
 // Online softmax over one 16-token tile (log2 domain). s: the scores of heads 2c, 2c+1 (e)
 // for tile rows g (s[e]) and g+8 (s[2+e]); m, l: the running max and sum per head; acc:
 // O^T fragments, rescaled when a max grows; p0..p3: the tile's weights (as s), relative to

@@ -121,10 +121,7 @@ __device__ __forceinline__ uint32_t fp8x2(uint32_t w) {
 // (x & MASK) | MAGIC in ONE lop3 (C code gives an AND and an OR), then minus the magic.
 template <bool HI>
 __device__ __forceinline__ uint32_t nibbles(uint32_t x) {
-  uint32_t d;
-  if constexpr (HI) asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(x), "n"(0x00F000F0u), "n"(MAGIC_HI));
-  else asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(x), "n"(0x000F000Fu), "n"(MAGIC_LO));
-  return hsub2(d, HI ? MAGIC_HI : MAGIC_LO);
+  return hsub2(nibbles_magic<HI>(x), HI ? MAGIC_HI : MAGIC_LO);  // common.cuh
 }
 
 template <int N>
@@ -291,16 +288,6 @@ __device__ __forceinline__ void load_q(const QT* q, long long row, bool real, fl
 // (NG*2 bytes) each; tokens >= T are zero-filled (src-size 0: nothing read), so the
 // garbage past T in a store's capacity never reaches the mma.
 // ---------------------------------------------------------------------------------
-template <int N>
-__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, bool ok) {
-  static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
-  if constexpr (N == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(dst), "l"(src), "n"(N), "r"(ok ? N : 0)
-                 : "memory");
-}
-
 // Where chunk j (16 bytes) of token row t (0..15) of a tile lies in shared memory, in
 // chunks: rows permuted / chunks XORed so that the fragment reads (K: lanes read
 // tokens g, g+8 at chunk c; V: tokens 2c, 2c+1, 2c+8, 2c+9 at byte g*VW*4) hit

@@ -4,10 +4,9 @@
 // called through ctypes). kernels/NOTES.md ("CUDA HQMQ decode") has the design and the
 // figures.
 //
-// Same skeleton as kernels/cuda/decode_attention.cu (int4/fp8), written separately so
-// that file can change under another engineer; the small helpers below (mma, movmatrix,
-// cp.async, nibble LOP3, combine kernel) DUPLICATE that file's: a later refactor should
-// move them into a shared header.
+// Same skeleton as kernels/cuda/decode_attention.cu (int4/fp8), written separately; the
+// helpers both use (mma, movmatrix, cp.async, the nibble LOP3, the online softmax, the
+// combine kernel and its launch) are in common.cuh.
 //
 // One CTA of NW warps per (b * Hkv + h, split). The CTA first copies the kv head's two
 // codebooks (K and V, [24 S, 4] fp16 = 192 S bytes each, 18 KB at S=96) into shared
@@ -80,7 +79,7 @@ struct Params {
 };
 
 // ---------------------------------------------------------------------------------
-// helpers (duplicated from decode_attention.cu; see the header)
+// helpers (the shared ones: common.cuh)
 // ---------------------------------------------------------------------------------
 __device__ __forceinline__ __half2 h2(uint32_t u) {
   __half2 h;
@@ -95,18 +94,8 @@ __device__ __forceinline__ uint32_t u32(__half2 h) {
 // nibbles at bits 0-3 and 16-19 (HI: 4-7, 20-23) of x as an exact half2: one LOP3 + HSUB2
 template <bool HI>
 __device__ __forceinline__ __half2 nibbles(uint32_t x) {
-  uint32_t d;
-  if constexpr (HI) asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(x), "n"(0x00F000F0u), "n"(MAGIC_HI));
-  else asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(x), "n"(0x000F000Fu), "n"(MAGIC_LO));
-  return __hsub2(h2(d), h2(HI ? MAGIC_HI : MAGIC_LO));
+  return __hsub2(h2(nibbles_magic<HI>(x)), h2(HI ? MAGIC_HI : MAGIC_LO));  // common.cuh
 }
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool ok) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
-}
-
 // fp16 r_max bits -> r_max / 15 in fp32 (rounded to fp16 by the caller, as the Triton kernel does)
 __device__ __forceinline__ float rm15(uint32_t bits) {
   return __half2float(__ushort_as_half((unsigned short)bits)) * (1.f / 15.f);  // within an fp32 ulp of the quotient
@@ -153,30 +142,30 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor& cur, int T, boo
   {
     const int i = lane;  // code chunk i: token i / 3
     const bool ok = on && cur.t0 + i / 3 < T;
-    cp_async16(st + Stage::KC + 16 * i, cur.c0, ok);
-    cp_async16(st + Stage::VC + 16 * i, cur.vc0, ok);
+    cp_async<16>(st + Stage::KC + 16 * i, cur.c0, ok);
+    cp_async<16>(st + Stage::VC + 16 * i, cur.vc0, ok);
   }
   if (lane < 16) {
     const int i = lane + 32;
     const bool ok = on && cur.t0 + i / 3 < T;
-    cp_async16(st + Stage::KC + 16 * i, cur.c0 + 512, ok);
-    cp_async16(st + Stage::VC + 16 * i, cur.vc0 + 512, ok);
+    cp_async<16>(st + Stage::KC + 16 * i, cur.c0 + 512, ok);
+    cp_async<16>(st + Stage::VC + 16 * i, cur.vc0 + 512, ok);
   }
   {
     const bool ok = on && cur.t0 + (lane & 15) < T;
-    cp_async16(st + (lane < 16 ? Stage::KR : Stage::VR) + 16 * (lane & 15), cur.r, ok);
+    cp_async<16>(st + (lane < 16 ? Stage::KR : Stage::VR) + 16 * (lane & 15), cur.r, ok);
   }
   if (lane < 6) {
     // granule (lane % 3) of the 16-byte-aligned window over this tile's r_max: copied only
     // if it holds a valid token's byte (so it lies inside the allocation)
     const bool ok = on && cur.m <= cur.mlast;
-    cp_async16(st + (lane < 3 ? Stage::KM : Stage::VM) + 16 * (lane % 3), cur.m, ok);
+    cp_async<16>(st + (lane < 3 ? Stage::KM : Stage::VM) + 16 * (lane % 3), cur.m, ok);
   }
   if constexpr (OUT) {
     const int t = cur.t0 + (lane & 15);  // lanes 0..15: K flags of token lane, 16..31: V's
-    cp_async4(st + Stage::FL + 4 * lane, cur.frow + t, on && t < T);
+    cp_async<4>(st + Stage::FL + 4 * lane, cur.frow + t, on && t < T);
     if ((cur.i & 3) == 0 && (lane & 15) == 0)  // the block's outlier start, at its first tile
-      cp_async4(st + Stage::OX + (lane >> 2), cur.irow + (cur.t0 >> 6), on);
+      cp_async<4>(st + Stage::OX + (lane >> 2), cur.irow + (cur.t0 >> 6), on);
   }
   cur.i += 1;
   cur.t0 += STEP;
@@ -490,8 +479,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     const uint32_t ka = smem_u32(ktab), va = smem_u32(vtab);
     const int n = p.tab_bytes / 16;
     for (int i = threadIdx.x; i < n; i += NW * 32) {
-      cp_async16(ka + 16 * i, kt + 16 * i, true);
-      cp_async16(va + 16 * i, vt + 16 * i, true);
+      cp_async<16>(ka + 16 * i, kt + 16 * i, true);
+      cp_async<16>(va + 16 * i, vt + 16 * i, true);
     }
     cp_commit();
   }
