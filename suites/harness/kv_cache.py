@@ -69,6 +69,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from ...kernels.step_encode import StepErrors
 from ...kernels.store import KernelStore, TokenBuffer, grown_capacity
 from ...quantizers import Packed, Segment, get_quantizer
+from ...quantizers.fitted import nbytes_as_row_caches
 from .attention import PackedHistory, uses_fused_attention
 
 ROLES = ("K", "V")
@@ -608,16 +609,12 @@ class QuantizedCache(Cache):
         return sum(layer.numel() for layer in self.layers)
 
     def nbytes_as_row_caches(self) -> int:
-        """What the batch's rows would store as separate one-row caches: every segment
-        byte, plus the per-(layer, role) codebooks once PER ROW. Batched scoring reports
-        this, so its bits equal a one-window-at-a-time run's."""
-        n = 0
-        for layer in self.layers:
-            for p in layer.packed.values():
-                if p is not None:
-                    shared = sum(t.numel() * t.element_size() for t in p.shared.values())
-                    n += p.nbytes + (p.batch - 1) * shared
-        return n
+        """What the batch's rows would store as separate one-row caches (batched scoring
+        reports this, so its bits equal a one-window-at-a-time run's): the rule of
+        `quantizers.fitted.nbytes_as_row_caches` per (layer, role): segments and per-row
+        fitted tensors as stored, every other shared tensor once PER ROW."""
+        return sum(nbytes_as_row_caches(p, layer.quantizers[role])
+                   for layer in self.layers for role, p in layer.packed.items() if p is not None)
 
     def bits_per_element(self) -> float:
         """Measured: sum of stored bytes x 8 / sum of K/V elements over every layer."""

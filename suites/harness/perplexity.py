@@ -63,7 +63,7 @@ from transformers import DynamicCache
 
 from ...quantizers import parse_spec
 from ...quantizers.checks import deferred_checks, flush
-from ...quantizers.fitted import FitsOnFirstWrite, nbytes_as_row_caches
+from ...quantizers.fitted import FitsOnFirstWrite
 from .attention import fused_attention
 from .kv_cache import QuantizedCache, cache_kwargs, plain_cache_stats
 
@@ -92,9 +92,7 @@ def _new_cache(model, spec: str | None, seed: int, capacity: int = 0, fused: boo
 def _cache_stats(cache) -> tuple[int, int]:
     """(bytes, K/V elements) of a batch's cache, as its rows would store them one by one."""
     if isinstance(cache, QuantizedCache):
-        nbytes = sum(nbytes_as_row_caches(p, layer.quantizers[role])
-                     for layer in cache.layers for role, p in layer.packed.items() if p is not None)
-        return nbytes, cache.numel()
+        return cache.nbytes_as_row_caches(), cache.numel()
     return plain_cache_stats(cache)
 
 
