@@ -254,7 +254,10 @@ __device__ __forceinline__ void load_tile(Raw<F>& r, Cursor<F>& cur, int tend, b
 }
 
 // Q^T as B fragments of QK^T (k = this lane's permuted chunk of head dims, n = head g),
-// scaled to base-2 scores and rounded to fp16.
+// times `scale` (1 at every call: the base-2 scale goes on the fp32 scores), rounded to
+// fp16. hqmq_decode.cu has its own load_q with the dims of KIVI's kdim: one load_q in
+// common.cuh for both (tried offline, the qtype switch with it) changed the code of
+// nearly every kernel of both files (52 of 55 here, 22 of 25 there).
 template <class F, int D, typename QT>
 __device__ __forceinline__ void load_q(const QT* q, long long row, bool real, float scale, int c,
                                        uint32_t (&qb)[D / 16][2]) {
@@ -896,6 +899,11 @@ __device__ __forceinline__ void tile_step(const R& r, int t0, int tend, float qk
 
 // The online softmax over the 32 tokens of two tiles (s0: tile 0, s1: tile 1, each as
 // online_softmax's s): one max reduction and at most one rescale per group.
+// The max reduction and rescale repeat common.cuh's online_softmax on purpose: a shared
+// helper for them (tried offline: softmax_rescale, called by both) changed the ptxas code
+// of 24 of this file's 55 kernels and of hqmq_decode.cu's 4 Med3x kernels (instruction
+// order and register assignment; same register counts), kernels that no GPU run has
+// tested or timed in that form. Merge them together with a GPU run that does.
 template <int KS>
 __device__ __forceinline__ void online_softmax2(const float (&s0)[4], const float (&s1)[4], float (&m)[2],
                                                 float (&l)[2], float (&acc)[KS][4], float (&p)[8]) {
@@ -1132,6 +1140,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
 
   // ---- merge the warps of the CTA in shared memory, write the partial
   // (the pipeline's stages are free once every warp is past the first barrier)
+  // hqmq_decode.cu ends its kernel with the same merge, on purpose not shared: as one
+  // common.cuh helper (tried offline) it left hqmq_decode.cu's kernels and this file's
+  // int4 / fp8 ones byte-identical but changed the instruction order of the 16 KIVI
+  // kernels, which no GPU run has tested or timed in that form.
   __shared__ float sm_m[NW][8], sm_l[NW][8];
   __shared__ float red_static[SMS ? 1 : NW][SMS ? 1 : 8][SMS ? 1 : D];
   float(*red)[8][D] = SMS ? reinterpret_cast<float(*)[8][D]>(dsm) : reinterpret_cast<float(*)[8][D]>(&red_static[0][0][0]);

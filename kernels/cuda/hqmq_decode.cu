@@ -178,6 +178,7 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor& cur, int T, boo
 // ---------------------------------------------------------------------------------
 // the tile: K decode + scores, online softmax, V decode + PV
 // ---------------------------------------------------------------------------------
+// (decode_attention.cu's load_q with KiviQ's kdim; kept apart, as it says why)
 template <typename QT>
 __device__ __forceinline__ void load_q(const QT* q, long long row, bool real, int c, uint32_t (&qb)[KS][2]) {
 #pragma unroll
@@ -540,6 +541,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) l[e] += __shfl_xor_sync(0xffffffffu, l[e], o);
   }
+  // (the merge and partial write as decode_attention.cu's, kept apart: it says why)
   __shared__ float sm_m[NW][8], sm_l[NW][8];
   __syncthreads();  // every warp is done with the tables and stages: reuse them for the merge
   float(*red)[8][D] = reinterpret_cast<float(*)[8][D]>(dsm);
