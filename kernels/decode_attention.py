@@ -34,6 +34,7 @@ run 8): HQMQ 128-token tiles, 4 warps, no pipelining; int 128/4, 2 stages; KIVI
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -361,17 +362,32 @@ def _int_split_kernel(q_ptr, kc, ks, kz, vc, vs, vz, po_ptr, pm_ptr, pl_ptr,
 @triton.jit
 def _kivi_split_kernel(q_ptr, kc, ks, kz, kres, vc, vs, vz, vres, po_ptr, pm_ptr, pl_ptr,
                        NGK, TRK, NGV, TRV, tiles_per_split, qk_scale, k_cs, k_ss, k_rs, v_cs, v_ss, v_rs,
+                       vlen_ptr, TCAP,
                        GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                        W: tl.constexpr, G: tl.constexpr, GB: tl.constexpr,
-                       VCB: tl.constexpr, VCNB: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr):
+                       VCB: tl.constexpr, VCNB: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr,
+                       VLEN: tl.constexpr = False, KA: tl.constexpr = 0, KP: tl.constexpr = 1,
+                       VA: tl.constexpr = 0, VP: tl.constexpr = 1):
     """Keys: NGK quantized groups then TRK window rows; values: NGV groups then TRV rows
     (KIVI keeps different windows for K and V; both cover the same T tokens). The
     tiles where both are quantized are split over the programs; the tail from there
     to T (under a window plus a tile) goes to the last split (the host adds one for it,
     so it does not lengthen a split that also has main tiles), each side decoded from
-    whichever part holds the token."""
-    TQK = NGK * G
-    TQV = NGV * G
+    whichever part holds the token.
+    VLEN: the counts come from the device valid length T at vlen_ptr (clamped to the
+    capacity TCAP) by each side's window policy (KA, KP) / (VA, VP): q(T) = max(0, T - A)
+    // P * P tokens quantized, the rest in the window (`step_encode.kivi_policy`); the
+    grid is cut for TCAP, so splits past the device's main tiles run none."""
+    if VLEN:
+        T = tl.minimum(tl.load(vlen_ptr), TCAP)
+        TQK = tl.maximum(T - KA, 0) // KP * KP
+        TQV = tl.maximum(T - VA, 0) // VP * VP
+        NGK = TQK // G
+        TRK = T - TQK
+        TRV = T - TQV
+    else:
+        TQK = NGK * G
+        TQV = NGV * G
     T = TQK + TRK
     n_main = tl.minimum(TQK, TQV) // BT
     pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last = split_prologue(
@@ -605,14 +621,37 @@ def int_decode_attention(q: torch.Tensor, k: IntFlat, v: IntFlat, *, num_splits:
                    q, B, H, nsplit, D, num_warps, num_stages, workspace, k.dtype, out_dtype)
 
 
+@dataclasses.dataclass
+class KIVIGraphFlat(KIVIFlat):
+    """A `KIVIFlat` whose group and window counts follow a device valid length (CUDA graphs;
+    `KernelStore.graph_view`): `policy` (A, P), the window policy of
+    `step_encode.kivi_policy` (q(T) = max(0, T - A) // P * P tokens quantized, T - q(T) in
+    the window), and `capacity`, the tokens the buffers hold (the bound the grid is cut
+    for). The buffers are the store's, at capacity; n_groups / n_res are not read by a
+    call with `valid_len`. (Its own class because kernels/layout.py's KIVIFlat has no
+    policy field.)"""
+    policy: tuple[int, int] | None = None
+    capacity: int = 0
+
+
 def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_splits: int | None = None,
                           block_t: int = 64, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 12,
                           workspace: Workspace | None = None, out_dtype=None, valid_len=None) -> torch.Tensor:
+    """`valid_len` (a device token count, see `decode_attention`): k and v must be
+    `KIVIGraphFlat`s (the window policy turns the length into each side's counts, on the
+    device) of one capacity."""
     B, H, D = k.B, k.H, k.D
     _check_q(q, H, D, B)
-    if valid_len is not None:  # its window flushes on the host's count: no device length to follow
-        raise ValueError("the KIVI kernel takes no valid_len (its split into groups and window is host-side)")
-    if (v.B, v.H, v.D, v.T, v.bits, v.group) != (B, H, D, k.T, k.bits, k.group):
+    vl, has_vl = _valid_len(valid_len, q)
+    if has_vl:
+        if not (isinstance(k, KIVIGraphFlat) and isinstance(v, KIVIGraphFlat) and k.policy and v.policy):
+            raise ValueError("the KIVI kernel takes valid_len only with KIVIGraphFlat caches (the window policy "
+                             "that splits the length into groups and window: KernelStore.graph_view)")
+        if k.capacity != v.capacity or k.codes is None or v.codes is None:
+            raise ValueError("KIVI K and V graph views differ in capacity or have no group buffers")
+        if (v.B, v.H, v.D, v.bits, v.group) != (B, H, D, k.bits, k.group):
+            raise ValueError("K and V KIVI caches differ in shape or config")
+    elif (v.B, v.H, v.D, v.T, v.bits, v.group) != (B, H, D, k.T, k.bits, k.group):
         raise ValueError("K and V KIVI caches differ in shape or config")
     if k.role != "K" or v.role != "V":
         raise ValueError("pass the keys' KIVIFlat (role K) then the values' (role V)")
@@ -625,13 +664,18 @@ def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_spli
     if bt % G:
         raise ValueError(f"block_t {block_t} must be a multiple of the group {G}")
     q = q.contiguous()
-    n_main = min(k.n_groups, v.n_groups) * G // bt
-    nsplit, per = choose_splits(B * H, n_main, q.device, num_splits, programs_per_sm)
-    if n_main and k.T > n_main * bt:  # the tail gets a program of its own (its first tile is past n_main)
-        nsplit += 1
+    if has_vl:  # cut for the capacity: at most capacity // bt main tiles, always a tail split
+        n_main = k.capacity // bt
+        nsplit, per = choose_splits(B * H, n_main, q.device, num_splits, programs_per_sm)
+        nsplit += 1 if n_main else 0
+    else:
+        n_main = min(k.n_groups, v.n_groups) * G // bt
+        nsplit, per = choose_splits(B * H, n_main, q.device, num_splits, programs_per_sm)
+        if n_main and k.T > n_main * bt:  # the tail gets a program of its own (its first tile is past n_main)
+            nsplit += 1
 
     def parts(f: KIVIFlat, role: str):
-        if f.n_groups:
+        if f.n_groups or has_vl:
             return ([f.codes, f.scale, f.zero, f.residual],
                     [bh_stride(f.codes, f"{role} codes"), bh_stride(f.scale, f"{role} scale"),
                      bh_stride(f.residual, f"{role} window")])
@@ -641,7 +685,10 @@ def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_spli
     kb, ks = parts(k, "K")
     vb, vs = parts(v, "V")
     runtime = [k.n_groups, k.T_res, v.n_groups, v.T_res, per, LOG2E / math.sqrt(D)] + ks + vs
+    runtime += [vl, k.capacity if has_vl else 0]
     const = {"BT": bt, "W": W, "G": G, "GB": G * W // 8, "VCB": D * W // 8, "VCNB": _nbytes_span(D, W)}
+    if has_vl:
+        const.update(VLEN=True, KA=k.policy[0], KP=k.policy[1], VA=v.policy[0], VP=v.policy[1])
     return _launch(_kivi_split_kernel, kb + vb, runtime, const, q, B, H, nsplit, D, num_warps, num_stages,
                    workspace, k.dtype, out_dtype)
 
@@ -664,7 +711,7 @@ def fp8_decode_attention(q: torch.Tensor, k: FP8Flat, v: FP8Flat, *, num_splits:
 
 
 _KERNELS = {HQMQFlat: hqmq_decode_attention, IntFlat: int_decode_attention, KIVIFlat: kivi_decode_attention,
-            FP8Flat: fp8_decode_attention}
+            KIVIGraphFlat: kivi_decode_attention, FP8Flat: fp8_decode_attention}
 
 
 _TRITON_ONLY = ("block_t", "num_warps", "num_stages")  # launch options only the Triton kernels have
@@ -706,11 +753,21 @@ def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", valid_len: to
     number of valid tokens, read by the kernel at run time (so a CUDA graph can replay
     the call while the cache grows); the flats' T is then the capacity bound the launch
     grid is cut for (valid_len <= T; a larger value is clamped to T). Int, fp8 and HQMQ
-    (Triton; CUDA where its entry point takes valid_len); KIVI refuses it."""
+    (Triton; CUDA where its entry point takes valid_len); KIVI on Triton only, with
+    `KIVIGraphFlat` views (`KernelStore.graph_view`: the window policy turns the length
+    into each side's group and window counts on the device): the CUDA KIVI kernel
+    (kernels/cuda/, `cuda_decode.decode`) takes host counts only, so "auto" sends a KIVI
+    call with valid_len to Triton even once cuda_decode.decode takes valid_len for the
+    other formats, and "cuda" refuses it. Device lengths for the CUDA KIVI kernel are the
+    next step (it would compute the counts from the length by the same policy)."""
     if backend not in ("auto", "cuda", "triton"):
         raise ValueError(f"backend must be auto, cuda or triton, got {backend!r}")
     if valid_len is not None:
         kw["valid_len"] = valid_len
+        if isinstance(k, KIVIFlat):
+            if backend == "cuda":
+                raise ValueError("the CUDA KIVI kernel takes no valid_len (device lengths): use backend='triton'")
+            backend = "triton"
     if backend != "triton" and isinstance(k, (IntFlat, FP8Flat, KIVIFlat)) and q.is_cuda:
         from . import cuda_decode
 
@@ -744,4 +801,4 @@ def _cuda_kw(kw: dict, fn) -> dict:
 
 __all__ = ["decode_attention", "hqmq_decode_attention", "int_decode_attention", "kivi_decode_attention",
            "fp8_decode_attention", "reference_decode_attention", "choose_splits", "interpreting", "Workspace",
-           "bh_stride"]
+           "bh_stride", "KIVIGraphFlat"]

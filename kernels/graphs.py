@@ -87,8 +87,10 @@ class GraphedDecodeStep:
       TRITON_INTERPRET=1, runs the same kernels, which the tests use; or a capture
       that failed);
     - "eager": the cache cannot take device-position steps (`graph_unsupported()`:
-      KIVI, Med3x, a dense layer, ...; a DynamicCache grows by cat): the ordinary
-      forward per call.
+      Med3x, a dense layer, ...; a DynamicCache grows by cat): the ordinary forward
+      per call. (KIVI is captured: its window flushes are decided on the device from
+      the counter, kernels/store.py; its attention runs on Triton, the CUDA KIVI kernel
+      taking no device lengths yet.)
 
     Positions: each step continues the cache (position id = tokens held, no padding),
     as greedy `generate` does. A write to the cache between calls through the ordinary

@@ -13,7 +13,9 @@ those of the quantizer's `encode_tokens` (suites/tests/test_step_encode.py):
 - fp8 (`FP8Flat`): `fp8_tokens`, torch's saturating float8 cast of x / scale, by
   integer arithmetic (round to nearest even), the same on the GPU and the interpreter;
 - KIVI's fp16 window: `kivi_window` (the flush every G or R steps is `int_rows` on the
-  window plus one shift);
+  window plus one shift); at a device position (CUDA graphs) the row, the flush and the
+  shift (`kivi_shift`) are decided on the device from the token count by the window
+  policy (`kivi_policy`), the flush and shift launches doing nothing on other steps;
 - HQMQ incl. Med3x (`HQMQFlat`): `hqmq_tokens`: radii, the per-write median and
   outliers, r_max, the direction search (`hqmq_encode.best_codes`, the search
   kernel's own code), radius codes, packing, the per-(b, h) outlier lists and the
@@ -138,13 +140,29 @@ def _int_rows_kernel(x_ptr, sxb, sxh, sxr, sxe, sxk,
                      c_ptr, scb, sch, scr, sck, s_ptr, z_ptr, ssb, ssh, ssr, ssk,
                      row0, blk0, H, err_ptr, tok0, pos_ptr, TOKROWS: tl.constexpr, DEVPOS: tl.constexpr,
                      N: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, NP: tl.constexpr,
-                     NGP: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr):
+                     NGP: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
+                     WA: tl.constexpr = 0, WP: tl.constexpr = 0, WG: tl.constexpr = 1,
+                     ROWMUL: tl.constexpr = 0, BLKMUL: tl.constexpr = 0):
     """One row of N elements (program (b*H+h, row, block)) in groups of G along the row:
     `quantize_groups` of that row, written at output row row0+row of block blk0+block
-    (DEVPOS: plus the device position at pos_ptr, also added to tok0)."""
+    (DEVPOS: plus the device position p at pos_ptr, also added to tok0).
+    KIVI's flush at a device position (DEVPOS and WP > 0, the window policy `kivi_policy`
+    (WA, WP), groups of WG tokens): the program does nothing unless the step writing
+    token p fills the window (q(p + 1) > q(p), q(t) = max(0, t - WA) // WP * WP); then
+    the n = q(p) / WG groups held before it offset the output by n * ROWMUL rows and
+    n * BLKMUL blocks, and the flag names token p (what the host-position flush does)."""
     if DEVPOS:
         p = tl.load(pos_ptr)
-        row0 += p
+        if WP > 0:
+            q0 = tl.maximum(p - WA, 0) // WP
+            q1 = tl.maximum(p + 1 - WA, 0) // WP
+            if q1 == q0:  # the window is not full: nothing to flush
+                return
+            ng = q0 * (WP // WG)
+            row0 += ng * ROWMUL
+            blk0 += ng * BLKMUL
+        else:
+            row0 += p
         tok0 += p
     bh = tl.program_id(0)
     r = tl.program_id(1)
@@ -189,19 +207,30 @@ def _int_rows_kernel(x_ptr, sxb, sxh, sxr, sxe, sxk,
 
 
 def int_rows(x, x_strides, rows: int, blocks: int, codes, c_strides, scale, zero, s_strides,
-             row0: int, blk0: int, *, n: int, group: int, bits: int, err, tok0: int, token_rows: bool, pos=None):
+             row0: int, blk0: int, *, n: int, group: int, bits: int, err, tok0: int, token_rows: bool, pos=None,
+             flush=None):
     """`quantize_groups` of `rows` x `blocks` rows of n elements of x, each written at
     output row row0 + row, block blk0 + block. Strides in elements: x (b, h, row,
     element, block); codes and scale/zero (b, h, row, block), the row's bytes / groups
     contiguous. `token_rows`: rows are tokens tok0 + row (for the error flag).
     `pos`: None, or a device int32 tensor whose first element is added to row0 and tok0
-    when the kernel runs (a CUDA graph's write position; see `device_pos`)."""
+    when the kernel runs (a CUDA graph's write position; see `device_pos`).
+    `flush` (with `pos`): KIVI's flush decided on the device, ((A, P), G, rows_per_group,
+    blocks_per_group): the launch writes only when the step writing token pos fills the
+    window of policy (A, P) (`kivi_policy`), after the groups of G tokens held then
+    (see `_int_rows_kernel`)."""
     B, H = x.shape[0], x.shape[1]
     nb = (n * bits + 7) // 8
     pos_arg, devpos = device_pos(pos, x)
+    win = {}
+    if flush is not None:
+        if not devpos:
+            raise ValueError("a device-decided flush needs the device position pos")
+        (wa, wp), wg, rowmul, blkmul = flush
+        win = dict(WA=wa, WP=wp, WG=wg, ROWMUL=rowmul, BLKMUL=blkmul)
     _launch(_int_rows_kernel, (B * H, rows, blocks), x, *x_strides, codes, *c_strides, scale, zero, *s_strides,
             row0, blk0, H, err, tok0, pos_arg, TOKROWS=int(token_rows), DEVPOS=devpos, N=n, G=group, BITS=bits, NP=_p2(n),
-            NGP=_p2(n // group), NB=nb, NBP=_p2(nb))
+            NGP=_p2(n // group), NB=nb, NBP=_p2(nb), **win)
 
 
 # ---------------------------------------------------------------------------------------
@@ -255,8 +284,15 @@ def fp8_tokens(x, codes, scale, fmt: str, t0: int, err, pos=None):
 # KIVI's fp16 window
 # ---------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["row", "tok"])
-def _window_kernel(x_ptr, sxb, sxh, r_ptr, srb, srh, row, H, err_ptr, tok,
-                   D: tl.constexpr, DP: tl.constexpr):
+def _window_kernel(x_ptr, sxb, sxh, r_ptr, srb, srh, row, H, err_ptr, tok, pos_ptr,
+                   D: tl.constexpr, DP: tl.constexpr, DEVPOS: tl.constexpr = False,
+                   WA: tl.constexpr = 0, WP: tl.constexpr = 1):
+    """x's token as fp16 into window row `row` (token `tok`); DEVPOS: token p at pos_ptr,
+    into row p - q(p), the window's length under the policy (WA, WP) (`kivi_policy`)."""
+    if DEVPOS:
+        p = tl.load(pos_ptr)
+        row = p - tl.maximum(p - WA, 0) // WP * WP
+        tok = p
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -271,12 +307,75 @@ def _window_kernel(x_ptr, sxb, sxh, r_ptr, srb, srh, row, H, err_ptr, tok,
     flag(err_ptr, bits, n_bad, tok)
 
 
-def kivi_window(x, residual, row: int, err, tok: int):
-    """x `[B, H, 1, D]` as fp16 into row `row` of the window buffer `[B, H, Rcap, D]`."""
+def kivi_policy(q) -> tuple[int, int] | None:
+    """(A, P) with `q.quantized_tokens(t) == max(0, t - A) // P * P` for a KIVI quantizer q:
+    its window holds t - that many tokens, fills at A + P, and a flush quantizes P (whole
+    groups) and keeps A. Keys of the paper's window: (0, R rounded up to groups); values and
+    the fixed window: (R, G). Checked against `quantized_tokens` over several periods; None
+    when it does not fit (a changed policy: device steps then refuse the format)."""
+    c = q.config
+    if c.window == "paper" and q.role == "K":
+        a, p = 0, -(-max(c.residual, 1) // c.group) * c.group
+    else:
+        a, p = c.residual, c.group
+    if p % c.group or any(q.quantized_tokens(t) != max(0, t - a) // p * p for t in range(4 * (a + p) + 2)):
+        return None
+    return a, p
+
+
+def kivi_window(x, residual, row: int, err, tok: int, pos=None, policy: tuple[int, int] | None = None):
+    """x `[B, H, 1, D]` as fp16 into row `row` of the window buffer `[B, H, Rcap, D]`
+    (token `tok`, for the error flag). `pos` (a device position, see `device_pos`) with
+    the window `policy` (A, P) of `kivi_policy`: token pos, into row pos - q(pos), read on
+    the device (row and tok are ignored)."""
     B, H, _, D = x.shape
     assert x.stride(3) == 1 and residual.stride(3) == 1 and residual.stride(2) == D
+    pos_arg, devpos = device_pos(pos, x)
+    win = {}
+    if devpos:
+        if policy is None:
+            raise ValueError("a window write at a device position needs the window policy (A, P)")
+        win = dict(DEVPOS=True, WA=policy[0], WP=policy[1])
     _launch(_window_kernel, (B * H,), x, x.stride(0), x.stride(1), residual, residual.stride(0),
-            residual.stride(1), row, H, err, tok, D=D, DP=_p2(D))
+            residual.stride(1), row, H, err, tok, pos_arg, D=D, DP=_p2(D), **win)
+
+
+@triton.jit
+def _shift_kernel(r_ptr, srb, srh, pos_ptr, H, D: tl.constexpr, DP: tl.constexpr, WA: tl.constexpr,
+                  WP: tl.constexpr, CH: tl.constexpr):
+    """After a flush decided on the device (the step writing token p filled the window):
+    window rows WP .. WA+WP-1 move down to 0 .. WA-1; nothing otherwise. One program per
+    (b, h), in chunks of CH <= WP rows in increasing order, each loaded by every thread
+    before any stores (barriers), so no row is overwritten before it was read."""
+    p = tl.load(pos_ptr)
+    if tl.maximum(p + 1 - WA, 0) // WP == tl.maximum(p - WA, 0) // WP:
+        return
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    base = r_ptr + b.to(tl.int64) * srb + h * srh
+    r = tl.arange(0, CH)
+    d = tl.arange(0, DP)
+    for r0 in tl.static_range(0, WA, CH):
+        m = ((r0 + r) < WA)[:, None] & (d < D)[None, :]
+        x = tl.load(base + (WP + r0 + r)[:, None] * D + d[None, :], mask=m)
+        tl.debug_barrier()
+        tl.store(base + (r0 + r)[:, None] * D + d[None, :], x, mask=m)
+        tl.debug_barrier()
+
+
+def kivi_shift(residual, pos, policy: tuple[int, int]) -> None:
+    """The window shift after a flush decided on the device (`_shift_kernel`); no launch
+    when the policy keeps nothing (A == 0: the paper's keys empty the window)."""
+    a, p = policy
+    if not a:
+        return
+    B, H, _, D = residual.shape
+    assert residual.stride(3) == 1 and residual.stride(2) == D
+    pos_arg, _ = device_pos(pos, residual)
+    ch = min(1 << (p.bit_length() - 1), _p2(a))  # a power of two <= P
+    _launch(_shift_kernel, (B * H,), residual, residual.stride(0), residual.stride(1), pos_arg, H,
+            D=D, DP=_p2(D), WA=a, WP=p, CH=ch)
 
 
 # ---------------------------------------------------------------------------------------
@@ -448,4 +547,5 @@ class StepErrors:
                                       "rescale the input")
 
 
-__all__ = ["StepErrors", "device_pos", "fp8_tokens", "hqmq_tokens", "int_rows", "kivi_window", "LAUNCHES", "FP8_FORMATS"]
+__all__ = ["StepErrors", "device_pos", "fp8_tokens", "hqmq_tokens", "int_rows", "kivi_policy", "kivi_shift",
+           "kivi_window", "LAUNCHES", "FP8_FORMATS"]

@@ -45,8 +45,18 @@ Decode steps at a device position (`step_at`, for CUDA graphs; suites/harness/kv
 and touch no host state; `advance(n)` then does the host bookkeeping `step` does, for
 n steps that ran; `reserve` allocates the room up front (a graph holds the buffers'
 addresses) and `graph_view` is the flat attention reads, its T the reserved capacity
-(the valid length is a device argument). Int, fp8 and HQMQ without Med3x;
+(the valid length is a device argument). Int, fp8, KIVI and HQMQ without Med3x;
 `graph_unsupported` names why not for the others.
+KIVI at a device position: its group count and window length are functions of the
+token count by its window policy (`step_encode.kivi_policy`: max(0, t - A) // P * P
+tokens quantized, the window fills at A + P, a flush quantizes P and keeps A), so the
+device token count at `pos` is the one device state: the window write goes to row
+p - q(p), the flush (`int_rows` with `flush=`) and the shift (`kivi_shift`) launch every
+step and do nothing unless the token fills the window, and the attention derives each
+side's counts from the valid length the same way (`KIVIGraphFlat`, `graph_view`).
+`reserve` sizes the group buffers for the capacity and the window for A + P rows;
+`advance` sets n_groups, the window length and the buffers' lengths from the host's
+token count (no device read).
 
 Host synchronisation (old path, `append`): none per step for int, fp8 and KIVI. HQMQ + Med3x needs the largest
 per-(b, h) outlier count only when a host-side upper bound (previous bound plus the
@@ -435,12 +445,7 @@ class KernelStore:
         w, B, H, D = res.buf, self.B, self.H, self.D
         key = self.role == "K"
         per = 1 if key else G  # rows of axis 2 per group
-        if "codes" not in self.buffers:  # no group stored yet: buffers shaped like one group's fields
-            codes = w.new_empty((B, H, 1, D, packed_nbytes(G, f.bits)) if key else
-                                (B, H, 1, packed_nbytes(D, f.bits)), dtype=torch.uint8)
-            scale = w.new_empty((B, H, 1, D) if key else (B, H, 1, D // G))
-            for name, like in (("codes", codes), ("scale", scale), ("zero", scale)):
-                self._buffer(name, like, (ng + new) * per, G // per)
+        self._kivi_group_buffers((ng + new) * per)
         grew = False
         for name in ("codes", "scale", "zero"):
             grew |= self.buffers[name].extend((ng + new) * per)
@@ -466,21 +471,61 @@ class KernelStore:
         if grew:
             self._adopt([], True)
 
+    def _kivi_group_buffers(self, rows: int) -> None:
+        """KIVI's group buffers (codes, scale, zero), created for `rows` rows of axis 2 (or
+        the capacity hint) when no group was stored yet: shaped like one group's fields."""
+        if "codes" in self.buffers:
+            return
+        f, w, B, H, D = self.flat, self.buffers["residual"].buf, self.B, self.H, self.D
+        G, key = f.group, self.role == "K"
+        per = 1 if key else G
+        codes = w.new_empty((B, H, 1, D, packed_nbytes(G, f.bits)) if key else
+                            (B, H, 1, packed_nbytes(D, f.bits)), dtype=torch.uint8)
+        scale = w.new_empty((B, H, 1, D) if key else (B, H, 1, D // G))
+        for name, like in (("codes", codes), ("scale", scale), ("zero", scale)):
+            self._buffer(name, like, rows, G // per)
+
     # ---- decode steps at a device position (CUDA graphs) ----------------------------------------
     def graph_unsupported(self) -> str | None:
         """Why `step_at` cannot serve this store's decode steps (None: it can)."""
         if self.stepper is None:
             return "no device step encoder for this format (a plugin, a subclass or step_encode=False)"
         if self.kind is layout.KIVIFlat:
-            return "KIVI flushes its fp16 window into groups every G / R steps, decided on the host"
+            if self.kivi_policy is None:
+                return ("KIVI's window policy is not max(0, t - A) // P * P quantized tokens "
+                        "(step_encode.kivi_policy), so the device cannot decide its flushes")
+            if 8 % self.flat.bits:  # (the attention kernel's own limit: the device path is Triton's)
+                return f"KIVI with {self.flat.bits} bits: the fused kernel reads 2, 4 or 8"
+            return None
         if self.outliers is not None:
             return ("Med3x: a step's outlier count is data-dependent (the outlier lists' room and the "
                     "64-token index blocks are managed on the host)")
         return None
 
+    @property
+    def kivi_policy(self) -> tuple[int, int] | None:
+        """KIVI: (A, P) of `step_encode.kivi_policy` (quantized tokens max(0, t - A) // P * P;
+        the window fills at A + P, a flush quantizes P tokens and keeps A)."""
+        if self.stepper is None or self.kind is not layout.KIVIFlat:
+            return None
+        if not hasattr(self, "_policy"):
+            self._policy = step_encode.kivi_policy(self.stepper)
+        return self._policy
+
+    def _kivi_counts(self, tokens: int) -> tuple[int, int]:
+        """(quantized groups, window rows) of a KIVI store holding `tokens` tokens."""
+        a, p = self.kivi_policy
+        q = max(0, tokens - a) // p * p
+        return q // self.flat.group, tokens - q
+
     def reserve(self, tokens: int) -> None:
         """Room for `tokens` valid tokens in every token buffer, allocated now: steps at a
-        device position must never move a buffer (a CUDA graph holds their addresses)."""
+        device position must never move a buffer (a CUDA graph holds their addresses).
+        KIVI: the group buffers for the groups `tokens` tokens hold, the window for the
+        A + P rows it reaches before a flush."""
+        if self.kind is layout.KIVIFlat:
+            self._reserve_kivi(tokens)
+            return
         grew = False
         for name in self.TOKEN_FIELDS[self.kind]:
             if name in self.buffers:
@@ -488,9 +533,35 @@ class KernelStore:
         if grew:
             self._repoint()
 
+    def _reserve_kivi(self, tokens: int) -> None:
+        a, p = self.kivi_policy
+        f, res = self.flat, self.buffers["residual"]
+        per = 1 if self.role == "K" else f.group
+        rows = self._kivi_counts(tokens)[0] * per
+        if res.extend(a + p):
+            f.residual = res.buf
+        self._kivi_group_buffers(max(rows, per))
+        grew = False
+        for name in ("codes", "scale", "zero"):
+            grew |= self.buffers[name].extend(max(rows, per))
+        f.codes, f.scale, f.zero = (self.buffers[k].buf for k in ("codes", "scale", "zero"))
+        f.residual, f.n_res = res.buf, res.length
+        if grew:
+            self._adopt([], True)
+
     @property
     def token_capacity(self) -> int:
-        """Tokens the token buffers hold without growing."""
+        """Tokens the token buffers hold without growing (KIVI: the tokens whose groups the
+        group buffers hold, with a window that can fill)."""
+        if self.kind is layout.KIVIFlat:
+            a, p = self.kivi_policy
+            if "codes" not in self.buffers or self.buffers["residual"].capacity < a + p:
+                return self.tokens
+            per = 1 if self.role == "K" else self.flat.group
+            # the most tokens t with q(t) / G groups within the buffers: q(t) <= cap * G
+            # (per row of axis 2: one group (K) or one token (V))
+            qcap = self.buffers["codes"].capacity // per * self.flat.group // p * p
+            return qcap + a + p - 1
         return min(self.buffers[n].capacity for n in self.TOKEN_FIELDS[self.kind] if n in self.buffers)
 
     def step_at(self, x: torch.Tensor, errors: torch.Tensor, pos: torch.Tensor) -> None:
@@ -502,7 +573,9 @@ class KernelStore:
         if x.stride(-1) != 1:
             x = x.contiguous()
         f, q = self.flat, self.stepper
-        if self.kind is layout.HQMQFlat:
+        if self.kind is layout.KIVIFlat:
+            self._step_at_kivi(x, errors, pos)
+        elif self.kind is layout.HQMQFlat:
             step_encode.hqmq_tokens(x, f, f.S, f.rel, 0, errors, C=q.config.C, pos=pos)
         elif self.kind is layout.FP8Flat:
             step_encode.fp8_tokens(x, f.codes, f.scale, f.fmt, 0, errors, pos=pos)
@@ -512,13 +585,48 @@ class KernelStore:
                                  sc.stride()[:3] + (0,), 0, 0, n=self.D, group=f.group, bits=f.bits,
                                  err=errors, tok0=0, token_rows=True, pos=pos)
 
+    def _step_at_kivi(self, x: torch.Tensor, errors: torch.Tensor, pos: torch.Tensor) -> None:
+        """KIVI's step at the device position p: the window write at row p - q(p), then the
+        flush `_flush_kivi` does, decided on the device (the launches do nothing unless
+        this token fills the window): the first P window rows quantized into the groups
+        after the q(p) / G held, then rows P .. A+P-1 shifted down. Two launches (the
+        paper's keys: the window empties) or three, every step."""
+        f, pol = self.flat, self.kivi_policy
+        w = self.buffers["residual"].buf
+        step_encode.kivi_window(x, w, 0, errors, 0, pos=pos, policy=pol)
+        G, P = f.group, pol[1]
+        c, sc, z = (self.buffers[k].buf for k in ("codes", "scale", "zero"))
+        if self.role == "K":  # as `_flush_kivi`: rows channels, blocks groups (one block per group)
+            step_encode.int_rows(w, (w.stride(0), w.stride(1), 1, w.stride(2), G * w.stride(2)), self.D, P // G,
+                                 c, (c.stride(0), c.stride(1), c.stride(3), c.stride(2)), sc, z,
+                                 (sc.stride(0), sc.stride(1), 1, sc.stride(2)), 0, 0, n=G, group=G, bits=f.bits,
+                                 err=errors, tok0=0, token_rows=False, pos=pos, flush=(pol, G, 0, 1))
+        else:  # rows tokens (G rows per group)
+            step_encode.int_rows(w, (w.stride(0), w.stride(1), w.stride(2), 1, 0), P, 1,
+                                 c, (c.stride(0), c.stride(1), c.stride(2), 0), sc, z,
+                                 (sc.stride(0), sc.stride(1), sc.stride(2), 0), 0, 0, n=self.D, group=G,
+                                 bits=f.bits, err=errors, tok0=0, token_rows=False, pos=pos, flush=(pol, G, G, 0))
+        step_encode.kivi_shift(w, pos, pol)
+
     def advance(self, n: int) -> None:
         """Host bookkeeping of n `step_at` steps that ran (tokens, lengths, the flat's T, the
-        run `run_segments` turns into a Segment), exactly what `step` keeps per step."""
+        run `run_segments` turns into a Segment), exactly what `step` keeps per step
+        (KIVI: the group count and window length of the token count, the policy's)."""
         end = self.tokens + n
         if end > self.token_capacity:
             raise RuntimeError(f"{n} device steps after {self.tokens} tokens overran the reserved "
                                f"{self.token_capacity}: the store's bytes past it were not written")
+        if self.kind is layout.KIVIFlat:
+            if self._run_start is None:
+                self._run_start = self.flat.n_groups
+            ng, n_res = self._kivi_counts(end)
+            per = 1 if self.role == "K" else self.flat.group
+            for name in ("codes", "scale", "zero"):
+                self.buffers[name].length = ng * per
+            self.buffers["residual"].length = n_res
+            self.flat.n_groups, self.flat.n_res = ng, n_res
+            self.tokens = end
+            return
         if self._run_start is None:
             self._run_start = self.tokens
         for name in self.TOKEN_FIELDS[self.kind]:
@@ -531,10 +639,21 @@ class KernelStore:
         the bound the launch grid is cut for (the valid length is a device argument).
         Cached per (flat, capacity): no allocation per step."""
         hit = self._graph_flat
+        if hit is not None and self.kind is layout.KIVIFlat and (
+                hit[2].codes is not self.flat.codes or hit[2].residual is not self.buffers["residual"].buf):
+            hit = None  # (KIVI's flat is updated in place: its buffers are compared too)
         if hit is None or hit[0] is not self.flat or hit[1] != capacity:
             if capacity > self.token_capacity:
                 raise ValueError(f"capacity {capacity} beyond the {self.token_capacity} tokens reserved")
-            hit = self._graph_flat = (self.flat, capacity, dataclasses.replace(self.flat, T=capacity))
+            if self.kind is layout.KIVIFlat:  # the counts follow the valid length by the window policy
+                from .decode_attention import KIVIGraphFlat
+
+                f = self.flat
+                view = KIVIGraphFlat(**{k.name: getattr(f, k.name) for k in dataclasses.fields(layout.KIVIFlat)})
+                view.n_res, view.policy, view.capacity = self.buffers["residual"].capacity, self.kivi_policy, capacity
+            else:
+                view = dataclasses.replace(self.flat, T=capacity)
+            hit = self._graph_flat = (self.flat, capacity, view)
         return hit[2]
 
     @property

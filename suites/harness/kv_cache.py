@@ -21,16 +21,18 @@ Two ways to read it:
   the history once into a transient tensor for SDPA.
 
 Device-position decode steps (CUDA graphs, kernels/graphs.py `GraphedDecodeStep`): a
-fused cache whose every layer has a device step encoder (int, fp8, HQMQ without
+fused cache whose every layer has a device step encoder (int, fp8, KIVI, HQMQ without
 Med3x) can take one-token steps that read the number of stored tokens from a device
 int32 counter instead of the host (`reserve`, `device_steps`, `step_done`, `advance`):
 the step encoders write at it, attention reads it as its valid length over the
 reserved capacity, and the step adds 1 to it on the device, so the step has no host
 value in it and can be captured once and replayed. The host's bookkeeping (token
 counts, store lengths, the Packed views behind `bits_per_element`) is advanced after
-each step by `advance(n)`, without reading the device. KIVI (its window flushes every
-G / R steps, decided on the host) and Med3x (a data-dependent outlier count) are not
-graphable: `graph_unsupported()` names the reason and their steps stay eager.
+each step by `advance(n)`, without reading the device. KIVI's window flushes are
+decided on the device from the same counter (its group and window counts are functions
+of the token count: kernels/store.py); the host computes them in `advance` from the
+steps it ran. Med3x (a data-dependent outlier count) is not graphable:
+`graph_unsupported()` names the reason and its steps stay eager.
 
 Protocols (METHOD.md 4): `quantize-on-write` is one forward pass over a window from a
 fresh cache; `prefill-then-decode` is a prefill call then one-token calls, each
@@ -483,7 +485,7 @@ class QuantizedCache(Cache):
     # ---- decode steps at a device position (CUDA graphs: kernels/graphs.py) -----------------
     def graph_unsupported(self) -> str | None:
         """Why this cache cannot take device-position decode steps (None: it can): every
-        layer fused, with a device step encoder (int, fp8, HQMQ without Med3x; not KIVI),
+        layer fused, with a device step encoder (int, fp8, KIVI, HQMQ without Med3x),
         all holding the same number of tokens. Checked on the host, no sync."""
         if not self.layers or self.get_seq_length() == 0:
             return "the cache is empty: prefill first (the first write decides each layer's store)"

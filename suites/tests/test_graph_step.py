@@ -7,8 +7,9 @@
   capacity bound of the grid) equals the call with that host length, whatever the
   buffers hold past it, and the fp32 reference;
 - a model's decode steps through `GraphedDecodeStep` give the same logits, tokens,
-  stored bytes and measured bits as the ordinary fused steps; formats a graph cannot
-  take (KIVI, Med3x) run eagerly with the reason named; bad use raises.
+  stored bytes and measured bits as the ordinary fused steps (KIVI across its window
+  flushes, decided on the device); a format a graph cannot take (Med3x) runs eagerly
+  with the reason named; bad use raises.
 
 CPU: no graph can be captured, so `GraphedDecodeStep` runs its device-position steps
 uncaptured ("device" mode), through the same kernels under the Triton interpreter.
@@ -162,8 +163,45 @@ def test_valid_len_is_checked():
             decode_attention(q, kf, vf, backend="triton", valid_len=bad)
     kv = [L.flatten(get_quantizer("kivi:bits=2,group=8,residual=8", role=r).encode(_data((1, 1, 16, 32))), r)
           for r in ("K", "V")]
-    with pytest.raises(ValueError, match="KIVI kernel takes no valid_len"):
-        decode_attention(q, *kv, backend="triton", valid_len=torch.tensor([16], dtype=torch.int32, device=DEV))
+    vl = torch.tensor([16], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="KIVI kernel takes valid_len only with KIVIGraphFlat"):
+        decode_attention(q, *kv, backend="triton", valid_len=vl)  # no window policy: no counts
+    with pytest.raises(ValueError, match="CUDA KIVI kernel takes no valid_len"):
+        decode_attention(q, *kv, backend="cuda", valid_len=vl)
+
+
+@pytest.mark.parametrize("spec", ["kivi:bits=2,group=8,residual=16", "kivi:bits=4,group=8,residual=8,window=fixed"])
+def test_kivi_valid_len_attention_equals_the_host_counts_call_and_the_reference(spec):
+    # KIVI's counts (groups, window rows per side) from the device length by the window
+    # policy; the grid cut for the capacity (empty splits), junk past the valid rows.
+    B, H, Hq, D, T, cap = 2, 2, 4, 32, 157, 400
+    x = _data((2, B, H, T, D), seed=7)
+    q = _data((B, Hq, 1, D), torch.float32, seed=8)
+    with torch.inference_mode():
+        cache = QuantizedCache(spec, n_layers=1, fused=True)
+        cache.update(x[0], x[1], 0)
+        cache.reserve(cap)
+        layer = cache.layers[0]
+        g = torch.Generator().manual_seed(9)
+        for role in ("K", "V"):
+            st = layer.stores[role]
+            per = 1 if role == "K" else st.flat.group
+            for name, b in st.buffers.items():
+                n = st.flat.n_res if name == "residual" else st.flat.n_groups * per
+                junk = torch.randint(0, 255, b.buf[:, :, n:].shape, generator=g).to(DEV)
+                b.buf[:, :, n:] = junk if b.buf.dtype == torch.uint8 else junk.to(b.buf.dtype) / 64
+        host = decode_attention(q, layer.stores["K"].kernel_view(), layer.stores["V"].kernel_view(),
+                                backend="triton", num_splits=2, out_dtype=torch.float32).clone()
+        ref = reference_decode_attention(q, layer.read("K"), layer.read("V"))
+        kg, vg = layer.stores["K"].graph_view(cap), layer.stores["V"].graph_view(cap)
+        fixed = "fixed" in spec
+        assert kg.capacity == vg.capacity == cap
+        assert (kg.policy, vg.policy) == (((8, 8), (8, 8)) if fixed else ((0, 16), (16, 8)))
+        vl = torch.tensor([T], dtype=torch.int32, device=DEV)
+        for splits in (1, 2, 5):  # 5: the last main splits hold no valid tile
+            dev = decode_attention(q, kg, vg, num_splits=splits, out_dtype=torch.float32, valid_len=vl)
+            assert torch.allclose(dev, host, atol=1e-5, rtol=1e-5)
+            assert torch.allclose(dev, ref, atol=1e-4, rtol=1e-4)
 
 
 # ---- the mask function --------------------------------------------------------------------------------
@@ -271,8 +309,31 @@ def test_buffer_signature_follows_the_buffers(model):
     assert cache.buffer_signature() != sig
 
 
-@pytest.mark.parametrize("spec,why", [("kivi:bits=2,group=8,residual=8", "KIVI flushes"),
-                                      ("hqmq:S=8,r=4,outliers=med3", "Med3x")])
+KIVI_MODEL_SPECS = ["kivi:bits=2,group=8,residual=8", "kivi:bits=4,group=8,residual=8"]
+
+
+@pytest.mark.parametrize("spec", KIVI_MODEL_SPECS)
+def test_kivi_device_steps_equal_fused_steps(model, spec):
+    # KIVI-2 / KIVI-4 (the paper's windows): from a 21-token prefill (not a multiple of
+    # R), 12 steps cross two flushes per role (keys at 24 and 32 tokens, values at 24
+    # and 32: R + G, then every G), one of them a host-position step (step 3).
+    eager, ce, _ = _decode(model, spec, 12, graphed=False, prompt=21)
+    dev, cd, step = _decode(model, spec, 12, graphed=True, between=3, prompt=21)
+    assert step.mode == ("graph" if DEV.type == "cuda" else "device") and step.steps == 11
+    assert all(s.in_run for layer in cd.layers for s in layer.stores.values())
+    # 21 tokens: K 2 groups, V 1 (21 - R = 13: one whole group); 33 tokens: K 4, V 3
+    for layer in cd.layers:
+        assert {r: layer.stores[r].flat.n_groups for r in ("K", "V")} == {"K": 4, "V": 3}
+        assert {r: layer.stores[r].buffers["residual"].length for r in ("K", "V")} == {"K": 1, "V": 9}
+    if DEV.type == "cpu":
+        assert torch.equal(dev, eager)
+        _assert_same_bytes(cd, ce)
+    else:
+        assert torch.equal(dev.argmax(-1), eager.argmax(-1))
+        assert torch.allclose(dev.float(), eager.float(), atol=0.05)
+
+
+@pytest.mark.parametrize("spec,why", [("hqmq:S=8,r=4,outliers=med3", "Med3x")])
 def test_formats_a_graph_cannot_take_run_eagerly_with_the_reason(model, spec, why):
     eager, ce, _ = _decode(model, spec, 3, graphed=False)
     got, cg, step = _decode(model, spec, 3, graphed=True)
@@ -301,13 +362,15 @@ def test_bad_use_raises(model):
 
 
 @cuda_only
-@pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "hqmq:S=96,r=4"])
+@pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "hqmq:S=96,r=4", "kivi2", "kivi4"] + KIVI_MODEL_SPECS)
 def test_graph_replays_equal_uncaptured_device_steps(model, spec, monkeypatch):
     # Same kernels, same grid: the replayed graph must match bit for bit, bytes included.
-    graph, cg, step = _decode(model, spec, 6, graphed=True)
+    # KIVI: 20 steps from a 21-token prompt, the small windows flushing in the replays.
+    steps, prompt = (20, 21) if "kivi" in spec else (6, 20)
+    graph, cg, step = _decode(model, spec, steps, graphed=True, prompt=prompt)
     assert step.mode == "graph" and step.graph is not None, step.why
     monkeypatch.setattr(GraphedDecodeStep, "_capture", lambda self: self._device_step())
-    plain, cp, step2 = _decode(model, spec, 6, graphed=True)
+    plain, cp, step2 = _decode(model, spec, steps, graphed=True, prompt=prompt)
     assert step2.graph is None
     assert torch.equal(graph, plain)
     _assert_same_bytes(cg, cp)

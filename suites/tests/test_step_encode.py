@@ -7,7 +7,10 @@
   + `KernelStore.append`), across capacity growth, KIVI flushes and a multi-token
   write in between; greedy decoding gives the same logits;
 - bad input raises the old path's error, late but naming layer, role and token;
-- the write costs no host read and one launch per (layer, role) (`write_cost`).
+- the write costs no host read and one launch per (layer, role) (`write_cost`);
+- KIVI's steps at a device position (CUDA graphs: the flush decided on the device)
+  store what the old path stores, across flushes (test_graph_step.py has the rest of
+  the device-position tests).
 
 CPU: the kernels run under the Triton interpreter, tiny shapes.
 """
@@ -223,6 +226,79 @@ def test_fast_steps_across_growth_and_a_multi_token_write(spec, monkeypatch):
     fast, old = _layers(spec, torch.float16, 3, 62, steps=14, mid=3)
     _assert_same_cache(fast, old, tie_ok="hqmq" in spec)
     assert fast.stores["V"].buffers["codes"].capacity > 64  # (V: rows are tokens)
+
+
+KIVI_DEVICE_SPECS = ["kivi:bits=2,group=4,residual=8", "kivi:bits=4,group=4,residual=8,window=fixed",
+                     "kivi:bits=4,group=8,residual=2"]
+
+
+@pytest.mark.parametrize("spec", KIVI_DEVICE_SPECS)
+def test_kivi_device_position_steps_store_what_the_old_path_stores(spec):
+    # KIVI's steps at a device position (`KernelStore.step_at`, CUDA graphs): the window
+    # write, the flush and the shift decided on the device from the token count, the
+    # host's counts set by `advance`. From a prefill of 13 tokens (not a multiple of R),
+    # 14 steps cross >= 2 flushes per role (keys of the paper's window: all of it every
+    # R (rounded up to G), values and the fixed window: one group every G past R; R=2 <
+    # G=8 rounds the keys' period up), one host-position step in between (step 5).
+    prefill, steps = 13, 14
+    x = _data((2, 2, 2, prefill + steps, 32), torch.float16, 5)
+    old = QuantizedLayer(spec, 0, seed=0)
+    old.fused_wanted, old.step_encode = True, False
+    cache = QuantizedCache(spec, n_layers=1, fused=True)
+    flushes = {"K": 0, "V": 0}
+    with torch.inference_mode():
+        old.update(x[0, :, :, :prefill], x[1, :, :, :prefill])
+        cache.update(x[0, :, :, :prefill], x[1, :, :, :prefill], 0)
+        assert cache.graph_unsupported() is None
+        cache.reserve(prefill + steps)
+        layer = cache.layers[0]
+        for t in range(prefill, prefill + steps):
+            xk, xv = x[0, :, :, t:t + 1], x[1, :, :, t:t + 1]
+            old.update(xk, xv)
+            before = {r: layer.stores[r].flat.n_groups for r in "KV"}
+            if t == prefill + 5:
+                cache.update(xk, xv, 0)  # host position: `step` (the counter is re-set after it)
+            else:
+                with cache.device_steps():
+                    cache.update(xk, xv, 0)
+                    cache.step_done()
+                cache.advance(1)
+            for r in "KV":
+                flushes[r] += layer.stores[r].flat.n_groups > before[r]
+    assert min(flushes.values()) >= 2, flushes
+    assert all(s.in_run for s in layer.stores.values())
+    _assert_same_cache(layer, old)
+    assert cache.bits_per_element() == sum(p.nbytes for p in old.packed.values()) * 8 / old.numel()
+
+
+def test_kivi_device_steps_refuse_to_pass_the_reserved_room():
+    x = _data((2, 1, 2, 12, 32), torch.float16, 0)
+    cache = QuantizedCache("kivi:bits=2,group=4,residual=8", n_layers=1, fused=True)
+    with torch.inference_mode():
+        cache.update(x[0, :, :, :10], x[1, :, :, :10], 0)
+        cache.reserve(11)
+        store = cache.layers[0].stores["V"]
+        assert store.token_capacity >= 11 and store.kivi_policy == (8, 4)
+        assert cache.layers[0].stores["K"].kivi_policy == (0, 8)
+        with cache.device_steps():
+            cache.update(x[0, :, :, 10:11], x[1, :, :, 10:11], 0)
+            cache.step_done()
+        cache.advance(1)
+        with pytest.raises(ValueError, match="no reserved room"):
+            with cache.device_steps():
+                pass
+
+
+def test_kivi_policy_matches_quantized_tokens():
+    for spec in KIVI_DEVICE_SPECS + ["kivi:bits=2,group=32,residual=128", "kivi:bits=2,group=8,residual=0",
+                                     "kivi:bits=2,group=8,residual=12,window=fixed"]:
+        for role in ("K", "V"):
+            q = get_quantizer(spec, role=role)
+            a, p = se.kivi_policy(q)
+            assert all(q.quantized_tokens(t) == max(0, t - a) // p * p for t in range(300)), (spec, role)
+    q = get_quantizer("kivi:bits=2,group=8,residual=8", role="V")
+    q.quantized_tokens = lambda t: t // 3 * 3  # a policy of another form: refused
+    assert se.kivi_policy(q) is None
 
 
 def test_plugins_and_disabled_step_encoding_take_the_old_path():
