@@ -128,6 +128,16 @@ def flag(err_ptr, bits, n_bad, token):
 
 
 @triton.jit
+def token_program(t0, pos_ptr, H, DEVPOS: tl.constexpr):
+    """(first token, b*H+h, b, h, token) of a program (b*H+h, t) of a one-token-row kernel;
+    DEVPOS: the device position at pos_ptr is added to t0 (a graphed step's write)."""
+    if DEVPOS:
+        t0 += tl.load(pos_ptr)
+    bh = tl.program_id(0)
+    return t0, bh, bh // H, bh % H, tl.program_id(1)
+
+
+@triton.jit
 def nonfinite(x):
     return (x != x) | (tl.abs(x) == float("inf"))
 
@@ -243,12 +253,7 @@ def _fp8_kernel(x_ptr, sxb, sxh, sxt, c_ptr, scb, sch, sct, scale_ptr, t0, H, er
     """`(x / scale[h]).clamp(-max, max).to(float8)` bit patterns of one token row, by
     integer arithmetic: M mantissa bits, EMIN the smallest normal exponent. DEVPOS: the
     device position at pos_ptr is added to t0."""
-    if DEVPOS:
-        t0 += tl.load(pos_ptr)
-    bh = tl.program_id(0)
-    t = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    t0, bh, b, h, t = token_program(t0, pos_ptr, H, DEVPOS)
     d = tl.arange(0, DP)
     dm = d < D
     x = tl.load(x_ptr + b.to(tl.int64) * sxb + h * sxh + t * sxt + d, mask=dm, other=0.0).to(tl.float32)
@@ -394,12 +399,7 @@ def _hqmq_kernel(x_ptr, sxb, sxh, sxt, sec_ptr, rel_ptr, S, H, t0,
     opens a 64-token block (INDEX, at block `blk`). `sb`/`sh`: the shared b/h strides of
     the token buffers (one [B, H, Tcap] layout), `ct`..`ft` their token strides.
     DEVPOS (not with MED3): the device position at pos_ptr is added to t0."""
-    if DEVPOS:
-        t0 += tl.load(pos_ptr)
-    bh = tl.program_id(0)
-    t = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    t0, bh, b, h, t = token_program(t0, pos_ptr, H, DEVPOS)
     c = tl.arange(0, NCP)
     cm = c < NC
     xo = x_ptr + b.to(tl.int64) * sxb + h * sxh + t * sxt + c * 4
