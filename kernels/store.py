@@ -199,13 +199,6 @@ class KernelStore:
             return None
         if hqmq_table is not None and isinstance(flat, layout.HQMQFlat):
             flat = flat.with_table(*hqmq_table)
-        if isinstance(flat, layout.HQMQFlat) and flat.sec is not None and flat.sec.is_inference():
-            # A cache filled under torch.inference_mode makes inference tensors, which keep
-            # no version counter; kernels/cuda_hqmq.py keys its per-flat cache on the
-            # secondaries' `_version` (RuntimeError on an inference tensor, seen on the H200
-            # in the decode benchmark): hold a normal copy (H x S x 4 numbers) instead.
-            with torch.inference_mode(False):
-                flat = dataclasses.replace(flat, sec=flat.sec.clone())
         store = cls(flat, packed, role)
         store.capacity_hint = capacity or 0
         store.append(packed.segments, 0)
@@ -442,7 +435,7 @@ class KernelStore:
         does, into the group buffers, and shift the rest of the window down."""
         f, res = self.flat, self.buffers["residual"]
         G, ng, new = f.group, f.n_groups, n // f.group
-        w, B, H, D = res.buf, self.B, self.H, self.D
+        w, D = res.buf, self.D
         key = self.role == "K"
         per = 1 if key else G  # rows of axis 2 per group
         self._kivi_group_buffers((ng + new) * per)

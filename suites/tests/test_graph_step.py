@@ -376,19 +376,6 @@ def test_graph_replays_equal_uncaptured_device_steps(model, spec, monkeypatch):
     _assert_same_bytes(cg, cp)
 
 
-def test_hqmq_store_tables_keep_a_version_counter_under_inference_mode():
-    # kernels/cuda_hqmq.py keys its per-flat cache on the secondaries' `_version`, which an
-    # inference tensor does not have (a cache filled under torch.inference_mode raised
-    # there on the H200): the store holds a normal copy of them.
-    x = _data((1, 2, 8, 128), seed=9)
-    with torch.inference_mode():
-        cache = QuantizedCache("hqmq:S=8,r=4", n_layers=1, fused=True)
-        cache.update(x, x, 0)
-        f = cache.layers[0].stores["K"].kernel_view()
-        assert not f.sec.is_inference() and f.sec._version >= 0
-        assert torch.equal(f.sec, L.normalised_secondaries(cache.layers[0].packed["K"].shared))
-
-
 @cuda_only
 def test_a_replay_refuses_moved_buffers(model):
     _, cache, step = _decode(model, "int4", 4, graphed=True)
