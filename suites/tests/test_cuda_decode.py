@@ -313,13 +313,14 @@ def test_default_splits_cover_every_tile(rows, T):
 KIVI_SPECS = ["kivi:bits=2", "kivi:bits=4"]
 
 
-def check_kivi(kspec, B, Hq, Hkv, T, dtype, seed=0, vspec=None, k=None, v=None, **kw):
+def check_kivi(kspec, B, Hq, Hkv, T, dtype, seed=0, vspec=None, k=None, v=None, q=None, **kw):
     """(out, reference, (K flat, V flat)); kspec / vspec: the K and V quantizers (the same
-    unless vspec: other windows)."""
+    unless vspec: other windows); k, v, q default to seeded random tensors."""
     D = 128
     k = make(B, Hkv, T, D, seed) if k is None else k
     v = make(B, Hkv, T, D, seed + 1, outlier=False) if v is None else v
-    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(seed + 2)).to(dtype).to(DEV)
+    if q is None:
+        q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(seed + 2)).to(dtype).to(DEV)
     return checked_call(kspec, q, k, v, vspec, **kw)
 
 
@@ -375,9 +376,9 @@ def test_kivi_splits_and_variants(spec):
 @pytest.mark.parametrize("T", [16, 4096])
 def test_kivi_last_token_matters(spec, role, T):
     """The last key / value (in the window, or quantized: residual=0, T = 4096) changes
-    the output, which still matches the reference. (check_kivi attends with its own q of
-    seed 2, not the seed-3 q the last key is aligned with, as before the shared helper.)"""
-    check_last_token(lambda q, k, v: check_kivi(spec, 1, 32, 8, T, torch.float16, k=k, v=v, num_splits=3)[:2],
+    the output, which still matches the reference; attended with the q the last key is
+    aligned with."""
+    check_last_token(lambda q, k, v: check_kivi(spec, 1, 32, 8, T, torch.float16, k=k, v=v, q=q, num_splits=3)[:2],
                      role, T)
 
 

@@ -212,7 +212,12 @@ def test_batched_windows_equal_one_by_one(name):
             one = fn(m, windows, spec, seed=2, batch_size=1, **kw)
             many = fn(m, windows, spec, seed=2, batch_size=3, **kw)
             assert many["batch_size"] == (3 if rows_independent(registry()[name]) else 1)
-            assert many["nll_sum"] == pytest.approx(one["nll_sum"], rel=1e-4), (spec, fn.__name__)
+            # Measured (AMD EPYC, 2 threads): batched vs one-by-one differ by ~1e-7 relative,
+            # except where a matmul's float rounding moves one element across a rounding
+            # boundary: 3.2e-4 for hadamard-int3 prefill-then-decode (one 3-bit flip). Another
+            # seed (what mixing rows' statistics would resemble) moves it 2e-4..3.5e-2, median
+            # ~1e-2; 1e-3 passes the flip with a 3x margin.
+            assert many["nll_sum"] == pytest.approx(one["nll_sum"], rel=1e-3), (spec, fn.__name__)
             assert many["bits_per_element"] == pytest.approx(one["bits_per_element"], rel=1e-12), spec
             assert many["n_predicted"] == one["n_predicted"]
 
