@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from ...kernels.graphs import GraphedDecodeStep
 from ...quantizers import parse_spec
 from ...quantizers.checks import deferred_checks, flush
 from ...quantizers.fitted import FitsOnFirstWrite
@@ -149,6 +150,19 @@ def _last_logit_only(model) -> dict:
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
+def _decode_step(model, cache, kw: dict, rows: int, total_tokens: int, graph: bool) -> Callable:
+    """ids [rows, 1] -> logits [rows, 1, vocab] of one decode step: a `GraphedDecodeStep`
+    where `graph` and the cache can take device-position steps (it reserves room for
+    `total_tokens`), else the model called eagerly."""
+    if graph and isinstance(cache, QuantizedCache) and cache.graph_unsupported() is None:
+        return GraphedDecodeStep(model, cache, batch=rows, max_tokens=total_tokens)
+
+    def eager(ids):
+        return model(input_ids=ids, **kw, use_cache=True).logits
+    eager.mode = "eager"
+    return eager
+
+
 def _result(protocol, params, spec, seed, windows, nll, n_pred, nbytes, numel, t0, batch) -> dict:
     return dict(
         protocol=protocol,
@@ -205,7 +219,8 @@ def ppl_quantize_on_write(model, windows: torch.Tensor, spec: str | None, seed: 
 
 def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed: int = 0, *,
                             context: int, device=None, progress: Progress | None = None,
-                            batch_size: int = DEFAULT_BATCH, fused: bool | None = None) -> dict:
+                            batch_size: int = DEFAULT_BATCH, fused: bool | None = None,
+                            graph: bool | None = None) -> dict:
     """`prefill-then-decode`: tokens 0..L-1 (L = `context`) of each window are written in
     one prefill call; then tokens L..N-2 are fed one decode step at a time (each step
     writes its one token to the cache and attends to the quantized history).
@@ -216,7 +231,14 @@ def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed
     quantizer computes over the prefill write is fixed before any scored decode write.
     `batch_size` windows share each call; `fused` lets decode steps read the packed
     store through the fused kernels: None (default) on CUDA, True also under the Triton
-    interpreter on a CPU (slow; tests), False never (module docstring).
+    interpreter on a CPU (slow; tests), False never (module docstring). `graph`: replay
+    the decode steps as a CUDA graph (kernels/graphs.py `GraphedDecodeStep`) where the
+    cache can take device-position steps: None (default) on CUDA, True also on a CPU
+    (device-position steps, uncaptured, under the Triton interpreter: tests), False never. The
+    graph runs the same kernels on the same buffers as the eager fused step (bit-equal
+    logits: suites/tests/test_graph_step.py); it removes the host time of ~30 layers x
+    (write + attention) per step, which dominated this protocol on a GPU. The result
+    records the step mode (`decode_mode`: graph, eager, or both across batches).
     """
     windows = _check_windows(windows, 2)
     n_win, N = windows.shape
@@ -227,6 +249,8 @@ def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed
     t0 = time.perf_counter()
     nll, n_pred, nbytes, numel = 0.0, 0, 0, 0
     context_manager, fused = _fused_setting(model, spec, fused)
+    graph = fused is not False and (graph if graph is not None else dev.type == "cuda")
+    modes: set[str] = set()
     # Value checks (NaN/Inf, fp16 range) of every write are read once per batch, with
     # the loss: no host synchronisation inside the decode loop from them.
     with torch.inference_mode(), context_manager, deferred_checks():
@@ -236,10 +260,11 @@ def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed
             kw = cache_kwargs(model, cache)
             logits = model(input_ids=ids[:, :context], **kw, use_cache=True, **_last_logit_only(model)).logits[:, -1:]
             w_nll = _nll(logits, ids[:, context:context + 1])
+            step = _decode_step(model, cache, kw, ids.shape[0], N, graph)
             for t in range(context, N - 1):
-                logits = model(input_ids=ids[:, t:t + 1], **kw, use_cache=True).logits[:, -1:]
-                w_nll += _nll(logits, ids[:, t + 1:t + 2])
+                w_nll += _nll(step(ids[:, t:t + 1])[:, -1:], ids[:, t + 1:t + 2])
             flush()
+            modes.add(getattr(step, "mode", "eager"))
             nll += w_nll.item()
             n_pred += ids.shape[0] * (N - context)
             b, n = _cache_stats(cache)
@@ -247,7 +272,8 @@ def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed
             del cache, logits
             if progress:
                 progress(i + ids.shape[0], n_win)
-    return _result("prefill-then-decode", {"context": context, "decode_steps": N - 1 - context},
+    return _result("prefill-then-decode", {"context": context, "decode_steps": N - 1 - context,
+                                           "decode_mode": "+".join(sorted(modes))},
                    spec, seed, windows, nll, n_pred, nbytes, numel, t0, rows)
 
 

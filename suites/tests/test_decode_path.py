@@ -166,6 +166,20 @@ def test_prefill_then_decode_ppl_fused_equals_dense(model, spec):
     assert fused["bits_per_element"] == dense["bits_per_element"]
 
 
+@pytest.mark.parametrize("spec,mode", [("int4", "device"), ("kivi:bits=2", "device"),
+                                       ("hqmq:S=8,r=4,outliers=med3", "eager")])
+def test_prefill_then_decode_graph_steps_equal_eager(model, spec, mode):
+    """graph=True: the decode steps go through GraphedDecodeStep (on a CPU its uncaptured
+    device-position steps, the captured graph's kernels; CUDA replays them): the same NLL
+    and bytes as the eager fused steps; Med3x cannot take them and stays eager."""
+    windows = tokens(40, batch=2, seed=5)
+    eager = ppl_prefill_then_decode(model, windows, spec, context=30, fused=True, graph=False)
+    graphed = ppl_prefill_then_decode(model, windows, spec, context=30, fused=True, graph=True)
+    assert (eager["decode_mode"], graphed["decode_mode"]) == ("eager", mode)
+    assert graphed["nll_sum"] == pytest.approx(eager["nll_sum"], rel=1e-6)
+    assert graphed["bits_per_element"] == eager["bits_per_element"]
+
+
 def test_fused_logits_match_dense_step_by_step(model):
     # The fused step really ran (not a silent fallback) and reads the quantized store:
     # its logits match the dense path to fp32 accuracy and differ from the fp16 cache's.
