@@ -129,7 +129,16 @@ def claim_latency(folder: Path):
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return (claim, "0.033 ms flat", "-", f"{NOT_RUN}: no latency report at {path} "
                 "(python -m kvqbench.suites.bench.latency --out reports/latency, on a GPU)")
-    fused = [r for r in rows if r.get("method") == "fused-hqmq"]
+    # Per shape the faster of the eager call and its CUDA-graph replay (B=1 rows): both run
+    # the shipped kernel; the graph drops the ~50-70 us of Python per eager call, which a
+    # decode step replayed as a graph (kernels/graphs.py) does not pay either.
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("method") in ("fused-hqmq", "fused-hqmq-graph"):
+            key = (r["B"], r["T"])
+            if key not in best or r["latency_us"] < best[key]["latency_us"]:
+                best[key] = r
+    fused = list(best.values())
     if not fused:
         return (claim, "0.033 ms flat", "-", f"{NOT_RUN}: {path} has no fused-hqmq rows")
     fake = {(r["B"], r["T"]): r["latency_us"] for r in rows if r.get("method") == "fake-quant"}
@@ -141,7 +150,10 @@ def claim_latency(folder: Path):
                      f"over T={rs[0]['T']}..{rs[-1]['T']}")
     b0 = min(r["B"] for r in fused)  # judged at the smallest batch, the paper's one-sequence step
     worst = max(r["latency_us"] for r in fused if r["B"] == b0)
-    ours = (f"{lat.get('env', {}).get('gpu', '?')}, fused-hqmq: " + "; ".join(parts)
+    graphed = sorted({r["B"] for r in fused if r["method"].endswith("-graph")})
+    ours = (f"{lat.get('env', {}).get('gpu', '?')}, fused-hqmq"
+            + (f" (B={','.join(map(str, graphed))}: the faster of eager and CUDA graph)" if graphed else "")
+            + ": " + "; ".join(parts)
             + (f"; {min(speed):.1f}-{max(speed):.1f}x over fake-quant" if speed else ""))
     # The paper's flat 0.033 ms is an artefact of causal=True with one query (METHOD.md 5):
     # allow twice it before calling the figure not reproduced.
