@@ -164,7 +164,10 @@ class HQMQ(Quantizer):
         # contiguous [n, S] slab, so the score below is four elementwise passes.
         by_component = rot.permute(0, 2, 3, 1).reshape(H, 4, 4 * S)  # [H, 4 (u), 4 (i) x S]
         B, _, N, _ = u.shape
-        block = max(1, (1 << 22) // max(1, B * H * S))  # bound the [B, H, n, 4S] temporary
+        # Bound the [B, H, n, 4S] temporaries to ~1M floats (4 MB): the score passes then run
+        # in cache. CPU, [2, 3, 8192, 4] chunks: S=256 57 ms vs 144 ms at 16M floats, S=96
+        # 32 vs 57 ms (same codes: the block only splits n).
+        block = max(1, (1 << 18) // max(1, B * H * S))
         codes = []
         for start in range(0, N, block):
             ub = u[:, :, start : start + block]
