@@ -1,5 +1,6 @@
 """`kvqbench compare` over several processes launched by `torchrun`: one rank per GPU
-(NCCL), or per CPU process (gloo), on one node or many through torchrun's rendezvous.
+(NCCL), several ranks per GPU (gloo: for host-bound runs), or per CPU process (gloo), on
+one node or many through torchrun's rendezvous.
 The launcher, the rendezvous and the collectives are torch's; this module only says
 who scores what and how the figures are put back together.
 
@@ -126,9 +127,16 @@ def plan_ranks(device: str, device_map: str | None = None, environ=None, cuda_co
             raise DistributedSetupError(f"--device-map auto spreads each rank's model over all {count} GPUs of its "
                                         f"node, so run one rank per node (--nproc-per-node 1), not {local_world}")
         return Ranks(rank, world, local_rank, local_world, "nccl", "cuda:0")
+    if count < 1:
+        raise DistributedSetupError(f"--device {device} but no GPU is visible on this node")
     if local_world > count:
-        raise DistributedSetupError(f"{local_world} ranks on this node but {count} GPU(s) visible: "
-                                    "--nproc-per-node must not exceed the GPUs per node")
+        # More ranks than GPUs: they share the GPUs round-robin. NCCL refuses two ranks on
+        # one GPU, and every collective here carries Python objects, so gloo (over the
+        # host) does. Why share: decode steps of quantizers without a device step encoder
+        # run as ordinary torch ops and are bound by the host's Python, not by the GPU
+        # (reports/decode/compare_both_h200.md); N processes use N of the host's cores.
+        # Each rank holds its own model and caches: size N to the GPU's memory.
+        return Ranks(rank, world, local_rank, local_world, "gloo", f"cuda:{local_rank % count}")
     return Ranks(rank, world, local_rank, local_world, "nccl", f"cuda:{local_rank}")
 
 
@@ -186,8 +194,8 @@ def pin_xdist_worker_gpu(environ=None, gpus: int | None = None) -> str | None:
 def start(device: str, device_map: str | None = None) -> Ranks:
     """Join the process group torchrun set up (env:// rendezvous) and pin this rank's GPU."""
     ranks = plan_ranks(device, device_map)
-    if ranks.backend == "nccl":
-        torch.cuda.set_device(torch.device(ranks.device))  # object collectives use the current device
+    if ranks.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(ranks.device))  # NCCL's object collectives use the current device
     if not dist.is_initialized():
         dist.init_process_group(ranks.backend, timeout=COLLECTIVE_TIMEOUT)
     return ranks

@@ -45,10 +45,14 @@ def test_cpu_ranks_use_gloo_and_gpu_ranks_nccl_on_their_local_gpu():
     spread = D.plan_ranks("cuda", "auto", environ={**TORCHRUN_ENV, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"},
                           cuda_count=8)
     assert (spread.backend, spread.device) == ("nccl", "cuda:0")
+    # more ranks than GPUs share them round-robin, over gloo (NCCL refuses two ranks on a GPU)
+    shared = [D.plan_ranks("cuda", environ={"RANK": str(r), "WORLD_SIZE": "5", "LOCAL_RANK": str(r),
+                                            "LOCAL_WORLD_SIZE": "5"}, cuda_count=2) for r in range(5)]
+    assert [(x.backend, x.device) for x in shared] == [("gloo", f"cuda:{r % 2}") for r in range(5)]
 
 
 @pytest.mark.parametrize("device,device_map,env,count,message", [
-    ("cuda", None, {"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "4"}, 2, "must not exceed the GPUs per node"),
+    ("cuda", None, {}, 0, "no GPU is visible"),
     ("cuda:1", None, {}, 2, "takes the GPU of its LOCAL_RANK"),
     ("cuda", "auto", {}, 8, "one rank per node"),
     ("cpu", "auto", {}, 0, "this run is on the CPU"),

@@ -1,0 +1,71 @@
+"""How long the main job takes: `kvqbench compare` with its defaults, timed whole
+(pytest-benchmark; marked `bench`, so skipped unless `-m bench`).
+
+    pytest -m bench --benchmark-enable suites/bench/bench_compare.py --benchmark-autosave
+
+Issue 9's budgets: on a 2-core CPU machine the default `kvqbench compare`
+(quantize-on-write, 2 x 512-token windows, every default configuration and seed) under
+5 minutes; on a GPU `kvqbench compare --protocol both --windows 4 --window 512` under 3
+minutes. The budget goes into `extra_info` beside the measured seconds, the device and
+the run's shape; it is reported, never asserted (a timing is not a test). The model and
+corpus are fetched and converted before the timed round (a cached first run's work),
+so the figure is the compare itself: model load, every configuration, the report.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.bench
+
+BOTH = ["--protocol", "both", "--windows", "4", "--window", "512"]
+CASES = {  # id: (extra arguments, where it runs, ranks under torchrun (1: one plain process), budget in seconds)
+    "cpu-default": ([], "cpu", 1, 300),
+    "gpu-both-4x512": (BOTH, "cuda", 1, 180),
+    # 4 processes sharing the GPU (gloo, suites/compare/distributed.py): the decode steps of
+    # quantizers without a device step encoder are host-bound
+    "gpu-both-4x512-4ranks": (BOTH, "cuda", 4, 180),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compare_wall_time(benchmark, tmp_path, case):
+    from kvqbench.suites.compare import cli
+    from kvqbench.suites.compare.run import DEFAULT_CORPUS, DEFAULT_MODEL
+    from kvqbench.suites.harness.corpora import load_corpus
+    from kvqbench.suites.harness.models import embedded_folder
+
+    extra, device, ranks, budget = CASES[case]
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("the GPU budget needs a CUDA GPU")
+    embedded_folder(DEFAULT_MODEL)  # fetch + convert once, untimed
+    load_corpus(DEFAULT_CORPUS)
+    argv = ["compare", "--device", device, "--out", str(tmp_path), "--run-name", "timed", *extra]
+    codes = []
+
+    def run():
+        if ranks == 1:
+            codes.append(cli.main(argv))
+        else:  # torchrun's own launcher, as the README's command
+            codes.append(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                         "--nproc-per-node", str(ranks), "-m", "kvqbench.suites.compare.cli",
+                                         *argv]).returncode)
+
+    t0 = time.perf_counter()
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    wall = time.perf_counter() - t0
+    data = json.loads((tmp_path / "timed" / "results.json").read_text())
+    benchmark.extra_info.update({
+        "case": case, "argv": " ".join(argv), "ranks": ranks, "wall_s": wall, "budget_s": budget, "within_budget": wall < budget,
+        "configurations": len(data["results"]), "device": device, "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None})
+    assert codes == [0]
+    assert data["results"] and all(r.get("ppl") for r in data["results"])
+
