@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from ..quantizers.derived import derived
+from ..quantizers.derived import tensor_version as _version
 from .cuda_decode import _QTYPE, KernelLibrary, split_tiles
 from .decode_attention import Workspace, _check_q, _sm_count, bh_stride
 from .layout import HQMQFlat, codebook_from_secondaries
@@ -67,18 +69,10 @@ DEFAULT_VARIANT_MED3 = 0
 AUTO_MED3 = True
 _QK_SCALE = 1.4426950408889634 / math.sqrt(128)  # log2(e) / sqrt(d): the base-2 softmax scale, d = 128
 
-# fp16 codebooks keyed by the secondaries TENSOR (weakly: dropped with it). GPU run 1 keyed
-# them by data_ptr, and a freed tensor's address reused by another quantizer's secondaries
-# served a stale codebook (relative error 1.4 in one test).
-# (A WeakKeyDictionary cannot hold tensors: its lookups compare keys with ==.) Here:
-# id(tensor) -> (weak reference, _version, codebook), checked against the tensor itself.
-_TABLES: dict = {}
-
-
-def _version(t: torch.Tensor) -> int:
-    """t's in-place write counter; an inference tensor has none (reading it raises), and it
-    cannot be written in place outside inference mode: -1, a constant."""
-    return -1 if t.is_inference() else t._version
+# fp16 codebooks are derived from the secondaries TENSOR (quantizers/derived.py: weakly
+# keyed, with its in-place write counter). GPU run 1 keyed them by data_ptr, and a freed
+# tensor's address reused by another quantizer's secondaries served a stale codebook
+# (relative error 1.4 in one test).
 
 
 def _declare(lib) -> None:
@@ -214,15 +208,7 @@ def codebook16(f) -> torch.Tensor:
     if f.table_mode == "codebook" and f.table.dtype == torch.float16 and f.table.is_contiguous() \
             and f.table.data_ptr() % 16 == 0:
         return f.table
-    hit = _TABLES.get(id(f.sec))
-    if hit is not None and hit[0]() is f.sec and hit[1] == _version(f.sec):
-        return hit[2]
-    t = codebook_from_secondaries(f.sec.float()).half().contiguous()
-    if len(_TABLES) > 256:  # drop the entries whose tensors are gone
-        for key in [k for k, e in _TABLES.items() if e[0]() is None]:
-            del _TABLES[key]
-    _TABLES[id(f.sec)] = (weakref.ref(f.sec), _version(f.sec), t)
-    return t
+    return derived(f.sec, "cuda_hqmq.codebook16", lambda: codebook_from_secondaries(f.sec.float()).half().contiguous())
 
 
 def occupancy(variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False) -> int:

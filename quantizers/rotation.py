@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from .derived import derived
 from .packing import pack_bits, unpack_bits
 
 
@@ -61,8 +62,8 @@ def random_signs(seeds: list[int], d: int) -> torch.Tensor:
 
 
 def signs_of(packed_signs: torch.Tensor, d: int, dtype=torch.float32) -> torch.Tensor:
-    """+-1 `[H, d]` from packed sign bits."""
-    return 1 - 2 * unpack_bits(packed_signs, 1, d).to(dtype)
+    """+-1 `[H, d]` from packed sign bits (unpacked once per stored tensor: derived.py)."""
+    return derived(packed_signs, ("signs_of", d, dtype), lambda: 1 - 2 * unpack_bits(packed_signs, 1, d).to(dtype))
 
 
 def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:

@@ -67,11 +67,13 @@ vector, and per (layer, role) and batch row `outlier_mask` (uint8 [B, H, D/8]) a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
 
 from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable, stable_seed
+from .derived import derived
 from .fitted import FitsOnFirstWrite
 from .lloyd_max import lloyd_max_gaussian, lloyd_max_sphere
 from .packing import pack_bits, unpack_bits
@@ -209,7 +211,12 @@ class Spherical(FitsOnFirstWrite, Quantizer):
         coordinates decode reads, so fp16 storage of O costs the coding nothing.
         A_inv comes from Newton-Schulz steps X <- X (2I - A X) from X = A^T, which
         square the ~1e-3 error of the fp16 rotation each step (exact for
-        hadamard): deterministic, no solver."""
+        hadamard): deterministic, no solver. Built once per stored tensor (derived.py)."""
+        source = shared[("signs" if self.config.rotation == "hadamard" else "rotation") + part]
+        return derived(source, ("spherical.matrices", self.config.rotation, head_dim, str(device), part),
+                       lambda: self._matrices(shared, head_dim, device, part))
+
+    def _matrices(self, shared, head_dim: int, device, part: str):
         if self.config.rotation == "hadamard":
             s = 1 - 2 * unpack_bits(shared["signs" + part].to(device), 1, head_dim).double()  # [H, D]
             m = sylvester_hadamard(head_dim).double().to(device) * s.unsqueeze(-2)  # W diag(s)
@@ -228,12 +235,7 @@ class Spherical(FitsOnFirstWrite, Quantizer):
         """float64 levels of one coordinate of u (the Beta law, or N(0, 1/D)),
         rounded to fp16 values (see `_unscaled`), and the midpoints between them."""
         n = 1 << (self.mse_bits if bits is None else bits)
-        if self.config.levels == "beta":
-            lv = torch.tensor(lloyd_max_sphere(n, head_dim), dtype=torch.float64)
-        else:
-            lv = torch.tensor(lloyd_max_gaussian(n), dtype=torch.float64) / math.sqrt(head_dim)
-        lv = lv.half().double().to(device)
-        return lv, (lv[1:] + lv[:-1]) / 2
+        return _levels(self.config.levels, n, head_dim, str(device))
 
     # Everything below runs in float64 so the stored codes and gains do not hang on
     # the order a matmul of a given batch shape sums in: one token written alone
@@ -357,3 +359,16 @@ class Spherical(FitsOnFirstWrite, Quantizer):
         smax, kappa = sv[:, 0].view(-1, 1), (sv[:, 0] / sv[:, -1]).view(-1, 1)  # per kv-head
         v_max = math.sqrt(d) * float(lv.abs().max())
         return x.double().norm(dim=-1) * kappa * (f + 2.0**-11) + 2.0**-25 * smax * max(1.0, v_max)
+
+
+@functools.lru_cache(maxsize=64)
+def _levels(kind: str, n: int, head_dim: int, device: str):
+    """Spherical.levels, once per (law, n, head_dim, device): small float64 tensors that
+    no caller writes."""
+    if kind == "beta":
+        lv = torch.tensor(lloyd_max_sphere(n, head_dim), dtype=torch.float64)
+    else:
+        lv = torch.tensor(lloyd_max_gaussian(n), dtype=torch.float64) / math.sqrt(head_dim)
+    lv = lv.half().double().to(device)
+    return lv, (lv[1:] + lv[:-1]) / 2
+

