@@ -288,9 +288,13 @@ def flatten_int(packed: Packed, role: str | None = None) -> IntFlat:
     cls, cfg = parse_spec(packed.spec)
     if not issubclass(cls, NaiveInt):
         raise ValueError(f"flatten_int needs a naive int cache, got {packed.spec!r}")
-    if "codes" not in packed.segments[0].fields:
-        raise ValueError("the fused int kernel reads per-token groups only (keys=per-token); "
-                         f"got per-channel key fields in {packed.spec!r}")
+    # Decided by the config, not by the fields: per-channel key groups store fields of the
+    # same names (codes, scale, zero over channels x G tokens), which read as per-token
+    # groups are garbage (an H200 prefill-then-decode row of int4:keys=per-channel went
+    # NaN that way). Role None reads as K, as in flatten_kivi.
+    if cfg.keys == "per-channel" and role != "V":
+        raise ValueError("the fused int kernel reads per-token groups only; keys of "
+                         f"{packed.spec!r} are per-channel groups")
     return IntFlat(B=packed.batch, H=packed.heads, T=packed.tokens, D=packed.head_dim,
                    bits=cfg.bits, group=cfg.group, codes=_cat(packed, "codes"), scale=_cat(packed, "scale"),
                    zero=_cat(packed, "zero"), dtype=packed.dtype)
