@@ -260,6 +260,14 @@ class Quantizer(ABC):
         seg = self._encode_segment(x.float(), packed.shared)
         return dataclasses.replace(packed, segments=packed.segments + [seg])
 
+    def appends_one_segment(self) -> bool:
+        """Whether `append` to a non-empty cache adds exactly one Segment, `encode_tokens`
+        of the write, and keeps no other state across writes: true of this base `append`;
+        a class that overrides `append` answers for itself (False unless it says so).
+        Decode steps of such a quantizer can be replayed from a CUDA graph
+        (suites/harness/dense_steps.py)."""
+        return type(self).append is Quantizer.append
+
     def append_windowed(self, packed: Packed | None, x: torch.Tensor, group: int) -> Packed:
         """`append` for methods that quantize runs of `group` tokens cut at fixed
         positions 0, G, 2G, ... (KIVI's scheme): the newest tokens wait in an fp16

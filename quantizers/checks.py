@@ -32,9 +32,55 @@ def _queue() -> list | None:
     return getattr(_local, "queue", None)
 
 
+class StickyChecks:
+    """Verdicts of a piece of work that is replayed (a CUDA graph of a decode step): inside
+    `with checks.step():`, the k-th `require` of the step ORs its verdict into persistent
+    device flag k (an in-place op, so a captured step keeps ORing on every replay) and
+    remembers its error factory; `check()` reads every flag with one synchronisation and
+    raises the first failed check's error. The same code runs every step, so the k-th
+    require is the same check each time. A factory that quotes a tensor quotes its value
+    as of the last run (a replay overwrites it): the message says so."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.flags: list[torch.Tensor] = []
+        self.errors: list[Callable[[], Exception]] = []
+        self._next: int | None = None
+
+    @contextlib.contextmanager
+    def step(self):
+        saved = getattr(_local, "sticky", None)
+        _local.sticky, self._next = self, 0
+        try:
+            yield
+        finally:
+            _local.sticky, self._next = saved, None
+
+    def _note(self, bad: torch.Tensor, error: Callable[[], Exception]) -> None:
+        k, self._next = self._next, self._next + 1
+        if k == len(self.flags):  # first run of the step (a warm-up, before any capture)
+            self.flags.append(torch.zeros((), dtype=torch.bool, device=bad.device))
+            self.errors.append(error)
+        self.errors[k] = error
+        self.flags[k].logical_or_(bad.reshape(()))
+
+    def check(self) -> None:
+        if not self.flags:
+            return
+        for failed, error in zip(torch.stack(self.flags).tolist(), self.errors):
+            if failed:
+                e = error()
+                raise type(e)(f"{self.where} (values quoted are those of the last step): {e}") from e
+
+
 def require(bad: torch.Tensor | bool, error: Callable[[], Exception]) -> None:
     """Raise `error()` if `bad` (a bool, or a bool tensor of one element) is true: now,
-    or at the next `flush()` inside `deferred_checks()`."""
+    or at the next `flush()` inside `deferred_checks()` (inside a `StickyChecks.step()`:
+    at its `check()`)."""
+    sticky = getattr(_local, "sticky", None)
+    if sticky is not None and isinstance(bad, torch.Tensor):
+        sticky._note(bad, error)
+        return
     queue = _queue()
     if queue is None or not isinstance(bad, torch.Tensor):
         if bool(bad):
@@ -78,4 +124,4 @@ def deferred_checks():
             _local.queue = None
 
 
-__all__ = ["deferred_checks", "flush", "require"]
+__all__ = ["StickyChecks", "deferred_checks", "flush", "require"]

@@ -107,6 +107,10 @@ class FitsOnFirstWrite:
             self._last_fit = ((x.shape[0], x.shape[1], x.shape[3], x.device), packed.shared)
         return super().append(packed, x)
 
+    def appends_one_segment(self) -> bool:
+        # After the first write's fit this append is the base's (shared tensors fixed).
+        return type(self).append is FitsOnFirstWrite.append
+
     def check_packed(self, packed) -> None:
         """The base checks, with each per-row shared tensor checked for one row per batch
         row (`[packed.batch, ...]`, each row of the one-row layout, every value finite)."""

@@ -60,6 +60,9 @@ class NaiveInt(Quantizer):
             return super().append(packed, x)
         return self.append_windowed(packed, x, self.config.group)
 
+    def appends_one_segment(self) -> bool:
+        return not self.per_channel and type(self).append is NaiveInt.append  # per-channel: windowed
+
     def encode_tokens(self, x, shared):
         c = self.config
         if not self.per_channel:

@@ -31,8 +31,12 @@ counts, store lengths, the Packed views behind `bits_per_element`) is advanced a
 each step by `advance(n)`, without reading the device. KIVI's window flushes are
 decided on the device from the same counter (its group and window counts are functions
 of the token count: kernels/store.py); the host computes them in `advance` from the
-steps it ran. Med3x (a data-dependent outlier count) is not graphable:
-`graph_unsupported()` names the reason and its steps stay eager.
+steps it ran. Dense layers take such steps too when their quantizer's one-token write is
+one segment of fixed shapes made by tensor ops (fp16, spherical, additive / flat VQ,
+Hadamard int: dense_steps.py): the quantizer's own encode and decode run at the device
+position and attention masks the decoded history's reserved rows by the device valid
+length. Med3x (a data-dependent outlier count) and windowed appends (per-channel int
+keys) are not graphable: `graph_unsupported()` names the reason and their steps stay eager.
 
 Protocols (METHOD.md 4): `quantize-on-write` is one forward pass over a window from a
 fresh cache; `prefill-then-decode` is a prefill call then one-token calls, each
@@ -72,6 +76,7 @@ from ...kernels.step_encode import StepErrors
 from ...kernels.store import KernelStore, TokenBuffer, grown_capacity
 from ...quantizers import Packed, Segment, get_quantizer
 from ...quantizers.fitted import nbytes_as_row_caches
+from . import dense_steps
 from .attention import PackedHistory, uses_fused_attention
 
 ROLES = ("K", "V")
@@ -160,6 +165,9 @@ class QuantizedLayer(DynamicLayer):
         self._view: dict[str, tuple[int, Packed]] = {}  # role -> (tokens, up-to-date Packed)
         self.errors: StepErrors | None = None  # fused mode: the step kernels' input-error flags
         self.decoded: dict[str, TokenBuffer | None] = {r: None for r in ROLES}  # dense mode
+        # dense mode, device-position steps (dense_steps.py): per role, made by `reserve`
+        self.dense_steps: dict[str, dense_steps.DenseSteps | None] = {r: None for r in ROLES}
+        self._dense_why: tuple[str | None] | None = None  # (why not graphable,), probed once
         self.stores: dict[str, KernelStore | None] = {r: None for r in ROLES}  # fused mode
         self.mode: str | None = None  # "dense" or "fused", fixed at the first write
         self.fallbacks = 0  # fused steps the kernel refused (served densely instead)
@@ -225,50 +233,103 @@ class QuantizedLayer(DynamicLayer):
         both stores encode it there (`KernelStore.step_at`) and no host state changes (the
         cache's `advance` accounts for it). Anything else raises: a CUDA graph cannot
         take the host path, and silently serving it another way would be wrong."""
+        ready = self.dense_steps["K"] is not None if self.mode == "dense" else self.mode == "fused"
         for role, x in (("K", k), ("V", v)):
             p = self._packed[role]
-            if p is None or self.mode != "fused" or x.shape != (p.batch, p.heads, 1, p.head_dim) \
+            if p is None or not ready or x.shape != (p.batch, p.heads, 1, p.head_dim) \
                     or x.dtype != p.dtype or x.device != p.device:
                 got = f"{tuple(x.shape)} {x.dtype} on {x.device}"
-                want = "a fused layer" if p is None or self.mode != "fused" else \
+                want = "a reserved layer" if p is None or not ready else \
                     f"{(p.batch, p.heads, 1, p.head_dim)} {p.dtype} on {p.device}"
                 raise RuntimeError(f"layer {self.layer_idx} {role}: a device-position step takes one token "
                                    f"of {want}, got {got}")
         pos = self.device_pos[0]
-        self.stores["K"].step_at(k, self.errors.rows[0], pos)
-        self.stores["V"].step_at(v, self.errors.rows[1], pos)
+        if self.mode == "dense":
+            for role, x in (("K", k), ("V", v)):
+                self.dense_steps[role].step_at(x, pos, self._packed[role])
+        else:
+            self.stores["K"].step_at(k, self.errors.rows[0], pos)
+            self.stores["V"].step_at(v, self.errors.rows[1], pos)
         handle = PackedHistory(self)
         return handle, handle
 
     def graph_unsupported(self) -> str | None:
         """Why this layer cannot take device-position steps (None: it can)."""
+        if self.mode == "dense":
+            return self._dense_unsupported()
         if self.mode != "fused":
-            return (f"layer {self.layer_idx} is {self.mode or 'empty'}, not fused (the fused kernels and the "
-                    "'kvqbench' attention on CUDA or under TRITON_INTERPRET=1, after a prefill)")
+            return f"layer {self.layer_idx} is empty (prefill first)"
         for role in ROLES:
             why = self.stores[role].graph_unsupported()
             if why:
                 return f"layer {self.layer_idx} {role}: {why}"
         return None
 
+    def _dense_unsupported(self) -> str | None:
+        """A dense layer's reason (dense_steps.py), probed once per cache state on CUDA."""
+        if self.layer_type not in (None, "full_attention"):
+            return f"layer {self.layer_idx} is {self.layer_type} (the model's mask windows it; a step's has none)"
+        if self._dense_why is None:  # the format's answer: once per layer
+            why = next(filter(None, (dense_steps.unsupported(self.quantizers[r], self._packed[r]) for r in ROLES)),
+                       None)
+            if why is None:
+                why = next(filter(None, (dense_steps.probe(self.quantizers[r], self._packed[r], self.decoded[r])
+                                         for r in ROLES)), None)
+            self._dense_why = (why and f"layer {self.layer_idx}: {why}",)
+        return self._dense_why[0]
+
+    def reserve(self, tokens: int) -> None:
+        """Room for `tokens` tokens (device-position steps never grow a buffer)."""
+        if self.mode == "fused":
+            for role in ROLES:
+                self.stores[role].reserve(tokens)
+            return
+        self._end_runs()
+        self.dense_steps = {r: dense_steps.DenseSteps(self.quantizers[r], self._packed[r], self.decoded[r], tokens,
+                                                      f"layer {self.layer_idx} {r}: a device-position decode step")
+                            for r in ROLES}
+
     def advance(self, n: int) -> None:
         """Host bookkeeping of n device-position steps that ran (see `_device_step`)."""
         for role in ROLES:
-            self.stores[role].advance(n)
+            if self.mode == "dense":
+                self.dense_steps[role].advance(self.tokens, n)
+            else:
+                self.stores[role].advance(n)
         self.tokens += n
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        """Every buffer a device-position step of this layer writes or reads."""
+        out = [self.errors.flags] if self.errors is not None else []
+        for role in ROLES:
+            if self.stores[role] is not None:
+                out.extend(b.buf for b in self.stores[role].buffers.values())
+            if self.dense_steps[role] is not None:
+                out.extend(self.dense_steps[role].buffers())
+        return out
+
+    def check(self) -> None:
+        """Raise an input error a device-encoded step of this layer flagged (a host sync)."""
+        if self.errors is not None:
+            self.errors.check(self.layer_idx)
+        for steps in self.dense_steps.values():
+            if steps is not None:
+                steps.checks.check()
 
     def _current(self, role: str) -> Packed | None:
         """The Packed of `role` holding every token written: the last one written through
         the quantizer plus the store's run of device-encoded steps. Checks the step
         kernels' input-error flags first (results are being read)."""
-        store = self.stores[role]
+        store = self.stores[role] if self.mode == "fused" else self.dense_steps[role]
         if store is None or not store.in_run:
             return self._packed[role]
-        self.errors.check(self.layer_idx)
+        self.check()
         at, p = self._view.get(role, (None, None))
         if at != self.tokens:
             base = self._packed[role]
-            p = dataclasses.replace(base, segments=store.run_segments(base.segments))
+            segs = store.run_segments(base.segments) if self.mode == "fused" else \
+                base.segments + store.run_segments()
+            p = dataclasses.replace(base, segments=segs)
             self._view[role] = (self.tokens, p)
         return p
 
@@ -281,10 +342,10 @@ class QuantizedLayer(DynamicLayer):
         """Before a write through the quantizers: fold the device-encoded steps into the
         Packed they append to."""
         for role in ROLES:
-            store = self.stores[role]
-            if store is not None and store.in_run:
-                self._packed[role] = self._current(role)
-                store.end_run()
+            for store in (self.stores[role], self.dense_steps[role]):
+                if store is not None and store.in_run:
+                    self._packed[role] = self._current(role)
+                    store.end_run()
         self._view.clear()
 
     def _start_stores(self) -> bool:
@@ -336,6 +397,10 @@ class QuantizedLayer(DynamicLayer):
         """The fused kernel over the K and V stores: `[B, Hq, 1, D]`."""
         from ...kernels.decode_attention import decode_attention
 
+        if self.device_pos is not None and self.mode == "dense":  # dense_steps.py
+            _, valid, cap = self.device_pos
+            return dense_steps.masked_attention(query, self.decoded["K"].buf[:, :, :cap],
+                                                self.decoded["V"].buf[:, :, :cap], valid)
         if self.device_pos is not None:  # the valid length on the device; no fallback (module docstring)
             _, valid, cap = self.device_pos
             try:
@@ -485,8 +550,10 @@ class QuantizedCache(Cache):
     # ---- decode steps at a device position (CUDA graphs: kernels/graphs.py) -----------------
     def graph_unsupported(self) -> str | None:
         """Why this cache cannot take device-position decode steps (None: it can): every
-        layer fused, with a device step encoder (int, fp8, KIVI, HQMQ without Med3x),
-        all holding the same number of tokens. Checked on the host, no sync."""
+        layer fused with a device step encoder (int, fp8, KIVI, HQMQ without Med3x) or
+        dense with a quantizer whose one-token write is graphable (dense_steps.py), all
+        holding the same number of tokens. Host checks, plus one probe write per dense
+        layer on CUDA."""
         if not self.layers or self.get_seq_length() == 0:
             return "the cache is empty: prefill first (the first write decides each layer's store)"
         for layer in self.layers:
@@ -507,8 +574,7 @@ class QuantizedCache(Cache):
         if tokens < self.get_seq_length():
             raise ValueError(f"reserve({tokens}) below the {self.get_seq_length()} tokens held")
         for layer in self.layers:
-            for role in ROLES:
-                layer.stores[role].reserve(tokens)
+            layer.reserve(tokens)
         self.reserved = int(tokens)
 
     def device_position(self) -> torch.Tensor:
@@ -555,11 +621,7 @@ class QuantizedCache(Cache):
         step compares this before each replay (e.g. `replace_packed` builds new stores)."""
         sig = [self._pos.data_ptr() if self._pos is not None else 0]
         for layer in self.layers:
-            sig.append(layer.errors.flags.data_ptr() if layer.errors is not None else 0)
-            for role in ROLES:
-                store = layer.stores[role]
-                if store is not None:
-                    sig.extend(b.buf.data_ptr() for b in store.buffers.values())
+            sig.extend(t.data_ptr() for t in layer.device_buffers())
         return tuple(sig)
 
     def step_done(self) -> None:
@@ -587,8 +649,7 @@ class QuantizedCache(Cache):
     def check(self) -> None:
         """Raise now any input error a device-encoded decode step flagged (a host sync)."""
         for layer in self.layers:
-            if layer.errors is not None:
-                layer.errors.check(layer.layer_idx)
+            layer.check()
 
     def poll_errors(self) -> None:
         """Raise an input error a device-encoded step flagged, if the host already knows

@@ -1,0 +1,143 @@
+"""Device-position decode steps of a DENSE layer: any quantizer's one-token write, graphable.
+
+A fused layer's decode steps are encoded by device kernels at a position read from the
+cache's device counter (kernels/store.py), so the whole step can be captured in a CUDA
+graph (kernels/graphs.py). A dense layer (no fused kernel reads its format: fp16,
+spherical, additive / flat VQ, Hadamard int, ...) takes the same kind of step whenever its
+quantizer's one-token write is ONE segment of fixed field shapes computed by tensor ops
+alone. The step runs the quantizer's own `encode_tokens` and `decode` (the code the host
+path runs, not a copy) on the token, writes each stored field into a preallocated buffer
+at row (position - first position) and the decoded token into the layer's decoded
+history at the position; attention reads the history's reserved rows under a mask of the
+device valid length. Nothing in it is a host value, so it is captured and replayed.
+
+Not graphable (`unsupported` names why): an `append` that keeps state across writes
+(`Quantizer.appends_one_segment`: KIVI's windows, per-channel int keys), fields whose
+length depends on the data (Med3x's outlier list), and, on CUDA, an encode or decode that
+synchronises with the host (one probe step runs under torch's sync debug mode).
+
+The stored bytes are those of the host path: the run's Segments (one per step, views of
+the field buffers) hold the fields `append` would have stored, so `Packed.nbytes` stays
+the one source of measured bits. Value checks inside a step are sticky
+(quantizers/checks.py `StickyChecks`): each replay ORs its verdicts into device flags,
+read when the layer's Packed is next read.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...kernels.store import TokenBuffer
+from ...quantizers import Packed, Segment
+from ...quantizers.base import WINDOW_FIELD, Quantizer
+from ...quantizers.checks import StickyChecks
+
+
+def unsupported(q: Quantizer, packed: Packed) -> str | None:
+    """Why `q`'s one-token writes to `packed` cannot be device-position steps (None: they
+    can, unless the CUDA probe of `DenseSteps` finds a host synchronisation). Host only."""
+    if not q.appends_one_segment():
+        return f"{q.spec} {q.role}: its append keeps state across writes (windows / groups of tokens)"
+    layout, variable = q._segment_layout((packed.batch, packed.heads, 1, packed.head_dim))
+    if layout is None:
+        return f"{q.spec} {q.role}: no one-token segment ({variable})"
+    if variable:
+        return (f"{q.spec} {q.role}: a write's {', '.join(sorted(variable))} has a data-dependent length "
+                "(the buffers a graph holds have fixed shapes)")
+    if WINDOW_FIELD in layout:
+        return f"{q.spec} {q.role}: a one-token write is kept as an fp16 window"
+    return None
+
+
+def code_one_token(q: Quantizer, x: torch.Tensor, packed: Packed) -> tuple[dict, torch.Tensor]:
+    """(stored fields, decoded token) of the one-token write x to `packed`, through the
+    quantizer: what `append` stores and what `decode` of that segment gives."""
+    q.check_input(x)
+    fields = q._encode_segment(x.float(), packed.shared).fields
+    return fields, q.decode(dataclasses.replace(packed, segments=[Segment(fields, 1)]))
+
+
+def probe(q: Quantizer, packed: Packed, decoded: TokenBuffer) -> str | None:
+    """On CUDA: one write's quantizer work on the last token held, under torch's sync debug
+    mode; the host synchronisation it finds (a graph cannot hold one), or None. Writes
+    nothing. Elsewhere None (no capture there)."""
+    if decoded.buf.device.type != "cuda":
+        return None
+    x = decoded.valid[:, :, -1:]
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with StickyChecks("probe").step():
+            code_one_token(q, x, packed)
+    except RuntimeError as e:
+        return f"{q.spec} {q.role}: a one-token write synchronises with the host ({str(e)[:200]})"
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+    return None
+
+
+class DenseSteps:
+    """Device-position one-token writes of one (layer, role) of a dense layer, for
+    positions `base` .. `reserved - 1` (`base`: the tokens held when it was made)."""
+
+    def __init__(self, q: Quantizer, packed: Packed, decoded: TokenBuffer, reserved: int, where: str):
+        self.q, self.decoded, self.base = q, decoded, packed.tokens
+        self.shape = (packed.batch, packed.heads, 1, packed.head_dim)
+        layout, _ = q._segment_layout(self.shape)
+        rows = reserved - self.base
+        self.fields = {name: torch.empty((rows,) + shape, dtype=dtype, device=packed.device)
+                       for name, (shape, dtype) in layout.items()}
+        decoded.ensure(reserved)  # before any capture: the graph holds its address
+        # Rows past the valid length are masked out of the scores, but a masked row still
+        # meets V in the weighted sum (0 x NaN = NaN): the uninitialised rows must be finite.
+        with torch.inference_mode(decoded.buf.is_inference()):
+            decoded.buf[:, :, decoded.length:].zero_()
+        self.checks = StickyChecks(where)
+        self.run_start = self.run_end = self.base  # positions of the steps not yet folded, [start, end)
+
+    def step_at(self, x: torch.Tensor, pos: torch.Tensor, packed: Packed) -> None:
+        """Write token x `[B, H, 1, D]` at device position `pos` (int32 `[1]`); no host state
+        changes (`advance` accounts for it)."""
+        with self.checks.step():
+            fields, dec = code_one_token(self.q, x, packed)
+        if set(fields) != set(self.fields):
+            raise RuntimeError(f"{self.q.spec} {self.q.role}: a one-token write stored fields {sorted(fields)}, "
+                               f"not the {sorted(self.fields)} its layout learnt")
+        row = (pos - self.base).long()
+        for name, t in fields.items():
+            self.fields[name].index_copy_(0, row, t.unsqueeze(0))
+        self.decoded.buf.index_copy_(2, pos.long(), dec)
+
+    def advance(self, tokens_before: int, n: int) -> None:
+        """Host bookkeeping of n steps that ran after `tokens_before` tokens."""
+        if self.run_end != tokens_before:  # a host-path write came between: a new run
+            self.run_start = self.run_end = tokens_before
+        self.run_end += n
+        self.decoded.length = self.run_end
+
+    @property
+    def in_run(self) -> bool:
+        return self.run_end > self.run_start
+
+    def run_segments(self) -> list[Segment]:
+        """One Segment per step of the run: views of the field buffers."""
+        rows = range(self.run_start - self.base, self.run_end - self.base)
+        return [Segment({name: f[i] for name, f in self.fields.items()}, 1) for i in rows]
+
+    def end_run(self) -> None:
+        self.run_start = self.run_end
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.decoded.buf, *self.fields.values(), *self.checks.flags]
+
+
+def masked_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """softmax(q K^T / sqrt(d)) V of one decode query `[B, Hq, 1, D]` over the first
+    `valid` (a device int32 `[1]`) of the rows of `[B, Hkv, cap, D]`."""
+    keep = torch.arange(k.shape[2], device=k.device) < valid
+    return torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=keep.view(1, 1, 1, -1),
+                                                            enable_gqa=query.shape[1] != k.shape[1])
+
+
+__all__ = ["DenseSteps", "code_one_token", "masked_attention", "probe", "unsupported"]
