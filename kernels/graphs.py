@@ -87,7 +87,8 @@ class GraphedDecodeStep:
       TRITON_INTERPRET=1, runs the same kernels, which the tests use; or a capture
       that failed);
     - "eager": the cache cannot take device-position steps (`graph_unsupported()`:
-      Med3x, a dense layer, ...; a DynamicCache grows by cat): the ordinary forward
+      a windowed append such as per-channel int keys, a quantizer that syncs, ...; a
+      DynamicCache grows by cat): the ordinary forward
       per call. (KIVI is captured: its window flushes are decided on the device from
       the counter, kernels/store.py; its attention runs on Triton, the CUDA KIVI kernel
       taking no device lengths yet.)

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ..quantizers.base import FP16_MAX, QuantizerInputError
+from ..quantizers.hqmq import OUTLIER_BLOCK
 from .hqmq_encode import best_codes
 from .triton_common import interpreting
 
@@ -392,13 +393,15 @@ def _hqmq_kernel(x_ptr, sxb, sxh, sxt, sec_ptr, rel_ptr, S, H, t0,
                  o_ptr, o_h, olen_ptr, oi_ptr, oi_h, blk, err_ptr, C, pos_ptr, DEVPOS: tl.constexpr,
                  NC: tl.constexpr, NCP: tl.constexpr, CBITS: tl.constexpr, CB: tl.constexpr, CBP: tl.constexpr,
                  RBITS: tl.constexpr, RB: tl.constexpr, RBP: tl.constexpr, FB: tl.constexpr, FBP: tl.constexpr,
-                 LOG: tl.constexpr, MED3: tl.constexpr, INDEX: tl.constexpr, SB: tl.constexpr):
+                 LOG: tl.constexpr, MED3: tl.constexpr, INDEX: tl.constexpr, SB: tl.constexpr,
+                 OB: tl.constexpr = 64):
     """`HQMQ.encode_tokens` of one token row (program (b*H+h, t)). With Med3x (MED3, one
     token per write) the median is over this token's chunks and the outliers go to the
     end of the (b, h) list (`olen_ptr`), the block start to the index when the token
     opens a 64-token block (INDEX, at block `blk`). `sb`/`sh`: the shared b/h strides of
     the token buffers (one [B, H, Tcap] layout), `ct`..`ft` their token strides.
-    DEVPOS (not with MED3): the device position at pos_ptr is added to t0."""
+    DEVPOS: the device position at pos_ptr is added to t0; with MED3 the kernel then
+    decides itself whether the token opens an OB-token block (no host value in the launch)."""
     t0, bh, b, h, t = token_program(t0, pos_ptr, H, DEVPOS)
     c = tl.arange(0, NCP)
     cm = c < NC
@@ -470,6 +473,8 @@ def _hqmq_kernel(x_ptr, sxb, sxh, sxt, sec_ptr, rel_ptr, S, H, t0,
         tl.store(olen_ptr + bh, start + tl.sum(oi, axis=0))
         if INDEX:
             tl.store(oi_ptr + bh64 * oi_h + blk, start.to(tl.int32))
+        if DEVPOS:
+            tl.store(oi_ptr + bh64 * oi_h + tok // OB, start.to(tl.int32), mask=tok % OB == 0)
     flag(err_ptr, tl.where(n_bad > 0, 1, 0) | tl.where(over, 2, 0), n_bad, tok)
 
 
@@ -479,9 +484,9 @@ def hqmq_tokens(x, flat, S: int, rel, t0: int, err, *, C: float = 3.0, med3: boo
     t0 (plus the device position `pos`, see `int_rows`). Med3x (one token): outliers
     appended to `flat.outliers`' (b, h) lists at `outlier_len` (`[B*H]` int64, advanced),
     the block start written to `flat.outlier_index` at `index_block` (None: the token
-    opens no block)."""
-    if pos is not None and med3:  # which token opens a 64-token block is decided on the host
-        raise ValueError("Med3x writes take host positions (their outlier index block is chosen on the host)")
+    opens no block; with `pos` the kernel writes it when the token at pos opens one)."""
+    if pos is not None and index_block is not None:
+        raise ValueError("a write at a device position finds its outlier index block on the device")
     B, H, t, D = x.shape
     pos_arg, devpos = device_pos(pos, x)
     nc = D // 4
@@ -496,7 +501,7 @@ def hqmq_tokens(x, flat, S: int, rel, t0: int, err, *, C: float = 3.0, med3: boo
             c, c.stride(1), c.stride(2), r, r.stride(1), r.stride(2), m, m.stride(1), m.stride(2), *med,
             err, float(C), pos_arg, DEVPOS=devpos, NC=nc, NCP=_p2(nc), CBITS=flat.code_bits, CB=cb, CBP=_p2(cb),
             RBITS=flat.r_bits, RB=rb, RBP=_p2(rb), FB=fb, FBP=_p2(fb), LOG=flat.log_radius, MED3=med3,
-            INDEX=index_block is not None, SB=32)
+            INDEX=index_block is not None, SB=32, OB=OUTLIER_BLOCK)
 
 
 # ---------------------------------------------------------------------------------------

@@ -45,8 +45,11 @@ Decode steps at a device position (`step_at`, for CUDA graphs; suites/harness/kv
 and touch no host state; `advance(n)` then does the host bookkeeping `step` does, for
 n steps that ran; `reserve` allocates the room up front (a graph holds the buffers'
 addresses) and `graph_view` is the flat attention reads, its T the reserved capacity
-(the valid length is a device argument). Int, fp8, KIVI and HQMQ without Med3x;
-`graph_unsupported` names why not for the others.
+(the valid length is a device argument). Int, fp8, KIVI and HQMQ (Med3x included:
+`reserve` makes room for the worst case of the steps to come, half the chunks of each
+token, and the step kernel appends the outliers at the device list ends and writes an
+index block start when the token at the position opens one); `graph_unsupported` names
+why not for the others.
 KIVI at a device position: its group count and window length are functions of the
 token count by its window policy (`step_encode.kivi_policy`: max(0, t - A) // P * P
 tokens quantized, the window fills at A + P, a flush quantizes P and keeps A), so the
@@ -490,9 +493,6 @@ class KernelStore:
             if 8 % self.flat.bits:  # (the attention kernel's own limit: the device path is Triton's)
                 return f"KIVI with {self.flat.bits} bits: the fused kernel reads 2, 4 or 8"
             return None
-        if self.outliers is not None:
-            return ("Med3x: a step's outlier count is data-dependent (the outlier lists' room and the "
-                    "64-token index blocks are managed on the host)")
         return None
 
     @property
@@ -519,12 +519,23 @@ class KernelStore:
         if self.kind is layout.KIVIFlat:
             self._reserve_kivi(tokens)
             return
-        grew = False
+        grew = moved = False
         for name in self.TOKEN_FIELDS[self.kind]:
             if name in self.buffers:
                 grew |= self.buffers[name].extend(tokens)
+        if self.outliers is not None:
+            # Med3x: the worst case of the steps to come (half the chunks of each token), the
+            # index blocks they open; flags past the valid tokens zeroed, so no kernel looks
+            # up outliers for a capacity row (the kernels' device step writes each token's).
+            moved = self._reserve_outliers(max(0, tokens - self.tokens) * (self.D // 8))
+            moved |= self.outlier_index.extend(-(-tokens // OUTLIER_BLOCK))
+            flags = self.buffers["flags"].buf
+            with torch.inference_mode(flags.is_inference()):
+                flags[:, :, self.tokens:].zero_()
         if grew:
             self._repoint()
+        elif moved:
+            self._refresh_flat()
 
     def _reserve_kivi(self, tokens: int) -> None:
         a, p = self.kivi_policy
@@ -569,7 +580,8 @@ class KernelStore:
         if self.kind is layout.KIVIFlat:
             self._step_at_kivi(x, errors, pos)
         elif self.kind is layout.HQMQFlat:
-            step_encode.hqmq_tokens(x, f, f.S, f.rel, 0, errors, C=q.config.C, pos=pos)
+            step_encode.hqmq_tokens(x, f, f.S, f.rel, 0, errors, C=q.config.C, med3=f.has_outliers,
+                                    outlier_len=self.outlier_len, pos=pos)
         elif self.kind is layout.FP8Flat:
             step_encode.fp8_tokens(x, f.codes, f.scale, f.fmt, 0, errors, pos=pos)
         else:
@@ -625,7 +637,16 @@ class KernelStore:
         for name in self.TOKEN_FIELDS[self.kind]:
             if name in self.buffers:
                 self.buffers[name].length = end
+        if self.outliers is not None:  # the blocks the steps opened (their room was reserved)
+            self.outlier_index.length = max(self.outlier_index.length, -(-end // OUTLIER_BLOCK))
         self.tokens = self.flat.T = end
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        """Every tensor a device-position step writes or reads (a CUDA graph holds them)."""
+        out = [b.buf for b in self.buffers.values()]
+        if self.outliers is not None:
+            out += [self.outliers, self.outlier_len, self.outlier_index.buf]
+        return out
 
     def graph_view(self, capacity: int):
         """What the attention of a device-position step reads: the flat with T = `capacity`,

@@ -164,10 +164,13 @@ class HQMQ(Quantizer):
         # contiguous [n, S] slab, so the score below is four elementwise passes.
         by_component = rot.permute(0, 2, 3, 1).reshape(H, 4, 4 * S)  # [H, 4 (u), 4 (i) x S]
         B, _, N, _ = u.shape
-        # Bound the [B, H, n, 4S] temporaries to ~1M floats (4 MB): the score passes then run
-        # in cache. CPU, [2, 3, 8192, 4] chunks: S=256 57 ms vs 144 ms at 16M floats, S=96
-        # 32 vs 57 ms (same codes: the block only splits n).
-        block = max(1, (1 << 18) // max(1, B * H * S))
+        # Bound the [B, H, n, 4S] temporaries: on a CPU to ~1M floats (4 MB), so the score
+        # passes run in cache ([2, 3, 8192, 4] chunks: S=256 57 ms vs 144 ms at 16M floats,
+        # S=96 32 vs 57 ms); on a GPU to 4M, since each block costs ~10 launches (at 1M the
+        # H200's quantize-on-write HQMQ S=256 rows took 4.8 s instead of 0.8 s). Same codes:
+        # the block only splits n.
+        budget = (1 << 18) if u.device.type == "cpu" else (1 << 22)
+        block = max(1, budget // max(1, B * H * S))
         codes = []
         for start in range(0, N, block):
             ub = u[:, :, start : start + block]

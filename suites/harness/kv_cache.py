@@ -21,8 +21,8 @@ Two ways to read it:
   the history once into a transient tensor for SDPA.
 
 Device-position decode steps (CUDA graphs, kernels/graphs.py `GraphedDecodeStep`): a
-fused cache whose every layer has a device step encoder (int, fp8, KIVI, HQMQ without
-Med3x) can take one-token steps that read the number of stored tokens from a device
+fused cache whose every layer has a device step encoder (int, fp8, KIVI, HQMQ, Med3x
+included) can take one-token steps that read the number of stored tokens from a device
 int32 counter instead of the host (`reserve`, `device_steps`, `step_done`, `advance`):
 the step encoders write at it, attention reads it as its valid length over the
 reserved capacity, and the step adds 1 to it on the device, so the step has no host
@@ -35,8 +35,9 @@ steps it ran. Dense layers take such steps too when their quantizer's one-token 
 one segment of fixed shapes made by tensor ops (fp16, spherical, additive / flat VQ,
 Hadamard int: dense_steps.py): the quantizer's own encode and decode run at the device
 position and attention masks the decoded history's reserved rows by the device valid
-length. Med3x (a data-dependent outlier count) and windowed appends (per-channel int
-keys) are not graphable: `graph_unsupported()` names the reason and their steps stay eager.
+length. Windowed appends (per-channel int keys) and data-dependent field lengths in a
+dense layer are not graphable: `graph_unsupported()` names the reason and their steps
+stay eager.
 
 Protocols (METHOD.md 4): `quantize-on-write` is one forward pass over a window from a
 fresh cache; `prefill-then-decode` is a prefill call then one-token calls, each
@@ -303,7 +304,7 @@ class QuantizedLayer(DynamicLayer):
         out = [self.errors.flags] if self.errors is not None else []
         for role in ROLES:
             if self.stores[role] is not None:
-                out.extend(b.buf for b in self.stores[role].buffers.values())
+                out.extend(self.stores[role].device_buffers())
             if self.dense_steps[role] is not None:
                 out.extend(self.dense_steps[role].buffers())
         return out
@@ -550,7 +551,7 @@ class QuantizedCache(Cache):
     # ---- decode steps at a device position (CUDA graphs: kernels/graphs.py) -----------------
     def graph_unsupported(self) -> str | None:
         """Why this cache cannot take device-position decode steps (None: it can): every
-        layer fused with a device step encoder (int, fp8, KIVI, HQMQ without Med3x) or
+        layer fused with a device step encoder (int, fp8, KIVI, HQMQ with or without Med3x) or
         dense with a quantizer whose one-token write is graphable (dense_steps.py), all
         holding the same number of tokens. Host checks, plus one probe write per dense
         layer on CUDA."""

@@ -8,7 +8,8 @@
   buffers hold past it, and the fp32 reference;
 - a model's decode steps through `GraphedDecodeStep` give the same logits, tokens,
   stored bytes and measured bits as the ordinary fused steps (KIVI across its window
-  flushes, decided on the device); a format a graph cannot take (Med3x) runs eagerly
+  flushes, decided on the device; Med3x's outlier lists and index blocks too); a format
+  a graph cannot take (per-channel int keys) runs eagerly
   with the reason named; bad use raises.
 
 CPU: no graph can be captured, so `GraphedDecodeStep` runs its device-position steps
@@ -110,6 +111,37 @@ def test_hqmq_tokens_at_a_device_position_write_the_host_position_bytes(spec):
     assert out[True].codes[:, :, t0].any() and not out[True].codes[:, :, :t0].any()
 
 
+def test_med3x_steps_at_a_device_position_cross_an_index_block_as_host_steps_do():
+    # Med3x at a device position: outliers appended at the device list ends and the index
+    # block start written by the kernel when the token opens a 64-token block (tokens
+    # 60..79 cross 64), against the host-position steps, byte for byte.
+    from kvqbench.kernels.store import KernelStore
+
+    q = get_quantizer("hqmq:S=8,r=4,outliers=med3", role="K", seed=1)
+    x = _data((2, 2, 80, 32), dtype=torch.float32, seed=6)
+    x[..., 5] *= 8  # a hot channel: outliers in every token, rows differ
+    host, dev = (KernelStore.create(q.encode(x[:, :, :60]), "K") for _ in range(2))
+    dev.reserve(80)
+    pos = _pos(60)
+    for t in range(60, 80):
+        host.step(x[:, :, t:t + 1], _errors())
+        dev.step_at(x[:, :, t:t + 1], _errors(), pos)
+        pos += 1
+    dev.advance(20)
+    assert host.tokens == dev.tokens == 80
+    assert torch.equal(host.outlier_len, dev.outlier_len) and int(host.outlier_len.min()) > 0
+    for name in ("codes", "radius", "r_max", "flags"):
+        assert torch.equal(host.buffers[name].buf[:, :, :80], dev.buffers[name].buf[:, :, :80]), name
+    assert host.outlier_index.length == dev.outlier_index.length == 2
+    assert torch.equal(host.outlier_index.buf[:, :, :2], dev.outlier_index.buf[:, :, :2])
+    for b in range(2):
+        for h in range(2):
+            n = int(host.outlier_len.view(2, 2)[b, h])
+            assert torch.equal(host.outliers[b, h, :n], dev.outliers[b, h, :n])
+    ours, theirs = dev.run_segments([])[0], host.run_segments([])[0]
+    assert {k: torch.equal(v, theirs.fields[k]) for k, v in ours.fields.items()} == dict.fromkeys(theirs.fields, True)
+
+
 def test_device_positions_are_checked_without_a_host_read():
     x = _data((1, 1, 1, 32))
     codes = torch.zeros(1, 1, 4, 32, dtype=torch.uint8, device=DEV)
@@ -118,8 +150,8 @@ def test_device_positions_are_checked_without_a_host_read():
             se.fp8_tokens(x, codes, torch.ones(1, device=DEV), "e4m3", 0, _errors(), pos=bad)
     q = get_quantizer("hqmq:S=8,r=4,outliers=med3", role="K")
     flat = L.flatten(q.encode(_data((1, 1, 4, 32))), "K")
-    with pytest.raises(ValueError, match="Med3x writes take host positions"):
-        se.hqmq_tokens(x, flat, 8, flat.rel, 0, _errors(), med3=True, pos=_pos(4))
+    with pytest.raises(ValueError, match="finds its outlier index block on the device"):
+        se.hqmq_tokens(x, flat, 8, flat.rel, 0, _errors(), med3=True, pos=_pos(4), index_block=0)
 
 
 # ---- attention over a device valid length ------------------------------------------------------------
@@ -270,7 +302,7 @@ def _assert_same_bytes(a: QuantizedCache, b: QuantizedCache):
             assert torch.equal(la.read(role), lb.read(role))
 
 
-@pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "hqmq:S=8,r=4"])
+@pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "hqmq:S=8,r=4", "hqmq:S=8,r=4,outliers=med3"])
 def test_device_steps_equal_fused_steps(model, spec):
     eager, ce, _ = _decode(model, spec, 4, graphed=False)
     dev, cd, step = _decode(model, spec, 4, graphed=True, between=2)  # one host-path step in between
@@ -401,8 +433,7 @@ def test_a_dense_device_step_flags_bad_input_when_the_cache_is_next_read(model):
             cache.bits_per_element()
 
 
-@pytest.mark.parametrize("spec,why", [("hqmq:S=8,r=4,outliers=med3", "Med3x"),
-                                      ("int4:keys=per-channel", "keeps state across writes")])
+@pytest.mark.parametrize("spec,why", [("int4:keys=per-channel", "keeps state across writes")])
 def test_formats_a_graph_cannot_take_run_eagerly_with_the_reason(model, spec, why):
     eager, ce, _ = _decode(model, spec, 3, graphed=False)
     got, cg, step = _decode(model, spec, 3, graphed=True)
@@ -431,7 +462,8 @@ def test_bad_use_raises(model):
 
 
 @cuda_only
-@pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "hqmq:S=96,r=4", "kivi2", "kivi4"] + KIVI_MODEL_SPECS
+@pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3", "kivi2",
+                                  "kivi4"] + KIVI_MODEL_SPECS
                          + DENSE_SPECS + ["avq3", "spherical3", "hadamard-int4", "flatvq:dim=2,K_bits=8"])
 def test_graph_replays_equal_uncaptured_device_steps(model, spec, monkeypatch):
     # Same kernels, same grid: the replayed graph must match bit for bit, bytes included.
