@@ -120,10 +120,11 @@ class DenseSteps:
     def in_run(self) -> bool:
         return self.run_end > self.run_start
 
-    def run_segments(self) -> list[Segment]:
-        """One Segment per step of the run: views of the field buffers."""
+    def run_segments(self, base: list[Segment]) -> list[Segment]:
+        """`base` (the Packed's segments when the run began), then one Segment per step of
+        the run: views of the field buffers (as `KernelStore.run_segments`)."""
         rows = range(self.run_start - self.base, self.run_end - self.base)
-        return [Segment({name: f[i] for name, f in self.fields.items()}, 1) for i in rows]
+        return base + [Segment({name: f[i] for name, f in self.fields.items()}, 1) for i in rows]
 
     def end_run(self) -> None:
         self.run_start = self.run_end

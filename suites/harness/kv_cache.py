@@ -267,7 +267,8 @@ class QuantizedLayer(DynamicLayer):
         return None
 
     def _dense_unsupported(self) -> str | None:
-        """A dense layer's reason (dense_steps.py), probed once per cache state on CUDA."""
+        """A dense layer's reason (dense_steps.py): the format's, found once per layer (on
+        CUDA with one probe write)."""
         if self.layer_type not in (None, "full_attention"):
             return f"layer {self.layer_idx} is {self.layer_type} (the model's mask windows it; a step's has none)"
         if self._dense_why is None:  # the format's answer: once per layer
@@ -328,9 +329,7 @@ class QuantizedLayer(DynamicLayer):
         at, p = self._view.get(role, (None, None))
         if at != self.tokens:
             base = self._packed[role]
-            segs = store.run_segments(base.segments) if self.mode == "fused" else \
-                base.segments + store.run_segments()
-            p = dataclasses.replace(base, segments=segs)
+            p = dataclasses.replace(base, segments=store.run_segments(base.segments))
             self._view[role] = (self.tokens, p)
         return p
 
