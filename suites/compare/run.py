@@ -281,7 +281,11 @@ def run_compare(args) -> int:
             run.save()
         for protocol, spec, seed in todo if ranks is None else []:
             bar.set_postfix_str(f"{protocol} {spec} seed={seed}")
-            step = lambda done, total: bar.update(1)  # noqa: E731
+            seen = [0]  # windows of this configuration already on the bar
+
+            def step(done, total, seen=seen):  # called once per batch of windows, `done` so far
+                bar.update(done - seen[0])
+                seen[0] = done
             try:
                 r = measure(protocol, spec, seed, progress=step)
             except Exception as e:  # keep what is measured; record the failure

@@ -33,6 +33,14 @@ def test_success_exits_0_with_an_int(tiny, tmp_path):
     assert {r["spec"] for r in results(tmp_path)["results"]} == {"fp16", "int4"}
 
 
+def test_progress_bar_counts_every_window_once(tiny, tmp_path, capsys):
+    # 3 windows scored 2 per batch: the bar ends at configurations x windows (it once moved
+    # one step per batch and ended at 52% of a default run)
+    assert cli.main(compare_args(tiny, tmp_path, "--windows", "3", "--batch-size", "2", "--protocol", "both")) == 0
+    err = capsys.readouterr().err.replace("\r", "\n")
+    assert "12/12 [" in err and "13/12" not in err  # 2 specs x 2 protocols x 3 windows
+
+
 BAD_USAGE = [
     (["--specs", ""], "names no quantizer spec"),
     (["--specs", " ; "], "names no quantizer spec"),
