@@ -272,8 +272,9 @@ def run_compare(args) -> int:
             r.update(formula_bits=q.formula_bits(model_info["head_dim"]), family=q.name,
                      stochastic=is_stochastic(job[1]))
             run.add(r)
+            steps = f"  decode steps: {r['decode_mode']}" if r.get("decode_mode") else ""  # graph / eager
             tqdm.write(f"{job[0]:20s} {job[1]:34s} seed={job[2]}  PPL {r['ppl']:10.4f}  bits "
-                       f"{r['bits_per_element']:6.3f} (formula {r['formula_bits']:6.3f})  {r['wall_s']:6.1f} s")
+                       f"{r['bits_per_element']:6.3f} (formula {r['formula_bits']:6.3f})  {r['wall_s']:6.1f} s{steps}")
 
         if ranks is not None:
             run.data["meta"]["distributed"]["scoring"] = distributed.score_rounds(
