@@ -14,7 +14,9 @@ device valid length. Nothing in it is a host value, so it is captured and replay
 Not graphable (`unsupported` names why): an `append` that keeps state across writes
 (`Quantizer.appends_one_segment`: KIVI's windows, per-channel int keys), fields whose
 length depends on the data (Med3x's outlier list), and, on CUDA, an encode or decode that
-synchronises with the host (one probe step runs under torch's sync debug mode).
+synchronises with the host (`probe`: one write under torch's sync debug mode, which does not
+see every synchronising op; one it misses makes the capture fail, and GraphedDecodeStep
+then runs the steps uncaptured and names the reason).
 
 The stored bytes are those of the host path: the run's Segments (one per step, views of
 the field buffers) hold the fields `append` would have stored, so `Packed.nbytes` stays
@@ -36,7 +38,7 @@ from ...quantizers.checks import StickyChecks
 
 def unsupported(q: Quantizer, packed: Packed) -> str | None:
     """Why `q`'s one-token writes to `packed` cannot be device-position steps (None: they
-    can, unless the CUDA probe of `DenseSteps` finds a host synchronisation). Host only."""
+    can, unless `probe` finds a host synchronisation on CUDA). Host only."""
     if not q.appends_one_segment():
         return f"{q.spec} {q.role}: its append keeps state across writes (windows / groups of tokens)"
     layout, variable = q._segment_layout((packed.batch, packed.heads, 1, packed.head_dim))
