@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from .base import Quantizer, Segment, check_fp16_storable, fp16_rounding_bound
 
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from .base import Quantizer, QuantizerInputError, Segment
 from .groups import dequantize_groups, group_error_bound, quantize_groups
 from .rotation import random_signs, rotate, signs_of, unrotate

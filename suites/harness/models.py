@@ -25,8 +25,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
