@@ -140,18 +140,20 @@ def test_ctrl_c_exits_130_and_the_rerun_resumes(tiny, tmp_path, monkeypatch, cap
     def interrupted(model, windows, spec, seed=0, **kw):
         calls.append(spec)
         if spec == "int4" and calls.count("int4") == 1:
-            # A real Ctrl-C mid-configuration, raised in this (the main) thread. With os.kill
-            # (a process signal, which the OS may hand to any thread: OpenMP's, tqdm's
-            # monitor) one fresh-clone run of the whole suite saw main return 0; the likely
-            # cause, not reproduced in isolation.
+            # A real Ctrl-C mid-configuration, raised in this (the main) thread.
             signal.raise_signal(signal.SIGINT)
             time.sleep(5)
         return real(model, windows, spec, seed, **kw)
 
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "an earlier test left SIGINT handled"
-
     monkeypatch.setattr(perplexity, "ppl_quantize_on_write", interrupted)
-    assert cli.main(compare_args(tiny, tmp_path)) == 130
+    # Python's own handler, as a terminal's Ctrl-C meets it: a process started in the
+    # background by a shell without job control inherits SIGINT ignored (a fresh-clone run
+    # launched that way failed here); the test is of the command, not of its parent.
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert cli.main(compare_args(tiny, tmp_path)) == 130
+    finally:
+        signal.signal(signal.SIGINT, saved)
     assert "interrupted" in capsys.readouterr().err
     assert [r["spec"] for r in results(tmp_path)["results"]] == ["fp16"]
     assert cli.main(compare_args(tiny, tmp_path)) == 0
