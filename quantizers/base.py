@@ -361,7 +361,7 @@ class Quantizer(ABC):
             expected = {WINDOW_FIELD: (shape, torch.float16)}
             variable = ()
         else:
-            expected, variable = self._segment_layout(shape)
+            expected, variable = self.segment_layout(shape)
             if expected is None:
                 raise CorruptPackedError(f"{where}: {self.spec} never stores a segment of {shape[2]} tokens "
                                          f"at [B, H, D] = {(shape[0], shape[1], shape[3])} ({variable})")
@@ -408,8 +408,10 @@ class Quantizer(ABC):
             Quantizer._layouts[key] = found
         return Quantizer._layouts[key]
 
-    def _segment_layout(self, shape):
-        """(layout, data-dependent field names) of a segment of `shape`, or (None, why)."""
+    def segment_layout(self, shape):
+        """({field: (shape, dtype)} a segment of `shape` = (B, H, T, D) stores, the names of
+        its fields whose length depends on the data), or (None, why) for a shape this
+        format never stores. Learnt from this process's writes, else by encoding zeros."""
         variable = self._variable(shape)
         key = self._layout_key("segment", tuple(shape))
         if key not in Quantizer._layouts:

@@ -41,7 +41,7 @@ def unsupported(q: Quantizer, packed: Packed) -> str | None:
     can, unless `probe` finds a host synchronisation on CUDA). Host only."""
     if not q.appends_one_segment():
         return f"{q.spec} {q.role}: its append keeps state across writes (windows / groups of tokens)"
-    layout, variable = q._segment_layout((packed.batch, packed.heads, 1, packed.head_dim))
+    layout, variable = q.segment_layout((packed.batch, packed.heads, 1, packed.head_dim))
     if layout is None:
         return f"{q.spec} {q.role}: no one-token segment ({variable})"
     if variable:
@@ -56,7 +56,7 @@ def code_one_token(q: Quantizer, x: torch.Tensor, packed: Packed) -> tuple[dict,
     """(stored fields, decoded token) of the one-token write x to `packed`, through the
     quantizer: what `append` stores and what `decode` of that segment gives."""
     q.check_input(x)
-    fields = q._encode_segment(x.float(), packed.shared).fields
+    fields = q.encode_tokens(x.float(), packed.shared).fields
     return fields, q.decode(dataclasses.replace(packed, segments=[Segment(fields, 1)]))
 
 
@@ -85,8 +85,7 @@ class DenseSteps:
 
     def __init__(self, q: Quantizer, packed: Packed, decoded: TokenBuffer, reserved: int, where: str):
         self.q, self.decoded, self.base = q, decoded, packed.tokens
-        self.shape = (packed.batch, packed.heads, 1, packed.head_dim)
-        layout, _ = q._segment_layout(self.shape)
+        layout, _ = q.segment_layout((packed.batch, packed.heads, 1, packed.head_dim))
         rows = reserved - self.base
         self.fields = {name: torch.empty((rows,) + shape, dtype=dtype, device=packed.device)
                        for name, (shape, dtype) in layout.items()}

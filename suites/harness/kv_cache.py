@@ -168,7 +168,8 @@ class QuantizedLayer(DynamicLayer):
         self.decoded: dict[str, TokenBuffer | None] = {r: None for r in ROLES}  # dense mode
         # dense mode, device-position steps (dense_steps.py): per role, made by `reserve`
         self.dense_steps: dict[str, dense_steps.DenseSteps | None] = {r: None for r in ROLES}
-        self._dense_why: tuple[str | None] | None = None  # (why not graphable,), probed once
+        self._dense_why: str | None = None  # why this dense layer is not graphable (after _dense_probed)
+        self._dense_probed = False
         self.stores: dict[str, KernelStore | None] = {r: None for r in ROLES}  # fused mode
         self.mode: str | None = None  # "dense" or "fused", fixed at the first write
         self.fallbacks = 0  # fused steps the kernel refused (served densely instead)
@@ -271,14 +272,14 @@ class QuantizedLayer(DynamicLayer):
         CUDA with one probe write)."""
         if self.layer_type not in (None, "full_attention"):
             return f"layer {self.layer_idx} is {self.layer_type} (the model's mask windows it; a step's has none)"
-        if self._dense_why is None:  # the format's answer: once per layer
+        if not self._dense_probed:  # the format's answer: once per layer
             why = next(filter(None, (dense_steps.unsupported(self.quantizers[r], self._packed[r]) for r in ROLES)),
                        None)
             if why is None:
                 why = next(filter(None, (dense_steps.probe(self.quantizers[r], self._packed[r], self.decoded[r])
                                          for r in ROLES)), None)
-            self._dense_why = (why and f"layer {self.layer_idx}: {why}",)
-        return self._dense_why[0]
+            self._dense_why, self._dense_probed = why and f"layer {self.layer_idx}: {why}", True
+        return self._dense_why
 
     def reserve(self, tokens: int) -> None:
         """Room for `tokens` tokens (device-position steps never grow a buffer)."""

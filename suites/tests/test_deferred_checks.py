@@ -62,7 +62,7 @@ def test_a_one_token_append_reads_nothing_back_when_deferred(spec):
         q = get_quantizer(spec, role=role)
         x = torch.randn(2, 3, 65, 64)
         packed = q.encode(x[:, :, :64])
-        variable = q._segment_layout((2, 3, 1, 64))[1]
+        variable = q.segment_layout((2, 3, 1, 64))[1]
         with profile(activities=[ProfilerActivity.CPU]) as prof, deferred_checks():
             q.append(packed, x[:, :, 64:])
         reads = sum(e.name in HOST_READS for e in prof.events())
