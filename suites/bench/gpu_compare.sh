@@ -21,6 +21,9 @@ time)
   [ -f $STAGE/part_aa ] || { echo "no $STAGE/part_aa: this is a fresh machine, run the stage call first"; exit 2; }
   source "$(dirname "$0")/../../kernels/cuda/gpu_env.sh"
   export PYTHONUNBUFFERED=1
+  # round 1 starts from an empty Triton cache whatever ran on this machine before (a fresh
+  # machine's first run); round 2 finds what round 1 compiled
+  export TRITON_CACHE_DIR=$(mktemp -d /tmp/triton_cache.XXXX)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $STAGE/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
   C=$HOME/.cache/kvqbench; mkdir -p $C/downloads $C/corpora
   cat $STAGE/part_aa .gpu2/part_ab > $C/downloads/SmolLM2-135M-Instruct.Q4_1.gguf && cp $STAGE/corpora/* $C/corpora/

@@ -5,7 +5,6 @@ a verdict on each, computed from the run's data (claims.py)."""
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from pathlib import Path
 
