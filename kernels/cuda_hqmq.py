@@ -36,7 +36,11 @@ SOURCE = Path(__file__).parent / "cuda" / "hqmq_decode.cu"
 # 7 (16, 4, 1), 8 (16, 5, 1; not with S > 96: its shared memory). Since the table copy by
 # cp.async (GPU call 17a) every instance takes 120-126 registers (was 167-177), so shared
 # memory sets the CTAs per SM (v0 3, v3 2, v6 4, v7 1).
-NUM_VARIANTS = 9
+# 9 (4, 3, 3) and 10 (8, 2, 2), added 2026-12-02 for Med3x (PREFETCH_VARIANTS): the outliers
+# one tile ahead (NOTES.md "Med3x outliers one tile ahead"); without outliers they run v2's /
+# v3's kernel itself (the same template instance).
+NUM_VARIANTS = 11
+PREFETCH_VARIANTS = (9, 10)
 # GPU call 17a (H200, same-run fp16 SDPA 251.9 / 48.2 us as a graph), default split rule:
 # B=8 T=32k every variant 155.5-164.8 us (v3 155.5 = 1.62x; run 16's default 188.1 =
 # 1.36x), B=1 as graphs 33.0-38.1 (v3 33.0 = 1.46x). v3 was best or within 0.5 us of the
@@ -64,7 +68,10 @@ AUTO = True
 # test_cuda_hqmq.py and test_graph_step.py passed (226 passed, 1 skipped, 0 failed; Med3x
 # matches, last K / V token, T = 4099 with one head, capacity garbage, valid_len), so
 # backend="auto" now routes Med3x caches here: 5.5x faster than Triton at B=8 T=32k.
-MED3_VARIANTS = (0, 2)
+# 9, 10: the prefetching Med3x instances (offline 2026-12-02: 143 registers / 3 CTAs per SM and
+# 128 / 2 x 8 warps, no spills), not yet run on a GPU: the default stays 0 until they are
+# verified and timed.
+MED3_VARIANTS = (0, 2, 9, 10)
 DEFAULT_VARIANT_MED3 = 0
 AUTO_MED3 = True
 _QK_SCALE = 1.4426950408889634 / math.sqrt(128)  # log2(e) / sqrt(d): the base-2 softmax scale, d = 128
@@ -360,4 +367,5 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
 
 
 __all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits",
-           "codebook16", "takes_by_default", "AUTO", "AUTO_MED3", "NUM_VARIANTS", "MED3_VARIANTS", "SOURCE"]
+           "codebook16", "takes_by_default", "AUTO", "AUTO_MED3", "NUM_VARIANTS", "MED3_VARIANTS",
+           "PREFETCH_VARIANTS", "SOURCE"]

@@ -2,6 +2,7 @@
 SDPA on the fp16 cache and the Triton kernels, at the issue-10 shapes.
 
     python kernels/cuda/bench.py [--out DIR] [--shapes 8x32768,1x32768]
+        [--methods kivi2,kivi4] [--kivi-variants 4,7,8,9,10,11,12] [--kivi-ctas default,8]
 
 Protocol: Hq 32 / Hkv 8 / d 128, one query token, fp16 q; caches are real encodings of
 4096 synthetic tokens (3 outlier key channels) tiled to T (the kernel sweep's
@@ -9,6 +10,10 @@ helpers, suites/bench/kernel_sweep/measure.py); every time is
 `triton.testing.do_bench` (CUDA events, median, 256 MB L2 flush before each call,
 rep 40 ms => well over 30 timed calls); B=1 is also timed as a CUDA graph replay
 (launch overhead removed). Prints a table and writes cuda_bench.json under --out.
+--kivi-variants / --kivi-ctas replace the KIVI configs at every shape (B=1 too) by the
+listed variants x split rules ("default": the default rule, ~128 tiles per split; a
+number: that many CTAs per SM); each KIVI config's output is also compared with
+Triton's (err_vs_triton per row).
 """
 from __future__ import annotations
 
@@ -66,7 +71,14 @@ def rel_err(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def run(shapes, out: Path, methods=tuple(METHODS)) -> dict:
+def kivi_cfgs(variants, ctas) -> list[dict]:
+    """decode_attention options of each (variant, split rule): ctas "default" (or None) is the
+    default rule, else CTAs per SM."""
+    return [dict(variant=v) if c in (None, "default") else dict(variant=v, ctas_per_sm=int(c))
+            for v in variants for c in ctas]
+
+
+def run(shapes, out: Path, methods=tuple(METHODS), kivi_variants=None, kivi_ctas=("default", 8)) -> dict:
     dev = torch.device("cuda")
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "regs": {f"{m}/v{v}": regs(m, v) for m in METHODS for v in range(max(cuda_decode.KIVI_VARIANTS) + 1)},
@@ -93,7 +105,7 @@ def run(shapes, out: Path, methods=tuple(METHODS)) -> dict:
         if B == 1:
             rows.append({"B": B, "T": T, "method": "fp16-sdpa-graph", "us": bench(graph_decode(lambda x: sdpa(), q))})
             rows[-2]["host_us"] = host_us(sdpa)
-        del kf16, vf16
+        kf16 = vf16 = None  # (freed; not del: the lambdas above name them)
         for name in methods:
             kf, vf = (tiled(f, B, T) for f in base[name])
             assert kf.T == vf.T == T
@@ -110,7 +122,9 @@ def run(shapes, out: Path, methods=tuple(METHODS)) -> dict:
                 continue
             kivi = name.startswith("kivi")  # KIVI: the shared-memory variants only
             variants = cuda_decode.KIVI_VARIANTS if kivi else range(cuda_decode.NUM_VARIANTS)
-            if B > 1:
+            if kivi and kivi_variants:  # the listed variants x split rules, at every B
+                cfgs = kivi_cfgs(kivi_variants, kivi_ctas)
+            elif B > 1:
                 cfgs = [dict(variant=vv, ctas_per_sm=c) for vv in variants for c in (4, 8, 16)]
                 cfgs.append(dict())  # the defaults (variant 2, ~64 tiles per split)
             else:  # few rows: fewer, longer splits (the shared-memory pipeline keeps bytes in flight)
@@ -120,6 +134,9 @@ def run(shapes, out: Path, methods=tuple(METHODS)) -> dict:
             best = None
             for cfg in cfgs:
                 try:
+                    cerr = err  # KIVI: each config's own output against Triton's (variants differ in numerics)
+                    if kivi:
+                        cerr = rel_err(decode_attention(q, kf, vf, backend="cuda", out_dtype=torch.float32, **cfg), ref)
                     t = bench(lambda: decode_attention(q, kf, vf, backend="cuda", **cfg))
                 except RuntimeError as e:  # a launch error is not sticky: record it, go on
                     rows.append({"B": B, "T": T, "method": f"{name}-cuda", "cfg": cfg, "us": float("nan"),
@@ -127,7 +144,7 @@ def run(shapes, out: Path, methods=tuple(METHODS)) -> dict:
                     print("FAILED", name, B, T, cfg, str(e)[:200], flush=True)
                     continue
                 rows.append({"B": B, "T": T, "method": f"{name}-cuda", "cfg": cfg, "us": t, "bytes": nbytes,
-                             "err_vs_triton": err})
+                             "err_vs_triton": cerr})
                 if best is None or t < best[0]:
                     best = (t, cfg)
             if best is None:
@@ -144,7 +161,7 @@ def run(shapes, out: Path, methods=tuple(METHODS)) -> dict:
                     fn = graph_decode(lambda x, kw=kw: decode_attention(x, kf, vf, **kw), q)
                     rows.append({"B": B, "T": T, "method": f"{name}-{tag}-graph", "us": bench(fn), "bytes": nbytes,
                                  "cfg": kw})
-            del kf, vf
+            kf = vf = None
             torch.cuda.empty_cache()
         out.mkdir(parents=True, exist_ok=True)
         (out / "cuda_bench.json").write_text(json.dumps(res, indent=1, default=str))
@@ -205,12 +222,21 @@ def main():
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {','.join(METHODS)}")
     ap.add_argument("--best-only", action="store_true", help="print only SDPA, Triton and the best CUDA row per shape")
     ap.add_argument("--once", action="store_true", help="one CUDA call per method and shape, for a profiler")
+    ap.add_argument("--kivi-variants", default="", help="comma-separated KIVI variants to time (at every shape) "
+                    f"instead of the default sweep, of {','.join(map(str, cuda_decode.KIVI_VARIANTS))}")
+    ap.add_argument("--kivi-ctas", default="default,8", help="with --kivi-variants: the split rules, comma-separated: "
+                    "'default' (the default rule) or CTAs per SM")
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     if a.once:
         return once(shapes, a.methods.split(","))
     t0 = time.time()
-    res = run(shapes, Path(a.out), tuple(a.methods.split(",")))
+    kv = [int(x) for x in a.kivi_variants.split(",") if x]
+    bad = [x for x in kv if x not in cuda_decode.KIVI_VARIANTS]
+    if bad:
+        ap.error(f"--kivi-variants {bad}: not in {cuda_decode.KIVI_VARIANTS}")
+    kc = [x if x == "default" else int(x) for x in a.kivi_ctas.split(",") if x]
+    res = run(shapes, Path(a.out), tuple(a.methods.split(",")), kivi_variants=kv, kivi_ctas=kc)
     txt = table(res, best_only=a.best_only)
     Path(a.out, "cuda_bench.md").write_text(txt + "\n")
     print(txt)

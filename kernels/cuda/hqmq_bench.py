@@ -2,6 +2,7 @@
 SDPA and the Triton HQMQ kernels (HQMQ, HQMQ + Med3x), at B=8 and B=1, T=32k.
 
     python kernels/cuda/hqmq_bench.py [--out DIR] [--shapes 8x32768,1x32768] [--quick] [--variants 0,3]
+                                      [--med3-variants 0,2,9,10]
 
 Protocol as kernels/cuda/bench.py (its `bench`: do_bench median, L2 flushed, rep 40 ms):
 Hq 32 / Hkv 8 / d 128, fp16 q; caches = real encodings of 4096 synthetic tokens (3
@@ -9,7 +10,10 @@ outlier key channels) tiled to T. Every variant with the default (whole-wave) sp
 and a few fixed split counts; B=1 also as CUDA graph replays (every config), the graph
 with a device-side valid_len (the decode-loop form), and the host time of an eager call.
 --quick: the default variant's configs only. HQMQ + Med3x: the CUDA variants with an
-outlier path (cuda_hqmq.MED3_VARIANTS) beside the Triton kernel.
+outlier path (cuda_hqmq.MED3_VARIANTS, or --med3-variants) beside the Triton kernel, and a
+MED3 line per shape: each one's best config against the best plain HQMQ row of the same
+shape (the 1.25x target). The prefetching variants (cuda_hqmq.PREFETCH_VARIANTS) run v2's /
+v3's kernel without outliers, so the plain sweep leaves them out unless --variants names them.
 """
 from __future__ import annotations
 
@@ -39,7 +43,10 @@ def main():
     ap.add_argument("--out", default="/tmp/hqmq_bench")
     ap.add_argument("--shapes", default="8x32768,1x32768")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--variants", default="", help="comma-separated HQMQ variants (default: all)")
+    ap.add_argument("--variants", default="", help="comma-separated HQMQ variants (default: all but the "
+                    "prefetching ones, whose plain kernel is v2's / v3's)")
+    ap.add_argument("--med3-variants", default="", help="comma-separated Med3x variants (default: "
+                    "cuda_hqmq.MED3_VARIANTS)")
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     t0 = time.time()
@@ -51,13 +58,15 @@ def main():
         pv = get_quantizer(spec, role="V", seed=3).encode(v)
         base[name] = (flatten(pk, "K"), flatten(pv, "V"))
     rows = []
-    variants = [cuda_hqmq.DEFAULT_VARIANT] if a.quick else list(range(cuda_hqmq.NUM_VARIANTS))
+    variants = [cuda_hqmq.DEFAULT_VARIANT] if a.quick else \
+        [vv for vv in range(cuda_hqmq.NUM_VARIANTS) if vv not in cuda_hqmq.PREFETCH_VARIANTS]
     if a.variants:
         variants = [int(x) for x in a.variants.split(",")]
+    med3_variants = [int(x) for x in a.med3_variants.split(",")] if a.med3_variants else list(cuda_hqmq.MED3_VARIANTS)
     regs = {vv: cuda_hqmq.num_regs(vv, 96) for vv in variants}
     occ = {vv: cuda_hqmq.occupancy(vv, 96) for vv in variants}
-    regs.update({f"med3/{vv}": cuda_hqmq.num_regs(vv, 96, True) for vv in cuda_hqmq.MED3_VARIANTS})
-    occ.update({f"med3/{vv}": cuda_hqmq.occupancy(vv, 96, True) for vv in cuda_hqmq.MED3_VARIANTS})
+    regs.update({f"med3/{vv}": cuda_hqmq.num_regs(vv, 96, True) for vv in med3_variants})
+    occ.update({f"med3/{vv}": cuda_hqmq.occupancy(vv, 96, True) for vv in med3_variants})
     copy = copy_bandwidth(dev)
     print("registers per variant:", regs, "CTAs/SM:", occ, f"copy {copy:.0f} GB/s", flush=True)
 
@@ -123,7 +132,8 @@ def main():
         add(B, T, "hqmq-med3-triton", bench(lambda: decode_attention(q, kf3, vf3, backend="triton")), sd,
             outliers_k=kf3.n_outliers, outliers_v=vf3.n_outliers)
         ref3 = decode_attention(q, kf3, vf3, backend="triton", out_dtype=torch.float32)
-        for vv in cuda_hqmq.MED3_VARIANTS:
+        med3_best = {}  # variant -> (us, cfg): graphs at B=1, eager at B=8 (as BEST above)
+        for vv in med3_variants:
             try:
                 err = f"{rel_err(cuda_hqmq.decode(q, kf3, vf3, variant=vv, out_dtype=torch.float32), ref3):.1e}"
             except (RuntimeError, ValueError) as e:
@@ -132,11 +142,18 @@ def main():
             for ns in SPLITS.get(B, (None,))[:2]:
                 cfg = dict(variant=vv, num_splits=ns)
                 nsplit = cuda_hqmq.splits(B * 8, T, dev, ns, None, vv, 96, True)[0]
-                add(B, T, "hqmq-med3-cuda", bench(lambda cfg=cfg: cuda_hqmq.decode(q, kf3, vf3, **cfg)), sd, cfg=cfg,
-                    nsplit=nsplit, err=err)
+                t = bench(lambda cfg=cfg: cuda_hqmq.decode(q, kf3, vf3, **cfg))
+                add(B, T, "hqmq-med3-cuda", t, sd, cfg=cfg, nsplit=nsplit, err=err)
                 if B == 1:
                     fn = graph_decode(lambda x, cfg=cfg: cuda_hqmq.decode(x, kf3, vf3, **cfg), q)
-                    add(B, T, "hqmq-med3-cuda-graph", bench(fn), sdg, cfg=cfg, nsplit=nsplit, err=err)
+                    t = bench(fn)
+                    add(B, T, "hqmq-med3-cuda-graph", t, sdg, cfg=cfg, nsplit=nsplit, err=err)
+                if vv not in med3_best or t < med3_best[vv][0]:
+                    med3_best[vv] = (t, cfg)
+        for vv, (t, cfg) in med3_best.items():
+            print(f"MED3 B={B} T={T}: variant {vv} best {t:.1f} us {cfg} = {t / best[0]:.3f}x the best HQMQ "
+                  f"({best[0]:.1f}; target <= 1.25){' (graphs)' if B == 1 else ''}", flush=True)
+            rows.append({"B": B, "T": T, "method": "med3-over-hqmq", "cfg": cfg, "us": t, "x_hqmq": t / best[0]})
         if B == 1:  # eager again at the end, with a workspace (the host quiet by now), twice
             for name, (fk_, fv_) in (("hqmq-cuda", (kf, vf)), ("hqmq-med3-cuda", (kf3, vf3))):
                 ws = cuda_hqmq.workspace(q, fk_)

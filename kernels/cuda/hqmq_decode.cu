@@ -1,5 +1,5 @@
 // Fused split-K decode attention over HQMQ caches (S secondaries with 12-bit codes,
-// r=4 uniform radius levels, head_dim 128; no Med3x outliers), CUDA C++ with mma.sync
+// r=4 uniform radius levels, head_dim 128; Med3x outliers: see below), CUDA C++ with mma.sync
 // from registers. Built at first use by kernels/cuda_hqmq.py (nvcc -> a shared library
 // called through ctypes). kernels/NOTES.md ("CUDA HQMQ decode") has the design and the
 // figures.
@@ -31,6 +31,9 @@
 //                                            into (t, t+1) pairs of one dim)
 // so per chunk: 2 address ops (SHF/LOP3), 1 LDS.64, 2 HMUL2 (+2 PRMT for V), and the
 // radius code (~1 per chunk); an HMMA per 2 chunks.
+//
+// Med3x caches (the OUT instances, see tile_step) add their fp16 outlier chunks by extra
+// mma; variants 9 and 10 (PF) stage each tile's outliers one tile ahead (out_meta).
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -136,8 +139,11 @@ __device__ __forceinline__ int tile_advance(int i) {
   else return NW * 16;
 }
 
-template <int NW, bool OUT>
-__device__ __forceinline__ void copy_tile(uint32_t st, CpCursor& cur, int T, bool on, int lane) {
+// PF (the Med3x variants that fetch the outliers one tile ahead): the stage of tile n carries
+// the flag words and block start of tile n + 1 instead of its own (on1: tile n + 1 is one of
+// the warp's), so they are in shared memory while tile n runs; tile 0's come from global memory.
+template <int NW, bool OUT, bool PF = false>
+__device__ __forceinline__ void copy_tile(uint32_t st, CpCursor& cur, int T, bool on, int lane, bool on1 = false) {
   const int STEP = tile_advance<NW, OUT>(cur.i);
   {
     const int i = lane;  // code chunk i: token i / 3
@@ -161,7 +167,12 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor& cur, int T, boo
     const bool ok = on && cur.m <= cur.mlast;
     cp_async<16>(st + (lane < 3 ? Stage::KM : Stage::VM) + 16 * (lane % 3), cur.m, ok);
   }
-  if constexpr (OUT) {
+  if constexpr (OUT && PF) {  // the next tile's flags and (at a block's first tile) outlier starts
+    const int t1 = cur.t0 + STEP, t = t1 + (lane & 15);
+    cp_async<4>(st + Stage::FL + 4 * lane, cur.frow + t, on1 && t < T);
+    if (((cur.i + 1) & 3) == 0 && (lane & 15) == 0)
+      cp_async<4>(st + Stage::OX + (lane >> 2), cur.irow + (t1 >> 6), on1);
+  } else if constexpr (OUT) {
     const int t = cur.t0 + (lane & 15);  // lanes 0..15: K flags of token lane, 16..31: V's
     cp_async<4>(st + Stage::FL + 4 * lane, cur.frow + t, on && t < T);
     if ((cur.i & 3) == 0 && (lane & 15) == 0)  // the block's outlier start, at its first tile
@@ -235,17 +246,151 @@ struct OutRows {
   const uint2* v;
 };
 
-template <bool OUT>
+// ---- PF: the outliers one tile ahead (variants 9, 10; NOTES.md "Med3x outliers one tile ahead")
+// While tile j runs, the warp already reads tile j+1's flag words (in tile j's stage, see
+// copy_tile), scans them, writes the tile's bookkeeping into its half of the warp's double
+// buffer and cp.asyncs tile j+1's whole outlier run there: its nK K items and then its nV V
+// items are consecutive in their lists, so lane l copies slots l, l + 32, ... (8 bytes each,
+// coalesced). Tile j+1 then reads its mma fragments from that buffer (LDS) right before the
+// outlier mma, once its copy group has landed (issued a whole tile earlier): the L2 latency
+// sits behind a tile, and no fragment or bookkeeping registers live across the quantized parts
+// (the direct path held 64 fragment registers). Only the k-steps (K) / chunk columns (V) with
+// an outlier in some lane of the tile get an mma. A tile of more than OCAP items is not copied:
+// it reads its fragments from global memory (as the direct path, without the prefetch).
+constexpr int OCAP = 128;  // items per buffer; call 17b's data: ~40 per tile (K only), the tests' ~80
+constexpr int OPL = OCAP / 32;  // item copies per lane
+struct PfBuf {  // one tile's half of a warp's double buffer
+  static constexpr int IT = 0;              // OCAP items (uint2)
+  static constexpr int WS = OCAP * 8;       // [32] {flag word, first slot} of token lane & 15, role lane >> 4
+  static constexpr int U = WS + 32 * 8;     // {k0, v0, mask, n}: list index of slot 0 (K, V), see out_meta
+  static constexpr int BYTES = U + 16;      // 1296
+};
+
+// Tile bookkeeping from its flag words fl (lane: token lane & 15 of role lane >> 4; 0 past T)
+// and the list positions runk / runv of its first K / V outlier (warp-uniform; advanced past
+// it), into buffer half pb (shared address pa); then the copies of its items (not committed).
+// Slots: K items at 0 .. nK-1, V items at nK .. nK+nV-1; u.mask bits 0..7: k-steps kk with a
+// K outlier in some lane (chunk 8c + kk), bits 8..11: V chunk columns jj (chunk 4g + jj).
+__device__ __forceinline__ void out_meta(uint32_t fl, int& runk, int& runv, const OutRows& orow, int lane,
+                                         uint8_t* pb, uint32_t pa) {
+  const int x = __popc(fl);
+  int inc = x;
+#pragma unroll
+  for (int d = 1; d < 16; d <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, inc, d, 16);
+    if ((lane & 15) >= d) inc += y;
+  }
+  const int nk = __shfl_sync(0xffffffffu, inc, 15), nv = __shfl_sync(0xffffffffu, inc, 31);
+  *reinterpret_cast<int2*>(pb + PfBuf::WS + 8 * lane) = make_int2((int)fl, inc - x + (lane >= 16 ? nk : 0));
+  const uint32_t mk = __reduce_or_sync(0xffffffffu, lane < 16 ? fl : 0u);
+  uint32_t mv = __reduce_or_sync(0xffffffffu, lane < 16 ? 0u : fl);
+  const uint32_t kk = mk | (mk >> 8) | (mk >> 16) | (mk >> 24);
+  mv |= mv >> 16;
+  mv |= mv >> 8;
+  mv |= mv >> 4;
+  const int n = nk + nv;
+  if (lane == 0)
+    *reinterpret_cast<int4*>(pb + PfBuf::U) = make_int4(runk, runv - nk, (int)((kk & 0xFFu) | ((mv & 0xFu) << 8)), n);
+  if (n <= OCAP) {
+    const uint2* kp = orow.k + runk;  // slot sl of K (sl < nk) / of V (nk <= sl < n): kp + sl / vp + sl
+    const uint2* vp = orow.v + (runv - nk);
+#pragma unroll
+    for (int i = 0; i < OPL; ++i) {
+      const int sl = lane + 32 * i;
+      if (32 * i < n) cp_async<8>(pa + PfBuf::IT + 8 * sl, (sl < nk ? kp : vp) + sl, sl < n);  // (uniform test)
+    }
+  }
+  runk += nk;
+  runv += nv;
+}
+
+// item of buffer slot sl (role K or V): from the buffer, or (G: the tile overflowed it) from
+// global memory at list index u.x + sl (K) / u.y + sl (V)
+template <bool G, bool K>
+__device__ __forceinline__ uint2 out_item(const uint8_t* pb, const int4& u, const OutRows& orow, int sl) {
+  if constexpr (G) return __ldg((K ? orow.k + u.x : orow.v + u.y) + sl);
+  else return *reinterpret_cast<const uint2*>(pb + PfBuf::IT + 8 * sl);
+}
+
+// scores (s[4] of tokens g, g+8) += qk * (the tile's K outliers) q
+template <bool G>
+__device__ __forceinline__ void out_scores(float (&s)[4], const uint8_t* pb, const int4& u, const OutRows& orow,
+                                           float qk, const uint32_t (&qb)[KS][2], int g, int c) {
+  uint32_t bits[2];
+  int sl[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int2 ws = *reinterpret_cast<const int2*>(pb + PfBuf::WS + 8 * (g + 8 * i));
+    const uint32_t fw = (uint32_t)ws.x;
+    sl[i] = ws.y + __popc(fw & ((1u << (8 * c)) - 1u));
+    bits[i] = (fw >> (8 * c)) & 0xFFu;
+  }
+  float so[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+    if (((uint32_t)u.z >> kk) & 1u) {  // warp-uniform
+      uint2 a[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        a[i] = make_uint2(0u, 0u);
+        if ((bits[i] >> kk) & 1u) a[i] = out_item<G, true>(pb, u, orow, sl[i] + __popc(bits[i] & ((1u << kk) - 1u)));
+      }
+      mma16816(so, a[0].x, a[1].x, a[0].y, a[1].y, qb[kk][0], qb[kk][1]);
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) s[e] += qk * so[e];
+}
+
+// O^T += (the tile's V outliers)^T P^T (qb0, qb1: P^T without r_max / 15); the lane's tokens
+// 2c, 2c+1, 2c+8, 2c+9, chunks 4g .. 4g+3
+template <bool G>
+__device__ __forceinline__ void out_values(float (&acc)[KS][4], const uint8_t* pb, const int4& u,
+                                           const OutRows& orow, int g, int c, uint32_t qb0, uint32_t qb1) {
+  uint32_t bits[4];
+  int sl[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int t = 2 * c + (j & 1) + 8 * (j >> 1);
+    const int2 ws = *reinterpret_cast<const int2*>(pb + PfBuf::WS + 8 * (16 + t));
+    const uint32_t fw = (uint32_t)ws.x;
+    sl[j] = ws.y + __popc(fw & ((1u << (4 * g)) - 1u));
+    bits[j] = (fw >> (4 * g)) & 0xFu;
+  }
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj) {
+    if (((uint32_t)u.z >> (8 + jj)) & 1u) {  // warp-uniform
+      uint2 vo[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        vo[j] = make_uint2(0u, 0u);
+        if ((bits[j] >> jj) & 1u) vo[j] = out_item<G, false>(pb, u, orow, sl[j] + __popc(bits[j] & ((1u << jj) - 1u)));
+      }
+      mma16816(acc[2 * jj], __byte_perm(vo[0].x, vo[1].x, 0x5410), __byte_perm(vo[0].x, vo[1].x, 0x7632),
+               __byte_perm(vo[2].x, vo[3].x, 0x5410), __byte_perm(vo[2].x, vo[3].x, 0x7632), qb0, qb1);
+      mma16816(acc[2 * jj + 1], __byte_perm(vo[0].y, vo[1].y, 0x5410), __byte_perm(vo[0].y, vo[1].y, 0x7632),
+               __byte_perm(vo[2].y, vo[3].y, 0x5410), __byte_perm(vo[2].y, vo[3].y, 0x7632), qb0, qb1);
+    }
+  }
+}
+
+// PF: the tile's outliers from its half pb of the warp's buffer (filled one tile ahead; its
+// item copies are the last group but two: the loop commits the stage of tile j + SMS - 1 and
+// tile j + 1's items after them)
+template <bool OUT, bool PF = false>
 __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab, const uint8_t* vtab, int moff_k,
                                           int moff_v, int t0, int T, float qk, const uint32_t (&qb)[KS][2],
                                           float (&acc)[KS][4], float (&m)[2], float (&l)[2], int g, int c,
-                                          int& run, bool block_start, const OutRows& orow) {
+                                          int& run, bool block_start, const OutRows& orow,
+                                          const uint8_t* pb = nullptr) {
   const int lane = 4 * g + c;
+  int4 u = make_int4(0, 0, 0, 0);  // PF: {k0, v0, mask, n} of the tile (warp-uniform)
+  if constexpr (OUT && PF) u = *reinterpret_cast<const int4*>(pb + PfBuf::U);
   // ---- Med3x: flags, offsets, the K outliers' loads
   uint32_t myw = 0, outb = 0;
   int pre_l = 0;
   uint2 ko[2][8];
-  if constexpr (OUT) {
+  if constexpr (OUT && !PF) {
     myw = *reinterpret_cast<const uint32_t*>(st + Stage::FL + 4 * lane);  // K token lane / V token lane - 16
     const int x = __popc(myw);
     int inc = x;
@@ -322,7 +467,16 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
   }
   s[0] *= qk * rk[0]; s[1] *= qk * rk[0]; s[2] *= qk * rk[1]; s[3] *= qk * rk[1];
   uint2 vo[4][4];
-  if constexpr (OUT) {
+  if constexpr (OUT && PF) {
+    if (u.z) {  // the tile's item copies have landed (each lane's), and every lane's are visible
+      cp_wait<2>();
+      __syncwarp();
+    }
+    if (u.z & 0xFF) {  // the K outliers' scores, unscaled by r_max
+      if (u.w > OCAP) out_scores<true>(s, pb, u, orow, qk, qb, g, c);
+      else out_scores<false>(s, pb, u, orow, qk, qb, g, c);
+    }
+  } else if constexpr (OUT) {
     if (outb & 0xFFFFu) {  // the K outliers' scores, unscaled by r_max
       float so[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -401,7 +555,13 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
              u32(__hmul2(h2(__byte_perm(c8.y, c9.y, 0x5410)), r89)),
              u32(__hmul2(h2(__byte_perm(c8.y, c9.y, 0x7632)), r89)), pb0, pb1);
   }
-  if constexpr (OUT) {
+  if constexpr (OUT && PF) {
+    if (u.z >> 8) {  // the V outliers, weighted by P without r_max / 15
+      const uint32_t qb0 = movtrans(pack_half2(p0, p1)), qb1 = movtrans(pack_half2(p2, p3));
+      if (u.w > OCAP) out_values<true>(acc, pb, u, orow, g, c, qb0, qb1);
+      else out_values<false>(acc, pb, u, orow, g, c, qb0, qb1);
+    }
+  } else if constexpr (OUT) {
     if (outb >> 16) {  // the V outliers, weighted by P without r_max / 15
       const uint32_t qb0 = movtrans(pack_half2(p0, p1)), qb1 = movtrans(pack_half2(p2, p3));
 #pragma unroll
@@ -417,9 +577,9 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
   }
 }
 
-template <int NW, int SMS, int TABB, bool OUT>
+template <int NW, int SMS, int TABB, bool OUT, bool PF = false>
 constexpr int dyn_smem() {
-  constexpr int body = 2 * TABB + SMS * NW * STAGE_BYTES<OUT>;
+  constexpr int body = 2 * TABB + SMS * NW * STAGE_BYTES<OUT> + (OUT && PF ? NW * 2 * PfBuf::BYTES : 0);
   constexpr int red = NW * 8 * D * 4;
   return body > red ? body : red;
 }
@@ -427,7 +587,8 @@ constexpr int dyn_smem() {
 // TABB: bytes reserved per codebook (>= 192 S): the V table sits at a compile-time offset,
 // so both gathers are [reg + immediate] LDS.64.
 // OUT: Med3x (flags and outlier lists in Params; a split starts on a 64-token block).
-template <int NW, int SMS, int TABB, int MINB, bool OUT>
+// PF (with OUT): the outliers one tile ahead, through a per-warp double buffer after the stages.
+template <int NW, int SMS, int TABB, int MINB, bool OUT, bool PF = false>
 __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params p) {
   constexpr int SB = STAGE_BYTES<OUT>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -470,6 +631,18 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     cur.m = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(mine) & ~uintptr_t(15)) + 16 * (lane % 3);
     cur.mlast = reinterpret_cast<const uint8_t*>(lane < 3 ? p.km + bh * p.k_ms + (T - 1) : p.vm + bh * p.v_ms + (T - 1));
   }
+  // PF: tile 0's flag words and block starts straight from global memory (the stages carry
+  // the next tile's), issued now so they land behind the table copy
+  uint32_t fl0 = 0;
+  int runk = 0, runv = 0;  // PF: list position of the next tile's first K / V outlier
+  if constexpr (OUT && PF) {
+    const int t = cur.t0 + (lane & 15);
+    if (t < T) fl0 = __ldg(cur.frow + t);
+    if (cur.t0 < T) {
+      runk = __ldg(p.ki + bh * p.k_is + (cur.t0 >> 6));
+      runv = __ldg(p.vi + bh * p.v_is + (cur.t0 >> 6));
+    }
+  }
   // The kv head's two codebooks: cp.async, every thread's 16-byte pieces in flight at once
   // (one group, committed before the stage prologue, so the loop's first wait covers it).
   // GPU run 16 copied them through registers (__ldg + store, a few loads in flight per
@@ -496,7 +669,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   }
 #pragma unroll
   for (int i = 0; i < SMS - 1; ++i) {
-    copy_tile<NW, OUT>(wsa + i * SB, cur, T, i < ntile, lane);
+    copy_tile<NW, OUT, PF>(wsa + i * SB, cur, T, i < ntile, lane, i + 1 < ntile);
     cp_commit();
   }
   int run = 0;  // Med3x: outliers of this lane's role before the current tile, in its block
@@ -518,19 +691,46 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
 #pragma unroll
   for (int i = 0; i < KS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-  cp_wait<SMS - 1>();  // this thread's table pieces (the oldest group) have landed
+  // PF: tile 0's bookkeeping and item copies into buffer half 0 (fl0 is 0 for a warp without
+  // tiles: nothing to copy); its own group, after the prologue's stages
+  uint8_t* pfb = stages + NW * SMS * SB + warp * 2 * PfBuf::BYTES;
+  const uint32_t pfa = smem_u32(pfb);
+  if constexpr (OUT && PF) {
+    out_meta(fl0, runk, runv, orow, lane, pfb, pfa);
+    cp_commit();
+    cp_wait<SMS>();  // the tables (the oldest group) have landed
+  } else {
+    cp_wait<SMS - 1>();  // this thread's table pieces (the oldest group) have landed
+  }
   __syncthreads();     // and every thread's: the tables are in
 
   int rd = 0, wr = SMS - 1;
   for (int j = 0; j < ntile; ++j) {
     __syncwarp();
-    copy_tile<NW, OUT>(wsa + wr * SB, cur, T, j + SMS - 1 < ntile, lane);
+    copy_tile<NW, OUT, PF>(wsa + wr * SB, cur, T, j + SMS - 1 < ntile, lane, j + SMS < ntile);
     cp_commit();
-    cp_wait<SMS - 1>();
-    __syncwarp();
+    if constexpr (OUT && PF) {
+      // stage j: groups since it = tile j-1's items?, then per tile (stage, items) and the stage
+      // just committed; SMS for j = 0 (the prologue's stages, tile 0's items), 2 SMS - 2 later
+      cp_wait<SMS>();
+      __syncwarp();
+      // tile j+1's bookkeeping and item copies into the other half: its flags are in stage j
+      const uint8_t* st = wsm + rd * SB;
+      if (((j + 1) & 3) == 0) {  // it starts a block
+        runk = *reinterpret_cast<const int*>(st + Stage::OX);
+        runv = *reinterpret_cast<const int*>(st + Stage::OX + 4);
+      }
+      const int nb = ((j + 1) & 1) * PfBuf::BYTES;
+      out_meta(*reinterpret_cast<const uint32_t*>(st + Stage::FL + 4 * lane), runk, runv, orow, lane, pfb + nb,
+               pfa + nb);
+      cp_commit();
+    } else {
+      cp_wait<SMS - 1>();
+      __syncwarp();
+    }
     const int tile = OUT ? first + 4 * (warp + NW * (j >> 2)) + (j & 3) : first + warp + j * NW;
-    tile_step<OUT>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16, T, p.qk_scale, qb, acc, m, l, g, c, run,
-                   (j & 3) == 0, orow);
+    tile_step<OUT, PF>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16, T, p.qk_scale, qb, acc, m, l, g, c, run,
+                       (j & 3) == 0, orow, pfb + (j & 1) * PfBuf::BYTES);
     rd = rd == SMS - 1 ? 0 : rd + 1;
     wr = wr == SMS - 1 ? 0 : wr + 1;
   }
@@ -598,9 +798,12 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
 // for the latency of the bank-conflicted gathers: 2 CTAs of 8 warps with 4 stages (v3 has
 // 2), 4 CTAs of 4 warps with 2, one CTA of 16 warps with 4 or 5 (one copy of the tables
 // per SM). 20 warps (102 registers) spilled 60 bytes offline: not taken.
+// 9, 10 (2026-12-02, for Med3x): v2's and v3's shapes with the outliers one tile ahead (PF);
+// their instance without outliers is v2's / v3's kernel itself.
 constexpr int VARIANTS[][3] = {{4, 4, 3}, {8, 4, 1}, {4, 3, 3}, {8, 2, 2}, {4, 6, 1},
-                               {8, 4, 2}, {4, 2, 4}, {16, 4, 1}, {16, 5, 1}};
-constexpr int NVARIANTS = 9;
+                               {8, 4, 2}, {4, 2, 4}, {16, 4, 1}, {16, 5, 1}, {4, 3, 3}, {8, 2, 2}};
+constexpr int NVARIANTS = 11;
+constexpr bool PREFETCH[NVARIANTS] = {false, false, false, false, false, false, false, false, false, true, true};
 constexpr int TAB_SMALL = 192 * 96;   // S <= 96
 constexpr int TAB_LARGE = 192 * 170;  // S <= 170 (fill=true at 12 bits)
 static_assert(TAB_SMALL % 16 == 0, "table alignment");
@@ -608,15 +811,18 @@ static_assert(TAB_SMALL % 16 == 0, "table alignment");
 // Variants with a Med3x (OUT) instance: the outlier fragments take ~44 more registers (164
 // for v0 / v2 under their 168 cap, no spills offline); the 128-register variants (v3, v6)
 // spilled 108 bytes, so they have none and are refused for Med3x caches.
-constexpr bool OUT_OK[NVARIANTS] = {true, false, true, false, false, false, false, false, false};
+// 9 and 10 (PF) hold no fragments across the quantized parts: see NOTES.md ("Med3x outliers one
+// tile ahead") for their registers.
+constexpr bool OUT_OK[NVARIANTS] = {true, false, true, false, false, false, false, false, false, true, true};
 
 template <int V, int TABB, bool OUT>
 constexpr int smem_of() {
-  return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, OUT>();
+  return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, OUT, OUT && PREFETCH[V]>();
 }
 template <int V, int TABB, bool OUT>
 constexpr auto kernel_of() {
-  return hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, VARIANTS[V][2], OUT>;
+  return hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, VARIANTS[V][2], OUT,
+                           OUT && PREFETCH[V]>;
 }
 
 // The dynamic shared-memory opt-in, once per instance (also before an occupancy query).
@@ -666,6 +872,8 @@ int act_t(int variant, What what, const Params* p, int rows, cudaStream_t s) {
     case 6: return act<6, TABB, OUT>(what, p, rows, s);
     case 7: return act<7, TABB, OUT>(what, p, rows, s);
     case 8: return act<8, TABB, OUT>(what, p, rows, s);
+    case 9: return act<9, TABB, OUT>(what, p, rows, s);
+    case 10: return act<10, TABB, OUT>(what, p, rows, s);
     default: return act<0, TABB, OUT>(what, p, rows, s);
   }
 }

@@ -359,11 +359,17 @@ def test_kivi_windows_of_k_and_v_differ(bits, T):
 @needs_cuda
 @pytest.mark.parametrize("spec", KIVI_SPECS)
 def test_kivi_splits_and_variants(spec):
-    """Every KIVI variant (group and tile streams) and split count gives the reference;
-    the register variants are refused."""
+    """Every KIVI variant (group and tile streams, the fused group step 7-9 and 10-12) and
+    split count (None: the default rule) gives the reference; the register variants are
+    refused."""
+    failed = []  # every variant and split count runs (one GPU call must show all that fail)
     for variant in cuda_decode.KIVI_VARIANTS:
         for ns in (1, 3, None, 10_000):
-            check_kivi(spec, 2, 8, 2, 1500, torch.float16, seed=variant, variant=variant, num_splits=ns)
+            try:
+                check_kivi(spec, 2, 8, 2, 1500, torch.float16, seed=variant, variant=variant, num_splits=ns)
+            except AssertionError as e:
+                failed.append(f"variant {variant} splits {ns}: {str(e).splitlines()[0]}")
+    assert not failed, "\n".join(failed)
     q = torch.zeros(1, 8, 1, 128, device=DEV).half()
     _, pk, _, pv = build(spec, make(1, 2, 64, 128, 0), make(1, 2, 64, 128, 1))
     with pytest.raises(ValueError, match="variants"):
@@ -436,6 +442,32 @@ def test_T_131072(spec, T):
         check_kivi(spec, 1, 32, 8, T, torch.float16, seed=6)
     else:
         check(spec, 1, 32, 8, T, 128, torch.float16, seed=6)
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", KIVI_SPECS)
+def test_kivi_variants_at_default_splits_131072(spec):
+    """Every KIVI variant (7-9 fused, 10-12 prepared offline: folded zero point, KIVI-2
+    lane-byte map) at the default split rule -- ~128 tiles per split, 16 groups per warp, as
+    at B=8 T=32k -- and at 8 CTAs per SM, T = 131072, against one reference."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    B, Hq, Hkv, T, D = 1, 32, 8, 131072, 128
+    k, v = make(B, Hkv, T, D, 8), make(B, Hkv, T, D, 9, outlier=False)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(10)).half().to(DEV)
+    qk, pk, qv, pv = build(spec, k, v)
+    kf, vf = L.flatten(pk, "K"), L.flatten(pv, "V")
+    ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
+    del k, v
+    _, (_, per), _ = cuda_decode.kivi_plan(kf, vf, DEV)
+    assert per >= 64  # the default rule's long splits (128 tiles on an H200), not the 2-CTAs/SM floor
+    errs = {}
+    for variant in cuda_decode.KIVI_VARIANTS:
+        for kw in ({}, {"ctas_per_sm": 8}):
+            out = attend(q, kf, vf, variant=variant, **kw)
+            errs[(variant, kw.get("ctas_per_sm"))] = rel_err(out, ref) if torch.isfinite(out).all() else float("inf")
+    bad = {key: e for key, e in errs.items() if not e < TOL[torch.float16]}
+    assert not bad, f"{spec}: (variant, ctas_per_sm) -> relative error {bad}; all: {errs}"
 
 
 def _kivi_flats(spec, T, D=128, B=1, H=2, kspec=None):

@@ -84,6 +84,12 @@ def test_fill_S170_and_codebook_tables():
     check(1, 8, 2, 999, seed=6, flat_kw={"mode": "codebook", "dtype": torch.float32})
 
 
+def med3_variants():
+    """The Med3x tests' variants: the default one (None) and every prefetching one
+    (cuda_hqmq.PREFETCH_VARIANTS, not the default yet)."""
+    return (None,) + tuple(cuda_hqmq.PREFETCH_VARIANTS)
+
+
 def _with_capacity(flat, extra, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = dataclasses.replace(flat, **{n: with_junk(getattr(flat, n), extra, g) for n in ("codes", "radius", "r_max")})
@@ -114,11 +120,12 @@ def test_capacity_beyond_valid_length(T, view, spec):
         kf = dataclasses.replace(kf, **{n: getattr(kf, n)[:, :, : T + 101] for n in names})
         vf = dataclasses.replace(vf, **{n: getattr(vf, n)[:, :, : T + 101] for n in names})
         assert not kf.codes.is_contiguous()
-    for ns in (None, 3):
-        out = attend(q, kf, vf, num_splits=ns)
-        ref = reference_decode_attention(q, kd, vd)
-        assert torch.isfinite(out).all()
-        assert rel_err(out, ref) < TOL[torch.float16]
+    ref = reference_decode_attention(q, kd, vd)
+    for variant in med3_variants() if spec == MED3 else (None,):
+        for ns in (None, 3):
+            out = attend(q, kf, vf, num_splits=ns, variant=variant)
+            assert torch.isfinite(out).all()
+            assert rel_err(out, ref) < TOL[torch.float16], f"variant {variant} splits {ns}"
 
 
 @needs_cuda
@@ -181,12 +188,14 @@ def test_cuda_graph_replay():
 @pytest.mark.parametrize("T", [1, 33, 1000, 4099])
 @pytest.mark.parametrize("B,dtype", [(1, torch.float16), (3, torch.bfloat16)])
 def test_med3_matches_reference(T, B, dtype):
-    check(B, 32, 8, T, dtype, seed=T, spec=MED3)
+    for variant in med3_variants():  # one encoding (cached)
+        check(B, 32, 8, T, dtype, seed=T, spec=MED3, variant=variant)
 
 
 @needs_cuda
 def test_med3_fp32_q():
-    check(2, 32, 8, 100, torch.float32, seed=100, spec=MED3)
+    for variant in med3_variants():
+        check(2, 32, 8, 100, torch.float32, seed=100, spec=MED3, variant=variant)
 
 
 @needs_cuda
@@ -197,7 +206,8 @@ def test_med3_variants_splits_gqa():
         for ns in (1, 3, None, 10_000):
             check(2, 8, 2, 1500, seed=2, spec=MED3, variant=variant, num_splits=ns)
     for gqa in (1, 8):
-        check(2, 2 * gqa, 2, 777, seed=3, spec=MED3)
+        for variant in med3_variants():
+            check(2, 2 * gqa, 2, 777, seed=3, spec=MED3, variant=variant)
     fk, fv, _, _ = encoded(2, 2, 1500, 2, MED3)
     bad = next(v for v in range(cuda_hqmq.NUM_VARIANTS) if v not in cuda_hqmq.MED3_VARIANTS)
     with pytest.raises(ValueError, match="Med3x"):
@@ -214,17 +224,67 @@ def test_med3_long_context():
     kd, vd = kd.repeat(1, 1, 32, 1), vd.repeat(1, 1, 32, 1)
     q = query(1, 32, 34)
     for T in (131072, 131069):
-        out = attend(q, dataclasses.replace(kf, T=T), dataclasses.replace(vf, T=T))
-        err = rel_err(out, reference_decode_attention(q, kd[:, :, :T], vd[:, :, :T]))
-        assert err < TOL[torch.float16], f"T={T}: relative error {err:.3g}"
+        ref = reference_decode_attention(q, kd[:, :, :T], vd[:, :, :T])
+        for variant in med3_variants():
+            out = attend(q, dataclasses.replace(kf, T=T), dataclasses.replace(vf, T=T), variant=variant)
+            err = rel_err(out, ref)
+            assert err < TOL[torch.float16], f"T={T} variant {variant}: relative error {err:.3g}"
 
 
 @needs_cuda
 @pytest.mark.parametrize("role", ["K", "V"])
 def test_med3_last_token_matters(role):
     """The last token made an outlier everywhere (x 40): the output follows the reference."""
-    check_last_token(lambda q, k, v: checked_call(MED3, q, k, v, num_splits=3)[:2], role, 4099, v_outlier=True,
-                     v_gain=-40.0)
+    for variant in med3_variants():
+        def run(q, k, v, variant=variant):
+            return checked_call(MED3, q, k, v, num_splits=3, variant=variant)[:2]
+
+        check_last_token(run, role, 4099, v_outlier=True, v_gain=-40.0)
+
+
+def _dense_outliers(B, Hkv, T, seed, lo, hi):
+    """make()'s cache with 9 more large channels (x 25, one per 4-dim chunk 2, 5, .., 26)
+    on tokens lo .. hi-1 only: there a 16-token tile holds > 128 outlier chunks of K and V
+    together (the prefetch buffer's OCAP: those tiles read their outliers from global
+    memory), elsewhere ~80 (from the buffer), and tiles straddling lo / hi mix both."""
+    x = make(B, Hkv, T, 128, seed).float()
+    for c in range(9):
+        x[:, :, lo:hi, 4 * (3 * c + 2) + 1] *= 25.0
+    return x.half()
+
+
+def _outliers_per_tile(f, T):
+    """Outlier chunks per whole 16-token tile of a Med3x flat: [B, H, T // 16]."""
+    fl = f.flags[:, :, : T // 16 * 16].long()
+    n = sum(((fl >> b) & 1).sum(-1) for b in range(8))  # 4 flag bytes per token
+    return n.reshape(n.shape[0], n.shape[1], -1, 16).sum(-1)
+
+
+@needs_cuda
+def test_med3_prefetch_overflow_and_agreement():
+    """Dense outliers on part of the cache (tiles over and under the prefetch buffer's
+    capacity, in K and V): every Med3x variant follows the reference, at several split
+    counts and a partial last tile; the prefetching variants give what the direct path
+    does on the same split (v9 has v2's shape: same splits, same tile order)."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    B, Hq, Hkv, T = 2, 16, 4, 1237
+    k, v = _dense_outliers(B, Hkv, T, 51, 200, 700), _dense_outliers(B, Hkv, T, 52, 450, 1000)
+    qk, pk, qv, pv = build(MED3, k, v)
+    fk, fv = L.flatten(pk, "K"), L.flatten(pv, "V")
+    both = _outliers_per_tile(fk, T) + _outliers_per_tile(fv, T)
+    assert (both > 128).any() and (both <= 128).any()  # the data has both kinds of tile
+    q = query(B, Hq, 53)
+    ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
+    for variant in cuda_hqmq.MED3_VARIANTS:
+        for ns in (1, 3, None):
+            out = attend(q, fk, fv, num_splits=ns, variant=variant)
+            assert torch.isfinite(out).all()
+            err = rel_err(out, ref)
+            assert err < TOL[torch.float16], f"variant {variant} splits {ns}: relative error {err:.3g}"
+    for ns in (1, 3):
+        direct = attend(q, fk, fv, num_splits=ns, variant=2)
+        assert rel_err(attend(q, fk, fv, num_splits=ns, variant=9), direct) < 1e-5, f"splits {ns}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -259,14 +319,16 @@ def test_valid_len_below_capacity(ns, spec):
     cap = 2077
     fk, fv, kd, vd = encoded(2, 8, cap, 43, spec)
     q = query(2, 32, 44)
-    for n in (1, 15, 16, 17, 200, 1000, cap - 1):
-        out = cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32, valid_len=_vl(n))
-        ref = reference_decode_attention(q, kd[:, :, :n], vd[:, :, :n])
-        assert torch.isfinite(out).all(), f"n={n}"
-        err = rel_err(out, ref)
-        assert err < TOL[torch.float16], f"n={n} splits={ns}: relative error {err:.3g}"
-    out = cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32, valid_len=_vl(0))
-    assert torch.equal(out, torch.zeros_like(out))
+    for variant in med3_variants() if spec == MED3 else (None,):
+        for n in (1, 15, 16, 17, 200, 1000, cap - 1):
+            out = cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32, valid_len=_vl(n),
+                                   variant=variant)
+            ref = reference_decode_attention(q, kd[:, :, :n], vd[:, :, :n])
+            assert torch.isfinite(out).all(), f"n={n} variant {variant}"
+            err = rel_err(out, ref)
+            assert err < TOL[torch.float16], f"n={n} splits={ns} variant {variant}: relative error {err:.3g}"
+        out = cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32, valid_len=_vl(0), variant=variant)
+        assert torch.equal(out, torch.zeros_like(out))
 
 
 @needs_cuda
