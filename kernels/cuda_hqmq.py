@@ -68,11 +68,13 @@ AUTO = True
 # test_cuda_hqmq.py and test_graph_step.py passed (226 passed, 1 skipped, 0 failed; Med3x
 # matches, last K / V token, T = 4099 with one head, capacity garbage, valid_len), so
 # backend="auto" now routes Med3x caches here: 5.5x faster than Triton at B=8 T=32k.
-# 9, 10: the prefetching Med3x instances (offline 2026-12-02: 143 registers / 3 CTAs per SM and
-# 128 / 2 x 8 warps, no spills), not yet run on a GPU: the default stays 0 until they are
-# verified and timed.
+# 9, 10: the prefetching Med3x instances (2026-12-02: 143 registers / 3 CTAs per SM and
+# 128 / 2 x 8 warps, no spills). GPU call 20a (same-run SDPA 252.2 us, HQMQ v3 156.0), B=8
+# T=32k at the default splits: v0 210.9 us (1.35x HQMQ), v2 210.4, v9 195.1 (1.25x), v10
+# 188.5 (1.21x); B=1 graphs v0 44.2, v9 40.2, v10 38.5 us (1.16x HQMQ's 33.2). v10 is the
+# default since call 20c passed the Med3x tests with it (kernels/NOTES.md).
 MED3_VARIANTS = (0, 2, 9, 10)
-DEFAULT_VARIANT_MED3 = 0
+DEFAULT_VARIANT_MED3 = 10
 AUTO_MED3 = True
 _QK_SCALE = 1.4426950408889634 / math.sqrt(128)  # log2(e) / sqrt(d): the base-2 softmax scale, d = 128
 
@@ -144,7 +146,7 @@ def _flat_reason(f) -> str | None:
         if not (fl.is_cuda and ol.is_cuda and ix.is_cuda):
             return "Med3x buffers not on a CUDA device"
         try:
-            fs, os_, is_ = bh_stride(fl, "flags"), bh_stride(ol, "outliers"), bh_stride(ix, "outlier_index")
+            fs, os_, _ = bh_stride(fl, "flags"), bh_stride(ol, "outliers"), bh_stride(ix, "outlier_index")
         except ValueError as e:
             return str(e)
         if fl.data_ptr() % 4 or fs % 4 or ol.data_ptr() % 8 or os_ % 4 or ix.data_ptr() % 4:

@@ -88,7 +88,7 @@ def main():
         if B == 1:
             sdg = bench(graph_decode(lambda x: sdpa(), q))
             add(B, T, "fp16-sdpa-graph", sdg, sdg)
-        del kf16, vf16
+        kf16 = vf16 = None  # free the shape's caches (the timing lambdas are done with them)
         kf, vf = (f.tile(B // f.B, T // f.T) for f in base["hqmq"])
         ref = decode_attention(q, kf, vf, backend="triton", out_dtype=torch.float32)
         add(B, T, "hqmq-triton", bench(lambda: decode_attention(q, kf, vf, backend="triton")), sd)
@@ -161,7 +161,7 @@ def main():
                     add(B, T, f"{name}-eager-default",
                         bench(lambda fk_=fk_, fv_=fv_, ws=ws: cuda_hqmq.decode(q, fk_, fv_, workspace=ws)), sd,
                         cfg=f"default, workspace, repeat {rep_}")
-        del kf3, vf3, kf, vf
+        kf3 = vf3 = kf = vf = None  # as above
         torch.cuda.empty_cache()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,6 @@ command exits with EXIT_PARTIAL after writing the report.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -121,8 +120,6 @@ def validate(args) -> dict:
                              ("--seeds", args.seeds, 1), ("--batch-size", args.batch_size, 1)):
         if value < low:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
-    if getattr(args, "warmup_workers", None) is not None and args.warmup_workers < 0:
-        raise UsageError(f"--warmup-workers must be >= 0, got {args.warmup_workers}")
     if args.lm_eval_limit is not None and args.lm_eval_limit < 1:
         raise UsageError(f"--lm-eval-limit must be >= 1, got {args.lm_eval_limit}")
     if args.specs is None:
@@ -203,7 +200,7 @@ def run_compare(args) -> int:
     from ..harness.corpora import special_prefix, tokenize_text, load_corpus, token_windows, window_starts
     from ..harness.models import load_model
     from ..harness.perplexity import batch_rows, ppl_prefill_then_decode, ppl_quantize_on_write
-    from . import distributed, warmup
+    from . import distributed
 
     plan = validate(args)
     specs, protocols, device = plan["specs"], plan["protocols"], plan["device"]
@@ -283,16 +280,22 @@ def run_compare(args) -> int:
             run.data["meta"]["distributed"]["scoring"] = distributed.score_rounds(
                 ranks, todo, rows_of, len(windows), measure_unit, on_record)
             run.save()
-        warm = contextlib.nullcontext()
-        if ranks is None and todo:  # compile the GPU kernels of what is to come in parallel
-            pending = list(dict.fromkeys(s for _, s, _ in todo))
-            rows = {(p, s): batch_rows(model, s, windows, args.batch_size,
-                                       plan["lengths"][p] if p == "quantize-on-write" else 1)
-                    for p in protocols for s in pending}
-            warm = warmup.start(args, model, device, pending, protocols, rows, plan["lengths"],
-                                run.folder) or warm
-        with warm:
-            _score(todo if ranks is None else [], measure, on_record, bar, args.debug)
+        for protocol, spec, seed in todo if ranks is None else []:
+            bar.set_postfix_str(f"{protocol} {spec} seed={seed}")
+            seen = [0]  # windows of this configuration already on the bar
+
+            def step(done, total, seen=seen):  # called once per batch of windows, `done` so far
+                bar.update(done - seen[0])
+                seen[0] = done
+            try:
+                r = measure(protocol, spec, seed, progress=step)
+            except Exception as e:  # keep what is measured; record the failure
+                if args.debug:
+                    import traceback
+
+                    traceback.print_exc()
+                r = {"protocol": protocol, "spec": spec, "seed": seed, "error": f"{type(e).__name__}: {e}"}
+            on_record((protocol, spec, seed), r, windows_done=0)  # the bar moved window by window
         bar.close()
         if args.lm_eval:
             _lm_eval_scores(args, run, model, tok, specs, protocols[0], plan["lm_eval_metadata"])
@@ -305,26 +308,6 @@ def run_compare(args) -> int:
             print(f"  {line}", file=sys.stderr)
         return EXIT_PARTIAL
     return 0
-
-
-def _score(todo, measure, on_record, bar, debug: bool) -> None:
-    """The configurations one after another, each recorded as it finishes (a failure too)."""
-    for protocol, spec, seed in todo:
-        bar.set_postfix_str(f"{protocol} {spec} seed={seed}")
-        seen = [0]  # windows of this configuration already on the bar
-
-        def step(done, total, seen=seen):  # called once per batch of windows, `done` so far
-            bar.update(done - seen[0])
-            seen[0] = done
-        try:
-            r = measure(protocol, spec, seed, progress=step)
-        except Exception as e:  # keep what is measured; record the failure
-            if debug:
-                import traceback
-
-                traceback.print_exc()
-            r = {"protocol": protocol, "spec": spec, "seed": seed, "error": f"{type(e).__name__}: {e}"}
-        on_record((protocol, spec, seed), r, windows_done=0)  # the bar moved window by window
 
 
 def _lm_eval_scores(args, run, model, tok, specs, protocol, meta_le) -> None:
@@ -370,9 +353,6 @@ def add_arguments(sub, parents=()) -> None:
     p.add_argument("--device-map", default=None, choices=["auto", "none"],
                    help="auto: spread the model over the node's GPUs (accelerate; then one rank per node under "
                         "torchrun); default: auto when a local model folder exceeds 3/4 of one GPU")
-    p.add_argument("--warmup-workers", type=int, default=None, metavar="N",
-                   help="on a GPU: processes that compile the kernels of the configurations to come on a one-layer "
-                        "copy of the model while the rows run (default: up to 8, by cores and free GPU memory; 0: off)")
     p.add_argument("--fresh", action="store_true", help="discard earlier results of this run")
     p.add_argument("--verify", action="store_true",
                    help="hash every file of the cached model, not only those whose size or mtime changed")

@@ -53,7 +53,6 @@ BAD_USAGE = [
     (["--decode-tokens", "-4"], "--decode-tokens must be >= 1"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--lm-eval-limit", "0"], "--lm-eval-limit must be >= 1"),
-    (["--warmup-workers", "-1"], "--warmup-workers must be >= 0"),
     (["--lm-eval-metadata", "notjson"], "--lm-eval-metadata is not JSON"),
     (["--lm-eval-metadata", "[1, 2]"], "must be a JSON object"),
     (["--model", "no-such-model"], "--model"),
