@@ -508,8 +508,8 @@ def hqmq_tokens(x, flat, S: int, rel, t0: int, err, *, C: float = 3.0, med3: boo
 # deferred input errors
 # ---------------------------------------------------------------------------------------
 class StepErrors:
-    """The error flags the step kernels of one layer raise: int32 `[2 roles, 3]` on the
-    device, per role (error bits, first bad token, bad values). `poll()` looks without a
+    """The error flags the step kernels of one layer raise: int32 `[2 roles, 4]` on the
+    device, per role (error bits, first bad token, bad values, unused). `poll()` looks without a
     host sync (a CPU tensor is read in place; on CUDA every POLL_EVERY-th call an
     asynchronous copy to pinned memory, read by a later poll once its event has
     completed); `check()` reads it now (a sync)."""
@@ -517,11 +517,14 @@ class StepErrors:
     POLL_EVERY = 16
 
     def __init__(self, device: torch.device):
-        self.flags = torch.zeros(2, 3, dtype=torch.int32, device=device)
+        # rows of 4 (the 4th unused): each role's row starts 16-byte aligned, as Triton
+        # specialises pointers by alignment; with rows of 3 the V row (offset 12 B) made
+        # every step kernel compile twice, once per role
+        self.flags = torch.zeros(2, 4, dtype=torch.int32, device=device)
         self.flags[:, 1] = NO_TOKEN
         self.rows = (self.flags[0], self.flags[1])
         self.cuda = self.flags.is_cuda
-        self.host = torch.zeros(2, 3, dtype=torch.int32, pin_memory=True) if self.cuda else self.flags
+        self.host = torch.zeros(2, 4, dtype=torch.int32, pin_memory=True) if self.cuda else self.flags
         self.host_np = self.host.numpy()  # a view: reading it is no torch op and no sync
         self.event = None
         self.calls = 0
@@ -541,7 +544,7 @@ class StepErrors:
 
     def check(self, layer: int) -> None:
         """Raise the input error a step kernel found (a host sync on CUDA)."""
-        for role, (bits, tok, n_bad) in zip(("K", "V"), self.flags.tolist()):
+        for role, (bits, tok, n_bad, _) in zip(("K", "V"), self.flags.tolist()):
             if not bits:
                 continue
             where = (f"layer {layer} {role}: a decode-step write (token {tok}, encoded on the device; "
