@@ -88,7 +88,7 @@ KIVI_VARIANTS = (2, 3, 4, 5, 6, 7, 8, 9, 12)
 # v4 109.1 us, v8 102.4, v11 99.9 (folded zero point: 3.6e-3 relative error at T=131072, over
 # the 3e-3 the tests allow), v12 100.2 (2.52x; lane-byte K layout, v8's decode: 9.7e-6, the
 # same numerics); KIVI-4 v4 120.6, v12 115.6 (2.18x). B=1: v12 30.0 / 34.5 us (v4 30.8 / 34.6).
-# So 12 for both widths; 10 and 11 stay selectable (the fold fails the T=131072 test).
+# So 12 for both widths (10 and 11 are refused: KIVI_VARIANTS above).
 DEFAULT_VARIANT = {0: 2, 1: 2, 2: 2, "kivi": 12}
 # Default split count (ctas_per_sm=None): about TILES_PER_SPLIT 16-token tiles per split,
 # but at least MIN_CTAS_PER_SM CTAs per SM. Run 15's optima were ~62 tiles per split at

@@ -85,9 +85,10 @@ def test_fill_S170_and_codebook_tables():
 
 
 def med3_variants():
-    """The Med3x tests' variants: the default one (None) and every prefetching one
-    (cuda_hqmq.PREFETCH_VARIANTS, not the default yet)."""
-    return (None,) + tuple(cuda_hqmq.PREFETCH_VARIANTS)
+    """The Med3x tests' variants: the default one (None), the direct path (v0) and the
+    prefetching ones (cuda_hqmq.PREFETCH_VARIANTS), each once."""
+    others = (0,) + tuple(cuda_hqmq.PREFETCH_VARIANTS)
+    return (None,) + tuple(v for v in others if v != cuda_hqmq.DEFAULT_VARIANT_MED3)
 
 
 def _with_capacity(flat, extra, seed=0):
