@@ -511,6 +511,14 @@ struct KiviQ {
     uint32_t v[4][VW];
     uint32_t vs2[2], vz2[2];
   };
+  // four tokens' fp16 V scales / zeros (low halves of s, z) as half2 pairs: tokens 0,1 and 2,3
+  __device__ __forceinline__ static void pair_scales(Raw& r, const uint32_t (&s)[4], const uint32_t (&z)[4]) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      r.vs2[j] = __byte_perm(s[2 * j], s[2 * j + 1], 0x5410);
+      r.vz2[j] = __byte_perm(z[2 * j], z[2 * j + 1], 0x5410);
+    }
+  }
   // The rest of a stage read (KiviStream, KiviTileStream; r.kb, r.sb set): the lane's K
   // byte selector (and 2-bit masks / magics of rows g, g+8), its V words of the 16-row V
   // block vb (rows at vrow / vchunk) and their V scales / zeros (vs, vz: NG per row) as pairs.
@@ -543,11 +551,7 @@ struct KiviQ {
       s[i] = vs[t * NG + (g >> 1)];
       z[i] = vz[t * NG + (g >> 1)];
     }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      r.vs2[j] = __byte_perm(s[2 * j], s[2 * j + 1], 0x5410);
-      r.vz2[j] = __byte_perm(z[2 * j], z[2 * j + 1], 0x5410);
-    }
+    pair_scales(r, s, z);
   }
   // k-step kk of both tiles of a group (the fused variants): one load of the dims'
   // scales and zeros for both; kb1 = tile 1's codes (r's the tile-0 ones)
@@ -613,11 +617,7 @@ struct KiviQ {
       s[i] = vs[t * NG + (g >> 1)];
       z[i] = vz[t * NG + (g >> 1)];
     }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      r.vs2[j] = __byte_perm(s[2 * j], s[2 * j + 1], 0x5410);
-      r.vz2[j] = __byte_perm(z[2 * j], z[2 * j + 1], 0x5410);
-    }
+    pair_scales(r, s, z);
   }
   __device__ static void kstep(const Raw& r, int kk, uint32_t (&a)[4]) {
     const uint4 w = *reinterpret_cast<const uint4*>(r.kb + 16 * kk);        // dims 4kk..4kk+3
