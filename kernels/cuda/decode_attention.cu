@@ -1033,6 +1033,19 @@ __device__ __forceinline__ void online_softmax2(const float (&s0)[4], const floa
   l[0] += (p[0] + p[2]) + (p[4] + p[6]);
   l[1] += (p[1] + p[3]) + (p[5] + p[7]);
 }
+// P x V of tile h of a fused group step: its probabilities p[4h..4h+3] as the mma's B
+// fragment, V decoded m-tile by m-tile from r (the format functor F)
+template <class F, int KS>
+__device__ __forceinline__ void pv_tile(const typename F::Raw& r, const float (&p)[8], int h, float (&acc)[KS][4]) {
+  const uint32_t pb0 = movtrans(pack_half2(p[4 * h], p[4 * h + 1]));
+  const uint32_t pb1 = movtrans(pack_half2(p[4 * h + 2], p[4 * h + 3]));
+#pragma unroll
+  for (int mt = 0; mt < KS; ++mt) {
+    uint32_t a[4];
+    F::vstep(r, mt, a);
+    mma16816(acc[mt], a[0], a[1], a[2], a[3], pb0, pb1);
+  }
+}
 
 // The folded zero point (ZF, variants 10, 11): a K element is s x + z = s (x - c) + (z + c s), so
 //   q . k = sum_d round16(q_d s_d) (x_d - c) + sum_d q_d z_d + c sum_d q_d s_d
@@ -1117,14 +1130,7 @@ __device__ __forceinline__ void group_step(const uint8_t* st, int u0, int tend, 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if (h) S::read(r, st, g, c, 1);  // tile 1's V (its K part is not used again)
-    const uint32_t pb0 = movtrans(pack_half2(p[4 * h], p[4 * h + 1]));
-    const uint32_t pb1 = movtrans(pack_half2(p[4 * h + 2], p[4 * h + 3]));
-#pragma unroll
-    for (int mt = 0; mt < KS; ++mt) {
-      uint32_t a[4];
-      F::vstep(r, mt, a);
-      mma16816(acc[mt], a[0], a[1], a[2], a[3], pb0, pb1);
-    }
+    pv_tile<F, KS>(r, p, h, acc);
   }
 }
 
@@ -1182,14 +1188,7 @@ __device__ __forceinline__ void group_step_lb(const uint8_t* st, int u0, int ten
   for (int h = 0; h < 2; ++h) {
     typename F::Raw r;
     F::read_v_lb(r, st + S::VC, vs, vz, g, c, h);
-    const uint32_t pb0 = movtrans(pack_half2(p[4 * h], p[4 * h + 1]));
-    const uint32_t pb1 = movtrans(pack_half2(p[4 * h + 2], p[4 * h + 3]));
-#pragma unroll
-    for (int mt = 0; mt < KS; ++mt) {
-      uint32_t a[4];
-      F::vstep(r, mt, a);
-      mma16816(acc[mt], a[0], a[1], a[2], a[3], pb0, pb1);
-    }
+    pv_tile<F, KS>(r, p, h, acc);
   }
 }
 
