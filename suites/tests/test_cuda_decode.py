@@ -359,9 +359,9 @@ def test_kivi_windows_of_k_and_v_differ(bits, T):
 @needs_cuda
 @pytest.mark.parametrize("spec", KIVI_SPECS)
 def test_kivi_splits_and_variants(spec):
-    """Every KIVI variant (group and tile streams, the fused group step 7-9 and 10-12) and
-    split count (None: the default rule) gives the reference; the register variants are
-    refused."""
+    """Every offered KIVI variant (group and tile streams, the fused group step 7-9, the
+    KIVI-2 lane-byte map 12) and split count (None: the default rule) gives the reference;
+    the register variants are refused."""
     failed = []  # every variant and split count runs (one GPU call must show all that fail)
     for variant in cuda_decode.KIVI_VARIANTS:
         for ns in (1, 3, None, 10_000):
@@ -447,8 +447,8 @@ def test_T_131072(spec, T):
 @needs_cuda
 @pytest.mark.parametrize("spec", KIVI_SPECS)
 def test_kivi_variants_at_default_splits_131072(spec):
-    """Every KIVI variant (7-9 fused, 10-12 prepared offline: folded zero point, KIVI-2
-    lane-byte map) at the default split rule -- ~128 tiles per split, 16 groups per warp, as
+    """Every offered KIVI variant (cuda_decode.KIVI_VARIANTS: 10 and 11, the folded zero
+    point, failed here in GPU call 20a and are refused) at the default split rule -- ~128 tiles per split, 16 groups per warp, as
     at B=8 T=32k -- and at 8 CTAs per SM, T = 131072, against one reference."""
     from kvqbench.kernels.decode_attention import reference_decode_attention
 
