@@ -166,11 +166,11 @@ class HQMQ(Quantizer):
         B, _, N, _ = u.shape
         # Bound the [B, H, n, 4S] temporaries: on a CPU to ~1M floats (4 MB), so the score
         # passes run in cache ([2, 3, 8192, 4] chunks: S=256 57 ms vs 144 ms at 16M floats,
-        # S=96 32 vs 57 ms); on a GPU to 4M, since each block costs ~10 launches (at 1M the
+        # S=96 32 vs 57 ms); on a GPU to 16M (64 MB), since each block costs ~10 launches (at 1M the
         # H200's quantize-on-write HQMQ S=256 rows took 4.8 s instead of 0.8 s). Same codes:
         # the block only splits n.
-        budget = (1 << 18) if u.device.type == "cpu" else (1 << 22)
-        block = max(1, budget // max(1, B * H * S))
+        floats = (1 << 20) if u.device.type == "cpu" else (1 << 24)
+        block = max(1, floats // max(1, 4 * B * H * S))
         codes = []
         for start in range(0, N, block):
             ub = u[:, :, start : start + block]
