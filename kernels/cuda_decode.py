@@ -77,9 +77,9 @@ SMEM_VARIANTS = (2, 3, 4, 5)
 # immediate masks) with the folded zero (KIVI-4: = 10), 12 KIVI-2 lane-byte with 8's
 # decode (numerics unchanged; KIVI-4: = 8). SASS per 32-token group, KIVI-2: 8 800, 10
 # 766, 11 691, 12 724; KIVI-4: 8 842, 10 809 (NOTES.md, "KIVI-2 variants prepared offline").
-# 10 and 11 are not offered: at T = 131072 the fold's error was 3.6-4.1e-3 relative in GPU
-# call 20a, over the 3e-3 every variant is tested to (their instances stay in the .cu as
-# the record of the attempt; the launcher refuses variants not listed here).
+# 10 and 11 are removed: at T = 131072 the fold's error was 3.6-4.1e-3 relative in GPU
+# call 20a, over the 3e-3 every variant is tested to (the .cu has no kernel for them; the
+# launcher refuses variants not listed here).
 KIVI_VARIANTS = (2, 3, 4, 5, 6, 7, 8, 9, 12)
 # by format: int4, fp8 e4m3, fp8 e5m2, KIVI. KIVI 4 (group stream, uncapped: 136-138
 # registers, 3 CTAs per SM) was the fastest in GPU run 17b at both shapes: B=8 KIVI-2
@@ -88,7 +88,7 @@ KIVI_VARIANTS = (2, 3, 4, 5, 6, 7, 8, 9, 12)
 # v4 109.1 us, v8 102.4, v11 99.9 (folded zero point: 3.6e-3 relative error at T=131072, over
 # the 3e-3 the tests allow), v12 100.2 (2.52x; lane-byte K layout, v8's decode: 9.7e-6, the
 # same numerics); KIVI-4 v4 120.6, v12 115.6 (2.18x). B=1: v12 30.0 / 34.5 us (v4 30.8 / 34.6).
-# So 12 for both widths (10 and 11 are refused: KIVI_VARIANTS above).
+# So 12 for both widths (10 and 11 removed, above).
 DEFAULT_VARIANT = {0: 2, 1: 2, 2: 2, "kivi": 12}
 # Default split count (ctas_per_sm=None): about TILES_PER_SPLIT 16-token tiles per split,
 # but at least MIN_CTAS_PER_SM CTAs per SM. Run 15's optima were ~62 tiles per split at

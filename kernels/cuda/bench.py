@@ -2,7 +2,7 @@
 SDPA on the fp16 cache and the Triton kernels, at the issue-10 shapes.
 
     python kernels/cuda/bench.py [--out DIR] [--shapes 8x32768,1x32768]
-        [--methods kivi2,kivi4] [--kivi-variants 4,7,8,9,10,11,12] [--kivi-ctas default,8]
+        [--methods kivi2,kivi4] [--kivi-variants 4,8,12] [--kivi-ctas default,8]
 
 Protocol: Hq 32 / Hkv 8 / d 128, one query token, fp16 q; caches are real encodings of
 4096 synthetic tokens (3 outlier key channels) tiled to T (the kernel sweep's

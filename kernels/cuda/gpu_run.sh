@@ -10,10 +10,10 @@
 # without the T = 131072 tests and did not finish in 90 s at -n 14; the bench ~15-20 s).
 # `bash kernels/cuda/gpu_run.sh 75 55 --methods kivi2,kivi4` times KIVI only; bench seconds 0
 # skips the bench; TEST_FILES replaces the test files, PYTEST_N the number of xdist workers.
-# KIVI variants (NOTES.md, "KIVI-2 variants prepared offline"): the variant tests, then the
+# KIVI variants (NOTES.md, "GPU calls 20a-20d"; 10, 11 are refused): the variant tests, then the
 # listed variants at the default split rule and at 8 CTAs/SM beside same-run SDPA (~3-4 min):
 #   TEST_FILES=suites/tests/test_cuda_decode.py TEST_K="kivi_splits_and_variants or 131072" \
-#   bash kernels/cuda/gpu_run.sh 100 90 --methods kivi2,kivi4 --kivi-variants 4,7,8,9,10,11,12 --kivi-ctas default,8
+#   bash kernels/cuda/gpu_run.sh 100 90 --methods kivi2,kivi4 --kivi-variants 4,8,12 --kivi-ctas default,8
 # NCU="kivi2,kivi4" (optional): then Nsight Compute on one call of each at B=8, T=32k (kernels
 # whose MANGLED name matches NCU_K (the plain name is split_kernel for all), default the KIVI
 # and int4 split kernels; sections NCU_SECTIONS)
