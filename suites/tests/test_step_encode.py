@@ -402,3 +402,45 @@ def test_step_kernels_receive_16_byte_aligned_pointers(spec):
     assert seen, f"{spec}: no step launch seen (mode {layer.mode})"
     bad = sorted({s for s in seen if s[2]})
     assert not bad, f"{spec}: (kernel, argument index, address % 16) of misaligned pointers: {bad}"
+
+
+def _launch_key(kernel, args) -> tuple:
+    """What Triton specialises a launch on, as far as the data could change it: each tensor's
+    dtype and 16-byte alignment, each integer as 1 / multiple of 16 / other."""
+    def cls(a):
+        if isinstance(a, torch.Tensor):
+            return (str(a.dtype), a.data_ptr() % 16 == 0)
+        if isinstance(a, int) and not isinstance(a, bool):
+            return "1" if a == 1 else "d16" if a % 16 == 0 else "int"
+        return type(a).__name__
+    return (getattr(kernel, "__name__", str(kernel)),) + tuple(cls(a) for a in args)
+
+
+def test_med3_step_launches_do_not_specialise_on_the_outlier_count():
+    """Med3x's step kernel receives the outlier list's stride; the list's capacity followed
+    the prefill's outlier count, so its 16-divisibility (and with it the compiled variant)
+    changed with the data: seed 1 of a fresh machine's compare recompiled what seed 0 had
+    compiled. The same schedule with few and with many outliers must launch the same keys."""
+    spec = "hqmq:S=24,r=3,outliers=med3"
+    x = torch.randn(2, 1, 2, 72, 64, generator=torch.Generator().manual_seed(0))
+    many = x.clone()
+    chunks = many.view(2, 1, 2, 72, 16, 4)
+    chunks[:, :, 0, :50, 0] = 8.0  # radius 16 against a median near 2: 50 + 51 more outliers
+    chunks[:, :, 1, :51, 1] = 8.0
+    keys = []
+    for data in (x, many):
+        layer = QuantizedLayer(spec, 0, seed=0)
+        layer.fused_wanted, layer.step_encode, layer.capacity_hint = True, True, 80
+        seen = set()
+        record = lambda kernel, grid, *args, **const: seen.add(_launch_key(kernel, args))  # noqa: E731
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}), mock.patch.object(se, "launch_hook", record), \
+                torch.inference_mode():
+            layer.update(data[0, :, :, :64].to(torch.bfloat16), data[1, :, :, :64].to(torch.bfloat16))
+            for t in range(64, 72):
+                layer.update(data[0, :, :, t:t + 1].to(torch.bfloat16), data[1, :, :, t:t + 1].to(torch.bfloat16))
+        keys.append(seen)
+    n_out = int(layer.stores["K"].outlier_len.sum())
+    assert n_out >= 101, f"the data meant to give a long outlier list gave {n_out} outliers"
+    assert keys[0], "no step launch seen"
+    assert keys[0] == keys[1], (f"launch keys differ with the data (outliers {n_out}): "
+                                f"{sorted(keys[0] ^ keys[1], key=str)}")
