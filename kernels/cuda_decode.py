@@ -46,9 +46,15 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import weakref
 from pathlib import Path
+
+try:
+    import fcntl  # POSIX: the build lock between processes
+except ImportError:  # pragma: no cover - no CUDA build on such hosts anyway
+    fcntl = None
 
 import torch
 
@@ -154,13 +160,25 @@ def compile_library(source: Path, stem: str, cap: tuple[int, int]) -> Path:
     headers = "".join(h.read_text() for h in sorted(source.parent.glob("*.cuh")))  # included by every source
     key = hashlib.sha256((source.read_text() + headers + "\0".join(flags) + ver).encode()).hexdigest()[:16]
     out = _build_dir() / f"{stem}_sm{cap[0]}{cap[1]}_{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        r = subprocess.run([nvcc, *flags, "-o", str(tmp), str(source)], capture_output=True, text=True, timeout=900)
-        if r.returncode != 0:
-            raise RuntimeError(f"nvcc failed ({r.returncode}): {(r.stderr or r.stdout)[-800:]}")
-        os.replace(tmp, out)
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # One build per machine: processes starting together (pytest-xdist workers, torchrun
+    # ranks) wait for the first one's nvcc instead of each running its own (19 concurrent
+    # builds on a fresh 16-core H200 host took minutes); the lock is released if its
+    # holder dies, and the library appears by an atomic rename, so a reader never sees half.
+    with open(out.parent / f"{stem}.lock", "w") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            print(f"kvqbench: building {source.name} for sm_{cap[0]}{cap[1]} (once per machine, about a minute)",
+                  file=sys.stderr, flush=True)
+            tmp = out.with_suffix(f".{os.getpid()}.tmp")
+            r = subprocess.run([nvcc, *flags, "-o", str(tmp), str(source)], capture_output=True, text=True,
+                               timeout=900)
+            if r.returncode != 0:
+                raise RuntimeError(f"nvcc failed ({r.returncode}): {(r.stderr or r.stdout)[-800:]}")
+            os.replace(tmp, out)
     return out
 
 

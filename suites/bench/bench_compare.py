@@ -20,8 +20,12 @@ import subprocess
 import sys
 import time
 
+from unittest import mock
+
 import pytest
 import torch
+
+from kvqbench.suites.bench.first_use import FirstUseLog
 
 pytestmark = pytest.mark.bench
 
@@ -47,11 +51,13 @@ def _triton_cache_entries() -> int:
 @pytest.mark.parametrize("case", list(CASES))
 def test_compare_wall_time(benchmark, tmp_path, case):
     from kvqbench.suites.compare import cli
+    from kvqbench.suites.harness import perplexity as scoring  # run.py imports its functions per call
     from kvqbench.suites.compare.run import DEFAULT_CORPUS, DEFAULT_MODEL
     from kvqbench.suites.harness.corpora import load_corpus
     from kvqbench.suites.harness.models import embedded_folder
 
     extra, device, ranks, budget, rounds = CASES[case]
+    rounds = int(os.environ.get("KVQBENCH_BENCH_ROUNDS", rounds))  # 1: the cold round alone (a short GPU call)
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("the GPU budget needs a CUDA GPU")
     embedded_folder(DEFAULT_MODEL)  # fetch + convert once, untimed
@@ -61,14 +67,28 @@ def test_compare_wall_time(benchmark, tmp_path, case):
 
         built = {m.__name__: m.why_unavailable() for m in (cuda_decode, cuda_hqmq)}
         benchmark.extra_info["cuda_libraries"] = built
-    codes, walls, triton_entries = [], [], []
+    codes, walls, triton_entries, first_use = [], [], [], []
+    log = FirstUseLog()  # Triton compiles per row (one process only: ranks == 1)
+
+    def labelled(fn, protocol):  # the compare's scoring functions, telling the log the row
+        def scored(model, windows, spec, seed=0, **kw):
+            log.row = f"{protocol} {spec} seed={seed}"
+            return fn(model, windows, spec, seed, **kw)
+        return scored
 
     def run():
         argv = ["compare", "--device", device, "--out", str(tmp_path), "--run-name", f"timed{len(walls)}", *extra]
         triton_entries.append(_triton_cache_entries())
+        start = len(log.events)
         t0 = time.perf_counter()
         if ranks == 1:
-            codes.append(cli.main(argv))
+            with log.installed(), \
+                    mock.patch.object(scoring, "ppl_quantize_on_write",
+                                      labelled(scoring.ppl_quantize_on_write, "quantize-on-write")), \
+                    mock.patch.object(scoring, "ppl_prefill_then_decode",
+                                      labelled(scoring.ppl_prefill_then_decode, "prefill-then-decode")):
+                codes.append(cli.main(argv))
+            first_use.append(log.since(start))
         else:  # torchrun's own launcher, as the README's command
             codes.append(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                          "--nproc-per-node", str(ranks), "-m", "kvqbench.suites.compare.cli",
@@ -76,13 +96,21 @@ def test_compare_wall_time(benchmark, tmp_path, case):
         walls.append(time.perf_counter() - t0)
         print(f"round {len(walls)}: {walls[-1]:.1f} s (Triton cache entries before it: {triton_entries[-1]})",
               flush=True)
+        if first_use:
+            f = first_use[-1]
+            print(f"  Triton: {f['compiles']} compiles, {f['compile_s']} s compiling, "
+                  f"{f['first_launch_init_s']} s first-launch init", flush=True)
+            for row, r in list(f["rows"].items())[:25]:
+                print(f"    {r['compile_s']:6.2f} s {r['compiles']:3d} compiles  +{r['init_s']:5.2f} s init  {row}")
+            for k, r in list(f["kernels"].items())[:25]:
+                print(f"    {r['compile_s']:6.2f} s {r['compiles']:3d} compiles  {k}")
 
     benchmark.pedantic(run, rounds=rounds, iterations=1)
     data = [json.loads((tmp_path / f"timed{i}" / "results.json").read_text()) for i in range(rounds)]
     benchmark.extra_info.update({
         "case": case, "argv": " ".join(["compare", "--device", device, *extra]), "ranks": ranks,
         "wall_s_per_round": walls, "triton_cache_entries_before_round": triton_entries, "budget_s": budget,
-        "within_budget_per_round": [w < budget for w in walls],
+        "within_budget_per_round": [w < budget for w in walls], "triton_first_use_per_round": first_use,
         "configurations": len(data[0]["results"]), "device": device, "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if device == "cuda" else None})

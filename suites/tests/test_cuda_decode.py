@@ -8,6 +8,8 @@ Tolerances as test_kernels.py's GPU ones (fp16 operands, fp32 accumulation).
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -511,6 +513,50 @@ def test_kivi_plan_covers_every_token(T, kspec):
             assert pm % 2 == 0  # whole groups per split: the group stream's stage is a group
         if tt:
             assert nt * pt >= tt and (nt - 1) * pt < tt
+
+
+FAKE_NVCC = """#!/bin/sh
+[ "$1" = "--version" ] && { echo "fake nvcc 0.1"; exit 0; }
+echo build >> "$KVQ_NVCC_CALLS"
+sleep 3
+while [ $# -gt 0 ]; do [ "$1" = "-o" ] && out=$2; shift; done
+echo library > "$out"
+"""
+
+WORKER = """
+import os, sys, time
+from pathlib import Path
+from kvqbench.kernels import cuda_decode
+ready = Path(sys.argv[1])
+(ready / str(os.getpid())).touch()
+while len(list(ready.iterdir())) < int(sys.argv[2]):  # start the builds together
+    time.sleep(0.05)
+print(cuda_decode.compile_library(cuda_decode.SOURCE, "kvq_decode", (9, 0)))
+"""
+
+
+def test_processes_starting_together_build_the_library_once(tmp_path):
+    """pytest-xdist workers and torchrun ranks load the CUDA library at the same moment on
+    a fresh machine: one runs nvcc, the others wait for its library (each running its own
+    nvcc made a fresh H200 host's test run crawl). A fake nvcc counts its builds."""
+    import subprocess
+    import sys
+
+    (tmp_path / "cuda" / "bin").mkdir(parents=True)
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.write_text(FAKE_NVCC)
+    nvcc.chmod(0o755)
+    ready, calls, n = tmp_path / "ready", tmp_path / "calls", 4
+    ready.mkdir()
+    env = dict(os.environ, CUDA_HOME=str(tmp_path / "cuda"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"),
+               KVQ_NVCC_CALLS=str(calls))
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(ready), str(n)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(n)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
+    paths = {o[0].strip() for o in outs}
+    assert len(paths) == 1 and Path(paths.pop()).read_text() == "library\n"
+    assert calls.read_text().count("build") == 1, f"{calls.read_text().count('build')} nvcc builds for {n} processes"
 
 
 @pytest.mark.skipif(cuda_decode._nvcc() is None, reason="no nvcc: nothing to build")
