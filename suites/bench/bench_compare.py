@@ -14,6 +14,7 @@ load, every configuration (Triton's first-use compiles included), the report.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -25,7 +26,7 @@ from unittest import mock
 import pytest
 import torch
 
-from kvqbench.suites.bench.first_use import FirstUseLog
+from kvqbench.suites.bench.first_use import FirstUseLog, StackSampler
 
 pytestmark = pytest.mark.bench
 
@@ -67,8 +68,11 @@ def test_compare_wall_time(benchmark, tmp_path, case):
 
         built = {m.__name__: m.why_unavailable() for m in (cuda_decode, cuda_hqmq)}
         benchmark.extra_info["cuda_libraries"] = built
-    codes, walls, triton_entries, first_use = [], [], [], []
+    codes, walls, triton_entries, first_use, stacks = [], [], [], [], []
     log = FirstUseLog()  # Triton compiles per row (one process only: ranks == 1)
+    # KVQBENCH_SAMPLE_ROWS: a regular expression of row labels ("prefill-then-decode hqmq:S=96,r=4
+    # seed=0") whose stacks are sampled (StackSampler), each round
+    sample_rows = os.environ.get("KVQBENCH_SAMPLE_ROWS")
 
     def labelled(fn, protocol):  # the compare's scoring functions, telling the log the row
         def scored(model, windows, spec, seed=0, **kw):
@@ -82,13 +86,17 @@ def test_compare_wall_time(benchmark, tmp_path, case):
         start = len(log.events)
         t0 = time.perf_counter()
         if ranks == 1:
-            with log.installed(), \
+            sampler = StackSampler(log, sample_rows, below="scored") if sample_rows else contextlib.nullcontext()
+            with log.installed(), sampler, \
                     mock.patch.object(scoring, "ppl_quantize_on_write",
                                       labelled(scoring.ppl_quantize_on_write, "quantize-on-write")), \
                     mock.patch.object(scoring, "ppl_prefill_then_decode",
                                       labelled(scoring.ppl_prefill_then_decode, "prefill-then-decode")):
                 codes.append(cli.main(argv))
+            log.row = "after the rows"
             first_use.append(log.since(start))
+            if sample_rows:
+                stacks.append(sampler.report())
         else:  # torchrun's own launcher, as the README's command
             codes.append(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                          "--nproc-per-node", str(ranks), "-m", "kvqbench.suites.compare.cli",
@@ -104,6 +112,12 @@ def test_compare_wall_time(benchmark, tmp_path, case):
                 print(f"    {r['compile_s']:6.2f} s {r['compiles']:3d} compiles  +{r['init_s']:5.2f} s init  {row}")
             for k, r in list(f["kernels"].items())[:25]:
                 print(f"    {r['compile_s']:6.2f} s {r['compiles']:3d} compiles  {k}")
+        for row, r in (stacks[-1] if stacks else {}).items():
+            print(f"  stack samples of {row}: {r['samples']} x {r['interval_s']} s")
+            for kind in ("on_stack", "leaf"):
+                print(f"   {kind}:")
+                for fn, share in list(r[kind].items())[:15]:
+                    print(f"    {share:6.1%}  {fn}")
 
     benchmark.pedantic(run, rounds=rounds, iterations=1)
     data = [json.loads((tmp_path / f"timed{i}" / "results.json").read_text()) for i in range(rounds)]
@@ -111,6 +125,7 @@ def test_compare_wall_time(benchmark, tmp_path, case):
         "case": case, "argv": " ".join(["compare", "--device", device, *extra]), "ranks": ranks,
         "wall_s_per_round": walls, "triton_cache_entries_before_round": triton_entries, "budget_s": budget,
         "within_budget_per_round": [w < budget for w in walls], "triton_first_use_per_round": first_use,
+        "stack_samples_per_round": stacks,
         "configurations": len(data[0]["results"]), "device": device, "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if device == "cuda" else None})

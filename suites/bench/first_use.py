@@ -7,10 +7,18 @@ has not met in this process (the on-disk cache is looked up inside that compile,
 warm cache shows as short compiles) and `jit_post_compile_hook` after; the first launch of
 a compiled kernel then loads its module and builds its launcher (`_init_handles`), timed
 too. Triton versions without these hooks record nothing (`available` False).
+
+What is neither a compile nor an init shows in `StackSampler`: the main thread's Python
+stack sampled from a second thread every few milliseconds while the row label matches a
+pattern (no tracing, so the rows run at their own speed), summed per function.
 """
 from __future__ import annotations
 
 import collections
+import os
+import re
+import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -93,3 +101,52 @@ class FirstUseLog:
                      for k, (n, c, i) in by_time(rows)},
             "kernels": {k: {"compiles": n, "compile_s": round(c, 2)} for k, (n, c) in by_time(kernels)},
         }
+
+
+class StackSampler:
+    """Samples the calling thread's stack every `interval` s while `log.row` matches
+    `pattern` (a regular expression), from a daemon thread; `report()` gives, per sampled
+    row, the sample count, the functions most often on the stack (inclusive: a function
+    counts once per sample however deep) and the innermost Python functions (`leaf`: where
+    the time is, C calls included), each as its share of the row's samples."""
+
+    def __init__(self, log: FirstUseLog, pattern: str, interval: float = 0.005, below: str | None = None):
+        self.log, self.pattern, self.interval = log, re.compile(pattern), interval
+        self.below = below  # a function name: only the frames it called count (the row's own work)
+        self.target = threading.get_ident()
+        self.samples: dict[str, int] = collections.Counter()
+        self.on_stack: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.leaf: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="stack-sampler")
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            row = self.log.row
+            if not self.pattern.search(row):
+                continue
+            frame = sys._current_frames().get(self.target)
+            names = []
+            while frame is not None and frame.f_code.co_name != self.below:
+                code = frame.f_code
+                names.append(f"{os.path.basename(code.co_filename)}:{code.co_firstlineno} {code.co_name}")
+                frame = frame.f_back
+            if not names or (self.below and frame is None):  # outside the boundary: between rows
+                continue
+            self.samples[row] += 1
+            self.on_stack[row].update(set(names))
+            self.leaf[row][names[0]] += 1
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def report(self, top: int = 25) -> dict:
+        return {row: {"samples": n, "interval_s": self.interval,
+                      "on_stack": {f: round(c / n, 3) for f, c in self.on_stack[row].most_common(top)},
+                      "leaf": {f: round(c / n, 3) for f, c in self.leaf[row].most_common(top)}}
+                for row, n in self.samples.items()}
