@@ -220,7 +220,9 @@ def per_head_outliers(packed: Packed, nc: int):
     n_bh = torch.bincount(row, minlength=B * H)
     first = torch.cumsum(n_bh, 0) - n_bh
     rank = torch.arange(row.numel(), device=row.device) - first[row]
-    ocap = max(1, int(n_bh.max()) if row.numel() else 1)
+    # whole 64-entry blocks, as the decode store's lists: the kernels' list-stride argument
+    # then specialises the same way whatever the outlier count
+    ocap = -(-max(1, int(n_bh.max()) if row.numel() else 1) // OUTLIER_BLOCK) * OUTLIER_BLOCK
     out = torch.zeros(B * H, ocap, 4, dtype=torch.float16, device=per_tok.device)
     out[row, rank] = val.to(torch.float16)
     return out.view(B, H, ocap, 4), per_tok
