@@ -171,7 +171,7 @@ class HQMQFlat:
             nc = self.D // 4
             per_tok = unpack_bits(flags, 1, nc).sum(-1)  # [B, H, T]
             n_bh = per_tok.sum(-1)  # [B, H]
-            ocap = max(1, int(n_bh.max()) * token_reps)
+            ocap = whole_blocks(max(1, int(n_bh.max()) * token_reps))
             pos = torch.arange(ocap, device=flags.device).view(1, 1, -1)
             src = pos % n_bh.clamp_min(1).unsqueeze(-1)
             outl = torch.gather(self.outliers, 2, src.unsqueeze(-1).expand(-1, -1, -1, 4))
@@ -200,6 +200,13 @@ def hqmq_table(shared: dict, S: int, table_dtype=torch.float32) -> torch.Tensor:
     return codebook_from_secondaries(normalised_secondaries(shared)).to(table_dtype).contiguous()
 
 
+def whole_blocks(n: int) -> int:
+    """n rounded up to whole OUTLIER_BLOCKs (64): token capacities, and the Med3x outlier
+    lists' capacities, so that a list's stride (a kernel argument, which Triton specialises
+    by its divisibility by 16) is the same kind whatever the outlier count."""
+    return -(-n // OUTLIER_BLOCK) * OUTLIER_BLOCK
+
+
 def per_head_outliers(packed: Packed, nc: int):
     """Med3x outliers of every segment as per-(b, h) lists `[B, H, Ocap, 4]` in (t, chunk)
     order, and the per-token outlier counts `[B, H, T]`. Each segment stores its outliers
@@ -220,9 +227,7 @@ def per_head_outliers(packed: Packed, nc: int):
     n_bh = torch.bincount(row, minlength=B * H)
     first = torch.cumsum(n_bh, 0) - n_bh
     rank = torch.arange(row.numel(), device=row.device) - first[row]
-    # whole 64-entry blocks, as the decode store's lists: the kernels' list-stride argument
-    # then specialises the same way whatever the outlier count
-    ocap = -(-max(1, int(n_bh.max()) if row.numel() else 1) // OUTLIER_BLOCK) * OUTLIER_BLOCK
+    ocap = whole_blocks(max(1, int(n_bh.max()) if row.numel() else 1))
     out = torch.zeros(B * H, ocap, 4, dtype=torch.float16, device=per_tok.device)
     out[row, rank] = val.to(torch.float16)
     return out.view(B, H, ocap, 4), per_tok

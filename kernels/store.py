@@ -91,15 +91,10 @@ OUTLIER_SLACK_STEPS = 64  # Med3x decode steps of worst-case outliers to spare w
 STEP_ENCODED = {NaiveInt: layout.IntFlat, FP8: layout.FP8Flat, KIVI: layout.KIVIFlat, HQMQ: layout.HQMQFlat}
 
 
-def _blocks(n: int) -> int:
-    """n rounded up to whole OUTLIER_BLOCKs (64)."""
-    return -(-n // OUTLIER_BLOCK) * OUTLIER_BLOCK
-
-
 def grown_capacity(need: int, current: int = 0) -> int:
     """Capacity for `need` valid tokens: at least double the current one, a multiple of
     OUTLIER_BLOCK (the kernels tile tokens in 64s)."""
-    return _blocks(max(need, 2 * current, MIN_CAPACITY))
+    return layout.whole_blocks(max(need, 2 * current, MIN_CAPACITY))
 
 
 class TokenBuffer:
@@ -290,9 +285,8 @@ class KernelStore:
         n = vals.shape[0]  # host-known: the segment's shape
         if self.outliers is None:
             self.outlier_len = torch.zeros(B * H, dtype=torch.int64, device=vals.device)
-            # capacities in whole 64-entry blocks: the list stride (a step kernel argument) then
-            # has the same 16-divisibility whatever the data, so Triton compiles one variant
-            self.outliers = vals.new_zeros(B, H, _blocks(max(1, 2 * n // max(1, B * H))), 4)
+            # capacities in whole blocks: Triton compiles one step-kernel variant whatever the data
+            self.outliers = vals.new_zeros(B, H, layout.whole_blocks(max(1, 2 * n // max(1, B * H))), 4)
             self.outlier_index = TokenBuffer(torch.zeros(B, H, 1, dtype=torch.int32, device=vals.device),
                                              grown_capacity(max(t, self.capacity_hint)) // OUTLIER_BLOCK)
         self._reserve_outliers(n)
@@ -330,7 +324,8 @@ class KernelStore:
         self._outlier_bound = int(self.outlier_len.max())
         if self._outlier_bound + room <= ocap:
             return False
-        grown = self.outliers.new_zeros(self.B, self.H, _blocks(max(2 * ocap, self._outlier_bound + room)), 4)
+        cap = layout.whole_blocks(max(2 * ocap, self._outlier_bound + room))
+        grown = self.outliers.new_zeros(self.B, self.H, cap, 4)
         grown[:, :, :ocap] = self.outliers
         self.outliers = grown
         return True
