@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 import time
-
 from unittest import mock
 
 import pytest
@@ -52,8 +51,8 @@ def _triton_cache_entries() -> int:
 @pytest.mark.parametrize("case", list(CASES))
 def test_compare_wall_time(benchmark, tmp_path, case):
     from kvqbench.suites.compare import cli
-    from kvqbench.suites.harness import perplexity as scoring  # run.py imports its functions per call
     from kvqbench.suites.compare.run import DEFAULT_CORPUS, DEFAULT_MODEL
+    from kvqbench.suites.harness import perplexity as scoring  # run.py imports its functions per call
     from kvqbench.suites.harness.corpora import load_corpus
     from kvqbench.suites.harness.models import embedded_folder
 
