@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -539,9 +541,6 @@ def test_processes_starting_together_build_the_library_once(tmp_path):
     """pytest-xdist workers and torchrun ranks load the CUDA library at the same moment on
     a fresh machine: one runs nvcc, the others wait for its library (each running its own
     nvcc made a fresh H200 host's test run crawl). A fake nvcc counts its builds."""
-    import subprocess
-    import sys
-
     (tmp_path / "cuda" / "bin").mkdir(parents=True)
     nvcc = tmp_path / "cuda" / "bin" / "nvcc"
     nvcc.write_text(FAKE_NVCC)
