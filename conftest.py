@@ -15,6 +15,12 @@ from kvqbench.suites.compare.distributed import pin_xdist_worker_gpu  # noqa: E4
 
 pin_xdist_worker_gpu()
 
+# `pytest -n N`: each xdist worker's torch would start one intra-op thread per core, N x
+# cores threads in all, and every CPU op (synthetic caches, references, encodes) then
+# waits for a core. Each worker gets its share of the cores instead (at least one).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 # Triton fixes interpreter-or-compiler when a @triton.jit function is defined, and
 # importing transformers' models already imports triton.language: without a GPU the
 # kernels run only under the interpreter, so switch it on before any test module loads.
