@@ -30,6 +30,9 @@ time)
   timeout "${2:-400}" $PY -m pytest -q -s -m bench --benchmark-enable -p no:cacheprovider suites/bench/bench_compare.py \
     -k "gpu-both-4x512 and not 4ranks" --benchmark-json "$OUT/bench_compare_h200.json" 2>&1 \
     | tee "$OUT/compare_both.log" | grep -v USDT | cut -c1-200 | tail -70
+  # what the rows compiled, per spec (suites/compare/run.py triton_ahead): committed as
+  # kernels/triton_ahead/<file>, a fresh machine's run compiles it in threads ahead of the rows
+  cp $C/triton_ahead/*.json "$OUT/" 2>/dev/null && ls $C/triton_ahead
   echo "all done at $(( $(date +%s) - t0 )) s" ;;
 *) echo "usage: $0 stage | time [seconds]"; exit 2 ;;
 esac

@@ -14,10 +14,12 @@ command exits with EXIT_PARTIAL after writing the report.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -280,22 +282,24 @@ def run_compare(args) -> int:
             run.data["meta"]["distributed"]["scoring"] = distributed.score_rounds(
                 ranks, todo, rows_of, len(windows), measure_unit, on_record)
             run.save()
-        for protocol, spec, seed in todo if ranks is None else []:
-            bar.set_postfix_str(f"{protocol} {spec} seed={seed}")
-            seen = [0]  # windows of this configuration already on the bar
+        with triton_ahead(args, device if ranks is None else None, model_info, plan, [j[1] for j in todo]) as row:
+            for protocol, spec, seed in todo if ranks is None else []:
+                bar.set_postfix_str(f"{protocol} {spec} seed={seed}")
+                row(spec)
+                seen = [0]  # windows of this configuration already on the bar
 
-            def step(done, total, seen=seen):  # called once per batch of windows, `done` so far
-                bar.update(done - seen[0])
-                seen[0] = done
-            try:
-                r = measure(protocol, spec, seed, progress=step)
-            except Exception as e:  # keep what is measured; record the failure
-                if args.debug:
-                    import traceback
+                def step(done, total, seen=seen):  # called once per batch of windows, `done` so far
+                    bar.update(done - seen[0])
+                    seen[0] = done
+                try:
+                    r = measure(protocol, spec, seed, progress=step)
+                except Exception as e:  # keep what is measured; record the failure
+                    if args.debug:
+                        import traceback
 
-                    traceback.print_exc()
-                r = {"protocol": protocol, "spec": spec, "seed": seed, "error": f"{type(e).__name__}: {e}"}
-            on_record((protocol, spec, seed), r, windows_done=0)  # the bar moved window by window
+                        traceback.print_exc()
+                    r = {"protocol": protocol, "spec": spec, "seed": seed, "error": f"{type(e).__name__}: {e}"}
+                on_record((protocol, spec, seed), r, windows_done=0)  # the bar moved window by window
         bar.close()
         if args.lm_eval:
             _lm_eval_scores(args, run, model, tok, specs, protocols[0], plan["lm_eval_metadata"])
@@ -308,6 +312,51 @@ def run_compare(args) -> int:
             print(f"  {line}", file=sys.stderr)
         return EXIT_PARTIAL
     return 0
+
+
+@contextmanager
+def triton_ahead(args, device, model_info, plan, specs):
+    """The compare's use of kernels/precompile.py. On a CUDA run, the Triton specialisations a
+    run of the same shape compiled before (`<cache>/triton_ahead/`; on a machine that has none,
+    the copy the package ships for the default job, `kernels/triton_ahead/`) compile in a thread
+    pool while the first rows run, and what this run's rows compile is recorded per spec for the
+    next run. Yields a function the loop calls with each row's spec. Off with
+    KVQBENCH_PRECOMPILE_THREADS=0, on a CPU, under torchrun, or where `precompile.supported()`
+    says why not. It changes when kernels compile, never a figure."""
+    from ...kernels import precompile as P
+
+    threads = int(os.environ.get("KVQBENCH_PRECOMPILE_THREADS", P.default_threads()))
+    device = None if device is None else torch.device(device)  # the plan names it as a string
+    if device is None or device.type != "cuda" or threads <= 0 or P.supported() is not None:
+        yield lambda spec: None
+        return
+    from ..harness.fetch import cache_dir
+
+    shape = {k: model_info.get(k) for k in ("name", "sha256", "n_heads", "n_kv_heads", "head_dim", "dtype")}
+    shape.update(lengths=plan["lengths"], windows=args.windows, batch_size=args.batch_size,
+                 context=args.context, decode_tokens=args.decode_tokens,
+                 capability=list(torch.cuda.get_device_capability(device)))
+    name = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16] + ".json"
+    manifest = P.Manifest(cache_dir() / "triton_ahead" / name, shape)
+    if not manifest.entries:
+        manifest.entries = P.Manifest(Path(P.__file__).parent / "triton_ahead" / name, shape).entries
+    pool = P.preload(manifest, list(dict.fromkeys(specs)), threads)
+    rec = P.Recorder()
+    try:
+        with rec.installed():
+            yield lambda spec: setattr(rec, "label", spec)
+    finally:
+        pool.close()
+        s = pool.summary()
+        manifest.merge(rec.seen, set(pool.failed))
+        try:
+            manifest.save()
+        except OSError as e:
+            print(f"kvqbench: could not save {manifest.path}: {e}", file=sys.stderr)
+        took = "" if s["seconds"] is None else f" in {s['seconds']} s"
+        print(f"Triton ahead ({manifest.path.name}): {s['preloaded']} of {s['submitted']} specialisations "
+              f"compiled by the pool{took}, {s['failed']} stale; the rows compiled "
+              f"{sum(map(len, rec.seen.values()))} themselves", file=sys.stderr)
 
 
 def _lm_eval_scores(args, run, model, tok, specs, protocol, meta_le) -> None:
