@@ -122,3 +122,27 @@ def test_gpu_benchmarks_skip_cleanly_on_cpu(bench):
         mod.FusedDecode().setup("int4")
     with pytest.raises(NotImplementedError):
         mod.SdpaFp16().setup()
+    mod = bench[1]["decode_step"]
+    b = mod.DecodeStep()
+    figures = b.setup_cache()
+    assert figures == {"why": "needs a CUDA GPU"}
+    for cache in mod.CACHES:
+        with pytest.raises(NotImplementedError, match="CUDA"):
+            b.setup(figures, cache, "graph")
+
+
+def test_decode_step_is_discovered_over_caches_and_runs(bench):
+    found, mods = bench
+    for name in ("decode_step.DecodeStep.track_ms_per_step", "decode_step.DecodeStep.track_kv_bytes",
+                 "decode_step.DecodeStep.track_decode_peak_bytes"):
+        assert name in found, sorted(found)
+        assert [[eval(p) for p in ps] for ps in found[name].params] == [mods["decode_step"].CACHES, ["eager", "graph"]]
+    # what setup_cache stores is what the tracks read, and a pair it could not take is skipped
+    b = mods["decode_step"].DecodeStep()
+    figures = {"int4 graph": {"ms_per_step": 1.4, "kv_live_bytes": 10, "decode_peak_bytes": 20},
+               "plain graph": {"skipped": "not graphable: DynamicCache"}}
+    b.setup(figures, "int4", "graph")
+    assert (b.track_ms_per_step(figures, "int4", "graph"), b.track_kv_bytes(figures, "int4", "graph"),
+            b.track_decode_peak_bytes(figures, "int4", "graph")) == (1.4, 10, 20)
+    with pytest.raises(NotImplementedError, match="DynamicCache"):
+        b.setup(figures, "plain", "graph")

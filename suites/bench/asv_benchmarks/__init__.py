@@ -12,4 +12,7 @@ set-up) what an older commit lacks. Not part of the kvqbench package.
                           fixed window (model loaded once, in setup_cache)
     fused_decode.py       time_ of the fused decode attention kernel at one shape (GPU
                           only) beside fp16 SDPA
+    decode_step.py        track_ ms per greedy decode step and KV / peak memory of a
+                          Llama-3-8B-shaped model through each cache, eager and graphed
+                          (GPU only)
 """
