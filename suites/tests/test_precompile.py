@@ -92,8 +92,9 @@ def test_preload_counts_what_cannot_compile_and_never_raises(tmp_path):
 
 def test_a_cpu_compare_neither_preloads_nor_records(tmp_path):
     args = types.SimpleNamespace(windows=2, batch_size=1, context=8, decode_tokens=4)
-    with compare_run.triton_ahead(args, "cpu", {"name": "tiny"}, {"lengths": {}}, ["int4"]) as row:
-        row("int4")
+    with compare_run.triton_ahead(args, "cpu", {"name": "tiny"}, {"lengths": {}}, ["int4"]) as ahead:
+        ahead.row("int4")
+        assert ahead.pool is None
     from kvqbench.suites.harness.fetch import cache_dir
 
     assert not (cache_dir() / "triton_ahead").exists()
@@ -115,14 +116,41 @@ def test_a_cuda_compare_records_per_spec_and_drops_stale_entries(monkeypatch, ca
     shape = ({"name": "tiny", "dtype": "float32"}, {"lengths": {"prefill-then-decode": 12}})
     cuda = torch.device("cuda")  # named only: nothing here touches a GPU
     entry = data("kvqbench.kernels.no_such_module._k")
-    with compare_run.triton_ahead(args, cuda, *shape, ["int4", "hqmq:S=96,r=4"]) as row:
-        row("int4")
+    with compare_run.triton_ahead(args, cuda, *shape, ["int4", "hqmq:S=96,r=4"]) as ahead:
+        ahead.row("int4")
         knobs.runtime.jit_cache_hook(key=1, compile={"specialization_data": entry})
     files = list((cache_dir() / "triton_ahead").glob("*.json"))
     assert len(files) == 1
     assert json.loads(files[0].read_text())["entries"] == {"int4": [entry]}
-    with compare_run.triton_ahead(args, cuda, *shape, ["int4"]) as row:
-        pass
+    with compare_run.triton_ahead(args, cuda, *shape, ["int4"]) as ahead:
+        ahead.pool.wait(timeout=60)  # a run's rows give the pool time; this one has none
     assert json.loads(files[0].read_text())["entries"] == {"int4": []}  # stale: dropped
     err = capsys.readouterr().err
     assert "0 of 1 specialisations compiled by the pool" in err and "1 stale" in err
+
+
+def test_a_machine_without_its_own_manifest_uses_the_shipped_one(monkeypatch, tmp_path, capsys):
+    """No manifest in the user's cache (a fresh machine): the package's copy of the same name
+    is preloaded, and what survives is saved to the user's cache."""
+    from kvqbench.suites.harness.fetch import cache_dir
+
+    monkeypatch.setattr(P, "supported", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv("KVQBENCH_PRECOMPILE_THREADS", "1")
+    args = types.SimpleNamespace(windows=2, batch_size=1, context=8, decode_tokens=4)
+    shape = ({"name": "tiny", "dtype": "float32"}, {"lengths": {"prefill-then-decode": 12}})
+    with compare_run.triton_ahead(args, torch.device("cuda"), *shape, ["int4"]):
+        pass  # records nothing: learns the file name
+    (mine,) = (cache_dir() / "triton_ahead").glob("*.json")
+    package = tmp_path / "pkg"
+    (package / "triton_ahead").mkdir(parents=True)
+    shipped = P.Manifest(package / "triton_ahead" / mine.name, json.loads(mine.read_text())["shape"])
+    shipped.merge({"int4": [data("kvqbench.kernels.no_such_module._k")], "kivi": [data(n=9)]})
+    shipped.save()
+    mine.unlink()
+    monkeypatch.setattr(P, "__file__", str(package / "precompile.py"))
+    capsys.readouterr()
+    with compare_run.triton_ahead(args, torch.device("cuda"), *shape, ["int4"]) as ahead:
+        ahead.pool.wait(timeout=60)
+    assert "0 of 1 specialisations" in capsys.readouterr().err  # int4's entry only: the run's spec
+    assert json.loads(mine.read_text())["entries"] == {"int4": [], "kivi": [data(n=9)]}
