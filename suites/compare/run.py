@@ -161,6 +161,9 @@ def validate(args) -> dict:
             raise UsageError(f"--lm-eval-metadata must be a JSON object, got {args.lm_eval_metadata!r}")
     if args.lm_eval:
         _check_lm_eval_tasks(args.lm_eval, lm_meta)
+    threads = os.environ.get("KVQBENCH_PRECOMPILE_THREADS")
+    if threads and not threads.strip().isdigit():
+        raise UsageError(f"KVQBENCH_PRECOMPILE_THREADS must be a whole number of threads (0: off), got {threads!r}")
     protocols = ["quantize-on-write", "prefill-then-decode"] if args.protocol == "both" else [args.protocol]
     # Each protocol's own window length: prefill-then-decode writes `context` tokens
     # and scores the next `decode_tokens`; quantize-on-write scores `window` tokens.
@@ -337,7 +340,7 @@ def triton_ahead(args, device, model_info, plan, specs):
     says why not. It changes when kernels compile, never a figure."""
     from ...kernels import precompile as P
 
-    threads = int(os.environ.get("KVQBENCH_PRECOMPILE_THREADS", P.default_threads()))
+    threads = int(os.environ.get("KVQBENCH_PRECOMPILE_THREADS") or P.default_threads())  # checked by validate
     device = None if device is None else torch.device(device)  # the plan names it as a string
     if device is None or device.type != "cuda" or threads <= 0 or P.supported() is not None:
         yield AheadRun()

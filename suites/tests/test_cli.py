@@ -76,6 +76,13 @@ def test_bad_usage_exits_2_before_any_model_work(tiny, tmp_path, monkeypatch, ca
     assert not (tmp_path / "r").exists()
 
 
+def test_a_bad_precompile_thread_count_exits_2_before_any_model_work(tiny, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model work before the check"))
+    monkeypatch.setenv("KVQBENCH_PRECOMPILE_THREADS", "eight")
+    assert cli.main(compare_args(tiny, tmp_path)) == 2
+    assert "KVQBENCH_PRECOMPILE_THREADS must be a whole number" in capsys.readouterr().err
+
+
 def test_non_utf8_corpus_is_a_usage_error_naming_the_file(tiny, tmp_path, monkeypatch, capsys):
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\u00e9 ".encode("latin-1") * 500)
