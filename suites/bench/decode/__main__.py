@@ -38,6 +38,9 @@ def _args(argv):
                    help="first compare fused and dense decoding of these specs (default: every fused one)")
     p.add_argument("--budget-s", type=float, default=float("inf"), help="start no configuration after this")
     p.add_argument("--out", type=Path, default=Path("reports/decode"))
+    p.add_argument("--name", default=None,
+                   help="file stem of the JSON / Markdown / plot (default: decode, or decode_<shape> "
+                        "for a shape other than llama3-8b-4l, so two shapes never overwrite each other)")
     p.add_argument("--render", type=Path, default=None, help="only render this JSON to Markdown + plot")
     a = p.parse_args(argv)
     for name in ("contexts", "batches"):
@@ -90,7 +93,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     model = build_model(a.shape, getattr(torch, a.dtype), device, max_positions=max(a.contexts) + a.steps + 64)
     a.out.mkdir(parents=True, exist_ok=True)
-    path = a.out / "decode.json"
+    name = a.name or ("decode" if a.shape == "llama3-8b-4l" else f"decode_{a.shape}")
+    path = a.out / f"{name}.json"
     run = {"config": {"shape": a.shape, "dtype": a.dtype, "steps": a.steps, "warmup": a.warmup,
                       "device": device, "weights": "random", "modes": a.modes},
            "environment": environment(), "checks": [], "results": []}
