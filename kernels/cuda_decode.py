@@ -164,8 +164,8 @@ def compile_library(source: Path, stem: str, cap: tuple[int, int]) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     # One build per machine: processes starting together (pytest-xdist workers, torchrun
-    # ranks) wait for the first one's nvcc instead of each running its own (19 xdist workers
-    # on a fresh 16-core H200 host each did, 38 nvcc at once); the lock is released if its
+    # ranks) wait for the first one's nvcc instead of each running its own (`pytest -n 19`
+    # would start 38 nvcc processes on a fresh host); the lock is released if its
     # holder dies, and the library appears by an atomic rename, so a reader never sees half.
     with open(out.parent / f"{stem}.lock", "w") as lock:
         if fcntl is not None:

@@ -72,10 +72,9 @@ AUTO = True
 # 128 / 2 x 8 warps, no spills). GPU call 20a (same-run SDPA 252.2 us, HQMQ v3 156.0), B=8
 # T=32k at the default splits: v0 210.9 us (1.35x HQMQ), v2 210.4, v9 195.1 (1.25x), v10
 # 188.5 (1.21x); B=1 graphs v0 44.2, v9 40.2, v10 38.5 us (1.16x HQMQ's 33.2), errors vs
-# Triton equal to v0's (4.4e-4). v10 is the default; its GPU tests in calls 20c-21d passed,
-# none failed (T = 1 / 33 / 4099 / 131072, last K / V token, capacity garbage, valid_len 12 /
-# None); T = 1000, the overflow test, the variant sweep and valid_len 1 are still to run
-# (kernels/NOTES.md, "GPU calls 21a-21d").
+# Triton equal to v0's (4.4e-4). v10 is the default; every GPU test of test_cuda_hqmq.py
+# passed with it (call 22d: T = 1 to 131072, the overflow test, the variant sweep, valid_len,
+# last K / V token, capacity garbage; kernels/NOTES.md, "GPU calls 22a-22f").
 MED3_VARIANTS = (0, 2, 9, 10)
 DEFAULT_VARIANT_MED3 = 10
 AUTO_MED3 = True
