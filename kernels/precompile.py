@@ -38,6 +38,7 @@ from pathlib import Path
 
 FORMAT = 1
 MAX_PER_LABEL = 64  # a bound on what one label preloads (the default compare's worst is 6)
+SHIPPED = Path(__file__).parent / "triton_ahead"  # manifests the package carries for fresh machines
 
 
 def supported() -> str | None:
@@ -60,7 +61,8 @@ def supported() -> str | None:
 class Recorder:
     """Collects the `specialization_data` of every compile a launch triggers while installed,
     under the current `label`; chains any hook installed before it (e.g. the benchmark's
-    first-use log). Compiles asked for by `preload` (manual warm-ups) are not recorded again."""
+    first-use log). A hook call means an in-memory miss of the JIT: a compile, or a load from
+    Triton's on-disk cache (what `preload` leaves there). Manual `warmup` calls are not recorded."""
 
     def __init__(self):
         self.label: str | None = None
@@ -89,8 +91,9 @@ class Recorder:
 
 
 class Manifest:
-    """{label: [specialization_data, ...]} for one run shape, in a JSON file. A file that does
-    not parse, or of another format, reads as empty (it only ever saves time)."""
+    """{label: [specialization_data, ...]} for one run shape, read from a JSON file; `dumps()`
+    gives the file's bytes for the caller to write (atomically). A file that does not parse, or
+    of another format or shape, reads as empty (it only ever saves time)."""
 
     def __init__(self, path: Path, shape: dict):
         self.path, self.shape = Path(path), shape
@@ -98,23 +101,19 @@ class Manifest:
         try:
             d = json.loads(self.path.read_text())
             if d.get("format") == FORMAT and d.get("shape") == shape:
-                self.entries = {k: list(v)[:MAX_PER_LABEL] for k, v in d["entries"].items()}
+                self.entries = {k: list(v)[-MAX_PER_LABEL:] for k, v in d["entries"].items()}
         except (OSError, ValueError, KeyError, AttributeError, TypeError):
             pass
 
     def merge(self, seen: dict[str, list[str]], failed: set[str] = frozenset()) -> None:
-        """Add what a run compiled; drop entries that failed to preload."""
+        """Drop entries that failed to preload; add what a run met (the newest kept)."""
+        self.entries = {label: [x for x in datas if x not in failed] for label, datas in self.entries.items()}
         for label, datas in seen.items():
-            kept = [x for x in self.entries.get(label, []) if x not in failed]
+            kept = self.entries.setdefault(label, [])
             self.entries[label] = (kept + [x for x in datas if x not in kept])[-MAX_PER_LABEL:]
-        for label in list(self.entries):
-            self.entries[label] = [x for x in self.entries[label] if x not in failed]
 
-    def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"format": FORMAT, "shape": self.shape, "entries": self.entries}, indent=0))
-        os.replace(tmp, self.path)
+    def dumps(self) -> bytes:
+        return json.dumps({"format": FORMAT, "shape": self.shape, "entries": self.entries}, indent=0).encode()
 
 
 def _kernel(full_name: str):

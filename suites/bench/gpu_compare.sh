@@ -36,6 +36,7 @@ time|time-ahead)
       | tee "$OUT/compare_$1.log" | grep -v USDT | cut -c1-200 | tail -40
   }
   if [ "$1" = time ]; then
+    rm -rf $C/triton_ahead  # an earlier run's manifest on this machine: round 1 would not be a first run
     timed h200 "${2:-400}"
   else
     # issue 9's fresh machine with and without a shipped manifest, cold rounds only: a run with

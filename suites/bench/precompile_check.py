@@ -20,13 +20,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 SPECS = ["int4", "kivi:bits=2", "hqmq:S=24,r=3", "hqmq:S=96,r=4", "hqmq:S=256,r=5"]
 
 
 def _launches(specs):
-    """Every spec's Triton decode attention on a small cache: (outputs, seconds spent inside
-    launches that compiled or loaded, per the hooks)."""
+    """Every spec's Triton decode attention on a small cache: the outputs."""
     import torch
 
     from kvqbench.kernels import layout as L
@@ -47,20 +47,10 @@ def _launches(specs):
 
 def child(mode: str, manifest_path: str, threads: int, out_path: str) -> None:
     import torch
-    from triton import knobs
 
     from kvqbench.kernels import precompile as P
-
-    compile_s, started = [0.0], {}
-
-    def before(**kw):
-        started[str(kw.get("key"))] = time.perf_counter()
-        return False
-
-    def after(**kw):
-        t0 = started.pop(str(kw.get("key")), None)
-        if t0 is not None:
-            compile_s[0] += time.perf_counter() - t0
+    from kvqbench.suites.bench.first_use import FirstUseLog
+    from kvqbench.suites.harness.fetch import write_atomic
 
     shape = {"check": 1}
     res = {"mode": mode, "triton_cache": os.environ.get("TRITON_CACHE_DIR")}
@@ -70,18 +60,18 @@ def child(mode: str, manifest_path: str, threads: int, out_path: str) -> None:
         pool = P.preload(m, ["all"], threads)
         pool.wait()
         res.update(pool_wall_s=round(time.perf_counter() - t0, 2), pool=pool.summary(), threads=threads)
-    rec = P.Recorder()
+    rec, log = P.Recorder(), FirstUseLog()  # the Recorder chains the log's hook
     rec.label = "all"
-    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after  # the Recorder chains `before`
     t0 = time.perf_counter()
-    with rec.installed():
+    with log.installed(), rec.installed():
         outs = _launches(SPECS)
-    res.update(launch_wall_s=round(time.perf_counter() - t0, 2), compile_path_s=round(compile_s[0], 2),
-               compiles_met=sum(map(len, rec.seen.values())))
+    first = log.since(0)
+    res.update(launch_wall_s=round(time.perf_counter() - t0, 2), compile_path_s=first["compile_s"],
+               first_launch_init_s=first["first_launch_init_s"], compiles_met=first["compiles"])
     if mode == "record":
         m = P.Manifest(manifest_path, shape)
         m.merge(rec.seen)
-        m.save()
+        write_atomic(Path(manifest_path), m.dumps())
     torch.save([o.cpu() for o in outs], out_path)
     print(json.dumps(res), flush=True)
 

@@ -333,7 +333,7 @@ class AheadRun:
 def triton_ahead(args, device, model_info, plan, specs):
     """The compare's use of kernels/precompile.py. On a CUDA run, the Triton specialisations a
     run of the same shape compiled before (`<cache>/triton_ahead/`; on a machine that has none,
-    the copy the package ships for the default job, `kernels/triton_ahead/`) compile in a thread
+    the copy the package ships for the default job, `precompile.SHIPPED`) compile in a thread
     pool while the first rows run, and what this run's rows compile is recorded per spec for the
     next run. Yields an `AheadRun` (the loop calls its `row` with each row's spec). Off with
     KVQBENCH_PRECOMPILE_THREADS=0, on a CPU, under torchrun, or where `precompile.supported()`
@@ -345,7 +345,7 @@ def triton_ahead(args, device, model_info, plan, specs):
     if device is None or device.type != "cuda" or threads <= 0 or P.supported() is not None:
         yield AheadRun()
         return
-    from ..harness.fetch import cache_dir
+    from ..harness.fetch import cache_dir, write_atomic
 
     shape = {k: model_info.get(k) for k in ("name", "sha256", "n_heads", "n_kv_heads", "head_dim", "dtype")}
     shape.update(lengths=plan["lengths"], windows=args.windows, batch_size=args.batch_size,
@@ -354,7 +354,7 @@ def triton_ahead(args, device, model_info, plan, specs):
     name = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16] + ".json"
     manifest = P.Manifest(cache_dir() / "triton_ahead" / name, shape)
     if not manifest.entries:
-        manifest.entries = P.Manifest(Path(P.__file__).parent / "triton_ahead" / name, shape).entries
+        manifest.entries = P.Manifest(P.SHIPPED / name, shape).entries
     pool = P.preload(manifest, list(dict.fromkeys(specs)), threads)
     rec = P.Recorder()
     try:
@@ -365,13 +365,15 @@ def triton_ahead(args, device, model_info, plan, specs):
         s = pool.summary()
         manifest.merge(rec.seen, set(pool.failed))
         try:
-            manifest.save()
+            manifest.path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(manifest.path, manifest.dumps())
         except OSError as e:
             print(f"kvqbench: could not save {manifest.path}: {e}", file=sys.stderr)
         took = "" if s["seconds"] is None else f" in {s['seconds']} s"
         print(f"Triton ahead ({manifest.path.name}): {s['preloaded']} of {s['submitted']} specialisations "
-              f"compiled by the pool{took}, {s['failed']} stale; the rows compiled "
-              f"{sum(map(len, rec.seen.values()))} themselves", file=sys.stderr)
+              f"compiled by the pool{took}, {s['failed']} stale; the rows met "
+              f"{sum(map(len, rec.seen.values()))} not yet in memory (compiled, or loaded from Triton's disk cache)",
+              file=sys.stderr)
 
 
 def _lm_eval_scores(args, run, model, tok, specs, protocol, meta_le) -> None:

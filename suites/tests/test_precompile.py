@@ -31,7 +31,7 @@ def test_manifest_round_trip_merge_and_what_reads_as_empty(tmp_path):
     a, b, c = data(n=1), data(n=2), data(n=3)
     m.merge({"int4": [a, b], "hqmq": [c]})
     m.merge({"int4": [b]})  # seen again: kept once
-    m.save()
+    path.write_bytes(m.dumps())
     again = P.Manifest(path, SHAPE)
     assert again.entries == {"int4": [a, b], "hqmq": [c]}
     again.merge({}, failed={a, c})  # entries that failed to preload are dropped everywhere
@@ -146,9 +146,9 @@ def test_a_machine_without_its_own_manifest_uses_the_shipped_one(monkeypatch, tm
     (package / "triton_ahead").mkdir(parents=True)
     shipped = P.Manifest(package / "triton_ahead" / mine.name, json.loads(mine.read_text())["shape"])
     shipped.merge({"int4": [data("kvqbench.kernels.no_such_module._k")], "kivi": [data(n=9)]})
-    shipped.save()
+    shipped.path.write_bytes(shipped.dumps())
     mine.unlink()
-    monkeypatch.setattr(P, "__file__", str(package / "precompile.py"))
+    monkeypatch.setattr(P, "SHIPPED", package / "triton_ahead")
     capsys.readouterr()
     with compare_run.triton_ahead(args, torch.device("cuda"), *shape, ["int4"]) as ahead:
         ahead.pool.wait(timeout=60)
