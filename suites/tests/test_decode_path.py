@@ -387,3 +387,28 @@ def test_targets_judge_each_run_against_both_baselines():
     assert got[graph_plain] == ("0.82x (3.30 / 4.00 ms)", "met")
     assert got[graph_best] == ("1.10x (3.30 / 3.00 ms)", "met")
     assert not any(t.startswith("kivi:bits=4 graph") and v == "met" for t, (m, v) in got.items())
+
+
+def test_decode_benchmark_resume_fills_in_only_what_is_missing(tmp_path, capsys):
+    # A grid cut by its budget is completed by a second call with --resume: the rows there
+    # are kept as they are, only the missing (cache, context, batch) are measured; a file
+    # from other settings is refused with the reason, and nothing is written over it.
+    import json
+
+    from kvqbench.suites.bench.decode.__main__ import main
+
+    base = ["--shape", "tiny", "--steps", "2", "--warmup", "1", "--specs", "plain", "int4", "--dtype", "float32",
+            "--modes", "eager", "--no-write-cost", "--out", str(tmp_path)]
+    assert main(base + ["--pairs", "40:1"]) == 0
+    path = tmp_path / "decode_tiny.json"
+    first = json.loads(path.read_text())
+    assert main(base + ["--pairs", "40:1", "40:2", "--resume"]) == 0
+    run = json.loads(path.read_text())
+    assert [r for r in run["results"] if r["batch"] == 1] == first["results"]  # kept, not re-measured
+    assert {(r["spec"], r["batch"]) for r in run["results"]} == {(s, b) for s in ("plain", "int4") for b in (1, 2)}
+    assert run["resumed_from"] == [first["environment"]["time"]]
+    assert "resumed: earlier calls started" in (tmp_path / "decode_tiny.md").read_text()
+    before = path.read_text()
+    assert main(base[:3] + ["3"] + base[4:] + ["--pairs", "40:1", "--resume"]) == 2  # other --steps
+    assert "measured under other conditions (config steps: 2 there, 3 now)" in capsys.readouterr().err
+    assert path.read_text() == before

@@ -2,7 +2,8 @@
 
 Results are saved after every configuration (write to a temp file, then rename), so
 a run stopped by its time budget still leaves what it measured; `--budget-s` stops
-starting new configurations once that many seconds have passed.
+starting new configurations once that many seconds have passed, and `--resume` measures
+only what the JSON at the output path lacks (a later call fills in a cut grid).
 """
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def _args(argv):
     p.add_argument("--name", default=None,
                    help="file stem of the JSON / Markdown / plot (default: decode, or decode_<shape> "
                         "for a shape other than llama3-8b-4l, so two shapes never overwrite each other)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rows of the JSON already at the output path and measure only the missing "
+                        "(cache, context, batch); it must come from the same settings, GPU and versions")
     p.add_argument("--render", type=Path, default=None, help="only render this JSON to Markdown + plot")
     a = p.parse_args(argv)
     for name in ("contexts", "batches"):
@@ -63,6 +67,33 @@ def _save(path: Path, run: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(run, indent=1))
     os.replace(tmp, path)
+
+
+# Differences between two runs' environments that do not make their rows incomparable.
+RESUME_FREE = {"time", "sm_clock_now_MHz"}
+
+
+def resumed(path: Path, run: dict) -> dict:
+    """`run` continued from the earlier run saved at `path`: its checks, write costs and rows
+    kept, the earlier start times in `resumed_from`. Refuses (ValueError, naming what
+    differs) a file of other settings or another machine's GPU / versions: rows measured
+    under different conditions never share a table."""
+    try:
+        old = json.loads(path.read_text())
+        old_cfg, old_env = old["config"], old["environment"]
+        old["results"], old["checks"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--resume: cannot read an earlier run from {path}: {e}") from e
+    diff = [f"config {k}: {old_cfg.get(k)!r} there, {v!r} now" for k, v in run["config"].items()
+            if old_cfg.get(k) != v]
+    env = run["environment"]
+    diff += [f"{k}: {old_env.get(k)!r} there, {env.get(k)!r} now" for k in sorted(set(env) | set(old_env))
+             if k not in RESUME_FREE and old_env.get(k) != env.get(k)]
+    if diff:
+        raise ValueError(f"--resume: {path} was measured under other conditions ({'; '.join(diff)}); "
+                         "write to another --out or --name")
+    return {**run, "checks": old["checks"], "results": old["results"], "write_cost": old.get("write_cost", []),
+            "resumed_from": old.get("resumed_from", []) + [old_env.get("time")]}
 
 
 def environment() -> dict:
@@ -98,8 +129,19 @@ def main(argv=None) -> int:
     run = {"config": {"shape": a.shape, "dtype": a.dtype, "steps": a.steps, "warmup": a.warmup,
                       "device": device, "weights": "random", "modes": a.modes},
            "environment": environment(), "checks": [], "results": []}
+    if a.resume and path.exists():
+        try:
+            run = resumed(path, run)
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
+        print(f"resuming {path}: {len(run['results'])} rows kept", flush=True)
+    done = {(r["spec"], r["context"], r["batch"]) for r in run["results"] if "error" not in r}
     quantized = [s for s in specs if s not in (None, "plain-static")]
+    checked = {c.get("spec") for c in run["checks"]}
     for spec in (a.check or quantized) if a.check is not None else []:
+        if spec in checked:
+            continue
         r = compare_paths(model, spec, context=min(1024, max(a.contexts)), batch=2)
         print(f"check {spec}: {r}", flush=True)
         run["checks"].append(r)
@@ -109,12 +151,15 @@ def main(argv=None) -> int:
     pairs.sort(key=lambda cb: (cb not in ((4096, 1), (max(a.contexts), max(a.batches))), cb))
     cfg = model.config
     # A decode step's write (device encode into the store) and the old path (append) beside it.
-    run["write_cost"] = [] if a.no_write_cost else [
-        write_cost(s, heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, device=device, step_encode=fast)
-        for s in quantized for fast in (True, False)]
+    if not (a.no_write_cost or run.get("write_cost")):  # a resumed run keeps the costs it has
+        run["write_cost"] = [write_cost(s, heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, device=device,
+                                        step_encode=fast) for s in quantized for fast in (True, False)]
+    run.setdefault("write_cost", [])
     _save(path, run)
     for ctx, batch in pairs:
         for spec in specs:
+            if (spec or "plain", ctx, batch) in done:
+                continue
             if time.perf_counter() - t_start > a.budget_s:
                 print(f"budget reached: skipping {spec} ctx {ctx} batch {batch}", flush=True)
                 continue
@@ -127,7 +172,8 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
             for r in rows:
                 print(json.dumps({k: v for k, v in r.items()}), flush=True)
-            run["results"].extend(rows)
+            run["results"] = [r for r in run["results"] if (r["spec"], r["context"], r["batch"])
+                              != (spec or "plain", ctx, batch)] + rows  # an earlier error row replaced
             _save(path, run)
     for p in render(path):
         print(p)

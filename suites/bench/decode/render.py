@@ -93,7 +93,8 @@ def markdown(run: dict) -> str:
     lines = [f"# Decode benchmark: {cfg['shape']} (random weights), {cfg['dtype']}", "",
              f"{env.get('gpu', '?')}, torch {env.get('torch')}, triton {env.get('triton')}, "
              f"transformers {env.get('transformers')}, CUDA {env.get('cuda')}, driver {env.get('driver', '?')}; "
-             f"{env.get('time', '')}.", "",
+             f"{env.get('time', '')}" + (f" (resumed: earlier calls started {', '.join(map(str, run['resumed_from']))}; "
+                                        "same GPU, versions and settings)" if run.get("resumed_from") else "") + ".", "",
              "Greedy decoding after a prefill of `context` random tokens per row; ms per decode step "
              f"(median of {cfg['steps']} steps, synchronised per step, after {cfg['warmup']} warm-up steps). "
              "`plain` is transformers' DynamicCache (SDPA; grows by torch.cat, a new allocation per step "
@@ -173,43 +174,50 @@ def markdown(run: dict) -> str:
 
 
 def plot(run: dict, path: Path) -> bool:
-    """tokens/s and KV memory against context, one line per (cache, batch). False without matplotlib."""
+    """tokens/s and KV memory against context: one row of panels per batch size, a colour
+    per cache, solid eager / dotted graph; the legend below the panels (a full grid has
+    too many lines for one inside). False without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
     except ImportError:
         return False
     rows = [r for r in run["results"] if "error" not in r and "skipped" not in r]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = plt.get_cmap("tab10").colors  # one colour per cache, a line style per (batch, run)
-    for i, spec in enumerate(sorted({r["spec"] for r in rows})):
-        for batch in sorted({r["batch"] for r in rows}):
-            for mode in ("eager", "graph"):
+    specs = sorted({r["spec"] for r in rows})
+    batches = sorted({r["batch"] for r in rows}) or [1]
+    fig, axes = plt.subplots(len(batches), 2, figsize=(12, 3.6 * len(batches) + 1.2), squeeze=False)
+    colors = plt.get_cmap("tab10").colors
+    for (a, b), batch in zip(axes, batches):
+        for i, spec in enumerate(specs):
+            c = colors[i % len(colors)]
+            for mode, style, marker in (("eager", "-", "o"), ("graph", ":", "s")):
                 pts = sorted((r["context"], r["tokens_per_s"], r["kv_live_bytes"] / GiB) for r in rows
                              if r["spec"] == spec and r["batch"] == batch and _run_of(r) == mode)
-                if pts:
-                    x = [p[0] for p in pts]
-                    style = ("-" if batch == max(r["batch"] for r in rows) else "--") if mode == "eager" else ":"
-                    c = colors[i % len(colors)]
-                    marker = "o" if mode == "eager" else "s"
-                    label = f"{spec}, batch {batch}, {mode}"
-                    a.plot(x, [p[1] for p in pts], style, color=c, marker=marker, label=label)
-                    if mode == "eager":  # the same cache either way: one memory line
-                        b.plot(x, [p[2] for p in pts], style, color=c, marker=marker, label=f"{spec}, batch {batch}")
-    for ax, label in ((a, "tokens/s (decode, median step)"), (b, "KV cache memory (GiB, measured)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    if any(r["kv_live_bytes"] > 0 for r in rows):
-        b.set_yscale("log")
-    a.legend(fontsize=7)
+                if not pts:
+                    continue
+                x = [p[0] for p in pts]
+                a.plot(x, [p[1] for p in pts], style, color=c, marker=marker)
+                if mode == "eager":  # the same cache either way: one memory line
+                    b.plot(x, [p[2] for p in pts], style, color=c, marker=marker)
+        for ax, label in ((a, "tokens/s (decode, median step)"), (b, "KV cache memory (GiB, measured)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel(label)
+            ax.set_title(f"batch {batch}", fontsize=9)
+            ax.grid(alpha=0.3)
+        if any(r["kv_live_bytes"] > 0 for r in rows if r["batch"] == batch):
+            b.set_yscale("log")
+    handles = [Line2D([], [], color=colors[i % len(colors)], lw=2, label=s) for i, s in enumerate(specs)]
+    handles += [Line2D([], [], color="gray", ls="-", marker="o", label="eager steps"),
+                Line2D([], [], color="gray", ls=":", marker="s", label="CUDA-graph steps")]
+    fig.legend(handles=handles, loc="lower center", ncol=min(5, len(handles)), fontsize=8, frameon=False)
     env = run["environment"]
     fig.suptitle(f"{run['config']['shape']} (random weights), {env.get('gpu', '?')}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.tight_layout(rect=(0, 0.1 if len(batches) < 2 else 0.07, 1, 1))
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
 
