@@ -287,12 +287,32 @@ class Quantizer(ABC):
             pending = torch.cat([segs.pop().fields[WINDOW_FIELD].float(), pending], dim=2)
         done = sum(s.tokens for s in segs)  # already quantized: whole groups
         n_quant = self.quantized_tokens(done + pending.shape[2]) - done
-        for start in range(0, n_quant, group):
-            segs.append(self._encode_segment(pending[:, :, start : start + group], packed.shared))
+        # A long write (a prefill) encodes its groups in one call where the format can
+        # cut the result into the one-group segments it stores (`split_groups`): a
+        # 32k-token prefill is 1024 groups, a Python loop of launches per group on a GPU.
+        split = self.split_groups(self._encode_segment(pending[:, :, :n_quant], packed.shared), group) \
+            if n_quant > group else None
+        if split is not None:
+            segs.extend(split)
+        else:
+            for start in range(0, n_quant, group):
+                segs.append(self._encode_segment(pending[:, :, start : start + group], packed.shared))
         if pending.shape[2] > n_quant:
             rest = pending[:, :, n_quant:]
             segs.append(Segment({WINDOW_FIELD: rest.half()}, rest.shape[2]))
         return dataclasses.replace(packed, segments=segs)
+
+    def split_groups(self, seg: Segment, group: int) -> list[Segment] | None:
+        """For `append_windowed`: `seg`, the encoding of n whole groups of `group` tokens
+        in one call, as the n one-group segments that encoding each group alone stores
+        (bit for bit; views are fine), or None where the format cannot say (the default:
+        the groups are then encoded one by one)."""
+        return None
+
+    def merge_groups(self, segs: list[Segment]) -> Segment | None:
+        """For `decode`: one segment whose decode is that of the consecutive quantized
+        one-group segments `segs`, or None (the default: each decoded alone)."""
+        return None
 
     def decode(self, packed: Packed) -> torch.Tensor:
         """Everything written so far, `[B, H, T, D]` in the dtype that was written.
@@ -300,38 +320,71 @@ class Quantizer(ABC):
         self.check_packed(packed)
         if not packed.segments:
             raise QuantizerInputError("decode of an empty packed cache")
-        parts = [self._decode_segment(packed, i, s) for i, s in enumerate(packed.segments)]
+        parts, segs, i = [], packed.segments, 0
+        merges = type(self).merge_groups is not Quantizer.merge_groups
+        while i < len(segs):
+            j = i  # a run of undecoded quantized segments: decoded in one call where the format merges them
+            while merges and j < len(segs) and self._mergeable(segs[j]):
+                j += 1
+            if j - i < 2:
+                parts.append(self._decode_segment(packed, i, segs[i]))
+                i += 1
+                continue
+            run = segs[i:j]
+            for k, seg in enumerate(run, i):  # every stored segment passes the checks it would alone
+                self._check_segment(packed, k, seg, (packed.batch, packed.heads, seg.tokens, packed.head_dim))
+            merged = self.merge_groups(run)
+            if merged is None:
+                for k, seg in enumerate(run, i):
+                    seg._decoded = self._decode_checked(packed, f"segment {k}", seg)
+                    parts.append(seg._decoded)
+            else:
+                out = self._decode_checked(packed, f"segments {i}-{j - 1}", merged)
+                t = 0
+                for seg in run:
+                    seg._decoded, t = out[:, :, t : t + seg.tokens], t + seg.tokens
+                parts.append(out)
+            i = j
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+    @staticmethod
+    def _mergeable(seg) -> bool:
+        return (isinstance(seg, Segment) and seg._decoded is None and isinstance(seg.tokens, int) and seg.tokens > 0
+                and set(seg.fields) != {WINDOW_FIELD})
 
     def _decode_segment(self, packed: Packed, index: int, seg: Segment) -> torch.Tensor:
         if not isinstance(seg, Segment) or not isinstance(seg.tokens, int) or seg.tokens < 1:
             raise CorruptPackedError(f"segment {index} of a {packed.spec} cache is not a Segment of >= 1 tokens")
         if seg._decoded is None:
-            shape = (packed.batch, packed.heads, seg.tokens, packed.head_dim)
-            self._check_segment(packed, index, seg, shape)
-            where = f"segment {index} ({seg.tokens} tokens) of a {packed.spec} cache"
-            try:
-                if set(seg.fields) == {WINDOW_FIELD}:
-                    out = seg.fields[WINDOW_FIELD].float()
-                else:
-                    out = self.decode_tokens(seg, packed.shared, shape)
-            except QuantizerInputError:
-                raise
-            except (RuntimeError, LookupError, ValueError, TypeError) as e:
-                # Fields of the right shapes can still hold values the format never
-                # writes (a code past the codebook, outlier counts that disagree).
-                raise CorruptPackedError(f"{where} does not decode ({type(e).__name__}: {e}); "
-                                         "its stored bytes are corrupt") from e
-            if tuple(out.shape) != shape:
-                raise CorruptPackedError(f"{where} decodes to shape {tuple(out.shape)}, not {shape}")
-            cast = out.to(packed.dtype)
-            n_dec, n_cast = _non_finite(out), _non_finite(cast)
-            require((n_dec + n_cast) > 0, lambda: CorruptPackedError(
-                f"{where} decodes to {int(n_dec)} NaN/Inf values from finite stored bytes" if int(n_dec) else
-                f"{where} overflows {packed.dtype} with {int(n_cast)} NaN/Inf values from finite stored bytes"))
-            out = cast
-            seg._decoded = out
+            self._check_segment(packed, index, seg, (packed.batch, packed.heads, seg.tokens, packed.head_dim))
+            seg._decoded = self._decode_checked(packed, f"segment {index}", seg)
         return seg._decoded
+
+    def _decode_checked(self, packed: Packed, what: str, seg: Segment) -> torch.Tensor:
+        """`seg` decoded (its fields already checked), in the written dtype; a decode that
+        fails, has the wrong shape or yields NaN/Inf from finite bytes is CorruptPackedError."""
+        shape = (packed.batch, packed.heads, seg.tokens, packed.head_dim)
+        where = f"{what} ({seg.tokens} tokens) of a {packed.spec} cache"
+        try:
+            if set(seg.fields) == {WINDOW_FIELD}:
+                out = seg.fields[WINDOW_FIELD].float()
+            else:
+                out = self.decode_tokens(seg, packed.shared, shape)
+        except QuantizerInputError:
+            raise
+        except (RuntimeError, LookupError, ValueError, TypeError) as e:
+            # Fields of the right shapes can still hold values the format never
+            # writes (a code past the codebook, outlier counts that disagree).
+            raise CorruptPackedError(f"{where} does not decode ({type(e).__name__}: {e}); "
+                                     "its stored bytes are corrupt") from e
+        if tuple(out.shape) != shape:
+            raise CorruptPackedError(f"{where} decodes to shape {tuple(out.shape)}, not {shape}")
+        cast = out.to(packed.dtype)
+        n_dec, n_cast = _non_finite(out), _non_finite(cast)
+        require((n_dec + n_cast) > 0, lambda: CorruptPackedError(
+            f"{where} decodes to {int(n_dec)} NaN/Inf values from finite stored bytes" if int(n_dec) else
+            f"{where} overflows {packed.dtype} with {int(n_cast)} NaN/Inf values from finite stored bytes"))
+        return cast
 
     # ---- validation of what decode and append are given --------------------------------
     def check_packed(self, packed: Packed) -> None:

@@ -76,6 +76,33 @@ class KIVI(Quantizer):
             return Segment(quantize_groups(x.transpose(2, 3), c.bits, c.group, -1), x.shape[2])
         return Segment(quantize_groups(x, c.bits, self._channel_group(x.shape[-1]), -1), x.shape[2])
 
+    # A K group's codes are packed along its G tokens: groups concatenate byte-wise when
+    # G * bits is whole bytes (other widths are encoded and decoded group by group).
+    def _key_group_bytes(self) -> int | None:
+        c = self.config
+        return c.group * c.bits // 8 if c.group * c.bits % 8 == 0 else None
+
+    def split_groups(self, seg, group):
+        n = seg.tokens // group
+        f = seg.fields
+        if self.role == "V":  # per token: the token axis
+            return [Segment({k: v[:, :, i * group : (i + 1) * group] for k, v in f.items()}, group) for i in range(n)]
+        gb = self._key_group_bytes()
+        if gb is None:
+            return None
+        return [Segment({"codes": f["codes"][..., i * gb : (i + 1) * gb], "scale": f["scale"][..., i : i + 1],
+                         "zero": f["zero"][..., i : i + 1]}, group) for i in range(n)]
+
+    def merge_groups(self, segs):
+        c = self.config
+        if any(s.tokens != c.group or set(s.fields) != {"codes", "scale", "zero"} for s in segs):
+            return None  # not one-group segments: each is decoded (and rejected) alone
+        axis = 2 if self.role == "V" else -1
+        if self.role == "K" and self._key_group_bytes() is None:
+            return None
+        return Segment({k: torch.cat([s.fields[k] for s in segs], dim=axis) for k in ("codes", "scale", "zero")},
+                       sum(s.tokens for s in segs))
+
     def decode_tokens(self, seg, shared, shape):  # window segments are decoded by the base class
         c = self.config
         B, H, T, D = shape

@@ -258,6 +258,60 @@ def test_kivi_window_and_bytes_per_step(window, role):
         assert set(seen[12:]) == {8, 9, 10, 11}
 
 
+@pytest.mark.parametrize("spec", ["kivi:bits=2", "kivi:bits=4,group=8,residual=24", "kivi:bits=3,group=8,residual=8",
+                                  "kivi:bits=3,group=4,residual=8", "kivi:bits=4,group=4,residual=8,window=fixed", "kivi:bits=8,group=16,residual=0"])
+@pytest.mark.parametrize("role", ["K", "V"])
+def test_kivi_long_writes_encode_and_decode_groups_in_one_call(spec, role, monkeypatch):
+    # A prefill's groups are encoded in one call and cut into one-group segments, and a
+    # run of such segments decodes in one call (a 32k prefill is 1024 groups): the
+    # segments, their bytes and the decode equal those of the group-by-group path, for one
+    # write and for writes that straddle the window (3-bit keys in groups of 4 end
+    # mid-byte: they keep the group-by-group path).
+    from kvqbench.quantizers.base import Quantizer
+
+    x = gaussian(2, 3, 203, 32, seed=9, outlier_channel=5, scale=20.0)
+    cuts = [0, 150, 151, 203]
+
+    def written(q):
+        p = q.encode(x)
+        parts = None
+        for a, b in zip(cuts, cuts[1:]):
+            parts = q.append(parts, x[:, :, a:b])
+        return p, parts
+
+    fast = get_quantizer(spec, role=role)
+    one, parts = written(fast)
+    decoded = [fast.decode(one), fast.decode(parts)]
+    assert one.segments[-1].tokens == parts.segments[-1].tokens
+    with monkeypatch.context() as m:
+        m.setattr(type(fast), "split_groups", Quantizer.split_groups)
+        m.setattr(type(fast), "merge_groups", Quantizer.merge_groups)
+        slow = get_quantizer(spec, role=role)
+        ref_one, ref_parts = written(slow)
+        ref = [slow.decode(ref_one), slow.decode(ref_parts)]
+    for got, want in ((one, ref_one), (parts, ref_parts)):
+        assert [s.tokens for s in got.segments] == [s.tokens for s in want.segments]
+        for a, b in zip(got.segments, want.segments):
+            assert a.fields.keys() == b.fields.keys()
+            assert all(torch.equal(a.fields[k], b.fields[k]) for k in a.fields)
+        assert got.nbytes == want.nbytes and got.digest() == want.digest()
+    for a, b in zip(decoded, ref):
+        assert torch.equal(a, b)
+    assert len(one.segments) >= 3  # a run of one-group segments (and the window)
+    merged = fast.merge_groups(one.segments[:-1] if "residual" in one.segments[-1].fields else one.segments)
+    assert (merged is None) == (role == "K" and fast.config.group * fast.config.bits % 8 != 0)
+
+
+def test_kivi_corrupt_segment_in_a_merged_run_is_named():
+    from kvqbench.quantizers.base import CorruptPackedError
+
+    q = get_quantizer("kivi:bits=2", role="K")
+    p = q.encode(gaussian(1, 2, 600, 64))
+    p.segments[3].fields["scale"][0, 0, 0, 0] = float("nan")
+    with pytest.raises(CorruptPackedError, match="segment 3"):
+        q.decode(p)
+
+
 # ---- HQMQ fill and stochastic marks --------------------------------------------------------
 @pytest.mark.parametrize("S, filled", [(24, 42), (96, 170), (256, 341)])
 def test_hqmq_fill_uses_the_code_field(S, filled):
