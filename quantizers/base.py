@@ -379,7 +379,11 @@ class Quantizer(ABC):
                                      "its stored bytes are corrupt") from e
         if tuple(out.shape) != shape:
             raise CorruptPackedError(f"{where} decodes to shape {tuple(out.shape)}, not {shape}")
-        cast = out.to(packed.dtype)
+        # Contiguous: a decode may be a transposed view (KIVI keys decode channel-major), and
+        # SDPA's fused CUDA kernels need unit stride on the last axis: handed a transposed
+        # history, a prefill fell back to the math path and its [B, Hq, T, T] float32 scores
+        # (85.8 GiB peak at 32k tokens on the H200, call 23e).
+        cast = out.to(packed.dtype).contiguous()
         n_dec, n_cast = _non_finite(out), _non_finite(cast)
         require((n_dec + n_cast) > 0, lambda: CorruptPackedError(
             f"{where} decodes to {int(n_dec)} NaN/Inf values from finite stored bytes" if int(n_dec) else

@@ -75,6 +75,9 @@ def check_shapes_dtypes_and_bound(spec: str, role: str) -> None:
             y = q.decode(packed)
             assert y.shape == x.shape, f"{spec}: decode shape {tuple(y.shape)} != {tuple(x.shape)}"
             assert y.dtype == dtype and y.device == x.device, f"{spec}: decode gave {y.dtype} on {y.device}"
+            # (the base class makes it so; an attention that reads the decoded history
+            # needs unit stride on the last axis for SDPA's fused kernels)
+            assert y.is_contiguous(), f"{spec}: decode gave a non-contiguous tensor (strides {y.stride()})"
             assert torch.isfinite(y).all(), f"{spec}: decode produced NaN/Inf"
             worst = bound_excess(q, x, y)
             assert worst <= 0, (f"{spec} {role} {dtype} at input scale {scale:g}: round-trip error exceeds "
