@@ -332,13 +332,20 @@ class Quantizer(ABC):
                 continue
             run = segs[i:j]
             for k, seg in enumerate(run, i):  # every stored segment passes the checks it would alone
-                self._check_segment(packed, k, seg, (packed.batch, packed.heads, seg.tokens, packed.head_dim))
+                self._check_segment(packed, k, seg, (packed.batch, packed.heads, seg.tokens, packed.head_dim),
+                                    finite=False)
             merged = self.merge_groups(run)
             if merged is None:
                 for k, seg in enumerate(run, i):
+                    self._check_fields_finite(packed, k, seg)
                     seg._decoded = self._decode_checked(packed, f"segment {k}", seg)
                     parts.append(seg._decoded)
             else:
+                # The merged fields hold every byte of the run: one finiteness check (not one per
+                # group and field, thousands of launches for a long prefill), and on failure the
+                # message names the first segment and field at fault, as the check alone would.
+                bad = sum(_non_finite(t) for t in merged.fields.values() if t.is_floating_point())
+                require(bad > 0, lambda first=i, run=run: self._first_non_finite(packed, first, run))  # bound now: i moves on
                 out = self._decode_checked(packed, f"segments {i}-{j - 1}", merged)
                 t = 0
                 for seg in run:
@@ -412,7 +419,9 @@ class Quantizer(ABC):
             if t.is_floating_point():
                 _check_stored_finite(t, f"shared tensor {name!r}")
 
-    def _check_segment(self, packed: Packed, index: int, seg: Segment, shape) -> None:
+    def _check_segment(self, packed: Packed, index: int, seg: Segment, shape, finite: bool = True) -> None:
+        """Fields of the names, shapes and dtypes this format stores for `shape`; and (`finite`)
+        no NaN/Inf in a floating field."""
         where = f"segment {index} of a {packed.spec} cache"
         if set(seg.fields) == {WINDOW_FIELD}:
             expected = {WINDOW_FIELD: (shape, torch.float16)}
@@ -423,9 +432,26 @@ class Quantizer(ABC):
                 raise CorruptPackedError(f"{where}: {self.spec} never stores a segment of {shape[2]} tokens "
                                          f"at [B, H, D] = {(shape[0], shape[1], shape[3])} ({variable})")
         _compare_fields(seg.fields, expected, where, variable)
+        if finite:
+            self._check_fields_finite(packed, index, seg)
+
+    @staticmethod
+    def _check_fields_finite(packed: Packed, index: int, seg: Segment) -> None:
         for name, t in seg.fields.items():
             if t.is_floating_point():
-                _check_stored_finite(t, f"{where}, field {name!r},")
+                _check_stored_finite(t, f"segment {index} of a {packed.spec} cache, field {name!r},")
+
+    @staticmethod
+    def _first_non_finite(packed: Packed, first: int, run: list[Segment]) -> Exception:
+        """The error `_check_fields_finite` raises for the first segment of `run` at fault."""
+        for k, seg in enumerate(run, first):
+            for name, t in seg.fields.items():
+                n = int(_non_finite(t)) if t.is_floating_point() else 0
+                if n:
+                    return CorruptPackedError(f"segment {k} of a {packed.spec} cache, field {name!r}, holds {n} "
+                                              "NaN/Inf values: the stored bytes are corrupt")
+        return CorruptPackedError(f"segments {first}-{first + len(run) - 1} of a {packed.spec} cache hold NaN/Inf "
+                                  "values: the stored bytes are corrupt")
 
     # Field layouts {name: (shape, dtype)} per (class, spec, role, segment shape): learnt
     # from this process's own writes (free) or, for a shape never written here, from

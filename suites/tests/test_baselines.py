@@ -312,8 +312,16 @@ def test_kivi_corrupt_segment_in_a_merged_run_is_named():
     q = get_quantizer("kivi:bits=2", role="K")
     p = q.encode(gaussian(1, 2, 600, 64))
     p.segments[3].fields["scale"][0, 0, 0, 0] = float("nan")
-    with pytest.raises(CorruptPackedError, match="segment 3"):
+    with pytest.raises(CorruptPackedError, match="segment 3 of .*, field 'scale', holds 1 NaN/Inf"):
         q.decode(p)
+    from kvqbench.quantizers.checks import deferred_checks, flush
+
+    for s in p.segments:
+        s._decoded = None
+    with pytest.raises(CorruptPackedError, match="segment 3 of .*, field 'scale', holds 1 NaN/Inf"):
+        with deferred_checks():  # the run's one check, queued, raises at the flush
+            q.decode(p)
+            flush()
 
 
 # ---- HQMQ fill and stochastic marks --------------------------------------------------------
