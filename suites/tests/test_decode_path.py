@@ -408,6 +408,12 @@ def test_decode_benchmark_resume_fills_in_only_what_is_missing(tmp_path, capsys)
     assert {(r["spec"], r["batch"]) for r in run["results"]} == {(s, b) for s in ("plain", "int4") for b in (1, 2)}
     assert run["resumed_from"] == [first["environment"]["time"]]
     assert "resumed: earlier calls started" in (tmp_path / "decode_tiny.md").read_text()
+    assert main(base + ["--pairs", "40:2", "--resume", "--remeasure", "int4"]) == 0  # int4 at 40:2 again
+    again = json.loads(path.read_text())
+    assert len(again["results"]) == len(run["results"])
+    assert [r for r in again["results"] if r["spec"] == "plain"] == [r for r in run["results"] if r["spec"] == "plain"]
+    new_int4 = [r for r in again["results"] if r["spec"] == "int4" and r["batch"] == 2]
+    assert len(new_int4) == 1 and new_int4 != [r for r in run["results"] if r["spec"] == "int4" and r["batch"] == 2]
     before = path.read_text()
     assert main(base[:3] + ["3"] + base[4:] + ["--pairs", "40:1", "--resume"]) == 2  # other --steps
     assert "measured under other conditions (config steps: 2 there, 3 now)" in capsys.readouterr().err

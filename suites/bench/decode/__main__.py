@@ -45,6 +45,8 @@ def _args(argv):
     p.add_argument("--resume", action="store_true",
                    help="keep the rows of the JSON already at the output path and measure only the missing "
                         "(cache, context, batch); it must come from the same settings, GPU and versions")
+    p.add_argument("--remeasure", nargs="+", default=[], metavar="SPEC",
+                   help="with --resume: measure these caches again at the requested pairs, replacing their rows")
     p.add_argument("--render", type=Path, default=None, help="only render this JSON to Markdown + plot")
     a = p.parse_args(argv)
     for name in ("contexts", "batches"):
@@ -60,6 +62,8 @@ def _args(argv):
         if any(len(pr) != 2 or min(pr) < 1 for pr in a.pairs):
             p.error("--pairs takes CTX:BATCH with positive numbers, e.g. 4096:1 32768:8")
         a.contexts = sorted({c for c, _ in a.pairs})
+    if a.remeasure and not a.resume:
+        p.error("--remeasure goes with --resume (without it every row is measured anyway)")
     return a
 
 
@@ -136,7 +140,8 @@ def main(argv=None) -> int:
             print(e, file=sys.stderr)
             return 2
         print(f"resuming {path}: {len(run['results'])} rows kept", flush=True)
-    done = {(r["spec"], r["context"], r["batch"]) for r in run["results"] if "error" not in r}
+    done = {(r["spec"], r["context"], r["batch"]) for r in run["results"]
+            if "error" not in r and r["spec"] not in a.remeasure}
     quantized = [s for s in specs if s not in (None, "plain-static")]
     checked = {c.get("spec") for c in run["checks"]}
     for spec in (a.check or quantized) if a.check is not None else []:
