@@ -288,10 +288,9 @@ class Quantizer(ABC):
         done = sum(s.tokens for s in segs)  # already quantized: whole groups
         n_quant = self.quantized_tokens(done + pending.shape[2]) - done
         # A long write (a prefill) encodes its groups in one call where the format can
-        # cut the result into the one-group segments it stores (`split_groups`): a
-        # 32k-token prefill is 1024 groups, a Python loop of launches per group on a GPU.
-        split = self.split_groups(self._encode_segment(pending[:, :, :n_quant], packed.shared), group) \
-            if n_quant > group else None
+        # (`encode_groups`): a 32k-token prefill is 1024 groups, a Python loop of launches
+        # per group on a GPU.
+        split = self.encode_groups(pending[:, :, :n_quant], packed.shared, group) if n_quant > group else None
         if split is not None:
             segs.extend(split)
         else:
@@ -302,11 +301,11 @@ class Quantizer(ABC):
             segs.append(Segment({WINDOW_FIELD: rest.half()}, rest.shape[2]))
         return dataclasses.replace(packed, segments=segs)
 
-    def split_groups(self, seg: Segment, group: int) -> list[Segment] | None:
-        """For `append_windowed`: `seg`, the encoding of n whole groups of `group` tokens
-        in one call, as the n one-group segments that encoding each group alone stores
-        (bit for bit; views are fine), or None where the format cannot say (the default:
-        the groups are then encoded one by one)."""
+    def encode_groups(self, x: torch.Tensor, shared: dict, group: int) -> list[Segment] | None:
+        """For `append_windowed`: the n whole groups of `group` tokens in x, encoded in one
+        call, as the n one-group segments that encoding each group alone stores (bit for
+        bit; views are fine), or None where the format cannot (the default: the groups
+        are then encoded one by one)."""
         return None
 
     def merge_groups(self, segs: list[Segment]) -> Segment | None:
@@ -345,7 +344,8 @@ class Quantizer(ABC):
                 # group and field, thousands of launches for a long prefill), and on failure the
                 # message names the first segment and field at fault, as the check alone would.
                 bad = sum(_non_finite(t) for t in merged.fields.values() if t.is_floating_point())
-                require(bad > 0, lambda first=i, run=run: self._first_non_finite(packed, first, run))  # bound now: i moves on
+                # (first, run bound now: the loop moves i on before a deferred check runs)
+                require(bad > 0, lambda first=i, run=run: self._first_non_finite(packed, first, run))
                 out = self._decode_checked(packed, f"segments {i}-{j - 1}", merged)
                 t = 0
                 for seg in run:

@@ -82,14 +82,14 @@ class KIVI(Quantizer):
         c = self.config
         return c.group * c.bits // 8 if c.group * c.bits % 8 == 0 else None
 
-    def split_groups(self, seg, group):
-        n = seg.tokens // group
-        f = seg.fields
+    def encode_groups(self, x, shared, group):
+        gb = self._key_group_bytes()
+        if self.role == "K" and gb is None:
+            return None
+        n = x.shape[2] // group
+        f = self._encode_segment(x, shared).fields
         if self.role == "V":  # per token: the token axis
             return [Segment({k: v[:, :, i * group : (i + 1) * group] for k, v in f.items()}, group) for i in range(n)]
-        gb = self._key_group_bytes()
-        if gb is None:
-            return None
         return [Segment({"codes": f["codes"][..., i * gb : (i + 1) * gb], "scale": f["scale"][..., i : i + 1],
                          "zero": f["zero"][..., i : i + 1]}, group) for i in range(n)]
 
