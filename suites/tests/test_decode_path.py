@@ -389,7 +389,7 @@ def test_targets_judge_each_run_against_both_baselines():
     assert not any(t.startswith("kivi:bits=4 graph") and v == "met" for t, (m, v) in got.items())
 
 
-def test_decode_benchmark_resume_fills_in_only_what_is_missing(tmp_path, capsys):
+def test_decode_benchmark_resume_fills_in_only_what_is_missing(tmp_path, capsys, monkeypatch):
     # A grid cut by its budget is completed by a second call with --resume: the rows there
     # are kept as they are, only the missing (cache, context, batch) are measured; a file
     # from other settings is refused with the reason, and nothing is written over it.
@@ -407,14 +407,19 @@ def test_decode_benchmark_resume_fills_in_only_what_is_missing(tmp_path, capsys)
     assert [r for r in run["results"] if r["batch"] == 1] == first["results"]  # kept, not re-measured
     assert {(r["spec"], r["batch"]) for r in run["results"]} == {(s, b) for s in ("plain", "int4") for b in (1, 2)}
     assert run["resumed_from"] == [first["environment"]["time"]]
+    run["notes"] = ["a note on these rows"]
+    path.write_text(json.dumps(run))
     assert "resumed: earlier calls started" in (tmp_path / "decode_tiny.md").read_text()
     assert main(base + ["--pairs", "40:2", "--resume", "--remeasure", "int4"]) == 0  # int4 at 40:2 again
     again = json.loads(path.read_text())
-    assert len(again["results"]) == len(run["results"])
+    assert len(again["results"]) == len(run["results"]) and again["notes"] == ["a note on these rows"]
     assert [r for r in again["results"] if r["spec"] == "plain"] == [r for r in run["results"] if r["spec"] == "plain"]
     new_int4 = [r for r in again["results"] if r["spec"] == "int4" and r["batch"] == 2]
     assert len(new_int4) == 1 and new_int4 != [r for r in run["results"] if r["spec"] == "int4" and r["batch"] == 2]
     before = path.read_text()
+    import kvqbench.suites.bench.decode.measure as measure
+
+    monkeypatch.setattr(measure, "build_model", lambda *a, **k: pytest.fail("model built before the refusal"))
     assert main(base[:3] + ["3"] + base[4:] + ["--pairs", "40:1", "--resume"]) == 2  # other --steps
     assert "measured under other conditions (config steps: 2 there, 3 now)" in capsys.readouterr().err
     assert path.read_text() == before

@@ -78,14 +78,13 @@ RESUME_FREE = {"time", "sm_clock_now_MHz"}
 
 
 def resumed(path: Path, run: dict) -> dict:
-    """`run` continued from the earlier run saved at `path`: its checks, write costs and rows
-    kept, the earlier start times in `resumed_from`. Refuses (ValueError, naming what
+    """`run` continued from the earlier run saved at `path`: its checks, write costs, rows and
+    notes kept, the earlier start times in `resumed_from`. Refuses (ValueError, naming what
     differs) a file of other settings or another machine's GPU / versions: rows measured
     under different conditions never share a table."""
     try:
         old = json.loads(path.read_text())
-        old_cfg, old_env = old["config"], old["environment"]
-        old["results"], old["checks"]
+        old_cfg, old_env, results, checks = old["config"], old["environment"], old["results"], old["checks"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"--resume: cannot read an earlier run from {path}: {e}") from e
     diff = [f"config {k}: {old_cfg.get(k)!r} there, {v!r} now" for k, v in run["config"].items()
@@ -96,7 +95,8 @@ def resumed(path: Path, run: dict) -> dict:
     if diff:
         raise ValueError(f"--resume: {path} was measured under other conditions ({'; '.join(diff)}); "
                          "write to another --out or --name")
-    return {**run, "checks": old["checks"], "results": old["results"], "write_cost": old.get("write_cost", []),
+    return {**run, "checks": checks, "results": results, "write_cost": old.get("write_cost", []),
+            "notes": old.get("notes", []),  # kept: a note on rows a --remeasure replaces is the caller's to edit
             "resumed_from": old.get("resumed_from", []) + [old_env.get("time")]}
 
 
@@ -126,20 +126,20 @@ def main(argv=None) -> int:
             get_quantizer(s)  # a bad spec fails now, before the model is built
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t_start = time.perf_counter()
-    model = build_model(a.shape, getattr(torch, a.dtype), device, max_positions=max(a.contexts) + a.steps + 64)
-    a.out.mkdir(parents=True, exist_ok=True)
     name = a.name or ("decode" if a.shape == "llama3-8b-4l" else f"decode_{a.shape}")
     path = a.out / f"{name}.json"
     run = {"config": {"shape": a.shape, "dtype": a.dtype, "steps": a.steps, "warmup": a.warmup,
                       "device": device, "weights": "random", "modes": a.modes},
            "environment": environment(), "checks": [], "results": []}
-    if a.resume and path.exists():
+    if a.resume and path.exists():  # refused before the model is built
         try:
             run = resumed(path, run)
         except ValueError as e:
             print(e, file=sys.stderr)
             return 2
         print(f"resuming {path}: {len(run['results'])} rows kept", flush=True)
+    model = build_model(a.shape, getattr(torch, a.dtype), device, max_positions=max(a.contexts) + a.steps + 64)
+    a.out.mkdir(parents=True, exist_ok=True)
     done = {(r["spec"], r["context"], r["batch"]) for r in run["results"]
             if "error" not in r and r["spec"] not in a.remeasure}
     quantized = [s for s in specs if s not in (None, "plain-static")]
