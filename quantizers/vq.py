@@ -62,11 +62,11 @@ def cluster_sums(x: torch.Tensor, assign: torch.Tensor, k: int,
         return sums, counts
     sums, counts = x.new_zeros(G, k, d), x.new_zeros(G, k, 1)
     step = max(1, ONE_HOT_BLOCK // max(1, G * k))
+    clusters = torch.arange(k, device=x.device)
     for lo in range(0, N, step):
-        a = assign[:, lo : lo + step]
-        one_hot = (a.unsqueeze(-1) == torch.arange(k, device=x.device)).to(x.dtype)  # [G, n, k]
-        sums += torch.bmm(one_hot.transpose(1, 2), x[:, lo : lo + step])
-        counts += one_hot.sum(1).unsqueeze(-1)
+        member = (assign[:, lo : lo + step].unsqueeze(-1) == clusters).to(x.dtype)  # [G, n, k] one-hot
+        sums += torch.bmm(member.transpose(1, 2), x[:, lo : lo + step])
+        counts += member.sum(1).unsqueeze(-1)
     return sums, counts
 
 
