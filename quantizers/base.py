@@ -344,8 +344,11 @@ class Quantizer(ABC):
                 # group and field, thousands of launches for a long prefill), and on failure the
                 # message names the first segment and field at fault, as the check alone would.
                 bad = sum(_non_finite(t) for t in merged.fields.values() if t.is_floating_point())
-                # (first, run bound now: the loop moves i on before a deferred check runs)
-                require(bad > 0, lambda first=i, run=run: self._first_non_finite(packed, first, run))
+                # Bound now (the loop moves i on before a deferred check runs), and only the
+                # stored fields: a queued factory holding the segments (or the Packed) would keep
+                # their decoded copies, a dense history, alive until the flush.
+                require(bad > 0, lambda first=i, fields=[s.fields for s in run], spec=packed.spec:
+                        self._first_non_finite(spec, first, fields))
                 out = self._decode_checked(packed, f"segments {i}-{j - 1}", merged)
                 t = 0
                 for seg in run:
@@ -391,10 +394,11 @@ class Quantizer(ABC):
         # history, a prefill fell back to the math path and its [B, Hq, T, T] float32 scores
         # (85.8 GiB peak at 32k tokens on the H200, call 23e).
         cast = out.to(packed.dtype).contiguous()
-        n_dec, n_cast = _non_finite(out), _non_finite(cast)
+        n_dec, n_cast, dtype = _non_finite(out), _non_finite(cast), packed.dtype
+        # (the factory must not capture `packed`: see `decode`'s merged check)
         require((n_dec + n_cast) > 0, lambda: CorruptPackedError(
             f"{where} decodes to {int(n_dec)} NaN/Inf values from finite stored bytes" if int(n_dec) else
-            f"{where} overflows {packed.dtype} with {int(n_cast)} NaN/Inf values from finite stored bytes"))
+            f"{where} overflows {dtype} with {int(n_cast)} NaN/Inf values from finite stored bytes"))
         return cast
 
     # ---- validation of what decode and append are given --------------------------------
@@ -442,15 +446,16 @@ class Quantizer(ABC):
                 _check_stored_finite(t, f"segment {index} of a {packed.spec} cache, field {name!r},")
 
     @staticmethod
-    def _first_non_finite(packed: Packed, first: int, run: list[Segment]) -> Exception:
-        """The error `_check_fields_finite` raises for the first segment of `run` at fault."""
-        for k, seg in enumerate(run, first):
-            for name, t in seg.fields.items():
+    def _first_non_finite(spec: str, first: int, run_fields: list[dict]) -> Exception:
+        """The error `_check_fields_finite` raises for the first segment at fault of a run
+        (segments first, first + 1, ... with these fields)."""
+        for k, fields in enumerate(run_fields, first):
+            for name, t in fields.items():
                 n = int(_non_finite(t)) if t.is_floating_point() else 0
                 if n:
-                    return CorruptPackedError(f"segment {k} of a {packed.spec} cache, field {name!r}, holds {n} "
+                    return CorruptPackedError(f"segment {k} of a {spec} cache, field {name!r}, holds {n} "
                                               "NaN/Inf values: the stored bytes are corrupt")
-        return CorruptPackedError(f"segments {first}-{first + len(run) - 1} of a {packed.spec} cache hold NaN/Inf "
+        return CorruptPackedError(f"segments {first}-{first + len(run_fields) - 1} of a {spec} cache hold NaN/Inf "
                                   "values: the stored bytes are corrupt")
 
     # Field layouts {name: (shape, dtype)} per (class, spec, role, segment shape): learnt

@@ -67,3 +67,30 @@ def test_a_one_token_append_reads_nothing_back_when_deferred(spec):
             q.append(packed, x[:, :, 64:])
         reads = sum(e.name in HOST_READS for e in prof.events())
         assert reads <= len(variable), f"{spec} {role}: {reads} host reads in a one-token append"
+
+
+@pytest.mark.parametrize("spec", all_example_specs())
+def test_queued_checks_of_a_decode_do_not_keep_the_decoded_history_alive(spec):
+    """A transient decode (the harness decodes a prefill's history into throwaway Segment
+    objects) must be freed when its caller drops it, not held by a queued check's error
+    factory until the next flush: on the H200 such a factory held every layer's decoded
+    fp16 history (0.7 GiB at 32k tokens of the SmolLM2 shape) into the decode steps."""
+    import dataclasses
+    import gc
+    import weakref
+
+    from kvqbench.quantizers import Segment
+
+    for role in ("K", "V"):
+        q = get_quantizer(spec, role=role)
+        x = torch.randn(1, 2, 160, 64)
+        packed = q.encode(x[:, :, :64])
+        for a in range(64, 160, 32):  # several segments: a format that merges runs merges them
+            q.append(packed, x[:, :, a : a + 32])
+        with deferred_checks():
+            fresh = dataclasses.replace(packed, segments=[Segment(s.fields, s.tokens) for s in packed.segments])
+            out = q.decode(fresh)
+            alive = weakref.ref(out)
+            del out, fresh
+            gc.collect()
+            assert alive() is None, f"{spec} {role}: a queued check keeps the decoded history alive"
