@@ -1,0 +1,98 @@
+"""python -m kvqbench.suites.bench.decode.host_profile: where an eager decode step's host time goes.
+
+An eager step (the model called per token) on a GPU is host-bound when the host takes
+longer to issue a step's launches than the GPU takes to run them. Per cache this prints
+the step's median wall time (synchronised per step), its host issue time (the call
+returning, before the sync) and a cProfile of the issuing code (the functions with the
+most own time, per step). cProfile slows Python down, so its per-step figures are
+larger than the issue time: read them as shares, not as times.
+
+    python -m kvqbench.suites.bench.decode.host_profile --shape llama3-8b-4l --specs plain int4 hqmq:S=96,r=4
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+from transformers import DynamicCache
+
+from ....quantizers.checks import deferred_checks, flush
+from ...harness.attention import fused_attention
+from ...harness.kv_cache import QuantizedCache, cache_kwargs
+from .measure import SHAPES, _prefill, _sync, build_model
+
+
+def profile_spec(model, spec: str, context: int, batch: int, steps: int, top: int, dev) -> str:
+    if spec == "plain":  # cuDNN's SDPA plans each new length once: rehearse them (as measure.py does)
+        _profile_once(model, spec, context, batch, steps, top, dev)
+    return _profile_once(model, spec, context, batch, steps, top, dev)
+
+
+def _profile_once(model, spec: str, context: int, batch: int, steps: int, top: int, dev) -> str:
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
+    total = context + 3 * steps + 8
+    cache = DynamicCache(config=model.config) if spec == "plain" else \
+        QuantizedCache(spec, config=model.config, capacity=total)
+    ctx = fused_attention(model) if spec != "plain" else torch.inference_mode()
+    with torch.inference_mode(), ctx, deferred_checks():
+        _, tok = _prefill(model, cache, ids.to(dev), dev)
+        kw = cache_kwargs(model, cache)
+
+        def step(t):
+            return model(input_ids=t, **kw, use_cache=True).logits[:, -1:].argmax(-1)
+
+        for _ in range(3):
+            tok = step(tok)
+        _sync(dev)
+        wall, issue = [], []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            tok = step(tok)
+            t1 = time.perf_counter()
+            _sync(dev)
+            wall.append(time.perf_counter() - t0)
+            issue.append(t1 - t0)
+            flush()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            tok = step(tok)
+            _sync(dev)
+            flush()
+        prof.disable()
+    wall.sort()
+    issue.sort()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(top)
+    head = (f"== {spec}, context {context}, batch {batch}: step {wall[steps // 2] * 1e3:.2f} ms wall, "
+            f"{issue[steps // 2] * 1e3:.2f} ms host issue (medians of {steps}); cProfile over {steps} steps "
+            f"(divide by {steps} for per step):")
+    return head + "\n" + buf.getvalue()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvqbench.suites.bench.decode.host_profile",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="llama3-8b-4l", choices=sorted(SHAPES))
+    p.add_argument("--specs", nargs="+", default=["plain", "int4", "hqmq:S=96,r=4"])
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = p.parse_args(argv)
+    dev = torch.device(a.device)
+    model = build_model(a.shape, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, device=dev)
+    for spec in a.specs:
+        print(profile_spec(model, spec, a.context, a.batch, a.steps, a.top, dev), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
