@@ -423,3 +423,16 @@ def test_decode_benchmark_resume_fills_in_only_what_is_missing(tmp_path, capsys,
     assert main(base[:3] + ["3"] + base[4:] + ["--pairs", "40:1", "--resume"]) == 2  # other --steps
     assert "measured under other conditions (config steps: 2 there, 3 now)" in capsys.readouterr().err
     assert path.read_text() == before
+
+
+def test_host_profile_reports_each_cache_with_its_own_code_in_the_profile(capsys):
+    # The eager-step profiler (bench/decode/host_profile.py) on the tiny shape: one header
+    # per cache, and the quantized cache's profile reaches the cache's own write path.
+    from kvqbench.suites.bench.decode.host_profile import main
+
+    assert main(["--shape", "tiny", "--specs", "plain", "int4", "--context", "24", "--steps", "2", "--top", "1000",
+                 "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    parts = text.split("== ")[1:]
+    assert [p.split(",")[0] for p in parts] == ["plain", "int4"]
+    assert "kv_cache.py" in parts[1] and "kv_cache.py" not in parts[0]
