@@ -288,18 +288,33 @@ def _decode(model, spec, steps, *, graphed: bool, between: int | None = None, pr
         return torch.cat(out, 1), cache, step
 
 
-def _assert_same_bytes(a: QuantizedCache, b: QuantizedCache):
+def _assert_same_bytes(a: QuantizedCache, b: QuantizedCache, exact_layers: int | None = None):
+    """The same stored fields, segment for segment, and decoded history. `exact_layers`:
+    only the first n layers bit for bit, the later ones the same layout and a decoded
+    history that agrees up to float rounding: for runs whose attention sums in another
+    order (dense device steps attend over the masked capacity), so a later layer's input,
+    and with it what it stores, may differ in the last bit. Whether it does depends on
+    the CPU's SDPA kernels (bit-identical on an AVX-512 machine, not on an AVX2 one); a
+    quantizer then may round a value the other way, so up to 2% of the decoded elements
+    may differ by more (a write one token off changes a whole token row in each step:
+    about 8% of this model's elements)."""
     assert a.get_seq_length() == b.get_seq_length()
     assert a.nbytes() == b.nbytes() and a.numel() == b.numel() and a.bits_per_element() == b.bits_per_element()
     for la, lb in zip(a.layers, b.layers):
+        exact = exact_layers is None or la.layer_idx < exact_layers
         for role in ("K", "V"):
             pa, pb = la.packed[role], lb.packed[role]
             assert [s.tokens for s in pa.segments] == [s.tokens for s in pb.segments]
             assert pa.nbytes_by_field() == pb.nbytes_by_field()
-            for sa, sb in zip(pa.segments, pb.segments):
-                for name in sa.fields:
-                    assert torch.equal(sa.fields[name], sb.fields[name]), (la.layer_idx, role, name)
-            assert torch.equal(la.read(role), lb.read(role))
+            da, db = la.read(role), lb.read(role)
+            if exact:
+                for sa, sb in zip(pa.segments, pb.segments):
+                    for name in sa.fields:
+                        assert torch.equal(sa.fields[name], sb.fields[name]), (la.layer_idx, role, name)
+                assert torch.equal(da, db)
+            else:
+                off = ~torch.isclose(da.float(), db.float(), rtol=1e-3, atol=1e-3)
+                assert off.float().mean() <= 0.02, (la.layer_idx, role, int(off.sum()), off.numel())
 
 
 @pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "hqmq:S=8,r=4", "hqmq:S=8,r=4,outliers=med3"])
@@ -379,8 +394,9 @@ def test_dense_device_steps_equal_dense_steps(model, spec):
     assert all(layer.mode == "dense" for layer in cd.layers)
     assert step.mode == ("graph" if DEV.type == "cuda" else "device") and step.steps == 3, step.why
     assert all(s.in_run for layer in cd.layers for s in layer.dense_steps.values())
-    _assert_same_bytes(cd, ce)  # the same stored fields, segment for segment, and decoded history
-    # attention over the masked capacity sums in another order than over the valid rows
+    # attention over the masked capacity sums in another order than over the valid rows: layer 0's
+    # bytes are exact (its input is not attention's), the later layers' up to rounding
+    _assert_same_bytes(cd, ce, exact_layers=1)
     tol = dict(atol=1e-5, rtol=1e-5) if DEV.type == "cpu" else dict(atol=0.05, rtol=0)
     assert torch.allclose(dev.float(), eager.float(), **tol)
     assert cd.get_seq_length() == 20 + 4 and cd.reserved == 20 + 4 + 4
@@ -407,15 +423,17 @@ def test_every_format_takes_device_steps_or_names_why(model, spec):
         assert torch.equal(dev, eager)
     tol = dict(atol=1e-4, rtol=1e-4) if DEV.type == "cpu" else dict(atol=0.05, rtol=0)
     assert torch.allclose(dev.float(), eager.float(), **tol), (step.mode, step.why)
-    if DEV.type == "cpu" or step.mode == "eager" or all(layer.mode == "dense" for layer in cd.layers):
+    if step.mode == "eager":
         _assert_same_bytes(cd, ce)
+    elif DEV.type == "cpu" or all(layer.mode == "dense" for layer in cd.layers):
+        _assert_same_bytes(cd, ce, exact_layers=1)  # dense device steps: see _assert_same_bytes
 
 
 def test_dense_device_steps_around_a_multi_token_write(model):
     eager, ce, _ = _decode(model, "spherical4", 4, graphed=False, chunk=(2, 3))
     dev, cd, step = _decode(model, "spherical4", 4, graphed=True, chunk=(2, 3))
     assert step.steps == 4 and step.mode != "eager" and cd.get_seq_length() == 20 + 4 + 3
-    _assert_same_bytes(cd, ce)
+    _assert_same_bytes(cd, ce, exact_layers=1)
     assert torch.equal(dev.argmax(-1), eager.argmax(-1))
 
 
