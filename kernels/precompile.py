@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import hashlib
 import importlib
 import json
 import os
@@ -39,6 +40,12 @@ from pathlib import Path
 FORMAT = 1
 MAX_PER_LABEL = 64  # a bound on what one label preloads (the default compare's worst is 6)
 SHIPPED = Path(__file__).parent / "triton_ahead"  # manifests the package carries for fresh machines
+
+
+def manifest_name(shape: dict) -> str:
+    """The file name of the manifest for a run of this shape (a hash of it): the same in
+    the cache and in SHIPPED."""
+    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16] + ".json"
 
 
 def supported() -> str | None:

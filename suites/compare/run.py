@@ -14,7 +14,6 @@ command exits with EXIT_PARTIAL after writing the report.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -351,7 +350,7 @@ def triton_ahead(args, device, model_info, plan, specs):
     shape.update(lengths=plan["lengths"], windows=args.windows, batch_size=args.batch_size,
                  context=args.context, decode_tokens=args.decode_tokens,
                  capability=list(torch.cuda.get_device_capability(device)))
-    name = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16] + ".json"
+    name = P.manifest_name(shape)
     manifest = P.Manifest(cache_dir() / "triton_ahead" / name, shape)
     if not manifest.entries:
         manifest.entries = P.Manifest(P.SHIPPED / name, shape).entries
