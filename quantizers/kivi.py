@@ -95,11 +95,11 @@ class KIVI(Quantizer):
 
     def merge_groups(self, segs):
         c = self.config
-        if any(s.tokens != c.group or set(s.fields) != {"codes", "scale", "zero"} for s in segs):
-            return None  # not one-group segments: each is decoded (and rejected) alone
-        axis = 2 if self.role == "V" else -1
         if self.role == "K" and self._key_group_bytes() is None:
             return None
+        if any(s.tokens != c.group or set(s.fields) != {"codes", "scale", "zero"} for s in segs):
+            return None  # not one-group segments: each is decoded (and rejected) alone
+        axis = 2 if self.role == "V" else -1  # values: the token axis; keys: packed along it
         return Segment({k: torch.cat([s.fields[k] for s in segs], dim=axis) for k in ("codes", "scale", "zero")},
                        sum(s.tokens for s in segs))
 
