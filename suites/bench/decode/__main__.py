@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     path = a.out / f"{name}.json"
     run = {"config": {"shape": a.shape, "dtype": a.dtype, "steps": a.steps, "warmup": a.warmup,
                       "device": device, "weights": "random", "modes": a.modes},
-           "environment": environment(), "checks": [], "results": []}
+           "environment": environment(), "checks": [], "write_cost": [], "results": []}
     if a.resume and path.exists():  # refused before the model is built
         try:
             run = resumed(path, run)
@@ -156,10 +156,9 @@ def main(argv=None) -> int:
     pairs.sort(key=lambda cb: (cb not in ((4096, 1), (max(a.contexts), max(a.batches))), cb))
     cfg = model.config
     # A decode step's write (device encode into the store) and the old path (append) beside it.
-    if not (a.no_write_cost or run.get("write_cost")):  # a resumed run keeps the costs it has
+    if not (a.no_write_cost or run["write_cost"]):  # a resumed run keeps the costs it has
         run["write_cost"] = [write_cost(s, heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, device=device,
                                         step_encode=fast) for s in quantized for fast in (True, False)]
-    run.setdefault("write_cost", [])
     _save(path, run)
     for ctx, batch in pairs:
         for spec in specs:

@@ -12,6 +12,7 @@ larger than the issue time: read them as shares, not as times.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -38,7 +39,7 @@ def _profile_once(model, spec: str, context: int, batch: int, steps: int, top: i
     total = context + 3 * steps + 8
     cache = DynamicCache(config=model.config) if spec == "plain" else \
         QuantizedCache(spec, config=model.config, capacity=total)
-    ctx = fused_attention(model) if spec != "plain" else torch.inference_mode()
+    ctx = fused_attention(model) if spec != "plain" else contextlib.nullcontext()
     with torch.inference_mode(), ctx, deferred_checks():
         _, tok = _prefill(model, cache, ids.to(dev), dev)
         kw = cache_kwargs(model, cache)
