@@ -42,8 +42,10 @@ def test_config_loads_as_documented():
     assert Path(conf.benchmark_dir).resolve() == BENCH_DIR
     assert Path(conf.html_dir).resolve() == ROOT / "reports" / "asv"
     assert conf.launch_method == "forkserver"
-    assert any("-c {conf_dir}/.ci/constraints-cpu.txt" in c for c in conf.install_command)
-    assert (ROOT / ".ci" / "constraints-cpu.txt").is_file()
+    # the environment gets the tested set, as .ci/setup does
+    assert any("-c {conf_dir}/.ci/constraints.txt -c {conf_dir}/.ci/constraints-cpu.txt" in c
+               for c in conf.install_command)
+    assert (ROOT / ".ci" / "constraints-cpu.txt").is_file() and (ROOT / ".ci" / "constraints.txt").is_file()
 
 
 def test_discovery_finds_every_benchmark_for_every_spec(bench):
