@@ -81,6 +81,9 @@ from . import dense_steps
 from .attention import PackedHistory, uses_fused_attention
 
 ROLES = ("K", "V")
+# What the first write's own attention reads: "quantized" (the paper's protocols: the
+# decoded K/V, as every later read) or "exact" (a deployed engine: the K/V it computed).
+PREFILL_MODES = ("quantized", "exact")
 # Layer types whose K/V a full-history quantized layer serves correctly (the model's
 # mask does the windowing); anything else (KV sharing, linear attention) is refused.
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
@@ -153,6 +156,7 @@ class QuantizedLayer(DynamicLayer):
         self.capacity_hint = 0  # tokens to preallocate for (e.g. prompt + new tokens)
         self.hqmq_table: tuple[str, torch.dtype] | None = None  # HQMQ codeword source of the kernel
         self.step_encode = True  # fused decode steps encoded on the device (kernels/step_encode.py)
+        self.prefill = "quantized"  # "exact": the first write attends to its own K/V unquantized
         # Device-position steps (CUDA graphs, set by `QuantizedCache.device_steps`): (write
         # position, valid length, capacity) -- int32 views of the cache's counter and the
         # token bound the attention grid is cut for; None: host positions.
@@ -188,9 +192,20 @@ class QuantizedLayer(DynamicLayer):
             return self.keys, self.values
         if self.device_pos is not None:
             return self._device_step(key_states, value_states)
+        if self.prefill == "exact" and self.tokens == 0:
+            # A deployed engine's prefill: attention inside the prompt reads the K/V it
+            # just computed at full precision; they are stored quantized, and only later
+            # reads (decode steps) see the quantized cache.
+            self._write(key_states, value_states, read=False)
+            return key_states, value_states
         if self.mode == "fused" and self._step(key_states, value_states):
             handle = PackedHistory(self)
             return handle, handle
+        return self._write(key_states, value_states)
+
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, read: bool = True):
+        """A write through the quantizers' `append`; returns what attention reads (with
+        `read=False` the fused mode skips the prefill's transient decode)."""
         self._end_runs()
         new = {}
         for role, x in (("K", key_states), ("V", value_states)):
@@ -207,7 +222,7 @@ class QuantizedLayer(DynamicLayer):
             if key_states.shape[-2] == 1:
                 handle = PackedHistory(self)
                 return handle, handle
-            return self.read("K"), self.read("V")  # prefill: a transient decode
+            return (self.read("K"), self.read("V")) if read else (None, None)  # prefill: a transient decode
         self.keys = self._decode_into("K", *new["K"])
         self.values = self._decode_into("V", *new["V"])
         return self.keys, self.values
@@ -496,11 +511,18 @@ class QuantizedCache(Cache):
     within an fp16 ulp per codeword component) and the exact fp32 secondaries elsewhere.
     `step_encode`: fused decode steps encoded on the device (see the module docstring);
     False sends every write through the quantizer's `append` (the old path).
+    `prefill`: "quantized" (default) or "exact": the first write (the prompt) attends to
+    its own K/V at full precision, as deployed engines do, while storing them quantized;
+    every later write reads the quantized cache (the `deployed` protocol).
     """
 
     def __init__(self, spec: str, n_layers: int | None = None, *, config=None, seed: int = 0,
-                 fused: bool | None = None, capacity: int = 0, hqmq_table="auto", step_encode: bool = True):
+                 fused: bool | None = None, capacity: int = 0, hqmq_table="auto", step_encode: bool = True,
+                 prefill: str = "quantized"):
         get_quantizer(spec)  # fail on a bad spec now, not inside the forward pass
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+        self.prefill = prefill
         self.spec, self.seed, self.fused, self.capacity = spec, int(seed), fused, int(capacity)
         self.hqmq_table, self.step_encode = hqmq_table, bool(step_encode)
         self.model_config, types = config, None
@@ -541,6 +563,7 @@ class QuantizedCache(Cache):
         if layer.mode is None:
             layer.fused_wanted, layer.capacity_hint = self.fused_wanted(), self.capacity
             layer.hqmq_table, layer.step_encode = self.hqmq_table, self.step_encode
+            layer.prefill = self.prefill
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if (isinstance(out[0], PackedHistory) and self.model_config is not None
                 and not uses_fused_attention(self.model_config)):

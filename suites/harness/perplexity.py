@@ -1,7 +1,8 @@
-"""Perplexity under a quantized KV cache: the two protocols of METHOD.md section 4.
+"""Perplexity under a quantized KV cache: the protocols of METHOD.md section 4.
 
     r = ppl_quantize_on_write(model, windows, "hqmq:S=96,r=4", seed=0)
     r = ppl_prefill_then_decode(model, windows, "int4", seed=0, context=256)
+    r = ppl_deployed(model, windows, "int4", seed=0, context=256)   # exact prefill, decode scored
     r["ppl"], r["bits_per_element"], r["protocol"]
 
 `windows` is a LongTensor [n, N] of token ids (suites/harness/corpora.py `token_windows`).
@@ -84,10 +85,11 @@ def _device_of(model, device) -> torch.device:
     return device
 
 
-def _new_cache(model, spec: str | None, seed: int, capacity: int = 0, fused: bool | None = False):
+def _new_cache(model, spec: str | None, seed: int, capacity: int = 0, fused: bool | None = False,
+               prefill: str = "quantized"):
     if spec is None:
         return DynamicCache(config=model.config)
-    return QuantizedCache(spec, config=model.config, seed=seed, capacity=capacity, fused=fused)
+    return QuantizedCache(spec, config=model.config, seed=seed, capacity=capacity, fused=fused, prefill=prefill)
 
 
 def _cache_stats(cache) -> tuple[int, int]:
@@ -240,10 +242,32 @@ def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed
     (write + attention) per step, which dominated this protocol on a GPU. The result
     records the step mode (`decode_mode`: graph, eager, or both across batches).
     """
-    windows = _check_windows(windows, 2)
+    return _prefill_decode("prefill-then-decode", model, windows, spec, seed, context, device, progress,
+                           batch_size, fused, graph)
+
+
+def ppl_deployed(model, windows: torch.Tensor, spec: str | None, seed: int = 0, *,
+                 context: int, device=None, progress: Progress | None = None,
+                 batch_size: int = DEFAULT_BATCH, fused: bool | None = None,
+                 graph: bool | None = None) -> dict:
+    """`deployed`: what a serving engine does. Tokens 0..L-1 are one prefill call whose
+    attention reads its own K/V at full precision (`QuantizedCache(prefill="exact")`)
+    while they are stored quantized; tokens L..N-2 are then fed one decode step at a
+    time, each reading the quantized cache (fused and graphed where it can be, as in
+    `prefill-then-decode`). Scored are the decode steps' predictions only: tokens
+    L+1..N-1 (N-1-L per window); token L's logit comes from the exact prefill and would
+    not depend on the quantizer. Arguments as `ppl_prefill_then_decode`."""
+    return _prefill_decode("deployed", model, windows, spec, seed, context, device, progress,
+                           batch_size, fused, graph)
+
+
+def _prefill_decode(protocol, model, windows, spec, seed, context, device, progress, batch_size, fused, graph):
+    windows = _check_windows(windows, 2 if protocol == "prefill-then-decode" else 3)
     n_win, N = windows.shape
-    if not 1 <= context < N:
-        raise ValueError(f"context must be in 1..{N - 1} for windows of {N} tokens, got {context}")
+    last = N - 1 if protocol == "prefill-then-decode" else N - 2  # deployed: one decode step at least
+    if not 1 <= context <= last:
+        raise ValueError(f"context must be in 1..{last} for windows of {N} tokens under {protocol}, got {context}")
+    exact = protocol == "deployed"
     dev = _device_of(model, device)
     rows = batch_rows(model, spec, windows, batch_size, 1)
     t0 = time.perf_counter()
@@ -256,25 +280,27 @@ def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed
     with torch.inference_mode(), context_manager, deferred_checks():
         for i in range(0, n_win, rows):
             ids = windows[i:i + rows].to(dev)
-            cache = _new_cache(model, spec, seed, capacity=N, fused=fused)
+            cache = _new_cache(model, spec, seed, capacity=N, fused=fused, prefill="exact" if exact else "quantized")
             kw = cache_kwargs(model, cache)
             logits = model(input_ids=ids[:, :context], **kw, use_cache=True, **_last_logit_only(model)).logits[:, -1:]
-            w_nll = _nll(logits, ids[:, context:context + 1])
+            w_nll = torch.zeros((), dtype=torch.float64, device=dev) if exact else \
+                _nll(logits, ids[:, context:context + 1])
             step = _decode_step(model, cache, kw, ids.shape[0], N, graph)
             for t in range(context, N - 1):
                 w_nll += _nll(step(ids[:, t:t + 1])[:, -1:], ids[:, t + 1:t + 2])
             flush()
             modes.add(getattr(step, "mode", "eager"))
             nll += w_nll.item()
-            n_pred += ids.shape[0] * (N - context)
+            n_pred += ids.shape[0] * (N - context - (1 if exact else 0))
             b, n = _cache_stats(cache)
             nbytes, numel = nbytes + b, numel + n
             del cache, logits
             if progress:
                 progress(i + ids.shape[0], n_win)
-    return _result("prefill-then-decode", {"context": context, "decode_steps": N - 1 - context,
-                                           "decode_mode": "+".join(sorted(modes))},
+    return _result(protocol, {"context": context, "decode_steps": N - 1 - context,
+                              "decode_mode": "+".join(sorted(modes))},
                    spec, seed, windows, nll, n_pred, nbytes, numel, t0, rows)
 
 
-__all__ = ["DEFAULT_BATCH", "batch_rows", "rows_independent", "ppl_quantize_on_write", "ppl_prefill_then_decode"]
+__all__ = ["DEFAULT_BATCH", "batch_rows", "rows_independent", "ppl_quantize_on_write", "ppl_prefill_then_decode",
+           "ppl_deployed"]

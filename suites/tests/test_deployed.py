@@ -1,0 +1,95 @@
+"""The `deployed` protocol: the prompt attends to its own K/V at full precision while
+storing them quantized (`QuantizedCache(prefill="exact")`); only decode steps read the
+quantized cache, and only their predictions are scored."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from kvqbench.quantizers import get_quantizer
+from kvqbench.suites.harness.kv_cache import QuantizedCache, cache_kwargs
+from kvqbench.suites.harness.perplexity import ppl_deployed, ppl_prefill_then_decode
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      initializer_range=0.2, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).eval()
+
+
+def ids(n, batch=2, seed=3):
+    return torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("spec", ["int2", "kivi:bits=2,group=8,residual=8", "hqmq:S=8,r=3"])
+def test_exact_prefill_attends_like_the_plain_cache_and_stores_the_quantized_kv(model, spec):
+    x = ids(24)
+    with torch.inference_mode():
+        plain = DynamicCache(config=model.config)
+        want = model(input_ids=x, **cache_kwargs(model, plain), use_cache=True).logits
+        exact = QuantizedCache(spec, config=model.config, prefill="exact")
+        got = model(input_ids=x, **cache_kwargs(model, exact), use_cache=True).logits
+        quantized = QuantizedCache(spec, config=model.config)
+        harsh = model(input_ids=x, **cache_kwargs(model, quantized), use_cache=True).logits
+    assert torch.equal(got, want)  # the prompt's own attention never saw a quantized value
+    assert not torch.equal(harsh, want)  # (the default protocol's prefill does)
+    # what it stored: the plain model's K/V through the quantizer, layer by layer
+    for layer in range(model.config.num_hidden_layers):
+        k_plain = plain.layers[layer].keys
+        q = get_quantizer(spec, layer=layer, role="K", seed=0)
+        stored = exact.layers[layer].read("K")
+        assert torch.equal(stored, q.decode(q.encode(k_plain)).to(stored.dtype))
+
+
+def test_decode_steps_after_an_exact_prefill_read_the_quantized_cache(model):
+    x = ids(20)
+    with torch.inference_mode():
+        plain = DynamicCache(config=model.config)
+        model(input_ids=x[:, :16], **cache_kwargs(model, plain), use_cache=True)
+        want = model(input_ids=x[:, 16:17], **cache_kwargs(model, plain), use_cache=True).logits
+        exact = QuantizedCache("int2", config=model.config, prefill="exact")
+        model(input_ids=x[:, :16], **cache_kwargs(model, exact), use_cache=True)
+        got = model(input_ids=x[:, 16:17], **cache_kwargs(model, exact), use_cache=True).logits
+    assert not torch.allclose(got, want, atol=1e-4)  # the step read 2-bit K/V
+    assert exact.get_seq_length() == 17
+
+
+def test_deployed_scores_the_decode_steps_only(model):
+    w = ids(40, batch=3, seed=5)
+    plain = ppl_deployed(model, w, None, context=30)
+    fp16 = ppl_deployed(model, w, "fp16", context=30)
+    int2 = ppl_deployed(model, w, "int2", context=30)
+    harsh = ppl_prefill_then_decode(model, w, "int2", context=30)
+    for r in (plain, fp16, int2):
+        assert r["protocol"] == "deployed" and r["n_predicted"] == 3 * (40 - 1 - 30)
+        assert r["decode_steps"] == 9 and r["context"] == 30
+    # fp16 storage of fp32 K/V: the decode steps see fp16 rounding only
+    assert fp16["ppl"] == pytest.approx(plain["ppl"], rel=1e-3)
+    assert int2["ppl"] != pytest.approx(plain["ppl"], rel=1e-3)
+    assert harsh["n_predicted"] == 3 * (40 - 30)  # prefill-then-decode also scores the prefill's last logit
+    assert int2["bits_per_element"] == harsh["bits_per_element"]  # same writes, same bytes
+
+
+@pytest.mark.parametrize("spec", ["int4", "kivi:bits=2,group=8,residual=8"])
+def test_deployed_fused_and_device_steps_equal_dense(model, spec):
+    """The engine path (fused kernels under the interpreter, device-position steps) gives
+    the dense path's figures under the deployed protocol too."""
+    w = ids(40, batch=2, seed=5)
+    dense = ppl_deployed(model, w, spec, context=30, fused=False)
+    fused = ppl_deployed(model, w, spec, context=30, fused=True, graph=True)
+    assert fused["ppl"] == pytest.approx(dense["ppl"], rel=1e-3)
+    assert fused["bits_per_element"] == dense["bits_per_element"]
+
+
+def test_bad_arguments_are_refused(model):
+    with pytest.raises(ValueError, match="context must be in 1..38"):
+        ppl_deployed(model, ids(40), "int4", context=39)
+    with pytest.raises(ValueError, match="prefill must be one of"):
+        QuantizedCache("int4", config=model.config, prefill="fp32")
