@@ -1,0 +1,234 @@
+"""Generation at engine speed: prefill once, then one-token decode steps replayed as a
+CUDA graph over the quantized cache (fused kernels where the format has them).
+
+    from kvqbench.suites.harness.generate import generate
+    out = generate(model, [ids_a, ids_b], "int4", max_new_tokens=128, tokenizer=tok, stop=["\\n\\n"])
+    out.tokens, out.texts, out.tokens_per_s, out.mode, out.why
+
+What it does, as a serving engine does (the `deployed` protocol of perplexity.py):
+- the prompt is one prefill call whose attention reads its own K/V at full precision
+  (`QuantizedCache(prefill="exact")`) and stores them quantized;
+- every new token is a decode step reading the quantized cache: the graphed step
+  (kernels/graphs.py `GraphedDecodeStep`, mode "graph") where the cache can take
+  device-position steps on CUDA, else the model called eagerly ("eager", with `why`);
+  on a CPU, "device" runs the graph's kernels uncaptured (tests);
+- greedy (default) or sampling (`temperature`, `top_k`, `top_p`, seeded), on the
+  device; end of sequence (`eos_token_id`, one id or several) and `stop` strings per
+  row. The host looks at the tokens every `check_every` steps (one synchronisation
+  each), stops once every row is done and cuts each row at its first EOS / stop string.
+- prompts of different lengths: the fused kernels take one valid length for the whole
+  batch (no per-row lengths yet), so rows are grouped by prompt length and each group
+  runs as one batch (`out.batches` says how the rows were grouped). Equal-length
+  prompts (corpus windows, benchmarks) are one batch.
+
+`spec=None` runs the model's own fp16/fp32 cache the fastest way transformers offers
+to an engine: a StaticCache, graphed the same way (the plain baseline); "fp16" is
+kvqbench's fp16 store.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Sequence
+
+import torch
+
+from ...kernels.graphs import GraphedDecodeStep
+from .attention import fused_attention
+from .kv_cache import QuantizedCache, cache_kwargs
+
+
+@dataclasses.dataclass
+class Generation:
+    """What `generate` returns. `tokens[i]`/`texts[i]`: row i's new tokens (cut at its first
+    EOS / stop string, EOS kept); `mode` how the decode steps ran ("graph", "device",
+    "eager"; "+"-joined when groups differ) and `why` when not graphed; times in seconds
+    (`decode_s`: the decode steps of every group, synchronised), `tokens_per_s`: new
+    tokens generated (all rows, up to where each stopped) over prefill + decode time."""
+    tokens: list[list[int]]
+    texts: list[str] | None
+    mode: str
+    why: str | None
+    prefill_s: float
+    decode_s: float
+    new_tokens: int
+    steps: int
+    batches: list[list[int]]
+    spec: str | None
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = self.prefill_s + self.decode_s
+        return self.new_tokens / total if total > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Decode steps only (batch rows x steps over their time), the engine's rate."""
+        return self.steps * sum(map(len, self.batches)) / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def _rows(input_ids) -> list[list[int]]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2 or input_ids.dtype != torch.long:
+            raise ValueError(f"input_ids must be a LongTensor [B, T] or a list of token lists, got "
+                             f"{tuple(input_ids.shape)} {input_ids.dtype}")
+        return input_ids.tolist()
+    rows = [list(map(int, r)) for r in input_ids]
+    if not rows or any(len(r) == 0 for r in rows):
+        raise ValueError("every prompt needs at least one token")
+    return rows
+
+
+def _sampler(temperature: float, top_k: int | None, top_p: float | None, generator):
+    if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
+        raise ValueError(f"bad sampling settings: temperature={temperature}, top_k={top_k}, top_p={top_p}")
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B, 1]
+        if temperature == 0:
+            return logits.argmax(-1, keepdim=True)
+        x = logits.float() / temperature
+        if top_k is not None and top_k < x.shape[-1]:
+            kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if top_p is not None and top_p < 1:
+            sorted_x, order = torch.sort(x, descending=True, dim=-1)
+            cum = sorted_x.softmax(-1).cumsum(-1)
+            drop = cum - sorted_x.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
+            x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+        return torch.multinomial(x.softmax(-1), 1, generator=generator)
+    return pick
+
+
+def _cut(row: list[int], eos: set[int], stop: Sequence[str], tokenizer) -> tuple[list[int], bool]:
+    """(row up to its first EOS (kept) or the token completing a stop string, whether it stopped)."""
+    for i, t in enumerate(row):
+        if t in eos:
+            return row[:i + 1], True
+    if stop and tokenizer is not None:
+        text = tokenizer.decode(row)
+        if any(s in text for s in stop):
+            for i in range(1, len(row) + 1):  # the shortest prefix that holds a stop string
+                if any(s in tokenizer.decode(row[:i]) for s in stop):
+                    return row[:i], True
+    return row, False
+
+
+def _new_cache(model, spec, batch, capacity, fused, seed):
+    if spec is None:
+        from transformers import StaticCache
+
+        return StaticCache(config=model.config, max_cache_len=capacity)
+    return QuantizedCache(spec, config=model.config, seed=seed, capacity=capacity, fused=fused, prefill="exact")
+
+
+def _one_batch(model, prompts, spec, max_new, pick, eos, stop, tokenizer, graph, fused, seed, check_every):
+    dev = next(model.parameters()).device
+    ids = torch.tensor(prompts, dtype=torch.long, device=dev)
+    B, P = ids.shape
+    cache = _new_cache(model, spec, B, P + max_new, fused, seed)
+    kw = cache_kwargs(model, cache)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    extra = {}
+    if spec is None:  # a StaticCache needs the positions of the prompt spelled out
+        extra["cache_position"] = torch.arange(P, device=dev)
+    logits = model(input_ids=ids, **kw, use_cache=True, **extra).logits[:, -1]
+    out = torch.empty(B, max_new, dtype=torch.long, device=dev)
+    out[:, :1] = pick(logits)
+    sync()
+    t1 = time.perf_counter()
+    steps, why = 0, None
+    if max_new > 1:
+        if graph:
+            step = GraphedDecodeStep(model, cache, batch=B, max_tokens=P + max_new)
+        else:
+            step = _Eager(model, cache, kw)
+        mode, why = step.mode, step.why
+        for t in range(1, max_new):
+            out[:, t:t + 1] = pick(step(out[:, t - 1:t])[:, -1])
+            steps += 1
+            if (t + 1) % check_every == 0 or t + 1 == max_new:
+                done = [_cut(r, eos, stop, tokenizer)[1] for r in out[:, :t + 1].tolist()]  # one sync
+                if all(done):
+                    break
+    else:
+        mode = "prefill only"
+    sync()
+    t2 = time.perf_counter()
+    rows = [_cut(r, eos, stop, tokenizer)[0] for r in out[:, :steps + 1].tolist()]
+    del cache
+    return rows, mode, why, t1 - t0, t2 - t1, steps
+
+
+class _Eager:
+    mode, why = "eager", "graph=False"
+
+    def __init__(self, model, cache, kw):
+        self.model, self.kw = model, kw
+
+    def __call__(self, ids):
+        return self.model(input_ids=ids, **self.kw, use_cache=True).logits
+
+
+def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, tokenizer=None,
+             eos_token_id: int | Sequence[int] | None = None, stop: Sequence[str] = (),
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             seed: int = 0, graph: bool | None = None, fused: bool | None = None,
+             check_every: int = 16) -> Generation:
+    """Generate `max_new_tokens` per prompt through a cache quantized by `spec` (module
+    docstring). `input_ids`: a LongTensor [B, T] or a list of token lists; `tokenizer`
+    (optional) gives texts and stop strings; `eos_token_id` defaults to the tokenizer's /
+    the model's generation config's; `temperature` 0 is greedy. `graph`: None = graphed on
+    CUDA where the cache can be, False never; `fused`: the cache's (None: the fused
+    kernels on CUDA where the format has one). `seed` seeds both the quantizer's
+    codebooks and the sampler."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if not isinstance(check_every, int) or check_every < 1:
+        raise ValueError(f"check_every must be a positive int, got {check_every!r}")
+    if stop and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer")
+    rows = _rows(input_ids)
+    dev = next(model.parameters()).device
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and max(map(len, rows)) + max_new_tokens > limit:
+        raise ValueError(f"prompt ({max(map(len, rows))} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"model's {limit} positions")
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if eos_token_id is None and tokenizer is not None:
+            eos_token_id = tokenizer.eos_token_id
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    graph = (dev.type == "cuda") if graph is None else bool(graph)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    pick = _sampler(float(temperature), top_k, top_p, gen)
+    groups: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(len(r), []).append(i)
+    result: list[list[int] | None] = [None] * len(rows)
+    modes, whys, pre, dec, steps = [], [], 0.0, 0.0, 0
+    # The fused kernels replace SDPA only (perplexity.py does the same): other attentions stay dense.
+    if spec is None or getattr(model.config, "_attn_implementation", None) != "sdpa":
+        fused = False
+    ctx = fused_attention(model) if fused is not False else contextlib.nullcontext()
+    with torch.inference_mode(), ctx:
+        for length, idx in groups.items():
+            out, mode, why, p_s, d_s, n = _one_batch(model, [rows[i] for i in idx], spec, max_new_tokens, pick,
+                                                     eos, stop, tokenizer, graph, fused, seed, check_every)
+            for i, r in zip(idx, out):
+                result[i] = r
+            modes.append(mode)
+            if why:
+                whys.append(why)
+            pre, dec, steps = pre + p_s, dec + d_s, max(steps, n)
+    texts = [tokenizer.decode(r) for r in result] if tokenizer is not None else None
+    return Generation(tokens=result, texts=texts, mode="+".join(sorted(set(modes))),
+                      why="; ".join(sorted(set(whys))) or None, prefill_s=pre, decode_s=dec,
+                      new_tokens=sum(map(len, result)), steps=steps, batches=list(groups.values()), spec=spec)
+
+
+__all__ = ["Generation", "generate"]

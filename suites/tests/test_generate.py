@@ -1,0 +1,119 @@
+"""The generation engine (suites/harness/generate.py): the same tokens as transformers'
+`generate` where the cache is exact, EOS and stop strings per row, prompts of
+different lengths, sampling, and the engine's step modes."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from kvqbench.suites.harness.generate import generate
+from kvqbench.suites.harness.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+VOCAB = 128
+
+
+def llama(dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      initializer_range=0.2, attn_implementation="sdpa")
+    m = LlamaForCausalLM(cfg).eval().to(dtype)
+    m.generation_config.eos_token_id = None
+    return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return llama()
+
+
+def prompts(batch=2, n=20, seed=0):
+    return torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def reference(model, ids, new):
+    with torch.inference_mode():
+        return model.generate(ids, max_new_tokens=new, do_sample=False)[:, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_plain_cache_gives_transformers_greedy_tokens(model, graph):
+    ids = prompts()
+    out = generate(model, ids, None, max_new_tokens=12, graph=graph)
+    assert out.tokens == reference(model, ids, 12)
+    assert out.mode == ("device" if graph else "eager") and out.new_tokens == 24 and out.steps == 11
+
+
+def test_fp16_store_of_an_fp16_model_is_exact():
+    m = llama(torch.float16)
+    ids = prompts()
+    assert generate(m, ids, "fp16", max_new_tokens=8, graph=True).tokens == reference(m, ids, 8)
+
+
+@pytest.mark.parametrize("spec", ["int4", "kivi:bits=2,group=8,residual=8"])
+def test_device_steps_equal_eager_steps(model, spec):
+    ids = prompts()
+    eager = generate(model, ids, spec, max_new_tokens=10, graph=False)
+    device = generate(model, ids, spec, max_new_tokens=10, graph=True, fused=True)
+    assert device.mode == "device" and eager.mode == "eager"
+    assert device.tokens == eager.tokens
+
+
+def test_eos_cuts_each_row_at_its_first_eos(model):
+    ids = prompts()
+    ref = reference(model, ids, 12)
+    eos = ref[0][4]  # row 0 stops at its 5th token (kept); row 1 at its own first occurrence, if any
+    out = generate(model, ids, None, max_new_tokens=12, eos_token_id=eos, check_every=1)
+    for got, want in zip(out.tokens, ref):
+        cut = want.index(eos) + 1 if eos in want else len(want)
+        assert got == want[:cut]
+
+
+def test_stop_strings_and_texts(tmp_path):
+    folder = make_tiny_model(tmp_path / "tiny")
+    m = LlamaForCausalLM.from_pretrained(folder).eval()
+    m.generation_config.eos_token_id = None
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = torch.tensor([tok.encode("the quick brown fox")])
+    full = generate(m, ids, None, max_new_tokens=16, tokenizer=tok)
+    text = full.texts[0]
+    assert text == tok.decode(full.tokens[0])
+    stop = text[5:7]  # a string the continuation contains
+    out = generate(m, ids, None, max_new_tokens=16, tokenizer=tok, stop=[stop])
+    assert stop in out.texts[0] and out.texts[0].endswith(stop)
+    assert full.texts[0].startswith(out.texts[0]) and stop not in out.texts[0][:-1]
+
+
+def test_prompts_of_different_lengths_run_in_groups_and_equal_one_by_one(model):
+    ids = prompts(3, 20)
+    rows = [ids[0].tolist(), ids[1, :14].tolist(), ids[2].tolist()]
+    out = generate(model, rows, "int4", max_new_tokens=6)
+    assert sorted(map(sorted, out.batches)) == [[0, 2], [1]]
+    for i, r in enumerate(rows):
+        assert out.tokens[i] == generate(model, [r], "int4", max_new_tokens=6).tokens[0]
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(model):
+    ids = prompts()
+    a = generate(model, ids, "int4", max_new_tokens=10, temperature=1.0, top_p=0.9, seed=3)
+    b = generate(model, ids, "int4", max_new_tokens=10, temperature=1.0, top_p=0.9, seed=3)
+    assert a.tokens == b.tokens
+    greedy = generate(model, ids, "int4", max_new_tokens=10)
+    assert generate(model, ids, "int4", max_new_tokens=10, temperature=0.7, top_k=1, seed=5).tokens == greedy.tokens
+    hot = [generate(model, ids, "int4", max_new_tokens=10, temperature=5.0, seed=s).tokens for s in range(3)]
+    assert any(h != greedy.tokens for h in hot)  # at temperature 5 over 128 tokens, 3 seeds all greedy: ~never
+
+
+def test_bad_input_is_refused(model):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, prompts(), "int4", max_new_tokens=0)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        generate(model, prompts(), "int4", stop=["x"])
+    with pytest.raises(ValueError, match="exceeds the model's 256 positions"):
+        generate(model, prompts(1, 200), "int4", max_new_tokens=100)
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(model, [[1, 2], []], "int4")
+    with pytest.raises(ValueError, match="sampling"):
+        generate(model, prompts(), "int4", temperature=1.0, top_p=1.5)
