@@ -120,3 +120,30 @@ def test_bad_input_is_refused(model):
         generate(model, [[1, 2], []], "int4")
     with pytest.raises(ValueError, match="sampling"):
         generate(model, prompts(), "int4", temperature=1.0, top_p=1.5)
+
+
+# ---- generation fidelity (suites/harness/fidelity.py) -------------------------------------
+def test_fidelity_of_an_exact_cache_is_perfect_and_of_int2_is_not(model):
+    from kvqbench.suites.harness.fidelity import fidelity, reference_continuations
+
+    ids = prompts(3, 20, seed=4)
+    ref = reference_continuations(model, ids, new_tokens=10)
+    assert ref["tokens"] == reference(model, ids, 10)
+    int2 = fidelity(model, ids, "int2", ref)
+    assert int2["prompts"] == 3 and len(int2["first_diff"]) == 3
+    assert 0 <= int2["first_diff_min"] <= int2["first_diff_mean"] <= 10
+    assert int2["match_rate"] < 1 and int2["never_diverged"] < 3  # 2-bit K/V leave the greedy path
+    # the reference is the model's own greedy choice: its NLL per token is the smaller
+    assert int2["nll_per_token"] > int2["ref_nll_per_token"]
+    with pytest.raises(ValueError, match="reference continuations"):
+        fidelity(model, ids[:2], "int2", ref)
+
+
+def test_fidelity_of_an_fp16_store_on_an_fp16_model_is_perfect():
+    from kvqbench.suites.harness.fidelity import fidelity, reference_continuations
+
+    m = llama(torch.float16)
+    ids = prompts(2, 16, seed=6)
+    f = fidelity(m, ids, "fp16", reference_continuations(m, ids, new_tokens=8))
+    assert f["match_rate"] == 1 and f["never_diverged"] == 2 and f["first_diff_mean"] == 8
+    assert f["nll_per_token"] == pytest.approx(f["ref_nll_per_token"], rel=1e-6)
