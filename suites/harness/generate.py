@@ -124,7 +124,8 @@ def _new_cache(model, spec, batch, capacity, fused, seed):
     return QuantizedCache(spec, config=model.config, seed=seed, capacity=capacity, fused=fused, prefill="exact")
 
 
-def _one_batch(model, prompts, spec, max_new, pick, eos, stop, tokenizer, graph, fused, seed, check_every):
+def _one_batch(model, prompts, spec, max_new, pick, eos, stop, tokenizer, graph, graph_off, fused, seed,
+               check_every):
     dev = next(model.parameters()).device
     ids = torch.tensor(prompts, dtype=torch.long, device=dev)
     B, P = ids.shape
@@ -146,7 +147,7 @@ def _one_batch(model, prompts, spec, max_new, pick, eos, stop, tokenizer, graph,
         if graph:
             step = GraphedDecodeStep(model, cache, batch=B, max_tokens=P + max_new)
         else:
-            step = _Eager(model, cache, kw)
+            step = _Eager(model, cache, kw, graph_off)
         mode, why = step.mode, step.why
         for t in range(1, max_new):
             out[:, t:t + 1] = pick(step(out[:, t - 1:t])[:, -1])
@@ -165,10 +166,10 @@ def _one_batch(model, prompts, spec, max_new, pick, eos, stop, tokenizer, graph,
 
 
 class _Eager:
-    mode, why = "eager", "graph=False"
+    mode = "eager"
 
-    def __init__(self, model, cache, kw):
-        self.model, self.kw = model, kw
+    def __init__(self, model, cache, kw, why):
+        self.model, self.kw, self.why = model, kw, why
 
     def __call__(self, ids):
         return self.model(input_ids=ids, **self.kw, use_cache=True).logits
@@ -203,6 +204,7 @@ def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, t
         if eos_token_id is None and tokenizer is not None:
             eos_token_id = tokenizer.eos_token_id
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    graph_off = "graph=False" if graph is False else "no CUDA device: eager steps (graph=True runs the graph's steps uncaptured)"
     graph = (dev.type == "cuda") if graph is None else bool(graph)
     gen = torch.Generator(device=dev).manual_seed(seed)
     pick = _sampler(float(temperature), top_k, top_p, gen)
@@ -218,7 +220,8 @@ def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, t
     with torch.inference_mode(), ctx:
         for length, idx in groups.items():
             out, mode, why, p_s, d_s, n = _one_batch(model, [rows[i] for i in idx], spec, max_new_tokens, pick,
-                                                     eos, stop, tokenizer, graph, fused, seed, check_every)
+                                                     eos, stop, tokenizer, graph, graph_off, fused, seed,
+                                                     check_every)
             for i, r in zip(idx, out):
                 result[i] = r
             modes.append(mode)
