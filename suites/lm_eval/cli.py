@@ -23,6 +23,9 @@ def main(argv=None) -> int:
     sys.argv = ["kvqbench-lm-eval"] + args
     try:
         cli_evaluate()
+    except model.ModelArgsError as e:  # the user's model_args: the message is the help, a traceback is noise
+        print(f"kvqbench-lm-eval: error: {e}", file=sys.stderr)
+        return 2
     finally:
         sys.argv = saved
     return 0

