@@ -56,6 +56,8 @@ class Generation:
     steps: int
     batches: list[list[int]]
     spec: str | None
+    cache_nbytes: int = 0  # bytes the quantized caches stored at the end (0 for spec=None)
+    cache_elements: int = 0  # K/V elements they held
 
     @property
     def tokens_per_s(self) -> float:
@@ -161,8 +163,9 @@ def _one_batch(model, prompts, spec, max_new, pick, eos, stop, tokenizer, graph,
     sync()
     t2 = time.perf_counter()
     rows = [_cut(r, eos, stop, tokenizer)[0] for r in out[:, :steps + 1].tolist()]
+    size = (cache.nbytes(), cache.numel()) if isinstance(cache, QuantizedCache) else (0, 0)
     del cache
-    return rows, mode, why, t1 - t0, t2 - t1, steps
+    return rows, mode, why, t1 - t0, t2 - t1, steps, size
 
 
 class _Eager:
@@ -212,14 +215,14 @@ def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, t
     for i, r in enumerate(rows):
         groups.setdefault(len(r), []).append(i)
     result: list[list[int] | None] = [None] * len(rows)
-    modes, whys, pre, dec, steps = [], [], 0.0, 0.0, 0
+    modes, whys, pre, dec, steps, nbytes, numel = [], [], 0.0, 0.0, 0, 0, 0
     # The fused kernels replace SDPA only (perplexity.py does the same): other attentions stay dense.
     if spec is None or getattr(model.config, "_attn_implementation", None) != "sdpa":
         fused = False
     ctx = fused_attention(model) if fused is not False else contextlib.nullcontext()
     with torch.inference_mode(), ctx:
         for length, idx in groups.items():
-            out, mode, why, p_s, d_s, n = _one_batch(model, [rows[i] for i in idx], spec, max_new_tokens, pick,
+            out, mode, why, p_s, d_s, n, (b, e) = _one_batch(model, [rows[i] for i in idx], spec, max_new_tokens, pick,
                                                      eos, stop, tokenizer, graph, graph_off, fused, seed,
                                                      check_every)
             for i, r in zip(idx, out):
@@ -227,11 +230,12 @@ def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, t
             modes.append(mode)
             if why:
                 whys.append(why)
-            pre, dec, steps = pre + p_s, dec + d_s, max(steps, n)
+            pre, dec, steps, nbytes, numel = pre + p_s, dec + d_s, max(steps, n), nbytes + b, numel + e
     texts = [tokenizer.decode(r) for r in result] if tokenizer is not None else None
     return Generation(tokens=result, texts=texts, mode="+".join(sorted(set(modes))),
                       why="; ".join(sorted(set(whys))) or None, prefill_s=pre, decode_s=dec,
-                      new_tokens=sum(map(len, result)), steps=steps, batches=list(groups.values()), spec=spec)
+                      new_tokens=sum(map(len, result)), steps=steps, batches=list(groups.values()), spec=spec,
+                      cache_nbytes=nbytes, cache_elements=numel)
 
 
 __all__ = ["Generation", "generate"]

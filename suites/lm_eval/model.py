@@ -8,16 +8,23 @@ two methods replaced:
   K/V that attention reads, the sequence's own prefill included, has been
   through quantize/dequantize: the `quantize-on-write` protocol of the PPL
   suite (METHOD.md 4), one sequence per write.
-- `_model_generate` (generate_until): `model.generate` with a fresh
-  `QuantizedCache` as its cache: the prompt is one prefill write, then each
-  decode step appends its token to the packed store and attends to the
-  dequantized history, as a deployed quantized cache would.
+- `_model_generate` (generate_until): the generation engine
+  (suites/harness/generate.py), batched: `batch_size` requests per call (lm-eval
+  groups requests of the same generation settings); each row's left padding is
+  stripped, rows of equal prompt length run as one batch; the prompt is one
+  exact prefill (full-precision attention inside the prompt, K/V stored
+  quantized: the deployed protocol), then graphed decode steps read the packed
+  store (fused kernels where the format has one, on CUDA). Greedy or sampling
+  (temperature, top_k, top_p), lm-eval's `until` strings and EOS per row. The
+  tokens/s of every generation call is summed in `get_model_info()["kv_generation"]`
+  and printed after each generate_until.
 
-Batch size is 1: a padded batch would put padding tokens into the statistics
-of quantizers that group over tokens (KIVI keys, per-channel int, Med3x), and
-each sequence must start from a fresh cache. `quantizer=plain` runs the
-model's own cache (lm-eval's HFLM unchanged); `quantizer=fp16` stores K/V as
-fp16 through the same quantized-cache path.
+Loglikelihood runs one sequence per forward pass whatever `batch_size` says: a
+padded batch would put padding tokens into the statistics of quantizers that group
+over tokens (KIVI keys, per-channel int, Med3x), and each sequence must start from a
+fresh cache. `quantizer=plain` runs the model's own cache (lm-eval's HFLM unchanged
+for loglikelihood; generation through the engine over a StaticCache); `quantizer=fp16`
+stores K/V as fp16 through the same quantized-cache path.
 
 Python: `kvqbench.suites.lm_eval.evaluate` (`evaluate`, `task_scores`).
 
@@ -62,6 +69,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from ...quantizers import get_quantizer
+from ..harness.generate import generate
 from ..harness.kv_cache import QuantizedCache, cache_kwargs
 
 log = logging.getLogger(__name__)
@@ -164,9 +172,13 @@ class KVQuantLM(HFLM):
                 raise ValueError("KVQuantLM: pass tokenizer= together with a model object")
             model = pretrained
             self.kv_model_info = {"name": getattr(model.config, "_name_or_path", "") or type(model).__name__}
-        if str(batch_size) != "1":
-            warnings.warn(f"kvqbench runs batch size 1 (each sequence through a fresh quantized cache; padding "
-                          f"would enter quantizer statistics): batch_size={batch_size} ignored", stacklevel=2)
+        try:
+            self.kv_gen_batch = int(batch_size)
+        except ValueError:
+            raise ModelArgsError(f"KVQuantLM: batch_size must be a positive int (generation batches; loglikelihood "
+                                 f"runs one sequence per cache), got {batch_size!r}") from None
+        if self.kv_gen_batch < 1:
+            raise ModelArgsError(f"KVQuantLM: batch_size must be >= 1, got {batch_size!r}")
         for ignored in ("max_batch_size", "parallelize", "tp_plan"):
             if kwargs.get(ignored) not in (None, False):
                 warnings.warn(f"KVQuantLM: {ignored}={kwargs[ignored]!r} ignored", stacklevel=2)
@@ -183,6 +195,7 @@ class KVQuantLM(HFLM):
         self.kv_nbytes = 0
         self.kv_numel = 0
         self.kv_calls = {"forward": 0, "generate": 0}
+        self.kv_generation = {"new_tokens": 0, "seconds": 0.0, "calls": 0, "modes": []}
 
     # ---- the two replaced methods ---------------------------------------------------
     def _new_cache(self) -> QuantizedCache:
@@ -205,17 +218,55 @@ class KVQuantLM(HFLM):
                 self.kv_calls["forward"] += 1
         return torch.cat(out)
 
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        """HFLM's, with `batch_size` requests per engine call (loglikelihood keeps 1)."""
+        saved = self.batch_size_per_gpu
+        self.batch_size_per_gpu = self.kv_gen_batch
+        before = dict(self.kv_generation)
+        try:
+            return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self.batch_size_per_gpu = saved
+            n = self.kv_generation["new_tokens"] - before["new_tokens"]
+            sec = self.kv_generation["seconds"] - before["seconds"]
+            if n:
+                log.warning("kvqbench generate_until: %d new tokens in %.2f s (%.1f tokens/s), %s, steps: %s",
+                            n, sec, n / sec if sec else float("nan"), self.spec or "plain",
+                            "+".join(sorted(set(self.kv_generation["modes"]))))
+
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
-        if self.spec is None:
-            return super()._model_generate(context, max_length, stop, **generation_kwargs)
-        if context.shape[0] != 1:
-            raise RuntimeError(f"KVQuantLM generates one sequence at a time, got a batch of {context.shape[0]}")
-        cache = self._new_cache()
-        generation_kwargs.update(cache_kwargs(self.model, cache))
-        out = super()._model_generate(context, max_length, stop, **generation_kwargs)
-        self._count(cache)
-        self.kv_calls["generate"] += 1
-        return out
+        """The engine (module docstring); returns what HFLM's does: the (left-padded)
+        context followed by each row's new tokens, right-padded with the pad id."""
+        mask = generation_kwargs.pop("attention_mask", None)
+        do_sample = generation_kwargs.pop("do_sample", None)
+        temperature = float(generation_kwargs.pop("temperature", 0.0) or 0.0)
+        top_k, top_p = generation_kwargs.pop("top_k", None), generation_kwargs.pop("top_p", None)
+        for harmless in ("use_cache", "pad_token_id"):
+            generation_kwargs.pop(harmless, None)
+        if generation_kwargs:
+            raise ValueError(f"KVQuantLM generation does not take {sorted(generation_kwargs)} "
+                             "(it runs greedy or sampling with temperature / top_k / top_p)")
+        if do_sample is False:
+            temperature = 0.0
+        elif do_sample and temperature == 0.0:
+            temperature = 1.0
+        rows = [r[m.bool()].tolist() for r, m in zip(context, mask)] if mask is not None else context.tolist()
+        out = generate(self.model, rows, self.spec, max_new_tokens=max_length - context.shape[1],
+                       tokenizer=self.tokenizer, stop=[s for s in stop if s], temperature=temperature,
+                       top_k=top_k, top_p=top_p, seed=self.kv_seed,
+                       eos_token_id=self.tokenizer.eos_token_id)
+        self.kv_nbytes += out.cache_nbytes
+        self.kv_numel += out.cache_elements
+        self.kv_calls["generate"] += len(rows)
+        g = self.kv_generation
+        g["new_tokens"] += out.new_tokens
+        g["seconds"] += out.prefill_s + out.decode_s
+        g["calls"] += 1
+        g["modes"].append(out.mode)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        width = max(map(len, out.tokens))
+        new = torch.tensor([t + [pad] * (width - len(t)) for t in out.tokens], dtype=torch.long, device=context.device)
+        return torch.cat([context, new], 1)
 
     # ---- reporting ------------------------------------------------------------------
     def bits_per_element(self) -> float:
@@ -237,8 +288,13 @@ class KVQuantLM(HFLM):
             "kv_seed": self.kv_seed,
             "kv_bits_per_element": self.bits_per_element() if self.spec else None,
             "kv_calls": dict(self.kv_calls),
+            "kv_generation": dict(self.kv_generation, modes=sorted(set(self.kv_generation["modes"])),
+                                  tokens_per_s=(self.kv_generation["new_tokens"] / self.kv_generation["seconds"]
+                                                if self.kv_generation["seconds"] else None),
+                                  batch_size=self.kv_gen_batch),
             "kv_protocol": {"loglikelihood": "quantize-on-write (fresh cache per sequence)",
-                            "generate_until": "prefill write then one append per generated token"},
+                            "generate_until": "deployed: exact prefill, then decode steps through the engine "
+                                              "(suites/harness/generate.py)"},
         }
 
 

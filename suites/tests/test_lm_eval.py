@@ -151,6 +151,22 @@ def test_passkey_tells_a_broken_cache_from_a_good_one(base):
     assert acc["int2"] == 0.0, acc
 
 
+def test_generation_runs_batched_through_the_engine(base):
+    """generate_until: `batch_size` requests per engine call (rows of different prompt
+    lengths in length groups), the same answers as one at a time, tokens/s reported."""
+    one, three = wrap(base, "int4"), KVQuantLM(base.model, tokenizer=base.tokenizer, quantizer="int4", batch_size=3)
+    res = {}
+    for name, lm in (("one", one), ("three", three)):
+        r = evaluate(["kvqbench_passkey"], lm=lm, metadata=PASSKEY, log_samples=True)
+        res[name] = [s["resps"] for s in r["samples"]["kvqbench_passkey"]]
+        gen = r["config"]["kv_generation"] if "kv_generation" in r["config"] else lm.get_model_info()["kv_generation"]
+        assert gen["new_tokens"] > 0 and gen["tokens_per_s"] > 0 and gen["modes"]
+        assert lm.kv_calls["generate"] == PASSKEY["passkey_docs"]
+    assert one.kv_generation["calls"] == 3 and three.kv_generation["calls"] == 1  # one engine call for the batch
+    assert res["one"] == res["three"]
+    assert one.bits_per_element() == three.bits_per_element()
+
+
 def test_command_line(tmp_path):
     """`kvqbench-lm-eval`: lm-eval's CLI with the model registered and the offline tasks
     included; a quantizer spec with commas, quoted."""
