@@ -1,4 +1,5 @@
-"""The `kvqbench` command: `list` the quantizers, `compare` them on a real model.
+"""The `kvqbench` command: `list` the quantizers, `compare` them on a real model,
+`generate` text through a quantized cache at engine speed.
 
 Exit status: 0 success; 1 an error the run could not get past (one line; the
 traceback with --debug); 2 bad usage (argparse's own checks and ours, all made
@@ -58,6 +59,7 @@ def cmd_list(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import generate_cmd
     from . import run as compare
 
     common = argparse.ArgumentParser(add_help=False)
@@ -72,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the reference tensor")
     p.set_defaults(func=cmd_list)
     compare.add_arguments(sub, parents=[common])
+    generate_cmd.add_arguments(sub, parents=[common])
     return parser
 
 

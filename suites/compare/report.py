@@ -118,6 +118,66 @@ def lm_eval_section(results) -> list[str]:
     return lines + [""]
 
 
+def _spec_bits(results) -> dict:
+    """spec -> measured bits (seed 0; the deployed protocol's record where there is one)."""
+    out = {}
+    for r in sorted((r for r in results if "error" not in r and r["seed"] == 0),
+                    key=lambda r: r["protocol"] == "deployed"):
+        out[r["spec"]] = r["bits_per_element"]
+    return out
+
+
+def plot_fidelity(rows, bits, meta, path: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, key, label in ((axes[0], "first_diff_mean", "first generated token that differs (mean over prompts)"),
+                           (axes[1], "match_rate", "tokens equal to the unquantized continuation (rate)")):
+        for spec, f in rows:
+            fam = spec.split(":")[0].rstrip("0123456789")
+            ax.plot(bits[spec], f[key], FAMILY_STYLE.get(fam, "x"), markersize=7)
+            ax.annotate(spec, (bits[spec], f[key]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("bits per element (measured from stored bytes)")
+        ax.set_ylabel(label, fontsize=8)
+        ax.grid(alpha=0.3)
+    fid = meta["fidelity"] or {}
+    fig.suptitle(f"Greedy generation fidelity on {meta['model']['name']}: {fid.get('prompt_tokens')}-token prompts, "
+                 f"{fid.get('new_tokens')} new tokens, against the model's own cache", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def fidelity_section(data, folder: Path) -> list[str]:
+    """Markdown (and fidelity_vs_bits.png) for the run's generation fidelity (none: no lines)."""
+    store, meta = data.get("fidelity") or {}, data["meta"]
+    bits = _spec_bits(data["results"])
+    rows = sorted(((s, f) for s, f in (store.get("rows") or {}).items() if "error" not in f and s in bits),
+                  key=lambda sf: (bits[sf[0]], sf[0]))
+    failed = [(s, f) for s, f in (store.get("rows") or {}).items() if "error" in f]
+    if not rows and not failed:
+        return []
+    fid = meta.get("fidelity") or {}
+    lines = ["## Generation fidelity (deployed)", "",
+             f"Greedy continuations of {rows[0][1]['prompts'] if rows else '?'} prompts (the first "
+             f"{fid.get('prompt_tokens')} tokens of each window) for {fid.get('new_tokens')} new tokens through each "
+             "quantized cache (exact prefill, then decode steps reading the quantized cache: the deployed protocol), "
+             "against the same model's own cache. First diff: index of the first generated token that differs "
+             "(rows that never diverged count at the full length, so the mean is a lower bound where any did not); "
+             "match: positions equal to the reference; NLL/token: what the unquantized model assigns to the "
+             "quantized continuation (its own greedy continuation: the reference column). Seed 0.", ""]
+    if rows:
+        plot_fidelity(rows, bits, meta, folder / "fidelity_vs_bits.png")
+        lines += ["![fidelity against measured bits](fidelity_vs_bits.png)", "",
+                  "| spec | bits measured | first diff mean | min | never diverged | match rate | NLL/token | "
+                  "reference NLL/token | decode steps |", "|---|---|---|---|---|---|---|---|---|"]
+        for spec, f in rows:
+            lines.append(f"| `{spec}` | {bits[spec]:.3f} | {f['first_diff_mean']:.1f} | {f['first_diff_min']} | "
+                         f"{f['never_diverged']}/{f['prompts']} | {f['match_rate']:.3f} | {f['nll_per_token']:.3f} | "
+                         f"{f['ref_nll_per_token']:.3f} | {f['decode_mode']} |")
+    for spec, f in failed:
+        lines.append(f"\nFAILED fidelity `{spec}`: {f['error']}")
+    return lines + [""]
+
+
 def _stochastic_families(results, meta) -> list[str]:
     # Records made before the `stochastic` field: the run's list, or more than one seed.
     named = set(meta.get("stochastic_specs", []))
@@ -158,8 +218,9 @@ def write_report(folder: Path) -> Path:
         f"- corpus: {c['name']} ({c.get('source', '')}), sha256 {str(c.get('sha256', ''))[:16]}",
         f"- windows: {w['n']} x {w['tokens']} tokens, {w['placement']}; starts {w['starts']}",
         f"- protocols: {', '.join(meta['protocols'])}"
-        + (f" (prefill-then-decode: context {ptd.get('context')}, {ptd.get('decode_tokens')} tokens scored "
-           "after it)" if "prefill-then-decode" in meta["protocols"] else ""),
+        + (f" (prefill {ptd.get('context')} tokens, then {ptd.get('decode_tokens')} tokens scored after it; "
+           "deployed scores those its decode steps predict, one fewer)"
+           if {"prefill-then-decode", "deployed"} & set(meta["protocols"]) else ""),
         f"- dtype {meta['dtype']}; hardware {meta['hardware']}; versions {meta['versions']}",
         "- bits per element are measured from every byte the packed cache stores (codes, scales, radii, flags, "
         "outliers, fp16 windows, codebooks amortised over the window); the formula value is beside it.",
@@ -169,9 +230,14 @@ def write_report(folder: Path) -> Path:
         f"{meta.get('seeds', [0])}; the tables give the mean PPL, its min-max over seeds and the sample sd, "
         "and the claims count a difference only when the seed ranges do not overlap.",
         "",
-        "Caveat: under `quantize-on-write` a window is one write, so per-write statistics (KIVI's per-channel key "
-        "groups, the Med3x median) include tokens later than the query that reads them; `prefill-then-decode` "
-        "scores tokens that come after every statistic was fixed. " + _window_note(results),
+        "Which protocol answers which question: `quantize-on-write` (the paper's) quantizes every K/V read, the "
+        "prompt's own attention included, and a window is one write, so per-write statistics (KIVI's per-channel "
+        "key groups, the Med3x median) include tokens later than the query that reads them: the harshest case, "
+        "comparable with the paper. `prefill-then-decode` scores tokens that come after every statistic was fixed, "
+        "still with a quantized prefill. `deployed` is what a serving engine does: the prompt attends to its own "
+        "K/V at full precision and stores them quantized; only decode steps read the quantized cache, and only "
+        "their predictions are scored (a quantizer's fp16 window of recent tokens then serves what it was made "
+        "for). Each verdict below names its protocol. " + _window_note(results),
         "",
     ]
     for protocol in meta["protocols"]:
@@ -201,6 +267,7 @@ def write_report(folder: Path) -> Path:
         standing = hqmq_standing(rows)
         if standing:
             lines += [f"### Where HQMQ wins and loses at matched measured bits ({protocol})", "", *standing, ""]
+    lines += fidelity_section(data, folder)
     lines += lm_eval_section(results)
     if data.get("diagnostics"):
         plot_outliers(data["diagnostics"], meta, folder / "outliers.png")

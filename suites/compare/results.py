@@ -31,7 +31,9 @@ def identity(meta: dict) -> dict:
         "model": [m.get("name"), m.get("sha256")], "corpus": [c.get("name"), c.get("sha256")],
         "windows": {k: meta["windows"].get(k) for k in ("n", "tokens", "starts")},
         "protocols": list(meta["protocols"]),
-        "prefill_then_decode": meta.get("prefill_then_decode") if "prefill-then-decode" in meta["protocols"] else None,
+        "prefill_then_decode": meta.get("prefill_then_decode")
+        if {"prefill-then-decode", "deployed"} & set(meta["protocols"]) else None,
+        "fidelity": meta.get("fidelity"),
         "dtype": meta.get("dtype"), "device": hw.get("device"), "gpu": hw.get("gpu"),
         "attn_implementation": m.get("attn_implementation"), "batch_size": meta.get("batch_size"),
         # Last-bit float differences flip rounding decisions (issue 13: int4 moved 1.8%
@@ -91,6 +93,8 @@ class Run:
                            "rerun with --fresh to overwrite it, or use --run NAME for a new run")
         self.data["results"] = [r for r in results if "error" not in r]  # failures are retried
         self.data["diagnostics"] = old.get("diagnostics")
+        if isinstance(old.get("fidelity"), dict):  # generation fidelity, per spec (run.py _fidelity)
+            self.data["fidelity"] = old["fidelity"]
 
     def done(self, protocol: str, spec: str, seed: int) -> bool:
         return any((r["protocol"], r["spec"], r["seed"]) == (protocol, spec, seed) for r in self.data["results"])
@@ -110,4 +114,6 @@ class Run:
                if "error" in r]
         out += [f"lm-eval {r['spec']}: {r['lm_eval']['error']}" for r in self.data["results"]
                 if "error" in r.get("lm_eval", {})]
+        rows = (self.data.get("fidelity") or {}).get("rows", {})
+        out += [f"fidelity {spec}: {f['error']}" for spec, f in rows.items() if "error" in f]
         return out

@@ -163,14 +163,37 @@ def validate(args) -> dict:
     threads = os.environ.get("KVQBENCH_PRECOMPILE_THREADS")
     if threads and not threads.strip().isdigit():
         raise UsageError(f"KVQBENCH_PRECOMPILE_THREADS must be a whole number of threads (0: off), got {threads!r}")
-    protocols = ["quantize-on-write", "prefill-then-decode"] if args.protocol == "both" else [args.protocol]
-    # Each protocol's own window length: prefill-then-decode writes `context` tokens
-    # and scores the next `decode_tokens`; quantize-on-write scores `window` tokens.
-    # Both read the same windows (one tokenized set, cut to each length).
-    lengths = {"quantize-on-write": args.window, "prefill-then-decode": args.context + args.decode_tokens}
+    protocols = protocols_for(args.protocol, device)
+    # Each protocol's own window length: prefill-then-decode and deployed write `context`
+    # tokens and score what follows (`decode_tokens` steps); quantize-on-write scores
+    # `window` tokens. All read the same windows (one tokenized set, cut to each length).
+    decode = args.context + args.decode_tokens
+    lengths = {"quantize-on-write": args.window, "prefill-then-decode": decode, "deployed": decode}
+    fidelity = args.fidelity if args.fidelity is not None else "deployed" in protocols
     return {"specs": specs, "protocols": protocols, "device": str(device), "lm_eval_metadata": lm_meta,
-            "lengths": {p: lengths[p] for p in protocols},
-            "window": max(lengths[p] for p in protocols)}
+            "lengths": {p: lengths[p] for p in protocols}, "fidelity": fidelity,
+            "window": max([lengths[p] for p in protocols] + ([decode] if fidelity else []))}
+
+
+PROTOCOLS = ("quantize-on-write", "prefill-then-decode", "deployed")
+
+
+def protocols_for(choice: str | None, device: torch.device) -> list[str]:
+    """--protocol: one name, a comma-separated list, "both" (the paper's two), "all";
+    default: quantize-on-write, plus deployed on a GPU (where its decode steps run fused
+    and graphed; on a CPU they cost minutes, so it runs on request there)."""
+    if choice is None:
+        return ["quantize-on-write"] + (["deployed"] if device.type == "cuda" else [])
+    if choice == "both":
+        return ["quantize-on-write", "prefill-then-decode"]
+    if choice == "all":
+        return list(PROTOCOLS)
+    names = list(dict.fromkeys(p.strip() for p in choice.split(",") if p.strip()))
+    bad = [p for p in names if p not in PROTOCOLS]
+    if bad or not names:
+        raise UsageError(f"--protocol {choice!r}: use {', '.join(PROTOCOLS)}, a comma-separated list of them, "
+                         "both (quantize-on-write,prefill-then-decode) or all")
+    return names
 
 
 def _check_lm_eval_tasks(tasks: str, metadata) -> None:
@@ -203,7 +226,7 @@ def run_compare(args) -> int:
     from . import report
     from ..harness.corpora import special_prefix, tokenize_text, load_corpus, token_windows, window_starts
     from ..harness.models import load_model
-    from ..harness.perplexity import batch_rows, ppl_prefill_then_decode, ppl_quantize_on_write
+    from ..harness.perplexity import batch_rows, ppl_deployed, ppl_prefill_then_decode, ppl_quantize_on_write
     from . import distributed
 
     plan = validate(args)
@@ -235,6 +258,7 @@ def run_compare(args) -> int:
                                  "tokens the tokenizer itself prepends (Gemma's BOS); each protocol reads the "
                                  "first per_protocol[p] tokens of each window"},
         "prefill_then_decode": {"context": args.context, "decode_tokens": args.decode_tokens},
+        "fidelity": {"prompt_tokens": args.context, "new_tokens": args.decode_tokens} if plan["fidelity"] else None,
         "dtype": args.dtype, "versions": versions(), "hardware": hardware(device),
         "batch_size": args.batch_size,
         "seeds": list(range(args.seeds)), "stochastic_specs": [s for s in specs if is_stochastic(s)],
@@ -244,8 +268,8 @@ def run_compare(args) -> int:
         w = windows[rows, :plan["lengths"][protocol]]
         if protocol == "quantize-on-write":
             return ppl_quantize_on_write(model, w, spec, seed, progress=progress, batch_size=batch_size)
-        return ppl_prefill_then_decode(model, w, spec, seed, context=args.context, progress=progress,
-                                       batch_size=batch_size)
+        scorer = ppl_deployed if protocol == "deployed" else ppl_prefill_then_decode
+        return scorer(model, w, spec, seed, context=args.context, progress=progress, batch_size=batch_size)
 
     if ranks is not None:  # the same window batches as one process, dealt over the ranks
         meta["distributed"] = distributed.describe(ranks)
@@ -303,6 +327,8 @@ def run_compare(args) -> int:
                     r = {"protocol": protocol, "spec": spec, "seed": seed, "error": f"{type(e).__name__}: {e}"}
                 on_record((protocol, spec, seed), r, windows_done=0)  # the bar moved window by window
         bar.close()
+        if plan["fidelity"]:
+            _fidelity(run, model, windows[:, :args.context], specs, args.decode_tokens)
         if args.lm_eval:
             _lm_eval_scores(args, run, model, tok, specs, protocols[0], plan["lm_eval_metadata"])
         out = report.write_report(run.folder)
@@ -375,6 +401,33 @@ def triton_ahead(args, device, model_info, plan, specs):
               file=sys.stderr)
 
 
+def _fidelity(run, model, prompts, specs, new_tokens: int) -> None:
+    """Generation fidelity per spec (seed 0) against the model's own cache over the run's
+    window prompts (suites/harness/fidelity.py), into results.json's `fidelity`;
+    resumable per spec, a failure recorded and the run goes on."""
+    from ..harness.fidelity import fidelity, reference_continuations
+
+    store = run.data.setdefault("fidelity", {})
+    if store.get("reference") is None:
+        print(f"generation fidelity: reference continuations ({len(prompts)} prompts, {new_tokens} tokens) ...",
+              file=sys.stderr, flush=True)
+        store["reference"] = reference_continuations(model, prompts, new_tokens)
+        run.save()
+    rows = store.setdefault("rows", {})
+    for spec in specs:
+        if spec in rows and "error" not in rows[spec]:
+            continue
+        try:
+            rows[spec] = fidelity(model, prompts, spec, store["reference"])
+            f = rows[spec]
+            print(f"fidelity {spec:34s} first diff mean {f['first_diff_mean']:5.1f} min {f['first_diff_min']:3d}  "
+                  f"match {f['match_rate']:.3f}  NLL/token {f['nll_per_token']:.3f} (reference "
+                  f"{f['ref_nll_per_token']:.3f})  steps {f['decode_mode']}", file=sys.stderr, flush=True)
+        except Exception as e:  # noqa: BLE001 (keep what is measured; record the failure)
+            rows[spec] = {"spec": spec, "error": f"{type(e).__name__}: {e}"}
+        run.save()
+
+
 def _lm_eval_scores(args, run, model, tok, specs, protocol, meta_le) -> None:
     """lm-eval task scores beside PPL and bits: seed 0, first protocol's records."""
     from ..lm_eval.evaluate import compare_scores
@@ -397,14 +450,19 @@ def add_arguments(sub, parents=()) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter, parents=list(parents))
     p.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, local folder or hub id")
     p.add_argument("--corpus", default=DEFAULT_CORPUS, help="canterbury, austen, wikitext2, wikitext103 or a text file")
-    p.add_argument("--protocol", default="quantize-on-write",
-                   choices=["quantize-on-write", "prefill-then-decode", "both"])
+    p.add_argument("--protocol", default=None,
+                   help="quantize-on-write (the paper's), prefill-then-decode, deployed (exact prefill, decode "
+                        "steps read the quantized cache: a serving engine), a comma-separated list, both "
+                        "(the paper's two) or all; default quantize-on-write, plus deployed on a GPU")
+    p.add_argument("--fidelity", action=argparse.BooleanOptionalAction, default=None,
+                   help="generation fidelity against the model's own cache (greedy, --context prompt tokens, "
+                        "--decode-tokens new); default: on when deployed runs")
     p.add_argument("--window", type=int, default=512, help="quantize-on-write: tokens per window")
     p.add_argument("--windows", type=int, default=None,
                    help=f"number of windows (default {CPU_WINDOWS} on a CPU, {GPU_WINDOWS} on a GPU)")
-    p.add_argument("--context", type=int, default=384, help="prefill-then-decode: prefill tokens L")
+    p.add_argument("--context", type=int, default=384, help="prefill-then-decode / deployed: prefill tokens L")
     p.add_argument("--decode-tokens", type=int, default=64,
-                   help="prefill-then-decode: tokens M scored after the prefill (window = L + M)")
+                   help="prefill-then-decode / deployed: tokens M after the prefill (window = L + M)")
     p.add_argument("--specs", default=None, help="';'-separated quantizer specs (default: every registered example)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 for every stochastic quantizer")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,

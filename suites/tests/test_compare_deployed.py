@@ -1,0 +1,97 @@
+"""`kvqbench compare` with the deployed protocol and generation fidelity, and
+`kvqbench generate`, on the tiny model (CPU)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvqbench.suites.compare import cli
+from kvqbench.suites.compare.run import UsageError, protocols_for
+from kvqbench.suites.harness.tiny_model import make_tiny_model, tiny_compare_args, tiny_corpus
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    return {"model": str(make_tiny_model(d / "model")), "corpus": str(tiny_corpus(d / "text.txt"))}
+
+
+def args(tiny, out, *extra, specs="fp16;int4;int2"):
+    return tiny_compare_args(tiny, out, "--protocol", "quantize-on-write,deployed", "--context", "20",
+                             "--decode-tokens", "8", *extra, specs=specs)
+
+
+def test_deployed_rows_fidelity_and_report(tiny, tmp_path):
+    assert cli.main(args(tiny, tmp_path)) == 0
+    data = json.loads((tmp_path / "r" / "results.json").read_text())
+    dep = {r["spec"]: r for r in data["results"] if r["protocol"] == "deployed"}
+    assert set(dep) == {"fp16", "int4", "int2"}
+    for r in dep.values():  # 2 windows x (8 - 1) decode-step predictions
+        assert r["n_predicted"] == 2 * 7 and r["context"] == 20 and r["decode_steps"] == 7
+    fid = data["fidelity"]
+    assert len(fid["reference"]["tokens"]) == 2 and all(len(t) == 8 for t in fid["reference"]["tokens"])
+    assert set(fid["rows"]) == {"fp16", "int4", "int2"}
+    for f in fid["rows"].values():
+        assert 0 <= f["first_diff_min"] <= f["first_diff_mean"] <= 8 and 0 <= f["match_rate"] <= 1
+    assert data["meta"]["fidelity"] == {"prompt_tokens": 20, "new_tokens": 8}
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert "## deployed" in report and "## Generation fidelity (deployed)" in report
+    assert "`deployed` is what a serving engine does" in report
+    assert (tmp_path / "r" / "fidelity_vs_bits.png").stat().st_size > 0
+
+
+def test_a_rerun_keeps_the_fidelity_it_measured(tiny, tmp_path, monkeypatch):
+    assert cli.main(args(tiny, tmp_path)) == 0
+    before = json.loads((tmp_path / "r" / "results.json").read_text())["fidelity"]
+    import kvqbench.suites.harness.fidelity as F
+
+    def boom(*a, **k):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(F, "fidelity", boom)
+    monkeypatch.setattr(F, "reference_continuations", boom)
+    assert cli.main(args(tiny, tmp_path)) == 0
+    assert json.loads((tmp_path / "r" / "results.json").read_text())["fidelity"] == before
+
+
+def test_a_failed_fidelity_row_is_recorded_and_the_run_goes_on(tiny, tmp_path, monkeypatch):
+    import kvqbench.suites.harness.fidelity as F
+
+    real = F.fidelity
+    monkeypatch.setattr(F, "fidelity", lambda m, p, spec, ref, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+                        if spec == "int2" else real(m, p, spec, ref, **k))
+    assert cli.main(args(tiny, tmp_path)) == 3  # partial: the report is written, a row failed
+    rows = json.loads((tmp_path / "r" / "results.json").read_text())["fidelity"]["rows"]
+    assert rows["int2"]["error"] == "RuntimeError: boom" and "error" not in rows["int4"]
+    assert "FAILED fidelity `int2`" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_protocol_choices_and_defaults():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert protocols_for(None, cpu) == ["quantize-on-write"]  # deployed's decode steps cost minutes on a CPU
+    assert protocols_for(None, gpu) == ["quantize-on-write", "deployed"]
+    assert protocols_for("both", cpu) == ["quantize-on-write", "prefill-then-decode"]
+    assert protocols_for("all", cpu) == ["quantize-on-write", "prefill-then-decode", "deployed"]
+    assert protocols_for("deployed", cpu) == ["deployed"]
+    with pytest.raises(UsageError, match="--protocol 'deploy'"):
+        protocols_for("deploy", cpu)
+
+
+def test_bad_protocol_is_a_usage_error(tiny, tmp_path, capsys):
+    assert cli.main(tiny_compare_args(tiny, tmp_path, "--protocol", "fast")) == 2
+    assert "--protocol 'fast'" in capsys.readouterr().err
+
+
+def test_generate_command(tiny, tmp_path, capsys):
+    out = tmp_path / "g.json"
+    assert cli.main(["generate", "--model", tiny["model"], "--spec", "int4", "--prompt", "the quick brown",
+                     "--prompt", "a lazy dog", "--max-new-tokens", "6", "--device", "cpu", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert len(res["tokens"]) == 2 and all(len(t) <= 6 for t in res["tokens"]) and res["tokens_per_s"] > 0
+    err = capsys.readouterr().err
+    assert "tokens/s" in err and "steps: eager" in err
+    assert cli.main(["generate", "--model", tiny["model"], "--spec", "int9", "--device", "cpu"]) == 2
+    assert cli.main(["generate", "--model", tiny["model"], "--max-new-tokens", "0"]) == 2
