@@ -62,10 +62,53 @@ def is_stochastic(spec: str) -> bool:
     return bool(getattr(parse_spec(spec)[0], "stochastic", False))
 
 
+def kvqbench_version() -> dict:
+    """The installed kvqbench's version, and the git commit of the checkout it runs from
+    (with `dirty` when tracked files differ from it; None outside a git checkout)."""
+    import importlib.metadata
+    import subprocess
+
+    try:
+        version = importlib.metadata.version("kvqbench")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    root = Path(__file__).resolve().parents[2]
+    commit = dirty = None
+    try:
+        git = ["git", "-C", str(root)]
+        if (root / ".git").exists():
+            commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                                    check=True).stdout.strip() or None
+            dirty = bool(subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                        text=True, timeout=10, check=True).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit = dirty = None
+    return {"version": version, "commit": commit, "dirty": dirty}
+
+
+def plugin_versions() -> dict:
+    """quantizer name -> the distribution that ships it and its version (built-ins:
+    kvqbench's own)."""
+    import importlib.metadata
+
+    from ...quantizers import ENTRY_POINT_GROUP, registry
+
+    out, own = {}, kvqbench_version()["version"]
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(ep, "dist", None)
+        if dist is not None:
+            out[ep.name] = {"distribution": dist.metadata["Name"], "version": dist.version}
+    for name, cls in registry().items():
+        if name not in out and cls.__module__.startswith("kvqbench."):
+            out[name] = {"distribution": "kvqbench", "version": own}
+    return dict(sorted(out.items()))
+
+
 def versions() -> dict:
     import transformers
 
-    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "kvqbench": kvqbench_version(), "plugins": plugin_versions()}
     try:
         import triton
 

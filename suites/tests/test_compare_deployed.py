@@ -38,6 +38,9 @@ def test_deployed_rows_fidelity_and_report(tiny, tmp_path):
     for f in fid["rows"].values():
         assert 0 <= f["first_diff_min"] <= f["first_diff_mean"] <= 8 and 0 <= f["match_rate"] <= 1
     assert data["meta"]["fidelity"] == {"prompt_tokens": 20, "new_tokens": 8}
+    v = data["meta"]["versions"]  # the code that measured it: kvqbench's version and commit, each plugin's
+    assert v["kvqbench"]["version"] and len(v["kvqbench"]["commit"] or "x" * 40) == 40
+    assert v["plugins"]["int"] == {"distribution": "kvqbench", "version": v["kvqbench"]["version"]}
     report = (tmp_path / "r" / "report.md").read_text()
     assert "## deployed" in report and "## Generation fidelity (deployed)" in report
     assert "`deployed` is what a serving engine does" in report
