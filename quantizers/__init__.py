@@ -13,13 +13,50 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
+import inspect
 import pkgutil
 import typing
+import warnings
 
 from .base import CorruptPackedError, Packed, Quantizer, QuantizerInputError, Segment
 
 ENTRY_POINT_GROUP = "kvqbench.quantizers"
 _registry: dict[str, type[Quantizer]] | None = None
+_alias_table: dict[str, tuple[type[Quantizer], dict]] | None = None
+_broken: list["BrokenPlugin"] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class BrokenPlugin:
+    """A plugin left out of the registry, and why: a module or entry point whose import
+    raised, a class that is abstract or not a Quantizer, or a name or alias that another
+    plugin (a built-in first) already holds. Every other quantizer keeps working."""
+    origin: str  # "module kvqbench.quantizers.x", "entry point name = pkg:Class", ...
+    error: str  # one line
+    names: tuple[str, ...] = ()  # the spec names it would have answered to
+
+    def __str__(self) -> str:
+        return f"{self.origin}: {self.error}"
+
+
+def broken_plugins() -> list[BrokenPlugin]:
+    """Plugins skipped by the last registry build (see `BrokenPlugin`)."""
+    registry()
+    return list(_broken)
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+def _unusable(cls) -> str | None:
+    if not (isinstance(cls, type) and issubclass(cls, Quantizer)):
+        return f"{cls!r} is not a Quantizer subclass"
+    if inspect.isabstract(cls):
+        return f"{cls.__name__} is abstract (does not implement {', '.join(sorted(cls.__abstractmethods__))})"
+    if not isinstance(vars(cls).get("name", getattr(cls, "name", None)), str):
+        return f"{cls.__name__} has no `name`"
+    return None
 
 
 def _subclasses_in(module) -> list[type[Quantizer]]:
@@ -34,32 +71,65 @@ def _subclasses_in(module) -> list[type[Quantizer]]:
 
 
 def registry(refresh: bool = False) -> dict[str, type[Quantizer]]:
-    """name -> Quantizer class, for built-in and entry-point plugins."""
-    global _registry
+    """name -> Quantizer class, for built-in and entry-point plugins. A plugin that cannot
+    be loaded, or whose name or alias is already taken, is left out with a warning and
+    listed by `broken_plugins()`; built-ins are registered first, so a plugin never
+    replaces one. Two built-ins claiming one name is a bug of this package and raises."""
+    global _registry, _alias_table, _broken
     if _registry is not None and not refresh:
         return _registry
     found: dict[str, type[Quantizer]] = {}
+    aliases: dict[str, tuple[type[Quantizer], dict]] = {}
+    broken: list[BrokenPlugin] = []
+    owner: dict[str, str] = {}  # name or alias -> who holds it
 
-    def add(cls: type[Quantizer], origin: str) -> None:
-        if cls.name in found and found[cls.name] is not cls:
-            raise RuntimeError(f"quantizer name {cls.name!r} registered twice ({origin})")
+    def add(cls, origin: str, builtin: bool) -> None:
+        why = _unusable(cls)
+        if why:
+            broken.append(BrokenPlugin(origin, why))
+            return
+        claims = [cls.name] + [a for a in cls.aliases if a != cls.name]
+        if found.get(cls.name) is cls:
+            return
+        taken = [c for c in claims if c in owner]
+        if taken:
+            msg = (f"{', '.join(map(repr, taken))} already taken by {', '.join(sorted({owner[c] for c in taken}))}; "
+                   f"{cls.__name__} left out")
+            if builtin:
+                raise RuntimeError(f"quantizer {origin}: {msg}")
+            broken.append(BrokenPlugin(origin, msg, tuple(claims)))
+            return
         found[cls.name] = cls
+        for c in claims:
+            owner[c] = origin
+        aliases.update({a: (cls, kw) for a, kw in cls.aliases.items()})
 
     for info in pkgutil.iter_modules(__path__):  # shared modules simply define no plugin
-        mod = importlib.import_module(f"{__name__}.{info.name}")
+        origin = f"module {__name__}.{info.name}"
+        try:
+            mod = importlib.import_module(f"{__name__}.{info.name}")
+        except Exception as e:  # noqa: BLE001 (one broken file must not take every quantizer down)
+            broken.append(BrokenPlugin(origin, _one_line(e), (info.name,)))
+            continue
         for cls in _subclasses_in(mod):
-            add(cls, mod.__name__)
+            add(cls, f"{origin} ({cls.__name__})", builtin=True)
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        cls = ep.load()
-        if not (isinstance(cls, type) and issubclass(cls, Quantizer)):
-            raise TypeError(f"entry point {ep.name} = {ep.value} is not a Quantizer subclass")
-        add(cls, f"entry point {ep.value}")
-    _registry = found
+        origin = f"entry point {ep.name} = {ep.value}"
+        try:
+            cls = ep.load()
+        except Exception as e:  # noqa: BLE001 (an installed plugin that fails to import)
+            broken.append(BrokenPlugin(origin, _one_line(e), (ep.name,)))
+            continue
+        add(cls, origin, builtin=False)
+    _registry, _alias_table, _broken = found, aliases, broken
+    for b in broken:
+        warnings.warn(f"kvqbench: quantizer plugin skipped: {b}", RuntimeWarning, stacklevel=2)
     return found
 
 
 def _aliases() -> dict[str, tuple[type[Quantizer], dict]]:
-    return {a: (cls, kw) for cls in registry().values() for a, kw in cls.aliases.items()}
+    registry()
+    return dict(_alias_table or {})
 
 
 def names() -> list[str]:
@@ -92,6 +162,10 @@ def parse_spec(spec: str) -> tuple[type[Quantizer], object]:
         cls, kw = aliases[head]
         kw = dict(kw)
     else:
+        failed = [b for b in broken_plugins() if head in b.names]
+        if failed:
+            raise QuantizerInputError(f"quantizer {head!r} is a plugin that could not be registered: "
+                                      + "; ".join(map(str, failed)))
         raise QuantizerInputError(f"unknown quantizer {head!r}; known: {', '.join(names())}")
     hints = typing.get_type_hints(cls.Config)
     fields = {f.name for f in dataclasses.fields(cls.Config)}
@@ -114,11 +188,13 @@ def get_quantizer(spec: str, *, layer: int = 0, role: str = "K", seed: int = 0) 
 
 
 __all__ = [
+    "BrokenPlugin",
     "CorruptPackedError",
     "Packed",
     "Quantizer",
     "QuantizerInputError",
     "Segment",
+    "broken_plugins",
     "get_quantizer",
     "names",
     "parse_spec",

@@ -27,7 +27,7 @@ def reference_bits(spec: str, head_dim: int, tokens: int = 2048, heads: int = 8)
 
 
 def cmd_list(args) -> int:
-    from ...quantizers import names, registry
+    from ...quantizers import broken_plugins, names, registry
     from .run import UsageError
 
     if args.tokens < 1:
@@ -55,6 +55,11 @@ def cmd_list(args) -> int:
                     cells.append(f"{'n/a':>16s}")
                     print(f"  note: {spec} at d={d}: {e}", file=sys.stderr)
             print(f"  {spec:32s} " + " ".join(f"{c:>16s}" for c in cells), flush=True)
+    broken = broken_plugins()
+    if broken:
+        print("\nplugins that failed to load (left out; every other quantizer works):")
+        for b in broken:
+            print(f"  {b}")
     return EXIT_OK
 
 

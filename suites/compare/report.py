@@ -178,6 +178,17 @@ def fidelity_section(data, folder: Path) -> list[str]:
     return lines + [""]
 
 
+def broken_plugins_section() -> list[str]:
+    """Plugins that could not be registered when the report was written (none: no lines)."""
+    from ...quantizers import broken_plugins
+
+    broken = broken_plugins()
+    if not broken:
+        return []
+    return ["## Plugins left out", "", "These quantizer plugins could not be registered, so they were not "
+            "measured (every other quantizer was):", ""] + [f"- {b}".replace("|", "\\|") for b in broken] + [""]
+
+
 def _stochastic_families(results, meta) -> list[str]:
     # Records made before the `stochastic` field: the run's list, or more than one seed.
     named = set(meta.get("stochastic_specs", []))
@@ -268,6 +279,7 @@ def write_report(folder: Path) -> Path:
         if standing:
             lines += [f"### Where HQMQ wins and loses at matched measured bits ({protocol})", "", *standing, ""]
     lines += fidelity_section(data, folder)
+    lines += broken_plugins_section()
     lines += lm_eval_section(results)
     if data.get("diagnostics"):
         plot_outliers(data["diagnostics"], meta, folder / "outliers.png")
