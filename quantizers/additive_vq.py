@@ -105,6 +105,13 @@ def fit_residual_codebooks(z: torch.Tensor, M: int, K: int, gen: torch.Generator
     return torch.stack(stages, 1)
 
 
+# Candidates a chunk's encode weighs (codebooks x beam x codewords): fit and search time
+# grow with it. CPU, 2 threads, one 64-token window of 2 heads x d 64: 2 x 8 x 4096 (65536)
+# 0.44 s, 16 x 1 x 16384 9 s, 16 x 64 x 16384 274 s; the old bounds (16 x 64 x 65536) never
+# finished. 2^18 keeps a window within seconds.
+MAX_SEARCH = 1 << 18
+
+
 class AdditiveVQ(FitsOnFirstWrite, Quantizer):
     name = "avq"
     description = "additive VQ (CommVQ-style): Hadamard rotation, RMS gain, sums of M residual-k-means codewords fitted on the write"
@@ -129,8 +136,8 @@ class AdditiveVQ(FitsOnFirstWrite, Quantizer):
         c = self.config
         if not 1 <= c.M <= 16:
             raise QuantizerInputError(f"avq: M (codebooks) must be in 1..16, got {c.M}")
-        if not 1 <= c.K_bits <= 16:
-            raise QuantizerInputError(f"avq: K_bits must be in 1..16, got {c.K_bits}")
+        if not 1 <= c.K_bits <= 14:  # 16384 codewords: more than a window's chunks to fit them on
+            raise QuantizerInputError(f"avq: K_bits must be in 1..14, got {c.K_bits}")
         if not 1 <= c.dim <= 256:
             raise QuantizerInputError(f"avq: dim (chunk length) must be in 1..256, got {c.dim}")
         if not 1 <= c.beam <= 64:
@@ -141,6 +148,11 @@ class AdditiveVQ(FitsOnFirstWrite, Quantizer):
             raise QuantizerInputError(f"avq: codebooks must be fitted or gaussian, got {c.codebooks!r}")
         if c.rotation not in ("hadamard", "none"):
             raise QuantizerInputError(f"avq: rotation must be hadamard or none, got {c.rotation!r}")
+        work = c.M * c.beam * (1 << c.K_bits)
+        if work > MAX_SEARCH:
+            raise QuantizerInputError(f"avq: M x beam x 2^K_bits = {c.M} x {c.beam} x {1 << c.K_bits} = {work} "
+                                      f"candidates per chunk exceeds {MAX_SEARCH} (fit and search time grow with it: "
+                                      "lower K_bits, M or beam)")
         self.head_dim_multiple = c.dim  # chunks must tile the head vector
         # Seeded codebooks code every write alike; fitted ones come from the first write.
         self.append_matches_single_write = c.codebooks == "gaussian"

@@ -61,6 +61,14 @@ def outlier_block_starts(per_token: torch.Tensor) -> torch.Tensor:
     return (torch.cumsum(per_block, -1) - per_block).int().contiguous()
 
 
+# Secondaries per (layer, role, kv-head). The codebook tables grow as 24*S (a kernel's fp16
+# table: 0.75 MiB per head at 4096, x 180 heads of the embedded model) and the search is
+# O(S) per chunk (CPU, 2 threads, one 64-token window of 2 heads x d 64: S=4096 0.17 s,
+# 65536 2.4 s; S=1e6 took 6 GB and hung). 4096 already costs 17 code bits per chunk, past
+# the ~5-bit caches the method is for (the paper's configs use S <= 256).
+MAX_S = 4096
+
+
 class HQMQ(Quantizer):
     name = "hqmq"
     description = "Hurwitz quaternion multiplicative VQ: 2T x S seeded secondaries, r radius bits, optional Med3x"
@@ -86,8 +94,12 @@ class HQMQ(Quantizer):
         c = self.config
         if c.S < 1:
             raise QuantizerInputError(f"hqmq: S must be >= 1, got {c.S}")
-        if c.fill:  # the spec then names the S used: "hqmq:S=96,fill=true" -> S=170
+        if c.fill and c.S <= MAX_S:  # the spec then names the S used: "hqmq:S=96,fill=true" -> S=170
             self.config = c = dataclasses.replace(c, S=(1 << bits_for(24 * c.S)) // 24)
+        if c.S > MAX_S:
+            raise QuantizerInputError(f"hqmq: S must be in 1..{MAX_S}, got {c.S}{' after fill' if c.fill else ''} "
+                                      "(each (layer, role, kv-head) holds 24*S codewords and the search is O(S) "
+                                      "per chunk)")
         if not 1 <= c.r <= 8:
             raise QuantizerInputError(f"hqmq: r (radius bits) must be in 1..8, got {c.r}")
         if c.outliers not in ("none", "med3"):
