@@ -178,18 +178,49 @@ class _Eager:
         return self.model(input_ids=ids, **self.kw, use_cache=True).logits
 
 
+_COMPILED: dict = {}  # id(module) -> its torch.compile wrapper, kept across calls (compiles once per shape)
+
+
+@contextlib.contextmanager
+def compiled_parts(model):
+    """Within the block, every decoder layer's norms and MLP (and the final norm) are their
+    torch.compile wrappers: what transformers' compiled generation fuses, minus attention
+    and the cache, which stay kvqbench's (fused kernels, graphed steps). Restored after."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"compile=True: {type(model).__name__} has no .model.layers to compile parts of")
+    swaps = []
+    for owner in [*layers, inner]:
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm", "mlp", "norm"):
+            mod = getattr(owner, name, None)
+            if isinstance(mod, torch.nn.Module):
+                wrapped = _COMPILED.setdefault(id(mod), torch.compile(mod, dynamic=None))
+                swaps.append((owner, name, mod))
+                setattr(owner, name, wrapped)
+    try:
+        yield model
+    finally:
+        for owner, name, mod in swaps:
+            setattr(owner, name, mod)
+
+
 def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, tokenizer=None,
              eos_token_id: int | Sequence[int] | None = None, stop: Sequence[str] = (),
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int = 0, graph: bool | None = None, fused: bool | None = None,
-             check_every: int = 16) -> Generation:
+             check_every: int = 16, compile: bool = False) -> Generation:
     """Generate `max_new_tokens` per prompt through a cache quantized by `spec` (module
     docstring). `input_ids`: a LongTensor [B, T] or a list of token lists; `tokenizer`
     (optional) gives texts and stop strings; `eos_token_id` defaults to the tokenizer's /
     the model's generation config's; `temperature` 0 is greedy. `graph`: None = graphed on
     CUDA where the cache can be, False never; `fused`: the cache's (None: the fused
     kernels on CUDA where the format has one). `seed` seeds both the quantizer's
-    codebooks and the sampler."""
+    codebooks and the sampler. `compile`: run the model's norms and MLPs through
+    torch.compile (`compiled_parts`), fusing the element-wise work around attention
+    that a graph replay alone still launches kernel by kernel; attention and the cache
+    stay ours (the first call of a new shape pays the compile)."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not isinstance(check_every, int) or check_every < 1:
@@ -220,7 +251,7 @@ def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, t
     if spec is None or getattr(model.config, "_attn_implementation", None) != "sdpa":
         fused = False
     ctx = fused_attention(model) if fused is not False else contextlib.nullcontext()
-    with torch.inference_mode(), ctx:
+    with torch.inference_mode(), ctx, (compiled_parts(model) if compile else contextlib.nullcontext()):
         for length, idx in groups.items():
             out, mode, why, p_s, d_s, n, (b, e) = _one_batch(model, [rows[i] for i in idx], spec, max_new_tokens, pick,
                                                      eos, stop, tokenizer, graph, graph_off, fused, seed,
@@ -238,4 +269,4 @@ def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, t
                       cache_nbytes=nbytes, cache_elements=numel)
 
 
-__all__ = ["Generation", "generate"]
+__all__ = ["Generation", "compiled_parts", "generate"]

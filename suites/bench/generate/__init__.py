@@ -11,7 +11,9 @@ and graph captures and are kept beside it):
   compiles with torch.compile (its documented fast path);
 - `kvqbench:<spec>`: `kvqbench.suites.harness.generate.generate` (exact prefill, then
   graphed decode steps where the cache can take them); `kvqbench:plain` is that engine
-  over a StaticCache (no quantizer), `kvqbench:fp16` over kvqbench's fp16 store.
+  over a StaticCache (no quantizer), `kvqbench:fp16` over kvqbench's fp16 store;
+- `kvqbench+compile:<spec>` (`--compile`): the same with the model's norms and MLPs
+  compiled by torch.compile around our attention and cache (`generate(compile=True)`).
 Prompts are random token ids, weights random (real shapes: speed does not depend on the
 weights), EOS off, so every row generates exactly `--new` tokens per prompt.
 """

@@ -31,6 +31,9 @@ def _args(argv):
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--compile", action="store_true",
+                   help="also a `kvqbench+compile:<spec>` row per spec: generate(compile=True), the model's norms "
+                        "and MLPs through torch.compile around our attention and cache")
     p.add_argument("--dtype", default="float16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--smoke", action="store_true", help="tiny shape, CPU, 8+4 tokens: the plumbing only")
     p.add_argument("--budget-s", type=float, default=float("inf"), help="start no row after this many seconds")
@@ -64,8 +67,9 @@ def measure_row(model, name: str, batch: int, prompt: int, new: int, runs: int) 
         if name.startswith("hf-"):
             s, mode = _hf(model, ids, new, static=name == "hf-static-compile")
         else:
-            spec = name.split(":", 1)[1]
-            g = generate(model, ids, None if spec == "plain" else spec, max_new_tokens=new)
+            engine, spec = name.split(":", 1)
+            g = generate(model, ids, None if spec == "plain" else spec, max_new_tokens=new,
+                         compile=engine == "kvqbench+compile")
             s, mode, why = g.prefill_s + g.decode_s, g.mode, g.why
             decode_tps.append(g.decode_tokens_per_s)
         times.append(s)
@@ -122,6 +126,8 @@ def main(argv=None) -> int:
     data = dict(shape=a.shape, dtype=a.dtype, prompt=a.prompt, new=a.new, runs=a.runs, device=dev,
                 environment=environment(), rows=[])
     names = list(a.baselines) + [f"kvqbench:{s}" for s in a.specs]
+    if a.compile:
+        names += [f"kvqbench+compile:{s}" for s in a.specs]
     t0, failed = time.perf_counter(), 0
     for batch in a.batches:
         for name in names:
