@@ -22,7 +22,7 @@ stage)
   mkdir -p $STAGE && cp .gpu/part_aa .gpu/*.whl $STAGE/ && cp -r .gpu/corpora $STAGE/ && ls -la $STAGE ;;
 time|time-ahead)
   [ -f $STAGE/part_aa ] || { echo "no $STAGE/part_aa: this is a fresh machine, run the stage call first"; exit 2; }
-  source "$(dirname "$0")/../../kernels/cuda/gpu_env.sh"
+  source "$(dirname "$0")/gpu_env.sh"
   export PYTHONUNBUFFERED=1
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $STAGE/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
   C=$HOME/.cache/kvqbench; mkdir -p $C/downloads $C/corpora

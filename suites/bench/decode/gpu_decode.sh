@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One GPU call for the decode engine (the `run` tool's machine; kernels/cuda/gpu_env.sh
+# One GPU call for the decode engine (the `run` tool's machine; suites/bench/gpu_env.sh
 # sets up the environment): the CUDA-graph decode-step tests, then the decode benchmark
 # (eager and graph runs) into $OUT/decode/{decode.json,decode.md,decode.png} plus logs.
 # usage: bash suites/bench/decode/gpu_decode.sh [test seconds] [bench seconds] [bench args...]
 # Default bench: the issue-9 target shapes (ctx 4096 batch 1, ctx 32768 batch 8), every
 # default cache. Each phase runs under `timeout`; the JSON is saved after every row.
 T_TEST=${1:-100}; T_BENCH=${2:-330}; shift 2 || true
-source "$(dirname "$0")/../../../kernels/cuda/gpu_env.sh"
+source "$(dirname "$0")/../gpu_env.sh"
 export PYTHONUNBUFFERED=1
 timeout "$T_TEST" $PY -m pytest -q -x -n 4 -p no:cacheprovider suites/tests/test_graph_step.py \
   2>&1 | tee "$OUT/tests.log" | grep -vE "^(SKIPPED|PASSED|USDT)" | tail -25

@@ -2,12 +2,12 @@
 # One GPU call for the CUDA HQMQ kernel (kernels/NOTES.md, "CUDA HQMQ decode"): package on
 # PYTHONPATH through a symlinked kvqbench/ (gpu_env.sh), build, the whole test file (no -x:
 # every failure shows; the slowest tests listed for the next trim), bench.
-# usage: bash kernels/cuda/hqmq_gpu_run.sh [test seconds] [bench seconds] [bench args...]
+# usage: bash suites/bench/cuda/hqmq_gpu_run.sh [test seconds] [bench seconds] [bench args...]
 # Call 17b (cold machine) cut the 64-test file at 100 s after 33 passed: give it 180 s. The
 # first test of each xdist worker paid ~25-48 s in call 17a (Triton compiles of the encoder
 # in 8 workers at once): one encode per spec first puts them in the shared Triton cache.
 T_TEST=${1:-180}; T_BENCH=${2:-100}; shift 2 || true
-source "$(dirname "$0")/gpu_env.sh"
+source "$(dirname "$0")/../gpu_env.sh"
 $PY -c "from kvqbench.kernels import cuda_hqmq as c; print('why_unavailable:', c.why_unavailable()); n = range(c.NUM_VARIANTS); print('regs', {v: c.num_regs(v, 96) for v in n}, {v: c.num_regs(v, 170) for v in n}); print('CTAs/SM', {v: c.occupancy(v, 96) for v in n}, {v: c.occupancy(v, 170) for v in n})" 2>&1 | tail -5 | tee "$OUT/build.txt"
 echo "build+load $(( $(date +%s) - t0 )) s"
 $PY -c "

@@ -1,6 +1,8 @@
-# Sourced by gpu_run.sh and hqmq_gpu_run.sh: the environment of one GPU call. The package
-# goes on PYTHONPATH through a symlinked kvqbench/ (no install step on a bare machine),
-# the build cache under /tmp; prints the GPU, versions and date into $OUT/env.txt.
+# Sourced by the GPU scripts (suites/bench/cuda/gpu_run.sh, cuda/hqmq_gpu_run.sh,
+# decode/gpu_decode.sh, gpu_compare.sh), from the repository root: the environment of one
+# GPU call. The package goes on PYTHONPATH through a symlinked kvqbench/ (no install step
+# on a bare machine), the build cache under /tmp; prints the GPU, versions and date into
+# $OUT/env.txt.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PP=/tmp/pp; mkdir -p $PP/kvqbench
