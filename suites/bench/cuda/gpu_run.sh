@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call (kernels/NOTES.md, "CUDA decode kernels"): the package on PYTHONPATH
 # through a symlinked kvqbench/ (gpu_env.sh: no install step on a bare machine),
-# tests first, then the bench; logs and JSON under $OUT.
+# tests first, then the bench (bench.py beside this file); logs and JSON under $OUT.
 # usage: bash suites/bench/cuda/gpu_run.sh [test seconds] [bench seconds] [bench args...]
 # Defaults: the CUDA decode tests (int4, fp8, KIVI-2/4 with backend="cuda", the device valid
 # length and its graph replay) plus the int4 / fp8 / KIVI tests of test_kernels.py (TEST_K),
@@ -30,8 +30,8 @@ if [ "${NCU:-}" ]; then
   NCUB=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   timeout "${NCU_S:-60}" $NCUB --clock-control none --kernel-name-base mangled -k "regex:${NCU_K:-KiviQ|Int4}" \
     ${NCU_SECTIONS:---section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy} \
-    $PY kernels/cuda/bench.py --once --methods "$NCU" --shapes 8x32768 > "$OUT/ncu.txt" 2>&1
+    $PY -m kvqbench.suites.bench.cuda.bench --once --methods "$NCU" --shapes 8x32768 > "$OUT/ncu.txt" 2>&1
   echo "ncu rc $? at $(( $(date +%s) - t0 )) s"; grep -E "split_kernel|Throughput|Duration|Hit Rate|Stall|Achieved Occ|Mem Busy|Max Bandwidth|L1/TEX|Warp Cycles" "$OUT/ncu.txt" | head -80
 fi
-[ "$T_BENCH" != 0 ] && timeout "$T_BENCH" $PY kernels/cuda/bench.py --out "$OUT" "$@" 2>&1 | tail -70
+[ "$T_BENCH" != 0 ] && timeout "$T_BENCH" $PY -m kvqbench.suites.bench.cuda.bench --out "$OUT" "$@" 2>&1 | tail -70
 echo "all done at $(( $(date +%s) - t0 )) s"

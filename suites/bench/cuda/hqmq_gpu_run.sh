@@ -24,5 +24,5 @@ echo "encoder warm-up done at $(( $(date +%s) - t0 )) s"
 timeout "$T_TEST" $PY -m pytest -v -rfE --durations=12 $XD suites/tests/test_cuda_hqmq.py -p no:cacheprovider 2>&1 \
   | tee "$OUT/tests.log" | grep -vE "(PASSED|SKIPPED|PytestBenchmarkWarning|warner\()" | tail -40
 echo "tests done at $(( $(date +%s) - t0 )) s"
-timeout "$T_BENCH" $PY kernels/cuda/hqmq_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -100
+timeout "$T_BENCH" $PY -m kvqbench.suites.bench.cuda.hqmq_bench --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -100
 echo "all done at $(( $(date +%s) - t0 )) s"

@@ -1,7 +1,7 @@
 """Same-run timings of the CUDA decode kernels (kernels/cuda_decode.py) beside torch
 SDPA on the fp16 cache and the Triton kernels, at the issue-10 shapes.
 
-    python kernels/cuda/bench.py [--out DIR] [--shapes 8x32768,1x32768]
+    python -m kvqbench.suites.bench.cuda.bench [--out DIR] [--shapes 8x32768,1x32768]
         [--methods kivi2,kivi4] [--kivi-variants 4,8,12] [--kivi-ctas default,8]
 
 Protocol: Hq 32 / Hkv 8 / d 128, one query token, fp16 q; caches are real encodings of
@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kvqbench.kernels import cuda_decode
-from kvqbench.kernels.decode_attention import decode_attention
-from kvqbench.kernels.layout import KIVIFlat, flatten
-from kvqbench.quantizers import get_quantizer
-from kvqbench.suites.bench.kernel_sweep.measure import copy_bandwidth, graph_decode, synthetic_kv
+from ....kernels import cuda_decode
+from ....kernels.decode_attention import decode_attention
+from ....kernels.layout import KIVIFlat, flatten
+from ....quantizers import get_quantizer
+from ..kernel_sweep.measure import copy_bandwidth, graph_decode, synthetic_kv
 
 METHODS = {"int4": 0, "fp8": 1, "kivi2": "kivi2", "kivi4": "kivi4"}  # name in the kernel sweep: CUDA format id
 SPECS = {"int4": "int4", "fp8": "fp8-e4m3", "kivi2": "kivi:bits=2", "kivi4": "kivi:bits=4"}
@@ -201,7 +201,7 @@ def table(res: dict, best_only: bool = False) -> str:
 
 def once(shapes, methods) -> None:
     """One CUDA call per method and shape, nothing timed: the target of a profiler
-    (`ncu -k regex:KiviQ python kernels/cuda/bench.py --once kivi2 --shapes 8x32768`)."""
+    (`ncu -k regex:KiviQ python -m kvqbench.suites.bench.cuda.bench --once --methods kivi2 --shapes 8x32768`)."""
     dev = torch.device("cuda")
     k, v = synthetic_kv(1, 8, 4096, 128, device=dev)
     for B, T in shapes:

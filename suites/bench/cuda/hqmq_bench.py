@@ -1,10 +1,10 @@
 """Same-run timings of the CUDA HQMQ decode kernel (kernels/cuda_hqmq.py) beside fp16
 SDPA and the Triton HQMQ kernels (HQMQ, HQMQ + Med3x), at B=8 and B=1, T=32k.
 
-    python kernels/cuda/hqmq_bench.py [--out DIR] [--shapes 8x32768,1x32768] [--quick] [--variants 0,3]
-                                      [--med3-variants 0,2,9,10]
+    python -m kvqbench.suites.bench.cuda.hqmq_bench [--out DIR] [--shapes 8x32768,1x32768] [--quick] [--variants 0,3]
+                                                    [--med3-variants 0,2,9,10]
 
-Protocol as kernels/cuda/bench.py (its `bench`: do_bench median, L2 flushed, rep 40 ms):
+Protocol as bench.py beside it (its `bench`: do_bench median, L2 flushed, rep 40 ms):
 Hq 32 / Hkv 8 / d 128, fp16 q; caches = real encodings of 4096 synthetic tokens (3
 outlier key channels) tiled to T. Every variant with the default (whole-wave) split rule
 and a few fixed split counts; B=1 also as CUDA graph replays (every config), the graph
@@ -19,21 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench import bench, host_us, rel_err  # noqa: E402
-
-from kvqbench.kernels import cuda_hqmq  # noqa: E402
-from kvqbench.kernels.decode_attention import decode_attention  # noqa: E402
-from kvqbench.kernels.layout import flatten  # noqa: E402
-from kvqbench.quantizers import get_quantizer  # noqa: E402
-from kvqbench.suites.bench.kernel_sweep.measure import copy_bandwidth, graph_decode, synthetic_kv  # noqa: E402
+from ....kernels import cuda_hqmq
+from ....kernels.decode_attention import decode_attention
+from ....kernels.layout import flatten
+from ....quantizers import get_quantizer
+from ..kernel_sweep.measure import copy_bandwidth, graph_decode, synthetic_kv
+from .bench import bench, host_us, rel_err
 
 SPLITS = {8: (None, 12), 1: (None, 33)}  # num_splits (None: the default rule); call 17a also had 9, 33 / 98
 
