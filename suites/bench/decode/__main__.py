@@ -103,7 +103,7 @@ def resumed(path: Path, run: dict) -> dict:
 def environment() -> dict:
     import transformers
 
-    from ..latency.timing import env_info
+    from ..toolkit import env_info
 
     return {**env_info(), "transformers": transformers.__version__}
 

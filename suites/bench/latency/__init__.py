@@ -21,7 +21,6 @@ stored bytes per token per layer of each quantizer with a PROJECTION to
 Llama-3-70B at 128k.
 
     config.py             LatencyConfig (shapes, limits, sections) and the method specs
-    timing.py             environment record, the timer, copy bandwidth, launch errors
     caches.py             synthetic K/V, their encodings in the kernel layout, tiling
     methods.py            the timed calls: fp16 SDPA, fused kernels (shipped / Triton / CUDA), fake-quant, graphs
     tuning.py             the launch-config tuner (greedy, at the focus shape)
@@ -32,6 +31,7 @@ Llama-3-70B at 128k.
     render.py             latency.md, latency.png, latency_roofline.png from the result dict
     run.py                one run: sections in order, latency.json saved after each
     __main__.py           the command line
+    ../toolkit.py         (shared by every rig) environment record, the timer, copy bandwidth, launch errors
 
     python -m kvqbench.suites.bench.latency --out reports/latency   # GPU: everything
     python -m kvqbench.suites.bench.latency --smoke --out /tmp/x    # CPU: plumbing only

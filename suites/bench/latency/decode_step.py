@@ -27,7 +27,7 @@ from .caches import EncodedCache, tiled
 from .config import DEFAULT_LAUNCH, LatencyConfig
 from .methods import (auto_backend, cuda_refusal, fake_quant_callable, fused_callable, graph_replay,
                       sdpa_callable, shipped_callable)
-from .timing import DEVICE, GPU, LAUNCH_ERRORS, describe_error, timeit_us
+from ..toolkit import DEVICE, GPU, LAUNCH_ERRORS, describe_error, timeit_us
 from .tuning import greedy_tune, launch_stages
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ....quantizers import get_quantizer
 from .caches import synthetic_kv
 from .config import MEMORY_SPECS, PROJECTION, LatencyConfig
-from .timing import DEVICE
+from ..toolkit import DEVICE
 
 
 def memory_section(cfg: LatencyConfig, log) -> dict:

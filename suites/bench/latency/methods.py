@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ....kernels.decode_attention import decode_attention
 from .caches import EncodedCache, hqmq_segment
-from .timing import DEVICE, GPU
+from ..toolkit import DEVICE, GPU
 
 # HQMQ codeword sources (layout.HQMQFlat.with_table): secondaries + arithmetic, or the full codebook
 TABLES = {"sec32": ("secondaries", torch.float32), "sec16": ("secondaries", torch.float16),

@@ -23,7 +23,7 @@ from .decode_step import latency_section
 from .encode_throughput import encode_section
 from .memory import memory_section
 from .targets import add_speedups, targets
-from .timing import DEVICE, LAUNCH_ERRORS, copy_bandwidth, describe_error, env_info, sm_clock_mhz
+from ..toolkit import DEVICE, LAUNCH_ERRORS, copy_bandwidth, describe_error, env_info, sm_clock_mhz
 
 
 def run_latency(cfg: LatencyConfig, out: Path, log=print) -> dict:

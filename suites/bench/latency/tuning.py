@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .config import DEFAULT_LAUNCH
-from .timing import LAUNCH_ERRORS, describe_error
+from ..toolkit import LAUNCH_ERRORS, describe_error
 
 # A stage is a list of overrides, each tried on top of the best config so far.
 # A change is kept only if it beats the best by more than the noise margin.

@@ -1,5 +1,7 @@
-"""Where the run happens and how it is timed: environment record, the timer, the
-copy-bandwidth yardstick, and the failures a launch can really have.
+"""The benchmark toolkit: the one copy of the helpers every benchmark rig under
+suites/bench/ uses (latency/, kernel_sweep/, decode/, cuda/, asv_benchmarks/,
+bench_latency.py): where the run happens (`GPU`, `DEVICE`, `env_info`), the timer,
+the copy-bandwidth yardstick, and the failures a launch can really have.
 
 GPU timing is `triton.testing.do_bench` (CUDA events, median, L2 flushed before
 each call, warm-up first). On the CPU (smoke runs through the Triton
