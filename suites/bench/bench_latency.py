@@ -39,7 +39,7 @@ def test_fused_decode_latency(benchmark, caches, method, backend):
     from kvqbench.suites.bench.latency.caches import tiled
     from kvqbench.suites.bench.latency.methods import fused_callable, shipped_callable
 
-    kf, vf = tiled(caches[method], *FULL.focus, FULL.t0)
+    kf, vf = tiled(caches[method], *FULL.focus)
     q = _query(FULL.focus[0])
     fn = shipped_callable(q, kf, vf) if backend == "auto" else fused_callable(q, kf, vf, DEFAULT_LAUNCH)
     fn()

@@ -1,7 +1,21 @@
 """The benchmark toolkit: the one copy of the helpers every benchmark rig under
 suites/bench/ uses (latency/, kernel_sweep/, decode/, cuda/, asv_benchmarks/,
-bench_latency.py): where the run happens (`GPU`, `DEVICE`, `env_info`), the timer,
-the copy-bandwidth yardstick, and the failures a launch can really have.
+bench_latency.py), so that every figure they write rests on the same data and the
+same clock:
+
+- where the run happens: `GPU`, `DEVICE`, `env_info()` (GPU, SMs, memory, driver and
+  clocks; torch / triton / CUDA / Python versions; time), `sm_clock_mhz`;
+- synthetic data: `synthetic_kv` (fp16 K/V, Gaussian, keys with three 25x outlier
+  channels);
+- the tiler: `tile_to(flat, B, T)`, a kernel-layout cache of a few encoded tokens
+  repeated to B x T (KIVI-aware: its fp16 window stays last);
+- the timer: `timeit_us`;
+- CUDA-graph capture of a call: `graph_replay`;
+- the yardstick: `copy_bandwidth` (device-to-device copy, read + write GB/s);
+- the failures a launch can really have: `LAUNCH_ERRORS`, `describe_error`.
+
+It imports no kvqbench module (and triton's testing module only when it times), so
+importing it sets up no kernels.
 
 GPU timing is `triton.testing.do_bench` (CUDA events, median, L2 flushed before
 each call, warm-up first). On the CPU (smoke runs through the Triton
@@ -85,3 +99,50 @@ def copy_bandwidth(nbytes: int) -> dict:
     t = timeit_us(lambda: dst.copy_(src), rep_ms=200)
     del src, dst
     return {"bytes_copied": nbytes, "time_us": t, "GBps_read_plus_write": 2 * nbytes / t / 1e3}
+
+
+OUTLIER_CHANNELS_SCALE = 25.0
+
+
+def synthetic_kv(B: int, H: int, T: int, d: int, device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 K and V `[B, H, T, d]`, Gaussian; three key channels scaled 25x (outliers)."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, H, T, d, generator=g)
+    for c in (3, d // 2 + 1, d - 2):
+        k[..., c] *= OUTLIER_CHANNELS_SCALE
+    v = torch.randn(B, H, T, d, generator=g)
+    return k.half().to(device), v.half().to(device)
+
+
+def tile_to(flat, B: int, T: int):
+    """A kernel-layout cache (a kernels.layout `*Flat` of the encoded tokens) tiled to B
+    sequences of T tokens (`*Flat.tile`: its valid tokens repeated along batch and
+    tokens). KIVI: the quantized groups repeat, the fp16 window (its own length for K
+    and V) stays last. ValueError where B or T does not fit (not a multiple of the
+    encoded sequences or tokens, or of KIVI's groups)."""
+    if B % flat.B:
+        raise ValueError(f"B={B} is not a multiple of the encoded {flat.B} sequences")
+    if hasattr(flat, "T_res"):  # a KIVIFlat, told by its fp16 window (the toolkit imports no kernels)
+        if (T - flat.T_res) % flat.group:
+            raise ValueError(f"T={T} does not fit KIVI {flat.role} groups of {flat.group} after a "
+                             f"{flat.T_res}-token fp16 window")
+        return flat.tile(B // flat.B, (T - flat.T_res) // flat.group)
+    if T % flat.T:
+        raise ValueError(f"T={T} is not a multiple of the encoded {flat.T} tokens")
+    return flat.tile(B // flat.B, T // flat.T)
+
+
+def graph_replay(fn):
+    """fn() captured once in a CUDA graph (warmed up on a side stream first, so that
+    kernels compile and plans/workspaces are built outside the capture); returns the
+    replay. The graph's output buffers come from its own memory pool."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay

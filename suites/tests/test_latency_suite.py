@@ -86,7 +86,7 @@ def test_fused_output_matches_the_reference(one_shape_run):
 def _flats(spec: str):
     from kvqbench.kernels.layout import flatten
     from kvqbench.quantizers import get_quantizer
-    from kvqbench.suites.bench.latency.caches import synthetic_kv
+    from kvqbench.suites.bench.toolkit import synthetic_kv
 
     k, v = synthetic_kv(1, 1, 64, 64, "cpu")
     return (flatten(get_quantizer(spec, role="K").encode(k), "K"),
@@ -250,7 +250,8 @@ def test_fake_quant_reads_the_tiled_cache_back():
     the encoded cache repeated along batch and tokens (outliers included)."""
     from kvqbench.kernels.layout import flatten
     from kvqbench.quantizers import get_quantizer
-    from kvqbench.suites.bench.latency.caches import hqmq_segment, synthetic_kv
+    from kvqbench.suites.bench.latency.caches import hqmq_segment
+    from kvqbench.suites.bench.toolkit import synthetic_kv
 
     k, _ = synthetic_kv(1, 2, 128, 64, "cpu")
     q = get_quantizer("hqmq:S=24,r=3,outliers=med3", role="K")

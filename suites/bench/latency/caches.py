@@ -1,9 +1,10 @@
 """The packed caches the latency run reads: real encodings of synthetic K/V.
 
-`t0` tokens of synthetic K/V (Gaussian; keys with three 25x outlier channels)
-are encoded once per method (HQMQ through the kernel encoder, the rest through
-the quantizer) and flattened into the kernel layout; every larger (B, T) is
-that cache tiled (`*Flat.tile`), so no shape pays for another encode.
+`t0` tokens of synthetic K/V (the toolkit's `synthetic_kv`: Gaussian; keys with
+three 25x outlier channels) are encoded once per method (HQMQ through the kernel
+encoder, the rest through the quantizer) and flattened into the kernel layout;
+every larger (B, T) is that cache tiled (the toolkit's `tile_to`), so no shape pays
+for another encode.
 """
 from __future__ import annotations
 
@@ -12,22 +13,11 @@ import dataclasses
 import torch
 
 from ....kernels.hqmq_encode import encode_with_kernel
-from ....kernels.layout import KIVIFlat, flatten
+from ....kernels.layout import flatten
 from ....quantizers import Packed, Quantizer, Segment, get_quantizer
 from ....quantizers.packing import unpack_bits
+from ..toolkit import synthetic_kv, tile_to
 from .config import METHOD_SPECS
-
-OUTLIER_CHANNELS_SCALE = 25.0
-
-
-def synthetic_kv(B: int, H: int, T: int, d: int, device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp16 K and V `[B, H, T, d]`, Gaussian; three key channels scaled 25x (outliers)."""
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(B, H, T, d, generator=g)
-    for c in (3, d // 2 + 1, d - 2):
-        k[..., c] *= OUTLIER_CHANNELS_SCALE
-    v = torch.randn(B, H, T, d, generator=g)
-    return k.half().to(device), v.half().to(device)
 
 
 @dataclasses.dataclass
@@ -57,23 +47,10 @@ def encode_caches(device, hkv: int, t0: int, d: int) -> dict[str, EncodedCache]:
     return {method: by_spec[spec] for method, spec in METHOD_SPECS.items()}
 
 
-def _tile_kivi(flat, B: int, T: int):
-    """KIVI: the quantized groups repeat, the fp16 window (its own length for K and V) stays last."""
-    if (T - flat.T_res) % flat.group:
-        raise ValueError(f"T={T} does not fit KIVI {flat.role} groups of {flat.group} after a "
-                         f"{flat.T_res}-token fp16 window")
-    return flat.tile(B, (T - flat.T_res) // flat.group)
-
-
-def tiled(cache: EncodedCache, B: int, T: int, t0: int):
+def tiled(cache: EncodedCache, B: int, T: int):
     """The K and V layouts of `cache` tiled to B sequences of T tokens; ValueError where T
     does not fit (not a multiple of the encoded tokens, or of KIVI's groups)."""
-    kf, vf = cache.kf, cache.vf
-    if isinstance(kf, KIVIFlat):
-        return _tile_kivi(kf, B, T), _tile_kivi(vf, B, T)
-    if T % t0:
-        raise ValueError(f"T={T} is not a multiple of the encoded {t0} tokens")
-    return kf.tile(B, T // t0), vf.tile(B, T // t0)
+    return tile_to(cache.kf, B, T), tile_to(cache.vf, B, T)
 
 
 def hqmq_segment(flat) -> Segment:

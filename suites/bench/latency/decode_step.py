@@ -23,11 +23,10 @@ import time
 import torch
 
 from ....kernels.decode_attention import reference_decode_attention
+from ..toolkit import DEVICE, GPU, LAUNCH_ERRORS, describe_error, graph_replay, timeit_us
 from .caches import EncodedCache, tiled
 from .config import DEFAULT_LAUNCH, LatencyConfig
-from .methods import (auto_backend, cuda_refusal, fake_quant_callable, fused_callable, graph_replay,
-                      sdpa_callable, shipped_callable)
-from ..toolkit import DEVICE, GPU, LAUNCH_ERRORS, describe_error, timeit_us
+from .methods import auto_backend, cuda_refusal, fake_quant_callable, fused_callable, sdpa_callable, shipped_callable
 from .tuning import greedy_tune, launch_stages
 
 
@@ -176,7 +175,7 @@ def latency_section(cfg: LatencyConfig, caches: dict[str, EncodedCache], copy_GB
         _fp16_sdpa(cfg, q, out, qo_bytes)
         for method, cache in caches.items():
             try:
-                kf, vf = tiled(cache, B, T, cfg.t0)
+                kf, vf = tiled(cache, B, T)
             except ValueError as e:  # this T does not fit the method's tiling
                 rows.append({"method": method, "B": B, "T": T, "error": str(e)[:300]})
                 continue

@@ -12,9 +12,8 @@ import torch
 
 from ....kernels.hqmq_encode import encode_with_kernel, hqmq_search
 from ....quantizers import get_quantizer
-from .caches import synthetic_kv
+from ..toolkit import DEVICE, synthetic_kv, timeit_us
 from .config import ENCODE_SPECS, LatencyConfig
-from ..toolkit import DEVICE, timeit_us
 
 OPS_PER_CHUNK_SECONDARY = 32  # FP32-pipe instructions of the search loop body, counted from the source
 FP32_LANES_PER_SM = 128

@@ -6,9 +6,8 @@ large model at long context computed from those two figures and a config.
 from __future__ import annotations
 
 from ....quantizers import get_quantizer
-from .caches import synthetic_kv
+from ..toolkit import DEVICE, synthetic_kv
 from .config import MEMORY_SPECS, PROJECTION, LatencyConfig
-from ..toolkit import DEVICE
 
 
 def memory_section(cfg: LatencyConfig, log) -> dict:

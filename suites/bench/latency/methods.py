@@ -13,8 +13,8 @@
 - `fake-quant`: what the public benchmark compared against: the whole packed
   HQMQ cache decoded to fp16 by the quantizer's torch decode, then the same SDPA.
 
-`graph_replay` captures any of them in a CUDA graph: at B=1 an eager call costs
-host time comparable to the kernel, so B=1 is also timed as graph replays.
+The toolkit's `graph_replay` captures any of them in a CUDA graph: at B=1 an eager
+call costs host time comparable to the kernel, so B=1 is also timed as graph replays.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ....kernels.decode_attention import decode_attention
-from .caches import EncodedCache, hqmq_segment
 from ..toolkit import DEVICE, GPU
+from .caches import EncodedCache, hqmq_segment
 
 # HQMQ codeword sources (layout.HQMQFlat.with_table): secondaries + arithmetic, or the full codebook
 TABLES = {"sec32": ("secondaries", torch.float32), "sec16": ("secondaries", torch.float16),
@@ -119,22 +119,6 @@ def auto_backend(q, kf, vf) -> tuple[str, str | None]:
         return "triton", "cuda_hqmq.AUTO is False"
     why = cuda_refusal(q, kf, vf)
     return ("triton", why) if why else ("cuda", None)
-
-
-def graph_replay(fn):
-    """fn() captured once in a CUDA graph (warmed up on a side stream first, so that
-    kernels compile and plans/workspaces are built outside the capture); returns the
-    replay. The graph's output buffers come from its own memory pool."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def fake_quant_callable(q, cache: EncodedCache, kf, vf):

@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 
 from ...harness.fetch import write_atomic
+from ..toolkit import DEVICE, LAUNCH_ERRORS, copy_bandwidth, describe_error, env_info, sm_clock_mhz
 from .caches import encode_caches
 from .config import METHOD_SPECS, LatencyConfig
 from .decode_step import latency_section
 from .encode_throughput import encode_section
 from .memory import memory_section
 from .targets import add_speedups, targets
-from ..toolkit import DEVICE, LAUNCH_ERRORS, copy_bandwidth, describe_error, env_info, sm_clock_mhz
 
 
 def run_latency(cfg: LatencyConfig, out: Path, log=print) -> dict:

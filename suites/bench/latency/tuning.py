@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .config import DEFAULT_LAUNCH
 from ..toolkit import LAUNCH_ERRORS, describe_error
+from .config import DEFAULT_LAUNCH
 
 # A stage is a list of overrides, each tried on top of the best config so far.
 # A change is kept only if it beats the best by more than the noise margin.
