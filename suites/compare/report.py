@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 
 from .claims import claims, hqmq_standing, pareto_rows
+from .results import row_problem
 
 import matplotlib
 
@@ -218,6 +219,8 @@ def _window_note(results) -> str:
 def write_report(folder: Path) -> Path:
     folder = Path(folder)
     data = json.loads((folder / "results.json").read_text())
+    # A malformed record (a hand edit, another tool) is left out, never a crash (results.row_problem).
+    data["results"] = [r for r in data["results"] if row_problem(r) is None]
     meta, results = data["meta"], data["results"]
     m, c, w = meta["model"], meta["corpus"], meta["windows"]
     ptd = meta.get("prefill_then_decode", {})

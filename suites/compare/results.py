@@ -7,10 +7,17 @@ and resumed only by a run that would measure the same figures.
 - The run's identity is everything that changes a figure: model and corpus bytes,
   windows, protocols and their parameters, dtype, device, library versions. A rerun
   resumes only when it is equal; otherwise it refuses and names `--fresh`.
+- A record counts as measured only when it is well formed (`row_problem`) and was made
+  by the code that would measure it now (`Run.done`'s stamp: the quantizer's class and
+  resolved config, kvqbench's version and commit, the plugin's distribution version);
+  any other is measured again and replaced. Fields this version does not know (written
+  by a newer one) are kept on save.
 """
 from __future__ import annotations
 
 import json
+import math
+import sys
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -47,6 +54,58 @@ def _differences(old: dict, new: dict) -> list[str]:
             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# (key, test, what it must be) for every record, then for a measured (not failed) one:
+# the fields resume and the report read.
+_KEY_FIELDS = (("protocol", lambda v: isinstance(v, str), "a string"),
+               ("spec", lambda v: isinstance(v, str), "a string"),
+               ("seed", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"))
+_MEASURED_FIELDS = (("ppl", lambda v: _number(v) and v > 0, "a finite number > 0"),
+                    ("nll_sum", _number, "a finite number"), ("bits_per_element", _number, "a finite number"),
+                    ("formula_bits", _number, "a finite number"), ("family", lambda v: isinstance(v, str), "a string"),
+                    ("wall_s", _number, "a finite number"),
+                    ("lm_eval", lambda v: isinstance(v, dict), "an object"))
+
+
+def row_problem(r) -> str | None:
+    """Why record `r` of results.json cannot be used (None: it can)."""
+    if not isinstance(r, dict):
+        return f"is a {type(r).__name__}, not an object"
+    failed = "error" in r
+    for key, ok, what in _KEY_FIELDS + ((("error", lambda v: isinstance(v, str), "a string"),) if failed
+                                        else _MEASURED_FIELDS):
+        if key not in r:
+            if key != "lm_eval":  # optional: only with --lm-eval
+                return f"has no {key!r}"
+        elif not ok(r[key]):
+            return f"has {key} = {json.dumps(r[key])[:40]}, not {what}"
+    return None
+
+
+def _row_name(i: int, r) -> str:
+    g = r.get if isinstance(r, dict) else (lambda k: None)
+    return f"record {i} ({g('protocol')} {g('spec')} seed {g('seed')})"
+
+
+# meta keys this version writes only on some runs: an old value must not outlive its run.
+_OWN_OPTIONAL_META = ("distributed",)
+# top-level keys this version reads and writes itself; any other is kept as it was.
+_OWN_TOP = ("meta", "results", "diagnostics", "fidelity")
+
+
+def stamp_matches(r: dict, stamp: dict | None) -> bool:
+    """Was record `r` made by the code `stamp` describes? The working tree's `dirty` flag
+    is not compared: it says nothing of which edits, and a development checkout must
+    still resume after Ctrl-C."""
+    if stamp is None:
+        return True
+    strip = lambda v: {k: x for k, x in v.items() if k != "dirty"} if isinstance(v, dict) else v  # noqa: E731
+    return all(strip(r.get(k)) == strip(v) for k, v in stamp.items())
+
+
 class Run:
     """meta + one record per (protocol, spec, seed); use as a context manager, which
     holds the folder's lock from reading results.json to the last save."""
@@ -81,7 +140,7 @@ class Run:
         try:
             old = json.loads(self.path.read_text(encoding="utf-8"))
             old_id, results = identity(old["meta"]), old["results"]
-            if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
+            if not isinstance(results, list):
                 raise TypeError("'results' is not a list of records")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise RunError(f"{self.path} is not a readable results file ({type(e).__name__}: {str(e)[:120]}); "
@@ -91,16 +150,33 @@ class Run:
         if diff:
             raise RunError(f"{self.path} holds a run measured under other settings ({'; '.join(diff[:4])}); "
                            "rerun with --fresh to overwrite it, or use --run NAME for a new run")
-        self.data["results"] = [r for r in results if "error" not in r]  # failures are retried
+        kept = []
+        for i, r in enumerate(results):
+            why = row_problem(r)
+            if why:  # never counted as measured, never in the report: measured again if this run has it
+                print(f"kvqbench compare: warning: {self.path}: {_row_name(i, r)} {why}; dropped "
+                      "(measured again when this run includes it)", file=sys.stderr)
+            elif "error" not in r:  # failures are retried
+                kept.append(r)
+        self.data["results"] = kept
         self.data["diagnostics"] = old.get("diagnostics")
         if isinstance(old.get("fidelity"), dict):  # generation fidelity, per spec (run.py _fidelity)
             self.data["fidelity"] = old["fidelity"]
+        # What a newer version wrote is kept, not dropped on the next save.
+        self.data.update({k: v for k, v in old.items() if k not in _OWN_TOP})
+        self.data["meta"] = {**{k: v for k, v in old["meta"].items() if k not in _OWN_OPTIONAL_META},
+                             **self.meta}
 
-    def done(self, protocol: str, spec: str, seed: int) -> bool:
-        return any((r["protocol"], r["spec"], r["seed"]) == (protocol, spec, seed) for r in self.data["results"])
+    def done(self, protocol: str, spec: str, seed: int, stamp: dict | None = None) -> bool:
+        """Is (protocol, spec, seed) measured, by the code `stamp` describes (see `stamp_matches`)?"""
+        return any((r["protocol"], r["spec"], r["seed"]) == (protocol, spec, seed) and stamp_matches(r, stamp)
+                   for r in self.data["results"])
 
     def add(self, record: dict) -> None:
-        self.data["results"].append(record)
+        """Append `record`, replacing an earlier one of its (protocol, spec, seed)."""
+        key = tuple(record.get(k) for k in ("protocol", "spec", "seed"))
+        self.data["results"] = [r for r in self.data["results"]
+                                if tuple(r.get(k) for k in ("protocol", "spec", "seed")) != key] + [record]
         self.save()
 
     def save(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..harness.perplexity import DEFAULT_BATCH
-from .results import Run, RunError
+from .results import Run, RunError, stamp_matches
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "canterbury"
@@ -102,6 +103,43 @@ def plugin_versions() -> dict:
         if name not in out and cls.__module__.startswith("kvqbench."):
             out[name] = {"distribution": "kvqbench", "version": own}
     return dict(sorted(out.items()))
+
+
+def _plugin_dist(cls, eps, own: str | None) -> dict | None:
+    """The distribution that ships quantizer class `cls`, and its version: the entry point
+    naming it, else the distribution holding its top-level package; built-ins: kvqbench."""
+    import importlib.metadata
+
+    for ep in eps:
+        if (ep.module, ep.attr) == (cls.__module__, cls.__qualname__) and getattr(ep, "dist", None) is not None:
+            return {"distribution": ep.dist.metadata["Name"], "version": ep.dist.version}
+    if cls.__module__.startswith("kvqbench."):
+        return {"distribution": "kvqbench", "version": own}
+    for name in importlib.metadata.packages_distributions().get(cls.__module__.split(".")[0], [])[:1]:
+        return {"distribution": name, "version": importlib.metadata.version(name)}
+    return None
+
+
+def row_stamps(specs: list[str]) -> dict[str, dict]:
+    """spec -> what its records carry and resume compares (results.stamp_matches): the
+    quantizer class and its config as resolved now (a changed plugin default changes it),
+    kvqbench's version and commit, and the plugin's distribution version."""
+    import dataclasses
+    import importlib.metadata
+
+    from ...quantizers import ENTRY_POINT_GROUP, get_quantizer
+
+    code, eps = kvqbench_version(), list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+    out = {}
+    for spec in specs:
+        q = get_quantizer(spec)
+        cls = type(q)
+        # JSON round trip: the dict compares equal to what results.json gives back.
+        config = json.loads(json.dumps(dataclasses.asdict(q.config), sort_keys=True, default=str))
+        out[spec] = {"quantizer": {"class": f"{cls.__module__}.{cls.__qualname__}", "config": config},
+                     "versions": {"kvqbench": code["version"], "commit": code["commit"], "dirty": code["dirty"],
+                                  "plugin": _plugin_dist(cls, eps, code["version"])}}
+    return out
 
 
 def versions() -> dict:
@@ -187,12 +225,18 @@ def validate(args) -> dict:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as e:
         raise UsageError(f"--device: {e}") from None
+    if device.type not in ("cpu", "cuda"):  # e.g. meta: its tensors hold no data, nothing can be scored
+        raise UsageError(f"--device {args.device}: kvqbench compare runs on cpu or cuda[:N], not {device.type}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} GPU(s)")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out} exists and is not a folder")
+    # A plain name: results go to --out/NAME and nowhere else.
+    if args.run is not None and (args.run in ("", ".", "..") or any(c in args.run for c in "/\\\0")):
+        raise UsageError(f"--run {args.run!r} must be a plain name (no path separators, not '.' or '..'); "
+                         "choose the folder with --out")
     lm_meta = None
     if args.lm_eval_metadata is not None:
         try:
@@ -213,9 +257,55 @@ def validate(args) -> dict:
     decode = args.context + args.decode_tokens
     lengths = {"quantize-on-write": args.window, "prefill-then-decode": decode, "deployed": decode}
     fidelity = args.fidelity if args.fidelity is not None else "deployed" in protocols
+    window = max([lengths[p] for p in protocols] + ([decode] if fidelity else []))
+    check_context(window, model_context(args.model), args.model)
     return {"specs": specs, "protocols": protocols, "device": str(device), "lm_eval_metadata": lm_meta,
-            "lengths": {p: lengths[p] for p in protocols}, "fidelity": fidelity,
-            "window": max([lengths[p] for p in protocols] + ([decode] if fidelity else []))}
+            "lengths": {p: lengths[p] for p in protocols}, "fidelity": fidelity, "window": window,
+            "run": args.run or f"{args.model}_{args.corpus}".replace("/", "-")}
+
+
+def _context_of(config) -> int | None:
+    n = getattr(config.get_text_config(), "max_position_embeddings", None)  # Gemma3 nests the text part
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def model_context(name: str) -> int | None:
+    """The model's context length from its config alone (no weights): a local folder, an
+    embedded model already converted into the cache, a hub model in the local hub cache.
+    None where it is not at hand without a download; run_compare checks after the load."""
+    from transformers import AutoConfig
+
+    from ..harness.fetch import cache_dir
+    from ..harness.models import EMBEDDED_MODELS
+
+    where = cache_dir() / "models" / name if name in EMBEDDED_MODELS else Path(name).expanduser()
+    if name in EMBEDDED_MODELS and not where.is_dir():
+        return None  # not fetched yet
+    try:
+        if where.is_dir():
+            return _context_of(AutoConfig.from_pretrained(where)) if (where / "config.json").is_file() else None
+        return _context_of(AutoConfig.from_pretrained(name, local_files_only=True))
+    except Exception:  # noqa: BLE001 (unreadable here: the load says what is wrong)
+        return None
+
+
+def check_context(window: int, context: int | None, model: str) -> None:
+    if context is not None and window > context:  # positions past it are untrained, and the memory is the user's
+        raise UsageError(f"--window/--context + --decode-tokens: windows of {window} tokens exceed the "
+                         f"{context}-token context of {model} (max_position_embeddings)")
+
+
+def check_writable(folder: Path, flag: str) -> None:
+    """Create `folder` and a temp file in it now, not after an hour of measuring."""
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".kvqbench-write-check-", dir=folder)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot write in {folder} ({e.strerror or e})") from None
 
 
 PROTOCOLS = ("quantize-on-write", "prefill-then-decode", "deployed")
@@ -274,6 +364,11 @@ def run_compare(args) -> int:
 
     plan = validate(args)
     specs, protocols, device = plan["specs"], plan["protocols"], plan["device"]
+    folder = Path(args.out) / plan["run"]
+    if os.environ.get("RANK", "0") == "0":  # rank 0 alone writes (distributed.py)
+        if folder.exists() and not folder.is_dir():
+            raise UsageError(f"--run: the run folder {folder} exists and is not a folder")
+        check_writable(folder if folder.is_dir() else Path(args.out), "--out")
     try:  # under torchrun: one rank of several (distributed.py); else a single process, as ever
         device_map = distributed.choose_device_map(args.device_map, args.model, getattr(torch, args.dtype), device)
         ranks = distributed.start(device, device_map) if distributed.launched() else None
@@ -288,6 +383,7 @@ def run_compare(args) -> int:
         model, tok, model_info = load_model(args.model, device=ranks.device if ranks else device,
                                             dtype=getattr(torch, args.dtype), verify=args.verify,
                                             device_map=device_map)
+    check_context(plan["window"], _context_of(model.config), args.model)  # where validate could not read it
     try:
         windows = token_windows(tok, text, plan["window"], args.windows)
     except ValueError as e:  # corpus too short for these windows: the user's numbers
@@ -323,18 +419,21 @@ def run_compare(args) -> int:
         if not ranks.is_main:  # scores its share; rank 0 alone writes results.json and the report
             distributed.score_rounds(ranks, None, rows_of, len(windows), measure_unit)
             return 0
-    name = args.run or f"{args.model}_{args.corpus}".replace("/", "-")
-    with Run(Path(args.out) / name, meta, args.fresh) as run:
+    stamps = row_stamps(specs)
+    with Run(folder, meta, args.fresh) as run:
         if run.data["diagnostics"] is None:
             run.data["diagnostics"] = outlier_diagnostics(model, windows[0])
             run.save()
         jobs = jobs_for(specs, protocols, args.seeds)
-        todo = [j for j in jobs if not run.done(*j)]
+        todo = [j for j in jobs if not run.done(*j, stamp=stamps[j[1]])]
         print(f"{len(jobs)} configurations, {len(jobs) - len(todo)} already measured in {run.path}", file=sys.stderr)
         bar = tqdm(total=len(todo) * len(windows), unit="window", dynamic_ncols=True)
 
         def on_record(job, r, windows_done: int = len(windows)):  # one finished configuration
             bar.update(windows_done)
+            r.update(stamps[job[1]])
+            if "error" not in r and not math.isfinite(r["ppl"]):  # not a figure: a failure, retried on resume
+                r["error"] = f"non-finite perplexity {r['ppl']} (NLL sum {r['nll_sum']})"
             if "error" in r:
                 run.add(r)
                 tqdm.write(f"FAILED {' '.join(map(str, job))}: {r['error']}")
@@ -371,7 +470,7 @@ def run_compare(args) -> int:
                 on_record((protocol, spec, seed), r, windows_done=0)  # the bar moved window by window
         bar.close()
         if plan["fidelity"]:
-            _fidelity(run, model, windows[:, :args.context], specs, args.decode_tokens)
+            _fidelity(run, model, windows[:, :args.context], specs, args.decode_tokens, stamps)
         if args.lm_eval:
             _lm_eval_scores(args, run, model, tok, specs, protocols[0], plan["lm_eval_metadata"])
         out = report.write_report(run.folder)
@@ -444,7 +543,7 @@ def triton_ahead(args, device, model_info, plan, specs):
               file=sys.stderr)
 
 
-def _fidelity(run, model, prompts, specs, new_tokens: int) -> None:
+def _fidelity(run, model, prompts, specs, new_tokens: int, stamps: dict) -> None:
     """Generation fidelity per spec (seed 0) against the model's own cache over the run's
     window prompts (suites/harness/fidelity.py), into results.json's `fidelity`;
     resumable per spec, a failure recorded and the run goes on."""
@@ -458,10 +557,10 @@ def _fidelity(run, model, prompts, specs, new_tokens: int) -> None:
         run.save()
     rows = store.setdefault("rows", {})
     for spec in specs:
-        if spec in rows and "error" not in rows[spec]:
+        if spec in rows and "error" not in rows[spec] and stamp_matches(rows[spec], stamps[spec]):
             continue
         try:
-            rows[spec] = fidelity(model, prompts, spec, store["reference"])
+            rows[spec] = {**fidelity(model, prompts, spec, store["reference"]), **stamps[spec]}
             f = rows[spec]
             print(f"fidelity {spec:34s} first diff mean {f['first_diff_mean']:5.1f} min {f['first_diff_min']:3d}  "
                   f"match {f['match_rate']:.3f}  NLL/token {f['nll_per_token']:.3f} (reference "

@@ -4,9 +4,13 @@ argument checked before any model work; one-line errors, tracebacks only with
 --debug; `--decode-tokens` honoured."""
 from __future__ import annotations
 
+import errno
 import json
+import os
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +62,12 @@ BAD_USAGE = [
     (["--model", "no-such-model"], "--model"),
     (["--corpus", "no-such-corpus"], "--corpus"),
     (["--out", __file__], "is not a folder"),
+    (["--out", __file__ + "/sub"], "--out: cannot write in"),  # under a regular file
+    (["--device", "meta"], "--device meta: kvqbench compare runs on cpu or cuda[:N], not meta"),
+    (["--run", "../x"], "must be a plain name"),  # it wrote outside --out
+    (["--run", "a/b"], "must be a plain name"),
+    (["--run", ".."], "must be a plain name"),
+    (["--window", "2048"], "windows of 2048 tokens exceed the 1024-token context"),  # read from config.json
 ]
 
 
@@ -73,6 +83,34 @@ def test_bad_usage_exits_2_before_any_model_work(tiny, tmp_path, monkeypatch, ca
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_unwritable_out_exits_2_before_any_model_work(tiny, tmp_path, monkeypatch, capsys):
+    """(The row just measured was lost at the first save.)"""
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model work before the check"))
+    out = tmp_path / "ro"
+    out.mkdir()
+    out.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anyway: refuse as a read-only mount would
+        real = tempfile.mkstemp
+
+        def read_only(*a, dir=None, **k):
+            if dir is not None and Path(dir).resolve() == out.resolve():
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+            return real(*a, dir=dir, **k)
+
+        monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    assert cli.main(compare_args(tiny, out)) == 2
+    err = capsys.readouterr().err
+    assert f"--out: cannot write in {out}" in err and "Traceback" not in err
+
+
+def test_a_window_past_the_context_is_refused_after_the_load_where_no_config_was_at_hand(
+        tiny, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(compare_run, "model_context", lambda name: None)  # e.g. an embedded model not fetched yet
+    assert cli.main(compare_args(tiny, tmp_path, "--window", "2048")) == 2
+    assert "exceed the 1024-token context" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
 
 

@@ -4,15 +4,19 @@ for a corrupt file; seeds of stochastic quantizers with their spread; claim
 verdicts computed from the run's data (lm-eval scores, latency report)."""
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import math
 import os
+import sys
 
 import pytest
 from filelock import FileLock
 
+from kvqbench.quantizers import registry
 from kvqbench.suites.compare import cli, claims, report, results
 from kvqbench.suites.compare import run as compare_run
-from kvqbench.suites.harness import fetch
+from kvqbench.suites.harness import fetch, perplexity
 from kvqbench.suites.harness.tiny_model import tiny_compare_args
 
 pytestmark = pytest.mark.usefixtures("one_thread", "private_cache")
@@ -89,6 +93,127 @@ def test_corrupt_results_file_names_fresh(tiny, tmp_path, capsys, content):
     err = capsys.readouterr().err
     assert "not a readable results file" in err and "--fresh" in err and "Traceback" not in err
     assert cli.main(compare_args(tiny, tmp_path, "--fresh")) == 0
+
+
+# --- resume: only well-formed records, made by the code that would measure them now ------------
+
+PLUGIN = """
+import dataclasses
+from kvqbench.quantizers.naive_int import NaiveInt
+
+
+class MyQ(NaiveInt):
+    name = "myq"
+    aliases = {{}}
+
+    @dataclasses.dataclass
+    class Config(NaiveInt.Config):
+        bits: int = {bits}
+"""
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    """install(bits, version): (re)installs entry-point plugin `myq` (distribution myq-dist)
+    with `bits` as its default."""
+    root = tmp_path / "plugin"
+    (root / "myq_dist-0.dist-info").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # a rewrite within the same second must be seen
+
+    def install(bits: int, version: str) -> None:
+        (root / "myq_plugin.py").write_text(PLUGIN.format(bits=bits))
+        dist = root / "myq_dist-0.dist-info"
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: myq-dist\nVersion: {version}\n")
+        (dist / "entry_points.txt").write_text("[kvqbench.quantizers]\nmyq = myq_plugin:MyQ\n")
+        sys.modules.pop("myq_plugin", None)
+        registry(refresh=True)
+
+    yield install
+    monkeypatch.undo()
+    sys.modules.pop("myq_plugin", None)
+    registry(refresh=True)
+
+
+def test_resume_measures_again_what_other_code_measured(tiny, tmp_path, plugin, monkeypatch, capsys):
+    """A record carries its quantizer's resolved config and the versions of the code that
+    measured it; one another config or version measured is not "already measured" (it
+    was: a plugin whose default went from 4 to 2 bits reran with its 4-bit row kept)."""
+    def run():
+        assert cli.main(compare_args(tiny, tmp_path, specs="fp16;myq")) == 0
+        data = json.loads((tmp_path / "r" / "results.json").read_text())
+        assert sorted(r["spec"] for r in data["results"]) == ["fp16", "myq"]  # replaced, not added
+        return {r["spec"]: r for r in data["results"]}, capsys.readouterr().err
+
+    plugin(bits=4, version="0.1")
+    by, _ = run()
+    q, own = by["myq"], importlib.metadata.version("kvqbench")
+    assert q["quantizer"]["class"] == "myq_plugin.MyQ" and q["quantizer"]["config"]["bits"] == 4
+    assert q["versions"]["plugin"] == {"distribution": "myq-dist", "version": "0.1"}
+    assert by["fp16"]["versions"]["plugin"] == {"distribution": "kvqbench", "version": own}
+    assert q["versions"]["kvqbench"] == own and q["versions"]["commit"] == compare_run.kvqbench_version()["commit"]
+    bits4 = q["bits_per_element"]
+
+    plugin(bits=2, version="0.1")  # the default changed, the version did not
+    by, err = run()
+    assert "2 configurations, 1 already measured" in err
+    assert by["myq"]["quantizer"]["config"]["bits"] == 2 and by["myq"]["bits_per_element"] < bits4
+
+    plugin(bits=2, version="0.2")  # a new release of the plugin
+    by, err = run()
+    assert "2 configurations, 1 already measured" in err and by["myq"]["versions"]["plugin"]["version"] == "0.2"
+
+    code = {"version": "9.9", "commit": "f" * 40, "dirty": False}  # another kvqbench
+    monkeypatch.setattr(compare_run, "kvqbench_version", lambda: code)
+    by, err = run()
+    assert "2 configurations, 0 already measured" in err and by["fp16"]["versions"]["kvqbench"] == "9.9"
+    code = dict(code, dirty=True)  # an edited checkout still resumes (after Ctrl-C, say)
+    by, err = run()
+    assert "2 configurations, 2 already measured" in err
+
+
+def test_malformed_records_are_measured_again_and_newer_fields_kept(tiny, tmp_path, capsys):
+    args = compare_args(tiny, tmp_path, specs="fp16;int4;int8")
+    assert cli.main(args) == 0
+    path = tmp_path / "r" / "results.json"
+    data = json.loads(path.read_text())
+    by = {r["spec"]: r for r in data["results"]}
+    by["fp16"]["ppl"] = float("nan")  # counted as measured, reported as +nan%
+    by["int4"]["ppl"] = "12.5"  # a TypeError in the report
+    by["int8"]["from_a_newer_version"] = {"x": 1}
+    data["results"] += [{k: v for k, v in by["int8"].items() if k != "protocol"}, "not a record"]  # a KeyError
+    data["written_by_a_newer_version"] = [1, 2]
+    data["meta"]["newer_meta"] = "kept"
+    path.write_text(json.dumps(data))
+    md = report.write_report(tmp_path / "r").read_text()  # the report alone never crashes on them
+    assert "+nan%" not in md and "| `int8` |" in md
+
+    capsys.readouterr()
+    assert cli.main(args) == 0
+    err = capsys.readouterr().err
+    assert "3 configurations, 1 already measured" in err
+    assert "(quantize-on-write fp16 seed 0) has ppl = NaN, not a finite number > 0" in err
+    assert "(quantize-on-write int4 seed 0) has ppl = \"12.5\"" in err
+    assert "(None int8 seed 0) has no 'protocol'" in err and "is a str, not an object" in err
+    data = json.loads(path.read_text())
+    assert sorted(r["spec"] for r in data["results"]) == ["fp16", "int4", "int8"]
+    assert all(isinstance(r["ppl"], float) and math.isfinite(r["ppl"]) for r in data["results"])
+    assert next(r for r in data["results"] if r["spec"] == "int8")["from_a_newer_version"] == {"x": 1}
+    assert data["written_by_a_newer_version"] == [1, 2] and data["meta"]["newer_meta"] == "kept"
+    assert "+nan%" not in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_a_non_finite_perplexity_is_a_failure_not_a_figure(tiny, tmp_path, monkeypatch):
+    real = perplexity.ppl_quantize_on_write
+
+    def nan_int4(model, windows, spec, seed=0, **kw):
+        r = real(model, windows, spec, seed, **kw)
+        return dict(r, nll_sum=float("nan"), ppl=float("nan")) if spec == "int4" else r
+
+    monkeypatch.setattr(perplexity, "ppl_quantize_on_write", nan_int4)
+    assert cli.main(compare_args(tiny, tmp_path)) == compare_run.EXIT_PARTIAL
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "FAILED `int4` seed 0: non-finite perplexity nan" in md and "+nan%" not in md
 
 
 def test_write_atomic_gives_the_umask_mode(tmp_path):
