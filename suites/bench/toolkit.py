@@ -6,16 +6,19 @@ same clock:
 - where the run happens: `GPU`, `DEVICE`, `env_info()` (GPU, SMs, memory, driver and
   clocks; torch / triton / CUDA / Python versions; time), `sm_clock_mhz`;
 - synthetic data: `synthetic_kv` (fp16 K/V, Gaussian, keys with three 25x outlier
-  channels);
+  channels), `encode_kv` (a spec's seeded K and V quantizers and their encodings);
 - the tiler: `tile_to(flat, B, T)`, a kernel-layout cache of a few encoded tokens
   repeated to B x T (KIVI-aware: its fp16 window stays last);
-- the timer: `timeit_us`;
+- the timer: `timeit_us` (the kernel's time); `host_overhead` (what a CUDA graph
+  saves per call); `rel_err` for the checks beside the timings;
 - CUDA-graph capture of a call: `graph_replay`;
 - the yardstick: `copy_bandwidth` (device-to-device copy, read + write GB/s);
 - the failures a launch can really have: `LAUNCH_ERRORS`, `describe_error`.
 
-It imports no kvqbench module (and triton's testing module only when it times), so
-importing it sets up no kernels.
+It imports no kvqbench module at import time (`encode_kv` imports the quantizers
+when called; triton's testing module is imported when something is timed), so
+importing it sets up no kernels, and the asv benchmarks can load it from the
+checkout by its path (asv_benchmarks/common.py).
 
 GPU timing is `triton.testing.do_bench` (CUDA events, median, L2 flushed before
 each call, warm-up first). On the CPU (smoke runs through the Triton
@@ -77,12 +80,13 @@ def sm_clock_mhz(env: dict) -> float:
         return 0.0
 
 
-def timeit_us(fn, rep_ms: int = 100) -> float:
-    """Median time of fn in microseconds (GPU: CUDA events, L2 flushed, warmed up)."""
+def timeit_us(fn, rep_ms: int = 100, warmup_ms: int = 25) -> float:
+    """Median time of fn in microseconds (GPU: CUDA events, L2 flushed before each call,
+    `warmup_ms` of warm-up calls, then calls for about `rep_ms`)."""
     if GPU:
         import triton.testing
 
-        return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
+        return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
     fn()
     ts = []
     for _ in range(3):
@@ -92,7 +96,38 @@ def timeit_us(fn, rep_ms: int = 100) -> float:
     return sorted(ts)[1] * 1e6
 
 
-def copy_bandwidth(nbytes: int) -> dict:
+def host_overhead(plain, replay, n: int = 200) -> float:
+    """Wall time per call of `plain` minus that of `replay` (a CUDA graph of the same
+    work), back to back without L2 flushes: the host cost a graph removes (GPU)."""
+    out = []
+    for fn in (plain, replay):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) / n * 1e6)
+    return out[0] - out[1]
+
+
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b||, in float64."""
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# The copy-bandwidth yardstick. Two copies existed: this one (the latency suite's) and the
+# kernel sweep's (2 GiB of uninitialised fp16, do_bench with rep 50 ms, a bare float). They
+# measured the same thing, a device-to-device copy's read + write bytes over its median
+# time, so one is kept: this one, because it goes through the same timer as the kernels
+# (so it also runs in a CPU smoke run), times longer (rep 200 ms: a steadier median), and
+# returns the bytes and the time beside the GB/s, so the yardstick in a result file can be
+# checked. Its default size is the sweep's 2 GiB, far beyond any L2; the latency suite
+# passes its config's `copy_bytes`.
+COPY_BYTES = 2 << 30
+
+
+def copy_bandwidth(nbytes: int = COPY_BYTES) -> dict:
     """Device-to-device copy of nbytes: the yardstick every GB/s figure is divided by."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_(0, 256)
     dst = torch.empty_like(src)
@@ -112,6 +147,15 @@ def synthetic_kv(B: int, H: int, T: int, d: int, device, seed: int = 0) -> tuple
         k[..., c] *= OUTLIER_CHANNELS_SCALE
     v = torch.randn(B, H, T, d, generator=g)
     return k.half().to(device), v.half().to(device)
+
+
+def encode_kv(spec: str, k: torch.Tensor, v: torch.Tensor, seed: int = 3):
+    """((qk, pk), (qv, pv)): `spec`'s K and V quantizers (seeded) and their encodings of
+    k and v (the Packed caches; kernels.layout.flatten puts them in the kernel layout)."""
+    from kvqbench.quantizers import get_quantizer  # absolute: also when loaded by path (asv)
+
+    qk, qv = get_quantizer(spec, role="K", seed=seed), get_quantizer(spec, role="V", seed=seed)
+    return (qk, qk.encode(k)), (qv, qv.encode(v))
 
 
 def tile_to(flat, B: int, T: int):

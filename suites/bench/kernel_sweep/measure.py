@@ -4,11 +4,13 @@ launch-config variants of each at the issue-10 shape beside fp16 SDPA.
     python -m kvqbench.suites.bench.kernel_sweep run --out $OUT [--shapes 8x32768,1x32768]
 
 Checks (before any timing): every method against `reference_decode_attention` over
-`Quantizer.decode` at T = 1, an odd T and with only the last key changed. Timing:
-`triton.testing.do_bench` (CUDA events, median, L2 flushed before each call);
+`Quantizer.decode` at T = 1, an odd T and with only the last key changed. Data,
+timer, tiler, graph capture, copy bandwidth and environment record are the
+benchmark toolkit's (suites/bench/toolkit.py). Timing: `timeit_us` (triton's
+do_bench: CUDA events, median, L2 flushed before each call; 20 ms warm-up, 80 ms);
 fp16 SDPA (flash, native GQA) and the device copy bandwidth are measured in the
 same run, so the ratios are same-run ratios. B=1 also runs through a CUDA graph
-(`graph_decode`) to show the launch overhead. Writes bench_kernels.json under --out
+(`graph_replay`) to show the launch overhead. Writes bench_kernels.json under --out
 (the entry point, __main__.py, prints a short table last).
 """
 from __future__ import annotations
@@ -19,6 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from ..toolkit import (copy_bandwidth, describe_error, encode_kv, env_info, graph_replay, host_overhead, rel_err,
+                       synthetic_kv, tile_to, timeit_us)
 
 METHODS = {  # name: (spec, flatten kwargs)
     "fp8": ("fp8-e4m3", {}),
@@ -40,36 +45,10 @@ HQMQ_VARIANTS = [dict(block_t=64, num_warps=4, num_stages=1), dict(block_t=128, 
 PROGRAMS_PER_SM = (2, 3, 4, 6, 8, 12, 16)  # 8 is the default; waves vs tail effects
 
 
-def synthetic_kv(B, H, T, d, seed=0, device="cuda"):
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(B, H, T, d, generator=g)
-    for c in (3, d // 2 + 1, d - 2):
-        k[..., c] *= 25.0
-    v = torch.randn(B, H, T, d, generator=g)
-    return k.half().to(device), v.half().to(device)
-
-
-def encode(spec, k, v):
-    from ....quantizers import get_quantizer
-    qk, qv = get_quantizer(spec, role="K", seed=3), get_quantizer(spec, role="V", seed=3)
-    return (qk, qk.encode(k)), (qv, qv.encode(v))
-
-
 def flats(name, pk, pv):
     from ....kernels.layout import flatten
     kw = METHODS[name][1]
     return flatten(pk, "K", **kw), flatten(pv, "V", **kw)
-
-
-def tile(flat, B, T):
-    from ....kernels.layout import KIVIFlat
-    if isinstance(flat, KIVIFlat):
-        return flat.tile(B // flat.B, (T - flat.T_res) // flat.group)
-    return flat.tile(B // flat.B, T // flat.T)
-
-
-def rel_err(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def check_all(dev) -> list[dict]:
@@ -78,9 +57,9 @@ def check_all(dev) -> list[dict]:
     out = []
     for name, (spec, _) in METHODS.items():
         for (B, T, dtype) in [(1, 1, torch.float16), (2, 1000 + 17, torch.bfloat16), (1, 4096 + 33, torch.float16)]:
-            k, v = synthetic_kv(B, 8, T, 128, seed=T)
+            k, v = synthetic_kv(B, 8, T, 128, dev, seed=T)
             q = torch.randn(B, 32, 1, 128, device=dev).to(dtype)
-            (qk, pk), (qv, pv) = encode(spec, k, v)
+            (qk, pk), (qv, pv) = encode_kv(spec, k, v)
             kf, vf = flats(name, pk, pv)
             o = decode_attention(q, kf, vf, out_dtype=torch.float32)
             ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
@@ -88,13 +67,13 @@ def check_all(dev) -> list[dict]:
                         "finite": bool(torch.isfinite(o).all())})
         # last key only: aligned with every query of its head, it must take the softmax
         B, T = 1, 2048 + 5
-        k, v = synthetic_kv(B, 8, T, 128, seed=7)
+        k, v = synthetic_kv(B, 8, T, 128, dev, seed=7)
         q = torch.randn(B, 32, 1, 128, device=dev).half()
         k2 = k.clone()
         k2[:, :, -1] = q.float().view(B, 8, 4, 128).sum(2).half()
         outs = []
         for kk in (k, k2):
-            (qk, pk), (qv, pv) = encode(spec, kk, v)
+            (qk, pk), (qv, pv) = encode_kv(spec, kk, v)
             kf, vf = flats(name, pk, pv)
             o = decode_attention(q, kf, vf, out_dtype=torch.float32)
             ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
@@ -104,31 +83,12 @@ def check_all(dev) -> list[dict]:
     return out
 
 
-def copy_bandwidth(dev) -> float:
-    import triton
-    x = torch.empty(2 * 1024**3 // 2, dtype=torch.float16, device=dev)
-    y = torch.empty_like(x)
-    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=10, rep=50, return_mode="median")
-    return 2 * x.numel() * 2 / (ms * 1e-3) / 1e9
-
-
-def graph_decode(fn, q):
-    """fn(q) captured once in a CUDA graph; returns a replay callable (B=1 launch overhead)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn(q)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn(q)
-    return g.replay
+def bench(fn) -> float:
+    """The sweep's timing: the toolkit's timer, 20 ms warm-up, 80 ms of calls."""
+    return timeit_us(fn, rep_ms=80, warmup_ms=20)
 
 
 def bench_shape(B, T, dev, base_cache, variants: bool, graphs: bool) -> list[dict]:
-    import triton
-
     from ....kernels.decode_attention import decode_attention
     from ....kernels.graphs import GraphedDecode
     rows = []
@@ -136,17 +96,16 @@ def bench_shape(B, T, dev, base_cache, variants: bool, graphs: bool) -> list[dic
     q = torch.randn(B, Hq, 1, D, device=dev).half()
     kf16 = torch.randn(B, Hkv, T, D, device=dev).half()
     vf16 = torch.randn(B, Hkv, T, D, device=dev).half()
-    bench = lambda f: triton.testing.do_bench(f, warmup=20, rep=80, return_mode="median") * 1e3  # noqa: E731
     sdpa = lambda: F.scaled_dot_product_attention(q, kf16, vf16, enable_gqa=True)  # noqa: E731
     t_sdpa = bench(sdpa)
     fp16_bytes = 2 * kf16.numel() * 2
     rows.append({"B": B, "T": T, "method": "fp16-sdpa", "us": t_sdpa, "bytes": fp16_bytes})
     if graphs:
-        rows.append({"B": B, "T": T, "method": "fp16-sdpa-graph", "us": bench(graph_decode(lambda x: sdpa(), q)),
+        rows.append({"B": B, "T": T, "method": "fp16-sdpa-graph", "us": bench(graph_replay(sdpa)),
                      "bytes": fp16_bytes})
     del kf16, vf16
     for name in METHODS:
-        kf, vf = (tile(f, B, T) for f in base_cache[name])
+        kf, vf = (tile_to(f, B, T) for f in base_cache[name])
         nbytes = kf.read_nbytes + vf.read_nbytes
         best = None
         base = (HQMQ_VARIANTS if name.startswith("hqmq") else VARIANTS)
@@ -160,7 +119,7 @@ def bench_shape(B, T, dev, base_cache, variants: bool, graphs: bool) -> list[dic
             try:
                 t = bench(lambda: decode_attention(q, kf, vf, **cfg))
             except Exception as e:  # noqa: BLE001 - a config that does not compile/fit is recorded, not fatal
-                rows.append({"B": B, "T": T, "method": name, "cfg": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
+                rows.append({"B": B, "T": T, "method": name, "cfg": cfg, "error": describe_error(e, 300)})
                 continue
             rows.append({"B": B, "T": T, "method": name, "cfg": cfg, "us": t, "bytes": nbytes})
             if best is None or t < best[0]:
@@ -182,21 +141,6 @@ def bench_shape(B, T, dev, base_cache, variants: bool, graphs: bool) -> list[dic
     return rows
 
 
-def host_overhead(plain, replay, n: int = 200) -> float:
-    """Wall time per call of `plain` minus that of `replay` (a CUDA graph of the same
-    work), back to back without L2 flushes: the host cost a graph removes."""
-    out = []
-    for fn in (plain, replay):
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) / n * 1e6)
-    return out[0] - out[1]
-
-
 def _replay(step, q):
     return lambda: step(q)
 
@@ -211,9 +155,8 @@ def run_sweep(out, shapes: str = "8x32768,1x32768", variants: bool = True, check
     dev = torch.device("cuda")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    import triton
-    res["triton"] = triton.__version__
+    env = env_info()
+    res = {"device": env["gpu"], "torch": env["torch"], "triton": env["triton"], "env": env}
     t0 = time.time()
     if check:
         res["checks"] = check_all(dev)
@@ -224,11 +167,12 @@ def run_sweep(out, shapes: str = "8x32768,1x32768", variants: bool = True, check
         for c in res["checks"]:
             print(f"  {c['method']:10s} B={c['B']} T={c['T']:6d} {c['dtype']:15s} err={c['rel_err']:.2e}"
                   + (f" changed={c['changed']:.2e}" if "changed" in c else ""), flush=True)
-    res["copy_GBps"] = copy_bandwidth(dev)
-    k, v = synthetic_kv(1, 8, 4096, 128, device=dev)
+    res["copy_bandwidth"] = copy_bandwidth()
+    res["copy_GBps"] = res["copy_bandwidth"]["GBps_read_plus_write"]
+    k, v = synthetic_kv(1, 8, 4096, 128, dev)
     base = {}
     for name, (spec, _) in METHODS.items():
-        (qk, pk), (qv, pv) = encode(spec, k, v)
+        (qk, pk), (qv, pv) = encode_kv(spec, k, v)
         base[name] = flats(name, pk, pv)
     res["rows"] = []
     for shp in shapes.split(","):
