@@ -35,6 +35,9 @@ def add_arguments(sub, parents) -> None:
     p.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
                    help="model dtype (default: float16 on a GPU, float32 on a CPU)")
     p.add_argument("--no-graph", action="store_true", help="eager decode steps (no CUDA graph)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the model's norms and MLPs (torch.compile) around the cache: faster steps after a "
+                        "first call that pays the compile")
     p.add_argument("--json", type=Path, default=None, help="also write the texts, tokens and timings here")
     p.set_defaults(func=cmd_generate)
 
@@ -94,7 +97,7 @@ def cmd_generate(args) -> int:
     spec = None if args.spec == "plain" else args.spec
     out = generate(model, prompts, spec, max_new_tokens=args.max_new_tokens, tokenizer=tok, stop=args.stop,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                   graph=False if args.no_graph else None)
+                   graph=False if args.no_graph else None, compile=args.compile)
     for i, text in enumerate(out.texts):
         print(f"--- [{i}] {len(prompts[i])} prompt tokens -> {len(out.tokens[i])} new")
         print(text)
