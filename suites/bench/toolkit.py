@@ -9,8 +9,9 @@ same clock:
   channels), `encode_kv` (a spec's seeded K and V quantizers and their encodings);
 - the tiler: `tile_to(flat, B, T)`, a kernel-layout cache of a few encoded tokens
   repeated to B x T (KIVI-aware: its fp16 window stays last);
-- the timer: `timeit_us` (the kernel's time); `host_overhead` (what a CUDA graph
-  saves per call); `rel_err` for the checks beside the timings;
+- the timer: `timeit_us` (the kernel's time); `host_us` (the host's issue time per
+  call) and `host_overhead` (what a CUDA graph saves per call); `rel_err` for the
+  checks beside the timings;
 - CUDA-graph capture of a call: `graph_replay`;
 - the yardstick: `copy_bandwidth` (device-to-device copy, read + write GB/s);
 - the failures a launch can really have: `LAUNCH_ERRORS`, `describe_error`.
@@ -94,6 +95,20 @@ def timeit_us(fn, rep_ms: int = 100, warmup_ms: int = 25) -> float:
         fn()
         ts.append(time.perf_counter() - t)
     return sorted(ts)[1] * 1e6
+
+
+def host_us(fn, n: int = 200) -> float:
+    """Host time per call: n calls enqueued back to back (no sync between them; 200 calls
+    of <= 3 launches stay inside the launch queue), timed on the host clock. At B=1 an
+    eager call costs max(this, its GPU time) once the queue runs dry (GPU)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
 
 
 def host_overhead(plain, replay, n: int = 200) -> float:

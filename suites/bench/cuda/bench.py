@@ -5,11 +5,11 @@ SDPA on the fp16 cache and the Triton kernels, at the issue-10 shapes.
         [--methods kivi2,kivi4] [--kivi-variants 4,8,12] [--kivi-ctas default,8]
 
 Protocol: Hq 32 / Hkv 8 / d 128, one query token, fp16 q; caches are real encodings of
-4096 synthetic tokens (3 outlier key channels) tiled to T (the kernel sweep's
-helpers, suites/bench/kernel_sweep/measure.py); every time is
-`triton.testing.do_bench` (CUDA events, median, 256 MB L2 flush before each call,
-rep 40 ms => well over 30 timed calls); B=1 is also timed as a CUDA graph replay
-(launch overhead removed). Prints a table and writes cuda_bench.json under --out.
+4096 synthetic tokens (3 outlier key channels) tiled to T (the benchmark toolkit's
+helpers, suites/bench/toolkit.py, as in the kernel sweep); every time is the toolkit's
+`timeit_us`, i.e. `triton.testing.do_bench` (CUDA events, median, 256 MB L2 flush
+before each call), warm-up 10 ms, rep 40 ms => well over 30 timed calls; B=1 is also
+timed as a CUDA graph replay (launch overhead removed). Prints a table and writes cuda_bench.json under --out.
 --kivi-variants / --kivi-ctas replace the KIVI configs at every shape (B=1 too) by the
 listed variants x split rules ("default": the default rule, ~128 tiles per split; a
 number: that many CTAs per SM); each KIVI config's output is also compared with
@@ -24,13 +24,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from ....kernels import cuda_decode
 from ....kernels.decode_attention import decode_attention
-from ....kernels.layout import KIVIFlat, flatten
-from ....quantizers import get_quantizer
-from ..kernel_sweep.measure import copy_bandwidth, graph_decode, synthetic_kv
+from ....kernels.layout import flatten
+from ..toolkit import (copy_bandwidth, encode_kv, env_info, graph_replay, host_us, rel_err, synthetic_kv, tile_to,
+                       timeit_us)
 
 METHODS = {"int4": 0, "fp8": 1, "kivi2": "kivi2", "kivi4": "kivi4"}  # name in the kernel sweep: CUDA format id
 SPECS = {"int4": "int4", "fp8": "fp8-e4m3", "kivi2": "kivi:bits=2", "kivi4": "kivi:bits=4"}
@@ -42,33 +41,9 @@ def regs(name, variant):
     return cuda_decode.num_regs(METHODS[name], 128, variant)
 
 
-def tiled(f, B, T):
-    """A valid cache of B x T tokens from the encoded base (KIVI: its window stays last)."""
-    if isinstance(f, KIVIFlat):
-        return f.tile(B // f.B, (T - f.T_res) // f.group)
-    return f.tile(B // f.B, T // f.T)
-
-
 def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
-
-
-def host_us(fn, n: int = 200) -> float:
-    """Host time per call: n calls enqueued back to back (no sync between them; 200 calls
-    of <= 3 launches stay inside the launch queue), timed on the host clock. At B=1 an
-    eager call costs max(this, its GPU time) once the queue runs dry."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
-
-
-def rel_err(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    """This bench's timing (hqmq_bench.py's too): the toolkit's timer, 10 ms warm-up, 40 ms of calls."""
+    return timeit_us(fn, rep_ms=40, warmup_ms=10)
 
 
 def kivi_cfgs(variants, ctas) -> list[dict]:
@@ -80,18 +55,17 @@ def kivi_cfgs(variants, ctas) -> list[dict]:
 
 def run(shapes, out: Path, methods=tuple(METHODS), kivi_variants=None, kivi_ctas=("default", 8)) -> dict:
     dev = torch.device("cuda")
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    env = env_info()
+    res = {"device": env["gpu"], "torch": env["torch"], "triton": env["triton"], "env": env,
            "regs": {f"{m}/v{v}": regs(m, v) for m in METHODS for v in range(max(cuda_decode.KIVI_VARIANTS) + 1)},
            "rows": []}
     res["regs"].update({f"kivi{b}/tail": cuda_decode.num_regs_kivi(b, True) for b in (2, 4)})
-    res["copy_GBps"] = copy_bandwidth(dev)
-    k, v = synthetic_kv(1, 8, 4096, 128, device=dev)
+    res["copy_bandwidth"] = copy_bandwidth()
+    res["copy_GBps"] = res["copy_bandwidth"]["GBps_read_plus_write"]
+    k, v = synthetic_kv(1, 8, 4096, 128, dev)
     base = {}
     for name in methods:
-        spec = SPECS[name]
-        # (encoded here directly; the sweep's encode() does the same since its imports were fixed)
-        pk = get_quantizer(spec, role="K", seed=3).encode(k)
-        pv = get_quantizer(spec, role="V", seed=3).encode(v)
+        (_, pk), (_, pv) = encode_kv(SPECS[name], k, v)  # seed 3, as the kernel sweep
         base[name] = (flatten(pk, "K"), flatten(pv, "V"))
     best_variant = {}
     for B, T in shapes:
@@ -103,11 +77,11 @@ def run(shapes, out: Path, methods=tuple(METHODS), kivi_variants=None, kivi_ctas
         t_sdpa = bench(sdpa)
         rows.append({"B": B, "T": T, "method": "fp16-sdpa", "us": t_sdpa})
         if B == 1:
-            rows.append({"B": B, "T": T, "method": "fp16-sdpa-graph", "us": bench(graph_decode(lambda x: sdpa(), q))})
+            rows.append({"B": B, "T": T, "method": "fp16-sdpa-graph", "us": bench(graph_replay(sdpa))})
             rows[-2]["host_us"] = host_us(sdpa)
         kf16 = vf16 = None  # (freed; not del: the lambdas above name them)
         for name in methods:
-            kf, vf = (tiled(f, B, T) for f in base[name])
+            kf, vf = (tile_to(f, B, T) for f in base[name])
             assert kf.T == vf.T == T
             nbytes = kf.read_nbytes + vf.read_nbytes
             ref = decode_attention(q, kf, vf, backend="triton", out_dtype=torch.float32)
@@ -158,7 +132,7 @@ def run(shapes, out: Path, methods=tuple(METHODS), kivi_variants=None, kivi_ctas
                         kw = dict(backend="cuda", **best[1]) if r["method"].endswith("cuda") else dict(backend="triton")
                         r["host_us"] = host_us(lambda kw=kw: decode_attention(q, kf, vf, **kw))
                 for tag, kw in (("cuda", dict(backend="cuda", **best[1])), ("triton", dict(backend="triton"))):
-                    fn = graph_decode(lambda x, kw=kw: decode_attention(x, kf, vf, **kw), q)
+                    fn = graph_replay(lambda kw=kw: decode_attention(q, kf, vf, **kw))
                     rows.append({"B": B, "T": T, "method": f"{name}-{tag}-graph", "us": bench(fn), "bytes": nbytes,
                                  "cfg": kw})
             kf = vf = None
@@ -203,13 +177,12 @@ def once(shapes, methods) -> None:
     """One CUDA call per method and shape, nothing timed: the target of a profiler
     (`ncu -k regex:KiviQ python -m kvqbench.suites.bench.cuda.bench --once --methods kivi2 --shapes 8x32768`)."""
     dev = torch.device("cuda")
-    k, v = synthetic_kv(1, 8, 4096, 128, device=dev)
+    k, v = synthetic_kv(1, 8, 4096, 128, dev)
     for B, T in shapes:
         q = torch.randn(B, 32, 1, 128, device=dev).half()
         for name in methods:
-            pk = get_quantizer(SPECS[name], role="K", seed=3).encode(k)
-            pv = get_quantizer(SPECS[name], role="V", seed=3).encode(v)
-            kf, vf = (tiled(f, B, T) for f in (flatten(pk, "K"), flatten(pv, "V")))
+            (_, pk), (_, pv) = encode_kv(SPECS[name], k, v)
+            kf, vf = (tile_to(f, B, T) for f in (flatten(pk, "K"), flatten(pv, "V")))
             decode_attention(q, kf, vf, backend="cuda")
             torch.cuda.synchronize()
             print("once", name, B, T, flush=True)

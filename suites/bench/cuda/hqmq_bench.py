@@ -4,7 +4,7 @@ SDPA and the Triton HQMQ kernels (HQMQ, HQMQ + Med3x), at B=8 and B=1, T=32k.
     python -m kvqbench.suites.bench.cuda.hqmq_bench [--out DIR] [--shapes 8x32768,1x32768] [--quick] [--variants 0,3]
                                                     [--med3-variants 0,2,9,10]
 
-Protocol as bench.py beside it (its `bench`: do_bench median, L2 flushed, rep 40 ms):
+Protocol as bench.py beside it (its `bench`: the toolkit's do_bench median, L2 flushed, rep 40 ms):
 Hq 32 / Hkv 8 / d 128, fp16 q; caches = real encodings of 4096 synthetic tokens (3
 outlier key channels) tiled to T. Every variant with the default (whole-wave) split rule
 and a few fixed split counts; B=1 also as CUDA graph replays (every config), the graph
@@ -28,9 +28,8 @@ import torch.nn.functional as F
 from ....kernels import cuda_hqmq
 from ....kernels.decode_attention import decode_attention
 from ....kernels.layout import flatten
-from ....quantizers import get_quantizer
-from ..kernel_sweep.measure import copy_bandwidth, graph_decode, synthetic_kv
-from .bench import bench, host_us, rel_err
+from ..toolkit import copy_bandwidth, encode_kv, env_info, graph_replay, host_us, rel_err, synthetic_kv, tile_to
+from .bench import bench
 
 SPLITS = {8: (None, 12), 1: (None, 33)}  # num_splits (None: the default rule); call 17a also had 9, 33 / 98
 
@@ -48,11 +47,10 @@ def main():
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     t0 = time.time()
     dev = torch.device("cuda")
-    k, v = synthetic_kv(1, 8, 4096, 128, device=dev)
+    k, v = synthetic_kv(1, 8, 4096, 128, dev)
     base = {}
     for name, spec in (("hqmq", "hqmq:S=96,r=4"), ("hqmq-med3", "hqmq:S=96,r=4,outliers=med3")):
-        pk = get_quantizer(spec, role="K", seed=3).encode(k)
-        pv = get_quantizer(spec, role="V", seed=3).encode(v)
+        (_, pk), (_, pv) = encode_kv(spec, k, v)
         base[name] = (flatten(pk, "K"), flatten(pv, "V"))
     rows = []
     variants = [cuda_hqmq.DEFAULT_VARIANT] if a.quick else \
@@ -64,7 +62,8 @@ def main():
     occ = {vv: cuda_hqmq.occupancy(vv, 96) for vv in variants}
     regs.update({f"med3/{vv}": cuda_hqmq.num_regs(vv, 96, True) for vv in med3_variants})
     occ.update({f"med3/{vv}": cuda_hqmq.occupancy(vv, 96, True) for vv in med3_variants})
-    copy = copy_bandwidth(dev)
+    env = env_info()
+    copy = copy_bandwidth()["GBps_read_plus_write"]
     print("registers per variant:", regs, "CTAs/SM:", occ, f"copy {copy:.0f} GB/s", flush=True)
 
     def add(B, T, method, us, sd, **extra):
@@ -83,10 +82,10 @@ def main():
         add(B, T, "fp16-sdpa", sd, sd)
         sdg = None
         if B == 1:
-            sdg = bench(graph_decode(lambda x: sdpa(), q))
+            sdg = bench(graph_replay(sdpa))
             add(B, T, "fp16-sdpa-graph", sdg, sdg)
         kf16 = vf16 = None  # free the shape's caches (the timing lambdas are done with them)
-        kf, vf = (f.tile(B // f.B, T // f.T) for f in base["hqmq"])
+        kf, vf = (tile_to(f, B, T) for f in base["hqmq"])
         ref = decode_attention(q, kf, vf, backend="triton", out_dtype=torch.float32)
         add(B, T, "hqmq-triton", bench(lambda: decode_attention(q, kf, vf, backend="triton")), sd)
         best = None
@@ -98,7 +97,7 @@ def main():
                 try:
                     fn = lambda cfg=cfg: cuda_hqmq.decode(q, kf, vf, **cfg)  # noqa: E731
                     t = bench(fn)
-                    tg = bench(graph_decode(lambda x, cfg=cfg: cuda_hqmq.decode(x, kf, vf, **cfg), q)) if B == 1 \
+                    tg = bench(graph_replay(lambda cfg=cfg: cuda_hqmq.decode(q, kf, vf, **cfg))) if B == 1 \
                         else None
                 except RuntimeError as e:
                     print("FAILED", cfg, str(e)[:200], flush=True)
@@ -112,12 +111,12 @@ def main():
         print(f"BEST B={B} T={T}: {best[0]:.1f} us {best[1]} = {(sdg or sd) / best[0]:.2f}x SDPA"
               f"{' (graphs)' if B == 1 else ''}", flush=True)
         if B == 1:
-            fn = graph_decode(lambda x: decode_attention(x, kf, vf, backend="triton"), q)
+            fn = graph_replay(lambda: decode_attention(q, kf, vf, backend="triton"))
             add(B, T, "hqmq-triton-graph", bench(fn), sdg)
             # the decode-loop form: valid_len on the device, a workspace, one graph for every step
             vl = torch.tensor([T], dtype=torch.int32, device=dev)
             ws = cuda_hqmq.workspace(q, kf)
-            fn = graph_decode(lambda x: cuda_hqmq.decode(x, kf, vf, workspace=ws, valid_len=vl), q)
+            fn = graph_replay(lambda: cuda_hqmq.decode(q, kf, vf, workspace=ws, valid_len=vl))
             add(B, T, "hqmq-cuda-graph-valid_len", bench(fn), sdg, cfg="default, valid_len")
             for method, fn in (("cuda_hqmq.decode(workspace, valid_len)",
                                 lambda: cuda_hqmq.decode(q, kf, vf, workspace=ws, valid_len=vl)),
@@ -125,7 +124,7 @@ def main():
                 h = host_us(fn)
                 rows.append({"B": B, "T": T, "method": "host-us-per-call", "cfg": method, "us": h})
                 print(f"| {B} | {T} | host us per eager call | {method} | {h:.1f} | | |", flush=True)
-        kf3, vf3 = (f.tile(B // f.B, T // f.T) for f in base["hqmq-med3"])
+        kf3, vf3 = (tile_to(f, B, T) for f in base["hqmq-med3"])
         add(B, T, "hqmq-med3-triton", bench(lambda: decode_attention(q, kf3, vf3, backend="triton")), sd,
             outliers_k=kf3.n_outliers, outliers_v=vf3.n_outliers)
         ref3 = decode_attention(q, kf3, vf3, backend="triton", out_dtype=torch.float32)
@@ -142,7 +141,7 @@ def main():
                 t = bench(lambda cfg=cfg: cuda_hqmq.decode(q, kf3, vf3, **cfg))
                 add(B, T, "hqmq-med3-cuda", t, sd, cfg=cfg, nsplit=nsplit, err=err)
                 if B == 1:
-                    fn = graph_decode(lambda x, cfg=cfg: cuda_hqmq.decode(x, kf3, vf3, **cfg), q)
+                    fn = graph_replay(lambda cfg=cfg: cuda_hqmq.decode(q, kf3, vf3, **cfg))
                     t = bench(fn)
                     add(B, T, "hqmq-med3-cuda-graph", t, sdg, cfg=cfg, nsplit=nsplit, err=err)
                 if vv not in med3_best or t < med3_best[vv][0]:
@@ -162,7 +161,7 @@ def main():
         torch.cuda.empty_cache()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "hqmq_bench.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "regs": regs,
+    (out / "hqmq_bench.json").write_text(json.dumps({"device": env["gpu"], "env": env, "regs": regs,
                                                       "ctas_per_sm": occ, "copy_GBps": copy, "rows": rows},
                                                      indent=1, default=str))
     print(f"({time.time() - t0:.0f} s)")
