@@ -2,8 +2,10 @@
 
 asv imports these files from the working tree and runs them against kvqbench as
 INSTALLED in its own virtualenv at each benchmarked commit, so they import only
-`kvqbench.*` (never the source folders) and skip cleanly (NotImplementedError in
-set-up) what an older commit lacks. Not part of the kvqbench package.
+`kvqbench.*` (never the source folders, but for common.py's two readings of the
+checkout: the quantizer list and the benchmark toolkit, ../toolkit.py) and skip
+cleanly (NotImplementedError in set-up) what an older commit lacks. Not part of the
+kvqbench package.
 
     quantizer_figures.py  track_ measured bits and round-trip error, time_ encode and
                           decode, peakmem_ of a packed cache: every registered

@@ -1,4 +1,5 @@
-"""Shared by the asv benchmarks: the quantizer specs they are parameterized over.
+"""Shared by the asv benchmarks: the quantizer specs they are parameterized over, and
+the benchmark toolkit (`toolkit()`: synthetic K/V, the tiler) of the checkout.
 
 asv runs a parameter by its INDEX in the list it discovered, at every commit, so
 the list must be the same whichever commit is installed. It is therefore read
@@ -10,6 +11,12 @@ sys.path), and every class with a `name` contributes `examples()`, as
 environment are added from the installed registry (the same at every commit).
 A commit that does not know a spec skips it (NotImplementedError: n/a in asv).
 Outside a source tree, the installed registry is used.
+
+The toolkit (suites/bench/toolkit.py, beside this folder) is benchmark code like these
+files, so it is read from the checkout too (by its path, under a private name; it
+imports no kvqbench module when loaded): the data and the tiling are then the same at
+every commit, only the installed kvqbench they time changes, and a commit from before
+the toolkit existed is measured all the same.
 """
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ from pathlib import Path
 
 SOURCE_QUANTIZERS = Path(__file__).resolve().parents[3] / "quantizers"
 _ALIAS = "_kvqbench_asv_source_quantizers"
+SOURCE_TOOLKIT = Path(__file__).resolve().parents[1] / "toolkit.py"
+_TOOLKIT_ALIAS = "_kvqbench_asv_source_toolkit"
 
 
 def _source_examples() -> dict[str, tuple[str, ...]] | None:
@@ -44,6 +53,23 @@ def _source_examples() -> dict[str, tuple[str, ...]] | None:
                     and "name" in vars(obj):
                 found[obj.name] = tuple(obj.examples())
     return found
+
+
+def toolkit():
+    """The checkout's benchmark toolkit module (see the module docstring); outside a
+    source tree, the installed one."""
+    if _TOOLKIT_ALIAS not in sys.modules:
+        if not SOURCE_TOOLKIT.is_file():
+            return importlib.import_module("kvqbench.suites.bench.toolkit")
+        spec = importlib.util.spec_from_file_location(_TOOLKIT_ALIAS, SOURCE_TOOLKIT)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[_TOOLKIT_ALIAS] = mod
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[_TOOLKIT_ALIAS]
+            raise
+    return sys.modules[_TOOLKIT_ALIAS]
 
 
 def _installed_examples(plugins_only: bool) -> dict[str, tuple[str, ...]]:

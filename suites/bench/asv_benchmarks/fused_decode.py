@@ -2,7 +2,9 @@
 Llama-3-8B attention (32 query heads, 8 kv heads, head_dim 128), batch 8, 32768
 cached tokens, fp16 queries; one decode step, timed with a CUDA sync. Beside it,
 fp16 K/V through torch SDPA (the uncompressed baseline). The packed caches are a
-real encoding of 4096 tokens tiled to the shape (`*Flat.tile`), so setup stays quick.
+real encoding of 4096 tokens tiled to the shape, so setup stays quick. Data and tiling
+are the benchmark toolkit's (`synthetic_kv`: keys with three 25x outlier channels, as
+the latency suite's; `tile_to`), read from the checkout (common.toolkit).
 
 Skipped (NotImplementedError in setup) without a CUDA GPU, or where the installed
 kvqbench has no fused kernels (older commits, no Triton).
@@ -10,6 +12,8 @@ kvqbench has no fused kernels (older commits, no Triton).
 from __future__ import annotations
 
 import torch
+
+from .common import toolkit
 
 B, HQ, HKV, T, D = 8, 32, 8, 32768, 128
 T0 = 4096  # tokens actually encoded; tiled to T
@@ -21,15 +25,6 @@ def _need_gpu():
         raise NotImplementedError("needs a CUDA GPU")
 
 
-def _kv(seed=0, b=B, t=T):
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(b, HKV, t, D, generator=g)
-    k[..., 3] *= 25.0
-    k[..., 70] *= 25.0
-    v = torch.randn(b, HKV, t, D, generator=g)
-    return k.half().cuda(), v.half().cuda()
-
-
 class FusedDecode:
     params = [SPECS]
     param_names = ["spec"]
@@ -39,19 +34,17 @@ class FusedDecode:
         _need_gpu()
         try:
             from kvqbench.kernels.decode_attention import decode_attention
-            from kvqbench.kernels.layout import KIVIFlat, flatten
+            from kvqbench.kernels.layout import flatten
             from kvqbench.quantizers import get_quantizer
         except ImportError as e:  # no kernels at this commit, or no triton
             raise NotImplementedError(f"fused kernels unavailable: {e}") from e
-        k, v = _kv(b=1, t=T0)
+        tk = toolkit()
+        k, v = tk.synthetic_kv(1, HKV, T0, D, "cuda")
         kw = {"table_mode": "codebook", "table_dtype": torch.float16} if spec.startswith("hqmq") else {}
         try:
             qk, qv = get_quantizer(spec, role="K"), get_quantizer(spec, role="V")
             kf, vf = flatten(qk.encode(k), "K", **kw), flatten(qv.encode(v), "V", **kw)
-            if isinstance(kf, KIVIFlat):
-                self.kf, self.vf = (f.tile(B, (T - f.T_res) // f.group) for f in (kf, vf))
-            else:
-                self.kf, self.vf = kf.tile(B, T // T0), vf.tile(B, T // T0)
+            self.kf, self.vf = tk.tile_to(kf, B, T), tk.tile_to(vf, B, T)
         except (ValueError, TypeError) as e:
             raise NotImplementedError(f"{spec}: no fused kernel here: {e}") from e
         self.q = torch.randn(B, HQ, 1, D, generator=torch.Generator().manual_seed(1)).half().cuda()
@@ -73,7 +66,7 @@ class SdpaFp16:
         _need_gpu()
         import torch.nn.functional as F
 
-        self.k, self.v = _kv()
+        self.k, self.v = toolkit().synthetic_kv(B, HKV, T, D, "cuda")
         self.q = torch.randn(B, HQ, 1, D, device="cuda").half()
         self.F = F
         self.F.scaled_dot_product_attention(self.q, self.k, self.v, enable_gqa=True)
