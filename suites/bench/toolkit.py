@@ -10,8 +10,9 @@ same clock:
 - the tiler: `tile_to(flat, B, T)`, a kernel-layout cache of a few encoded tokens
   repeated to B x T (KIVI-aware: its fp16 window stays last);
 - the timer: `timeit_us` (the kernel's time); `host_us` (the host's issue time per
-  call) and `host_overhead` (what a CUDA graph saves per call); `rel_err` for the
-  checks beside the timings;
+  call) and `host_overhead` (what a CUDA graph saves per call); `synchronize(device)`
+  for wall-clock timings (the decode benchmark's steps); `rel_err` for the checks
+  beside the timings;
 - CUDA-graph capture of a call: `graph_replay`;
 - the yardstick: `copy_bandwidth` (device-to-device copy, read + write GB/s);
 - the failures a launch can really have: `LAUNCH_ERRORS`, `describe_error`.
@@ -95,6 +96,12 @@ def timeit_us(fn, rep_ms: int = 100, warmup_ms: int = 25) -> float:
         fn()
         ts.append(time.perf_counter() - t)
     return sorted(ts)[1] * 1e6
+
+
+def synchronize(device) -> None:
+    """Wait for the device's queued work where it is a CUDA device (a CPU has none)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def host_us(fn, n: int = 200) -> float:

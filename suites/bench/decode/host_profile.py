@@ -25,7 +25,8 @@ from transformers import DynamicCache
 from ....quantizers.checks import deferred_checks, flush
 from ...harness.attention import fused_attention
 from ...harness.kv_cache import QuantizedCache, cache_kwargs
-from .measure import SHAPES, _prefill, _sync, build_model
+from ..toolkit import synchronize
+from .measure import SHAPES, build_model, prefill
 
 
 def profile_spec(model, spec: str, context: int, batch: int, steps: int, top: int, dev) -> str:
@@ -41,7 +42,7 @@ def _profile_once(model, spec: str, context: int, batch: int, steps: int, top: i
         QuantizedCache(spec, config=model.config, capacity=total)
     ctx = fused_attention(model) if spec != "plain" else contextlib.nullcontext()
     with torch.inference_mode(), ctx, deferred_checks():
-        _, tok = _prefill(model, cache, ids.to(dev), dev)
+        _, tok = prefill(model, cache, ids.to(dev), dev)
         kw = cache_kwargs(model, cache)
 
         def step(t):
@@ -49,13 +50,13 @@ def _profile_once(model, spec: str, context: int, batch: int, steps: int, top: i
 
         for _ in range(3):
             tok = step(tok)
-        _sync(dev)
+        synchronize(dev)
         wall, issue = [], []
         for _ in range(steps):
             t0 = time.perf_counter()
             tok = step(tok)
             t1 = time.perf_counter()
-            _sync(dev)
+            synchronize(dev)
             wall.append(time.perf_counter() - t0)
             issue.append(t1 - t0)
             flush()
@@ -63,7 +64,7 @@ def _profile_once(model, spec: str, context: int, batch: int, steps: int, top: i
         prof.enable()
         for _ in range(steps):
             tok = step(tok)
-            _sync(dev)
+            synchronize(dev)
             flush()
         prof.disable()
     wall.sort()

@@ -50,6 +50,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 from ....quantizers.checks import deferred_checks, flush
 from ...harness.attention import fused_attention
 from ...harness.kv_cache import QuantizedCache, QuantizedLayer, cache_kwargs, plain_cache_stats
+from ..toolkit import synchronize
 
 SHAPES = {
     # Llama-3-8B attention and MLP shapes, 4 of its 32 layers (as issue 9's table)
@@ -75,21 +76,16 @@ def build_model(shape: str, dtype=torch.bfloat16, device="cuda", max_positions: 
     return model.to(dtype).eval()
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _mem(device) -> int:
     return torch.cuda.memory_allocated() if torch.device(device).type == "cuda" else 0
 
 
-def _prefill(model, cache, ids, dev):
+def prefill(model, cache, ids, dev):
     """(prefill s, the first greedy token)."""
     t0 = time.perf_counter()
     logits = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits
     tok = logits[:, -1:].argmax(-1)
-    _sync(dev)
+    synchronize(dev)
     return time.perf_counter() - t0, tok
 
 
@@ -99,7 +95,7 @@ def _decode(step, tok, warmup: int, steps: int, dev, base: int = 0):
     cuda = dev.type == "cuda"
     for _ in range(warmup):
         tok = step(tok)[:, -1:].argmax(-1)
-    _sync(dev)
+    synchronize(dev)
     peak_all = torch.cuda.max_memory_allocated() - base if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -108,7 +104,7 @@ def _decode(step, tok, warmup: int, steps: int, dev, base: int = 0):
     for _ in range(steps):  # synchronised per step: the median shrugs off host stalls
         t1 = time.perf_counter()
         tok = step(tok)[:, -1:].argmax(-1)
-        _sync(dev)
+        synchronize(dev)
         per_step.append(time.perf_counter() - t1)
         flush()
     return peak_all, sorted(per_step), time.perf_counter() - t0, tok
@@ -117,7 +113,7 @@ def _decode(step, tok, warmup: int, steps: int, dev, base: int = 0):
 def _run(model, cache, ids, warmup: int, steps: int, dev, base: int = 0):
     """Prefill `ids` into `cache`, `warmup` untimed steps, then `steps` timed greedy steps:
     (prefill s, peak bytes over prefill + warm-up, sorted per-step s, total s, last tokens)."""
-    prefill_s, tok = _prefill(model, cache, ids, dev)
+    prefill_s, tok = prefill(model, cache, ids, dev)
     kw = cache_kwargs(model, cache)
     peak_all, per_step, dt, tok = _decode(lambda t: model(input_ids=t, **kw, use_cache=True).logits, tok,
                                           warmup, steps, dev, base)
@@ -174,7 +170,7 @@ def measure_modes(model, spec: str | None, *, context: int, batch: int, steps: i
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
         cache = new_cache()
-        prefill_s, tok = _prefill(model, cache, ids, dev)
+        prefill_s, tok = prefill(model, cache, ids, dev)
         kw = cache_kwargs(model, cache)
         for mode in modes:
             t_start = int(cache.get_seq_length())
@@ -322,4 +318,4 @@ def write_cost(spec: str, *, heads: int = 8, head_dim: int = 128, batch: int = 1
     return out
 
 
-__all__ = ["SHAPES", "build_model", "compare_paths", "measure", "measure_modes", "write_cost"]
+__all__ = ["SHAPES", "build_model", "compare_paths", "measure", "measure_modes", "prefill", "write_cost"]
