@@ -1,0 +1,130 @@
+"""The benchmark toolkit (suites/bench/toolkit.py) and the rigs' hygiene around it: the
+synthetic data is seeded and has its outlier channels, the tiler fits every layout
+(KIVI's window included) and refuses what does not fit, the timer, yardstick and
+environment record work on the CPU (their GPU paths where there is one), the asv
+benchmarks read the same toolkit from the checkout, the GPU-only rigs import here, and
+no rig under suites/bench/ defines its own copy of a toolkit helper, imports a private
+name from another file or edits sys.path."""
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before kvqbench.kernels is imported (see test_kernels.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvqbench.suites.bench import toolkit as tk  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+CUDA = torch.cuda.is_available()
+
+
+def test_synthetic_kv_is_seeded_fp16_with_three_outlier_channels():
+    k, v = tk.synthetic_kv(2, 3, 50, 64, "cpu", seed=4)
+    assert k.shape == v.shape == (2, 3, 50, 64) and k.dtype == v.dtype == torch.float16
+    k2, v2 = tk.synthetic_kv(2, 3, 50, 64, "cpu", seed=4)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert not torch.equal(k, tk.synthetic_kv(2, 3, 50, 64, "cpu", seed=5)[0])
+    rms = k.float().pow(2).mean((0, 1, 2)).sqrt()
+    assert set(torch.nonzero(rms > 10).flatten().tolist()) == {3, 64 // 2 + 1, 64 - 2}
+    assert v.float().abs().max() < 10
+
+
+@pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "hqmq:S=24,r=3,outliers=med3", "kivi:bits=2,group=8,residual=8"])
+def test_tile_to_fits_every_layout_and_refuses_what_does_not_fit(spec):
+    from kvqbench.kernels.layout import flatten
+
+    k, v = tk.synthetic_kv(1, 2, 60 if spec.startswith("kivi") else 64, 64, "cpu")  # KIVI: fp16 windows of 4 and 12
+    (_, pk), (_, pv) = tk.encode_kv(spec, k, v)
+    for flat in (flatten(pk, "K"), flatten(pv, "V")):
+        kivi = hasattr(flat, "T_res")
+        T = flat.T_res + 2 * flat.n_groups * flat.group if kivi else 2 * flat.T
+        tiled = tk.tile_to(flat, 2, T)
+        assert (tiled.B, tiled.T) == (2, T)
+        if kivi:  # the fp16 window stays last, as long as it was
+            assert tiled.T_res == flat.T_res and tiled.n_groups == 2 * flat.n_groups
+        with pytest.raises(ValueError, match="does not fit" if kivi else "not a multiple"):
+            tk.tile_to(flat, 2, T + 1)
+        with pytest.raises(ValueError, match="sequences"):
+            tk.tile_to(tiled, 3, T)
+
+
+def test_timer_yardstick_and_environment_on_this_machine():
+    calls = []
+    t = tk.timeit_us(lambda: calls.append(1), rep_ms=5, warmup_ms=1)
+    assert t > 0 and calls
+    copy = tk.copy_bandwidth(1 << 16)
+    assert copy["bytes_copied"] == 1 << 16 and copy["time_us"] > 0
+    assert copy["GBps_read_plus_write"] == pytest.approx(2 * (1 << 16) / copy["time_us"] / 1e3)
+    env = tk.env_info()
+    assert {"torch", "triton", "python", "cuda", "time", "gpu", "sm_count"} <= set(env)
+    assert tk.sm_clock_mhz({"sm_clock_max_MHz": "[N/A]"}) == 0.0 and tk.sm_clock_mhz({}) == 0.0
+    tk.synchronize("cpu")
+    a = torch.ones(8)
+    assert tk.rel_err(a * 1.5, a) == pytest.approx(0.5)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs and the host-time helpers need a CUDA device")
+def test_graph_replay_and_host_times_on_a_gpu():
+    x = torch.zeros(1, device="cuda")
+    replay = tk.graph_replay(lambda: x.add_(1))  # two warm-up calls; the capture runs nothing
+    torch.cuda.synchronize()
+    assert x.item() == 2
+    replay()
+    torch.cuda.synchronize()
+    assert x.item() == 3
+    assert tk.host_us(lambda: x.add_(1), n=10) > 0
+    assert isinstance(tk.host_overhead(lambda: x.add_(1), replay, n=10), float)
+
+
+def test_asv_benchmarks_read_the_same_toolkit_from_the_checkout():
+    name = "_test_asv_common"
+    spec = importlib.util.spec_from_file_location(name, BENCH / "asv_benchmarks" / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(common)
+        src = common.toolkit()
+        assert Path(src.__file__) == BENCH / "toolkit.py" and src is not tk and src is common.toolkit()
+        assert all(torch.equal(a, b) for a, b in zip(src.synthetic_kv(1, 2, 16, 32, "cpu"),
+                                                     tk.synthetic_kv(1, 2, 16, 32, "cpu")))
+    finally:
+        sys.modules.pop(common._TOOLKIT_ALIAS, None)
+
+
+@pytest.mark.parametrize("module", ["cuda.bench", "cuda.hqmq_bench", "kernel_sweep.measure", "kernel_sweep.__main__",
+                                    "decode.host_profile", "latency.run"])
+def test_gpu_only_rigs_import_here(module):
+    importlib.import_module(f"kvqbench.suites.bench.{module}")
+
+
+def _rig_files():
+    return [p for p in sorted(BENCH.rglob("*.py")) if "__pycache__" not in p.parts]
+
+
+def test_no_rig_keeps_a_copy_of_a_toolkit_helper_or_edits_sys_path_or_imports_private_names():
+    helpers = {n for n, obj in vars(tk).items() if callable(obj) and getattr(obj, "__module__", "") == tk.__name__
+               and not n.startswith("_")}
+    assert {"synthetic_kv", "tile_to", "timeit_us", "graph_replay", "copy_bandwidth", "env_info"} <= helpers
+    problems = []
+    for path in _rig_files():
+        if path.name == "toolkit.py":
+            continue
+        tree = ast.parse(path.read_text())
+        rel = path.relative_to(BENCH)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in helpers:
+                problems.append(f"{rel}:{node.lineno} defines {node.name} (the toolkit has it)")
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                problems += [f"{rel}:{node.lineno} imports the private {a.name}" for a in node.names
+                             if a.name.startswith("_") and not a.name.startswith("__")]
+            if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", "") == "sys":
+                problems.append(f"{rel}:{node.lineno} uses sys.path")
+    assert not problems, "\n".join(problems)
