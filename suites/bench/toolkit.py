@@ -6,7 +6,8 @@ same clock:
 - where the run happens: `GPU`, `DEVICE`, `env_info()` (GPU, SMs, memory, driver and
   clocks; torch / triton / CUDA / Python versions; time), `sm_clock_mhz`;
 - synthetic data: `synthetic_kv` (fp16 K/V, Gaussian, keys with three 25x outlier
-  channels), `encode_kv` (a spec's seeded K and V quantizers and their encodings);
+  channels), `encode_kv` (a spec's seeded K and V quantizers and their encodings),
+  `fp16_sdpa` (a query and the uncompressed baseline the kernel benches time);
 - the tiler: `tile_to(flat, B, T)`, a kernel-layout cache of a few encoded tokens
   repeated to B x T (KIVI-aware: its fp16 window stays last);
 - the timer: `timeit_us` (the kernel's time); `host_us` (the host's issue time per
@@ -34,6 +35,7 @@ import subprocess
 import time
 
 import torch
+import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
 GPU = torch.cuda.is_available()
@@ -178,6 +180,17 @@ def encode_kv(spec: str, k: torch.Tensor, v: torch.Tensor, seed: int = 3):
 
     qk, qv = get_quantizer(spec, role="K", seed=seed), get_quantizer(spec, role="V", seed=seed)
     return (qk, qk.encode(k)), (qv, qv.encode(v))
+
+
+def fp16_sdpa(B: int, T: int, device, hq: int = 32, hkv: int = 8, d: int = 128):
+    """(q, call): a random fp16 query `[B, hq, 1, d]` and one decode step of torch SDPA
+    (native GQA, torch's default backend) over random fp16 K/V `[B, hkv, T, d]`, the
+    baseline the kernel benches time beside the fused kernels (drawn in that order from
+    torch's global generator). The K/V live as long as the call does."""
+    q = torch.randn(B, hq, 1, d, device=device).half()
+    k = torch.randn(B, hkv, T, d, device=device).half()
+    v = torch.randn(B, hkv, T, d, device=device).half()
+    return q, lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
 def tile_to(flat, B: int, T: int):

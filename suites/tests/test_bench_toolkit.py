@@ -38,6 +38,16 @@ def test_synthetic_kv_is_seeded_fp16_with_three_outlier_channels():
     assert v.float().abs().max() < 10
 
 
+def test_fp16_sdpa_baseline_draws_q_then_k_v():
+    torch.manual_seed(1)
+    q, call = tk.fp16_sdpa(2, 16, "cpu", hq=4, hkv=2, d=8)
+    torch.manual_seed(1)
+    q2, k, v = (torch.randn(*s).half() for s in ((2, 4, 1, 8), (2, 2, 16, 8), (2, 2, 16, 8)))
+    assert torch.equal(q, q2) and q.dtype == torch.float16
+    want = torch.nn.functional.scaled_dot_product_attention(q2, k, v, enable_gqa=True)
+    assert torch.equal(call(), want) and want.shape == (2, 4, 1, 8)
+
+
 @pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "hqmq:S=24,r=3,outliers=med3", "kivi:bits=2,group=8,residual=8"])
 def test_tile_to_fits_every_layout_and_refuses_what_does_not_fit(spec):
     from kvqbench.kernels.layout import flatten

@@ -23,13 +23,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ....kernels import cuda_decode
 from ....kernels.decode_attention import decode_attention
 from ....kernels.layout import flatten
-from ..toolkit import (copy_bandwidth, encode_kv, env_info, graph_replay, host_us, rel_err, synthetic_kv, tile_to,
-                       timeit_us)
+from ..toolkit import (copy_bandwidth, encode_kv, env_info, fp16_sdpa, graph_replay, host_us, rel_err, synthetic_kv,
+                       tile_to, timeit_us)
 
 METHODS = {"int4": 0, "fp8": 1, "kivi2": "kivi2", "kivi4": "kivi4"}  # name in the kernel sweep: CUDA format id
 SPECS = {"int4": "int4", "fp8": "fp8-e4m3", "kivi2": "kivi:bits=2", "kivi4": "kivi:bits=4"}
@@ -70,16 +69,13 @@ def run(shapes, out: Path, methods=tuple(METHODS), kivi_variants=None, kivi_ctas
     best_variant = {}
     for B, T in shapes:
         rows = res["rows"]
-        q = torch.randn(B, 32, 1, 128, device=dev).half()
-        kf16 = torch.randn(B, 8, T, 128, device=dev).half()
-        vf16 = torch.randn(B, 8, T, 128, device=dev).half()
-        sdpa = lambda: F.scaled_dot_product_attention(q, kf16, vf16, enable_gqa=True)  # noqa: E731
+        q, sdpa = fp16_sdpa(B, T, dev)
         t_sdpa = bench(sdpa)
         rows.append({"B": B, "T": T, "method": "fp16-sdpa", "us": t_sdpa})
         if B == 1:
             rows.append({"B": B, "T": T, "method": "fp16-sdpa-graph", "us": bench(graph_replay(sdpa))})
             rows[-2]["host_us"] = host_us(sdpa)
-        kf16 = vf16 = None  # (freed; not del: the lambdas above name them)
+        sdpa = None  # frees the fp16 K/V
         for name in methods:
             kf, vf = (tile_to(f, B, T) for f in base[name])
             assert kf.T == vf.T == T

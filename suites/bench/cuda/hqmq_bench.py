@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ....kernels import cuda_hqmq
 from ....kernels.decode_attention import decode_attention
 from ....kernels.layout import flatten
-from ..toolkit import copy_bandwidth, encode_kv, env_info, graph_replay, host_us, rel_err, synthetic_kv, tile_to
+from ..toolkit import (copy_bandwidth, encode_kv, env_info, fp16_sdpa, graph_replay, host_us, rel_err, synthetic_kv,
+                       tile_to)
 from .bench import bench
 
 SPLITS = {8: (None, 12), 1: (None, 33)}  # num_splits (None: the default rule); call 17a also had 9, 33 / 98
@@ -74,17 +74,14 @@ def main():
 
     print("| B | T | method | config | us | x SDPA | err vs triton |\n|---|---|---|---|---:|---:|---|")
     for B, T in shapes:
-        q = torch.randn(B, 32, 1, 128, device=dev).half()
-        kf16 = torch.randn(B, 8, T, 128, device=dev).half()
-        vf16 = torch.randn(B, 8, T, 128, device=dev).half()
-        sdpa = lambda: F.scaled_dot_product_attention(q, kf16, vf16, enable_gqa=True)  # noqa: E731
+        q, sdpa = fp16_sdpa(B, T, dev)
         sd = bench(sdpa)
         add(B, T, "fp16-sdpa", sd, sd)
         sdg = None
         if B == 1:
             sdg = bench(graph_replay(sdpa))
             add(B, T, "fp16-sdpa-graph", sdg, sdg)
-        kf16 = vf16 = None  # free the shape's caches (the timing lambdas are done with them)
+        sdpa = None  # frees the shape's fp16 K/V (the timings are done with them)
         kf, vf = (tile_to(f, B, T) for f in base["hqmq"])
         ref = decode_attention(q, kf, vf, backend="triton", out_dtype=torch.float32)
         add(B, T, "hqmq-triton", bench(lambda: decode_attention(q, kf, vf, backend="triton")), sd)
