@@ -56,6 +56,18 @@ def _unusable(cls) -> str | None:
         return f"{cls.__name__} is abstract (does not implement {', '.join(sorted(cls.__abstractmethods__))})"
     if not isinstance(vars(cls).get("name", getattr(cls, "name", None)), str):
         return f"{cls.__name__} has no `name`"
+    # Checked here, not at first use: the registry reads `aliases` while it is built (a
+    # list there took every quantizer down), and `kvqbench list` parses every alias.
+    if not dataclasses.is_dataclass(getattr(cls, "Config", None)):
+        return f"{cls.__name__}.Config is not a dataclass"
+    fields = {f.name for f in dataclasses.fields(cls.Config)}
+    aliases = cls.aliases
+    if not isinstance(aliases, dict) or not all(isinstance(a, str) and isinstance(kw, dict)
+                                                for a, kw in aliases.items()):
+        return f"{cls.__name__}.aliases must map names to dicts of Config values, got {aliases!r}"[:300]
+    for a, kw in aliases.items():
+        if set(kw) - fields:
+            return f"{cls.__name__}.aliases[{a!r}] sets {sorted(set(kw) - fields)}, not fields of its Config"
     return None
 
 
@@ -83,10 +95,11 @@ def registry(refresh: bool = False) -> dict[str, type[Quantizer]]:
     broken: list[BrokenPlugin] = []
     owner: dict[str, str] = {}  # name or alias -> who holds it
 
-    def add(cls, origin: str, builtin: bool) -> None:
+    def add(cls, origin: str, builtin: bool, asked_as: tuple[str, ...] = ()) -> None:
         why = _unusable(cls)
-        if why:
-            broken.append(BrokenPlugin(origin, why))
+        if why:  # named by what a user would ask for: the entry point's and the class's names
+            own = getattr(cls, "name", None)
+            broken.append(BrokenPlugin(origin, why, asked_as + ((own,) if isinstance(own, str) else ())))
             return
         claims = [cls.name] + [a for a in cls.aliases if a != cls.name]
         if found.get(cls.name) is cls:
@@ -108,7 +121,7 @@ def registry(refresh: bool = False) -> dict[str, type[Quantizer]]:
         origin = f"module {__name__}.{info.name}"
         try:
             mod = importlib.import_module(f"{__name__}.{info.name}")
-        except Exception as e:  # noqa: BLE001 (one broken file must not take every quantizer down)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 (one broken file must not take every quantizer down)
             broken.append(BrokenPlugin(origin, _one_line(e), (info.name,)))
             continue
         for cls in _subclasses_in(mod):
@@ -117,10 +130,10 @@ def registry(refresh: bool = False) -> dict[str, type[Quantizer]]:
         origin = f"entry point {ep.name} = {ep.value}"
         try:
             cls = ep.load()
-        except Exception as e:  # noqa: BLE001 (an installed plugin that fails to import)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 (an installed plugin that fails to import, or exits)
             broken.append(BrokenPlugin(origin, _one_line(e), (ep.name,)))
             continue
-        add(cls, origin, builtin=False)
+        add(cls, origin, builtin=False, asked_as=(ep.name,))
     _registry, _alias_table, _broken = found, aliases, broken
     for b in broken:
         warnings.warn(f"kvqbench: quantizer plugin skipped: {b}", RuntimeWarning, stacklevel=2)

@@ -107,9 +107,10 @@ def fit_residual_codebooks(z: torch.Tensor, M: int, K: int, gen: torch.Generator
 
 # Candidates a chunk's encode weighs (codebooks x beam x codewords): fit and search time
 # grow with it. CPU, 2 threads, one 64-token window of 2 heads x d 64: 2 x 8 x 4096 (65536)
-# 0.44 s, 16 x 1 x 16384 9 s, 16 x 64 x 16384 274 s; the old bounds (16 x 64 x 65536) never
-# finished. 2^18 keeps a window within seconds.
-MAX_SEARCH = 1 << 18
+# 0.44 s idle, 4 x 16 x 4096 8 s and 16 x 1 x 16384 9-27 s on a loaded machine (108 s on a
+# 512-token window), 16 x 64 x 16384 274 s; the old bounds (16 x 64 x 65536) never
+# finished. 2^16 keeps a window within seconds.
+MAX_SEARCH = 1 << 16
 
 
 class AdditiveVQ(FitsOnFirstWrite, Quantizer):

@@ -62,11 +62,12 @@ def outlier_block_starts(per_token: torch.Tensor) -> torch.Tensor:
 
 
 # Secondaries per (layer, role, kv-head). The codebook tables grow as 24*S (a kernel's fp16
-# table: 0.75 MiB per head at 4096, x 180 heads of the embedded model) and the search is
-# O(S) per chunk (CPU, 2 threads, one 64-token window of 2 heads x d 64: S=4096 0.17 s,
-# 65536 2.4 s; S=1e6 took 6 GB and hung). 4096 already costs 17 code bits per chunk, past
-# the ~5-bit caches the method is for (the paper's configs use S <= 256).
-MAX_S = 4096
+# table: 1 MiB per head at 5461, x 180 heads of the embedded model) and the search is
+# O(S) per chunk (CPU, 2 threads, one 64-token window of 2 heads x d 64: S=4096 0.17-2 s,
+# 65536 2.4 s (idle) to 27 s (loaded); S=1e6 took 6 GB and hung). The limit is the largest
+# S whose codes fit 17 bits, so every allowed S is allowed after `fill` too; 17 code bits
+# per chunk is already past the ~5-bit caches the method is for (the paper's S <= 256).
+MAX_S = (1 << 17) // 24  # 5461
 
 
 class HQMQ(Quantizer):

@@ -14,6 +14,12 @@ KMEANS_ITERS = 6  # Lloyd iterations per fit: on real K/V, 10 lowered the MSE on
 FIT_POINTS_PER_CODEWORD = 16  # k-means runs on a seeded sample of at most 16 K points per codebook
 SCORE_BLOCK = 1 << 24  # elements of the [.., chunks, beam, K] score temporary per block (GPU)
 SCORE_BLOCK_CPU = 1 << 20  # smaller on CPU, where a block that fits in cache is faster
+# Elements (256 MB float32) of the [G, points, K] distance temporary of a fit: larger ones are
+# computed in blocks of points. Unblocked, the fit of flatvq:dim=1,K_bits=14 to a 512-token
+# write of 2 heads x 64 dims took 4.3 GB per assignment pass (and would take ~140 GB at 2048
+# tokens x 8 heads x 128 dims); blocked, 0.5 GB. Fits under it (every default config) make
+# the one call they always made.
+ASSIGN_BLOCK = 1 << 26
 
 
 def kmeans(points: torch.Tensor, k: int, gen: torch.Generator, iters: int = KMEANS_ITERS,
@@ -32,9 +38,7 @@ def kmeans(points: torch.Tensor, k: int, gen: torch.Generator, iters: int = KMEA
     c = x[:, start].clone()  # [G, k, d]
     xx = x.pow(2).sum(-1)
     for it in range(iters + 1):
-        # ||x - c||^2 - ||x||^2 = ||c||^2 - 2 <x, c>: one fused pass, [G, N, k]
-        d2 = torch.baddbmm(c.pow(2).sum(-1).unsqueeze(1), x, c.transpose(1, 2), alpha=-2)
-        dist, assign = d2.min(-1)
+        dist, assign = _nearest_with_distance(x, c)
         if history is not None:
             history.append(float((dist + xx).clamp(min=0).mean()))
         if it == iters:
@@ -70,10 +74,25 @@ def cluster_sums(x: torch.Tensor, assign: torch.Tensor, k: int,
     return sums, counts
 
 
+def _nearest_with_distance(points: torch.Tensor, cb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """min over codewords of ||x - c||^2 - ||x||^2 = ||c||^2 - 2 <x, c> (one fused pass) and
+    its first index, for points [G, N, d] and cb [G, K, d]; in blocks of points when the
+    [G, N, K] temporary would pass ASSIGN_BLOCK elements."""
+    G, N, _ = points.shape
+    cn, cbt = cb.pow(2).sum(-1).unsqueeze(1), cb.transpose(1, 2)
+    step = max(1, ASSIGN_BLOCK // max(1, G * cb.shape[1]))
+    if N <= step:
+        return torch.baddbmm(cn, points, cbt, alpha=-2).min(-1)
+    dist, index = points.new_empty(G, N), torch.empty(G, N, dtype=torch.long, device=points.device)
+    for i in range(0, N, step):  # into outputs made once (see residual_search's `keep`)
+        dist[:, i : i + step], index[:, i : i + step] = torch.baddbmm(cn, points[:, i : i + step], cbt, alpha=-2).min(-1)
+    return dist, index
+
+
 def nearest(points: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
     """Index of the nearest codeword of cb [G, K, d] for points [G, N, d], in their
     dtype (for fitting; stored codes come from `residual_search`, in float64)."""
-    return torch.baddbmm(cb.pow(2).sum(-1).unsqueeze(1), points, cb.transpose(1, 2), alpha=-2).argmin(-1)
+    return _nearest_with_distance(points, cb)[1]
 
 
 def sample_points(points: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -112,7 +131,17 @@ def residual_search(r: torch.Tensor, cb: torch.Tensor, beam: int) -> tuple[torch
     heads = torch.arange(cb.shape[0], device=r.device).view(1, -1, 1, 1)
     limit = SCORE_BLOCK if r.is_cuda else SCORE_BLOCK_CPU
     block = max(1, limit // max(1, B * G * beam * K))
-    codes_out, res_out = [], []
+    # Each block's codes and residual go straight into outputs made once: kept per block
+    # (then concatenated), they pinned the heap above each freed score temporary, and glibc
+    # grew it by one temporary per block (flatvq:dim=1,K_bits=14, 32768 chunks: 7 GB RSS
+    # for 2 MB of codes).
+    out: list[torch.Tensor] = []
+
+    def keep(start: int, codes: torch.Tensor, res: torch.Tensor) -> None:
+        if not out:
+            out.extend([codes.new_empty(B, G, N, M), res.new_empty(B, G, N, dim)])
+        out[0][:, :, start : start + codes.shape[2]] = codes
+        out[1][:, :, start : start + codes.shape[2]] = res
     for start in range(0, N, block):
         res = r[:, :, start : start + block]
         n = res.shape[2]
@@ -122,8 +151,7 @@ def residual_search(r: torch.Tensor, cb: torch.Tensor, beam: int) -> tuple[torch
                 idx = torch.matmul(res.double(), cb_t[:, m]).add_(cnorm[:, m]).argmin(-1)  # first minimum on ties
                 res = res - cb[:, m][heads[..., 0], idx]  # idx is [B, G, n]
                 codes.append(idx)
-            codes_out.append(torch.stack(codes, -1))
-            res_out.append(res)
+            keep(start, torch.stack(codes, -1), res)
             continue
         # beam search: keep the `beam` best partial sums, ranked by ||residual||^2
         res = res.unsqueeze(3)  # [B, G, n, b, dim], b = 1 at first
@@ -136,9 +164,8 @@ def residual_search(r: torch.Tensor, cb: torch.Tensor, beam: int) -> tuple[torch
             src, idx = flat // K, flat % K  # which beam it extends, with which codeword
             res = res.gather(3, src.unsqueeze(-1).expand(*src.shape, dim)) - cb[:, m][heads, idx]
             codes = torch.cat([codes.gather(3, src.unsqueeze(-1).expand(*src.shape, m)), idx.unsqueeze(-1)], -1)
-        codes_out.append(codes[:, :, :, 0])  # the best beam: topk sorts ascending
-        res_out.append(res[:, :, :, 0])
-    return torch.cat(codes_out, 2), torch.cat(res_out, 2)
+        keep(start, codes[:, :, :, 0], res[:, :, :, 0])  # the best beam: topk sorts ascending
+    return out[0], out[1]
 
 
 __all__ = ["KMEANS_ITERS", "fit_codebook_with_zero", "kmeans", "nearest", "residual_search", "sample_points"]
