@@ -16,3 +16,4 @@ def tiny(tmp_path_factory):
 def private_cache(tmp_path, monkeypatch):
     """Token files of the tiny model go to a temp cache, not the user's."""
     monkeypatch.setenv("KVQBENCH_CACHE", str(tmp_path / "cache"))
+

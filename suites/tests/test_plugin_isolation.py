@@ -3,12 +3,11 @@ quantizers down or replaces one of them (issue 25, items 3 and 4)."""
 from __future__ import annotations
 
 import sys
-import textwrap
-import warnings
 
 import pytest
 
 import kvqbench.quantizers as Q
+from kvqbench.suites.tests.plugin_helpers import install_plugins, uninstall_plugins
 from kvqbench.quantizers import QuantizerInputError, broken_plugins, get_quantizer, registry
 from kvqbench.suites.compare import cli
 
@@ -44,33 +43,20 @@ class Good(NaiveInt):
 
 @pytest.fixture
 def plugins(tmp_path, monkeypatch):
-    (tmp_path / "my_plugins.py").write_text(PLUGINS)
-    (tmp_path / "broken_plugin.py").write_text("raise ImportError('needs libfoo')\n")
-    dist = tmp_path / "my_plugins-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-plugins\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(textwrap.dedent("""\
-        [kvqbench.quantizers]
-        sneaky = my_plugins:Sneaky
-        shadow = my_plugins:Shadow
-        abstract = my_plugins:Abstract
-        goodplugin = my_plugins:Good
-        broken = broken_plugin:Thing
-        """))
     # and a broken module among the built-ins' folder
     extra = tmp_path / "builtin_dir"
     extra.mkdir()
     (extra / "zz_broken_builtin.py").write_text("import not_a_module_anywhere\n")
     monkeypatch.setattr(Q, "__path__", list(Q.__path__) + [str(extra)])
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        registry(refresh=True)
-    yield caught
-    monkeypatch.undo()
-    for m in ("my_plugins", "broken_plugin", "kvqbench.quantizers.zz_broken_builtin"):
-        sys.modules.pop(m, None)
-    registry(refresh=True)
+    modules = {"my_plugins": PLUGINS, "broken_plugin": "raise ImportError('needs libfoo')\n"}
+    yield install_plugins(tmp_path, monkeypatch, modules, """\
+        sneaky = my_plugins:Sneaky
+        shadow = my_plugins:Shadow
+        abstract = my_plugins:Abstract
+        goodplugin = my_plugins:Good
+        broken = broken_plugin:Thing
+        """)
+    uninstall_plugins(monkeypatch, [*modules, "kvqbench.quantizers.zz_broken_builtin"])
 
 
 def test_every_other_quantizer_works_and_the_broken_ones_are_named(plugins):

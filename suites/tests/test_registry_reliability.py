@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
-import warnings
 
 import pytest
 import torch
 
 import kvqbench.quantizers as Q
-from kvqbench.quantizers import QuantizerInputError, broken_plugins, get_quantizer, registry, vq
+from kvqbench.suites.tests.plugin_helpers import install_plugins, uninstall_plugins
+from kvqbench.quantizers import QuantizerInputError, broken_plugins, get_quantizer, vq
 
 PLUGINS = '''
 import dataclasses
@@ -49,28 +48,15 @@ class Abstract(Quantizer):
 
 @pytest.fixture
 def plugins(tmp_path, monkeypatch):
-    (tmp_path / "rr_plugins.py").write_text(PLUGINS)
-    (tmp_path / "rr_exits.py").write_text("import sys\nsys.exit('no GPU, giving up')\n")
-    dist = tmp_path / "rr_plugins-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: rr-plugins\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(textwrap.dedent("""\
-        [kvqbench.quantizers]
+    modules = {"rr_plugins": PLUGINS, "rr_exits": "import sys\nsys.exit('no GPU, giving up')\n"}
+    yield install_plugins(tmp_path, monkeypatch, modules, """\
         listaliases = rr_plugins:ListAliases
         unknownoption = rr_plugins:UnknownOption
         nodataclass = rr_plugins:NoDataclass
         abstract-ep = rr_plugins:Abstract
         exits = rr_exits:Thing
-        """))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        registry(refresh=True)
-    yield caught
-    monkeypatch.undo()
-    for m in ("rr_plugins", "rr_exits"):
-        sys.modules.pop(m, None)
-    registry(refresh=True)
+        """, dist="rr-plugins")
+    uninstall_plugins(monkeypatch, modules)
 
 
 def test_malformed_or_exiting_plugins_are_left_out_and_named(plugins):
