@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 
 from ...harness.generate import generate
 from ..decode.measure import SHAPES, build_model
+from ..toolkit import env_info
 
 DEFAULT_SPECS = ["plain", "fp16", "fp8-e4m3", "int4", "kivi:bits=2", "kivi:bits=4", "hqmq:S=96,r=4",
                  "hqmq:S=96,r=4,outliers=med3"]
@@ -79,11 +79,8 @@ def measure_row(model, name: str, batch: int, prompt: int, new: int, runs: int) 
 
 def environment() -> dict:
     import transformers
-    env = dict(torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
-               host=platform.node(), cpu=platform.processor() or platform.machine())
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-    return env
+
+    return dict(env_info(), transformers=transformers.__version__)
 
 
 def render(data: dict) -> str:
