@@ -58,7 +58,7 @@ except ImportError:  # pragma: no cover - no CUDA build on such hosts anyway
 
 import torch
 
-from .decode_attention import Workspace, _check_q, _sm_count, bh_stride
+from .common import Workspace, bh_stride, check_q, sm_count, split_tiles
 from .layout import FP8Flat, IntFlat, KIVIFlat
 
 SOURCE = Path(__file__).parent / "cuda" / "decode_attention.cu"
@@ -355,31 +355,12 @@ def _kivi_unsupported(q: torch.Tensor, k, v) -> str | None:
     return None
 
 
-def split_tiles(rows: int, T: int, sms: int, num_splits: int | None, ctas_per_sm: int | None, default,
-                multiple: int = 1) -> tuple[int, int]:
-    """(number of splits, 16-token tiles per split) of T tokens in each of `rows` rows, every
-    split non-empty: num_splits if given, else about ctas_per_sm CTAs per SM (of `sms`) if
-    given, else `default(tiles)` splits; tiles per split rounded up to a multiple of
-    `multiple` (cuda_hqmq's Med3x blocks)."""
-    tiles = max(1, -(-T // 16))
-    if num_splits:
-        want = num_splits
-    elif ctas_per_sm:
-        want = math.ceil(ctas_per_sm * sms / max(1, rows))
-    else:
-        want = default(tiles)
-    want = max(1, min(want, tiles))
-    per = -(-tiles // want)
-    per = -(-per // multiple) * multiple
-    return -(-tiles // per), per
-
-
 def splits(rows: int, T: int, device, num_splits: int | None = None,
            ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM, tiles_per_split: int = TILES_PER_SPLIT) -> tuple[int, int]:
     """(number of splits, 16-token tiles per split), every split non-empty: num_splits
     if given, else about ctas_per_sm CTAs per SM if given, else about tiles_per_split
     tiles per split with at least MIN_CTAS_PER_SM CTAs per SM."""
-    sms = _sm_count(device)
+    sms = sm_count(device)
     return split_tiles(rows, T, sms, num_splits, ctas_per_sm, lambda tiles: max(
         -(-tiles // tiles_per_split), math.ceil(MIN_CTAS_PER_SM * sms / max(1, rows))))
 
@@ -461,7 +442,7 @@ def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype) -> _Plan:
 
 def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype) -> _Plan:
     B, H, T, D = k.B, k.H, k.T, k.D
-    _check_q(q, H, D, B)
+    check_q(q, H, D, B)
     if (v.B, v.H, v.T, v.D) != (B, H, T, D):
         raise ValueError("K and V caches differ in shape")
     why = unsupported(q, k, v)
@@ -619,5 +600,5 @@ def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | No
 
 
 __all__ = ["decode", "make_workspace", "unsupported", "takes_by_default", "CUDA_VERIFIED", "format_name", "kivi_plan",
-           "num_regs_kivi", "why_unavailable", "available", "splits", "split_tiles", "num_regs", "SOURCE", "KernelLibrary",
+           "num_regs_kivi", "why_unavailable", "available", "splits", "num_regs", "SOURCE", "KernelLibrary",
            "NUM_VARIANTS", "SMEM_VARIANTS", "KIVI_VARIANTS"]

@@ -26,8 +26,8 @@ import torch
 
 from ..quantizers.derived import derived
 from ..quantizers.derived import tensor_version as _version
-from .cuda_decode import _QTYPE, KernelLibrary, split_tiles
-from .decode_attention import Workspace, _check_q, _sm_count, bh_stride
+from .common import Workspace, bh_stride, check_q, sm_count, split_tiles
+from .cuda_decode import _QTYPE, KernelLibrary
 from .layout import HQMQFlat, codebook_from_secondaries
 
 SOURCE = Path(__file__).parent / "cuda" / "hqmq_decode.cu"
@@ -245,7 +245,7 @@ def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm
     waves, first taken when they fill at least FILL of them (B=8 T=32k at 3 CTAs/SM: 6
     splits = 384 of 396 slots; B=1: 49 splits). med3: tiles per split a multiple of 4 (a
     split starts on a 64-token outlier block)."""
-    sms = _sm_count(device)
+    sms = sm_count(device)
 
     def whole_waves(tiles: int) -> int:
         occ = occupancy(variant, S, med3) if device.type == "cuda" else -1
@@ -284,7 +284,7 @@ def _checked(q: torch.Tensor, k, v):
     """(strides of the 6 buffers, K table, V table, Med3x pointers and strides or None) or
     ValueError; the per-flat part is cached (see _flat_info)."""
     B, H, T, D = k.B, k.H, k.T, k.D
-    _check_q(q, H, D, B)
+    check_q(q, H, D, B)
     if (v.B, v.H, v.T, v.D) != (B, H, T, D):
         raise ValueError("K and V caches differ in shape")
     if not q.is_cuda:

@@ -41,9 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import Workspace, bh_stride, check_q, check_valid_len, choose_splits, interpreting, pow2
 from .layout import OUTLIER_BLOCK, FP8Flat, HQMQFlat, IntFlat, KIVIFlat
-from .triton_common import (LOG2E, combine_kernel, dq_bytes, f16x4, hamilton, interpreting, popc, scores,
-                            softmax_update, split_prologue, store_partial, table_quad)
+from .triton_common import (LOG2E, combine_kernel, dq_bytes, f16x4, hamilton, popc, scores, softmax_update,
+                            split_prologue, store_partial, table_quad)
 
 
 # ---------------------------------------------------------------------------------------
@@ -444,80 +445,6 @@ def _fp8_split_kernel(q_ptr, kc, vc, ksc_ptr, vsc_ptr, po_ptr, pm_ptr, pl_ptr,
 # ---------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device) -> int:
-    if interpreting() or device.type != "cuda":
-        return 1
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
-def choose_splits(rows: int, ntiles: int, device, num_splits: int | None = None,
-                  programs_per_sm: int = 8) -> tuple[int, int]:
-    """(number of splits, tiles per split): about programs_per_sm programs per SM,
-    every split non-empty."""
-    if ntiles <= 0:
-        return 1, 0
-    want = num_splits or max(1, math.ceil(programs_per_sm * _sm_count(device) / max(1, rows)))
-    want = max(1, min(want, ntiles))
-    per = math.ceil(ntiles / want)
-    return math.ceil(ntiles / per), per
-
-
-def _check_q(q: torch.Tensor, H: int, D: int, B: int):
-    if q.dim() != 4 or q.shape[2] != 1:
-        raise ValueError(f"q must be [B, Hq, 1, d] (one decode token), got {tuple(q.shape)}")
-    if q.shape[0] != B or q.shape[3] != D or q.shape[1] % H:
-        raise ValueError(f"q {tuple(q.shape)} does not fit a cache of B={B}, Hkv={H}, d={D}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"q dtype {q.dtype} not supported")
-    if D & (D - 1) or D < 16:
-        raise ValueError(f"head_dim must be a power of two >= 16, got {D}")
-
-
-def _valid_len(valid_len, q: torch.Tensor):
-    """(kernel argument, VLEN) for an optional device valid length: an int32 tensor of one
-    element on q's device (checked without reading it: a host read would sync and could
-    not be captured in a CUDA graph)."""
-    if valid_len is None:
-        return q, False  # never read (VLEN False): any pointer will do
-    if not isinstance(valid_len, torch.Tensor) or valid_len.dtype != torch.int32 or valid_len.numel() != 1:
-        raise ValueError("valid_len must be an int32 tensor of one element (the number of valid tokens)")
-    if valid_len.device != q.device:
-        raise ValueError(f"valid_len is on {valid_len.device}, q on {q.device}")
-    return valid_len, True
-
-
-def bh_stride(t: torch.Tensor, name: str = "buffer") -> int:
-    """Elements between consecutive (b, h) rows of a `[B, H, cap, ...]` buffer laid out
-    as the contract says (a contiguous buffer or a `[:, :, :n]` view of one)."""
-    inner = 1
-    for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:])):
-        if size > 1 and stride != inner:
-            raise ValueError(f"{name}: the token row must be contiguous, got strides {t.stride()}")
-        inner *= size
-    if t.shape[1] > 1 and t.shape[0] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
-        raise ValueError(f"{name}: batch stride {t.stride(0)} != H * head stride {t.stride(1)}")
-    if t.stride(1) < inner:
-        raise ValueError(f"{name}: head stride {t.stride(1)} shorter than the valid rows")
-    return t.stride(1)
-
-
-class Workspace:
-    """Partial-result buffers for one shape, reused between calls (and by CUDA graphs)."""
-
-    def __init__(self, rows_q, nsplit, D, device, out_dtype=torch.float32):
-        self.nsplit = nsplit
-        self.po = torch.empty(rows_q * nsplit * D, dtype=torch.float32, device=device)
-        self.pm = torch.empty(rows_q * nsplit, dtype=torch.float32, device=device)
-        self.pl = torch.empty(rows_q * nsplit, dtype=torch.float32, device=device)
-        self.out = torch.empty(rows_q * D, dtype=out_dtype, device=device)
-
-
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -546,8 +473,8 @@ def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_spli
                           programs_per_sm: int = 8, workspace: Workspace | None = None,
                           out_dtype=None, valid_len: torch.Tensor | None = None) -> torch.Tensor:
     B, H, T, D = k.B, k.H, k.T, k.D
-    _check_q(q, H, D, B)
-    vl, has_vl = _valid_len(valid_len, q)
+    check_q(q, H, D, B)
+    vl, has_vl = check_valid_len(valid_len, q)
     if (v.B, v.H, v.T, v.D) != (B, H, T, D):
         raise ValueError("K and V caches differ in shape")
     if block_t % OUTLIER_BLOCK:
@@ -591,23 +518,19 @@ def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_spli
                    num_warps, num_stages, workspace, k.dtype, out_dtype)
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def int_decode_attention(q: torch.Tensor, k: IntFlat, v: IntFlat, *, num_splits: int | None = None,
                          block_t: int = 128, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 8,
                          workspace: Workspace | None = None, out_dtype=None,
                          valid_len: torch.Tensor | None = None) -> torch.Tensor:
     B, H, T, D = k.B, k.H, k.T, k.D
-    _check_q(q, H, D, B)
-    vl, has_vl = _valid_len(valid_len, q)
+    check_q(q, H, D, B)
+    vl, has_vl = check_valid_len(valid_len, q)
     if (v.B, v.H, v.T, v.D, v.bits, v.group) != (B, H, T, D, k.bits, k.group):
         raise ValueError("K and V int caches differ in shape or config")
     G, W = k.group, k.bits
-    if D % G or not _pow2(D // G):
+    if D % G or not pow2(D // G):
         raise ValueError(f"fused int kernel needs head_dim/group a power of two, got {D}/{G}")
-    vec = 8 % W == 0 and (G * W) % 8 == 0 and _pow2(G * W // 8)
+    vec = 8 % W == 0 and (G * W) % 8 == 0 and pow2(G * W // 8)
     q = q.contiguous()
     nsplit, per = choose_splits(B * H, triton.cdiv(T, block_t), q.device, num_splits, programs_per_sm)
     runtime = [T, per, LOG2E / math.sqrt(D), bh_stride(k.codes, "codes"), bh_stride(k.scale, "scale"),
@@ -641,8 +564,8 @@ def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_spli
     `KIVIGraphFlat`s (the window policy turns the length into each side's counts, on the
     device) of one capacity."""
     B, H, D = k.B, k.H, k.D
-    _check_q(q, H, D, B)
-    vl, has_vl = _valid_len(valid_len, q)
+    check_q(q, H, D, B)
+    vl, has_vl = check_valid_len(valid_len, q)
     if has_vl:
         if not (isinstance(k, KIVIGraphFlat) and isinstance(v, KIVIGraphFlat) and k.policy and v.policy):
             raise ValueError("the KIVI kernel takes valid_len only with KIVIGraphFlat caches (the window policy "
@@ -658,7 +581,7 @@ def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_spli
     G, W = k.group, k.bits
     if 8 % W:
         raise ValueError(f"fused KIVI kernel supports 2, 4 or 8 bits, got {W}")
-    if not _pow2(G) or D % G or not _pow2(D // G) or G * W < 8:
+    if not pow2(G) or D % G or not pow2(D // G) or G * W < 8:
         raise ValueError(f"fused KIVI kernel needs a power-of-two group dividing head_dim, got G={G}")
     bt = max(block_t, G)
     if bt % G:
@@ -698,8 +621,8 @@ def fp8_decode_attention(q: torch.Tensor, k: FP8Flat, v: FP8Flat, *, num_splits:
                          workspace: Workspace | None = None, out_dtype=None,
                          valid_len: torch.Tensor | None = None) -> torch.Tensor:
     B, H, T, D = k.B, k.H, k.T, k.D
-    _check_q(q, H, D, B)
-    vl, has_vl = _valid_len(valid_len, q)
+    check_q(q, H, D, B)
+    vl, has_vl = check_valid_len(valid_len, q)
     if (v.B, v.H, v.T, v.D, v.fmt) != (B, H, T, D, k.fmt):
         raise ValueError("K and V fp8 caches differ in shape or format")
     q = q.contiguous()
@@ -800,5 +723,4 @@ def _cuda_kw(kw: dict, fn) -> dict:
 
 
 __all__ = ["decode_attention", "hqmq_decode_attention", "int_decode_attention", "kivi_decode_attention",
-           "fp8_decode_attention", "reference_decode_attention", "choose_splits", "interpreting", "Workspace",
-           "bh_stride", "KIVIGraphFlat"]
+           "fp8_decode_attention", "reference_decode_attention", "KIVIGraphFlat"]

@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import hamilton, interpreting
+from .common import interpreting
+from .triton_common import hamilton
 
 
 @triton.jit

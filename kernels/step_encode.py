@@ -42,7 +42,7 @@ import triton.language as tl
 from ..quantizers.base import FP16_MAX, QuantizerInputError
 from ..quantizers.hqmq import OUTLIER_BLOCK
 from .hqmq_encode import best_codes
-from .triton_common import interpreting
+from .common import interpreting
 
 NONFINITE, FP16_OVERFLOW = 1, 2  # error bits a kernel ORs into its role's flag row
 NO_TOKEN = 2**31 - 1

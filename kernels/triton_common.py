@@ -17,8 +17,6 @@ come from plain integer arithmetic in fp32, rounded to the cache dtype as
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
@@ -26,10 +24,6 @@ try:  # Triton >= 3.0
     from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover
     from triton.language.extra.cuda import libdevice
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 LOG2E = 1.4426950408889634

@@ -396,7 +396,7 @@ def test_why_unavailable_is_a_reason_or_none():
 def test_default_splits_fill_whole_waves(monkeypatch):
     """The default split rule: the fewest whole waves of occupancy x SMs CTAs filled to at
     least FILL; every split non-empty; the old rule when the occupancy is unknown."""
-    monkeypatch.setattr(cuda_hqmq, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(cuda_hqmq, "sm_count", lambda device: 132)
     monkeypatch.setattr(cuda_hqmq, "occupancy", lambda variant=0, S=96, med3=False: 3)
     dev = torch.device("cuda")
     assert cuda_hqmq.splits(64, 32768, dev) == (6, 342)  # B=8: 384 of 396 slots

@@ -24,12 +24,8 @@ if not CUDA:
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
 from kvqbench.kernels import layout as L  # noqa: E402
-from kvqbench.kernels.decode_attention import (  # noqa: E402
-    choose_splits,
-    decode_attention,
-    interpreting,
-    reference_decode_attention,
-)
+from kvqbench.kernels.common import choose_splits, interpreting  # noqa: E402
+from kvqbench.kernels.decode_attention import decode_attention, reference_decode_attention  # noqa: E402
 from kvqbench.kernels.hqmq_encode import encode_with_kernel, hqmq_search  # noqa: E402
 from kvqbench.quantizers import get_quantizer  # noqa: E402
 from kvqbench.quantizers.packing import unpack_bits  # noqa: E402

@@ -1,0 +1,139 @@
+"""What every decode-attention backend shares, below all of them: the checks of a call,
+the split choice, the partial-result workspace and the machine facts they read.
+
+Neutral by design (kernels/FORMATS.md, "The house"): the front (`decode_attention.py`),
+the Triton backend (`kernels/triton/`) and the CUDA backend (`kernels/cuda/`) import
+from here; nothing here imports any of them, and none of them re-exports these names.
+No Triton and no CUDA library is touched at import.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """Whether Triton runs in its CPU interpreter (TRITON_INTERPRET set)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ---------------------------------------------------------------------------------------
+# the machine
+# ---------------------------------------------------------------------------------------
+_SM_COUNT: dict = {}
+# Multiprocessors to plan for instead of asking the device: a tool that plans launches for
+# a GPU it does not have (kernels/aot_check.py) sets it; None asks the device (1 off CUDA).
+ASSUMED_SM_COUNT: int | None = None
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of `device` (1 under the interpreter or off CUDA)."""
+    if ASSUMED_SM_COUNT is not None:
+        return ASSUMED_SM_COUNT
+    if interpreting() or device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+# ---------------------------------------------------------------------------------------
+# split choice
+# ---------------------------------------------------------------------------------------
+def choose_splits(rows: int, ntiles: int, device, num_splits: int | None = None,
+                  programs_per_sm: int = 8) -> tuple[int, int]:
+    """(number of splits, tiles per split): about programs_per_sm programs per SM,
+    every split non-empty (the Triton kernels' rule)."""
+    if ntiles <= 0:
+        return 1, 0
+    want = num_splits or max(1, math.ceil(programs_per_sm * sm_count(device) / max(1, rows)))
+    want = max(1, min(want, ntiles))
+    per = math.ceil(ntiles / want)
+    return math.ceil(ntiles / per), per
+
+
+def split_tiles(rows: int, T: int, sms: int, num_splits: int | None, ctas_per_sm: int | None, default,
+                multiple: int = 1) -> tuple[int, int]:
+    """(number of splits, 16-token tiles per split) of T tokens in each of `rows` rows, every
+    split non-empty: num_splits if given, else about ctas_per_sm CTAs per SM (of `sms`) if
+    given, else `default(tiles)` splits; tiles per split rounded up to a multiple of
+    `multiple` (the CUDA HQMQ kernel's Med3x blocks). The CUDA kernels' rule."""
+    tiles = max(1, -(-T // 16))
+    if num_splits:
+        want = num_splits
+    elif ctas_per_sm:
+        want = math.ceil(ctas_per_sm * sms / max(1, rows))
+    else:
+        want = default(tiles)
+    want = max(1, min(want, tiles))
+    per = -(-tiles // want)
+    per = -(-per // multiple) * multiple
+    return -(-tiles // per), per
+
+
+# ---------------------------------------------------------------------------------------
+# checks
+# ---------------------------------------------------------------------------------------
+def pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_q(q: torch.Tensor, H: int, D: int, B: int) -> None:
+    """q must be one decode token per sequence, `[B, Hq, 1, D]`, Hq a multiple of H."""
+    if q.dim() != 4 or q.shape[2] != 1:
+        raise ValueError(f"q must be [B, Hq, 1, d] (one decode token), got {tuple(q.shape)}")
+    if q.shape[0] != B or q.shape[3] != D or q.shape[1] % H:
+        raise ValueError(f"q {tuple(q.shape)} does not fit a cache of B={B}, Hkv={H}, d={D}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q dtype {q.dtype} not supported")
+    if D & (D - 1) or D < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {D}")
+
+
+def check_valid_len(valid_len, q: torch.Tensor):
+    """(kernel argument, VLEN) for an optional device valid length: an int32 tensor of one
+    element on q's device (checked without reading it: a host read would sync and could
+    not be captured in a CUDA graph)."""
+    if valid_len is None:
+        return q, False  # never read (VLEN False): any pointer will do
+    if not isinstance(valid_len, torch.Tensor) or valid_len.dtype != torch.int32 or valid_len.numel() != 1:
+        raise ValueError("valid_len must be an int32 tensor of one element (the number of valid tokens)")
+    if valid_len.device != q.device:
+        raise ValueError(f"valid_len is on {valid_len.device}, q on {q.device}")
+    return valid_len, True
+
+
+def bh_stride(t: torch.Tensor, name: str = "buffer") -> int:
+    """Elements between consecutive (b, h) rows of a `[B, H, cap, ...]` buffer laid out
+    as the contract says (a contiguous buffer or a `[:, :, :n]` view of one)."""
+    inner = 1
+    for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:])):
+        if size > 1 and stride != inner:
+            raise ValueError(f"{name}: the token row must be contiguous, got strides {t.stride()}")
+        inner *= size
+    if t.shape[1] > 1 and t.shape[0] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
+        raise ValueError(f"{name}: batch stride {t.stride(0)} != H * head stride {t.stride(1)}")
+    if t.stride(1) < inner:
+        raise ValueError(f"{name}: head stride {t.stride(1)} shorter than the valid rows")
+    return t.stride(1)
+
+
+# ---------------------------------------------------------------------------------------
+# partial results
+# ---------------------------------------------------------------------------------------
+class Workspace:
+    """Partial-result buffers for one shape, reused between calls (and by CUDA graphs)."""
+
+    def __init__(self, rows_q, nsplit, D, device, out_dtype=torch.float32):
+        self.nsplit = nsplit
+        self.po = torch.empty(rows_q * nsplit * D, dtype=torch.float32, device=device)
+        self.pm = torch.empty(rows_q * nsplit, dtype=torch.float32, device=device)
+        self.pl = torch.empty(rows_q * nsplit, dtype=torch.float32, device=device)
+        self.out = torch.empty(rows_q * D, dtype=out_dtype, device=device)
+
+
+__all__ = ["interpreting", "sm_count", "ASSUMED_SM_COUNT", "choose_splits", "split_tiles", "pow2", "check_q",
+           "check_valid_len", "bh_stride", "Workspace"]
