@@ -692,14 +692,14 @@ def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", valid_len: to
                 raise ValueError("the CUDA KIVI kernel takes no valid_len (device lengths): use backend='triton'")
             backend = "triton"
     if backend != "triton" and isinstance(k, (IntFlat, FP8Flat, KIVIFlat)) and q.is_cuda:
-        from . import cuda_decode
+        from .cuda import decode_attention as cuda_decode
 
         if backend == "cuda" or (cuda_decode.takes_by_default(k) and not set(kw) & set(_TRITON_ONLY)
                                  and (valid_len is None or _takes_valid_len(cuda_decode.decode))
                                  and cuda_decode.unsupported(q, k, v) is None and cuda_decode.available()):
             return cuda_decode.decode(q, k, v, **_cuda_kw(kw, cuda_decode.decode))
     elif backend != "triton" and isinstance(k, HQMQFlat) and q.is_cuda:
-        from . import cuda_hqmq  # HQMQ: kernels/cuda/hqmq_decode.cu (no Med3x: Triton under auto)
+        from .cuda import hqmq_decode as cuda_hqmq  # HQMQ: kernels/cuda/hqmq_decode.cu (no Med3x: Triton under auto)
 
         if backend == "cuda" or (cuda_hqmq.takes_by_default(k) and not set(kw) & set(_TRITON_ONLY)
                                  and (valid_len is None or _takes_valid_len(cuda_hqmq.decode))

@@ -1,4 +1,4 @@
-"""The CUDA decode kernels (kvqbench.kernels.cuda_decode: int4 g32 and fp8) against the
+"""The CUDA decode kernels (kvqbench.kernels.cuda.decode_attention: int4 g32 and fp8) against the
 dequantize-then-attend reference.
 
 On a machine without a CUDA GPU or nvcc every kernel test skips, with the reason
@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvqbench.kernels import cuda_decode
 from kvqbench.kernels import layout as L
+from kvqbench.kernels.cuda import decode_attention as cuda_decode
+from kvqbench.kernels.cuda import library
 from kvqbench.quantizers import get_quantizer
 from kvqbench.suites.tests.cuda_helpers import (CUDA, DEV, TOL, attend, auto_case, build, check_graph_replay,
                                                 check_last_token, checked_call, flats, make, rel_err, with_junk)
@@ -528,12 +529,12 @@ echo library > "$out"
 WORKER = """
 import os, sys, time
 from pathlib import Path
-from kvqbench.kernels import cuda_decode
+from kvqbench.kernels.cuda import decode_attention, library
 ready = Path(sys.argv[1])
 (ready / str(os.getpid())).touch()
 while len(list(ready.iterdir())) < int(sys.argv[2]):  # start the builds together
     time.sleep(0.05)
-print(cuda_decode.compile_library(cuda_decode.SOURCE, "kvq_decode", (9, 0)))
+print(library.compile_library(decode_attention.SOURCE, "kvq_decode", (9, 0)))
 """
 
 
@@ -558,18 +559,18 @@ def test_processes_starting_together_build_the_library_once(tmp_path):
     assert calls.read_text().count("build") == 1, f"{calls.read_text().count('build')} nvcc builds for {n} processes"
 
 
-@pytest.mark.skipif(cuda_decode._nvcc() is None, reason="no nvcc: nothing to build")
+@pytest.mark.skipif(library.nvcc() is None, reason="no nvcc: nothing to build")
 def test_both_sources_build_and_load_without_a_gpu(tmp_path, monkeypatch):
     """The sources, their shared header and the loader's build path compile for sm_90a and
     load (a compile error or a missing export shows here, on any machine with nvcc)."""
     import ctypes
 
-    from kvqbench.kernels import cuda_hqmq
+    from kvqbench.kernels.cuda import hqmq_decode as cuda_hqmq
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     for source, stem, symbol in ((cuda_decode.SOURCE, "kvq_decode", "kvq_run"),
                                  (cuda_hqmq.SOURCE, "kvq_hqmq", "kvq_hqmq_decode")):
-        lib = ctypes.CDLL(str(cuda_decode.compile_library(source, stem, (9, 0))))
+        lib = ctypes.CDLL(str(library.compile_library(source, stem, (9, 0))))
         assert hasattr(lib, symbol)
         if symbol == "kvq_run":  # the launch-argument struct the loader fills has the .cu's layout
             assert lib.kvq_args_size() == ctypes.sizeof(cuda_decode._Args)

@@ -1,4 +1,4 @@
-"""The CUDA HQMQ decode kernel (kvqbench.kernels.cuda_hqmq) against the
+"""The CUDA HQMQ decode kernel (kvqbench.kernels.cuda.hqmq_decode) against the
 dequantize-then-attend reference. Kernel tests skip without a CUDA GPU / nvcc (the
 reason is `cuda_hqmq.why_unavailable()`); the dispatch tests at the end run anywhere.
 Tolerances as test_kernels.py's fp16-codebook HQMQ checks (fp16 operands, fp32 sums).
@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from kvqbench.kernels import cuda_hqmq
+from kvqbench.kernels.cuda import hqmq_decode as cuda_hqmq
 from kvqbench.kernels import layout as L
 from kvqbench.quantizers import get_quantizer
 from kvqbench.suites.tests.cuda_helpers import (CUDA, DEV, TOL, attend, auto_case, build, check_graph_replay,

@@ -102,7 +102,9 @@ def test_auto_backend_agrees_with_the_dispatcher(monkeypatch, spec, builds, refu
     name), the library built or not, the layout taken or refused."""
     from types import SimpleNamespace
 
-    from kvqbench.kernels import cuda_decode, cuda_hqmq, decode_attention as da
+    from kvqbench.kernels import decode_attention as da
+    from kvqbench.kernels.cuda import decode_attention as cuda_decode
+    from kvqbench.kernels.cuda import hqmq_decode as cuda_hqmq
     from kvqbench.suites.bench.latency.methods import auto_backend
 
     kf, vf = _flats(spec)

@@ -1,0 +1,485 @@
+"""CUDA C++ fused decode attention (decode_attention.cu, this folder) for int4, fp8 and
+KIVI-2 / KIVI-4 caches: built at first use (library.py), called through ctypes.
+
+Why CUDA and not Triton (kernels/NOTES.md, "CUDA decode kernels"): the mma operand of
+p @ V wants pairs of TOKENS in a register; Triton decodes pairs of dims and transposes
+the tile through 16-bit shared-memory stores (~2 SASS instructions per element). Here
+the packed bytes of two tokens are interleaved by one PRMT before decoding, the
+int4 decode is the Triton FAST path's arithmetic (LOP3, HSUB2, HFMA2), and the kernel
+loop issues ~2.8 (int4) / ~1.6 (fp8) SASS instructions per element (Triton: 5.3).
+
+Built by library.py (nvcc at first use, once per machine). `why_unavailable()` says why
+the CUDA path cannot run here (no CUDA torch, a ROCm torch, no nvcc, a GPU older than
+sm_80, a failed build); `decode_attention` then uses the Triton kernels and the reason
+stays readable from here. backend="auto" sends
+the formats in CUDA_VERIFIED here (H200 run 16, B=8, T=32k, vs fp16 SDPA in the same run:
+int4 2.26x vs Triton's 1.20x, fp8 1.76x vs 1.55x, KIVI-2 2.04x vs 0.84x, KIVI-4 1.81x vs 0.81x).
+
+Formats: `IntFlat` with 4 bits and groups of 32 (the `int4` spec), head_dim 64 or 128;
+`FP8Flat` e4m3 / e5m2 (sm_89+), head_dim 64 or 128. GQA groups up to 8 query heads per
+kv head. Anything else: `unsupported(q, k, v)` names the reason (the dispatcher then
+uses Triton). Numerics as the Triton FAST path: K/V decoded to fp16 with one rounding
+of s*x + z (int4), q rounded to fp16 unscaled, the base-2 softmax scale applied to the
+fp32 scores, P rounded to fp16, fp32 accumulation.
+
+`KIVIFlat` (2 or 4 bits, groups of 32, head_dim 128; GPU-verified since run 16): keys
+per channel over 32-token groups (codes along tokens), values per token; the quantized
+tokens both sides have go through the same kernel template (a KIVI decode functor), the
+fp16 windows' tail through a branch of the same launch (its first splits; direct loads),
+one combine. NOTES.md, "KIVI as a format of the CUDA template" and "GPU run 17".
+
+Variants (`variant=`): 0, 1 hold prefetched tiles in registers; 2..5 stream each
+warp's tiles through a cp.async shared-memory pipeline (SMEM_VARIANTS). KIVI has its
+own KIVI_VARIANTS (2..9 and 12).
+
+valid_len (int4 / fp8): the number of valid tokens read on the device, so one captured
+CUDA graph serves every decode step (`decode`, `make_workspace`).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import weakref
+from pathlib import Path
+
+import torch
+
+from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles
+from ..layout import FP8Flat, IntFlat, KIVIFlat
+from .library import QTYPE, KernelLibrary
+
+SOURCE = Path(__file__).parent / "decode_attention.cu"
+# VARIANTS in the .cu: (register stages, min CTAs per SM, shared-memory stages):
+# 0 (2, 1, 0) and 1 (3, 3, 0) are the register-prefetch kernels of GPU runs 11-13;
+# 2..5 the cp.async shared-memory pipeline with 4, 3, 6, 8 stages per warp (115-118
+# registers, no spills). GPU run 15 (NOTES.md), B=8, T=32k: int4 v2 114.3 us (v0 144.2),
+# fp8 v2 146.1 (best v3 144.3; v0 165.1); B=1: fp8 v2 33.8 us (v0 83.1).
+NUM_VARIANTS = 6
+SMEM_VARIANTS = (2, 3, 4, 5)
+# KIVI's own variants (KVARIANTS in the .cu, run 17): 2, 3, 4 stream whole 32-token groups
+# per stage (2 / 3 / 2 group stages; 2, 3 capped at 128 registers = 4 CTAs per SM, 4
+# uncapped at ~137 = 3 CTAs); 5, 6 run 16's one-tile stages (its variants 2 and 3); 7, 8
+# the group stream with a group's two tiles in one step (one softmax pass per group, the
+# two QK^T mma chains interleaved; 7 uncapped: 137 registers, 8 capped: 122-126, 4 CTAs;
+# 9 as 8 with 3 group stages). 10-12 (2026-12-02; as 8, with the group's K scales / zeros
+# interleaved per k-step): 10 the folded zero
+# point (scores = (q s) . (x - c) + q . z + c q . s: no K HFMA2; numerics differ from
+# Triton's by ~1e-3, about its error vs the fp32 reference), 11 KIVI-2 in the lane-byte
+# map (a lane's 4 tokens of a group are one byte: both tiles' K from one load and 2 PRMT,
+# immediate masks) with the folded zero (KIVI-4: = 10), 12 KIVI-2 lane-byte with 8's
+# decode (numerics unchanged; KIVI-4: = 8). SASS per 32-token group, KIVI-2: 8 800, 10
+# 766, 11 691, 12 724; KIVI-4: 8 842, 10 809 (NOTES.md, "KIVI-2 variants prepared offline").
+# 10 and 11 are removed: at T = 131072 the fold's error was 3.6-4.1e-3 relative in GPU
+# call 20a, over the 3e-3 every variant is tested to (the .cu has no kernel for them; the
+# launcher refuses variants not listed here).
+KIVI_VARIANTS = (2, 3, 4, 5, 6, 7, 8, 9, 12)
+# by format: int4, fp8 e4m3, fp8 e5m2, KIVI. KIVI 4 (group stream, uncapped: 136-138
+# registers, 3 CTAs per SM) was the fastest in GPU run 17b at both shapes: B=8 KIVI-2
+# 114.0 us (v2 116.6, v3 114.8, run 16's stream v5 118.5), KIVI-4 124.8 (v2 125.3, v5 141.0).
+# GPU call 20a (2026-12-02, same-run SDPA 252.1 us), B=8 T=32k at the default splits: KIVI-2
+# v4 109.1 us, v8 102.4, v11 99.9 (folded zero point: 3.6e-3 relative error at T=131072, over
+# the 3e-3 the tests allow), v12 100.2 (2.52x; lane-byte K layout, v8's decode: 9.7e-6, the
+# same numerics); KIVI-4 v4 120.6, v12 115.6 (2.18x). B=1: v12 30.0 / 34.5 us (v4 30.8 / 34.6).
+# So 12 for both widths (10 and 11 removed, above).
+DEFAULT_VARIANT = {0: 2, 1: 2, 2: 2, "kivi": 12}
+# Default split count (ctas_per_sm=None): about TILES_PER_SPLIT 16-token tiles per split,
+# but at least MIN_CTAS_PER_SM CTAs per SM. Run 15's optima were ~62 tiles per split at
+# both shapes: B=8 (64 rows) 33 splits (ctas_per_sm=16: int4 114.3 us vs 115.9 at 8,
+# 127.1 at 4), B=1 (8 rows) 33 splits (ctas_per_sm=2: fp8 33.8 us vs 38.0 at 4, 38.6 at 8).
+TILES_PER_SPLIT = 64
+MIN_CTAS_PER_SM = 2
+# KIVI's quantized part (group stream, variant 4): ~128 tiles per split. GPU run 17b, B=8
+# T=32k, variant 4 at 4 / 8 / 16 CTAs per SM (9 / 17 / 33 splits): KIVI-2 115.5 / 114.0 /
+# 119.0 us, KIVI-4 126.8 / 124.8 / 130.3; B=1 (the 2-per-SM floor: 33 splits) 30.8 / 34.5.
+KIVI_TILES_PER_SPLIT = 128
+DEFAULT_CTAS_PER_SM = None
+# What decode_attention(backend="auto") sends here: both formats, each GPU-verified in
+# run 15 (76 tests passed) and faster than Triton: int4 2.20x vs 1.17x fp16 SDPA, fp8
+# 1.71x vs 1.52x at B=8, T=32k; B=1 as CUDA graphs: int4 26.2 us, fp8 33.3 vs Triton
+# 48.0 / 48.8 and SDPA 48.4.
+#
+# THE SWITCH the lead flips after a GPU run: the formats whose CUDA kernels passed the
+# GPU tests. backend="auto" routes only these here; backend="cuda" takes every format
+# `unsupported` accepts. KIVI ("kivi") joined after H200 run 16: 156 of 157 tests passed
+# (the one failure was the last-token test's fixed 1e-3 floor, 9.8e-4 for 2-bit keys at
+# T = 4096; the test now compares the kernel's change with the reference's), CUDA vs
+# Triton 4.3e-5, 2.4x faster than Triton at B=8, T=32k.
+CUDA_VERIFIED = {"int4", "fp8", "kivi"}
+
+_FORMAT = {IntFlat: "int4", FP8Flat: "fp8", KIVIFlat: "kivi"}  # cache type -> CUDA_VERIFIED name
+
+
+def _declare(lib) -> str | None:
+    P, I = ctypes.c_void_p, ctypes.c_int
+    lib.kvq_args_size.restype = I
+    if lib.kvq_args_size() != ctypes.sizeof(_Args):  # a struct out of step with the .cu: refuse, never misread
+        return f"HostArgs is {lib.kvq_args_size()} bytes in the library, _Args {ctypes.sizeof(_Args)}"
+    lib.kvq_run.argtypes = [P, P, P, P, P, P, P, P]
+    lib.kvq_run.restype = I
+    lib.kvq_num_regs.argtypes = [I, I, I]
+    lib.kvq_num_regs.restype = I
+    lib.kvq_num_regs_kivi.argtypes = [I, I, I]
+    lib.kvq_num_regs_kivi.restype = I
+    return None
+
+
+_LIB = KernelLibrary(SOURCE, "kvq_decode", _declare)
+_load = _LIB.load
+why_unavailable = _LIB.why_unavailable
+
+
+def available() -> bool:  # through the module's why_unavailable, as before KernelLibrary (tests stub it)
+    return why_unavailable() is None
+
+
+def num_regs(fmt: int, head_dim: int, variant: int = 0) -> int:
+    lib = _load()
+    return -1 if lib is None else lib.kvq_num_regs(fmt, head_dim, variant)
+
+
+def num_regs_kivi(bits: int, tail: bool = False, variant: int = 2) -> int:
+    """Registers per thread of the KIVI instances (tail=True: the window-tail path, a
+    branch of the variant-2 kernel since run 17)."""
+    lib = _load()
+    return -1 if lib is None else lib.kvq_num_regs_kivi(bits, int(tail), variant)
+
+
+def _aligned(t: torch.Tensor, stride_bytes: int, n: int) -> bool:
+    return t.data_ptr() % n == 0 and stride_bytes % n == 0
+
+
+def unsupported(q: torch.Tensor, k, v) -> str | None:
+    """Why the CUDA kernels cannot take this call (None: they can). Does not build.
+    (A layout a default-options call has planned already is taken without re-checking:
+    decode_attention's auto route asks this on every call.)"""
+    if type(k) in _FORMAT and type(v) is type(k) and q.is_cuda and _PLANS:
+        if _lookup(q, k, v, None, DEFAULT_CTAS_PER_SM, None, None)[0] is not None:
+            return None
+    if not q.is_cuda:
+        return "q is not on a CUDA device"
+    if q.dtype not in QTYPE:
+        return f"q dtype {q.dtype}"
+    if type(k) is not type(v) or not isinstance(k, (IntFlat, FP8Flat, KIVIFlat)):
+        return f"no CUDA kernel for {type(k).__name__}"
+    if isinstance(k, KIVIFlat):
+        return _kivi_unsupported(q, k, v)
+    D, H = k.D, k.H
+    if D not in (64, 128):
+        return f"head_dim {D} (the CUDA kernels take 64 or 128)"
+    if q.dim() != 4 or q.shape[1] % H or not 1 <= q.shape[1] // H <= 8:
+        return f"GQA group of q {tuple(q.shape)} over {H} kv heads (the CUDA kernels take 1..8)"
+    row_align = 16  # cp.async copies 16-byte chunks of codes (rows are 32..128 bytes)
+    if isinstance(k, IntFlat):
+        for f in (k, v):
+            if f.bits != 4 or f.group != 32:
+                return f"int{f.bits} g{f.group} (the CUDA kernel takes int4 with groups of 32)"
+            if f.scale.dtype != torch.float16 or f.zero.dtype != torch.float16 or f.codes.dtype != torch.uint8:
+                return "int scale/zero must be fp16, codes uint8"
+            if f.zero.stride() != f.scale.stride():
+                return "int scale and zero buffers must share a layout"
+            if any(t.data_ptr() % (D // 16) for t in (f.scale, f.zero)):  # cp.async: one token's NG fp16
+                return f"int scale/zero not {D // 16}-byte aligned"
+            try:
+                cs = bh_stride(f.codes, "codes")
+                bh_stride(f.scale, "scale")
+            except ValueError as e:
+                return str(e)
+            if not _aligned(f.codes, cs, row_align):
+                return f"codes not {row_align}-byte aligned"
+    else:
+        if torch.cuda.get_device_capability(q.device) < (8, 9):
+            return "fp8 conversions need sm_89+"
+        for f in (k, v):
+            try:
+                cs = bh_stride(f.codes, "codes")
+            except ValueError as e:
+                return str(e)
+            if not _aligned(f.codes, cs, row_align):
+                return f"codes not {row_align}-byte aligned"
+    return None
+
+
+def _kivi_unsupported(q: torch.Tensor, k, v) -> str | None:
+    if k.role != "K" or v.role != "V":
+        return "pass the keys' KIVIFlat (role K) then the values' (role V)"
+    if k.D != 128:
+        return f"head_dim {k.D} (the CUDA KIVI kernel takes 128)"
+    if (k.bits, k.group) != (v.bits, v.group) or k.bits not in (2, 4) or k.group != 32:
+        return f"kivi {k.bits}/{v.bits} bits, groups {k.group}/{v.group} (the CUDA kernel takes 2 or 4 bits, groups of 32)"
+    if (v.B, v.H, v.D, v.T) != (k.B, k.H, k.D, k.T):
+        return "K and V KIVI caches differ in shape or length"
+    if q.dim() != 4 or q.shape[1] % k.H or not 1 <= q.shape[1] // k.H <= 8:
+        return f"GQA group of q {tuple(q.shape)} over {k.H} kv heads (the CUDA kernels take 1..8)"
+    for f, role in ((k, "K"), (v, "V")):
+        if f.residual.dtype != torch.float16 or (f.T_res and f.residual.data_ptr() % 16):
+            return f"{role} window must be fp16, 16-byte aligned"
+        if f.T_res:
+            try:
+                rs = bh_stride(f.residual, f"{role} window")
+            except ValueError as e:
+                return str(e)
+            if rs % 8:
+                return f"{role} window head stride not 16-byte aligned"
+        if f.n_groups:
+            if f.codes.dtype != torch.uint8 or f.scale.dtype != torch.float16 or f.zero.dtype != torch.float16:
+                return "kivi codes must be uint8, scale/zero fp16"
+            if f.zero.stride() != f.scale.stride():
+                return "kivi scale and zero buffers must share a layout"
+            try:
+                cs, ss = bh_stride(f.codes, f"{role} codes"), bh_stride(f.scale, f"{role} scale")
+            except ValueError as e:
+                return str(e)
+            if not _aligned(f.codes, cs, 16):
+                return f"{role} codes not 16-byte aligned"
+            if any(t.data_ptr() % 16 for t in (f.scale, f.zero)) or (2 * ss) % 16:
+                return f"{role} scale/zero not 16-byte aligned"
+    return None
+
+
+def splits(rows: int, T: int, device, num_splits: int | None = None,
+           ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM, tiles_per_split: int = TILES_PER_SPLIT) -> tuple[int, int]:
+    """(number of splits, 16-token tiles per split), every split non-empty: num_splits
+    if given, else about ctas_per_sm CTAs per SM if given, else about tiles_per_split
+    tiles per split with at least MIN_CTAS_PER_SM CTAs per SM."""
+    sms = sm_count(device)
+    return split_tiles(rows, T, sms, num_splits, ctas_per_sm, lambda tiles: max(
+        -(-tiles // tiles_per_split), math.ceil(MIN_CTAS_PER_SM * sms / max(1, rows))))
+
+
+def format_name(k) -> str | None:
+    """The CUDA_VERIFIED name of a cache type ("int4", "fp8", "kivi"), None if none."""
+    return _FORMAT.get(type(k))
+
+
+def takes_by_default(k) -> bool:
+    """Whether backend="auto" routes this cache type here (CUDA_VERIFIED)."""
+    return format_name(k) in CUDA_VERIFIED
+
+
+# ---------------------------------------------------------------------------------------
+# the call path. At B=1 a decode call's time is host time (run 16: KIVI 67.5 us eager vs
+# 37.8 us as a CUDA graph), so what does not change between calls -- the checks, strides,
+# split plan and the ~35 launch arguments -- is computed once per cache layout and kept in
+# a plan (a ctypes struct the C side reads: kvq_run takes one pointer plus the per-call q,
+# valid count, workspace and stream).
+# ---------------------------------------------------------------------------------------
+class _Args(ctypes.Structure):  # mirrors HostArgs in decode_attention.cu (checked by kvq_args_size)
+    _fields_ = ([(n, ctypes.c_void_p) for n in ("kc", "ks", "kz", "kr", "vc", "vs", "vz", "vr", "khs", "vhs")]
+                + [(n, ctypes.c_longlong) for n in ("k_cs", "k_ss", "k_rs", "v_cs", "v_ss", "v_rs")]
+                + [(n, ctypes.c_int) for n in ("kind", "fmt", "D", "qtype", "otype", "variant", "B", "Hkv", "gqa", "T",
+                                               "per", "nsplit", "TQK", "TQV", "n_main", "per_main", "nsplit_main",
+                                               "per_tail", "nsplit_tail")]
+                + [("qk_scale", ctypes.c_float)])
+
+
+class _Plan:
+    """What a call on one cache layout launches: the argument struct, the split count and
+    the workspace size, with weak references to the cache tensors it points into (a plan
+    is used only while every one of them is alive and the same object)."""
+    __slots__ = ("refs", "keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind")
+
+
+_PLANS: dict = {}
+_PLANS_MAX = 64  # layouts kept (cleared when full: a plan is cheap to rebuild)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the handle without a Stream object
+_cur_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def _flat_key(f):
+    """(tensors a plan reads, the ints that place the valid tokens in them) of a flat."""
+    if type(f) is IntFlat:
+        return (f.codes, f.scale, f.zero), (f.B, f.H, f.T, f.D, f.bits, f.group)
+    if type(f) is FP8Flat:
+        return (f.codes, f.scale), (f.B, f.H, f.T, f.D, f.fmt)
+    return (f.codes, f.scale, f.zero, f.residual), (f.B, f.H, f.D, f.bits, f.group, f.role, f.n_groups, f.n_res)
+
+
+def _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype):
+    """(the cached plan of this call or None, its key, the tensors it reads)."""
+    tk, ik = _flat_key(k)
+    tv, iv = _flat_key(v)
+    ts = tk + tv
+    key = (type(k), ik, iv, tuple(map(id, ts)), q.dtype, q.shape, q.device, num_splits, ctas_per_sm, variant,
+           out_dtype)
+    plan = _PLANS.get(key)
+    if plan is not None and all(r() is t for r, t in zip(plan.refs, ts)):
+        return plan, key, ts
+    return None, key, ts
+
+
+def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype) -> _Plan:
+    if type(k) not in _FORMAT or type(v) is not type(k):
+        raise ValueError(f"CUDA decode kernel: no CUDA kernel for {type(k).__name__}/{type(v).__name__}")
+    plan, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype)
+    if plan is not None:
+        return plan
+    plan = _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype)
+    plan.refs = tuple(weakref.ref(t) if t is not None else (lambda: None) for t in ts)
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype) -> _Plan:
+    B, H, T, D = k.B, k.H, k.T, k.D
+    check_q(q, H, D, B)
+    if (v.B, v.H, v.T, v.D) != (B, H, T, D):
+        raise ValueError("K and V caches differ in shape")
+    why = unsupported(q, k, v)
+    if why:
+        raise ValueError(f"CUDA decode kernel: {why}")
+    if T == 0:
+        raise ValueError("empty cache (T = 0)")
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"CUDA decode kernels unavailable: {_LIB.why}")
+    out_dtype = out_dtype or q.dtype
+    if out_dtype not in QTYPE:
+        raise ValueError(f"out dtype {out_dtype}")
+    Hq = q.shape[1]
+    a = _Args()
+    a.D, a.qtype, a.otype, a.B, a.Hkv, a.gqa, a.T = D, QTYPE[q.dtype], QTYPE[out_dtype], B, H, Hq // H, T
+    a.qk_scale = 1.4426950408889634 / math.sqrt(D)
+    keep = []
+    if isinstance(k, KIVIFlat):
+        variant = DEFAULT_VARIANT["kivi"] if variant is None else variant
+        if variant not in KIVI_VARIANTS:
+            raise ValueError(f"KIVI takes the shared-memory variants {KIVI_VARIANTS}, got {variant}")
+        n_main, (ns_m, per_m), (ns_t, per_t) = kivi_plan(k, v, q.device, num_splits, ctas_per_sm)
+        a.kind, a.fmt = 1, k.bits
+        for f, role, pre in ((k, "K", "k"), (v, "V", "v")):
+            if f.n_groups:  # else never read: no quantized token on this side
+                setattr(a, pre + "c", f.codes.data_ptr())
+                setattr(a, pre + "s", f.scale.data_ptr())
+                setattr(a, pre + "z", f.zero.data_ptr())
+                setattr(a, pre + "_cs", bh_stride(f.codes, f"{role} codes"))
+                setattr(a, pre + "_ss", bh_stride(f.scale, f"{role} scale"))
+            if f.T_res:
+                setattr(a, pre + "r", f.residual.data_ptr())
+                setattr(a, pre + "_rs", bh_stride(f.residual, f"{role} window"))
+        a.TQK, a.TQV, a.n_main = k.T_quant, v.T_quant, n_main
+        a.per_main, a.nsplit_main, a.per_tail, a.nsplit_tail = per_m, ns_m, per_t, ns_t
+        a.nsplit = nsplit = ns_m + ns_t
+    else:
+        nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm)
+        a.per, a.nsplit = per, nsplit
+        if isinstance(k, IntFlat):
+            a.kind, a.fmt = 0, 0
+            a.kc, a.ks, a.kz = k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr()
+            a.vc, a.vs, a.vz = v.codes.data_ptr(), v.scale.data_ptr(), v.zero.data_ptr()
+            a.k_cs, a.k_ss, a.v_cs, a.v_ss = bh_stride(k.codes), bh_stride(k.scale), bh_stride(v.codes), bh_stride(v.scale)
+        else:
+            if k.fmt != v.fmt:
+                raise ValueError("K and V fp8 caches differ in format")
+            a.kind, a.fmt = 0, 1 if k.fmt == "e4m3" else 2
+            ks, vs = k.scale.float().contiguous(), v.scale.float().contiguous()
+            keep += [ks, vs]  # (the same tensors when already fp32 and contiguous, as FP8Flat keeps them)
+            a.kc, a.vc, a.khs, a.vhs = k.codes.data_ptr(), v.codes.data_ptr(), ks.data_ptr(), vs.data_ptr()
+            a.k_cs, a.v_cs = bh_stride(k.codes), bh_stride(v.codes)
+        variant = DEFAULT_VARIANT[a.fmt] if variant is None else variant
+        if not 0 <= variant < NUM_VARIANTS:
+            raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
+    a.variant = variant
+    plan = _Plan()
+    plan.keep, plan.args, plan.ptr = keep, a, ctypes.addressof(a)
+    plan.nsplit, plan.rows_q, plan.D, plan.out_dtype, plan.kind = nsplit, B * Hq, D, out_dtype, a.kind
+    plan.shape = (B, Hq, 1, D)
+    return plan
+
+
+def make_workspace(q: torch.Tensor, k, v, *, num_splits: int | None = None,
+                   ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM, out_dtype=None) -> Workspace:
+    """A workspace that fits `decode(q, k, v, ...)` with the same options (the one a
+    valid_len / CUDA-graph caller must pass: such a call allocates nothing)."""
+    plan = _plan(q, k, v, num_splits, ctas_per_sm, None, out_dtype)
+    return Workspace(plan.rows_q, plan.nsplit, plan.D, q.device, plan.out_dtype)
+
+
+def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM,
+           variant: int | None = None, workspace=None, out_dtype=None,
+           valid_len: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q K^T / sqrt(d)) V over the valid tokens of int4 (`IntFlat`), fp8 (`FP8Flat`)
+    or KIVI (`KIVIFlat`) caches; `[B, Hq, 1, d]` in out_dtype (default q's). Raises
+    ValueError when `unsupported` gives a reason, RuntimeError when the kernels are
+    unavailable or a launch fails.
+
+    valid_len (int4 / fp8 only): an int32 CUDA tensor of one element on q's device holding
+    the number of valid tokens. The flat's T is then the CAPACITY bound: the grid and the
+    splits are sized from it, and the kernel reads min(valid_len, T) at run time (CTAs
+    whose tokens all lie past it write empty partials); a count < 1 gives NaN (no token to
+    attend to). It is read on the device only, so with a `workspace` that fits
+    (`make_workspace`) the call neither synchronises nor allocates: it can be captured in
+    a CUDA graph and replayed after the count changes (`valid_len.fill_(n)` on the
+    device). A workspace that does not fit is then an error, not a silent allocation.
+    KIVI takes no valid_len: its valid state is two lengths per side (quantized groups and
+    window rows), which move when a window flushes.
+
+    With a workspace, the result is its `out` buffer (overwritten by the next call with
+    it); without one, a fresh tensor."""
+    plan = _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype)
+    if not q.is_contiguous():
+        q = q.contiguous()
+    vptr = None
+    if valid_len is not None:
+        if plan.kind != 0:
+            raise ValueError("valid_len: int4 / fp8 caches only (KIVI has two lengths per side)")
+        if (type(valid_len) is not torch.Tensor or valid_len.dtype != torch.int32 or valid_len.numel() != 1
+                or valid_len.get_device() != q.get_device()):
+            raise ValueError("valid_len must be an int32 tensor of one element on q's CUDA device")
+        vptr = valid_len.data_ptr()
+    ws = workspace
+    if ws is not None and (ws.nsplit != plan.nsplit or ws.out.dtype != plan.out_dtype
+                           or ws.out.numel() != plan.rows_q * plan.D):
+        if valid_len is not None:
+            raise ValueError(f"workspace does not fit this call ({plan.nsplit} splits, {plan.rows_q} x {plan.D} "
+                             f"{plan.out_dtype}): use cuda_decode.make_workspace")
+        ws = None
+    if ws is None:  # one buffer for the three partials, one for the result
+        n = plan.rows_q * plan.nsplit
+        part = torch.empty(n * (plan.D + 2), dtype=torch.float32, device=q.device)
+        out = torch.empty(plan.shape, dtype=plan.out_dtype, device=q.device)
+        po = part.data_ptr()
+        pm = po + 4 * n * plan.D
+        pl = pm + 4 * n
+        optr = out.data_ptr()
+    else:
+        po, pm, pl, optr = ws.po.data_ptr(), ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr()
+        out = ws.__dict__.get("_kvq_out")
+        if out is None or out.shape != plan.shape or out.data_ptr() != optr:
+            out = ws.out.view(plan.shape)
+            ws._kvq_out = out  # (the view, made once per workspace)
+    dev = q.get_device()
+    lib = _LIB.lib
+    if _cur_device is not None and _raw_stream is not None and _cur_device() == dev:
+        err = lib.kvq_run(plan.ptr, q.data_ptr(), vptr, po, pm, pl, optr, _raw_stream(dev))
+    else:
+        with torch.cuda.device(dev):
+            err = lib.kvq_run(plan.ptr, q.data_ptr(), vptr, po, pm, pl, optr,
+                              torch.cuda.current_stream(dev).cuda_stream)
+    if err:
+        raise RuntimeError(f"CUDA decode kernel launch failed: error {err}")
+    return out
+
+
+def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM):
+    """How a KIVI call is cut: (n_main, (splits, tiles per split) of tokens [0, n_main),
+    (splits, tiles per split) of the tail [n_main, T)). n_main = min(TQK, TQV): both sides
+    quantized (whole groups, whole tiles); its splits hold whole groups (an even number of
+    tiles: the group stream's stage is a group); num_splits / ctas_per_sm apply to that
+    part, the tail (the windows, usually < R + G tokens) takes the default rule."""
+    rows = k.B * k.H
+    n_main = min(k.T_quant, v.T_quant)
+    main = (0, 0)
+    if n_main:
+        _, per = splits(rows, n_main, device, num_splits, ctas_per_sm, KIVI_TILES_PER_SPLIT)
+        per += per % 2
+        main = (-(-(n_main // 16) // per), per)
+    tail_tokens = k.T - n_main
+    tail = splits(rows, tail_tokens, device) if tail_tokens else (0, 0)
+    return n_main, main, tail
+
+
+__all__ = ["decode", "make_workspace", "unsupported", "takes_by_default", "CUDA_VERIFIED", "format_name", "kivi_plan",
+           "num_regs_kivi", "why_unavailable", "available", "splits", "num_regs", "SOURCE",
+           "NUM_VARIANTS", "SMEM_VARIANTS", "KIVI_VARIANTS"]

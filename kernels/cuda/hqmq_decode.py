@@ -1,0 +1,375 @@
+"""CUDA C++ fused decode attention for HQMQ caches (hqmq_decode.cu, this folder): built at
+first use by library.py's loader (`KernelLibrary`), called through ctypes.
+
+Takes: `HQMQFlat` K and V with 12-bit codes (24 S <= 4096, S <= 170), r = 4 uniform
+radius levels, head_dim 128, with or without Med3x outliers (both sides alike;
+backend="auto" sends Med3x here only when AUTO_MED3), GQA groups of 1..8, q
+fp16/bf16/fp32. The kernel gathers codewords from the fp16 codebook `[H, 24 S, 4]` held
+in shared memory; when a flat carries another table (the default is the fp32
+secondaries) the fp16 codebook is built once per secondaries tensor and cached here.
+
+Numerics: codeword (fp16) * rq rounded to fp16 (one rounding), r_max / 15 applied in
+fp32 to the scores (K) and to P before its fp16 rounding (V); Med3x outliers exact in
+fp16, added by their own mma (K: to the scores unscaled; V: weighted by P without
+r_max / 15); q exact in fp16, base-2 softmax scale on the fp32 scores, P in fp16, fp32
+accumulation. kernels/NOTES.md ("CUDA HQMQ decode") has the
+design, SASS counts and GPU figures.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import weakref
+from pathlib import Path
+
+import torch
+
+from ...quantizers.derived import derived
+from ...quantizers.derived import tensor_version as _version
+from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles
+from ..layout import HQMQFlat, codebook_from_secondaries
+from .library import QTYPE, KernelLibrary
+
+SOURCE = Path(__file__).parent / "hqmq_decode.cu"
+# VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM):
+# 0 (4, 4, 3), 1 (8, 4, 1), 2 (4, 3, 3), 3 (8, 2, 2), 4 (4, 6, 1), 5 (8, 4, 2), 6 (4, 2, 4),
+# 7 (16, 4, 1), 8 (16, 5, 1; not with S > 96: its shared memory). Since the table copy by
+# cp.async (GPU call 17a) every instance takes 120-126 registers (was 167-177), so shared
+# memory sets the CTAs per SM (v0 3, v3 2, v6 4, v7 1).
+# 9 (4, 3, 3) and 10 (8, 2, 2), added 2026-12-02 for Med3x (PREFETCH_VARIANTS): the outliers
+# one tile ahead (NOTES.md "Med3x outliers one tile ahead"); without outliers they run v2's /
+# v3's kernel itself (the same template instance).
+NUM_VARIANTS = 11
+PREFETCH_VARIANTS = (9, 10)
+# GPU call 17a (H200, same-run fp16 SDPA 251.9 / 48.2 us as a graph), default split rule:
+# B=8 T=32k every variant 155.5-164.8 us (v3 155.5 = 1.62x; run 16's default 188.1 =
+# 1.36x), B=1 as graphs 33.0-38.1 (v3 33.0 = 1.46x). v3 was best or within 0.5 us of the
+# best at both shapes.
+DEFAULT_VARIANT = 3
+# Default split count: the whole-wave rule of `splits` (FILL of occupancy x SMs CTAs in
+# the fewest waves). Call 17a, B=8: 6 splits (v0, 3 CTAs/SM) 157.6 us against 9 (1.45
+# waves) 177.6, 12 (2 waves) 162.5, 33 (5.3 waves, run 16's rule) 182.4.
+FILL = 0.9
+MIN_CTAS_PER_SM = 2  # the fallback rule's floor when the occupancy is unknown
+TILES_PER_SPLIT = 64
+# backend="auto" routes HQMQ (no Med3x) here: GPU call 17a passed the whole test file (43
+# passed; the CPU-only dispatch test skips on a GPU) and the kernel is 9.7x faster than
+# the Triton one at B=8 T=32k (155.5 vs 1503.7 us), 6.3x as B=1 graphs (33.0 vs 209.2).
+# Call 17b (after the Med3x template parameter was added; the no-outlier path otherwise
+# unchanged) reproduced it: v3 155.9 us = 1.65x SDPA 257.7, CUDA vs Triton 1.6e-3.
+AUTO = True
+# Med3x (outliers extracted and stored aside): variants with an outlier path (the .cu's
+# OUT_OK: v0, v2 at 164 registers, 3 CTAs/SM; the 128-register variants spilled). GPU call
+# 17b (same-run SDPA 257.7 / 48.9 us as a graph): B=8 T=32k v2 209.6 us (1.23x SDPA; 1.34x
+# the HQMQ kernel's 155.9, target 1.25x NOT met), Triton Med3x 1157.4; B=1 graph 42.9 (1.14x).
+# CUDA vs Triton 4.4e-4 / 4.0e-4 there, but that data has outliers almost only in K (5.2 M K,
+# 256 V) and the test file was cut by its time limit (33 passed, none failed, which ones not
+# recorded). GPU call of 2026-12-01 10:53 UTC: the whole of test_cuda_decode.py,
+# test_cuda_hqmq.py and test_graph_step.py passed (226 passed, 1 skipped, 0 failed; Med3x
+# matches, last K / V token, T = 4099 with one head, capacity garbage, valid_len), so
+# backend="auto" now routes Med3x caches here: 5.5x faster than Triton at B=8 T=32k.
+# 9, 10: the prefetching Med3x instances (2026-12-02: 143 registers / 3 CTAs per SM and
+# 128 / 2 x 8 warps, no spills). GPU call 20a (same-run SDPA 252.2 us, HQMQ v3 156.0), B=8
+# T=32k at the default splits: v0 210.9 us (1.35x HQMQ), v2 210.4, v9 195.1 (1.25x), v10
+# 188.5 (1.21x); B=1 graphs v0 44.2, v9 40.2, v10 38.5 us (1.16x HQMQ's 33.2), errors vs
+# Triton equal to v0's (4.4e-4). v10 is the default; every GPU test of test_cuda_hqmq.py
+# passed with it (call 22d: T = 1 to 131072, the overflow test, the variant sweep, valid_len,
+# last K / V token, capacity garbage; kernels/NOTES.md, "GPU calls 22a-22f").
+MED3_VARIANTS = (0, 2, 9, 10)
+DEFAULT_VARIANT_MED3 = 10
+AUTO_MED3 = True
+_QK_SCALE = 1.4426950408889634 / math.sqrt(128)  # log2(e) / sqrt(d): the base-2 softmax scale, d = 128
+
+# fp16 codebooks are derived from the secondaries TENSOR (quantizers/derived.py: weakly
+# keyed, with its in-place write counter). GPU run 1 keyed them by data_ptr, and a freed
+# tensor's address reused by another quantizer's secondaries served a stale codebook
+# (relative error 1.4 in one test).
+
+
+def _declare(lib) -> None:
+    P, I, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+    lib.kvq_hqmq_decode.argtypes = [P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, LL, LL, P, P, P, P, P, P, LL,
+                                    LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F, P, P, P, P, I, I, P, P]
+    lib.kvq_hqmq_decode.restype = I
+    lib.kvq_hqmq_num_regs.argtypes = [I, I, I]
+    lib.kvq_hqmq_num_regs.restype = I
+    lib.kvq_hqmq_occupancy.argtypes = [I, I, I]
+    lib.kvq_hqmq_occupancy.restype = I
+
+
+_LIB = KernelLibrary(SOURCE, "kvq_hqmq", _declare)  # built / loaded once, as decode_attention.py's
+_load = _LIB.load
+why_unavailable = _LIB.why_unavailable
+
+
+def available() -> bool:  # through the module's why_unavailable, as before KernelLibrary (tests stub it)
+    return why_unavailable() is None
+
+
+def num_regs(variant: int = 0, S: int = 96, med3: bool = False) -> int:
+    """Registers per thread of a variant's instance (med3: its Med3x one); < 0: none / error."""
+    lib = _load()
+    return -1 if lib is None else lib.kvq_hqmq_num_regs(variant, S, int(med3))
+
+
+def _flat_reason(f) -> str | None:
+    """Why the kernel cannot read this flat (None: it can)."""
+    if not isinstance(f, HQMQFlat):
+        return f"no CUDA HQMQ kernel for {type(f).__name__}"
+    if f.D != 128:
+        return f"head_dim {f.D} (the CUDA HQMQ kernel takes 128)"
+    if f.code_bits != 12 or not 1 <= f.S <= 170:
+        return f"code bits {f.code_bits} / S={f.S} (the CUDA kernel takes 12-bit codes, S <= 170)"
+    if f.r_bits != 4 or f.log_radius:
+        return "radius levels other than r=4 uniform"
+    if f.sec is None:
+        return "no secondaries to build the fp16 codebook from"
+    if f.codes.dtype != torch.uint8 or f.radius.dtype != torch.uint8 or f.r_max.dtype != torch.float16:
+        return "codes/radius must be uint8, r_max fp16"
+    if f.codes.shape[-1] != 48 or f.radius.shape[-1] != 16:
+        return "code/radius rows of 48/16 bytes expected"
+    if not (f.codes.is_cuda and f.radius.is_cuda and f.r_max.is_cuda):
+        return "cache buffers not on a CUDA device"
+    try:
+        cs = bh_stride(f.codes, "codes")
+        rs = bh_stride(f.radius, "radius")
+        bh_stride(f.r_max, "r_max")
+    except ValueError as e:
+        return str(e)
+    if f.codes.data_ptr() % 16 or f.radius.data_ptr() % 16 or cs % 16 or rs % 16:
+        return "codes/radius not 16-byte aligned (cp.async)"
+    if f.r_max.data_ptr() % 2:
+        return "r_max not 2-byte aligned"
+    if f.has_outliers:  # Med3x: flag words, the outlier list (8-byte items), the block starts
+        fl, ol, ix = f.flags, f.outliers, f.outlier_index
+        if fl.dtype != torch.uint8 or fl.shape[-1] != 4 or ol.dtype != torch.float16 or ol.shape[-1] != 4 \
+                or ix.dtype != torch.int32:
+            return "Med3x flags [.., 4] uint8, outliers [.., 4] fp16, outlier_index int32 expected"
+        if not (fl.is_cuda and ol.is_cuda and ix.is_cuda):
+            return "Med3x buffers not on a CUDA device"
+        try:
+            fs, os_, _ = bh_stride(fl, "flags"), bh_stride(ol, "outliers"), bh_stride(ix, "outlier_index")
+        except ValueError as e:
+            return str(e)
+        if fl.data_ptr() % 4 or fs % 4 or ol.data_ptr() % 8 or os_ % 4 or ix.data_ptr() % 4:
+            return "Med3x flags / outliers / outlier_index not 4 / 8 / 4-byte aligned"
+    return None
+
+
+# Per-call host work (the bh_stride checks, the codebook lookup) is cached per set of
+# buffers: key = the ids of the flat's tensors and its format fields, entry = weak
+# references to those tensors (checked by identity: an id can be reused once a tensor
+# dies), sec._version (the codebook follows the secondaries) and the result: a reason
+# string, or ((codes, radius, r_max strides), fp16 codebook, Med3x strides or None); data
+# pointers are read per call. The store makes a new flat object per decode step over the same buffers, so the key
+# is not the flat itself.
+_INFO: dict = {}
+
+
+def _flat_info(f):
+    if not isinstance(f, HQMQFlat):
+        return f"no CUDA HQMQ kernel for {type(f).__name__}"
+    ts = (f.codes, f.radius, f.r_max, f.sec, f.table, f.flags, f.outliers, f.outlier_index)
+    key = (tuple(map(id, ts)), f.D, f.S, f.code_bits, f.r_bits, f.log_radius, f.table_mode)
+    hit = _INFO.get(key)
+    if hit is not None and all(r is None if t is None else r() is t for r, t in zip(hit[0], ts)) \
+            and (f.sec is None or hit[1] == _version(f.sec)):
+        return hit[2]
+    why = _flat_reason(f)
+    if why is None:
+        med3 = None
+        if f.has_outliers:  # strides in flag words / 8-byte items / ints (pointers: read per call)
+            med3 = (bh_stride(f.flags) // 4, bh_stride(f.outliers) // 4, bh_stride(f.outlier_index))
+        info = ((bh_stride(f.codes), bh_stride(f.radius), bh_stride(f.r_max)), codebook16(f), med3)
+    else:
+        info = why
+    if len(_INFO) > 256:  # drop the entries whose tensors are gone
+        for key_ in [k_ for k_, e in _INFO.items() if any(r is not None and r() is None for r in e[0])]:
+            del _INFO[key_]
+    _INFO[key] = (tuple(None if t is None else weakref.ref(t) for t in ts),
+                  None if f.sec is None else _version(f.sec), info)
+    return info
+
+
+def unsupported(q: torch.Tensor, k, v) -> str | None:
+    """Why the CUDA HQMQ kernel cannot take this call (None: it can). Does not build."""
+    if not q.is_cuda:
+        return "q is not on a CUDA device"
+    if q.dtype not in QTYPE:
+        return f"q dtype {q.dtype}"
+    for f in (k, v):
+        if not isinstance(f, HQMQFlat):
+            return f"no CUDA HQMQ kernel for {type(f).__name__}"
+    if k.D != 128:
+        return f"head_dim {k.D} (the CUDA HQMQ kernel takes 128)"
+    if q.dim() != 4 or q.shape[1] % k.H or not 1 <= q.shape[1] // k.H <= 8:
+        return f"GQA group of q {tuple(q.shape)} over {k.H} kv heads (1..8)"
+    for f in (k, v):
+        i = _flat_info(f)
+        if isinstance(i, str):
+            return i
+    if k.has_outliers != v.has_outliers:
+        return "Med3x outliers on one side only"
+    return None
+
+
+def codebook16(f) -> torch.Tensor:
+    """The fp16 codebook [H, 24 S, 4] of a flat (its own table if it is that, else built
+    from its secondaries once and cached)."""
+    if f.table_mode == "codebook" and f.table.dtype == torch.float16 and f.table.is_contiguous() \
+            and f.table.data_ptr() % 16 == 0:
+        return f.table
+    return derived(f.sec, "cuda_hqmq.codebook16", lambda: codebook_from_secondaries(f.sec.float()).half().contiguous())
+
+
+def occupancy(variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False) -> int:
+    """CTAs of a variant resident per SM (the CUDA occupancy query; < 0 when unavailable:
+    no library, no such instance (NO_INSTANCE: no Med3x instance), a refused opt-in)."""
+    lib = _load()
+    if lib is None:
+        return -1
+    key = (variant, S <= 96, med3)
+    if key not in _OCC:
+        _OCC[key] = lib.kvq_hqmq_occupancy(variant, S, int(med3))
+    return _OCC[key]
+
+
+_OCC: dict = {}
+
+
+def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm: int | None = None,
+           variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False):
+    """(number of splits, 16-token tiles per split), every split non-empty: num_splits if
+    given, else about ctas_per_sm CTAs per SM if given, else the whole-wave rule: for
+    w = 1, 2, ... waves of `slots = occupancy x SMs` CTAs, the most splits that fit w
+    waves, first taken when they fill at least FILL of them (B=8 T=32k at 3 CTAs/SM: 6
+    splits = 384 of 396 slots; B=1: 49 splits). med3: tiles per split a multiple of 4 (a
+    split starts on a 64-token outlier block)."""
+    sms = sm_count(device)
+
+    def whole_waves(tiles: int) -> int:
+        occ = occupancy(variant, S, med3) if device.type == "cuda" else -1
+        if occ <= 0:
+            return max(-(-tiles // TILES_PER_SPLIT), math.ceil(MIN_CTAS_PER_SM * sms / max(1, rows)))
+        slots = occ * sms
+        for w in range(1, 9):
+            n = w * slots // rows
+            if n >= 1 and rows * n >= FILL * w * slots:
+                return n
+        return max(1, -(-slots // rows))
+
+    return split_tiles(rows, T, sms, num_splits, ctas_per_sm, whole_waves, 4 if med3 else 1)
+
+
+def takes_by_default(k) -> bool:
+    """Whether backend="auto" routes this cache here: AUTO, and AUTO_MED3 for Med3x."""
+    return AUTO and isinstance(k, HQMQFlat) and (AUTO_MED3 or not k.has_outliers)
+
+
+def workspace(q: torch.Tensor, k, *, num_splits: int | None = None, ctas_per_sm: int | None = None,
+              variant: int | None = None, out_dtype=None) -> Workspace:
+    """A Workspace sized for `decode(q, k, ...)` with these split arguments (the splits
+    follow k.T, the capacity bound when a valid_len tensor is passed): give it to every
+    call of a captured CUDA graph so the call allocates nothing."""
+    med3 = k.has_outliers
+    variant = (DEFAULT_VARIANT_MED3 if med3 else DEFAULT_VARIANT) if variant is None else variant
+    nsplit, _ = splits(k.B * k.H, k.T, q.device, num_splits, ctas_per_sm, variant, k.S, med3)
+    return Workspace(k.B * q.shape[1], nsplit, k.D, q.device, out_dtype or q.dtype)
+
+
+_NO_MED3_ARGS = (None,) * 6 + (0,) * 6  # no Med3x: null flag pointer, the kernel's OUT=false instance
+
+
+def _checked(q: torch.Tensor, k, v):
+    """(strides of the 6 buffers, K table, V table, Med3x pointers and strides or None) or
+    ValueError; the per-flat part is cached (see _flat_info)."""
+    B, H, T, D = k.B, k.H, k.T, k.D
+    check_q(q, H, D, B)
+    if (v.B, v.H, v.T, v.D) != (B, H, T, D):
+        raise ValueError("K and V caches differ in shape")
+    if not q.is_cuda:
+        raise ValueError("CUDA HQMQ kernel: q is not on a CUDA device")
+    if q.dtype not in QTYPE:
+        raise ValueError(f"CUDA HQMQ kernel: q dtype {q.dtype}")
+    if not 1 <= q.shape[1] // H <= 8:
+        raise ValueError(f"CUDA HQMQ kernel: GQA group of q {tuple(q.shape)} over {H} kv heads (1..8)")
+    ik, iv = _flat_info(k), _flat_info(v)
+    for i in (ik, iv):
+        if isinstance(i, str):
+            raise ValueError(f"CUDA HQMQ kernel: {i}")
+    if k.S != v.S:
+        raise ValueError("K and V differ in S")
+    if (ik[2] is None) != (iv[2] is None):
+        raise ValueError("CUDA HQMQ kernel: Med3x outliers on one side only")
+    if ik[2] is None:
+        return ik[0] + iv[0], ik[1], iv[1], None
+    # the kernel's order: kf, vf, ko, vo, ki, vi, then k_fs, k_os, k_is, v_fs, v_os, v_is
+    ptrs = (k.flags.data_ptr(), v.flags.data_ptr(), k.outliers.data_ptr(), v.outliers.data_ptr(),
+            k.outlier_index.data_ptr(), v.outlier_index.data_ptr())
+    return ik[0] + iv[0], ik[1], iv[1], ptrs + ik[2] + iv[2]
+
+
+def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int | None = None,
+           variant: int | None = None, workspace=None, out_dtype=None,
+           valid_len: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q K^T / sqrt(d)) V over the valid tokens of HQMQ caches; `[B, Hq, 1, d]` in
+    out_dtype (default q's), the workspace's buffer. ValueError when `unsupported` gives a
+    reason, RuntimeError when the kernel is unavailable.
+
+    valid_len: None (the flats' T tokens are valid), or an int32 CUDA tensor of shape [1]
+    on q's device holding the number of valid tokens, read by the kernel at run time:
+    k.T is then the CAPACITY bound (the splits are sized from it; values above it are
+    clamped to it, below 0 to 0; 0 gives zeros). With valid_len and a fitting `workspace`
+    (`cuda_hqmq.workspace(...)`) a call makes no host sync and no allocation, so a CUDA
+    graph captured once serves every decode step: change the tensor's value on the device
+    between replays."""
+    lib = _LIB.lib if _LIB.lib is not None else _load()
+    if lib is None:
+        raise RuntimeError(f"CUDA HQMQ kernel unavailable: {_LIB.why}")
+    B, H, T, D = k.B, k.H, k.T, k.D
+    strides, kt, vt, med3 = _checked(q, k, v)
+    if T == 0:
+        raise ValueError("empty cache (T = 0)")
+    vl = 0
+    if valid_len is not None:
+        if not (isinstance(valid_len, torch.Tensor) and valid_len.dtype == torch.int32
+                and valid_len.numel() == 1 and valid_len.device == q.device):
+            raise ValueError("valid_len must be an int32 tensor of one element on q's device")
+        vl = valid_len.data_ptr()
+    if not q.is_contiguous():
+        q = q.contiguous()
+    Hq = q.shape[1]
+    out = med3 is not None
+    variant = (DEFAULT_VARIANT_MED3 if out else DEFAULT_VARIANT) if variant is None else variant
+    if not 0 <= variant < NUM_VARIANTS:
+        raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
+    if out and variant not in MED3_VARIANTS:
+        raise ValueError(f"variant {variant} has no Med3x instance (MED3_VARIANTS: {MED3_VARIANTS})")
+    if occupancy(variant, k.S, out) <= 0:  # v8 with S > 96 (call 17a: the opt-in is refused)
+        raise ValueError(f"variant {variant} does not fit the shared memory with S={k.S}")
+    nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm, variant, k.S, out)
+    out_dtype = out_dtype or q.dtype
+    if out_dtype not in QTYPE:
+        raise ValueError(f"out dtype {out_dtype}")
+    rows_q = B * Hq
+    ws = workspace
+    if ws is None or ws.nsplit != nsplit or ws.out.dtype != out_dtype or ws.out.numel() != rows_q * D:
+        ws = Workspace(rows_q, nsplit, D, q.device, out_dtype)
+    dev = q.device.index
+    args = (q.data_ptr(), QTYPE[q.dtype], k.codes.data_ptr(), k.radius.data_ptr(), k.r_max.data_ptr(),
+            v.codes.data_ptr(), v.radius.data_ptr(), v.r_max.data_ptr(), kt.data_ptr(), vt.data_ptr(), *strides,
+            *(med3 or _NO_MED3_ARGS), B, H, Hq // H, T, k.S, per, nsplit, _QK_SCALE, ws.po.data_ptr(),
+            ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr(), QTYPE[out_dtype], variant, vl)
+    if torch.cuda.current_device() == dev:  # the usual case: no device switch around the launch
+        err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev))
+    else:
+        with torch.cuda.device(dev):
+            err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev))
+    if err:
+        raise RuntimeError(f"CUDA HQMQ kernel launch failed: error {err}")
+    return ws.out.view(B, Hq, 1, D)
+
+
+__all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits",
+           "codebook16", "takes_by_default", "AUTO", "AUTO_MED3", "NUM_VARIANTS", "MED3_VARIANTS",
+           "PREFETCH_VARIANTS", "SOURCE"]

@@ -1,0 +1,138 @@
+"""The CUDA backend's build and load machinery: nvcc at first use, ctypes, no torch headers.
+
+Build: `nvcc -O3 --use_fast_math -shared` of one .cu file of this folder (the shared
+`*.cuh` headers hashed in; ~15 s) for the device's architecture (sm_90a on an H100/H200),
+into the torch extensions cache (`TORCH_EXTENSIONS_DIR`, else torch's default) under a name
+hashing the source, flags and nvcc version; concurrent builders wait for one nvcc (a file
+lock) and the library appears by an atomic rename. `KernelLibrary` builds and loads one
+source once per process, at first use: importing this module runs no nvcc and touches no
+GPU. `load_library` says why a library cannot be had here (no CUDA torch, ROCm, a GPU
+older than sm_80, no nvcc, a failed build).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+try:
+    import fcntl  # POSIX: the build lock between processes
+except ImportError:  # pragma: no cover - no CUDA build on such hosts anyway
+    fcntl = None
+
+import torch
+
+FLAGS = ["-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"]
+QTYPE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # the .cu sources' dtype codes (q, out)
+
+
+def nvcc() -> str | None:
+    from torch.utils import cpp_extension
+
+    home = os.environ.get("CUDA_HOME") or cpp_extension.CUDA_HOME
+    for cand in ([os.path.join(home, "bin", "nvcc")] if home else []) + [shutil.which("nvcc") or ""]:
+        if cand and os.path.exists(cand):
+            return cand
+    return None
+
+
+def arch_flags(cap: tuple[int, int]) -> list[str]:
+    a = f"{cap[0]}{cap[1]}"
+    if cap == (9, 0):  # Hopper: the arch-specific target
+        return ["-gencode", "arch=compute_90a,code=sm_90a"]
+    return ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+
+
+def build_dir() -> Path:
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / "kvqbench_cuda_decode"
+
+
+def compile_library(source: Path, stem: str, cap: tuple[int, int]) -> Path:
+    """nvcc `source` into a shared library for compute capability `cap`, once per
+    source/flags/compiler/arch (the file name carries their hash); raises RuntimeError
+    (nvcc missing or failing) or OSError / SubprocessError."""
+    path = nvcc()
+    if path is None:
+        raise RuntimeError("no nvcc found (CUDA_HOME / PATH): cannot build the CUDA kernels")
+    ver = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+    flags = FLAGS + arch_flags(cap)
+    headers = "".join(h.read_text() for h in sorted(source.parent.glob("*.cuh")))  # included by every source
+    key = hashlib.sha256((source.read_text() + headers + "\0".join(flags) + ver).encode()).hexdigest()[:16]
+    out = build_dir() / f"{stem}_sm{cap[0]}{cap[1]}_{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # One build per machine: processes starting together (pytest-xdist workers, torchrun
+    # ranks) wait for the first one's nvcc instead of each running its own (`pytest -n 19`
+    # would start 38 nvcc processes on a fresh host); the lock is released if its
+    # holder dies, and the library appears by an atomic rename, so a reader never sees half.
+    with open(out.parent / f"{stem}.lock", "w") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            print(f"kvqbench: building {source.name} for sm_{cap[0]}{cap[1]} (once per machine, about a minute)",
+                  file=sys.stderr, flush=True)
+            tmp = out.with_suffix(f".{os.getpid()}.tmp")
+            r = subprocess.run([path, *flags, "-o", str(tmp), str(source)], capture_output=True, text=True,
+                               timeout=900)
+            if r.returncode != 0:
+                raise RuntimeError(f"nvcc failed ({r.returncode}): {(r.stderr or r.stdout)[-800:]}")
+            os.replace(tmp, out)
+    return out
+
+
+def load_library(source: Path, stem: str) -> tuple[ctypes.CDLL | None, str | None]:
+    """(library, None) for `source` built for this GPU, or (None, why not): no CUDA
+    device, ROCm, a GPU below sm_80 (mma.sync m16n8k16), no nvcc, a failed build."""
+    if not torch.cuda.is_available():
+        return None, "torch has no CUDA device"
+    if getattr(torch.version, "hip", None):
+        return None, "ROCm torch: the kernels are CUDA (mma.sync, movmatrix)"
+    cap = torch.cuda.get_device_capability()
+    if cap < (8, 0):
+        return None, f"GPU sm_{cap[0]}{cap[1]}: the kernels need sm_80+ (mma.sync m16n8k16)"
+    try:
+        return ctypes.CDLL(str(compile_library(source, stem, cap))), None
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        return None, f"building/loading {source.name} failed: {type(e).__name__}: {e}"
+
+
+class KernelLibrary:
+    """One CUDA source's library (decode_attention.cu's, hqmq_decode.cu's), built and loaded once
+    per process at first use: `load()` gives it or None, `why` the reason when it is None
+    (from `load_library`, or from `declare(lib)`, which sets the entry points' ctypes
+    signatures and may refuse the library by returning a reason)."""
+
+    def __init__(self, source: Path, stem: str, declare):
+        self.source, self.stem, self._declare = source, stem, declare
+        self.lib: ctypes.CDLL | None = None
+        self.why: str | None = None
+        self._tried = False
+        self._lock = threading.Lock()
+
+    def load(self) -> ctypes.CDLL | None:
+        with self._lock:
+            if not self._tried:
+                self._tried = True
+                lib, self.why = load_library(self.source, self.stem)
+                if lib is not None:
+                    self.why = self._declare(lib)
+                    self.lib = lib if self.why is None else None
+            return self.lib
+
+    def why_unavailable(self) -> str | None:
+        """None when the CUDA kernels are built and loadable here, else the reason (builds
+        them on the first call)."""
+        self.load()
+        return self.why
+
+
+__all__ = ["FLAGS", "QTYPE", "KernelLibrary", "arch_flags", "build_dir", "compile_library", "load_library", "nvcc"]
