@@ -2,7 +2,8 @@
 
     python -m kvqbench.kernels.aot_check            # sm_90 (H100/H200)
 
-Runs the real host wrappers on CPU tensors with the launches intercepted, then
+Runs the real host wrappers on CPU tensors with the launches recorded instead of run
+(kernels/triton/common.py's `launch_hook`), then
 `triton.compile`s each captured launch for the target and prints registers,
 spills and shared memory (from the cubin metadata). Catches compile errors and
 register spills before any device time is spent. Needs TRITON_INTERPRET unset.
@@ -20,14 +21,11 @@ _DT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", tor
 
 
 class _Capture:
+    """The launches of one kernel (grid, args, keyword args), recorded instead of run."""
+
     def __init__(self, fn):
         self.fn = fn
         self.calls = []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.calls.append((grid, args, kw))
-        return launch
 
 
 def _signature(fn, args, kw):
@@ -124,20 +122,20 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: the interpreter does not compile")
-    from . import common
-    from . import decode_attention as DA
-    from . import hqmq_encode as HE
-    from . import layout as L
     from ..quantizers import get_quantizer
+    from . import common
+    from .decode_attention import decode_attention
+    from .hqmq_encode import hqmq_search
+    from .layout import flatten
+    from .triton import common as triton_common
 
-    caps = {n: _Capture(getattr(DA, n)) for n in ("_hqmq_split_kernel", "_int_split_kernel", "_kivi_split_kernel",
-                                                   "_fp8_split_kernel", "combine_kernel")}
-    caps["_hqmq_search_kernel"] = _Capture(HE._hqmq_search_kernel)
-    for n, c in caps.items():
-        (HE if n == "_hqmq_search_kernel" else DA).__dict__[n] = c
-    DA.interpreting = lambda: False
-    HE.interpreting = lambda: False
-    common.ASSUMED_SM_COUNT = 132
+    caps: dict[str, _Capture] = {}
+
+    def record(kernel, grid, args, kw):  # the Triton launches' public hook: recorded, not run
+        caps.setdefault(kernel.__name__, _Capture(kernel)).calls.append((grid, args, kw))
+
+    triton_common.launch_hook = record
+    common.ASSUMED_SM_COUNT = 132  # an H100/H200's split plan, without one
     B, Hq, Hkv, T, d = 1, 32, 8, a.T, a.d
     x = torch.randn(B, Hkv, T, d)
     x[..., 3] *= 25
@@ -153,13 +151,14 @@ def main(argv=None):
                              "fp8-e4m3") if a.only in s]:
         qk, qv = get_quantizer(spec, role="K"), get_quantizer(spec, role="V")
         kw = {"table_mode": "codebook", "table_dtype": torch.float16} if spec.startswith("hqmq") else {}
-        kf, vf = L.flatten(qk.encode(x.half()), "K", **kw), L.flatten(qv.encode(x.half()), "V", **kw)
+        kf, vf = flatten(qk.encode(x.half()), "K", **kw), flatten(qv.encode(x.half()), "V", **kw)
         for cfg in cfgs:
             try:
-                DA.decode_attention(q, kf, vf, **cfg)
+                decode_attention(q, kf, vf, backend="triton", **cfg)
             except Exception:  # noqa: BLE001 - the view of a never-written output
                 pass
-    HE.hqmq_search(torch.randn(1, Hkv, 64, 4), torch.randn(Hkv, 96, 4))
+    hqmq_search(torch.randn(1, Hkv, 64, 4), torch.randn(Hkv, 96, 4))
+    triton_common.launch_hook, common.ASSUMED_SM_COUNT = None, None
     failures = 0
     for n, cap in caps.items():
         seen = set()

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .common import interpreting
-from .triton_common import hamilton
+from .triton.common import hamilton, launch
 
 
 @triton.jit
@@ -134,7 +134,7 @@ def hqmq_search(u: torch.Tensor, secondaries: torch.Tensor, *, block_n: int | No
         block_n = 1024 if interpreting() else 64
     extra = {} if interpreting() else {"num_warps": num_warps}
     grid = (B * H, triton.cdiv(N, block_n))
-    _hqmq_search_kernel[grid](u, sec, code, N, H, S, BLOCK_N=block_n, SB=s_block, **extra)
+    launch(_hqmq_search_kernel, grid, u, sec, code, N, H, S, BLOCK_N=block_n, SB=s_block, **extra)
     return code.long()
 
 

@@ -366,6 +366,20 @@ class KIVIFlat:
         )
 
 
+@dataclasses.dataclass
+class KIVIGraphFlat(KIVIFlat):
+    """A `KIVIFlat` whose group and window counts follow a device valid length (CUDA graphs;
+    `KernelStore.graph_view`): `policy` (A, P), the window policy of
+    `step_encode.kivi_policy` (q(T) = max(0, T - A) // P * P tokens quantized, T - q(T) in
+    the window), and `capacity`, the tokens the buffers hold (the bound the grid is cut
+    for). The buffers are the store's, at capacity; n_groups / n_res are not read by a
+    call with `valid_len`. (Its own class because kernels/layout.py's KIVIFlat has no
+    policy field.)"""
+    policy: tuple[int, int] | None = None
+    capacity: int = 0
+
+
+
 @register_layout(KIVI)
 def flatten_kivi(packed: Packed, role: str | None = "K") -> KIVIFlat:
     cls, cfg = parse_spec(packed.spec)
@@ -457,5 +471,5 @@ def flatten(packed: Packed, role: str | None = None, **kw):
 
 
 __all__ = ["HQMQFlat", "IntFlat", "KIVIFlat", "FP8Flat", "flatten", "flatten_hqmq", "flatten_int",
-           "flatten_kivi", "flatten_fp8", "hqmq_table", "codebook_from_secondaries", "OUTLIER_BLOCK",
+           "flatten_kivi", "flatten_fp8", "KIVIGraphFlat", "hqmq_table", "codebook_from_secondaries", "OUTLIER_BLOCK",
            "KERNEL_LAYOUTS", "register_layout", "kernel_layout_of", "per_head_outliers"]

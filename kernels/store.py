@@ -661,7 +661,7 @@ class KernelStore:
             if capacity > self.token_capacity:
                 raise ValueError(f"capacity {capacity} beyond the {self.token_capacity} tokens reserved")
             if self.kind is layout.KIVIFlat:  # the counts follow the valid length by the window policy
-                from .decode_attention import KIVIGraphFlat
+                from .layout import KIVIGraphFlat
 
                 f = self.flat
                 view = KIVIGraphFlat(**{k.name: getattr(f, k.name) for k in dataclasses.fields(layout.KIVIFlat)})

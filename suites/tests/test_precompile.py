@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("private_cache")
 SHAPE = {"name": "tiny", "head_dim": 64}
 
 
-def data(name="kvqbench.kernels.decode_attention._int_split_kernel", n=0):
+def data(name="kvqbench.kernels.triton.naive_int._int_split_kernel", n=0):
     return json.dumps({"name": name, "n": n})
 
 

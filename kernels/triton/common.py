@@ -1,6 +1,7 @@
-"""Triton pieces shared by every kernel in kernels/: the jit Hamilton product, bit
-tricks that decode packed integers straight to fp16, the flash-decoding split
-prologue, online-softmax step, partial store and combine kernel.
+"""Triton pieces shared by the per-format kernels of this backend (and kernels/'s
+encoders): the jit Hamilton product, bit tricks that decode packed integers straight
+to fp16, the flash-decoding split prologue, online-softmax step, partial store and
+combine kernel, and the host side of a launch (`launch_split`, `launch`).
 
 Decoding without conversion instructions (GPU path, `FAST`): on Hopper an
 int->float or float->half conversion issues at 1/8 of the FP32 rate, so a decoder
@@ -17,8 +18,11 @@ come from plain integer arithmetic in fp32, rounded to the cache dtype as
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from ..common import Workspace, interpreting
 
 try:  # Triton >= 3.0
     from triton.language.extra import libdevice
@@ -221,3 +225,91 @@ def combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NSPLIT, D: tl.constexpr, SB:
         o = tl.load(po_ptr + (row * NSPLIT + s0 + s)[:, None] * D + d[None, :], mask=sm[:, None], other=0)
         num += tl.sum(o * w[:, None], axis=0)
     tl.store(out_ptr + row * D + d, (num / tl.sum(den, axis=0)).to(out_ptr.dtype.element_ty))
+
+
+# ---------------------------------------------------------------------------------------
+# helpers of the per-format kernels: bit unpacking, the decoded tile, the valid length
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def unpack_rows(ptr, row_off, rmask, BT: tl.constexpr, NCOLS: tl.constexpr, W: tl.constexpr,
+                ROWB: tl.constexpr, NBYTES: tl.constexpr):
+    """`[BT, NCOLS]` int32 fields of width W from BT packed rows (byte offsets row_off [BT])."""
+    c = tl.arange(0, NCOLS)
+    bit = c * W
+    byte = bit // 8
+    p = ptr + row_off[:, None] + byte[None, :]
+    acc = tl.load(p, mask=rmask[:, None], other=0).to(tl.int32)
+    for i in tl.static_range(1, NBYTES):
+        nb = tl.load(p + i, mask=rmask[:, None] & (byte[None, :] + i < ROWB), other=0).to(tl.int32)
+        acc = acc | (nb << (8 * i))
+    return (acc >> (bit % 8)[None, :]) & ((1 << W) - 1)
+
+
+def nbytes_span(n: int, width: int) -> int:
+    """Most bytes one field of `width` bits spans, over the n fields of a row."""
+    return max(((i * width) % 8 + width + 7) // 8 for i in range(min(n, 8)))
+
+
+@triton.jit
+def finish(v, FAST: tl.constexpr, RND: tl.constexpr):
+    """A decoded tile as the dot operand: fp16 (FAST) or fp32 rounded to the cache dtype."""
+    if FAST:
+        return v.to(tl.float16)
+    else:
+        return v.to(RND).to(tl.float32)
+
+
+@triton.jit
+def valid_tokens(T, vlen_ptr, VLEN: tl.constexpr):
+    """The tokens a program attends to: T (a host argument), or with VLEN the device
+    valid length at vlen_ptr, read at run time (a CUDA graph replays the same launch
+    while the cache grows), clamped to T, which is then the capacity bound the grid was
+    cut for: splits past the valid tokens run no tile and leave an empty partial."""
+    if VLEN:
+        T = tl.minimum(tl.load(vlen_ptr), T)
+    return T
+
+
+# ---------------------------------------------------------------------------------------
+# host side: every launch goes through `launch`
+# ---------------------------------------------------------------------------------------
+# `launch_hook`, when set, receives (kernel, grid, args, kwargs) of each launch instead of
+# the launch: kernels/aot_check.py records them to compile for a GPU it does not have.
+launch_hook = None
+
+
+def launch(kernel, grid, *args, **kw):
+    if launch_hook is not None:
+        return launch_hook(kernel, grid, args, kw)
+    return kernel[grid](*args, **kw)
+
+
+TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def fast_path(q: torch.Tensor) -> bool:
+    return not interpreting() and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def launch_split(kernel, args, runtime, const, q, B, H, nsplit, D, num_warps, num_stages, ws, cache_dtype, out_dtype):
+    """The flash-decoding launch of a format's split kernel, grid (B*Hkv, nsplit), then the
+    combine: q, the format's buffers (`args`), the partials, its runtime and constexpr
+    arguments; the output `[B, Hq, 1, D]` is the workspace's buffer (a fresh one unless
+    `ws` fits)."""
+    Hq = q.shape[1]
+    rows_q = B * Hq
+    out_dtype = out_dtype or q.dtype
+    if ws is None or ws.nsplit != nsplit or ws.out.dtype != out_dtype or ws.out.numel() != rows_q * D:
+        ws = Workspace(rows_q, nsplit, D, q.device, out_dtype)
+    group = Hq // H
+    bh = max(16, triton.next_power_of_2(group))
+    extra = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
+    launch(kernel, (B * H, nsplit), q, *args, ws.po, ws.pm, ws.pl, *runtime,
+           GROUP=group, BH=bh, D=D, FAST=fast_path(q), RND=TL_DTYPES[cache_dtype], **const, **extra)
+    launch(combine_kernel, (rows_q,), ws.po, ws.pm, ws.pl, ws.out, nsplit, D=D, SB=16)
+    return ws.out.view(B, Hq, 1, D)
+
+
+__all__ = ["LOG2E", "TL_DTYPES", "combine_kernel", "dq_bytes", "f16x4", "fast_path", "finish", "hamilton", "launch",
+           "launch_split", "nbytes_span", "popc", "scores", "softmax_update", "split_prologue", "store_partial",
+           "table_quad", "unpack_rows", "valid_tokens"]

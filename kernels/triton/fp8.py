@@ -1,0 +1,88 @@
+"""Triton decode attention over fp8 caches (`FP8Flat`, e4m3 / e5m2) with a per-kv-head scale
+folded into the score scale (K) and the output (V): the tile decoder, the split kernel
+and its host wrapper. Launch defaults (H200 sweep, kernels/NOTES.md run 8): 64-token
+tiles, 4 warps, 3 stages, 12 programs per SM.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import Workspace, bh_stride, check_q, check_valid_len, choose_splits
+from ..layout import FP8Flat
+from .common import LOG2E, launch_split, scores, softmax_update, split_prologue, store_partial, valid_tokens
+
+
+@triton.jit
+def _fp8_tile(codes_ptr, bh, tok, tmask, cs, scale, D: tl.constexpr, E5: tl.constexpr,
+              FAST: tl.constexpr, RND: tl.constexpr):
+    """fp8 codes [BT, D]: FAST the unscaled fp16 values (the scale is folded by the
+    caller); else the scaled values rounded to the cache dtype, as decode rounds them."""
+    j = tl.arange(0, D)
+    b = tl.load(codes_ptr + bh.to(tl.int64) * cs + tok[:, None] * D + j[None, :], mask=tmask[:, None], other=0)
+    if FAST:
+        if E5:
+            return b.to(tl.float8e5, bitcast=True).to(tl.float16)
+        else:
+            return b.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        x = b.to(tl.int32)
+        if E5:  # 1-5-2, bias 15
+            e = (x >> 2) & 31
+            m = (x & 3).to(tl.float32)
+            mag = tl.where(e == 0, m * (2.0 ** -16), (4.0 + m) * tl.exp2((e - 17).to(tl.float32)))
+        else:  # 1-4-3, bias 7
+            e = (x >> 3) & 15
+            m = (x & 7).to(tl.float32)
+            mag = tl.where(e == 0, m * (2.0 ** -9), (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+        val = tl.where((x & 128) != 0, -mag, mag)
+        return (val * scale).to(RND).to(tl.float32)
+
+
+@triton.jit
+def _fp8_split_kernel(q_ptr, kc, vc, ksc_ptr, vsc_ptr, po_ptr, pm_ptr, pl_ptr,
+                      T, tiles_per_split, qk_scale, k_cs, v_cs, vlen_ptr, VLEN: tl.constexpr,
+                      HKV: tl.constexpr, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
+                      BT: tl.constexpr, E5: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr):
+    T = valid_tokens(T, vlen_ptr, VLEN)
+    pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last = split_prologue(
+        q_ptr, tl.cdiv(T, BT), tiles_per_split, GROUP, BH, D, FAST)
+    h = pid_bh % HKV
+    ksc = tl.load(ksc_ptr + h)
+    vsc = tl.load(vsc_ptr + h)
+    if FAST:  # q.(s k8) = s (q.k8); sum p (s v8) = s sum p v8
+        qk_scale = qk_scale * ksc
+    for ti in range(first, last):
+        tok = ti * BT + tl.arange(0, BT)
+        tmask = tok < T
+        k = _fp8_tile(kc, pid_bh, tok, tmask, k_cs, ksc, D, E5, FAST, RND)
+        s = scores(q, tl.trans(k), tmask, qk_scale, FAST)
+        v = _fp8_tile(vc, pid_bh, tok, tmask, v_cs, vsc, D, E5, FAST, RND)
+        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, FAST)
+    if FAST:
+        acc = acc * vsc
+    store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D)
+
+
+
+def fp8_decode_attention(q: torch.Tensor, k: FP8Flat, v: FP8Flat, *, num_splits: int | None = None,
+                         block_t: int = 64, num_warps: int = 4, num_stages: int = 3, programs_per_sm: int = 12,
+                         workspace: Workspace | None = None, out_dtype=None,
+                         valid_len: torch.Tensor | None = None) -> torch.Tensor:
+    B, H, T, D = k.B, k.H, k.T, k.D
+    check_q(q, H, D, B)
+    vl, has_vl = check_valid_len(valid_len, q)
+    if (v.B, v.H, v.T, v.D, v.fmt) != (B, H, T, D, k.fmt):
+        raise ValueError("K and V fp8 caches differ in shape or format")
+    q = q.contiguous()
+    nsplit, per = choose_splits(B * H, triton.cdiv(T, block_t), q.device, num_splits, programs_per_sm)
+    runtime = [T, per, LOG2E / math.sqrt(D), bh_stride(k.codes, "codes"), bh_stride(v.codes, "codes"), vl]
+    const = {"VLEN": has_vl, "HKV": H, "BT": block_t, "E5": k.fmt == "e5m2"}
+    return launch_split(_fp8_split_kernel, [k.codes, v.codes, k.scale.float(), v.scale.float()], runtime, const,
+                   q, B, H, nsplit, D, num_warps, num_stages, workspace, k.dtype, out_dtype)
+
+
+__all__ = ["fp8_decode_attention"]

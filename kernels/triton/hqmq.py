@@ -1,0 +1,205 @@
+"""Triton decode attention over HQMQ caches (`HQMQFlat`), with or without Med3x outliers:
+the tile decoder (codes, radius levels, the codeword table, the outlier lookup), the
+split kernel and its host wrapper. Launch defaults (H200 sweep, kernels/NOTES.md run 8):
+128-token tiles, 4 warps, no pipelining.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import Workspace, bh_stride, check_q, check_valid_len, choose_splits, interpreting
+from ..layout import OUTLIER_BLOCK, HQMQFlat
+from .common import (LOG2E, f16x4, fast_path, finish, hamilton, launch_split, nbytes_span, popc, scores,
+                     softmax_update, split_prologue, store_partial, table_quad, unpack_rows, valid_tokens)
+
+
+@triton.jit
+def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, table_ptr, ptab_ptr, rel_ptr,
+               bh, h, t0, T, cs, rs, ms, fs, osb, isb,
+               BT: tl.constexpr, D: tl.constexpr, CW: tl.constexpr, CB: tl.constexpr, CNB: tl.constexpr,
+               RW: tl.constexpr, RB: tl.constexpr, RNB: tl.constexpr, FB: tl.constexpr,
+               S: tl.constexpr, HAS_OUT: tl.constexpr, TAB: tl.constexpr, LOGR: tl.constexpr,
+               FAST: tl.constexpr, INTERP: tl.constexpr, RND: tl.constexpr):
+    """Tokens t0..t0+BT-1 of kv row bh: [BT, D]. Codeword of chunk code = p*S + s (TAB):
+    0/1 the codebook [H, 24S, 4] fp32/fp16, 2/3 the secondaries [H, S, 4] fp32/fp16
+    and the 24 units, P[p]*S[s] formed here (bit identical to HQMQ.decode_tokens in
+    fp32). Tables are viewed as int64 so a gather moves 8 bytes. FAST with the fp16
+    codebook: everything in fp16 (radius level table `rel_ptr` fp16 then)."""
+    NC: tl.constexpr = D // 4
+    tok = t0 + tl.arange(0, BT)
+    tmask = tok < T
+    bh64 = bh.to(tl.int64)
+    if CW == 12 and NC % 8 == 0:  # eight 12-bit codes in three 32-bit words: 3 loads, not 12
+        g = tl.arange(0, NC // 8)
+        pw = (codes_ptr + bh64 * cs + (tok * CB)[:, None] + (g * 12)[None, :]).to(tl.pointer_type(tl.int32))
+        w0 = tl.load(pw, mask=tmask[:, None], other=0)
+        w1 = tl.load(pw + 1, mask=tmask[:, None], other=0)
+        w2 = tl.load(pw + 2, mask=tmask[:, None], other=0)
+        # code k of the group = bits 12k .. 12k+11 of the 96-bit little-endian word stream
+        x0 = w0 & 0xFFF
+        x1 = (w0 >> 12) & 0xFFF
+        x2 = ((w0 >> 24) & 0xFF) | ((w1 & 0xF) << 8)
+        x3 = (w1 >> 4) & 0xFFF
+        x4 = (w1 >> 16) & 0xFFF
+        x5 = ((w1 >> 28) & 0xF) | ((w2 & 0xFF) << 4)
+        x6 = (w2 >> 8) & 0xFFF
+        x7 = (w2 >> 20) & 0xFFF
+        code = tl.reshape(tl.join(tl.join(tl.join(x0, x4), tl.join(x2, x6)),
+                                  tl.join(tl.join(x1, x5), tl.join(x3, x7))), (BT, NC))  # x_{4p+2q+r}
+    elif CW == 12:  # two 12-bit codes in three bytes
+        i3 = 3 * tl.arange(0, NC // 2)
+        pc = codes_ptr + bh64 * cs + (tok * CB)[:, None] + i3[None, :]
+        b0 = tl.load(pc, mask=tmask[:, None], other=0).to(tl.int32)
+        b1 = tl.load(pc + 1, mask=tmask[:, None], other=0).to(tl.int32)
+        b2 = tl.load(pc + 2, mask=tmask[:, None], other=0).to(tl.int32)
+        code = tl.reshape(tl.join(b0 | ((b1 & 15) << 8), (b1 >> 4) | (b2 << 4)), (BT, NC))
+    else:
+        code = unpack_rows(codes_ptr + bh64 * cs, tok * CB, tmask, BT, NC, CW, CB, CNB)
+    if RW == 4:  # two radius codes per byte: one vector load of the row
+        rb = tl.load(rad_ptr + bh64 * rs + (tok * RB)[:, None] + tl.arange(0, NC // 2)[None, :],
+                     mask=tmask[:, None], other=0).to(tl.int32)
+        rq = tl.reshape(tl.join(rb & 15, rb >> 4), (BT, NC))
+    else:
+        rq = unpack_rows(rad_ptr + bh64 * rs, tok * RB, tmask, BT, NC, RW, RB, RNB)
+    rmax = tl.load(rmax_ptr + bh64 * ms + tok, mask=tmask, other=0)
+    if FAST and TAB == 1:
+        c0, c1, c2, c3 = f16x4(tl.load(table_ptr + (h * (24 * S) + code)), True)
+        if LOGR:
+            rhat = rmax.to(tl.float16)[:, None] * tl.load(rel_ptr + rq)
+        else:  # q * (r_max / L): q to fp16 exactly by the magic-number trick, no table gather
+            qh = (rq | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+            rhat = qh * (rmax.to(tl.float32) / ((1 << RW) - 1)).to(tl.float16)[:, None]
+    else:
+        rmax = rmax.to(tl.float32)
+        if LOGR:
+            rel = tl.load(rel_ptr + rq).to(tl.float32)
+        else:  # uniform levels: q / L, the IEEE quotient torch computes
+            rel = tl.div_rn(rq.to(tl.float32), tl.full([BT, NC], (1 << RW) - 1, tl.float32))
+        rhat = rmax[:, None] * rel  # as HQMQ.radius_levels: r_max * rel[q]
+        if TAB < 2:  # codebook [H, 24S, 4], fp16 (TAB 1) or fp32 (TAB 0)
+            c0, c1, c2, c3 = table_quad(table_ptr, (h * (24 * S) + code).to(tl.int64), TAB == 1)
+        else:  # P [24, 4] fp32 times the secondaries [H, S, 4], fp16 (TAB 3) or fp32 (TAB 2)
+            p = code // S
+            a0 = tl.load(ptab_ptr + p * 4)
+            a1 = tl.load(ptab_ptr + p * 4 + 1)
+            a2 = tl.load(ptab_ptr + p * 4 + 2)
+            a3 = tl.load(ptab_ptr + p * 4 + 3)
+            s0, s1, s2, s3 = table_quad(table_ptr, (h * S + (code - p * S)).to(tl.int64), TAB == 3)
+            c0, c1, c2, c3 = hamilton(a0, a1, a2, a3, s0, s1, s2, s3)
+    v0 = c0 * rhat
+    v1 = c1 * rhat
+    v2 = c2 * rhat
+    v3 = c3 * rhat
+    if HAS_OUT:
+        fw = tl.zeros([BT], tl.int32)  # the token's flag bits, chunk c at bit c
+        for i in tl.static_range(FB):
+            fw = fw | (tl.load(flags_ptr + bh64 * fs + tok * FB + i, mask=tmask, other=0).to(tl.int32) << (8 * i))
+        if tl.sum((fw != 0).to(tl.int32), axis=0) > 0:  # skip tiles without outliers
+            cnt = tl.reshape(popc(fw, INTERP), (BT // 64, 64))
+            tok_ex = tl.reshape(tl.cumsum(cnt, axis=1) - cnt, (BT,))  # outliers earlier in the 64-block
+            c = tl.arange(0, NC)
+            fl = (fw[:, None] >> c[None, :]) & 1
+            ch_ex = popc(fw[:, None] & ((1 << c) - 1)[None, :], INTERP)  # outliers earlier in the token
+            base = tl.load(oidx_ptr + bh64 * isb + tok // 64, mask=tmask, other=0)
+            oi = (base + tok_ex).to(tl.int64)[:, None] + ch_ex
+            om = fl != 0
+            o0, o1, o2, o3 = f16x4(tl.load(outl_ptr + bh64 * osb + oi, mask=om, other=0), FAST and TAB == 1)
+            v0 = tl.where(om, o0, v0)
+            v1 = tl.where(om, o1, v1)
+            v2 = tl.where(om, o2, v2)
+            v3 = tl.where(om, o3, v3)
+    out = tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (BT, D))  # element 4c+k = v_k[c]
+    return finish(out, FAST, RND), tmask
+
+
+@triton.jit
+def _hqmq_split_kernel(q_ptr,
+                       kc, kr, km, kf, ko, ki, kt, kl,
+                       vc, vr, vm, vf, vo, vi, vt, vl, ptab,
+                       po_ptr, pm_ptr, pl_ptr,
+                       T, tiles_per_split, qk_scale,
+                       k_cs, k_rs, k_ms, k_fs, k_os, k_is, v_cs, v_rs, v_ms, v_fs, v_os, v_is, vlen_ptr,
+                       VLEN: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
+                       BT: tl.constexpr,
+                       K_CW: tl.constexpr, K_CB: tl.constexpr, K_CNB: tl.constexpr, K_RW: tl.constexpr,
+                       K_RB: tl.constexpr, K_RNB: tl.constexpr, K_S: tl.constexpr, K_OUT: tl.constexpr,
+                       K_TAB: tl.constexpr, K_LOGR: tl.constexpr,
+                       V_CW: tl.constexpr, V_CB: tl.constexpr, V_CNB: tl.constexpr, V_RW: tl.constexpr,
+                       V_RB: tl.constexpr, V_RNB: tl.constexpr, V_S: tl.constexpr, V_OUT: tl.constexpr,
+                       V_TAB: tl.constexpr, V_LOGR: tl.constexpr,
+                       FB: tl.constexpr, FAST: tl.constexpr, INTERP: tl.constexpr, RND: tl.constexpr):
+    T = valid_tokens(T, vlen_ptr, VLEN)
+    pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last = split_prologue(
+        q_ptr, tl.cdiv(T, BT), tiles_per_split, GROUP, BH, D, FAST)
+    h = pid_bh % HKV
+    for ti in range(first, last):
+        t0 = ti * BT
+        k, tmask = _hqmq_tile(kc, kr, km, kf, ko, ki, kt, ptab, kl, pid_bh, h, t0, T,
+                              k_cs, k_rs, k_ms, k_fs, k_os, k_is,
+                              BT, D, K_CW, K_CB, K_CNB, K_RW, K_RB, K_RNB, FB, K_S, K_OUT, K_TAB, K_LOGR,
+                              FAST, INTERP, RND)
+        s = scores(q, tl.trans(k), tmask, qk_scale, FAST)
+        v, tmask = _hqmq_tile(vc, vr, vm, vf, vo, vi, vt, ptab, vl, pid_bh, h, t0, T,
+                              v_cs, v_rs, v_ms, v_fs, v_os, v_is,
+                              BT, D, V_CW, V_CB, V_CNB, V_RW, V_RB, V_RNB, FB, V_S, V_OUT, V_TAB, V_LOGR,
+                              FAST, INTERP, RND)
+        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, FAST)
+    store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D)
+
+
+
+def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_splits: int | None = None,
+                          block_t: int = 128, num_warps: int = 4, num_stages: int = 1,
+                          programs_per_sm: int = 8, workspace: Workspace | None = None,
+                          out_dtype=None, valid_len: torch.Tensor | None = None) -> torch.Tensor:
+    B, H, T, D = k.B, k.H, k.T, k.D
+    check_q(q, H, D, B)
+    vl, has_vl = check_valid_len(valid_len, q)
+    if (v.B, v.H, v.T, v.D) != (B, H, T, D):
+        raise ValueError("K and V caches differ in shape")
+    if block_t % OUTLIER_BLOCK:
+        raise ValueError(f"block_t must be a multiple of {OUTLIER_BLOCK}")
+    q = q.contiguous()
+    nsplit, per = choose_splits(B * H, triton.cdiv(T, block_t), q.device, num_splits, programs_per_sm)
+    nc = D // 4
+    fast = fast_path(q)
+
+    def tab(f: HQMQFlat) -> int:
+        if f.table.dtype not in (torch.float16, torch.float32) or f.table_mode not in ("codebook", "secondaries"):
+            raise ValueError(f"unsupported HQMQ table {f.table_mode}/{f.table.dtype}")
+        return (0 if f.table_mode == "codebook" else 2) + (f.table.dtype == torch.float16)
+
+    def args(f: HQMQFlat):
+        dummy = f.codes
+        # Without outliers the kernel never reads this argument: any int64 view will do
+        # (no allocation per call on the decode path).
+        outl = f.outliers.view(torch.int64) if f.has_outliers and f.outliers.numel() else f.table.view(torch.int64)
+        rel = f.rel16 if fast and tab(f) == 1 else f.rel
+        return [f.codes, f.radius, f.r_max, f.flags if f.has_outliers else dummy, outl,
+                f.outlier_index if f.has_outliers else dummy, f.table.view(torch.int64), rel]
+
+    def strides(f: HQMQFlat):
+        if f.has_outliers:
+            o = [bh_stride(f.flags, "flags"), bh_stride(f.outliers, "outliers") // 4,
+                 bh_stride(f.outlier_index, "outlier_index")]
+        else:
+            o = [0, 0, 0]
+        return [bh_stride(f.codes, "codes"), bh_stride(f.radius, "radius"), bh_stride(f.r_max, "r_max")] + o
+
+    def ce(f: HQMQFlat, p):
+        return {f"{p}_CW": f.code_bits, f"{p}_CB": f.codes.shape[-1], f"{p}_CNB": nbytes_span(nc, f.code_bits),
+                f"{p}_RW": f.r_bits, f"{p}_RB": f.radius.shape[-1], f"{p}_RNB": nbytes_span(nc, f.r_bits),
+                f"{p}_S": f.S, f"{p}_OUT": f.has_outliers, f"{p}_TAB": tab(f), f"{p}_LOGR": f.log_radius}
+
+    runtime = [T, per, LOG2E / math.sqrt(D)] + strides(k) + strides(v) + [vl]
+    const = {**ce(k, "K"), **ce(v, "V"), "VLEN": has_vl, "HKV": H, "BT": block_t, "FB": (nc + 7) // 8, "INTERP": interpreting()}
+    ptab = k.ptab.float().contiguous()
+    return launch_split(_hqmq_split_kernel, args(k) + args(v) + [ptab], runtime, const, q, B, H, nsplit, D,
+                   num_warps, num_stages, workspace, k.dtype, out_dtype)
+
+
+__all__ = ["hqmq_decode_attention"]

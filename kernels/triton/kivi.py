@@ -1,0 +1,180 @@
+"""Triton decode attention over KIVI caches (`KIVIFlat`, `KIVIGraphFlat`): keys per channel
+over G-token groups (a transposed tile), values per-token groups (naive_int's tile), the
+fp16 windows; the split kernel gives the tail (windows plus a tile) a program of its own.
+Launch defaults (H200 sweep, kernels/NOTES.md run 8): 64-token tiles, 4 warps, 2 stages,
+12 programs per SM.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import Workspace, bh_stride, check_q, check_valid_len, choose_splits, pow2
+from ..layout import KIVIFlat, KIVIGraphFlat
+from .common import LOG2E, dq_bytes, launch_split, nbytes_span, scores, softmax_update, split_prologue, store_partial
+from .naive_int import int_tile
+
+
+@triton.jit
+def _kivi_kt_tile(codes_ptr, scale_ptr, zero_ptr, bh, t0, NG, cs, ss,
+                  BT: tl.constexpr, D: tl.constexpr, W: tl.constexpr, G: tl.constexpr, GB: tl.constexpr,
+                  FAST: tl.constexpr, RND: tl.constexpr):
+    """Keys per channel over G-token groups (codes [NGcap, D, GB] per kv row): the
+    TRANSPOSED tile k^T [D, BT] of tokens t0.. (BT a multiple of G, t0 too)."""
+    NGT: tl.constexpr = BT // G
+    bh64 = bh.to(tl.int64)
+    gi = t0 // G + tl.arange(0, NGT)
+    gm = gi < NG
+    j = tl.arange(0, D)
+    by = tl.arange(0, GB)
+    off = bh64 * cs + ((gi.to(tl.int64)[:, None] * D + j[None, :]) * GB)[:, :, None] + by[None, None, :]
+    b = tl.load(codes_ptr + off, mask=gm[:, None, None], other=0)  # [NGT, D, GB]
+    so = bh64 * ss + gi.to(tl.int64)[:, None] * D + j[None, :]
+    sc = tl.load(scale_ptr + so, mask=gm[:, None], other=0)  # [NGT, D]
+    ze = tl.load(zero_ptr + so, mask=gm[:, None], other=0)
+    if not FAST:
+        sc = sc.to(tl.float32)
+        ze = ze.to(tl.float32)
+    shp: tl.constexpr = (NGT, D, GB)
+    val = dq_bytes(b, tl.broadcast_to(sc[:, :, None], shp), tl.broadcast_to(ze[:, :, None], shp), W, FAST, RND)
+    if NGT == 1:  # one group per tile: no transposition of groups and channels
+        return tl.reshape(val, (D, BT))  # token within its group = byte * (8/W) + field
+    else:
+        val = tl.reshape(val, (NGT, D, G))
+        return tl.reshape(tl.permute(val, (1, 0, 2)), (D, BT))
+
+
+@triton.jit
+def _fp16_tile(ptr, bh, t0, TR, rs, BT: tl.constexpr, D: tl.constexpr, FAST: tl.constexpr):
+    tok = t0 + tl.arange(0, BT)
+    tmask = (tok >= 0) & (tok < TR)
+    j = tl.arange(0, D)
+    off = bh.to(tl.int64) * rs + tl.maximum(tok, 0)[:, None] * D + j[None, :]
+    x = tl.load(ptr + off, mask=tmask[:, None], other=0)
+    if FAST:
+        return x.to(tl.float16), tmask
+    else:
+        return x.to(tl.float32), tmask
+
+
+@triton.jit
+def _kivi_split_kernel(q_ptr, kc, ks, kz, kres, vc, vs, vz, vres, po_ptr, pm_ptr, pl_ptr,
+                       NGK, TRK, NGV, TRV, tiles_per_split, qk_scale, k_cs, k_ss, k_rs, v_cs, v_ss, v_rs,
+                       vlen_ptr, TCAP,
+                       GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                       W: tl.constexpr, G: tl.constexpr, GB: tl.constexpr,
+                       VCB: tl.constexpr, VCNB: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr,
+                       VLEN: tl.constexpr = False, KA: tl.constexpr = 0, KP: tl.constexpr = 1,
+                       VA: tl.constexpr = 0, VP: tl.constexpr = 1):
+    """Keys: NGK quantized groups then TRK window rows; values: NGV groups then TRV rows
+    (KIVI keeps different windows for K and V; both cover the same T tokens). The
+    tiles where both are quantized are split over the programs; the tail from there
+    to T (under a window plus a tile) goes to the last split (the host adds one for it,
+    so it does not lengthen a split that also has main tiles), each side decoded from
+    whichever part holds the token.
+    VLEN: the counts come from the device valid length T at vlen_ptr (clamped to the
+    capacity TCAP) by each side's window policy (KA, KP) / (VA, VP): q(T) = max(0, T - A)
+    // P * P tokens quantized, the rest in the window (`step_encode.kivi_policy`); the
+    grid is cut for TCAP, so splits past the device's main tiles run none."""
+    if VLEN:
+        T = tl.minimum(tl.load(vlen_ptr), TCAP)
+        TQK = tl.maximum(T - KA, 0) // KP * KP
+        TQV = tl.maximum(T - VA, 0) // VP * VP
+        NGK = TQK // G
+        TRK = T - TQK
+        TRV = T - TQV
+    else:
+        TQK = NGK * G
+        TQV = NGV * G
+    T = TQK + TRK
+    n_main = tl.minimum(TQK, TQV) // BT
+    pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last = split_prologue(
+        q_ptr, n_main, tiles_per_split, GROUP, BH, D, FAST)
+    for ti in range(first, last):
+        t0 = ti * BT
+        tok = t0 + tl.arange(0, BT)
+        tmask = tok < T
+        kt = _kivi_kt_tile(kc, ks, kz, pid_bh, t0, NGK, k_cs, k_ss, BT, D, W, G, GB, FAST, RND)
+        s = scores(q, kt, tmask, qk_scale, FAST)
+        v = int_tile(vc, vs, vz, pid_bh, tok, tmask, v_cs, v_ss, BT, D, W, VCB, VCNB, G, True, FAST, RND)
+        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, FAST)
+    n_tail = tl.where(sp == nsplit - 1, tl.cdiv(T - n_main * BT, BT), 0)
+    for ri in range(0, n_tail):
+        t0 = (n_main + ri) * BT
+        tok = t0 + tl.arange(0, BT)
+        tmask = tok < T
+        kq = _kivi_kt_tile(kc, ks, kz, pid_bh, t0, NGK, k_cs, k_ss, BT, D, W, G, GB, FAST, RND)
+        kr, _ = _fp16_tile(kres, pid_bh, t0 - TQK, TRK, k_rs, BT, D, FAST)
+        kt = tl.where((tok < TQK)[None, :], kq, tl.trans(kr))
+        s = scores(q, kt, tmask, qk_scale, FAST)
+        vq = int_tile(vc, vs, vz, pid_bh, tok, tok < TQV, v_cs, v_ss, BT, D, W, VCB, VCNB, G, True, FAST, RND)
+        vr, _ = _fp16_tile(vres, pid_bh, t0 - TQV, TRV, v_rs, BT, D, FAST)
+        v = tl.where((tok < TQV)[:, None], vq, vr)
+        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, FAST)
+    store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D)
+
+
+
+def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_splits: int | None = None,
+                          block_t: int = 64, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 12,
+                          workspace: Workspace | None = None, out_dtype=None, valid_len=None) -> torch.Tensor:
+    """`valid_len` (a device token count, see `decode_attention`): k and v must be
+    `KIVIGraphFlat`s (the window policy turns the length into each side's counts, on the
+    device) of one capacity."""
+    B, H, D = k.B, k.H, k.D
+    check_q(q, H, D, B)
+    vl, has_vl = check_valid_len(valid_len, q)
+    if has_vl:
+        if not (isinstance(k, KIVIGraphFlat) and isinstance(v, KIVIGraphFlat) and k.policy and v.policy):
+            raise ValueError("the KIVI kernel takes valid_len only with KIVIGraphFlat caches (the window policy "
+                             "that splits the length into groups and window: KernelStore.graph_view)")
+        if k.capacity != v.capacity or k.codes is None or v.codes is None:
+            raise ValueError("KIVI K and V graph views differ in capacity or have no group buffers")
+        if (v.B, v.H, v.D, v.bits, v.group) != (B, H, D, k.bits, k.group):
+            raise ValueError("K and V KIVI caches differ in shape or config")
+    elif (v.B, v.H, v.D, v.T, v.bits, v.group) != (B, H, D, k.T, k.bits, k.group):
+        raise ValueError("K and V KIVI caches differ in shape or config")
+    if k.role != "K" or v.role != "V":
+        raise ValueError("pass the keys' KIVIFlat (role K) then the values' (role V)")
+    G, W = k.group, k.bits
+    if 8 % W:
+        raise ValueError(f"fused KIVI kernel supports 2, 4 or 8 bits, got {W}")
+    if not pow2(G) or D % G or not pow2(D // G) or G * W < 8:
+        raise ValueError(f"fused KIVI kernel needs a power-of-two group dividing head_dim, got G={G}")
+    bt = max(block_t, G)
+    if bt % G:
+        raise ValueError(f"block_t {block_t} must be a multiple of the group {G}")
+    q = q.contiguous()
+    if has_vl:  # cut for the capacity: at most capacity // bt main tiles, always a tail split
+        n_main = k.capacity // bt
+        nsplit, per = choose_splits(B * H, n_main, q.device, num_splits, programs_per_sm)
+        nsplit += 1 if n_main else 0
+    else:
+        n_main = min(k.n_groups, v.n_groups) * G // bt
+        nsplit, per = choose_splits(B * H, n_main, q.device, num_splits, programs_per_sm)
+        if n_main and k.T > n_main * bt:  # the tail gets a program of its own (its first tile is past n_main)
+            nsplit += 1
+
+    def parts(f: KIVIFlat, role: str):
+        if f.n_groups or has_vl:
+            return ([f.codes, f.scale, f.zero, f.residual],
+                    [bh_stride(f.codes, f"{role} codes"), bh_stride(f.scale, f"{role} scale"),
+                     bh_stride(f.residual, f"{role} window")])
+        codes = torch.zeros(1, dtype=torch.uint8, device=f.residual.device)  # never read; typed as codes are
+        return [codes, f.residual, f.residual, f.residual], [0, 0, bh_stride(f.residual, f"{role} window")]
+
+    kb, ks = parts(k, "K")
+    vb, vs = parts(v, "V")
+    runtime = [k.n_groups, k.T_res, v.n_groups, v.T_res, per, LOG2E / math.sqrt(D)] + ks + vs
+    runtime += [vl, k.capacity if has_vl else 0]
+    const = {"BT": bt, "W": W, "G": G, "GB": G * W // 8, "VCB": D * W // 8, "VCNB": nbytes_span(D, W)}
+    if has_vl:
+        const.update(VLEN=True, KA=k.policy[0], KP=k.policy[1], VA=v.policy[0], VP=v.policy[1])
+    return launch_split(_kivi_split_kernel, kb + vb, runtime, const, q, B, H, nsplit, D, num_warps, num_stages,
+                   workspace, k.dtype, out_dtype)
+
+
+__all__ = ["kivi_decode_attention"]

@@ -1,0 +1,94 @@
+"""Triton decode attention over naive int caches with per-token groups (`IntFlat`): the
+tile decoder (also KIVI's for its values), the split kernel and its host wrapper.
+Launch defaults (H200 sweep, kernels/NOTES.md run 8): 128-token tiles, 4 warps, 2 stages.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import Workspace, bh_stride, check_q, check_valid_len, choose_splits, pow2
+from ..layout import IntFlat
+from .common import (LOG2E, dq_bytes, finish, launch_split, nbytes_span, scores, softmax_update, split_prologue,
+                     store_partial, unpack_rows, valid_tokens)
+
+
+@triton.jit
+def int_tile(codes_ptr, scale_ptr, zero_ptr, bh, tok, tmask, cs, ss,
+              BT: tl.constexpr, D: tl.constexpr, W: tl.constexpr, CB: tl.constexpr, CNB: tl.constexpr,
+              G: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr):
+    """Per-token groups of G along the head dim: [BT, D] of rows `tok` of kv row bh.
+    VEC: W divides 8 and a group is whole bytes: bytes [BT, D/G, G*W/8], bit-trick decode."""
+    NG: tl.constexpr = D // G
+    bh64 = bh.to(tl.int64)
+    g = tl.arange(0, NG)
+    so = bh64 * ss + tok[:, None] * NG + g[None, :]
+    sc = tl.load(scale_ptr + so, mask=tmask[:, None], other=0)
+    ze = tl.load(zero_ptr + so, mask=tmask[:, None], other=0)
+    if not FAST:
+        sc = sc.to(tl.float32)
+        ze = ze.to(tl.float32)
+    if VEC:
+        GBY: tl.constexpr = G * W // 8
+        j = tl.arange(0, GBY)
+        off = bh64 * cs + (tok * CB)[:, None, None] + (g * GBY)[None, :, None] + j[None, None, :]
+        b = tl.load(codes_ptr + off, mask=tmask[:, None, None], other=0)
+        shp: tl.constexpr = (BT, NG, GBY)
+        val = dq_bytes(b, tl.broadcast_to(sc[:, :, None], shp), tl.broadcast_to(ze[:, :, None], shp), W, FAST, RND)
+        return tl.reshape(val, (BT, D))
+    else:
+        code = unpack_rows(codes_ptr + bh64 * cs, tok * CB, tmask, BT, D, W, CB, CNB).to(tl.float32)
+        val = tl.reshape(code, (BT, NG, G)) * sc.to(tl.float32)[:, :, None] + ze.to(tl.float32)[:, :, None]
+        return finish(tl.reshape(val, (BT, D)), FAST, RND)
+
+
+@triton.jit
+def _int_split_kernel(q_ptr, kc, ks, kz, vc, vs, vz, po_ptr, pm_ptr, pl_ptr,
+                      T, tiles_per_split, qk_scale, k_cs, k_ss, v_cs, v_ss, vlen_ptr, VLEN: tl.constexpr,
+                      GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                      W: tl.constexpr, CB: tl.constexpr, CNB: tl.constexpr, G: tl.constexpr,
+                      VEC: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr):
+    T = valid_tokens(T, vlen_ptr, VLEN)
+    pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last = split_prologue(
+        q_ptr, tl.cdiv(T, BT), tiles_per_split, GROUP, BH, D, FAST)
+    for ti in range(first, last):
+        tok = ti * BT + tl.arange(0, BT)
+        tmask = tok < T
+        k = int_tile(kc, ks, kz, pid_bh, tok, tmask, k_cs, k_ss, BT, D, W, CB, CNB, G, VEC, FAST, RND)
+        s = scores(q, tl.trans(k), tmask, qk_scale, FAST)
+        v = int_tile(vc, vs, vz, pid_bh, tok, tmask, v_cs, v_ss, BT, D, W, CB, CNB, G, VEC, FAST, RND)
+        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, FAST)
+    store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D)
+
+
+
+def int_decode_attention(q: torch.Tensor, k: IntFlat, v: IntFlat, *, num_splits: int | None = None,
+                         block_t: int = 128, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 8,
+                         workspace: Workspace | None = None, out_dtype=None,
+                         valid_len: torch.Tensor | None = None) -> torch.Tensor:
+    B, H, T, D = k.B, k.H, k.T, k.D
+    check_q(q, H, D, B)
+    vl, has_vl = check_valid_len(valid_len, q)
+    if (v.B, v.H, v.T, v.D, v.bits, v.group) != (B, H, T, D, k.bits, k.group):
+        raise ValueError("K and V int caches differ in shape or config")
+    G, W = k.group, k.bits
+    if D % G or not pow2(D // G):
+        raise ValueError(f"fused int kernel needs head_dim/group a power of two, got {D}/{G}")
+    vec = 8 % W == 0 and (G * W) % 8 == 0 and pow2(G * W // 8)
+    q = q.contiguous()
+    nsplit, per = choose_splits(B * H, triton.cdiv(T, block_t), q.device, num_splits, programs_per_sm)
+    runtime = [T, per, LOG2E / math.sqrt(D), bh_stride(k.codes, "codes"), bh_stride(k.scale, "scale"),
+               bh_stride(v.codes, "codes"), bh_stride(v.scale, "scale"), vl]
+    for f in (k, v):
+        if f.zero.stride() != f.scale.stride():
+            raise ValueError("int scale and zero buffers must share a layout")
+    const = {"VLEN": has_vl, "BT": block_t, "W": W, "CB": k.codes.shape[-1], "CNB": nbytes_span(D, W), "G": G,
+             "VEC": vec}
+    return launch_split(_int_split_kernel, [k.codes, k.scale, k.zero, v.codes, v.scale, v.zero], runtime, const,
+                   q, B, H, nsplit, D, num_warps, num_stages, workspace, k.dtype, out_dtype)
+
+
+__all__ = ["int_decode_attention", "int_tile"]
