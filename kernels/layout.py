@@ -29,38 +29,22 @@ Formats:
   per-kv-head scale `[H]` fp32.
 
 A quantizer finds its kernel layout through its CLASS: a `kernel_layout(packed,
-role)` method on the quantizer, or an entry of `KERNEL_LAYOUTS` (filled below with
-`register_layout`); never by name.
+role)` method on the quantizer, or the `flatten` of its format (kernels/formats/, one
+file per format; kernels/registry.py finds it by the class, never by name). The Flat
+types live here, below both sides of the contract: the formats build and store them,
+the backends (kernels/triton/, kernels/cuda/) read them.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import torch
 
 from ..quantizers import Packed, parse_spec
 from ..quantizers.hqmq import HQMQ, OUTLIER_BLOCK, outlier_block_starts
-from ..quantizers.kivi import KIVI
-from ..quantizers.naive_int import NaiveInt
 from ..quantizers.packing import unpack_bits
 from ..quantizers.quaternion import hamilton, hurwitz_units
-
-try:  # the fp8 plugin may be absent at older commits
-    from ..quantizers.fp8 import FP8
-except ImportError:  # pragma: no cover
-    FP8 = None
-
-KERNEL_LAYOUTS: dict[type, Callable] = {}
-
-
-def register_layout(quantizer_cls):
-    """Decorator: `fn(packed, role, **kw) -> *Flat` is the kernel layout of that class."""
-    def deco(fn):
-        if quantizer_cls is not None:
-            KERNEL_LAYOUTS[quantizer_cls] = fn
-        return fn
-    return deco
+from . import registry
 
 
 def _bytes(*ts) -> int:
@@ -74,7 +58,8 @@ def _rows(t: torch.Tensor | None, n: int) -> int:
     return _bytes(t) * n // t.shape[2]
 
 
-def _cat(packed: Packed, name: str) -> torch.Tensor:
+def concat_field(packed: Packed, name: str) -> torch.Tensor:
+    """Field `name` of every segment, concatenated along the token axis (contiguous)."""
     ts = [s.fields[name] for s in packed.segments]
     return (torch.cat(ts, dim=2) if len(ts) > 1 else ts[0]).contiguous()
 
@@ -207,59 +192,6 @@ def whole_blocks(n: int) -> int:
     return -(-n // OUTLIER_BLOCK) * OUTLIER_BLOCK
 
 
-def per_head_outliers(packed: Packed, nc: int):
-    """Med3x outliers of every segment as per-(b, h) lists `[B, H, Ocap, 4]` in (t, chunk)
-    order, and the per-token outlier counts `[B, H, T]`. Each segment stores its outliers
-    in (b, h, t, chunk) order; a stable sort by (b, h) over the segments in time order
-    keeps (t, chunk) order within each (b, h)."""
-    B, H = packed.batch, packed.heads
-    rows, vals, per_tok = [], [], []
-    for seg in packed.segments:
-        m = unpack_bits(seg.fields["flags"], 1, nc).bool()  # [B, H, Ts, nc]
-        per_tok.append(m.sum(-1))
-        rows.append(m.nonzero()[:, 0] * H + m.nonzero()[:, 1])
-        vals.append(seg.fields["outliers"])
-    per_tok = torch.cat(per_tok, dim=2)
-    row = torch.cat(rows)
-    val = torch.cat(vals)
-    order = torch.sort(row, stable=True).indices
-    row, val = row[order], val[order]
-    n_bh = torch.bincount(row, minlength=B * H)
-    first = torch.cumsum(n_bh, 0) - n_bh
-    rank = torch.arange(row.numel(), device=row.device) - first[row]
-    ocap = whole_blocks(max(1, int(n_bh.max()) if row.numel() else 1))
-    out = torch.zeros(B * H, ocap, 4, dtype=torch.float16, device=per_tok.device)
-    out[row, rank] = val.to(torch.float16)
-    return out.view(B, H, ocap, 4), per_tok
-
-
-@register_layout(HQMQ)
-def flatten_hqmq(packed: Packed, role: str | None = None, table_dtype=torch.float32,
-                 table_mode: str = "secondaries") -> HQMQFlat:
-    cls, cfg = parse_spec(packed.spec)
-    if not issubclass(cls, HQMQ):
-        raise ValueError(f"flatten_hqmq needs an hqmq cache, got {packed.spec!r}")
-    if not packed.segments:
-        raise ValueError("empty packed cache")
-    q = cls(cfg)
-    D = packed.head_dim
-    rel = q.radius_levels(torch.ones((), device=packed.device)).float().contiguous()
-    flat = HQMQFlat(
-        B=packed.batch, H=packed.heads, T=packed.tokens, D=D, S=cfg.S,
-        code_bits=q.code_bits, r_bits=cfg.r,
-        codes=_cat(packed, "codes"), radius=_cat(packed, "radius"), r_max=_cat(packed, "r_max"),
-        table=torch.empty(0), rel=rel, dtype=packed.dtype,
-        log_radius=cfg.radius == "log" and cfg.r > 1,
-        sec=normalised_secondaries(packed.shared), ptab=hurwitz_units(device=packed.device).contiguous(),
-    )
-    flat = flat.with_table(table_mode, table_dtype)
-    if q.med3:
-        flat.flags = _cat(packed, "flags")
-        flat.outliers, per_tok = per_head_outliers(packed, D // 4)
-        flat.outlier_index = outlier_block_starts(per_tok)
-    return flat
-
-
 # ---------------------------------------------------------------------------------------
 # naive int (per-token groups)
 # ---------------------------------------------------------------------------------------
@@ -288,23 +220,6 @@ class IntFlat:
         return dataclasses.replace(
             self, B=self.B * batch_reps, T=T * token_reps, codes=self.codes[:, :, :T].repeat(rep),
             scale=self.scale[:, :, :T].repeat(rep), zero=self.zero[:, :, :T].repeat(rep))
-
-
-@register_layout(NaiveInt)
-def flatten_int(packed: Packed, role: str | None = None) -> IntFlat:
-    cls, cfg = parse_spec(packed.spec)
-    if not issubclass(cls, NaiveInt):
-        raise ValueError(f"flatten_int needs a naive int cache, got {packed.spec!r}")
-    # Decided by the config, not by the fields: per-channel key groups store fields of the
-    # same names (codes, scale, zero over channels x G tokens), which read as per-token
-    # groups are garbage (an H200 prefill-then-decode row of int4:keys=per-channel went
-    # NaN that way). Role None reads as K, as in flatten_kivi.
-    if cfg.keys == "per-channel" and role != "V":
-        raise ValueError("the fused int kernel reads per-token groups only; keys of "
-                         f"{packed.spec!r} are per-channel groups")
-    return IntFlat(B=packed.batch, H=packed.heads, T=packed.tokens, D=packed.head_dim,
-                   bits=cfg.bits, group=cfg.group, codes=_cat(packed, "codes"), scale=_cat(packed, "scale"),
-                   zero=_cat(packed, "zero"), dtype=packed.dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -380,37 +295,6 @@ class KIVIGraphFlat(KIVIFlat):
 
 
 
-@register_layout(KIVI)
-def flatten_kivi(packed: Packed, role: str | None = "K") -> KIVIFlat:
-    cls, cfg = parse_spec(packed.spec)
-    if not issubclass(cls, KIVI):
-        raise ValueError(f"flatten_kivi needs a kivi cache, got {packed.spec!r}")
-    role = role or "K"
-    if role not in ("K", "V"):
-        raise ValueError(f"role must be K or V, got {role!r}")
-    B, H, D = packed.batch, packed.heads, packed.head_dim
-    quant = [s for s in packed.segments if "residual" not in s.fields]
-    res = [s for s in packed.segments if "residual" in s.fields]
-    if len(res) > 1 or (res and packed.segments[-1] is not res[0]):
-        raise ValueError("KIVI cache must hold its fp16 window last, once")
-    residual = (res[0].fields["residual"] if res else
-                torch.zeros(B, H, 0, D, dtype=torch.float16, device=packed.device)).contiguous()
-    ng = len(quant)
-    codes = scale = zero = None
-    if ng:
-        join = torch.stack if role == "K" else torch.cat
-
-        def field(name):
-            ts = [s.fields[name] for s in quant]
-            if role == "K" and name != "codes":
-                ts = [t.squeeze(-1) for t in ts]
-            return join(ts, dim=2).contiguous()
-
-        codes, scale, zero = field("codes"), field("scale"), field("zero")
-    return KIVIFlat(B=B, H=H, D=D, bits=cfg.bits, group=cfg.group, role=role, n_groups=ng,
-                    codes=codes, scale=scale, zero=zero, residual=residual, dtype=packed.dtype)
-
-
 # ---------------------------------------------------------------------------------------
 # fp8
 # ---------------------------------------------------------------------------------------
@@ -436,40 +320,22 @@ class FP8Flat:
                                    codes=self.codes[:, :, : self.T].repeat(batch_reps, 1, token_reps, 1))
 
 
-@register_layout(FP8)
-def flatten_fp8(packed: Packed, role: str | None = None) -> FP8Flat:
-    cls, cfg = parse_spec(packed.spec)
-    if FP8 is None or not issubclass(cls, FP8):
-        raise ValueError(f"flatten_fp8 needs an fp8 cache, got {packed.spec!r}")
-    return FP8Flat(B=packed.batch, H=packed.heads, T=packed.tokens, D=packed.head_dim, fmt=cfg.format,
-                   codes=_cat(packed, "codes"), scale=packed.shared["scale"].float().contiguous(),
-                   dtype=packed.dtype)
-
-
 # ---------------------------------------------------------------------------------------
-# dispatch
+# the way in
 # ---------------------------------------------------------------------------------------
-def kernel_layout_of(cls) -> Callable | None:
-    """The layout function of a quantizer class (its own `kernel_layout`, else the
-    registry entry of the nearest class in its MRO), or None: no fused kernel."""
-    for c in cls.__mro__:
-        if c in KERNEL_LAYOUTS:
-            return KERNEL_LAYOUTS[c]
-    return None
-
-
 def flatten(packed: Packed, role: str | None = None, **kw):
-    """The `*Flat` of a packed cache, found through its quantizer class."""
+    """The `*Flat` of a packed cache, found through its quantizer CLASS: a `kernel_layout`
+    method of the quantizer, else the flatten of its format (kernels/registry.py: the
+    nearest class in its MRO with a registered format)."""
     cls, cfg = parse_spec(packed.spec)
     own = getattr(cls, "kernel_layout", None)
     if own is not None:
         return cls(cfg, role=role or "K").kernel_layout(packed, role or "K", **kw)
-    fn = kernel_layout_of(cls)
-    if fn is None:
+    fmt = registry.format_of_quantizer(cls)
+    if fmt is None:
         raise ValueError(f"no fused kernel reads {cls.__name__} caches ({packed.spec!r})")
-    return fn(packed, role, **kw)
+    return fmt.flatten(packed, role, **kw)
 
 
-__all__ = ["HQMQFlat", "IntFlat", "KIVIFlat", "FP8Flat", "flatten", "flatten_hqmq", "flatten_int",
-           "flatten_kivi", "flatten_fp8", "KIVIGraphFlat", "hqmq_table", "codebook_from_secondaries", "OUTLIER_BLOCK",
-           "KERNEL_LAYOUTS", "register_layout", "kernel_layout_of", "per_head_outliers"]
+__all__ = ["HQMQFlat", "IntFlat", "KIVIFlat", "KIVIGraphFlat", "FP8Flat", "flatten", "concat_field", "hqmq_table",
+           "codebook_from_secondaries", "normalised_secondaries", "whole_blocks", "OUTLIER_BLOCK"]

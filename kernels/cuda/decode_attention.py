@@ -251,9 +251,23 @@ def format_name(k) -> str | None:
     return _FORMAT.get(type(k))
 
 
+def auto_refusal(k) -> str | None:
+    """Why backend="auto" does not route this cache here (None: it does): its format is
+    not in CUDA_VERIFIED."""
+    name = format_name(k)
+    if name is None:
+        return f"no CUDA kernel for {type(k).__name__}"
+    return None if name in CUDA_VERIFIED else f"{name} is not in cuda.decode_attention.CUDA_VERIFIED"
+
+
 def takes_by_default(k) -> bool:
     """Whether backend="auto" routes this cache type here (CUDA_VERIFIED)."""
-    return format_name(k) in CUDA_VERIFIED
+    return auto_refusal(k) is None
+
+
+# decode_attention's options `decode` takes (valid_len apart), and the ones it names otherwise
+OPTIONS = frozenset({"num_splits", "programs_per_sm", "ctas_per_sm", "variant", "workspace", "out_dtype"})
+RENAMED = {"programs_per_sm": "ctas_per_sm"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -480,6 +494,6 @@ def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | No
     return n_main, main, tail
 
 
-__all__ = ["decode", "make_workspace", "unsupported", "takes_by_default", "CUDA_VERIFIED", "format_name", "kivi_plan",
-           "num_regs_kivi", "why_unavailable", "available", "splits", "num_regs", "SOURCE",
-           "NUM_VARIANTS", "SMEM_VARIANTS", "KIVI_VARIANTS"]
+__all__ = ["decode", "make_workspace", "unsupported", "takes_by_default", "auto_refusal", "OPTIONS", "RENAMED",
+           "CUDA_VERIFIED", "format_name", "kivi_plan", "num_regs_kivi", "why_unavailable", "available", "splits",
+           "num_regs", "SOURCE", "NUM_VARIANTS", "SMEM_VARIANTS", "KIVI_VARIANTS"]

@@ -261,9 +261,26 @@ def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm
     return split_tiles(rows, T, sms, num_splits, ctas_per_sm, whole_waves, 4 if med3 else 1)
 
 
+def auto_refusal(k) -> str | None:
+    """Why backend="auto" does not route this cache here (None: it does): AUTO, and
+    AUTO_MED3 for Med3x."""
+    if not isinstance(k, HQMQFlat):
+        return f"no CUDA HQMQ kernel for {type(k).__name__}"
+    if not AUTO:
+        return "cuda.hqmq_decode.AUTO is False"
+    if k.has_outliers and not AUTO_MED3:
+        return "cuda.hqmq_decode.AUTO_MED3 is False: auto keeps Med3x caches on Triton"
+    return None
+
+
 def takes_by_default(k) -> bool:
     """Whether backend="auto" routes this cache here: AUTO, and AUTO_MED3 for Med3x."""
-    return AUTO and isinstance(k, HQMQFlat) and (AUTO_MED3 or not k.has_outliers)
+    return auto_refusal(k) is None
+
+
+# decode_attention's options `decode` takes (valid_len apart), and the ones it names otherwise
+OPTIONS = frozenset({"num_splits", "programs_per_sm", "ctas_per_sm", "variant", "workspace", "out_dtype"})
+RENAMED = {"programs_per_sm": "ctas_per_sm"}
 
 
 def workspace(q: torch.Tensor, k, *, num_splits: int | None = None, ctas_per_sm: int | None = None,
@@ -371,5 +388,5 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
 
 
 __all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits",
-           "codebook16", "takes_by_default", "AUTO", "AUTO_MED3", "NUM_VARIANTS", "MED3_VARIANTS",
-           "PREFETCH_VARIANTS", "SOURCE"]
+           "codebook16", "takes_by_default", "auto_refusal", "OPTIONS", "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS",
+           "MED3_VARIANTS", "PREFETCH_VARIANTS", "SOURCE"]

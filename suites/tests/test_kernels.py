@@ -378,17 +378,19 @@ def test_capacity_beyond_valid_length(spec):
 
 
 def test_layout_found_through_the_quantizer_class():
-    """flatten dispatches on the quantizer CLASS (registry or a kernel_layout method):
+    """flatten dispatches on the quantizer CLASS (its format, or a kernel_layout method):
     a subclass under another name inherits its parent's layout; a quantizer without a
     fused kernel gets a clear error."""
+    from kvqbench.kernels import registry
+    from kvqbench.kernels.formats.hqmq import flatten_hqmq
     from kvqbench.quantizers.hqmq import HQMQ
 
-    assert L.kernel_layout_of(HQMQ) is L.flatten_hqmq
+    assert registry.format_of_quantizer(HQMQ).flatten is flatten_hqmq
 
     class Renamed(HQMQ):
         name = "renamed-hqmq-test"
 
-    assert L.kernel_layout_of(Renamed) is L.flatten_hqmq
+    assert registry.format_of_quantizer(Renamed).flatten is flatten_hqmq
     x = make_kv(1, 2, 8, 64)
     with pytest.raises(ValueError, match="no fused kernel"):
         L.flatten(get_quantizer("fp16", role="K").encode(x))

@@ -100,9 +100,11 @@ def test_auto_backend_agrees_with_the_dispatcher(monkeypatch, spec, builds, refu
     """The shipped row's `backend` is what decode_attention(backend="auto") runs: the
     dispatcher is driven with a stand-in CUDA query and stubbed kernels (each returns its
     name), the library built or not, the layout taken or refused."""
+    import dataclasses
     from types import SimpleNamespace
 
     from kvqbench.kernels import decode_attention as da
+    from kvqbench.kernels import registry
     from kvqbench.kernels.cuda import decode_attention as cuda_decode
     from kvqbench.kernels.cuda import hqmq_decode as cuda_hqmq
     from kvqbench.suites.bench.latency.methods import auto_backend
@@ -113,7 +115,9 @@ def test_auto_backend_agrees_with_the_dispatcher(monkeypatch, spec, builds, refu
         monkeypatch.setattr(m, "available", lambda: builds)  # (not always a wrapper of why_unavailable)
         monkeypatch.setattr(m, "unsupported", lambda q, k, v: refusal)
         monkeypatch.setattr(m, "decode", lambda q, k, v, **kw: "cuda")
-    monkeypatch.setattr(da, "_KERNELS", {t: (lambda q, k, v, **kw: "triton") for t in da._KERNELS})
+    fmt = registry.format_of_flat(type(kf))  # its Triton kernel stubbed the same way
+    monkeypatch.setattr(fmt, "kernels", tuple(dataclasses.replace(x, fn=lambda q, k, v, **kw: "triton")
+                                              if x.backend == "triton" else x for x in fmt.kernels))
     q = SimpleNamespace(is_cuda=True)
     backend, why = auto_backend(q, kf, vf)
     assert backend == da.decode_attention(q, kf, vf)

@@ -1,0 +1,32 @@
+"""The fp8 format (e4m3 / e5m2 codes, a per-kv-head scale): `FP8Flat` (kernels/layout.py),
+its flatten, its kernels (Triton, kernels/triton/fp8.py; CUDA, kernels/cuda/decode_attention.py).
+"""
+from __future__ import annotations
+
+from ...quantizers import Packed, parse_spec
+from ...quantizers.fp8 import FP8
+from ..cuda import decode_attention as cuda_decode
+from ..layout import FP8Flat, concat_field
+from ..registry import Format, Kernel
+from ..triton.fp8 import fp8_decode_attention
+
+
+def flatten_fp8(packed: Packed, role: str | None = None) -> FP8Flat:
+    cls, cfg = parse_spec(packed.spec)
+    if not issubclass(cls, FP8):
+        raise ValueError(f"flatten_fp8 needs an fp8 cache, got {packed.spec!r}")
+    return FP8Flat(B=packed.batch, H=packed.heads, T=packed.tokens, D=packed.head_dim, fmt=cfg.format,
+                   codes=concat_field(packed, "codes"), scale=packed.shared["scale"].float().contiguous(),
+                   dtype=packed.dtype)
+
+
+CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_decode.decode(q, k, v, **kw), title="CUDA fp8 kernel",
+              auto=lambda k: cuda_decode.auto_refusal(k), options=cuda_decode.OPTIONS,
+              unsupported=lambda q, k, v: cuda_decode.unsupported(q, k, v),
+              why_unavailable=lambda: cuda_decode.why_unavailable(), renamed=cuda_decode.RENAMED)
+
+FORMAT = Format(
+    name="fp8", quantizer=FP8, flat=FP8Flat, flatten=flatten_fp8,
+    kernels=(Kernel("triton", fp8_decode_attention, title="Triton fp8 kernel"), CUDA),
+    bench={"fp8": "fp8-e4m3"},
+)
