@@ -1,7 +1,7 @@
 """CUDA C++ fused decode attention (decode_attention.cu, this folder) for int4, fp8 and
 KIVI-2 / KIVI-4 caches: built at first use (library.py), called through ctypes.
 
-Why CUDA and not Triton (kernels/NOTES.md, "CUDA decode kernels"): the mma operand of
+Why CUDA and not Triton (reports/kernels/NOTES.md, "CUDA decode kernels"): the mma operand of
 p @ V wants pairs of TOKENS in a register; Triton decodes pairs of dims and transposes
 the tile through 16-bit shared-memory stores (~2 SASS instructions per element). Here
 the packed bytes of two tokens are interleaved by one PRMT before decoding, the

@@ -12,7 +12,7 @@ Numerics: codeword (fp16) * rq rounded to fp16 (one rounding), r_max / 15 applie
 fp32 to the scores (K) and to P before its fp16 rounding (V); Med3x outliers exact in
 fp16, added by their own mma (K: to the scores unscaled; V: weighted by P without
 r_max / 15); q exact in fp16, base-2 softmax scale on the fp32 scores, P in fp16, fp32
-accumulation. kernels/NOTES.md ("CUDA HQMQ decode") has the
+accumulation. reports/kernels/NOTES.md ("CUDA HQMQ decode") has the
 design, SASS counts and GPU figures.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ AUTO = True
 # 188.5 (1.21x); B=1 graphs v0 44.2, v9 40.2, v10 38.5 us (1.16x HQMQ's 33.2), errors vs
 # Triton equal to v0's (4.4e-4). v10 is the default; every GPU test of test_cuda_hqmq.py
 # passed with it (call 22d: T = 1 to 131072, the overflow test, the variant sweep, valid_len,
-# last K / V token, capacity garbage; kernels/NOTES.md, "GPU calls 22a-22f").
+# last K / V token, capacity garbage; reports/kernels/NOTES.md, "GPU calls 22a-22f").
 MED3_VARIANTS = (0, 2, 9, 10)
 DEFAULT_VARIANT_MED3 = 10
 AUTO_MED3 = True

@@ -25,7 +25,7 @@ with T valid tokens; every buffer is indexed with its real per-(b, h) stride.
 
 Entry points (what the formats register, kernels/formats/): `hqmq_decode_attention`,
 `int_decode_attention`, `kivi_decode_attention`, `fp8_decode_attention`. Launch defaults
-are the best of a sweep at B=8, T=32k on an H200 (kernels/NOTES.md, run 8); each module
+are the best of a sweep at B=8, T=32k on an H200 (reports/kernels/NOTES.md, run 8); each module
 names its own. This backend imports neither the front (kernels/decode_attention.py) nor
 the CUDA backend.
 """

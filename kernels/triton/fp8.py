@@ -1,6 +1,6 @@
 """Triton decode attention over fp8 caches (`FP8Flat`, e4m3 / e5m2) with a per-kv-head scale
 folded into the score scale (K) and the output (V): the tile decoder, the split kernel
-and its host wrapper. Launch defaults (H200 sweep, kernels/NOTES.md run 8): 64-token
+and its host wrapper. Launch defaults (H200 sweep, reports/kernels/NOTES.md run 8): 64-token
 tiles, 4 warps, 3 stages, 12 programs per SM.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Triton decode attention over HQMQ caches (`HQMQFlat`), with or without Med3x outliers:
 the tile decoder (codes, radius levels, the codeword table, the outlier lookup), the
-split kernel and its host wrapper. Launch defaults (H200 sweep, kernels/NOTES.md run 8):
+split kernel and its host wrapper. Launch defaults (H200 sweep, reports/kernels/NOTES.md run 8):
 128-token tiles, 4 warps, no pipelining.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Triton decode attention over KIVI caches (`KIVIFlat`, `KIVIGraphFlat`): keys per channel
 over G-token groups (a transposed tile), values per-token groups (naive_int's tile), the
 fp16 windows; the split kernel gives the tail (windows plus a tile) a program of its own.
-Launch defaults (H200 sweep, kernels/NOTES.md run 8): 64-token tiles, 4 warps, 2 stages,
+Launch defaults (H200 sweep, reports/kernels/NOTES.md run 8): 64-token tiles, 4 warps, 2 stages,
 12 programs per SM.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Triton decode attention over naive int caches with per-token groups (`IntFlat`): the
 tile decoder (also KIVI's for its values), the split kernel and its host wrapper.
-Launch defaults (H200 sweep, kernels/NOTES.md run 8): 128-token tiles, 4 warps, 2 stages.
+Launch defaults (H200 sweep, reports/kernels/NOTES.md run 8): 128-token tiles, 4 warps, 2 stages.
 """
 from __future__ import annotations
 

@@ -312,7 +312,7 @@ def test_default_splits_cover_every_tile(rows, T):
 
 # ---------------------------------------------------------------------------------------
 # KIVI-2 / KIVI-4 (groups of 32, d 128): the quantized part through the KiviQ functor,
-# the fp16 windows' tail through the KiviTail launch (kernels/NOTES.md, "KIVI as a
+# the fp16 windows' tail through the KiviTail launch (reports/kernels/NOTES.md, "KIVI as a
 # format of the CUDA template"). backend="cuda" only until "kivi" is in CUDA_VERIFIED.
 # ---------------------------------------------------------------------------------------
 KIVI_SPECS = ["kivi:bits=2", "kivi:bits=4"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU call (kernels/NOTES.md, "CUDA decode kernels"): the package on PYTHONPATH
+# One GPU call (reports/kernels/NOTES.md, "CUDA decode kernels"): the package on PYTHONPATH
 # through a symlinked kvqbench/ (gpu_env.sh: no install step on a bare machine),
 # tests first, then the bench (bench.py beside this file); logs and JSON under $OUT.
 # usage: bash suites/bench/cuda/gpu_run.sh [test seconds] [bench seconds] [bench args...]

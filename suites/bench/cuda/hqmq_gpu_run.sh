@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU call for the CUDA HQMQ kernel (kernels/NOTES.md, "CUDA HQMQ decode"): package on
+# One GPU call for the CUDA HQMQ kernel (reports/kernels/NOTES.md, "CUDA HQMQ decode"): package on
 # PYTHONPATH through a symlinked kvqbench/ (gpu_env.sh), build, the whole test file (no -x:
 # every failure shows; the slowest tests listed for the next trim), bench.
 # usage: bash suites/bench/cuda/hqmq_gpu_run.sh [test seconds] [bench seconds] [bench args...]
