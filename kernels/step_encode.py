@@ -313,22 +313,6 @@ def _window_kernel(x_ptr, sxb, sxh, r_ptr, srb, srh, row, H, err_ptr, tok, pos_p
     flag(err_ptr, bits, n_bad, tok)
 
 
-def kivi_policy(q) -> tuple[int, int] | None:
-    """(A, P) with `q.quantized_tokens(t) == max(0, t - A) // P * P` for a KIVI quantizer q:
-    its window holds t - that many tokens, fills at A + P, and a flush quantizes P (whole
-    groups) and keeps A. Keys of the paper's window: (0, R rounded up to groups); values and
-    the fixed window: (R, G). Checked against `quantized_tokens` over several periods; None
-    when it does not fit (a changed policy: device steps then refuse the format)."""
-    c = q.config
-    if c.window == "paper" and q.role == "K":
-        a, p = 0, -(-max(c.residual, 1) // c.group) * c.group
-    else:
-        a, p = c.residual, c.group
-    if p % c.group or any(q.quantized_tokens(t) != max(0, t - a) // p * p for t in range(4 * (a + p) + 2)):
-        return None
-    return a, p
-
-
 def kivi_window(x, residual, row: int, err, tok: int, pos=None, policy: tuple[int, int] | None = None):
     """x `[B, H, 1, D]` as fp16 into row `row` of the window buffer `[B, H, Rcap, D]`
     (token `tok`, for the error flag). `pos` (a device position, see `device_pos`) with
@@ -555,5 +539,5 @@ class StepErrors:
                                       "rescale the input")
 
 
-__all__ = ["StepErrors", "device_pos", "fp8_tokens", "hqmq_tokens", "int_rows", "kivi_policy", "kivi_shift",
+__all__ = ["StepErrors", "device_pos", "fp8_tokens", "hqmq_tokens", "int_rows", "kivi_shift",
            "kivi_window", "LAUNCHES", "FP8_FORMATS"]

@@ -1,10 +1,15 @@
 """The fp8 format (e4m3 / e5m2 codes, a per-kv-head scale): `FP8Flat` (kernels/layout.py),
-its flatten, its kernels (Triton, kernels/triton/fp8.py; CUDA, kernels/cuda/decode_attention.py).
+its flatten, its store field (the codes along the tokens; the scale, fitted on the first
+write, from its flatten), its device step encoder (kernels/step_encode.py's `fp8_tokens`),
+its kernels (Triton, kernels/triton/fp8.py; CUDA, kernels/cuda/decode_attention.py).
 """
 from __future__ import annotations
 
+import torch
+
 from ...quantizers import Packed, parse_spec
 from ...quantizers.fp8 import FP8
+from .. import step_encode
 from ..cuda import decode_attention as cuda_decode
 from ..layout import FP8Flat, concat_field
 from ..registry import Format, Kernel
@@ -20,13 +25,20 @@ def flatten_fp8(packed: Packed, role: str | None = None) -> FP8Flat:
                    dtype=packed.dtype)
 
 
+def encode_step(store, x: torch.Tensor, errors: torch.Tensor, t0: int, pos=None) -> None:
+    """fp8 codes of a one-token write on the device (torch's saturating cast of x / scale),
+    into the store's buffer at token t0 (or the device position pos)."""
+    f = store.flat
+    step_encode.fp8_tokens(x, f.codes, f.scale, f.fmt, t0, errors, pos=pos)
+
+
 CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_decode.decode(q, k, v, **kw), title="CUDA fp8 kernel",
               auto=lambda k: cuda_decode.auto_refusal(k), options=cuda_decode.OPTIONS,
               unsupported=lambda q, k, v: cuda_decode.unsupported(q, k, v),
               why_unavailable=lambda: cuda_decode.why_unavailable(), renamed=cuda_decode.RENAMED)
 
 FORMAT = Format(
-    name="fp8", quantizer=FP8, flat=FP8Flat, flatten=flatten_fp8,
+    name="fp8", quantizer=FP8, flat=FP8Flat, flatten=flatten_fp8, token_fields=("codes",), step=encode_step,
     kernels=(Kernel("triton", fp8_decode_attention, title="Triton fp8 kernel"), CUDA),
     bench={"fp8": "fp8-e4m3"},
 )

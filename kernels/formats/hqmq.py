@@ -1,19 +1,40 @@
 """The HQMQ format, with or without Med3x outliers: `HQMQFlat` (kernels/layout.py), its
-flatten (the outliers regrouped per (b, h), the outlier index derived), its kernels
+flatten (the outliers regrouped per (b, h), the outlier index derived), its store
+(`HQMQStore`: the token fields codes, radius, r_max, flags, plus the per-(b, h) outlier
+lists), its device step encoder (kernels/step_encode.py's `hqmq_tokens`), its kernels
 (Triton, kernels/triton/hqmq.py; CUDA 12-bit codes r=4 d128, kernels/cuda/hqmq_decode.py).
+
+Med3x in the store: the outliers PER (b, h), `outliers [B, H, Ocap, 4]`, and
+`outlier_index [B, H, ceil(Tcap/64)]`, the start of each 64-token block within its (b, h)
+list, updated for the blocks a write starts. Their bytes are the one exception to the
+store holding each byte once: the segment keeps its (b, h, t, chunk)-ordered list, the
+store a per-(b, h) copy (outliers are a few percent of the chunks). A decode step at a
+device position appends the outliers at the device list ends and writes an index block
+start when the token at the position opens one; `reserve` makes room for the worst case
+of the steps to come, half the chunks of each token.
+
+Host synchronisation: the old path's appends need the largest per-(b, h) outlier count
+only when a host-side upper bound (previous bound plus the write's total outlier count,
+a shape, so known without a sync) says the outlier buffer might overflow: the bound grows
+B*H times faster than the largest list, so that is about B*H*log(T) syncs over T tokens,
+not one per step; host-position steps one every >= 64 steps (`OUTLIER_SLACK_STEPS`).
 """
 from __future__ import annotations
 
 import torch
 
-from ...quantizers import Packed, parse_spec
-from ...quantizers.hqmq import HQMQ, outlier_block_starts
+from ...quantizers import Packed, Segment, parse_spec
+from ...quantizers.hqmq import HQMQ, OUTLIER_BLOCK, outlier_block_starts
 from ...quantizers.packing import unpack_bits
 from ...quantizers.quaternion import hurwitz_units
+from .. import step_encode
 from ..cuda import hqmq_decode as cuda_hqmq
 from ..layout import HQMQFlat, concat_field, normalised_secondaries, whole_blocks
 from ..registry import Format, Kernel
+from ..store import KernelStore, TokenBuffer, concat_tokens, grown_capacity
 from ..triton.hqmq import hqmq_decode_attention
+
+OUTLIER_SLACK_STEPS = 64  # Med3x decode steps of worst-case outliers to spare when the list grows
 
 
 def per_head_outliers(packed: Packed, nc: int):
@@ -68,13 +89,180 @@ def flatten_hqmq(packed: Packed, role: str | None = None, table_dtype=torch.floa
     return flat
 
 
+def configure(flat: HQMQFlat, table=None) -> HQMQFlat:
+    """The flat with another codeword source for the kernel, (table_mode, dtype) (None: as is)."""
+    return flat if table is None else flat.with_table(*table)
+
+
+def encode_step(store: "HQMQStore", x: torch.Tensor, errors: torch.Tensor, t0: int, pos=None,
+                index_block: int | None = None) -> None:
+    """`HQMQ.encode_tokens` of a one-token write on the device, into the store's buffers at
+    token t0 (or the device position pos); Med3x: outliers at the (b, h) list ends, the
+    index block start at `index_block` (see `hqmq_tokens`)."""
+    f = store.flat
+    step_encode.hqmq_tokens(x, f, f.S, f.rel, t0, errors, C=store.stepper.config.C, med3=f.has_outliers,
+                            outlier_len=store.outlier_len, index_block=index_block, pos=pos)
+
+
+class HQMQStore(KernelStore):
+    """The generic store of the token fields plus, with Med3x, the per-(b, h) outlier lists
+    (module docstring)."""
+
+    def __init__(self, flat, packed: Packed, role: str, fmt):
+        super().__init__(flat, packed, role, fmt)
+        self.outliers: torch.Tensor | None = None  # Med3x: [B, H, Ocap, 4]
+        self.outlier_len: torch.Tensor | None = None  # [B, H] int64, valid entries per (b, h)
+        self.outlier_index: TokenBuffer | None = None  # [B, H, nblk_cap] int32 (one entry per block)
+        self._outlier_bound = 0  # host-side upper bound of outlier_len.max()
+
+    def _steps_begin(self) -> None:
+        if self.outliers is not None:  # the exact bound now (the first write syncs anyway), room to spare
+            self._sync_outliers(OUTLIER_SLACK_STEPS * (self.D // 8))
+            self._refresh_flat()
+
+    def _append_more(self, new: list[Segment], t0: int, t: int) -> None:
+        if "outliers" in new[0].fields:
+            self._append_outliers(new, t0, t)
+
+    def _append_outliers(self, new: list[Segment], t0: int, t: int) -> None:
+        """Med3x outliers of the write, from (b, h, t, chunk) order into per-(b, h) lists."""
+        B, H, nc = self.B, self.H, self.D // 4
+        flags = unpack_bits(concat_tokens(new, "flags"), 1, nc).bool()  # [B, H, t, nc]
+        vals = torch.cat([s.fields["outliers"] for s in new]) if len(new) > 1 else new[0].fields["outliers"]
+        per_tok = flags.sum(-1)  # [B, H, t]
+        per_row = per_tok.sum(-1).flatten()  # [B*H]
+        n = vals.shape[0]  # host-known: the segment's shape
+        if self.outliers is None:
+            self.outlier_len = torch.zeros(B * H, dtype=torch.int64, device=vals.device)
+            # capacities in whole blocks: Triton compiles one step-kernel variant whatever the data
+            self.outliers = vals.new_zeros(B, H, whole_blocks(max(1, 2 * n // max(1, B * H))), 4)
+            self.outlier_index = TokenBuffer(torch.zeros(B, H, 1, dtype=torch.int32, device=vals.device),
+                                             grown_capacity(max(t, self.capacity_hint)) // OUTLIER_BLOCK)
+        self._reserve_outliers(n)
+        ocap = self.outliers.shape[2]
+        # Destination of each outlier: its row's list end plus its rank within the row.
+        rows = torch.arange(B * H, device=vals.device)
+        row_of = torch.repeat_interleave(rows, per_row, output_size=n)
+        rank = torch.arange(n, device=vals.device) - (torch.cumsum(per_row, 0) - per_row)[row_of]
+        dest = row_of * ocap + self.outlier_len[row_of] + rank
+        self.outliers.view(-1, 4)[dest] = vals.to(self.outliers.dtype)
+        # Block starts for the 64-token blocks this write begins: list length before
+        # the block's first token.
+        first = (-t0) % OUTLIER_BLOCK
+        if first < t:
+            before = torch.cumsum(per_tok, -1) - per_tok  # outliers of this write before each token
+            starts = self.outlier_len.view(B, H, 1) + before[:, :, first::OUTLIER_BLOCK]
+            self.outlier_index.write(-(-t0 // OUTLIER_BLOCK), starts.int())
+        self.outlier_len += per_row
+
+    def _reserve_outliers(self, extra: int, slack: int = 0) -> bool:
+        """Room for `extra` more outliers in every (b, h) list; True when the buffer grew.
+        A host-side upper bound of the longest list says when it might overflow; only then
+        are the real lengths read (a sync), and the buffer grows with `slack` to spare so
+        the next read is that far off."""
+        grew = False
+        if self._outlier_bound + extra > self.outliers.shape[2]:  # might overflow
+            grew = self._sync_outliers(extra + slack)
+        self._outlier_bound += extra
+        return grew
+
+    def _sync_outliers(self, room: int) -> bool:
+        """Read the longest (b, h) list (a sync) into the bound; grow the buffer when it has
+        less than `room` to spare. True when it grew."""
+        ocap = self.outliers.shape[2]
+        self._outlier_bound = int(self.outlier_len.max())
+        if self._outlier_bound + room <= ocap:
+            return False
+        cap = whole_blocks(max(2 * ocap, self._outlier_bound + room))
+        grown = self.outliers.new_zeros(self.B, self.H, cap, 4)
+        grown[:, :, :ocap] = self.outliers
+        self.outliers = grown
+        return True
+
+    def _step_room(self, t0: int) -> tuple[bool, dict]:
+        block, moved = None, False
+        if self.outliers is not None:  # Med3x: a one-token write adds at most nc/2 outliers per (b, h)
+            most = self.D // 8  # (half the chunks can exceed C times their median)
+            moved = self._reserve_outliers(most, OUTLIER_SLACK_STEPS * most)
+            if t0 % OUTLIER_BLOCK == 0:  # the token opens a block: the kernel writes its start
+                block = t0 // OUTLIER_BLOCK
+                moved |= self.outlier_index.extend(block + 1)
+                self.outlier_index.length = block + 1
+        return moved, {"index_block": block}
+
+    def _reserve_more(self, tokens: int) -> bool:
+        if self.outliers is None:
+            return False
+        # Med3x: the worst case of the steps to come (half the chunks of each token), the
+        # index blocks they open; flags past the valid tokens zeroed, so no kernel looks
+        # up outliers for a capacity row (the kernels' device step writes each token's).
+        moved = self._reserve_outliers(max(0, tokens - self.tokens) * (self.D // 8))
+        moved |= self.outlier_index.extend(-(-tokens // OUTLIER_BLOCK))
+        flags = self.buffers["flags"].buf
+        with torch.inference_mode(flags.is_inference()):
+            flags[:, :, self.tokens:].zero_()
+        return moved
+
+    def _advance(self, end: int) -> None:
+        super()._advance(end)
+        if self.outliers is not None:  # the blocks the steps opened (their room was reserved)
+            self.outlier_index.length = max(self.outlier_index.length, -(-end // OUTLIER_BLOCK))
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        out = super().device_buffers()
+        if self.outliers is not None:
+            out += [self.outliers, self.outlier_len, self.outlier_index.buf]
+        return out
+
+    def _run_more(self, seg: Segment, start: int) -> None:
+        if self.outliers is not None:
+            seg.fields["outliers"] = self._run_outliers(start)
+
+    def _run_outliers(self, start: int) -> torch.Tensor:
+        """The run's Med3x outliers in (b, h, t, chunk) order (a segment's order), from the
+        ends of the per-(b, h) lists: each row's count from the run's flags."""
+        BH, nc = self.B * self.H, self.D // 4
+        flags = self.buffers["flags"].buf[:, :, start : self.tokens]
+        per_row = unpack_bits(flags, 1, nc).sum((-1, -2)).flatten()  # [B*H]
+        n = int(per_row.sum())
+        row = torch.repeat_interleave(torch.arange(BH, device=per_row.device), per_row, output_size=n)
+        first = self.outlier_len - per_row  # each row's first outlier of the run
+        pos = first[row] + torch.arange(n, device=row.device) - (torch.cumsum(per_row, 0) - per_row)[row]
+        return self.outliers.view(BH, -1, 4)[row, pos].clone()
+
+    def _flat_more(self) -> dict:
+        if self.outliers is None:
+            return {}
+        return {"outliers": self.outliers, "outlier_index": self.outlier_index.buf}
+
+    @property
+    def stored_nbytes(self) -> int:
+        n = super().stored_nbytes
+        if self.outliers is not None:
+            n += self._outlier_total() * 4 * self.outliers.element_size()
+        return n
+
+    def _outlier_total(self) -> int:
+        return int(self.outlier_len.sum())  # accounting only: a sync is fine here
+
+    @property
+    def allocated_nbytes(self) -> int:
+        """Device bytes the store holds: buffers at capacity, outliers, outlier_index."""
+        n = super().allocated_nbytes
+        if self.outliers is not None:
+            n += self.outliers.numel() * self.outliers.element_size() + self.outlier_index.nbytes
+        return n
+
+
+
 CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_hqmq.decode(q, k, v, **kw), title="CUDA HQMQ kernel",
               auto=lambda k: cuda_hqmq.auto_refusal(k), options=cuda_hqmq.OPTIONS,
               unsupported=lambda q, k, v: cuda_hqmq.unsupported(q, k, v),
               why_unavailable=lambda: cuda_hqmq.why_unavailable(), renamed=cuda_hqmq.RENAMED)
 
 FORMAT = Format(
-    name="hqmq", quantizer=HQMQ, flat=HQMQFlat, flatten=flatten_hqmq,
+    name="hqmq", quantizer=HQMQ, flat=HQMQFlat, flatten=flatten_hqmq, store=HQMQStore,
+    token_fields=("codes", "radius", "r_max", "flags"), step=encode_step, configure=configure,
     kernels=(Kernel("triton", hqmq_decode_attention, title="Triton HQMQ kernel"), CUDA),
     bench={"hqmq": "hqmq:S=96,r=4", "hqmq-med3": "hqmq:S=96,r=4,outliers=med3"},
 )

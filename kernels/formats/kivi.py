@@ -1,17 +1,42 @@
 """The KIVI format (keys per channel over G-token groups, values per-token groups, an fp16
 window): `KIVIFlat` and its graph view `KIVIGraphFlat` (kernels/layout.py), its flatten,
-its kernels (Triton, kernels/triton/kivi.py; CUDA KIVI-2/4 g32 d128,
-kernels/cuda/decode_attention.py, host counts only: no valid_len).
+its store (`KIVIStore`), its device step encoder (`encode_step`), its kernels (Triton,
+kernels/triton/kivi.py; CUDA KIVI-2/4 g32 d128, kernels/cuda/decode_attention.py, host
+counts only: no valid_len).
+
+The store: the new segments of a write are flattened by `flatten_kivi` (so the KIVI
+layout has one definition) and their quantized groups appended; the fp16 window is
+replaced by the write's window (its buffer is sized for the window, not for the capacity
+hint). KIVI's quantized segments are re-pointed at the buffers too; its window segment (a
+few groups of fp16) keeps its own bytes. A decode step writes the token into the window
+(kernels/step_encode.py's `kivi_window`), and when the token fills it one int launch
+quantizes the window's first P tokens into the groups and one shift keeps the rest (every
+G or R steps); its run's Segments are one per flushed group and a copy of the window.
+
+At a device position (CUDA graphs) the group count and window length are functions of
+the token count by the window policy (`kivi_policy`: max(0, t - A) // P * P tokens
+quantized, the window fills at A + P, a flush quantizes P and keeps A), so the device
+token count at `pos` is the one device state: the window write goes to row p - q(p), the
+flush (`int_rows` with `flush=`) and the shift (`kivi_shift`) launch every step and do
+nothing unless the token fills the window, and the attention derives each side's counts
+from the valid length the same way (`KIVIGraphFlat`, `graph_view`). `reserve` sizes the
+group buffers for the capacity and the window for A + P rows; `advance` sets n_groups,
+the window length and the buffers' lengths from the host's token count (no device read).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from ...quantizers import Packed, parse_spec
+from ...quantizers import Packed, Segment, parse_spec
 from ...quantizers.kivi import KIVI
+from ...quantizers.packing import packed_nbytes
+from .. import step_encode
 from ..cuda import decode_attention as cuda_decode
 from ..layout import KIVIFlat, KIVIGraphFlat
 from ..registry import Format, Kernel
+from ..store import KernelStore
 from ..triton.kivi import kivi_decode_attention
 
 
@@ -45,6 +70,290 @@ def flatten_kivi(packed: Packed, role: str | None = "K") -> KIVIFlat:
                     codes=codes, scale=scale, zero=zero, residual=residual, dtype=packed.dtype)
 
 
+def kivi_policy(q) -> tuple[int, int] | None:
+    """(A, P) with `q.quantized_tokens(t) == max(0, t - A) // P * P` for a KIVI quantizer q:
+    its window holds t - that many tokens, fills at A + P, and a flush quantizes P (whole
+    groups) and keeps A. Keys of the paper's window: (0, R rounded up to groups); values and
+    the fixed window: (R, G). Checked against `quantized_tokens` over several periods; None
+    when it does not fit (a changed policy: device steps then refuse the format)."""
+    c = q.config
+    if c.window == "paper" and q.role == "K":
+        a, p = 0, -(-max(c.residual, 1) // c.group) * c.group
+    else:
+        a, p = c.residual, c.group
+    if p % c.group or any(q.quantized_tokens(t) != max(0, t - a) // p * p for t in range(4 * (a + p) + 2)):
+        return None
+    return a, p
+
+
+def encode_step(store: "KIVIStore", x: torch.Tensor, errors: torch.Tensor, t0: int, pos=None) -> None:
+    """KIVI's one-token write on the device: the window row, then the flush and the shift
+    when the token fills the window (at the host position the store's counts decide and
+    advance; at a device position `pos` the kernels decide from it, see the module
+    docstring)."""
+    if pos is None:
+        store._step_window(x, errors)
+    else:
+        store._step_window_at(x, errors, pos)
+
+
+class KIVIStore(KernelStore):
+    """Quantized groups in growable buffers (K: one row of axis 2 per group; V: one per
+    token) and the fp16 window (module docstring)."""
+
+    def __init__(self, flat, packed: Packed, role: str, fmt):
+        super().__init__(dataclasses.replace(flat, n_groups=0), packed, role, fmt)
+        self._run_groups: list[Segment] = []  # the current run's flushed groups' Segments
+
+    def append(self, new: list[Segment], shared_tokens: int) -> None:
+        if not new:
+            return
+        self._append_kivi(new, shared_tokens)
+        self.tokens = shared_tokens + sum(s.tokens for s in new)
+
+    def _append_kivi(self, new: list[Segment], shared_tokens: int) -> None:
+        f = self.flat
+        if shared_tokens != f.n_groups * f.group:
+            raise ValueError(f"KIVI append shares {shared_tokens} tokens, the store holds "
+                             f"{f.n_groups} groups of {f.group}")
+        dtype, device, shared, spec = self._meta
+        piece = self.format.flatten(Packed(self.B, self.H, self.D, dtype, device, new, shared, spec), self.role)
+        ng, ng_new = f.n_groups, piece.n_groups
+        per_group = 1 if self.role == "K" else f.group  # rows of axis 2 per group
+        grew = False
+        if ng_new:
+            for name in ("codes", "scale", "zero"):
+                buf = self._buffer(name, getattr(piece, name), (ng + ng_new) * per_group, f.group // per_group)
+                grew |= buf.write(ng * per_group, getattr(piece, name))
+        # The window is bounded (a few groups), so no capacity hint: it would size an
+        # fp16 buffer for the whole context.
+        self._buffer("residual", piece.residual, max(piece.T_res, 1), hinted=False).write(0, piece.residual)
+        quant = [s for s in new if "residual" not in s.fields]
+        # (The window segment keeps its own bytes: the window buffer is rewritten in place
+        # on every write, which would change what an earlier Packed's window reads.)
+        self._adopt([(s, (ng + i) * per_group) for i, s in enumerate(quant)], grew)
+        self.flat = dataclasses.replace(
+            f, n_groups=ng + ng_new,
+            codes=self.buffers["codes"].buf if "codes" in self.buffers else None,
+            scale=self.buffers["scale"].buf if "scale" in self.buffers else None,
+            zero=self.buffers["zero"].buf if "zero" in self.buffers else None,
+            residual=self.buffers["residual"].valid, n_res=None)
+
+    def _segment_views(self, seg: Segment, start: int) -> dict[str, torch.Tensor]:
+        b = self.buffers
+        if self.role == "K":  # one group per row: codes [B,H,D,GB], scale/zero [B,H,D,1]
+            return {n: b[n].buf[:, :, start] if n == "codes" else b[n].buf[:, :, start].unsqueeze(-1)
+                    for n in ("codes", "scale", "zero")}
+        return {n: b[n].buf[:, :, start : start + seg.tokens] for n in ("codes", "scale", "zero")}
+
+    # ---- decode steps ------------------------------------------------------------------
+    def _run_position(self) -> int:
+        return self.flat.n_groups
+
+    def _step(self, x: torch.Tensor, errors: torch.Tensor) -> None:
+        self.format.step(self, x, errors, self.tokens)
+
+    def _step_window(self, x: torch.Tensor, errors: torch.Tensor) -> None:
+        f, res = self.flat, self.buffers["residual"]
+        n = res.length
+        res.extend(n + 1)
+        step_encode.kivi_window(x, res.buf, n, errors, self.tokens)
+        res.length = n + 1
+        done = f.n_groups * f.group
+        flush = self.stepper.quantized_tokens(done + n + 1) - done
+        if flush:
+            self._flush(flush, errors)
+        f.residual, f.n_res = res.buf, res.length
+        self.tokens += 1
+
+    def _flush(self, n: int, errors: torch.Tensor) -> None:
+        """Quantize the window's first n tokens (whole groups) as KIVI's `append_windowed`
+        does, into the group buffers, and shift the rest of the window down."""
+        f, res = self.flat, self.buffers["residual"]
+        G, ng, new = f.group, f.n_groups, n // f.group
+        w, D = res.buf, self.D
+        key = self.role == "K"
+        per = 1 if key else G  # rows of axis 2 per group
+        self._group_buffers((ng + new) * per)
+        grew = False
+        for name in ("codes", "scale", "zero"):
+            grew |= self.buffers[name].extend((ng + new) * per)
+        c, sc, z = (self.buffers[k].buf for k in ("codes", "scale", "zero"))
+        if key:  # rows: channels, their G tokens D apart; blocks: groups
+            step_encode.int_rows(w, (w.stride(0), w.stride(1), 1, w.stride(2), G * w.stride(2)), D, new,
+                                 c, (c.stride(0), c.stride(1), c.stride(3), c.stride(2)), sc, z,
+                                 (sc.stride(0), sc.stride(1), 1, sc.stride(2)), 0, ng, n=G, group=G, bits=f.bits,
+                                 err=errors, tok0=self.tokens, token_rows=False)
+        else:  # rows: tokens, groups of G channels
+            step_encode.int_rows(w, (w.stride(0), w.stride(1), w.stride(2), 1, 0), n, 1,
+                                 c, (c.stride(0), c.stride(1), c.stride(2), 0), sc, z,
+                                 (sc.stride(0), sc.stride(1), sc.stride(2), 0), ng * G, 0, n=D, group=G,
+                                 bits=f.bits, err=errors, tok0=self.tokens, token_rows=False)
+        rest = res.length - n
+        if rest:
+            with torch.inference_mode(w.is_inference()):
+                w[:, :, :rest] = w[:, :, n : n + rest].clone()  # overlapping ranges: through a copy
+        res.length = rest
+        for name in ("codes", "scale", "zero"):
+            self.buffers[name].length = (ng + new) * per
+        f.n_groups, f.codes, f.scale, f.zero = ng + new, c, sc, z
+        if grew:
+            self._adopt([], True)
+
+    def _group_buffers(self, rows: int) -> None:
+        """KIVI's group buffers (codes, scale, zero), created for `rows` rows of axis 2 (or
+        the capacity hint) when no group was stored yet: shaped like one group's fields."""
+        if "codes" in self.buffers:
+            return
+        f, w, B, H, D = self.flat, self.buffers["residual"].buf, self.B, self.H, self.D
+        G, key = f.group, self.role == "K"
+        per = 1 if key else G
+        codes = w.new_empty((B, H, 1, D, packed_nbytes(G, f.bits)) if key else
+                            (B, H, 1, packed_nbytes(D, f.bits)), dtype=torch.uint8)
+        scale = w.new_empty((B, H, 1, D) if key else (B, H, 1, D // G))
+        for name, like in (("codes", codes), ("scale", scale), ("zero", scale)):
+            self._buffer(name, like, rows, G // per)
+
+    def _step_window_at(self, x: torch.Tensor, errors: torch.Tensor, pos: torch.Tensor) -> None:
+        """KIVI's step at the device position p: the window write at row p - q(p), then the
+        flush `_flush` does, decided on the device (the launches do nothing unless
+        this token fills the window): the first P window rows quantized into the groups
+        after the q(p) / G held, then rows P .. A+P-1 shifted down. Two launches (the
+        paper's keys: the window empties) or three, every step."""
+        f, pol = self.flat, self.kivi_policy
+        w = self.buffers["residual"].buf
+        step_encode.kivi_window(x, w, 0, errors, 0, pos=pos, policy=pol)
+        G, P = f.group, pol[1]
+        c, sc, z = (self.buffers[k].buf for k in ("codes", "scale", "zero"))
+        if self.role == "K":  # as `_flush`: rows channels, blocks groups (one block per group)
+            step_encode.int_rows(w, (w.stride(0), w.stride(1), 1, w.stride(2), G * w.stride(2)), self.D, P // G,
+                                 c, (c.stride(0), c.stride(1), c.stride(3), c.stride(2)), sc, z,
+                                 (sc.stride(0), sc.stride(1), 1, sc.stride(2)), 0, 0, n=G, group=G, bits=f.bits,
+                                 err=errors, tok0=0, token_rows=False, pos=pos, flush=(pol, G, 0, 1))
+        else:  # rows tokens (G rows per group)
+            step_encode.int_rows(w, (w.stride(0), w.stride(1), w.stride(2), 1, 0), P, 1,
+                                 c, (c.stride(0), c.stride(1), c.stride(2), 0), sc, z,
+                                 (sc.stride(0), sc.stride(1), sc.stride(2), 0), 0, 0, n=self.D, group=G,
+                                 bits=f.bits, err=errors, tok0=0, token_rows=False, pos=pos, flush=(pol, G, G, 0))
+        step_encode.kivi_shift(w, pos, pol)
+
+    def graph_unsupported(self) -> str | None:
+        why = super().graph_unsupported()
+        if why is not None:
+            return why
+        if self.kivi_policy is None:
+            return ("KIVI's window policy is not max(0, t - A) // P * P quantized tokens "
+                    "(kivi_policy), so the device cannot decide its flushes")
+        if 8 % self.flat.bits:  # (the attention kernel's own limit: the device path is Triton's)
+            return f"KIVI with {self.flat.bits} bits: the fused kernel reads 2, 4 or 8"
+        return None
+
+    @property
+    def kivi_policy(self) -> tuple[int, int] | None:
+        """(A, P) of `kivi_policy` (quantized tokens max(0, t - A) // P * P; the window fills
+        at A + P, a flush quantizes P tokens and keeps A); None without a stepper."""
+        if self.stepper is None:
+            return None
+        if not hasattr(self, "_policy"):
+            self._policy = kivi_policy(self.stepper)
+        return self._policy
+
+    def _counts(self, tokens: int) -> tuple[int, int]:
+        """(quantized groups, window rows) of a KIVI store holding `tokens` tokens."""
+        a, p = self.kivi_policy
+        q = max(0, tokens - a) // p * p
+        return q // self.flat.group, tokens - q
+
+    def reserve(self, tokens: int) -> None:
+        """Room for `tokens` tokens, allocated now: the group buffers for the groups they
+        hold, the window for the A + P rows it reaches before a flush."""
+        a, p = self.kivi_policy
+        f, res = self.flat, self.buffers["residual"]
+        per = 1 if self.role == "K" else f.group
+        rows = self._counts(tokens)[0] * per
+        if res.extend(a + p):
+            f.residual = res.buf
+        self._group_buffers(max(rows, per))
+        grew = False
+        for name in ("codes", "scale", "zero"):
+            grew |= self.buffers[name].extend(max(rows, per))
+        f.codes, f.scale, f.zero = (self.buffers[k].buf for k in ("codes", "scale", "zero"))
+        f.residual, f.n_res = res.buf, res.length
+        if grew:
+            self._adopt([], True)
+
+    @property
+    def token_capacity(self) -> int:
+        """Tokens whose groups the group buffers hold, with a window that can fill."""
+        a, p = self.kivi_policy
+        if "codes" not in self.buffers or self.buffers["residual"].capacity < a + p:
+            return self.tokens
+        per = 1 if self.role == "K" else self.flat.group
+        # the most tokens t with q(t) / G groups within the buffers: q(t) <= cap * G
+        # (per row of axis 2: one group (K) or one token (V))
+        qcap = self.buffers["codes"].capacity // per * self.flat.group // p * p
+        return qcap + a + p - 1
+
+    def _advance(self, end: int) -> None:
+        if self._run_start is None:
+            self._run_start = self.flat.n_groups
+        ng, n_res = self._counts(end)
+        per = 1 if self.role == "K" else self.flat.group
+        for name in ("codes", "scale", "zero"):
+            self.buffers[name].length = ng * per
+        self.buffers["residual"].length = n_res
+        self.flat.n_groups, self.flat.n_res = ng, n_res
+        self.tokens = end
+
+    def _graph_stale(self, view) -> bool:
+        # (KIVI's flat is updated in place: its buffers are compared too)
+        return view.codes is not self.flat.codes or view.residual is not self.buffers["residual"].buf
+
+    def _graph_flat_of(self, capacity: int):
+        # the counts follow the valid length by the window policy
+        f = self.flat
+        view = KIVIGraphFlat(**{k.name: getattr(f, k.name) for k in dataclasses.fields(KIVIFlat)})
+        view.n_res, view.policy, view.capacity = self.buffers["residual"].capacity, self.kivi_policy, capacity
+        return view
+
+    def run_segments(self, base: list[Segment]) -> list[Segment]:
+        """The run's Segments: one per flushed group and a copy of the window."""
+        if self._run_start is None:
+            return base
+        return self._run_segments(base)
+
+    def _run_segments(self, base: list[Segment]) -> list[Segment]:
+        if base and "residual" in base[-1].fields:
+            base = base[:-1]  # the window of the run's start: now in the buffer
+        f = self.flat
+        per = 1 if self.role == "K" else f.group
+        for g in range(self._run_start + len(self._run_groups), f.n_groups):
+            seg = Segment({}, f.group)
+            seg.fields.update(self._segment_views(seg, g * per))
+            self._adopted.append((seg, g * per))  # written once: re-pointed like absorbed segments
+            self._run_groups.append(seg)
+        out = base + self._run_groups
+        n_res = self.buffers["residual"].length
+        if n_res:  # rewritten in place by later steps: a copy (a few groups of fp16)
+            out = out + [Segment({"residual": self.buffers["residual"].buf[:, :, :n_res].clone()}, n_res)]
+        return out
+
+    def end_run(self) -> None:
+        super().end_run()
+        self._run_groups = []
+
+    @property
+    def stored_nbytes(self) -> int:
+        per_group = 1 if self.role == "K" else self.flat.group
+        return sum(self._valid_rows(k, per_group) for k in self.buffers)
+
+    def _valid_rows(self, name: str, per_group: int) -> int:
+        b = self.buffers[name]
+        rows = b.length if name == "residual" else self.flat.n_groups * per_group
+        v = b.buf[:, :, :rows]
+        return v.numel() * v.element_size()
+
+
 CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_decode.decode(q, k, v, **kw), title="CUDA KIVI kernel",
               auto=lambda k: cuda_decode.auto_refusal(k), options=cuda_decode.OPTIONS,
               valid_len=False,  # its valid state is two counts per side (kernels/cuda/decode_attention.py)
@@ -52,7 +361,8 @@ CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_decode.decode(q, k, v, **kw), t
               why_unavailable=lambda: cuda_decode.why_unavailable(), renamed=cuda_decode.RENAMED)
 
 FORMAT = Format(
-    name="kivi", quantizer=KIVI, flat=(KIVIFlat, KIVIGraphFlat), flatten=flatten_kivi,
+    name="kivi", quantizer=KIVI, flat=(KIVIFlat, KIVIGraphFlat), flatten=flatten_kivi, store=KIVIStore,
+    step=encode_step,
     kernels=(Kernel("triton", kivi_decode_attention, title="Triton KIVI kernel"), CUDA),
     bench={"kivi4": "kivi:bits=4", "kivi2": "kivi:bits=2"},
 )

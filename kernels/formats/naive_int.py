@@ -1,12 +1,16 @@
 """The naive int format (per-token groups along the head dim): `IntFlat` (kernels/layout.py),
-its flatten, its kernels (Triton, kernels/triton/naive_int.py; CUDA int4 g32,
-kernels/cuda/decode_attention.py). Per-channel key groups are refused (the fused kernels
+its flatten, its store fields (codes, scale, zero along the tokens), its device step
+encoder (kernels/step_encode.py's `int_rows`), its kernels (Triton,
+kernels/triton/naive_int.py; CUDA int4 g32, kernels/cuda/decode_attention.py). Per-channel key groups are refused (the fused kernels
 read per-token groups only): such caches take the dense path.
 """
 from __future__ import annotations
 
+import torch
+
 from ...quantizers import Packed, parse_spec
 from ...quantizers.naive_int import NaiveInt
+from .. import step_encode
 from ..cuda import decode_attention as cuda_decode
 from ..layout import IntFlat, concat_field
 from ..registry import Format, Kernel
@@ -29,6 +33,16 @@ def flatten_int(packed: Packed, role: str | None = None) -> IntFlat:
                    zero=concat_field(packed, "zero"), dtype=packed.dtype)
 
 
+def encode_step(store, x: torch.Tensor, errors: torch.Tensor, t0: int, pos=None) -> None:
+    """`quantize_groups` of a one-token write on the device, per-token groups of the head
+    dim, into the store's buffers at token t0 (or the device position pos)."""
+    f = store.flat
+    c, sc = f.codes, f.scale
+    step_encode.int_rows(x, x.stride()[:4] + (0,), 1, 1, c, c.stride()[:3] + (0,), sc, f.zero,
+                         sc.stride()[:3] + (0,), t0, 0, n=store.D, group=f.group, bits=f.bits,
+                         err=errors, tok0=t0, token_rows=True, pos=pos)
+
+
 CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_decode.decode(q, k, v, **kw), title="CUDA int4 kernel",
               auto=lambda k: cuda_decode.auto_refusal(k), options=cuda_decode.OPTIONS,
               unsupported=lambda q, k, v: cuda_decode.unsupported(q, k, v),
@@ -36,6 +50,7 @@ CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_decode.decode(q, k, v, **kw), t
 
 FORMAT = Format(
     name="naive_int", quantizer=NaiveInt, flat=IntFlat, flatten=flatten_int,
+    token_fields=("codes", "scale", "zero"), step=encode_step,
     kernels=(Kernel("triton", int_decode_attention, title="Triton int kernel"), CUDA),
     bench={"int4": "int4"},
 )

@@ -372,7 +372,7 @@ class QuantizedLayer(DynamicLayer):
             bool(self.fused_wanted) and _triton_can_run(self.device))
         if not (can and self.layer_type in (None, "full_attention")):
             return False
-        stores = {r: KernelStore.create(self._packed[r], r, capacity=self.capacity_hint, hqmq_table=self._table(),
+        stores = {r: KernelStore.create(self._packed[r], r, capacity=self.capacity_hint, table=self._table(),
                                         step=self.step_encode) for r in ROLES}
         if any(s is None for s in stores.values()):
             return False
@@ -441,7 +441,7 @@ class QuantizedLayer(DynamicLayer):
         self._packed[role] = packed
         if self.mode == "fused":
             self.stores[role] = KernelStore.create(packed, role, capacity=self.capacity_hint,
-                                                   hqmq_table=self._table(), step=self.step_encode)
+                                                   table=self._table(), step=self.step_encode)
         elif new:
             out = self._decode_into(role, new, shared)
             if role == "K":

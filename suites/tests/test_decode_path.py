@@ -95,7 +95,7 @@ def test_store_appends_equal_flatten(spec, role):
         assert torch.equal(got.residual[:, :, :ref.T_res], ref.residual[:, :, :ref.T_res])
     else:
         assert got.T == ref.T == 150 and got.codes.shape[2] >= 150  # capacity beyond T
-        for name in KernelStore.TOKEN_FIELDS[type(ref)]:
+        for name in store.format.token_fields:
             if getattr(ref, name, None) is not None:
                 assert torch.equal(getattr(got, name)[:, :, :150], getattr(ref, name)), name
         if isinstance(ref, L.FP8Flat):

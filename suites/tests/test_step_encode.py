@@ -27,7 +27,10 @@ if not torch.cuda.is_available():
 
 from kvqbench.kernels import layout as L  # noqa: E402
 from kvqbench.kernels import step_encode as se  # noqa: E402
+from kvqbench.kernels import registry  # noqa: E402
 from kvqbench.kernels import store as store_mod  # noqa: E402
+from kvqbench.kernels.formats import hqmq as hqmq_format  # noqa: E402
+from kvqbench.kernels.formats.kivi import kivi_policy  # noqa: E402
 from kvqbench.quantizers import QuantizerInputError, get_quantizer  # noqa: E402
 from kvqbench.quantizers.groups import quantize_groups  # noqa: E402
 from kvqbench.quantizers.packing import unpack_bits  # noqa: E402
@@ -194,7 +197,7 @@ def _assert_same_cache(fast, old, tie_ok=False):
                 assert (a != b).float().mean() <= 0.01
             else:
                 assert torch.equal(a, b), (role, name)
-        if sf.outliers is not None:
+        if getattr(sf, "outliers", None) is not None:
             assert torch.equal(sf.outlier_len, so.outlier_len)
             nblk = -(-sf.tokens // L.OUTLIER_BLOCK)
             assert torch.equal(sf.outlier_index.buf[:, :, :nblk], so.outlier_index.buf[:, :, :nblk])
@@ -223,7 +226,7 @@ def test_fast_steps_across_growth_and_a_multi_token_write(spec, monkeypatch):
     # Buffers that double (MIN_CAPACITY 64), Med3x outlier lists that grow (little
     # slack), a 3-token write between steps folding the run into ordinary segments.
     monkeypatch.setattr(store_mod, "MIN_CAPACITY", 64)
-    monkeypatch.setattr(store_mod, "OUTLIER_SLACK_STEPS", 1)
+    monkeypatch.setattr(hqmq_format, "OUTLIER_SLACK_STEPS", 1)
     fast, old = _layers(spec, torch.float16, 3, 62, steps=14, mid=3)
     _assert_same_cache(fast, old, tie_ok="hqmq" in spec)
     assert fast.stores["V"].buffers["codes"].capacity > 64  # (V: rows are tokens)
@@ -295,11 +298,11 @@ def test_kivi_policy_matches_quantized_tokens():
                                      "kivi:bits=2,group=8,residual=12,window=fixed"]:
         for role in ("K", "V"):
             q = get_quantizer(spec, role=role)
-            a, p = se.kivi_policy(q)
+            a, p = kivi_policy(q)
             assert all(q.quantized_tokens(t) == max(0, t - a) // p * p for t in range(300)), (spec, role)
     q = get_quantizer("kivi:bits=2,group=8,residual=8", role="V")
     q.quantized_tokens = lambda t: t // 3 * 3  # a policy of another form: refused
-    assert se.kivi_policy(q) is None
+    assert kivi_policy(q) is None
 
 
 def test_plugins_and_disabled_step_encoding_take_the_old_path():
@@ -310,7 +313,8 @@ def test_plugins_and_disabled_step_encoding_take_the_old_path():
     layer.update(x[:, :, 8:], x[:, :, 8:])
     assert layer.stores["K"].stepper is None and not layer.stores["K"].in_run
     # a subclass (a plugin) may encode differently: no step encoder for it
-    assert store_mod.STEP_ENCODED.get(type("MyInt", (type(get_quantizer("int4")),), {})) is None
+    my_int = type("MyInt", (type(get_quantizer("int4")),), {})
+    assert not registry.format_of_quantizer(my_int).encodes_steps_of(my_int)
 
 
 @pytest.mark.parametrize("spec", ["int4", "kivi:bits=2,group=8,residual=8", "fp8-e4m3", "hqmq:S=8,r=4"])
