@@ -421,7 +421,7 @@ class Quantizer(ABC):
         _compare_fields(packed.shared, expected, "shared tensors", variable=())
         for name, t in packed.shared.items():
             if t.is_floating_point():
-                _check_stored_finite(t, f"shared tensor {name!r}")
+                check_stored_finite(t, f"shared tensor {name!r}")
 
     def _check_segment(self, packed: Packed, index: int, seg: Segment, shape, finite: bool = True) -> None:
         """Fields of the names, shapes and dtypes this format stores for `shape`; and (`finite`)
@@ -443,7 +443,7 @@ class Quantizer(ABC):
     def _check_fields_finite(packed: Packed, index: int, seg: Segment) -> None:
         for name, t in seg.fields.items():
             if t.is_floating_point():
-                _check_stored_finite(t, f"segment {index} of a {packed.spec} cache, field {name!r},")
+                check_stored_finite(t, f"segment {index} of a {packed.spec} cache, field {name!r},")
 
     @staticmethod
     def _first_non_finite(spec: str, first: int, run_fields: list[dict]) -> Exception:
@@ -561,6 +561,7 @@ def _non_finite(t: torch.Tensor) -> torch.Tensor:
     return (~torch.isfinite(t)).sum()
 
 
-def _check_stored_finite(t: torch.Tensor, where: str) -> None:
+def check_stored_finite(t: torch.Tensor, where: str) -> None:
+    """CorruptPackedError (queued under deferred_checks) when stored tensor t holds NaN/Inf."""
     n = _non_finite(t)
     require(n > 0, lambda: CorruptPackedError(f"{where} holds {int(n)} NaN/Inf values: the stored bytes are corrupt"))

@@ -41,7 +41,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import CorruptPackedError, Packed, _check_stored_finite
+from .base import CorruptPackedError, Packed, check_stored_finite
 
 
 class FitsOnFirstWrite:
@@ -126,7 +126,7 @@ class FitsOnFirstWrite:
                     raise CorruptPackedError(f"shared tensor {name!r} has shape {tuple(t.shape)}; the format stores "
                                              f"one per batch row: [{packed.batch}, ...]")
                 if t.is_floating_point():
-                    _check_stored_finite(t, f"shared tensor {name!r}")
+                    check_stored_finite(t, f"shared tensor {name!r}")
                 shared[name] = t[:1]  # the base compares one row with make_shared's one-row layout
             packed = dataclasses.replace(packed, shared=shared)
         super().check_packed(packed)
