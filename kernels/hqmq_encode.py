@@ -16,6 +16,12 @@ What runs where (the stored fields are exactly those of `quantizers/hqmq.py`):
 kernel, so everything but the search is the reference code path. The torch
 reference of the kernel is `HQMQ.search`.
 
+`hqmq_tokens` is the whole encode of a decode step on the device (the store's step
+encoder, kernels/formats/hqmq.py; kernels/step_encode.py has the other formats' and
+the shared pieces): radii, the per-write median and outliers, r_max, the direction
+search (`best_codes`), radius codes, packing, the per-(b, h) outlier lists and the
+64-token outlier index.
+
 Bit identity and ties: the kernel computes v_j = sum_i u_i M[i, j] in the
 order i = 0..3 (M the right-multiplication matrix of conj(s), as torch's
 matmul sees it) and sums |v_i| left to right; torch's matmul/sum may order or
@@ -30,7 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quantizers.hqmq import OUTLIER_BLOCK
+from . import step_encode
 from .common import interpreting
+from .step_encode import device_pos, flag, nonfinite, p2, pack_row, rne, token_program
 from .triton.common import hamilton, launch
 
 
@@ -157,4 +166,125 @@ def encode_with_kernel(q, x: torch.Tensor):
     return kernel_quantizer(q).encode(x)
 
 
-__all__ = ["best_codes", "hqmq_search", "kernel_quantizer", "encode_with_kernel"]
+# ---------------------------------------------------------------------------------------
+# HQMQ (+ Med3x)
+# ---------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["t0", "blk"])
+def _hqmq_kernel(x_ptr, sxb, sxh, sxt, sec_ptr, rel_ptr, S, H, t0,
+                 c_ptr, c_h, c_t, rad_ptr, r_h, r_t, m_ptr, m_h, m_t, f_ptr, f_h, f_t,
+                 o_ptr, o_h, olen_ptr, oi_ptr, oi_h, blk, err_ptr, C, pos_ptr, DEVPOS: tl.constexpr,
+                 NC: tl.constexpr, NCP: tl.constexpr, CBITS: tl.constexpr, CB: tl.constexpr, CBP: tl.constexpr,
+                 RBITS: tl.constexpr, RB: tl.constexpr, RBP: tl.constexpr, FB: tl.constexpr, FBP: tl.constexpr,
+                 LOG: tl.constexpr, MED3: tl.constexpr, INDEX: tl.constexpr, SB: tl.constexpr,
+                 OB: tl.constexpr = 64):
+    """`HQMQ.encode_tokens` of one token row (program (b*H+h, t)). With Med3x (MED3, one
+    token per write) the median is over this token's chunks and the outliers go to the
+    end of the (b, h) list (`olen_ptr`), the block start to the index when the token
+    opens a 64-token block (INDEX, at block `blk`). `sb`/`sh`: the shared b/h strides of
+    the token buffers (one [B, H, Tcap] layout), `ct`..`ft` their token strides.
+    DEVPOS: the device position at pos_ptr is added to t0; with MED3 the kernel then
+    decides itself whether the token opens an OB-token block (no host value in the launch)."""
+    t0, bh, b, h, t = token_program(t0, pos_ptr, H, DEVPOS)
+    c = tl.arange(0, NCP)
+    cm = c < NC
+    xo = x_ptr + b.to(tl.int64) * sxb + h * sxh + t * sxt + c * 4
+    x0 = tl.load(xo + 0, mask=cm, other=0.0).to(tl.float32)
+    x1 = tl.load(xo + 1, mask=cm, other=0.0).to(tl.float32)
+    x2 = tl.load(xo + 2, mask=cm, other=0.0).to(tl.float32)
+    x3 = tl.load(xo + 3, mask=cm, other=0.0).to(tl.float32)
+    n_bad = tl.sum((nonfinite(x0).to(tl.int32) + nonfinite(x1).to(tl.int32) + nonfinite(x2).to(tl.int32)
+                    + nonfinite(x3).to(tl.int32)) * cm.to(tl.int32), axis=0)
+    r = tl.sqrt_rn(((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3)  # torch's norm: in order, then sqrt
+    if MED3:
+        # torch.median (the lower middle value): the radius with at most k smaller and more than k
+        # smaller-or-equal, k = (NC - 1) // 2, by an [NC, NC] comparison
+        ri = r[:, None]
+        rj = tl.where(cm, r, float("inf"))[None, :]
+        less = tl.sum((rj < ri).to(tl.int32), axis=1)
+        leq = tl.sum((rj <= ri).to(tl.int32), axis=1)
+        med = cm & (less <= (NC - 1) // 2) & (leq > (NC - 1) // 2)
+        r_med = tl.max(tl.where(med, r, -1.0), axis=0)
+        outl = (r > C * r_med) & (r > 0) & cm
+    else:
+        outl = c < 0
+    rr = tl.where(outl | ~cm, 0.0, r)
+    r_max = tl.max(rr, axis=0)
+    over = r_max > 65504.0
+    rm16 = r_max.to(tl.float16)
+    rm = rm16.to(tl.float32)
+    pos = r > 0
+    safe_r = tl.where(pos, r, 1.0)
+    u0 = tl.where(pos, tl.math.div_rn(x0, safe_r), 1.0)
+    u1 = tl.where(pos, tl.math.div_rn(x1, safe_r), 0.0)
+    u2 = tl.where(pos, tl.math.div_rn(x2, safe_r), 0.0)
+    u3 = tl.where(pos, tl.math.div_rn(x3, safe_r), 0.0)
+    code = best_codes(u0, u1, u2, u3, sec_ptr, h, S, NCP, SB)
+    L: tl.constexpr = (1 << RBITS) - 1
+    if LOG:  # argmin |r - r_max * rel[q]|, the first on ties
+        rq = tl.zeros([NCP], tl.int32)
+        bestd = tl.abs(rr - rm * tl.load(rel_ptr))
+        for q in tl.static_range(1, L + 1):
+            dq = tl.abs(rr - rm * tl.load(rel_ptr + q))
+            rq = tl.where(dq < bestd, q, rq)
+            bestd = tl.minimum(dq, bestd)
+    else:
+        rq = rne(tl.math.div_rn(rr, tl.where(rm > 0, rm, 1.0)) * (L * 1.0))
+        rq = tl.minimum(tl.maximum(rq, 0.0), L * 1.0).to(tl.int32)
+    rq = tl.where(cm, rq, 0)
+    code = tl.where((rq == 0) | outl | ~cm, 0, code)
+    bh64 = bh.to(tl.int64)
+    tok = t0 + t
+    j = tl.arange(0, CBP)
+    tl.store(c_ptr + bh64 * c_h + tok * c_t + j, pack_row(code, CBITS, NCP, CBP).to(tl.uint8), mask=j < CB)
+    j = tl.arange(0, RBP)
+    tl.store(rad_ptr + bh64 * r_h + tok * r_t + j, pack_row(rq, RBITS, NCP, RBP).to(tl.uint8), mask=j < RB)
+    tl.store(m_ptr + bh64 * m_h + tok * m_t, rm16)
+    if MED3:
+        oi = outl.to(tl.int32)
+        j = tl.arange(0, FBP)
+        tl.store(f_ptr + bh64 * f_h + tok * f_t + j, pack_row(oi, 1, NCP, FBP).to(tl.uint8), mask=j < FB)
+        start = tl.load(olen_ptr + bh)
+        dest = start + tl.cumsum(oi, axis=0) - oi  # list end + rank among this token's outliers
+        ob = o_ptr + bh64 * o_h + dest * 4
+        tl.store(ob + 0, x0.to(tl.float16), mask=outl)
+        tl.store(ob + 1, x1.to(tl.float16), mask=outl)
+        tl.store(ob + 2, x2.to(tl.float16), mask=outl)
+        tl.store(ob + 3, x3.to(tl.float16), mask=outl)
+        big = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
+        over = over | (tl.max(tl.where(outl, big, 0.0), axis=0) > 65504.0)
+        tl.store(olen_ptr + bh, start + tl.sum(oi, axis=0))
+        if INDEX:
+            tl.store(oi_ptr + bh64 * oi_h + blk, start.to(tl.int32))
+        if DEVPOS:
+            tl.store(oi_ptr + bh64 * oi_h + tok // OB, start.to(tl.int32), mask=tok % OB == 0)
+    flag(err_ptr, tl.where(n_bad > 0, 1, 0) | tl.where(over, 2, 0), n_bad, tok)
+
+
+def hqmq_tokens(x, flat, S: int, rel, t0: int, err, *, C: float = 3.0, med3: bool = False,
+                outlier_len=None, index_block: int | None = None, pos=None):
+    """HQMQ codes of x `[B, H, t, D]` into the buffers of `flat` (an `HQMQFlat`) at token
+    t0 (plus the device position `pos`, see `int_rows`). Med3x (one token): outliers
+    appended to `flat.outliers`' (b, h) lists at `outlier_len` (`[B*H]` int64, advanced),
+    the block start written to `flat.outlier_index` at `index_block` (None: the token
+    opens no block; with `pos` the kernel writes it when the token at pos opens one)."""
+    if pos is not None and index_block is not None:
+        raise ValueError("a write at a device position finds its outlier index block on the device")
+    B, H, t, D = x.shape
+    pos_arg, devpos = device_pos(pos, x)
+    nc = D // 4
+    cb, rb, fb = (nc * flat.code_bits + 7) // 8, (nc * flat.r_bits + 7) // 8, (nc + 7) // 8
+    c, r, m = flat.codes, flat.radius, flat.r_max
+    if med3:
+        f, o, oi = flat.flags, flat.outliers, flat.outlier_index
+        med = (f, f.stride(1), f.stride(2), o, o.stride(1), outlier_len, oi, oi.stride(1), index_block or 0)
+    else:
+        med = (c, 0, 0, c, 0, c, c, 0, 0)  # never read
+    step_encode.launch(_hqmq_kernel, (B * H, t), x, x.stride(0), x.stride(1), x.stride(2), flat.sec, rel, S, H, t0,
+            c, c.stride(1), c.stride(2), r, r.stride(1), r.stride(2), m, m.stride(1), m.stride(2), *med,
+            err, float(C), pos_arg, DEVPOS=devpos, NC=nc, NCP=p2(nc), CBITS=flat.code_bits, CB=cb, CBP=p2(cb),
+            RBITS=flat.r_bits, RB=rb, RBP=p2(rb), FB=fb, FBP=p2(fb), LOG=flat.log_radius, MED3=med3,
+            INDEX=index_block is not None, SB=32, OB=OUTLIER_BLOCK)
+
+
+
+__all__ = ["best_codes", "hqmq_search", "hqmq_tokens", "kernel_quantizer", "encode_with_kernel"]

@@ -16,10 +16,12 @@ those of the quantizer's `encode_tokens` (suites/tests/test_step_encode.py):
   window plus one shift); at a device position (CUDA graphs) the row, the flush and the
   shift (`kivi_shift`) are decided on the device from the token count by the window
   policy (`kivi_policy`), the flush and shift launches doing nothing on other steps;
-- HQMQ incl. Med3x (`HQMQFlat`): `hqmq_tokens`: radii, the per-write median and
-  outliers, r_max, the direction search (`hqmq_encode.best_codes`, the search
-  kernel's own code), radius codes, packing, the per-(b, h) outlier lists and the
-  64-token outlier index.
+- HQMQ incl. Med3x (`HQMQFlat`): `hqmq_encode.hqmq_tokens` (beside the search kernel
+  whose code it shares), on this module's pieces.
+
+The jit helpers (`rne`, `fp16_toward`, `pack_row`, `flag`, `token_program`,
+`nonfinite`), `device_pos` and the counted `launch` are public: a format's own step
+encoder (kernels/formats/, an out-of-tree format) builds on them.
 
 Arithmetic follows torch's op by op: IEEE division (`div_rn`), `sqrt_rn`, sums in
 torch's order, round-half-even by the 1.5*2^23 trick (libdevice's rint is not in the
@@ -40,8 +42,6 @@ import triton
 import triton.language as tl
 
 from ..quantizers.base import FP16_MAX, QuantizerInputError
-from ..quantizers.hqmq import OUTLIER_BLOCK
-from .hqmq_encode import best_codes
 from .common import interpreting
 
 NONFINITE, FP16_OVERFLOW = 1, 2  # error bits a kernel ORs into its role's flag row
@@ -53,7 +53,8 @@ LAUNCHES = [0]
 launch_hook = None
 
 
-def _launch(kernel, grid, *args, **const):
+def launch(kernel, grid, *args, **const):
+    """Launch a step kernel (counted; through `launch_hook` when set; no FMA contraction)."""
     LAUNCHES[0] += 1
     if launch_hook is not None:
         return launch_hook(kernel, grid, *args, **const)
@@ -74,7 +75,7 @@ def device_pos(pos, x: torch.Tensor):
     return pos, True
 
 
-def _p2(n: int) -> int:
+def p2(n: int) -> int:
     """The next power of two (plain Python: triton.next_power_of_2 is a slow constexpr function)."""
     return 1 << max(0, n - 1).bit_length()
 
@@ -239,9 +240,9 @@ def int_rows(x, x_strides, rows: int, blocks: int, codes, c_strides, scale, zero
             raise ValueError("a device-decided flush needs the device position pos")
         (wa, wp), wg, rowmul, blkmul = flush
         win = dict(WA=wa, WP=wp, WG=wg, ROWMUL=rowmul, BLKMUL=blkmul)
-    _launch(_int_rows_kernel, (B * H, rows, blocks), x, *x_strides, codes, *c_strides, scale, zero, *s_strides,
-            row0, blk0, H, err, tok0, pos_arg, TOKROWS=int(token_rows), DEVPOS=devpos, N=n, G=group, BITS=bits, NP=_p2(n),
-            NGP=_p2(n // group), NB=nb, NBP=_p2(nb), **win)
+    launch(_int_rows_kernel, (B * H, rows, blocks), x, *x_strides, codes, *c_strides, scale, zero, *s_strides,
+            row0, blk0, H, err, tok0, pos_arg, TOKROWS=int(token_rows), DEVPOS=devpos, N=n, G=group, BITS=bits, NP=p2(n),
+            NGP=p2(n // group), NB=nb, NBP=p2(nb), **win)
 
 
 # ---------------------------------------------------------------------------------------
@@ -281,8 +282,8 @@ def fp8_tokens(x, codes, scale, fmt: str, t0: int, err, pos=None):
     B, H, t, D = x.shape
     m, emin, mx = FP8_FORMATS[fmt]
     pos_arg, devpos = device_pos(pos, x)
-    _launch(_fp8_kernel, (B * H, t), x, x.stride(0), x.stride(1), x.stride(2), codes, codes.stride(0),
-            codes.stride(1), codes.stride(2), scale, t0, H, err, pos_arg, DEVPOS=devpos, D=D, DP=_p2(D), M=m,
+    launch(_fp8_kernel, (B * H, t), x, x.stride(0), x.stride(1), x.stride(2), codes, codes.stride(0),
+            codes.stride(1), codes.stride(2), scale, t0, H, err, pos_arg, DEVPOS=devpos, D=D, DP=p2(D), M=m,
             EMIN=emin, MAXV=mx)
 
 
@@ -326,8 +327,8 @@ def kivi_window(x, residual, row: int, err, tok: int, pos=None, policy: tuple[in
         if policy is None:
             raise ValueError("a window write at a device position needs the window policy (A, P)")
         win = dict(DEVPOS=True, WA=policy[0], WP=policy[1])
-    _launch(_window_kernel, (B * H,), x, x.stride(0), x.stride(1), residual, residual.stride(0),
-            residual.stride(1), row, H, err, tok, pos_arg, D=D, DP=_p2(D), **win)
+    launch(_window_kernel, (B * H,), x, x.stride(0), x.stride(1), residual, residual.stride(0),
+            residual.stride(1), row, H, err, tok, pos_arg, D=D, DP=p2(D), **win)
 
 
 @triton.jit
@@ -363,129 +364,9 @@ def kivi_shift(residual, pos, policy: tuple[int, int]) -> None:
     B, H, _, D = residual.shape
     assert residual.stride(3) == 1 and residual.stride(2) == D
     pos_arg, _ = device_pos(pos, residual)
-    ch = min(1 << (p.bit_length() - 1), _p2(a))  # a power of two <= P
-    _launch(_shift_kernel, (B * H,), residual, residual.stride(0), residual.stride(1), pos_arg, H,
-            D=D, DP=_p2(D), WA=a, WP=p, CH=ch)
-
-
-# ---------------------------------------------------------------------------------------
-# HQMQ (+ Med3x)
-# ---------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["t0", "blk"])
-def _hqmq_kernel(x_ptr, sxb, sxh, sxt, sec_ptr, rel_ptr, S, H, t0,
-                 c_ptr, c_h, c_t, rad_ptr, r_h, r_t, m_ptr, m_h, m_t, f_ptr, f_h, f_t,
-                 o_ptr, o_h, olen_ptr, oi_ptr, oi_h, blk, err_ptr, C, pos_ptr, DEVPOS: tl.constexpr,
-                 NC: tl.constexpr, NCP: tl.constexpr, CBITS: tl.constexpr, CB: tl.constexpr, CBP: tl.constexpr,
-                 RBITS: tl.constexpr, RB: tl.constexpr, RBP: tl.constexpr, FB: tl.constexpr, FBP: tl.constexpr,
-                 LOG: tl.constexpr, MED3: tl.constexpr, INDEX: tl.constexpr, SB: tl.constexpr,
-                 OB: tl.constexpr = 64):
-    """`HQMQ.encode_tokens` of one token row (program (b*H+h, t)). With Med3x (MED3, one
-    token per write) the median is over this token's chunks and the outliers go to the
-    end of the (b, h) list (`olen_ptr`), the block start to the index when the token
-    opens a 64-token block (INDEX, at block `blk`). `sb`/`sh`: the shared b/h strides of
-    the token buffers (one [B, H, Tcap] layout), `ct`..`ft` their token strides.
-    DEVPOS: the device position at pos_ptr is added to t0; with MED3 the kernel then
-    decides itself whether the token opens an OB-token block (no host value in the launch)."""
-    t0, bh, b, h, t = token_program(t0, pos_ptr, H, DEVPOS)
-    c = tl.arange(0, NCP)
-    cm = c < NC
-    xo = x_ptr + b.to(tl.int64) * sxb + h * sxh + t * sxt + c * 4
-    x0 = tl.load(xo + 0, mask=cm, other=0.0).to(tl.float32)
-    x1 = tl.load(xo + 1, mask=cm, other=0.0).to(tl.float32)
-    x2 = tl.load(xo + 2, mask=cm, other=0.0).to(tl.float32)
-    x3 = tl.load(xo + 3, mask=cm, other=0.0).to(tl.float32)
-    n_bad = tl.sum((nonfinite(x0).to(tl.int32) + nonfinite(x1).to(tl.int32) + nonfinite(x2).to(tl.int32)
-                    + nonfinite(x3).to(tl.int32)) * cm.to(tl.int32), axis=0)
-    r = tl.sqrt_rn(((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3)  # torch's norm: in order, then sqrt
-    if MED3:
-        # torch.median (the lower middle value): the radius with at most k smaller and more than k
-        # smaller-or-equal, k = (NC - 1) // 2, by an [NC, NC] comparison
-        ri = r[:, None]
-        rj = tl.where(cm, r, float("inf"))[None, :]
-        less = tl.sum((rj < ri).to(tl.int32), axis=1)
-        leq = tl.sum((rj <= ri).to(tl.int32), axis=1)
-        med = cm & (less <= (NC - 1) // 2) & (leq > (NC - 1) // 2)
-        r_med = tl.max(tl.where(med, r, -1.0), axis=0)
-        outl = (r > C * r_med) & (r > 0) & cm
-    else:
-        outl = c < 0
-    rr = tl.where(outl | ~cm, 0.0, r)
-    r_max = tl.max(rr, axis=0)
-    over = r_max > 65504.0
-    rm16 = r_max.to(tl.float16)
-    rm = rm16.to(tl.float32)
-    pos = r > 0
-    safe_r = tl.where(pos, r, 1.0)
-    u0 = tl.where(pos, tl.math.div_rn(x0, safe_r), 1.0)
-    u1 = tl.where(pos, tl.math.div_rn(x1, safe_r), 0.0)
-    u2 = tl.where(pos, tl.math.div_rn(x2, safe_r), 0.0)
-    u3 = tl.where(pos, tl.math.div_rn(x3, safe_r), 0.0)
-    code = best_codes(u0, u1, u2, u3, sec_ptr, h, S, NCP, SB)
-    L: tl.constexpr = (1 << RBITS) - 1
-    if LOG:  # argmin |r - r_max * rel[q]|, the first on ties
-        rq = tl.zeros([NCP], tl.int32)
-        bestd = tl.abs(rr - rm * tl.load(rel_ptr))
-        for q in tl.static_range(1, L + 1):
-            dq = tl.abs(rr - rm * tl.load(rel_ptr + q))
-            rq = tl.where(dq < bestd, q, rq)
-            bestd = tl.minimum(dq, bestd)
-    else:
-        rq = rne(tl.math.div_rn(rr, tl.where(rm > 0, rm, 1.0)) * (L * 1.0))
-        rq = tl.minimum(tl.maximum(rq, 0.0), L * 1.0).to(tl.int32)
-    rq = tl.where(cm, rq, 0)
-    code = tl.where((rq == 0) | outl | ~cm, 0, code)
-    bh64 = bh.to(tl.int64)
-    tok = t0 + t
-    j = tl.arange(0, CBP)
-    tl.store(c_ptr + bh64 * c_h + tok * c_t + j, pack_row(code, CBITS, NCP, CBP).to(tl.uint8), mask=j < CB)
-    j = tl.arange(0, RBP)
-    tl.store(rad_ptr + bh64 * r_h + tok * r_t + j, pack_row(rq, RBITS, NCP, RBP).to(tl.uint8), mask=j < RB)
-    tl.store(m_ptr + bh64 * m_h + tok * m_t, rm16)
-    if MED3:
-        oi = outl.to(tl.int32)
-        j = tl.arange(0, FBP)
-        tl.store(f_ptr + bh64 * f_h + tok * f_t + j, pack_row(oi, 1, NCP, FBP).to(tl.uint8), mask=j < FB)
-        start = tl.load(olen_ptr + bh)
-        dest = start + tl.cumsum(oi, axis=0) - oi  # list end + rank among this token's outliers
-        ob = o_ptr + bh64 * o_h + dest * 4
-        tl.store(ob + 0, x0.to(tl.float16), mask=outl)
-        tl.store(ob + 1, x1.to(tl.float16), mask=outl)
-        tl.store(ob + 2, x2.to(tl.float16), mask=outl)
-        tl.store(ob + 3, x3.to(tl.float16), mask=outl)
-        big = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
-        over = over | (tl.max(tl.where(outl, big, 0.0), axis=0) > 65504.0)
-        tl.store(olen_ptr + bh, start + tl.sum(oi, axis=0))
-        if INDEX:
-            tl.store(oi_ptr + bh64 * oi_h + blk, start.to(tl.int32))
-        if DEVPOS:
-            tl.store(oi_ptr + bh64 * oi_h + tok // OB, start.to(tl.int32), mask=tok % OB == 0)
-    flag(err_ptr, tl.where(n_bad > 0, 1, 0) | tl.where(over, 2, 0), n_bad, tok)
-
-
-def hqmq_tokens(x, flat, S: int, rel, t0: int, err, *, C: float = 3.0, med3: bool = False,
-                outlier_len=None, index_block: int | None = None, pos=None):
-    """HQMQ codes of x `[B, H, t, D]` into the buffers of `flat` (an `HQMQFlat`) at token
-    t0 (plus the device position `pos`, see `int_rows`). Med3x (one token): outliers
-    appended to `flat.outliers`' (b, h) lists at `outlier_len` (`[B*H]` int64, advanced),
-    the block start written to `flat.outlier_index` at `index_block` (None: the token
-    opens no block; with `pos` the kernel writes it when the token at pos opens one)."""
-    if pos is not None and index_block is not None:
-        raise ValueError("a write at a device position finds its outlier index block on the device")
-    B, H, t, D = x.shape
-    pos_arg, devpos = device_pos(pos, x)
-    nc = D // 4
-    cb, rb, fb = (nc * flat.code_bits + 7) // 8, (nc * flat.r_bits + 7) // 8, (nc + 7) // 8
-    c, r, m = flat.codes, flat.radius, flat.r_max
-    if med3:
-        f, o, oi = flat.flags, flat.outliers, flat.outlier_index
-        med = (f, f.stride(1), f.stride(2), o, o.stride(1), outlier_len, oi, oi.stride(1), index_block or 0)
-    else:
-        med = (c, 0, 0, c, 0, c, c, 0, 0)  # never read
-    _launch(_hqmq_kernel, (B * H, t), x, x.stride(0), x.stride(1), x.stride(2), flat.sec, rel, S, H, t0,
-            c, c.stride(1), c.stride(2), r, r.stride(1), r.stride(2), m, m.stride(1), m.stride(2), *med,
-            err, float(C), pos_arg, DEVPOS=devpos, NC=nc, NCP=_p2(nc), CBITS=flat.code_bits, CB=cb, CBP=_p2(cb),
-            RBITS=flat.r_bits, RB=rb, RBP=_p2(rb), FB=fb, FBP=_p2(fb), LOG=flat.log_radius, MED3=med3,
-            INDEX=index_block is not None, SB=32, OB=OUTLIER_BLOCK)
+    ch = min(1 << (p.bit_length() - 1), p2(a))  # a power of two <= P
+    launch(_shift_kernel, (B * H,), residual, residual.stride(0), residual.stride(1), pos_arg, H,
+            D=D, DP=p2(D), WA=a, WP=p, CH=ch)
 
 
 # ---------------------------------------------------------------------------------------
@@ -539,5 +420,6 @@ class StepErrors:
                                       "rescale the input")
 
 
-__all__ = ["StepErrors", "device_pos", "fp8_tokens", "hqmq_tokens", "int_rows", "kivi_shift",
+__all__ = ["StepErrors", "device_pos", "fp8_tokens", "int_rows", "launch", "p2", "rne", "fp16_toward", "pack_row",
+           "flag", "token_program", "nonfinite", "kivi_shift",
            "kivi_window", "LAUNCHES", "FP8_FORMATS"]

@@ -1,7 +1,7 @@
 """The HQMQ format, with or without Med3x outliers: `HQMQFlat` (kernels/layout.py), its
 flatten (the outliers regrouped per (b, h), the outlier index derived), its store
 (`HQMQStore`: the token fields codes, radius, r_max, flags, plus the per-(b, h) outlier
-lists), its device step encoder (kernels/step_encode.py's `hqmq_tokens`), its kernels
+lists), its device step encoder (kernels/hqmq_encode.py's `hqmq_tokens`), its kernels
 (Triton, kernels/triton/hqmq.py; CUDA 12-bit codes r=4 d128, kernels/cuda/hqmq_decode.py).
 
 Med3x in the store: the outliers PER (b, h), `outliers [B, H, Ocap, 4]`, and
@@ -27,8 +27,8 @@ from ...quantizers import Packed, Segment, parse_spec
 from ...quantizers.hqmq import HQMQ, OUTLIER_BLOCK, outlier_block_starts
 from ...quantizers.packing import unpack_bits
 from ...quantizers.quaternion import hurwitz_units
-from .. import step_encode
 from ..cuda import hqmq_decode as cuda_hqmq
+from ..hqmq_encode import hqmq_tokens
 from ..layout import HQMQFlat, concat_field, normalised_secondaries, whole_blocks
 from ..registry import Format, Kernel
 from ..store import KernelStore, TokenBuffer, concat_tokens, grown_capacity
@@ -100,8 +100,8 @@ def encode_step(store: "HQMQStore", x: torch.Tensor, errors: torch.Tensor, t0: i
     token t0 (or the device position pos); Med3x: outliers at the (b, h) list ends, the
     index block start at `index_block` (see `hqmq_tokens`)."""
     f = store.flat
-    step_encode.hqmq_tokens(x, f, f.S, f.rel, t0, errors, C=store.stepper.config.C, med3=f.has_outliers,
-                            outlier_len=store.outlier_len, index_block=index_block, pos=pos)
+    hqmq_tokens(x, f, f.S, f.rel, t0, errors, C=store.stepper.config.C, med3=f.has_outliers,
+                outlier_len=store.outlier_len, index_block=index_block, pos=pos)
 
 
 class HQMQStore(KernelStore):

@@ -32,6 +32,7 @@ from kvqbench.kernels import layout as L  # noqa: E402
 from kvqbench.kernels import step_encode as se  # noqa: E402
 from kvqbench.kernels.decode_attention import decode_attention, reference_decode_attention  # noqa: E402
 from kvqbench.kernels.graphs import GraphedDecodeStep  # noqa: E402
+from kvqbench.kernels.hqmq_encode import hqmq_tokens  # noqa: E402
 from kvqbench.quantizers import QuantizerInputError, get_quantizer  # noqa: E402
 from kvqbench.suites.harness.attention import fused_attention, kvqbench_mask  # noqa: E402
 from kvqbench.suites.conformance import all_example_specs  # noqa: E402
@@ -103,7 +104,7 @@ def test_hqmq_tokens_at_a_device_position_write_the_host_position_bytes(spec):
         for name in ("codes", "radius", "r_max"):
             buf = getattr(flat, name)
             setattr(flat, name, torch.zeros(buf.shape[:2] + (cap,) + buf.shape[3:], dtype=buf.dtype, device=DEV))
-        se.hqmq_tokens(x, flat, q.config.S, flat.rel, 0 if dev else t0, _errors(), C=q.config.C,
+        hqmq_tokens(x, flat, q.config.S, flat.rel, 0 if dev else t0, _errors(), C=q.config.C,
                        pos=_pos(t0) if dev else None)
         out[dev] = flat
     for name in ("codes", "radius", "r_max"):
@@ -151,7 +152,7 @@ def test_device_positions_are_checked_without_a_host_read():
     q = get_quantizer("hqmq:S=8,r=4,outliers=med3", role="K")
     flat = L.flatten(q.encode(_data((1, 1, 4, 32))), "K")
     with pytest.raises(ValueError, match="finds its outlier index block on the device"):
-        se.hqmq_tokens(x, flat, 8, flat.rel, 0, _errors(), med3=True, pos=_pos(4), index_block=0)
+        hqmq_tokens(x, flat, 8, flat.rel, 0, _errors(), med3=True, pos=_pos(4), index_block=0)
 
 
 # ---- attention over a device valid length ------------------------------------------------------------

@@ -31,6 +31,7 @@ from kvqbench.kernels import registry  # noqa: E402
 from kvqbench.kernels import store as store_mod  # noqa: E402
 from kvqbench.kernels.formats import hqmq as hqmq_format  # noqa: E402
 from kvqbench.kernels.formats.kivi import kivi_policy  # noqa: E402
+from kvqbench.kernels.hqmq_encode import hqmq_tokens  # noqa: E402
 from kvqbench.quantizers import QuantizerInputError, get_quantizer  # noqa: E402
 from kvqbench.quantizers.groups import quantize_groups  # noqa: E402
 from kvqbench.quantizers.packing import unpack_bits  # noqa: E402
@@ -134,7 +135,7 @@ def test_hqmq_tokens_equal_encode_tokens(spec, dtype):
             out[:, :, :ocap] = flat.outliers
             flat.outliers = out
             flat.outlier_index = torch.zeros(B, H, 2, dtype=torch.int32, device=DEV)
-        se.hqmq_tokens(x, flat, q.config.S, flat.rel, t0, _errors(), C=q.config.C, med3=q.med3,
+        hqmq_tokens(x, flat, q.config.S, flat.rel, t0, _errors(), C=q.config.C, med3=q.med3,
                        outlier_len=olen, index_block=1 if q.med3 else None)
         for name in ("radius", "r_max") + (("flags",) if q.med3 else ()):
             assert torch.equal(getattr(flat, name)[:, :, t0:t0 + t], ref[name]), name
