@@ -63,7 +63,8 @@ def test_compare_wall_time(benchmark, tmp_path, case):
     embedded_folder(DEFAULT_MODEL)  # fetch + convert once, untimed
     load_corpus(DEFAULT_CORPUS)
     if device == "cuda":  # the CUDA kernel libraries too: built once per machine (~20 s each), cached
-        from kvqbench.kernels import cuda_decode, cuda_hqmq
+        from kvqbench.kernels.cuda import decode_attention as cuda_decode
+        from kvqbench.kernels.cuda import hqmq_decode as cuda_hqmq
 
         built = {m.__name__: m.why_unavailable() for m in (cuda_decode, cuda_hqmq)}
         benchmark.extra_info["cuda_libraries"] = built

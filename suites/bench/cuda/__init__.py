@@ -1,5 +1,5 @@
-"""Same-run timings of the CUDA C++ decode kernels (kvqbench.kernels.cuda_decode,
-cuda_hqmq) beside fp16 SDPA and the Triton kernels, and the shell scripts of one GPU
+"""Same-run timings of the CUDA C++ decode kernels (kvqbench.kernels.cuda: decode_attention,
+hqmq_decode) beside fp16 SDPA and the Triton kernels, and the shell scripts of one GPU
 call that build, test and time them (gpu_run.sh, hqmq_gpu_run.sh; the environment in
 ../gpu_env.sh).
 

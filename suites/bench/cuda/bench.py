@@ -1,4 +1,4 @@
-"""Same-run timings of the CUDA decode kernels (kernels/cuda_decode.py) beside torch
+"""Same-run timings of the CUDA decode kernels (kernels/cuda/decode_attention.py) beside torch
 SDPA on the fp16 cache and the Triton kernels, at the issue-10 shapes.
 
     python -m kvqbench.suites.bench.cuda.bench [--out DIR] [--shapes 8x32768,1x32768]
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ....kernels import cuda_decode
+from ....kernels.cuda import decode_attention as cuda_decode
 from ....kernels.decode_attention import decode_attention
 from ....kernels.layout import flatten
 from ..toolkit import (copy_bandwidth, encode_kv, env_info, fp16_sdpa, graph_replay, host_us, rel_err, synthetic_kv,

@@ -1,4 +1,4 @@
-"""Same-run timings of the CUDA HQMQ decode kernel (kernels/cuda_hqmq.py) beside fp16
+"""Same-run timings of the CUDA HQMQ decode kernel (kernels/cuda/hqmq_decode.py) beside fp16
 SDPA and the Triton HQMQ kernels (HQMQ, HQMQ + Med3x), at B=8 and B=1, T=32k.
 
     python -m kvqbench.suites.bench.cuda.hqmq_bench [--out DIR] [--shapes 8x32768,1x32768] [--quick] [--variants 0,3]
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ....kernels import cuda_hqmq
+from ....kernels.cuda import hqmq_decode as cuda_hqmq
 from ....kernels.decode_attention import decode_attention
 from ....kernels.layout import flatten
 from ..toolkit import (copy_bandwidth, encode_kv, env_info, fp16_sdpa, graph_replay, host_us, rel_err, synthetic_kv,

@@ -8,7 +8,7 @@
 # in 8 workers at once): one encode per spec first puts them in the shared Triton cache.
 T_TEST=${1:-180}; T_BENCH=${2:-100}; shift 2 || true
 source "$(dirname "$0")/../gpu_env.sh"
-$PY -c "from kvqbench.kernels import cuda_hqmq as c; print('why_unavailable:', c.why_unavailable()); n = range(c.NUM_VARIANTS); print('regs', {v: c.num_regs(v, 96) for v in n}, {v: c.num_regs(v, 170) for v in n}); print('CTAs/SM', {v: c.occupancy(v, 96) for v in n}, {v: c.occupancy(v, 170) for v in n})" 2>&1 | tail -5 | tee "$OUT/build.txt"
+$PY -c "from kvqbench.kernels.cuda import hqmq_decode as c; print('why_unavailable:', c.why_unavailable()); n = range(c.NUM_VARIANTS); print('regs', {v: c.num_regs(v, 96) for v in n}, {v: c.num_regs(v, 170) for v in n}); print('CTAs/SM', {v: c.occupancy(v, 96) for v in n}, {v: c.occupancy(v, 170) for v in n})" 2>&1 | tail -5 | tee "$OUT/build.txt"
 echo "build+load $(( $(date +%s) - t0 )) s"
 $PY -c "
 import torch
