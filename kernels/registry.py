@@ -131,6 +131,19 @@ class Kernel:
         return None
 
 
+    def refusal(self, q, k, v) -> str | None:
+        """Why this kernel cannot run this call here when asked for by name (None: it can):
+        its library does not build or load here, q is on another device, or it does not
+        take the layout. (Not the auto switch: an opt-in call runs what auto keeps off.)"""
+        why = self.why_unavailable() if self.why_unavailable is not None else None
+        if why:
+            return why
+        b = _BACKENDS[self.backend]
+        if not on_device(q, b.device):
+            return f"q is not on a {b.title} device"
+        return self.unsupported(q, k, v) if self.unsupported is not None else None
+
+
 @dataclasses.dataclass(eq=False)
 class Format:
     """One fused format (see the module docstring).

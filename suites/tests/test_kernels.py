@@ -396,6 +396,26 @@ def test_layout_found_through_the_quantizer_class():
         L.flatten(get_quantizer("fp16", role="K").encode(x))
 
 
+def test_explain_backend_says_which_backend_and_why():
+    """The front routes by the registry's table and says so: off a GPU every format's
+    call goes to Triton, CUDA declining because q is not on a CUDA device; a backend
+    asked for by name is refused where it cannot run, with the reason."""
+    from kvqbench.kernels.decode_attention import explain_backend
+
+    x = make_kv(1, 2, 8, 64)
+    for spec, name in (("int4", "naive_int"), ("fp8-e4m3", "fp8"), ("kivi:bits=2", "kivi"), ("hqmq:S=8,r=4", "hqmq")):
+        kf, vf = (L.flatten(get_quantizer(spec, role=r).encode(x), r) for r in "KV")
+        route = explain_backend(make_q(1, 4, 64), kf, vf)
+        assert route.format == name and route.backend == ("triton" if not CUDA else route.backend), route
+        if not CUDA:
+            assert route.declined == {"cuda": "q is not on a CUDA device"} and "cuda declines" in route.reason
+            with pytest.raises(ValueError, match="no CUDA kernel"):
+                explain_backend(make_q(1, 4, 64), kf, vf, backend="cuda")
+        assert explain_backend(make_q(1, 4, 64), kf, vf, backend="triton").reason == "asked for (backend='triton')"
+    with pytest.raises(ValueError, match="backend must be auto or one of cuda, triton"):
+        explain_backend(make_q(1, 4, 64), kf, vf, backend="cutlass")
+
+
 @pytest.mark.parametrize("spec", ["fp8-e5m2", "kivi:bits=2,residual=40", "int8"])
 def test_more_formats(spec):
     """fp8 e5m2, a KIVI window that is not a whole number of groups, 8-bit ints."""

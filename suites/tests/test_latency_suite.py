@@ -54,9 +54,9 @@ def test_report_schema_and_files(one_shape_run):
     for method in FUSED_SPECS:  # every packed cache reads fewer bytes than fp16, whichever kernel reads it
         assert rows[method]["bytes"] == rows[f"{method}-triton"]["bytes"] < fp16_bytes
         assert 0 < rows[method]["bits_per_element"] < 16
-        # no GPU here: what auto runs is Triton, and the row says why not CUDA
+        # no GPU here: what auto runs is Triton, and the row says why not CUDA (explain_backend's words)
         assert rows[method]["backend"] == rows[f"{method}-triton"]["backend"] == "triton"
-        assert rows[method]["why_not_cuda"] == "torch has no CUDA device"
+        assert rows[method]["why_not_cuda"] == "q is not on a CUDA device"
     # the CUDA rows and the B=1 graph replays: reported as not run, with the reason, never a number
     skipped = {r["method"]: r["skipped"] for r in res["latency"] if "skipped" in r}
     want = {f"{m}-cuda" for m in FUSED_SPECS} | {f"{m}-graph" for m in ["fp16-sdpa", *FUSED_SPECS, *triton]}
@@ -97,9 +97,10 @@ def _flats(spec: str):
                                   "hqmq:S=24,r=3,outliers=med3"])
 @pytest.mark.parametrize("builds,refusal", [(True, None), (True, "head_dim 64"), (False, None)])
 def test_auto_backend_agrees_with_the_dispatcher(monkeypatch, spec, builds, refusal):
-    """The shipped row's `backend` is what decode_attention(backend="auto") runs: the
-    dispatcher is driven with a stand-in CUDA query and stubbed kernels (each returns its
-    name), the library built or not, the layout taken or refused."""
+    """The shipped row's `backend` is what decode_attention(backend="auto") runs (the
+    suite asks the front's explain_backend; no copy of its rules): the dispatcher is
+    driven with a stand-in CUDA query and stubbed kernels (each returns its name), the
+    library built or not, the layout taken or refused."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -127,6 +128,11 @@ def test_auto_backend_agrees_with_the_dispatcher(monkeypatch, spec, builds, refu
         assert (backend, why) == ("cuda", None)
     else:
         assert backend == "triton" and why == (refusal or "no nvcc found")
+    route = da.explain_backend(q, kf, vf)
+    assert (route.backend, route.declined.get("cuda")) == (backend, why) and route.format == fmt.name
+    assert da.explain_backend(q, kf, vf, backend="triton").backend == "triton"
+    opt = da.explain_backend(q, kf, vf, block_t=64)  # a Triton launch option: the Triton kernel's call
+    assert opt.backend == "triton" and ("block_t" in opt.declined["cuda"] or "AUTO" in opt.declined["cuda"])
 
 
 def _synthetic_result() -> dict:

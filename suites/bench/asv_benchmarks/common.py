@@ -1,5 +1,7 @@
-"""Shared by the asv benchmarks: the quantizer specs they are parameterized over, and
-the benchmark toolkit (`toolkit()`: synthetic K/V, the tiler) of the checkout.
+"""Shared by the asv benchmarks: the quantizer specs they are parameterized over (every
+quantizer's examples; the fused formats' benchmark specs, `fused_specs()`, read from the
+checkout's kernels/formats/ the same way), and the benchmark toolkit (`toolkit()`:
+synthetic K/V, the tiler) of the checkout.
 
 asv runs a parameter by its INDEX in the list it discovered, at every commit, so
 the list must be the same whichever commit is installed. It is therefore read
@@ -20,7 +22,9 @@ the toolkit existed is measured all the same.
 """
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.metadata
 import importlib.util
 import sys
 from pathlib import Path
@@ -96,6 +100,46 @@ def example_specs() -> list[str]:
     for name in sorted(examples):
         specs += [s for s in examples[name] if s not in specs]
     return specs
+
+
+SOURCE_FORMATS = Path(__file__).resolve().parents[3] / "kernels" / "formats"
+
+
+def _source_fused_specs() -> list[str] | None:
+    """The `bench` specs of the checkout's fused formats (kernels/formats/*.py), read from
+    each `Format(...)`'s literal `bench={...}` without importing the file (it imports
+    Triton and the installed kvqbench's kernels); None outside a source tree."""
+    if not SOURCE_FORMATS.is_dir():
+        return None
+    specs = []
+    for path in sorted(SOURCE_FORMATS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Format":
+                specs += [v for kw in node.keywords if kw.arg == "bench" for v in ast.literal_eval(kw.value).values()]
+    return specs
+
+
+def fused_specs() -> list[str]:
+    """Every fused format's benchmark specs (kernels/registry.py `Format.bench`): the
+    checkout's, the same at every commit as `example_specs`, then those of formats that
+    installed plugins register through the `kvqbench.formats` entry points."""
+    try:
+        specs = _source_fused_specs()
+    except Exception:  # noqa: BLE001 (a broken source tree: what is installed)
+        specs = None
+    if specs is None:
+        try:
+            from kvqbench.kernels import registry
+
+            return list(registry.bench_specs().values())
+        except Exception:  # noqa: BLE001 (an installed commit without the format registry)
+            return []
+    try:
+        for ep in importlib.metadata.entry_points(group="kvqbench.formats"):
+            specs += list(ep.load().bench.values())
+    except Exception:  # noqa: BLE001 (a plugin that cannot load: its specs are not timed)
+        pass
+    return list(dict.fromkeys(specs))
 
 
 def quantizer_or_skip(spec: str, **kw):

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from .common import toolkit
+from .common import fused_specs, toolkit
 
 B, HQ, HKV, T, D = 8, 32, 8, 32768, 128
 T0 = 4096  # tokens actually encoded; tiled to T
-SPECS = ["hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3", "int4", "kivi:bits=4", "kivi:bits=2", "fp8-e4m3"]
+SPECS = fused_specs()  # every fused format's benchmark specs (kernels/formats/, and installed plugins')
 
 
 def _need_gpu():

@@ -16,14 +16,22 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_SPECS = ["plain", "plain-static", "int4", "kivi:bits=4", "fp8-e4m3", "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3"]
+BASELINES = ["plain", "plain-static"]  # transformers' DynamicCache and StaticCache
+
+
+def default_specs() -> list[str]:
+    """The baselines, then every registered format's benchmark specs (kernels/registry.py)."""
+    from ....kernels import registry
+
+    return BASELINES + list(dict.fromkeys(registry.bench_specs().values()))
 
 
 def _args(argv):
     p = argparse.ArgumentParser(prog="python -m kvqbench.suites.bench.decode", description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama3-8b-4l", help="model shape (measure.SHAPES); random weights")
-    p.add_argument("--specs", nargs="+", default=DEFAULT_SPECS,
-                   help="'plain' = DynamicCache, 'plain-static' = StaticCache; else quantizer specs")
+    p.add_argument("--specs", nargs="+", default=None,
+                   help="'plain' = DynamicCache, 'plain-static' = StaticCache; else quantizer specs "
+                        "(default: both, then every fused format's benchmark specs)")
     p.add_argument("--contexts", nargs="+", type=int, default=[4096, 16384, 32768])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     p.add_argument("--pairs", nargs="+", default=None, metavar="CTX:BATCH",
@@ -120,7 +128,7 @@ def main(argv=None) -> int:
     from ....quantizers import get_quantizer
     from .measure import build_model, compare_paths, measure_modes, write_cost
 
-    specs = [None if s == "plain" else s for s in a.specs]
+    specs = [None if s == "plain" else s for s in (a.specs if a.specs is not None else default_specs())]
     for s in specs:
         if s not in (None, "plain-static"):
             get_quantizer(s)  # a bad spec fails now, before the model is built

@@ -13,10 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvqbench.suites.bench.decode.__main__ import default_specs
+
 pytestmark = [pytest.mark.bench,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="decode benchmarks need a CUDA GPU")]
 
-SPECS = ["plain", "plain-static", "int4", "kivi:bits=4", "fp8-e4m3", "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3"]
+SPECS = default_specs()  # the baselines and every registered format's benchmark specs
 
 
 @pytest.fixture(scope="module")

@@ -24,14 +24,23 @@ import torch
 from ..toolkit import (copy_bandwidth, describe_error, encode_kv, env_info, fp16_sdpa, graph_replay, host_overhead,
                        rel_err, synthetic_kv, tile_to, timeit_us)
 
-METHODS = {  # name: (spec, flatten kwargs)
-    "fp8": ("fp8-e4m3", {}),
-    "int4": ("int4", {}),
-    "kivi4": ("kivi:bits=4", {}),
-    "kivi2": ("kivi:bits=2", {}),
-    "hqmq": ("hqmq:S=96,r=4", {"table_mode": "codebook", "table_dtype": torch.float16}),
-    "hqmq-med3": ("hqmq:S=96,r=4,outliers=med3", {"table_mode": "codebook", "table_dtype": torch.float16}),
-}
+# name: (spec, flatten kwargs) of every registered format's benchmark specs (kernels/registry.py
+# `Format.bench`), filled by `registered_methods()` at the first call (importing this module imports
+# no kernels)
+METHODS: dict[str, tuple[str, dict]] = {}
+FLATTEN_OPTIONS = {"hqmq": {"table_mode": "codebook", "table_dtype": torch.float16}}  # by format: its GPU table
+
+
+def registered_methods() -> dict[str, tuple[str, dict]]:
+    if not METHODS:
+        from ....kernels import registry
+
+        for fmt in registry.formats().values():
+            for label, spec in fmt.bench.items():
+                METHODS.setdefault(label, (spec, FLATTEN_OPTIONS.get(fmt.name, {})))
+    return METHODS
+
+
 VARIANTS = [  # launch configs tried per method; then programs per SM around the best one
     dict(block_t=64, num_warps=4, num_stages=2),
     dict(block_t=64, num_warps=4, num_stages=3),
@@ -46,7 +55,7 @@ PROGRAMS_PER_SM = (2, 3, 4, 6, 8, 12, 16)  # 8 is the default; waves vs tail eff
 
 def flats(name, pk, pv):
     from ....kernels.layout import flatten
-    kw = METHODS[name][1]
+    kw = registered_methods()[name][1]
     return flatten(pk, "K", **kw), flatten(pv, "V", **kw)
 
 
@@ -54,7 +63,7 @@ def check_all(dev) -> list[dict]:
     """Each method vs the reference at small shapes; the last-key test."""
     from ....kernels.decode_attention import decode_attention, reference_decode_attention
     out = []
-    for name, (spec, _) in METHODS.items():
+    for name, (spec, _) in registered_methods().items():
         for (B, T, dtype) in [(1, 1, torch.float16), (2, 1000 + 17, torch.bfloat16), (1, 4096 + 33, torch.float16)]:
             k, v = synthetic_kv(B, 8, T, 128, dev, seed=T)
             q = torch.randn(B, 32, 1, 128, device=dev).to(dtype)
@@ -100,7 +109,7 @@ def bench_shape(B, T, dev, base_cache, variants: bool, graphs: bool) -> list[dic
         rows.append({"B": B, "T": T, "method": "fp16-sdpa-graph", "us": bench(graph_replay(sdpa)),
                      "bytes": fp16_bytes})
     del sdpa  # frees the fp16 K/V
-    for name in METHODS:
+    for name in registered_methods():
         kf, vf = (tile_to(f, B, T) for f in base_cache[name])
         nbytes = kf.read_nbytes + vf.read_nbytes
         best = None
@@ -145,6 +154,7 @@ def run_sweep(out, shapes: str = "8x32768,1x32768", variants: bool = True, check
               methods: list[str] | None = None) -> dict:
     """Checks, copy bandwidth, then every method (or `methods`) at every BxT of `shapes`;
     writes bench_kernels.json under `out` after each shape and returns the results."""
+    registered_methods()
     if methods:
         for name in set(METHODS) - set(methods):
             del METHODS[name]

@@ -3,22 +3,33 @@
 `LatencyConfig.full()` is the GPU run (Llama-3-8B attention shapes); `smoke()`
 is the same plumbing at tiny shapes, which runs on the CPU through the Triton
 interpreter. Everything a section reads comes from here, nothing from argparse.
+
+The fused methods are every registered format's benchmark specs (`fused-<label>`,
+kernels/registry.py `bench_specs`, plugins' formats included): read when first asked
+for (`FUSED_SPECS`, `METHOD_SPECS`), so importing this module imports no kernels (the
+command line sets TRITON_INTERPRET first on a CPU).
 """
 from __future__ import annotations
 
 import dataclasses
 
-# method name -> quantizer spec of its packed cache (fp16-sdpa needs none)
-FUSED_SPECS = {
-    "fused-hqmq": "hqmq:S=96,r=4",
-    "fused-hqmq-med3": "hqmq:S=96,r=4,outliers=med3",
-    "fused-int4": "int4",
-    "fused-kivi4": "kivi:bits=4",
-    "fused-kivi2": "kivi:bits=2",
-    "fused-fp8": "fp8-e4m3",
-}
 FAKE_QUANT_SPEC = "hqmq:S=96,r=4,outliers=med3"
-METHOD_SPECS = {**FUSED_SPECS, "fake-quant": FAKE_QUANT_SPEC}
+
+
+def fused_specs() -> dict[str, str]:
+    """method name -> quantizer spec of its packed cache (fp16-sdpa needs none)."""
+    from ....kernels import registry
+
+    return {f"fused-{label}": spec for label, spec in registry.bench_specs().items()}
+
+
+def __getattr__(name: str):
+    if name == "FUSED_SPECS":
+        return fused_specs()
+    if name == "METHOD_SPECS":
+        return {**fused_specs(), "fake-quant": FAKE_QUANT_SPEC}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 ENCODE_SPECS = ("hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3")
 MEMORY_SPECS = ("fp16", "int4", "int2", "kivi:bits=4", "kivi:bits=2", "hqmq:S=24,r=3", "hqmq:S=96,r=4",
                 "hqmq:S=24,r=3,outliers=med3", "hqmq:S=96,r=4,outliers=med3")

@@ -5,11 +5,11 @@
 - `fused-<x>`: what ships: `decode_attention(q, k, v)` with backend="auto" and no
   options (the CUDA C++ kernel where the dispatcher routes the format, with its
   default config, else Triton with its defaults); `auto_backend` says which ran
-  and why not CUDA;
+  and why not CUDA (the front's `explain_backend`: the same rules, not a copy);
 - `fused-<x>-triton`: the Triton kernel (backend="triton") with a launch config
   (block/warps/stages, splits, HQMQ's codeword table), the tuner's at the focus;
 - `fused-<x>-cuda`: the CUDA kernel by opt-in (backend="cuda") where the auto
-  route does not take it although it could run (Med3x behind cuda_hqmq.AUTO_MED3);
+  route does not take it although it could run (Med3x behind hqmq_decode.AUTO_MED3);
 - `fake-quant`: what the public benchmark compared against: the whole packed
   HQMQ cache decoded to fp16 by the quantizer's torch decode, then the same SDPA.
 
@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ....kernels.decode_attention import decode_attention
+from ....kernels import registry
+from ....kernels.decode_attention import decode_attention, explain_backend
 from ..toolkit import DEVICE, GPU
 from .caches import EncodedCache, hqmq_segment
 
@@ -85,40 +86,23 @@ def shipped_callable(q, kf, vf, backend: str = "auto"):
     return lambda: decode_attention(q, kf, vf, backend=backend)
 
 
-def _cuda_module(kf):
-    """The module holding the CUDA kernel of this cache format (both import no GPU state)."""
-    from ....kernels.layout import HQMQFlat
-
-    if isinstance(kf, HQMQFlat):
-        from ....kernels import cuda_hqmq as m
-    else:
-        from ....kernels import cuda_decode as m
-    return m
-
-
 def cuda_refusal(q, kf, vf) -> str | None:
-    """Why backend="cuda" cannot run this call here (None: it can): the library does not
-    build or load here (no CUDA device, no nvcc, ...) or the kernel does not take the layout."""
-    m = _cuda_module(kf)
-    return m.why_unavailable() or m.unsupported(q, kf, vf)
+    """Why backend="cuda" cannot run this call here (None: it can): the format has no CUDA
+    kernel, its library does not build or load here (no CUDA device, no nvcc, ...), or the
+    kernel does not take the layout (the kernel's own answers, kernels/registry.py)."""
+    fmt = registry.format_of_flat(type(kf))
+    kernel = fmt.by_backend.get("cuda") if fmt is not None else None
+    if kernel is None:
+        return f"no CUDA kernel for {type(kf).__name__}"
+    return kernel.refusal(q, kf, vf)
 
 
 def auto_backend(q, kf, vf) -> tuple[str, str | None]:
-    """("cuda" | "triton", why not CUDA) for decode_attention(q, kf, vf, backend="auto")
-    without options: the dispatcher's conditions in its order (decode_attention.py), asked
-    through the same module functions. Rows measured on a GPU also check the answer
-    against the outputs (`same_output_as_backend`)."""
-    m = _cuda_module(kf)
-    if not q.is_cuda:
-        return "triton", m.why_unavailable() or "q is not on a CUDA device"
-    if not m.takes_by_default(kf):
-        if getattr(kf, "has_outliers", False) and not m.AUTO_MED3:
-            return "triton", "cuda_hqmq.AUTO_MED3 is False: auto keeps Med3x caches on Triton"
-        if hasattr(m, "CUDA_VERIFIED"):
-            return "triton", f"{m.format_name(kf)} is not in cuda_decode.CUDA_VERIFIED"
-        return "triton", "cuda_hqmq.AUTO is False"
-    why = cuda_refusal(q, kf, vf)
-    return ("triton", why) if why else ("cuda", None)
+    """(the backend decode_attention(q, kf, vf) runs without options, why not CUDA): the
+    front's `explain_backend` (its rules, not a copy). Rows measured on a GPU also check
+    the answer against the outputs (`same_output_as_backend`)."""
+    route = explain_backend(q, kf, vf)
+    return route.backend, route.declined.get("cuda")
 
 
 def fake_quant_callable(q, cache: EncodedCache, kf, vf):
