@@ -381,7 +381,7 @@ class QuantizedLayer(DynamicLayer):
         return True
 
     def _table(self) -> tuple[str, torch.dtype] | None:
-        if self.hqmq_table == "auto":  # the fastest source on a GPU (kernels/NOTES.md): fp16 codebook
+        if self.hqmq_table == "auto":  # the fastest source on a GPU (reports/kernels/NOTES.md): fp16 codebook
             return ("codebook", torch.float16) if self.device.type == "cuda" else None
         return self.hqmq_table
 
