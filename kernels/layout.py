@@ -285,11 +285,10 @@ class KIVIFlat:
 class KIVIGraphFlat(KIVIFlat):
     """A `KIVIFlat` whose group and window counts follow a device valid length (CUDA graphs;
     `KernelStore.graph_view`): `policy` (A, P), the window policy of
-    `step_encode.kivi_policy` (q(T) = max(0, T - A) // P * P tokens quantized, T - q(T) in
+    `formats.kivi.kivi_policy` (q(T) = max(0, T - A) // P * P tokens quantized, T - q(T) in
     the window), and `capacity`, the tokens the buffers hold (the bound the grid is cut
     for). The buffers are the store's, at capacity; n_groups / n_res are not read by a
-    call with `valid_len`. (Its own class because kernels/layout.py's KIVIFlat has no
-    policy field.)"""
+    call with `valid_len`. (Its own class: a host-count KIVIFlat has no policy.)"""
     policy: tuple[int, int] | None = None
     capacity: int = 0
 

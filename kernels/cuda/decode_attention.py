@@ -447,7 +447,7 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
                            or ws.out.numel() != plan.rows_q * plan.D):
         if valid_len is not None:
             raise ValueError(f"workspace does not fit this call ({plan.nsplit} splits, {plan.rows_q} x {plan.D} "
-                             f"{plan.out_dtype}): use cuda_decode.make_workspace")
+                             f"{plan.out_dtype}): use make_workspace")
         ws = None
     if ws is None:  # one buffer for the three partials, one for the result
         n = plan.rows_q * plan.nsplit

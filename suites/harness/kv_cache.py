@@ -30,7 +30,7 @@ value in it and can be captured once and replayed. The host's bookkeeping (token
 counts, store lengths, the Packed views behind `bits_per_element`) is advanced after
 each step by `advance(n)`, without reading the device. KIVI's window flushes are
 decided on the device from the same counter (its group and window counts are functions
-of the token count: kernels/store.py); the host computes them in `advance` from the
+of the token count: kernels/formats/kivi.py); the host computes them in `advance` from the
 steps it ran. Dense layers take such steps too when their quantizer's one-token write is
 one segment of fixed shapes made by tensor ops (fp16, spherical, additive / flat VQ,
 Hadamard int: dense_steps.py): the quantizer's own encode and decode run at the device
