@@ -34,6 +34,10 @@ own KIVI_VARIANTS (2..9 and 12).
 
 valid_len (int4 / fp8): the number of valid tokens read on the device, so one captured
 CUDA graph serves every decode step (`decode`, `make_workspace`).
+
+(About 500 lines, on purpose: the host side of one .cu source, three formats of one
+template; its launch-argument struct mirrors the .cu's, and its constants keep the GPU
+runs that chose them beside them.)
 """
 from __future__ import annotations
 

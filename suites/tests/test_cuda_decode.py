@@ -4,6 +4,7 @@ dequantize-then-attend reference.
 On a machine without a CUDA GPU or nvcc every kernel test skips, with the reason
 `cuda_decode.why_unavailable()` gives; the dispatch tests at the end run anywhere.
 Tolerances as test_kernels.py's GPU ones (fp16 operands, fp32 accumulation).
+(One file per CUDA source, as kernels/cuda/ has them: hence its length.)
 """
 from __future__ import annotations
 

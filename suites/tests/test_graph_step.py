@@ -16,6 +16,8 @@ CPU: no graph can be captured, so `GraphedDecodeStep` runs its device-position s
 uncaptured ("device" mode), through the same kernels under the Triton interpreter.
 GPU (skipped without CUDA): the captured graph against the uncaptured device steps
 (bit-equal) and the host-position fused steps (same tokens, close logits).
+(One file for the whole device-step path, encoders to model, as one GPU call runs it:
+hence its length.)
 """
 from __future__ import annotations
 
