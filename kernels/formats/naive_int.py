@@ -1,8 +1,9 @@
 """The naive int format (per-token groups along the head dim): `IntFlat` (kernels/layout.py),
 its flatten, its store fields (codes, scale, zero along the tokens), its device step
 encoder (kernels/step_encode.py's `int_rows`), its kernels (Triton,
-kernels/triton/naive_int.py; CUDA int4 g32, kernels/cuda/decode_attention.py). Per-channel key groups are refused (the fused kernels
-read per-token groups only): such caches take the dense path.
+kernels/triton/naive_int.py; CUDA int4 g32, kernels/cuda/decode_attention.py).
+Per-channel key groups are refused (the fused kernels read per-token groups only):
+such caches take the dense path.
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def flatten_int(packed: Packed, role: str | None = None) -> IntFlat:
     if cfg.keys == "per-channel" and role != "V":
         raise ValueError("the fused int kernel reads per-token groups only; keys of "
                          f"{packed.spec!r} are per-channel groups")
-    return IntFlat(B=packed.batch, H=packed.heads, T=packed.tokens, D=packed.head_dim,
-                   bits=cfg.bits, group=cfg.group, codes=concat_field(packed, "codes"), scale=concat_field(packed, "scale"),
+    return IntFlat(B=packed.batch, H=packed.heads, T=packed.tokens, D=packed.head_dim, bits=cfg.bits,
+                   group=cfg.group, codes=concat_field(packed, "codes"), scale=concat_field(packed, "scale"),
                    zero=concat_field(packed, "zero"), dtype=packed.dtype)
 
 
