@@ -10,6 +10,9 @@ after every configuration, and a rerun that would measure the same figures
 (results.identity) skips what is already measured (`--fresh` starts over). A
 configuration that fails is recorded with its error, the run goes on, and the
 command exits with EXIT_PARTIAL after writing the report.
+
+(About 630 lines, for now: the main job's checks, loop, resume, fidelity and Triton-ahead
+share the run's state; the provenance and Triton-ahead parts are the next to move out.)
 """
 from __future__ import annotations
 

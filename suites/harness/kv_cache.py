@@ -62,6 +62,9 @@ attention is exact (such layers never take the fused path: it has no mask).
 The installed transformers names the forward/generate argument either `cache`
 (newer 5.x; `past_key_values` is a deprecated alias) or `past_key_values` (older):
 `cache_kwargs(model, cache)` returns the right one.
+
+(About 730 lines: one transformers cache layer whose dense, fused and device-step paths
+share one state, so they stay together; the store and the kernels live in kernels/.)
 """
 from __future__ import annotations
 
