@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import weakref
 from typing import Sequence
 
 import torch
@@ -178,7 +179,9 @@ class _Eager:
         return self.model(input_ids=ids, **self.kw, use_cache=True).logits
 
 
-_COMPILED: dict = {}  # id(module) -> its torch.compile wrapper, kept across calls (compiles once per shape)
+# module -> its torch.compile wrapper, kept across calls (compiles once per shape); weak keys:
+# an id() key could hand a freed module's wrapper to a new module at the same address
+_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -196,7 +199,9 @@ def compiled_parts(model):
                      "post_feedforward_layernorm", "mlp", "norm"):
             mod = getattr(owner, name, None)
             if isinstance(mod, torch.nn.Module):
-                wrapped = _COMPILED.setdefault(id(mod), torch.compile(mod, dynamic=None))
+                wrapped = _COMPILED.get(mod)
+                if wrapped is None:
+                    wrapped = _COMPILED[mod] = torch.compile(mod, dynamic=None)
                 swaps.append((owner, name, mod))
                 setattr(owner, name, wrapped)
     try:
