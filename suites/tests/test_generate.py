@@ -133,8 +133,9 @@ def test_fidelity_of_an_exact_cache_is_perfect_and_of_int2_is_not(model):
     assert int2["prompts"] == 3 and len(int2["first_diff"]) == 3
     assert 0 <= int2["first_diff_min"] <= int2["first_diff_mean"] <= 10
     assert int2["match_rate"] < 1 and int2["never_diverged"] < 3  # 2-bit K/V leave the greedy path
-    # the reference is the model's own greedy choice: its NLL per token is the smaller
-    assert int2["nll_per_token"] > int2["ref_nll_per_token"]
+    # (no order between the two NLLs: greedy is not the likeliest continuation, and on the
+    # H200 several quantized continuations were likelier than the reference's)
+    assert 0 < int2["nll_per_token"] < float("inf") and int2["nll_per_token"] != int2["ref_nll_per_token"]
     with pytest.raises(ValueError, match="reference continuations"):
         fidelity(model, ids[:2], "int2", ref)
 
