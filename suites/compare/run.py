@@ -11,8 +11,8 @@ after every configuration, and a rerun that would measure the same figures
 configuration that fails is recorded with its error, the run goes on, and the
 command exits with EXIT_PARTIAL after writing the report.
 
-(About 630 lines, for now: the main job's checks, loop, resume, fidelity and Triton-ahead
-share the run's state; the provenance and Triton-ahead parts are the next to move out.)
+Provenance (versions, commit, plugin distributions) lives in provenance.py, the
+Triton-ahead compile pool in ahead.py.
 """
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from ..harness.perplexity import DEFAULT_BATCH
+from .ahead import triton_ahead
+from .provenance import hardware, row_stamps, versions
 from .results import Run, RunError, stamp_matches
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -64,107 +64,6 @@ def is_stochastic(spec: str) -> bool:
     from ...quantizers import parse_spec
 
     return bool(getattr(parse_spec(spec)[0], "stochastic", False))
-
-
-def kvqbench_version() -> dict:
-    """The installed kvqbench's version, and the git commit of the checkout it runs from
-    (with `dirty` when tracked files differ from it; None outside a git checkout)."""
-    import importlib.metadata
-    import subprocess
-
-    try:
-        version = importlib.metadata.version("kvqbench")
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    root = Path(__file__).resolve().parents[2]
-    commit = dirty = None
-    try:
-        git = ["git", "-C", str(root)]
-        if (root / ".git").exists():
-            commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                                    check=True).stdout.strip() or None
-            dirty = bool(subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                        text=True, timeout=10, check=True).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        commit = dirty = None
-    return {"version": version, "commit": commit, "dirty": dirty}
-
-
-def plugin_versions() -> dict:
-    """quantizer name -> the distribution that ships it and its version (built-ins:
-    kvqbench's own)."""
-    import importlib.metadata
-
-    from ...quantizers import ENTRY_POINT_GROUP, registry
-
-    out, own = {}, kvqbench_version()["version"]
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        dist = getattr(ep, "dist", None)
-        if dist is not None:
-            out[ep.name] = {"distribution": dist.metadata["Name"], "version": dist.version}
-    for name, cls in registry().items():
-        if name not in out and cls.__module__.startswith("kvqbench."):
-            out[name] = {"distribution": "kvqbench", "version": own}
-    return dict(sorted(out.items()))
-
-
-def _plugin_dist(cls, eps, own: str | None) -> dict | None:
-    """The distribution that ships quantizer class `cls`, and its version: the entry point
-    naming it, else the distribution holding its top-level package; built-ins: kvqbench."""
-    import importlib.metadata
-
-    for ep in eps:
-        if (ep.module, ep.attr) == (cls.__module__, cls.__qualname__) and getattr(ep, "dist", None) is not None:
-            return {"distribution": ep.dist.metadata["Name"], "version": ep.dist.version}
-    if cls.__module__.startswith("kvqbench."):
-        return {"distribution": "kvqbench", "version": own}
-    for name in importlib.metadata.packages_distributions().get(cls.__module__.split(".")[0], [])[:1]:
-        return {"distribution": name, "version": importlib.metadata.version(name)}
-    return None
-
-
-def row_stamps(specs: list[str]) -> dict[str, dict]:
-    """spec -> what its records carry and resume compares (results.stamp_matches): the
-    quantizer class and its config as resolved now (a changed plugin default changes it),
-    kvqbench's version and commit, and the plugin's distribution version."""
-    import dataclasses
-    import importlib.metadata
-
-    from ...quantizers import ENTRY_POINT_GROUP, get_quantizer
-
-    code, eps = kvqbench_version(), list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
-    out = {}
-    for spec in specs:
-        q = get_quantizer(spec)
-        cls = type(q)
-        # JSON round trip: the dict compares equal to what results.json gives back.
-        config = json.loads(json.dumps(dataclasses.asdict(q.config), sort_keys=True, default=str))
-        out[spec] = {"quantizer": {"class": f"{cls.__module__}.{cls.__qualname__}", "config": config},
-                     "versions": {"kvqbench": code["version"], "commit": code["commit"], "dirty": code["dirty"],
-                                  "plugin": _plugin_dist(cls, eps, code["version"])}}
-    return out
-
-
-def versions() -> dict:
-    import transformers
-
-    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "kvqbench": kvqbench_version(), "plugins": plugin_versions()}
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except ImportError:
-        pass
-    return out
-
-
-def hardware(device: str) -> dict:
-    hw = {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
-          "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": device}
-    if device.startswith("cuda"):
-        hw["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return hw
 
 
 def outlier_diagnostics(model, window: torch.Tensor) -> list[dict]:
@@ -485,65 +384,6 @@ def run_compare(args) -> int:
             print(f"  {line}", file=sys.stderr)
         return EXIT_PARTIAL
     return 0
-
-
-class AheadRun:
-    """What `triton_ahead` yields: `row(spec)` names the row whose compiles are recorded;
-    `pool` is the preloading (None when off)."""
-
-    def __init__(self, recorder=None, pool=None):
-        self.recorder, self.pool = recorder, pool
-
-    def row(self, spec: str) -> None:
-        if self.recorder is not None:
-            self.recorder.label = spec
-
-
-@contextmanager
-def triton_ahead(args, device, model_info, plan, specs):
-    """The compare's use of kernels/precompile.py. On a CUDA run, the Triton specialisations a
-    run of the same shape compiled before (`<cache>/triton_ahead/`; on a machine that has none,
-    the copy the package ships for the default job, `precompile.SHIPPED`) compile in a thread
-    pool while the first rows run, and what this run's rows compile is recorded per spec for the
-    next run. Yields an `AheadRun` (the loop calls its `row` with each row's spec). Off with
-    KVQBENCH_PRECOMPILE_THREADS=0, on a CPU, under torchrun, or where `precompile.supported()`
-    says why not. It changes when kernels compile, never a figure."""
-    from ...kernels import precompile as P
-
-    threads = int(os.environ.get("KVQBENCH_PRECOMPILE_THREADS") or P.default_threads())  # checked by validate
-    device = None if device is None else torch.device(device)  # the plan names it as a string
-    if device is None or device.type != "cuda" or threads <= 0 or P.supported() is not None:
-        yield AheadRun()
-        return
-    from ..harness.fetch import cache_dir, write_atomic
-
-    shape = {k: model_info.get(k) for k in ("name", "sha256", "n_heads", "n_kv_heads", "head_dim", "dtype")}
-    shape.update(lengths=plan["lengths"], windows=args.windows, batch_size=args.batch_size,
-                 context=args.context, decode_tokens=args.decode_tokens,
-                 capability=list(torch.cuda.get_device_capability(device)))
-    name = P.manifest_name(shape)
-    manifest = P.Manifest(cache_dir() / "triton_ahead" / name, shape)
-    if not manifest.entries:
-        manifest.entries = P.Manifest(P.SHIPPED / name, shape).entries
-    pool = P.preload(manifest, list(dict.fromkeys(specs)), threads)
-    rec = P.Recorder()
-    try:
-        with rec.installed():
-            yield AheadRun(rec, pool)
-    finally:
-        pool.close()
-        s = pool.summary()
-        manifest.merge(rec.seen, set(pool.failed))
-        try:
-            manifest.path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(manifest.path, manifest.dumps())
-        except OSError as e:
-            print(f"kvqbench: could not save {manifest.path}: {e}", file=sys.stderr)
-        took = "" if s["seconds"] is None else f" in {s['seconds']} s"
-        print(f"Triton ahead ({manifest.path.name}): {s['preloaded']} of {s['submitted']} specialisations "
-              f"compiled by the pool{took}, {s['failed']} stale; the rows met "
-              f"{sum(map(len, rec.seen.values()))} not yet in memory (compiled, or loaded from Triton's disk cache)",
-              file=sys.stderr)
 
 
 def _fidelity(run, model, prompts, specs, new_tokens: int, stamps: dict) -> None:

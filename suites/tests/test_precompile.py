@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvqbench.kernels import precompile as P
-from kvqbench.suites.compare import run as compare_run
+from kvqbench.suites.compare import ahead as compare_ahead
 
 pytestmark = pytest.mark.usefixtures("private_cache")
 
@@ -92,7 +92,7 @@ def test_preload_counts_what_cannot_compile_and_never_raises(tmp_path):
 
 def test_a_cpu_compare_neither_preloads_nor_records(tmp_path):
     args = types.SimpleNamespace(windows=2, batch_size=1, context=8, decode_tokens=4)
-    with compare_run.triton_ahead(args, "cpu", {"name": "tiny"}, {"lengths": {}}, ["int4"]) as ahead:
+    with compare_ahead.triton_ahead(args, "cpu", {"name": "tiny"}, {"lengths": {}}, ["int4"]) as ahead:
         ahead.row("int4")
         assert ahead.pool is None
     from kvqbench.suites.harness.fetch import cache_dir
@@ -116,13 +116,13 @@ def test_a_cuda_compare_records_per_spec_and_drops_stale_entries(monkeypatch, ca
     shape = ({"name": "tiny", "dtype": "float32"}, {"lengths": {"prefill-then-decode": 12}})
     cuda = torch.device("cuda")  # named only: nothing here touches a GPU
     entry = data("kvqbench.kernels.no_such_module._k")
-    with compare_run.triton_ahead(args, cuda, *shape, ["int4", "hqmq:S=96,r=4"]) as ahead:
+    with compare_ahead.triton_ahead(args, cuda, *shape, ["int4", "hqmq:S=96,r=4"]) as ahead:
         ahead.row("int4")
         knobs.runtime.jit_cache_hook(key=1, compile={"specialization_data": entry})
     files = list((cache_dir() / "triton_ahead").glob("*.json"))
     assert len(files) == 1
     assert json.loads(files[0].read_text())["entries"] == {"int4": [entry]}
-    with compare_run.triton_ahead(args, cuda, *shape, ["int4"]) as ahead:
+    with compare_ahead.triton_ahead(args, cuda, *shape, ["int4"]) as ahead:
         ahead.pool.wait(timeout=60)  # a run's rows give the pool time; this one has none
     assert json.loads(files[0].read_text())["entries"] == {"int4": []}  # stale: dropped
     err = capsys.readouterr().err
@@ -139,7 +139,7 @@ def test_a_machine_without_its_own_manifest_uses_the_shipped_one(monkeypatch, tm
     monkeypatch.setenv("KVQBENCH_PRECOMPILE_THREADS", "1")
     args = types.SimpleNamespace(windows=2, batch_size=1, context=8, decode_tokens=4)
     shape = ({"name": "tiny", "dtype": "float32"}, {"lengths": {"prefill-then-decode": 12}})
-    with compare_run.triton_ahead(args, torch.device("cuda"), *shape, ["int4"]):
+    with compare_ahead.triton_ahead(args, torch.device("cuda"), *shape, ["int4"]):
         pass  # records nothing: learns the file name
     (mine,) = (cache_dir() / "triton_ahead").glob("*.json")
     package = tmp_path / "pkg"
@@ -150,7 +150,7 @@ def test_a_machine_without_its_own_manifest_uses_the_shipped_one(monkeypatch, tm
     mine.unlink()
     monkeypatch.setattr(P, "SHIPPED", package / "triton_ahead")
     capsys.readouterr()
-    with compare_run.triton_ahead(args, torch.device("cuda"), *shape, ["int4"]) as ahead:
+    with compare_ahead.triton_ahead(args, torch.device("cuda"), *shape, ["int4"]) as ahead:
         ahead.pool.wait(timeout=60)
     assert "0 of 1 specialisations" in capsys.readouterr().err  # int4's entry only: the run's spec
     assert json.loads(mine.read_text())["entries"] == {"int4": [], "kivi": [data(n=9)]}

@@ -15,6 +15,7 @@ from filelock import FileLock
 
 from kvqbench.quantizers import registry
 from kvqbench.suites.compare import cli, claims, report, results
+from kvqbench.suites.compare import provenance
 from kvqbench.suites.compare import run as compare_run
 from kvqbench.suites.harness import fetch, perplexity
 from kvqbench.suites.harness.tiny_model import tiny_compare_args
@@ -151,7 +152,7 @@ def test_resume_measures_again_what_other_code_measured(tiny, tmp_path, plugin, 
     assert q["quantizer"]["class"] == "myq_plugin.MyQ" and q["quantizer"]["config"]["bits"] == 4
     assert q["versions"]["plugin"] == {"distribution": "myq-dist", "version": "0.1"}
     assert by["fp16"]["versions"]["plugin"] == {"distribution": "kvqbench", "version": own}
-    assert q["versions"]["kvqbench"] == own and q["versions"]["commit"] == compare_run.kvqbench_version()["commit"]
+    assert q["versions"]["kvqbench"] == own and q["versions"]["commit"] == provenance.kvqbench_version()["commit"]
     bits4 = q["bits_per_element"]
 
     plugin(bits=2, version="0.1")  # the default changed, the version did not
@@ -164,7 +165,7 @@ def test_resume_measures_again_what_other_code_measured(tiny, tmp_path, plugin, 
     assert "2 configurations, 1 already measured" in err and by["myq"]["versions"]["plugin"]["version"] == "0.2"
 
     code = {"version": "9.9", "commit": "f" * 40, "dirty": False}  # another kvqbench
-    monkeypatch.setattr(compare_run, "kvqbench_version", lambda: code)
+    monkeypatch.setattr(provenance, "kvqbench_version", lambda: code)
     by, err = run()
     assert "2 configurations, 0 already measured" in err and by["fp16"]["versions"]["kvqbench"] == "9.9"
     code = dict(code, dirty=True)  # an edited checkout still resumes (after Ctrl-C, say)
