@@ -287,6 +287,8 @@ def combine(job: Job, parts: list[tuple[int, dict]]) -> dict:
         for _, r in parts:
             total += r[key]
         out[key] = total
+    if all("window_nll" in r for _, r in parts):  # per-window NLL sums, in window order
+        out["window_nll"] = [x for _, r in parts for x in r["window_nll"]]
     out["ppl"] = math.exp(out["nll_sum"] / out["n_predicted"])
     numel = out["cache_elements"]
     out["bits_per_element"] = out["cache_nbytes"] * 8 / numel if numel else float("nan")

@@ -100,10 +100,12 @@ def _cache_stats(cache) -> tuple[int, int]:
 
 
 def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed NLL of `targets` [..., T] under `logits` [..., T, V]: float32 softmax,
-    float64 sum. Kept on the device (no per-step host sync); `.item()` once per batch."""
+    """NLL of `targets` [rows, T] under `logits` [rows, T, V], summed per row (window):
+    [rows], float32 softmax, float64 sum. Kept on the device (no per-step host sync);
+    read once per batch. The per-window sums go on the record as `window_nll` (window
+    order), so two quantizers can be compared paired, window by window (compare/verdicts.py)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                           reduction="sum").double()
+                           reduction="none").double().view(targets.shape[0], -1).sum(1)
 
 
 def _check_windows(windows: torch.Tensor, min_len: int) -> torch.Tensor:
@@ -201,6 +203,7 @@ def ppl_quantize_on_write(model, windows: torch.Tensor, spec: str | None, seed: 
     rows = batch_rows(model, spec, windows, batch_size, N)
     t0 = time.perf_counter()
     nll, n_pred, nbytes, numel = 0.0, 0, 0, 0
+    per_window: list[float] = []
     # Value checks (NaN/Inf, fp16 range) are read once per batch, with the loss.
     with torch.inference_mode(), deferred_checks():
         for i in range(0, n_win, rows):
@@ -209,14 +212,16 @@ def ppl_quantize_on_write(model, windows: torch.Tensor, spec: str | None, seed: 
             logits = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits
             batch_nll = _nll(logits[:, :-1], ids[:, 1:])
             flush()
-            nll += batch_nll.item()
+            per_window += batch_nll.tolist()
+            nll += sum(per_window[i:])  # this batch's windows, summed as a batch
             n_pred += ids.shape[0] * (N - 1)
             b, n = _cache_stats(cache)
             nbytes, numel = nbytes + b, numel + n
             del cache, logits
             if progress:
                 progress(i + ids.shape[0], n_win)
-    return _result("quantize-on-write", {}, spec, seed, windows, nll, n_pred, nbytes, numel, t0, rows)
+    return _result("quantize-on-write", {"window_nll": per_window},
+                   spec, seed, windows, nll, n_pred, nbytes, numel, t0, rows)
 
 
 def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed: int = 0, *,
@@ -275,6 +280,7 @@ def _prefill_decode(protocol, model, windows, spec, seed, context, device, progr
     context_manager, fused = _fused_setting(model, spec, fused)
     graph = fused is not False and (graph if graph is not None else dev.type == "cuda")
     modes: set[str] = set()
+    per_window: list[float] = []
     # Value checks (NaN/Inf, fp16 range) of every write are read once per batch, with
     # the loss: no host synchronisation inside the decode loop from them.
     with torch.inference_mode(), context_manager, deferred_checks():
@@ -283,14 +289,15 @@ def _prefill_decode(protocol, model, windows, spec, seed, context, device, progr
             cache = _new_cache(model, spec, seed, capacity=N, fused=fused, prefill="exact" if exact else "quantized")
             kw = cache_kwargs(model, cache)
             logits = model(input_ids=ids[:, :context], **kw, use_cache=True, **_last_logit_only(model)).logits[:, -1:]
-            w_nll = torch.zeros((), dtype=torch.float64, device=dev) if exact else \
+            w_nll = torch.zeros(ids.shape[0], dtype=torch.float64, device=dev) if exact else \
                 _nll(logits, ids[:, context:context + 1])
             step = _decode_step(model, cache, kw, ids.shape[0], N, graph)
             for t in range(context, N - 1):
                 w_nll += _nll(step(ids[:, t:t + 1])[:, -1:], ids[:, t + 1:t + 2])
             flush()
             modes.add(getattr(step, "mode", "eager"))
-            nll += w_nll.item()
+            per_window += w_nll.tolist()
+            nll += sum(per_window[i:])  # this batch's windows, summed as a batch
             n_pred += ids.shape[0] * (N - context - (1 if exact else 0))
             b, n = _cache_stats(cache)
             nbytes, numel = nbytes + b, numel + n
@@ -298,7 +305,7 @@ def _prefill_decode(protocol, model, windows, spec, seed, context, device, progr
             if progress:
                 progress(i + ids.shape[0], n_win)
     return _result(protocol, {"context": context, "decode_steps": N - 1 - context,
-                              "decode_mode": "+".join(sorted(modes))},
+                              "decode_mode": "+".join(sorted(modes)), "window_nll": per_window},
                    spec, seed, windows, nll, n_pred, nbytes, numel, t0, rows)
 
 
