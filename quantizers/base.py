@@ -15,6 +15,21 @@ tensors stored once per (layer, role) (codebooks, rotations), amortised over
 the cache. `Packed.nbytes` counts every stored byte; bits per element are
 measured from it, never computed from a formula.
 
+Bytes in two parts (METHOD.md section 3 and 4 "Bits:"): shared tensors drawn from
+a seed and independent of the data (a rotation, a QJL sketch, HQMQ's secondaries,
+Hadamard signs) are MODEL CONSTANTS: a deployed cache regenerates them once per
+model, not per cache. A quantizer names them in `constant_shared()` (default: none,
+the conservative answer: every byte is a cache byte), and its Packed carries the
+names (`Packed.constant`). Then:
+  `cache_nbytes` / `cache_bits_per_element`: what the cache stores per write
+      (segments, and shared tensors fitted to the data: codebooks fitted on the
+      write, outlier masks, scales), the figure to compare methods by;
+  `constant_nbytes`: the model constants, to be reported once per model;
+  `nbytes` / `bits_per_element`: the TOTAL (both parts, as if the constants were
+      stored with every cache), kept for compatibility.
+The conformance suite (suites/conformance.py `check_constant_shared`) checks that
+every declared constant is byte-identical across writes of different data.
+
 A plugin implements `encode_tokens` / `decode_tokens` for one run of tokens
 (float32 in, float32 out) and `formula_bits`; it overrides `append` only when
 its state spans writes (KIVI's fp16 window and token groups; `append_windowed`
@@ -87,6 +102,9 @@ class Packed:
     segments: list[Segment]
     shared: dict[str, torch.Tensor]
     spec: str
+    # Names of the `shared` tensors that are model constants (seeded, independent of the
+    # data: Quantizer.constant_shared), counted by `constant_nbytes`, not `cache_nbytes`.
+    constant: frozenset[str] = frozenset()
 
     @property
     def tokens(self) -> int:
@@ -111,12 +129,30 @@ class Packed:
 
     @property
     def nbytes(self) -> int:
+        """TOTAL stored bytes: `cache_nbytes + constant_nbytes`."""
         return sum(self.nbytes_by_field().values())
 
     @property
+    def constant_nbytes(self) -> int:
+        """Bytes of the shared tensors that are model constants (`constant`): regenerated
+        from the seed once per model, so not bytes of this cache."""
+        return sum(t.numel() * t.element_size() for k, t in self.shared.items() if k in self.constant)
+
+    @property
+    def cache_nbytes(self) -> int:
+        """Bytes this cache stores for its writes: every segment byte and every shared
+        tensor that is not a model constant (codebooks fitted on the write, masks, scales)."""
+        return self.nbytes - self.constant_nbytes
+
+    @property
     def bits_per_element(self) -> float:
-        """Measured: every stored byte x 8 / number of K/V elements."""
+        """Measured TOTAL: every stored byte, model constants included, x 8 / K/V elements."""
         return self.nbytes * 8 / self.numel if self.numel else float("nan")
+
+    @property
+    def cache_bits_per_element(self) -> float:
+        """Measured cache bits: `cache_nbytes` x 8 / K/V elements (model constants apart)."""
+        return self.cache_nbytes * 8 / self.numel if self.numel else float("nan")
 
     def digest(self) -> str:
         """sha256 of every stored byte, in order: equal digests mean equal bytes."""
@@ -190,6 +226,17 @@ class Quantizer(ABC):
         `self.head_seed(h)` so every (layer, kv-head, role) gets its own."""
         return {}
 
+    def constant_shared(self) -> frozenset[str]:
+        """Names of the `make_shared` tensors that are MODEL CONSTANTS: a deterministic
+        function of (config, layer, role, seed, heads, head_dim), never of the data
+        written (a seeded rotation, sketch matrix, secondary codebook). A deployed cache
+        regenerates them once per model, so they are reported apart (`constant_nbytes`)
+        and not charged to the cache's bits. Default: none (every byte a cache byte).
+        Anything fitted to the data (a codebook fitted on the write, a scale) must not
+        be named; the conformance suite encodes different data and checks that every
+        named tensor is byte-identical."""
+        return frozenset()
+
     @abstractmethod
     def encode_tokens(self, x: torch.Tensor, shared: dict[str, torch.Tensor]) -> Segment:
         """Code float32 `[B, H, T, D]` into a Segment of stored tensors."""
@@ -246,7 +293,19 @@ class Quantizer(ABC):
     def empty(self, like: torch.Tensor) -> Packed:
         B, H, _, D = like.shape
         shared = {k: v.to(like.device) for k, v in self.make_shared(H, D).items()}
-        return Packed(B, H, D, like.dtype, like.device, [], shared, self.spec)
+        return Packed(B, H, D, like.dtype, like.device, [], shared, self.spec, self._constant_names(shared))
+
+    def _constant_names(self, shared: dict) -> frozenset[str]:
+        """`constant_shared()`, checked: a frozenset of names of tensors `make_shared` gives."""
+        names = self.constant_shared()
+        if not isinstance(names, frozenset) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"{type(self).__name__}.constant_shared() must return a frozenset of shared tensor "
+                            f"names, got {names!r}")
+        unknown = names - set(shared)
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.constant_shared() names {sorted(unknown)}, which make_shared "
+                            f"does not give (it gives {sorted(shared)})")
+        return names
 
     def encode(self, x: torch.Tensor) -> Packed:
         """Code one write into a fresh packed cache."""

@@ -132,18 +132,22 @@ class FitsOnFirstWrite:
         super().check_packed(packed)
 
 
-def nbytes_as_row_caches(packed: Packed, quantizer=None) -> int:
+def nbytes_as_row_caches(packed: Packed, quantizer=None, *, constants: bool = True) -> int:
     """Bytes the rows of `packed` would store as separate one-row caches: every segment
     byte, the per-row shared tensors as stored (one row each already), and every other
-    shared tensor (a seeded rotation, a whole-write fit) once PER ROW. `quantizer`: the
-    one that wrote `packed` (default: its spec's)."""
+    shared tensor (a seeded rotation, a whole-write fit) once PER ROW. `constants=False`
+    leaves out the model constants (`packed.constant`, base.py): the CACHE bytes of the
+    rows, to which a model's constants are never charged. `quantizer`: the one that
+    wrote `packed` (default: its spec's)."""
     if quantizer is None:
         from . import get_quantizer
 
         quantizer = get_quantizer(packed.spec)
     per_row = set(quantizer._row_names()) if isinstance(quantizer, FitsOnFirstWrite) else set()
-    common = sum(t.numel() * t.element_size() for k, t in packed.shared.items() if k not in per_row)
-    return packed.nbytes + (packed.batch - 1) * common
+    left_out = set() if constants else set(packed.constant)
+    common = sum(t.numel() * t.element_size() for k, t in packed.shared.items()
+                 if k not in per_row and k not in left_out)
+    return (packed.nbytes if constants else packed.cache_nbytes) + (packed.batch - 1) * common
 
 
 def fold_rows(r: torch.Tensor, cb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,8 @@ as written, which is the same numerically for the cache but not for speed,
 and the signs are seeded, never learned. Calibration-free.
 
 Stored per token vector: packed codes (`bits` each) and fp16 scale and zero
-per group. Per (layer, role): the sign bits, uint8 `[H, D/8]`.
+per group. Per (layer, role): the sign bits, uint8 `[H, D/8]`, a model constant
+(`constant_shared`: reported once per model, not in the cache's bits).
 """
 from __future__ import annotations
 
@@ -56,6 +57,10 @@ class HadamardInt(Quantizer):
 
     def make_shared(self, heads, head_dim):
         return {"signs": random_signs([self.head_seed(h) for h in range(heads)], head_dim)}
+
+    def constant_shared(self):
+        # Seeded, never fitted: a model constant (base.py), not cache bytes.
+        return frozenset({"signs"})
 
     def _signs(self, shared, d):
         return signs_of(shared["signs"], d)

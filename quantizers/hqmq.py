@@ -127,6 +127,10 @@ class HQMQ(Quantizer):
             secondaries.append(random_unit_quaternions(self.config.S, g))
         return {"secondaries": torch.stack(secondaries).half()}  # [H, S, 4]
 
+    def constant_shared(self):
+        # Seeded per (layer, role, kv-head), never fitted: a model constant (base.py), not cache bytes.
+        return frozenset({"secondaries"})
+
     @staticmethod
     def secondaries(shared) -> torch.Tensor:
         """The secondaries as used: the stored fp16 values, renormalised."""

@@ -133,9 +133,48 @@ def check_measured_bits(spec: str) -> None:
     )
     measured = packed.bits_per_element
     assert measured == packed.nbytes * 8 / x.numel()
-    # Whole-bit code fields and amortised codebooks only ever add to the formula.
-    assert measured >= q.formula_bits(d) - 1e-9, f"{spec}: measured {measured} < formula {q.formula_bits(d)}"
+    assert packed.cache_nbytes + packed.constant_nbytes == packed.nbytes, (
+        f"{spec}: cache bytes {packed.cache_nbytes} + model-constant bytes {packed.constant_nbytes} != "
+        f"total {packed.nbytes}")
+    cache_bits = packed.cache_bits_per_element
+    assert cache_bits == packed.cache_nbytes * 8 / x.numel()
+    # Whole-bit code fields and amortised fitted codebooks only ever add to the formula, which
+    # counts what a cache stores per token (never the model constants).
+    assert cache_bits >= q.formula_bits(d) - 1e-9, (
+        f"{spec}: measured cache bits {cache_bits} < formula {q.formula_bits(d)} (model constants, "
+        f"{packed.constant_nbytes} bytes, are not cache bits; does the formula count them?)")
     assert measured < 33
+
+
+def check_constant_shared(spec: str) -> None:
+    """The shared tensors a quantizer declares model constants (`constant_shared()`) are a
+    deterministic function of (config, layer, role, seed, heads, head_dim): two fresh
+    instances writing different data (other values, scale, batch rows and token count)
+    store them byte for byte alike, and a later append leaves them unchanged. A codebook
+    fitted on the write, a per-row tensor or a scale fails here."""
+    d = head_dim_for(spec)
+    for role in ("K", "V"):
+        q = get_quantizer(spec, role=role, layer=1, seed=5)
+        declared = q.constant_shared()
+        x1 = reference_tensor(d, tokens=40, batch=2, seed=0)
+        x2 = reference_tensor(d, tokens=24, batch=1, seed=7, outlier_channels=(1, 5), outlier_scale=30.0) * 100
+        a = q.encode(x1)
+        b = get_quantizer(spec, role=role, layer=1, seed=5).encode(x2)
+        assert a.constant == declared == b.constant, (
+            f"{spec} {role}: Packed.constant {sorted(a.constant)} is not constant_shared() {sorted(declared)}")
+        assert declared <= set(a.shared), (
+            f"{spec} {role}: constant_shared() names {sorted(declared - set(a.shared))}, not shared tensors")
+        later = q.append(a, reference_tensor(d, tokens=3, batch=2, seed=9) * 3)
+        for name in sorted(declared):
+            for what, other in (("a write of other data", b.shared[name]), ("a later append", later.shared[name])):
+                t = a.shared[name]
+                raw = lambda u: u.contiguous().cpu().view(torch.uint8)  # noqa: E731
+                same = t.shape == other.shape and t.dtype == other.dtype and torch.equal(raw(t), raw(other))
+                assert same, (
+                    f"{spec} {role}: shared tensor {name!r} is declared a model constant (constant_shared) but "
+                    f"{what} stored other bytes ({tuple(t.shape)} {t.dtype} vs {tuple(other.shape)} {other.dtype}): "
+                    "it depends on the data or the batch, so it is a cache byte; leave it out of constant_shared()")
+        assert a.constant_nbytes == sum(a.shared[n].numel() * a.shared[n].element_size() for n in declared)
 
 
 def check_quantizer(spec: str) -> None:
@@ -145,3 +184,4 @@ def check_quantizer(spec: str) -> None:
         check_append(spec, role)
     check_determinism(spec)
     check_measured_bits(spec)
+    check_constant_shared(spec)

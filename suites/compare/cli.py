@@ -15,15 +15,21 @@ import traceback
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
-def reference_bits(spec: str, head_dim: int, tokens: int = 2048, heads: int = 8) -> tuple[float, float]:
-    """(measured, formula) bits per element of `spec` on a seeded Gaussian reference
-    tensor [1, heads, tokens, head_dim] (keys, layer 0, seed 0)."""
+LIST_HEADS = 8  # kv-heads of `kvqbench list`'s reference tensor
+
+
+def reference_bits(spec: str, head_dim: int, tokens: int = 2048, heads: int = LIST_HEADS) -> tuple[float, float, int]:
+    """(measured cache bits, formula bits, model-constant bytes) of `spec` on a seeded
+    Gaussian reference tensor [1, heads, tokens, head_dim] (keys, layer 0, seed 0): the
+    cache's own bits per element (quantizers/base.py `Packed.cache_bits_per_element`)
+    and the bytes of its model constants for that one (layer, role)."""
     from ...quantizers import get_quantizer
     from ..conformance import reference_tensor
 
     q = get_quantizer(spec)
     x = reference_tensor(head_dim, tokens=tokens, heads=heads, batch=1, seed=0)
-    return q.encode(x).bits_per_element, q.formula_bits(head_dim)
+    packed = q.encode(x)
+    return packed.cache_bits_per_element, q.formula_bits(head_dim), packed.constant_nbytes
 
 
 def cmd_list(args) -> int:
@@ -38,9 +44,11 @@ def cmd_list(args) -> int:
                          + (f" (aliases such as {', '.join(sorted(set(names()) - set(registry()))[:4])} "
                             "are specs, not plugin names)" if set(unknown) & set(names()) else ""))
     dims = (64, 128)
-    print(f"bits per element measured from stored bytes on a reference tensor "
-          f"[1, 8, {args.tokens}, d] (keys, seed 0); formula in parentheses\n")
-    print(f"{'spec':34s} " + " ".join(f"{'d=' + str(d):>16s}" for d in dims))
+    print(f"cache bits per element measured from stored bytes on a reference tensor [1, {LIST_HEADS}, {args.tokens}, d]"
+          " (keys, seed 0);\nformula bits in parentheses; '+N B': bytes of the model constants (seeded rotations, "
+          "sketches, secondaries:\nregenerated once per model, not cache bytes) of that one (layer, role) of "
+          f"{LIST_HEADS} kv-heads\n")
+    print(f"{'spec':34s} " + " ".join(f"{'d=' + str(d):>26s}" for d in dims))
     for name, cls in sorted(registry().items()):
         if args.names and name not in args.names:
             continue
@@ -49,12 +57,12 @@ def cmd_list(args) -> int:
             cells = []
             for d in dims:
                 try:
-                    m, f = reference_bits(spec, d, tokens=args.tokens)
-                    cells.append(f"{m:7.3f} ({f:6.3f})")
+                    m, f, const = reference_bits(spec, d, tokens=args.tokens)
+                    cells.append(f"{m:7.3f} ({f:6.3f}) +{const:>6d} B")
                 except ValueError as e:  # e.g. a group that does not divide d
-                    cells.append(f"{'n/a':>16s}")
+                    cells.append(f"{'n/a':>26s}")
                     print(f"  note: {spec} at d={d}: {e}", file=sys.stderr)
-            print(f"  {spec:32s} " + " ".join(f"{c:>16s}" for c in cells), flush=True)
+            print(f"  {spec:32s} " + " ".join(f"{c:>26s}" for c in cells), flush=True)
     broken = broken_plugins()
     if broken:
         print("\nplugins that failed to load (left out; every other quantizer works):")
@@ -74,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvqbench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, parents=[common])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("list", help="every registered quantizer with its measured bits per element", parents=[common])
+    p = sub.add_parser("list", help="every registered quantizer with its measured cache bits per element and "
+                       "model-constant bytes", parents=[common])
     p.add_argument("names", nargs="*", help="only these quantizers (default: all)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the reference tensor")
     p.set_defaults(func=cmd_list)

@@ -49,7 +49,8 @@ UNITS_PER_RANK = 4  # units each rank scores per round: fewer syncs, better bala
 # A model whose weights take more than this share of one GPU is spread over the node's
 # GPUs: the rest is for activations, the logits (perplexity.LOGITS_BUDGET) and the cache.
 FITS_ONE_GPU = 0.75
-SUMMED = ("nll_sum", "n_predicted", "cache_nbytes", "cache_elements", "n_windows", "wall_s")
+# Summed over batches; `constant_nbytes` (the model constants, once per model) is not.
+SUMMED = ("nll_sum", "n_predicted", "cache_nbytes", "total_nbytes", "cache_elements", "n_windows", "wall_s")
 
 
 class DistributedSetupError(ValueError):
@@ -291,7 +292,10 @@ def combine(job: Job, parts: list[tuple[int, dict]]) -> dict:
         out["window_nll"] = [x for _, r in parts for x in r["window_nll"]]
     out["ppl"] = math.exp(out["nll_sum"] / out["n_predicted"])
     numel = out["cache_elements"]
-    out["bits_per_element"] = out["cache_nbytes"] * 8 / numel if numel else float("nan")
+    # total (constants charged to every window, as before the split) and the cache's own
+    out["bits_per_element"] = out["total_nbytes"] * 8 / numel if numel else float("nan")
+    out["cache_bits_per_element"] = out["cache_nbytes"] * 8 / numel if numel else float("nan")
+    out["constant_nbytes"] = max(r["constant_nbytes"] for _, r in parts)  # one model's, not summed
     return out
 
 

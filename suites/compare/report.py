@@ -23,15 +23,32 @@ def _ok(results, protocol):
     return [r for r in results if "error" not in r and r["protocol"] == protocol]
 
 
+def cache_bits(r: dict) -> float:
+    """A record's cache bits per element (model constants apart); a record made before the
+    split (no `cache_bits_per_element`) has only its total, which is returned instead."""
+    v = r.get("cache_bits_per_element")
+    return v if v is not None else r["bits_per_element"]
+
+
 def summarize(results, protocol) -> list[dict]:
-    """One row per spec of `protocol`, its seeds pooled: bits (mean), PPL mean, min,
-    max and sample sd over seeds (sd None for one seed), n seeds, wall time summed."""
+    """One row per spec of `protocol`, its seeds pooled: `bits` = CACHE bits per element
+    (mean; what a deployed cache stores per token, model constants apart: the Pareto
+    front and the verdicts use it), `bits_total` (mean; the constants charged to every
+    window, as before the split), `constant_nbytes` (the model constants of one model,
+    every layer and role, counted once; None for old records), `bits_split` (False when
+    the records predate the split: `bits` is then the total), PPL mean, min, max and
+    sample sd over seeds (sd None for one seed), n seeds, wall time summed."""
     rows = []
     for spec in dict.fromkeys(r["spec"] for r in _ok(results, protocol)):
         rs = sorted((r for r in _ok(results, protocol) if r["spec"] == spec), key=lambda r: r["seed"])
         ppl = [r["ppl"] for r in rs]
+        split = all(r.get("cache_bits_per_element") is not None and r.get("constant_nbytes") is not None for r in rs)
         rows.append({"spec": spec, "family": rs[0]["family"], "seeds": [r["seed"] for r in rs], "n": len(rs),
-                     "bits": statistics.fmean(r["bits_per_element"] for r in rs),
+                     "bits": statistics.fmean(r["cache_bits_per_element"] if split else r["bits_per_element"]
+                                              for r in rs),
+                     "bits_total": statistics.fmean(r["bits_per_element"] for r in rs),
+                     "constant_nbytes": max(r["constant_nbytes"] for r in rs) if split else None,
+                     "bits_split": split,
                      "formula_bits": rs[0]["formula_bits"], "ppl": statistics.fmean(ppl),
                      "ppl_min": min(ppl), "ppl_max": max(ppl),
                      "ppl_sd": statistics.stdev(ppl) if len(ppl) > 1 else None,
@@ -58,7 +75,9 @@ def plot_pareto(rows, protocol, meta, path: Path) -> None:
     ppls = [r["ppl"] for r in rows]
     if max(ppls) / min(ppls) > 3:
         ax.set_yscale("log")
-    ax.set_xlabel("bits per element (measured from stored bytes)")
+    old = [r["spec"] for r in rows if not r.get("bits_split", True)]
+    ax.set_xlabel("cache bits per element (measured from stored bytes; model constants apart)"
+                  + (f"\n(total bits for {len(old)} spec(s) whose records predate the split)" if old else ""))
     ax.set_ylabel("perplexity (mean over seeds; bars: min-max)")
     w = meta["windows"]
     ax.set_title(f"{meta['model']['name']} on {meta['corpus']['name']}: {protocol}, "
@@ -92,7 +111,7 @@ def plot_outliers(diag, meta, path: Path) -> None:
 def lm_eval_section(results) -> list[str]:
     """Markdown for the lm-eval task scores of `compare --lm-eval` (none: no lines)."""
     rows = sorted((r for r in results if "error" not in r and "lm_eval" in r),
-                  key=lambda r: (r["bits_per_element"], r["spec"]))
+                  key=lambda r: (cache_bits(r), r["spec"]))
     if not rows:
         return []
     cols = []  # (task, metric) in first-seen order; stderr shown beside its metric
@@ -105,7 +124,7 @@ def lm_eval_section(results) -> list[str]:
              f"Tasks `{req[0]}`, limit {req[1]}, task knobs {req[2]}; seed 0. Loglikelihood requests run "
              "`quantize-on-write` (a fresh quantized cache per sequence); generation runs the real quantized "
              "cache through `generate` (prompt as one prefill write, then one append per token).", "",
-             "| spec | bits measured (PPL run) | PPL | " + " | ".join(heads) + " |",
+             "| spec | cache bits measured (PPL run) | PPL | " + " | ".join(heads) + " |",
              "|---|---|---|" + "---|" * len(heads)]
     for r in rows:
         le, cells = r["lm_eval"], []
@@ -115,16 +134,17 @@ def lm_eval_section(results) -> list[str]:
             cells.append("-" if v is None else f"{v:.4g}" + (f" ± {se:.2g}" if isinstance(se, float) and se == se else ""))
         if "error" in le:
             cells = [f"FAILED: {le['error']}".replace("|", "\\|")] + [""] * (len(heads) - 1)
-        lines.append(f"| `{r['spec']}` | {r['bits_per_element']:.3f} | {r['ppl']:.4f} | " + " | ".join(cells) + " |")
+        lines.append(f"| `{r['spec']}` | {cache_bits(r):.3f} | {r['ppl']:.4f} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
 def _spec_bits(results) -> dict:
-    """spec -> measured bits (seed 0; the deployed protocol's record where there is one)."""
+    """spec -> measured cache bits (`cache_bits`; seed 0; the deployed protocol's record
+    where there is one)."""
     out = {}
     for r in sorted((r for r in results if "error" not in r and r["seed"] == 0),
                     key=lambda r: r["protocol"] == "deployed"):
-        out[r["spec"]] = r["bits_per_element"]
+        out[r["spec"]] = cache_bits(r)
     return out
 
 
@@ -136,7 +156,7 @@ def plot_fidelity(rows, bits, meta, path: Path) -> None:
             fam = spec.split(":")[0].rstrip("0123456789")
             ax.plot(bits[spec], f[key], FAMILY_STYLE.get(fam, "x"), markersize=7)
             ax.annotate(spec, (bits[spec], f[key]), fontsize=6, xytext=(3, 3), textcoords="offset points")
-        ax.set_xlabel("bits per element (measured from stored bytes)")
+        ax.set_xlabel("cache bits per element (measured from stored bytes; model constants apart)")
         ax.set_ylabel(label, fontsize=8)
         ax.grid(alpha=0.3)
     fid = meta["fidelity"] or {}
@@ -168,7 +188,7 @@ def fidelity_section(data, folder: Path) -> list[str]:
     if rows:
         plot_fidelity(rows, bits, meta, folder / "fidelity_vs_bits.png")
         lines += ["![fidelity against measured bits](fidelity_vs_bits.png)", "",
-                  "| spec | bits measured | first diff mean | min | never diverged | match rate | NLL/token | "
+                  "| spec | cache bits measured | first diff mean | min | never diverged | match rate | NLL/token | "
                   "reference NLL/token | decode steps |", "|---|---|---|---|---|---|---|---|---|"]
         for spec, f in rows:
             lines.append(f"| `{spec}` | {bits[spec]:.3f} | {f['first_diff_mean']:.1f} | {f['first_diff_min']} | "
@@ -237,7 +257,11 @@ def write_report(folder: Path) -> Path:
            if {"prefill-then-decode", "deployed"} & set(meta["protocols"]) else ""),
         f"- dtype {meta['dtype']}; hardware {meta['hardware']}; versions {meta['versions']}",
         "- bits per element are measured from every byte the packed cache stores (codes, scales, radii, flags, "
-        "outliers, fp16 windows, codebooks amortised over the window); the formula value is beside it.",
+        "outliers, fp16 windows, codebooks fitted on the write amortised over the window): the CACHE bits, which "
+        "the Pareto fronts and verdicts use; the formula value is beside them. Tensors drawn from a seed and "
+        "independent of the data (rotations, QJL sketch matrices, HQMQ's secondaries, Hadamard signs) are model "
+        "constants, regenerated once per model: reported apart, in bytes for the whole model (every layer, K and "
+        "V), and charged to every window only in the total column (how earlier versions counted them).",
         "- PPL = exp(total NLL / predicted tokens) over all windows; same windows for every quantizer.",
         f"- seeds: stochastic quantizers (codebooks or rotations drawn from a seed: "
         f"{', '.join(_stochastic_families(results, meta)) or 'none run'}) ran over seeds "
@@ -261,15 +285,24 @@ def write_report(folder: Path) -> Path:
         fp16 = next((r["ppl"] for r in rows if r["spec"] == "fp16"), None)
         plot = f"ppl_vs_bits_{protocol}.png"
         plot_pareto(rows, protocol, meta, folder / plot)
-        lines += [f"## {protocol}", "", f"![PPL against measured bits]({plot})", "",
-                  "| spec | seeds | bits measured | bits formula | PPL (mean) | min-max over seeds | sd | vs fp16 | wall s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        tokens = w.get("per_protocol", {}).get(protocol, w["tokens"])
+        lines += [f"## {protocol}", "", f"![PPL against measured cache bits]({plot})", "",
+                  f"| spec | seeds | cache bits measured | model constants (bytes per model) | "
+                  f"total bits ({tokens}-token windows) | bits formula | PPL (mean) | min-max over seeds | sd | "
+                  "vs fp16 | wall s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             rel = f"{100 * (r['ppl'] / fp16 - 1):+.2f}%" if fp16 else "-"
             spread = f"{r['ppl_min']:.4f}-{r['ppl_max']:.4f}" if r["n"] > 1 else "-"
             sd = f"{r['ppl_sd']:.4f}" if r["ppl_sd"] is not None else "-"
-            lines.append(f"| `{r['spec']}` | {r['n']} | {r['bits']:.3f} | {r['formula_bits']:.3f} | "
-                         f"{r['ppl']:.4f} | {spread} | {sd} | {rel} | {r['wall_s']:.1f} |")
+            bits = f"{r['bits']:.3f}" if r["bits_split"] else f"{r['bits']:.3f}*"
+            const = f"{r['constant_nbytes']:,}" if r["constant_nbytes"] is not None else "?*"
+            lines.append(f"| `{r['spec']}` | {r['n']} | {bits} | {const} | {r['bits_total']:.3f} | "
+                         f"{r['formula_bits']:.3f} | {r['ppl']:.4f} | {spread} | {sd} | {rel} | {r['wall_s']:.1f} |")
+        if not all(r["bits_split"] for r in rows):
+            lines += ["", "\\* records made before model constants were counted apart: no cache bits or constant "
+                      "bytes were recorded, so the total bits (constants charged to every window) stand in for the "
+                      "cache bits, in the table, the plot and the verdicts."]
         failed = [r for r in results if "error" in r and r["protocol"] == protocol]
         for r in failed:
             lines.append(f"\nFAILED `{r['spec']}` seed {r['seed']}: {r['error']}")

@@ -67,7 +67,15 @@ _MEASURED_FIELDS = (("ppl", lambda v: _number(v) and v > 0, "a finite number > 0
                     ("nll_sum", _number, "a finite number"), ("bits_per_element", _number, "a finite number"),
                     ("formula_bits", _number, "a finite number"), ("family", lambda v: isinstance(v, str), "a string"),
                     ("wall_s", _number, "a finite number"),
-                    ("lm_eval", lambda v: isinstance(v, dict), "an object"))
+                    ("lm_eval", lambda v: isinstance(v, dict), "an object"),
+                    # the cache's own bits and the model constants (quantizers/base.py), written since
+                    # they were split; a record made before has only `bits_per_element`, the total
+                    ("cache_bits_per_element", _number, "a finite number"),
+                    ("constant_nbytes", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                     "an integer >= 0"))
+# Measured fields a record may lack: lm_eval (only with --lm-eval); the split of the bits
+# (records made before it still load, and the report falls back to their total bits).
+_OPTIONAL_FIELDS = ("lm_eval", "cache_bits_per_element", "constant_nbytes")
 
 
 def row_problem(r) -> str | None:
@@ -78,7 +86,7 @@ def row_problem(r) -> str | None:
     for key, ok, what in _KEY_FIELDS + ((("error", lambda v: isinstance(v, str), "a string"),) if failed
                                         else _MEASURED_FIELDS):
         if key not in r:
-            if key != "lm_eval":  # optional: only with --lm-eval
+            if key not in _OPTIONAL_FIELDS:
                 return f"has no {key!r}"
         elif not ok(r[key]):
             return f"has {key} = {json.dumps(r[key])[:40]}, not {what}"

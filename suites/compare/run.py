@@ -345,8 +345,9 @@ def run_compare(args) -> int:
                      stochastic=is_stochastic(job[1]))
             run.add(r)
             steps = f"  decode steps: {r['decode_mode']}" if r.get("decode_mode") else ""  # graph / eager
-            tqdm.write(f"{job[0]:20s} {job[1]:34s} seed={job[2]}  PPL {r['ppl']:10.4f}  bits "
-                       f"{r['bits_per_element']:6.3f} (formula {r['formula_bits']:6.3f})  {r['wall_s']:6.1f} s{steps}")
+            tqdm.write(f"{job[0]:20s} {job[1]:34s} seed={job[2]}  PPL {r['ppl']:10.4f}  cache bits "
+                       f"{r['cache_bits_per_element']:6.3f} (formula {r['formula_bits']:6.3f}; model constants "
+                       f"{r['constant_nbytes']} B)  {r['wall_s']:6.1f} s{steps}")
 
         if ranks is not None:
             run.data["meta"]["distributed"]["scoring"] = distributed.score_rounds(

@@ -2,7 +2,8 @@
 
     cache = QuantizedCache("hqmq:S=96,r=4", config=model.config, seed=0)
     out = model(input_ids, **cache_kwargs(model, cache), use_cache=True)
-    cache.bits_per_element()      # measured from the packed bytes of every layer
+    cache.bits_per_element()      # measured from the packed bytes of every layer (total)
+    cache.cache_bits_per_element(), cache.constant_nbytes()   # the cache's own; model constants
 
 Every write goes into the packed store of its (layer, role) through the quantizer's
 `append`; what attention reads is the quantized history, the current write included.
@@ -458,6 +459,12 @@ class QuantizedLayer(DynamicLayer):
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.packed.values() if p is not None)
 
+    def cache_nbytes(self) -> int:
+        return sum(p.cache_nbytes for p in self.packed.values() if p is not None)
+
+    def constant_nbytes(self) -> int:
+        return sum(p.constant_nbytes for p in self.packed.values() if p is not None)
+
     def numel(self) -> int:
         return sum(p.numel for p in self.packed.values() if p is not None)
 
@@ -691,8 +698,19 @@ class QuantizedCache(Cache):
         return dict(self.layers[layer_idx].packed)
 
     def nbytes(self) -> int:
-        """Every byte the quantized cache stores, all layers, K and V (codebooks included)."""
+        """TOTAL bytes, all layers, K and V: `cache_nbytes() + constant_nbytes()`."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def cache_nbytes(self) -> int:
+        """Bytes the cache stores for its writes, all layers, K and V: codes, scales, fitted
+        codebooks; not the model constants (quantizers/base.py `Packed.cache_nbytes`)."""
+        return sum(layer.cache_nbytes() for layer in self.layers)
+
+    def constant_nbytes(self) -> int:
+        """Bytes of the model constants (seeded rotations, sketches, secondaries) of every
+        layer and role: what a deployment regenerates once per MODEL, whatever the batch
+        or the number of caches (0 before the first write)."""
+        return sum(layer.constant_nbytes() for layer in self.layers)
 
     def numel(self) -> int:
         """Number of K/V elements held, all layers, K and V."""
@@ -706,10 +724,22 @@ class QuantizedCache(Cache):
         return sum(nbytes_as_row_caches(p, layer.quantizers[role])
                    for layer in self.layers for role, p in layer.packed.items() if p is not None)
 
+    def cache_nbytes_as_row_caches(self) -> int:
+        """`nbytes_as_row_caches` without the model constants: the cache bytes of the rows as
+        separate one-row caches (fitted tensors once per row, constants never)."""
+        return sum(nbytes_as_row_caches(p, layer.quantizers[role], constants=False)
+                   for layer in self.layers for role, p in layer.packed.items() if p is not None)
+
     def bits_per_element(self) -> float:
-        """Measured: sum of stored bytes x 8 / sum of K/V elements over every layer."""
+        """Measured TOTAL: sum of stored bytes (model constants included) x 8 / sum of K/V
+        elements over every layer."""
         n = self.numel()
         return self.nbytes() * 8 / n if n else float("nan")
+
+    def cache_bits_per_element(self) -> float:
+        """Measured cache bits: `cache_nbytes()` x 8 / K/V elements (constants apart)."""
+        n = self.numel()
+        return self.cache_nbytes() * 8 / n if n else float("nan")
 
     def __repr__(self) -> str:
         return f"QuantizedCache({self.spec!r}, layers={len(self.layers)}, seed={self.seed}, tokens={self.get_seq_length()})"

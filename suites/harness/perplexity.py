@@ -3,7 +3,7 @@
     r = ppl_quantize_on_write(model, windows, "hqmq:S=96,r=4", seed=0)
     r = ppl_prefill_then_decode(model, windows, "int4", seed=0, context=256)
     r = ppl_deployed(model, windows, "int4", seed=0, context=256)   # exact prefill, decode scored
-    r["ppl"], r["bits_per_element"], r["protocol"]
+    r["ppl"], r["cache_bits_per_element"], r["constant_nbytes"], r["protocol"]
 
 `windows` is a LongTensor [n, N] of token ids (suites/harness/corpora.py `token_windows`).
 `spec` is a quantizer spec; "fp16" is the fp16 baseline (K/V stored as fp16), and
@@ -49,6 +49,15 @@ sum of K/V elements). A batch's cache stores the per-(layer, role) tensors share
 all its rows (a seeded rotation) once; it reports them once per row, and the per-row
 fitted ones as stored (one per row already: `fitted.nbytes_as_row_caches`), so the
 figure is the same as scoring one window at a time.
+
+Bytes in two parts (quantizers/base.py; METHOD.md 4 "Bits:"). A record holds
+- `cache_nbytes`, `cache_bits_per_element`: the caches' own bytes, pooled over windows
+  (codes, scales, fitted codebooks; no model constants): the figure methods compare by;
+- `constant_nbytes`: the model constants (seeded rotations, sketches, HQMQ's
+  secondaries) of one cache, every layer and role: once per MODEL, not per window;
+- `total_nbytes`, `bits_per_element`: the TOTAL, as if every window's cache stored
+  the constants too (`cache_nbytes + n_windows x constant_nbytes`), kept for
+  compatibility with records made before the split (whose `cache_nbytes` was this total).
 """
 from __future__ import annotations
 
@@ -92,11 +101,29 @@ def _new_cache(model, spec: str | None, seed: int, capacity: int = 0, fused: boo
     return QuantizedCache(spec, config=model.config, seed=seed, capacity=capacity, fused=fused, prefill=prefill)
 
 
-def _cache_stats(cache) -> tuple[int, int]:
-    """(bytes, K/V elements) of a batch's cache, as its rows would store them one by one."""
-    if isinstance(cache, QuantizedCache):
-        return cache.nbytes_as_row_caches(), cache.numel()
-    return plain_cache_stats(cache)
+class _Bytes:
+    """Bytes pooled over the windows of one run (module docstring: total, cache, constant)."""
+
+    def __init__(self):
+        self.total = self.cache = self.constant = self.numel = 0
+
+    def add(self, cache) -> None:
+        """A batch's cache, as its rows would store them one by one."""
+        if isinstance(cache, QuantizedCache):
+            self.total += cache.nbytes_as_row_caches()
+            self.cache += cache.cache_nbytes_as_row_caches()
+            # once per model: the same tensors in every window's cache
+            self.constant = max(self.constant, cache.constant_nbytes())
+            self.numel += cache.numel()
+        else:
+            b, n = plain_cache_stats(cache)
+            self.total, self.cache, self.numel = self.total + b, self.cache + b, self.numel + n
+
+    def fields(self) -> dict:
+        bits = (lambda b: b * 8 / self.numel) if self.numel else (lambda b: float("nan"))
+        return dict(bits_per_element=bits(self.total), cache_bits_per_element=bits(self.cache),
+                    cache_nbytes=self.cache, constant_nbytes=self.constant, total_nbytes=self.total,
+                    cache_elements=self.numel)
 
 
 def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -167,7 +194,7 @@ def _decode_step(model, cache, kw: dict, rows: int, total_tokens: int, graph: bo
     return eager
 
 
-def _result(protocol, params, spec, seed, windows, nll, n_pred, nbytes, numel, t0, batch) -> dict:
+def _result(protocol, params, spec, seed, windows, nll, n_pred, stored: _Bytes, t0, batch) -> dict:
     return dict(
         protocol=protocol,
         **params,
@@ -178,9 +205,7 @@ def _result(protocol, params, spec, seed, windows, nll, n_pred, nbytes, numel, t
         nll_sum=nll,
         n_predicted=n_pred,
         ppl=math.exp(nll / n_pred),
-        bits_per_element=nbytes * 8 / numel if numel else float("nan"),
-        cache_nbytes=nbytes,
-        cache_elements=numel,
+        **stored.fields(),
         batch_size=batch,
         wall_s=time.perf_counter() - t0,
     )
@@ -202,7 +227,7 @@ def ppl_quantize_on_write(model, windows: torch.Tensor, spec: str | None, seed: 
     n_win, N = windows.shape
     rows = batch_rows(model, spec, windows, batch_size, N)
     t0 = time.perf_counter()
-    nll, n_pred, nbytes, numel = 0.0, 0, 0, 0
+    nll, n_pred, stored = 0.0, 0, _Bytes()
     per_window: list[float] = []
     # Value checks (NaN/Inf, fp16 range) are read once per batch, with the loss.
     with torch.inference_mode(), deferred_checks():
@@ -215,13 +240,12 @@ def ppl_quantize_on_write(model, windows: torch.Tensor, spec: str | None, seed: 
             per_window += batch_nll.tolist()
             nll += sum(per_window[i:])  # this batch's windows, summed as a batch
             n_pred += ids.shape[0] * (N - 1)
-            b, n = _cache_stats(cache)
-            nbytes, numel = nbytes + b, numel + n
+            stored.add(cache)
             del cache, logits
             if progress:
                 progress(i + ids.shape[0], n_win)
     return _result("quantize-on-write", {"window_nll": per_window},
-                   spec, seed, windows, nll, n_pred, nbytes, numel, t0, rows)
+                   spec, seed, windows, nll, n_pred, stored, t0, rows)
 
 
 def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed: int = 0, *,
@@ -276,7 +300,7 @@ def _prefill_decode(protocol, model, windows, spec, seed, context, device, progr
     dev = _device_of(model, device)
     rows = batch_rows(model, spec, windows, batch_size, 1)
     t0 = time.perf_counter()
-    nll, n_pred, nbytes, numel = 0.0, 0, 0, 0
+    nll, n_pred, stored = 0.0, 0, _Bytes()
     context_manager, fused = _fused_setting(model, spec, fused)
     graph = fused is not False and (graph if graph is not None else dev.type == "cuda")
     modes: set[str] = set()
@@ -299,14 +323,13 @@ def _prefill_decode(protocol, model, windows, spec, seed, context, device, progr
             per_window += w_nll.tolist()
             nll += sum(per_window[i:])  # this batch's windows, summed as a batch
             n_pred += ids.shape[0] * (N - context - (1 if exact else 0))
-            b, n = _cache_stats(cache)
-            nbytes, numel = nbytes + b, numel + n
+            stored.add(cache)
             del cache, logits
             if progress:
                 progress(i + ids.shape[0], n_win)
     return _result(protocol, {"context": context, "decode_steps": N - 1 - context,
                               "decode_mode": "+".join(sorted(modes)), "window_nll": per_window},
-                   spec, seed, windows, nll, n_pred, nbytes, numel, t0, rows)
+                   spec, seed, windows, nll, n_pred, stored, t0, rows)
 
 
 __all__ = ["DEFAULT_BATCH", "batch_rows", "rows_independent", "ppl_quantize_on_write", "ppl_prefill_then_decode",

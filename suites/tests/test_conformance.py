@@ -1,6 +1,7 @@
 """The conformance suite, run on every example config of every registered
 quantizer (see conftest.py): shapes and dtypes, round-trip error within the
-quantizer's own bound, appended writes, determinism, measured bits."""
+quantizer's own bound, appended writes, determinism, measured bits, model constants
+(`constant_shared`) independent of the data."""
 import pytest
 
 from kvqbench.suites import conformance
@@ -24,6 +25,10 @@ def test_deterministic_bytes(quantizer_spec):
 
 def test_measured_bits(quantizer_spec):
     conformance.check_measured_bits(quantizer_spec)
+
+
+def test_declared_model_constants_do_not_depend_on_the_data(quantizer_spec):
+    conformance.check_constant_shared(quantizer_spec)
 
 
 def test_hqmq_bound_catches_a_search_that_ignores_the_secondaries(monkeypatch):

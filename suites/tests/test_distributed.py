@@ -124,10 +124,12 @@ def test_every_unit_is_scored_once_and_rounds_hold_whole_configurations(world_si
 
 # --- exact reduction -------------------------------------------------------------------
 
-def _record(nll, n_pred=10, nbytes=100, numel=50):
+def _record(nll, n_pred=10, nbytes=100, numel=50, constant=3):
+    # cache bytes, constants (3 bytes of one model) and the total charging them to each of 2 windows
     return {"protocol": "quantize-on-write", "spec": "int4", "seed": 0, "n_windows": 2, "window": 32,
             "nll_sum": nll, "n_predicted": n_pred, "ppl": float("nan"), "bits_per_element": 0.0,
-            "cache_nbytes": nbytes, "cache_elements": numel, "batch_size": 2, "wall_s": 0.5}
+            "cache_bits_per_element": 0.0, "cache_nbytes": nbytes, "constant_nbytes": constant,
+            "total_nbytes": nbytes + 2 * constant, "cache_elements": numel, "batch_size": 2, "wall_s": 0.5}
 
 
 def test_combine_adds_in_batch_order_whatever_order_the_parts_arrive():
@@ -145,7 +147,9 @@ def test_combine_adds_in_batch_order_whatever_order_the_parts_arrive():
         r = D.combine(("quantize-on-write", "int4", 0), parts)
         assert r["nll_sum"] == sequential
         assert (r["n_predicted"], r["n_windows"], r["cache_nbytes"], r["cache_elements"]) == (50, 10, 510, 250)
-        assert r["ppl"] == math.exp(sequential / 50) and r["bits_per_element"] == 510 * 8 / 250
+        assert r["ppl"] == math.exp(sequential / 50) and r["cache_bits_per_element"] == 510 * 8 / 250
+        # the total charges the constants to every window (10: 30 bytes); they are one model's 3 bytes
+        assert r["total_nbytes"] == 540 and r["bits_per_element"] == 540 * 8 / 250 and r["constant_nbytes"] == 3
         assert r["batch_size"] == 2 and r["wall_s"] == pytest.approx(2.5)
 
 
@@ -161,8 +165,8 @@ def test_a_failed_batch_fails_the_configuration_and_a_missing_one_is_a_bug():
 # --- two gloo ranks vs one process ----------------------------------------------------
 
 SPECS = "fp16;int4;spherical3"  # spherical3 is stochastic: seed 1 is a configuration too
-FIGURES = ("nll_sum", "ppl", "bits_per_element", "n_predicted", "cache_nbytes", "cache_elements",
-           "n_windows", "window", "batch_size")
+FIGURES = ("nll_sum", "ppl", "bits_per_element", "cache_bits_per_element", "n_predicted", "cache_nbytes",
+           "constant_nbytes", "total_nbytes", "cache_elements", "n_windows", "window", "batch_size")
 
 
 def compare_args(tiny, out):

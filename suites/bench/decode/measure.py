@@ -36,7 +36,11 @@ Memory (bytes, from torch's allocator, relative to the model alone):
   segment leftovers, shared tables), what the cache costs while decoding;
 - `decode_peak_bytes`: the peak during the timed steps (cache + one step's temporaries);
 - `peak_bytes`: the peak over prefill and decode (the prefill's activations dominate).
-`packed_nbytes` is the cache's measured stored bytes (`QuantizedCache.nbytes`).
+`packed_nbytes` is the cache's measured stored bytes (`QuantizedCache.nbytes`: the total,
+model constants included, as `bits_per_element`); `cache_nbytes` / `cache_bits_per_element`
+leave out the model constants (seeded rotations, secondaries: `constant_nbytes`, once per
+model; quantizers/base.py). A KernelStore holds token-axis segment bytes only
+(`stored_nbytes`), no shared tensors, so it needs no such split.
 """
 from __future__ import annotations
 
@@ -199,12 +203,16 @@ def measure_modes(model, spec: str | None, *, context: int, batch: int, steps: i
                 out["ms_per_step_cold"] = cold[len(cold) // 2] * 1e3
             if isinstance(cache, QuantizedCache):
                 out.update(packed_nbytes=cache.nbytes(), bits_per_element=cache.bits_per_element(),
+                           cache_nbytes=cache.cache_nbytes(), cache_bits_per_element=cache.cache_bits_per_element(),
+                           constant_nbytes=cache.constant_nbytes(),
                            mode=sorted({layer.mode for layer in cache.layers}),
                            fallbacks=sum(layer.fallbacks for layer in cache.layers),
                            store_allocated_bytes=sum(s.allocated_nbytes for layer in cache.layers
                                                      for s in layer.stores.values() if s is not None))
             else:
-                out.update(packed_nbytes=plain_cache_stats(cache)[0], bits_per_element=16.0, mode=["plain"],
+                nbytes = plain_cache_stats(cache)[0]
+                out.update(packed_nbytes=nbytes, bits_per_element=16.0, cache_nbytes=nbytes,
+                           cache_bits_per_element=16.0, constant_nbytes=0, mode=["plain"],
                            fallbacks=0)
             rows.append(out)
             if cuda:
