@@ -1,4 +1,5 @@
 """The fp8 format (e4m3 / e5m2 codes, a per-kv-head scale): `FP8Flat` (kernels/layout.py),
+its flatten (a per-layer scale, fp8's default `[1]`, is broadcast to the `[H]` every kernel reads),
 its flatten, its store field (the codes along the tokens; the scale, fitted on the first
 write, from its flatten), its device step encoder (kernels/step_encode.py's `fp8_tokens`),
 its kernels (Triton, kernels/triton/fp8.py; CUDA, kernels/cuda/decode_attention.py).
@@ -21,7 +22,7 @@ def flatten_fp8(packed: Packed, role: str | None = None) -> FP8Flat:
     if not issubclass(cls, FP8):
         raise ValueError(f"flatten_fp8 needs an fp8 cache, got {packed.spec!r}")
     return FP8Flat(B=packed.batch, H=packed.heads, T=packed.tokens, D=packed.head_dim, fmt=cfg.format,
-                   codes=concat_field(packed, "codes"), scale=packed.shared["scale"].float().contiguous(),
+                   codes=concat_field(packed, "codes"), scale=packed.shared["scale"].float().expand(packed.heads).contiguous(),
                    dtype=packed.dtype)
 
 
