@@ -288,6 +288,35 @@ def fp8_tokens(x, codes, scale, fmt: str, t0: int, err, pos=None):
 
 
 # ---------------------------------------------------------------------------------------
+# the fp16 store (the engine's unquantized baseline)
+# ---------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["t0"])
+def _fp16_kernel(x_ptr, sxb, sxh, sxt, v_ptr, svb, svh, svt, t0, H, err_ptr, pos_ptr,
+                 DEVPOS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """x's token row as fp16 (`FP16.encode_tokens`: x.half()), flags as KIVI's window:
+    1 non-finite, 2 beyond the fp16 range."""
+    t0, bh, b, h, t = token_program(t0, pos_ptr, H, DEVPOS)
+    d = tl.arange(0, DP)
+    dm = d < D
+    x = tl.load(x_ptr + b.to(tl.int64) * sxb + h * sxh + t * sxt + d, mask=dm, other=0.0).to(tl.float32)
+    bad = nonfinite(x) & dm
+    over = (tl.abs(x) > 65504.0) & dm & ~bad
+    tl.store(v_ptr + b.to(tl.int64) * svb + h * svh + (t0 + t) * svt + d, x.to(tl.float16), mask=dm)
+    n_bad = tl.sum(bad.to(tl.int32), axis=0)
+    bits = tl.where(n_bad > 0, 1, 0) | tl.where(tl.sum(over.to(tl.int32), axis=0) > 0, 2, 0)
+    flag(err_ptr, bits, n_bad, t0 + t)
+
+
+def fp16_tokens(x, values, t0: int, err, pos=None):
+    """x `[B, H, t, D]` as fp16 into values `[B, H, Tcap, D]` at token t0 (plus the device
+    position `pos`, see `int_rows`)."""
+    B, H, t, D = x.shape
+    pos_arg, devpos = device_pos(pos, x)
+    launch(_fp16_kernel, (B * H, t), x, x.stride(0), x.stride(1), x.stride(2), values, values.stride(0),
+           values.stride(1), values.stride(2), t0, H, err, pos_arg, DEVPOS=devpos, D=D, DP=p2(D))
+
+
+# ---------------------------------------------------------------------------------------
 # KIVI's fp16 window
 # ---------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["row", "tok"])

@@ -169,7 +169,7 @@ def _flats(spec, B, H, T, D, seed, extra=40):
     return out
 
 
-@pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "hqmq:S=8,r=4"])
+@pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "hqmq:S=8,r=4", "fp16"])
 def test_valid_len_attention_equals_the_host_length_call_and_the_reference(spec):
     B, H, Hq, D, T = 2, 2, 4, 32, 70
     (kc, kd), (vc, vd) = _flats(spec, B, H, T, D, seed=5)
@@ -320,7 +320,7 @@ def _assert_same_bytes(a: QuantizedCache, b: QuantizedCache, exact_layers: int |
                 assert off.float().mean() <= 0.02, (la.layer_idx, role, int(off.sum()), off.numel())
 
 
-@pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "hqmq:S=8,r=4", "hqmq:S=8,r=4,outliers=med3"])
+@pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "hqmq:S=8,r=4", "hqmq:S=8,r=4,outliers=med3", "fp16"])
 def test_device_steps_equal_fused_steps(model, spec):
     eager, ce, _ = _decode(model, spec, 4, graphed=False)
     dev, cd, step = _decode(model, spec, 4, graphed=True, between=2)  # one host-path step in between
@@ -385,7 +385,7 @@ def test_kivi_device_steps_equal_fused_steps(model, spec):
 
 
 # ---- dense layers (no fused kernel reads the format): the quantizer's own code at the position --------
-DENSE_SPECS = ["fp16", "spherical4", "spherical4-qjl", "avq2", "flatvq:dim=4,K_bits=8", "hadamard-int3"]
+DENSE_SPECS = ["spherical4", "spherical4-qjl", "avq2", "flatvq:dim=4,K_bits=8", "hadamard-int3"]
 
 
 @pytest.mark.parametrize("spec", DENSE_SPECS)

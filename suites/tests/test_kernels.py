@@ -24,6 +24,7 @@ if not CUDA:
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
 from kvqbench.kernels import layout as L  # noqa: E402
+from kvqbench.kernels import registry  # noqa: E402
 from kvqbench.kernels.common import choose_splits, interpreting  # noqa: E402
 from kvqbench.kernels.decode_attention import decode_attention, reference_decode_attention  # noqa: E402
 from kvqbench.kernels.hqmq_encode import encode_with_kernel, hqmq_search  # noqa: E402
@@ -95,6 +96,7 @@ SPECS = [
     "kivi:bits=2,residual=16",
     "kivi:bits=4",
     "fp8-e4m3",
+    "fp16",
 ]
 CASES = [  # (B, Hq, Hkv, T, D, dtype, data, splits)
     (1, 4, 2, 1, 64, torch.float16, "random", None),
@@ -350,8 +352,7 @@ def _with_capacity(flat, extra: int, seed: int = 0):
         return dataclasses.replace(flat, codes=grow(flat.codes, 2 * per), scale=grow(flat.scale, 2 * per),
                                    zero=grow(flat.zero, 2 * per), residual=grow(flat.residual),
                                    n_res=flat.T_res)
-    names = {L.IntFlat: ("codes", "scale", "zero"), L.FP8Flat: ("codes",),
-             L.HQMQFlat: ("codes", "radius", "r_max", "flags")}[type(flat)]
+    names = registry.format_of_flat(type(flat)).token_fields
     out = dataclasses.replace(flat, **{n: grow(getattr(flat, n)) for n in names if getattr(flat, n) is not None})
     if isinstance(flat, L.HQMQFlat) and flat.has_outliers:
         out.outliers = grow(flat.outliers, 5)
@@ -393,7 +394,7 @@ def test_layout_found_through_the_quantizer_class():
     assert registry.format_of_quantizer(Renamed).flatten is flatten_hqmq
     x = make_kv(1, 2, 8, 64)
     with pytest.raises(ValueError, match="no fused kernel"):
-        L.flatten(get_quantizer("fp16", role="K").encode(x))
+        L.flatten(get_quantizer("spherical4", role="K").encode(x))
 
 
 def test_explain_backend_says_which_backend_and_why():

@@ -45,7 +45,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float16, torch.bfloat16]
 SPECS = ["int4", "int2", "int8", "int3", "fp8-e4m3", "fp8-e5m2", "kivi:bits=2,group=8,residual=8",
          "kivi:bits=4,group=4,residual=8,window=fixed", "hqmq:S=8,r=4", "hqmq:S=24,r=3,radius=log",
-         "hqmq:S=8,r=4,outliers=med3"]
+         "hqmq:S=8,r=4,outliers=med3", "fp16"]
 
 
 def _errors():
@@ -318,7 +318,7 @@ def test_plugins_and_disabled_step_encoding_take_the_old_path():
     assert not registry.format_of_quantizer(my_int).encodes_steps_of(my_int)
 
 
-@pytest.mark.parametrize("spec", ["int4", "kivi:bits=2,group=8,residual=8", "fp8-e4m3", "hqmq:S=8,r=4"])
+@pytest.mark.parametrize("spec", ["int4", "kivi:bits=2,group=8,residual=8", "fp8-e4m3", "hqmq:S=8,r=4", "fp16"])
 def test_greedy_logits_equal_old_path(tiny, spec):
     from transformers import AutoModelForCausalLM
 
@@ -351,7 +351,7 @@ def test_greedy_logits_equal_old_path(tiny, spec):
 @pytest.mark.parametrize("spec,bad,match", [
     ("int4", float("nan"), "NaN/Inf"), ("hqmq:S=8,r=4,outliers=med3", float("inf"), "NaN/Inf"),
     ("kivi:bits=2,group=8,residual=8", 1e6, "overflows the fp16"), ("fp8-e4m3", float("nan"), "NaN/Inf"),
-    ("int4", 7e4, "overflows the fp16")])
+    ("int4", 7e4, "overflows the fp16"), ("fp16", 7e4, "overflow"), ("fp16", float("nan"), "NaN/Inf")])
 def test_bad_step_input_raises_when_checked(spec, bad, match):
     x = _data((1, 2, 12, 32), torch.float32, 0)
     layer = QuantizedLayer(spec, 3)

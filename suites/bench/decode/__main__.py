@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-BASELINES = ["plain", "plain-static"]  # transformers' DynamicCache and StaticCache
+BASELINES = ["plain", "plain-static", "plain-compiled"]  # transformers' DynamicCache, StaticCache, StaticCache + compile
 
 
 def default_specs() -> list[str]:
@@ -30,7 +30,8 @@ def _args(argv):
     p = argparse.ArgumentParser(prog="python -m kvqbench.suites.bench.decode", description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama3-8b-4l", help="model shape (measure.SHAPES); random weights")
     p.add_argument("--specs", nargs="+", default=None,
-                   help="'plain' = DynamicCache, 'plain-static' = StaticCache; else quantizer specs "
+                   help="'plain' = DynamicCache, 'plain-static' = StaticCache, 'plain-compiled' = StaticCache + "
+                        "torch.compile; else quantizer specs ('fp16': the engine's fp16 store) "
                         "(default: both, then every fused format's benchmark specs)")
     p.add_argument("--contexts", nargs="+", type=int, default=[4096, 16384, 32768])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
@@ -126,11 +127,11 @@ def main(argv=None) -> int:
         return 0
     from ...harness.kv_cache import QuantizedCache  # noqa: F401  (fail early on a broken install)
     from ....quantizers import get_quantizer
-    from .measure import build_model, compare_paths, measure_modes, write_cost
+    from .measure import PLAIN_SPECS, build_model, compare_paths, measure_modes, write_cost
 
     specs = [None if s == "plain" else s for s in (a.specs if a.specs is not None else default_specs())]
     for s in specs:
-        if s not in (None, "plain-static"):
+        if s not in PLAIN_SPECS:
             get_quantizer(s)  # a bad spec fails now, before the model is built
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t_start = time.perf_counter()
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     done = {(r["spec"], r["context"], r["batch"]) for r in run["results"]
             if "error" not in r and r["spec"] not in a.remeasure}
-    quantized = [s for s in specs if s not in (None, "plain-static")]
+    quantized = [s for s in specs if s not in PLAIN_SPECS]
     checked = {c.get("spec") for c in run["checks"]}
     for spec in (a.check or quantized) if a.check is not None else []:
         if spec in checked:

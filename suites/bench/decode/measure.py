@@ -20,9 +20,15 @@ cost 37.7 ms/step against 3.07 ms/step for a second pass over the same lengths (
 cached). A long-running server has seen its lengths before, so the plain cache is
 timed on a second pass (a rehearsal over the same lengths first) and the first pass is
 kept as `ms_per_step_cold`. "plain-static" is its
-StaticCache (fp16/bf16 preallocated for the whole run, written in place);
-a spec is our QuantizedCache under the "kvqbench" attention, so quantizers with a
-fused kernel decode through it (`mode` and `fallbacks` say what really ran).
+StaticCache (fp16/bf16 preallocated for the whole run, written in place; its attention
+reads the whole masked capacity); "plain-compiled" is transformers' fastest fp16 path as
+its docs recommend it: the StaticCache with the model's forward under
+`torch.compile(mode="reduce-overhead", fullgraph=True)` (CUDA graphs of its own), timed
+after its compile (`compile_s`), its row's run "compiled".
+A spec is our QuantizedCache under the "kvqbench" attention, so quantizers with a
+fused kernel decode through it (`mode` and `fallbacks` say what really ran); "fp16" is
+the engine's own fp16 store and split-K kernel over the valid tokens (kernels/formats/
+fp16.py): the baseline a quantized format's graphed step is read against.
 
 Run modes (`measure_modes`, the row's `run`): "eager" calls the model per step (its
 Python, the launches and the host-side cache code every step); "graph" replays the
@@ -124,6 +130,26 @@ def _run(model, cache, ids, warmup: int, steps: int, dev, base: int = 0):
     return prefill_s, peak_all, per_step, dt, tok
 
 
+PLAIN_SPECS = (None, "plain-static", "plain-compiled")  # transformers' own caches (None: DynamicCache)
+
+
+def compiled_step(model, cache, start: int):
+    """transformers' compiled decode step over a StaticCache: the forward compiled with
+    mode="reduce-overhead" (its docs' recipe), the position on the device (advanced in
+    place after each call, as `generate` passes `cache_position`)."""
+    dev = next(model.parameters()).device
+    torch._dynamo.reset()  # each configuration compiles its own shapes, not on top of the last one's
+    fwd = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    pos = torch.tensor([start], device=dev)
+    kw = cache_kwargs(model, cache)
+
+    def step(t):
+        out = fwd(input_ids=t, **kw, cache_position=pos, use_cache=True).logits
+        pos.add_(1)
+        return out
+    return step
+
+
 def measure(model, spec: str | None, *, context: int, batch: int, steps: int = 32, warmup: int = 3,
             seed: int = 0, graph: bool = False) -> dict:
     """Prefill `context` random tokens per row, then time `steps` greedy decode steps
@@ -160,11 +186,11 @@ def measure_modes(model, spec: str | None, *, context: int, batch: int, steps: i
     def new_cache():
         if spec is None:
             return DynamicCache(config=model.config)
-        if spec == "plain-static":
+        if spec in ("plain-static", "plain-compiled"):
             return StaticCache(config=model.config, max_cache_len=total)
         return QuantizedCache(spec, config=model.config, seed=seed, capacity=total)
 
-    ctx = contextlib.nullcontext() if spec is None or spec == "plain-static" else fused_attention(model)
+    ctx = contextlib.nullcontext() if spec in PLAIN_SPECS else fused_attention(model)
     cold = None
     rows = []
     # Value checks of the writes are read after each synchronised step (quantizers/checks.py).
@@ -180,7 +206,16 @@ def measure_modes(model, spec: str | None, *, context: int, batch: int, steps: i
             t_start = int(cache.get_seq_length())
             out = dict(spec=spec or "plain", context=context, batch=batch, steps=steps, warmup=warmup,
                        run=mode, start_tokens=t_start, prefill_s=prefill_s)
-            if mode == "graph":
+            if spec == "plain-compiled":
+                if mode != modes[0]:  # reduce-overhead captures its own graphs: one row, run "compiled"
+                    continue
+                out["run"] = "compiled"
+                step = compiled_step(model, cache, t_start)
+                t_c = time.perf_counter()
+                tok = step(tok)[:, -1:].argmax(-1)  # the first call compiles
+                synchronize(dev)
+                out["compile_s"] = time.perf_counter() - t_c
+            elif mode == "graph":
                 step = GraphedDecodeStep(model, cache, batch, max_tokens=total)
                 out.update(graph_mode=step.mode, graph_why=step.why)
                 if step.mode == "eager":

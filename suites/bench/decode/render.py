@@ -5,14 +5,15 @@ import json
 from pathlib import Path
 
 GiB = 2**30
-# Issue 9's "done when" targets at the Llama-3-8B shape: (spec, context, batch, max ratio of
-# ms/step to the plain cache's); and the KV-memory target at ctx 32k, batch 8.
-SPEED_TARGETS = [("hqmq:S=96,r=4", 4096, 1, 1.3), ("int4", 4096, 1, 1.15), ("kivi:bits=4", 4096, 1, 1.15)]
+# The engine comparison (issue 29): each quantized format's graphed step against the fp16
+# store's graphed step (same engine, same run) at these (context, batch) cells of the
+# Llama-3-8B shape; and the KV-memory target at ctx 32k, batch 8 (issue 9).
+ENGINE_CELLS = [(4096, 1), (32768, 1), (32768, 8)]
 BIG = (32768, 8)
 MEMORY_TARGET = ("hqmq:S=96,r=4", 0.35)
+ENGINE_FP16 = "fp16"  # the engine's fp16 store (kernels/formats/fp16.py)
 
-
-PLAIN = ("plain", "plain-static")
+PLAIN = ("plain", "plain-static", "plain-compiled")
 
 
 def _run_of(r) -> str:
@@ -27,16 +28,9 @@ def _index(rows):
     return idx
 
 
-def _rehearsed(idx) -> bool:
-    """Whether the plain DynamicCache rows were timed after a rehearsal over the same
-    lengths (runs before that change timed cuDNN SDPA's per-length plan builds: ~10x)."""
-    plain = [r for k, r in idx.items() if k[0] == "plain"]
-    return bool(plain) and all("ms_per_step_cold" in r for r in plain)
-
-
 def best_plain(idx, ctx: int, b: int):
-    """The fastest plain fp16 row at (ctx, b) over caches and runs (DynamicCache eager,
-    StaticCache eager or graphed): (row, its label) or (None, None)."""
+    """The fastest plain fp16 row at (ctx, b) over transformers' caches and runs
+    (DynamicCache eager, StaticCache eager / graphed / compiled): (row, its label) or (None, None)."""
     rows = [(r["ms_per_step"], f"{k[0]} {k[3]}", r) for k, r in idx.items() if k[0] in PLAIN and k[1:3] == (ctx, b)]
     if not rows:
         return None, None
@@ -44,48 +38,48 @@ def best_plain(idx, ctx: int, b: int):
     return r, label
 
 
-def targets(run: dict) -> list[tuple[str, str, str]]:
-    """(target, measured, verdict) rows for the run's main shape: every speed target for
-    each run mode (eager, graph) against the plain DynamicCache (the issue's baseline,
-    eager: it cannot be graphed) and against the fastest plain row of that shape."""
+def engine_table(run: dict) -> list[str]:
+    """Markdown: at each ENGINE_CELLS cell, the fp16 engine's graphed ms/step, transformers'
+    rows beside it, and every quantized format's graphed step as a speed-up over the fp16
+    engine (fp16 ms / its ms: above 1 is faster)."""
     idx = _index(run["results"])
-    out = []
-    runs = sorted({k[3] for k in idx if k[0] not in PLAIN}, key=lambda m: m != "eager")
+    cells = [c for c in ENGINE_CELLS if any(k[1:3] == c for k in idx)]
+    if not cells:
+        return []
+    head = "| | " + " | ".join(f"ctx {c}, batch {b}" for c, b in cells) + " |"
+    lines = [head, "|---|" + "---|" * len(cells)]
 
-    skipped = {(r["spec"], r["context"], r["batch"], _run_of(r)) for r in run["results"] if "skipped" in r}
+    def ms(spec, run_, c):
+        r = idx.get((spec, *c, run_))
+        return None if r is None else r["ms_per_step"]
 
-    def verdict(spec, ctx, b, mode, limit, base):
-        a = idx.get((spec, ctx, b, mode))
-        if base == "plain":
-            p, label = idx.get(("plain", ctx, b, "eager")), "plain DynamicCache (eager)"
-        else:
-            p, label = best_plain(idx, ctx, b)
-            label = f"the fastest plain ({label})" if label else "the fastest plain"
-        if a is None and (spec, ctx, b, mode) in skipped:
-            return label, "not graphable (see above)", "-"
-        if a is None or p is None:
-            return label, "not run", "-"
-        r = a["ms_per_step"] / p["ms_per_step"]
-        if base == "plain" and not _rehearsed(idx):
-            return label, f"{r:.2f}x", "not judged: plain timed cold (measure.py)"
-        return label, f"{r:.2f}x ({a['ms_per_step']:.2f} / {p['ms_per_step']:.2f} ms)", "met" if r <= limit else "NOT met"
+    def row(label, vals):
+        lines.append(f"| {label} | " + " | ".join(vals) + " |")
 
-    fused = sorted({r["spec"] for r in run["results"] if "fused" in r.get("mode", [])})
-    for base in ("plain", "best"):
-        for mode in runs:
-            for spec, ctx, b, limit in SPEED_TARGETS:
-                label, m, v = verdict(spec, ctx, b, mode, limit, base)
-                out.append((f"{spec} {mode} ms/step <= {limit}x {label} (ctx {ctx}, batch {b})", m, v))
-            for spec in fused:
-                label, m, v = verdict(spec, *BIG, mode, 1.0, base)
-                if m != "not run":
-                    out.append((f"{spec} {mode} at least as fast as {label} (ctx {BIG[0]}, batch {BIG[1]})", m, v))
+    fp = {c: ms(ENGINE_FP16, "graph", c) for c in cells}
+    row("fp16 engine, graphed (ms/step)", [f"{fp[c]:.3f}" if fp[c] else "not run" for c in cells])
+    for spec, run_, label in (("plain-compiled", "compiled", "transformers StaticCache + torch.compile"),
+                              ("plain-static", "graph", "transformers StaticCache, graphed"),
+                              ("plain", "eager", "transformers DynamicCache, eager")):
+        row(f"{label} (ms/step; fp16 engine speed-up)",
+            [f"{m:.3f} ({m / fp[c]:.2f}x)" if m and fp[c] else (f"{m:.3f}" if m else "not run")
+             for c in cells for m in [ms(spec, run_, c)]])
+    specs = sorted({k[0] for k in idx if k[0] not in PLAIN and k[0] != ENGINE_FP16 and k[3] == "graph"})
+    for spec in specs:
+        row(f"`{spec}` graphed: speed-up over fp16 engine (ms/step)",
+            [f"**{fp[c] / m:.2f}x** ({m:.3f})" if m and fp[c] else "not run"
+             for c in cells for m in [ms(spec, "graph", c)]])
+    return lines
+
+
+def targets(run: dict) -> list[tuple[str, str, str]]:
+    """(target, measured, verdict): the KV-memory target at ctx 32k, batch 8."""
+    idx = _index(run["results"])
     spec, limit = MEMORY_TARGET
     a, p = idx.get((spec, *BIG, "eager")), idx.get(("plain", *BIG, "eager"))
     r = None if a is None or p is None else a["kv_live_bytes"] / p["kv_live_bytes"]
-    out.append((f"{spec} KV memory <= {limit}x plain (ctx {BIG[0]}, batch {BIG[1]}, measured)",
-                "not run" if r is None else f"{r:.3f}x", "-" if r is None else ("met" if r <= limit else "NOT met")))
-    return out
+    return [(f"{spec} KV memory <= {limit}x plain (ctx {BIG[0]}, batch {BIG[1]}, measured)",
+             "not run" if r is None else f"{r:.3f}x", "-" if r is None else ("met" if r <= limit else "NOT met"))]
 
 
 def markdown(run: dict) -> str:
@@ -100,17 +94,21 @@ def markdown(run: dict) -> str:
              "`plain` is transformers' DynamicCache (SDPA; grows by torch.cat, a new allocation per step "
              "and layer; timed on a second pass over the same lengths, since cuDNN SDPA builds a plan per new "
              "length: the first pass is the `cold` column), "
-             "`plain-static` its StaticCache (preallocated, written in place); the others are kvqbench's QuantizedCache under the 'kvqbench' "
+             "`plain-static` its StaticCache (preallocated, written in place; attends over its whole capacity), "
+             "`plain-compiled` that StaticCache with the forward under torch.compile (mode reduce-overhead, "
+             "its own CUDA graphs; run `compiled`, timed after its compile); `fp16` is kvqbench's fp16 store "
+             "in the engine (split-K kernel over the valid tokens); the others are kvqbench's QuantizedCache under the 'kvqbench' "
              "attention (mode `fused`: the fused kernel reads the packed device store; `dense`: "
              "dequantized history + SDPA). Run `eager`: the model is called per step; `graph`: the step is "
              "captured once in a CUDA graph (kernels/graphs.py `GraphedDecodeStep`: the quantized cache keeps "
              "its length on the device, the kernels read it) and replayed; both runs share one prefill, the "
-             "graph run starting warm-up + steps tokens later. `x plain`: against the plain DynamicCache (eager) "
-             "of the same shape; `x best`: against the fastest plain row of the shape (any cache, any run). "
+             "graph run starting warm-up + steps tokens later. `x fp16`: ms/step against the engine's fp16 row "
+             "of the same run mode (graph with graph); `x best`: against the fastest of transformers' rows of the "
+             "shape (any cache, any run). "
              "Weights are random (real shapes): speed and memory do not "
              "depend on them. KV = memory held by the cache after decoding (allocator, model excluded; graph "
              "runs include the graph's memory pool).", "",
-             "| context | batch | cache | run | mode | ms/step | mean | cold | x plain | x best | tokens/s | KV GiB | "
+             "| context | batch | cache | run | mode | ms/step | mean | cold | x fp16 | x best | tokens/s | KV GiB | "
              "x plain | bits/elem | prefill s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     idx = _index(run["results"])
@@ -125,7 +123,8 @@ def markdown(run: dict) -> str:
             continue
         p = idx.get(("plain", r["context"], r["batch"], "eager"))
         best, _ = best_plain(idx, r["context"], r["batch"])
-        xs = f"{r['ms_per_step'] / p['ms_per_step']:.2f}" if p else "-"
+        e = idx.get((ENGINE_FP16, r["context"], r["batch"], _run_of(r)))
+        xs = f"{r['ms_per_step'] / e['ms_per_step']:.2f}" if e else "-"
         xb = f"{r['ms_per_step'] / best['ms_per_step']:.2f}" if best else "-"
         xm = f"{r['kv_live_bytes'] / p['kv_live_bytes']:.3f}" if p and p["kv_live_bytes"] else "-"
         mode = "/".join(r.get("mode", [])) + (f" ({r['fallbacks']} fallbacks)" if r.get("fallbacks") else "")
@@ -166,7 +165,13 @@ def markdown(run: dict) -> str:
                   "| cache | step encode | torch ops | Triton launches | host reads | host us |", "|---|---|---|---|---|---|"]
         lines += [f"| {c['spec']} | {'on' if c['step_encode'] else 'off'} | {c['max_ops']} | {c['max_launches']} | "
                   f"{c['max_host_reads']} | {c['host_us']:.0f} |" for c in run["write_cost"]]
-    lines += ["", "## Targets (issue 9)", "", "| target | measured | verdict |", "|---|---|---|"]
+    engine = engine_table(run)
+    if engine:
+        lines += ["", "## Against fp16 in the same engine (graphed steps, same run)", "",
+                  "Each quantized format's graphed step against the engine's fp16 store, graphed, at the same "
+                  "context and batch (speed-up = fp16 ms / its ms; above 1 is faster); transformers' own fp16 "
+                  "rows beside, as the fp16 engine's speed-up over them.", ""] + engine
+    lines += ["", "## Targets", "", "| target | measured | verdict |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in targets(run)]
     if run.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in run["notes"]]

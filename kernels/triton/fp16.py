@@ -1,0 +1,65 @@
+"""Triton decode attention over the fp16 store (`FP16Flat`): the engine's unquantized
+baseline. The same split-K flash-decoding skeleton as the quantized formats, reading
+only the valid tokens (a device length under a CUDA graph), so "x fp16" compares a
+quantized format with an fp16 cache in the same engine, not with a framework's cache.
+Launch defaults: 64-token tiles, 4 warps, 3 stages, 8 programs per SM (fp8's tile, the
+nearest format in bytes per token; not swept yet).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import Workspace, bh_stride, check_q, check_valid_len, choose_splits
+from ..layout import FP16Flat
+from .common import LOG2E, finish, launch_split, scores, softmax_update, split_prologue, store_partial, valid_tokens
+
+
+@triton.jit
+def _fp16_tile(ptr, bh, tok, tmask, cs, D: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr):
+    """Rows `tok` of kv row bh, [BT, D]: fp16 as stored (FAST) or upcast and rounded to
+    the cache dtype, as `Quantizer.decode` rounds them (the interpreter's bf16 is wrong
+    unless upcast first)."""
+    j = tl.arange(0, D)
+    x = tl.load(ptr + bh.to(tl.int64) * cs + tok[:, None] * D + j[None, :], mask=tmask[:, None], other=0.0)
+    return finish(x.to(tl.float32), FAST, RND)
+
+
+@triton.jit
+def _fp16_split_kernel(q_ptr, kv_ptr, vv_ptr, po_ptr, pm_ptr, pl_ptr,
+                       T, tiles_per_split, qk_scale, k_cs, v_cs, vlen_ptr, VLEN: tl.constexpr,
+                       GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                       FAST: tl.constexpr, RND: tl.constexpr):
+    T = valid_tokens(T, vlen_ptr, VLEN)
+    pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last = split_prologue(
+        q_ptr, tl.cdiv(T, BT), tiles_per_split, GROUP, BH, D, FAST)
+    for ti in range(first, last):
+        tok = ti * BT + tl.arange(0, BT)
+        tmask = tok < T
+        k = _fp16_tile(kv_ptr, pid_bh, tok, tmask, k_cs, D, FAST, RND)
+        s = scores(q, tl.trans(k), tmask, qk_scale, FAST)
+        v = _fp16_tile(vv_ptr, pid_bh, tok, tmask, v_cs, D, FAST, RND)
+        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, FAST)
+    store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D)
+
+
+def fp16_decode_attention(q: torch.Tensor, k: FP16Flat, v: FP16Flat, *, num_splits: int | None = None,
+                          block_t: int = 64, num_warps: int = 4, num_stages: int = 3, programs_per_sm: int = 8,
+                          workspace: Workspace | None = None, out_dtype=None,
+                          valid_len: torch.Tensor | None = None) -> torch.Tensor:
+    B, H, T, D = k.B, k.H, k.T, k.D
+    check_q(q, H, D, B)
+    vl, has_vl = check_valid_len(valid_len, q)
+    if (v.B, v.H, v.T, v.D) != (B, H, T, D):
+        raise ValueError(f"K and V fp16 caches differ in shape: {(B, H, T, D)} vs {(v.B, v.H, v.T, v.D)}")
+    q = q.contiguous()
+    nsplit, per = choose_splits(B * H, triton.cdiv(T, block_t), q.device, num_splits, programs_per_sm)
+    runtime = [T, per, LOG2E / math.sqrt(D), bh_stride(k.values, "values"), bh_stride(v.values, "values"), vl]
+    return launch_split(_fp16_split_kernel, [k.values, v.values], runtime, {"VLEN": has_vl, "BT": block_t},
+                        q, B, H, nsplit, D, num_warps, num_stages, workspace, k.dtype, out_dtype)
+
+
+__all__ = ["fp16_decode_attention"]
