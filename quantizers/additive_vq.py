@@ -1,5 +1,6 @@
-"""Additive (residual) VQ, CommVQ-style, calibration-free: the `additive VQ`
-baseline of METHOD.md section 2.
+"""Additive (residual) VQ, CommVQ-style: the `additive VQ` baseline of METHOD.md
+section 2, calibration-free (codebooks fitted on the write, the default) or
+calibrated (codebooks fitted once per model by EM on calibration K/V).
 
 Each K/V token vector x (one kv-head, length D) is first rotated by a seeded
 randomised Hadamard rotation of its (layer, role, kv-head) (`rotation`,
@@ -22,28 +23,50 @@ Codebooks (`codebooks`):
   stores, byte for byte, what B one-window caches store. They are stored fp16
   and counted, amortised over the cache: M*K*dim*16 bits per (layer, role) and
   row (per kv-head with per_head=true).
+- "calibrated" (`avq2-cal`, `avq3-cal`): fitted ONCE per model and (layer,
+  role), on calibration K/V disjoint from what is scored (calibrated.py: the
+  harness captures them from an fp16 pass over calibration windows,
+  suites/harness/calibration.py), by EM over all stages jointly (`em_codebooks`):
+  start from residual k-means, then alternate (E) encode every calibration chunk
+  by beam search over the current codebooks (`beam`, at least CAL_BEAM) and (M)
+  refit ALL M codebooks at once by least squares given those codes (the sum of
+  the chosen codewords against the chunk: one linear system over the M*K
+  codewords, so stage m's codewords are refitted knowing what the other stages
+  chose, not only what the earlier ones left), EM_ITERS rounds, keeping the
+  codebooks of the lowest calibration error seen. A cache then codes every write
+  with them (beam search) and fits nothing. They are model constants
+  (`constant_shared`), like the seeded rotation: one set per (layer, role) for
+  every row and window, not charged per cache.
 - "gaussian" (the earlier strawman): seeded N(0, gain_m^2 I) codewords,
   stage gains fixed on synthetic N(0, I) chunks (`stage_gains`), never fitted.
-Codeword 0 of every codebook is the zero vector, so a stage can always
-decline to code and a chunk's residual never grows (the error bound).
+Codeword 0 of every codebook is the zero vector (EM keeps it there), so a stage
+can always decline to code and a chunk's residual never grows (the error bound).
 
 Gain (`gain`): "lsq" (default) replaces the stored RMS, after coding, by the
 least-squares scale <y, zhat>/||zhat||^2 (y the rotated x): the best scale
 for those codes, at the same 16 bits. "rms" keeps s.
 
-What of CommVQ is not here: CommVQ trains an encoder and its codebooks on
-calibration data (EM), and makes the codebook commute with RoPE so keys are
-decoded inside attention; here the codebooks are fitted per cache on the
-data being written, by residual k-means, and the cache is decoded to
-vectors. The rotation is the usual random-rotation preprocessing of
-calibration-free VQ, not CommVQ's.
+What of CommVQ (Li et al., ICML 2025) is here and what is not: here are
+additive quantization of each token's vector as a sum of codewords, codebooks
+trained by EM on calibration data (codebooks=calibrated), per-layer K and V
+codebooks. Not here: CommVQ's learned lightweight ENCODER (a small network that
+predicts the codes; here codes come from a beam search over the codebooks), its
+training objective and data (a large calibration corpus; here a few windows of
+the evaluation corpus, after the scored ones, in hard-assignment k-means-style
+EM on normalised, Hadamard-rotated chunks), and its RoPE COMMUTATIVITY: CommVQ
+constrains the key codebook to commute with the rotary embedding so that keys
+are decoded inside attention (query times codebook precomputed) and can be
+stored before RoPE; here keys are coded after RoPE, as the cache receives them,
+with unconstrained codebooks, and the cache is decoded to vectors. The rotation
+and the per-token RMS / lsq gain are the usual calibration-free VQ
+preprocessing, not CommVQ's.
 
 Stored per token vector: (D/dim)*M codes of K_bits bits, bit-packed, in
 (chunk, stage) order (`codes`), and the fp16 gain (`gain`). Per (layer, role):
 the codebooks, fp16 [R, H, M, K, dim] ([R, 1, M, K, dim] with per_head=false),
 R = B batch rows when fitted (one set per row), R = 1 when seeded (gaussian:
-one set serves every row), and with rotation=hadamard the sign bits, uint8
-[H, D/8].
+one set serves every row) or calibrated, and with rotation=hadamard the sign
+bits, uint8 [H, D/8].
 """
 from __future__ import annotations
 
@@ -54,6 +77,7 @@ import math
 import torch
 
 from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable, stable_seed
+from .calibrated import Calibrated
 from .fitted import FitsOnFirstWrite, fold_rows, row_index
 from .packing import pack_bits, unpack_bits
 from .rotation import random_signs, rotate, signs_of, unrotate
@@ -105,6 +129,70 @@ def fit_residual_codebooks(z: torch.Tensor, M: int, K: int, gen: torch.Generator
     return torch.stack(stages, 1)
 
 
+# codebooks=calibrated: EM rounds after the residual k-means start (calibration cost, once per
+# model and (layer, role)); the calibration chunks an EM sees per codebook group, at most
+# CAL_POINTS_PER_CODEWORD * K (a seeded sample); the least beam its E-step and encode use;
+# the ridge that keeps a codeword no calibration chunk chose where it was.
+EM_ITERS = 3
+CAL_POINTS_PER_CODEWORD = 32
+CAL_BEAM = 4
+EM_RIDGE = 1e-3
+MAX_JOINT = 4096  # M * K codewords solved for jointly (a [M K, M K] float64 system per group)
+
+
+def _joint_codewords(z: torch.Tensor, codes: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
+    """The M-step: codebooks [G, M, K, dim] minimising sum ||z - sum_m cb[m, codes[m]]||^2 over
+    chunks z [G, N, dim] with codes [G, N, M], all stages at once (normal equations of the
+    one-hot design, float64), codeword 0 of each stage held at zero, a codeword no chunk
+    chose held at its value in `cb` (the ridge EM_RIDGE pulls every codeword toward it)."""
+    G, N, dim = z.shape
+    _, M, K, _ = cb.shape
+    MK = M * K
+    out = cb.double().clone()
+    free = torch.ones(M, K, dtype=torch.bool)
+    free[:, 0] = False
+    free = free.flatten().to(z.device)
+    for g in range(G):
+        idx = codes[g] + torch.arange(M, device=z.device) * K  # [N, M] into the M*K stacked codewords
+        A = torch.zeros(MK * MK, dtype=torch.float64, device=z.device)
+        A.index_add_(0, (idx.unsqueeze(2) * MK + idx.unsqueeze(1)).flatten(),
+                     torch.ones(N * M * M, dtype=torch.float64, device=z.device))
+        A = A.view(MK, MK)
+        rhs = torch.zeros(MK, dim, dtype=torch.float64, device=z.device)
+        rhs.index_add_(0, idx.flatten(), z[g].double().repeat_interleave(M, dim=0))
+        prev = cb[g].double().reshape(MK, dim)
+        lam = EM_RIDGE * max(1.0, float(A.diagonal().mean()))
+        Af = A[free][:, free] + lam * torch.eye(int(free.sum()), dtype=torch.float64, device=z.device)
+        sol = torch.linalg.solve(Af, rhs[free] + lam * prev[free])
+        flat = out[g].reshape(MK, dim)
+        flat[free] = sol
+        out[g] = flat.view(M, K, dim)
+    return out.float()
+
+
+def em_codebooks(z: torch.Tensor, M: int, K: int, beam: int, gen: torch.Generator, iters: int = EM_ITERS,
+                 history: list | None = None) -> torch.Tensor:
+    """EM for additive codebooks on calibration chunks z [G, N, dim] -> fp16-valued [G, M, K, dim]:
+    residual k-means to start, then `iters` rounds of (E) beam-search codes, (M) joint least
+    squares (`_joint_codewords`), each round's codebooks rounded to fp16 as stored. Returns the
+    codebooks of the lowest mean squared residual seen (E-step residuals; beam search is not
+    exact, so a round may not improve). `history` receives that error after each E-step."""
+    z = z.float()
+    cb = fit_residual_codebooks(z, M, K, gen)
+    best = None
+    for it in range(iters + 1):
+        codes, res = residual_search(z.unsqueeze(0), cb, beam)
+        err = float(res.double().pow(2).sum(-1).mean())
+        if history is not None:
+            history.append(err)
+        if best is None or err < best[0]:
+            best = (err, cb)
+        if it == iters:
+            break
+        cb = _joint_codewords(z, codes[0], cb).half().float()
+    return best[1]
+
+
 # Candidates a chunk's encode weighs (codebooks x beam x codewords): fit and search time
 # grow with it. CPU, 2 threads, one 64-token window of 2 heads x d 64: 2 x 8 x 4096 (65536)
 # 0.44 s idle, 4 x 16 x 4096 8 s and 16 x 1 x 16384 9-27 s on a loaded machine (108 s on a
@@ -113,11 +201,13 @@ def fit_residual_codebooks(z: torch.Tensor, M: int, K: int, gen: torch.Generator
 MAX_SEARCH = 1 << 16
 
 
-class AdditiveVQ(FitsOnFirstWrite, Quantizer):
+class AdditiveVQ(Calibrated, FitsOnFirstWrite, Quantizer):
     name = "avq"
-    description = "additive VQ (CommVQ-style): Hadamard rotation, RMS gain, sums of M residual-k-means codewords fitted on the write"
+    description = ("additive VQ (CommVQ-style): Hadamard rotation, RMS gain, sums of M codewords: residual k-means "
+                   "fitted on the write, or EM-calibrated once per model (codebooks=calibrated, beam search)")
     stochastic = True  # seeded rotation and k-means
-    aliases = {f"avq{m}": {"M": m} for m in (2, 3, 4)}
+    aliases = {**{f"avq{m}": {"M": m} for m in (2, 3, 4)},
+               **{f"avq{m}-cal": {"M": m, "codebooks": "calibrated", "beam": 8} for m in (2, 3, 4)}}
     # ~2.9 and ~4.25 measured bits at 512 tokens x 3 kv-heads of 64 dims, codebooks
     # included (0.67 bits per stage there); beam=8 is ~10x slower to encode: an option.
     example_specs = ("avq2", "avq3")
@@ -130,7 +220,7 @@ class AdditiveVQ(FitsOnFirstWrite, Quantizer):
         beam: int = 1
         gain: str = "lsq"  # or "rms"
         per_head: bool = False
-        codebooks: str = "fitted"  # or "gaussian"
+        codebooks: str = "fitted"  # or "calibrated", "gaussian"
         rotation: str = "hadamard"  # or "none"
 
     def validate_config(self):
@@ -145,8 +235,11 @@ class AdditiveVQ(FitsOnFirstWrite, Quantizer):
             raise QuantizerInputError(f"avq: beam must be in 1..64, got {c.beam}")
         if c.gain not in ("lsq", "rms"):
             raise QuantizerInputError(f"avq: gain must be lsq or rms, got {c.gain!r}")
-        if c.codebooks not in ("fitted", "gaussian"):
-            raise QuantizerInputError(f"avq: codebooks must be fitted or gaussian, got {c.codebooks!r}")
+        if c.codebooks not in ("fitted", "calibrated", "gaussian"):
+            raise QuantizerInputError(f"avq: codebooks must be fitted, calibrated or gaussian, got {c.codebooks!r}")
+        if c.codebooks == "calibrated" and c.M << c.K_bits > MAX_JOINT:
+            raise QuantizerInputError(f"avq: codebooks=calibrated refits the M x 2^K_bits = {c.M << c.K_bits} "
+                                      f"codewords jointly; at most {MAX_JOINT} (lower M or K_bits)")
         if c.rotation not in ("hadamard", "none"):
             raise QuantizerInputError(f"avq: rotation must be hadamard or none, got {c.rotation!r}")
         work = c.M * c.beam * (1 << c.K_bits)
@@ -155,8 +248,9 @@ class AdditiveVQ(FitsOnFirstWrite, Quantizer):
                                       f"candidates per chunk exceeds {MAX_SEARCH} (fit and search time grow with it: "
                                       "lower K_bits, M or beam)")
         self.head_dim_multiple = c.dim  # chunks must tile the head vector
-        # Seeded codebooks code every write alike; fitted ones come from the first write.
-        self.append_matches_single_write = c.codebooks == "gaussian"
+        # Seeded and calibrated codebooks code every write alike; fitted ones come from the first write.
+        self.append_matches_single_write = c.codebooks != "fitted"
+        self.needs_calibration = c.codebooks == "calibrated"  # calibrated.py
 
     # ---- codebooks and rotation ----------------------------------------------------
     def make_shared(self, heads, head_dim):
@@ -165,7 +259,8 @@ class AdditiveVQ(FitsOnFirstWrite, Quantizer):
         if c.rotation == "hadamard":
             shared["signs"] = random_signs([self.head_seed(h) for h in range(heads)], head_dim)
         groups = heads if c.per_head else 1
-        if c.codebooks == "fitted":  # one row, replaced at the first write; B rows hold B (fitted.py)
+        if c.codebooks != "gaussian":  # fitted: one row, replaced at the first write; B rows hold B
+            # (fitted.py). calibrated: replaced by the calibration when a cache starts (calibrated.py).
             shared["codebooks"] = torch.zeros(1, groups, c.M, 1 << c.K_bits, c.dim, dtype=torch.float16)
             return shared
         g = torch.tensor(stage_gains(c.M, c.K_bits, c.dim), dtype=torch.float64).view(-1, 1, 1)
@@ -180,19 +275,58 @@ class AdditiveVQ(FitsOnFirstWrite, Quantizer):
     def per_row_shared(self):
         return ("codebooks",) if self.config.codebooks == "fitted" else ()
 
+    def constant_shared(self):
+        """The seeded rotation's signs, and codebooks that do not depend on the data written:
+        seeded (gaussian) or calibrated once per model (calibrated.py)."""
+        base = getattr(super(), "constant_shared", None)
+        names = set(base()) if base is not None else set()
+        if self.config.rotation == "hadamard":
+            names.add("signs")
+        if self.config.codebooks != "fitted":
+            names.add("codebooks")
+        return frozenset(names)
+
+    def _chunks(self, x, shared):
+        """Normalised rotated chunks of x [B, H, T, D] as the fit sees them: [G, B*T*D/dim, dim]."""
+        c = self.config
+        z, _ = self._normalise(self._rotate(x, shared))
+        B, H, T, D = z.shape
+        pts = z.reshape(B, H, -1, c.dim).transpose(0, 1).reshape(H, -1, c.dim)  # [H, B*N, dim]
+        return pts if c.per_head else pts.reshape(1, -1, c.dim)
+
     def fit_shared(self, x, shared):  # x: one row [1, H, T, D]
         c = self.config
         if c.codebooks != "fitted":
             return {}
-        z, _ = self._normalise(self._rotate(x, shared))
-        B, H, T, D = z.shape
-        pts = z.reshape(B, H, -1, c.dim).transpose(0, 1).reshape(H, -1, c.dim)  # [H, B*N, dim]
-        if not c.per_head:
-            pts = pts.reshape(1, -1, c.dim)
         gen = torch.Generator().manual_seed(stable_seed(self.name, self.seed, self.layer, self.role, "fit"))
-        cb = fit_residual_codebooks(pts, c.M, 1 << c.K_bits, gen)
+        cb = fit_residual_codebooks(self._chunks(x, shared), c.M, 1 << c.K_bits, gen)
         check_fp16_storable("avq codeword", cb)
         return {"codebooks": cb.half().unsqueeze(0)}
+
+    def calibrate(self, x):
+        """codebooks=calibrated: EM codebooks (`em_codebooks`) on calibration K/V x, float
+        `[N, H, T, D]` (N windows of this layer and role), on a seeded sample of at most
+        CAL_POINTS_PER_CODEWORD * K chunks per group. Returns {"codebooks": fp16 [1, G, M, K, dim]}
+        for `load_calibration`."""
+        c = self.config
+        if c.codebooks != "calibrated":
+            raise QuantizerInputError(f"{self.spec}: only codebooks=calibrated is calibrated")
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.numel() == 0 or x.shape[-1] % c.dim:
+            raise QuantizerInputError(f"{self.spec}: calibration K/V must be a non-empty [N, H, T, D] tensor with "
+                                      f"D a multiple of {c.dim}, got {tuple(getattr(x, 'shape', ()))}")
+        if not torch.isfinite(x).all():
+            raise QuantizerInputError(f"{self.spec}: calibration K/V hold NaN/Inf")
+        x = x.float()
+        shared = {k: v.to(x.device) for k, v in self.make_shared(x.shape[1], x.shape[3]).items()}
+        gen = torch.Generator().manual_seed(stable_seed(self.name, self.seed, self.layer, self.role, "em"))
+        K = 1 << c.K_bits
+        pts = self._chunks(x, shared)
+        cap = CAL_POINTS_PER_CODEWORD * K
+        if pts.shape[1] > cap:
+            pts = pts[:, torch.randperm(pts.shape[1], generator=gen)[:cap].to(pts.device)]
+        cb = em_codebooks(pts, c.M, K, max(c.beam, CAL_BEAM), gen)
+        check_fp16_storable("avq codeword", cb)
+        return {"codebooks": cb.half().unsqueeze(0).cpu()}
 
     def _rotate(self, x, shared):
         if self.config.rotation == "none":

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -101,7 +102,8 @@ def validate(args) -> dict:
         args.windows = CPU_WINDOWS if dev.startswith("cpu") else GPU_WINDOWS
     for flag, value, low in (("--windows", args.windows, 1), ("--window", args.window, 2),
                              ("--context", args.context, 1), ("--decode-tokens", args.decode_tokens, 1),
-                             ("--seeds", args.seeds, 1), ("--batch-size", args.batch_size, 1)):
+                             ("--seeds", args.seeds, 1), ("--batch-size", args.batch_size, 1),
+                             ("--calibration-windows", getattr(args, "calibration_windows", 2), 1)):
         if value < low:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
     if args.lm_eval_limit is not None and args.lm_eval_limit < 1:
@@ -305,12 +307,16 @@ def run_compare(args) -> int:
         "seeds": list(range(args.seeds)), "stochastic_specs": [s for s in specs if is_stochastic(s)],
     }
 
+    cal_for = _calibration(args, model, tok, text, plan, specs, n_tokens, meta)
+
     def measure(protocol, spec, seed, rows=slice(None), batch_size=args.batch_size, progress=None):
         w = windows[rows, :plan["lengths"][protocol]]
+        cal = cal_for(spec, seed)
+        kw = {"calibration": cal} if cal is not None else {}
         if protocol == "quantize-on-write":
-            return ppl_quantize_on_write(model, w, spec, seed, progress=progress, batch_size=batch_size)
+            return ppl_quantize_on_write(model, w, spec, seed, progress=progress, batch_size=batch_size, **kw)
         scorer = ppl_deployed if protocol == "deployed" else ppl_prefill_then_decode
-        return scorer(model, w, spec, seed, context=args.context, progress=progress, batch_size=batch_size)
+        return scorer(model, w, spec, seed, context=args.context, progress=progress, batch_size=batch_size, **kw)
 
     if ranks is not None:  # the same window batches as one process, dealt over the ranks
         meta["distributed"] = distributed.describe(ranks)
@@ -387,6 +393,40 @@ def run_compare(args) -> int:
     return 0
 
 
+def _calibration(args, model, tok, text, plan, specs, n_tokens: int, meta: dict):
+    """For calibrated specs (quantizers/calibrated.py): K/V captured from an fp16 pass over
+    --calibration-windows windows of the corpus AFTER the scored ones (disjoint;
+    harness/calibration.py), recorded in meta["calibration"]; returns (spec, seed) -> the
+    fitted calibration (fitted once per spec and seed, memoised) or None."""
+    from ..harness.calibration import (calibration_starts, capture_kv, describe, fit_calibration,
+                                       spec_needs_calibration)
+    from ..harness.corpora import special_prefix, tokenize_text
+
+    if not any(spec_needs_calibration(s) for s in specs):
+        return lambda spec, seed: None
+    prefix = special_prefix(tok)
+    body = plan["window"] - len(prefix)
+    try:
+        starts = calibration_starts(n_tokens, meta["windows"]["starts"], body, body, args.calibration_windows)
+    except ValueError as e:
+        raise UsageError(f"--calibration-windows: {e}") from None
+    ids = tokenize_text(tok, text)
+    t0 = time.perf_counter()
+    captured = capture_kv(model, torch.tensor([prefix + ids[s:s + body] for s in starts], dtype=torch.long))
+    meta["calibration"] = describe(starts, body, captured, time.perf_counter() - t0)
+    fitted: dict = {}
+
+    def cal_for(spec, seed):
+        if not spec_needs_calibration(spec):
+            return None
+        if (spec, seed) not in fitted:
+            t1 = time.perf_counter()
+            fitted[(spec, seed)] = fit_calibration(spec, captured, seed)
+            meta["calibration"].setdefault("fit_s", {})[f"{spec} seed={seed}"] = round(time.perf_counter() - t1, 2)
+        return fitted[(spec, seed)]
+    return cal_for
+
+
 def _fidelity(run, model, prompts, specs, new_tokens: int, stamps: dict) -> None:
     """Generation fidelity per spec (seed 0) against the model's own cache over the run's
     window prompts (suites/harness/fidelity.py), into results.json's `fidelity`;
@@ -451,6 +491,9 @@ def add_arguments(sub, parents=()) -> None:
                    help="prefill-then-decode / deployed: tokens M after the prefill (window = L + M)")
     p.add_argument("--specs", default=None, help="';'-separated quantizer specs (default: every registered example)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 for every stochastic quantizer")
+    p.add_argument("--calibration-windows", type=int, default=2,
+                   help="calibrated quantizers (e.g. avq2-cal): windows (of --window tokens) of the corpus after "
+                        "the scored ones whose fp16 K/V fit them, once per model")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
                    help="windows scored per forward pass (same figures as one at a time, up to float rounding)")
     # --run-name: torchrun (Python < 3.12 argparse) refuses "--run" as an ambiguous prefix of its --run-path

@@ -73,6 +73,7 @@ import contextlib
 import dataclasses
 import inspect
 import os
+from collections.abc import Mapping
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -80,6 +81,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from ...kernels.step_encode import StepErrors
 from ...kernels.store import KernelStore, TokenBuffer, grown_capacity
 from ...quantizers import Packed, Segment, get_quantizer
+from ...quantizers.calibrated import needs_calibration
 from ...quantizers.fitted import nbytes_as_row_caches
 from . import dense_steps
 from .attention import PackedHistory, uses_fused_attention
@@ -138,6 +140,18 @@ def _appended_segments(old: Packed | None, new: Packed, old_tokens: int) -> tupl
     return new.segments[k:], t
 
 
+def _calibration_of(spec: str, calibration, layer: int, role: str, q) -> dict:
+    """The fitted shared tensors of (layer, role) from `calibration` ((layer, role) -> captured
+    K/V [N, H, T, D], fitted here, or the dict `calibrate` returned); a clear error without."""
+    entry = calibration.get((layer, role)) if isinstance(calibration, Mapping) else None
+    if entry is None:
+        why = "none was given" if calibration is None else f"it has no entry for (layer {layer}, {role!r})"
+        raise ValueError(f"{spec} is a calibrated quantizer (fitted once per model on calibration K/V) and "
+                         f"QuantizedCache(calibration=) is needed for it: {why}. Capture calibration K/V with "
+                         "suites/harness/calibration.py capture_kv on windows that are not scored")
+    return q.calibrate(entry) if isinstance(entry, torch.Tensor) else entry
+
+
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V of one decode query `[B, Hq, 1, D]` over `[B, Hkv, T, D]`."""
     g = q.shape[1] // k.shape[1]
@@ -151,11 +165,15 @@ class QuantizedLayer(DynamicLayer):
 
     is_croppable = False  # the packed store cannot be rolled back token by token
 
-    def __init__(self, spec: str, layer_idx: int, seed: int = 0, layer_type: str | None = None):
+    def __init__(self, spec: str, layer_idx: int, seed: int = 0, layer_type: str | None = None,
+                 calibration=None):
         super().__init__()
         self.spec, self.layer_idx, self.seed = spec, layer_idx, seed
         self.layer_type = layer_type
         self.quantizers = {r: get_quantizer(spec, layer=layer_idx, role=r, seed=seed) for r in ROLES}
+        for role, q in self.quantizers.items():  # calibrated quantizers (quantizers/calibrated.py)
+            if needs_calibration(q):
+                q.load_calibration(_calibration_of(spec, calibration, layer_idx, role, q))
         self.fused_wanted: bool | None = False  # set by the cache before the first write
         self.capacity_hint = 0  # tokens to preallocate for (e.g. prompt + new tokens)
         self.hqmq_table: tuple[str, torch.dtype] | None = None  # HQMQ codeword source of the kernel
@@ -524,12 +542,20 @@ class QuantizedCache(Cache):
     `prefill`: "quantized" (default) or "exact": the first write (the prompt) attends to
     its own K/V at full precision, as deployed engines do, while storing them quantized;
     every later write reads the quantized cache (the `deployed` protocol).
+    `calibration`: for a calibrated quantizer (quantizers/calibrated.py; e.g. avq2-cal) a
+    mapping (layer, role) -> calibration K/V `[N, H, T, D]` (suites/harness/calibration.py
+    `capture_kv`; fitted when each layer is built) or -> the dict its `calibrate` returned
+    (`fit_calibration`: fit once, share among caches). Required for such a spec (a
+    ValueError naming it otherwise); ignored for the others.
     """
 
     def __init__(self, spec: str, n_layers: int | None = None, *, config=None, seed: int = 0,
                  fused: bool | None = None, capacity: int = 0, hqmq_table="auto", step_encode: bool = True,
-                 prefill: str = "quantized"):
-        get_quantizer(spec)  # fail on a bad spec now, not inside the forward pass
+                 prefill: str = "quantized", calibration=None):
+        if needs_calibration(get_quantizer(spec)):  # fail on a bad spec now, not inside the forward pass
+            if not isinstance(calibration, Mapping) or not calibration:
+                _calibration_of(spec, None, 0, "K", None)  # raises, naming the spec
+        self.calibration = calibration
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
         self.prefill = prefill
@@ -557,7 +583,7 @@ class QuantizedCache(Cache):
 
     def _new_layer(self, i: int) -> QuantizedLayer:
         lt = self.layer_types[i] if self.layer_types and i < len(self.layer_types) else None
-        return QuantizedLayer(self.spec, i, self.seed, layer_type=lt)
+        return QuantizedLayer(self.spec, i, self.seed, layer_type=lt, calibration=self.calibration)
 
     def fused_wanted(self) -> bool | None:
         """True / False when forced; None (automatic: CUDA only) when the model runs the

@@ -76,6 +76,7 @@ from ...quantizers import parse_spec
 from ...quantizers.checks import deferred_checks, flush
 from ...quantizers.fitted import FitsOnFirstWrite
 from .attention import fused_attention
+from .calibration import fit_calibration, spec_needs_calibration
 from .kv_cache import QuantizedCache, cache_kwargs, plain_cache_stats
 
 Progress = Callable[[int, int], None]  # (windows done, windows total)
@@ -95,10 +96,19 @@ def _device_of(model, device) -> torch.device:
 
 
 def _new_cache(model, spec: str | None, seed: int, capacity: int = 0, fused: bool | None = False,
-               prefill: str = "quantized"):
+               prefill: str = "quantized", calibration=None):
     if spec is None:
         return DynamicCache(config=model.config)
-    return QuantizedCache(spec, config=model.config, seed=seed, capacity=capacity, fused=fused, prefill=prefill)
+    return QuantizedCache(spec, config=model.config, seed=seed, capacity=capacity, fused=fused, prefill=prefill,
+                          calibration=calibration)
+
+
+def _fitted_calibration(spec: str | None, seed: int, calibration):
+    """A calibrated spec's calibration fitted once for every batch's cache (captured K/V in,
+    suites/harness/calibration.py); anything else as given."""
+    if calibration is None or not spec_needs_calibration(spec):
+        return calibration
+    return fit_calibration(spec, calibration, seed)
 
 
 class _Bytes:
@@ -213,7 +223,7 @@ def _result(protocol, params, spec, seed, windows, nll, n_pred, stored: _Bytes, 
 
 def ppl_quantize_on_write(model, windows: torch.Tensor, spec: str | None, seed: int = 0, *,
                           device=None, progress: Progress | None = None,
-                          batch_size: int = DEFAULT_BATCH) -> dict:
+                          batch_size: int = DEFAULT_BATCH, calibration=None) -> dict:
     """`quantize-on-write` (the paper's protocol): one forward pass per window of N tokens
     through a fresh cache, so attention reads quantized K/V at every position, prefill
     included (the whole window is one write). Predicted: tokens 1..N-1 of each window
@@ -223,6 +233,7 @@ def ppl_quantize_on_write(model, windows: torch.Tensor, spec: str | None, seed: 
     key groups, the Med3x median) include tokens later than the query that reads them.
     """
     windows = _check_windows(windows, 2)
+    calibration = _fitted_calibration(spec, seed, calibration)
     dev = _device_of(model, device)
     n_win, N = windows.shape
     rows = batch_rows(model, spec, windows, batch_size, N)
@@ -233,7 +244,7 @@ def ppl_quantize_on_write(model, windows: torch.Tensor, spec: str | None, seed: 
     with torch.inference_mode(), deferred_checks():
         for i in range(0, n_win, rows):
             ids = windows[i:i + rows].to(dev)
-            cache = _new_cache(model, spec, seed)
+            cache = _new_cache(model, spec, seed, calibration=calibration)
             logits = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits
             batch_nll = _nll(logits[:, :-1], ids[:, 1:])
             flush()
@@ -251,7 +262,7 @@ def ppl_quantize_on_write(model, windows: torch.Tensor, spec: str | None, seed: 
 def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed: int = 0, *,
                             context: int, device=None, progress: Progress | None = None,
                             batch_size: int = DEFAULT_BATCH, fused: bool | None = None,
-                            graph: bool | None = None) -> dict:
+                            graph: bool | None = None, calibration=None) -> dict:
     """`prefill-then-decode`: tokens 0..L-1 (L = `context`) of each window are written in
     one prefill call; then tokens L..N-2 are fed one decode step at a time (each step
     writes its one token to the cache and attends to the quantized history).
@@ -272,13 +283,13 @@ def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed
     records the step mode (`decode_mode`: graph, eager, or both across batches).
     """
     return _prefill_decode("prefill-then-decode", model, windows, spec, seed, context, device, progress,
-                           batch_size, fused, graph)
+                           batch_size, fused, graph, calibration)
 
 
 def ppl_deployed(model, windows: torch.Tensor, spec: str | None, seed: int = 0, *,
                  context: int, device=None, progress: Progress | None = None,
                  batch_size: int = DEFAULT_BATCH, fused: bool | None = None,
-                 graph: bool | None = None) -> dict:
+                 graph: bool | None = None, calibration=None) -> dict:
     """`deployed`: what a serving engine does. Tokens 0..L-1 are one prefill call whose
     attention reads its own K/V at full precision (`QuantizedCache(prefill="exact")`)
     while they are stored quantized; tokens L..N-2 are then fed one decode step at a
@@ -287,11 +298,13 @@ def ppl_deployed(model, windows: torch.Tensor, spec: str | None, seed: int = 0, 
     L+1..N-1 (N-1-L per window); token L's logit comes from the exact prefill and would
     not depend on the quantizer. Arguments as `ppl_prefill_then_decode`."""
     return _prefill_decode("deployed", model, windows, spec, seed, context, device, progress,
-                           batch_size, fused, graph)
+                           batch_size, fused, graph, calibration)
 
 
-def _prefill_decode(protocol, model, windows, spec, seed, context, device, progress, batch_size, fused, graph):
+def _prefill_decode(protocol, model, windows, spec, seed, context, device, progress, batch_size, fused, graph,
+                    calibration=None):
     windows = _check_windows(windows, 2 if protocol == "prefill-then-decode" else 3)
+    calibration = _fitted_calibration(spec, seed, calibration)
     n_win, N = windows.shape
     last = N - 1 if protocol == "prefill-then-decode" else N - 2  # deployed: one decode step at least
     if not 1 <= context <= last:
@@ -310,7 +323,8 @@ def _prefill_decode(protocol, model, windows, spec, seed, context, device, progr
     with torch.inference_mode(), context_manager, deferred_checks():
         for i in range(0, n_win, rows):
             ids = windows[i:i + rows].to(dev)
-            cache = _new_cache(model, spec, seed, capacity=N, fused=fused, prefill="exact" if exact else "quantized")
+            cache = _new_cache(model, spec, seed, capacity=N, fused=fused, prefill="exact" if exact else "quantized",
+                               calibration=calibration)
             kw = cache_kwargs(model, cache)
             logits = model(input_ids=ids[:, :context], **kw, use_cache=True, **_last_logit_only(model)).logits[:, -1:]
             w_nll = torch.zeros(ids.shape[0], dtype=torch.float64, device=dev) if exact else \

@@ -1,0 +1,108 @@
+"""Calibration K/V for calibrated quantizers (quantizers/calibrated.py): captured from
+the model in fp16 over calibration token windows, per (layer, role).
+
+    cal = capture_kv(model, cal_windows)                   # {(layer, "K"|"V"): [N, H, T, D]}
+    fitted = fit_calibration("avq2-cal", cal, seed=0)       # {(layer, role): {"codebooks": ...}}
+    cache = QuantizedCache("avq2-cal", config=model.config, calibration=fitted)
+
+`capture_kv` runs the model once per window through an `fp16` QuantizedCache (K/V
+stored as fp16, what every quantizer is handed; keys after RoPE) and keeps what
+each layer stored, float32 on the CPU. `fit_calibration` calls each (layer, role)'s
+quantizer's `calibrate` once: do it once per (spec, seed) and hand the fitted dicts
+to every cache (a cache given raw K/V fits on construction, per cache).
+
+`calibration_starts` places calibration windows in the corpus token stream AFTER the
+scored windows (in the gaps each scored window leaves before the next, or before the
+corpus's end), so they never overlap a scored token: the compare run records where.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...quantizers import get_quantizer
+from ...quantizers.calibrated import needs_calibration
+
+ROLES = ("K", "V")
+
+
+def spec_needs_calibration(spec: str | None) -> bool:
+    """Whether `spec`'s quantizer must be calibrated (False for None, the plain cache)."""
+    return spec is not None and needs_calibration(get_quantizer(spec))
+
+
+def calibration_starts(n_tokens: int, scored_starts: list[int], scored_len: int, length: int,
+                       n_windows: int) -> list[int]:
+    """Token offsets of `n_windows` calibration windows of `length` tokens, each starting
+    at or after the end of a scored window (windows of `scored_len` tokens at
+    `scored_starts`) and overlapping none, packed from the first scored window on: the
+    gap after scored window i holds as many as fit before scored window i+1 starts (or
+    the corpus ends). ValueError when the gaps cannot hold them."""
+    if n_windows < 1 or length < 1:
+        raise ValueError(f"calibration windows: need n >= 1 windows of >= 1 tokens, got {n_windows} x {length}")
+    starts = sorted(scored_starts)
+    ends = starts[1:] + [n_tokens]
+    out: list[int] = []
+    for s, nxt in zip(starts, ends):
+        t = s + scored_len
+        while t + length <= nxt and len(out) < n_windows:
+            out.append(t)
+            t += length
+        if len(out) == n_windows:
+            return out
+    raise ValueError(f"calibration windows: the corpus ({n_tokens} tokens) leaves room for only {len(out)} "
+                     f"window(s) of {length} tokens after the {len(starts)} scored windows of {scored_len}; "
+                     f"asked for {n_windows} (fewer or shorter calibration windows, or fewer scored windows)")
+
+
+def capture_kv(model, windows: torch.Tensor, batch_size: int = 1) -> dict[tuple[int, str], torch.Tensor]:
+    """{(layer, role): float32 CPU [N, H, T, D]} of the K/V the model writes for token
+    windows [N, T] (LongTensor), through an fp16 cache (fp16-rounded, keys after RoPE)."""
+    from .kv_cache import QuantizedCache, cache_kwargs
+
+    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.dtype != torch.long \
+            or windows.shape[0] < 1 or windows.shape[1] < 1:
+        raise ValueError(f"calibration windows must be a LongTensor [n >= 1, T >= 1], got "
+                         f"{getattr(windows, 'shape', windows)}")
+    dev = next(model.parameters()).device
+    parts: dict[tuple[int, str], list[torch.Tensor]] = {}
+    with torch.inference_mode():
+        for i in range(0, windows.shape[0], batch_size):
+            cache = QuantizedCache("fp16", config=model.config, fused=False)
+            model(input_ids=windows[i:i + batch_size].to(dev), **cache_kwargs(model, cache), use_cache=True)
+            for layer in range(len(cache.layers)):
+                for role in ROLES:
+                    parts.setdefault((layer, role), []).append(cache.layers[layer].read(role).float().cpu())
+            del cache
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+def fit_calibration(spec: str, captured: dict, seed: int = 0) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """{(layer, role): shared tensors} fitted by the (layer, role) quantizers of `spec` (seed
+    `seed`) on captured K/V (`capture_kv`); entries already fitted (dicts) are kept."""
+    if not isinstance(captured, dict) or not captured:
+        raise ValueError(f"{spec}: calibration must be a non-empty mapping (layer, role) -> K/V, "
+                         f"got {type(captured).__name__}")
+    out = {}
+    for (layer, role), x in sorted(captured.items()):
+        if isinstance(x, dict):
+            out[(layer, role)] = x
+            continue
+        out[(layer, role)] = get_quantizer(spec, layer=layer, role=role, seed=seed).calibrate(x)
+    return out
+
+
+def describe(starts: list[int], length: int, captured: dict | None = None, capture_s: float | None = None) -> dict:
+    """What a results file records of a calibration: token ranges, count, capture size."""
+    info = {"n": len(starts), "tokens": length, "ranges": [[s, s + length] for s in starts],
+            "placement": "corpus tokens after the scored windows (in the gaps they leave), disjoint from "
+                         "every scored token; K/V captured from an fp16 cache (keys after RoPE)"}
+    if captured:
+        x = next(iter(captured.values()))
+        if isinstance(x, torch.Tensor):
+            info["captured_shape"] = list(x.shape)
+    if capture_s is not None:
+        info["capture_s"] = round(capture_s, 2)
+    return info
+
+
+__all__ = ["calibration_starts", "capture_kv", "describe", "fit_calibration", "spec_needs_calibration"]

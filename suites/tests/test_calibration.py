@@ -1,0 +1,174 @@
+"""The calibration hook (quantizers/calibrated.py, suites/harness/calibration.py) and the
+calibrated additive VQ (avq codebooks=calibrated: EM on calibration K/V, beam search)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvqbench.quantizers import get_quantizer
+from kvqbench.quantizers.additive_vq import _joint_codewords, em_codebooks, fit_residual_codebooks
+from kvqbench.quantizers.calibrated import CalibrationMissingError
+from kvqbench.quantizers.vq import residual_search
+from kvqbench.suites import conformance
+from kvqbench.suites.harness.calibration import calibration_starts, capture_kv, fit_calibration
+
+CAL = "avq:M=2,K_bits=6,codebooks=calibrated,beam=4"
+
+
+def _kv(seed, N=2, H=2, T=64, D=64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, H, T, D, generator=g)
+    x[..., 3] *= 6  # an outlier channel, as post-RoPE keys have
+    return x
+
+
+def _chunks(seed, n=4096, dim=8):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(1, n, dim, generator=g)
+    z[..., 2] *= 3
+    return z
+
+
+def _mse(z, cb, beam):
+    _, res = residual_search(z.unsqueeze(0), cb, beam)
+    return float(res.double().pow(2).sum(-1).mean())
+
+
+# ---- the hook ------------------------------------------------------------------------------
+def test_a_calibrated_quantizer_refuses_to_code_without_calibration():
+    q = get_quantizer("avq2-cal")
+    assert q.needs_calibration and not get_quantizer("avq2").needs_calibration
+    with pytest.raises(CalibrationMissingError, match=r"avq:M=2.*codebooks=calibrated.*is calibrated"):
+        q.encode(_kv(0))
+
+
+def test_quantized_cache_refuses_a_calibrated_spec_without_calibration():
+    from kvqbench.suites.harness.kv_cache import QuantizedCache
+
+    with pytest.raises(ValueError, match=r"avq2-cal is a calibrated quantizer.*none was given"):
+        QuantizedCache("avq2-cal", n_layers=2)
+    with pytest.raises(ValueError, match=r"no entry for \(layer 1, 'K'\)"):
+        QuantizedCache("avq2-cal", n_layers=2, calibration={(0, "K"): _kv(0), (0, "V"): _kv(1)})
+    QuantizedCache("avq2", n_layers=2)  # calibration-free specs need none
+
+
+def test_calibrated_codebooks_are_model_constants_and_decode_anywhere():
+    q = get_quantizer(CAL, layer=1, role="V", seed=2)
+    q.load_calibration(q.calibrate(_kv(0)))
+    assert {"codebooks", "signs"} <= q.constant_shared()
+    assert "codebooks" not in get_quantizer("avq2").constant_shared()  # fitted on the write: a cache byte
+    x = _kv(5, N=1)
+    p = q.encode(x)
+    assert torch.equal(p.shared["codebooks"].cpu(), q.calibration["codebooks"])
+    # the codebooks travel in the Packed: an uncalibrated instance of the spec decodes it
+    assert torch.equal(get_quantizer(CAL, layer=1, role="V", seed=2).decode(p), q.decode(p))
+    # stored per token: the codes and the gain, nothing fitted per write
+    seg_bytes = sum(s.nbytes for s in p.segments)
+    assert seg_bytes * 8 / x.numel() == pytest.approx(q.formula_bits(64))
+    # appends code with the same codebooks: token by token stores what one write stores
+    steps = q.append(q.append(q.encode(x[:, :, :40]), x[:, :, 40:41]), x[:, :, 41:])
+    assert torch.equal(q.decode(steps), q.decode(p))
+
+
+def test_a_calibration_of_another_shape_is_refused_by_name():
+    q = get_quantizer(CAL)
+    fitted = q.calibrate(_kv(0))
+    q.load_calibration({"codebooks": fitted["codebooks"][:, :, :1]})
+    with pytest.raises(ValueError, match="calibrated tensor 'codebooks'"):
+        q.encode(_kv(1))
+
+
+# ---- EM ------------------------------------------------------------------------------------
+def test_the_joint_m_step_is_least_squares_and_keeps_codeword_zero():
+    z = _chunks(0, n=2048)
+    gen = torch.Generator().manual_seed(0)
+    cb = fit_residual_codebooks(z, 2, 16, gen)
+    codes, res = residual_search(z.unsqueeze(0), cb, 1)
+    before = float(res.double().pow(2).sum(-1).mean())
+    new = _joint_codewords(z, codes[0], cb)
+    assert torch.equal(new[:, :, 0], torch.zeros_like(new[:, :, 0]))
+    recon = sum(new[0, m][codes[0, 0, :, m]] for m in range(2))
+    after = float((z[0] - recon).double().pow(2).sum(-1).mean())
+    assert after < before  # the same codes, jointly refitted codewords: strictly lower error here
+    # and at the least-squares optimum: a small move of any used codeword makes it worse
+    k = int(codes[0, 0, 0, 1])
+    for eps in (1e-2, -1e-2):
+        moved = new.clone()
+        moved[0, 1, k] += eps
+        r2 = sum(moved[0, m][codes[0, 0, :, m]] for m in range(2))
+        assert float((z[0] - r2).double().pow(2).sum(-1).mean()) > after * (1 - 1e-7)
+
+
+def test_em_improves_on_its_residual_kmeans_start_and_generalises():
+    cal, held = _chunks(1, n=8192), _chunks(2, n=4096)
+    hist = []
+    cb = em_codebooks(cal, 2, 64, 4, torch.Generator().manual_seed(0), iters=3, history=hist)
+    assert min(hist[1:]) < hist[0]  # EM lowered the calibration error of the start
+    start = fit_residual_codebooks(cal, 2, 64, torch.Generator().manual_seed(0))
+    # held-out chunks (disjoint from the calibration): EM + beam beats residual k-means + greedy
+    assert _mse(held, cb, 4) < 0.97 * _mse(held, start, 1)
+
+
+# ---- the whole conformance suite on a calibrated spec ----------------------------------------
+@pytest.mark.parametrize("spec", [CAL])
+def test_conformance_of_a_calibrated_spec(spec, monkeypatch):
+    """conformance.py builds quantizers with get_quantizer: here every instance that needs it is
+    calibrated on seeded K/V of its (layer, role, seed), disjoint from the data it codes."""
+    fitted = {}
+
+    def calibrated(s, **kw):
+        q = get_quantizer(s, **kw)
+        if q.needs_calibration:
+            key = (s, q.layer, q.role, q.seed)
+            if key not in fitted:
+                fitted[key] = q.calibrate(_kv(1000 + q.layer, N=2, H=2, T=96))
+            q.load_calibration(fitted[key])
+        return q
+
+    monkeypatch.setattr(conformance, "get_quantizer", calibrated)
+    conformance.check_quantizer(spec)
+
+
+# ---- calibration windows and the harness ---------------------------------------------------
+def test_calibration_windows_follow_the_scored_ones_and_never_overlap():
+    starts = [0, 500, 1000]
+    cal = calibration_starts(1100, starts, 100, 100, 5)
+    assert cal == [100, 200, 300, 400, 600]  # after window 0 (4 fit before 500), then after window 1
+    scored = {t for s in starts for t in range(s, s + 100)}
+    assert not scored & {t for s in cal for t in range(s, s + 100)}
+    with pytest.raises(ValueError, match="room for only 8 window"):
+        calibration_starts(1100, starts, 100, 100, 9)
+
+
+def test_capture_and_a_calibrated_cache_on_a_tiny_model(tiny):
+    from kvqbench.suites.harness.models import load_model
+    from kvqbench.suites.harness.perplexity import ppl_quantize_on_write
+
+    model, _, info = load_model(tiny["model"], device="cpu")
+    g = torch.Generator().manual_seed(0)
+    cal_windows, scored = torch.randint(0, 256, (2, 48), generator=g), torch.randint(0, 256, (2, 32), generator=g)
+    cap = capture_kv(model, cal_windows)
+    assert set(cap) == {(i, r) for i in range(2) for r in "KV"}
+    assert cap[(0, "K")].shape == (2, info["n_kv_heads"], 48, info["head_dim"])
+    spec = "avq:M=2,K_bits=4,codebooks=calibrated,beam=2"
+    with pytest.raises(ValueError, match="calibrated quantizer"):
+        ppl_quantize_on_write(model, scored, spec)
+    a = ppl_quantize_on_write(model, scored, spec, calibration=cap)
+    b = ppl_quantize_on_write(model, scored, spec, calibration=fit_calibration(spec, cap, 0))
+    assert a["nll_sum"] == b["nll_sum"] and torch.isfinite(torch.tensor(a["ppl"]))
+
+
+def test_compare_records_the_calibration_windows(tiny, tmp_path, private_cache):
+    from kvqbench.suites.compare.cli import main
+    from kvqbench.suites.harness.tiny_model import tiny_compare_args
+
+    spec = "avq:M=1,K_bits=4,codebooks=calibrated,beam=2"
+    assert main(tiny_compare_args(tiny, tmp_path, specs=f"fp16;{spec}")) == 0
+    meta = json.loads((tmp_path / "r" / "results.json").read_text())["meta"]
+    cal, win = meta["calibration"], meta["windows"]
+    assert cal["n"] == 2 and cal["tokens"] == win["tokens"]
+    scored = {t for s in win["starts"] for t in range(s, s + win["tokens"])}
+    for lo, hi in cal["ranges"]:
+        assert lo >= win["starts"][0] + win["tokens"] and not scored & set(range(lo, hi))
