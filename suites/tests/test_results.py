@@ -1,7 +1,7 @@
 """results.json and report.md of `kvqbench compare`: one writer at a time, never half
 a file, resumed only under the same identity (dtype, device, ...), a clear message
 for a corrupt file; seeds of stochastic quantizers with their spread; claim
-verdicts computed from the run's data (lm-eval scores, latency report)."""
+verdicts: test_claims.py)."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -14,7 +14,7 @@ import pytest
 from filelock import FileLock
 
 from kvqbench.quantizers import registry
-from kvqbench.suites.compare import cli, claims, report, results
+from kvqbench.suites.compare import cli, report, results
 from kvqbench.suites.compare import provenance
 from kvqbench.suites.compare import run as compare_run
 from kvqbench.suites.harness import fetch, perplexity
@@ -259,94 +259,9 @@ def test_compare_runs_seeds_and_reports_their_spread(tiny, tmp_path):
     assert f"| `hqmq:S=24,r=3` | 3 |" in md and f"{min(ppl):.4f}-{max(ppl):.4f}" in md
 
 
-def _row(spec, family, bits, ppl, lo=None, hi=None, n=1):
-    return {"spec": spec, "family": family, "bits": bits, "formula_bits": bits, "ppl": ppl,
-            "ppl_min": lo if lo is not None else ppl, "ppl_max": hi if hi is not None else ppl, "n": n}
-
-
-def test_matched_bits_verdict_uses_the_seed_spread():
-    hq = [_row("hqmq:a", "hqmq", 3.0, 50, 45, 56, 3), _row("hqmq:b", "hqmq", 5.0, 40, 36, 44, 3)]
-    overlapping = claims.claim_matched_bits(hq + [_row("spherical4", "spherical", 4.0, 47)])
-    assert overlapping[3].startswith("holds in part") and "within the seed spread" in overlapping[2]
-    beaten = claims.claim_matched_bits(hq + [_row("spherical4", "spherical", 4.0, 60)])
-    assert beaten[3] == "holds"
-    narrow = [dict(r, ppl_min=r["ppl"], ppl_max=r["ppl"], n=1) for r in hq]
-    assert claims.claim_matched_bits(narrow + [_row("spherical4", "spherical", 4.0, 47)])[3] == "holds"
-
-
-def test_seed_spread_claim_and_five_bit_claim_from_the_data():
-    fp16 = _row("fp16", "fp16", 16, 10.0)
-    tight = _row("hqmq:S=256,r=5", "hqmq", 5.0, 10.01, 10.005, 10.02, 3)
-    assert claims.claim_5bits([fp16, tight], "m", fp16)[3].startswith("holds")
-    loose = _row("hqmq:S=256,r=5", "hqmq", 5.0, 10.02, 10.0, 10.05, 3)
-    assert claims.claim_5bits([fp16, loose], "m", fp16)[3].startswith("holds for some seeds only")
-    assert claims.claim_seed_spread([loose])[3].startswith("does not hold")
-    assert claims.claim_seed_spread([_row("hqmq:x", "hqmq", 5, 10.0, 9.999, 10.001, 3)])[3] == "holds"
-    assert claims.claim_seed_spread([fp16])[3].startswith(claims.NOT_RUN)
-
-
-# --- verdicts from the data -------------------------------------------------------------------
-
-def _lm(acc, se):
-    return {"requested": ["piqa", None, None], "scores": {"piqa": {"acc": acc, "acc_stderr": se}}}
-
-
-def test_zero_shot_claim_reads_lm_eval_scores():
-    recs = [{"spec": "fp16", "family": "fp16", "bits_per_element": 16.0},
-            {"spec": "hqmq:S=96,r=4", "family": "hqmq", "bits_per_element": 3.8}]
-    assert claims.claim_zero_shot(recs)[3].startswith(claims.NOT_RUN)
-    recs[0]["lm_eval"], recs[1]["lm_eval"] = _lm(0.70, 0.01), _lm(0.69, 0.01)
-    c = claims.claim_zero_shot(recs)
-    assert c[3].startswith("holds") and "piqa acc: 0.69 vs fp16 0.7" in c[2]
-    recs[1]["lm_eval"] = _lm(0.60, 0.01)
-    assert claims.claim_zero_shot(recs)[3].startswith("does not hold")
-
-
-def test_latency_claim_reads_the_latency_report(tmp_path):
-    run = tmp_path / "reports" / "run"
-    run.mkdir(parents=True)
-    assert claims.claim_latency(run)[3].startswith(claims.NOT_RUN)
-    lat = {"env": {"gpu": "G"}, "latency": [
-        {"method": "fused-hqmq", "B": 1, "T": 4096, "latency_us": 30.0},
-        {"method": "fused-hqmq", "B": 1, "T": 65536, "latency_us": 300.0},
-        {"method": "fake-quant", "B": 1, "T": 4096, "latency_us": 600.0},
-        {"method": "fake-quant", "B": 1, "T": 65536, "skipped": "too large"}]}
-    (tmp_path / "reports" / "latency").mkdir()
-    claims.latency_file(run).write_text(json.dumps(lat))
-    c = claims.claim_latency(run)
-    assert c[3].startswith("does not hold") and "30-300 us" in c[2] and "20.0-20.0x" in c[2]
-    lat["latency"][1]["latency_us"] = 35.0
-    claims.latency_file(run).write_text(json.dumps(lat))
-    assert claims.claim_latency(run)[3].startswith("holds")
-    # a CUDA-graph row of the same shape counts where it is faster (the host-bound eager call is not the kernel)
-    lat["latency"][1]["latency_us"] = 300.0
-    lat["latency"].append({"method": "fused-hqmq-graph", "B": 1, "T": 65536, "latency_us": 40.0})
-    claims.latency_file(run).write_text(json.dumps(lat))
-    c = claims.claim_latency(run)
-    assert c[3].startswith("holds") and "30-40 us" in c[2] and "faster of eager and CUDA graph" in c[2]
-
-
 def test_report_has_no_fixed_sentences(tiny, tmp_path):
     assert cli.main(compare_args(tiny, tmp_path, specs="fp16;kivi:bits=2;kivi:bits=4,residual=16")) == 0
     md = (tmp_path / "r" / "report.md").read_text()
     assert "128 tokens" not in md.replace("up to 128 recent tokens", "")
     assert "up to 16 recent tokens" in md and "hub datasets unreachable" not in md
     assert "not measured in this run: no latency report" in md
-
-
-def test_hqmq_standing_names_wins_losses_spread_and_fill():
-    hq = [_row("hqmq:a", "hqmq", 3.0, 50, 49, 51, 3), _row("hqmq:b", "hqmq", 5.0, 40, 39, 41, 3)]
-    rows = hq + [_row("fp16", "fp16", 16, 30), _row("int4", "int", 4.0, 60), _row("kivi", "kivi", 4.0, 30),
-                 _row("avq3", "avq", 4.0, 44.5, 44, 45, 3), _row("int8", "int", 9.0, 31)]
-    md = "\n".join(claims.hqmq_standing(rows))
-    # HQMQ at 4.0 b on its front: exp(mean(log 50, log 40)) = 44.72, seed range 43.7-45.7
-    assert "| `int4` | 4.000 | 60.000 | 44.721" in md and "| HQMQ wins |" in md
-    assert "`kivi` | 4.000 | 30.000" in md and "| HQMQ loses |" in md
-    assert "| `avq3` |" in md and "| within the seed spread |" in md
-    assert "`int8` (9.00 b)" in md and "fp16" not in md  # outside the range: listed, never extrapolated
-    assert "wins against 1 (int4), loses against 1 (kivi)" in md
-    fill = [_row("hqmq:b,fill=true", "hqmq", 4.0, 30, 29, 31, 3)]
-    assert "moves the front down" in "\n".join(claims.hqmq_standing(rows + fill))
-    fill = [_row("hqmq:b,fill=true", "hqmq", 4.0, 44.7, 44, 45.5, 3)]
-    assert "does not move the front" in "\n".join(claims.hqmq_standing(rows + fill))
-    assert claims.hqmq_standing([_row("int4", "int", 4.0, 60)]) == []
