@@ -19,8 +19,8 @@ reference of the kernel is `HQMQ.search`.
 `hqmq_tokens` is the whole encode of a decode step on the device (the store's step
 encoder, kernels/formats/hqmq.py; kernels/step_encode.py has the other formats' and
 the shared pieces): radii, the per-write median and outliers, r_max, the direction
-search (`best_codes`), radius codes, packing, the per-(b, h) outlier lists and the
-64-token outlier index.
+search (`best_codes`), radius codes, packing (whole bits, or mixed radix: `pack_groups`),
+the per-(b, h) outlier lists and the 64-token outlier index.
 
 Bit identity and ties: the kernel computes v_j = sum_i u_i M[i, j] in the
 order i = 0..3 (M the right-multiplication matrix of conj(s), as torch's
@@ -169,11 +169,36 @@ def encode_with_kernel(q, x: torch.Tensor):
 # ---------------------------------------------------------------------------------------
 # HQMQ (+ Med3x)
 # ---------------------------------------------------------------------------------------
+@triton.jit
+def pack_groups(code, NCP: tl.constexpr, G: tl.constexpr, W: tl.constexpr, R: tl.constexpr,
+                NGP: tl.constexpr, NBP: tl.constexpr):
+    """Bytes `[NBP]` (int64, 0..255) of a mixed-radix code row (quantizers/packing.py
+    `pack_mixed`): codes `[NCP]` (int32, zero past the row) combined G at a time into
+    radix-R integers sum_k c_k R^k (< 2^63), group j at bits [j*W, ...) of the
+    little-endian LSB-first stream (the last group's higher bits are zero)."""
+    c = tl.arange(0, NCP)
+    k = c % G
+    wgt = tl.full([NCP], 1, tl.int64)
+    for j in tl.static_range(1, G):
+        wgt = tl.where(k >= j, wgt * R, wgt)
+    gi = tl.arange(0, NGP)
+    digit = code.to(tl.int64) * wgt
+    v = tl.sum(tl.where((c // G)[None, :] == gi[:, None], digit[None, :], 0), axis=1)  # [NGP], disjoint digits
+    jb = tl.arange(0, NBP)[:, None]
+    sh = gi[None, :] * W - 8 * jb  # where group i's bit 0 falls relative to byte j's bit 0
+    ov = (sh > -W) & (sh < 8)
+    left = tl.where(ov & (sh > 0), sh, 0)
+    right = tl.where(ov & (sh < 0), -sh, 0)
+    part = tl.where(ov, (((v[None, :] >> right) & 0xFF) << left) & 0xFF, 0)  # never past bit 63
+    return tl.sum(part, axis=1)
+
+
 @triton.jit(do_not_specialize=["t0", "blk"])
 def _hqmq_kernel(x_ptr, sxb, sxh, sxt, sec_ptr, rel_ptr, S, H, t0,
                  c_ptr, c_h, c_t, rad_ptr, r_h, r_t, m_ptr, m_h, m_t, f_ptr, f_h, f_t,
                  o_ptr, o_h, olen_ptr, oi_ptr, oi_h, blk, err_ptr, C, pos_ptr, DEVPOS: tl.constexpr,
                  NC: tl.constexpr, NCP: tl.constexpr, CBITS: tl.constexpr, CB: tl.constexpr, CBP: tl.constexpr,
+                 CG: tl.constexpr, CGW: tl.constexpr, NGP: tl.constexpr,
                  RBITS: tl.constexpr, RB: tl.constexpr, RBP: tl.constexpr, FB: tl.constexpr, FBP: tl.constexpr,
                  LOG: tl.constexpr, MED3: tl.constexpr, INDEX: tl.constexpr, SB: tl.constexpr,
                  OB: tl.constexpr = 64):
@@ -235,7 +260,11 @@ def _hqmq_kernel(x_ptr, sxb, sxh, sxt, sec_ptr, rel_ptr, S, H, t0,
     bh64 = bh.to(tl.int64)
     tok = t0 + t
     j = tl.arange(0, CBP)
-    tl.store(c_ptr + bh64 * c_h + tok * c_t + j, pack_row(code, CBITS, NCP, CBP).to(tl.uint8), mask=j < CB)
+    if CG > 1:  # mixed radix: CG codes per CGW-bit group
+        row = pack_groups(code, NCP, CG, CGW, 24 * S, NGP, CBP)
+    else:
+        row = pack_row(code, CBITS, NCP, CBP)
+    tl.store(c_ptr + bh64 * c_h + tok * c_t + j, row.to(tl.uint8), mask=j < CB)
     j = tl.arange(0, RBP)
     tl.store(rad_ptr + bh64 * r_h + tok * r_t + j, pack_row(rq, RBITS, NCP, RBP).to(tl.uint8), mask=j < RB)
     tl.store(m_ptr + bh64 * m_h + tok * m_t, rm16)
@@ -272,7 +301,8 @@ def hqmq_tokens(x, flat, S: int, rel, t0: int, err, *, C: float = 3.0, med3: boo
     B, H, t, D = x.shape
     pos_arg, devpos = device_pos(pos, x)
     nc = D // 4
-    cb, rb, fb = (nc * flat.code_bits + 7) // 8, (nc * flat.r_bits + 7) // 8, (nc + 7) // 8
+    G, W, _, cb = flat.code_layout
+    rb, fb = (nc * flat.r_bits + 7) // 8, (nc + 7) // 8
     c, r, m = flat.codes, flat.radius, flat.r_max
     if med3:
         f, o, oi = flat.flags, flat.outliers, flat.outlier_index
@@ -282,6 +312,7 @@ def hqmq_tokens(x, flat, S: int, rel, t0: int, err, *, C: float = 3.0, med3: boo
     step_encode.launch(_hqmq_kernel, (B * H, t), x, x.stride(0), x.stride(1), x.stride(2), flat.sec, rel, S, H, t0,
             c, c.stride(1), c.stride(2), r, r.stride(1), r.stride(2), m, m.stride(1), m.stride(2), *med,
             err, float(C), pos_arg, DEVPOS=devpos, NC=nc, NCP=p2(nc), CBITS=flat.code_bits, CB=cb, CBP=p2(cb),
+            CG=G, CGW=W, NGP=p2(-(-nc // G)),
             RBITS=flat.r_bits, RB=rb, RBP=p2(rb), FB=fb, FBP=p2(fb), LOG=flat.log_radius, MED3=med3,
             INDEX=index_block is not None, SB=32, OB=OUTLIER_BLOCK)
 

@@ -27,7 +27,6 @@ Formats:
   rows. `n_groups` quantized groups come first, the window last.
 - fp8 (`FP8Flat`): codes `[B,H,Tcap,D]` u8 (the e4m3 / e5m2 bit patterns) and the
   per-kv-head scale `[H]` fp32.
-- fp16 (`FP16Flat`): values `[B,H,Tcap,D]` fp16, the unquantized baseline in the engine.
 
 A quantizer finds its kernel layout through its CLASS: a `kernel_layout(packed,
 role)` method on the quantizer, or the `flatten` of its format (kernels/formats/, one
@@ -43,7 +42,7 @@ import torch
 
 from ..quantizers import Packed, parse_spec
 from ..quantizers.hqmq import HQMQ, OUTLIER_BLOCK, outlier_block_starts
-from ..quantizers.packing import unpack_bits
+from ..quantizers.packing import mixed_layout, unpack_bits
 from ..quantizers.quaternion import hamilton, hurwitz_units
 from . import registry
 
@@ -93,6 +92,10 @@ class HQMQFlat:
     outlier_index: torch.Tensor | None = None  # [B, H, ceil(Tcap/64)] int32
     dtype: torch.dtype = torch.float16  # dtype the cache was written in
     log_radius: bool = False  # radius levels log-spaced (else uniform q/L)
+    # Code rows: "bits" (code_bits per code) or "mixed" (HQMQ pack=mixed with groups of
+    # G > 1 codes, each one radix-24S integer: `code_layout`; a mixed layout with G = 1
+    # is "bits" byte for byte, and flatten calls it that)
+    code_pack: str = "bits"
     rel16: torch.Tensor | None = dataclasses.field(default=None, repr=False)  # rel in fp16 (fp16 decode path)
 
     def __post_init__(self):
@@ -102,6 +105,15 @@ class HQMQFlat:
     @property
     def has_outliers(self) -> bool:
         return self.flags is not None
+
+    @property
+    def code_layout(self) -> tuple[int, int, int, int]:
+        """(G, W, W_last, row bytes) of the code rows (quantizers/packing.py `mixed_layout`):
+        G = 1, W = code_bits for "bits"."""
+        nc = self.D // 4
+        if self.code_pack == "mixed":
+            return mixed_layout(24 * self.S, nc)
+        return 1, self.code_bits, 0, (nc * self.code_bits + 7) // 8
 
     @property
     def n_outliers(self) -> int:
@@ -320,27 +332,6 @@ class FP8Flat:
                                    codes=self.codes[:, :, : self.T].repeat(batch_reps, 1, token_reps, 1))
 
 
-@dataclasses.dataclass
-class FP16Flat:
-    """The fp16 store: K or V as the fp16 quantizer stores them (the engine's baseline)."""
-    B: int
-    H: int
-    T: int  # valid tokens
-    D: int
-    values: torch.Tensor  # [B, H, Tcap, D] fp16
-    dtype: torch.dtype = torch.float16
-
-    @property
-    def cache_nbytes(self) -> int:
-        return _rows(self.values, self.T)
-
-    read_nbytes = cache_nbytes
-
-    def tile(self, batch_reps: int, token_reps: int) -> "FP16Flat":
-        return dataclasses.replace(self, B=self.B * batch_reps, T=self.T * token_reps,
-                                   values=self.values[:, :, : self.T].repeat(batch_reps, 1, token_reps, 1))
-
-
 # ---------------------------------------------------------------------------------------
 # the way in
 # ---------------------------------------------------------------------------------------
@@ -358,5 +349,5 @@ def flatten(packed: Packed, role: str | None = None, **kw):
     return fmt.flatten(packed, role, **kw)
 
 
-__all__ = ["HQMQFlat", "IntFlat", "KIVIFlat", "KIVIGraphFlat", "FP8Flat", "FP16Flat", "flatten", "concat_field", "hqmq_table",
+__all__ = ["HQMQFlat", "IntFlat", "KIVIFlat", "KIVIGraphFlat", "FP8Flat", "flatten", "concat_field", "hqmq_table",
            "codebook_from_secondaries", "normalised_secondaries", "whole_blocks", "OUTLIER_BLOCK"]

@@ -27,7 +27,19 @@ bits the given S already pays for (96 -> 170 at 12 bits, 24 -> 42 at 10,
 256 -> 341 at 13): the same code bytes, and only the added secondaries as
 extra stored bytes (measured, like everything else).
 
-Stored per token vector: packed codes (ceil(log2(24 S)) bits per chunk),
+Mixed-radix codes (`pack=mixed`): the other answer to that waste, S kept. The codes of
+a token vector's chunks are combined G at a time into one integer sum_k c_k (24 S)^k,
+stored in bits_for((24 S)^G) bits (quantizers/packing.py `mixed_layout`: G gives the
+fewest row bytes among groups < 2^63, so a kernel unpacks a group with 64-bit integer
+arithmetic, G - 1 divisions by the constant 24 S). S=96: 23 bits per 2 codes at d=64,
+45 bits per 4 at d=128 (11.5 / 11.25 bits per code against 12 whole and log2 2304 =
+11.17). The radius codes stay `pack_bits` at r bits: their radix 2^r is a power of two,
+so folding them into the groups saves no bit (ceil(G (log2 24S + r)) = G r +
+ceil(G log2 24S)) and only shrinks the G that fits 63 bits. Med3x uses the same code
+field (outliers store code 0), so it combines with either packing. Decoding is bit
+identical to `pack=bits` for the same input: only the code field's bytes differ.
+
+Stored per token vector: packed codes (ceil(log2(24 S)) bits per chunk; mixed: above),
 packed radius codes (r bits per chunk), r_max (fp16); with Med3x also the flag
 bitmap and the fp16 outlier chunks in (batch, head, token, chunk) order.
 Per (layer, role): the S secondaries of each kv-head, fp16. The per-64-token
@@ -42,7 +54,7 @@ import math
 import torch
 
 from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable, fp16_rounding_bound
-from .packing import bits_for, pack_bits, unpack_bits
+from .packing import bits_for, mixed_layout, pack_bits, pack_mixed, unpack_bits, unpack_mixed
 from .quaternion import conj, hamilton, hurwitz_units, nearest_hurwitz, random_unit_quaternions, right_mul_matrix
 
 OUTLIER_BLOCK = 64  # tokens per entry of the outlier index a kernel uses
@@ -75,7 +87,8 @@ class HQMQ(Quantizer):
     description = "Hurwitz quaternion multiplicative VQ: 2T x S seeded secondaries, r radius bits, optional Med3x"
     example_specs = tuple(
         f"hqmq:S={S},r={r}" + extra for S, r in ((24, 3), (96, 4), (256, 5)) for extra in ("", ",outliers=med3")
-    ) + ("hqmq:S=96,r=4,fill=true",)  # the paper's 3.79-bit point with its code field filled
+    ) + ("hqmq:S=96,r=4,fill=true",  # the paper's 3.79-bit point with its code field filled
+         "hqmq:S=96,r=4,pack=mixed")  # ... and with its codes mixed-radix packed (same codes, fewer bytes)
     head_dim_multiple = 4
     stochastic = True  # seeded secondaries: compare runs several seeds
 
@@ -90,6 +103,9 @@ class HQMQ(Quantizer):
         # bits the given S pays for (S=96 -> 170 at 12 bits), so the whole-bit code
         # field holds 24 S codewords instead of wasting most of its values.
         fill: bool = False
+        # Code packing: "bits" (ceil(log2(24 S)) bits per code) or "mixed" (G codes as one
+        # radix-24S integer per group, `packing.mixed_layout`; same decoded values).
+        pack: str = "bits"
 
     def validate_config(self):
         c = self.config
@@ -109,11 +125,31 @@ class HQMQ(Quantizer):
             raise QuantizerInputError(f"hqmq: C must be > 1, got {c.C}")
         if c.radius not in ("uniform", "log"):
             raise QuantizerInputError(f"hqmq: radius must be uniform or log, got {c.radius!r}")
+        if c.pack not in ("bits", "mixed"):
+            raise QuantizerInputError(f"hqmq: pack must be bits or mixed, got {c.pack!r}")
         self.append_matches_single_write = c.outliers == "none"
 
     @property
     def code_bits(self) -> int:
         return bits_for(24 * self.config.S)
+
+    def code_layout(self, nc: int) -> tuple[int, int, int, int]:
+        """(G, W, W_last, row bytes) of the code field of a token vector of nc chunks:
+        G = 1 and W = code_bits for pack=bits (`packing.mixed_layout` for pack=mixed)."""
+        if self.config.pack == "mixed":
+            return mixed_layout(24 * self.config.S, nc)
+        w = self.code_bits
+        return 1, w, 0, (nc * w + 7) // 8
+
+    def pack_codes(self, code: torch.Tensor) -> torch.Tensor:
+        if self.config.pack == "mixed":
+            return pack_mixed(code, 24 * self.config.S)
+        return pack_bits(code, self.code_bits)
+
+    def unpack_codes(self, packed: torch.Tensor, nc: int) -> torch.Tensor:
+        if self.config.pack == "mixed":
+            return unpack_mixed(packed, 24 * self.config.S, nc)
+        return unpack_bits(packed, self.code_bits, nc)
 
     @property
     def med3(self) -> bool:
@@ -215,7 +251,7 @@ class HQMQ(Quantizer):
         # direction: store code 0, so equal decoded tensors have equal bytes.
         code = torch.where((rq == 0) | outlier, torch.zeros_like(code), code)
         fields = {
-            "codes": pack_bits(code, self.code_bits),
+            "codes": self.pack_codes(code),
             "radius": pack_bits(rq, self.config.r),
             "r_max": r_max16,
         }
@@ -229,7 +265,7 @@ class HQMQ(Quantizer):
         B, H, T, D = shape
         nc = D // 4
         f = seg.fields
-        code = unpack_bits(f["codes"], self.code_bits, nc)  # [B, H, T, nc]
+        code = self.unpack_codes(f["codes"], nc)  # [B, H, T, nc]
         S = self.config.S
         p_idx, s_idx = code // S, code % S
         P = hurwitz_units(device=code.device)

@@ -4,6 +4,11 @@ flatten (the outliers regrouped per (b, h), the outlier index derived), its stor
 lists), its device step encoder (kernels/hqmq_encode.py's `hqmq_tokens`), its kernels
 (Triton, kernels/triton/hqmq.py; CUDA 12-bit codes r=4 d128, kernels/cuda/hqmq_decode.py).
 
+Mixed-radix codes (`pack=mixed`, quantizers/hqmq.py): the flat declares them
+(`HQMQFlat.code_pack`, `code_layout`); the Triton kernel and the step encoder read and
+write them; the CUDA kernel declines them (`mixed_refusal`: its .cu reads 12-bit fields),
+so backend="auto" runs Triton and `explain_backend` says why.
+
 Med3x in the store: the outliers PER (b, h), `outliers [B, H, Ocap, 4]`, and
 `outlier_index [B, H, ceil(Tcap/64)]`, the start of each 64-token block within its (b, h)
 list, updated for the blocks a write starts. Their bytes are the one exception to the
@@ -79,6 +84,7 @@ def flatten_hqmq(packed: Packed, role: str | None = None, table_dtype=torch.floa
         codes=concat_field(packed, "codes"), radius=concat_field(packed, "radius"), r_max=concat_field(packed, "r_max"),
         table=torch.empty(0), rel=rel, dtype=packed.dtype,
         log_radius=cfg.radius == "log" and cfg.r > 1,
+        code_pack="mixed" if q.code_layout(D // 4)[0] > 1 else "bits",  # G = 1: the bits layout exactly
         sec=normalised_secondaries(packed.shared), ptab=hurwitz_units(device=packed.device).contiguous(),
     )
     flat = flat.with_table(table_mode, table_dtype)
@@ -255,9 +261,20 @@ class HQMQStore(KernelStore):
 
 
 
+def mixed_refusal(*flats) -> str | None:
+    """Why the CUDA kernel cannot read these flats' code rows (None: it can): mixed-radix
+    codes (pack=mixed), which its .cu source does not decode (it reads 12-bit fields)."""
+    for f in flats:
+        if isinstance(f, HQMQFlat) and f.code_pack != "bits":
+            G, W, _, cb = f.code_layout
+            return (f"mixed-radix codes (pack=mixed: {G} codes of radix {24 * f.S} per {W}-bit group, "
+                    f"{cb}-byte rows): the CUDA HQMQ kernel reads whole-bit 12-bit codes only; Triton reads them")
+    return None
+
+
 CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_hqmq.decode(q, k, v, **kw), title="CUDA HQMQ kernel",
-              auto=lambda k: cuda_hqmq.auto_refusal(k), options=cuda_hqmq.OPTIONS,
-              unsupported=lambda q, k, v: cuda_hqmq.unsupported(q, k, v),
+              auto=lambda k: mixed_refusal(k) or cuda_hqmq.auto_refusal(k), options=cuda_hqmq.OPTIONS,
+              unsupported=lambda q, k, v: mixed_refusal(k, v) or cuda_hqmq.unsupported(q, k, v),
               why_unavailable=lambda: cuda_hqmq.why_unavailable(), renamed=cuda_hqmq.RENAMED)
 
 FORMAT = Format(

@@ -2,6 +2,12 @@
 the tile decoder (codes, radius levels, the codeword table, the outlier lookup), the
 split kernel and its host wrapper. Launch defaults (H200 sweep, reports/kernels/NOTES.md run 8):
 128-token tiles, 4 warps, no pipelining.
+
+Mixed-radix code rows (HQMQ pack=mixed, `HQMQFlat.code_layout` (G, W, W_last)): chunk c
+is digit c % G of group c // G, a W-bit field at bit (c // G) * W of the row (W_last bits
+for the last group when G does not divide D/4); `_mixed_codes` loads each chunk's group
+(up to 9 bytes, int64), masks it to its width and takes the digit with G - 1 divisions
+by the constant 24 S (64-bit integer arithmetic; not timed on a GPU yet).
 """
 from __future__ import annotations
 
@@ -18,10 +24,34 @@ from .common import (LOG2E, f16x4, fast_path, finish, hamilton, launch_split, nb
 
 
 @triton.jit
+def _mixed_codes(ptr, row_off, rmask, BT: tl.constexpr, NC: tl.constexpr, G: tl.constexpr, W: tl.constexpr,
+                 WL: tl.constexpr, R: tl.constexpr, ROWB: tl.constexpr, NBYTES: tl.constexpr):
+    """`[BT, NC]` int32 codes from BT mixed-radix rows (byte offsets row_off [BT]): chunk c
+    is digit c % G (least significant first) of the radix-R group c // G (module docstring)."""
+    c = tl.arange(0, NC)
+    g = c // G
+    bit = g * W
+    byte = bit // 8
+    sh = (bit % 8)[None, :]
+    p = ptr + row_off[:, None] + byte[None, :]
+    acc = tl.load(p, mask=rmask[:, None], other=0).to(tl.int64) >> sh
+    for i in tl.static_range(1, NBYTES):
+        nb = tl.load(p + i, mask=rmask[:, None] & (byte[None, :] + i < ROWB), other=0).to(tl.int64)
+        up = 8 * i - sh  # where byte i lands; past bit 63 it holds no bit of a group (W <= 63)
+        acc = acc | tl.where(up < 64, nb << tl.minimum(up, 63), 0)
+    width = tl.where(g == NC // G, WL, W).to(tl.int64)  # the last group holds NC % G codes
+    acc = acc & ((tl.full([NC], 1, tl.int64) << width) - 1)[None, :]
+    k = (c % G)[None, :]
+    for j in tl.static_range(1, G):
+        acc = tl.where(k >= j, acc // R, acc)
+    return (acc % R).to(tl.int32)
+
+
+@triton.jit
 def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, table_ptr, ptab_ptr, rel_ptr,
                bh, h, t0, T, cs, rs, ms, fs, osb, isb,
                BT: tl.constexpr, D: tl.constexpr, CW: tl.constexpr, CB: tl.constexpr, CNB: tl.constexpr,
-               RW: tl.constexpr, RB: tl.constexpr, RNB: tl.constexpr, FB: tl.constexpr,
+               CG: tl.constexpr, CGW: tl.constexpr, CGL: tl.constexpr, RW: tl.constexpr, RB: tl.constexpr, RNB: tl.constexpr, FB: tl.constexpr,
                S: tl.constexpr, HAS_OUT: tl.constexpr, TAB: tl.constexpr, LOGR: tl.constexpr,
                FAST: tl.constexpr, INTERP: tl.constexpr, RND: tl.constexpr):
     """Tokens t0..t0+BT-1 of kv row bh: [BT, D]. Codeword of chunk code = p*S + s (TAB):
@@ -33,7 +63,9 @@ def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, tabl
     tok = t0 + tl.arange(0, BT)
     tmask = tok < T
     bh64 = bh.to(tl.int64)
-    if CW == 12 and NC % 8 == 0:  # eight 12-bit codes in three 32-bit words: 3 loads, not 12
+    if CG > 1:  # mixed-radix groups of CG codes (module docstring)
+        code = _mixed_codes(codes_ptr + bh64 * cs, tok * CB, tmask, BT, NC, CG, CGW, CGL, 24 * S, CB, CNB)
+    elif CW == 12 and NC % 8 == 0:  # eight 12-bit codes in three 32-bit words: 3 loads, not 12
         g = tl.arange(0, NC // 8)
         pw = (codes_ptr + bh64 * cs + (tok * CB)[:, None] + (g * 12)[None, :]).to(tl.pointer_type(tl.int32))
         w0 = tl.load(pw, mask=tmask[:, None], other=0)
@@ -125,10 +157,12 @@ def _hqmq_split_kernel(q_ptr,
                        k_cs, k_rs, k_ms, k_fs, k_os, k_is, v_cs, v_rs, v_ms, v_fs, v_os, v_is, vlen_ptr,
                        VLEN: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
                        BT: tl.constexpr,
-                       K_CW: tl.constexpr, K_CB: tl.constexpr, K_CNB: tl.constexpr, K_RW: tl.constexpr,
+                       K_CW: tl.constexpr, K_CB: tl.constexpr, K_CNB: tl.constexpr, K_CG: tl.constexpr,
+                       K_CGW: tl.constexpr, K_CGL: tl.constexpr, K_RW: tl.constexpr,
                        K_RB: tl.constexpr, K_RNB: tl.constexpr, K_S: tl.constexpr, K_OUT: tl.constexpr,
                        K_TAB: tl.constexpr, K_LOGR: tl.constexpr,
-                       V_CW: tl.constexpr, V_CB: tl.constexpr, V_CNB: tl.constexpr, V_RW: tl.constexpr,
+                       V_CW: tl.constexpr, V_CB: tl.constexpr, V_CNB: tl.constexpr, V_CG: tl.constexpr,
+                       V_CGW: tl.constexpr, V_CGL: tl.constexpr, V_RW: tl.constexpr,
                        V_RB: tl.constexpr, V_RNB: tl.constexpr, V_S: tl.constexpr, V_OUT: tl.constexpr,
                        V_TAB: tl.constexpr, V_LOGR: tl.constexpr,
                        FB: tl.constexpr, FAST: tl.constexpr, INTERP: tl.constexpr, RND: tl.constexpr):
@@ -140,12 +174,12 @@ def _hqmq_split_kernel(q_ptr,
         t0 = ti * BT
         k, tmask = _hqmq_tile(kc, kr, km, kf, ko, ki, kt, ptab, kl, pid_bh, h, t0, T,
                               k_cs, k_rs, k_ms, k_fs, k_os, k_is,
-                              BT, D, K_CW, K_CB, K_CNB, K_RW, K_RB, K_RNB, FB, K_S, K_OUT, K_TAB, K_LOGR,
+                              BT, D, K_CW, K_CB, K_CNB, K_CG, K_CGW, K_CGL, K_RW, K_RB, K_RNB, FB, K_S, K_OUT, K_TAB, K_LOGR,
                               FAST, INTERP, RND)
         s = scores(q, tl.trans(k), tmask, qk_scale, FAST)
         v, tmask = _hqmq_tile(vc, vr, vm, vf, vo, vi, vt, ptab, vl, pid_bh, h, t0, T,
                               v_cs, v_rs, v_ms, v_fs, v_os, v_is,
-                              BT, D, V_CW, V_CB, V_CNB, V_RW, V_RB, V_RNB, FB, V_S, V_OUT, V_TAB, V_LOGR,
+                              BT, D, V_CW, V_CB, V_CNB, V_CG, V_CGW, V_CGL, V_RW, V_RB, V_RNB, FB, V_S, V_OUT, V_TAB, V_LOGR,
                               FAST, INTERP, RND)
         m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, FAST)
     store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D)
@@ -191,7 +225,12 @@ def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_spli
         return [bh_stride(f.codes, "codes"), bh_stride(f.radius, "radius"), bh_stride(f.r_max, "r_max")] + o
 
     def ce(f: HQMQFlat, p):
-        return {f"{p}_CW": f.code_bits, f"{p}_CB": f.codes.shape[-1], f"{p}_CNB": nbytes_span(nc, f.code_bits),
+        G, W, WL, cb = f.code_layout
+        if f.codes.shape[-1] != cb:
+            raise ValueError(f"HQMQ code rows of {f.codes.shape[-1]} bytes, {cb} expected ({f.code_pack} codes)")
+        cnb = nbytes_span(nc, f.code_bits) if G == 1 else max(((j * W) % 8 + W + 7) // 8 for j in range(8))
+        return {f"{p}_CW": f.code_bits, f"{p}_CB": cb, f"{p}_CNB": cnb,
+                f"{p}_CG": G, f"{p}_CGW": W, f"{p}_CGL": WL,
                 f"{p}_RW": f.r_bits, f"{p}_RB": f.radius.shape[-1], f"{p}_RNB": nbytes_span(nc, f.r_bits),
                 f"{p}_S": f.S, f"{p}_OUT": f.has_outliers, f"{p}_TAB": tab(f), f"{p}_LOGR": f.log_radius}
 
