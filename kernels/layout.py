@@ -27,6 +27,7 @@ Formats:
   rows. `n_groups` quantized groups come first, the window last.
 - fp8 (`FP8Flat`): codes `[B,H,Tcap,D]` u8 (the e4m3 / e5m2 bit patterns) and the
   per-kv-head scale `[H]` fp32.
+- fp16 (`FP16Flat`): values `[B,H,Tcap,D]` fp16, the unquantized baseline in the engine.
 
 A quantizer finds its kernel layout through its CLASS: a `kernel_layout(packed,
 role)` method on the quantizer, or the `flatten` of its format (kernels/formats/, one
@@ -332,6 +333,27 @@ class FP8Flat:
                                    codes=self.codes[:, :, : self.T].repeat(batch_reps, 1, token_reps, 1))
 
 
+@dataclasses.dataclass
+class FP16Flat:
+    """The fp16 store: K or V as the fp16 quantizer stores them (the engine's baseline)."""
+    B: int
+    H: int
+    T: int  # valid tokens
+    D: int
+    values: torch.Tensor  # [B, H, Tcap, D] fp16
+    dtype: torch.dtype = torch.float16
+
+    @property
+    def cache_nbytes(self) -> int:
+        return _rows(self.values, self.T)
+
+    read_nbytes = cache_nbytes
+
+    def tile(self, batch_reps: int, token_reps: int) -> "FP16Flat":
+        return dataclasses.replace(self, B=self.B * batch_reps, T=self.T * token_reps,
+                                   values=self.values[:, :, : self.T].repeat(batch_reps, 1, token_reps, 1))
+
+
 # ---------------------------------------------------------------------------------------
 # the way in
 # ---------------------------------------------------------------------------------------
@@ -349,5 +371,5 @@ def flatten(packed: Packed, role: str | None = None, **kw):
     return fmt.flatten(packed, role, **kw)
 
 
-__all__ = ["HQMQFlat", "IntFlat", "KIVIFlat", "KIVIGraphFlat", "FP8Flat", "flatten", "concat_field", "hqmq_table",
+__all__ = ["HQMQFlat", "IntFlat", "KIVIFlat", "KIVIGraphFlat", "FP8Flat", "FP16Flat", "flatten", "concat_field", "hqmq_table",
            "codebook_from_secondaries", "normalised_secondaries", "whole_blocks", "OUTLIER_BLOCK"]
