@@ -163,6 +163,9 @@ class Format:
     - `configure(flat, **options)`: a flat the store should hold instead (HQMQ: the
       codeword table the kernel gathers from); None: as flattened.
     - `kernels`: its decode-attention kernels, one per backend.
+    - `device_encoder(q) -> Quantizer`: a copy of quantizer q whose multi-token writes
+      (a prefill) run on device kernels, storing the same fields (codes may differ only
+      at exact ties of the search); a fused cache on CUDA writes through it. None: q.
     - `bench`: label -> spec the benchmarks time for this format ("int4": "int4")."""
     name: str
     quantizer: type
@@ -173,6 +176,7 @@ class Format:
     store: type | None = None
     step: Callable | None = None
     configure: Callable | None = None
+    device_encoder: Callable | None = None
     bench: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):

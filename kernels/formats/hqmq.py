@@ -33,7 +33,7 @@ from ...quantizers.hqmq import HQMQ, OUTLIER_BLOCK, outlier_block_starts
 from ...quantizers.packing import unpack_bits
 from ...quantizers.quaternion import hurwitz_units
 from ..cuda import hqmq_decode as cuda_hqmq
-from ..hqmq_encode import hqmq_tokens
+from ..hqmq_encode import hqmq_tokens, kernel_quantizer
 from ..layout import HQMQFlat, concat_field, normalised_secondaries, whole_blocks
 from ..registry import Format, Kernel
 from ..store import KernelStore, TokenBuffer, concat_tokens, grown_capacity
@@ -280,6 +280,7 @@ CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_hqmq.decode(q, k, v, **kw), tit
 FORMAT = Format(
     name="hqmq", quantizer=HQMQ, flat=HQMQFlat, flatten=flatten_hqmq, store=HQMQStore,
     token_fields=("codes", "radius", "r_max", "flags"), step=encode_step, configure=configure,
+    device_encoder=kernel_quantizer,
     kernels=(Kernel("triton", hqmq_decode_attention, title="Triton HQMQ kernel"), CUDA),
     bench={"hqmq": "hqmq:S=96,r=4", "hqmq-med3": "hqmq:S=96,r=4,outliers=med3",
            "hqmq-mixed": "hqmq:S=96,r=4,pack=mixed"},  # Triton (the CUDA kernel declines mixed codes)

@@ -78,6 +78,7 @@ from collections.abc import Mapping
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from ...kernels import registry as kernel_registry
 from ...kernels.step_encode import StepErrors
 from ...kernels.store import KernelStore, TokenBuffer, grown_capacity
 from ...quantizers import Packed, Segment, get_quantizer
@@ -232,7 +233,8 @@ class QuantizedLayer(DynamicLayer):
         new = {}
         for role, x in (("K", key_states), ("V", value_states)):
             old = self._packed[role]
-            self._packed[role] = self.quantizers[role].append(old, x)  # append(None, x) == encode(x)
+            q = self._writer(role, x)
+            self._packed[role] = q.append(old, x)  # append(None, x) == encode(x)
             new[role] = _appended_segments(old, self._packed[role], self.tokens)
         self.tokens += key_states.shape[-2]  # (Packed.tokens would sum over every segment)
         if self.mode is None:  # the first write decides (and a new store absorbs it)
@@ -248,6 +250,22 @@ class QuantizedLayer(DynamicLayer):
         self.keys = self._decode_into("K", *new["K"])
         self.values = self._decode_into("V", *new["V"])
         return self.keys, self.values
+
+    def _writer(self, role: str, x: torch.Tensor):
+        """The quantizer a multi-token write goes through: on CUDA, for a cache that may run
+        fused, the format's device encoder where it has one (registry `device_encoder`:
+        HQMQ's search as a Triton kernel, the same fields; a deployed engine encodes its
+        prefill on the device), else the quantizer itself."""
+        q = self.quantizers[role]
+        if x.device.type != "cuda" or x.shape[-2] < 2 or self.fused_wanted is False or self.mode == "dense":
+            return q
+        cached = getattr(self, "_device_writers", {}).get(role)
+        if cached is None:
+            fmt = kernel_registry.format_of_quantizer(type(q))
+            enc = getattr(fmt, "device_encoder", None) if fmt is not None and fmt.quantizer is type(q) else None
+            cached = enc(q) if enc is not None else q
+            self._device_writers = {**getattr(self, "_device_writers", {}), role: cached}
+        return cached
 
     def _step(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         """A fused one-token write encoded on the device by both stores (see the module

@@ -440,3 +440,26 @@ def test_host_profile_reports_each_cache_with_its_own_code_in_the_profile(capsys
     parts = text.split("== ")[1:]
     assert [p.split(",")[0] for p in parts] == ["plain", "int4"]
     assert "kv_cache.py" in parts[1] and "kv_cache.py" not in parts[0]
+
+
+# ---- the prefill's write on the device -------------------------------------------------------
+@pytest.mark.parametrize("fused,expect", [(None, "KernelHQMQ"), (False, "HQMQ")])
+def test_a_fused_cuda_prefill_writes_through_the_formats_device_encoder(fused, expect):
+    # A fused cache on CUDA encodes its prefill with HQMQ's search as a Triton kernel
+    # (registry `device_encoder`), storing what `encode_with_kernel` stores; a cache that
+    # must stay dense (fused=False) and every CPU write use the quantizer itself.
+    from kvqbench.kernels.hqmq_encode import encode_with_kernel
+    from kvqbench.suites.harness.kv_cache import QuantizedLayer
+
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(2, 2, 70, 64, generator=g).to(DEV, torch.float16) for _ in range(2))
+    layer = QuantizedLayer("hqmq:S=96,r=4", 0, seed=5)
+    layer.fused_wanted = fused
+    layer.update(k, v)
+    writer = layer._writer("K", k)
+    if not CUDA:
+        assert writer is layer.quantizers["K"]  # CPU writes: the quantizer's own search
+        return
+    assert type(writer).__name__ == expect
+    want = (encode_with_kernel if expect == "KernelHQMQ" else lambda q, x: q.encode(x))(layer.quantizers["K"], k)
+    assert layer.packed["K"].digest() == want.digest()
