@@ -13,6 +13,10 @@
   the device-position tests).
 
 CPU: the kernels run under the Triton interpreter, tiny shapes.
+
+(About 450 lines, one file: every format's encoder is held to the same old path by the
+same harness, `_errors`, `_data`, the store round trip; split per format, each file
+would carry a copy of it.)
 """
 from __future__ import annotations
 
