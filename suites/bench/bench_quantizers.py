@@ -41,6 +41,7 @@ def test_encode(benchmark, spec):
     q, x, empty, packed = _setup(spec)
     benchmark.group = "encode [1, 2, 256, d]"
     benchmark.extra_info["bits_per_element"] = packed.bits_per_element
+    benchmark.extra_info["cache_bits_per_element"] = packed.cache_bits_per_element
     out = benchmark(q.append, empty, x)
     assert out.nbytes == packed.nbytes
 

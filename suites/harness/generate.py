@@ -57,7 +57,9 @@ class Generation:
     steps: int
     batches: list[list[int]]
     spec: str | None
-    cache_nbytes: int = 0  # bytes the quantized caches stored at the end (0 for spec=None)
+    # bytes the quantized caches stored at the end, model constants apart (`QuantizedCache.cache_nbytes`;
+    # 0 for spec=None)
+    cache_nbytes: int = 0
     cache_elements: int = 0  # K/V elements they held
 
     @property
@@ -164,7 +166,7 @@ def _one_batch(model, prompts, spec, max_new, pick, eos, stop, tokenizer, graph,
     sync()
     t2 = time.perf_counter()
     rows = [_cut(r, eos, stop, tokenizer)[0] for r in out[:, :steps + 1].tolist()]
-    size = (cache.nbytes(), cache.numel()) if isinstance(cache, QuantizedCache) else (0, 0)
+    size = (cache.cache_nbytes(), cache.numel()) if isinstance(cache, QuantizedCache) else (0, 0)
     del cache
     return rows, mode, why, t1 - t0, t2 - t1, steps, size
 

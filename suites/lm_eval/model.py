@@ -202,7 +202,7 @@ class KVQuantLM(HFLM):
         return QuantizedCache(self.spec, config=self.model.config, seed=self.kv_seed)
 
     def _count(self, cache: QuantizedCache) -> None:
-        self.kv_nbytes += cache.nbytes()
+        self.kv_nbytes += cache.cache_nbytes()  # model constants apart (quantizers/base.py)
         self.kv_numel += cache.numel()
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
@@ -270,7 +270,8 @@ class KVQuantLM(HFLM):
 
     # ---- reporting ------------------------------------------------------------------
     def bits_per_element(self) -> float:
-        """Measured over every cache this model ran: stored bytes x 8 / K/V elements."""
+        """Measured over every cache this model ran: the caches' own stored bytes (model
+        constants, e.g. seeded rotations, apart: quantizers/base.py) x 8 / K/V elements."""
         return self.kv_nbytes * 8 / self.kv_numel if self.kv_numel else float("nan")
 
     def get_model_info(self) -> dict:

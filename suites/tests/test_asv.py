@@ -87,6 +87,10 @@ def test_figures_on_a_few_specs(bench, monkeypatch):
     bits = {s: b.track_bits_per_element(cache, s) for s in cache}
     err = {s: b.track_roundtrip_error(cache, s) for s in cache}
     assert bits["fp16"] == 16.0 and bits["int4"] == 5.0 and bits["int2"] == 3.0
+    cache_bits = {s: b.track_cache_bits_per_element(cache, s) for s in cache}
+    # HQMQ's secondaries (4 heads x 24 x 4 fp16 over 4 x 256 x 64 elements) are model constants
+    assert cache_bits["hqmq:S=24,r=3"] == bits["hqmq:S=24,r=3"] - 4 * 24 * 4 * 16 / (4 * 256 * 64) == 3.5
+    assert cache_bits["int4"] == bits["int4"]
     assert err["fp16"] < 1e-3 < err["int4"] < err["int2"]
     assert b.setup_cache() == cache  # deterministic: track_ figures move only with the code
     with pytest.raises(NotImplementedError):

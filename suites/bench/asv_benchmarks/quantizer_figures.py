@@ -1,7 +1,9 @@
 """Per-quantizer figures for every registered quantizer's example configs.
 
 - track_bits_per_element: bits measured from the stored bytes (METHOD.md 3) of a
-  seeded reference tensor `[1, 4, 256, d]` (keys, layer 0, seed 0);
+  seeded reference tensor `[1, 4, 256, d]` (keys, layer 0, seed 0), the total;
+- track_cache_bits_per_element: the same without the model constants (seeded
+  rotations, secondaries: quantizers/base.py `Packed.cache_bits_per_element`);
 - track_roundtrip_error: relative L2 round-trip error ||x^ - x|| / ||x|| on the
   same tensor with two outlier channels scaled 20x (the structure of real keys);
 - time_encode / time_decode: one write of `[1, 2, 256, d]` on the CPU (one thread)
@@ -45,10 +47,12 @@ class Figures(CachedFigures):
                 continue
             packed = q.encode(x)
             y = q.decode(packed).float()
-            out[spec] = {"bits": packed.bits_per_element, "err": ((y - x).norm() / x.norm()).item()}
+            out[spec] = {"bits": packed.bits_per_element, "cache_bits": packed.cache_bits_per_element,
+                         "err": ((y - x).norm() / x.norm()).item()}
         return out
 
     track_bits_per_element = cached_figure("bits", "bits")
+    track_cache_bits_per_element = cached_figure("cache_bits", "bits")
     track_roundtrip_error = cached_figure("err", "relative L2 error")
 
 
