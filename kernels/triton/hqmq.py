@@ -5,9 +5,12 @@ split kernel and its host wrapper. Launch defaults (H200 sweep, reports/kernels/
 
 Mixed-radix code rows (HQMQ pack=mixed, `HQMQFlat.code_layout` (G, W, W_last)): chunk c
 is digit c % G of group c // G, a W-bit field at bit (c // G) * W of the row (W_last bits
-for the last group when G does not divide D/4); `_mixed_codes` loads each chunk's group
-(up to 9 bytes, int64), masks it to its width and takes the digit with G - 1 divisions
-by the constant 24 S (64-bit integer arithmetic; not timed on a GPU yet).
+for the last group when G does not divide D/4). G = 2 or 4 dividing D/4 (S=24 and S=96
+at d=64 and d=128): `_mixed_codes_2_4` loads each group once and splits it with G - 1
+divisions by the constant 24 S (int32 for G = 2 at S <= 96, uint64 otherwise); any other
+G: `_mixed_codes`, per chunk. Compiled for sm_90 without a GPU (kernels/aot_check.py's
+capture): S=96 d=128 176-180 registers at BT 64/128 (whole bits: 173-174), d=64 128-132
+(whole bits: 101-128); not timed on a GPU yet (the `hqmq-mixed` bench row).
 """
 from __future__ import annotations
 
@@ -48,6 +51,45 @@ def _mixed_codes(ptr, row_off, rmask, BT: tl.constexpr, NC: tl.constexpr, G: tl.
 
 
 @triton.jit
+def _mixed_codes_2_4(ptr, row_off, rmask, BT: tl.constexpr, NC: tl.constexpr, G: tl.constexpr, W: tl.constexpr,
+                     R: tl.constexpr, ROWB: tl.constexpr, NBYTES: tl.constexpr):
+    """`_mixed_codes` for G = 2 or 4 dividing NC: each group loaded once (`[BT, NC/G]`),
+    its digits by G - 1 divisions by the constant R (uint64; int32 when a group and its
+    bit offset fit 31 bits), interleaved back to chunk order."""
+    NG: tl.constexpr = NC // G
+    g = tl.arange(0, NG)
+    bit = g * W
+    byte = bit // 8
+    p = ptr + row_off[:, None] + byte[None, :]
+    if W + 7 <= 31:  # the group's bytes fit an int32 (at most 4 of them)
+        sh = (bit % 8)[None, :]
+        acc = tl.load(p, mask=rmask[:, None], other=0).to(tl.int32)
+        for i in tl.static_range(1, NBYTES):
+            nb = tl.load(p + i, mask=rmask[:, None] & (byte[None, :] + i < ROWB), other=0).to(tl.int32)
+            acc = acc | (nb << (8 * i))
+        v = (acc >> sh) & ((1 << W) - 1)
+    else:
+        sh = (bit % 8).to(tl.uint64)[None, :]
+        v = tl.load(p, mask=rmask[:, None], other=0).to(tl.uint64) >> sh
+        for i in tl.static_range(1, NBYTES):
+            nb = tl.load(p + i, mask=rmask[:, None] & (byte[None, :] + i < ROWB), other=0).to(tl.uint64)
+            up = 8 * i - sh  # where byte i lands; past bit 63 it holds no bit of a group (W <= 63)
+            v = v | tl.where(up < 64, nb << tl.minimum(up, 63), 0)
+        v = v & ((1 << W) - 1)
+    q1 = v // R
+    d0 = (v - q1 * R).to(tl.int32)
+    if G == 2:
+        return tl.reshape(tl.join(d0, q1.to(tl.int32)), (BT, NC))
+    else:
+        q2 = q1 // R
+        d1 = (q1 - q2 * R).to(tl.int32)
+        d3 = q2 // R
+        d2 = (q2 - d3 * R).to(tl.int32)
+        # join(join(d0, d2), join(d1, d3))[t, g, a, b] = d_{2a+b}: chunk 4g + 2a + b
+        return tl.reshape(tl.join(tl.join(d0, d2), tl.join(d1, d3.to(tl.int32))), (BT, NC))
+
+
+@triton.jit
 def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, table_ptr, ptab_ptr, rel_ptr,
                bh, h, t0, T, cs, rs, ms, fs, osb, isb,
                BT: tl.constexpr, D: tl.constexpr, CW: tl.constexpr, CB: tl.constexpr, CNB: tl.constexpr,
@@ -63,7 +105,9 @@ def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, tabl
     tok = t0 + tl.arange(0, BT)
     tmask = tok < T
     bh64 = bh.to(tl.int64)
-    if CG > 1:  # mixed-radix groups of CG codes (module docstring)
+    if (CG == 2 or CG == 4) and NC % CG == 0:  # mixed radix, each group loaded once
+        code = _mixed_codes_2_4(codes_ptr + bh64 * cs, tok * CB, tmask, BT, NC, CG, CGW, 24 * S, CB, CNB)
+    elif CG > 1:  # mixed-radix groups of CG codes (module docstring)
         code = _mixed_codes(codes_ptr + bh64 * cs, tok * CB, tmask, BT, NC, CG, CGW, CGL, 24 * S, CB, CNB)
     elif CW == 12 and NC % 8 == 0:  # eight 12-bit codes in three 32-bit words: 3 loads, not 12
         g = tl.arange(0, NC // 8)

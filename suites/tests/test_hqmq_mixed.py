@@ -126,6 +126,7 @@ def _flats(spec, k, v, seed=3):
 
 
 @pytest.mark.parametrize("spec,D", [("hqmq:S=96,r=4", 64), ("hqmq:S=24,r=3,outliers=med3", 128),
+                                    ("hqmq:S=96,r=4", 128), ("hqmq:S=24,r=3", 64),  # G = 4 (uint64), 2 (int32)
                                     ("hqmq:S=256,r=5,radius=log", 128)])  # the last: a partial group
 def test_triton_reads_mixed_rows(spec, D):
     pytest.importorskip("triton")
