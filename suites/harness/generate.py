@@ -187,30 +187,63 @@ _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
+def _opaque_to_dynamo():
+    """Within the block the quantized cache's write and the fused attention are opaque to
+    torch.compile (graph breaks at them: their host-side Python and Triton/CUDA launches
+    stay ours), and ints on modules (a layer's index) are not specialised, so the 30
+    layers of a model share one compiled graph instead of recompiling per index."""
+    import torch._dynamo
+
+    from .attention import ATTN_NAME, kvqbench_attention
+    from transformers import AttentionInterface
+
+    update = QuantizedCache.update
+    QuantizedCache.update = torch._dynamo.disable(update)
+    AttentionInterface.register(ATTN_NAME, torch._dynamo.disable(kvqbench_attention))
+    try:
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True,
+                                        recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+            yield
+    finally:
+        QuantizedCache.update = update
+        AttentionInterface.register(ATTN_NAME, kvqbench_attention)
+
+
+def _compiled(mod):
+    wrapped = _COMPILED.get(mod)
+    if wrapped is None:
+        wrapped = _COMPILED[mod] = torch.compile(mod, dynamic=None)
+    return wrapped
+
+
+@contextlib.contextmanager
 def compiled_parts(model):
-    """Within the block, every decoder layer's norms and MLP (and the final norm) are their
-    torch.compile wrappers: what transformers' compiled generation fuses, minus attention
-    and the cache, which stay kvqbench's (fused kernels, graphed steps). Restored after."""
+    """Within the block every decoder layer runs as its torch.compile wrapper, whole
+    (projections, rotary, norms, MLP, residual adds fused as transformers' compiled
+    generation fuses them), with the quantized cache's write and the fused attention
+    left opaque (`_opaque_to_dynamo`: they stay kvqbench's kernels and graphed steps);
+    the final norm and the rotary embedding too. Restored after."""
     inner = getattr(model, "model", model)
     layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(f"compile=True: {type(model).__name__} has no .model.layers to compile parts of")
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"compile=True: {type(model).__name__} has no .model.layers to compile")
+    originals = list(layers)
     swaps = []
-    for owner in [*layers, inner]:
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm", "mlp", "norm"):
-            mod = getattr(owner, name, None)
-            if isinstance(mod, torch.nn.Module):
-                wrapped = _COMPILED.get(mod)
-                if wrapped is None:
-                    wrapped = _COMPILED[mod] = torch.compile(mod, dynamic=None)
-                swaps.append((owner, name, mod))
-                setattr(owner, name, wrapped)
+    for name in ("norm", "rotary_emb"):
+        mod = getattr(inner, name, None)
+        if isinstance(mod, torch.nn.Module):
+            swaps.append((name, mod))
+            setattr(inner, name, _compiled(mod))
     try:
-        yield model
+        for i, layer in enumerate(originals):
+            layers[i] = _compiled(layer)
+        with _opaque_to_dynamo():
+            yield model
     finally:
-        for owner, name, mod in swaps:
-            setattr(owner, name, mod)
+        for i, layer in enumerate(originals):
+            layers[i] = layer
+        for name, mod in swaps:
+            setattr(inner, name, mod)
 
 
 def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, tokenizer=None,
@@ -224,10 +257,10 @@ def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, t
     the model's generation config's; `temperature` 0 is greedy. `graph`: None = graphed on
     CUDA where the cache can be, False never; `fused`: the cache's (None: the fused
     kernels on CUDA where the format has one). `seed` seeds both the quantizer's
-    codebooks and the sampler. `compile`: run the model's norms and MLPs through
-    torch.compile (`compiled_parts`), fusing the element-wise work around attention
-    that a graph replay alone still launches kernel by kernel; attention and the cache
-    stay ours (the first call of a new shape pays the compile)."""
+    codebooks and the sampler. `compile`: run the model's decoder layers through
+    torch.compile (`compiled_parts`), fusing the work around attention that a graph
+    replay alone still launches kernel by kernel; the cache's write and the fused
+    attention stay ours (the first call of a new shape pays the compile)."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not isinstance(check_every, int) or check_every < 1:

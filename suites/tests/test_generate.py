@@ -148,3 +148,22 @@ def test_fidelity_of_an_fp16_store_on_an_fp16_model_is_perfect():
     f = fidelity(m, ids, "fp16", reference_continuations(m, ids, new_tokens=8))
     assert f["match_rate"] == 1 and f["never_diverged"] == 2 and f["first_diff_mean"] == 8
     assert f["nll_per_token"] == pytest.approx(f["ref_nll_per_token"], rel=1e-6)
+
+
+def test_compiled_layers_give_the_uncompiled_tokens_and_restore_the_model(model):
+    # compile=True runs every decoder layer through torch.compile with the quantized
+    # cache's write and the fused attention opaque to it: the same greedy tokens, and
+    # afterwards the model's own modules and transformers' attention registry are back.
+    from transformers import AttentionInterface
+
+    from kvqbench.suites.harness.attention import ATTN_NAME, kvqbench_attention, register
+    from kvqbench.suites.harness.kv_cache import QuantizedCache
+
+    register()
+    layers, update = list(model.model.layers), QuantizedCache.update
+    ids = prompts()
+    want = generate(model, ids, "int4", max_new_tokens=4)
+    got = generate(model, ids, "int4", max_new_tokens=4, compile=True)
+    assert got.tokens == want.tokens
+    assert list(model.model.layers) == layers and QuantizedCache.update is update
+    assert AttentionInterface._global_mapping[ATTN_NAME] is kvqbench_attention
