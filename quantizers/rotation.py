@@ -12,6 +12,19 @@ preserves norms and the inverse is diag(s) W_b / sqrt(b).
 elementwise sums and differences, O(D log D), and, unlike a matmul, the same
 operations in the same order whatever the batch shape, so a token rotated alone
 gets bit-identical coordinates to the same token inside a long write.
+
+`structured_rotation(seed, d)` is an orthogonal d x d matrix for ANY d, drawn from
+its seed alone (so a model constant: nothing but the seed need be kept), for the
+parts of a head vector whose size is no power of two (spherical's outlier split,
+e.g. 64 - 16 = 48 channels, or 64 - 13 = 51): `rounds` (default 3) rounds of
+seeded random signs, a seeded random permutation, and Sylvester's Hadamard of
+order p, the largest power of two <= d, applied to the first p coordinates and
+then to the last p (the two overlap when p < d, so every coordinate is mixed;
+when p = d it is one Hadamard). One round leaves the coordinates of an outlier
+channel flat (p = d) or partly zero (p < d); three re-mix them to code like a
+dense Haar rotation (figures in spherical.py). Built by elementwise butterflies
+and sign flips from the identity, in float64: the same bits on every machine
+(no LAPACK, no matmul summation order).
 """
 from __future__ import annotations
 
@@ -54,6 +67,41 @@ def fwht(x: torch.Tensor, block: int) -> torch.Tensor:
     return y.reshape(shape)
 
 
+def seed_bytes(seeds: list[int]) -> torch.Tensor:
+    """63-bit seeds as uint8 `[len(seeds), 8]` (little-endian): what a rotation that is a
+    function of its seed stores."""
+    return torch.tensor([list(int(s).to_bytes(8, "little")) for s in seeds], dtype=torch.uint8)
+
+
+def seeds_of(packed: torch.Tensor) -> list[int]:
+    """The seeds `seed_bytes` stored."""
+    return [int.from_bytes(bytes(row.tolist()), "little") for row in packed.cpu()]
+
+
+STRUCTURED_ROUNDS = 3
+
+
+def structured_rotation(seed: int, d: int, rounds: int | None = None) -> torch.Tensor:
+    """float64 `[d, d]` orthogonal R with rows T(e_i): x @ R = T(x) for a row vector x, T
+    the `rounds` rounds of (signs, permutation, overlapped Hadamard) of the module
+    docstring, all drawn from `seed`."""
+    if d < 1 or (rounds is not None and rounds < 1):
+        raise ValueError(f"structured rotation needs d >= 1 and rounds >= 1, got d={d}, rounds={rounds}")
+    p = 1 << (d.bit_length() - 1)  # largest power of two <= d
+    rounds = STRUCTURED_ROUNDS if rounds is None else rounds
+    g = torch.Generator().manual_seed(int(seed))
+    scale = 1 / math.sqrt(p)
+    x = torch.eye(d, dtype=torch.float64)
+    for _ in range(rounds):
+        signs = 1 - 2 * torch.randint(0, 2, (d,), generator=g).double()
+        perm = torch.randperm(d, generator=g)
+        x = (x * signs)[:, perm]
+        x = torch.cat([fwht(x[:, :p], p) * scale, x[:, p:]], dim=1)
+        if p < d:
+            x = torch.cat([x[:, : d - p], fwht(x[:, d - p :], p) * scale], dim=1)
+    return x
+
+
 def random_signs(seeds: list[int], d: int) -> torch.Tensor:
     """Packed sign bits uint8 `[len(seeds), ceil(d/8)]`, one seeded set per seed;
     bit 1 means a negative sign."""
@@ -78,4 +126,5 @@ def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return fwht(y, b) * (1 / math.sqrt(b)) * signs.unsqueeze(-2)
 
 
-__all__ = ["fwht", "hadamard_block", "random_signs", "rotate", "signs_of", "sylvester_hadamard", "unrotate"]
+__all__ = ["fwht", "hadamard_block", "random_signs", "rotate", "seed_bytes", "seeds_of", "signs_of",
+           "structured_rotation", "sylvester_hadamard", "unrotate"]

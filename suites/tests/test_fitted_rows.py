@@ -107,7 +107,7 @@ def _old_single_row_fit(q, x):
         return {"codebooks": fit_residual_codebooks(pts, c.M, 1 << c.K_bits, gen).half()}
     if q.name == "spherical":
         rms = x.pow(2).mean(dim=(0, 2))
-        mask = torch.zeros_like(rms, dtype=torch.long).scatter_(1, rms.topk(c.outliers, dim=-1).indices, 1)
+        mask = torch.zeros_like(rms, dtype=torch.long).scatter_(1, rms.topk(q.n_out(x.shape[-1]), dim=-1).indices, 1)
         return {"outlier_mask": pack_bits(mask, 1)}
     raise AssertionError(q.name)
 
