@@ -140,7 +140,8 @@ def _expand_index(idx, shape):
 
 class Spherical(FitsOnFirstWrite, Quantizer):
     name = "spherical"
-    description = "TurboQuant: seeded random rotation, Lloyd-Max codes of the exact Beta coordinate law, fp16 gain, optional QJL"
+    description = ("TurboQuant: seeded random rotation (dense, Hadamard or structured), Lloyd-Max codes of the exact "
+                   "Beta coordinate law, fp16 gain, optional QJL and outlier-channel split")
     stochastic = True  # seeded rotation (and QJL sketch)
     # The aliases use the randomised Hadamard rotation: its D bits per kv-head keep
     # the measured bits at the formula's, where a dense fp16 rotation adds 2 bits
