@@ -143,9 +143,8 @@ class Spherical(FitsOnFirstWrite, Quantizer):
     description = ("TurboQuant: seeded random rotation (dense, Hadamard or structured), Lloyd-Max codes of the exact "
                    "Beta coordinate law, fp16 gain, optional QJL and outlier-channel split")
     stochastic = True  # seeded rotation (and QJL sketch)
-    # The aliases use the randomised Hadamard rotation: its D bits per kv-head keep
-    # the measured bits at the formula's, where a dense fp16 rotation adds 2 bits
-    # per element at 1024 tokens for no better coding.
+    # The whole-bit aliases use the randomised Hadamard rotation: D bits per kv-head
+    # (model constants, like every rotation here), where a dense fp16 one keeps 16 D^2.
     # TurboQuant's KV experiments split outlier channels off and give them one bit more
     # (module docstring): sphericalB.5 = B bits + 50% outlier channels at B+1 = B.5 code
     # bits; sphericalB.25 = B bits + 25% at B+1 (the paper's stated split: 32 of 128
