@@ -170,7 +170,7 @@ def _joint_codewords(z: torch.Tensor, codes: torch.Tensor, cb: torch.Tensor) -> 
     return out.float()
 
 
-def em_codebooks(z: torch.Tensor, M: int, K: int, beam: int, gen: torch.Generator, iters: int = EM_ITERS,
+def em_codebooks(z: torch.Tensor, M: int, K: int, beam: int, gen: torch.Generator, iters: int | None = None,
                  history: list | None = None) -> torch.Tensor:
     """EM for additive codebooks on calibration chunks z [G, N, dim] -> fp16-valued [G, M, K, dim]:
     residual k-means to start, then `iters` rounds of (E) beam-search codes, (M) joint least
@@ -178,6 +178,7 @@ def em_codebooks(z: torch.Tensor, M: int, K: int, beam: int, gen: torch.Generato
     codebooks of the lowest mean squared residual seen (E-step residuals; beam search is not
     exact, so a round may not improve). `history` receives that error after each E-step."""
     z = z.float()
+    iters = EM_ITERS if iters is None else iters
     cb = fit_residual_codebooks(z, M, K, gen)
     best = None
     for it in range(iters + 1):
