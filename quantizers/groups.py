@@ -30,7 +30,10 @@ def group_params(g: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, to
     check_fp16_storable("group min/max", torch.cat([lo, hi]))
     levels = (1 << bits) - 1
     zero = _fp16_toward(lo, -1.0)
-    span = (hi - zero.float()) / levels
+    # A true division on every device: torch on CUDA turns a division by a Python scalar into
+    # a product with its rounded reciprocal (1/15 is inexact), one ulp off the CPU's and the
+    # step kernels' (div.rn) quotient in some groups.
+    span = (hi - zero.float()) / torch.full_like(hi, levels)
     if span.numel():
         mx = span.amax()
         require(mx > FP16_MAX, lambda: QuantizerInputError(
