@@ -11,6 +11,7 @@ subclass). Both are found, listed and put through every suite the same way.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -163,6 +164,13 @@ def _convert(value: str, typ, key: str, spec: str):
         raise QuantizerInputError(f"{spec!r}: {key}={value!r} is not a valid {typ.__name__}") from None
 
 
+@functools.lru_cache(maxsize=None)
+def _config_hints(config_cls: type) -> dict:
+    """A Config's field types, evaluated once per class: `typing.get_type_hints` compiles
+    each string annotation anew (~0.2 ms a spec), and a cache parses its spec per layer."""
+    return typing.get_type_hints(config_cls)
+
+
 def parse_spec(spec: str) -> tuple[type[Quantizer], object]:
     """'name:key=value,...' -> (Quantizer class, its Config)."""
     if not isinstance(spec, str) or not spec.strip():
@@ -180,7 +188,7 @@ def parse_spec(spec: str) -> tuple[type[Quantizer], object]:
             raise QuantizerInputError(f"quantizer {head!r} is a plugin that could not be registered: "
                                       + "; ".join(map(str, failed)))
         raise QuantizerInputError(f"unknown quantizer {head!r}; known: {', '.join(names())}")
-    hints = typing.get_type_hints(cls.Config)
+    hints = _config_hints(cls.Config)
     fields = {f.name for f in dataclasses.fields(cls.Config)}
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = item.partition("=")
