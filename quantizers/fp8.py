@@ -30,8 +30,9 @@ reused by every later append:
 - "unit": 1.0, vLLM's default when a checkpoint ships no scales and scales are
   not calculated; `[H]`.
 Measured, SmolLM2-135M, canterbury, quantize-on-write, 2 x 512 tokens: PPL fp16 39.13,
-fp8-e4m3 (layer, vLLM's) 40.04, fp8-e4m3-head 39.70: one scale per layer with 2.24x /
-4.48x headroom leaves the low-amax kv-heads fewer fp8 exponents than a per-head scale.
+fp8-e4m3 (layer, vLLM's) 40.04, fp8-e4m3-head 39.70 (one seed-free run, 2 windows): a
+scale set by the layer's largest value, with 2.24x / 4.48x headroom, pushes more of the
+smaller kv-heads' values into fp8's subnormal range than a per-head amax / 448 scale.
 A later token larger than the first write's range saturates (fitted.py). The
 fit is NOT per row: one fit over all batch rows of the first write
 (`fit_per_row = False`), because the fused decode kernels and the device step
