@@ -153,7 +153,7 @@ EM_RIDGE = 1e-3
 MAX_JOINT = 4096  # M * K codewords solved for jointly (a [M K, M K] float64 system per group)
 
 
-def _joint_codewords(z: torch.Tensor, codes: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
+def joint_codewords(z: torch.Tensor, codes: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
     """The M-step: codebooks [G, M, K, dim] minimising sum ||z - sum_m cb[m, codes[m]]||^2 over
     chunks z [G, N, dim] with codes [G, N, M], all stages at once (normal equations of the
     one-hot design, float64), codeword 0 of each stage held at zero, a codeword no chunk
@@ -187,7 +187,7 @@ def em_codebooks(z: torch.Tensor, M: int, K: int, beam: int, gen: torch.Generato
                  history: list | None = None) -> torch.Tensor:
     """EM for additive codebooks on calibration chunks z [G, N, dim] -> fp16-valued [G, M, K, dim]:
     residual k-means to start, then `iters` rounds of (E) beam-search codes, (M) joint least
-    squares (`_joint_codewords`), each round's codebooks rounded to fp16 as stored. Returns the
+    squares (`joint_codewords`), each round's codebooks rounded to fp16 as stored. Returns the
     codebooks of the lowest mean squared residual seen (E-step residuals; beam search is not
     exact, so a round may not improve). `history` receives that error after each E-step."""
     z = z.float()
@@ -203,7 +203,7 @@ def em_codebooks(z: torch.Tensor, M: int, K: int, beam: int, gen: torch.Generato
             best = (err, cb)
         if it == iters:
             break
-        cb = _joint_codewords(z, codes[0], cb).half().float()
+        cb = joint_codewords(z, codes[0], cb).half().float()
     return best[1]
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvqbench.quantizers import get_quantizer
-from kvqbench.quantizers.additive_vq import _joint_codewords, em_codebooks, fit_residual_codebooks
+from kvqbench.quantizers.additive_vq import joint_codewords, em_codebooks, fit_residual_codebooks
 from kvqbench.quantizers.calibrated import CalibrationMissingError
 from kvqbench.quantizers.vq import residual_search
 from kvqbench.suites import conformance
@@ -87,7 +87,7 @@ def test_the_joint_m_step_is_least_squares_and_keeps_codeword_zero():
     cb = fit_residual_codebooks(z, 2, 16, gen)
     codes, res = residual_search(z.unsqueeze(0), cb, 1)
     before = float(res.double().pow(2).sum(-1).mean())
-    new = _joint_codewords(z, codes[0], cb)
+    new = joint_codewords(z, codes[0], cb)
     assert torch.equal(new[:, :, 0], torch.zeros_like(new[:, :, 0]))
     recon = sum(new[0, m][codes[0, 0, :, m]] for m in range(2))
     after = float((z[0] - recon).double().pow(2).sum(-1).mean())
