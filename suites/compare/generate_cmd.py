@@ -5,6 +5,12 @@ take them), with tokens/s and how the steps ran.
     kvqbench generate --spec int4 --prompt "Alice was beginning to get very tired"
     kvqbench generate --spec "hqmq:S=96,r=4" --windows 8 --prompt-len 512 --max-new-tokens 128
     kvqbench generate --spec plain --prompt "..." --temperature 0.8 --top-p 0.95 --stop "\\n\\n"
+    kvqbench generate --spec avq2-cal --windows 4 --calibration-windows 2
+
+A calibrated spec (e.g. avq2-cal) is fitted once on the fp16 K/V of --calibration-windows
+windows of --prompt-len tokens of --corpus: after the prompt windows (disjoint from
+them) with --windows, else contiguous and centred in the corpus (the token ranges are
+printed and written to --json).
 """
 from __future__ import annotations
 
@@ -24,7 +30,12 @@ def add_arguments(sub, parents) -> None:
     src.add_argument("--windows", type=int, default=None,
                      help="prompts cut from the corpus instead: this many windows of --prompt-len tokens")
     p.add_argument("--corpus", default="canterbury", help="with --windows: the corpus (as `compare`)")
-    p.add_argument("--prompt-len", type=int, default=512, help="with --windows: tokens per prompt")
+    p.add_argument("--prompt-len", type=int, default=512,
+                   help="with --windows: tokens per prompt; also the length of each calibration window")
+    p.add_argument("--calibration-windows", type=int, default=2,
+                   help="calibrated specs (e.g. avq2-cal): windows of --corpus whose fp16 K/V fit them, after the "
+                        "--windows prompts (disjoint) or centred in the corpus with --prompt; 0 = none (a "
+                        "calibrated spec is then refused)"),
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
@@ -44,6 +55,7 @@ def add_arguments(sub, parents) -> None:
 
 def _check(args):
     from ...quantizers import get_quantizer
+    from ..harness.calibration import spec_needs_calibration
     from ..harness.models import check_model_name
     from .run import UsageError
 
@@ -54,11 +66,17 @@ def _check(args):
         raise UsageError("--windows must be >= 1")
     if args.prompt is not None and any(not p for p in args.prompt):
         raise UsageError("--prompt must not be empty")
+    if args.calibration_windows < 0:
+        raise UsageError(f"--calibration-windows must be >= 0, got {args.calibration_windows}")
     if args.spec != "plain":
         try:
             get_quantizer(args.spec)
         except Exception as e:  # noqa: BLE001 (the registry's own message names the problem)
             raise UsageError(str(e)) from None
+        if args.calibration_windows == 0 and spec_needs_calibration(args.spec):
+            raise UsageError(f"--spec {args.spec} is a calibrated quantizer (fitted once per model on calibration "
+                             "K/V) and --calibration-windows 0 gives it none: use --calibration-windows N "
+                             "(N >= 1 windows of --corpus, default 2)")
     try:
         check_model_name(args.model)
     except ValueError as e:
@@ -79,25 +97,43 @@ def _check(args):
 def cmd_generate(args) -> int:
     import torch
 
-    from ..harness.corpora import load_corpus, token_windows
+    from ..harness.calibration import corpus_calibration, spec_needs_calibration
+    from ..harness.corpora import load_corpus, special_prefix, token_windows, tokenize_text, window_starts
     from ..harness.generate import generate
     from ..harness.models import load_model
+    from .run import UsageError
 
     _check(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("float16" if device.startswith("cuda") else "float32"))
     print(f"loading {args.model} on {device} ({dtype}) ...", file=sys.stderr, flush=True)
     model, tok, _ = load_model(args.model, device=device, dtype=dtype)
+    spec = None if args.spec == "plain" else args.spec
+    calibrated = spec_needs_calibration(spec)
+    text = scored = None
+    if args.windows is not None or calibrated:
+        text, corpus_info = load_corpus(args.corpus)
     if args.windows is not None:
-        text, _ = load_corpus(args.corpus)
         prompts = token_windows(tok, text, args.prompt_len, args.windows).tolist()
+        body = args.prompt_len - len(special_prefix(tok))
+        scored = window_starts(len(tokenize_text(tok, text)), body, args.windows)
     else:
         texts = args.prompt or ["Alice was beginning to get very tired of sitting by her sister on the bank, and"]
         prompts = [tok(t, add_special_tokens=True)["input_ids"] for t in texts]
-    spec = None if args.spec == "plain" else args.spec
+    calibration = cal_info = None
+    if calibrated:
+        try:
+            calibration, cal_info = corpus_calibration(model, tok, text, args.calibration_windows, args.prompt_len,
+                                                       scored_starts=scored)
+        except ValueError as e:
+            raise UsageError(f"--calibration-windows {args.calibration_windows} of --prompt-len {args.prompt_len} "
+                             f"tokens of --corpus {args.corpus}: {e}") from None
+        cal_info = {"corpus": {k: corpus_info.get(k) for k in ("name", "sha256")}, **cal_info}
+        print(f"{spec}: calibrated on {cal_info['n']} window(s) of {cal_info['tokens']} tokens of "
+              f"{corpus_info.get('name')}, token ranges {cal_info['ranges']}", file=sys.stderr, flush=True)
     out = generate(model, prompts, spec, max_new_tokens=args.max_new_tokens, tokenizer=tok, stop=args.stop,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                   graph=False if args.no_graph else None, compile=args.compile)
+                   graph=False if args.no_graph else None, compile=args.compile, calibration=calibration)
     for i, text in enumerate(out.texts):
         print(f"--- [{i}] {len(prompts[i])} prompt tokens -> {len(out.tokens[i])} new")
         print(text)
@@ -110,5 +146,6 @@ def cmd_generate(args) -> int:
         args.json.write_text(json.dumps(dict(spec=args.spec, model=args.model, device=device, prompts=prompts,
                                              tokens=out.tokens, texts=out.texts, tokens_per_s=out.tokens_per_s,
                                              decode_tokens_per_s=out.decode_tokens_per_s, prefill_s=out.prefill_s,
-                                             decode_s=out.decode_s, mode=out.mode, why=out.why), indent=1))
+                                             decode_s=out.decode_s, mode=out.mode, why=out.why,
+                                             calibration=cal_info), indent=1))
     return 0

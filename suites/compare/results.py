@@ -9,8 +9,9 @@ and resumed only by a run that would measure the same figures.
   resumes only when it is equal; otherwise it refuses and names `--fresh`.
 - A record counts as measured only when it is well formed (`row_problem`) and was made
   by the code that would measure it now (`Run.done`'s stamp: the quantizer's class and
-  resolved config, kvqbench's version and commit, the plugin's distribution version);
-  any other is measured again and replaced. Fields this version does not know (written
+  resolved config, kvqbench's version and commit, the plugin's distribution version;
+  for a calibrated spec also its calibration windows, `calibration_stamps`); any other
+  is measured again and replaced. Fields this version does not know (written
   by a newer one) are kept on save.
 """
 from __future__ import annotations
@@ -112,6 +113,20 @@ def stamp_matches(r: dict, stamp: dict | None) -> bool:
         return True
     strip = lambda v: {k: x for k, x in v.items() if k != "dirty"} if isinstance(v, dict) else v  # noqa: E731
     return all(strip(r.get(k)) == strip(v) for k, v in stamp.items())
+
+
+def calibration_stamps(stamps: dict, meta: dict, calibrated: list[str]) -> dict:
+    """`stamps` (spec -> stamp) with the run's calibration windows (meta["calibration"]:
+    count, tokens, ranges) added to the stamps of the `calibrated` specs: their rows, and
+    their fidelity, are measured again when a rerun calibrates on other windows (other
+    --calibration-windows, --window, corpus ranges); other specs' stamps are unchanged."""
+    cal = meta.get("calibration")
+    if not calibrated:
+        return stamps
+    if not isinstance(cal, dict):
+        raise ValueError(f"calibrated specs {calibrated} but no meta['calibration'] to stamp their rows with")
+    mark = {k: cal.get(k) for k in ("n", "tokens", "ranges")}
+    return {spec: ({**st, "calibration": mark} if spec in calibrated else st) for spec, st in stamps.items()}
 
 
 class Run:

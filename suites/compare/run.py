@@ -29,7 +29,7 @@ import torch
 from ..harness.perplexity import DEFAULT_BATCH
 from .ahead import triton_ahead
 from .provenance import hardware, row_stamps, versions
-from .results import Run, RunError, stamp_matches
+from .results import Run, RunError, calibration_stamps, stamp_matches
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "canterbury"
@@ -263,6 +263,7 @@ def run_compare(args) -> int:
     from . import report
     from ..harness.corpora import special_prefix, tokenize_text, load_corpus, token_windows, window_starts
     from ..harness.models import load_model
+    from ..harness.calibration import spec_needs_calibration
     from ..harness.perplexity import batch_rows, ppl_deployed, ppl_prefill_then_decode, ppl_quantize_on_write
     from . import distributed
 
@@ -327,7 +328,7 @@ def run_compare(args) -> int:
         if not ranks.is_main:  # scores its share; rank 0 alone writes results.json and the report
             distributed.score_rounds(ranks, None, rows_of, len(windows), measure_unit)
             return 0
-    stamps = row_stamps(specs)
+    stamps = calibration_stamps(row_stamps(specs), meta, [s for s in specs if spec_needs_calibration(s)])
     with Run(folder, meta, args.fresh) as run:
         if run.data["diagnostics"] is None:
             run.data["diagnostics"] = outlier_diagnostics(model, windows[0])
@@ -379,9 +380,9 @@ def run_compare(args) -> int:
                 on_record((protocol, spec, seed), r, windows_done=0)  # the bar moved window by window
         bar.close()
         if plan["fidelity"]:
-            _fidelity(run, model, windows[:, :args.context], specs, args.decode_tokens, stamps)
+            _fidelity(run, model, windows[:, :args.context], specs, args.decode_tokens, stamps, cal_for)
         if args.lm_eval:
-            _lm_eval_scores(args, run, model, tok, specs, protocols[0], plan["lm_eval_metadata"])
+            _lm_eval_scores(args, run, model, tok, specs, protocols[0], plan["lm_eval_metadata"], cal_for)
         out = report.write_report(run.folder)
         failures = run.failures()
     print(f"\nreport: {out}", file=sys.stderr)
@@ -427,10 +428,12 @@ def _calibration(args, model, tok, text, plan, specs, n_tokens: int, meta: dict)
     return cal_for
 
 
-def _fidelity(run, model, prompts, specs, new_tokens: int, stamps: dict) -> None:
+def _fidelity(run, model, prompts, specs, new_tokens: int, stamps: dict, cal_for=lambda spec, seed: None) -> None:
     """Generation fidelity per spec (seed 0) against the model's own cache over the run's
     window prompts (suites/harness/fidelity.py), into results.json's `fidelity`;
-    resumable per spec, a failure recorded and the run goes on."""
+    resumable per spec, a failure recorded and the run goes on. A calibrated spec codes
+    with the run's calibration (`cal_for`: fitted once per spec and seed, the one its
+    seed-0 perplexity rows used)."""
     from ..harness.fidelity import fidelity, reference_continuations
 
     store = run.data.setdefault("fidelity", {})
@@ -444,7 +447,8 @@ def _fidelity(run, model, prompts, specs, new_tokens: int, stamps: dict) -> None
         if spec in rows and "error" not in rows[spec] and stamp_matches(rows[spec], stamps[spec]):
             continue
         try:
-            rows[spec] = {**fidelity(model, prompts, spec, store["reference"]), **stamps[spec]}
+            rows[spec] = {**fidelity(model, prompts, spec, store["reference"], calibration=cal_for(spec, 0)),
+                          **stamps[spec]}
             f = rows[spec]
             print(f"fidelity {spec:34s} first diff mean {f['first_diff_mean']:5.1f} min {f['first_diff_min']:3d}  "
                   f"match {f['match_rate']:.3f}  NLL/token {f['nll_per_token']:.3f} (reference "
@@ -454,8 +458,9 @@ def _fidelity(run, model, prompts, specs, new_tokens: int, stamps: dict) -> None
         run.save()
 
 
-def _lm_eval_scores(args, run, model, tok, specs, protocol, meta_le) -> None:
-    """lm-eval task scores beside PPL and bits: seed 0, first protocol's records."""
+def _lm_eval_scores(args, run, model, tok, specs, protocol, meta_le, cal_for=lambda spec, seed: None) -> None:
+    """lm-eval task scores beside PPL and bits: seed 0, first protocol's records (a
+    calibrated spec with the run's calibration, `cal_for`)."""
     from ..lm_eval.evaluate import compare_scores
 
     requested = [args.lm_eval, args.lm_eval_limit, meta_le]
@@ -465,7 +470,8 @@ def _lm_eval_scores(args, run, model, tok, specs, protocol, meta_le) -> None:
             continue  # measured in an earlier run of the same request
         print(f"lm-eval {args.lm_eval} with {rec['spec']} ...", file=sys.stderr, flush=True)
         try:
-            rec["lm_eval"] = compare_scores(model, tok, rec["spec"], 0, args.lm_eval, args.lm_eval_limit, meta_le)
+            rec["lm_eval"] = compare_scores(model, tok, rec["spec"], 0, args.lm_eval, args.lm_eval_limit, meta_le,
+                                            calibration=cal_for(rec["spec"], 0))
         except Exception as e:  # keep the PPL results; record the failure
             rec["lm_eval"] = {"requested": requested, "error": f"{type(e).__name__}: {e}"}
         run.save()

@@ -105,4 +105,41 @@ def describe(starts: list[int], length: int, captured: dict | None = None, captu
     return info
 
 
-__all__ = ["calibration_starts", "capture_kv", "describe", "fit_calibration", "spec_needs_calibration"]
+def corpus_calibration(model, tokenizer, text: str, n_windows: int, length: int,
+                       scored_starts: list[int] | None = None, scored_len: int | None = None) -> tuple[dict, dict]:
+    """(captured K/V, what to record of it) for `n_windows` windows of `length` tokens (the
+    tokenizer's special prefix included, as `token_windows` cuts them) of corpus `text`:
+    after the scored windows (`scored_starts`, each `scored_len` corpus tokens; as
+    `calibration_starts`) where there are some, else centred in the corpus token stream
+    (away from its start, where prompts and the offline lm-eval tasks read). ValueError
+    when the corpus cannot hold them."""
+    import time
+
+    from .corpora import special_prefix, tokenize_text
+
+    prefix = special_prefix(tokenizer)
+    body = length - len(prefix)
+    if body < 1 or n_windows < 1:
+        raise ValueError(f"calibration windows: need n >= 1 windows of more than {len(prefix)} tokens, "
+                         f"got {n_windows} x {length}")
+    ids = tokenize_text(tokenizer, text)
+    if scored_starts:
+        starts = calibration_starts(len(ids), scored_starts, body if scored_len is None else scored_len, body,
+                                    n_windows)
+    else:
+        if n_windows * body > len(ids):
+            raise ValueError(f"calibration windows: the corpus ({len(ids)} tokens) cannot hold {n_windows} "
+                             f"window(s) of {body} tokens")
+        first = (len(ids) - n_windows * body) // 2
+        starts = [first + i * body for i in range(n_windows)]
+    t0 = time.perf_counter()
+    captured = capture_kv(model, torch.tensor([prefix + ids[s:s + body] for s in starts], dtype=torch.long))
+    info = describe(starts, body, captured, time.perf_counter() - t0)
+    if not scored_starts:
+        info["placement"] = ("contiguous corpus tokens centred in the corpus (no scored windows to keep clear "
+                             "of); K/V captured from an fp16 cache (keys after RoPE)")
+    return captured, info
+
+
+__all__ = ["calibration_starts", "capture_kv", "corpus_calibration", "describe", "fit_calibration",
+           "spec_needs_calibration"]

@@ -23,6 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .calibration import fit_calibration, spec_needs_calibration
 from .generate import generate
 
 
@@ -58,16 +59,26 @@ def reference_continuations(model, prompts: torch.Tensor, new_tokens: int, batch
     return {"tokens": tokens, "nll": _nll_per_row(model, prompts, tokens, batch), "new_tokens": new_tokens}
 
 
-def fidelity(model, prompts: torch.Tensor, spec: str, reference: dict, seed: int = 0, batch: int = 8) -> dict:
+def fidelity(model, prompts: torch.Tensor, spec: str, reference: dict, seed: int = 0, batch: int = 8,
+             calibration=None) -> dict:
     """Greedy continuations through a cache quantized by `spec` against `reference`
-    (module docstring for the figures)."""
+    (module docstring for the figures). `calibration`: a calibrated spec's (what
+    `QuantizedCache(calibration=)` takes: captured K/V of windows other than `prompts`,
+    fitted here once for `seed`, or the fitted dicts)."""
     prompts = _ids(prompts)
+    if spec_needs_calibration(spec):
+        if calibration is None:
+            raise ValueError(f"{spec} is a calibrated quantizer (fitted once per model on calibration K/V): "
+                             "fidelity(..., calibration=) needs its calibration, K/V of windows other than the "
+                             "prompts (suites/harness/calibration.py)")
+        calibration = fit_calibration(spec, calibration, seed)  # once for every batch of prompts
     n = reference["new_tokens"]
     if len(reference["tokens"]) != prompts.shape[0]:
         raise ValueError(f"{len(reference['tokens'])} reference continuations for {prompts.shape[0]} prompts")
     tokens, modes = [], set()
     for i in range(0, prompts.shape[0], batch):
-        g = generate(model, prompts[i:i + batch], spec, max_new_tokens=n, eos_token_id=[], seed=seed)
+        g = generate(model, prompts[i:i + batch], spec, max_new_tokens=n, eos_token_id=[], seed=seed,
+                     calibration=calibration)
         tokens += g.tokens
         modes.add(g.mode)
     first, matches = [], 0

@@ -37,6 +37,7 @@ import torch
 
 from ...kernels.graphs import GraphedDecodeStep
 from .attention import fused_attention
+from .calibration import fit_calibration, spec_needs_calibration
 from .kv_cache import QuantizedCache, cache_kwargs
 
 
@@ -121,20 +122,21 @@ def _cut(row: list[int], eos: set[int], stop: Sequence[str], tokenizer) -> tuple
     return row, False
 
 
-def _new_cache(model, spec, batch, capacity, fused, seed):
+def _new_cache(model, spec, batch, capacity, fused, seed, calibration=None):
     if spec is None:
         from transformers import StaticCache
 
         return StaticCache(config=model.config, max_cache_len=capacity)
-    return QuantizedCache(spec, config=model.config, seed=seed, capacity=capacity, fused=fused, prefill="exact")
+    return QuantizedCache(spec, config=model.config, seed=seed, capacity=capacity, fused=fused, prefill="exact",
+                          calibration=calibration)
 
 
 def _one_batch(model, prompts, spec, max_new, pick, eos, stop, tokenizer, graph, graph_off, fused, seed,
-               check_every):
+               check_every, calibration=None):
     dev = next(model.parameters()).device
     ids = torch.tensor(prompts, dtype=torch.long, device=dev)
     B, P = ids.shape
-    cache = _new_cache(model, spec, B, P + max_new, fused, seed)
+    cache = _new_cache(model, spec, B, P + max_new, fused, seed, calibration)
     kw = cache_kwargs(model, cache)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     sync()
@@ -250,7 +252,7 @@ def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, t
              eos_token_id: int | Sequence[int] | None = None, stop: Sequence[str] = (),
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int = 0, graph: bool | None = None, fused: bool | None = None,
-             check_every: int = 16, compile: bool = False) -> Generation:
+             check_every: int = 16, compile: bool = False, calibration=None) -> Generation:
     """Generate `max_new_tokens` per prompt through a cache quantized by `spec` (module
     docstring). `input_ids`: a LongTensor [B, T] or a list of token lists; `tokenizer`
     (optional) gives texts and stop strings; `eos_token_id` defaults to the tokenizer's /
@@ -260,7 +262,10 @@ def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, t
     codebooks and the sampler. `compile`: run the model's decoder layers through
     torch.compile (`compiled_parts`), fusing the work around attention that a graph
     replay alone still launches kernel by kernel; the cache's write and the fused
-    attention stay ours (the first call of a new shape pays the compile)."""
+    attention stay ours (the first call of a new shape pays the compile). `calibration`: what
+    `QuantizedCache(calibration=)` takes, needed by a calibrated spec (e.g. avq2-cal;
+    suites/harness/calibration.py): captured K/V are fitted once here (for `seed`) and
+    shared by every group's cache; fitted dicts are used as given."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not isinstance(check_every, int) or check_every < 1:
@@ -268,6 +273,12 @@ def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, t
     if stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
     rows = _rows(input_ids)
+    if spec is not None and spec_needs_calibration(spec):
+        if calibration is None:
+            raise ValueError(f"{spec} is a calibrated quantizer (fitted once per model on calibration K/V): "
+                             "generate(..., calibration=) needs its calibration, K/V of windows that are not "
+                             "generated from (suites/harness/calibration.py capture_kv / corpus_calibration)")
+        calibration = fit_calibration(spec, calibration, seed)  # once, not per group's cache
     dev = next(model.parameters()).device
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and max(map(len, rows)) + max_new_tokens > limit:
@@ -295,7 +306,7 @@ def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, t
         for length, idx in groups.items():
             out, mode, why, p_s, d_s, n, (b, e) = _one_batch(model, [rows[i] for i in idx], spec, max_new_tokens, pick,
                                                      eos, stop, tokenizer, graph, graph_off, fused, seed,
-                                                     check_every)
+                                                     check_every, calibration)
             for i, r in zip(idx, out):
                 result[i] = r
             modes.append(mode)

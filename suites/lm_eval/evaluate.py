@@ -97,13 +97,15 @@ def task_scores(results: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-def compare_scores(model, tokenizer, spec: str, seed: int, tasks: str, limit=None, metadata=None) -> dict:
+def compare_scores(model, tokenizer, spec: str, seed: int, tasks: str, limit=None, metadata=None,
+                   calibration=None) -> dict:
     """What `kvqbench compare --lm-eval TASKS` stores on a result record: the task
-    scores of `spec` on an already loaded model, and the bits its caches stored."""
+    scores of `spec` on an already loaded model, and the bits its caches stored
+    (`calibration`: a calibrated spec's, the compare run's; see KVQuantLM)."""
     import time
 
     t0 = time.perf_counter()
-    lm = KVQuantLM(model, tokenizer=tokenizer, quantizer=spec, seed=seed)
+    lm = KVQuantLM(model, tokenizer=tokenizer, quantizer=spec, seed=seed, calibration=calibration)
     res = evaluate(tasks, lm=lm, limit=limit, metadata=metadata)
     return {"requested": [tasks, limit, metadata], "scores": task_scores(res),
             "n_samples": {t: v.get("effective", v.get("original")) for t, v in res.get("n-samples", {}).items()},

@@ -53,6 +53,16 @@ quantizer='hqmq:S=96' and r=4) is refused with a message saying so, never run wi
 `r` silently dropped. (`python -m kvqbench.suites.lm_eval.cli ...` is the same command; see cli.py.)
 Model args: pretrained (embedded name, folder or hub id; `load_model`),
 quantizer (spec, `plain` for none), seed (codebook seed), dtype (float32),
+calibration_windows / calibration_corpus / calibration_tokens (a calibrated spec, e.g.
+`quantizer=avq2-cal`: its codebooks are fitted once, at construction, on the fp16 K/V of
+`calibration_windows` (default 2) windows of `calibration_tokens` (512, at most the
+model's positions) tokens of `calibration_corpus` (default canterbury, the embedded
+corpus; or a text file), contiguous and centred in it, away from its start where the
+offline tasks' passkey haystack (Alice) reads; `get_model_info()["kv_calibration"]`
+names the corpus and the token ranges. The offline kvqbench_rolling passages are
+spread over canterbury too: give another calibration_corpus to keep them apart for
+certain. calibration_windows=0 refuses a calibrated spec; from Python,
+`calibration=` takes what `QuantizedCache(calibration=)` does, e.g. a compare run's),
 attn_implementation (sdpa), plus HFLM's own (max_length, add_bos_token, ...). Any other
 key is refused before the model loads, with the known ones listed: lm-eval passes every
 model_arg on as a keyword, and HFLM would drop one it does not know (`spec=int4` for
@@ -150,16 +160,46 @@ def _refuse_unknown(kwargs: dict) -> None:
                              "loads the model itself, and kvqbench loads it (give pretrained= a merged local folder)")
 
 
+def _calibration_plan(spec, calibration, windows, tokens) -> tuple[int, int] | None:
+    """None for a spec that needs no calibration; else (windows, tokens) checked, before
+    the model loads: a calibrated spec with calibration_windows=0 (and no calibration=)
+    is refused, naming the model_arg."""
+    from collections.abc import Mapping
+
+    from ..harness.calibration import spec_needs_calibration
+
+    if not spec_needs_calibration(spec):
+        return None
+    if calibration is not None and not (isinstance(calibration, Mapping) and calibration):
+        raise ModelArgsError(f"KVQuantLM: calibration= takes (layer, role) -> K/V or fitted tensors (Python), got "
+                             f"{type(calibration).__name__}; on the command line use calibration_windows=N")
+    try:
+        windows, tokens = int(windows), int(tokens)
+    except (TypeError, ValueError):
+        raise ModelArgsError(f"KVQuantLM: calibration_windows and calibration_tokens must be whole numbers, got "
+                             f"{windows!r}, {tokens!r}") from None
+    if calibration is None and windows < 1:
+        raise ModelArgsError(f"KVQuantLM: quantizer={spec} is a calibrated quantizer (fitted once per model on "
+                             f"calibration K/V) and calibration_windows={windows} gives it none: use "
+                             "calibration_windows=N (N >= 1 windows of calibration_corpus, default 2)")
+    if calibration is None and tokens < 2:
+        raise ModelArgsError(f"KVQuantLM: calibration_tokens must be >= 2, got {tokens}")
+    return windows, tokens
+
+
 @register_model(MODEL_NAME)
 class KVQuantLM(HFLM):
     """HFLM whose KV cache is quantized by `quantizer` (a kvqbench spec); see the module doc."""
 
     def __init__(self, pretrained="smollm2-135m", quantizer: str = "fp16", seed: int = 0, *,
                  tokenizer=None, device: str | None = None, dtype: str = "float32",
-                 attn_implementation: str = "sdpa", batch_size=1, **kwargs):
+                 attn_implementation: str = "sdpa", batch_size=1, calibration=None,
+                 calibration_windows=2, calibration_corpus: str = "canterbury", calibration_tokens=512,
+                 **kwargs):
         self.spec = _spec(quantizer, kwargs)  # first: it names a spec's options split off at a comma
         _refuse_unknown(kwargs)
         self.kv_seed = int(seed)
+        cal_plan = _calibration_plan(self.spec, calibration, calibration_windows, calibration_tokens)
         if isinstance(pretrained, str):
             from ..harness.models import load_model
 
@@ -196,10 +236,40 @@ class KVQuantLM(HFLM):
         self.kv_numel = 0
         self.kv_calls = {"forward": 0, "generate": 0}
         self.kv_generation = {"new_tokens": 0, "seconds": 0.0, "calls": 0, "modes": []}
+        self.kv_calibration, self.kv_calibration_info = None, None
+        if cal_plan is not None:
+            self._calibrate(calibration, *cal_plan, calibration_corpus)
+
+    def _calibrate(self, given, n_windows: int, tokens: int, corpus: str) -> None:
+        """A calibrated spec's calibration, fitted once for every cache of this model: the
+        one given, else captured from `n_windows` windows of `corpus` (named in the info)."""
+        from ..harness.calibration import corpus_calibration, fit_calibration
+        from ..harness.corpora import load_corpus
+
+        if given is not None:
+            info = {"source": "given by the caller (calibration=)"}
+        else:
+            try:
+                text, corpus_info = load_corpus(corpus)
+            except (ValueError, OSError) as e:
+                raise ModelArgsError(f"KVQuantLM: calibration_corpus={corpus!r}: {e}") from None
+            limit = getattr(self.model.config, "max_position_embeddings", None)
+            tokens = min(tokens, limit) if isinstance(limit, int) and limit > 0 else tokens
+            try:
+                given, info = corpus_calibration(self.model, self.tokenizer, text, n_windows, tokens)
+            except ValueError as e:
+                raise ModelArgsError(f"KVQuantLM: calibration_windows={n_windows} x calibration_tokens={tokens} "
+                                     f"of calibration_corpus={corpus!r}: {e}") from None
+            info = {"corpus": {k: corpus_info.get(k) for k in ("name", "sha256")}, **info}
+            log.warning("kvqbench: %s calibrated on %d window(s) of %d tokens of %s, token ranges %s",
+                        self.spec, n_windows, info["tokens"], corpus_info.get("name"), info["ranges"])
+        self.kv_calibration = fit_calibration(self.spec, given, self.kv_seed)
+        self.kv_calibration_info = info
 
     # ---- the two replaced methods ---------------------------------------------------
     def _new_cache(self) -> QuantizedCache:
-        return QuantizedCache(self.spec, config=self.model.config, seed=self.kv_seed)
+        return QuantizedCache(self.spec, config=self.model.config, seed=self.kv_seed,
+                              calibration=self.kv_calibration)
 
     def _count(self, cache: QuantizedCache) -> None:
         self.kv_nbytes += cache.cache_nbytes()  # model constants apart (quantizers/base.py)
@@ -254,7 +324,7 @@ class KVQuantLM(HFLM):
         out = generate(self.model, rows, self.spec, max_new_tokens=max_length - context.shape[1],
                        tokenizer=self.tokenizer, stop=[s for s in stop if s], temperature=temperature,
                        top_k=top_k, top_p=top_p, seed=self.kv_seed,
-                       eos_token_id=self.tokenizer.eos_token_id)
+                       eos_token_id=self.tokenizer.eos_token_id, calibration=self.kv_calibration)
         self.kv_nbytes += out.cache_nbytes
         self.kv_numel += out.cache_elements
         self.kv_calls["generate"] += len(rows)
@@ -287,6 +357,7 @@ class KVQuantLM(HFLM):
             "kvqbench_model": info,
             "kv_quantizer": self.spec or "plain",
             "kv_seed": self.kv_seed,
+            "kv_calibration": self.kv_calibration_info,
             "kv_bits_per_element": self.bits_per_element() if self.spec else None,
             "kv_calls": dict(self.kv_calls),
             "kv_generation": dict(self.kv_generation, modes=sorted(set(self.kv_generation["modes"])),

@@ -172,3 +172,123 @@ def test_compare_records_the_calibration_windows(tiny, tmp_path, private_cache):
     scored = {t for s in win["starts"] for t in range(s, s + win["tokens"])}
     for lo, hi in cal["ranges"]:
         assert lo >= win["starts"][0] + win["tokens"] and not scored & set(range(lo, hi))
+
+
+# ---- generation, fidelity, `kvqbench generate`, lm-eval, resume -------------------------
+def _count_fits(monkeypatch) -> list:
+    """Every `calibrate` call of the calibrated avq class, recorded: one fit of a spec and
+    seed is one call per (layer, role) (4 on the tiny model)."""
+    cls = type(get_quantizer(CAL))
+    calls, original = [], cls.calibrate
+
+    def counted(self, x):
+        calls.append((self.layer, self.role, self.seed))
+        return original(self, x)
+    monkeypatch.setattr(cls, "calibrate", counted)
+    return calls
+
+
+def test_generate_and_fidelity_take_a_calibration_fitted_once(tiny, monkeypatch):
+    from kvqbench.suites.harness.fidelity import fidelity, reference_continuations
+    from kvqbench.suites.harness.generate import generate
+    from kvqbench.suites.harness.models import load_model
+
+    model, _, _ = load_model(tiny["model"], device="cpu")
+    g = torch.Generator().manual_seed(1)
+    cap, prompts = capture_kv(model, torch.randint(0, 256, (2, 40), generator=g)), torch.randint(0, 256, (3, 24),
+                                                                                                    generator=g)
+    with pytest.raises(ValueError, match=r"calibrated quantizer.*generate\(\.\.\., calibration=\)"):
+        generate(model, prompts, CAL, max_new_tokens=4)
+    ref = reference_continuations(model, prompts, 6)
+    with pytest.raises(ValueError, match=r"calibrated quantizer.*fidelity\(\.\.\., calibration=\)"):
+        fidelity(model, prompts, CAL, ref)
+    calls = _count_fits(monkeypatch)
+    out = generate(model, [prompts[0].tolist(), prompts[1, :20].tolist()], CAL, max_new_tokens=4, eos_token_id=[],
+                   calibration=cap, seed=1)  # two prompt lengths: two groups, two caches, one fit
+    assert len(calls) == 4 and {c[2] for c in calls} == {1} and [len(t) for t in out.tokens] == [4, 4]
+    fitted = fit_calibration(CAL, cap, 0)
+    calls.clear()
+    f = fidelity(model, prompts, CAL, ref, batch=1, calibration=cap)  # three generate calls, one fit
+    assert len(calls) == 4
+    assert f["prompts"] == 3 and 0 <= f["match_rate"] <= 1 and torch.isfinite(torch.tensor(f["nll_per_token"]))
+    calls.clear()
+    assert fidelity(model, prompts, CAL, ref, calibration=fitted)["first_diff"] == f["first_diff"]
+    assert not calls  # fitted dicts are used as given
+    # an uncalibrated spec ignores the calibration
+    assert generate(model, prompts, "int4", max_new_tokens=3, calibration=cap).tokens == \
+        generate(model, prompts, "int4", max_new_tokens=3).tokens
+
+
+def test_generate_command_calibrates_on_corpus_windows_apart_from_its_prompts(tiny, tmp_path, private_cache,
+                                                                              capsys):
+    from kvqbench.suites.compare.cli import main
+
+    base = ["generate", "--model", tiny["model"], "--corpus", tiny["corpus"], "--device", "cpu", "--spec", CAL,
+            "--max-new-tokens", "3", "--prompt-len", "40"]
+    assert main(base + ["--windows", "2", "--json", str(tmp_path / "w.json")]) == 0
+    got = json.loads((tmp_path / "w.json").read_text())
+    cal = got["calibration"]
+    assert cal["n"] == 2 and cal["tokens"] == 40 and cal["corpus"]["sha256"]
+    prompt_text = {t for s in (0, 6000 - 40) for t in range(s, s + 40)}  # the tiny corpus: one token per byte
+    assert all(len(p) == 40 for p in got["prompts"]) and [len(t) for t in got["tokens"]] == [3, 3]
+    assert not prompt_text & {t for lo, hi in cal["ranges"] for t in range(lo, hi)}
+    assert "calibrated on 2 window(s) of 40 tokens" in capsys.readouterr().err
+    # free prompts: the windows are centred in the corpus
+    assert main(base + ["--prompt", "the quick brown fox", "--calibration-windows", "1",
+                        "--json", str(tmp_path / "p.json")]) == 0
+    assert json.loads((tmp_path / "p.json").read_text())["calibration"]["ranges"] == [[2980, 3020]]
+    capsys.readouterr()
+    assert main(base + ["--windows", "2", "--calibration-windows", "0"]) == 2
+    assert "--calibration-windows N" in capsys.readouterr().err
+    assert main(base + ["--windows", "2", "--calibration-windows", "200"]) == 2  # the corpus cannot hold them
+    assert "--calibration-windows 200" in capsys.readouterr().err
+
+
+def test_lm_eval_model_calibrates_on_named_corpus_windows(tiny, private_cache):
+    pytest.importorskip("lm_eval")
+    from kvqbench.suites.lm_eval.model import KVQuantLM, ModelArgsError
+
+    with pytest.raises(ModelArgsError, match=r"calibrated quantizer.*calibration_windows=N"):
+        KVQuantLM(tiny["model"], quantizer=CAL.replace(",", ";"), calibration_windows=0, device="cpu")
+    lm = KVQuantLM(tiny["model"], quantizer=CAL.replace(",", ";"), calibration_corpus=tiny["corpus"],
+                   calibration_tokens="48", device="cpu")
+    info = lm.get_model_info()["kv_calibration"]
+    assert info["n"] == 2 and info["tokens"] == 48 and info["corpus"]["sha256"] and info["ranges"][0][0] > 0
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(3))
+    assert torch.isfinite(lm._model_call(ids)).all()
+    out = lm._model_generate(ids, 24, stop=[])
+    assert out.shape[1] <= 24 and torch.equal(out[:, :20], ids)
+    # from Python (as compare passes its run's): used as given, nothing captured
+    given = KVQuantLM(lm.model, tokenizer=lm.tokenizer, quantizer=CAL, calibration=lm.kv_calibration)
+    assert given.get_model_info()["kv_calibration"] == {"source": "given by the caller (calibration=)"}
+    assert torch.equal(given._model_call(ids), lm._model_call(ids))
+
+
+def test_compare_remeasures_calibrated_rows_when_the_calibration_changes(tiny, tmp_path, private_cache,
+                                                                          monkeypatch):
+    from kvqbench.suites.compare.cli import main
+    from kvqbench.suites.harness.tiny_model import tiny_compare_args
+
+    calls = _count_fits(monkeypatch)
+    args = tiny_compare_args(tiny, tmp_path, "--context", "24", "--decode-tokens", "8", "--fidelity",
+                             specs=f"fp16;{CAL}")
+    read = lambda: json.loads((tmp_path / "r" / "results.json").read_text())  # noqa: E731
+    assert main(args) == 0
+    assert len(calls) == 4  # one fit for the row and its fidelity (spec, seed 0)
+    first = read()
+    rows = {r["spec"]: r for r in first["results"]}
+    fid = first["fidelity"]["rows"]
+    assert rows[CAL]["calibration"]["ranges"] == first["meta"]["calibration"]["ranges"]
+    assert "calibration" not in rows["fp16"] and "error" not in fid[CAL]
+    assert fid[CAL]["calibration"] == rows[CAL]["calibration"]
+    calls.clear()
+    assert main(args) == 0  # the same calibration: nothing measured again
+    assert read()["results"] == first["results"] and read()["fidelity"] == first["fidelity"] and not calls
+    assert main(args + ["--calibration-windows", "1"]) == 0  # other calibration windows
+    again = read()
+    new = {r["spec"]: r for r in again["results"]}
+    assert new["fp16"] == rows["fp16"] and again["fidelity"]["rows"]["fp16"] == fid["fp16"]
+    assert new[CAL]["calibration"]["n"] == 1 and new[CAL]["calibration"]["ranges"] == \
+        again["meta"]["calibration"]["ranges"] != rows[CAL]["calibration"]["ranges"]
+    assert again["fidelity"]["rows"][CAL]["calibration"]["n"] == 1
+    assert len(calls) == 4
