@@ -292,3 +292,21 @@ def test_compare_remeasures_calibrated_rows_when_the_calibration_changes(tiny, t
         again["meta"]["calibration"]["ranges"] != rows[CAL]["calibration"]["ranges"]
     assert again["fidelity"]["rows"][CAL]["calibration"]["n"] == 1
     assert len(calls) == 4
+
+
+def test_compare_hands_its_calibration_to_lm_eval(tiny, tmp_path, private_cache, monkeypatch):
+    pytest.importorskip("lm_eval")
+    from kvqbench.suites.compare.cli import main
+    from kvqbench.suites.harness.tiny_model import tiny_compare_args
+    from kvqbench.suites.lm_eval import evaluate
+
+    calls, given = _count_fits(monkeypatch), {}
+
+    def fake_scores(model, tok, spec, seed, tasks, limit=None, metadata=None, calibration=None):
+        given[spec] = calibration
+        return {"requested": [tasks, limit, metadata], "scores": {"kvqbench_rolling": {"word_perplexity": 1.0}},
+                "n_samples": {"kvqbench_rolling": 1}, "bits_per_element": 16.0, "kv_calls": {}, "wall_s": 0.0}
+    monkeypatch.setattr(evaluate, "compare_scores", fake_scores)
+    assert main(tiny_compare_args(tiny, tmp_path, "--lm-eval", "kvqbench_rolling", specs=f"fp16;{CAL}")) == 0
+    assert given["fp16"] is None and set(given[CAL]) == {(i, r) for i in range(2) for r in "KV"}
+    assert len(calls) == 4  # the rows' fit, reused
