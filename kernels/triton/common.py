@@ -18,11 +18,14 @@ come from plain integer arithmetic in fp32, rounded to the cache dtype as
 """
 from __future__ import annotations
 
+import math
+import weakref
+
 import torch
 import triton
 import triton.language as tl
 
-from ..common import Workspace, interpreting
+from ..common import Workspace, interpreting, sm_count
 
 try:  # Triton >= 3.0
     from triton.language.extra import libdevice
@@ -295,21 +298,117 @@ def launch_split(kernel, args, runtime, const, q, B, H, nsplit, D, num_warps, nu
     """The flash-decoding launch of a format's split kernel, grid (B*Hkv, nsplit), then the
     combine: q, the format's buffers (`args`), the partials, its runtime and constexpr
     arguments; the output `[B, Hq, 1, D]` is the workspace's buffer (a fresh one unless
-    `ws` fits)."""
-    Hq = q.shape[1]
-    rows_q = B * Hq
-    out_dtype = out_dtype or q.dtype
+    `ws` fits). (The unplanned form of `SplitPlan` + `run_split`, kept for callers
+    outside the planned wrappers.)"""
+    plan = SplitPlan(kernel, const, q, B, H, D, num_warps, num_stages, cache_dtype, out_dtype)
+    return run_split(plan, q, args, runtime, nsplit, ws)
+
+
+# ---------------------------------------------------------------------------------------
+# host side, planned (issue 28): what a call derives from the shapes, once per layout
+# ---------------------------------------------------------------------------------------
+class SplitPlan:
+    """What a split launch of one layout keeps between calls: the kernel, the grid rows,
+    every constexpr / launch keyword, the output dtype and shape, and whatever the format's
+    wrapper adds (its per-layout launch arguments, checked once). `want`: the split count
+    before the cut by the token tiles (`choose_splits`' rule without T, see `splits`).
+    `refs`: weak references to the tensors the plan was made from (`PlanCache`)."""
+    __slots__ = ("kernel", "rows", "rows_q", "D", "kw", "out_dtype", "out_shape", "want", "block", "extra", "refs",
+                 "__weakref__")
+
+    def __init__(self, kernel, const, q, B, H, D, num_warps, num_stages, cache_dtype, out_dtype):
+        Hq = q.shape[1]
+        group = Hq // H
+        self.kernel, self.rows, self.rows_q, self.D = kernel, B * H, B * Hq, D
+        extra = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
+        self.kw = dict(GROUP=group, BH=max(16, triton.next_power_of_2(group)), D=D, FAST=fast_path(q),
+                       RND=TL_DTYPES[cache_dtype], **const, **extra)
+        self.out_dtype = out_dtype or q.dtype
+        self.out_shape = (B, Hq, 1, D)
+        self.want, self.block, self.extra, self.refs = 0, 1, None, ()
+
+    def splits(self, ntiles: int) -> tuple[int, int]:
+        """`choose_splits(rows, ntiles, ...)` with the plan's `want` (set by the wrapper:
+        num_splits, else programs_per_sm programs per SM over the rows)."""
+        if ntiles <= 0:
+            return 1, 0
+        want = self.want if self.want < ntiles else ntiles
+        per = -(-ntiles // want)
+        return -(-ntiles // per), per
+
+
+def split_want(rows: int, device, num_splits, programs_per_sm) -> int:
+    """The split count `choose_splits` aims for before it is cut to the token tiles."""
+    return max(1, num_splits or max(1, math.ceil(programs_per_sm * sm_count(device) / max(1, rows))))
+
+
+def run_split(plan: SplitPlan, q, args, runtime, nsplit: int, ws):
+    """One planned launch: the split kernel over (rows, nsplit), then the combine (see
+    `launch_split`); a fresh workspace unless `ws` fits."""
+    rows_q, D, out_dtype = plan.rows_q, plan.D, plan.out_dtype
     if ws is None or ws.nsplit != nsplit or ws.out.dtype != out_dtype or ws.out.numel() != rows_q * D:
         ws = Workspace(rows_q, nsplit, D, q.device, out_dtype)
-    group = Hq // H
-    bh = max(16, triton.next_power_of_2(group))
-    extra = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
-    launch(kernel, (B * H, nsplit), q, *args, ws.po, ws.pm, ws.pl, *runtime,
-           GROUP=group, BH=bh, D=D, FAST=fast_path(q), RND=TL_DTYPES[cache_dtype], **const, **extra)
+    launch(plan.kernel, (plan.rows, nsplit), q, *args, ws.po, ws.pm, ws.pl, *runtime, **plan.kw)
     launch(combine_kernel, (rows_q,), ws.po, ws.pm, ws.pl, ws.out, nsplit, D=D, SB=16)
-    return ws.out.view(B, Hq, 1, D)
+    return ws.out.view(plan.out_shape)
 
 
-__all__ = ["LOG2E", "TL_DTYPES", "combine_kernel", "dq_bytes", "f16x4", "fast_path", "finish", "hamilton", "launch",
-           "launch_split", "nbytes_span", "popc", "scores", "softmax_update", "split_prologue", "store_partial",
-           "table_quad", "unpack_rows", "valid_tokens"]
+def _NONE():  # the reference of an absent (None) field
+    return None
+
+
+class PlanCache:
+    """Plans by layout key, each valid while the tensors it was made from are alive and
+    the same objects (weak references, as the CUDA backend's plans): the key holds their
+    ids and every int, dtype, option and q property the plan derives from, but not the
+    valid length T (the split cut is redone per call, `SplitPlan.splits`). A tensor
+    resized or restrided IN PLACE (resize_, as_strided_) keeps its id: the store never does
+    that (it grows into new buffers); anything else that changes makes a new key."""
+
+    def __init__(self, max_plans: int = 256):
+        self.max_plans = max_plans
+        self.plans: dict = {}
+        _CACHES.append(self)
+
+    def get(self, key, tensors):
+        plan = self.plans.get(key)
+        if plan is None:
+            return None
+        for r, t in zip(plan.refs, tensors):
+            if r() is not t:
+                return None
+        return plan
+
+    def put(self, key, tensors, plan):
+        plan.refs = tuple(_NONE if t is None else weakref.ref(t) for t in tensors)
+        if len(self.plans) >= self.max_plans:
+            self.plans.clear()  # a plan is cheap to make again
+        self.plans[key] = plan
+        return plan
+
+    def clear(self) -> None:
+        self.plans.clear()
+
+
+_CACHES: list = []
+
+
+def clear_plans() -> None:
+    """Forget every Triton wrapper's plans (tests; a plan is made again at the next call)."""
+    for c in _CACHES:
+        c.clear()
+
+
+def plan_count() -> int:
+    """Plans held by every Triton wrapper (tests)."""
+    return sum(len(c.plans) for c in _CACHES)
+
+
+def q_key(q):
+    """What a plan derives from q: shape, dtype, device (contiguity is handled per call)."""
+    return q.shape, q.dtype, q.device
+
+
+__all__ = ["LOG2E", "PlanCache", "clear_plans", "plan_count", "SplitPlan", "TL_DTYPES", "combine_kernel", "dq_bytes", "f16x4", "fast_path", "finish",
+           "hamilton", "launch", "launch_split", "nbytes_span", "popc", "q_key", "run_split", "scores", "softmax_update",
+           "split_prologue", "split_want", "store_partial", "table_quad", "unpack_rows", "valid_tokens"]

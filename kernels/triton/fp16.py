@@ -13,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import Workspace, bh_stride, check_q, check_valid_len, choose_splits
+from ..common import Workspace, bh_stride, check_q, check_valid_len
 from ..layout import FP16Flat
-from .common import LOG2E, finish, launch_split, scores, softmax_update, split_prologue, store_partial, valid_tokens
+from .common import (LOG2E, PlanCache, SplitPlan, finish, q_key, run_split, scores, softmax_update, split_prologue,
+                     split_want, store_partial, valid_tokens)
 
 
 @triton.jit
@@ -46,20 +47,38 @@ def _fp16_split_kernel(q_ptr, kv_ptr, vv_ptr, po_ptr, pm_ptr, pl_ptr,
     store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D)
 
 
+_PLANS = PlanCache()
+
+
 def fp16_decode_attention(q: torch.Tensor, k: FP16Flat, v: FP16Flat, *, num_splits: int | None = None,
                           block_t: int = 64, num_warps: int = 4, num_stages: int = 3, programs_per_sm: int = 8,
                           workspace: Workspace | None = None, out_dtype=None,
                           valid_len: torch.Tensor | None = None) -> torch.Tensor:
+    T = k.T
+    ts = (k.values, v.values)
+    key = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.dtype, v.B, v.H, v.D, *q_key(q), valid_len is None,
+           num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype)
+    plan = _PLANS.get(key, ts) or _PLANS.put(key, ts, _fp16_plan(q, k, v, valid_len, num_splits, block_t, num_warps,
+                                                                  num_stages, programs_per_sm, out_dtype))
+    vl, _ = check_valid_len(valid_len, q)
+    if v.T != T:
+        raise ValueError(f"K and V fp16 caches differ in shape: {(k.B, k.H, T, k.D)} vs {(v.B, v.H, v.T, v.D)}")
+    nsplit, per = plan.splits(-(-T // block_t))
+    return run_split(plan, q.contiguous(), ts, [T, per, *plan.extra, vl], nsplit, workspace)
+
+
+def _fp16_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype):
+    """Every check of a call and what it derives from the layout (once per plan)."""
     B, H, T, D = k.B, k.H, k.T, k.D
     check_q(q, H, D, B)
-    vl, has_vl = check_valid_len(valid_len, q)
+    _, has_vl = check_valid_len(valid_len, q)
     if (v.B, v.H, v.T, v.D) != (B, H, T, D):
         raise ValueError(f"K and V fp16 caches differ in shape: {(B, H, T, D)} vs {(v.B, v.H, v.T, v.D)}")
-    q = q.contiguous()
-    nsplit, per = choose_splits(B * H, triton.cdiv(T, block_t), q.device, num_splits, programs_per_sm)
-    runtime = [T, per, LOG2E / math.sqrt(D), bh_stride(k.values, "values"), bh_stride(v.values, "values"), vl]
-    return launch_split(_fp16_split_kernel, [k.values, v.values], runtime, {"VLEN": has_vl, "BT": block_t},
-                        q, B, H, nsplit, D, num_warps, num_stages, workspace, k.dtype, out_dtype)
+    plan = SplitPlan(_fp16_split_kernel, {"VLEN": has_vl, "BT": block_t}, q, B, H, D, num_warps, num_stages,
+                     k.dtype, out_dtype)
+    plan.want = split_want(B * H, q.device, num_splits, programs_per_sm)
+    plan.extra = (LOG2E / math.sqrt(D), bh_stride(k.values, "values"), bh_stride(v.values, "values"))
+    return plan
 
 
 __all__ = ["fp16_decode_attention"]

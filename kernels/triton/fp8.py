@@ -11,9 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import Workspace, bh_stride, check_q, check_valid_len, choose_splits
+from ..common import Workspace, bh_stride, check_q, check_valid_len
 from ..layout import FP8Flat
-from .common import LOG2E, launch_split, scores, softmax_update, split_prologue, store_partial, valid_tokens
+from .common import (LOG2E, PlanCache, SplitPlan, q_key, run_split, scores, softmax_update, split_prologue,
+                     split_want, store_partial, valid_tokens)
 
 
 @triton.jit
@@ -68,21 +69,42 @@ def _fp8_split_kernel(q_ptr, kc, vc, ksc_ptr, vsc_ptr, po_ptr, pm_ptr, pl_ptr,
 
 
 
+_PLANS = PlanCache()
+
+
 def fp8_decode_attention(q: torch.Tensor, k: FP8Flat, v: FP8Flat, *, num_splits: int | None = None,
                          block_t: int = 64, num_warps: int = 4, num_stages: int = 3, programs_per_sm: int = 12,
                          workspace: Workspace | None = None, out_dtype=None,
                          valid_len: torch.Tensor | None = None) -> torch.Tensor:
+    T = k.T
+    ts = (k.codes, v.codes, k.scale, v.scale)
+    key = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.fmt, k.dtype, v.B, v.H, v.D, v.fmt, *q_key(q),
+           valid_len is None, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype)
+    plan = _PLANS.get(key, ts) or _PLANS.put(key, ts, _fp8_plan(q, k, v, valid_len, num_splits, block_t, num_warps,
+                                                                 num_stages, programs_per_sm, out_dtype))
+    vl, _ = check_valid_len(valid_len, q)
+    if v.T != T:
+        raise ValueError("K and V fp8 caches differ in shape or format")
+    nsplit, per = plan.splits(-(-T // block_t))
+    qk_scale, k_cs, v_cs, ksc, vsc = plan.extra
+    return run_split(plan, q.contiguous(), [k.codes, v.codes, ksc, vsc], [T, per, qk_scale, k_cs, v_cs, vl], nsplit,
+                     workspace)
+
+
+def _fp8_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype):
+    """Every check of a call and what it derives from the layout (once per plan)."""
     B, H, T, D = k.B, k.H, k.T, k.D
     check_q(q, H, D, B)
-    vl, has_vl = check_valid_len(valid_len, q)
+    _, has_vl = check_valid_len(valid_len, q)
     if (v.B, v.H, v.T, v.D, v.fmt) != (B, H, T, D, k.fmt):
         raise ValueError("K and V fp8 caches differ in shape or format")
-    q = q.contiguous()
-    nsplit, per = choose_splits(B * H, triton.cdiv(T, block_t), q.device, num_splits, programs_per_sm)
-    runtime = [T, per, LOG2E / math.sqrt(D), bh_stride(k.codes, "codes"), bh_stride(v.codes, "codes"), vl]
     const = {"VLEN": has_vl, "HKV": H, "BT": block_t, "E5": k.fmt == "e5m2"}
-    return launch_split(_fp8_split_kernel, [k.codes, v.codes, k.scale.float(), v.scale.float()], runtime, const,
-                   q, B, H, nsplit, D, num_warps, num_stages, workspace, k.dtype, out_dtype)
+    plan = SplitPlan(_fp8_split_kernel, const, q, B, H, D, num_warps, num_stages, k.dtype, out_dtype)
+    plan.want = split_want(B * H, q.device, num_splits, programs_per_sm)
+    # the per-head scales in fp32 (the flat's own tensors when they are fp32 already, as FP8Flat keeps them)
+    plan.extra = (LOG2E / math.sqrt(D), bh_stride(k.codes, "codes"), bh_stride(v.codes, "codes"),
+                  k.scale.float(), v.scale.float())
+    return plan
 
 
 __all__ = ["fp8_decode_attention"]

@@ -20,10 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import Workspace, bh_stride, check_q, check_valid_len, choose_splits, interpreting
+from ..common import Workspace, bh_stride, check_q, check_valid_len, interpreting
 from ..layout import OUTLIER_BLOCK, HQMQFlat
-from .common import (LOG2E, f16x4, fast_path, finish, hamilton, launch_split, nbytes_span, popc, scores,
-                     softmax_update, split_prologue, store_partial, table_quad, unpack_rows, valid_tokens)
+from .common import (LOG2E, PlanCache, SplitPlan, f16x4, fast_path, finish, hamilton, nbytes_span, popc, q_key,
+                     run_split, scores, softmax_update, split_prologue, split_want, store_partial, table_quad,
+                     unpack_rows, valid_tokens)
 
 
 @triton.jit
@@ -230,19 +231,47 @@ def _hqmq_split_kernel(q_ptr,
 
 
 
+_PLANS = PlanCache()
+
+
+def _flat_tensors(f: HQMQFlat) -> tuple:
+    return f.codes, f.radius, f.r_max, f.flags, f.outliers, f.outlier_index, f.table, f.rel, f.rel16
+
+
 def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_splits: int | None = None,
                           block_t: int = 128, num_warps: int = 4, num_stages: int = 1,
                           programs_per_sm: int = 8, workspace: Workspace | None = None,
                           out_dtype=None, valid_len: torch.Tensor | None = None) -> torch.Tensor:
+    T = k.T
+    ts = _flat_tensors(k) + _flat_tensors(v) + (k.ptab,)
+    key = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.S, k.code_bits, k.r_bits, k.table_mode, k.dtype,
+           k.log_radius, k.code_pack, v.B, v.H, v.D, v.S, v.code_bits, v.r_bits, v.table_mode, v.dtype, v.log_radius,
+           v.code_pack, *q_key(q), valid_len is None, num_splits, block_t, num_warps, num_stages, programs_per_sm,
+           out_dtype)
+    plan = _PLANS.get(key, ts) or _PLANS.put(key, ts, _hqmq_plan(q, k, v, valid_len, num_splits, block_t, num_warps,
+                                                                  num_stages, programs_per_sm, out_dtype))
+    vl, _ = check_valid_len(valid_len, q)
+    if v.T != T:
+        raise ValueError("K and V caches differ in shape")
+    nsplit, per = plan.splits(-(-T // block_t))
+    args, strides = plan.extra
+    if k.has_outliers or v.has_outliers:  # the outlier buffers' int64 views, made per call (never kept)
+        args = list(args)
+        for i, f in ((4, k), (12, v)):
+            if f.has_outliers and f.outliers.numel():
+                args[i] = f.outliers.view(torch.int64)
+    return run_split(plan, q.contiguous(), args, [T, per, *strides, vl], nsplit, workspace)
+
+
+def _hqmq_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype):
+    """Every check of a call and what it derives from the layout (once per plan)."""
     B, H, T, D = k.B, k.H, k.T, k.D
     check_q(q, H, D, B)
-    vl, has_vl = check_valid_len(valid_len, q)
+    _, has_vl = check_valid_len(valid_len, q)
     if (v.B, v.H, v.T, v.D) != (B, H, T, D):
         raise ValueError("K and V caches differ in shape")
     if block_t % OUTLIER_BLOCK:
         raise ValueError(f"block_t must be a multiple of {OUTLIER_BLOCK}")
-    q = q.contiguous()
-    nsplit, per = choose_splits(B * H, triton.cdiv(T, block_t), q.device, num_splits, programs_per_sm)
     nc = D // 4
     fast = fast_path(q)
 
@@ -254,11 +283,12 @@ def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_spli
     def args(f: HQMQFlat):
         dummy = f.codes
         # Without outliers the kernel never reads this argument: any int64 view will do
-        # (no allocation per call on the decode path).
-        outl = f.outliers.view(torch.int64) if f.has_outliers and f.outliers.numel() else f.table.view(torch.int64)
+        # (no allocation per call on the decode path). With them the call puts the
+        # outliers' view here (slot 4 of the flat's 8).
+        table = f.table.view(torch.int64)
         rel = f.rel16 if fast and tab(f) == 1 else f.rel
-        return [f.codes, f.radius, f.r_max, f.flags if f.has_outliers else dummy, outl,
-                f.outlier_index if f.has_outliers else dummy, f.table.view(torch.int64), rel]
+        return [f.codes, f.radius, f.r_max, f.flags if f.has_outliers else dummy, table,
+                f.outlier_index if f.has_outliers else dummy, table, rel]
 
     def strides(f: HQMQFlat):
         if f.has_outliers:
@@ -278,11 +308,13 @@ def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_spli
                 f"{p}_RW": f.r_bits, f"{p}_RB": f.radius.shape[-1], f"{p}_RNB": nbytes_span(nc, f.r_bits),
                 f"{p}_S": f.S, f"{p}_OUT": f.has_outliers, f"{p}_TAB": tab(f), f"{p}_LOGR": f.log_radius}
 
-    runtime = [T, per, LOG2E / math.sqrt(D)] + strides(k) + strides(v) + [vl]
+    runtime = [LOG2E / math.sqrt(D)] + strides(k) + strides(v)
     const = {**ce(k, "K"), **ce(v, "V"), "VLEN": has_vl, "HKV": H, "BT": block_t, "FB": (nc + 7) // 8, "INTERP": interpreting()}
     ptab = k.ptab.float().contiguous()
-    return launch_split(_hqmq_split_kernel, args(k) + args(v) + [ptab], runtime, const, q, B, H, nsplit, D,
-                   num_warps, num_stages, workspace, k.dtype, out_dtype)
+    plan = SplitPlan(_hqmq_split_kernel, const, q, B, H, D, num_warps, num_stages, k.dtype, out_dtype)
+    plan.want = split_want(B * H, q.device, num_splits, programs_per_sm)
+    plan.extra = (args(k) + args(v) + [ptab], runtime)
+    return plan
 
 
 __all__ = ["hqmq_decode_attention"]

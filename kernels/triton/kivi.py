@@ -12,9 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import Workspace, bh_stride, check_q, check_valid_len, choose_splits, pow2
+from ..common import Workspace, bh_stride, check_q, check_valid_len, pow2
 from ..layout import KIVIFlat, KIVIGraphFlat
-from .common import LOG2E, dq_bytes, launch_split, nbytes_span, scores, softmax_update, split_prologue, store_partial
+from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, nbytes_span, q_key, run_split, scores, softmax_update,
+                     split_prologue, split_want, store_partial)
 from .naive_int import int_tile
 
 
@@ -118,12 +119,43 @@ def _kivi_split_kernel(q_ptr, kc, ks, kz, kres, vc, vs, vz, vres, po_ptr, pm_ptr
 
 
 
+_PLANS = PlanCache()
+
+
 def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_splits: int | None = None,
                           block_t: int = 64, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 12,
                           workspace: Workspace | None = None, out_dtype=None, valid_len=None) -> torch.Tensor:
     """`valid_len` (a device token count, see `decode_attention`): k and v must be
     `KIVIGraphFlat`s (the window policy turns the length into each side's counts, on the
     device) of one capacity."""
+    ts = (k.codes, k.scale, k.zero, k.residual, v.codes, v.scale, v.zero, v.residual)
+    kg, vg = type(k) is KIVIGraphFlat, type(v) is KIVIGraphFlat
+    key = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.bits, k.group, k.role, k.dtype, k.n_groups == 0,
+           v.B, v.H, v.D, v.bits, v.group, v.role, v.n_groups == 0, k.policy if kg else None,
+           k.capacity if kg else None, v.policy if vg else None, v.capacity if vg else None, *q_key(q),
+           valid_len is None, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype)
+    plan = _PLANS.get(key, ts) or _PLANS.put(key, ts, _kivi_plan(q, k, v, valid_len, num_splits, block_t, num_warps,
+                                                                  num_stages, programs_per_sm, out_dtype))
+    vl, has_vl = check_valid_len(valid_len, q)
+    kb, vb, ks, vs, bt, cap_split = plan.extra
+    if has_vl:
+        nsplit, per = cap_split
+    else:
+        if v.T != k.T:
+            raise ValueError("K and V KIVI caches differ in shape or config")
+        n_main = min(k.n_groups, v.n_groups) * k.group // bt
+        nsplit, per = plan.splits(n_main)
+        if n_main and k.T > n_main * bt:  # the tail gets a program of its own (its first tile is past n_main)
+            nsplit += 1
+    bufs = [k.codes, k.scale, k.zero, k.residual] if kb is None else kb
+    bufs += [v.codes, v.scale, v.zero, v.residual] if vb is None else vb
+    runtime = [k.n_groups, k.T_res, v.n_groups, v.T_res, per, LOG2E / math.sqrt(k.D), *ks, *vs, vl,
+               k.capacity if has_vl else 0]
+    return run_split(plan, q.contiguous(), bufs, runtime, nsplit, workspace)
+
+
+def _kivi_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype):
+    """Every check of a call and what it derives from the layout (once per plan)."""
     B, H, D = k.B, k.H, k.D
     check_q(q, H, D, B)
     vl, has_vl = check_valid_len(valid_len, q)
@@ -147,34 +179,30 @@ def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_spli
     bt = max(block_t, G)
     if bt % G:
         raise ValueError(f"block_t {block_t} must be a multiple of the group {G}")
-    q = q.contiguous()
-    if has_vl:  # cut for the capacity: at most capacity // bt main tiles, always a tail split
-        n_main = k.capacity // bt
-        nsplit, per = choose_splits(B * H, n_main, q.device, num_splits, programs_per_sm)
-        nsplit += 1 if n_main else 0
-    else:
-        n_main = min(k.n_groups, v.n_groups) * G // bt
-        nsplit, per = choose_splits(B * H, n_main, q.device, num_splits, programs_per_sm)
-        if n_main and k.T > n_main * bt:  # the tail gets a program of its own (its first tile is past n_main)
-            nsplit += 1
+    want = split_want(B * H, q.device, num_splits, programs_per_sm)
 
     def parts(f: KIVIFlat, role: str):
+        """(the buffers, None: the flat's own four per call; the strides)."""
         if f.n_groups or has_vl:
-            return ([f.codes, f.scale, f.zero, f.residual],
-                    [bh_stride(f.codes, f"{role} codes"), bh_stride(f.scale, f"{role} scale"),
-                     bh_stride(f.residual, f"{role} window")])
+            return None, [bh_stride(f.codes, f"{role} codes"), bh_stride(f.scale, f"{role} scale"),
+                          bh_stride(f.residual, f"{role} window")]
         codes = torch.zeros(1, dtype=torch.uint8, device=f.residual.device)  # never read; typed as codes are
         return [codes, f.residual, f.residual, f.residual], [0, 0, bh_stride(f.residual, f"{role} window")]
 
     kb, ks = parts(k, "K")
     vb, vs = parts(v, "V")
-    runtime = [k.n_groups, k.T_res, v.n_groups, v.T_res, per, LOG2E / math.sqrt(D)] + ks + vs
-    runtime += [vl, k.capacity if has_vl else 0]
     const = {"BT": bt, "W": W, "G": G, "GB": G * W // 8, "VCB": D * W // 8, "VCNB": nbytes_span(D, W)}
     if has_vl:
         const.update(VLEN=True, KA=k.policy[0], KP=k.policy[1], VA=v.policy[0], VP=v.policy[1])
-    return launch_split(_kivi_split_kernel, kb + vb, runtime, const, q, B, H, nsplit, D, num_warps, num_stages,
-                   workspace, k.dtype, out_dtype)
+    plan = SplitPlan(_kivi_split_kernel, const, q, B, H, D, num_warps, num_stages, k.dtype, out_dtype)
+    plan.want = want
+    cap_split = None
+    if has_vl:  # cut for the capacity: at most capacity // bt main tiles, always a tail split
+        n_main = k.capacity // bt
+        nsplit, per = plan.splits(n_main)
+        cap_split = (nsplit + (1 if n_main else 0), per)
+    plan.extra = (kb, vb, ks, vs, bt, cap_split)
+    return plan
 
 
 __all__ = ["kivi_decode_attention"]

@@ -10,10 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import Workspace, bh_stride, check_q, check_valid_len, choose_splits, pow2
+from ..common import Workspace, bh_stride, check_q, check_valid_len, pow2
 from ..layout import IntFlat
-from .common import (LOG2E, dq_bytes, finish, launch_split, nbytes_span, scores, softmax_update, split_prologue,
-                     store_partial, unpack_rows, valid_tokens)
+from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, finish, nbytes_span, q_key, run_split, scores,
+                     softmax_update, split_prologue, split_want, store_partial, unpack_rows, valid_tokens)
 
 
 @triton.jit
@@ -65,30 +65,48 @@ def _int_split_kernel(q_ptr, kc, ks, kz, vc, vs, vz, po_ptr, pm_ptr, pl_ptr,
 
 
 
+_PLANS = PlanCache()
+
+
 def int_decode_attention(q: torch.Tensor, k: IntFlat, v: IntFlat, *, num_splits: int | None = None,
                          block_t: int = 128, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 8,
                          workspace: Workspace | None = None, out_dtype=None,
                          valid_len: torch.Tensor | None = None) -> torch.Tensor:
+    T = k.T
+    ts = (k.codes, k.scale, k.zero, v.codes, v.scale, v.zero)
+    key = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.bits, k.group, k.dtype, v.B, v.H, v.D, v.bits, v.group,
+           *q_key(q), valid_len is None, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype)
+    plan = _PLANS.get(key, ts) or _PLANS.put(key, ts, _int_plan(q, k, v, valid_len, num_splits, block_t, num_warps,
+                                                                 num_stages, programs_per_sm, out_dtype))
+    vl, _ = check_valid_len(valid_len, q)
+    if v.T != T:
+        raise ValueError("K and V int caches differ in shape or config")
+    nsplit, per = plan.splits(-(-T // block_t))
+    return run_split(plan, q.contiguous(), ts, [T, per, *plan.extra, vl], nsplit, workspace)
+
+
+def _int_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype):
+    """Every check of a call and what it derives from the layout (once per plan)."""
     B, H, T, D = k.B, k.H, k.T, k.D
     check_q(q, H, D, B)
-    vl, has_vl = check_valid_len(valid_len, q)
+    _, has_vl = check_valid_len(valid_len, q)
     if (v.B, v.H, v.T, v.D, v.bits, v.group) != (B, H, T, D, k.bits, k.group):
         raise ValueError("K and V int caches differ in shape or config")
     G, W = k.group, k.bits
     if D % G or not pow2(D // G):
         raise ValueError(f"fused int kernel needs head_dim/group a power of two, got {D}/{G}")
     vec = 8 % W == 0 and (G * W) % 8 == 0 and pow2(G * W // 8)
-    q = q.contiguous()
-    nsplit, per = choose_splits(B * H, triton.cdiv(T, block_t), q.device, num_splits, programs_per_sm)
-    runtime = [T, per, LOG2E / math.sqrt(D), bh_stride(k.codes, "codes"), bh_stride(k.scale, "scale"),
-               bh_stride(v.codes, "codes"), bh_stride(v.scale, "scale"), vl]
+    strides = [LOG2E / math.sqrt(D), bh_stride(k.codes, "codes"), bh_stride(k.scale, "scale"),
+               bh_stride(v.codes, "codes"), bh_stride(v.scale, "scale")]
     for f in (k, v):
         if f.zero.stride() != f.scale.stride():
             raise ValueError("int scale and zero buffers must share a layout")
     const = {"VLEN": has_vl, "BT": block_t, "W": W, "CB": k.codes.shape[-1], "CNB": nbytes_span(D, W), "G": G,
              "VEC": vec}
-    return launch_split(_int_split_kernel, [k.codes, k.scale, k.zero, v.codes, v.scale, v.zero], runtime, const,
-                   q, B, H, nsplit, D, num_warps, num_stages, workspace, k.dtype, out_dtype)
+    plan = SplitPlan(_int_split_kernel, const, q, B, H, D, num_warps, num_stages, k.dtype, out_dtype)
+    plan.want = split_want(B * H, q.device, num_splits, programs_per_sm)
+    plan.extra = strides
+    return plan
 
 
 __all__ = ["int_decode_attention", "int_tile"]

@@ -26,6 +26,7 @@ from ....kernels.decode_attention import reference_decode_attention
 from ..toolkit import DEVICE, GPU, LAUNCH_ERRORS, describe_error, graph_replay, timeit_us
 from .caches import EncodedCache, tiled
 from .config import DEFAULT_LAUNCH, LatencyConfig
+from .host_time import host_us
 from .methods import auto_backend, cuda_refusal, fake_quant_callable, fused_callable, sdpa_callable, shipped_callable
 from .tuning import greedy_tune, launch_stages
 
@@ -66,6 +67,8 @@ def _timed(out: _Rows, method: str, fn, nbytes: int, extra: dict, graph: bool, c
         row = dict(extra)
         if check:
             row.update(check(fn))
+        if GPU and method.startswith("fused-"):  # the eager call's issue time (host_time.py): its Python before
+            row["host_us"] = host_us(fn, n=20, warmup=3, rounds=5, sync=torch.cuda.synchronize)  # the kernel
         out.measured(method, timeit_us(fn), nbytes, **row)
     except ROW_ERRORS as e:
         out.failed(method, e)

@@ -22,13 +22,15 @@ def write_markdown(path: Path, res: dict):
          "backend's defaults (backend = the one that ran; why not CUDA in the note); `fused-<x>-triton` the "
          "Triton kernel with the tuner's config; `fused-<x>-cuda` the CUDA kernel by opt-in where auto does "
          "not take it; `-graph` the same call replayed as a CUDA graph (B=1), compared with `fp16-sdpa-graph`. "
-         "x = same-run fp16 SDPA us / row us.", "",
-         "| B | T | method | backend | latency (us) | x fp16 SDPA | GB/s | of copy BW | bytes (MB) | note |",
-         "|---:|---:|---|---|---:|---:|---:|---:|---:|---|"]
+         "x = same-run fp16 SDPA us / row us. host us: an eager fused call's issue time (the call returning, "
+         "no sync; host_time.py), the Python it runs before its kernel.", "",
+         "| B | T | method | backend | latency (us) | host us | x fp16 SDPA | GB/s | of copy BW | bytes (MB) | note |",
+         "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (r["B"], r["T"], r["method"])):
         note = "; ".join(str(n) for n in (r.get("note"), r.get("why_not_cuda"), r.get("config")) if n)
         x = f"{r['speedup_vs_fp16_sdpa']:.2f}" if "speedup_vs_fp16_sdpa" in r else ""
-        L.append(f"| {r['B']} | {r['T']} | {r['method']} | {r.get('backend', '')} | {r['latency_us']:.1f} | {x} | "
+        host = f"{r['host_us']:.1f}" if "host_us" in r else ""
+        L.append(f"| {r['B']} | {r['T']} | {r['method']} | {r.get('backend', '')} | {r['latency_us']:.1f} | {host} | {x} | "
                  f"{r['GBps']:.0f} | {r['frac_copy_bw']:.2f} | {r['bytes'] / 1e6:.1f} | {note} |")
     skipped = [r for r in res["latency"] if "latency_us" not in r]
     if skipped:

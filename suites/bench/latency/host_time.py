@@ -1,0 +1,114 @@
+"""Host time of an eager fused decode-attention call: the Python a call runs before its
+kernel (issue 28: "a thin host path").
+
+`host_us(fn)`: the median wall time of `fn()` without a synchronisation, per call, over
+`n` calls. On a GPU that is the issue time of an eager call (what thirty layers pay per
+token when the GPU outruns the host); the latency section records it beside each eager
+fused row ("host_us"). On a CPU, `stubbed_host_us` replaces the launch itself by a no-op
+(kernels/triton/common.py `launch_hook`), so what is timed is exactly the Python a GPU
+call pays before its kernel: routing, checks, split choice, workspace, launch arguments.
+
+    python -m kvqbench.suites.bench.latency.host_time            # CPU: the table of issue 28
+    python -m kvqbench.suites.bench.latency.host_time --d 64 --B 1 8
+
+Sets TRITON_INTERPRET on a CPU before the kernels are imported (as the command line of
+the latency suite does).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+import torch
+
+# formats of issue 28's table: label -> quantizer spec
+SPECS = {"int4": "int4", "fp8": "fp8", "kivi4": "kivi:bits=4", "hqmq": "hqmq:S=96,r=4", "fp16": "fp16"}
+
+
+def host_us(fn, n: int = 100, warmup: int = 20, rounds: int = 15, sync=None) -> float:
+    """The least over `rounds` of the mean wall time of n back-to-back calls of fn, no
+    sync (microseconds; the least, as timeit takes it: a loaded machine only adds). The
+    first `warmup` calls (plans built, kernels compiled) are not timed. `sync`, called
+    before each round (a GPU's synchronize), keeps the launch queue from filling: keep n
+    well under its depth (~1000 launches) so the calls time the host, not the GPU."""
+    for _ in range(warmup):
+        fn()
+    means = []
+    for _ in range(rounds):
+        if sync is not None:
+            sync()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        means.append((time.perf_counter() - t) / n * 1e6)
+    return min(means)
+
+
+@contextlib.contextmanager
+def stubbed_launches():
+    """Every Triton launch a no-op while inside (the launch arguments are still built)."""
+    from ....kernels.triton import common as tc
+
+    old = tc.launch_hook
+    tc.launch_hook = lambda kernel, grid, args, kw: None
+    try:
+        yield
+    finally:
+        tc.launch_hook = old
+
+
+def flats(spec: str, B: int, T: int, hkv: int, d: int, t0: int = 256, device="cpu"):
+    """(K, V) kernel-layout caches of `spec`, B sequences of T tokens (t0 encoded, tiled)."""
+    from ....kernels.layout import flatten
+    from ..toolkit import encode_kv, synthetic_kv, tile_to
+
+    k, v = synthetic_kv(1, hkv, t0, d, device)
+    (_, pk), (_, pv) = encode_kv(spec, k, v)
+    return tile_to(flatten(pk, "K"), B, T), tile_to(flatten(pv, "V"), B, T)
+
+
+def stubbed_host_us(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int = 128, n: int = 100,
+                    valid_len: bool = False) -> float:
+    """Host microseconds per `decode_attention(q, k, v)` call (backend auto) with the launch
+    stubbed out: the Python-side cost of the call."""
+    from ....kernels.decode_attention import decode_attention
+
+    kf, vf = flats(spec, B, T, hkv, d)
+    q = torch.randn(B, hq, 1, d).half()
+    kw = {}
+    if valid_len:
+        if hasattr(kf, "T_res"):
+            return float("nan")  # KIVI takes valid_len only with graph views
+        kw["valid_len"] = torch.tensor([T], dtype=torch.int32)
+    with stubbed_launches():
+        return host_us(lambda: decode_attention(q, kf, vf, **kw), n=n)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvqbench.suites.bench.latency.host_time",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--B", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--T", type=int, default=4096)
+    p.add_argument("--d", type=int, nargs="+", default=[128, 64])
+    p.add_argument("--formats", nargs="+", default=list(SPECS), choices=list(SPECS))
+    p.add_argument("--n", type=int, default=100)
+    a = p.parse_args(argv)
+    print(f"host us per decode_attention call, launch stubbed (Hq 32, Hkv 8, T={a.T}; least of 15 means of {a.n})")
+    print(f"{'format':8s} {'d':>4s} " + " ".join(f"{'B=' + str(b):>8s}" for b in a.B) + "  " +
+          " ".join(f"{'B=' + str(b) + ' vl':>8s}" for b in a.B))
+    for d in a.d:
+        for f in a.formats:
+            us = [stubbed_host_us(SPECS[f], b, a.T, d=d, n=a.n) for b in a.B]
+            vl = [stubbed_host_us(SPECS[f], b, a.T, d=d, n=a.n, valid_len=True) for b in a.B]
+            print(f"{f:8s} {d:4d} " + " ".join(f"{u:8.1f}" for u in us) + "  " + " ".join(f"{u:8.1f}" for u in vl),
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    sys.exit(main())
