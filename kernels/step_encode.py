@@ -441,7 +441,7 @@ class StepErrors:
         for role, (bits, tok, n_bad, _) in zip(("K", "V"), self.flags.tolist()):
             if not bits:
                 continue
-            where = (f"layer {layer} {role}: a decode-step write (token {tok}, encoded on the device; "
+            where = (f"layer {layer} {role}: a write encoded on the device (token {tok}; "
                      "reported when the cache was next checked, see kvqbench.suites.harness.kv_cache)")
             if bits & NONFINITE:
                 raise QuantizerInputError(f"{where}: input has {n_bad} NaN/Inf values; a cache cannot store them")

@@ -30,6 +30,13 @@ gives the Segments that hold exactly the bytes the old path would have stored (v
 the buffers), made only when someone reads the Packed. `end_run` turns them into
 ordinary absorbed segments (the next old-path write appends after them).
 
+Multi-token writes on the device (`steps`): where the format's step encoder takes t
+tokens in one launch and the quantizer fits nothing on its first write
+(`Format.multi_step`: fp16, per-token int, HQMQ without Med3x), a fused cache's prefill
+is encoded the same way, into a store made before any write (`create_empty`, from the
+quantizer's `empty`): its tokens form a run exactly as t steps would, one launch per
+(layer, role) instead of the quantizer's torch `append` and the copy into the store.
+
 Decode steps at a device position (`step_at`, for CUDA graphs; suites/harness/kv_cache.py
 `device_steps`): the same encoders write at a position read from a device int32 tensor
 and touch no host state; `advance(n)` then does the host bookkeeping `step` does, for
@@ -65,8 +72,9 @@ class TokenBuffer:
     `write(start, x)` writes x at tokens start.. (growing by doubling if needed) and
     sets the valid length to start + x.shape[2]; `valid` is a view of the prefix."""
 
-    def __init__(self, like: torch.Tensor, capacity: int):
-        self.buf = like.new_empty(like.shape[:2] + (capacity,) + like.shape[3:])
+    def __init__(self, like: torch.Tensor, capacity: int, zeroed: bool = False):
+        shape = like.shape[:2] + (capacity,) + like.shape[3:]
+        self.buf = like.new_zeros(shape) if zeroed else like.new_empty(shape)
         self.length = 0
 
     @property
@@ -108,6 +116,14 @@ class TokenBuffer:
     @property
     def nbytes(self) -> int:
         return self.buf.numel() * self.buf.element_size()
+
+
+def multi_steps(fmt: registry.Format, quantizer) -> bool:
+    """Whether `fmt`'s step encoder takes multi-token writes of this quantizer: its own
+    class (`Format.encodes_steps_of`) and `Format.multi_step` saying so for its config."""
+    if not fmt.encodes_steps_of(type(quantizer)) or not fmt.multi_step:
+        return False
+    return bool(fmt.multi_step(quantizer)) if callable(fmt.multi_step) else True
 
 
 def concat_tokens(segs: list[Segment], name: str) -> torch.Tensor:
@@ -168,6 +184,54 @@ class KernelStore:
             store._steps_begin()
         return store
 
+    @classmethod
+    def create_empty(cls, packed: Packed, role: str, tokens: int, capacity: int | None = None,
+                     table=None) -> "KernelStore | None":
+        """A store holding no tokens yet, whose writes are all encoded on the device: from
+        `packed`, a quantizer's `empty(x)` (its shared tensors, no segment), with room for
+        the `tokens` of the first write (`steps`) or the capacity hint if larger. None
+        unless the format's step encoder takes multi-token writes of this quantizer
+        (`Format.multi_step`) and a fused kernel reads it. The static parts of the flat
+        (tables) come from flattening a zero-token segment of the quantizer's layout
+        (`Quantizer.segment_layout`, learnt once per process and shape)."""
+        if packed.segments:
+            raise ValueError("create_empty takes a Packed without segments (Quantizer.empty)")
+        q_cls, cfg = parse_spec(packed.spec)
+        fmt = registry.format_of_quantizer(q_cls)
+        if fmt is None or not fmt.stores:
+            return None
+        stepper = q_cls(cfg, role=role)
+        if not multi_steps(fmt, stepper):
+            return None
+        B, H, D = packed.batch, packed.heads, packed.head_dim
+        try:
+            fields, variable = stepper.segment_layout((B, H, 1, D))
+        except (ValueError, TypeError, RuntimeError):
+            return None
+        if fields is None or variable or not all(
+                len(shape) >= 3 and tuple(shape[:3]) == (B, H, 1) and name in fmt.token_fields
+                for name, (shape, _) in fields.items()):
+            return None  # a field not along the tokens (or of data-dependent length)
+        zero = Segment({name: torch.empty((B, H, 0) + tuple(shape[3:]), dtype=dtype, device=packed.device)
+                        for name, (shape, dtype) in fields.items()}, 0)
+        try:
+            flat = layout.flatten(dataclasses.replace(packed, segments=[zero]), role)
+        except (ValueError, TypeError, NotImplementedError):
+            return None
+        if registry.format_of_flat(type(flat)) is not fmt:
+            return None
+        if table is not None and fmt.configure is not None:
+            flat = fmt.configure(flat, table=table)
+        store = (fmt.store or KernelStore)(flat, packed, role, fmt)
+        store.capacity_hint = capacity or 0
+        for name in store.fields:  # zeroed: a launch that did not run (a cost-counting
+            if name in zero.fields:  # `launch_hook`) leaves finite bytes, not garbage
+                store._buffer(name, zero.fields[name], tokens, zeroed=True)
+        store._refresh_flat()
+        store.stepper = stepper
+        store._steps_begin()
+        return store
+
     def _steps_begin(self) -> None:
         """Hook: the stepper was just set (before the first step)."""
 
@@ -183,12 +247,13 @@ class KernelStore:
         self._append_tokens(new)
         self.tokens = shared_tokens + sum(s.tokens for s in new)
 
-    def _buffer(self, name: str, like: torch.Tensor, need: int, unit: int = 1, hinted: bool = True) -> TokenBuffer:
+    def _buffer(self, name: str, like: torch.Tensor, need: int, unit: int = 1, hinted: bool = True,
+                zeroed: bool = False) -> TokenBuffer:
         """The buffer `name`, created for `need` rows of axis 2 (each `unit` tokens), or
-        for the capacity hint if larger (`hinted`)."""
+        for the capacity hint if larger (`hinted`); `zeroed`: filled with zeros."""
         if name not in self.buffers:
             cap = -(-grown_capacity(max(need * unit, self.capacity_hint if hinted else 0)) // unit)
-            self.buffers[name] = TokenBuffer(like, cap)
+            self.buffers[name] = TokenBuffer(like, cap, zeroed)
         return self.buffers[name]
 
     def _append_tokens(self, new: list[Segment]) -> None:
@@ -243,13 +308,34 @@ class KernelStore:
         self._step(x, errors)
         return True
 
+    @property
+    def multi_steps(self) -> bool:
+        """Whether `steps` takes multi-token writes (the format's step encoder does, for
+        this stepper: `Format.multi_step`)."""
+        return self.stepper is not None and multi_steps(self.format, self.stepper)
+
+    def steps(self, x: torch.Tensor, errors: torch.Tensor) -> bool:
+        """Encode the write x `[B, H, t, D]` (checked by the caller, as for `step`) on the
+        device in one launch, exactly as t one-token `step`s would: into the buffers at
+        the current length, as part of the current run (`run_segments` gives its bytes).
+        False (nothing done) when the format's encoder takes no multi-token write here."""
+        if not self.multi_steps or x.shape[2] < 1:
+            return False
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if self._run_start is None:
+            self._run_start = self._run_position()
+        self._step(x, errors)
+        return True
+
     def _run_position(self) -> int:
         """Where a run of steps starts on axis 2 of the buffers (tokens; KIVI: groups)."""
         return self.tokens
 
     def _step(self, x: torch.Tensor, errors: torch.Tensor) -> None:
+        """x's tokens (one; `steps`: t) into the buffers at the current length."""
         t0 = self.tokens
-        end = t0 + 1
+        end = t0 + x.shape[2]
         grew = False
         for name in self.fields:
             if name in self.buffers:
@@ -414,4 +500,4 @@ class KernelStore:
         return sum(b.nbytes for b in self.buffers.values())
 
 
-__all__ = ["KernelStore", "TokenBuffer", "concat_tokens", "grown_capacity", "MIN_CAPACITY"]
+__all__ = ["KernelStore", "TokenBuffer", "concat_tokens", "grown_capacity", "multi_steps", "MIN_CAPACITY"]

@@ -27,13 +27,14 @@ def flatten_fp16(packed: Packed, role: str | None = None) -> FP16Flat:
 
 
 def encode_step(store, x: torch.Tensor, errors: torch.Tensor, t0: int, pos=None) -> None:
-    """A one-token write as fp16 on the device, into the store's buffer at token t0 (or
-    the device position pos)."""
+    """A write of t tokens `[B, H, t, D]` (a decode step: one) as fp16 on the device, into
+    the store's buffer at token t0 (or the device position pos)."""
     step_encode.fp16_tokens(x, store.flat.values, t0, errors, pos=pos)
 
 
 FORMAT = Format(
     name="fp16", quantizer=FP16, flat=FP16Flat, flatten=flatten_fp16, token_fields=("values",), step=encode_step,
+    multi_step=True,
     kernels=(Kernel("triton", fp16_decode_attention, title="Triton fp16 kernel"),),
     bench={"fp16": "fp16"},
 )

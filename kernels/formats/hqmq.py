@@ -102,9 +102,10 @@ def configure(flat: HQMQFlat, table=None) -> HQMQFlat:
 
 def encode_step(store: "HQMQStore", x: torch.Tensor, errors: torch.Tensor, t0: int, pos=None,
                 index_block: int | None = None) -> None:
-    """`HQMQ.encode_tokens` of a one-token write on the device, into the store's buffers at
-    token t0 (or the device position pos); Med3x: outliers at the (b, h) list ends, the
-    index block start at `index_block` (see `hqmq_tokens`)."""
+    """`HQMQ.encode_tokens` of a write on the device, into the store's buffers at token t0
+    (or the device position pos): without Med3x t tokens `[B, H, t, D]` in one launch
+    (grid (B*H, t)); Med3x one token (its median is per write), the outliers at the (b, h)
+    list ends, the index block start at `index_block` (see `hqmq_tokens`)."""
     f = store.flat
     hqmq_tokens(x, f, f.S, f.rel, t0, errors, C=store.stepper.config.C, med3=f.has_outliers,
                 outlier_len=store.outlier_len, index_block=index_block, pos=pos)
@@ -280,6 +281,7 @@ CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_hqmq.decode(q, k, v, **kw), tit
 FORMAT = Format(
     name="hqmq", quantizer=HQMQ, flat=HQMQFlat, flatten=flatten_hqmq, store=HQMQStore,
     token_fields=("codes", "radius", "r_max", "flags"), step=encode_step, configure=configure,
+    multi_step=lambda q: not q.med3,  # Med3x: a median per write and per-(b, h) outlier lists in order
     device_encoder=kernel_quantizer,
     kernels=(Kernel("triton", hqmq_decode_attention, title="Triton HQMQ kernel"), CUDA),
     bench={"hqmq": "hqmq:S=96,r=4", "hqmq-med3": "hqmq:S=96,r=4,outliers=med3",

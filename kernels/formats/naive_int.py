@@ -35,11 +35,12 @@ def flatten_int(packed: Packed, role: str | None = None) -> IntFlat:
 
 
 def encode_step(store, x: torch.Tensor, errors: torch.Tensor, t0: int, pos=None) -> None:
-    """`quantize_groups` of a one-token write on the device, per-token groups of the head
-    dim, into the store's buffers at token t0 (or the device position pos)."""
+    """`quantize_groups` of a write of t tokens `[B, H, t, D]` (a decode step: one) on the
+    device, per-token groups of the head dim, into the store's buffers at tokens t0..
+    (or the device position pos): one launch, a program per (b*H+h, token)."""
     f = store.flat
     c, sc = f.codes, f.scale
-    step_encode.int_rows(x, x.stride()[:4] + (0,), 1, 1, c, c.stride()[:3] + (0,), sc, f.zero,
+    step_encode.int_rows(x, x.stride()[:4] + (0,), x.shape[2], 1, c, c.stride()[:3] + (0,), sc, f.zero,
                          sc.stride()[:3] + (0,), t0, 0, n=store.D, group=f.group, bits=f.bits,
                          err=errors, tok0=t0, token_rows=True, pos=pos)
 
@@ -52,6 +53,7 @@ CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_decode.decode(q, k, v, **kw), t
 FORMAT = Format(
     name="naive_int", quantizer=NaiveInt, flat=IntFlat, flatten=flatten_int,
     token_fields=("codes", "scale", "zero"), step=encode_step,
+    multi_step=lambda q: not q.per_channel,  # (per-channel keys: windowed groups, no fused kernel)
     kernels=(Kernel("triton", int_decode_attention, title="Triton int kernel"), CUDA),
     bench={"int4": "int4"},
 )

@@ -19,7 +19,10 @@ Two ways to read it:
   keeps a `KernelStore` (device buffers in the kernels' layout, appended in place)
   and NO decoded history. A one-token decode step hands attention a `PackedHistory`
   handle and the fused kernel reads the store; a multi-token write (prefill) decodes
-  the history once into a transient tensor for SDPA.
+  the history once into a transient tensor for SDPA. Where the format's step encoder
+  takes t tokens (fp16, per-token int, HQMQ without Med3x: `Format.multi_step`), a
+  multi-token write is encoded on the device as well, one launch per (layer, role),
+  into stores made before it (`_device_write`); the others go through `append`.
 
 Device-position decode steps (CUDA graphs, kernels/graphs.py `GraphedDecodeStep`): a
 fused cache whose every layer has a device step encoder (int, fp8, KIVI, HQMQ, Med3x
@@ -80,8 +83,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ...kernels import registry as kernel_registry
 from ...kernels.step_encode import StepErrors
-from ...kernels.store import KernelStore, TokenBuffer, grown_capacity
+from ...kernels.store import KernelStore, TokenBuffer, grown_capacity, multi_steps
 from ...quantizers import Packed, Segment, get_quantizer
+from ...quantizers.base import SUPPORTED_DTYPES
 from ...quantizers.calibrated import needs_calibration
 from ...quantizers.fitted import nbytes_as_row_caches
 from . import dense_steps
@@ -192,6 +196,7 @@ class QuantizedLayer(DynamicLayer):
         self._packed: dict[str, Packed | None] = {r: None for r in ROLES}
         self._view: dict[str, tuple[int, Packed]] = {}  # role -> (tokens, up-to-date Packed)
         self.errors: StepErrors | None = None  # fused mode: the step kernels' input-error flags
+        self._unchecked = False  # a device-encoded multi-token write since the last check
         self.decoded: dict[str, TokenBuffer | None] = {r: None for r in ROLES}  # dense mode
         # dense mode, device-position steps (dense_steps.py): per role, made by `reserve`
         self.dense_steps: dict[str, dense_steps.DenseSteps | None] = {r: None for r in ROLES}
@@ -230,6 +235,8 @@ class QuantizedLayer(DynamicLayer):
         """A write through the quantizers' `append`; returns what attention reads (with
         `read=False` the fused mode skips the prefill's transient decode)."""
         self._end_runs()
+        if self._device_write(key_states, value_states):
+            return (self.read("K"), self.read("V")) if read else (None, None)  # prefill: a transient decode
         new = {}
         for role, x in (("K", key_states), ("V", value_states)):
             old = self._packed[role]
@@ -250,6 +257,56 @@ class QuantizedLayer(DynamicLayer):
         self.keys = self._decode_into("K", *new["K"])
         self.values = self._decode_into("V", *new["V"])
         return self.keys, self.values
+
+    def _device_write(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """A multi-token write (a prefill, a later chunk) of a fused cache encoded on the
+        device by both stores (`KernelStore.steps`: one launch per role, the bytes t
+        one-token steps store), where the format's step encoder takes t tokens
+        (`Format.multi_step`); the first write makes the stores empty first
+        (`KernelStore.create_empty`). False: the old path serves it (host-side checks
+        only; a write this path cannot take goes there, whose checks name the problem).
+        The write becomes one ordinary segment per role, as the old path's append; input
+        errors are flagged on the device (`StepErrors`) and raised when results are next
+        read (`_current`) or at the next step's poll."""
+        if not self.step_encode or k.shape[-2] < 2 or self.mode == "dense":
+            return False
+        xs = (("K", k), ("V", v))
+        if any(x.dim() != 4 or x.dtype not in SUPPORTED_DTYPES or x.device != self.device for _, x in xs):
+            return False
+        if self.mode is None:
+            if not self._fused_possible():
+                return False
+            packed, stores = {}, {}
+            for role, x in xs:
+                q = self.quantizers[role]
+                fmt = kernel_registry.format_of_quantizer(type(q))
+                if fmt is None or not multi_steps(fmt, q) or x.shape[-1] % q.head_dim_multiple:
+                    return False
+                packed[role] = q.empty(x)
+                stores[role] = KernelStore.create_empty(packed[role], role, x.shape[-2], capacity=self.capacity_hint,
+                                                        table=self._table())
+                if stores[role] is None:
+                    return False
+            self.mode, self.stores, self._packed = "fused", stores, packed
+            self.errors = StepErrors(self.device)
+        else:
+            for role, x in xs:
+                p, store = self._packed[role], self.stores[role]
+                if (not store.multi_steps or x.shape[:2] + x.shape[3:] != (p.batch, p.heads, p.head_dim)
+                        or x.dtype != p.dtype):
+                    return False
+            if self.errors.poll():
+                self.errors.check(self.layer_idx)
+        for i, (role, x) in enumerate(xs):
+            self.stores[role].steps(x, self.errors.rows[i])
+        for role in ROLES:  # the write as one ordinary segment, as the old path appends it
+            base = self._packed[role]
+            self._packed[role] = dataclasses.replace(base, segments=self.stores[role].run_segments(base.segments))
+            self.stores[role].end_run()
+        self._view.clear()
+        self._unchecked = True
+        self.tokens += k.shape[-2]
+        return True
 
     def _writer(self, role: str, x: torch.Tensor):
         """The quantizer a multi-token write goes through: on CUDA, for a cache that may run
@@ -370,6 +427,7 @@ class QuantizedLayer(DynamicLayer):
         """Raise an input error a device-encoded step of this layer flagged (a host sync)."""
         if self.errors is not None:
             self.errors.check(self.layer_idx)
+        self._unchecked = False
         for steps in self.dense_steps.values():
             if steps is not None:
                 steps.checks.check()
@@ -379,6 +437,8 @@ class QuantizedLayer(DynamicLayer):
         the quantizer plus the store's run of device-encoded steps. Checks the step
         kernels' input-error flags first (results are being read)."""
         store = self.stores[role] if self.mode == "fused" else self.dense_steps[role]
+        if self._unchecked:  # a multi-token write encoded on the device (`_device_write`)
+            self.check()
         if store is None or not store.in_run:
             return self._packed[role]
         self.check()
@@ -408,9 +468,7 @@ class QuantizedLayer(DynamicLayer):
         """Fused mode: a store per role, when asked for and a kernel reads this format.
         `fused_wanted` None (automatic) means on CUDA only; True also runs the kernels
         under the Triton interpreter on a CPU (tests: slow, exact fp32)."""
-        can = self.device.type == "cuda" if self.fused_wanted is None else (
-            bool(self.fused_wanted) and _triton_can_run(self.device))
-        if not (can and self.layer_type in (None, "full_attention")):
+        if not self._fused_possible():
             return False
         stores = {r: KernelStore.create(self._packed[r], r, capacity=self.capacity_hint, table=self._table(),
                                         step=self.step_encode) for r in ROLES}
@@ -419,6 +477,12 @@ class QuantizedLayer(DynamicLayer):
         self.stores = stores
         self.errors = StepErrors(self.device)
         return True
+
+    def _fused_possible(self) -> bool:
+        """Whether this layer may run fused (`_start_stores`), before its first write."""
+        can = self.device.type == "cuda" if self.fused_wanted is None else (
+            bool(self.fused_wanted) and _triton_can_run(self.device))
+        return can and self.layer_type in (None, "full_attention")
 
     def _table(self) -> tuple[str, torch.dtype] | None:
         if self.hqmq_table == "auto":  # the fastest source on a GPU (reports/kernels/NOTES.md): fp16 codebook

@@ -1,0 +1,239 @@
+"""Multi-token writes (a prefill, a later chunk) of a fused cache encoded on the device by
+the format's step encoder (`Format.multi_step`, `KernelStore.create_empty` / `steps`,
+suites/harness/kv_cache.py `QuantizedLayer._device_write`):
+
+- for fp16, per-token int and HQMQ without Med3x, a fused cache whose prefill (and a
+  later chunk) went through the device path holds the same bytes (Packed digest, every
+  store buffer; HQMQ: codes up to exact search ties), the same segments, decodes the
+  same, measures the same bits, and greedy decoding gives the same logits as the old
+  path (the quantizer's `append`, then `KernelStore.create` / `append`);
+- bad input in the prefill raises the old path's error (NaN/Inf, fp16 overflow), naming
+  layer, role and token: at once when the prefill's attention reads the cache, else when
+  results are next read or at the next step;
+- fp8 (its scale is fitted on the first write), KIVI (window, flushes), Med3x (a median
+  per write), per-channel int keys, a dense layer and `step_encode=False` take the old path;
+- the prefill write costs one launch per (layer, role) and no host read.
+
+CPU: the kernels run under the Triton interpreter, tiny shapes.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from unittest import mock
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvqbench.kernels import step_encode as se  # noqa: E402
+from kvqbench.kernels import store as store_mod  # noqa: E402
+from kvqbench.quantizers import QuantizerInputError, get_quantizer  # noqa: E402
+from kvqbench.suites.harness.kv_cache import QuantizedCache, QuantizedLayer, cache_kwargs  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE_SPECS = ["fp16", "int4", "int2", "int8", "hqmq:S=8,r=4", "hqmq:S=8,r=4,pack=mixed"]
+OLD_SPECS = ["fp8-e4m3", "kivi:bits=2,group=8,residual=8", "hqmq:S=8,r=4,outliers=med3"]
+
+
+def _data(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.rand(shape[:-1] + (1,), generator=g).mul(4).add(0.01)
+    x[..., 3] *= 8  # a hot channel: wide int groups
+    return x.to(DEV, dtype)
+
+
+def _old_prefill():
+    """Every multi-token write through the quantizer (the path before the device one)."""
+    return mock.patch.object(QuantizedLayer, "_device_write", lambda self, k, v: False)
+
+
+def _path(device: bool):
+    return contextlib.nullcontext() if device else _old_prefill()
+
+
+def _run(spec, x, prefill, steps, *, device, mid=0, mode="quantized"):
+    """A fused layer: a prefill of `prefill` tokens, then `steps` one-token steps with a
+    `mid`-token write halfway; (layer, Triton launches of the prefill, what it returned)."""
+    layer = QuantizedLayer(spec, 1, seed=0)
+    layer.fused_wanted, layer.prefill = True, mode
+    with torch.inference_mode(), _path(device):
+        n0 = se.LAUNCHES[0]
+        out = layer.update(x[0, :, :, :prefill], x[1, :, :, :prefill])
+        launches = se.LAUNCHES[0] - n0
+        t = prefill
+        for i in range(steps):
+            if mid and i == steps // 2:
+                layer.update(x[0, :, :, t:t + mid], x[1, :, :, t:t + mid])
+                t += mid
+            layer.update(x[0, :, :, t:t + 1], x[1, :, :, t:t + 1])
+            t += 1
+    return layer, launches, out
+
+
+def _assert_same(new, old, ties: bool):
+    assert new.mode == old.mode == "fused" and new.tokens == old.tokens
+    assert new.nbytes() == old.nbytes() and new.numel() == old.numel()
+    for role in ("K", "V"):
+        pn, po = new.packed[role], old.packed[role]
+        assert [s.tokens for s in pn.segments] == [s.tokens for s in po.segments], role
+        assert pn.nbytes_by_field() == po.nbytes_by_field()
+        sn, so = new.stores[role], old.stores[role]
+        assert set(sn.buffers) == set(so.buffers) and sn.stored_nbytes == so.stored_nbytes
+        for name in sn.buffers:
+            a, b = sn.buffers[name].valid, so.buffers[name].valid
+            if ties and name == "codes":  # exact search ties: another, equally good codeword
+                q, nc = get_quantizer(new.spec), sn.D // 4
+                assert (q.unpack_codes(a, nc) != q.unpack_codes(b, nc)).float().mean() <= 0.01, role
+            else:
+                assert torch.equal(a, b), (role, name)
+        a, b = new.read(role), old.read(role)
+        if ties:
+            assert torch.allclose(a, b, atol=0.2)
+        else:
+            assert pn.digest() == po.digest(), role
+            assert torch.equal(a, b), role
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("spec", DEVICE_SPECS)
+def test_device_prefill_stores_what_the_old_prefill_stores(spec, dtype):
+    x = _data((2, 2, 2, 40, 32), dtype, 0 if dtype == torch.float16 else 1)
+    new, launches, out_new = _run(spec, x, 29, 4, device=True, mid=5)
+    old, launches_old, out_old = _run(spec, x, 29, 4, device=False, mid=5)
+    assert launches == 2 and launches_old == 0  # one launch per role: the device path was taken
+    _assert_same(new, old, ties="hqmq" in spec)
+    for a, b in zip(out_new, out_old):  # what the prefill's attention read: the decoded prefill
+        assert a.shape == b.shape and (torch.equal(a, b) if "hqmq" not in spec else torch.allclose(a, b, atol=0.2))
+
+
+@pytest.mark.parametrize("spec", ["int4", "hqmq:S=8,r=4", "fp16"])
+def test_exact_prefill_reads_nothing_and_grows(spec, monkeypatch):
+    # prefill="exact": attention reads the unquantized K/V (nothing decoded); a prefill
+    # past the buffers' capacity, then a chunk that makes them grow (MIN_CAPACITY 64).
+    monkeypatch.setattr(store_mod, "MIN_CAPACITY", 64)
+    x = _data((2, 1, 2, 150, 32), torch.float16, 2)
+    new, launches, out = _run(spec, x, 70, 2, device=True, mid=70, mode="exact")
+    old, _, _ = _run(spec, x, 70, 2, device=False, mid=70, mode="exact")
+    assert launches == 2
+    assert out[0] is not None and torch.equal(out[0], x[0, :, :, :70])  # the K it computed
+    assert new.stores["K"].token_capacity >= 142
+    _assert_same(new, old, ties="hqmq" in spec)
+
+
+@pytest.mark.parametrize("spec", OLD_SPECS + ["int4:keys=per-channel"])
+def test_formats_that_fit_or_window_take_the_old_path(spec):
+    x = _data((2, 1, 2, 20, 32), torch.float16, 3)
+    new, launches, _ = _run(spec, x, 16, 2, device=True)
+    old, _, _ = _run(spec, x, 16, 2, device=False)
+    assert launches == 0  # the quantizer's own write
+    assert new.mode == old.mode
+    for role in ("K", "V"):
+        assert new.packed[role].digest() == old.packed[role].digest()
+
+
+def test_dense_and_disabled_step_encoding_take_the_old_path():
+    x = _data((2, 1, 2, 16, 32), torch.float16, 4)
+    for setup in ({"fused_wanted": False}, {"fused_wanted": True, "step_encode": False}):
+        layer = QuantizedLayer("int4", 0)
+        for k, v in setup.items():
+            setattr(layer, k, v)
+        n0 = se.LAUNCHES[0]
+        layer.update(x[0], x[1])
+        assert se.LAUNCHES[0] == n0, setup
+        assert layer.mode == ("dense" if not setup["fused_wanted"] else "fused")
+
+
+@pytest.mark.parametrize("spec,bad,match", [
+    ("int4", float("nan"), "NaN/Inf"), ("int4", 7e4, "overflows the fp16"), ("fp16", float("inf"), "NaN/Inf"),
+    ("fp16", 7e4, "overflows the fp16"), ("hqmq:S=8,r=4", float("nan"), "NaN/Inf"),
+    ("hqmq:S=8,r=4", 1e5, "overflows the fp16")])
+def test_bad_prefill_input_raises_the_old_error(spec, bad, match):
+    x = _data((2, 1, 2, 12, 32), torch.float32, 0)
+    v = x[1, :, :, :10].clone()
+    v[0, 1, 7, 5] = bad
+    old = QuantizedLayer(spec, 3)
+    old.fused_wanted = True
+    with _old_prefill(), pytest.raises(QuantizerInputError, match=match):
+        old.update(x[0, :, :, :10], v)
+    # the prefill's attention reads the cache: raised at once, naming layer, role, token
+    layer = QuantizedLayer(spec, 3)
+    layer.fused_wanted = True
+    with pytest.raises(QuantizerInputError, match=rf"layer 3 V: .*token 7.*{match}"):
+        layer.update(x[0, :, :, :10], v)
+    # prefill="exact" reads nothing: raised when results are read, and at the next step
+    layer = QuantizedLayer(spec, 3)
+    layer.fused_wanted, layer.prefill = True, "exact"
+    n0 = se.LAUNCHES[0]
+    layer.update(x[0, :, :, :10], v)
+    assert se.LAUNCHES[0] - n0 == 2  # (the device path took it)
+    with pytest.raises(QuantizerInputError, match=rf"layer 3 V: .*token 7.*{match}"):
+        layer.nbytes()
+    with pytest.raises(QuantizerInputError, match=match):
+        layer.update(x[0, :, :, 10:11], x[1, :, :, 10:11])
+
+
+@pytest.mark.parametrize("spec", ["int4", "hqmq:S=8,r=4", "fp16"])
+def test_greedy_logits_equal_old_prefill(tiny, spec):
+    from transformers import AutoModelForCausalLM
+
+    from kvqbench.suites.harness.attention import fused_attention
+
+    model = AutoModelForCausalLM.from_pretrained(tiny["model"]).eval().to(DEV)
+    ids = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(0)).to(DEV)
+    for mode in ("quantized", "exact"):
+        logits, bits = {}, {}
+        for device in (True, False):
+            with torch.inference_mode(), fused_attention(model), _path(device):
+                cache = QuantizedCache(spec, config=model.config, fused=True, prefill=mode)
+                kw = cache_kwargs(model, cache)
+                n0 = se.LAUNCHES[0]
+                out = model(input_ids=ids, **kw, use_cache=True).logits[:, -1:]
+                assert (se.LAUNCHES[0] - n0 == 2 * len(cache.layers)) == device
+                steps = [out]
+                for _ in range(5):
+                    out = model(input_ids=steps[-1].argmax(-1), **kw, use_cache=True).logits[:, -1:]
+                    steps.append(out)
+                logits[device] = torch.cat(steps, 1)
+                assert all(layer.mode == "fused" and layer.fallbacks == 0 for layer in cache.layers)
+                bits[device] = (cache.bits_per_element(), cache.cache_bits_per_element())
+        assert bits[True] == bits[False], mode
+        if "hqmq" in spec:  # exact search ties may pick another, equally good codeword
+            assert torch.allclose(logits[True], logits[False], atol=1e-3), mode
+        else:
+            assert torch.equal(logits[True], logits[False]), mode
+
+
+def _prefill_cost(spec, device: bool, context=512, heads=8, head_dim=128) -> dict:
+    """Torch ops / Triton launches / host reads of one layer's prefill write (K and V) of
+    `context` tokens, counted as `write_cost` counts a step (launches stubbed on a CPU),
+    after a warm-up write (layouts are learnt once per process)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(2, 1, heads, context, head_dim, generator=torch.Generator().manual_seed(0)).to(DEV, torch.bfloat16)
+    hook = (lambda *a, **k: None) if DEV.type == "cpu" else se.launch_hook
+    with _path(device), \
+            mock.patch.object(se, "launch_hook", hook), torch.inference_mode():
+        for _ in range(2):
+            layer = QuantizedLayer(spec, 0, seed=0)
+            layer.fused_wanted, layer.prefill = True, "exact"
+            n0 = se.LAUNCHES[0]
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                layer.update(x[0], x[1])
+            events = list(prof.events())
+    return {"mode": layer.mode, "launches": se.LAUNCHES[0] - n0,
+            "ops": sum(e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+                       for e in events),
+            "host_reads": sum(e.name == "aten::_local_scalar_dense" for e in events)}
+
+
+@pytest.mark.parametrize("spec", ["fp16", "int4", "hqmq:S=96,r=4"])
+def test_device_prefill_has_one_launch_per_role_and_no_host_read(spec):
+    new, old = _prefill_cost(spec, True), _prefill_cost(spec, False)
+    assert new["mode"] == old["mode"] == "fused"
+    assert new["launches"] == 2 and new["host_reads"] == 0 < old["host_reads"]
+    assert new["ops"] < old["ops"]
