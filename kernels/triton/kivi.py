@@ -147,8 +147,9 @@ def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_spli
         nsplit, per = plan.splits(n_main)
         if n_main and k.T > n_main * bt:  # the tail gets a program of its own (its first tile is past n_main)
             nsplit += 1
-    bufs = [k.codes, k.scale, k.zero, k.residual] if kb is None else kb
-    bufs += [v.codes, v.scale, v.zero, v.residual] if vb is None else vb
+    # (a new list: `kb` is the plan's and must not grow with each call)
+    bufs = ([k.codes, k.scale, k.zero, k.residual] if kb is None else kb) + \
+        ([v.codes, v.scale, v.zero, v.residual] if vb is None else vb)
     runtime = [k.n_groups, k.T_res, v.n_groups, v.T_res, per, LOG2E / math.sqrt(k.D), *ks, *vs, vl,
                k.capacity if has_vl else 0]
     return run_split(plan, q.contiguous(), bufs, runtime, nsplit, workspace)
