@@ -106,18 +106,29 @@ def synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
-def host_us(fn, n: int = 200) -> float:
-    """Host time per call: n calls enqueued back to back (no sync between them; 200 calls
-    of <= 3 launches stay inside the launch queue), timed on the host clock. At B=1 an
-    eager call costs max(this, its GPU time) once the queue runs dry (GPU)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
+def host_us(fn, n: int = 200, warmup: int = 1, rounds: int = 1, sync="auto") -> float:
+    """Host time per call: n calls enqueued back to back (no sync between them; keep n
+    well under the launch queue's depth, ~1000 launches, so the host is timed, not the
+    GPU), on the host clock; the least over `rounds` of the per-call mean (a loaded
+    machine only adds). `warmup` untimed calls first (plans built, kernels compiled).
+    `sync` runs before each round and after the last: "auto" is torch.cuda.synchronize
+    where CUDA is available, else nothing (CPU: launches stubbed, the Python side alone).
+    At B=1 an eager call costs max(this, its GPU time) once the queue runs dry (GPU)."""
+    if sync == "auto":
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else None
+    for _ in range(warmup):
         fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+    means = []
+    for _ in range(rounds):
+        if sync is not None:
+            sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        means.append((time.perf_counter() - t0) / n * 1e6)
+    if sync is not None:
+        sync()
+    return min(means)
 
 
 def host_overhead(plain, replay, n: int = 200) -> float:

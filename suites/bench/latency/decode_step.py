@@ -23,10 +23,9 @@ import time
 import torch
 
 from ....kernels.decode_attention import reference_decode_attention
-from ..toolkit import DEVICE, GPU, LAUNCH_ERRORS, describe_error, graph_replay, timeit_us
+from ..toolkit import DEVICE, GPU, LAUNCH_ERRORS, describe_error, graph_replay, host_us, timeit_us
 from .caches import EncodedCache, tiled
 from .config import DEFAULT_LAUNCH, LatencyConfig
-from .host_time import host_us
 from .methods import auto_backend, cuda_refusal, fake_quant_callable, fused_callable, sdpa_callable, shipped_callable
 from .tuning import greedy_tune, launch_stages
 

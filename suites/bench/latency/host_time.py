@@ -1,8 +1,8 @@
 """Host time of an eager fused decode-attention call: the Python a call runs before its
 kernel (issue 28: "a thin host path").
 
-`host_us(fn)`: the median wall time of `fn()` without a synchronisation, per call, over
-`n` calls. On a GPU that is the issue time of an eager call (what thirty layers pay per
+`toolkit.host_us(fn)`: the least mean wall time of `fn()` without a synchronisation,
+per call, over rounds of `n` calls. On a GPU that is the issue time of an eager call (what thirty layers pay per
 token when the GPU outruns the host); the latency section records it beside each eager
 fused row ("host_us"). On a CPU, `stubbed_host_us` replaces the launch itself by a no-op
 (kernels/triton/common.py `launch_hook`), so what is timed is exactly the Python a GPU
@@ -20,31 +20,13 @@ import argparse
 import contextlib
 import os
 import sys
-import time
 
 import torch
 
+from ..toolkit import host_us
+
 # formats of issue 28's table: label -> quantizer spec
 SPECS = {"int4": "int4", "fp8": "fp8", "kivi4": "kivi:bits=4", "hqmq": "hqmq:S=96,r=4", "fp16": "fp16"}
-
-
-def host_us(fn, n: int = 100, warmup: int = 20, rounds: int = 15, sync=None) -> float:
-    """The least over `rounds` of the mean wall time of n back-to-back calls of fn, no
-    sync (microseconds; the least, as timeit takes it: a loaded machine only adds). The
-    first `warmup` calls (plans built, kernels compiled) are not timed. `sync`, called
-    before each round (a GPU's synchronize), keeps the launch queue from filling: keep n
-    well under its depth (~1000 launches) so the calls time the host, not the GPU."""
-    for _ in range(warmup):
-        fn()
-    means = []
-    for _ in range(rounds):
-        if sync is not None:
-            sync()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        means.append((time.perf_counter() - t) / n * 1e6)
-    return min(means)
 
 
 @contextlib.contextmanager
@@ -84,7 +66,7 @@ def stubbed_host_us(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: in
             return float("nan")  # KIVI takes valid_len only with graph views
         kw["valid_len"] = torch.tensor([T], dtype=torch.int32)
     with stubbed_launches():
-        return host_us(lambda: decode_attention(q, kf, vf, **kw), n=n)
+        return host_us(lambda: decode_attention(q, kf, vf, **kw), n=n, warmup=20, rounds=15, sync=None)
 
 
 def main(argv=None) -> int:
