@@ -301,11 +301,7 @@ class KernelStore:
         errors raise `errors` (a `StepErrors` row) on the device instead of an exception."""
         if self.stepper is None or x.shape[2] != 1:
             return False
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        if self._run_start is None:
-            self._run_start = self._run_position()
-        self._step(x, errors)
+        self._encode_run(x, errors)
         return True
 
     @property
@@ -321,12 +317,16 @@ class KernelStore:
         False (nothing done) when the format's encoder takes no multi-token write here."""
         if not self.multi_steps or x.shape[2] < 1:
             return False
+        self._encode_run(x, errors)
+        return True
+
+    def _encode_run(self, x: torch.Tensor, errors: torch.Tensor) -> None:
+        """x's tokens into the buffers as part of the current run (opened here if none is)."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         if self._run_start is None:
             self._run_start = self._run_position()
         self._step(x, errors)
-        return True
 
     def _run_position(self) -> int:
         """Where a run of steps starts on axis 2 of the buffers (tokens; KIVI: groups)."""
