@@ -348,8 +348,11 @@ def run_compare(args) -> int:
                 tqdm.write(f"FAILED {' '.join(map(str, job))}: {r['error']}")
                 return
             q = get_quantizer(job[1])
-            r.update(formula_bits=q.formula_bits(model_info["head_dim"]), family=q.name,
-                     stochastic=is_stochastic(job[1]))
+            # the cache holds as many K as V elements: the mean of the two roles' formulas
+            # (they differ where keys code differently, e.g. TurboQuant's QJL keys)
+            formula = sum(get_quantizer(job[1], role=role).formula_bits(model_info["head_dim"])
+                          for role in ("K", "V")) / 2
+            r.update(formula_bits=formula, family=q.name, stochastic=is_stochastic(job[1]))
             run.add(r)
             steps = f"  decode steps: {r['decode_mode']}" if r.get("decode_mode") else ""  # graph / eager
             tqdm.write(f"{job[0]:20s} {job[1]:34s} seed={job[2]}  PPL {r['ppl']:10.4f}  cache bits "
