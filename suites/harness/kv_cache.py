@@ -188,6 +188,7 @@ class QuantizedLayer(DynamicLayer):
         # position, valid length, capacity) -- int32 views of the cache's counter and the
         # token bound the attention grid is cut for; None: host positions.
         self.device_pos: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._device_writers: dict = {}  # role -> the quantizer a CUDA multi-token write goes through (`_writer`)
         self._clear()
 
     def _clear(self) -> None:
@@ -316,12 +317,12 @@ class QuantizedLayer(DynamicLayer):
         q = self.quantizers[role]
         if x.device.type != "cuda" or x.shape[-2] < 2 or self.fused_wanted is False or self.mode == "dense":
             return q
-        cached = getattr(self, "_device_writers", {}).get(role)
+        cached = self._device_writers.get(role)
         if cached is None:
             fmt = kernel_registry.format_of_quantizer(type(q))
             enc = getattr(fmt, "device_encoder", None) if fmt is not None and fmt.quantizer is type(q) else None
             cached = enc(q) if enc is not None else q
-            self._device_writers = {**getattr(self, "_device_writers", {}), role: cached}
+            self._device_writers[role] = cached
         return cached
 
     def _step(self, k: torch.Tensor, v: torch.Tensor) -> bool:

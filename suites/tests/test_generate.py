@@ -165,5 +165,10 @@ def test_compiled_layers_give_the_uncompiled_tokens_and_restore_the_model(model)
     want = generate(model, ids, "int4", max_new_tokens=4)
     got = generate(model, ids, "int4", max_new_tokens=4, compile=True)
     assert got.tokens == want.tokens
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    again = generate(model, ids, "int4", max_new_tokens=4, compile=True)  # a second call compiles nothing
+    assert again.tokens == want.tokens and counters["stats"]["unique_graphs"] == graphs
     assert list(model.model.layers) == layers and QuantizedCache.update is update
     assert AttentionInterface._global_mapping[ATTN_NAME] is kvqbench_attention
