@@ -379,6 +379,15 @@ class PlanCache:
                 return None
         return plan
 
+    def lookup(self, layout, tensors, make, q, k, v, valid_len, *options):
+        """The plan of a call: the cached one for (`layout`, q's shape / dtype / device,
+        whether valid_len is given, `options`), else `make(q, k, v, valid_len, *options)`
+        (every check of the call) kept for the next one. `layout`: the format's own key
+        (the ids of `tensors` and its ints and dtypes)."""
+        key = (*layout, *q_key(q), valid_len is None, *options)
+        plan = self.get(key, tensors)
+        return plan if plan is not None else self.put(key, tensors, make(q, k, v, valid_len, *options))
+
     def put(self, key, tensors, plan):
         plan.refs = tuple(_NONE if t is None else weakref.ref(t) for t in tensors)
         if len(self.plans) >= self.max_plans:

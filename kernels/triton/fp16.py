@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ..common import Workspace, bh_stride, check_q, check_valid_len
 from ..layout import FP16Flat
-from .common import (LOG2E, PlanCache, SplitPlan, finish, q_key, run_split, scores, softmax_update, split_prologue,
+from .common import (LOG2E, PlanCache, SplitPlan, finish, run_split, scores, softmax_update, split_prologue,
                      split_want, store_partial, valid_tokens)
 
 
@@ -56,10 +56,9 @@ def fp16_decode_attention(q: torch.Tensor, k: FP16Flat, v: FP16Flat, *, num_spli
                           valid_len: torch.Tensor | None = None) -> torch.Tensor:
     T = k.T
     ts = (k.values, v.values)
-    key = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.dtype, v.B, v.H, v.D, *q_key(q), valid_len is None,
-           num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype)
-    plan = _PLANS.get(key, ts) or _PLANS.put(key, ts, _fp16_plan(q, k, v, valid_len, num_splits, block_t, num_warps,
-                                                                  num_stages, programs_per_sm, out_dtype))
+    layout = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.dtype, v.B, v.H, v.D)
+    plan = _PLANS.lookup(layout, ts, _fp16_plan, q, k, v, valid_len, num_splits, block_t, num_warps, num_stages,
+                         programs_per_sm, out_dtype)
     vl, _ = check_valid_len(valid_len, q)
     if v.T != T:
         raise ValueError(f"K and V fp16 caches differ in shape: {(k.B, k.H, T, k.D)} vs {(v.B, v.H, v.T, v.D)}")

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..common import Workspace, bh_stride, check_q, check_valid_len
 from ..layout import FP8Flat
-from .common import (LOG2E, PlanCache, SplitPlan, q_key, run_split, scores, softmax_update, split_prologue,
+from .common import (LOG2E, PlanCache, SplitPlan, run_split, scores, softmax_update, split_prologue,
                      split_want, store_partial, valid_tokens)
 
 
@@ -78,10 +78,9 @@ def fp8_decode_attention(q: torch.Tensor, k: FP8Flat, v: FP8Flat, *, num_splits:
                          valid_len: torch.Tensor | None = None) -> torch.Tensor:
     T = k.T
     ts = (k.codes, v.codes, k.scale, v.scale)
-    key = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.fmt, k.dtype, v.B, v.H, v.D, v.fmt, *q_key(q),
-           valid_len is None, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype)
-    plan = _PLANS.get(key, ts) or _PLANS.put(key, ts, _fp8_plan(q, k, v, valid_len, num_splits, block_t, num_warps,
-                                                                 num_stages, programs_per_sm, out_dtype))
+    layout = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.fmt, k.dtype, v.B, v.H, v.D, v.fmt)
+    plan = _PLANS.lookup(layout, ts, _fp8_plan, q, k, v, valid_len, num_splits, block_t, num_warps, num_stages,
+                         programs_per_sm, out_dtype)
     vl, _ = check_valid_len(valid_len, q)
     if v.T != T:
         raise ValueError("K and V fp8 caches differ in shape or format")

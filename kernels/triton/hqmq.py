@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..common import Workspace, bh_stride, check_q, check_valid_len, interpreting
 from ..layout import OUTLIER_BLOCK, HQMQFlat
-from .common import (LOG2E, PlanCache, SplitPlan, f16x4, fast_path, finish, hamilton, nbytes_span, popc, q_key,
+from .common import (LOG2E, PlanCache, SplitPlan, f16x4, fast_path, finish, hamilton, nbytes_span, popc,
                      run_split, scores, softmax_update, split_prologue, split_want, store_partial, table_quad,
                      unpack_rows, valid_tokens)
 
@@ -244,12 +244,11 @@ def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_spli
                           out_dtype=None, valid_len: torch.Tensor | None = None) -> torch.Tensor:
     T = k.T
     ts = _flat_tensors(k) + _flat_tensors(v) + (k.ptab,)
-    key = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.S, k.code_bits, k.r_bits, k.table_mode, k.dtype,
+    layout = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.S, k.code_bits, k.r_bits, k.table_mode, k.dtype,
            k.log_radius, k.code_pack, v.B, v.H, v.D, v.S, v.code_bits, v.r_bits, v.table_mode, v.dtype, v.log_radius,
-           v.code_pack, *q_key(q), valid_len is None, num_splits, block_t, num_warps, num_stages, programs_per_sm,
-           out_dtype)
-    plan = _PLANS.get(key, ts) or _PLANS.put(key, ts, _hqmq_plan(q, k, v, valid_len, num_splits, block_t, num_warps,
-                                                                  num_stages, programs_per_sm, out_dtype))
+           v.code_pack)
+    plan = _PLANS.lookup(layout, ts, _hqmq_plan, q, k, v, valid_len, num_splits, block_t, num_warps, num_stages,
+                         programs_per_sm, out_dtype)
     vl, _ = check_valid_len(valid_len, q)
     if v.T != T:
         raise ValueError("K and V caches differ in shape")

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..common import Workspace, bh_stride, check_q, check_valid_len, pow2
 from ..layout import KIVIFlat, KIVIGraphFlat
-from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, nbytes_span, q_key, run_split, scores, softmax_update,
+from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, nbytes_span, run_split, scores, softmax_update,
                      split_prologue, split_want, store_partial)
 from .naive_int import int_tile
 
@@ -130,12 +130,11 @@ def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_spli
     device) of one capacity."""
     ts = (k.codes, k.scale, k.zero, k.residual, v.codes, v.scale, v.zero, v.residual)
     kg, vg = type(k) is KIVIGraphFlat, type(v) is KIVIGraphFlat
-    key = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.bits, k.group, k.role, k.dtype, k.n_groups == 0,
+    layout = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.bits, k.group, k.role, k.dtype, k.n_groups == 0,
            v.B, v.H, v.D, v.bits, v.group, v.role, v.n_groups == 0, k.policy if kg else None,
-           k.capacity if kg else None, v.policy if vg else None, v.capacity if vg else None, *q_key(q),
-           valid_len is None, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype)
-    plan = _PLANS.get(key, ts) or _PLANS.put(key, ts, _kivi_plan(q, k, v, valid_len, num_splits, block_t, num_warps,
-                                                                  num_stages, programs_per_sm, out_dtype))
+           k.capacity if kg else None, v.policy if vg else None, v.capacity if vg else None)
+    plan = _PLANS.lookup(layout, ts, _kivi_plan, q, k, v, valid_len, num_splits, block_t, num_warps, num_stages,
+                         programs_per_sm, out_dtype)
     vl, has_vl = check_valid_len(valid_len, q)
     kb, vb, ks, vs, bt, cap_split = plan.extra
     if has_vl:

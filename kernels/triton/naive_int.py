@@ -12,7 +12,7 @@ import triton.language as tl
 
 from ..common import Workspace, bh_stride, check_q, check_valid_len, pow2
 from ..layout import IntFlat
-from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, finish, nbytes_span, q_key, run_split, scores,
+from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, finish, nbytes_span, run_split, scores,
                      softmax_update, split_prologue, split_want, store_partial, unpack_rows, valid_tokens)
 
 
@@ -74,10 +74,9 @@ def int_decode_attention(q: torch.Tensor, k: IntFlat, v: IntFlat, *, num_splits:
                          valid_len: torch.Tensor | None = None) -> torch.Tensor:
     T = k.T
     ts = (k.codes, k.scale, k.zero, v.codes, v.scale, v.zero)
-    key = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.bits, k.group, k.dtype, v.B, v.H, v.D, v.bits, v.group,
-           *q_key(q), valid_len is None, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype)
-    plan = _PLANS.get(key, ts) or _PLANS.put(key, ts, _int_plan(q, k, v, valid_len, num_splits, block_t, num_warps,
-                                                                 num_stages, programs_per_sm, out_dtype))
+    layout = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.bits, k.group, k.dtype, v.B, v.H, v.D, v.bits, v.group)
+    plan = _PLANS.lookup(layout, ts, _int_plan, q, k, v, valid_len, num_splits, block_t, num_warps, num_stages,
+                         programs_per_sm, out_dtype)
     vl, _ = check_valid_len(valid_len, q)
     if v.T != T:
         raise ValueError("K and V int caches differ in shape or config")
