@@ -123,10 +123,16 @@ def pack_row(v, W: tl.constexpr, NP: tl.constexpr, NBP: tl.constexpr):
 
 @triton.jit
 def flag(err_ptr, bits, n_bad, token):
-    """Raise this write's error bits (0: none) in its role's flag row."""
-    tl.atomic_or(err_ptr, bits, mask=bits != 0)
-    tl.atomic_min(err_ptr + 1, token, mask=bits != 0)
-    tl.atomic_add(err_ptr + 2, n_bad, mask=n_bad != 0)
+    """Raise this write's error bits (0: none) in its role's flag row.
+
+    A branch, not masked atomics: on the H200 (Triton 3.6) the fp16 and HQMQ step kernels
+    ran `atomic_min(..., mask=bits != 0)` in every program, clean ones included, so a
+    multi-token write recorded token 0 as the first bad one (measured: flags [0, 0, 0]
+    after a clean 10-token write; the interpreter and the int kernels were right)."""
+    if bits != 0:
+        tl.atomic_or(err_ptr, bits)
+        tl.atomic_min(err_ptr + 1, token)
+        tl.atomic_add(err_ptr + 2, n_bad)
 
 
 @triton.jit
@@ -415,7 +421,7 @@ class StepErrors:
         # specialises pointers by alignment; with rows of 3 the V row (offset 12 B) made
         # every step kernel compile twice, once per role
         self.flags = torch.zeros(2, 4, dtype=torch.int32, device=device)
-        self.flags[:, 1] = NO_TOKEN
+        self.flags[:, 1].fill_(NO_TOKEN)  # (an indexed assignment of a Python int reads a scalar tensor)
         self.rows = (self.flags[0], self.flags[1])
         self.cuda = self.flags.is_cuda
         self.host = torch.zeros(2, 4, dtype=torch.int32, pin_memory=True) if self.cuda else self.flags

@@ -117,3 +117,20 @@ def check_graph_replay(spec, **kw):
     for s in range(2):
         q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(s)).half().to(DEV)
         assert torch.equal(step(q), decode_attention(q, kf, vf, out_dtype=torch.float32, **kw))
+
+
+def raised_by_later_steps(step, match: str) -> int:
+    """A deferred input error must be raised by the polls of the steps that follow: on a
+    CPU the very next step (the flags are read in place); on CUDA a poll every
+    `StepErrors.POLL_EVERY` steps reads the copy the previous poll started, so within
+    2 x POLL_EVERY steps. `step()` runs one clean step; returns how many it took."""
+    import pytest
+
+    from kvqbench.kernels.step_encode import StepErrors
+    from kvqbench.quantizers import QuantizerInputError
+
+    limit = 2 * StepErrors.POLL_EVERY if CUDA else 1
+    with pytest.raises(QuantizerInputError, match=match):
+        for n in range(1, limit + 1):
+            step()
+    return n
