@@ -146,13 +146,11 @@ class HQMQFlat:
           the sums run in HQMQ.decode_tokens' order);
         - "codebook": all 24*S codewords `[H, 24*S, 4]`, one gather per chunk.
         fp16 tables are within an fp16 ulp per component (not bit-identical)."""
-        if mode == "secondaries":
-            t = self.sec
-        elif mode == "codebook":
-            t = codebook_from_secondaries(self.sec)
-        else:
+        if mode not in ("secondaries", "codebook"):
             raise ValueError(f"table mode must be secondaries or codebook, got {mode!r}")
-        return dataclasses.replace(self, table=t.to(dtype).contiguous(), table_mode=mode)
+        make = (lambda: self.sec) if mode == "secondaries" else (lambda: codebook_from_secondaries(self.sec))
+        t = derived(self.sec, ("table", mode, dtype), lambda: make().to(dtype).contiguous())
+        return dataclasses.replace(self, table=t, table_mode=mode)
 
     def tile(self, batch_reps: int, token_reps: int) -> "HQMQFlat":
         """A larger valid cache (Tcap == T): this one's valid tokens repeated along batch
@@ -181,8 +179,32 @@ class HQMQFlat:
         return out
 
 
+def derived(t: torch.Tensor, key, make):
+    """`make()`, a tensor computed from the model constant t alone (HQMQ's secondaries),
+    kept on t: a cache built per prompt then reuses the tables of the constants the
+    quantizer keeps per device (quantizers/base.py `_device_shared`) instead of
+    rebuilding them per layer and role. t must never be written in place."""
+    memo = getattr(t, "_kvq_derived", None)
+    if memo is None:
+        memo = t._kvq_derived = {}
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
 def normalised_secondaries(shared: dict) -> torch.Tensor:
-    return HQMQ.secondaries(shared).contiguous()
+    return derived(shared["secondaries"], "normalised", lambda: HQMQ.secondaries(shared).contiguous())
+
+
+def units_on(device) -> torch.Tensor:
+    """The 24 Hurwitz units as a contiguous fp32 table on `device` (one per device)."""
+    device = torch.device(device)
+    if device not in _UNITS:
+        _UNITS[device] = hurwitz_units(device=device).contiguous()
+    return _UNITS[device]
+
+
+_UNITS: dict = {}
 
 
 def codebook_from_secondaries(s: torch.Tensor) -> torch.Tensor:

@@ -429,6 +429,14 @@ class StepErrors:
         self.event = None
         self.calls = 0
 
+    def reset(self) -> None:
+        """No error raised, in place (the buffers a captured graph holds stay where they are)."""
+        self.flags.zero_()
+        self.flags[:, 1].fill_(NO_TOKEN)
+        if self.cuda:
+            self.host.zero_()
+        self.event, self.calls = None, 0
+
     def poll(self) -> bool:
         """True when an error is known on the host (no sync; CUDA: as of an earlier poll)."""
         if self.cuda:

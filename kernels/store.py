@@ -446,6 +446,35 @@ class KernelStore:
     def in_run(self) -> bool:
         return self._run_start is not None
 
+    # ---- reuse (an engine's preallocated pool) -----------------------------------------
+    @property
+    def can_rewind(self) -> bool:
+        """Whether `rewind` may serve: multi-token writes go through the step encoder (a
+        new prefill rewrites the buffers in place), the flat's static parts hold model
+        constants only (a scale fitted on the first write, fp8's, would be stale), and
+        the store keeps no side state (`_rewind_more`)."""
+        shared = self._meta[2]
+        const = not shared or getattr(self.stepper, "shared_is_constant", False)
+        return self.multi_steps and const and self._rewind_more(check=True)
+
+    def rewind(self) -> None:
+        """Forget every token and keep every buffer where it is, so a CUDA graph captured
+        over them replays on the next tokens (`QuantizedCache.rewind`). Segments of
+        earlier Packeds that view the buffers see the new bytes: they are the old cache's."""
+        if not self.can_rewind:
+            raise RuntimeError(f"{type(self).__name__} of {self.kind.__name__} cannot rewind")
+        self._rewind_more(check=False)
+        for b in self.buffers.values():
+            b.length = 0
+        self.tokens = self.flat.T = 0
+        self._adopted.clear()
+        self._run_start, self._run_seg = None, None
+
+    def _rewind_more(self, check: bool) -> bool:
+        """Hook: whether this store can forget its side state (check=True), or forget it
+        (check=False). A format's store subclass rewinds only where it says so."""
+        return type(self) is KernelStore
+
     def run_segments(self, base: list[Segment]) -> list[Segment]:
         """The segments of a Packed holding `base` (the Packed's segments when the run
         began) then the run's writes: exactly the bytes the old path stores for them (one

@@ -292,8 +292,30 @@ class Quantizer(ABC):
 
     def empty(self, like: torch.Tensor) -> Packed:
         B, H, _, D = like.shape
-        shared = {k: v.to(like.device) for k, v in self.make_shared(H, D).items()}
+        shared = self._device_shared(H, D, like.device)
         return Packed(B, H, D, like.dtype, like.device, [], shared, self.spec, self._constant_names(shared))
+
+    # `make_shared` is a pure function of (spec, seed, layer, role, heads, head_dim): every
+    # tensor it gives is a model constant (seeded, never fitted), so one copy per device is
+    # kept for the process, as an engine builds them once at load (a fresh cache per prompt
+    # would otherwise redraw them and rebuild their tables per layer: HQMQ's prefill on an
+    # H200 spent ~60 of ~120 ms there). Opt-in: a fitted quantizer's shared tensors change.
+    shared_is_constant: ClassVar[bool] = False
+    _constants: ClassVar[dict] = {}
+
+    def _device_shared(self, heads: int, head_dim: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """`make_shared(heads, head_dim)` on `device`: a new dict; its tensors shared between
+        caches where `shared_is_constant` (never to be written in place)."""
+        if not self.shared_is_constant:
+            return {k: v.to(device) for k, v in self.make_shared(heads, head_dim).items()}
+        key = (type(self), self.spec, self.seed, self.layer, self.role, heads, head_dim, torch.device(device))
+        got = Quantizer._constants.get(key)
+        if got is None:
+            if len(Quantizer._constants) >= 8192:  # many models / seeds in one process: start again
+                Quantizer._constants.clear()
+            got = {k: v.to(device) for k, v in self.make_shared(heads, head_dim).items()}
+            Quantizer._constants[key] = got
+        return dict(got)
 
     def _constant_names(self, shared: dict) -> frozenset[str]:
         """`constant_shared()`, checked: a frozenset of names of tensors `make_shared` gives."""

@@ -156,6 +156,8 @@ class HQMQ(Quantizer):
         return self.config.outliers == "med3"
 
     # ---- codebook ---------------------------------------------------------------
+    shared_is_constant = True  # the seeded secondaries alone (base.py `_device_shared`)
+
     def make_shared(self, heads, head_dim):
         secondaries = []
         for h in range(heads):

@@ -31,10 +31,9 @@ import torch
 from ...quantizers import Packed, Segment, parse_spec
 from ...quantizers.hqmq import HQMQ, OUTLIER_BLOCK, outlier_block_starts
 from ...quantizers.packing import unpack_bits
-from ...quantizers.quaternion import hurwitz_units
 from ..cuda import hqmq_decode as cuda_hqmq
 from ..hqmq_encode import hqmq_tokens, kernel_quantizer
-from ..layout import HQMQFlat, concat_field, normalised_secondaries, whole_blocks
+from ..layout import HQMQFlat, concat_field, normalised_secondaries, units_on, whole_blocks
 from ..registry import Format, Kernel
 from ..store import KernelStore, TokenBuffer, concat_tokens, grown_capacity
 from ..triton.hqmq import hqmq_decode_attention
@@ -85,7 +84,7 @@ def flatten_hqmq(packed: Packed, role: str | None = None, table_dtype=torch.floa
         table=torch.empty(0), rel=rel, dtype=packed.dtype,
         log_radius=cfg.radius == "log" and cfg.r > 1,
         code_pack="mixed" if q.code_layout(D // 4)[0] > 1 else "bits",  # G = 1: the bits layout exactly
-        sec=normalised_secondaries(packed.shared), ptab=hurwitz_units(device=packed.device).contiguous(),
+        sec=normalised_secondaries(packed.shared), ptab=units_on(packed.device),
     )
     flat = flat.with_table(table_mode, table_dtype)
     if q.med3:
@@ -121,6 +120,11 @@ class HQMQStore(KernelStore):
         self.outlier_len: torch.Tensor | None = None  # [B, H] int64, valid entries per (b, h)
         self.outlier_index: TokenBuffer | None = None  # [B, H, nblk_cap] int32 (one entry per block)
         self._outlier_bound = 0  # host-side upper bound of outlier_len.max()
+
+    def _rewind_more(self, check: bool) -> bool:
+        # Without Med3x nothing beside the token fields (KernelStore.rewind); Med3x's
+        # lists and index are not rewound (a new cache serves the next prompt).
+        return not getattr(self.stepper, "med3", True) and self.outliers is None
 
     def _steps_begin(self) -> None:
         if self.outliers is not None:  # the exact bound now (the first write syncs anyway), room to spare

@@ -414,6 +414,23 @@ class QuantizedLayer(DynamicLayer):
                 self.stores[role].advance(n)
         self.tokens += n
 
+    def can_rewind(self) -> bool:
+        return self.mode == "fused" and self.errors is not None and all(
+            self.stores[r].can_rewind for r in ROLES)
+
+    def rewind(self) -> None:
+        """Forget every token; the stores' buffers and the error flags stay where they are
+        (`QuantizedCache.rewind`). An input error the last use flagged is raised first."""
+        self.check()
+        for role in ROLES:
+            self.stores[role].rewind()
+            self._packed[role] = dataclasses.replace(self._packed[role], segments=[])
+        self.errors.reset()
+        self._view.clear()
+        self._unchecked = False
+        self.tokens = 0
+        self.keys = self.values = None
+
     def device_buffers(self) -> list[torch.Tensor]:
         """Every buffer a device-position step of this layer writes or reads."""
         out = [self.errors.flags] if self.errors is not None else []
@@ -787,6 +804,21 @@ class QuantizedCache(Cache):
     def reset(self) -> None:
         super().reset()
         self.reserved, self._pos_at = 0, None  # new stores: reserve again
+
+    def rewind(self) -> bool:
+        """Empty the cache for a new prompt, keeping every buffer where it is (an engine's
+        preallocated pool): a `GraphedDecodeStep` captured over it replays on the next
+        prompt's steps without a new capture (what `generate` does between calls). Only
+        where every layer is fused and its format writes a prefill on the device with
+        model-constant tables (fp16, per-token int, HQMQ without Med3x; `KernelStore.
+        can_rewind`); False (nothing changed) otherwise: make a new cache. The reserved
+        room stays; the device counter is re-set at the next step."""
+        if not self.layers or not all(layer.can_rewind() for layer in self.layers):
+            return False
+        for layer in self.layers:
+            layer.rewind()
+        self._pos_at = None
+        return True
 
     # ---- measurement and diagnostics ----------------------------------------------------
     def check(self) -> None:

@@ -172,3 +172,54 @@ def test_compiled_layers_give_the_uncompiled_tokens_and_restore_the_model(model)
     assert again.tokens == want.tokens and counters["stats"]["unique_graphs"] == graphs
     assert list(model.model.layers) == layers and QuantizedCache.update is update
     assert AttentionInterface._global_mapping[ATTN_NAME] is kvqbench_attention
+
+
+@pytest.mark.parametrize("spec,rewinds", [("int4", True), ("hqmq:S=8,r=4", True), ("fp16", True),
+                                          ("kivi:bits=2,group=8,residual=8", False), ("fp8-e4m3", False)])
+def test_the_kept_engine_is_rewound_and_gives_a_fresh_caches_tokens(model, spec, rewinds):
+    # generate keeps the model's last cache and captured step; a next call of the same key
+    # rewinds that cache in place (same buffers: the graph replays) where the format allows,
+    # else builds a new one. Either way every call's tokens are a fresh cache's.
+    from kvqbench.suites.harness import generate as G
+
+    G.release_engines()
+    runs = [prompts(seed=1), prompts(seed=2), prompts(n=23, seed=3)]  # the third: another length, same room
+    kept, got = [], []
+    for ids in runs:
+        got.append(generate(model, ids, spec, max_new_tokens=10, graph=True, fused=True).tokens)
+        kept.append(G._ENGINES[model][1])
+    assert (kept[0] is kept[1] is kept[2]) == rewinds
+    assert all(layer.mode == "fused" for layer in kept[-1].layers)
+    for ids, tokens in zip(runs, got):
+        G.release_engines(model)
+        assert generate(model, ids, spec, max_new_tokens=10, graph=True, fused=True).tokens == tokens
+    G.release_engines()
+
+
+def test_rewind_raises_an_input_error_the_last_use_flagged_and_keeps_nothing_stale(model):
+    from kvqbench.quantizers import QuantizerInputError
+    from kvqbench.suites.harness.kv_cache import QuantizedCache
+
+    cache = QuantizedCache("int4", config=model.config, fused=True, prefill="exact")
+    k = torch.randn(1, 2, 6, 32, device=DEV)
+    bad = k.clone()
+    bad[0, 1, 4, 3] = float("nan")
+    cache.update(k, bad, 0)
+    cache.update(k, k, 1)
+    with pytest.raises(QuantizerInputError, match="layer 0 V: .*token 4"):
+        cache.rewind()
+    ok = QuantizedCache("int4", config=model.config, fused=True, prefill="exact")
+    for layer in range(2):
+        ok.update(k, k, layer)
+    held = [s.buffers["codes"].buf.data_ptr() for layer in ok.layers for s in layer.stores.values()]
+    assert ok.rewind() and ok.get_seq_length() == 0
+    assert all(layer.packed["K"].tokens == 0 and not layer.packed["K"].segments for layer in ok.layers)
+    for layer in range(2):
+        ok.update(k[:, :, :3] * 2, k[:, :, :3], layer)
+    assert [s.buffers["codes"].buf.data_ptr() for layer in ok.layers for s in layer.stores.values()] == held
+    fresh = QuantizedCache("int4", config=model.config, fused=True, prefill="exact")
+    for layer in range(2):
+        fresh.update(k[:, :, :3] * 2, k[:, :, :3], layer)
+    for a, b in zip(ok.layers, fresh.layers):
+        for role in ("K", "V"):
+            assert a.packed[role].digest() == b.packed[role].digest(), role
