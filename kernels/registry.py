@@ -161,10 +161,12 @@ class Format:
       one-token write x into the store's buffers at token t0, or at the device position
       `pos` (CUDA graphs); None: decode steps take the quantizer's own write.
     - `multi_step`: whether `step` also takes a t-token write x `[B, H, t, D]` at t0 in
-      one launch, storing exactly what t one-token steps store (nothing fitted on the
-      first write, no window or per-write state): a bool, or a callable of the quantizer
-      (the store's stepper) saying it per config. Such a fused cache's multi-token writes
-      (a prefill) are encoded on the device too (`KernelStore.create_empty`, `steps`).
+      one launch (KIVI: two, its window and its groups), storing exactly what t
+      one-token steps store (nothing fitted on the first write, no per-write state; a
+      window whose flushes follow from the token count is fine, KIVI's): a bool, or a
+      callable of the quantizer (the store's stepper) saying it per config. Such a fused
+      cache's multi-token writes (a prefill) are encoded on the device too
+      (`KernelStore.create_empty`, `steps`).
     - `configure(flat, **options)`: a flat the store should hold instead (HQMQ: the
       codeword table the kernel gathers from); None: as flattened.
     - `kernels`: its decode-attention kernels, one per backend.

@@ -15,7 +15,10 @@ those of the quantizer's `encode_tokens` (suites/tests/test_step_encode.py):
 - KIVI's fp16 window: `kivi_window` (the flush every G or R steps is `int_rows` on the
   window plus one shift); at a device position (CUDA graphs) the row, the flush and the
   shift (`kivi_shift`) are decided on the device from the token count by the window
-  policy (`kivi_policy`), the flush and shift launches doing nothing on other steps;
+  policy (`kivi_policy`), the flush and shift launches doing nothing on other steps; a
+  multi-token write (a prefill) is the window kernel over every token (each checked, the
+  window's stored) and one `int_rows` launch with `half` quantizing the groups straight
+  from x rounded to fp16 (kernels/formats/kivi.py `KIVIStore._step_tokens`);
 - HQMQ incl. Med3x (`HQMQFlat`): `hqmq_encode.hqmq_tokens` (beside the search kernel
   whose code it shares), on this module's pieces.
 
@@ -160,7 +163,8 @@ def _int_rows_kernel(x_ptr, sxb, sxh, sxr, sxe, sxk,
                      N: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, NP: tl.constexpr,
                      NGP: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
                      WA: tl.constexpr = 0, WP: tl.constexpr = 0, WG: tl.constexpr = 1,
-                     ROWMUL: tl.constexpr = 0, BLKMUL: tl.constexpr = 0):
+                     ROWMUL: tl.constexpr = 0, BLKMUL: tl.constexpr = 0,
+                     HALF: tl.constexpr = False, TOKBLK: tl.constexpr = 0):
     """One row of N elements (program (b*H+h, row, block)) in groups of G along the row:
     `quantize_groups` of that row, written at output row row0+row of block blk0+block
     (DEVPOS: plus the device position p at pos_ptr, also added to tok0).
@@ -168,7 +172,11 @@ def _int_rows_kernel(x_ptr, sxb, sxh, sxr, sxe, sxk,
     (WA, WP), groups of WG tokens): the program does nothing unless the step writing
     token p fills the window (q(p + 1) > q(p), q(t) = max(0, t - WA) // WP * WP); then
     the n = q(p) / WG groups held before it offset the output by n * ROWMUL rows and
-    n * BLKMUL blocks, and the flag names token p (what the host-position flush does)."""
+    n * BLKMUL blocks, and the flag names token p (what the host-position flush does).
+    HALF (KIVI's multi-token write, `KIVIStore._quantize`): x is rounded to fp16 first (what
+    the old path quantizes, `x.half()`) and its values were flagged by the window kernel,
+    which sees every token of the write: only a group whose step overflows fp16 with finite
+    values (1-bit codes) is flagged here, as token tok0 + row * TOKROWS + block * TOKBLK."""
     if DEVPOS:
         p = tl.load(pos_ptr)
         if WP > 0:
@@ -191,6 +199,8 @@ def _int_rows_kernel(x_ptr, sxb, sxh, sxr, sxe, sxk,
     em = e < N
     xo = b.to(tl.int64) * sxb + h * sxh + r * sxr + k * sxk
     x = tl.load(x_ptr + xo + e * sxe, mask=em, other=0.0).to(tl.float32)
+    if HALF:
+        x = x.to(tl.float16).to(tl.float32)
     bad = nonfinite(x) & em
     # group statistics: a [groups, elements] tile (no gather from registers in Triton)
     g = tl.arange(0, NGP)[:, None]
@@ -201,7 +211,8 @@ def _int_rows_kernel(x_ptr, sxb, sxh, sxr, sxe, sxk,
     over = gm & ((tl.abs(lo) > 65504.0) | (tl.abs(hi) > 65504.0))
     zero = fp16_toward(lo, False)
     span = tl.math.div_rn(hi - zero.to(tl.float32), ((1 << BITS) - 1) * 1.0)
-    over = over | (gm & (span > 65504.0))
+    wide = gm & (span > 65504.0)
+    over = over | wide
     scale = fp16_toward(span, True)
     so = b.to(tl.int64) * ssb + h * ssh + (row0 + r) * ssr + (blk0 + k) * ssk
     gi = tl.arange(0, NGP)
@@ -220,13 +231,17 @@ def _int_rows_kernel(x_ptr, sxb, sxh, sxr, sxe, sxk,
     j = tl.arange(0, NBP)
     tl.store(c_ptr + co + j, byt.to(tl.uint8), mask=j < NB)
     n_bad = tl.sum(bad.to(tl.int32), axis=0)
-    bits = tl.where(n_bad > 0, 1, 0) | tl.where(tl.max(over.to(tl.int32), axis=0) > 0, 2, 0)
-    flag(err_ptr, bits, n_bad, tok0 + r * TOKROWS)
+    if HALF:
+        bits = tl.where((n_bad == 0) & (tl.max(wide.to(tl.int32), axis=0) > 0), 2, 0)
+        flag(err_ptr, bits, 0, tok0 + r * TOKROWS + k * TOKBLK)
+    else:
+        bits = tl.where(n_bad > 0, 1, 0) | tl.where(tl.max(over.to(tl.int32), axis=0) > 0, 2, 0)
+        flag(err_ptr, bits, n_bad, tok0 + r * TOKROWS)
 
 
 def int_rows(x, x_strides, rows: int, blocks: int, codes, c_strides, scale, zero, s_strides,
              row0: int, blk0: int, *, n: int, group: int, bits: int, err, tok0: int, token_rows: bool, pos=None,
-             flush=None):
+             flush=None, half: bool = False, tok_blocks: int = 0):
     """`quantize_groups` of `rows` x `blocks` rows of n elements of x, each written at
     output row row0 + row, block blk0 + block. Strides in elements: x (b, h, row,
     element, block); codes and scale/zero (b, h, row, block), the row's bytes / groups
@@ -236,7 +251,10 @@ def int_rows(x, x_strides, rows: int, blocks: int, codes, c_strides, scale, zero
     `flush` (with `pos`): KIVI's flush decided on the device, ((A, P), G, rows_per_group,
     blocks_per_group): the launch writes only when the step writing token pos fills the
     window of policy (A, P) (`kivi_policy`), after the groups of G tokens held then
-    (see `_int_rows_kernel`)."""
+    (see `_int_rows_kernel`).
+    `half` (KIVI's multi-token write): x rounded to fp16 first, its values flagged by the
+    window kernel (`kivi_window`), here only a group's step overflow, as token tok0 + row
+    (`token_rows`) + block * `tok_blocks`."""
     B, H = x.shape[0], x.shape[1]
     nb = (n * bits + 7) // 8
     pos_arg, devpos = device_pos(pos, x)
@@ -246,6 +264,8 @@ def int_rows(x, x_strides, rows: int, blocks: int, codes, c_strides, scale, zero
             raise ValueError("a device-decided flush needs the device position pos")
         (wa, wp), wg, rowmul, blkmul = flush
         win = dict(WA=wa, WP=wp, WG=wg, ROWMUL=rowmul, BLKMUL=blkmul)
+    if half:
+        win.update(HALF=True, TOKBLK=tok_blocks)
     launch(_int_rows_kernel, (B * H, rows, blocks), x, *x_strides, codes, *c_strides, scale, zero, *s_strides,
             row0, blk0, H, err, tok0, pos_arg, TOKROWS=int(token_rows), DEVPOS=devpos, N=n, G=group, BITS=bits, NP=p2(n),
             NGP=p2(n // group), NB=nb, NBP=p2(nb), **win)
@@ -325,45 +345,54 @@ def fp16_tokens(x, values, t0: int, err, pos=None):
 # ---------------------------------------------------------------------------------------
 # KIVI's fp16 window
 # ---------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["row", "tok"])
-def _window_kernel(x_ptr, sxb, sxh, r_ptr, srb, srh, row, H, err_ptr, tok, pos_ptr,
+@triton.jit(do_not_specialize=["row", "skip", "tok"])
+def _window_kernel(x_ptr, sxb, sxh, sxt, r_ptr, srb, srh, row, skip, H, err_ptr, tok, pos_ptr,
                    D: tl.constexpr, DP: tl.constexpr, DEVPOS: tl.constexpr = False,
                    WA: tl.constexpr = 0, WP: tl.constexpr = 1):
-    """x's token as fp16 into window row `row` (token `tok`); DEVPOS: token p at pos_ptr,
-    into row p - q(p), the window's length under the policy (WA, WP) (`kivi_policy`)."""
+    """x's token t (program (b*H+h, t)) as fp16 into window row row + t - skip, flagged as
+    token tok + t; a token t < skip is only flagged (a multi-token write quantizes it
+    straight from x: `int_rows` with `half`). DEVPOS: one token p at pos_ptr, into row
+    p - q(p), the window's length under the policy (WA, WP) (`kivi_policy`)."""
     if DEVPOS:
         p = tl.load(pos_ptr)
         row = p - tl.maximum(p - WA, 0) // WP * WP
         tok = p
     bh = tl.program_id(0)
+    t = tl.program_id(1)
     b = bh // H
     h = bh % H
     d = tl.arange(0, DP)
     dm = d < D
-    x = tl.load(x_ptr + b.to(tl.int64) * sxb + h * sxh + d, mask=dm, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + b.to(tl.int64) * sxb + h * sxh + t.to(tl.int64) * sxt + d, mask=dm,
+                other=0.0).to(tl.float32)
     bad = nonfinite(x) & dm
     over = (tl.abs(x) > 65504.0) & dm & ~bad
-    tl.store(r_ptr + b.to(tl.int64) * srb + h * srh + row * D + d, x.to(tl.float16), mask=dm)
+    if t >= skip:
+        tl.store(r_ptr + b.to(tl.int64) * srb + h * srh + (row + t - skip) * D + d, x.to(tl.float16), mask=dm)
     n_bad = tl.sum(bad.to(tl.int32), axis=0)
     bits = tl.where(n_bad > 0, 1, 0) | tl.where(tl.sum(over.to(tl.int32), axis=0) > 0, 2, 0)
-    flag(err_ptr, bits, n_bad, tok)
+    flag(err_ptr, bits, n_bad, tok + t)
 
 
-def kivi_window(x, residual, row: int, err, tok: int, pos=None, policy: tuple[int, int] | None = None):
-    """x `[B, H, 1, D]` as fp16 into row `row` of the window buffer `[B, H, Rcap, D]`
-    (token `tok`, for the error flag). `pos` (a device position, see `device_pos`) with
-    the window `policy` (A, P) of `kivi_policy`: token pos, into row pos - q(pos), read on
-    the device (row and tok are ignored)."""
-    B, H, _, D = x.shape
+def kivi_window(x, residual, row: int, err, tok: int, pos=None, policy: tuple[int, int] | None = None,
+                skip: int = 0):
+    """x `[B, H, t, D]` as fp16 into the window buffer `[B, H, Rcap, D]`: token i (flagged
+    as token tok + i) into row row + i - skip, the first `skip` tokens only checked (a
+    multi-token write quantizes them from x; a decode step: t = 1, skip 0). `pos` (a
+    device position, see `device_pos`) with the window `policy` (A, P) of `kivi_policy`:
+    one token, pos, into row pos - q(pos), read on the device (row and tok are ignored)."""
+    B, H, t, D = x.shape
     assert x.stride(3) == 1 and residual.stride(3) == 1 and residual.stride(2) == D
     pos_arg, devpos = device_pos(pos, x)
     win = {}
     if devpos:
         if policy is None:
             raise ValueError("a window write at a device position needs the window policy (A, P)")
+        if t != 1 or skip:
+            raise ValueError("a window write at a device position takes one token")
         win = dict(DEVPOS=True, WA=policy[0], WP=policy[1])
-    launch(_window_kernel, (B * H,), x, x.stride(0), x.stride(1), residual, residual.stride(0),
-            residual.stride(1), row, H, err, tok, pos_arg, D=D, DP=p2(D), **win)
+    launch(_window_kernel, (B * H, t), x, x.stride(0), x.stride(1), x.stride(2), residual, residual.stride(0),
+           residual.stride(1), row, skip, H, err, tok, pos_arg, D=D, DP=p2(D), **win)
 
 
 @triton.jit

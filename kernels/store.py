@@ -36,6 +36,8 @@ tokens in one launch and the quantizer fits nothing on its first write
 is encoded the same way, into a store made before any write (`create_empty`, from the
 quantizer's `empty`): its tokens form a run exactly as t steps would, one launch per
 (layer, role) instead of the quantizer's torch `append` and the copy into the store.
+KIVI too (`_create_empty`, the store class's hook: groups and a window, two launches, its
+window kernel over the write's tokens and its groups straight from x; formats/kivi.py).
 
 Decode steps at a device position (`step_at`, for CUDA graphs; suites/harness/kv_cache.py
 `device_steps`): the same encoders write at a position read from a device int32 tensor
@@ -203,6 +205,9 @@ class KernelStore:
         stepper = q_cls(cfg, role=role)
         if not multi_steps(fmt, stepper):
             return None
+        own = (fmt.store or KernelStore)._create_empty(packed, role, fmt, stepper, tokens, capacity, table)
+        if own is not NotImplemented:
+            return own
         B, H, D = packed.batch, packed.heads, packed.head_dim
         try:
             fields, variable = stepper.segment_layout((B, H, 1, D))
@@ -231,6 +236,14 @@ class KernelStore:
         store.stepper = stepper
         store._steps_begin()
         return store
+
+    @classmethod
+    def _create_empty(cls, packed: Packed, role: str, fmt: registry.Format, stepper, tokens: int,
+                      capacity: int | None, table=None):
+        """Hook: a store class whose empty store is not made from the quantizer's one-token
+        segment layout (KIVI: groups of G tokens and an fp16 window) makes it here (None:
+        it cannot, the old path serves the write); NotImplemented: `create_empty`'s way."""
+        return NotImplemented
 
     def _steps_begin(self) -> None:
         """Hook: the stepper was just set (before the first step)."""

@@ -22,6 +22,18 @@ nothing unless the token fills the window, and the attention derives each side's
 from the valid length the same way (`KIVIGraphFlat`, `graph_view`). `reserve` sizes the
 group buffers for the capacity and the window for A + P rows; `advance` sets n_groups,
 the window length and the buffers' lengths from the host's token count (no device read).
+
+A multi-token write of a fused cache (a prefill, a later chunk: `Format.multi_step`,
+`KernelStore.create_empty` / `steps`, `KIVIStore._step_tokens`) is encoded on the device
+too, storing what t one-token steps (and the old path's `append_windowed`) store: a
+prefill of T tokens quantizes its first q(T) tokens in whole groups straight from x
+rounded to fp16 (one `int_rows` launch with `half`, none when q(T) = 0) and one window
+launch checks all T tokens and stores the last T - q(T) as the window: two launches per
+(layer, role), no host read, in place of the quantizer's torch `append` (a launch or
+more per group, host reads) and the store's copy; its groups' Segments are views made
+in one op per field (`_group_views`). A later chunk takes up to four launches (the
+window's last group completed from x, the window's groups, x's groups, the new window;
+or a flush of the window alone, then the chunk into the window).
 """
 from __future__ import annotations
 
@@ -90,11 +102,14 @@ def encode_step(store: "KIVIStore", x: torch.Tensor, errors: torch.Tensor, t0: i
     """KIVI's one-token write on the device: the window row, then the flush and the shift
     when the token fills the window (at the host position the store's counts decide and
     advance; at a device position `pos` the kernels decide from it, see the module
-    docstring)."""
-    if pos is None:
+    docstring). A write of t tokens `[B, H, t, D]` (a prefill, a later chunk; host
+    position only): `KIVIStore._step_tokens`, a few launches."""
+    if pos is not None:
+        store._step_window_at(x, errors, pos)
+    elif x.shape[2] == 1:
         store._step_window(x, errors)
     else:
-        store._step_window_at(x, errors, pos)
+        store._step_tokens(x, errors)
 
 
 class KIVIStore(KernelStore):
@@ -104,6 +119,26 @@ class KIVIStore(KernelStore):
     def __init__(self, flat, packed: Packed, role: str, fmt):
         super().__init__(dataclasses.replace(flat, n_groups=0), packed, role, fmt)
         self._run_groups: list[Segment] = []  # the current run's flushed groups' Segments
+
+    @classmethod
+    def _create_empty(cls, packed: Packed, role: str, fmt, stepper, tokens: int, capacity: int | None,
+                      table=None) -> "KIVIStore | None":
+        """`KernelStore.create_empty` of KIVI: no group and an empty fp16 window, the window
+        buffer sized for the window the first write of `tokens` tokens leaves (as the old
+        path's `append` sizes it), zeroed (a cost-counting `launch_hook` leaves finite
+        bytes); the group buffers come with the first group. None (the old path) where the
+        window policy is not `kivi_policy`'s or the values' groups of G channels do not
+        divide the head dim (the quantizer's own error, from its own write)."""
+        if kivi_policy(stepper) is None or (role == "V" and packed.head_dim % stepper.config.group):
+            return None
+        store = cls(flatten_kivi(packed, role), packed, role, fmt)
+        store.capacity_hint = capacity or 0
+        res = store._buffer("residual", store.flat.residual, max(tokens - stepper.quantized_tokens(tokens), 1),
+                            hinted=False, zeroed=True)
+        store.flat.residual, store.flat.n_res = res.buf, 0
+        store.stepper = stepper
+        store._steps_begin()
+        return store
 
     def append(self, new: list[Segment], shared_tokens: int) -> None:
         if not new:
@@ -200,9 +235,96 @@ class KIVIStore(KernelStore):
         if grew:
             self._adopt([], True)
 
-    def _group_buffers(self, rows: int) -> None:
+    @property
+    def multi_steps(self) -> bool:
+        # (a store the old path made: values whose channel groups do not divide the head
+        # dim keep the quantizer's own write, which names the problem)
+        return super().multi_steps and not (self.role == "V" and self.D % self.flat.group)
+
+    def _step_tokens(self, x: torch.Tensor, errors: torch.Tensor) -> None:
+        """A write of t tokens at the host position, exactly what t `_step_window`s store
+        (and the old path's `append_windowed`): of the window's W rows then x's tokens, the
+        first n = q(total) - (quantized so far) are quantized in whole groups, the rest
+        become the window. No host read (n, W from the host's counts).
+        - n <= W (the window alone fills the new groups, or none is due: a chunk while the
+          values' window holds R tokens): `_flush` of n rows (an int launch and a shift,
+          2 torch ops), then x's tokens appended to the window (one window launch);
+        - n > W (a prefill: W = 0): x's first s tokens complete the window's last group
+          (a window launch, none when W is whole groups), the window's rows are quantized
+          (an int launch, none when W = 0), x's next n - W - s tokens straight from x
+          rounded to fp16 (an int launch, `int_rows` with `half`), and a window launch
+          writes x's remaining tokens at row 0, checking the skipped ones: a prefill is two
+          launches (one without a group), a chunk up to four.
+        The window kernel checks every token of x (NaN/Inf, fp16 range) and flags the
+        first bad one; the int launches of x add only a group's step overflow."""
+        f, res = self.flat, self.buffers["residual"]
+        G, t, W, ng = f.group, x.shape[2], res.length, f.n_groups
+        done, tok = ng * G, self.tokens
+        n = self.stepper.quantized_tokens(done + W + t) - done
+        if n <= W:
+            if n:
+                self._flush(n, errors)
+            w0 = res.length
+            res.extend(w0 + t)
+            step_encode.kivi_window(x, res.buf, w0, errors, tok)
+            res.length = w0 + t
+        else:
+            up = -(-W // G) * G  # the window's rows, completed to whole groups by x's first s tokens
+            s, direct = up - W, n - up  # x's tokens s .. s + direct: whole groups straight from x
+            res.extend(max(up, t - s - direct, 1))
+            if s:
+                step_encode.kivi_window(x[:, :, :s], res.buf, W, errors, tok)
+            grew = self._group_room(ng + n // G)
+            if up:
+                self._quantize(res.buf, ng, up, errors, tok - W)
+            if direct:
+                self._quantize(x[:, :, s:] if s else x, ng + up // G, direct, errors, tok + s)
+            if t > s:
+                step_encode.kivi_window(x[:, :, s:] if s else x, res.buf, 0, errors, tok + s, skip=direct)
+            res.length = t - s - direct
+            f.n_groups = ng + n // G
+            if grew:
+                self._adopt([], True)
+        f.residual, f.n_res = res.buf, res.length
+        self.tokens += t
+
+    def _group_room(self, groups: int) -> bool:
+        """The group buffers sized for `groups` groups (made zeroed if absent), their
+        lengths set to it and the flat pointed at them; True when one was reallocated."""
+        per = 1 if self.role == "K" else self.flat.group
+        self._group_buffers(groups * per, zeroed=True)
+        grew = False
+        for name in ("codes", "scale", "zero"):
+            grew |= self.buffers[name].extend(groups * per)
+            self.buffers[name].length = groups * per
+        f = self.flat
+        f.codes, f.scale, f.zero = (self.buffers[k].buf for k in ("codes", "scale", "zero"))
+        return grew
+
+    def _quantize(self, src: torch.Tensor, g0: int, n: int, errors: torch.Tensor, tok0: int) -> None:
+        """`int_rows` with `half`: src's first n tokens (`[B, H, >= n, D]`, the window buffer
+        or x) rounded to fp16 and quantized as n / G groups, written as groups g0...
+        (token tok0 is src's first, for a group's step-overflow flag). Keys: rows the
+        channels, blocks the groups; values: rows a group's G tokens, blocks the groups
+        (grid dimensions stay small however long the write)."""
+        f, G, D = self.flat, self.flat.group, self.D
+        c, sc, z = (self.buffers[k].buf for k in ("codes", "scale", "zero"))
+        s0, s1, s2 = src.stride(0), src.stride(1), src.stride(2)
+        if self.role == "K":
+            step_encode.int_rows(src, (s0, s1, 1, s2, G * s2), D, n // G,
+                                 c, (c.stride(0), c.stride(1), c.stride(3), c.stride(2)), sc, z,
+                                 (sc.stride(0), sc.stride(1), 1, sc.stride(2)), 0, g0, n=G, group=G, bits=f.bits,
+                                 err=errors, tok0=tok0, token_rows=False, half=True, tok_blocks=G)
+        else:
+            step_encode.int_rows(src, (s0, s1, s2, 1, G * s2), G, n // G,
+                                 c, (c.stride(0), c.stride(1), c.stride(2), G * c.stride(2)), sc, z,
+                                 (sc.stride(0), sc.stride(1), sc.stride(2), G * sc.stride(2)), 0, g0, n=D, group=G,
+                                 bits=f.bits, err=errors, tok0=tok0, token_rows=True, half=True, tok_blocks=G)
+
+    def _group_buffers(self, rows: int, zeroed: bool = False) -> None:
         """KIVI's group buffers (codes, scale, zero), created for `rows` rows of axis 2 (or
-        the capacity hint) when no group was stored yet: shaped like one group's fields."""
+        the capacity hint) when no group was stored yet: shaped like one group's fields
+        (`zeroed`: filled with zeros)."""
         if "codes" in self.buffers:
             return
         f, w, B, H, D = self.flat, self.buffers["residual"].buf, self.B, self.H, self.D
@@ -212,7 +334,7 @@ class KIVIStore(KernelStore):
                             (B, H, 1, packed_nbytes(D, f.bits)), dtype=torch.uint8)
         scale = w.new_empty((B, H, 1, D) if key else (B, H, 1, D // G))
         for name, like in (("codes", codes), ("scale", scale), ("zero", scale)):
-            self._buffer(name, like, rows, G // per)
+            self._buffer(name, like, rows, G // per, zeroed=zeroed)
 
     def _step_window_at(self, x: torch.Tensor, errors: torch.Tensor, pos: torch.Tensor) -> None:
         """KIVI's step at the device position p: the window write at row p - q(p), then the
@@ -327,9 +449,9 @@ class KIVIStore(KernelStore):
             base = base[:-1]  # the window of the run's start: now in the buffer
         f = self.flat
         per = 1 if self.role == "K" else f.group
-        for g in range(self._run_start + len(self._run_groups), f.n_groups):
-            seg = Segment({}, f.group)
-            seg.fields.update(self._segment_views(seg, g * per))
+        g0 = self._run_start + len(self._run_groups)
+        for g, fields in enumerate(self._group_views(g0, f.n_groups), g0):
+            seg = Segment(fields, f.group)
             self._adopted.append((seg, g * per))  # written once: re-pointed like absorbed segments
             self._run_groups.append(seg)
         out = base + self._run_groups
@@ -337,6 +459,21 @@ class KIVIStore(KernelStore):
         if n_res:  # rewritten in place by later steps: a copy (a few groups of fp16)
             out = out + [Segment({"residual": self.buffers["residual"].buf[:, :, :n_res].clone()}, n_res)]
         return out
+
+    def _group_views(self, g0: int, g1: int) -> list[dict[str, torch.Tensor]]:
+        """`_segment_views` of groups g0 .. g1-1, one torch op per field for them all (a
+        prefill's 1024 groups are 1024 Segments; a Python op per view and field was most of
+        its host time)."""
+        if g1 <= g0:
+            return []
+        b, n, G = self.buffers, g1 - g0, self.flat.group
+        if self.role == "K":  # group g: row g (codes [B,H,D,GB], scale/zero [B,H,D,1])
+            parts = {k: (b[k].buf[:, :, g0:g1] if k == "codes" else b[k].buf[:, :, g0:g1].unsqueeze(-1)).unbind(2)
+                     for k in ("codes", "scale", "zero")}
+        else:  # group g: token rows g*G .. (g+1)*G
+            parts = {k: b[k].buf[:, :, g0 * G : g1 * G].unflatten(2, (n, G)).unbind(2)
+                     for k in ("codes", "scale", "zero")}
+        return [{k: v[i] for k, v in parts.items()} for i in range(n)]
 
     def end_run(self) -> None:
         super().end_run()
@@ -363,6 +500,7 @@ CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_decode.decode(q, k, v, **kw), t
 FORMAT = Format(
     name="kivi", quantizer=KIVI, flat=(KIVIFlat, KIVIGraphFlat), flatten=flatten_kivi, store=KIVIStore,
     step=encode_step,
+    multi_step=lambda q: kivi_policy(q) is not None,  # prefills and chunks: `KIVIStore._step_tokens`
     kernels=(Kernel("triton", kivi_decode_attention, title="Triton KIVI kernel"), CUDA),
     bench={"kivi4": "kivi:bits=4", "kivi2": "kivi:bits=2"},
 )

@@ -2,17 +2,23 @@
 the format's step encoder (`Format.multi_step`, `KernelStore.create_empty` / `steps`,
 suites/harness/kv_cache.py `QuantizedLayer._device_write`):
 
-- for fp16, per-token int and HQMQ without Med3x, a fused cache whose prefill (and a
-  later chunk) went through the device path holds the same bytes (Packed digest, every
+- for fp16, per-token int, HQMQ without Med3x and KIVI, a fused cache whose prefill (and
+  a later chunk) went through the device path holds the same bytes (Packed digest, every
   store buffer; HQMQ: codes up to exact search ties), the same segments, decodes the
   same, measures the same bits, and greedy decoding gives the same logits as the old
-  path (the quantizer's `append`, then `KernelStore.create` / `append`);
-- bad input in the prefill raises the old path's error (NaN/Inf, fp16 overflow), naming
-  layer, role and token: at once when the prefill's attention reads the cache, else when
+  path (the quantizer's `append`, then `KernelStore.create` / `append`); KIVI with small
+  groups and windows (keys' groups and values' tokens quantized, both windows kept, a
+  chunk that completes the window's last group and one the window alone flushes) and
+  with its default group / window (a 170-token prefill);
+- bad input in the prefill raises the old path's error (NaN/Inf, fp16 overflow; KIVI: in
+  its window or in a quantized group, and a 1-bit group's step overflow), naming layer,
+  role and token: at once when the prefill's attention reads the cache, else when
   results are next read or at the next step;
-- fp8 (its scale is fitted on the first write), KIVI (window, flushes), Med3x (a median
-  per write), per-channel int keys, a dense layer and `step_encode=False` take the old path;
-- the prefill write costs one launch per (layer, role) and no host read.
+- fp8 (its scale is fitted on the first write), Med3x (a median per write), per-channel
+  int keys, KIVI values whose channel groups do not divide the head dim, a dense layer
+  and `step_encode=False` take the old path;
+- the prefill write costs one launch per (layer, role), KIVI two (the window, checking
+  every token, and the groups; one without a group) and no host read.
 
 CPU: the kernels run under the Triton interpreter, tiny shapes.
 """
@@ -37,8 +43,19 @@ from kvqbench.suites.harness.kv_cache import QuantizedCache, QuantizedLayer, cac
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DEVICE_SPECS = ["fp16", "int4", "int2", "int8", "hqmq:S=8,r=4", "hqmq:S=8,r=4,pack=mixed"]
-OLD_SPECS = ["fp8-e4m3", "kivi:bits=2,group=8,residual=8", "hqmq:S=8,r=4,outliers=med3"]
+KIVI_SPECS = ["kivi:bits=2,group=8,residual=8", "kivi:bits=4,group=4,residual=2", "kivi:bits=3,group=4,residual=8",
+              "kivi:bits=4,group=4,residual=8,window=fixed"]
+DEVICE_SPECS = ["fp16", "int4", "int2", "int8", "hqmq:S=8,r=4", "hqmq:S=8,r=4,pack=mixed"] + KIVI_SPECS
+OLD_SPECS = ["fp8-e4m3", "hqmq:S=8,r=4,outliers=med3"]
+
+
+def _launches(spec, tokens: int) -> int:
+    """Triton launches of a device-encoded first write of `tokens` tokens (K and V): one per
+    role; KIVI one per role for its window (every token checked) plus one where the write
+    quantizes a group."""
+    if not spec.startswith("kivi"):
+        return 2
+    return sum(1 + bool(get_quantizer(spec, role=r).quantized_tokens(tokens)) for r in ("K", "V"))
 
 
 def _data(shape, dtype, seed):
@@ -106,13 +123,26 @@ def test_device_prefill_stores_what_the_old_prefill_stores(spec, dtype):
     x = _data((2, 2, 2, 40, 32), dtype, 0 if dtype == torch.float16 else 1)
     new, launches, out_new = _run(spec, x, 29, 4, device=True, mid=5)
     old, launches_old, out_old = _run(spec, x, 29, 4, device=False, mid=5)
-    assert launches == 2 and launches_old == 0  # one launch per role: the device path was taken
+    assert launches == _launches(spec, 29) and launches_old == 0  # the device path was taken
     _assert_same(new, old, ties="hqmq" in spec)
     for a, b in zip(out_new, out_old):  # what the prefill's attention read: the decoded prefill
         assert a.shape == b.shape and (torch.equal(a, b) if "hqmq" not in spec else torch.allclose(a, b, atol=0.2))
 
 
-@pytest.mark.parametrize("spec", ["int4", "hqmq:S=8,r=4", "fp16"])
+def test_kivi_default_groups_and_window():
+    # group 32, window 128: a 170-token prefill quantizes 4 key groups (the paper's key
+    # window: 128 tokens at a time, T mod 128 kept fp16) and 1 value group (138 fp16); a
+    # 40-token chunk then makes the values' window flush a group
+    x = _data((2, 1, 2, 213, 32), torch.bfloat16, 5)
+    new, launches, out_new = _run("kivi:bits=4", x, 170, 2, device=True, mid=40)
+    old, _, out_old = _run("kivi:bits=4", x, 170, 2, device=False, mid=40)
+    assert launches == 4 and new.stores["K"].flat.n_groups == 4 and new.stores["V"].flat.n_groups == 2
+    _assert_same(new, old, ties=False)
+    for a, b in zip(out_new, out_old):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spec", ["int4", "hqmq:S=8,r=4", "fp16", "kivi:bits=2,group=8,residual=8"])
 def test_exact_prefill_reads_nothing_and_grows(spec, monkeypatch):
     # prefill="exact": attention reads the unquantized K/V (nothing decoded); a prefill
     # past the buffers' capacity, then a chunk that makes them grow (MIN_CAPACITY 64).
@@ -120,13 +150,13 @@ def test_exact_prefill_reads_nothing_and_grows(spec, monkeypatch):
     x = _data((2, 1, 2, 150, 32), torch.float16, 2)
     new, launches, out = _run(spec, x, 70, 2, device=True, mid=70, mode="exact")
     old, _, _ = _run(spec, x, 70, 2, device=False, mid=70, mode="exact")
-    assert launches == 2
+    assert launches == _launches(spec, 70)
     assert out[0] is not None and torch.equal(out[0], x[0, :, :, :70])  # the K it computed
     assert new.stores["K"].token_capacity >= 142
     _assert_same(new, old, ties="hqmq" in spec)
 
 
-@pytest.mark.parametrize("spec", OLD_SPECS + ["int4:keys=per-channel"])
+@pytest.mark.parametrize("spec", OLD_SPECS + ["int4:keys=per-channel", "kivi:bits=2,group=24,residual=8"])
 def test_formats_that_fit_or_window_take_the_old_path(spec):
     x = _data((2, 1, 2, 20, 32), torch.float16, 3)
     new, launches, _ = _run(spec, x, 16, 2, device=True)
@@ -152,7 +182,10 @@ def test_dense_and_disabled_step_encoding_take_the_old_path():
 @pytest.mark.parametrize("spec,bad,match", [
     ("int4", float("nan"), "NaN/Inf"), ("int4", 7e4, "overflows the fp16"), ("fp16", float("inf"), "NaN/Inf"),
     ("fp16", 7e4, "overflows the fp16"), ("hqmq:S=8,r=4", float("nan"), "NaN/Inf"),
-    ("hqmq:S=8,r=4", 1e5, "overflows the fp16")])
+    ("hqmq:S=8,r=4", 1e5, "overflows the fp16"),
+    # KIVI: token 7 of V in the fp16 window (group 8, window 8) and in a quantized group (window 2)
+    ("kivi:bits=2,group=8,residual=8", float("nan"), "NaN/Inf"), ("kivi:bits=2,group=8,residual=8", 7e4, "overflows the fp16"),
+    ("kivi:bits=4,group=4,residual=2", float("-inf"), "NaN/Inf"), ("kivi:bits=4,group=4,residual=2", 1e5, "overflows the fp16")])
 def test_bad_prefill_input_raises_the_old_error(spec, bad, match):
     x = _data((2, 1, 2, 12, 32), torch.float32, 0)
     v = x[1, :, :, :10].clone()
@@ -171,14 +204,35 @@ def test_bad_prefill_input_raises_the_old_error(spec, bad, match):
     layer.fused_wanted, layer.prefill = True, "exact"
     n0 = se.LAUNCHES[0]
     layer.update(x[0, :, :, :10], v)
-    assert se.LAUNCHES[0] - n0 == 2  # (the device path took it)
+    assert se.LAUNCHES[0] - n0 == _launches(spec, 10)  # (the device path took it)
     with pytest.raises(QuantizerInputError, match=rf"layer 3 V: .*token 7.*{match}"):
         layer.nbytes()
     # the later steps' polls (the token named: on CUDA a KIVI flush may add a NaN/Inf by then)
     raised_by_later_steps(lambda: layer.update(x[0, :, :, 10:11], x[1, :, :, 10:11]), rf"layer 3 V: .*token 7\b")
 
 
-@pytest.mark.parametrize("spec", ["int4", "hqmq:S=8,r=4", "fp16"])
+@pytest.mark.parametrize("role", ["K", "V"])
+def test_kivi_group_step_overflow_in_the_prefill_raises(role):
+    # 1-bit codes: finite values -6e4 and 6e4 in one group need a step beyond fp16 (the old
+    # path's `group_params` error); the device path's group launch flags it, naming the
+    # group's first token (keys: channel 5 over tokens 4..7) or the token (values: token 7)
+    spec, tok = "kivi:bits=1,group=4,residual=2", 4 if role == "K" else 7
+    x = _data((2, 1, 2, 10, 32), torch.float32, 0)
+    if role == "K":
+        x[0, 0, 1, 6, 5], x[0, 0, 1, 7, 5] = -6e4, 6e4
+    else:
+        x[1, 0, 1, 7, 4], x[1, 0, 1, 7, 5] = -6e4, 6e4
+    old = QuantizedLayer(spec, 3)
+    old.fused_wanted = True
+    with _old_prefill(), pytest.raises(QuantizerInputError, match="the fp16 the cache stores"):
+        old.update(x[0], x[1])
+    layer = QuantizedLayer(spec, 3)
+    layer.fused_wanted = True
+    with pytest.raises(QuantizerInputError, match=rf"layer 3 {role}: .*token {tok}\b.*the fp16 the cache stores"):
+        layer.update(x[0], x[1])
+
+
+@pytest.mark.parametrize("spec", ["int4", "hqmq:S=8,r=4", "fp16", "kivi:bits=2,group=8,residual=8"])
 def test_greedy_logits_equal_old_prefill(tiny, spec):
     from transformers import AutoModelForCausalLM
 
@@ -194,7 +248,7 @@ def test_greedy_logits_equal_old_prefill(tiny, spec):
                 kw = cache_kwargs(model, cache)
                 n0 = se.LAUNCHES[0]
                 out = model(input_ids=ids, **kw, use_cache=True).logits[:, -1:]
-                assert (se.LAUNCHES[0] - n0 == 2 * len(cache.layers)) == device
+                assert se.LAUNCHES[0] - n0 == (_launches(spec, ids.shape[1]) * len(cache.layers) if device else 0)
                 steps = [out]
                 for _ in range(5):
                     out = model(input_ids=steps[-1].argmax(-1), **kw, use_cache=True).logits[:, -1:]
@@ -232,9 +286,14 @@ def _prefill_cost(spec, device: bool, context=512, heads=8, head_dim=128) -> dic
             "host_reads": sum(e.name == "aten::_local_scalar_dense" for e in events)}
 
 
-@pytest.mark.parametrize("spec", ["fp16", "int4", "hqmq:S=96,r=4"])
-def test_device_prefill_has_one_launch_per_role_and_no_host_read(spec):
+@pytest.mark.parametrize("spec", ["fp16", "int4", "hqmq:S=96,r=4", "kivi:bits=4", "kivi:bits=2"])
+def test_device_prefill_has_few_launches_per_role_and_no_host_read(spec):
+    # 512 tokens, 8 heads of 128: one launch per role; KIVI two (its window, checking every
+    # token, and its groups, 16 of the keys and 12 of the values: 384 tokens)
     new, old = _prefill_cost(spec, True), _prefill_cost(spec, False)
     assert new["mode"] == old["mode"] == "fused"
-    assert new["launches"] == 2 and new["host_reads"] == 0 < old["host_reads"]
+    assert new["launches"] == _launches(spec, 512) == (4 if "kivi" in spec else 2)
+    assert new["host_reads"] == 0 < old["host_reads"]
     assert new["ops"] < old["ops"]
+    if "kivi" in spec:  # (measured: 44 against the old path's 472; the group Segments are views made
+        assert new["ops"] <= 50  # one op per field for them all, not one per group)
