@@ -20,7 +20,11 @@ reference of the kernel is `HQMQ.search`.
 encoder, kernels/formats/hqmq.py; kernels/step_encode.py has the other formats' and
 the shared pieces): radii, the per-write median and outliers, r_max, the direction
 search (`best_codes`), radius codes, packing (whole bits, or mixed radix: `pack_groups`),
-the per-(b, h) outlier lists and the 64-token outlier index.
+the per-(b, h) outlier lists and the 64-token outlier index. A Med3x write of several
+tokens (its median is over the whole write) is `hqmq_med3_write`: `_med3_write_kernel`
+(per (b, h): the median as an exact k-th smallest over the radii's bit patterns, each
+token's list position, the index blocks, the lengths), then `_hqmq_kernel` with that
+per-(b, h) threshold, one program per token as without Med3x.
 
 Bit identity and ties: the kernel computes v_j = sum_i u_i M[i, j] in the
 order i = 0..3 (M the right-multiplication matrix of conj(s), as torch's
@@ -193,22 +197,98 @@ def pack_groups(code, NCP: tl.constexpr, G: tl.constexpr, W: tl.constexpr, R: tl
     return tl.sum(part, axis=1)
 
 
-@triton.jit(do_not_specialize=["t0", "blk"])
+@triton.jit
+def norm4(x0, x1, x2, x3):
+    """Chunk radius, as torch's norm: the squares summed in order, then sqrt (both HQMQ step
+    kernels call this one helper: a write's median and its outlier counts see the radii
+    the encode sees; launches take no FMA contraction, `step_encode.launch`)."""
+    return tl.sqrt_rn(((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3)
+
+
+@triton.jit
+def _chunk_radius(xo, m):
+    """norm4 of the chunks whose first element is at xo (4 consecutive elements), 0 where ~m."""
+    x0 = tl.load(xo + 0, mask=m, other=0.0).to(tl.float32)
+    x1 = tl.load(xo + 1, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(xo + 2, mask=m, other=0.0).to(tl.float32)
+    x3 = tl.load(xo + 3, mask=m, other=0.0).to(tl.float32)
+    return norm4(x0, x1, x2, x3)
+
+
+@triton.jit(do_not_specialize=["T", "t0"])
+def _med3_write_kernel(x_ptr, sxb, sxh, sxt, H, T, t0, C, med_ptr, st_ptr, olen_ptr, oi_ptr, oi_h,
+                       NC: tl.constexpr, NCP: tl.constexpr, BLK: tl.constexpr, TB: tl.constexpr,
+                       RB: tl.constexpr, OB: tl.constexpr):
+    """Med3x's cross-token part of a write of T tokens at token t0, one program per (b, h):
+    r_med = the lower median (torch.median) of the write's T*NC chunk radii, found exactly
+    as the k-th smallest (k = (T*NC - 1) // 2) of their float32 bit patterns (radii are
+    >= 0, so the patterns sort as the values), RB bits per pass over the write: a digit is
+    the number of candidate prefixes whose count of patterns <= it is still <= k. Then the
+    outlier count of every token (r > C * r_med, r > 0), their running sum: each token's
+    start in the (b, h) list (`st_ptr` [B*H, T], int64: the list length before the write
+    plus the write's outliers before the token), the start of every OB-token index block
+    the write opens (`oi_ptr`), and the list length after the write (`olen_ptr`)."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    xb = x_ptr + b.to(tl.int64) * sxb + h * sxh
+    n = T * NC
+    k = (n - 1) // 2
+    d = tl.arange(0, 1 << RB).to(tl.int64)
+    lo = tl.zeros([], tl.int64)  # the median's bit pattern, RB bits a pass from the top
+    for p in tl.static_range(32 // RB):
+        low = (1 << (32 - RB * (p + 1))) - 1
+        cand = lo + d * (low + 1) + low  # the largest pattern of each next digit
+        cnt = tl.zeros([1 << RB], tl.int32)
+        for s in range(0, n, BLK):
+            i = s + tl.arange(0, BLK)
+            m = i < n
+            r = _chunk_radius(xb + (i // NC) * sxt + (i % NC) * 4, m)
+            bits = tl.where(m, r.to(tl.int32, bitcast=True).to(tl.int64), 1 << 40)  # past n: above all
+            cnt += tl.sum((bits[:, None] <= cand[None, :]).to(tl.int32), axis=0)
+        lo += tl.sum((cnt <= k).to(tl.int64), axis=0) * (low + 1)
+    r_med = lo.to(tl.int32).to(tl.float32, bitcast=True)
+    tl.store(med_ptr + bh, r_med)
+    thr = C * r_med
+    bh64 = bh.to(tl.int64)
+    olen = tl.load(olen_ptr + bh)
+    c = tl.arange(0, NCP)
+    cm = c < NC
+    for s in range(0, T, TB):
+        tt = s + tl.arange(0, TB)
+        tm = tt < T
+        m = tm[:, None] & cm[None, :]
+        r = _chunk_radius(xb + tt[:, None] * sxt + c[None, :] * 4, m)
+        per_tok = tl.sum(((r > thr) & (r > 0) & m).to(tl.int32), axis=1)  # [TB]
+        start = olen + (tl.cumsum(per_tok, axis=0) - per_tok).to(tl.int64)
+        tl.store(st_ptr + bh64 * T + tt, start, mask=tm)
+        tok = t0 + tt
+        tl.store(oi_ptr + bh64 * oi_h + tok // OB, start.to(tl.int32), mask=tm & (tok % OB == 0))
+        olen += tl.sum(per_tok, axis=0).to(tl.int64)
+    tl.store(olen_ptr + bh, olen)
+
+
+@triton.jit(do_not_specialize=["t0", "blk", "T"])
 def _hqmq_kernel(x_ptr, sxb, sxh, sxt, sec_ptr, rel_ptr, S, H, t0,
                  c_ptr, c_h, c_t, rad_ptr, r_h, r_t, m_ptr, m_h, m_t, f_ptr, f_h, f_t,
-                 o_ptr, o_h, olen_ptr, oi_ptr, oi_h, blk, err_ptr, C, pos_ptr, DEVPOS: tl.constexpr,
+                 o_ptr, o_h, olen_ptr, oi_ptr, oi_h, blk, err_ptr, C, pos_ptr, med_ptr, st_ptr, T,
+                 DEVPOS: tl.constexpr,
                  NC: tl.constexpr, NCP: tl.constexpr, CBITS: tl.constexpr, CB: tl.constexpr, CBP: tl.constexpr,
                  CG: tl.constexpr, CGW: tl.constexpr, NGP: tl.constexpr,
                  RBITS: tl.constexpr, RB: tl.constexpr, RBP: tl.constexpr, FB: tl.constexpr, FBP: tl.constexpr,
                  LOG: tl.constexpr, MED3: tl.constexpr, INDEX: tl.constexpr, SB: tl.constexpr,
-                 OB: tl.constexpr = 64):
+                 OB: tl.constexpr = 64, WRITE: tl.constexpr = False):
     """`HQMQ.encode_tokens` of one token row (program (b*H+h, t)). With Med3x (MED3, one
     token per write) the median is over this token's chunks and the outliers go to the
     end of the (b, h) list (`olen_ptr`), the block start to the index when the token
     opens a 64-token block (INDEX, at block `blk`). `sb`/`sh`: the shared b/h strides of
     the token buffers (one [B, H, Tcap] layout), `ct`..`ft` their token strides.
     DEVPOS: the device position at pos_ptr is added to t0; with MED3 the kernel then
-    decides itself whether the token opens an OB-token block (no host value in the launch)."""
+    decides itself whether the token opens an OB-token block (no host value in the launch).
+    WRITE (MED3, a write of T tokens, grid (B*H, T)): `_med3_write_kernel` ran first; the
+    threshold is C times its (b, h) median over the write (`med_ptr`), the token's outliers
+    go to its list position (`st_ptr`, [B*H, T]); lengths and index blocks are left alone
+    (that kernel wrote them)."""
     t0, bh, b, h, t = token_program(t0, pos_ptr, H, DEVPOS)
     c = tl.arange(0, NCP)
     cm = c < NC
@@ -219,8 +299,11 @@ def _hqmq_kernel(x_ptr, sxb, sxh, sxt, sec_ptr, rel_ptr, S, H, t0,
     x3 = tl.load(xo + 3, mask=cm, other=0.0).to(tl.float32)
     n_bad = tl.sum((nonfinite(x0).to(tl.int32) + nonfinite(x1).to(tl.int32) + nonfinite(x2).to(tl.int32)
                     + nonfinite(x3).to(tl.int32)) * cm.to(tl.int32), axis=0)
-    r = tl.sqrt_rn(((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3)  # torch's norm: in order, then sqrt
-    if MED3:
+    r = norm4(x0, x1, x2, x3)
+    if MED3 and WRITE:  # the (b, h) median of the whole write, from `_med3_write_kernel`
+        r_med = tl.load(med_ptr + bh)
+        outl = (r > C * r_med) & (r > 0) & cm
+    elif MED3:
         # torch.median (the lower middle value): the radius with at most k smaller and more than k
         # smaller-or-equal, k = (NC - 1) // 2, by an [NC, NC] comparison
         ri = r[:, None]
@@ -272,7 +355,10 @@ def _hqmq_kernel(x_ptr, sxb, sxh, sxt, sec_ptr, rel_ptr, S, H, t0,
         oi = outl.to(tl.int32)
         j = tl.arange(0, FBP)
         tl.store(f_ptr + bh64 * f_h + tok * f_t + j, pack_row(oi, 1, NCP, FBP).to(tl.uint8), mask=j < FB)
-        start = tl.load(olen_ptr + bh)
+        if WRITE:  # this token's place in its (b, h) list, from `_med3_write_kernel`
+            start = tl.load(st_ptr + bh64 * T + t)
+        else:
+            start = tl.load(olen_ptr + bh)
         dest = start + tl.cumsum(oi, axis=0) - oi  # list end + rank among this token's outliers
         ob = o_ptr + bh64 * o_h + dest * 4
         tl.store(ob + 0, x0.to(tl.float16), mask=outl)
@@ -281,7 +367,8 @@ def _hqmq_kernel(x_ptr, sxb, sxh, sxt, sec_ptr, rel_ptr, S, H, t0,
         tl.store(ob + 3, x3.to(tl.float16), mask=outl)
         big = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
         over = over | (tl.max(tl.where(outl, big, 0.0), axis=0) > 65504.0)
-        tl.store(olen_ptr + bh, start + tl.sum(oi, axis=0))
+        if not WRITE:  # (a write's lengths and index blocks: `_med3_write_kernel`)
+            tl.store(olen_ptr + bh, start + tl.sum(oi, axis=0))
         if INDEX:
             tl.store(oi_ptr + bh64 * oi_h + blk, start.to(tl.int32))
         if DEVPOS:
@@ -290,15 +377,19 @@ def _hqmq_kernel(x_ptr, sxb, sxh, sxt, sec_ptr, rel_ptr, S, H, t0,
 
 
 def hqmq_tokens(x, flat, S: int, rel, t0: int, err, *, C: float = 3.0, med3: bool = False,
-                outlier_len=None, index_block: int | None = None, pos=None):
+                outlier_len=None, index_block: int | None = None, pos=None, med3_plan=None):
     """HQMQ codes of x `[B, H, t, D]` into the buffers of `flat` (an `HQMQFlat`) at token
     t0 (plus the device position `pos`, see `int_rows`). Med3x (one token): outliers
     appended to `flat.outliers`' (b, h) lists at `outlier_len` (`[B*H]` int64, advanced),
     the block start written to `flat.outlier_index` at `index_block` (None: the token
-    opens no block; with `pos` the kernel writes it when the token at pos opens one)."""
+    opens no block; with `pos` the kernel writes it when the token at pos opens one).
+    A Med3x write of t tokens is `hqmq_med3_write` (its median is over the write)."""
     if pos is not None and index_block is not None:
         raise ValueError("a write at a device position finds its outlier index block on the device")
     B, H, t, D = x.shape
+    if med3 and t != 1 and med3_plan is None:
+        raise ValueError("a Med3x write of several tokens takes its median over the write: hqmq_med3_write")
+    r_med, starts = med3_plan if med3_plan is not None else (x, x)  # (never read without one)
     pos_arg, devpos = device_pos(pos, x)
     nc = D // 4
     G, W, _, cb = flat.code_layout
@@ -311,11 +402,35 @@ def hqmq_tokens(x, flat, S: int, rel, t0: int, err, *, C: float = 3.0, med3: boo
         med = (c, 0, 0, c, 0, c, c, 0, 0)  # never read
     step_encode.launch(_hqmq_kernel, (B * H, t), x, x.stride(0), x.stride(1), x.stride(2), flat.sec, rel, S, H, t0,
             c, c.stride(1), c.stride(2), r, r.stride(1), r.stride(2), m, m.stride(1), m.stride(2), *med,
-            err, float(C), pos_arg, DEVPOS=devpos, NC=nc, NCP=p2(nc), CBITS=flat.code_bits, CB=cb, CBP=p2(cb),
+            err, float(C), pos_arg, r_med, starts, t, DEVPOS=devpos, NC=nc, NCP=p2(nc), CBITS=flat.code_bits, CB=cb, CBP=p2(cb),
             CG=G, CGW=W, NGP=p2(-(-nc // G)),
             RBITS=flat.r_bits, RB=rb, RBP=p2(rb), FB=fb, FBP=p2(fb), LOG=flat.log_radius, MED3=med3,
-            INDEX=index_block is not None, SB=32, OB=OUTLIER_BLOCK)
+            INDEX=index_block is not None, SB=32, OB=OUTLIER_BLOCK, WRITE=med3_plan is not None)
+
+
+def hqmq_med3_write(x, flat, S: int, rel, t0: int, err, *, C: float, outlier_len) -> None:
+    """`HQMQ.encode_tokens` of a Med3x write of t tokens x `[B, H, t, D]` on the device,
+    into the buffers of `flat` at tokens t0..t0+t-1, in two launches and no host read:
+    `_med3_write_kernel` (a program per (b, h): the median chunk radius over the write,
+    each token's start in its (b, h) outlier list, the starts of the 64-token index blocks
+    the write opens, the lists' lengths `outlier_len` advanced), then `_hqmq_kernel` over
+    (B*H, t) with that per-(b, h) threshold, each token's outliers stored at its start.
+    The caller has made room in `flat.outliers` (t*D/8 more per list: at most half the
+    chunks exceed C times a lower median) and in `flat.outlier_index`."""
+    B, H, t, D = x.shape
+    nc = D // 4
+    med = torch.empty(B * H, dtype=torch.float32, device=x.device)
+    st = torch.empty(B * H, t, dtype=torch.int64, device=x.device)
+    oi = flat.outlier_index
+    if interpreting():  # the interpreter pays per loop iteration, the GPU per register
+        blk, tb, extra = 4096, 64, {}
+    else:
+        blk, tb, extra = 1024, 32, {"num_warps": 8}
+    step_encode.launch(_med3_write_kernel, (B * H,), x, x.stride(0), x.stride(1), x.stride(2), H, t, t0, float(C),
+                       med, st, outlier_len, oi, oi.stride(1), NC=nc, NCP=p2(nc), BLK=blk, TB=tb, RB=2,
+                       OB=OUTLIER_BLOCK, **extra)
+    hqmq_tokens(x, flat, S, rel, t0, err, C=C, med3=True, outlier_len=outlier_len, med3_plan=(med, st))
 
 
 
-__all__ = ["best_codes", "hqmq_search", "hqmq_tokens", "kernel_quantizer", "encode_with_kernel"]
+__all__ = ["best_codes", "hqmq_search", "hqmq_tokens", "hqmq_med3_write", "kernel_quantizer", "encode_with_kernel"]

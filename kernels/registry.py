@@ -163,7 +163,9 @@ class Format:
     - `multi_step`: whether `step` also takes a t-token write x `[B, H, t, D]` at t0 in
       one launch (KIVI: two, its window and its groups), storing exactly what t
       one-token steps store (nothing fitted on the first write, no per-write state; a
-      window whose flushes follow from the token count is fine, KIVI's): a bool, or a
+      window whose flushes follow from the token count is fine, KIVI's), or exactly what
+      the quantizer's own write of them stores (HQMQ + Med3x: its median over the write,
+      two launches, `hqmq_med3_write`): a bool, or a
       callable of the quantizer (the store's stepper) saying it per config. Such a fused
       cache's multi-token writes (a prefill) are encoded on the device too
       (`KernelStore.create_empty`, `steps`).

@@ -36,6 +36,8 @@ tokens in one launch and the quantizer fits nothing on its first write
 is encoded the same way, into a store made before any write (`create_empty`, from the
 quantizer's `empty`): its tokens form a run exactly as t steps would, one launch per
 (layer, role) instead of the quantizer's torch `append` and the copy into the store.
+HQMQ + Med3x too, its median over the write (two launches; kernels/formats/hqmq.py: the
+write's segment, whose outlier count only the device knows, is made when read).
 KIVI too (`_create_empty`, the store class's hook: groups and a window, two launches, its
 window kernel over the write's tokens and its groups straight from x; formats/kivi.py).
 
@@ -333,6 +335,11 @@ class KernelStore:
         self._encode_run(x, errors)
         return True
 
+    # A multi-token write whose segment needs a device read to be made (HQMQ + Med3x: its
+    # outlier count) sets this: the caller keeps the run open (no host read at the write),
+    # the segment comes from `run_segments` when the cache is read (kv_cache `_device_write`)
+    segment_on_read = False
+
     def _encode_run(self, x: torch.Tensor, errors: torch.Tensor) -> None:
         """x's tokens into the buffers as part of the current run (opened here if none is)."""
         if x.stride(-1) != 1:
@@ -353,7 +360,7 @@ class KernelStore:
         for name in self.fields:
             if name in self.buffers:
                 grew |= self.buffers[name].extend(end)
-        moved, extra = self._step_room(t0)
+        moved, extra = self._step_room(t0, end - t0)
         if grew:
             self._repoint()
         elif moved:  # no segment views these: the flat alone
@@ -364,9 +371,10 @@ class KernelStore:
                 self.buffers[name].length = end
         self.tokens = self.flat.T = end  # the flat is the store's live view: its length grows in place
 
-    def _step_room(self, t0: int) -> tuple[bool, dict]:
-        """Hook before a host-position step at token t0: (whether a side buffer moved, the
-        keyword arguments the format's step encoder takes beside the token)."""
+    def _step_room(self, t0: int, t: int = 1) -> tuple[bool, dict]:
+        """Hook before a host-position write of t tokens (a step: one) at token t0: (whether
+        a side buffer moved, the keyword arguments the format's step encoder takes beside
+        the token)."""
         return False, {}
 
     def _repoint(self) -> None:

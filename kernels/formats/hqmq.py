@@ -18,6 +18,16 @@ device position appends the outliers at the device list ends and writes an index
 start when the token at the position opens one; `reserve` makes room for the worst case
 of the steps to come, half the chunks of each token.
 
+Med3x writes of several tokens (a fused cache's prefill, a later chunk) are encoded on
+the device too (`hqmq_med3_write`, two launches per (layer, role), no host read): the
+median over the write per (b, h), each token's place in its list and the index blocks
+the write opens, then the token-parallel encode. Room for the worst case (t*D/8 outliers
+per list) is made before it without reading the lists (`_write_room`); since the write's
+segment holds its outliers `[n, 4]`, a count only the device knows, the store keeps it
+in the run, cut at the write's end (`segment_on_read`), and makes it when the cache is
+read (`run_segments`): one segment for the write, one for the steps after it, as the
+old path appends them.
+
 Host synchronisation: the old path's appends need the largest per-(b, h) outlier count
 only when a host-side upper bound (previous bound plus the write's total outlier count,
 a shape, so known without a sync) says the outlier buffer might overflow: the bound grows
@@ -26,13 +36,15 @@ not one per step; host-position steps one every >= 64 steps (`OUTLIER_SLACK_STEP
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ...quantizers import Packed, Segment, parse_spec
 from ...quantizers.hqmq import HQMQ, OUTLIER_BLOCK, outlier_block_starts
 from ...quantizers.packing import unpack_bits
 from ..cuda import hqmq_decode as cuda_hqmq
-from ..hqmq_encode import hqmq_tokens, kernel_quantizer
+from ..hqmq_encode import hqmq_med3_write, hqmq_tokens, kernel_quantizer
 from ..layout import HQMQFlat, concat_field, normalised_secondaries, units_on, whole_blocks
 from ..registry import Format, Kernel
 from ..store import KernelStore, TokenBuffer, concat_tokens, grown_capacity
@@ -45,8 +57,12 @@ def per_head_outliers(packed: Packed, nc: int):
     """Med3x outliers of every segment as per-(b, h) lists `[B, H, Ocap, 4]` in (t, chunk)
     order, and the per-token outlier counts `[B, H, T]`. Each segment stores its outliers
     in (b, h, t, chunk) order; a stable sort by (b, h) over the segments in time order
-    keeps (t, chunk) order within each (b, h)."""
+    keeps (t, chunk) order within each (b, h). No token (an empty store's flat,
+    `HQMQStore._create_empty`): empty lists, and no device op."""
     B, H = packed.batch, packed.heads
+    if packed.tokens == 0:  # (no entry is valid: nothing to fill)
+        return (torch.empty(B, H, OUTLIER_BLOCK, 4, dtype=torch.float16, device=packed.device),
+                torch.empty(B, H, 0, dtype=torch.int64, device=packed.device))
     rows, vals, per_tok = [], [], []
     for seg in packed.segments:
         m = unpack_bits(seg.fields["flags"], 1, nc).bool()  # [B, H, Ts, nc]
@@ -103,10 +119,16 @@ def encode_step(store: "HQMQStore", x: torch.Tensor, errors: torch.Tensor, t0: i
                 index_block: int | None = None) -> None:
     """`HQMQ.encode_tokens` of a write on the device, into the store's buffers at token t0
     (or the device position pos): without Med3x t tokens `[B, H, t, D]` in one launch
-    (grid (B*H, t)); Med3x one token (its median is per write), the outliers at the (b, h)
-    list ends, the index block start at `index_block` (see `hqmq_tokens`)."""
+    (grid (B*H, t)); Med3x one token (a decode step: the median over its chunks), the
+    outliers at the (b, h) list ends, the index block start at `index_block` (see
+    `hqmq_tokens`); Med3x t > 1 tokens (a prefill, a later chunk: the median over the
+    write) in two launches (`hqmq_med3_write`), room made by `HQMQStore._step_room`."""
     f = store.flat
-    hqmq_tokens(x, f, f.S, f.rel, t0, errors, C=store.stepper.config.C, med3=f.has_outliers,
+    C = store.stepper.config.C
+    if f.has_outliers and x.shape[2] > 1:
+        hqmq_med3_write(x, f, f.S, f.rel, t0, errors, C=C, outlier_len=store.outlier_len)
+        return
+    hqmq_tokens(x, f, f.S, f.rel, t0, errors, C=C, med3=f.has_outliers,
                 outlier_len=store.outlier_len, index_block=index_block, pos=pos)
 
 
@@ -120,11 +142,46 @@ class HQMQStore(KernelStore):
         self.outlier_len: torch.Tensor | None = None  # [B, H] int64, valid entries per (b, h)
         self.outlier_index: TokenBuffer | None = None  # [B, H, nblk_cap] int32 (one entry per block)
         self._outlier_bound = 0  # host-side upper bound of outlier_len.max()
+        # Med3x writes of several tokens on the device (`hqmq_med3_write`): where the current
+        # run is cut (each such write's end: its tokens are one segment, as the old path
+        # appends them), and the run's segments before its last (`run_segments`)
+        self._cuts: list[int] = []
+        self._run_extra: list[tuple[Segment, int]] = []
 
     def _rewind_more(self, check: bool) -> bool:
         # Without Med3x nothing beside the token fields (KernelStore.rewind); Med3x's
         # lists and index are not rewound (a new cache serves the next prompt).
         return not getattr(self.stepper, "med3", True) and self.outliers is None
+
+    @classmethod
+    def _create_empty(cls, packed: Packed, role: str, fmt, stepper, tokens: int, capacity: int | None,
+                      table=None) -> "HQMQStore | None":
+        """Med3x: `KernelStore.create_empty` with the outliers aside (their count is data:
+        the lists are made by the first write, `_write_room`); without Med3x the generic
+        way (NotImplemented)."""
+        if not stepper.med3:
+            return NotImplemented
+        B, H, D = packed.batch, packed.heads, packed.head_dim
+        try:
+            fields, _ = stepper.segment_layout((B, H, 1, D))
+        except (ValueError, TypeError, RuntimeError):
+            return None
+        if fields is None or set(fields) != set(fmt.token_fields) | {"outliers"}:
+            return None
+        zero = Segment({name: torch.empty((B, H, 0) + tuple(shape[3:]) if name != "outliers" else (0,) + tuple(shape[1:]),
+                                          dtype=dtype, device=packed.device)
+                        for name, (shape, dtype) in fields.items()}, 0)
+        flat = flatten_hqmq(dataclasses.replace(packed, segments=[zero]), role)
+        if table is not None:
+            flat = configure(flat, table=table)
+        store = cls(flat, packed, role, fmt)
+        store.capacity_hint = capacity or 0
+        for name in store.fields:  # zeroed, as `create_empty`'s
+            store._buffer(name, zero.fields[name], tokens, zeroed=True)
+        store._refresh_flat()
+        store.stepper = stepper
+        store._steps_begin()
+        return store
 
     def _steps_begin(self) -> None:
         if self.outliers is not None:  # the exact bound now (the first write syncs anyway), room to spare
@@ -190,7 +247,9 @@ class HQMQStore(KernelStore):
         self.outliers = grown
         return True
 
-    def _step_room(self, t0: int) -> tuple[bool, dict]:
+    def _step_room(self, t0: int, t: int = 1) -> tuple[bool, dict]:
+        if t > 1 and self.stepper.med3:  # a Med3x write of several tokens (`hqmq_med3_write`)
+            return self._write_room(t0, t), {}
         block, moved = None, False
         if self.outliers is not None:  # Med3x: a one-token write adds at most nc/2 outliers per (b, h)
             most = self.D // 8  # (half the chunks can exceed C times their median)
@@ -200,6 +259,38 @@ class HQMQStore(KernelStore):
                 moved |= self.outlier_index.extend(block + 1)
                 self.outlier_index.length = block + 1
         return moved, {"index_block": block}
+
+    def _write_room(self, t0: int, t: int) -> bool:
+        """Room for a Med3x write of t tokens at token t0 (`hqmq_med3_write`), made without a
+        host read on the first write: t*D/8 more outliers in every (b, h) list (the worst
+        case: at most half the chunks exceed C times their lower median), with the steps'
+        slack; the first write makes the lists (a later one may read their lengths, as
+        `_reserve_outliers` does), and the index blocks the write opens. The run is cut at
+        the write's end. True when a side buffer moved."""
+        most, slack = t * (self.D // 8), OUTLIER_SLACK_STEPS * (self.D // 8)
+        if self.outliers is None:
+            dev = self.buffers["flags"].buf.device
+            B, H = self.B, self.H
+            self.outlier_len = torch.zeros(B * H, dtype=torch.int64, device=dev)
+            # (entries past a list's length are never read: no fill)
+            self.outliers = torch.empty(B, H, whole_blocks(most + slack), 4, dtype=torch.float16, device=dev)
+            self.outlier_index = TokenBuffer(torch.empty(B, H, 1, dtype=torch.int32, device=dev),
+                                             grown_capacity(max(t0 + t, self.capacity_hint)) // OUTLIER_BLOCK)
+            self._outlier_bound, moved = most, True
+        else:
+            moved = self._reserve_outliers(most, slack)
+        blocks = -(-(t0 + t) // OUTLIER_BLOCK)
+        moved |= self.outlier_index.extend(blocks)
+        self.outlier_index.length = max(self.outlier_index.length, blocks)
+        self._cuts.append(t0 + t)
+        return moved
+
+    @property
+    def segment_on_read(self) -> bool:
+        """Whether the current run holds a Med3x write of several tokens: its segment's
+        outliers `[n, 4]` have a count only the device knows, so the segment is made when
+        the cache is read (`run_segments`), not after the write."""
+        return bool(self._cuts)
 
     def _reserve_more(self, tokens: int) -> bool:
         if self.outliers is None:
@@ -229,15 +320,47 @@ class HQMQStore(KernelStore):
         if self.outliers is not None:
             seg.fields["outliers"] = self._run_outliers(start)
 
-    def _run_outliers(self, start: int) -> torch.Tensor:
-        """The run's Med3x outliers in (b, h, t, chunk) order (a segment's order), from the
-        ends of the per-(b, h) lists: each row's count from the run's flags."""
+    def run_segments(self, base: list[Segment]) -> list[Segment]:
+        """As `KernelStore.run_segments`, the run cut where a Med3x write of several tokens
+        ended (`_write_room`): that write one segment, the steps after it another."""
+        if self._run_start is None or not self._cuts:
+            return super().run_segments(base)
+        ends = [c for c in self._cuts if c < self.tokens] + [self.tokens]
+        segs, start = [], self._run_start
+        for end in ends:
+            seg = Segment({}, end - start)
+            seg.fields.update(self._segment_views(seg, start))
+            seg.fields["outliers"] = self._run_outliers(start, end)
+            segs.append((seg, start))
+            start = end
+        self._run_extra, self._run_seg = segs[:-1], segs[-1]
+        return base + [seg for seg, _ in segs]
+
+    def end_run(self) -> None:
+        self._adopted.extend(self._run_extra)
+        self._run_extra, self._cuts = [], []
+        super().end_run()
+
+    def _adopt(self, new: list[tuple[Segment, int]], grew: bool) -> None:
+        super()._adopt(new, grew)
+        for seg, start in self._run_extra if grew else ():  # the run's earlier segments, as its last
+            for name, view in self._segment_views(seg, start).items():
+                old = seg.fields.get(name)
+                if old is not None and old.shape == view.shape and old.dtype == view.dtype:
+                    seg.fields[name] = view
+
+    def _run_outliers(self, start: int, end: int | None = None) -> torch.Tensor:
+        """The Med3x outliers of tokens start..end (default: the last stored) in (b, h, t,
+        chunk) order (a segment's order), from the per-(b, h) lists, whose ends hold the
+        tokens up to the last stored: each row's counts from the flags."""
         BH, nc = self.B * self.H, self.D // 4
-        flags = self.buffers["flags"].buf[:, :, start : self.tokens]
-        per_row = unpack_bits(flags, 1, nc).sum((-1, -2)).flatten()  # [B*H]
+        end = self.tokens if end is None else end
+        per_tok = unpack_bits(self.buffers["flags"].buf[:, :, start : self.tokens], 1, nc).sum(-1)  # [B, H, t]
+        per_row = per_tok[:, :, : end - start].sum(-1).flatten()  # [B*H]
+        after = per_tok[:, :, end - start :].sum(-1).flatten()  # the tokens past end
         n = int(per_row.sum())
         row = torch.repeat_interleave(torch.arange(BH, device=per_row.device), per_row, output_size=n)
-        first = self.outlier_len - per_row  # each row's first outlier of the run
+        first = self.outlier_len - after - per_row  # each row's first outlier of start..end
         pos = first[row] + torch.arange(n, device=row.device) - (torch.cumsum(per_row, 0) - per_row)[row]
         return self.outliers.view(BH, -1, 4)[row, pos].clone()
 
@@ -285,7 +408,7 @@ CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_hqmq.decode(q, k, v, **kw), tit
 FORMAT = Format(
     name="hqmq", quantizer=HQMQ, flat=HQMQFlat, flatten=flatten_hqmq, store=HQMQStore,
     token_fields=("codes", "radius", "r_max", "flags"), step=encode_step, configure=configure,
-    multi_step=lambda q: not q.med3,  # Med3x: a median per write and per-(b, h) outlier lists in order
+    multi_step=True,  # Med3x's median over the write, per-(b, h) lists: `hqmq_med3_write`, `HQMQStore`
     device_encoder=kernel_quantizer,
     kernels=(Kernel("triton", hqmq_decode_attention, title="Triton HQMQ kernel"), CUDA),
     bench={"hqmq": "hqmq:S=96,r=4", "hqmq-med3": "hqmq:S=96,r=4,outliers=med3",

@@ -266,7 +266,8 @@ class QuantizedLayer(DynamicLayer):
         (`Format.multi_step`); the first write makes the stores empty first
         (`KernelStore.create_empty`). False: the old path serves it (host-side checks
         only; a write this path cannot take goes there, whose checks name the problem).
-        The write becomes one ordinary segment per role, as the old path's append; input
+        The write becomes one ordinary segment per role, as the old path's append (HQMQ +
+        Med3x: made when the cache is next read, `KernelStore.segment_on_read`); input
         errors are flagged on the device (`StepErrors`) and raised when results are next
         read (`_current`) or at the next step's poll."""
         if not self.step_encode or k.shape[-2] < 2 or self.mode == "dense":
@@ -301,6 +302,8 @@ class QuantizedLayer(DynamicLayer):
         for i, (role, x) in enumerate(xs):
             self.stores[role].steps(x, self.errors.rows[i])
         for role in ROLES:  # the write as one ordinary segment, as the old path appends it
+            if self.stores[role].segment_on_read:  # (Med3x: made when read, `_current`; no host read here)
+                continue
             base = self._packed[role]
             self._packed[role] = dataclasses.replace(base, segments=self.stores[role].run_segments(base.segments))
             self.stores[role].end_run()

@@ -453,10 +453,11 @@ def test_a_fused_cuda_prefill_writes_through_the_formats_device_encoder(fused, e
 
     g = torch.Generator().manual_seed(3)
     k, v = (torch.randn(2, 2, 70, 64, generator=g).to(DEV, torch.float16) for _ in range(2))
-    # Med3x: its writes do not take the one-launch device path (`Format.multi_step`), so
-    # the prefill goes through the quantizer, with the device encoder's search
+    # With step encoding on, every HQMQ prefill of a fused cache takes the step encoder's
+    # device path (`Format.multi_step`, Med3x included); off, it goes through the
+    # quantizer, with the device encoder's search
     layer = QuantizedLayer("hqmq:S=96,r=4,outliers=med3", 0, seed=5)
-    layer.fused_wanted = fused
+    layer.fused_wanted, layer.step_encode = fused, False
     layer.update(k, v)
     writer = layer._writer("K", k)
     if not CUDA:

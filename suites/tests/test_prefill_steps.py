@@ -14,11 +14,15 @@ suites/harness/kv_cache.py `QuantizedLayer._device_write`):
   its window or in a quantized group, and a 1-bit group's step overflow), naming layer,
   role and token: at once when the prefill's attention reads the cache, else when
   results are next read or at the next step;
-- fp8 (its scale is fitted on the first write), Med3x (a median per write), per-channel
-  int keys, KIVI values whose channel groups do not divide the head dim, a dense layer
-  and `step_encode=False` take the old path;
+- HQMQ + Med3x (its median over the write, per-(b, h) outlier lists) likewise, its lists,
+  their lengths and 64-token index blocks too (a prefill and a chunk crossing a block,
+  lists that grow), the write's segment made when the cache is read;
+- fp8 (its scale is fitted on the first write), per-channel int keys, KIVI values whose
+  channel groups do not divide the head dim, a dense layer and `step_encode=False` take
+  the old path;
 - the prefill write costs one launch per (layer, role), KIVI two (the window, checking
-  every token, and the groups; one without a group) and no host read.
+  every token, and the groups; one without a group), Med3x two (the median and list
+  positions, then the encode) and no host read.
 
 CPU: the kernels run under the Triton interpreter, tiny shapes.
 """
@@ -46,15 +50,16 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KIVI_SPECS = ["kivi:bits=2,group=8,residual=8", "kivi:bits=4,group=4,residual=2", "kivi:bits=3,group=4,residual=8",
               "kivi:bits=4,group=4,residual=8,window=fixed"]
 DEVICE_SPECS = ["fp16", "int4", "int2", "int8", "hqmq:S=8,r=4", "hqmq:S=8,r=4,pack=mixed"] + KIVI_SPECS
-OLD_SPECS = ["fp8-e4m3", "hqmq:S=8,r=4,outliers=med3"]
+OLD_SPECS = ["fp8-e4m3"]
+MED3 = "hqmq:S=8,r=4,outliers=med3"
 
 
 def _launches(spec, tokens: int) -> int:
     """Triton launches of a device-encoded first write of `tokens` tokens (K and V): one per
     role; KIVI one per role for its window (every token checked) plus one where the write
-    quantizes a group."""
+    quantizes a group; Med3x two per role (`hqmq_med3_write`)."""
     if not spec.startswith("kivi"):
-        return 2
+        return 4 if "outliers=med3" in spec else 2
     return sum(1 + bool(get_quantizer(spec, role=r).quantized_tokens(tokens)) for r in ("K", "V"))
 
 
@@ -185,7 +190,9 @@ def test_dense_and_disabled_step_encoding_take_the_old_path():
     ("hqmq:S=8,r=4", 1e5, "overflows the fp16"),
     # KIVI: token 7 of V in the fp16 window (group 8, window 8) and in a quantized group (window 2)
     ("kivi:bits=2,group=8,residual=8", float("nan"), "NaN/Inf"), ("kivi:bits=2,group=8,residual=8", 7e4, "overflows the fp16"),
-    ("kivi:bits=4,group=4,residual=2", float("-inf"), "NaN/Inf"), ("kivi:bits=4,group=4,residual=2", 1e5, "overflows the fp16")])
+    ("kivi:bits=4,group=4,residual=2", float("-inf"), "NaN/Inf"), ("kivi:bits=4,group=4,residual=2", 1e5, "overflows the fp16"),
+    # Med3x: the bad chunk is an outlier (kept in fp16: 1e5 overflows it)
+    (MED3, float("nan"), "NaN/Inf"), (MED3, float("-inf"), "NaN/Inf"), (MED3, 1e5, "overflows the fp16")])
 def test_bad_prefill_input_raises_the_old_error(spec, bad, match):
     x = _data((2, 1, 2, 12, 32), torch.float32, 0)
     v = x[1, :, :, :10].clone()
@@ -232,7 +239,7 @@ def test_kivi_group_step_overflow_in_the_prefill_raises(role):
         layer.update(x[0], x[1])
 
 
-@pytest.mark.parametrize("spec", ["int4", "hqmq:S=8,r=4", "fp16", "kivi:bits=2,group=8,residual=8"])
+@pytest.mark.parametrize("spec", ["int4", "hqmq:S=8,r=4", "fp16", "kivi:bits=2,group=8,residual=8", MED3])
 def test_greedy_logits_equal_old_prefill(tiny, spec):
     from transformers import AutoModelForCausalLM
 
@@ -286,14 +293,138 @@ def _prefill_cost(spec, device: bool, context=512, heads=8, head_dim=128) -> dic
             "host_reads": sum(e.name == "aten::_local_scalar_dense" for e in events)}
 
 
-@pytest.mark.parametrize("spec", ["fp16", "int4", "hqmq:S=96,r=4", "kivi:bits=4", "kivi:bits=2"])
+@pytest.mark.parametrize("spec", ["fp16", "int4", "hqmq:S=96,r=4", "kivi:bits=4", "kivi:bits=2",
+                                  "hqmq:S=96,r=4,outliers=med3"])
 def test_device_prefill_has_few_launches_per_role_and_no_host_read(spec):
     # 512 tokens, 8 heads of 128: one launch per role; KIVI two (its window, checking every
-    # token, and its groups, 16 of the keys and 12 of the values: 384 tokens)
+    # token, and its groups, 16 of the keys and 12 of the values: 384 tokens); Med3x two
+    # (the median and list positions per (b, h), then the encode per token)
     new, old = _prefill_cost(spec, True), _prefill_cost(spec, False)
     assert new["mode"] == old["mode"] == "fused"
-    assert new["launches"] == _launches(spec, 512) == (4 if "kivi" in spec else 2)
+    assert new["launches"] == _launches(spec, 512) == (4 if "kivi" in spec or "med3" in spec else 2)
     assert new["host_reads"] == 0 < old["host_reads"]
     assert new["ops"] < old["ops"]
     if "kivi" in spec:  # (measured: 44 against the old path's 472; the group Segments are views made
         assert new["ops"] <= 50  # one op per field for them all, not one per group)
+    if "med3" in spec:  # (measured on a CPU: 73 against the old path's 4478 and 16 host reads;
+        assert new["ops"] <= 80  # allocations: the store's buffers and lists, two scratch tensors)
+
+
+# ---- HQMQ + Med3x: the median over the write, per-(b, h) outlier lists ---------------------
+def _assert_same_med3(new, old):
+    """`_assert_same` (codes up to exact search ties) plus Med3x's own: every segment field
+    but the codes (flags, fp16 outliers, r_max, radius) equal, and the store's per-(b, h)
+    lists, their lengths and the 64-token index blocks; the lists are not empty and reach
+    past the first block."""
+    _assert_same(new, old, ties=True)
+    for role in ("K", "V"):
+        for sn, so in zip(new.packed[role].segments, old.packed[role].segments):
+            assert set(sn.fields) == set(so.fields)
+            for name in so.fields:
+                if name != "codes":
+                    assert torch.equal(sn.fields[name], so.fields[name]), (role, name)
+        sn, so = new.stores[role], old.stores[role]
+        assert torch.equal(sn.outlier_len, so.outlier_len), role
+        assert sn.outlier_index.length == so.outlier_index.length == -(-sn.tokens // 64)
+        assert torch.equal(sn.outlier_index.valid, so.outlier_index.valid), role
+        assert (sn.outlier_index.valid[:, :, 1:] > 0).all()  # outliers before token 64 in every list
+        BH = sn.B * sn.H
+        for bh in range(BH):
+            n = int(so.outlier_len[bh])
+            assert torch.equal(sn.outliers.view(BH, -1, 4)[bh, :n], so.outliers.view(BH, -1, 4)[bh, :n]), role
+
+
+@pytest.mark.parametrize("spec,dtype", [(MED3, torch.float16), (MED3, torch.bfloat16),
+                                        (MED3 + ",pack=mixed", torch.float16)])
+def test_med3_device_prefill_stores_what_the_old_prefill_stores(spec, dtype):
+    # a 70-token prefill (its lists cross the 64-token index block), 4 steps with a 5-token
+    # chunk halfway (a second device write, its own median)
+    x = _data((2, 1, 2, 79, 32), dtype, 0 if dtype == torch.float16 else 1)
+    new, launches, out_new = _run(spec, x, 70, 4, device=True, mid=5)
+    old, launches_old, out_old = _run(spec, x, 70, 4, device=False, mid=5)
+    assert launches == _launches(spec, 70) == 4 and launches_old == 0  # the device path was taken
+    _assert_same_med3(new, old)
+    for a, b in zip(out_new, out_old):  # what the prefill's attention read
+        assert a.shape == b.shape and torch.allclose(a, b, atol=0.2)
+
+
+def test_med3_exact_prefill_then_a_chunk_that_grows_the_lists(monkeypatch):
+    # prefill="exact": nothing read, so the prefill's segment waits in the run (made when
+    # read, no host read at the write); a 70-token chunk after 2 steps whose index block
+    # (token 128) opens mid-write, buffers that double (MIN_CAPACITY 64) and lists that
+    # grow (one step of slack)
+    from kvqbench.kernels.formats import hqmq as hqmq_format
+
+    monkeypatch.setattr(store_mod, "MIN_CAPACITY", 64)
+    monkeypatch.setattr(hqmq_format, "OUTLIER_SLACK_STEPS", 1)
+    x = _data((2, 1, 2, 144, 32), torch.float16, 2)
+    layer = QuantizedLayer(MED3, 1, seed=0)
+    layer.fused_wanted, layer.prefill = True, "exact"
+    with torch.inference_mode():
+        layer.update(x[0, :, :, :70], x[1, :, :, :70])
+    assert all(s.in_run and s.segment_on_read for s in layer.stores.values())
+    assert layer.packed["K"].tokens == 70 and [s.tokens for s in layer.packed["V"].segments] == [70]
+    new, launches, out = _run(MED3, x, 70, 4, device=True, mid=70, mode="exact")
+    old, _, _ = _run(MED3, x, 70, 4, device=False, mid=70, mode="exact")
+    assert launches == 4 and out[0] is not None and torch.equal(out[0], x[0, :, :, :70])
+    assert new.stores["K"].token_capacity >= 144 and new.stores["V"].outliers.shape[2] > 320  # (grew)
+    assert [s.tokens for s in new.packed["K"].segments] == [70, 2, 70, 2]
+    _assert_same_med3(new, old)
+
+
+@pytest.mark.parametrize("case", ["mixed", "half", "zero", "ties"])
+def test_med3_write_kernels_equal_encode_tokens(case):
+    # `hqmq_med3_write` against `HQMQ.encode_tokens` of the same write at token 50 of a
+    # cache (its index block 1 opens at the write's token 14): heavy-tailed data; half the
+    # chunks C times past the median (the worst case the room is made for); most chunks
+    # zero (median 0: every nonzero chunk an outlier); every radius equal (no outlier).
+    # (Exact radii: signed axis directions, random.)
+    from kvqbench.kernels import layout
+    from kvqbench.kernels.hqmq_encode import hqmq_med3_write
+    from kvqbench.quantizers.hqmq import outlier_block_starts
+    from kvqbench.quantizers.packing import unpack_bits
+
+    B, H, D, t0, t = 2, 1, 32, 50, 25
+    nc = D // 4
+    q = get_quantizer(MED3, role="V", seed=1)
+    prev = q.encode(_data((B, H, t0, D), torch.float16, 3))
+    x = _data((B, H, t, D), torch.float16, 4)
+    if case in ("half", "ties"):
+        g = torch.Generator().manual_seed(5)
+        axes = torch.nn.functional.one_hot(torch.randint(0, 4, (B, H, t * nc), generator=g), 4).float()
+        axes *= torch.randint(0, 2, (B, H, t * nc, 1), generator=g).float() * 2 - 1
+        if case == "half":
+            axes[:, :, 1::2] *= 100
+        x = axes.view(B, H, t, D).to(DEV, torch.float16)
+    elif case == "zero":
+        x.view(B, H, t * nc, 4)[:, :, : t * nc * 2 // 3] = 0
+    ref = q.encode_tokens(x.float(), prev.shared).fields
+    flat = layout.flatten(prev, "V")
+    cap, ocap = 128, flat.outliers.shape[2]
+    for name in ("codes", "radius", "r_max", "flags"):
+        buf = getattr(flat, name)
+        grown = buf.new_zeros(buf.shape[:2] + (cap,) + buf.shape[3:])
+        grown[:, :, :t0] = buf
+        setattr(flat, name, grown)
+    n0 = unpack_bits(flat.flags[:, :, :t0], 1, nc).sum((-1, -2)).flatten()
+    olen = n0.clone()
+    room = flat.outliers.new_zeros(B, H, ocap + t * D // 8, 4)
+    room[:, :, :ocap] = flat.outliers
+    flat.outliers = room
+    flat.outlier_index = torch.full((B, H, 2), -1, dtype=torch.int32, device=DEV)
+    errors = torch.tensor([0, se.NO_TOKEN, 0], dtype=torch.int32, device=DEV)
+    hqmq_med3_write(x, flat, q.config.S, flat.rel, t0, errors, C=q.config.C, outlier_len=olen)
+    assert errors.tolist() == [0, se.NO_TOKEN, 0]
+    for name in ("radius", "r_max", "flags"):
+        assert torch.equal(getattr(flat, name)[:, :, t0:t0 + t], ref[name]), name
+    got, want = (q.unpack_codes(c, nc) for c in (flat.codes[:, :, t0:t0 + t], ref["codes"]))
+    assert (got != want).float().mean() <= 0.01  # exact search ties
+    per_tok = unpack_bits(ref["flags"], 1, nc).sum(-1)
+    n = {"half": t * nc // 2, "ties": 0}.get(case)
+    assert n is None or (per_tok.sum(-1) == n).all()
+    assert torch.equal(olen, n0 + per_tok.sum(-1).flatten())
+    lists = flat.outliers.view(B * H, -1, 4)
+    assert torch.equal(torch.cat([lists[bh, n0[bh]:olen[bh]] for bh in range(B * H)]), ref["outliers"])
+    starts = outlier_block_starts(unpack_bits(flat.flags[:, :, :t0 + t], 1, nc).sum(-1))
+    assert torch.equal(flat.outlier_index[:, :, 1], starts[:, :, 1])  # the block the write opened
+    assert (flat.outlier_index[:, :, 0] == -1).all()  # (one it did not open: untouched)
