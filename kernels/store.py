@@ -32,7 +32,7 @@ ordinary absorbed segments (the next old-path write appends after them).
 
 Multi-token writes on the device (`steps`): where the format's step encoder takes t
 tokens in one launch and the quantizer fits nothing on its first write
-(`Format.multi_step`: fp16, per-token int, HQMQ without Med3x), a fused cache's prefill
+(`Format.multi_step`: fp16, per-token int, KIVI, HQMQ), a fused cache's prefill
 is encoded the same way, into a store made before any write (`create_empty`, from the
 quantizer's `empty`): its tokens form a run exactly as t steps would, one launch per
 (layer, role) instead of the quantizer's torch `append` and the copy into the store.
@@ -487,7 +487,8 @@ class KernelStore:
         self._rewind_more(check=False)
         for b in self.buffers.values():
             b.length = 0
-        self.tokens = self.flat.T = 0
+        self.tokens = 0
+        self._empty_flat()
         self._adopted.clear()
         self._run_start, self._run_seg = None, None
 
@@ -495,6 +496,10 @@ class KernelStore:
         """Hook: whether this store can forget its side state (check=True), or forget it
         (check=False). A format's store subclass rewinds only where it says so."""
         return type(self) is KernelStore
+
+    def _empty_flat(self) -> None:
+        """Hook of `rewind`: the flat (the store's live view) holding no token."""
+        self.flat.T = 0
 
     def run_segments(self, base: list[Segment]) -> list[Segment]:
         """The segments of a Packed holding `base` (the Packed's segments when the run

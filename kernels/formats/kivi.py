@@ -479,6 +479,16 @@ class KIVIStore(KernelStore):
         super().end_run()
         self._run_groups = []
 
+    def _rewind_more(self, check: bool) -> bool:
+        # groups and window are lengths over the buffers (KernelStore.rewind zeroes them)
+        if not check:
+            self._run_groups = []
+        return "residual" in self.buffers
+
+    def _empty_flat(self) -> None:
+        f = self.flat
+        f.n_groups, f.residual, f.n_res = 0, self.buffers["residual"].buf, 0
+
     @property
     def stored_nbytes(self) -> int:
         per_group = 1 if self.role == "K" else self.flat.group

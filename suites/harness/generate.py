@@ -131,23 +131,30 @@ def _new_cache(model, spec, batch, capacity, fused, seed, calibration=None):
                           calibration=calibration)
 
 
-# The engine a model keeps between calls: its last quantized cache and the decode step
-# captured over it (weak keys: freed with the model). A next call of the same spec, batch,
+# The engine kept between calls: the last graphed call's model, quantized cache and the
+# decode step captured over it. A next call on the same model with the same spec, batch,
 # room and options rewinds that cache in place (`QuantizedCache.rewind`) and replays the
 # same CUDA graph, as a serving engine keeps its KV pool and graphs between requests and
 # as transformers' compiled StaticCache path keeps its cudagraphs across `generate` calls;
-# a new capture costs ~50-130 ms per call on the H200 (SmolLM2 shape, 30 layers), most of
-# a 128-token generation's overhead. One engine per model: another key replaces it.
-_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# a new capture costs ~70-130 ms per call on the H200 (SmolLM2 shape, 30 layers), most of a
+# 128-token generation's overhead. One engine per process (the step holds its model, so a
+# per-model table would keep every model alive): another call's engine replaces it.
+_ENGINE: list = []  # [] or [(weakref to the model, key, cache, step)]
 ROOM_QUANTUM = 256  # room (prompt + new tokens) is rounded up to this: prompts of nearby lengths share
 
 
 def release_engines(model=None) -> None:
-    """Free the cache and graph `generate` keeps for `model` (every model: None)."""
-    if model is None:
-        _ENGINES.clear()
-    else:
-        _ENGINES.pop(model, None)
+    """Free the cache and graph `generate` keeps (only if it is `model`'s, when given)."""
+    if _ENGINE and (model is None or _ENGINE[0][0]() is model):
+        _ENGINE.clear()
+
+
+def _kept(model, key):
+    """The kept (cache, step) for `model` and `key`, rewound for a new prompt; None if there
+    is none or it cannot rewind."""
+    if _ENGINE and _ENGINE[0][0]() is model and _ENGINE[0][1] == key and _ENGINE[0][2].rewind():
+        return _ENGINE[0][2], _ENGINE[0][3]
+    return None
 
 
 def _one_batch(model, prompts, spec, max_new, pick, eos, stop, tokenizer, graph, graph_off, fused, seed,
@@ -157,11 +164,11 @@ def _one_batch(model, prompts, spec, max_new, pick, eos, stop, tokenizer, graph,
     B, P = ids.shape
     room = -(-(P + max_new) // ROOM_QUANTUM) * ROOM_QUANTUM
     key = (spec, B, room, fused, seed, graph, compile)
-    kept = _ENGINES.get(model) if spec is not None and calibration is None else None
-    if kept is not None and kept[0] == key and kept[1].rewind():
-        cache, step = kept[1], kept[2]
+    kept = _kept(model, key) if spec is not None and calibration is None else None
+    if kept is not None:
+        cache, step = kept
     else:
-        release_engines(model)  # its buffers first: the new cache may need the memory
+        release_engines()  # its buffers first: the new cache may need the memory
         cache, step = _new_cache(model, spec, B, room, fused, seed, calibration), None
     kw = cache_kwargs(model, cache)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -180,7 +187,7 @@ def _one_batch(model, prompts, spec, max_new, pick, eos, stop, tokenizer, graph,
         if step is None and graph:
             step = GraphedDecodeStep(model, cache, batch=B, max_tokens=room)
             if step.mode in ("graph", "device") and spec is not None and calibration is None:
-                _ENGINES[model] = (key, cache, step)
+                _ENGINE[:] = [(weakref.ref(model), key, cache, step)]
         elif step is None:
             step = _Eager(model, cache, kw, graph_off)
         mode, why = step.mode, step.why

@@ -20,9 +20,11 @@ Two ways to read it:
   and NO decoded history. A one-token decode step hands attention a `PackedHistory`
   handle and the fused kernel reads the store; a multi-token write (prefill) decodes
   the history once into a transient tensor for SDPA. Where the format's step encoder
-  takes t tokens (fp16, per-token int, HQMQ without Med3x: `Format.multi_step`), a
-  multi-token write is encoded on the device as well, one launch per (layer, role),
-  into stores made before it (`_device_write`); the others go through `append`.
+  takes t tokens (fp16, per-token int, KIVI, HQMQ with or without Med3x:
+  `Format.multi_step`), a multi-token write is encoded on the device as well, one to
+  four launches per (layer, role), into stores made before it (`_device_write`); the
+  others (fp8, whose scale is fitted on the first write; per-channel int keys; the
+  dense formats) go through `append`.
 
 Device-position decode steps (CUDA graphs, kernels/graphs.py `GraphedDecodeStep`): a
 fused cache whose every layer has a device step encoder (int, fp8, KIVI, HQMQ, Med3x
@@ -813,7 +815,7 @@ class QuantizedCache(Cache):
         preallocated pool): a `GraphedDecodeStep` captured over it replays on the next
         prompt's steps without a new capture (what `generate` does between calls). Only
         where every layer is fused and its format writes a prefill on the device with
-        model-constant tables (fp16, per-token int, HQMQ without Med3x; `KernelStore.
+        model-constant tables (fp16, per-token int, KIVI, HQMQ without Med3x; `KernelStore.
         can_rewind`); False (nothing changed) otherwise: make a new cache. The reserved
         room stays; the device counter is re-set at the next step."""
         if not self.layers or not all(layer.can_rewind() for layer in self.layers):
