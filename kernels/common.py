@@ -106,6 +106,27 @@ def check_valid_len(valid_len, q: torch.Tensor):
     return valid_len, True
 
 
+def check_row_start(row_start, q: torch.Tensor):
+    """(kernel argument, RSTART) for optional per-row starts of a left-padded batch: an
+    int32 tensor `[B]` on q's device, keys at positions < row_start[b] masked out for
+    batch row b (checked without reading it, as `check_valid_len`)."""
+    if row_start is None:
+        return q, False  # never read (RSTART False): any pointer will do
+    if not isinstance(row_start, torch.Tensor):
+        raise ValueError(f"row_start must be an int32 tensor [B] (first key position per batch row), got "
+                         f"{type(row_start).__name__}")
+    if row_start.dtype != torch.int32:
+        raise ValueError(f"row_start must be int32 (first key position per batch row), got {row_start.dtype}")
+    if tuple(row_start.shape) != (q.shape[0],):
+        raise ValueError(f"row_start must have shape [B] = ({q.shape[0]},) (one start per batch row), got "
+                         f"{tuple(row_start.shape)}")
+    if row_start.device != q.device:
+        raise ValueError(f"row_start is on {row_start.device}, q on {q.device}")
+    if row_start.stride(0) != 1 and row_start.numel() > 1:
+        raise ValueError("row_start must be contiguous")
+    return row_start, True
+
+
 def bh_stride(t: torch.Tensor, name: str = "buffer") -> int:
     """Elements between consecutive (b, h) rows of a `[B, H, cap, ...]` buffer laid out
     as the contract says (a contiguous buffer or a `[:, :, :n]` view of one)."""
@@ -136,4 +157,4 @@ class Workspace:
 
 
 __all__ = ["interpreting", "sm_count", "ASSUMED_SM_COUNT", "choose_splits", "split_tiles", "pow2", "check_q",
-           "check_valid_len", "bh_stride", "Workspace"]
+           "check_valid_len", "check_row_start", "bh_stride", "Workspace"]

@@ -18,15 +18,21 @@ import torch
 from . import registry
 
 
-def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               row_start: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 softmax(q K^T / sqrt(d)) V over every key; q `[B,Hq,1,d]`, k/v `[B,Hkv,T,d]`.
+    `row_start` (`[B]`): row b attends to keys from row_start[b] on only (none: zeros).
     Returns float32."""
     B, Hq, _, D = q.shape
     g = Hq // k.shape[1]
     kf = k.float().repeat_interleave(g, dim=1)
     vf = v.float().repeat_interleave(g, dim=1)
     s = (q.float() @ kf.transpose(-1, -2)) / math.sqrt(D)
-    return torch.softmax(s, dim=-1) @ vf
+    if row_start is not None:
+        pos = torch.arange(k.shape[2], device=k.device)
+        s = s.masked_fill((pos[None, :] < row_start.to(k.device).long()[:, None])[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no key left: 0, as the kernels' combine
+    return p @ vf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +46,7 @@ class Route:
     declined: dict
 
 
-def _route(q, k, v, backend: str, options: dict, valid_len, declined: dict | None = None):
+def _route(q, k, v, backend: str, options: dict, valid_len, declined: dict | None = None, row_start=None):
     """(the Kernel that takes this call, its Format); raises as decode_attention does."""
     if backend != "auto" and not registry.is_backend(backend):
         raise ValueError(f"backend must be auto or one of {', '.join(sorted(registry.backends()))}, got {backend!r}")
@@ -53,13 +59,17 @@ def _route(q, k, v, backend: str, options: dict, valid_len, declined: dict | Non
             takes = [n for n, x in fmt.by_backend.items() if x.valid_len]
             raise ValueError(f"the {kern.name} takes no valid_len (device lengths): use backend="
                              + " or ".join(repr(n) for n in takes))
+        if kern is not None and row_start is not None and not kern.takes_row_start:
+            takes = [n for n, x in fmt.by_backend.items() if x.takes_row_start]
+            raise ValueError(f"the {kern.name} takes no row_start (per-row key starts of a left-padded batch): "
+                             "use backend=" + " or ".join(repr(n) for n in takes))
         b = registry.backends()[backend]
         if kern is None or not registry.on_device(q, b.device):
             raise ValueError(f"no {b.title} kernel for {type(k).__name__}"
                              + (f" (or q not on a {b.title} device)" if b.device else ""))
         return kern, fmt
     for kern in fmt.ordered:
-        why = kern.declines(q, k, v, options, valid_len)
+        why = kern.declines(q, k, v, options, valid_len, row_start)
         if why is None:
             return kern, fmt
         if declined is not None:
@@ -68,12 +78,12 @@ def _route(q, k, v, backend: str, options: dict, valid_len, declined: dict | Non
                      + "; ".join(f"{b}: {w}" for b, w in (declined or {}).items()))
 
 
-def explain_backend(q, k, v, backend: str = "auto", valid_len=None, **options) -> Route:
-    """The backend `decode_attention(q, k, v, backend, valid_len=..., **options)` runs, and
-    why: the same routing, without the call (it may build a CUDA library, as the call
-    would). Raises where the call would refuse the arguments."""
+def explain_backend(q, k, v, backend: str = "auto", valid_len=None, row_start=None, **options) -> Route:
+    """The backend `decode_attention(q, k, v, backend, valid_len=..., row_start=...,
+    **options)` runs, and why: the same routing, without the call (it may build a CUDA
+    library, as the call would). Raises where the call would refuse the arguments."""
     declined: dict = {}
-    kern, fmt = _route(q, k, v, backend, options, valid_len, declined)
+    kern, fmt = _route(q, k, v, backend, options, valid_len, declined, row_start)
     if backend != "auto":
         reason = f"asked for (backend={backend!r})"
     elif not declined:
@@ -84,7 +94,7 @@ def explain_backend(q, k, v, backend: str = "auto", valid_len=None, **options) -
 
 
 def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", valid_len: torch.Tensor | None = None,
-                     **kw) -> torch.Tensor:
+                     row_start: torch.Tensor | None = None, **kw) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V over the valid tokens of flattened caches k and v (the
     `*Flat`s of kernels/layout.py). Returns `[B, Hq, 1, d]` in out_dtype (default q's
     dtype); the tensor is the workspace's buffer when one is passed.
@@ -100,6 +110,12 @@ def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", valid_len: to
     the rest. `explain_backend` says which and why. `programs_per_sm` means CTAs per SM
     for the CUDA kernels.
 
+    row_start: None, or an int32 tensor `[B]` on q's device: batch row b attends to the
+    keys at positions >= row_start[b] only (a left-padded batch: its pad counts), read by
+    the kernel at run time (a graph replays it for the next batch's pads). A row with no
+    key left gets 0. The Triton kernels take it (`Kernel.takes_row_start`); the CUDA ones
+    decline it, so "auto" sends such a call to Triton and "cuda" refuses it.
+
     valid_len: None, or an int32 CUDA/CPU tensor of one element on q's device holding the
     number of valid tokens, read by the kernel at run time (so a CUDA graph can replay
     the call while the cache grows); the flats' T is then the capacity bound the launch
@@ -108,9 +124,11 @@ def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", valid_len: to
     the window policy turns the length into each side's group and window counts on the
     device): the CUDA KIVI kernel takes host counts only, so "auto" sends a KIVI call with
     valid_len to Triton and "cuda" refuses it."""
-    kern, _ = _route(q, k, v, backend, kw, valid_len)
+    kern, _ = _route(q, k, v, backend, kw, valid_len, row_start=row_start)
     if valid_len is not None:
         kw["valid_len"] = valid_len
+    if row_start is not None:
+        kw["row_start"] = row_start
     if kern.renamed:
         kw = {kern.renamed.get(n, n): x for n, x in kw.items()}
     return kern.fn(q, k, v, **kw)

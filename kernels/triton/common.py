@@ -218,6 +218,7 @@ def combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NSPLIT, D: tl.constexpr, SB:
         sm = (s0 + s) < NSPLIT
         mx = tl.maximum(mx, tl.load(pm_ptr + row * NSPLIT + s0 + s, mask=sm, other=float("-inf")))
     M = tl.max(mx, axis=0)
+    M = tl.where(M == float("-inf"), 0.0, M)  # every split empty (a fully masked row): no -inf - -inf below
     num = tl.zeros([D], tl.float32)
     den = tl.zeros([SB], tl.float32)
     for s0 in range(0, NSPLIT, SB):
@@ -227,7 +228,12 @@ def combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NSPLIT, D: tl.constexpr, SB:
         den += w * tl.load(pl_ptr + row * NSPLIT + s0 + s, mask=sm, other=0)
         o = tl.load(po_ptr + (row * NSPLIT + s0 + s)[:, None] * D + d[None, :], mask=sm[:, None], other=0)
         num += tl.sum(o * w[:, None], axis=0)
-    tl.store(out_ptr + row * D + d, (num / tl.sum(den, axis=0)).to(out_ptr.dtype.element_ty))
+    # A row whose every key is masked (row_start past the valid length: every split's max
+    # -inf, its sum 0) gets 0/1 = 0, as SDPA gives a fully masked row, not 0/0. Otherwise the
+    # sum is >= 1 (the split holding the max weighs 1, and its sum counts exp2(0) = 1), so
+    # the max changes nothing.
+    tot = tl.maximum(tl.sum(den, axis=0), 1.0)
+    tl.store(out_ptr + row * D + d, (num / tot).to(out_ptr.dtype.element_ty))
 
 
 # ---------------------------------------------------------------------------------------
@@ -271,6 +277,35 @@ def valid_tokens(T, vlen_ptr, VLEN: tl.constexpr):
     if VLEN:
         T = tl.minimum(tl.load(vlen_ptr), T)
     return T
+
+
+@triton.jit
+def row_floor(rs_ptr, pid_bh, HKV: tl.constexpr, RSTART: tl.constexpr):
+    """The first key position kv row pid_bh attends to: row_start[b] of its batch row b
+    (RSTART: a left-padded batch, the pad count read at run time), else 0."""
+    if RSTART:
+        return tl.load(rs_ptr + pid_bh // HKV)
+    else:
+        return 0
+
+
+@triton.jit
+def first_tile(first, lo, BT: tl.constexpr, RSTART: tl.constexpr):
+    """A split's first tile, past the tiles wholly before `lo` (pads: never read). A split
+    left with no tile stores max -inf, sum 0, which the combine weighs 0."""
+    if RSTART:
+        return tl.maximum(first, lo // BT)
+    else:
+        return first
+
+
+@triton.jit
+def from_floor(tmask, tok, lo, RSTART: tl.constexpr):
+    """The keys of a tile a score may use: the valid ones (tmask) from position lo on."""
+    if RSTART:
+        return tmask & (tok >= lo)
+    else:
+        return tmask
 
 
 # ---------------------------------------------------------------------------------------
@@ -379,14 +414,17 @@ class PlanCache:
                 return None
         return plan
 
-    def lookup(self, layout, tensors, make, q, k, v, valid_len, *options):
+    def lookup(self, layout, tensors, make, q, k, v, valid_len, *options, row_start=None):
         """The plan of a call: the cached one for (`layout`, q's shape / dtype / device,
-        whether valid_len is given, `options`), else `make(q, k, v, valid_len, *options)`
-        (every check of the call) kept for the next one. `layout`: the format's own key
-        (the ids of `tensors` and its ints and dtypes)."""
-        key = (*layout, *q_key(q), valid_len is None, *options)
+        whether valid_len is given, whether row_start is given, `options`), else
+        `make(q, k, v, valid_len, *options, row_start=row_start)` (every check of the call)
+        kept for the next one. `layout`: the format's own key (the ids of `tensors` and
+        its ints and dtypes). (Both tensors are read by the kernel at run time: only
+        whether they are given changes the plan, a constexpr.)"""
+        key = (*layout, *q_key(q), valid_len is None, row_start is None, *options)
         plan = self.get(key, tensors)
-        return plan if plan is not None else self.put(key, tensors, make(q, k, v, valid_len, *options))
+        return plan if plan is not None else self.put(key, tensors,
+                                                      make(q, k, v, valid_len, *options, row_start=row_start))
 
     def put(self, key, tensors, plan):
         plan.refs = tuple(_NONE if t is None else weakref.ref(t) for t in tensors)
@@ -419,5 +457,6 @@ def q_key(q):
 
 
 __all__ = ["LOG2E", "PlanCache", "clear_plans", "plan_count", "SplitPlan", "TL_DTYPES", "combine_kernel", "dq_bytes", "f16x4", "fast_path", "finish",
-           "hamilton", "launch", "launch_split", "nbytes_span", "popc", "q_key", "run_split", "scores", "softmax_update",
+           "first_tile", "from_floor", "hamilton", "launch", "launch_split", "nbytes_span", "popc", "q_key", "row_floor",
+           "run_split", "scores", "softmax_update",
            "split_prologue", "split_want", "store_partial", "table_quad", "unpack_rows", "valid_tokens"]

@@ -11,10 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import Workspace, bh_stride, check_q, check_valid_len
+from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len
 from ..layout import FP8Flat
-from .common import (LOG2E, PlanCache, SplitPlan, run_split, scores, softmax_update, split_prologue,
-                     split_want, store_partial, valid_tokens)
+from .common import (LOG2E, PlanCache, SplitPlan, first_tile, from_floor, row_floor, run_split, scores,
+                     softmax_update, split_prologue, split_want, store_partial, valid_tokens)
 
 
 @triton.jit
@@ -45,8 +45,8 @@ def _fp8_tile(codes_ptr, bh, tok, tmask, cs, scale, D: tl.constexpr, E5: tl.cons
 
 @triton.jit
 def _fp8_split_kernel(q_ptr, kc, vc, ksc_ptr, vsc_ptr, po_ptr, pm_ptr, pl_ptr,
-                      T, tiles_per_split, qk_scale, k_cs, v_cs, vlen_ptr, VLEN: tl.constexpr,
-                      HKV: tl.constexpr, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
+                      T, tiles_per_split, qk_scale, k_cs, v_cs, vlen_ptr, rs_ptr, VLEN: tl.constexpr,
+                      RSTART: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
                       BT: tl.constexpr, E5: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr):
     T = valid_tokens(T, vlen_ptr, VLEN)
     pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last = split_prologue(
@@ -56,11 +56,12 @@ def _fp8_split_kernel(q_ptr, kc, vc, ksc_ptr, vsc_ptr, po_ptr, pm_ptr, pl_ptr,
     vsc = tl.load(vsc_ptr + h)
     if FAST:  # q.(s k8) = s (q.k8); sum p (s v8) = s sum p v8
         qk_scale = qk_scale * ksc
-    for ti in range(first, last):
+    lo = row_floor(rs_ptr, pid_bh, HKV, RSTART)
+    for ti in range(first_tile(first, lo, BT, RSTART), last):
         tok = ti * BT + tl.arange(0, BT)
         tmask = tok < T
         k = _fp8_tile(kc, pid_bh, tok, tmask, k_cs, ksc, D, E5, FAST, RND)
-        s = scores(q, tl.trans(k), tmask, qk_scale, FAST)
+        s = scores(q, tl.trans(k), from_floor(tmask, tok, lo, RSTART), qk_scale, FAST)
         v = _fp8_tile(vc, pid_bh, tok, tmask, v_cs, vsc, D, E5, FAST, RND)
         m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, FAST)
     if FAST:
@@ -75,29 +76,33 @@ _PLANS = PlanCache()
 def fp8_decode_attention(q: torch.Tensor, k: FP8Flat, v: FP8Flat, *, num_splits: int | None = None,
                          block_t: int = 64, num_warps: int = 4, num_stages: int = 3, programs_per_sm: int = 12,
                          workspace: Workspace | None = None, out_dtype=None,
-                         valid_len: torch.Tensor | None = None) -> torch.Tensor:
+                         valid_len: torch.Tensor | None = None,
+                         row_start: torch.Tensor | None = None) -> torch.Tensor:
     T = k.T
     ts = (k.codes, v.codes, k.scale, v.scale)
     layout = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.fmt, k.dtype, v.B, v.H, v.D, v.fmt)
     plan = _PLANS.lookup(layout, ts, _fp8_plan, q, k, v, valid_len, num_splits, block_t, num_warps, num_stages,
-                         programs_per_sm, out_dtype)
+                         programs_per_sm, out_dtype, row_start=row_start)
     vl, _ = check_valid_len(valid_len, q)
+    rs, _ = check_row_start(row_start, q)
     if v.T != T:
         raise ValueError("K and V fp8 caches differ in shape or format")
     nsplit, per = plan.splits(-(-T // block_t))
     qk_scale, k_cs, v_cs, ksc, vsc = plan.extra
-    return run_split(plan, q.contiguous(), [k.codes, v.codes, ksc, vsc], [T, per, qk_scale, k_cs, v_cs, vl], nsplit,
+    return run_split(plan, q.contiguous(), [k.codes, v.codes, ksc, vsc], [T, per, qk_scale, k_cs, v_cs, vl, rs], nsplit,
                      workspace)
 
 
-def _fp8_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype):
+def _fp8_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype,
+              row_start=None):
     """Every check of a call and what it derives from the layout (once per plan)."""
     B, H, T, D = k.B, k.H, k.T, k.D
     check_q(q, H, D, B)
     _, has_vl = check_valid_len(valid_len, q)
+    _, has_rs = check_row_start(row_start, q)
     if (v.B, v.H, v.T, v.D, v.fmt) != (B, H, T, D, k.fmt):
         raise ValueError("K and V fp8 caches differ in shape or format")
-    const = {"VLEN": has_vl, "HKV": H, "BT": block_t, "E5": k.fmt == "e5m2"}
+    const = {"VLEN": has_vl, "RSTART": has_rs, "HKV": H, "BT": block_t, "E5": k.fmt == "e5m2"}
     plan = SplitPlan(_fp8_split_kernel, const, q, B, H, D, num_warps, num_stages, k.dtype, out_dtype)
     plan.want = split_want(B * H, q.device, num_splits, programs_per_sm)
     # the per-head scales in fp32 (the flat's own tensors when they are fp32 already, as FP8Flat keeps them)

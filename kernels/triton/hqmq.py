@@ -20,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import Workspace, bh_stride, check_q, check_valid_len, interpreting
+from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len, interpreting
 from ..layout import OUTLIER_BLOCK, HQMQFlat
-from .common import (LOG2E, PlanCache, SplitPlan, f16x4, fast_path, finish, hamilton, nbytes_span, popc,
-                     run_split, scores, softmax_update, split_prologue, split_want, store_partial, table_quad,
+from .common import (LOG2E, PlanCache, SplitPlan, f16x4, fast_path, finish, first_tile, from_floor, hamilton,
+                     nbytes_span, popc, row_floor, run_split, scores, softmax_update, split_prologue, split_want, store_partial, table_quad,
                      unpack_rows, valid_tokens)
 
 
@@ -200,7 +200,7 @@ def _hqmq_split_kernel(q_ptr,
                        po_ptr, pm_ptr, pl_ptr,
                        T, tiles_per_split, qk_scale,
                        k_cs, k_rs, k_ms, k_fs, k_os, k_is, v_cs, v_rs, v_ms, v_fs, v_os, v_is, vlen_ptr,
-                       VLEN: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
+                       rs_ptr, VLEN: tl.constexpr, RSTART: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
                        BT: tl.constexpr,
                        K_CW: tl.constexpr, K_CB: tl.constexpr, K_CNB: tl.constexpr, K_CG: tl.constexpr,
                        K_CGW: tl.constexpr, K_CGL: tl.constexpr, K_RW: tl.constexpr,
@@ -215,13 +215,14 @@ def _hqmq_split_kernel(q_ptr,
     pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last = split_prologue(
         q_ptr, tl.cdiv(T, BT), tiles_per_split, GROUP, BH, D, FAST)
     h = pid_bh % HKV
-    for ti in range(first, last):
+    lo = row_floor(rs_ptr, pid_bh, HKV, RSTART)
+    for ti in range(first_tile(first, lo, BT, RSTART), last):
         t0 = ti * BT
         k, tmask = _hqmq_tile(kc, kr, km, kf, ko, ki, kt, ptab, kl, pid_bh, h, t0, T,
                               k_cs, k_rs, k_ms, k_fs, k_os, k_is,
                               BT, D, K_CW, K_CB, K_CNB, K_CG, K_CGW, K_CGL, K_RW, K_RB, K_RNB, FB, K_S, K_OUT, K_TAB, K_LOGR,
                               FAST, INTERP, RND)
-        s = scores(q, tl.trans(k), tmask, qk_scale, FAST)
+        s = scores(q, tl.trans(k), from_floor(tmask, t0 + tl.arange(0, BT), lo, RSTART), qk_scale, FAST)
         v, tmask = _hqmq_tile(vc, vr, vm, vf, vo, vi, vt, ptab, vl, pid_bh, h, t0, T,
                               v_cs, v_rs, v_ms, v_fs, v_os, v_is,
                               BT, D, V_CW, V_CB, V_CNB, V_CG, V_CGW, V_CGL, V_RW, V_RB, V_RNB, FB, V_S, V_OUT, V_TAB, V_LOGR,
@@ -241,15 +242,17 @@ def _flat_tensors(f: HQMQFlat) -> tuple:
 def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_splits: int | None = None,
                           block_t: int = 128, num_warps: int = 4, num_stages: int = 1,
                           programs_per_sm: int = 8, workspace: Workspace | None = None,
-                          out_dtype=None, valid_len: torch.Tensor | None = None) -> torch.Tensor:
+                          out_dtype=None, valid_len: torch.Tensor | None = None,
+                          row_start: torch.Tensor | None = None) -> torch.Tensor:
     T = k.T
     ts = _flat_tensors(k) + _flat_tensors(v) + (k.ptab,)
     layout = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.S, k.code_bits, k.r_bits, k.table_mode, k.dtype,
            k.log_radius, k.code_pack, v.B, v.H, v.D, v.S, v.code_bits, v.r_bits, v.table_mode, v.dtype, v.log_radius,
            v.code_pack)
     plan = _PLANS.lookup(layout, ts, _hqmq_plan, q, k, v, valid_len, num_splits, block_t, num_warps, num_stages,
-                         programs_per_sm, out_dtype)
+                         programs_per_sm, out_dtype, row_start=row_start)
     vl, _ = check_valid_len(valid_len, q)
+    rs, _ = check_row_start(row_start, q)
     if v.T != T:
         raise ValueError("K and V caches differ in shape")
     nsplit, per = plan.splits(-(-T // block_t))
@@ -259,14 +262,16 @@ def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_spli
         for i, f in ((4, k), (12, v)):
             if f.has_outliers and f.outliers.numel():
                 args[i] = f.outliers.view(torch.int64)
-    return run_split(plan, q.contiguous(), args, [T, per, *strides, vl], nsplit, workspace)
+    return run_split(plan, q.contiguous(), args, [T, per, *strides, vl, rs], nsplit, workspace)
 
 
-def _hqmq_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype):
+def _hqmq_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype,
+               row_start=None):
     """Every check of a call and what it derives from the layout (once per plan)."""
     B, H, T, D = k.B, k.H, k.T, k.D
     check_q(q, H, D, B)
     _, has_vl = check_valid_len(valid_len, q)
+    _, has_rs = check_row_start(row_start, q)
     if (v.B, v.H, v.T, v.D) != (B, H, T, D):
         raise ValueError("K and V caches differ in shape")
     if block_t % OUTLIER_BLOCK:
@@ -308,7 +313,7 @@ def _hqmq_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, p
                 f"{p}_S": f.S, f"{p}_OUT": f.has_outliers, f"{p}_TAB": tab(f), f"{p}_LOGR": f.log_radius}
 
     runtime = [LOG2E / math.sqrt(D)] + strides(k) + strides(v)
-    const = {**ce(k, "K"), **ce(v, "V"), "VLEN": has_vl, "HKV": H, "BT": block_t, "FB": (nc + 7) // 8, "INTERP": interpreting()}
+    const = {**ce(k, "K"), **ce(v, "V"), "VLEN": has_vl, "RSTART": has_rs, "HKV": H, "BT": block_t, "FB": (nc + 7) // 8, "INTERP": interpreting()}
     ptab = k.ptab.float().contiguous()
     plan = SplitPlan(_hqmq_split_kernel, const, q, B, H, D, num_warps, num_stages, k.dtype, out_dtype)
     plan.want = split_want(B * H, q.device, num_splits, programs_per_sm)

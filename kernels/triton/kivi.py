@@ -12,10 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import Workspace, bh_stride, check_q, check_valid_len, pow2
+from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len, pow2
 from ..layout import KIVIFlat, KIVIGraphFlat
-from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, nbytes_span, run_split, scores, softmax_update,
-                     split_prologue, split_want, store_partial)
+from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, first_tile, from_floor, nbytes_span, row_floor,
+                     run_split, scores, softmax_update, split_prologue, split_want, store_partial)
 from .naive_int import int_tile
 
 
@@ -64,12 +64,13 @@ def _fp16_tile(ptr, bh, t0, TR, rs, BT: tl.constexpr, D: tl.constexpr, FAST: tl.
 @triton.jit
 def _kivi_split_kernel(q_ptr, kc, ks, kz, kres, vc, vs, vz, vres, po_ptr, pm_ptr, pl_ptr,
                        NGK, TRK, NGV, TRV, tiles_per_split, qk_scale, k_cs, k_ss, k_rs, v_cs, v_ss, v_rs,
-                       vlen_ptr, TCAP,
+                       vlen_ptr, TCAP, rs_ptr,
                        GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                        W: tl.constexpr, G: tl.constexpr, GB: tl.constexpr,
                        VCB: tl.constexpr, VCNB: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr,
                        VLEN: tl.constexpr = False, KA: tl.constexpr = 0, KP: tl.constexpr = 1,
-                       VA: tl.constexpr = 0, VP: tl.constexpr = 1):
+                       VA: tl.constexpr = 0, VP: tl.constexpr = 1,
+                       RSTART: tl.constexpr = False, HKV: tl.constexpr = 1):
     """Keys: NGK quantized groups then TRK window rows; values: NGV groups then TRV rows
     (KIVI keeps different windows for K and V; both cover the same T tokens). The
     tiles where both are quantized are split over the programs; the tail from there
@@ -79,7 +80,8 @@ def _kivi_split_kernel(q_ptr, kc, ks, kz, kres, vc, vs, vz, vres, po_ptr, pm_ptr
     VLEN: the counts come from the device valid length T at vlen_ptr (clamped to the
     capacity TCAP) by each side's window policy (KA, KP) / (VA, VP): q(T) = max(0, T - A)
     // P * P tokens quantized, the rest in the window (`step_encode.kivi_policy`); the
-    grid is cut for TCAP, so splits past the device's main tiles run none."""
+    grid is cut for TCAP, so splits past the device's main tiles run none.
+    RSTART: keys before row_start[b] (rs_ptr, batch row b = kv row // HKV) are masked."""
     if VLEN:
         T = tl.minimum(tl.load(vlen_ptr), TCAP)
         TQK = tl.maximum(T - KA, 0) // KP * KP
@@ -94,12 +96,13 @@ def _kivi_split_kernel(q_ptr, kc, ks, kz, kres, vc, vs, vz, vres, po_ptr, pm_ptr
     n_main = tl.minimum(TQK, TQV) // BT
     pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last = split_prologue(
         q_ptr, n_main, tiles_per_split, GROUP, BH, D, FAST)
-    for ti in range(first, last):
+    lo = row_floor(rs_ptr, pid_bh, HKV, RSTART)
+    for ti in range(first_tile(first, lo, BT, RSTART), last):
         t0 = ti * BT
         tok = t0 + tl.arange(0, BT)
         tmask = tok < T
         kt = _kivi_kt_tile(kc, ks, kz, pid_bh, t0, NGK, k_cs, k_ss, BT, D, W, G, GB, FAST, RND)
-        s = scores(q, kt, tmask, qk_scale, FAST)
+        s = scores(q, kt, from_floor(tmask, tok, lo, RSTART), qk_scale, FAST)
         v = int_tile(vc, vs, vz, pid_bh, tok, tmask, v_cs, v_ss, BT, D, W, VCB, VCNB, G, True, FAST, RND)
         m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, FAST)
     n_tail = tl.where(sp == nsplit - 1, tl.cdiv(T - n_main * BT, BT), 0)
@@ -110,7 +113,7 @@ def _kivi_split_kernel(q_ptr, kc, ks, kz, kres, vc, vs, vz, vres, po_ptr, pm_ptr
         kq = _kivi_kt_tile(kc, ks, kz, pid_bh, t0, NGK, k_cs, k_ss, BT, D, W, G, GB, FAST, RND)
         kr, _ = _fp16_tile(kres, pid_bh, t0 - TQK, TRK, k_rs, BT, D, FAST)
         kt = tl.where((tok < TQK)[None, :], kq, tl.trans(kr))
-        s = scores(q, kt, tmask, qk_scale, FAST)
+        s = scores(q, kt, from_floor(tmask, tok, lo, RSTART), qk_scale, FAST)
         vq = int_tile(vc, vs, vz, pid_bh, tok, tok < TQV, v_cs, v_ss, BT, D, W, VCB, VCNB, G, True, FAST, RND)
         vr, _ = _fp16_tile(vres, pid_bh, t0 - TQV, TRV, v_rs, BT, D, FAST)
         v = tl.where((tok < TQV)[:, None], vq, vr)
@@ -124,18 +127,20 @@ _PLANS = PlanCache()
 
 def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_splits: int | None = None,
                           block_t: int = 64, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 12,
-                          workspace: Workspace | None = None, out_dtype=None, valid_len=None) -> torch.Tensor:
+                          workspace: Workspace | None = None, out_dtype=None, valid_len=None,
+                          row_start=None) -> torch.Tensor:
     """`valid_len` (a device token count, see `decode_attention`): k and v must be
     `KIVIGraphFlat`s (the window policy turns the length into each side's counts, on the
-    device) of one capacity."""
+    device) of one capacity. `row_start`: per-row key starts (`decode_attention`)."""
     ts = (k.codes, k.scale, k.zero, k.residual, v.codes, v.scale, v.zero, v.residual)
     kg, vg = type(k) is KIVIGraphFlat, type(v) is KIVIGraphFlat
     layout = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.bits, k.group, k.role, k.dtype, k.n_groups == 0,
            v.B, v.H, v.D, v.bits, v.group, v.role, v.n_groups == 0, k.policy if kg else None,
            k.capacity if kg else None, v.policy if vg else None, v.capacity if vg else None)
     plan = _PLANS.lookup(layout, ts, _kivi_plan, q, k, v, valid_len, num_splits, block_t, num_warps, num_stages,
-                         programs_per_sm, out_dtype)
+                         programs_per_sm, out_dtype, row_start=row_start)
     vl, has_vl = check_valid_len(valid_len, q)
+    rs, _ = check_row_start(row_start, q)
     kb, vb, ks, vs, bt, cap_split = plan.extra
     if has_vl:
         nsplit, per = cap_split
@@ -150,15 +155,17 @@ def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_spli
     bufs = ([k.codes, k.scale, k.zero, k.residual] if kb is None else kb) + \
         ([v.codes, v.scale, v.zero, v.residual] if vb is None else vb)
     runtime = [k.n_groups, k.T_res, v.n_groups, v.T_res, per, LOG2E / math.sqrt(k.D), *ks, *vs, vl,
-               k.capacity if has_vl else 0]
+               k.capacity if has_vl else 0, rs]
     return run_split(plan, q.contiguous(), bufs, runtime, nsplit, workspace)
 
 
-def _kivi_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype):
+def _kivi_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype,
+               row_start=None):
     """Every check of a call and what it derives from the layout (once per plan)."""
     B, H, D = k.B, k.H, k.D
     check_q(q, H, D, B)
     vl, has_vl = check_valid_len(valid_len, q)
+    _, has_rs = check_row_start(row_start, q)
     if has_vl:
         if not (isinstance(k, KIVIGraphFlat) and isinstance(v, KIVIGraphFlat) and k.policy and v.policy):
             raise ValueError("the KIVI kernel takes valid_len only with KIVIGraphFlat caches (the window policy "
@@ -192,6 +199,8 @@ def _kivi_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, p
     kb, ks = parts(k, "K")
     vb, vs = parts(v, "V")
     const = {"BT": bt, "W": W, "G": G, "GB": G * W // 8, "VCB": D * W // 8, "VCNB": nbytes_span(D, W)}
+    if has_rs:
+        const.update(RSTART=True, HKV=H)
     if has_vl:
         const.update(VLEN=True, KA=k.policy[0], KP=k.policy[1], VA=v.policy[0], VP=v.policy[1])
     plan = SplitPlan(_kivi_split_kernel, const, q, B, H, D, num_warps, num_stages, k.dtype, out_dtype)

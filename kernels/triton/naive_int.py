@@ -10,10 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import Workspace, bh_stride, check_q, check_valid_len, pow2
+from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len, pow2
 from ..layout import IntFlat
-from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, finish, nbytes_span, run_split, scores,
-                     softmax_update, split_prologue, split_want, store_partial, unpack_rows, valid_tokens)
+from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, finish, first_tile, from_floor, nbytes_span, row_floor,
+                     run_split, scores, softmax_update, split_prologue, split_want, store_partial, unpack_rows,
+                     valid_tokens)
 
 
 @triton.jit
@@ -47,18 +48,19 @@ def int_tile(codes_ptr, scale_ptr, zero_ptr, bh, tok, tmask, cs, ss,
 
 @triton.jit
 def _int_split_kernel(q_ptr, kc, ks, kz, vc, vs, vz, po_ptr, pm_ptr, pl_ptr,
-                      T, tiles_per_split, qk_scale, k_cs, k_ss, v_cs, v_ss, vlen_ptr, VLEN: tl.constexpr,
-                      GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                      T, tiles_per_split, qk_scale, k_cs, k_ss, v_cs, v_ss, vlen_ptr, rs_ptr, VLEN: tl.constexpr,
+                      RSTART: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                       W: tl.constexpr, CB: tl.constexpr, CNB: tl.constexpr, G: tl.constexpr,
                       VEC: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr):
     T = valid_tokens(T, vlen_ptr, VLEN)
     pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last = split_prologue(
         q_ptr, tl.cdiv(T, BT), tiles_per_split, GROUP, BH, D, FAST)
-    for ti in range(first, last):
+    lo = row_floor(rs_ptr, pid_bh, HKV, RSTART)
+    for ti in range(first_tile(first, lo, BT, RSTART), last):
         tok = ti * BT + tl.arange(0, BT)
         tmask = tok < T
         k = int_tile(kc, ks, kz, pid_bh, tok, tmask, k_cs, k_ss, BT, D, W, CB, CNB, G, VEC, FAST, RND)
-        s = scores(q, tl.trans(k), tmask, qk_scale, FAST)
+        s = scores(q, tl.trans(k), from_floor(tmask, tok, lo, RSTART), qk_scale, FAST)
         v = int_tile(vc, vs, vz, pid_bh, tok, tmask, v_cs, v_ss, BT, D, W, CB, CNB, G, VEC, FAST, RND)
         m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, FAST)
     store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D)
@@ -71,24 +73,28 @@ _PLANS = PlanCache()
 def int_decode_attention(q: torch.Tensor, k: IntFlat, v: IntFlat, *, num_splits: int | None = None,
                          block_t: int = 128, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 8,
                          workspace: Workspace | None = None, out_dtype=None,
-                         valid_len: torch.Tensor | None = None) -> torch.Tensor:
+                         valid_len: torch.Tensor | None = None,
+                         row_start: torch.Tensor | None = None) -> torch.Tensor:
     T = k.T
     ts = (k.codes, k.scale, k.zero, v.codes, v.scale, v.zero)
     layout = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.bits, k.group, k.dtype, v.B, v.H, v.D, v.bits, v.group)
     plan = _PLANS.lookup(layout, ts, _int_plan, q, k, v, valid_len, num_splits, block_t, num_warps, num_stages,
-                         programs_per_sm, out_dtype)
+                         programs_per_sm, out_dtype, row_start=row_start)
     vl, _ = check_valid_len(valid_len, q)
+    rs, _ = check_row_start(row_start, q)
     if v.T != T:
         raise ValueError("K and V int caches differ in shape or config")
     nsplit, per = plan.splits(-(-T // block_t))
-    return run_split(plan, q.contiguous(), ts, [T, per, *plan.extra, vl], nsplit, workspace)
+    return run_split(plan, q.contiguous(), ts, [T, per, *plan.extra, vl, rs], nsplit, workspace)
 
 
-def _int_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype):
+def _int_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, programs_per_sm, out_dtype,
+              row_start=None):
     """Every check of a call and what it derives from the layout (once per plan)."""
     B, H, T, D = k.B, k.H, k.T, k.D
     check_q(q, H, D, B)
     _, has_vl = check_valid_len(valid_len, q)
+    _, has_rs = check_row_start(row_start, q)
     if (v.B, v.H, v.T, v.D, v.bits, v.group) != (B, H, T, D, k.bits, k.group):
         raise ValueError("K and V int caches differ in shape or config")
     G, W = k.group, k.bits
@@ -100,7 +106,7 @@ def _int_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, pr
     for f in (k, v):
         if f.zero.stride() != f.scale.stride():
             raise ValueError("int scale and zero buffers must share a layout")
-    const = {"VLEN": has_vl, "BT": block_t, "W": W, "CB": k.codes.shape[-1], "CNB": nbytes_span(D, W), "G": G,
+    const = {"VLEN": has_vl, "RSTART": has_rs, "HKV": H, "BT": block_t, "W": W, "CB": k.codes.shape[-1], "CNB": nbytes_span(D, W), "G": G,
              "VEC": vec}
     plan = SplitPlan(_int_split_kernel, const, q, B, H, D, num_warps, num_stages, k.dtype, out_dtype)
     plan.want = split_want(B * H, q.device, num_splits, programs_per_sm)
