@@ -93,10 +93,13 @@ class GraphedDecodeStep:
       the counter, kernels/store.py; its attention runs on Triton, the CUDA KIVI kernel
       taking no device lengths yet.)
 
-    Positions: each step continues the cache (position id = tokens held, no padding),
-    as greedy `generate` does. A write to the cache between calls through the ordinary
-    path is picked up (the counter and the position ids are re-set before the next
-    replay, outside the graph); anything that moves the cache's buffers (growth past
+    Positions: each step continues the cache (position id = tokens held), as greedy
+    `generate` does; a left-padded batch (`QuantizedCache.set_row_start`) has each row's
+    tokens held minus its pad count, computed on the device from the counter and the
+    row starts inside the step (the attention masks the pads: the cache's handle). A
+    write to the cache between calls through the ordinary path is picked up (the
+    counter and the position ids are re-set before the next replay, outside the
+    graph); anything that moves the cache's buffers (growth past
     the reserved room, `reset`, `replace_packed`) needs a new object: a replay checks
     the buffers' addresses (`QuantizedCache.buffer_signature`) and refuses. Warm-up
     steps are real steps.
@@ -136,8 +139,10 @@ class GraphedDecodeStep:
         if tuple(input_ids.shape) != (self.batch, 1):
             raise ValueError(f"input_ids must be [{self.batch}, 1] (one new token per row), got {tuple(input_ids.shape)}")
         with torch.inference_mode():
-            if self.mode == "eager":
-                return self.model(input_ids=input_ids, **self.cache_kw, use_cache=True).logits
+            if self.mode == "eager":  # (a left-padded batch: each row's positions, from the host count)
+                rows = self.cache.position_ids(self.cache.get_seq_length(), 1) if self.quantized else None
+                extra = {} if rows is None else {"position_ids": rows}
+                return self.model(input_ids=input_ids, **self.cache_kw, use_cache=True, **extra).logits
             if self.quantized:
                 t = self.cache.get_seq_length()
                 if t + 1 > self.cache.reserved:
@@ -176,7 +181,12 @@ class GraphedDecodeStep:
         """The step as captured: forward at the device position, then the counters + 1."""
         ctx = self.cache.device_steps() if self.quantized else contextlib.nullcontext()
         with ctx:
-            out = self.model(input_ids=self.ids, position_ids=self.pos, **self.cache_kw, use_cache=True).logits
+            # a left-padded batch: the device write position minus each row's start, made on
+            # the device inside the step (so a replay follows the counter and the starts a
+            # rewound cache was given); else the step's own position buffer
+            rows = self.cache.device_position_ids() if self.quantized else None
+            out = self.model(input_ids=self.ids, position_ids=self.pos if rows is None else rows, **self.cache_kw,
+                             use_cache=True).logits
         if self.quantized:
             self.cache.step_done()
         self.pos.add_(1)

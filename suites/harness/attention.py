@@ -7,8 +7,9 @@
 A `QuantizedCache` whose model runs the "kvqbench" attention keeps each layer's packed
 K/V in a `KernelStore` (kernels/store.py: preallocated device buffers in the layout
 the fused kernels read). For a one-token decode step its `update` returns a
-`PackedHistory` handle instead of dense K/V, and the function registered here runs
-the fused kernel (kernels/decode_attention.py) over the store: the quantized history
+`PackedHistory` handle instead of dense K/V (so does a dense layer of a left-padded batch:
+`QuantizedCache.set_row_start`; the handle masks each row's pads), and the function
+registered here runs the fused kernel (kernels/decode_attention.py) over the store: the quantized history
 is never decoded to a dense tensor. Everything else (prefill: many queries; a padding
 mask; softcap; a sliding window; dropout) goes to transformers' own SDPA attention;
 a handle reaching that path is decoded transiently (`PackedHistory.dense`).
@@ -53,6 +54,11 @@ class PackedHistory:
         """The decoded history (transient): for the cases the fused kernel does not serve."""
         return self.layer.read("K"), self.layer.read("V")
 
+    def pad_mask(self) -> torch.Tensor | None:
+        """`[B, 1, 1, T]` bool, False at each row's pads (a left-padded batch: the layer's
+        row starts), for a read of `dense()` under another mask; None: no padding."""
+        return self.layer.pad_mask()
+
 
 def kvqbench_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                        scaling: float | None = None, **kwargs):
@@ -64,9 +70,17 @@ def kvqbench_attention(module, query, key, value, attention_mask, dropout: float
                  and kwargs.get("softcap") is None and kwargs.get("sliding_window") is None
                  and not kwargs.get("output_attentions"))
         if plain:
-            out = key.attend(query, scaling)  # [B, Hq, 1, D]
+            out = key.attend(query, scaling)  # [B, Hq, 1, D] (each row's pads masked: the layer's row starts)
             return out.transpose(1, 2).contiguous(), None
+        pads = key.pad_mask()
         key, value = key.dense()
+        if pads is not None:  # a left-padded batch: its pads out of the model's mask too
+            if attention_mask is None:
+                attention_mask = pads
+            elif attention_mask.dtype == torch.bool:
+                attention_mask = attention_mask & pads
+            else:
+                attention_mask = attention_mask.masked_fill(~pads, torch.finfo(attention_mask.dtype).min)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, **kwargs)
 

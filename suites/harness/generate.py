@@ -16,10 +16,16 @@ What it does, as a serving engine does (the `deployed` protocol of perplexity.py
   device; end of sequence (`eos_token_id`, one id or several) and `stop` strings per
   row. The host looks at the tokens every `check_every` steps (one synchronisation
   each), stops once every row is done and cuts each row at its first EOS / stop string.
-- prompts of different lengths: the fused kernels take one valid length for the whole
-  batch (no per-row lengths yet), so rows are grouped by prompt length and each group
-  runs as one batch (`out.batches` says how the rows were grouped). Equal-length
-  prompts (corpus windows, benchmarks) are one batch.
+- prompts of different lengths: ONE left-padded batch (`out.batches` is one list). Each
+  row's prompt is right-aligned after its pad count; the prefill gets a 2-D attention
+  mask and per-row position ids (token index minus the pad count), the cache the pad
+  counts (`QuantizedCache.set_row_start`), so every later read masks each row's pads (the
+  fused Triton kernels' `row_start`, the dense history's SDPA, device steps and graphs
+  alike) and every step's positions are the row's own. The pad token id is 0 (any id
+  would do: masked). Where padding cannot apply, rows are grouped by prompt length and
+  each group runs as its own batch (`out.why` says so): `spec=None` (transformers'
+  StaticCache, which keeps no row starts) and models whose attention is not SDPA (the
+  cache's masking rides on the "kvqbench" attention, which stands in for SDPA only).
 
 `spec=None` runs the model's own fp16/fp32 cache the fastest way transformers offers
 to an engine: a StaticCache, graphed the same way (the plain baseline); "fp16" is
@@ -157,13 +163,23 @@ def _kept(model, key):
     return None
 
 
+PAD_ID = 0  # the id left pads carry (masked out of every read: any valid id would do)
+
+
 def _one_batch(model, prompts, spec, max_new, pick, eos, stop, tokenizer, graph, graph_off, fused, seed,
-               check_every, calibration=None, compile=False):
+               check_every, calibration=None, compile=False, padded=False):
+    """One batch: `prompts` of one length, or (`padded`) of any lengths, left-padded."""
     dev = next(model.parameters()).device
-    ids = torch.tensor(prompts, dtype=torch.long, device=dev)
-    B, P = ids.shape
+    P = max(map(len, prompts))
+    starts = [P - len(r) for r in prompts]
+    ids = torch.tensor([[PAD_ID] * s + list(r) for s, r in zip(starts, prompts)], dtype=torch.long, device=dev)
+    B = ids.shape[0]
     room = -(-(P + max_new) // ROOM_QUANTUM) * ROOM_QUANTUM
-    key = (spec, B, room, fused, seed, graph, compile)
+    # Row starts only where a row is padded: an equal-length batch reads none and keeps
+    # the kernels that take none (the CUDA ones decline row starts). The key says which:
+    # a step captured with row starts reads their buffer, one captured without does not.
+    pads = padded and max(starts) > 0
+    key = (spec, B, room, fused, seed, graph, compile, pads)
     kept = _kept(model, key) if spec is not None and calibration is None else None
     if kept is not None:
         cache, step = kept
@@ -177,6 +193,11 @@ def _one_batch(model, prompts, spec, max_new, pick, eos, stop, tokenizer, graph,
     extra = {}
     if spec is None:  # a StaticCache needs the positions of the prompt spelled out
         extra["cache_position"] = torch.arange(P, device=dev)
+    if pads:  # (a kept cache: rewound, its starts' buffer rewritten in place)
+        cache.set_row_start(starts, device=dev)  # (host ints: no device read)
+        # the prompt's pads: the model's own 2-D mask, each row's positions
+        extra["attention_mask"] = (torch.arange(P, device=dev)[None, :] >= cache.row_start[:, None]).long()
+        extra["position_ids"] = cache.position_ids(0, P)
     logits = model(input_ids=ids, **kw, use_cache=True, **extra).logits[:, -1]
     out = torch.empty(B, max_new, dtype=torch.long, device=dev)
     out[:, :1] = pick(logits)
@@ -189,7 +210,7 @@ def _one_batch(model, prompts, spec, max_new, pick, eos, stop, tokenizer, graph,
             if step.mode in ("graph", "device") and spec is not None and calibration is None:
                 _ENGINE[:] = [(weakref.ref(model), key, cache, step)]
         elif step is None:
-            step = _Eager(model, cache, kw, graph_off)
+            step = _Eager(model, cache, kw, graph_off, pads)
         mode, why = step.mode, step.why
         for t in range(1, max_new):
             out[:, t:t + 1] = pick(step(out[:, t - 1:t])[:, -1])
@@ -211,11 +232,12 @@ def _one_batch(model, prompts, spec, max_new, pick, eos, stop, tokenizer, graph,
 class _Eager:
     mode = "eager"
 
-    def __init__(self, model, cache, kw, why):
-        self.model, self.kw, self.why = model, kw, why
+    def __init__(self, model, cache, kw, why, padded=False):
+        self.model, self.cache, self.kw, self.why, self.padded = model, cache, kw, why, padded
 
     def __call__(self, ids):
-        return self.model(input_ids=ids, **self.kw, use_cache=True).logits
+        extra = {"position_ids": self.cache.position_ids(self.cache.get_seq_length(), 1)} if self.padded else {}
+        return self.model(input_ids=ids, **self.kw, use_cache=True, **extra).logits
 
 
 # module -> its torch.compile wrapper, kept across calls (compiles once per shape); weak keys:
@@ -297,7 +319,8 @@ def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, t
     codebooks and the sampler. `compile`: run the model's decoder layers through
     torch.compile (`compiled_parts`), fusing the work around attention that a graph
     replay alone still launches kernel by kernel; the cache's write and the fused
-    attention stay ours (the first call of a new shape pays the compile). `calibration`: what
+    attention stay ours (the first call of a new shape pays the compile). Prompts of
+    different lengths run as one left-padded batch (module docstring). `calibration`: what
     `QuantizedCache(calibration=)` takes, needed by a calibrated spec (e.g. avq2-cal;
     suites/harness/calibration.py): captured K/V are fitted once here (for `seed`) and
     shared by every group's cache; fitted dicts are used as given."""
@@ -328,20 +351,31 @@ def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, t
     graph = (dev.type == "cuda") if graph is None else bool(graph)
     gen = torch.Generator(device=dev).manual_seed(seed)
     pick = _sampler(float(temperature), top_k, top_p, gen)
+    sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
+    # One left-padded batch where the cache masks the pads (module docstring), else groups
+    # of equal length.
+    padded = spec is not None and sdpa
     groups: dict[int, list[int]] = {}
     for i, r in enumerate(rows):
-        groups.setdefault(len(r), []).append(i)
+        groups.setdefault(0 if padded else len(r), []).append(i)
     result: list[list[int] | None] = [None] * len(rows)
     modes, whys, pre, dec, steps, nbytes, numel = [], [], 0.0, 0.0, 0, 0, 0
+    if len(groups) > 1:
+        whys.append("prompts of different lengths run in groups of equal length ("
+                    + ("spec=None: transformers' StaticCache keeps no row starts" if spec is None else
+                       f"the model's attention is {getattr(model.config, '_attn_implementation', None)!r}, not "
+                       "SDPA: no left padding") + ")")
     # The fused kernels replace SDPA only (perplexity.py does the same): other attentions stay dense.
-    if spec is None or getattr(model.config, "_attn_implementation", None) != "sdpa":
+    if not padded:
         fused = False
-    ctx = fused_attention(model) if fused is not False else contextlib.nullcontext()
+    # A padded batch runs the "kvqbench" attention whatever `fused` (the cache's) is: its
+    # handle masks the pads of dense layers too.
+    ctx = fused_attention(model) if padded or fused is not False else contextlib.nullcontext()
     with torch.inference_mode(), ctx, (compiled_parts(model) if compile else contextlib.nullcontext()):
         for length, idx in groups.items():
             out, mode, why, p_s, d_s, n, (b, e) = _one_batch(model, [rows[i] for i in idx], spec, max_new_tokens, pick,
                                                      eos, stop, tokenizer, graph, graph_off, fused, seed,
-                                                     check_every, calibration, compile)
+                                                     check_every, calibration, compile, padded)
             for i, r in zip(idx, out):
                 result[i] = r
             modes.append(mode)

@@ -45,6 +45,13 @@ length. Windowed appends (per-channel int keys) and data-dependent field lengths
 dense layer are not graphable: `graph_unsupported()` names the reason and their steps
 stay eager.
 
+Left-padded batches (`set_row_start`: each row's pad count): every read masks each
+row's pads (the fused kernels' `row_start`, the dense history's SDPA, device-position
+steps alike: a one-token write hands attention a handle in every mode), the pads' K/V
+are stored as copies of the row's first real token, and `position_ids` /
+`device_position_ids` give each row its own positions; the prompt's write is masked by
+the model's 2-D attention mask (generate.py passes it).
+
 Protocols (METHOD.md 4): `quantize-on-write` is one forward pass over a window from a
 fresh cache; `prefill-then-decode` is a prefill call then one-token calls, each
 appending its token, so quantizers whose state spans writes (KIVI's fp16 window, a
@@ -166,6 +173,24 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
 
 
+def _keys_from(row_start: torch.Tensor, T: int, device, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """`[B, T]` bool: key t is attended by row b (t >= row_start[b], and t < valid if given)."""
+    pos = torch.arange(T, device=device)
+    keep = pos[None, :] >= row_start.to(device)[:, None]
+    return keep & (pos < valid)[None, :] if valid is not None else keep
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
+                      row_start: torch.Tensor) -> torch.Tensor:
+    """softmax(q K^T / sqrt(d)) V of one decode query `[B, Hq, 1, D]` over the rows of
+    `[B, Hkv, T, D]` each batch row attends to: from its row start on (a left-padded
+    batch) and below the device valid length `valid` (int32 `[1]`, or None: all T). A
+    row with no key left gets 0 (SDPA's fully masked row), as the fused kernels."""
+    keep = _keys_from(row_start, k.shape[2], k.device, valid)[:, None, None, :]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep,
+                                                            enable_gqa=q.shape[1] != k.shape[1])
+
+
 class QuantizedLayer(DynamicLayer):
     """One model layer: packed K and V, plus either the decoded history (dense mode) or
     the kernels' device store (fused mode); the packed bytes are the only thing counted."""
@@ -190,6 +215,11 @@ class QuantizedLayer(DynamicLayer):
         # position, valid length, capacity) -- int32 views of the cache's counter and the
         # token bound the attention grid is cut for; None: host positions.
         self.device_pos: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        # A left-padded batch (set by the cache, `QuantizedCache.set_row_start`): the first
+        # real token of each batch row (int32 [B] on the device; None: no padding) and the
+        # largest of them on the host (writes below it hold pads, `_fill_pads`).
+        self.row_start: torch.Tensor | None = None
+        self.pad_max = 0
         self._device_writers: dict = {}  # role -> the quantizer a CUDA multi-token write goes through (`_writer`)
         self._clear()
 
@@ -223,12 +253,15 @@ class QuantizedLayer(DynamicLayer):
             return self.keys, self.values
         if self.device_pos is not None:
             return self._device_step(key_states, value_states)
+        computed = key_states, value_states
+        if self.row_start is not None and self.tokens < self.pad_max:  # (host ints: no device read)
+            key_states, value_states = self._fill_pads(key_states), self._fill_pads(value_states)
         if self.prefill == "exact" and self.tokens == 0:
             # A deployed engine's prefill: attention inside the prompt reads the K/V it
             # just computed at full precision; they are stored quantized, and only later
-            # reads (decode steps) see the quantized cache.
+            # reads (decode steps) see the quantized cache. (Pads: the model's 2-D mask.)
             self._write(key_states, value_states, read=False)
-            return key_states, value_states
+            return computed
         if self.mode == "fused" and self._step(key_states, value_states):
             handle = PackedHistory(self)
             return handle, handle
@@ -259,7 +292,28 @@ class QuantizedLayer(DynamicLayer):
             return (self.read("K"), self.read("V")) if read else (None, None)  # prefill: a transient decode
         self.keys = self._decode_into("K", *new["K"])
         self.values = self._decode_into("V", *new["V"])
+        if self.row_start is not None and key_states.shape[-2] == 1:
+            # A left-padded batch's step: no mask comes with it (the model's is built for an
+            # unpadded step), so attention gets the handle, which masks each row's pads
+            handle = PackedHistory(self)
+            return handle, handle
         return self.keys, self.values
+
+    def _fill_pads(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[B, H, t, D]`, written at token `self.tokens`, with each row's pad positions
+        (before its row start) holding a copy of the row's first real token: what is
+        stored for them is masked out of every read, and duplicates of a real token leave
+        per-write / per-group statistics of the real tokens unmoved (KIVI's per-channel key
+        min / max, fp8's amax scale, int's per-token groups). A Med3x write median does see
+        the duplicates (a median moves with repeated values). A row whose first real token
+        is past this write gets copies of the write's last token (all masked)."""
+        t0, t = self.tokens, x.shape[-2]
+        if x.shape[0] != self.row_start.shape[0]:
+            raise ValueError(f"layer {self.layer_idx}: a write of batch {x.shape[0]} to a cache whose row starts "
+                             f"are for batch {self.row_start.shape[0]} (QuantizedCache.set_row_start)")
+        pos = torch.arange(t0, t0 + t, device=x.device)
+        idx = torch.maximum(pos[None, :], self.row_start.to(x.device).long()[:, None]).clamp_(max=t0 + t - 1) - t0
+        return x.gather(2, idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
 
     def _device_write(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         """A multi-token write (a prefill, a later chunk) of a fused cache encoded on the
@@ -540,25 +594,40 @@ class QuantizedLayer(DynamicLayer):
         """The fused kernel over the K and V stores: `[B, Hq, 1, D]`."""
         from ...kernels.decode_attention import decode_attention
 
+        rs = self.row_start  # a left-padded batch: keys before row_start[b] masked for row b
         if self.device_pos is not None and self.mode == "dense":  # dense_steps.py
             _, valid, cap = self.device_pos
-            return dense_steps.masked_attention(query, self.decoded["K"].buf[:, :, :cap],
-                                                self.decoded["V"].buf[:, :, :cap], valid)
+            k, v = self.decoded["K"].buf[:, :, :cap], self.decoded["V"].buf[:, :, :cap]
+            if rs is None:
+                return dense_steps.masked_attention(query, k, v, valid)
+            return _masked_attention(query, k, v, valid, rs)
+        if self.mode == "dense":  # a padded batch's host-path step (`_write` hands out the handle)
+            return _masked_attention(query, self.decoded["K"].valid, self.decoded["V"].valid, None, rs)
         if self.device_pos is not None:  # the valid length on the device; no fallback (module docstring)
             _, valid, cap = self.device_pos
             try:
                 return decode_attention(query, self.stores["K"].graph_view(cap), self.stores["V"].graph_view(cap),
-                                        valid_len=valid)
+                                        valid_len=valid, row_start=rs)
             except ValueError as e:
                 raise RuntimeError(f"layer {self.layer_idx}: the fused kernel refused a device-position "
                                    f"step ({e})") from e
         try:
-            return decode_attention(query, self.stores["K"].kernel_view(), self.stores["V"].kernel_view())
+            return decode_attention(query, self.stores["K"].kernel_view(), self.stores["V"].kernel_view(),
+                                    row_start=rs)
         except ValueError:
             # A shape the kernel refuses (e.g. K and V windows of different lengths on
             # kernels that need them equal): exact dense attention instead, counted.
             self.fallbacks += 1
+            if rs is not None:
+                return _masked_attention(query, self.read("K"), self.read("V"), None, rs)
             return _dense_attention(query, self.read("K"), self.read("V"))
+
+    def pad_mask(self) -> torch.Tensor | None:
+        """`[B, 1, 1, T]` bool, True for the keys each row attends to (from its row start
+        on), over the T tokens held; None without row starts."""
+        if self.row_start is None:
+            return None
+        return _keys_from(self.row_start, self.tokens, self.row_start.device)[:, None, None, :]
 
     def replace_packed(self, role: str, packed: Packed) -> None:
         """Swap in another packed store (diagnostics: e.g. tampered bytes). Every segment
@@ -683,6 +752,10 @@ class QuantizedCache(Cache):
         self.reserved = 0
         self._pos: torch.Tensor | None = None
         self._pos_at: int | None = None
+        # a left-padded batch (`set_row_start`): each row's first real token, int32 [B] on
+        # the device (None: no padding), and the largest of them on the host
+        self.row_start: torch.Tensor | None = None
+        self._pad_max = 0
         layers = [self._new_layer(i) for i in range(n_layers or 0)]
         super().__init__(layers=layers)  # an explicit (possibly empty) list: no layer_class_to_replicate
 
@@ -701,6 +774,9 @@ class QuantizedCache(Cache):
         while len(self.layers) <= layer_idx:  # lazily grown when no layer count was given
             self.layers.append(self._new_layer(len(self.layers)))
         layer = self.layers[layer_idx]
+        if self.row_start is not None and self.row_start.device != key_states.device:
+            self.row_start = self.row_start.to(key_states.device)  # (starts given as host ints: once)
+        layer.row_start, layer.pad_max = self.row_start, self._pad_max
         if layer.mode is None:
             layer.fused_wanted, layer.capacity_hint = self.fused_wanted(), self.capacity
             layer.hqmq_table, layer.step_encode = self.hqmq_table, self.step_encode
@@ -708,9 +784,74 @@ class QuantizedCache(Cache):
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if (isinstance(out[0], PackedHistory) and self.model_config is not None
                 and not uses_fused_attention(self.model_config)):
-            raise RuntimeError("a fused QuantizedCache hands attention its packed store: run the model under "
-                               "kvqbench.suites.harness.attention.fused_attention(model), or use fused=False")
+            raise RuntimeError("a fused QuantizedCache (or one with row starts: a left-padded batch) hands "
+                               "attention its packed store: run the model under "
+                               "kvqbench.suites.harness.attention.fused_attention(model), or use fused=False "
+                               "without row starts")
         return out
+
+    # ---- a left-padded batch ----------------------------------------------------------------
+    def set_row_start(self, starts, device=None) -> None:
+        """Serve a LEFT-PADDED batch: row b's first real token is at position starts[b] (its
+        pad count; a sequence of ints or an integer tensor `[B]`; None: no padding). Set
+        before the prompt's write (a fresh or `rewind`ed cache). Then:
+        - every read masks each row's keys before its start: the fused kernels
+          (`decode_attention(row_start=)`, Triton: the CUDA kernels decline it), the dense
+          history's SDPA and device-position steps alike; a one-token write hands attention
+          a `PackedHistory` handle in every mode, so the model must run the "kvqbench"
+          attention (`fused_attention(model)`); a multi-token write (the prompt) is masked
+          by the model's own mask: pass the 2-D `attention_mask`;
+        - the pad positions' K/V are stored as copies of the row's first real token
+          (`QuantizedLayer._fill_pads`: per-write / per-group statistics unmoved, except a
+          Med3x median);
+        - positions: `position_ids(t0, n)` (host steps, the prefill) and the device step's
+          (`device_position_ids`) are the token index minus the row's start, as the row
+          alone would have them.
+        The starts live in one device tensor (on `device`, else the layers', else the given
+        tensor's), overwritten in place by a later call of the same batch (a CUDA graph
+        captured over the cache reads that buffer). Host ints need no device read; a
+        device tensor is read once (its largest start)."""
+        if starts is None:
+            if self.get_seq_length():
+                raise ValueError("set_row_start(None) on a cache holding tokens")
+            self.row_start, self._pad_max = None, 0
+            return
+        t = starts if isinstance(starts, torch.Tensor) else torch.tensor(list(starts))
+        if t.dim() != 1 or t.numel() == 0 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"row starts must be a non-empty 1-D integer sequence [B], got {tuple(t.shape)} {t.dtype}")
+        host = [int(x) for x in t.tolist()]  # (once per batch, before the prefill)
+        if min(host) < 0:
+            raise ValueError(f"row starts must be >= 0 (pad counts), got {host}")
+        if self.get_seq_length():
+            raise ValueError(f"set_row_start on a cache holding {self.get_seq_length()} tokens: set it before the "
+                             "prompt's write (a fresh cache, or after rewind())")
+        batch = {layer._packed["K"].batch for layer in self.layers if layer._packed["K"] is not None}
+        if batch and batch != {len(host)}:
+            raise ValueError(f"{len(host)} row starts for a cache of batch {batch.pop()}")
+        new = t.to(torch.int32)
+        if self.row_start is not None and self.row_start.shape == new.shape:
+            with torch.inference_mode(self.row_start.is_inference()):
+                self.row_start.copy_(new)  # in place: a captured step reads this buffer
+        else:
+            dev = device or (self.layers[0].device if self.layers and self.layers[0].is_initialized else new.device)
+            self.row_start = new.to(dev, copy=True)  # (its own buffer: never the caller's tensor)
+        self._pad_max = max(host)
+
+    def position_ids(self, t0: int, n: int) -> torch.Tensor | None:
+        """`[B, n]` position ids of n tokens written at token t0 of every row: the token index
+        minus the row's start (pads: 0); None without row starts (the model's own)."""
+        if self.row_start is None:
+            return None
+        pos = torch.arange(t0, t0 + n, device=self.row_start.device)
+        return (pos[None, :] - self.row_start.long()[:, None]).clamp_(min=0)
+
+    def device_position_ids(self) -> torch.Tensor | None:
+        """`[B, 1]` position ids of a device-position step (inside `device_steps`): the
+        device write position minus each row's start, on the device (no host value: a
+        CUDA graph replays it); None without row starts."""
+        if self.row_start is None:
+            return None
+        return (self.device_position()[0:1].long() - self.row_start.long())[:, None]
 
     # ---- decode steps at a device position (CUDA graphs: kernels/graphs.py) -----------------
     def graph_unsupported(self) -> str | None:
@@ -784,7 +925,8 @@ class QuantizedCache(Cache):
         """The addresses of every buffer a device-position step touches (the stores' token
         buffers, the step counter, the error flags): a CUDA graph holds them, so a graphed
         step compares this before each replay (e.g. `replace_packed` builds new stores)."""
-        sig = [self._pos.data_ptr() if self._pos is not None else 0]
+        sig = [self._pos.data_ptr() if self._pos is not None else 0,
+               self.row_start.data_ptr() if self.row_start is not None else 0]
         for layer in self.layers:
             sig.extend(t.data_ptr() for t in layer.device_buffers())
         return tuple(sig)
@@ -809,6 +951,7 @@ class QuantizedCache(Cache):
     def reset(self) -> None:
         super().reset()
         self.reserved, self._pos_at = 0, None  # new stores: reserve again
+        self.row_start, self._pad_max = None, 0
 
     def rewind(self) -> bool:
         """Empty the cache for a new prompt, keeping every buffer where it is (an engine's
@@ -817,12 +960,18 @@ class QuantizedCache(Cache):
         where every layer is fused and its format writes a prefill on the device with
         model-constant tables (fp16, per-token int, KIVI, HQMQ without Med3x; `KernelStore.
         can_rewind`); False (nothing changed) otherwise: make a new cache. The reserved
-        room stays; the device counter is re-set at the next step."""
+        room stays; the device counter is re-set at the next step. Row starts (a left-padded
+        batch) are zeroed in place (no padding) and kept where they are: `set_row_start`
+        writes the next batch's into the same buffer."""
         if not self.layers or not all(layer.can_rewind() for layer in self.layers):
             return False
         for layer in self.layers:
             layer.rewind()
         self._pos_at = None
+        if self.row_start is not None:
+            with torch.inference_mode(self.row_start.is_inference()):
+                self.row_start.zero_()
+            self._pad_max = 0
         return True
 
     # ---- measurement and diagnostics ----------------------------------------------------
