@@ -149,9 +149,22 @@ class HQMQStore(KernelStore):
         self._run_extra: list[tuple[Segment, int]] = []
 
     def _rewind_more(self, check: bool) -> bool:
-        # Without Med3x nothing beside the token fields (KernelStore.rewind); Med3x's
-        # lists and index are not rewound (a new cache serves the next prompt).
-        return not getattr(self.stepper, "med3", True) and self.outliers is None
+        # Without Med3x nothing beside the token fields (KernelStore.rewind). Med3x: the
+        # lists are emptied where they are (lengths zeroed on the device, the host bound
+        # with them), so a graph captured over them replays; the flags are zeroed, so no
+        # capacity row of the old prompt sends a kernel to a list entry.
+        if not getattr(self.stepper, "med3", False):
+            return self.outliers is None
+        if not check:
+            if self.outliers is not None:
+                self.outlier_len.zero_()
+                self._outlier_bound = 0
+                self.outlier_index.length = 0
+            flags = self.buffers["flags"].buf
+            with torch.inference_mode(flags.is_inference()):
+                flags.zero_()
+            self._cuts, self._run_extra = [], []
+        return True
 
     @classmethod
     def _create_empty(cls, packed: Packed, role: str, fmt, stepper, tokens: int, capacity: int | None,

@@ -958,7 +958,8 @@ class QuantizedCache(Cache):
         preallocated pool): a `GraphedDecodeStep` captured over it replays on the next
         prompt's steps without a new capture (what `generate` does between calls). Only
         where every layer is fused and its format writes a prefill on the device with
-        model-constant tables (fp16, per-token int, KIVI, HQMQ without Med3x; `KernelStore.
+        model-constant tables (fp16, per-token int, KIVI, HQMQ with or without Med3x; not fp8,
+        whose scale is fitted on the first write: `KernelStore.
         can_rewind`); False (nothing changed) otherwise: make a new cache. The reserved
         room stays; the device counter is re-set at the next step. Row starts (a left-padded
         batch) are zeroed in place (no padding) and kept where they are: `set_row_start`

@@ -174,11 +174,12 @@ def test_compiled_layers_give_the_uncompiled_tokens_and_restore_the_model(model)
     assert AttentionInterface._global_mapping[ATTN_NAME] is kvqbench_attention
 
 
-@pytest.mark.parametrize("spec", ["int4", "hqmq:S=8,r=4", "kivi:bits=2,group=8,residual=8"])
+@pytest.mark.parametrize("spec", ["int4", "hqmq:S=8,r=4", "kivi:bits=2,group=8,residual=8",
+                                  "hqmq:S=8,r=4,outliers=med3"])
 def test_the_kept_engine_is_rewound_and_gives_a_fresh_caches_tokens(model, spec):
     # generate keeps the model's last cache and captured step; a next call of the same key
     # rewinds that cache in place (same buffers: the graph replays), and its tokens are a
-    # fresh cache's (the base store; HQMQ's; KIVI's groups and window).
+    # fresh cache's (the base store; HQMQ's; KIVI's groups and window; Med3x's lists).
     from kvqbench.suites.harness import generate as G
 
     G.release_engines()
@@ -193,13 +194,12 @@ def test_the_kept_engine_is_rewound_and_gives_a_fresh_caches_tokens(model, spec)
     G.release_engines()
 
 
-@pytest.mark.parametrize("spec", ["fp8-e4m3", "hqmq:S=8,r=4,outliers=med3"])
-def test_rewind_refuses_a_fitted_scale_and_side_lists(model, spec):
-    # fp8's scale is fitted on the first write (a kept flat would be stale); Med3x keeps
-    # per-(b, h) outlier lists: a new cache serves the next prompt, nothing is changed
+def test_rewind_refuses_a_fitted_scale(model):
+    # fp8's scale is fitted on the first write (a kept flat would be stale): a new cache
+    # serves the next prompt, nothing is changed
     from kvqbench.suites.harness.kv_cache import QuantizedCache
 
-    cache = QuantizedCache(spec, config=model.config, fused=True, prefill="exact")
+    cache = QuantizedCache("fp8-e4m3", config=model.config, fused=True, prefill="exact")
     k = torch.randn(1, 2, 6, 32, device=DEV)
     for layer in range(2):
         cache.update(k, k, layer)
@@ -233,6 +233,46 @@ def test_rewind_raises_an_input_error_the_last_use_flagged_and_keeps_nothing_sta
         fresh.update(k[:, :, :3] * 2, k[:, :, :3], layer)
     for a, b in zip(ok.layers, fresh.layers):
         for role in ("K", "V"):
+            assert a.packed[role].digest() == b.packed[role].digest(), role
+
+
+def test_a_rewound_med3x_cache_keeps_its_lists_where_they_are_and_stores_a_fresh_caches_bytes(model):
+    # Med3x's per-(b, h) outlier lists are emptied in place: the same buffers (a captured
+    # graph reads them), and the next prompt's bytes (lists included) are a fresh cache's,
+    # after an old prompt with many outliers, some one-token steps and a shorter new prompt
+    from kvqbench.suites.harness.kv_cache import QuantizedCache
+
+    spec = "hqmq:S=8,r=4,outliers=med3"
+    g = torch.Generator().manual_seed(7)
+    old, new = torch.randn(2, 1, 2, 12, 32, generator=g), torch.randn(2, 1, 2, 7, 32, generator=g)
+    old[..., 5] *= 30  # a hot channel: long lists
+    new[..., 9] *= 30
+
+    def write(cache, x, steps=0):  # a prompt (through the cache), then one-token steps (the layers' own)
+        P = x.shape[3] - steps
+        for layer in range(2):
+            cache.update(x[0, :, :, :P].to(DEV), x[1, :, :, :P].to(DEV), layer)
+        for t in range(P, x.shape[3]):
+            for layer in cache.layers:
+                layer.update(x[0, :, :, t:t + 1].to(DEV), x[1, :, :, t:t + 1].to(DEV))
+
+    def held(cache):
+        return [b.data_ptr() for layer in cache.layers for s in layer.stores.values()
+                for b in (s.outliers, s.outlier_len, s.buffers["flags"].buf)]
+
+    cache = QuantizedCache(spec, config=model.config, fused=True, prefill="exact")
+    write(cache, old, steps=3)
+    assert cache.get_seq_length() == 12 and all(layer.mode == "fused" for layer in cache.layers)
+    assert int(cache.layers[0].stores["K"].outlier_len.sum()) >= 12
+    before = held(cache)
+    assert cache.rewind() and cache.get_seq_length() == 0
+    write(cache, new)
+    assert held(cache) == before
+    fresh = QuantizedCache(spec, config=model.config, fused=True, prefill="exact")
+    write(fresh, new)
+    for a, b in zip(cache.layers, fresh.layers):
+        for role in ("K", "V"):
+            assert int(a.stores[role].outlier_len.sum()) == int(b.stores[role].outlier_len.sum()) > 0
             assert a.packed[role].digest() == b.packed[role].digest(), role
 
 
