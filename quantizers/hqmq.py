@@ -14,12 +14,35 @@ chunk by all S conjugated secondaries.
 
 Med3x (`outliers=med3`): per write and per (batch row, kv-head) of that
 (layer, role), r_med is the median chunk radius over "the chunks being
-written": at prefill every chunk of every token of the write; at a one-token
-decode step the head_dim/4 chunks of that token. Chunks with r > C*r_med are
-kept exactly in fp16 behind a 1-bit-per-chunk flag bitmap, and r_max is taken
-over the remaining chunks only (the public code included outliers, which
-wastes the radius levels). Because the median depends on the write, appended
-writes differ from one big write when Med3x is on.
+written", and chunks with r > C*r_med are kept exactly in fp16 behind a
+1-bit-per-chunk flag bitmap; r_max is taken over the remaining chunks only
+(the public code included outliers, which wastes the radius levels). Because
+the median depends on the write, appended writes differ from one big write
+when Med3x is on. Which chunks the median is taken over (`median=`):
+
+- `median=write` (the default): the chunks of the write alone. At prefill
+  every chunk of every token of the write; at a one-token decode step the
+  head_dim/4 chunks of that token (16 at d=64): a median of a small sample,
+  so a decode token whose chunks are all large against the prompt (a token
+  of 10x the typical radius) flags few or none of them.
+- `median=prefill`: the first write of the (layer, role) (the prefill) takes
+  its median as above and KEEPS it per (b, h); every later write (decode
+  steps, later chunks) uses the threshold C * max(r_med_prefill, r_med_write),
+  r_med_write its own median as above. So a later chunk is an outlier only
+  if it is large against both the prompt's typical radius and its own write.
+  Why the max and not r_med_prefill alone: it keeps the bound that at most
+  half of a write's chunks are outliers (C > 1, and at most half exceed the
+  write's own median), which the fused store's outlier-list room and the
+  CUDA-graph reservation rely on (kernels/formats/hqmq.py `_step_room`,
+  `_write_room`, `_reserve_more`). The kept median is stored bytes of the
+  cache: shared tensor `r_med`, fp16 `[B, H]` per (layer, role), 16 bits per
+  (b, h), fitted on the first write like fitted.py's per-row tensors (so
+  counted in the measured bits, once per batch row). It is rounded toward
+  zero to fp16, so the prefill's own threshold C * max(fp16(m), m) is
+  exactly today's C * m and the prefill's bytes equal `median=write`'s; later
+  writes use the stored fp16 value. The fused store's device encoders do not
+  implement it: the store declines device steps for it (kernels/formats/hqmq.py
+  `device_refusal`) and the cache's writes take this reference encoder.
 
 Fill (`fill=true`): codes take whole bits, so S=96 pays 12 bits for 2304 of
 4096 code values. With fill, S is raised to floor(2^b / 24) for the b code
@@ -42,7 +65,8 @@ identical to `pack=bits` for the same input: only the code field's bytes differ.
 Stored per token vector: packed codes (ceil(log2(24 S)) bits per chunk; mixed: above),
 packed radius codes (r bits per chunk), r_max (fp16); with Med3x also the flag
 bitmap and the fp16 outlier chunks in (batch, head, token, chunk) order.
-Per (layer, role): the S secondaries of each kv-head, fp16. The per-64-token
+Per (layer, role): the S secondaries of each kv-head, fp16 (a seeded model constant);
+with median=prefill the kept median, fp16 per (batch row, kv-head) (cache bytes). The per-64-token
 outlier index a fused kernel needs is derived state (`outlier_block_starts`,
 built by kernels/layout.py or a kernel-side store), not stored bytes.
 """
@@ -54,6 +78,7 @@ import math
 import torch
 
 from .base import Quantizer, QuantizerInputError, Segment, check_fp16_storable, fp16_rounding_bound
+from .fitted import FitsOnFirstWrite
 from .packing import bits_for, mixed_layout, pack_bits, pack_mixed, unpack_bits, unpack_mixed
 from .quaternion import conj, hamilton, hurwitz_units, nearest_hurwitz, random_unit_quaternions, right_mul_matrix
 
@@ -80,6 +105,7 @@ def outlier_block_starts(per_token: torch.Tensor) -> torch.Tensor:
 # S whose codes fit 17 bits, so every allowed S is allowed after `fill` too; 17 code bits
 # per chunk is already past the ~5-bit caches the method is for (the paper's S <= 256).
 MAX_S = (1 << 17) // 24  # 5461
+MEDIANS = ("write", "prefill")  # Med3x's median: over each write, or max(the prefill's kept, the write's)
 
 
 class HQMQ(Quantizer):
@@ -92,12 +118,24 @@ class HQMQ(Quantizer):
     head_dim_multiple = 4
     stochastic = True  # seeded secondaries: compare runs several seeds
 
+    def __new__(cls, config=None, *args, **kwargs):
+        # median=prefill keeps state across writes (fitted.py's mechanism: the kept median is
+        # a per-row shared tensor fitted on the first write, counted once per batch row), so
+        # such a quantizer is an `HQMQKeptMedian`; every other config stays this class.
+        if cls is HQMQ and getattr(config, "median", "write") == "prefill":
+            cls = HQMQKeptMedian
+        return super().__new__(cls)
+
     @dataclasses.dataclass
     class Config:
         S: int = 96
         r: int = 4
         outliers: str = "none"  # or "med3"
         C: float = 3.0  # Med3x threshold: r > C * median radius
+        # Med3x: the median the threshold uses (module docstring): "write" (over the chunks
+        # of each write) or "prefill" (later writes: max of the prefill's kept median and
+        # their own; the kept median is stored, fp16 per (b, h))
+        median: str = "write"
         radius: str = "uniform"  # or "log"
         # Fill the code field: S becomes floor(2^b / 24), b = ceil(log2(24 S)) the code
         # bits the given S pays for (S=96 -> 170 at 12 bits), so the whole-bit code
@@ -121,6 +159,11 @@ class HQMQ(Quantizer):
             raise QuantizerInputError(f"hqmq: r (radius bits) must be in 1..8, got {c.r}")
         if c.outliers not in ("none", "med3"):
             raise QuantizerInputError(f"hqmq: outliers must be none or med3, got {c.outliers!r}")
+        if c.median not in MEDIANS:
+            raise QuantizerInputError(f"hqmq: median must be one of {', '.join(MEDIANS)}, got {c.median!r}")
+        if c.median != "write" and c.outliers != "med3":
+            raise QuantizerInputError(f"hqmq: median={c.median} needs outliers=med3 (it picks the median of "
+                                      f"Med3x's outlier threshold; outliers={c.outliers} has none)")
         if not c.C > 1:
             raise QuantizerInputError(f"hqmq: C must be > 1, got {c.C}")
         if c.radius not in ("uniform", "log"):
@@ -128,6 +171,11 @@ class HQMQ(Quantizer):
         if c.pack not in ("bits", "mixed"):
             raise QuantizerInputError(f"hqmq: pack must be bits or mixed, got {c.pack!r}")
         self.append_matches_single_write = c.outliers == "none"
+        if c.median == "prefill" and not isinstance(self, FitsOnFirstWrite):
+            raise QuantizerInputError(f"hqmq: median=prefill needs the kept-median class ({type(self).__name__} is "
+                                      "not an HQMQKeptMedian; build it as HQMQ(config) or get_quantizer(spec))")
+        # median=prefill fits `r_med` on the first write: not every shared tensor is a constant
+        self.shared_is_constant = c.median == "write"
 
     @property
     def code_bits(self) -> int:
@@ -155,6 +203,11 @@ class HQMQ(Quantizer):
     def med3(self) -> bool:
         return self.config.outliers == "med3"
 
+    @property
+    def keeps_median(self) -> bool:
+        """median=prefill: the first write's median is kept (shared `r_med`, fp16 [B, H])."""
+        return self.config.median == "prefill"
+
     # ---- codebook ---------------------------------------------------------------
     shared_is_constant = True  # the seeded secondaries alone (base.py `_device_shared`)
 
@@ -163,7 +216,27 @@ class HQMQ(Quantizer):
         for h in range(heads):
             g = torch.Generator().manual_seed(self.head_seed(h))
             secondaries.append(random_unit_quaternions(self.config.S, g))
-        return {"secondaries": torch.stack(secondaries).half()}  # [H, S, 4]
+        shared = {"secondaries": torch.stack(secondaries).half()}  # [H, S, 4]
+        if self.keeps_median:  # one row (fitted.py): an empty cache of B rows holds [B, H]
+            shared["r_med"] = torch.zeros(1, heads, dtype=torch.float16)  # placeholder: max(0, m) = m
+        return shared
+
+    # ---- median=prefill: the kept median (fitted on the first write: `HQMQKeptMedian`) --
+    @staticmethod
+    def write_median(r: torch.Tensor) -> torch.Tensor:
+        """Median chunk radius per (b, h) of radii r `[B, H, T, nc]`: `[B, H]` float32."""
+        B, H = r.shape[:2]
+        return r.reshape(B, H, -1).median(dim=-1).values
+
+    def kept_median(self, x: torch.Tensor) -> torch.Tensor:
+        """The median kept from the first write x `[B, H, T, D]` (float32): fp16 `[B, H]`,
+        rounded toward zero, so max(kept, m) = m at that write (its threshold is exactly
+        median=write's) and never inf."""
+        B, H, T, D = x.shape
+        m = self.write_median(x.reshape(B, H, T, D // 4, 4).norm(dim=-1))
+        h = m.half()
+        down = (h.view(torch.int16) - 1).view(torch.float16)  # the next fp16 toward zero (h > m >= 0)
+        return torch.where(h.float() > m, down, h)
 
     def constant_shared(self):
         # Seeded per (layer, role, kv-head), never fitted: a model constant (base.py), not cache bytes.
@@ -195,13 +268,17 @@ class HQMQ(Quantizer):
         return (r.unsqueeze(-1) - levels.unsqueeze(-2)).abs().argmin(-1)
 
     # ---- classification shared by encode and error_bound ------------------------------
-    def _split(self, x: torch.Tensor):
-        """Chunks, radii, outlier mask and r_max (fp16-rounded) of float32 x."""
+    def _split(self, x: torch.Tensor, kept: torch.Tensor | None = None):
+        """Chunks, radii, outlier mask and r_max (fp16-rounded) of float32 x; `kept`: the
+        kept median `[B or 1, H]` (median=prefill), the threshold then C * max(kept, median)."""
         B, H, T, D = x.shape
         chunks = x.reshape(B, H, T, D // 4, 4)
         r = chunks.norm(dim=-1)  # [B, H, T, nc]
         if self.med3:
-            r_med = r.reshape(B, H, -1).median(dim=-1).values.view(B, H, 1, 1)
+            r_med = self.write_median(r)
+            if kept is not None:
+                r_med = torch.maximum(r_med, kept.to(r_med.device).float())
+            r_med = r_med.view(B, H, 1, 1)
             outlier = (r > self.config.C * r_med) & (r > 0)
         else:
             outlier = torch.zeros_like(r, dtype=torch.bool)
@@ -244,7 +321,7 @@ class HQMQ(Quantizer):
     def encode_tokens(self, x, shared):
         B, H, T, D = x.shape
         nc = D // 4
-        chunks, r, outlier, r_max16 = self._split(x)
+        chunks, r, outlier, r_max16 = self._split(x, shared.get("r_med") if self.keeps_median else None)
         safe_r = torch.where(r > 0, r, torch.ones_like(r)).unsqueeze(-1)
         u = torch.where((r > 0).unsqueeze(-1), chunks / safe_r, chunks.new_tensor([1.0, 0, 0, 0]))
         code = self.search(u.reshape(B, H, T * nc, 4), shared).view(B, H, T, nc)
@@ -296,9 +373,11 @@ class HQMQ(Quantizer):
         codeword, e.g. one ignoring the secondaries, exceeds this bound); r^ is within
         half the widest level gap of r, or is r_max when r exceeds the fp16-rounded
         r_max; the expression is convex in r^, so the worst r^ is an end of that
-        interval. Outliers: fp16 rounding of each element."""
+        interval. Outliers: fp16 rounding of each element. median=prefill: x as coded with
+        the median kept by `fitted_shared(x)` (fitted.py: the cache this instance wrote last)."""
         B, H, T, D = x.shape
-        chunks, r, outlier, r_max16 = self._split(x)
+        kept = self.fitted_shared(x)["r_med"] if self.keeps_median else None
+        chunks, r, outlier, r_max16 = self._split(x, kept)
         rm = r_max16.float().unsqueeze(-1)
         levels = self.radius_levels(r_max16.float())
         g = (levels[..., 1:] - levels[..., :-1]).amax(-1, keepdim=True) / 2
@@ -327,3 +406,25 @@ class HQMQ(Quantizer):
             c = book[torch.arange(H, device=book.device).view(1, H, 1), best]
             out.append((ub - c).norm(dim=-1))
         return torch.cat(out, dim=2).view(B, H, T, nc)
+
+
+class HQMQKeptMedian(FitsOnFirstWrite, HQMQ):
+    """HQMQ + Med3x with `median=prefill` (what `HQMQ(config)` builds for it): the first
+    write's median per (b, h) is kept as the per-row shared tensor `r_med` (fitted.py: fp16
+    `[B, H]`, one row per batch row, placeholder zeros before the first write), and every
+    write's threshold is C * max(r_med, its own median) (module docstring). Its own class
+    because it keeps state across writes: fitted.py's append, checks and per-row byte count
+    (`nbytes_as_row_caches`), while every other HQMQ config keeps the base append; and the
+    fused store's step encoder serves `HQMQ` itself only (`Format.encodes_steps_of`), as
+    kernels/formats/hqmq.py `device_refusal` declines this config."""
+
+    def per_row_shared(self):
+        return ("r_med",)
+
+    def fit_shared(self, x, shared):
+        return {"r_med": self.kept_median(x)}
+
+    def _fit(self, x, shared):
+        # fitted.py fits row by row; the median per (b, h) sees row b alone anyway, so one
+        # call over the rows gives the same bytes.
+        return self.fit_shared(x, shared)

@@ -28,6 +28,14 @@ in the run, cut at the write's end (`segment_on_read`), and makes it when the ca
 read (`run_segments`): one segment for the write, one for the steps after it, as the
 old path appends them.
 
+Med3x with `median=prefill` (the prefill's median kept, quantizers/hqmq.py) is declined
+(`device_refusal`): neither device encoder takes the kept median, so the store encodes no
+write of it (`multi_step` says no, `_steps_begin` drops the stepper, `graph_unsupported`
+says why) and the cache writes through the quantizer's reference `append`, whose segments
+the store absorbs as for any old-path write. Exactness first: the one-token kernel and
+`hqmq_med3_write` would each need the kept fp16 `[B, H]` as an input and a max in their
+threshold, and the prefill's kept median written by the device (a third output).
+
 Host synchronisation: the old path's appends need the largest per-(b, h) outlier count
 only when a host-side upper bound (previous bound plus the write's total outlier count,
 a shape, so known without a sync) says the outlier buffer might overflow: the bound grows
@@ -132,6 +140,15 @@ def encode_step(store: "HQMQStore", x: torch.Tensor, errors: torch.Tensor, t0: i
                 outlier_len=store.outlier_len, index_block=index_block, pos=pos)
 
 
+def device_refusal(q) -> str | None:
+    """Why the device encoders cannot encode this quantizer's writes (None: they can)."""
+    median = getattr(getattr(q, "config", None), "median", "write")
+    if median != "write":
+        return (f"hqmq median={median}: the device encoders take each write's own median only, not the "
+                "prefill's kept one (quantizers/hqmq.py); its writes take the reference encoder")
+    return None
+
+
 class HQMQStore(KernelStore):
     """The generic store of the token fields plus, with Med3x, the per-(b, h) outlier lists
     (module docstring)."""
@@ -147,6 +164,7 @@ class HQMQStore(KernelStore):
         # appends them), and the run's segments before its last (`run_segments`)
         self._cuts: list[int] = []
         self._run_extra: list[tuple[Segment, int]] = []
+        self._refusal: str | None = None  # why the device encoders decline this config (`device_refusal`)
 
     def _rewind_more(self, check: bool) -> bool:
         # Without Med3x nothing beside the token fields (KernelStore.rewind). Med3x: the
@@ -197,6 +215,10 @@ class HQMQStore(KernelStore):
         return store
 
     def _steps_begin(self) -> None:
+        self._refusal = device_refusal(self.stepper)
+        if self._refusal is not None:  # no device step: the old path (the quantizer's append)
+            self.stepper = None
+            return
         if self.outliers is not None:  # the exact bound now (the first write syncs anyway), room to spare
             self._sync_outliers(OUTLIER_SLACK_STEPS * (self.D // 8))
             self._refresh_flat()
@@ -259,6 +281,9 @@ class HQMQStore(KernelStore):
         grown[:, :, :ocap] = self.outliers
         self.outliers = grown
         return True
+
+    def graph_unsupported(self) -> str | None:
+        return self._refusal or super().graph_unsupported()
 
     def _step_room(self, t0: int, t: int = 1) -> tuple[bool, dict]:
         if t > 1 and self.stepper.med3:  # a Med3x write of several tokens (`hqmq_med3_write`)
@@ -421,7 +446,8 @@ CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_hqmq.decode(q, k, v, **kw), tit
 FORMAT = Format(
     name="hqmq", quantizer=HQMQ, flat=HQMQFlat, flatten=flatten_hqmq, store=HQMQStore,
     token_fields=("codes", "radius", "r_max", "flags"), step=encode_step, configure=configure,
-    multi_step=True,  # Med3x's median over the write, per-(b, h) lists: `hqmq_med3_write`, `HQMQStore`
+    # Med3x's median over the write, per-(b, h) lists: `hqmq_med3_write`, `HQMQStore`; not median=prefill
+    multi_step=lambda q: device_refusal(q) is None,
     device_encoder=kernel_quantizer,
     kernels=(Kernel("triton", hqmq_decode_attention, title="Triton HQMQ kernel"), CUDA),
     bench={"hqmq": "hqmq:S=96,r=4", "hqmq-med3": "hqmq:S=96,r=4,outliers=med3",
