@@ -76,8 +76,10 @@ The installed transformers names the forward/generate argument either `cache`
 (newer 5.x; `past_key_values` is a deprecated alias) or `past_key_values` (older):
 `cache_kwargs(model, cache)` returns the right one.
 
-(About 730 lines: one transformers cache layer whose dense, fused and device-step paths
-share one state, so they stay together; the store and the kernels live in kernels/.)
+(About 1000 lines: one transformers cache layer, and the cache around it, whose dense,
+fused, device-step and left-padded paths share one state, so they stay together; the
+store and the kernels live in kernels/, dense device steps in dense_steps.py, a padded
+batch's mechanics in padding.py.)
 """
 from __future__ import annotations
 
@@ -97,7 +99,7 @@ from ...quantizers import Packed, Segment, get_quantizer
 from ...quantizers.base import SUPPORTED_DTYPES
 from ...quantizers.calibrated import needs_calibration
 from ...quantizers.fitted import nbytes_as_row_caches
-from . import dense_steps
+from . import dense_steps, padding
 from .attention import PackedHistory, uses_fused_attention
 
 ROLES = ("K", "V")
@@ -171,24 +173,6 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     g = q.shape[1] // k.shape[1]
     return torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
-
-
-def _keys_from(row_start: torch.Tensor, T: int, device, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """`[B, T]` bool: key t is attended by row b (t >= row_start[b], and t < valid if given)."""
-    pos = torch.arange(T, device=device)
-    keep = pos[None, :] >= row_start.to(device)[:, None]
-    return keep & (pos < valid)[None, :] if valid is not None else keep
-
-
-def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
-                      row_start: torch.Tensor) -> torch.Tensor:
-    """softmax(q K^T / sqrt(d)) V of one decode query `[B, Hq, 1, D]` over the rows of
-    `[B, Hkv, T, D]` each batch row attends to: from its row start on (a left-padded
-    batch) and below the device valid length `valid` (int32 `[1]`, or None: all T). A
-    row with no key left gets 0 (SDPA's fully masked row), as the fused kernels."""
-    keep = _keys_from(row_start, k.shape[2], k.device, valid)[:, None, None, :]
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep,
-                                                            enable_gqa=q.shape[1] != k.shape[1])
 
 
 class QuantizedLayer(DynamicLayer):
@@ -300,20 +284,12 @@ class QuantizedLayer(DynamicLayer):
         return self.keys, self.values
 
     def _fill_pads(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[B, H, t, D]`, written at token `self.tokens`, with each row's pad positions
-        (before its row start) holding a copy of the row's first real token: what is
-        stored for them is masked out of every read, and duplicates of a real token leave
-        per-write / per-group statistics of the real tokens unmoved (KIVI's per-channel key
-        min / max, fp8's amax scale, int's per-token groups). A Med3x write median does see
-        the duplicates (a median moves with repeated values). A row whose first real token
-        is past this write gets copies of the write's last token (all masked)."""
-        t0, t = self.tokens, x.shape[-2]
+        """x, written at token `self.tokens`, its pads holding copies of each row's first
+        real token (padding.py `fill_pads`)."""
         if x.shape[0] != self.row_start.shape[0]:
             raise ValueError(f"layer {self.layer_idx}: a write of batch {x.shape[0]} to a cache whose row starts "
                              f"are for batch {self.row_start.shape[0]} (QuantizedCache.set_row_start)")
-        pos = torch.arange(t0, t0 + t, device=x.device)
-        idx = torch.maximum(pos[None, :], self.row_start.to(x.device).long()[:, None]).clamp_(max=t0 + t - 1) - t0
-        return x.gather(2, idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+        return padding.fill_pads(x, self.row_start, self.tokens)
 
     def _device_write(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         """A multi-token write (a prefill, a later chunk) of a fused cache encoded on the
@@ -600,9 +576,9 @@ class QuantizedLayer(DynamicLayer):
             k, v = self.decoded["K"].buf[:, :, :cap], self.decoded["V"].buf[:, :, :cap]
             if rs is None:
                 return dense_steps.masked_attention(query, k, v, valid)
-            return _masked_attention(query, k, v, valid, rs)
+            return padding.masked_attention(query, k, v, valid, rs)
         if self.mode == "dense":  # a padded batch's host-path step (`_write` hands out the handle)
-            return _masked_attention(query, self.decoded["K"].valid, self.decoded["V"].valid, None, rs)
+            return padding.masked_attention(query, self.decoded["K"].valid, self.decoded["V"].valid, None, rs)
         if self.device_pos is not None:  # the valid length on the device; no fallback (module docstring)
             _, valid, cap = self.device_pos
             try:
@@ -619,7 +595,7 @@ class QuantizedLayer(DynamicLayer):
             # kernels that need them equal): exact dense attention instead, counted.
             self.fallbacks += 1
             if rs is not None:
-                return _masked_attention(query, self.read("K"), self.read("V"), None, rs)
+                return padding.masked_attention(query, self.read("K"), self.read("V"), None, rs)
             return _dense_attention(query, self.read("K"), self.read("V"))
 
     def pad_mask(self) -> torch.Tensor | None:
@@ -627,7 +603,7 @@ class QuantizedLayer(DynamicLayer):
         on), over the T tokens held; None without row starts."""
         if self.row_start is None:
             return None
-        return _keys_from(self.row_start, self.tokens, self.row_start.device)[:, None, None, :]
+        return padding.keys_from(self.row_start, self.tokens, self.row_start.device)[:, None, None, :]
 
     def replace_packed(self, role: str, packed: Packed) -> None:
         """Swap in another packed store (diagnostics: e.g. tampered bytes). Every segment
@@ -816,19 +792,13 @@ class QuantizedCache(Cache):
                 raise ValueError("set_row_start(None) on a cache holding tokens")
             self.row_start, self._pad_max = None, 0
             return
-        t = starts if isinstance(starts, torch.Tensor) else torch.tensor(list(starts))
-        if t.dim() != 1 or t.numel() == 0 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise ValueError(f"row starts must be a non-empty 1-D integer sequence [B], got {tuple(t.shape)} {t.dtype}")
-        host = [int(x) for x in t.tolist()]  # (once per batch, before the prefill)
-        if min(host) < 0:
-            raise ValueError(f"row starts must be >= 0 (pad counts), got {host}")
+        new, host = padding.row_starts(starts)
         if self.get_seq_length():
             raise ValueError(f"set_row_start on a cache holding {self.get_seq_length()} tokens: set it before the "
                              "prompt's write (a fresh cache, or after rewind())")
         batch = {layer._packed["K"].batch for layer in self.layers if layer._packed["K"] is not None}
         if batch and batch != {len(host)}:
             raise ValueError(f"{len(host)} row starts for a cache of batch {batch.pop()}")
-        new = t.to(torch.int32)
         if self.row_start is not None and self.row_start.shape == new.shape:
             with torch.inference_mode(self.row_start.is_inference()):
                 self.row_start.copy_(new)  # in place: a captured step reads this buffer
@@ -840,10 +810,7 @@ class QuantizedCache(Cache):
     def position_ids(self, t0: int, n: int) -> torch.Tensor | None:
         """`[B, n]` position ids of n tokens written at token t0 of every row: the token index
         minus the row's start (pads: 0); None without row starts (the model's own)."""
-        if self.row_start is None:
-            return None
-        pos = torch.arange(t0, t0 + n, device=self.row_start.device)
-        return (pos[None, :] - self.row_start.long()[:, None]).clamp_(min=0)
+        return None if self.row_start is None else padding.position_ids(self.row_start, t0, n)
 
     def device_position_ids(self) -> torch.Tensor | None:
         """`[B, 1]` position ids of a device-position step (inside `device_steps`): the
