@@ -59,8 +59,8 @@ def _route(q, k, v, backend: str, options: dict, valid_len, declined: dict | Non
             takes = [n for n, x in fmt.by_backend.items() if x.valid_len]
             raise ValueError(f"the {kern.name} takes no valid_len (device lengths): use backend="
                              + " or ".join(repr(n) for n in takes))
-        if kern is not None and row_start is not None and not kern.takes_row_start:
-            takes = [n for n, x in fmt.by_backend.items() if x.takes_row_start]
+        if kern is not None and row_start is not None and not kern.row_start:
+            takes = [n for n, x in fmt.by_backend.items() if x.row_start]
             raise ValueError(f"the {kern.name} takes no row_start (per-row key starts of a left-padded batch): "
                              "use backend=" + " or ".join(repr(n) for n in takes))
         b = registry.backends()[backend]
@@ -113,7 +113,7 @@ def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", valid_len: to
     row_start: None, or an int32 tensor `[B]` on q's device: batch row b attends to the
     keys at positions >= row_start[b] only (a left-padded batch: its pad counts), read by
     the kernel at run time (a graph replays it for the next batch's pads). A row with no
-    key left gets 0. The Triton kernels take it (`Kernel.takes_row_start`); the CUDA ones
+    key left gets 0. The Triton kernels take it (`Kernel.row_start`); the CUDA ones
     decline it, so "auto" sends such a call to Triton and "cuda" refuses it.
 
     valid_len: None, or an int32 CUDA/CPU tensor of one element on q's device holding the

@@ -24,10 +24,8 @@ Neutral: this module imports no format, backend or front (kernels/FORMATS.md).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import importlib.metadata
-import inspect
 import pkgutil
 import threading
 import warnings
@@ -92,8 +90,7 @@ class Kernel:
     - `options`: the launch options it takes (None: any); a call with others is not its;
     - `valid_len`: whether it takes a device valid length;
     - `row_start`: whether it takes per-row key starts (a left-padded batch: keys before
-      row_start[b] masked for row b); None: whether `fn` names a `row_start` parameter
-      (the Triton wrappers do; the CUDA kernels' `**kw` lambdas do not, so they decline);
+      row_start[b] masked for row b); the built-in Triton kernels do, the CUDA ones not;
     - `unsupported(q, k, v)`: why it cannot take this call's layout (must not build);
     - `why_unavailable()`: why it cannot run here at all (may build, once: it runs last).
     `renamed`: the front's option names this kernel knows by another name."""
@@ -103,7 +100,7 @@ class Kernel:
     auto: Callable[[Any], str | None] | None = None
     options: frozenset | None = None
     valid_len: bool = True
-    row_start: bool | None = None
+    row_start: bool = False
     unsupported: Callable[..., str | None] | None = None
     why_unavailable: Callable[[], str | None] | None = None
     renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -112,11 +109,6 @@ class Kernel:
     def name(self) -> str:
         """How messages name it: its title, else "<Backend> kernel"."""
         return self.title or f"{_BACKENDS[self.backend].title} kernel"
-
-    @property
-    def takes_row_start(self) -> bool:
-        """Whether it takes `row_start` (the flag, else its function's signature)."""
-        return self.row_start if self.row_start is not None else _names_row_start(self.fn)
 
     def declines(self, q, k, v, options: Mapping, valid_len, row_start=None) -> str | None:
         """Why backend="auto" does not give this call to this kernel (None: it takes it)."""
@@ -133,7 +125,7 @@ class Kernel:
                 return f"launch options {', '.join(sorted(foreign))} are not the {self.name}'s"
         if valid_len is not None and not self.valid_len:
             return f"the {self.name} takes no valid_len (device lengths)"
-        if row_start is not None and not self.takes_row_start:
+        if row_start is not None and not self.row_start:
             return f"the {self.name} takes no row_start (per-row key starts of a left-padded batch)"
         if self.unsupported is not None:
             why = self.unsupported(q, k, v)
@@ -155,16 +147,6 @@ class Kernel:
         if not on_device(q, b.device):
             return f"q is not on a {b.title} device"
         return self.unsupported(q, k, v) if self.unsupported is not None else None
-
-
-@functools.lru_cache(maxsize=None)
-def _names_row_start(fn) -> bool:
-    """Whether fn has a parameter named row_start (a `**kw` catch-all does not count: a
-    kernel that forwards unknown options cannot be assumed to mask by them)."""
-    try:
-        return "row_start" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a builtin without a signature
-        return False
 
 
 @dataclasses.dataclass(eq=False)

@@ -35,6 +35,6 @@ def encode_step(store, x: torch.Tensor, errors: torch.Tensor, t0: int, pos=None)
 FORMAT = Format(
     name="fp16", quantizer=FP16, flat=FP16Flat, flatten=flatten_fp16, token_fields=("values",), step=encode_step,
     multi_step=True,
-    kernels=(Kernel("triton", fp16_decode_attention, title="Triton fp16 kernel"),),
+    kernels=(Kernel("triton", fp16_decode_attention, title="Triton fp16 kernel", row_start=True),),
     bench={"fp16": "fp16"},
 )

@@ -449,7 +449,7 @@ FORMAT = Format(
     # Med3x's median over the write, per-(b, h) lists: `hqmq_med3_write`, `HQMQStore`; not median=prefill
     multi_step=lambda q: device_refusal(q) is None,
     device_encoder=kernel_quantizer,
-    kernels=(Kernel("triton", hqmq_decode_attention, title="Triton HQMQ kernel"), CUDA),
+    kernels=(Kernel("triton", hqmq_decode_attention, title="Triton HQMQ kernel", row_start=True), CUDA),
     bench={"hqmq": "hqmq:S=96,r=4", "hqmq-med3": "hqmq:S=96,r=4,outliers=med3",
            "hqmq-mixed": "hqmq:S=96,r=4,pack=mixed"},  # Triton (the CUDA kernel declines mixed codes)
 )

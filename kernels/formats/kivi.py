@@ -511,6 +511,6 @@ FORMAT = Format(
     name="kivi", quantizer=KIVI, flat=(KIVIFlat, KIVIGraphFlat), flatten=flatten_kivi, store=KIVIStore,
     step=encode_step,
     multi_step=lambda q: kivi_policy(q) is not None,  # prefills and chunks: `KIVIStore._step_tokens`
-    kernels=(Kernel("triton", kivi_decode_attention, title="Triton KIVI kernel"), CUDA),
+    kernels=(Kernel("triton", kivi_decode_attention, title="Triton KIVI kernel", row_start=True), CUDA),
     bench={"kivi4": "kivi:bits=4", "kivi2": "kivi:bits=2"},
 )

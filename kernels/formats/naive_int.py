@@ -54,6 +54,6 @@ FORMAT = Format(
     name="naive_int", quantizer=NaiveInt, flat=IntFlat, flatten=flatten_int,
     token_fields=("codes", "scale", "zero"), step=encode_step,
     multi_step=lambda q: not q.per_channel,  # (per-channel keys: windowed groups, no fused kernel)
-    kernels=(Kernel("triton", int_decode_attention, title="Triton int kernel"), CUDA),
+    kernels=(Kernel("triton", int_decode_attention, title="Triton int kernel", row_start=True), CUDA),
     bench={"int4": "int4"},
 )

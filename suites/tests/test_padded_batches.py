@@ -92,7 +92,7 @@ def test_bad_row_start_is_refused_naming_the_problem():
 def test_cuda_kernels_decline_row_start_with_a_reason():
     for name in ("fp16", "naive_int", "fp8", "kivi", "hqmq"):  # the built-in formats' kernels
         for backend, kern in registry.formats()[name].by_backend.items():
-            assert kern.takes_row_start == (backend == "triton"), (name, backend)
+            assert kern.row_start == (backend == "triton"), (name, backend)
     cuda = registry.formats()["naive_int"].by_backend["cuda"]
     kf, vf, _, _ = _encoded("int4", T=16)
     q = torch.randn(3, 4, 1, 64, device=DEV)
