@@ -34,6 +34,9 @@ def _args(argv):
     p.add_argument("--compile", action="store_true",
                    help="also a `kvqbench+compile:<spec>` row per spec: generate(compile=True), the model's norms "
                         "and MLPs through torch.compile around our attention and cache")
+    p.add_argument("--ragged", type=int, default=0, metavar="N",
+                   help="also N prompts of N lengths (prompt, prompt-s, ..., s ~ prompt/(4N)) per row: one "
+                        "left-padded call (hf-*: attention_mask) and N separate batch-1 calls, in their own table")
     p.add_argument("--dtype", default="float16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--smoke", action="store_true", help="tiny shape, CPU, 8+4 tokens: the plumbing only")
     p.add_argument("--budget-s", type=float, default=float("inf"), help="start no row after this many seconds")
@@ -44,11 +47,31 @@ def _args(argv):
     if a.smoke:
         a.shape, a.prompt, a.new, a.runs, a.dtype = "tiny", 8, 4, 1, "float32"
         a.batches = [1, 2]
+    if a.ragged and not 2 <= a.ragged <= a.prompt:
+        p.error(f"--ragged N needs 2 <= N <= --prompt ({a.prompt})")
     return a
 
 
-def _hf(model, ids, new: int, static: bool) -> tuple[float, str]:
+def ragged_lengths(prompt: int, n: int) -> list[int]:
+    """n prompt lengths from `prompt` down by a step of about prompt / (4n) (at least 1)."""
+    step = max(1, prompt // (4 * n))
+    return [prompt - i * step for i in range(n)]
+
+
+def ragged_fields(lengths, separate: bool) -> dict:
+    """What a ragged row carries beside the others: its table, lengths and kind of calls."""
+    return dict(section=f"ragged batch of {len(lengths)} prompts, lengths {min(lengths)}..{max(lengths)}",
+                lengths=list(lengths), calls="separate" if separate else "padded")
+
+
+def _section(r: dict) -> str:
+    return r.get("section") or f"batch {r['batch']}"
+
+
+def _hf(model, ids, new: int, static: bool, mask=None) -> tuple[float, str]:
     kw = {"cache_implementation": "static"} if static else {}
+    if mask is not None:  # left padded: pads masked, pad id 0 as generate's
+        kw.update(attention_mask=mask, pad_token_id=0)
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -58,23 +81,51 @@ def _hf(model, ids, new: int, static: bool) -> tuple[float, str]:
     return time.perf_counter() - t0, "static+compile" if static else "dynamic"
 
 
-def measure_row(model, name: str, batch: int, prompt: int, new: int, runs: int) -> dict:
+def _calls(model, batch: int, prompt: int, lengths, separate: bool) -> list[tuple]:
+    """(ids, attention mask or None) of each call of a row: one [batch, prompt] call; or
+    (`lengths`) one prompt per length, left padded with pad id 0 into one call, or with
+    `separate` one [1, length] call each."""
     dev = next(model.parameters()).device
-    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device=dev,
-                        generator=torch.Generator(device=dev).manual_seed(batch))
-    times, mode, why, decode_tps = [], None, None, []
-    for _ in range(runs):
-        if name.startswith("hf-"):
-            s, mode = _hf(model, ids, new, static=name == "hf-static-compile")
-        else:
-            engine, spec = name.split(":", 1)
-            g = generate(model, ids, None if spec == "plain" else spec, max_new_tokens=new,
-                         compile=engine == "kvqbench+compile")
-            s, mode, why = g.prefill_s + g.decode_s, g.mode, g.why
-            decode_tps.append(g.decode_tokens_per_s)
-        times.append(s)
-    return dict(row=name, batch=batch, prompt=prompt, new=new, seconds=times, tokens_per_s=batch * new / times[-1],
-                decode_tokens_per_s=decode_tps[-1] if decode_tps else None, mode=mode, why=why)
+    gen = torch.Generator(device=dev).manual_seed(batch if lengths is None else 1000 + len(lengths))
+    if lengths is None:
+        return [(torch.randint(0, model.config.vocab_size, (batch, prompt), device=dev, generator=gen), None)]
+    rows = [torch.randint(0, model.config.vocab_size, (1, n), device=dev, generator=gen) for n in lengths]
+    if separate:
+        return [(r, None) for r in rows]
+    pad = lambda x: torch.nn.functional.pad(x, (max(lengths) - x.shape[1], 0))  # noqa: E731
+    return [(torch.cat([pad(r) for r in rows]), torch.cat([pad(torch.ones_like(r)) for r in rows]))]
+
+
+def measure_row(model, name: str, batch: int, prompt: int, new: int, runs: int, lengths=None,
+                separate: bool = False) -> dict:
+    """One row: `batch` prompts of `prompt` tokens in one call; or (`lengths`, a ragged
+    row) one prompt per length as one left-padded call, or with `separate` as one batch-1
+    call per prompt, the calls' seconds summed."""
+    calls = _calls(model, batch, prompt, lengths, separate)
+    batch = sum(ids.shape[0] for ids, _ in calls)
+    times = []
+    for _ in range(runs):  # the figures: the last run's
+        times.append(0.0)
+        modes, whys, dec_tokens, dec_s = set(), set(), 0, 0.0
+        for ids, mask in calls:
+            if name.startswith("hf-"):
+                s, mode = _hf(model, ids, new, static=name == "hf-static-compile", mask=mask)
+            else:
+                engine, spec = name.split(":", 1)
+                prompts = ids if mask is None else [r[m.bool()].tolist() for r, m in zip(ids, mask)]
+                g = generate(model, prompts, None if spec == "plain" else spec, max_new_tokens=new,
+                             compile=engine == "kvqbench+compile")
+                s, mode = g.prefill_s + g.decode_s, g.mode
+                whys.update([g.why] if g.why else [])
+                dec_tokens, dec_s = dec_tokens + g.steps * sum(map(len, g.batches)), dec_s + g.decode_s
+            times[-1] += s
+            modes.add(mode)
+    row = dict(row=name, batch=batch, prompt=prompt, new=new, seconds=times, tokens_per_s=batch * new / times[-1],
+               decode_tokens_per_s=dec_tokens / dec_s if dec_s > 0 else None, mode="+".join(sorted(modes)),
+               why="; ".join(sorted(whys)) or None)
+    if lengths is not None:
+        row.update(ragged_fields(lengths, separate))
+    return row
 
 
 def environment() -> dict:
@@ -90,20 +141,34 @@ def render(data: dict) -> str:
              f"{data['environment']}", "",
              "tokens/s = batch x new tokens / wall seconds of the whole call (prefill included), last of "
              f"{data['runs']} runs; x = ratio to the row named, same run, same batch.", ""]
-    for batch in sorted({r["batch"] for r in rows}):
-        sub = [r for r in rows if r["batch"] == batch and "error" not in r]
-        base = {r["row"]: r["tokens_per_s"] for r in sub}
-        lines += [f"## batch {batch}", "", "| row | tokens/s | x hf-dynamic | x hf-static-compile | decode-only tokens/s "
-                  "| step mode |", "|---|---|---|---|---|---|"]
+    if any("calls" in r for r in rows):
+        lines += ["Ragged: N prompts of different lengths, once as one left-padded call (hf-*: with an "
+                  "attention_mask, pad id 0) and once as N separate batch-1 calls (`(N separate calls)`: their "
+                  "seconds summed); tokens/s = N x new tokens / seconds; x hf-* compares like calls (padded to padded, "
+                  "separate to separate); x separate calls = the padded call's tokens/s / the same row's "
+                  "separate calls' tokens/s.", ""]
+    sections = [f"batch {b}" for b in sorted({r["batch"] for r in rows if "section" not in r})]
+    for sec in sections + list(dict.fromkeys(r["section"] for r in rows if "section" in r)):
+        sub = [r for r in rows if _section(r) == sec and "error" not in r]
+        base = {(r["row"], r.get("calls")): r["tokens_per_s"] for r in sub}
+        ragged = any("calls" in r for r in sub)
+        lines += [f"## {sec}", "", "| row | tokens/s | x hf-dynamic | x hf-static-compile | decode-only tokens/s "
+                  f"| step mode |{' x separate calls |' if ragged else ''}",
+                  "|---|---|---|---|---|---|" + ("---|" if ragged else "")]
         for r in sub:
-            ratio = lambda b: f"{r['tokens_per_s'] / base[b]:.2f}" if b in base else "-"  # noqa: E731
+            ratio = lambda b, c=r.get("calls"): (  # noqa: E731
+                f"{r['tokens_per_s'] / base[b, c]:.2f}" if (b, c) in base else "-")
             dec = f"{r['decode_tokens_per_s']:.0f}" if r.get("decode_tokens_per_s") else "-"
-            lines.append(f"| {r['row']} | {r['tokens_per_s']:.1f} | {ratio('hf-dynamic')} | "
-                         f"{ratio('hf-static-compile')} | {dec} | {r['mode']}{' (' + r['why'] + ')' if r['why'] else ''} |")
+            label = r["row"] + (f" ({r['batch']} separate calls)" if r.get("calls") == "separate" else "")
+            sep = f" {ratio(r['row'], 'separate')} |" if r.get("calls") == "padded" else " - |" if ragged else ""
+            lines.append(f"| {label} | {r['tokens_per_s']:.1f} | {ratio('hf-dynamic')} | "
+                         f"{ratio('hf-static-compile')} | {dec} | {r['mode']}{' (' + r['why'] + ')' if r['why'] else ''} |"
+                         f"{sep}")
         lines.append("")
     for r in rows:
         if "error" in r:
-            lines.append(f"- {r['row']} batch {r['batch']}: FAILED: {r['error']}")
+            lines.append(f"- {r['row']} {_section(r)}{', separate calls' if r.get('calls') == 'separate' else ''}: "
+                         f"FAILED: {r['error']}")
     return "\n".join(lines) + "\n"
 
 
@@ -120,25 +185,34 @@ def main(argv=None) -> int:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     a.out.mkdir(parents=True, exist_ok=True)
-    data = dict(shape=a.shape, dtype=a.dtype, prompt=a.prompt, new=a.new, runs=a.runs, device=dev,
+    data = dict(shape=a.shape, dtype=a.dtype, prompt=a.prompt, new=a.new, runs=a.runs, ragged=a.ragged, device=dev,
                 environment=environment(), rows=[])
     names = list(a.baselines) + [f"kvqbench:{s}" for s in a.specs]
     if a.compile:
         names += [f"kvqbench+compile:{s}" for s in a.specs]
+    jobs = [(name, batch, None, False) for batch in a.batches for name in names]
+    # A ragged row exists because generate runs prompts of different lengths as ONE
+    # left-padded batch (suites/harness/padding.py): it is timed against what a user
+    # without padding support does (one batch-1 call per prompt) and against transformers'
+    # own generate of the same padded batch.
+    lengths = ragged_lengths(a.prompt, a.ragged) if a.ragged else None
+    jobs += [(name, a.ragged, lengths, sep) for name in names for sep in (False, True)] if a.ragged else []
     t0, failed = time.perf_counter(), 0
-    for batch in a.batches:
-        for name in names:
-            if time.perf_counter() - t0 > a.budget_s:
-                print(f"budget reached: {name} batch {batch} and later rows not started", file=sys.stderr)
-                break
-            try:
-                row = measure_row(model, name, batch, a.prompt, a.new, a.runs)
-            except Exception as e:  # noqa: BLE001 (a failed row is recorded; the run goes on)
-                failed += 1
-                row = dict(row=name, batch=batch, error=f"{type(e).__name__}: {str(e)[:300]}")
-            data["rows"].append(row)
-            print(json.dumps(row), flush=True)
-            _save(a.out / "generate.json", data)
+    for name, batch, lens, sep in jobs:
+        if time.perf_counter() - t0 > a.budget_s:
+            print(f"budget reached: {name} batch {batch}{' ragged' if lens else ''} and later rows not started",
+                  file=sys.stderr)
+            break
+        try:
+            row = measure_row(model, name, batch, a.prompt, a.new, a.runs, lengths=lens, separate=sep)
+        except Exception as e:  # noqa: BLE001 (a failed row is recorded; the run goes on)
+            failed += 1
+            row = dict(row=name, batch=batch, error=f"{type(e).__name__}: {str(e)[:300]}")
+            if lens:
+                row.update(ragged_fields(lens, sep))
+        data["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        _save(a.out / "generate.json", data)
     (a.out / "generate.md").write_text(render(data))
     return 3 if failed else 0
 
