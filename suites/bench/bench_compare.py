@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -122,6 +123,10 @@ def test_compare_wall_time(benchmark, tmp_path, case):
                     print(f"    {share:6.1%}  {fn}")
 
     benchmark.pedantic(run, rounds=rounds, iterations=1)
+    keep = os.environ.get("KVQBENCH_BENCH_KEEP")  # a folder: each round's report is kept there (a GPU
+    if keep:                                      # call's $OUT), since its round is a real compare run
+        for i in range(rounds):
+            shutil.copytree(tmp_path / f"timed{i}", os.path.join(keep, f"round{i + 1}"), dirs_exist_ok=True)
     data = [json.loads((tmp_path / f"timed{i}" / "results.json").read_text()) for i in range(rounds)]
     benchmark.extra_info.update({
         "case": case, "argv": " ".join(["compare", "--device", device, *extra]), "ranks": ranks,

@@ -31,7 +31,7 @@ time|time-ahead)
   timed() {  # NAME SECONDS: one benchmark process; its round 1 starts from an empty Triton cache
     # whatever ran on this machine before (a fresh machine's first run), a round 2 finds what
     # round 1 compiled
-    export TRITON_CACHE_DIR=$(mktemp -d /tmp/triton_cache.XXXX)
+    export TRITON_CACHE_DIR=$(mktemp -d /tmp/triton_cache.XXXX) KVQBENCH_BENCH_KEEP=$OUT/compare_$1
     timeout "$2" $PY -m pytest -q -s -m bench --benchmark-enable -p no:cacheprovider suites/bench/bench_compare.py \
       -k "$CASE and not 4ranks" --benchmark-json "$OUT/bench_compare_$1.json" 2>&1 \
       | tee "$OUT/compare_$1.log" | grep -v USDT | cut -c1-200 | tail -40
