@@ -187,9 +187,36 @@ def _calibration_plan(spec, calibration, windows, tokens) -> tuple[int, int] | N
     return windows, tokens
 
 
+def _merged_batch_size(args: dict, extra: dict) -> dict:
+    """model_args' batch_size against lm-eval's `--batch_size` (popped from `extra`): one
+    given, or both equal, or the flag at lm-eval's default 1, is taken; two different
+    values are refused, naming both."""
+    if "batch_size" not in args or "batch_size" not in extra:
+        return args
+    flag = extra.pop("batch_size")
+    if str(flag) not in ("1", str(args["batch_size"])):
+        raise ModelArgsError(f"KVQuantLM: batch_size given twice: model_args batch_size={args['batch_size']} and "
+                             f"--batch_size {flag}; give one")
+    return args
+
+
 @register_model(MODEL_NAME)
 class KVQuantLM(HFLM):
     """HFLM whose KV cache is quantized by `quantizer` (a kvqbench spec); see the module doc."""
+
+    # lm-eval's command line always passes its own `--batch_size` (default 1) beside the
+    # model_args, so `model_args=...,batch_size=8` alone raised "got multiple values for
+    # keyword argument 'batch_size'" (seen on the H200, 2026-12-05): merged here instead.
+    @classmethod
+    def create_from_arg_string(cls, arg_string, additional_config=None):
+        from lm_eval import utils
+
+        return cls.create_from_arg_obj(utils.simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict, additional_config=None):
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls(**_merged_batch_size(dict(arg_dict), extra), **extra)
 
     def __init__(self, pretrained="smollm2-135m", quantizer: str = "fp16", seed: int = 0, *,
                  tokenizer=None, device: str | None = None, dtype: str = "float32",

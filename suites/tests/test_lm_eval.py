@@ -96,6 +96,22 @@ def test_known_model_args_are_taken(base):
     assert lm.max_length == 64 and lm.spec == "int4"
 
 
+def test_batch_size_in_model_args_beside_the_command_lines_flag(base):
+    """lm-eval's CLI always passes `--batch_size` (default 1): `model_args=...,batch_size=3`
+    raised "multiple values for keyword argument" on the H200. One value, or the flag at its
+    default, is taken; two different values are refused, naming both."""
+    from kvqbench.suites.lm_eval.model import ModelArgsError
+
+    args = {"pretrained": base.model, "tokenizer": base.tokenizer, "quantizer": "int4", "batch_size": "3"}
+    for flag in (1, "1", "3", None):
+        lm = KVQuantLM.create_from_arg_obj(dict(args), {"batch_size": flag, "device": "cpu"})
+        assert lm.kv_gen_batch == 3
+    lm = KVQuantLM.create_from_arg_obj({k: v for k, v in args.items() if k != "batch_size"}, {"batch_size": 4, "device": "cpu"})
+    assert lm.kv_gen_batch == 4
+    with pytest.raises(ModelArgsError, match="batch_size given twice.*batch_size=3.*--batch_size 5"):
+        KVQuantLM.create_from_arg_obj(dict(args), {"batch_size": 5, "device": "cpu"})
+
+
 def test_task_documents_are_fixed_and_well_formed():
     a, b = T.passkey_docs(passkey_docs=5, passkey_chars=800)["test"], T.passkey_docs(passkey_docs=5, passkey_chars=800)["test"]
     assert a.to_list() == b.to_list()
