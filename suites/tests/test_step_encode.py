@@ -437,8 +437,12 @@ def test_med3_step_launches_do_not_specialise_on_the_outlier_count():
     chunks = many.view(2, 1, 2, 72, 16, 4)
     chunks[:, :, 0, :50, 0] = 8.0  # radius 16 against a median near 2: 50 + 51 more outliers
     chunks[:, :, 1, :51, 1] = 8.0
+    # the compiled kernels on a GPU (patching TRITON_INTERPRET there does not reach kernels
+    # Triton has already set up: they got the CPU tensors), the interpreter elsewhere
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    interp = {} if dev == "cuda" else {"TRITON_INTERPRET": "1"}
     keys = []
-    for data in (x, many):
+    for data in (x.to(dev), many.to(dev)):
         layer = QuantizedLayer(spec, 0, seed=0)
         layer.fused_wanted, layer.step_encode, layer.capacity_hint = True, True, 80
         seen = set()
@@ -446,7 +450,7 @@ def test_med3_step_launches_do_not_specialise_on_the_outlier_count():
         def record(kernel, grid, *args, **const):  # the prefill is a launch too: run it
             seen.add(_launch_key(kernel, args))
             kernel[grid](*args, **const)
-        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}), mock.patch.object(se, "launch_hook", record), \
+        with mock.patch.dict(os.environ, interp), mock.patch.object(se, "launch_hook", record), \
                 torch.inference_mode():
             layer.update(data[0, :, :, :64].to(torch.bfloat16), data[1, :, :, :64].to(torch.bfloat16))
             for t in range(64, 72):
