@@ -8,6 +8,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PP=/tmp/pp; mkdir -p $PP/kvqbench
 for d in kernels quantizers suites; do ln -sfn "$PWD/$d" $PP/kvqbench/$d; done
 export PYTHONPATH=$PP TORCH_EXTENSIONS_DIR=/tmp/kvq_ext PYTHONDONTWRITEBYTECODE=1
+# the commit measured: that machine's copy of the tree keeps a stale .git, so the caller writes
+# `git rev-parse HEAD > .gpu_commit` (ignored; name it in the call's carry) and results record it
+[ -f .gpu_commit ] && export KVQBENCH_COMMIT=$(cat .gpu_commit)
 PY=${PYTHON:-python}
 { nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
   $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"

@@ -66,6 +66,9 @@ def env_info() -> dict:
 
     info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
             "cuda": torch.version.cuda, "time": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    from ..compare.provenance import kvqbench_version
+
+    info["kvqbench"] = kvqbench_version()  # the commit measured (KVQBENCH_COMMIT names it on a copy)
     if GPU:
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, sm_count=p.multi_processor_count, gpu_mem_GiB=round(p.total_memory / 2**30, 1),

@@ -23,6 +23,9 @@ def kvqbench_version() -> dict:
         version = None
     root = Path(__file__).resolve().parents[2]
     commit = dirty = None
+    if os.environ.get("KVQBENCH_COMMIT"):  # a copy whose .git is not its own (the GPU machine's working-tree
+        # copy kept a stale .git: results there named an older commit, dirty): the caller names the commit
+        return {"version": version, "commit": os.environ["KVQBENCH_COMMIT"], "dirty": None}
     try:
         git = ["git", "-C", str(root)]
         if (root / ".git").exists():
