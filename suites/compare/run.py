@@ -280,6 +280,12 @@ def run_compare(args) -> int:
     except distributed.DistributedSetupError as e:
         raise UsageError(str(e)) from None
     print(f"loading model {args.model} and corpus {args.corpus} ...", file=sys.stderr, flush=True)
+    stages, t_stage = {}, time.perf_counter()  # seconds per stage, printed at the end: where a run's time went
+
+    def stage_done(name):
+        nonlocal t_stage
+        stages[name] = stages.get(name, 0.0) + time.perf_counter() - t_stage
+        t_stage = time.perf_counter()
     try:  # before the model: a text file that is not UTF-8 is the user's to fix
         text, corpus_info = load_corpus(args.corpus)
     except ValueError as e:
@@ -336,6 +342,7 @@ def run_compare(args) -> int:
         jobs = jobs_for(specs, protocols, args.seeds)
         todo = [j for j in jobs if not run.done(*j, stamp=stamps[j[1]])]
         print(f"{len(jobs)} configurations, {len(jobs) - len(todo)} already measured in {run.path}", file=sys.stderr)
+        stage_done("load, calibration, diagnostics")
         bar = tqdm(total=len(todo) * len(windows), unit="window", dynamic_ncols=True)
 
         def on_record(job, r, windows_done: int = len(windows)):  # one finished configuration
@@ -382,13 +389,18 @@ def run_compare(args) -> int:
                     r = {"protocol": protocol, "spec": spec, "seed": seed, "error": f"{type(e).__name__}: {e}"}
                 on_record((protocol, spec, seed), r, windows_done=0)  # the bar moved window by window
         bar.close()
+        stage_done("rows")
         if plan["fidelity"]:
             _fidelity(run, model, windows[:, :args.context], specs, args.decode_tokens, stamps, cal_for)
+            stage_done("fidelity")
         if args.lm_eval:
             _lm_eval_scores(args, run, model, tok, specs, protocols[0], plan["lm_eval_metadata"], cal_for)
+            stage_done("lm-eval")
         out = report.write_report(run.folder)
+        stage_done("report")
         failures = run.failures()
     print(f"\nreport: {out}", file=sys.stderr)
+    print("time per stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()), file=sys.stderr)
     if failures:
         print(f"kvqbench compare: {len(failures)} configuration(s) failed (recorded in {out}):", file=sys.stderr)
         for line in failures:
@@ -443,15 +455,18 @@ def _fidelity(run, model, prompts, specs, new_tokens: int, stamps: dict, cal_for
     if store.get("reference") is None:
         print(f"generation fidelity: reference continuations ({len(prompts)} prompts, {new_tokens} tokens) ...",
               file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
         store["reference"] = reference_continuations(model, prompts, new_tokens)
+        store["reference_wall_s"] = time.perf_counter() - t0
         run.save()
     rows = store.setdefault("rows", {})
     for spec in specs:
         if spec in rows and "error" not in rows[spec] and stamp_matches(rows[spec], stamps[spec]):
             continue
         try:
+            t0 = time.perf_counter()  # recorded: the fidelity pass is part of a GPU compare's time budget
             rows[spec] = {**fidelity(model, prompts, spec, store["reference"], calibration=cal_for(spec, 0)),
-                          **stamps[spec]}
+                          **stamps[spec], "wall_s": time.perf_counter() - t0}
             f = rows[spec]
             print(f"fidelity {spec:34s} first diff mean {f['first_diff_mean']:5.1f} min {f['first_diff_min']:3d}  "
                   f"match {f['match_rate']:.3f}  NLL/token {f['nll_per_token']:.3f} (reference "

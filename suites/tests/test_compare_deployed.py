@@ -25,8 +25,10 @@ def args(tiny, out, *extra, specs="fp16;int4;int2"):
                              "--decode-tokens", "8", *extra, specs=specs)
 
 
-def test_deployed_rows_fidelity_and_report(tiny, tmp_path):
+def test_deployed_rows_fidelity_and_report(tiny, tmp_path, capsys):
     assert cli.main(args(tiny, tmp_path)) == 0
+    stages = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("time per stage: ")]
+    assert len(stages) == 1 and all(k in stages[0] for k in ("load", "rows ", "fidelity ", "report "))
     data = json.loads((tmp_path / "r" / "results.json").read_text())
     dep = {r["spec"]: r for r in data["results"] if r["protocol"] == "deployed"}
     assert set(dep) == {"fp16", "int4", "int2"}
@@ -37,6 +39,8 @@ def test_deployed_rows_fidelity_and_report(tiny, tmp_path):
     assert set(fid["rows"]) == {"fp16", "int4", "int2"}
     for f in fid["rows"].values():
         assert 0 <= f["first_diff_min"] <= f["first_diff_mean"] <= 8 and 0 <= f["match_rate"] <= 1
+        assert f["wall_s"] > 0  # the fidelity pass's share of a run's time, per spec
+    assert fid["reference_wall_s"] > 0
     assert data["meta"]["fidelity"] == {"prompt_tokens": 20, "new_tokens": 8}
     v = data["meta"]["versions"]  # the code that measured it: kvqbench's version and commit, each plugin's
     assert v["kvqbench"]["version"] and len(v["kvqbench"]["commit"] or "x" * 40) == 40
