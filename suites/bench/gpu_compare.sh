@@ -17,16 +17,34 @@
 #       bench_compare_h200_cold_{no,shipped}_manifest.json and the manifest.
 set -u
 STAGE=/tmp/kvq_stage
-case "${1:-}" in
-stage)
-  mkdir -p $STAGE && cp .gpu/part_aa .gpu/*.whl $STAGE/ && cp -r .gpu/corpora $STAGE/ && ls -la $STAGE ;;
-time|time-ahead|record)
+# The Qwen GGUF (491 MB, issue 27's second model) travels the same way in ten parts of 50 MB,
+# one call each: .gpuq/00 ... .gpuq/09 (split -b 50M -d -a 2 of the joined GGUF; carry one
+# folder per call, `stage-part`); `compare ...` joins them once all ten are there (models.py
+# checks the sha256 of the joined file before use).
+C=$HOME/.cache/kvqbench
+place_models() {  # the environment, the gguf reader, the SmolLM2 GGUF and the corpus; Qwen if staged
   [ -f $STAGE/part_aa ] || { echo "no $STAGE/part_aa: this is a fresh machine, run the stage call first"; exit 2; }
   source "$(dirname "$0")/gpu_env.sh"
   export PYTHONUNBUFFERED=1
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $STAGE/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-  C=$HOME/.cache/kvqbench; mkdir -p $C/downloads $C/corpora
-  cat $STAGE/part_aa .gpu2/part_ab > $C/downloads/SmolLM2-135M-Instruct.Q4_1.gguf && cp $STAGE/corpora/* $C/corpora/
+  mkdir -p $C/downloads $C/corpora
+  [ -f .gpu2/part_ab ] && cat $STAGE/part_aa .gpu2/part_ab > $C/downloads/SmolLM2-135M-Instruct.Q4_1.gguf
+  cp $STAGE/corpora/* $C/corpora/
+  if [ "$(ls $STAGE/qwen 2>/dev/null | wc -l)" = 10 ]; then
+    cat $STAGE/qwen/part_* > $C/downloads/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+  fi
+}
+case "${1:-}" in
+stage)
+  mkdir -p $STAGE && cp .gpu/part_aa .gpu/*.whl $STAGE/ && cp -r .gpu/corpora $STAGE/ && ls -la $STAGE ;;
+stage-part)
+  mkdir -p $STAGE/qwen && cp .gpuq/[0-9]*/part_* $STAGE/qwen/ && echo "$(ls $STAGE/qwen | wc -l) of 10 Qwen parts staged" ;;
+compare)  # `compare ARGS...`: kvqbench compare on this machine (--out under $OUT; tar it: few files come back)
+  place_models; shift
+  $PY -m kvqbench.suites.compare.cli compare "$@" ;;
+time|time-ahead|record)
+  place_models
+  [ -f $C/downloads/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "carry .gpu2 (the SmolLM2 GGUF's second part)"; exit 2; }
   CASE=${CASE:-gpu-both-4x512}  # or gpu-deployed-4x512 (issue 29's budget)
   timed() {  # NAME SECONDS: one benchmark process; its round 1 starts from an empty Triton cache
     # whatever ran on this machine before (a fresh machine's first run), a round 2 finds what
@@ -59,5 +77,5 @@ time|time-ahead|record)
   cp $C/triton_ahead/*.json "$OUT/" 2>/dev/null; ls $C/triton_ahead 2>/dev/null
   for f in kernels/triton_ahead/*.json; do [ -f "$f" ] && cp "$f" "$OUT/shipped_$(basename $f)"; done
   echo "all done at $(( $(date +%s) - t0 )) s" ;;
-*) echo "usage: $0 stage | time [seconds] | time-ahead [seconds per run] | record [seconds]"; exit 2 ;;
+*) echo "usage: $0 stage | stage-part | compare ARGS... | time [seconds] | time-ahead [seconds per run] | record [seconds]"; exit 2 ;;
 esac
