@@ -59,6 +59,7 @@ import dataclasses
 import torch
 
 from ..quantizers import Packed, Segment, parse_spec
+from ..quantizers.fitted import FitsOnFirstWrite
 from . import layout, registry
 
 MIN_CAPACITY = 256  # tokens; small caches would otherwise regrow every few steps
@@ -210,6 +211,27 @@ class KernelStore:
         own = (fmt.store or KernelStore)._create_empty(packed, role, fmt, stepper, tokens, capacity, table)
         if own is not NotImplemented:
             return own
+        made = cls._zero_flat(packed, role, fmt, stepper)
+        if made is None:
+            return None
+        flat, zero = made
+        if table is not None and fmt.configure is not None:
+            flat = fmt.configure(flat, table=table)
+        store = (fmt.store or KernelStore)(flat, packed, role, fmt)
+        store.capacity_hint = capacity or 0
+        for name in store.fields:  # zeroed: a launch that did not run (a cost-counting
+            if name in zero.fields:  # `launch_hook`) leaves finite bytes, not garbage
+                store._buffer(name, zero.fields[name], tokens, zeroed=True)
+        store._refresh_flat()
+        store.stepper = stepper
+        store._steps_begin()
+        return store
+
+    @staticmethod
+    def _zero_flat(packed: Packed, role: str, fmt: registry.Format, stepper):
+        """(the flat of `packed` holding a zero-token segment of the stepper's one-token
+        layout, that segment), or None where the layout has a field not along the tokens, of
+        data-dependent length, or flattens to another format."""
         B, H, D = packed.batch, packed.heads, packed.head_dim
         try:
             fields, variable = stepper.segment_layout((B, H, 1, D))
@@ -225,19 +247,7 @@ class KernelStore:
             flat = layout.flatten(dataclasses.replace(packed, segments=[zero]), role)
         except (ValueError, TypeError, NotImplementedError):
             return None
-        if registry.format_of_flat(type(flat)) is not fmt:
-            return None
-        if table is not None and fmt.configure is not None:
-            flat = fmt.configure(flat, table=table)
-        store = (fmt.store or KernelStore)(flat, packed, role, fmt)
-        store.capacity_hint = capacity or 0
-        for name in store.fields:  # zeroed: a launch that did not run (a cost-counting
-            if name in zero.fields:  # `launch_hook`) leaves finite bytes, not garbage
-                store._buffer(name, zero.fields[name], tokens, zeroed=True)
-        store._refresh_flat()
-        store.stepper = stepper
-        store._steps_begin()
-        return store
+        return (flat, zero) if registry.format_of_flat(type(flat)) is fmt else None
 
     @classmethod
     def _create_empty(cls, packed: Packed, role: str, fmt: registry.Format, stepper, tokens: int,
@@ -475,8 +485,37 @@ class KernelStore:
         constants only (a scale fitted on the first write, fp8's, would be stale), and
         the store keeps no side state (`_rewind_more`)."""
         shared = self._meta[2]
-        const = not shared or getattr(self.stepper, "shared_is_constant", False)
+        const = not shared or getattr(self.stepper, "shared_is_constant", False) or self.refits
         return self.multi_steps and const and self._rewind_more(check=True)
+
+    @property
+    def refits(self) -> bool:
+        """Whether the flat's static parts are what the stepper fits on a first write
+        (fp8's scale: `FitsOnFirstWrite`), which `refit` redoes in place after a rewind."""
+        return isinstance(self.stepper, FitsOnFirstWrite)
+
+    def refit(self, packed: Packed) -> Packed:
+        """After a rewind, the first write's fit (`packed`: the stepper's `empty_for` of that
+        write) into the flat's static tensors IN PLACE (a captured graph and the kernels'
+        plans read these buffers); returns `packed`, the layer's new (empty) Packed."""
+        if not self.refits:
+            return packed
+        if self.tokens:
+            raise RuntimeError(f"refit of a store holding {self.tokens} tokens: only a rewound store refits")
+        made = self._zero_flat(packed, self.role, self.format, self.stepper)
+        if made is None:
+            raise RuntimeError(f"refit: {packed.spec} no longer flattens from its one-token layout")
+        new = made[0]
+        for f in dataclasses.fields(self.flat):
+            old_t, new_t = getattr(self.flat, f.name), getattr(new, f.name)
+            if f.name in self.fields or not isinstance(old_t, torch.Tensor):
+                continue
+            if old_t.shape != new_t.shape or old_t.dtype != new_t.dtype:
+                raise RuntimeError(f"refit: the flat's {f.name} changed layout ({tuple(old_t.shape)} {old_t.dtype} -> "
+                                   f"{tuple(new_t.shape)} {new_t.dtype}); make a new cache")
+            old_t.copy_(new_t)
+        self._meta = (packed.dtype, packed.device, packed.shared, packed.spec)
+        return packed
 
     def rewind(self) -> None:
         """Forget every token and keep every buffer where it is, so a CUDA graph captured

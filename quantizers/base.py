@@ -295,6 +295,12 @@ class Quantizer(ABC):
         shared = self._device_shared(H, D, like.device)
         return Packed(B, H, D, like.dtype, like.device, [], shared, self.spec, self._constant_names(shared))
 
+    def empty_for(self, first: torch.Tensor) -> Packed:
+        """`empty(first)` ready for the first write `first`: whatever a quantizer fits on its
+        first write (fitted.py) already fitted on it, so a device encoder (kernels/) codes
+        that write, and the writes after it, as `append` would."""
+        return self.empty(first)
+
     # `make_shared` is a pure function of (spec, seed, layer, role, heads, head_dim): every
     # tensor it gives is a model constant (seeded, never fitted), so one copy per device is
     # kept for the process, as an engine builds them once at load (a fresh cache per prompt

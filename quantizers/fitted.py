@@ -75,6 +75,13 @@ class FitsOnFirstWrite:
         shared = {k: v.repeat(B, *[1] * (v.dim() - 1)) if k in names else v for k, v in packed.shared.items()}
         return dataclasses.replace(packed, shared=shared)
 
+    def empty_for(self, first: torch.Tensor) -> Packed:
+        """`empty(first)` with the tensors `append` fits on the first write fitted on `first`
+        (checked as `append` checks it); no segment."""
+        self.check_input(first)
+        packed = self.empty(first)
+        return dataclasses.replace(packed, shared={**packed.shared, **self._fit(first.float(), packed.shared)})
+
     def _fit(self, x: torch.Tensor, shared: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors the first write `x` (float32) replaces in `shared` (a cache of x's rows)."""
         names = self._row_names()

@@ -40,6 +40,9 @@ CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_decode.decode(q, k, v, **kw), t
 
 FORMAT = Format(
     name="fp8", quantizer=FP8, flat=FP8Flat, flatten=flatten_fp8, token_fields=("codes",), step=encode_step,
+    # a prefill on the device: its scale is fitted before the write (`Quantizer.empty_for`), as
+    # `append` fits it, then every token is coded with it, as one-token steps would
+    multi_step=True,
     kernels=(Kernel("triton", fp8_decode_attention, title="Triton fp8 kernel", row_start=True), CUDA),
     bench={"fp8": "fp8-e4m3"},
 )

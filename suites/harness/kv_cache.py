@@ -316,7 +316,7 @@ class QuantizedLayer(DynamicLayer):
                 fmt = kernel_registry.format_of_quantizer(type(q))
                 if fmt is None or not multi_steps(fmt, q) or x.shape[-1] % q.head_dim_multiple:
                     return False
-                packed[role] = q.empty(x)
+                packed[role] = q.empty_for(x)  # fp8: its scale fitted on this write
                 stores[role] = KernelStore.create_empty(packed[role], role, x.shape[-2], capacity=self.capacity_hint,
                                                         table=self._table())
                 if stores[role] is None:
@@ -329,6 +329,10 @@ class QuantizedLayer(DynamicLayer):
                 if (not store.multi_steps or x.shape[:2] + x.shape[3:] != (p.batch, p.heads, p.head_dim)
                         or x.dtype != p.dtype):
                     return False
+            if self.tokens == 0:  # the first write after a rewind: what it fits, fitted again, in place
+                for role, x in xs:
+                    if self.stores[role].refits:
+                        self._packed[role] = self.stores[role].refit(self.quantizers[role].empty_for(x))
             if self.errors.poll():
                 self.errors.check(self.layer_idx)
         for i, (role, x) in enumerate(xs):

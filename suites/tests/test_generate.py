@@ -175,7 +175,7 @@ def test_compiled_layers_give_the_uncompiled_tokens_and_restore_the_model(model)
 
 
 @pytest.mark.parametrize("spec", ["int4", "hqmq:S=8,r=4", "kivi:bits=2,group=8,residual=8",
-                                  "hqmq:S=8,r=4,outliers=med3"])
+                                  "hqmq:S=8,r=4,outliers=med3", "fp8-e4m3"])
 def test_the_kept_engine_is_rewound_and_gives_a_fresh_caches_tokens(model, spec):
     # generate keeps the model's last cache and captured step; a next call of the same key
     # rewinds that cache in place (same buffers: the graph replays), and its tokens are a
@@ -194,17 +194,31 @@ def test_the_kept_engine_is_rewound_and_gives_a_fresh_caches_tokens(model, spec)
     G.release_engines()
 
 
-def test_rewind_refuses_a_fitted_scale(model):
-    # fp8's scale is fitted on the first write (a kept flat would be stale): a new cache
-    # serves the next prompt, nothing is changed
+def test_rewind_refits_a_fitted_scale_in_place(model):
+    # fp8's scale is fitted on the first write: a rewound cache fits it again on the next
+    # prompt, into the same tensors (a captured step reads them), and stores what a fresh
+    # cache of that prompt stores
     from kvqbench.suites.harness.kv_cache import QuantizedCache
 
-    cache = QuantizedCache("fp8-e4m3", config=model.config, fused=True, prefill="exact")
+    def filled(cache, k):
+        for layer in range(2):
+            cache.update(k, k * 0.5, layer)
+        return cache
+
     k = torch.randn(1, 2, 6, 32, device=DEV)
-    for layer in range(2):
-        cache.update(k, k, layer)
+    cache = filled(QuantizedCache("fp8-e4m3", config=model.config, fused=True, prefill="exact"), k)
     assert all(layer.mode == "fused" for layer in cache.layers)
-    assert cache.rewind() is False and cache.get_seq_length() == 6
+    held = [(s.flat.scale, s.flat.scale.clone()) for layer in cache.layers for s in layer.stores.values()]
+    assert cache.rewind() and cache.get_seq_length() == 0
+    filled(cache, k[:, :, :4] * 3)
+    fresh = filled(QuantizedCache("fp8-e4m3", config=model.config, fused=True, prefill="exact"), k[:, :, :4] * 3)
+    stores = [s for layer in cache.layers for s in layer.stores.values()]
+    for (t, before), s, f in zip(held, stores, [s for layer in fresh.layers for s in layer.stores.values()]):
+        assert s.flat.scale is t and torch.equal(t, f.flat.scale) and not torch.equal(t, before)
+        assert torch.equal(s.buffers["codes"].valid, f.buffers["codes"].valid)
+    for a, b in zip(cache.layers, fresh.layers):
+        for role in ("K", "V"):
+            assert a.packed[role].digest() == b.packed[role].digest()
 
 
 def test_rewind_raises_an_input_error_the_last_use_flagged_and_keeps_nothing_stale(model):
