@@ -163,6 +163,9 @@ __device__ __forceinline__ uint32_t ldg_u16(const uint16_t* p, bool ok) {
 template <int D>
 struct Int4 {
   static constexpr int ROWB = D / 2, KW = D / 32, VW = D / 64, NG = D / 32;  // groups of 32
+  // scale groups a lane's K chunk (D/4 dims) spans: 2 at D = 256, so each token's K
+  // carries two (scale, zero) pairs per lane; a lane's V dims (D/8) stay in one group
+  static constexpr int KG = D / 4 > 32 ? D / 128 : 1;
   static constexpr bool ZERO = true;
   static constexpr int KIND = 0;  // token rows: Raw / load_tile / copy_tile (KIVI: 1, 2 below)
   __device__ static int kdim(int kk, int slot, int half) { return 8 * (kk >> 1) + 2 * (kk & 1) + slot + 4 * half; }
@@ -187,7 +190,7 @@ struct Int4 {
 
 template <int D, bool E5>
 struct Fp8 {
-  static constexpr int ROWB = D, KW = D / 16, VW = D / 32, NG = 1;
+  static constexpr int ROWB = D, KW = D / 16, VW = D / 32, NG = 1, KG = 1;
   static constexpr bool ZERO = false;
   static constexpr int KIND = 0;
   __device__ static int kdim(int kk, int slot, int half) { return 4 * kk + 2 * slot + half; }
@@ -209,7 +212,7 @@ template <class F>
 struct Raw {
   uint32_t k[2][F::KW];  // tokens g, g+8
   uint32_t v[4][F::VW];  // tokens 2c, 2c+1, 2c+8, 2c+9
-  uint32_t ks[2], kz[2], vs[4], vz[4];  // fp16 bits in the low half (int formats)
+  uint32_t ks[2 * F::KG], kz[2 * F::KG], vs[4], vz[4];  // fp16 bits in the low half (int formats); K: [token][group]
 };
 
 // A lane's pointers into the next tile to load (its first token t0 + g for K, t0 + 2c
@@ -235,8 +238,11 @@ __device__ __forceinline__ void load_tile(Raw<F>& r, Cursor<F>& cur, int tend, b
     const bool ok = on && cur.t0 + g + 8 * i < tend;
     load_words(r.k[i], cur.k + 8 * i * F::ROWB, ok);
     if constexpr (F::ZERO) {
-      r.ks[i] = ldg_u16(cur.ks + 8 * i * NG, ok);
-      r.kz[i] = ldg_u16(cur.kz + 8 * i * NG, ok);
+#pragma unroll
+      for (int j = 0; j < F::KG; ++j) {
+        r.ks[i * F::KG + j] = ldg_u16(cur.ks + 8 * i * NG + j, ok);
+        r.kz[i * F::KG + j] = ldg_u16(cur.kz + 8 * i * NG + j, ok);
+      }
     }
   }
 #pragma unroll
@@ -390,8 +396,11 @@ __device__ __forceinline__ void read_stage(Raw<F>& r, const uint8_t* st, int g, 
     const int kg = c * (D / 4) / 32, vg = g * (D / 8) / 32;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      r.ks[i] = sc[(g + 8 * i) * F::NG + kg];
-      r.kz[i] = sc[L + (g + 8 * i) * F::NG + kg];
+#pragma unroll
+      for (int j = 0; j < F::KG; ++j) {
+        r.ks[i * F::KG + j] = sc[(g + 8 * i) * F::NG + kg + j];
+        r.kz[i * F::KG + j] = sc[L + (g + 8 * i) * F::NG + kg + j];
+      }
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -893,18 +902,20 @@ __device__ __forceinline__ void tile_step(const R& r, int t0, int tend, float qk
   float s[4] = {0.f, 0.f, 0.f, 0.f};
   int tg = g, tg8 = g + 8;  // the tokens of score rows g, g+8
   if constexpr (F::KIND == 0) {
-    uint32_t ks2[2] = {0, 0}, kz2[2] = {0, 0};  // (s, s), (z, z) of tokens g, g+8
+    constexpr int KG = F::KG;
+    uint32_t ks2[2 * KG] = {}, kz2[2 * KG] = {};  // (s, s), (z, z) of tokens g, g+8 per K group
     if constexpr (F::ZERO) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
+      for (int j = 0; j < 2 * KG; ++j) {
         ks2[j] = __byte_perm(r.ks[j], 0, 0x1010);
         kz2[j] = __byte_perm(r.kz[j], 0, 0x1010);
       }
     }
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
-      mma16816(s, F::kfrag(r.k[0], kk, 0, ks2[0], kz2[0]), F::kfrag(r.k[1], kk, 0, ks2[1], kz2[1]),
-               F::kfrag(r.k[0], kk, 1, ks2[0], kz2[0]), F::kfrag(r.k[1], kk, 1, ks2[1], kz2[1]), qb[kk][0],
+      const int j0 = kk / (KS / KG), j1 = KG + j0;  // the group of k-step kk, tokens g / g+8
+      mma16816(s, F::kfrag(r.k[0], kk, 0, ks2[j0], kz2[j0]), F::kfrag(r.k[1], kk, 0, ks2[j1], kz2[j1]),
+               F::kfrag(r.k[0], kk, 1, ks2[j0], kz2[j0]), F::kfrag(r.k[1], kk, 1, ks2[j1], kz2[j1]), qb[kk][0],
                qb[kk][1]);
     }
   } else {
@@ -1331,6 +1342,25 @@ constexpr int KVARIANTS[][3] = {{4, 4, 1}, {4, 6, 1}, {3, 4, 1}, {1, 4, 0}, {4, 
                                 {0, 0, -1}, {0, 0, -1}, {4, 4, 5}};
 constexpr int KVARIANT0 = 2, NKVARIANTS = 11;
 
+// Head dim 256 (int4, fp8): the pipeline variants only -- the register path would hold
+// STAGES tiles of twice the bytes in registers beside an accumulator of 64 -- uncapped
+// (MINB 1: the 64-float accumulator and 32 Q registers leave no room under a cap), with
+// at most SMEM256 bytes of stages per CTA (fp8 v5's 8 stages of 8 KB per warp would not fit).
+constexpr int SMEM256 = 192 * 1024;
+template <int D>
+constexpr int minb_of(int minb) {
+  return D > 128 ? 1 : minb;
+}
+template <class F, int D>
+constexpr int sms_of(int sms) {
+  if constexpr (D > 128) {
+    constexpr int most = SMEM256 / (4 * SmemTile<F>::BYTES);
+    return sms < most ? sms : most;
+  } else {
+    return sms;
+  }
+}
+
 template <class F, int D, int STAGES, int MINB, int SMS, int GS>
 int launch_cfg(const Params& p, int rows, int grid_y, cudaStream_t stream) {
   constexpr int NW = 4;
@@ -1365,10 +1395,11 @@ int launch_v(const Params& p, int rows, int grid_y, cudaStream_t stream) {
       constexpr int MINB = KVARIANTS[V - KVARIANT0][0], SMS = KVARIANTS[V - KVARIANT0][1];
       return launch_cfg<F, D, 1, MINB, SMS, KVARIANTS[V - KVARIANT0][2]>(p, rows, grid_y, stream);
     }
-  } else if constexpr (V >= NVARIANTS) {
+  } else if constexpr (V >= NVARIANTS || (D > 128 && VARIANTS[V][2] == 0)) {
     return (int)cudaErrorInvalidValue;
   } else {
-    return launch_cfg<F, D, VARIANTS[V][0], VARIANTS[V][1], VARIANTS[V][2], 0>(p, rows, grid_y, stream);
+    return launch_cfg<F, D, VARIANTS[V][0], minb_of<D>(VARIANTS[V][1]), sms_of<F, D>(VARIANTS[V][2]), 0>(
+        p, rows, grid_y, stream);
   }
 }
 
@@ -1381,10 +1412,10 @@ int regs_v() {
       constexpr int MINB = KVARIANTS[V - KVARIANT0][0], SMS = KVARIANTS[V - KVARIANT0][1];
       return regs_cfg<F, D, 1, MINB, SMS, KVARIANTS[V - KVARIANT0][2]>();
     }
-  } else if constexpr (V >= NVARIANTS) {
+  } else if constexpr (V >= NVARIANTS || (D > 128 && VARIANTS[V][2] == 0)) {
     return -1;
   } else {
-    return regs_cfg<F, D, VARIANTS[V][0], VARIANTS[V][1], VARIANTS[V][2], 0>();
+    return regs_cfg<F, D, VARIANTS[V][0], minb_of<D>(VARIANTS[V][1]), sms_of<F, D>(VARIANTS[V][2]), 0>();
   }
 }
 
@@ -1456,7 +1487,7 @@ struct HostArgs {
 };
 
 // fmt: 0 int4 (groups of 32), 1 fp8 e4m3, 2 fp8 e5m2; variant: VARIANTS above.
-// Returns a cudaError_t (0 = launched), or -1 for a head dim other than 64 / 128.
+// Returns a cudaError_t (0 = launched), or -1 for a head dim other than 64 / 128 / 256.
 #define KVQ_DISPATCH(CALL, ARGS)                                       \
   if (D == 128) {                                                  \
     if (fmt == 0) return CALL<Int4<128>, 128> ARGS;                     \
@@ -1466,6 +1497,10 @@ struct HostArgs {
     if (fmt == 0) return CALL<Int4<64>, 64> ARGS;                       \
     if (fmt == 1) return CALL<Fp8<64, false>, 64> ARGS;                 \
     if (fmt == 2) return CALL<Fp8<64, true>, 64> ARGS;                  \
+  } else if (D == 256) {                                           \
+    if (fmt == 0) return CALL<Int4<256>, 256> ARGS;                     \
+    if (fmt == 1) return CALL<Fp8<256, false>, 256> ARGS;               \
+    if (fmt == 2) return CALL<Fp8<256, true>, 256> ARGS;                \
   }                                                                \
   return -1;
 
