@@ -475,16 +475,38 @@ __device__ __forceinline__ uint32_t crumbs_r(uint32_t x, uint32_t m, uint32_t ma
   return hsub2(d, mag);
 }
 
-template <int BITS_>
+// D: the head dim (64, 128, 256). A lane c owns the D/4 dims [c D/4, (c+1) D/4) of K, a lane g
+// the D/8 dims [g D/8, (g+1) D/8) of V, as at 128; what scales with D is the lane's number of
+// k-steps / m-tiles (D/16) and the bytes it reads per token (VB: 2, 4, 8 or 16).
+template <int BITS_, int D_ = 128>
 struct KiviQ {
-  static constexpr int BITS = BITS_, KIND = 1, D = 128, G = 32, NG = D / G;
+  static constexpr int BITS = BITS_, KIND = 1, D = D_, G = 32, NG = D / G;
   static constexpr bool ZERO = true;
   static_assert(BITS == 2 || BITS == 4, "KIVI: 2 or 4 bits");
+  static_assert(D == 64 || D == 128 || D == 256, "KIVI: head dim 64, 128 or 256");
   static constexpr int GB = G * BITS / 8;   // K bytes per (group, dim)
   static constexpr int KPL = BITS / 2;      // K words per dim per 16-token tile ("planes")
-  static constexpr int KBLK = 144;          // one plane's 32 dims (128 B) + 16 B: lanes c hit other banks
-  static constexpr int SBLK = 80;           // 32 dims of fp16 scales (64 B) + 16 B
-  static constexpr int RB = D * BITS / 8, VW = RB / 32, CPT = RB / 16;  // V row bytes, words per lane, chunks
+  static constexpr int DL = D / 4;          // K dims of a lane c (one block of a plane)
+  static constexpr int KBLK = 4 * DL + 16;  // one plane's DL dims + 16 B: lanes c hit other banks (144 at 128)
+  static constexpr int SBLK = 2 * DL + 16;  // DL dims of fp16 scales + 16 B (80 at 128)
+  static constexpr int RB = D * BITS / 8, CPT = RB / 16;  // V row bytes, 16-byte chunks per row
+  static constexpr int VB = RB / 8, VW = (VB + 3) / 4;    // V bytes / 32-bit words of a lane's D/8 dims
+  static constexpr int VSH = D == 64 ? 2 : (D == 128 ? 1 : 0);  // lane g's V dims lie in scale group g >> VSH
+  // VB bytes of a lane's V dims at p (aligned to VB) into v (zero-extended when VB = 2)
+  __device__ __forceinline__ static void ld_v(uint32_t (&v)[VW], const uint8_t* p) {
+    if constexpr (VB == 16) {
+      const uint4 x = *reinterpret_cast<const uint4*>(p);
+      v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w;
+    } else if constexpr (VB == 8) {
+      const uint2 x = *reinterpret_cast<const uint2*>(p);
+      v[0] = x.x;
+      v[1] = x.y;
+    } else if constexpr (VB == 4) {
+      v[0] = *reinterpret_cast<const uint32_t*>(p);
+    } else {
+      v[0] = *reinterpret_cast<const uint16_t*>(p);
+    }
+  }
   __device__ static int kdim(int kk, int slot, int half) { return 4 * kk + 2 * slot + half; }
   __device__ static int row_tok(int r) {
     const int b = r & 7;
@@ -493,7 +515,7 @@ struct KiviQ {
   // V rows in a stage: row t at vrow(t) (the 4 rows 4c + x a read takes land in 4 bank
   // groups), 16-byte chunk j at vchunk (64-byte rows: halves c < 2 / c >= 2 swapped)
   __device__ static int vrow(int t) { return (t & ~3) | ((t & 3) ^ ((t >> 2) & 3)); }
-  __device__ static int vchunk(int t, int j) { return BITS == 4 ? j ^ (2 * ((t >> 3) & 1)) : j; }
+  __device__ static int vchunk(int t, int j) { return BITS == 4 && RB >= 64 ? j ^ (2 * ((t >> 3) & 1)) : j; }
   struct Raw {
     const uint8_t* kb;  // the lane's K codes in the stage (its plane, dims 32c..)
     const uint8_t* sb;  // its K scales (zeros at + 4 SBLK)
@@ -528,17 +550,11 @@ struct KiviQ {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int t = row_tok(2 * c + (i & 1) + 8 * (i >> 1));
-      const int o = g * VW * 4;  // byte of the lane's 16 dims in the row
+      const int o = g * VB;  // byte of the lane's D/8 dims in the row
       const uint8_t* row = vb + RB * vrow(t) + 16 * vchunk(t, o / 16) + o % 16;
-      if constexpr (VW == 2) {
-        const uint2 x = *reinterpret_cast<const uint2*>(row);
-        r.v[i][0] = x.x;
-        r.v[i][1] = x.y;
-      } else {
-        r.v[i][0] = *reinterpret_cast<const uint32_t*>(row);
-      }
-      s[i] = vs[t * NG + (g >> 1)];
-      z[i] = vz[t * NG + (g >> 1)];
+      ld_v(r.v[i], row);
+      s[i] = vs[t * NG + (g >> VSH)];
+      z[i] = vz[t * NG + (g >> VSH)];
     }
     pair_scales(r, s, z);
   }
@@ -579,14 +595,14 @@ struct KiviQ {
   // vs / vz: its V scales / zeros, NG per token)
   __device__ static void read_v_lb(Raw& r, const uint8_t* vb, const uint16_t* vs, const uint16_t* vz, int g, int c,
                                    int h) {
-    static_assert(BITS == 2 && VW == 1, "the lane-byte map is KIVI-2's");
+    static_assert(BITS == 2, "the lane-byte map is KIVI-2's");
     uint32_t s[4], z[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int t = lb_tok(h, 2 * c + (i & 1) + 8 * (i >> 1));
-      r.v[i][0] = *reinterpret_cast<const uint32_t*>(vb + RB * lb_vrow(t) + 4 * g);
-      s[i] = vs[t * NG + (g >> 1)];
-      z[i] = vz[t * NG + (g >> 1)];
+      ld_v(r.v[i], vb + RB * lb_vrow(t) + VB * g);
+      s[i] = vs[t * NG + (g >> VSH)];
+      z[i] = vz[t * NG + (g >> VSH)];
     }
     pair_scales(r, s, z);
   }
@@ -596,8 +612,9 @@ struct KiviQ {
     const uint2 z = *reinterpret_cast<const uint2*>(r.sb + 4 * SBLK + 8 * kk);
     kdec(r, w, s, z, a);
   }
-  // V^T: m-tile mt = dims 2mt (row g) and 2mt+1 (row g+8) of the lane's 16 dims, of
-  // tokens (v[0], v[1]) -> a0, a1 and (v[2], v[3]) -> a2, a3
+  // V^T: m-tile mt = dims 2mt (row g) and 2mt+1 (row g+8) of the lane's 16 dims (of word
+  // x, y: the caller picks the word of dims 2mt at D = 256), of tokens (v[0], v[1]) -> a0,
+  // a1 and (v[2], v[3]) -> a2, a3
   __device__ static void vpair2(uint32_t x, uint32_t y, int mt, uint32_t s2, uint32_t z2, uint32_t& rg,
                                 uint32_t& rg8) {
     const int j = mt >> 1;  // the byte of dims 2mt, 2mt+1 (bits 4mt .. 4mt+3)
@@ -612,11 +629,11 @@ struct KiviQ {
   }
   __device__ static void vstep(const Raw& r, int mt, uint32_t (&a)[4]) {
     if constexpr (BITS == 4) {
-      Int4<128>::vpair(r.v[0], r.v[1], mt, r.vs2[0], r.vz2[0], a[0], a[1]);
-      Int4<128>::vpair(r.v[2], r.v[3], mt, r.vs2[1], r.vz2[1], a[2], a[3]);
-    } else {
-      vpair2(r.v[0][0], r.v[1][0], mt, r.vs2[0], r.vz2[0], a[0], a[1]);
-      vpair2(r.v[2][0], r.v[3][0], mt, r.vs2[1], r.vz2[1], a[2], a[3]);
+      Int4<D>::vpair(r.v[0], r.v[1], mt, r.vs2[0], r.vz2[0], a[0], a[1]);
+      Int4<D>::vpair(r.v[2], r.v[3], mt, r.vs2[1], r.vz2[1], a[2], a[3]);
+    } else {  // 16 dims (8 m-tiles) per word
+      vpair2(r.v[0][mt >> 3], r.v[1][mt >> 3], mt & 7, r.vs2[0], r.vz2[0], a[0], a[1]);
+      vpair2(r.v[2][mt >> 3], r.v[3][mt >> 3], mt & 7, r.vs2[1], r.vz2[1], a[2], a[3]);
     }
   }
 };
@@ -640,14 +657,14 @@ struct KiviQ {
 // dims, so one LDS.128 (kszq) gives a k-step's scales and zeros (laid out for the folded
 // zero point's extra mma, variants 10 / 11, removed; variant 12 reads them as pairs).
 // Copied as 4-byte cp.async (4 per lane).
-template <int BITS, int NW, int VL_ = 0, int SZ_ = 0>
+template <int BITS, int NW, int VL_ = 0, int SZ_ = 0, int D_ = 128>
 struct KiviStream {
-  using F = KiviQ<BITS>;
+  using F = KiviQ<BITS, D_>;
   using RawT = typename F::Raw;
   static constexpr int VL = VL_, SZ = SZ_;
-  static constexpr int D = F::D, NG = F::NG, GB = F::GB, RB = F::RB, KBLK = F::KBLK, SBLK = F::SBLK;
+  static constexpr int D = F::D, NG = F::NG, GB = F::GB, RB = F::RB, KBLK = F::KBLK, SBLK = F::SBLK, DL = F::DL;
   static constexpr int PLANES = 2 * F::KPL, PLS = 4 * KBLK + (BITS == 4 ? 32 : 0);
-  static constexpr int KSB = 144;  // SZ: 32 dims of (z, s) pairs (128 B) + 16 B: the 4 lanes c of a read hit other banks
+  static constexpr int KSB = 4 * DL + 16;  // SZ: DL dims of (z, s) pairs + 16 B: the 4 lanes c of a read hit other banks
   static constexpr int KSO = PLANES * PLS, KZO = KSO + 4 * SBLK, VC = SZ ? KSO + 4 * KSB : KZO + 4 * SBLK;
   static constexpr int VSO = VC + 32 * RB, VZO = VSO + 32 * NG * 2, BYTES = VZO + 32 * NG * 2;
   static constexpr int TILES = 2;             // 16-token tiles per stage
@@ -675,17 +692,34 @@ struct KiviStream {
     constexpr int DPR = 128 / GB;  // dims per run
 #pragma unroll
     for (int r = 0; r < RUNS; ++r) {
-      const int d0 = DPR * r;  // the run's first dim: block d0 / 32, column d0 % 32
-      cp_async<4>(stage + kdst + (d0 >> 5) * KBLK + 4 * (d0 & 31), k + 128 * r, on);
+      const int d0 = DPR * r;  // the run's first dim: block d0 / DL, column d0 % DL
+      cp_async<4>(stage + kdst + (d0 / DL) * KBLK + 4 * (d0 % DL), k + 128 * r, on);
     }
-    if constexpr (SZ) {
+    if constexpr (SZ && D == 128) {
       // copy j: word (lane & 15) + 16 j of the scales (lanes 0-15) / zeros (16-31) = the
       // dims 2w, 2w+1 of block j: k-step (lane & 15) / 2, pair lane & 1; scales at words 1, 3
       const int o = 16 * ((lane & 15) >> 1) + 4 * (2 * (lane & 1) + (lane < 16 ? 1 : 0));
 #pragma unroll
       for (int j = 0; j < 4; ++j) cp_async<4>(stage + KSO + j * KSB + o, ksz + 32 * j, on);
-    } else {
+    } else if constexpr (SZ) {
+      // as at 128, over D / 2 words per tensor: word w = (lane & 15) + 16 j lies in block
+      // w / (DL / 2) at k-step (w % (DL / 2)) / 2
+#pragma unroll
+      for (int j = 0; j < D / 32; ++j) {
+        const int w = (lane & 15) + 16 * j, b = w / (DL / 2), wb = w % (DL / 2);
+        cp_async<4>(stage + KSO + b * KSB + 16 * (wb >> 1) + 4 * (2 * (wb & 1) + (lane < 16 ? 1 : 0)), ksz + 32 * j,
+                    on);
+      }
+    } else if constexpr (D == 128) {
       cp_async<16>(stage + (lane < 16 ? KSO : KZO) + SBLK * ((lane & 15) >> 2) + 16 * (lane & 3), ksz, on);
+    } else {
+      // 16-byte pieces p = (lane & 15) + 16 j (dims 8p ..) of D / 8 per tensor: block 8p / DL
+#pragma unroll
+      for (int j = 0; j < (D / 8 + 15) / 16; ++j) {
+        const int pc = (lane & 15) + 16 * j;
+        if (pc < D / 8)
+          cp_async<16>(stage + (lane < 16 ? KSO : KZO) + SBLK * (8 * pc / DL) + 2 * (8 * pc % DL), ksz + 128 * j, on);
+      }
     }
 #pragma unroll
     for (int r = 0; r < VCH; ++r) {  // 32 rows x 2 VCH chunks
@@ -694,7 +728,17 @@ struct KiviStream {
       const int dst = VL ? RB * F::lb_vrow(t) + 16 * j : h * 16 * RB + RB * F::vrow(tt) + 16 * F::vchunk(tt, j);
       cp_async<16>(stage + VC + dst, v + 512 * r, ok);
     }
-    cp_async<16>(stage + (lane < 16 ? VSO : VZO) + 16 * (lane & 15), vsz, on && t0 + 2 * (lane & 15) < tend);
+    {
+      constexpr int VSB = 4 * NG;  // bytes of the two tokens' V scales a lane copies
+      const bool ok = on && t0 + 2 * (lane & 15) < tend;
+      if constexpr (VSB <= 16) {
+        cp_async<VSB>(stage + (lane < 16 ? VSO : VZO) + VSB * (lane & 15), vsz, ok);
+      } else {
+#pragma unroll
+        for (int x = 0; x < VSB / 16; ++x)
+          cp_async<16>(stage + (lane < 16 ? VSO : VZO) + VSB * (lane & 15) + 16 * x, vsz + 8 * x, ok);
+      }
+    }
     constexpr int STEP = NW * 32;  // tokens between a warp's groups
     t0 += STEP;
     k += NW * (D * GB);
@@ -787,9 +831,9 @@ struct KiviTileStream {
 // where the mma wants them (kstep / vstep), from per-row base pointers (before run 17
 // the tile's V was decoded up front into 32 registers: 136 per thread, which in the
 // shared kernel would have cost the quantized path a CTA per SM).
-template <int BITS_>
+template <int BITS_, int D_ = 128>
 struct KiviTail {
-  static constexpr int BITS = BITS_, KIND = 2, D = 128, G = 32, NG = D / G, GB = G * BITS / 8, RB = D * BITS / 8;
+  static constexpr int BITS = BITS_, KIND = 2, D = D_, G = 32, NG = D / G, GB = G * BITS / 8, RB = D * BITS / 8;
   static constexpr bool ZERO = true;
   __device__ static int kdim(int kk, int slot, int half) { return 4 * kk + 2 * slot + half; }
   __device__ static int row_tok(int r) { return r; }
@@ -847,9 +891,9 @@ struct KiviTail {
     r.vr = p.vr + bh * p.v_rs;
     r.t0 = t0; r.TQK = p.TQK; r.TQV = p.TQV; r.T = p.T; r.c = c; r.g = g;
   }
-  // dims 16g + 2mt, +1 of V token t as a half2 (zeros past T)
+  // dims (D/8) g + 2mt, +1 of V token t as a half2 (zeros past T)
   __device__ static uint32_t vword(const Raw& r, int t, int mt) {
-    const int j = 16 * r.g + 2 * mt;
+    const int j = (D / 8) * r.g + 2 * mt;
     if (t < r.TQV) {
       const long long so = (long long)t * NG + (j >> 5);
       const __half s = __ushort_as_half(r.vs[so]), z = __ushort_as_half(r.vz[so]);
@@ -882,7 +926,8 @@ struct StreamOf {
 };
 template <class F, int D, int NW, int GS>
 struct StreamOf<F, D, NW, GS, 1> {
-  using type = typename std::conditional<GS != 0, KiviStream<F::BITS, NW, GS == 5 && F::BITS == 2, GS == 5>,
+  static_assert(GS != 0 || F::D == 128, "the tile stream (variants 5, 6) is head dim 128's only");
+  using type = typename std::conditional<GS != 0, KiviStream<F::BITS, NW, GS == 5 && F::BITS == 2, GS == 5, F::D>,
                                          KiviTileStream<F::BITS, NW>>::type;
 };
 
@@ -1187,7 +1232,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
 
   if (tail_cta) {
     if constexpr (F::KIND == 1) {  // KIVI window tail: direct loads, one tile per warp at a time
-      using TF = KiviTail<F::BITS>;
+      using TF = KiviTail<F::BITS, D>;
       for (int st = first + warp; st < last; st += NW) {
         typename TF::Raw r;
         const int t0 = t_first + st * 16;
@@ -1389,10 +1434,11 @@ int regs_cfg() {
 template <class F, int D, int V>
 int launch_v(const Params& p, int rows, int grid_y, cudaStream_t stream) {
   if constexpr (F::KIND == 1) {
-    if constexpr (V < KVARIANT0 || V >= KVARIANT0 + NKVARIANTS || KVARIANTS[V - KVARIANT0][2] < 0) {
+    if constexpr (V < KVARIANT0 || V >= KVARIANT0 + NKVARIANTS || KVARIANTS[V - KVARIANT0][2] < 0 ||
+                  (D != 128 && KVARIANTS[V - KVARIANT0][2] == 0)) {
       return (int)cudaErrorInvalidValue;  // KIVI's quantized part streams through shared memory only
     } else {
-      constexpr int MINB = KVARIANTS[V - KVARIANT0][0], SMS = KVARIANTS[V - KVARIANT0][1];
+      constexpr int MINB = minb_of<D>(KVARIANTS[V - KVARIANT0][0]), SMS = KVARIANTS[V - KVARIANT0][1];
       return launch_cfg<F, D, 1, MINB, SMS, KVARIANTS[V - KVARIANT0][2]>(p, rows, grid_y, stream);
     }
   } else if constexpr (V >= NVARIANTS || (D > 128 && VARIANTS[V][2] == 0)) {
@@ -1406,10 +1452,11 @@ int launch_v(const Params& p, int rows, int grid_y, cudaStream_t stream) {
 template <class F, int D, int V>
 int regs_v() {
   if constexpr (F::KIND == 1) {
-    if constexpr (V < KVARIANT0 || V >= KVARIANT0 + NKVARIANTS || KVARIANTS[V - KVARIANT0][2] < 0) {
+    if constexpr (V < KVARIANT0 || V >= KVARIANT0 + NKVARIANTS || KVARIANTS[V - KVARIANT0][2] < 0 ||
+                  (D != 128 && KVARIANTS[V - KVARIANT0][2] == 0)) {
       return -1;
     } else {
-      constexpr int MINB = KVARIANTS[V - KVARIANT0][0], SMS = KVARIANTS[V - KVARIANT0][1];
+      constexpr int MINB = minb_of<D>(KVARIANTS[V - KVARIANT0][0]), SMS = KVARIANTS[V - KVARIANT0][1];
       return regs_cfg<F, D, 1, MINB, SMS, KVARIANTS[V - KVARIANT0][2]>();
     }
   } else if constexpr (V >= NVARIANTS || (D > 128 && VARIANTS[V][2] == 0)) {
@@ -1509,7 +1556,35 @@ static int run_rows(const HostArgs& a, const Params& p, int rows, void* out, cud
   KVQ_DISPATCH(launch, (p, rows, out, a.otype, a.variant, s))
 }
 
-// KIVI, head dim 128, groups of 32, 2 or 4 bits, ONE launch: tokens [n_main, T) (the
+// The KIVI instance of (head dim, bits), handed to `act` (KiviRun, KiviRegs); -1 for any other.
+template <class Act>
+int kivi_dispatch(int D, int bits, const Act& act) {
+  if (bits != 2 && bits != 4) return -1;
+  if (D == 128) return bits == 2 ? act.template go<KiviQ<2>, 128>() : act.template go<KiviQ<4>, 128>();
+  if (D == 64) return bits == 2 ? act.template go<KiviQ<2, 64>, 64>() : act.template go<KiviQ<4, 64>, 64>();
+  if (D == 256) return bits == 2 ? act.template go<KiviQ<2, 256>, 256>() : act.template go<KiviQ<4, 256>, 256>();
+  return -1;
+}
+struct KiviRun {
+  const Params& p;
+  int rows;
+  void* out;
+  int otype, variant;
+  cudaStream_t s;
+  template <class F, int D>
+  int go() const {
+    const int e = launch_split<F, D>(p, rows, p.nsplit, variant, s);
+    if (e) return e;
+    return launch_combine<D>(p.po, p.pm, p.pl, out, otype, rows * p.gqa, p.nsplit, s);
+  }
+};
+struct KiviRegs {
+  int variant;
+  template <class F, int D>
+  int go() const { return regs_of<F, D>(variant); }
+};
+
+// KIVI, head dim 64 / 128 / 256, groups of 32, 2 or 4 bits, ONE launch: tokens [n_main, T) (the
 // windows) in nsplit_tail splits of per_tail tiles by the tail path, then tokens
 // [0, n_main) (both K and V quantized; n_main = min(TQK, TQV), whole groups) in
 // nsplit_main splits of per_main tiles through the pipeline (variant 2..5); one combine.
@@ -1521,10 +1596,7 @@ static int run_kivi(const HostArgs& a, Params p, int rows, void* out, cudaStream
   p.TQK = a.TQK; p.TQV = a.TQV;
   p.t_first = 0; p.T = a.T; p.split0 = 0;
   p.n_main = a.n_main; p.steps_per_split = a.per_main; p.per_tail = a.per_tail; p.nsplit_tail = a.nsplit_tail;
-  const int e = bits == 2 ? launch_split<KiviQ<2>, 128>(p, rows, p.nsplit, a.variant, s)
-                          : launch_split<KiviQ<4>, 128>(p, rows, p.nsplit, a.variant, s);
-  if (e) return e;
-  return launch_combine<128>(p.po, p.pm, p.pl, out, a.otype, rows * p.gqa, p.nsplit, s);
+  return kivi_dispatch(a.D, bits, KiviRun{p, rows, out, a.otype, a.variant, s});
 }
 
 }  // namespace
@@ -1561,10 +1633,9 @@ extern "C" int kvq_run(const void* args, const void* q, const int* vlen, float* 
 }
 
 // Registers of the KIVI instances: tail = 0 the quantized part (variant), 1 the tail path.
-extern "C" int kvq_num_regs_kivi(int bits, int tail, int variant) {
+extern "C" int kvq_num_regs_kivi(int bits, int tail, int variant, int D) {
   if (tail) variant = 2;  // (the tail path is a branch of the same kernel since run 17)
-  if (bits == 2) return regs_of<KiviQ<2>, 128>(variant);
-  return regs_of<KiviQ<4>, 128>(variant);
+  return kivi_dispatch(D, bits, KiviRegs{variant});
 }
 
 extern "C" int kvq_num_variants() { return NVARIANTS; }
