@@ -125,9 +125,10 @@ struct Stage {
   static constexpr int CB = Dims<D>::CB, RB = Dims<D>::RB, FB = Dims<D>::FB;
   static constexpr int KC = 0, VC = 16 * CB, KR = 2 * 16 * CB, VR = KR + 16 * RB, KM = VR + 16 * RB, VM = KM + 48;
   static constexpr int BYTES = VM + 48;  // 2144 at D = 128
-  // Med3x: the tile's 16 flag rows per role (token t of role r at FL + FB (16 r + t)) and the
-  // 64-token block's outlier start per role
-  static constexpr int FL = BYTES, OX = FL + 2 * 16 * FB;  // K at +0, V at +16 FB (flags) / +4 (start)
+  // Med3x: the tile's 16 flag rows per role (token t of role r at FL + FLR r + FB t; at D = 64
+  // FL + FLR r + 2 (t + fsh): see copy_tile) and the 64-token block's outlier start per role
+  static constexpr int FLR = D == 64 ? 40 : 16 * FB;  // bytes per role (64: 9 words + padding)
+  static constexpr int FL = BYTES, OX = FL + 2 * FLR;  // K at +0, V at +FLR (flags) / +4 (start)
   static constexpr int BYTES_OUT = OX + 16;  // 2288 at D = 128
 };
 template <bool OUT, int D = 128>
@@ -145,6 +146,7 @@ struct CpCursor {
   const int* irow;       // Med3x: its 64-token block starts
   int t0;
   int i;  // tiles copied so far (Med3x: position in the 64-token block)
+  int fsh;  // D = 64: 1 when the role's flag rows start 2 bytes past a 4-byte boundary (odd capacity)
 };
 
 // Tokens from one tile of a warp to its next: NW tiles on (a warp takes every NW-th tile),
@@ -215,11 +217,16 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, 
   }
   if constexpr (OUT && PF) {  // the next tile's flags and (at a block's first tile) outlier starts
     const int t1 = cur.t0 + STEP;
-    if constexpr (DD::FB == 2) {  // lanes 0..7 (K) / 16..23 (V): the rows of tokens 2l, 2l + 1, valid bytes only
-      const int t = t1 + 2 * (lane & 15);
-      if ((lane & 15) < 8)
-        cp_async4_part(st + Stage::FL + 32 * (lane >> 4) + 4 * (lane & 15), cur.frow + t,
-                       on1 ? 2 * max(0, min(2, T - t)) : 0);
+    if constexpr (DD::FB == 2) {
+      // 2-byte rows, 4-byte copies: lanes 0..8 (K) / 16..24 (V) copy word l of the window
+      // from token t1 - fsh (4-byte aligned: an odd capacity puts every other (b, h) row 2
+      // bytes off), the valid tokens' bytes only (zeros past T); token t1 + i then lies at
+      // byte 2 (i + fsh) of the role's region. (Token t1 - 1 is inside the allocation: only a
+      // row that starts off the boundary, so not the first, has fsh = 1.)
+      const int a = t1 - cur.fsh + 2 * (lane & 15);
+      if ((lane & 15) < 9)
+        cp_async4_part(st + Stage::FL + Stage::FLR * (lane >> 4) + 4 * (lane & 15), cur.frow + a,
+                       on1 ? 2 * max(0, min(2, T - a)) : 0);
     } else {
       const int t = t1 + (lane & 15);
       cp_async<DD::FB>(st + Stage::FL + DD::FB * lane, cur.frow + t, on1 && t < T);
@@ -881,6 +888,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     if constexpr (OUT) {
       cur.frow = lane < 16 ? reinterpret_cast<const FlagT*>(p.kf) + bh * p.k_fs
                            : reinterpret_cast<const FlagT*>(p.vf) + bh * p.v_fs;
+      if constexpr (D == 64) cur.fsh = (int)((reinterpret_cast<uintptr_t>(cur.frow) >> 1) & 1);
       cur.irow = lane < 16 ? p.ki + bh * p.k_is : p.vi + bh * p.v_is;
     }
     cur.c0 = p.kc + bh * p.k_cs + (long long)t0 * CB + Dims<D>::PIECE * lane;
@@ -991,7 +999,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
         runv = *reinterpret_cast<const int*>(st + Stage::OX + 4);
       }
       const int nb = ((j + 1) & 1) * PfBuf::BYTES;
-      out_meta<D>(flags_at<D>(st + Stage::FL + Dims<D>::FB * lane), runk, runv, orow, lane, pfb + nb, pfa + nb);
+      const uint8_t* fr = D == 64 ? st + Stage::FL + Stage::FLR * (lane >> 4) + 2 * ((lane & 15) + cur.fsh)
+                                  : st + Stage::FL + Dims<D>::FB * lane;
+      out_meta<D>(flags_at<D>(fr), runk, runv, orow, lane, pfb + nb, pfa + nb);
       cp_commit();
     } else {
       cp_wait<SMS - 1>();

@@ -188,10 +188,10 @@ def _flat_reason(f) -> str | None:
             fs, os_, _ = bh_stride(fl, "flags"), bh_stride(ol, "outliers"), bh_stride(ix, "outlier_index")
         except ValueError as e:
             return str(e)
-        # flags are copied 4 bytes at a time (at head_dim 64: two tokens' rows, so an even
-        # capacity), 8 at 256
+        # flag rows are copied 4 bytes at a time (at head_dim 64 two tokens' 2-byte rows from a
+        # 4-byte boundary, whatever the capacity: the .cu's copy_tile), 8 at 256
         fa = max(4, fb)
-        if fl.data_ptr() % fa or fs % fa or ol.data_ptr() % 8 or os_ % 4 or ix.data_ptr() % 4:
+        if fl.data_ptr() % fa or (fb > 2 and fs % fa) or ol.data_ptr() % 8 or os_ % 4 or ix.data_ptr() % 4:
             return f"Med3x flags / outliers / outlier_index not {fa} / 8 / 4-byte aligned"
     return None
 
