@@ -63,6 +63,11 @@ struct Dims {
   static constexpr int PIECE = CB % 16 ? 8 : 16, PPT = CB / PIECE, NPC = 16 * PPT;  // per token / per tile
   using FlagT = typename std::conditional<FB == 2, uint16_t,
                                           typename std::conditional<FB == 4, uint32_t, uint2>::type>::type;
+  // D = 256 splits the head over the two warps of a pair (SPL): each decodes, scores and
+  // accumulates its DW = 128 dims with d = 128's code, the pair adds its two partial scores
+  // through shared memory before the softmax. Doubling every per-thread array instead took
+  // 194-203 registers (offline), one CTA of 8 warps per SM.
+  static constexpr int SPL = D > 128 ? 2 : 1, DW = D / SPL;
 };
 
 struct Params {
@@ -121,8 +126,8 @@ __device__ __forceinline__ float rm15(uint32_t bits) {
 // one warp stage: the bytes of a 16-token tile
 // ---------------------------------------------------------------------------------
 template <int D>
-struct Stage {
-  static constexpr int CB = Dims<D>::CB, RB = Dims<D>::RB, FB = Dims<D>::FB;
+struct Stage {  // of one warp: its DW dims' bytes (the whole row's flags)
+  static constexpr int CB = Dims<Dims<D>::DW>::CB, RB = Dims<Dims<D>::DW>::RB, FB = Dims<D>::FB;
   static constexpr int KC = 0, VC = 16 * CB, KR = 2 * 16 * CB, VR = KR + 16 * RB, KM = VR + 16 * RB, VM = KM + 48;
   static constexpr int BYTES = VM + 48;  // 2144 at D = 128
   // Med3x: the tile's 16 flag rows per role (token t of role r at FL + FLR r + FB t; at D = 64
@@ -147,6 +152,7 @@ struct CpCursor {
   int t0;
   int i;  // tiles copied so far (Med3x: position in the 64-token block)
   int fsh;  // D = 64: 1 when the role's flag rows start 2 bytes past a 4-byte boundary (odd capacity)
+  int o1;   // D = 256: bytes from code chunk `lane` of the warp's half tile to chunk lane + 32
 };
 
 // Tokens from one tile of a warp to its next: NW tiles on (a warp takes every NW-th tile),
@@ -167,13 +173,15 @@ __device__ __forceinline__ void cp_async4_part(uint32_t dst, const void* src, in
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
 }
 
+// NW: the warps (D = 256: warp pairs) streaming tiles; CB, RB of the global rows (the
+// cursor's strides), the stage holds the warp's DW dims.
 template <int NW, bool OUT, bool PF = false, int D = 128>
 __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, bool on, int lane, bool on1 = false) {
   using Stage = ::Stage<D>;
   using DD = Dims<D>;
   constexpr int CB = DD::CB, RB = DD::RB;
   const int STEP = tile_advance<NW, OUT>(cur.i);
-  if constexpr (D == 128) {
+  if constexpr (D >= 128) {  // 48 code bytes a token in the stage (256: the warp's half of the row)
     {
       const int i = lane;  // code chunk i: token i / 3
       const bool ok = on && cur.t0 + i / 3 < T;
@@ -183,8 +191,8 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, 
     if (lane < 16) {
       const int i = lane + 32;
       const bool ok = on && cur.t0 + i / 3 < T;
-      cp_async<16>(st + Stage::KC + 16 * i, cur.c0 + 512, ok);
-      cp_async<16>(st + Stage::VC + 16 * i, cur.vc0 + 512, ok);
+      cp_async<16>(st + Stage::KC + 16 * i, cur.c0 + (D == 128 ? 512 : cur.o1), ok);
+      cp_async<16>(st + Stage::VC + 16 * i, cur.vc0 + (D == 128 ? 512 : cur.o1), ok);
     }
   } else {
     constexpr int P = DD::PIECE;
@@ -198,13 +206,13 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, 
       }
     }
   }
-  if constexpr (D == 128) {
+  if constexpr (D >= 128) {  // (256: the warp's 16 bytes of the token's 32)
     const bool ok = on && cur.t0 + (lane & 15) < T;
     cp_async<16>(st + (lane < 16 ? Stage::KR : Stage::VR) + 16 * (lane & 15), cur.r, ok);
   } else {
     const bool ok = on && cur.t0 + (lane & 15) < T;
 #pragma unroll
-    for (int x = 0; x < (RB + 15) / 16; ++x) {  // one token's radius row: 8 or 2 x 16 bytes
+    for (int x = 0; x < (RB + 15) / 16; ++x) {  // one token's radius row: 8 bytes
       constexpr int N = RB < 16 ? RB : 16;
       cp_async<N>(st + (lane < 16 ? Stage::KR : Stage::VR) + RB * (lane & 15) + 16 * x, cur.r + 16 * x, ok);
     }
@@ -252,9 +260,11 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, 
 // the tile: K decode + scores, online softmax, V decode + PV
 // ---------------------------------------------------------------------------------
 // (decode_attention.cu's load_q with KiviQ's kdim; kept apart, as it says why)
-template <int D, typename QT>
-__device__ __forceinline__ void load_q(const QT* q, long long row, bool real, int c, uint32_t (&qb)[D / 16][2]) {
-  constexpr int KS = D / 16;
+// DW: the dims of this warp, dims [DW hf, DW hf + DW) of q's D (D = 256: a pair's half)
+template <int DW, int D, typename QT>
+__device__ __forceinline__ void load_q(const QT* q, long long row, bool real, int c, uint32_t (&qb)[DW / 16][2],
+                                       int hf = 0) {
+  constexpr int KS = DW / 16;
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk) {
 #pragma unroll
@@ -262,7 +272,7 @@ __device__ __forceinline__ void load_q(const QT* q, long long row, bool real, in
       float x[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int d = 4 * (KS * c + kk) + 2 * slot + half;
+        const int d = DW * hf + 4 * (KS * c + kk) + 2 * slot + half;
         float v = 0.f;
         if (real) {
           if constexpr (std::is_same<QT, float>::value) v = q[row * D + d];
@@ -289,7 +299,7 @@ __device__ __forceinline__ uint32_t code8(uint32_t w0, uint32_t w1, uint32_t w2)
   else x = lo >> (sh - 3);
   return x & 0x7FF8u;
 }
-// code KK of the little-endian stream w[0..N), times 8 (code8 over N words: D = 64, 256)
+// code KK of the little-endian stream w[0..N), times 8 (code8 over N words: D = 64's shifted pair)
 template <int KK, int N>
 __device__ __forceinline__ uint32_t code8n(const uint32_t (&w)[N]) {
   constexpr int bit = 12 * KK, wi = bit / 32, sh = bit % 32;
@@ -347,25 +357,19 @@ __device__ __forceinline__ FlagW<D> flags_at(const uint8_t* p) {  // a flag row 
 }
 
 template <int D = 128>
-struct PfBuf {  // one tile's half of a warp's double buffer
+struct PfBuf {  // one tile's half of a warp's double buffer (the same at every head dim)
   static constexpr int IT = 0;              // OCAP items (uint2)
-  static constexpr int WSE = D == 256 ? 16 : 8;  // {flag word(s), first slot} per token
-  static constexpr int WS = OCAP * 8;       // [32] WSE-byte entries of token lane & 15, role lane >> 4
-  static constexpr int U = WS + 32 * WSE;   // {k0, v0, mask, n}: list index of slot 0 (K, V), see out_meta
-  static constexpr int BYTES = U + 16;      // 1296 at D <= 128
+  static constexpr int WS = OCAP * 8;       // [32] {flag word, first slot} of token lane & 15, role lane >> 4
+  static constexpr int U = WS + 32 * 8;     // {k0, v0, mask, n}: list index of slot 0 (K, V), see out_meta
+  static constexpr int BYTES = U + 16;      // 1296
 };
-// entry of token `tok` (role K: 0..15, V: 16..31) in the buffer half pb: (flags, first slot)
+// entry of token `tok` (role K: 0..15, V: 16..31) in the buffer half pb: (the warp's flag
+// word, the slot of its first chunk)
 template <int D>
 __device__ __forceinline__ void ws_get(const uint8_t* pb, int tok, FlagW<D>& fw, int& first) {
-  if constexpr (D == 256) {
-    const int4 w = *reinterpret_cast<const int4*>(pb + PfBuf<D>::WS + 16 * tok);
-    fw = (unsigned long long)(uint32_t)w.x | ((unsigned long long)(uint32_t)w.y << 32);
-    first = w.z;
-  } else {
-    const int2 ws = *reinterpret_cast<const int2*>(pb + PfBuf<D>::WS + 8 * tok);
-    fw = (uint32_t)ws.x;
-    first = ws.y;
-  }
+  const int2 ws = *reinterpret_cast<const int2*>(pb + PfBuf<D>::WS + 8 * tok);
+  fw = (uint32_t)ws.x;
+  first = ws.y;
 }
 
 // Tile bookkeeping from its flag words fl (lane: token lane & 15 of role lane >> 4; 0 past T)
@@ -373,10 +377,11 @@ __device__ __forceinline__ void ws_get(const uint8_t* pb, int tok, FlagW<D>& fw,
 // it), into buffer half pb (shared address pa); then the copies of its items (not committed).
 // Slots: K items at 0 .. nK-1, V items at nK .. nK+nV-1; u.mask bits 0..KS-1: k-steps kk with a
 // K outlier in some lane (chunk KS c + kk), bits KS..KS+VC-1: V chunk columns jj (chunk VC g + jj);
-// at D = 128 bits 0..7 and 8..11.
+// at D = 128 bits 0..7 and 8..11. D = 256 (a warp pair, hf: this warp's half): the slots and
+// counts are the whole rows', the entries and masks this warp's word of them (as d = 128's).
 template <int D = 128>
 __device__ __forceinline__ void out_meta(FlagW<D> fl, int& runk, int& runv, const OutRows& orow, int lane,
-                                         uint8_t* pb, uint32_t pa) {
+                                         uint8_t* pb, uint32_t pa, int hf = 0) {
   using PfBuf = ::PfBuf<D>;
   const int x = popc(fl);
   int inc = x;
@@ -386,18 +391,19 @@ __device__ __forceinline__ void out_meta(FlagW<D> fl, int& runk, int& runv, cons
     if ((lane & 15) >= d) inc += y;
   }
   const int nk = __shfl_sync(0xffffffffu, inc, 15), nv = __shfl_sync(0xffffffffu, inc, 31);
-  constexpr int KS = D / 16;
-  constexpr uint32_t KM = (1u << KS) - 1u, VM = (1u << (D / 32)) - 1u;
+  constexpr int DW = Dims<D>::DW, KS = DW / 16;
+  constexpr uint32_t KM = (1u << KS) - 1u, VM = (1u << (DW / 32)) - 1u;
   uint32_t kk, mv;  // k-steps with a K outlier (bit KS c + kk of some lane c folded onto kk), V columns
-  if constexpr (D == 256) {  // 64 chunks: 16 per lane c (K), 8 per lane g (V)
-    const uint32_t lo = (uint32_t)fl, hi = (uint32_t)(fl >> 32);
-    *reinterpret_cast<int4*>(pb + PfBuf::WS + 16 * lane) = make_int4((int)lo, (int)hi, inc - x + (lane >= 16 ? nk : 0), 0);
-    const uint32_t mkl = __reduce_or_sync(0xffffffffu, lane < 16 ? lo : 0u);
-    const uint32_t mkh = __reduce_or_sync(0xffffffffu, lane < 16 ? hi : 0u);
-    mv = __reduce_or_sync(0xffffffffu, lane < 16 ? 0u : (lo | hi));
-    kk = mkl | (mkl >> 16) | mkh | (mkh >> 16);
+  if constexpr (D == 256) {  // the warp's 32 chunks: 8 per lane c (K), 4 per lane g (V), as at 128
+    const uint32_t lo = (uint32_t)fl, hi = (uint32_t)(fl >> 32), mine = hf ? hi : lo;
+    *reinterpret_cast<int2*>(pb + PfBuf::WS + 8 * lane) =
+        make_int2((int)mine, inc - x + (lane >= 16 ? nk : 0) + (hf ? __popc(lo) : 0));
+    const uint32_t mk = __reduce_or_sync(0xffffffffu, lane < 16 ? mine : 0u);
+    mv = __reduce_or_sync(0xffffffffu, lane < 16 ? 0u : mine);
+    kk = mk | (mk >> 8) | (mk >> 16) | (mk >> 24);
     mv |= mv >> 16;
     mv |= mv >> 8;
+    mv |= mv >> 4;
   } else {
     *reinterpret_cast<int2*>(pb + PfBuf::WS + 8 * lane) = make_int2((int)fl, inc - x + (lane >= 16 ? nk : 0));
     const uint32_t mk = __reduce_or_sync(0xffffffffu, lane < 16 ? fl : 0u);
@@ -506,61 +512,40 @@ __device__ __forceinline__ void out_values(float (&acc)[D / 16][4], const uint8_
   }
 }
 
-// ---- the quantized path at D = 64 / 256 (tile_step keeps D = 128's verbatim: its timing
-// was measured in that form). Same arithmetic; only where a lane's codes and radius codes
-// lie in the rows changes.
-// K: tokens g, g+8; lane c's KS chunks KS c .. KS c + KS - 1 (one per k-step): the scores s
-// (unscaled) and the tokens' r_max / 15 (rk).
+// ---- the quantized path at D = 64 (tile_step keeps D = 128's verbatim, which D = 256's
+// warp pairs run too: its timing was measured in that form). Same arithmetic; a lane's codes
+// lie at unaligned bytes of the 24-byte rows.
+// K: tokens g, g+8; lane c's 4 chunks 4c .. 4c + 3 (one per k-step): the scores s (unscaled)
+// and the tokens' r_max / 15 (rk).
 template <int D>
 __device__ __forceinline__ void k_generic(const uint8_t* st, const uint8_t* ktab, int moff_k,
                                           const uint32_t (&qb)[D / 16][2], float (&s)[4], float (&rk)[2], int g,
                                           int c) {
+  static_assert(D == 64, "D = 64's layout");
   using Stage = ::Stage<D>;
   constexpr int KS = D / 16, CB = Dims<D>::CB, RB = Dims<D>::RB;
-  constexpr int NW = D == 64 ? 2 : KS * 12 / 32;  // words holding the lane's codes (after the shift at 64)
-  constexpr int RW = KS / 8 > 0 ? KS / 8 : 1;     // words of its radius codes (4 bits a chunk)
-  uint32_t off[2][KS], rw[2][RW], rmb[2];
+  uint32_t off[2][KS], rw[2], rmb[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int t = g + 8 * i;
-    uint32_t w[NW];
-    if constexpr (D == 64) {  // 48 bits at byte 6c: from the word pair at 4 (3c / 2), shifted by 16 (c & 1)
-      const uint8_t* row = st + Stage::KC + t * CB + 4 * ((3 * c) >> 1);
-      const uint32_t w0 = *reinterpret_cast<const uint32_t*>(row), w1 = *reinterpret_cast<const uint32_t*>(row + 4);
-      const int sh = 16 * (c & 1);
-      w[0] = __funnelshift_r(w0, w1, sh);
-      w[1] = w1 >> sh;
-      rw[i][0] = *reinterpret_cast<const uint16_t*>(st + Stage::KR + t * RB + 2 * c);
-    } else {  // 24 bytes at byte 24c
-      const uint8_t* row = st + Stage::KC + t * CB + 24 * c;
-#pragma unroll
-      for (int x = 0; x < NW; x += 2) {
-        const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * x);
-        w[x] = v.x;
-        w[x + 1] = v.y;
-      }
-      const uint2 r2 = *reinterpret_cast<const uint2*>(st + Stage::KR + t * RB + 8 * c);
-      rw[i][0] = r2.x;
-      rw[i][1] = r2.y;
-    }
+    // 48 bits at byte 6c: from the word pair at 4 (3c / 2), shifted by 16 (c & 1)
+    const uint8_t* row = st + Stage::KC + t * CB + 4 * ((3 * c) >> 1);
+    const uint32_t w0 = *reinterpret_cast<const uint32_t*>(row), w1 = *reinterpret_cast<const uint32_t*>(row + 4);
+    const int sh = 16 * (c & 1);
+    const uint32_t w[2] = {__funnelshift_r(w0, w1, sh), w1 >> sh};
+    rw[i] = *reinterpret_cast<const uint16_t*>(st + Stage::KR + t * RB + 2 * c);
     rmb[i] = *reinterpret_cast<const uint16_t*>(st + Stage::KM + moff_k + 2 * t);
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-      switch (kk) {  // (code8n's code index must be a constant)
-#define KVQ_C8(K) case K: off[i][K] = code8n<K < KS ? K : 0>(w); break;
-        KVQ_C8(0) KVQ_C8(1) KVQ_C8(2) KVQ_C8(3) KVQ_C8(4) KVQ_C8(5) KVQ_C8(6) KVQ_C8(7)
-        KVQ_C8(8) KVQ_C8(9) KVQ_C8(10) KVQ_C8(11) KVQ_C8(12) KVQ_C8(13) KVQ_C8(14) KVQ_C8(15)
-#undef KVQ_C8
-      }
-    }
+    off[i][0] = code8n<0>(w);
+    off[i][1] = code8n<1>(w);
+    off[i][2] = code8n<2>(w);
+    off[i][3] = code8n<3>(w);
   }
   rk[0] = rm15(rmb[0]);
   rk[1] = rm15(rmb[1]);
+  const uint32_t rlo = __byte_perm(rw[0], rw[1], 0x5410);  // chunks 0-3 of g, g+8
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk) {
-    const int wd = kk >> 3;  // radius word of chunk kk: chunks 0-3 of g, g+8 (rlo), 4-7 (rhi)
-    uint32_t x = __byte_perm(rw[0][wd], rw[1][wd], (kk & 7) < 4 ? 0x5410 : 0x7632);
-    if (kk & 2) x >>= 8;
+    const uint32_t x = (kk & 2) ? rlo >> 8 : rlo;
     const __half2 rh = (kk & 1) ? nibbles<true>(x) : nibbles<false>(x);  // (rq of token g, of g+8), exact
     const uint2 cg = gather(ktab, off[0][kk]);
     const uint2 cg8 = gather(ktab, off[1][kk]);
@@ -570,50 +555,32 @@ __device__ __forceinline__ void k_generic(const uint8_t* st, const uint8_t* ktab
   }
 }
 
-// V: tokens 2c, 2c+1, 2c+8, 2c+9; lane g's VC chunks VC g ..: O^T += V^T P^T (pb0, pb1)
+// V: tokens 2c, 2c+1, 2c+8, 2c+9; lane g's 2 chunks 2g, 2g + 1: O^T += V^T P^T (pb0, pb1)
 template <int D>
 __device__ __forceinline__ void v_generic(const uint8_t* st, const uint8_t* vtab, float (&acc)[D / 16][4],
                                           uint32_t pb0, uint32_t pb1, int g, int c) {
+  static_assert(D == 64, "D = 64's layout");
   using Stage = ::Stage<D>;
   constexpr int VC = D / 32, CB = Dims<D>::CB, RB = Dims<D>::RB;
   uint32_t off[4][VC];
-  uint32_t rb[4];  // the lane's radius codes (VC nibbles) of each token
+  uint32_t rb[4];  // the lane's radius byte (2 nibbles) of each token
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int t = 2 * c + (j & 1) + 8 * (j >> 1);
-    if constexpr (D == 64) {  // 24 bits at byte 3g: from the word pair at 4 (3g / 4), shifted by 8 (3g % 4)
-      const uint8_t* row = st + Stage::VC + t * CB + 4 * ((3 * g) >> 2);
-      const uint32_t w0 = *reinterpret_cast<const uint32_t*>(row), w1 = *reinterpret_cast<const uint32_t*>(row + 4);
-      const uint32_t lo = __funnelshift_r(w0, w1, 8 * ((3 * g) & 3));
-      off[j][0] = (lo << 3) & 0x7FF8u;
-      off[j][1] = (lo >> 9) & 0x7FF8u;
-      rb[j] = st[Stage::VR + t * RB + g];
-    } else {  // 96 bits at byte 12g
-      const uint8_t* row = st + Stage::VC + t * CB + 12 * g;
-      const uint32_t w0 = *reinterpret_cast<const uint32_t*>(row), w1 = *reinterpret_cast<const uint32_t*>(row + 4),
-                     w2 = *reinterpret_cast<const uint32_t*>(row + 8);
-      off[j][0] = code8<0>(w0, w1, w2);
-      off[j][1] = code8<1>(w0, w1, w2);
-      off[j][2] = code8<2>(w0, w1, w2);
-      off[j][3] = code8<3>(w0, w1, w2);
-      off[j][4] = code8<4>(w0, w1, w2);
-      off[j][5] = code8<5>(w0, w1, w2);
-      off[j][6] = code8<6>(w0, w1, w2);
-      off[j][7] = code8<7>(w0, w1, w2);
-      rb[j] = *reinterpret_cast<const uint32_t*>(st + Stage::VR + t * RB + 4 * g);
-    }
+    // 24 bits at byte 3g: from the word pair at 4 (3g / 4), shifted by 8 (3g % 4)
+    const uint8_t* row = st + Stage::VC + t * CB + 4 * ((3 * g) >> 2);
+    const uint32_t w0 = *reinterpret_cast<const uint32_t*>(row), w1 = *reinterpret_cast<const uint32_t*>(row + 4);
+    const uint32_t lo = __funnelshift_r(w0, w1, 8 * ((3 * g) & 3));
+    off[j][0] = (lo << 3) & 0x7FF8u;
+    off[j][1] = (lo >> 9) & 0x7FF8u;
+    rb[j] = st[Stage::VR + t * RB + g];
   }
-  // chunk jj = m-tiles 2 jj, 2 jj + 1; its radius nibble is nibble jj of rb: bytes (t, t+1) paired
+  const uint32_t x01 = __byte_perm(rb[0], rb[1], 0x5410), x89 = __byte_perm(rb[2], rb[3], 0x5410);
+  // chunk jj = m-tiles 2 jj, 2 jj + 1; its radius nibble is nibble jj of the byte
 #pragma unroll
   for (int jj = 0; jj < VC; ++jj) {
-    const uint32_t sel = jj < 4 ? 0x5410 : 0x7632;
-    uint32_t x01 = __byte_perm(rb[0], rb[1], sel), x89 = __byte_perm(rb[2], rb[3], sel);
-    if (jj & 2) {
-      x01 >>= 8;
-      x89 >>= 8;
-    }
-    const __half2 r01 = (jj & 1) ? nibbles<true>(x01) : nibbles<false>(x01);  // (rq_2c, rq_2c+1), exact
-    const __half2 r89 = (jj & 1) ? nibbles<true>(x89) : nibbles<false>(x89);
+    const __half2 r01 = jj ? nibbles<true>(x01) : nibbles<false>(x01);  // (rq_2c, rq_2c+1), exact
+    const __half2 r89 = jj ? nibbles<true>(x89) : nibbles<false>(x89);
     const uint2 c0 = gather(vtab, off[0][jj]), c1 = gather(vtab, off[1][jj]);
     const uint2 c8 = gather(vtab, off[2][jj]), c9 = gather(vtab, off[3][jj]);
     mma16816(acc[2 * jj], u32(__hmul2(h2(__byte_perm(c0.x, c1.x, 0x5410)), r01)),
@@ -627,15 +594,32 @@ __device__ __forceinline__ void v_generic(const uint8_t* st, const uint8_t* vtab
   }
 }
 
+// The pair's partial scores added (D = 256): xb is this tile's exchange buffer of the pair
+// ([half][lane] float4, double-buffered by the caller, so one barrier a tile suffices: a
+// warp writes a buffer again two tiles later, after its partner has passed the barrier of
+// the tile between, that is after its read). Both warps get the same sums (a + b == b + a).
+__device__ __forceinline__ void pair_add(float (&s)[4], uint8_t* xb, int hf, int lane, int bar) {
+  *reinterpret_cast<float4*>(xb + 512 * hf + 16 * lane) = make_float4(s[0], s[1], s[2], s[3]);
+  asm volatile("bar.sync %0, 64;" ::"r"(bar) : "memory");
+  const float4 o = *reinterpret_cast<const float4*>(xb + 512 * (hf ^ 1) + 16 * lane);
+  s[0] += o.x;
+  s[1] += o.y;
+  s[2] += o.z;
+  s[3] += o.w;
+}
+
 // PF: the tile's outliers from its half pb of the warp's buffer (filled one tile ahead; its
 // item copies are the last group but two: the loop commits the stage of tile j + SMS - 1 and
 // tile j + 1's items after them)
-template <bool OUT, bool PF = false, int D = 128>
+// SPL = 2 (head dim 256): D is the warp's 128 dims; its partial scores are added to its
+// partner's (pair_add: xb, hf, bar) before the softmax.
+template <bool OUT, bool PF = false, int D = 128, int SPL = 1>
 __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab, const uint8_t* vtab, int moff_k,
                                           int moff_v, int t0, int T, float qk, const uint32_t (&qb)[D / 16][2],
                                           float (&acc)[D / 16][4], float (&m)[2], float (&l)[2], int g, int c,
                                           int& run, bool block_start, const OutRows& orow,
-                                          const uint8_t* pb = nullptr) {
+                                          const uint8_t* pb = nullptr, uint8_t* xb = nullptr, int hf = 0,
+                                          int bar = 0) {
   using Stage = ::Stage<D>;
   constexpr int KS = D / 16, CB = Dims<D>::CB, RB = Dims<D>::RB;
   static_assert(D == 128 || !OUT || PF, "the direct Med3x path (variants 0, 2) is head dim 128's only");
@@ -763,6 +747,7 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
       }
     }
   }
+  if constexpr (SPL == 2) pair_add(s, xb, hf, lane, bar);
   if (t0 + g >= T) s[0] = s[1] = NEG_INF;
   if (t0 + g + 8 >= T) s[2] = s[3] = NEG_INF;
 
@@ -841,8 +826,10 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
 
 template <int NW, int SMS, int TABB, bool OUT, bool PF = false, int D = 128>
 constexpr int dyn_smem() {
-  constexpr int body = 2 * TABB + SMS * NW * STAGE_BYTES<OUT, D> + (OUT && PF ? NW * 2 * PfBuf<D>::BYTES : 0);
-  constexpr int red = NW * 8 * D * 4;
+  constexpr int SPL = Dims<D>::SPL, NP = NW / SPL;  // (D = 256: the pairs' score exchange, 2 KB each)
+  constexpr int body = 2 * TABB + SMS * NW * STAGE_BYTES<OUT, D> + (OUT && PF ? NW * 2 * PfBuf<D>::BYTES : 0) +
+                       (SPL == 2 ? NP * 2048 : 0);
+  constexpr int red = NP * 8 * D * 4;
   return body > red ? body : red;
 }
 
@@ -855,8 +842,12 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   using Stage = ::Stage<D>;
   using PfBuf = ::PfBuf<D>;
   using FlagT = typename Dims<D>::FlagT;
-  constexpr int SB = STAGE_BYTES<OUT, D>, KS = D / 16, CB = Dims<D>::CB, RB = Dims<D>::RB;
+  // SPL = 2 (D = 256): warp pairs (wp) stream the tiles, warp hf of a pair takes dims
+  // [128 hf, 128 hf + 128) (DW) of every row; else wp = warp, NP = NW, DW = D.
+  constexpr int SPL = Dims<D>::SPL, NP = NW / SPL, DW = Dims<D>::DW;
+  constexpr int SB = STAGE_BYTES<OUT, D>, KS = DW / 16, CB = Dims<D>::CB, RB = Dims<D>::RB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wp = warp / SPL, hf = warp % SPL;
   const int g = lane >> 2, c = lane & 3;
   const int bh = blockIdx.x, sp = blockIdx.y;
   const int h = bh % p.Hkv;
@@ -882,7 +873,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   CpCursor<D> cur;
   int moff_k, moff_v;
   {
-    const int t0 = (first + (OUT ? 4 * warp : warp)) * 16;
+    const int t0 = (first + (OUT ? 4 * wp : wp)) * 16;
     cur.t0 = t0;
     cur.i = 0;
     if constexpr (OUT) {
@@ -891,9 +882,18 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       if constexpr (D == 64) cur.fsh = (int)((reinterpret_cast<uintptr_t>(cur.frow) >> 1) & 1);
       cur.irow = lane < 16 ? p.ki + bh * p.k_is : p.vi + bh * p.v_is;
     }
-    cur.c0 = p.kc + bh * p.k_cs + (long long)t0 * CB + Dims<D>::PIECE * lane;
-    cur.vc0 = p.vc + bh * p.v_cs + (long long)t0 * CB + Dims<D>::PIECE * lane;
-    cur.r = (lane < 16 ? p.kr + bh * p.k_rs : p.vr + bh * p.v_rs) + (long long)t0 * RB + RB * (lane & 15);
+    if constexpr (SPL == 2) {  // chunk i (16 B) of the warp's half tile: token i / 3, bytes 48 hf + 16 (i % 3)
+      const int o0 = (lane / 3) * CB + 16 * (lane % 3), i1 = lane + 32;
+      cur.o1 = (i1 / 3) * CB + 16 * (i1 % 3) - o0;
+      cur.c0 = p.kc + bh * p.k_cs + (long long)t0 * CB + (CB / 2) * hf + o0;
+      cur.vc0 = p.vc + bh * p.v_cs + (long long)t0 * CB + (CB / 2) * hf + o0;
+      cur.r = (lane < 16 ? p.kr + bh * p.k_rs : p.vr + bh * p.v_rs) + (long long)t0 * RB + RB * (lane & 15) +
+              (RB / 2) * hf;
+    } else {
+      cur.c0 = p.kc + bh * p.k_cs + (long long)t0 * CB + Dims<D>::PIECE * lane;
+      cur.vc0 = p.vc + bh * p.v_cs + (long long)t0 * CB + Dims<D>::PIECE * lane;
+      cur.r = (lane < 16 ? p.kr + bh * p.k_rs : p.vr + bh * p.v_rs) + (long long)t0 * RB + RB * (lane & 15);
+    }
     const uint8_t* mk = reinterpret_cast<const uint8_t*>(p.km + bh * p.k_ms + t0);
     const uint8_t* mv = reinterpret_cast<const uint8_t*>(p.vm + bh * p.v_ms + t0);
     moff_k = (int)(reinterpret_cast<uintptr_t>(mk) & 15);
@@ -938,16 +938,16 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   }
   const uint8_t* wsm = stages + warp * (SMS * SB);
   const uint32_t wsa = smem_u32(wsm);
-  int ntile;
+  int ntile;  // (the same for both warps of a pair: pair_add's barriers match)
   if constexpr (OUT) {  // whole blocks: the final block's tiles past T are masked (and cost a tile)
     const int nb = (last - first + 3) / 4;
-    ntile = nb > warp ? 4 * ((nb - warp + NW - 1) / NW) : 0;
+    ntile = nb > wp ? 4 * ((nb - wp + NP - 1) / NP) : 0;
   } else {
-    ntile = last > first + warp ? (last - first - warp + NW - 1) / NW : 0;
+    ntile = last > first + wp ? (last - first - wp + NP - 1) / NP : 0;
   }
 #pragma unroll
   for (int i = 0; i < SMS - 1; ++i) {
-    copy_tile<NW, OUT, PF, D>(wsa + i * SB, cur, T, i < ntile, lane, i + 1 < ntile);
+    copy_tile<NP, OUT, PF, D>(wsa + i * SB, cur, T, i < ntile, lane, i + 1 < ntile);
     cp_commit();
   }
   int run = 0;  // Med3x: outliers of this lane's role before the current tile, in its block
@@ -961,9 +961,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   {
     const bool real = g < p.gqa;
     const long long row = (long long)bh * p.gqa + g;
-    if (p.qtype == 0) load_q<D>(reinterpret_cast<const __half*>(p.q), row, real, c, qb);
-    else if (p.qtype == 1) load_q<D>(reinterpret_cast<const uint16_t*>(p.q), row, real, c, qb);
-    else load_q<D>(reinterpret_cast<const float*>(p.q), row, real, c, qb);
+    if (p.qtype == 0) load_q<DW, D>(reinterpret_cast<const __half*>(p.q), row, real, c, qb, hf);
+    else if (p.qtype == 1) load_q<DW, D>(reinterpret_cast<const uint16_t*>(p.q), row, real, c, qb, hf);
+    else load_q<DW, D>(reinterpret_cast<const float*>(p.q), row, real, c, qb, hf);
   }
   float acc[KS][4];
 #pragma unroll
@@ -973,8 +973,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   // tiles: nothing to copy); its own group, after the prologue's stages
   uint8_t* pfb = stages + NW * SMS * SB + warp * 2 * PfBuf::BYTES;
   const uint32_t pfa = smem_u32(pfb);
+  // SPL = 2: the pair's score exchange (pair_add), two tiles' buffers of 1 KB
+  uint8_t* xb = stages + NW * SMS * SB + (OUT && PF ? NW * 2 * PfBuf::BYTES : 0) + wp * 2048;
   if constexpr (OUT && PF) {
-    out_meta<D>(fl0, runk, runv, orow, lane, pfb, pfa);
+    out_meta<D>(fl0, runk, runv, orow, lane, pfb, pfa, hf);
     cp_commit();
     cp_wait<SMS>();  // the tables (the oldest group) have landed
   } else {
@@ -985,7 +987,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   int rd = 0, wr = SMS - 1;
   for (int j = 0; j < ntile; ++j) {
     __syncwarp();
-    copy_tile<NW, OUT, PF, D>(wsa + wr * SB, cur, T, j + SMS - 1 < ntile, lane, j + SMS < ntile);
+    copy_tile<NP, OUT, PF, D>(wsa + wr * SB, cur, T, j + SMS - 1 < ntile, lane, j + SMS < ntile);
     cp_commit();
     if constexpr (OUT && PF) {
       // stage j: groups since it = tile j-1's items?, then per tile (stage, items) and the stage
@@ -1001,15 +1003,15 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       const int nb = ((j + 1) & 1) * PfBuf::BYTES;
       const uint8_t* fr = D == 64 ? st + Stage::FL + Stage::FLR * (lane >> 4) + 2 * ((lane & 15) + cur.fsh)
                                   : st + Stage::FL + Dims<D>::FB * lane;
-      out_meta<D>(flags_at<D>(fr), runk, runv, orow, lane, pfb + nb, pfa + nb);
+      out_meta<D>(flags_at<D>(fr), runk, runv, orow, lane, pfb + nb, pfa + nb, hf);
       cp_commit();
     } else {
       cp_wait<SMS - 1>();
       __syncwarp();
     }
-    const int tile = OUT ? first + 4 * (warp + NW * (j >> 2)) + (j & 3) : first + warp + j * NW;
-    tile_step<OUT, PF, D>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16, T, p.qk_scale, qb, acc, m, l, g, c, run,
-                       (j & 3) == 0, orow, pfb + (j & 1) * PfBuf::BYTES);
+    const int tile = OUT ? first + 4 * (wp + NP * (j >> 2)) + (j & 3) : first + wp + j * NP;
+    tile_step<OUT, PF, DW, SPL>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16, T, p.qk_scale, qb, acc, m, l, g, c, run,
+                       (j & 3) == 0, orow, pfb + (j & 1) * PfBuf::BYTES, xb + (j & 1) * 1024, hf, 1 + wp);
     rd = rd == SMS - 1 ? 0 : rd + 1;
     wr = wr == SMS - 1 ? 0 : wr + 1;
   }
@@ -1021,12 +1023,13 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     for (int o = 4; o < 32; o <<= 1) l[e] += __shfl_xor_sync(0xffffffffu, l[e], o);
   }
   // (the merge and partial write as decode_attention.cu's, kept apart: it says why)
-  __shared__ float sm_m[NW][8], sm_l[NW][8];
+  // (a pair's two warps hold the same m, l: both write them; each its half of the dims)
+  __shared__ float sm_m[NP][8], sm_l[NP][8];
   __syncthreads();  // every warp is done with the tables and stages: reuse them for the merge
   float(*red)[8][D] = reinterpret_cast<float(*)[8][D]>(dsm_of);
   if (g == 0) {
-    sm_m[warp][2 * c] = m[0]; sm_m[warp][2 * c + 1] = m[1];
-    sm_l[warp][2 * c] = l[0]; sm_l[warp][2 * c + 1] = l[1];
+    sm_m[wp][2 * c] = m[0]; sm_m[wp][2 * c + 1] = m[1];
+    sm_l[wp][2 * c] = l[0]; sm_l[wp][2 * c + 1] = l[1];
   }
   __syncthreads();
 #pragma unroll
@@ -1034,13 +1037,13 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     const int hd = 2 * c + e;
     float M = NEG_INF;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) M = fmaxf(M, sm_m[w][hd]);
+    for (int w = 0; w < NP; ++w) M = fmaxf(M, sm_m[w][hd]);
     const float f = (m[e] == NEG_INF) ? 0.f : exp2f(m[e] - M);
 #pragma unroll
     for (int mt = 0; mt < KS; ++mt) {
-      const int d = g * (D / 8) + 2 * mt;
-      red[warp][hd][d] = f * acc[mt][e];
-      red[warp][hd][d + 1] = f * acc[mt][2 + e];
+      const int d = DW * hf + g * (DW / 8) + 2 * mt;
+      red[wp][hd][d] = f * acc[mt][e];
+      red[wp][hd][d + 1] = f * acc[mt][2 + e];
     }
   }
   __syncthreads();
@@ -1048,15 +1051,15 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     const int hd = idx / D, d = idx % D;
     float o = 0.f;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) o += red[w][hd][d];
+    for (int w = 0; w < NP; ++w) o += red[w][hd][d];
     const long long prow = ((long long)bh * p.gqa + hd) * p.nsplit + sp;
     p.po[prow * D + d] = o;
     if (d == 0) {
       float M = NEG_INF, L = 0.f;
 #pragma unroll
-      for (int w = 0; w < NW; ++w) M = fmaxf(M, sm_m[w][hd]);
+      for (int w = 0; w < NP; ++w) M = fmaxf(M, sm_m[w][hd]);
 #pragma unroll
-      for (int w = 0; w < NW; ++w) L += (sm_m[w][hd] == NEG_INF) ? 0.f : sm_l[w][hd] * exp2f(sm_m[w][hd] - M);
+      for (int w = 0; w < NP; ++w) L += (sm_m[w][hd] == NEG_INF) ? 0.f : sm_l[w][hd] * exp2f(sm_m[w][hd] - M);
       // No valid token at all (valid length 0): every split is empty and the combine would
       // return 0/0; split 0 then says (m = 0, l = 1, o = 0), so the output is zeros, the
       // flash-attention convention for a fully masked row.
@@ -1095,21 +1098,15 @@ static_assert(TAB_SMALL % 16 == 0, "table alignment");
 constexpr bool OUT_OK[NVARIANTS] = {true, false, true, false, false, false, false, false, false, true, true};
 
 // Head dims 64 and 256 (2026-12, not yet timed on a GPU): Med3x through the prefetching
-// variants only (the direct path's fragments, 64 registers at 128, would double at 256), and
-// uncapped at 256 (the accumulator and Q fragments alone take 96 registers there).
+// variants only (the direct path's outlier fragments are d = 128's alone; at 64 its chunk
+// bookkeeping differs).
 template <int D>
 constexpr bool out_ok(int v) {
   return D == 128 ? OUT_OK[v] : PREFETCH[v];
 }
-// 16 warps of ~195 registers (D = 256) exceed an SM's register file: capped at 128 they
-// spilled ~480 bytes (offline), so those variants (7, 8) have no head-dim-256 instance.
-template <int V, int D>
-constexpr bool built() {
-  return D <= 128 || VARIANTS[V][0] * 32 * 195 <= 65536;
-}
 template <int V, int D>
 constexpr int minb_of() {
-  return D > 128 ? 1 : VARIANTS[V][2];
+  return VARIANTS[V][2];
 }
 
 template <int V, int TABB, bool OUT, int D>
@@ -1132,7 +1129,6 @@ int prepare() {
 
 enum What { LAUNCH = 0, OCCUPANCY = 1, REGS = 2 };
 constexpr int NO_INSTANCE = -1001;  // no Med3x instance of this variant
-constexpr int NOT_BUILT = -1002;    // no instance of this variant at this head dim
 
 // LAUNCH: 0 or a cudaError_t; OCCUPANCY: CTAs resident per SM (registers, shared memory,
 // threads), < 0 = -error; REGS: registers per thread, < 0 = -error.
@@ -1140,8 +1136,6 @@ template <int V, int TABB, bool OUT, int D>
 int act(What what, const Params* p, int rows, cudaStream_t stream) {
   if constexpr (OUT && !out_ok<D>(V)) {
     return NO_INSTANCE;
-  } else if constexpr (!built<V, D>()) {
-    return NOT_BUILT;
   } else {
     constexpr auto k = kernel_of<V, TABB, OUT, D>();
     constexpr int NT = VARIANTS[V][0] * 32, SM = smem_of<V, TABB, OUT, D>();

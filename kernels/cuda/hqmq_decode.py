@@ -80,10 +80,12 @@ MED3_VARIANTS = (0, 2, 9, 10)
 DEFAULT_VARIANT_MED3 = 10
 AUTO_MED3 = True
 # Head dims with an instance in the .cu (Dims<D>). 64 and 256 (2026-12, compiled offline for
-# sm_90a, not yet run on a GPU): the d = 128 kernels' arithmetic with a lane's chunks scaled by
-# D; at 256 uncapped (194-203 registers, no spills), so v7 / v8's 16 warps have no instance
-# there; Med3x only through the prefetching variants (the direct path's outlier fragments
-# would double). The d = 128 instances are unchanged (PTX identical).
+# sm_90a, not yet run on a GPU): 64 the d = 128 arithmetic over a lane's 4 K / 2 V chunks
+# (91-119 registers); 256 by warp pairs, each warp d = 128's code on its half of the dims and
+# the pair's partial scores added through shared memory (124-141 registers under every
+# variant's own cap, no spills; doubling the per-thread arrays took 194-203, uncapped).
+# Med3x there only through the prefetching variants. The d = 128 instances are unchanged
+# (PTX identical).
 HEAD_DIMS = (64, 128, 256)
 AUTO_HEAD_DIMS = (128,)  # what backend="auto" routes here: add 64 / 256 once their GPU tests pass
 
@@ -92,7 +94,7 @@ def variants(head_dim: int = 128, med3: bool = False) -> tuple[int, ...]:
     """The variants with an instance at this head dim (med3: with a Med3x instance)."""
     if med3:
         return MED3_VARIANTS if head_dim == 128 else PREFETCH_VARIANTS
-    return tuple(v for v in range(NUM_VARIANTS) if head_dim <= 128 or v not in (7, 8))
+    return tuple(range(NUM_VARIANTS))
 
 
 def qk_scale(head_dim: int) -> float:
@@ -267,8 +269,7 @@ def codebook16(f) -> torch.Tensor:
 
 def occupancy(variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False, head_dim: int = 128) -> int:
     """CTAs of a variant resident per SM (the CUDA occupancy query; < 0 when unavailable:
-    no library, no such instance (NO_INSTANCE: no Med3x instance; NOT_BUILT: none at this
-    head dim), a refused opt-in)."""
+    no library, no such instance (NO_INSTANCE: no Med3x instance), a refused opt-in)."""
     lib = _load()
     if lib is None:
         return -1
