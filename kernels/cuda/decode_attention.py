@@ -114,11 +114,14 @@ CUDA_VERIFIED = {"int4", "fp8", "kivi"}
 # (VERIFIED_HEAD_DIMS): int4 / fp8 at 256 and KIVI at 64 / 256 (2026-12) are compiled
 # offline for sm_90a (no spills; the d = 128 kernels' PTX unchanged) and have GPU tests in
 # suites/tests/test_cuda_decode.py, but no GPU run yet: add a head dim here once they pass.
+# Head dim 256 runs 8 warps as 4 pairs, each warp d = 128's code on its half of the dims,
+# the pair's partial scores added through shared memory (120-144 registers; doubling the
+# per-thread arrays instead took 165-217).
 HEAD_DIMS = (64, 128, 256)
 VERIFIED_HEAD_DIMS = {"int4": (64, 128), "fp8": (64, 128), "kivi": (128,)}
-# The register-path variants (0, 1) hold STAGES tiles in registers: at head_dim 256 beside a
-# 64-float accumulator they would spill, so the .cu has no instance of them there; nor of
-# KIVI's tile stream (5, 6), whose stage layout is d = 128's.
+# The register-path variants (0, 1) read whole token rows (no warp-pair split), so the .cu
+# has no head_dim 256 instance of them; nor of KIVI's tile stream (5, 6) off d = 128, whose
+# stage layout is d = 128's.
 HEAD_256_VARIANTS = SMEM_VARIANTS
 KIVI_TILE_STREAM = (5, 6)
 

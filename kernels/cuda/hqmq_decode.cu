@@ -594,20 +594,6 @@ __device__ __forceinline__ void v_generic(const uint8_t* st, const uint8_t* vtab
   }
 }
 
-// The pair's partial scores added (D = 256): xb is this tile's exchange buffer of the pair
-// ([half][lane] float4, double-buffered by the caller, so one barrier a tile suffices: a
-// warp writes a buffer again two tiles later, after its partner has passed the barrier of
-// the tile between, that is after its read). Both warps get the same sums (a + b == b + a).
-__device__ __forceinline__ void pair_add(float (&s)[4], uint8_t* xb, int hf, int lane, int bar) {
-  *reinterpret_cast<float4*>(xb + 512 * hf + 16 * lane) = make_float4(s[0], s[1], s[2], s[3]);
-  asm volatile("bar.sync %0, 64;" ::"r"(bar) : "memory");
-  const float4 o = *reinterpret_cast<const float4*>(xb + 512 * (hf ^ 1) + 16 * lane);
-  s[0] += o.x;
-  s[1] += o.y;
-  s[2] += o.z;
-  s[3] += o.w;
-}
-
 // PF: the tile's outliers from its half pb of the warp's buffer (filled one tile ahead; its
 // item copies are the last group but two: the loop commits the stage of tile j + SMS - 1 and
 // tile j + 1's items after them)
