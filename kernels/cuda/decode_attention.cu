@@ -1450,6 +1450,13 @@ template <int D>
 constexpr int minb_of(int minb) {
   return D > 128 ? (minb / 2 > 0 ? minb / 2 : 1) : minb;
 }
+// KIVI at head dim 64: one more CTA per SM than the variant's d = 128 cap (91-96 registers,
+// no spills offline; v12: 5 x 4 warps), for the latency a tile of half the work leaves
+// exposed. (+2 spilled up to 116 bytes.)
+template <int D>
+constexpr int kivi_minb_of(int minb) {
+  return D == 64 ? minb + 1 : minb_of<D>(minb);
+}
 template <class F, int D>
 constexpr int sms_of(int sms) {
   if constexpr (D > 128) {
@@ -1492,7 +1499,7 @@ int launch_v(const Params& p, int rows, int grid_y, cudaStream_t stream) {
                   (D != 128 && KVARIANTS[V - KVARIANT0][2] == 0)) {
       return (int)cudaErrorInvalidValue;  // KIVI's quantized part streams through shared memory only
     } else {
-      constexpr int MINB = minb_of<D>(KVARIANTS[V - KVARIANT0][0]), SMS = KVARIANTS[V - KVARIANT0][1];
+      constexpr int MINB = kivi_minb_of<D>(KVARIANTS[V - KVARIANT0][0]), SMS = KVARIANTS[V - KVARIANT0][1];
       return launch_cfg<F, D, 1, MINB, SMS, KVARIANTS[V - KVARIANT0][2]>(p, rows, grid_y, stream);
     }
   } else if constexpr (V >= NVARIANTS || (D > 128 && VARIANTS[V][2] == 0)) {
@@ -1510,7 +1517,7 @@ int regs_v() {
                   (D != 128 && KVARIANTS[V - KVARIANT0][2] == 0)) {
       return -1;
     } else {
-      constexpr int MINB = minb_of<D>(KVARIANTS[V - KVARIANT0][0]), SMS = KVARIANTS[V - KVARIANT0][1];
+      constexpr int MINB = kivi_minb_of<D>(KVARIANTS[V - KVARIANT0][0]), SMS = KVARIANTS[V - KVARIANT0][1];
       return regs_cfg<F, D, 1, MINB, SMS, KVARIANTS[V - KVARIANT0][2]>();
     }
   } else if constexpr (V >= NVARIANTS || (D > 128 && VARIANTS[V][2] == 0)) {

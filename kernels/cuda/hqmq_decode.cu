@@ -1090,9 +1090,12 @@ template <int D>
 constexpr bool out_ok(int v) {
   return D == 128 ? OUT_OK[v] : PREFETCH[v];
 }
-template <int V, int D>
+// Head dim 64, 8-warp variants without Med3x: one more CTA per SM than at 128 (80 registers,
+// no spills offline; v3: 3 x 8 warps where the shared memory allows, S <= 96), for the
+// latency a tile of half the work leaves exposed. (Med3x v10 spilled 64 bytes so capped.)
+template <int V, int D, bool OUT>
 constexpr int minb_of() {
-  return VARIANTS[V][2];
+  return D == 64 && !OUT && VARIANTS[V][0] == 8 ? VARIANTS[V][2] + 1 : VARIANTS[V][2];
 }
 
 template <int V, int TABB, bool OUT, int D>
@@ -1101,7 +1104,7 @@ constexpr int smem_of() {
 }
 template <int V, int TABB, bool OUT, int D>
 constexpr auto kernel_of() {
-  return hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, minb_of<V, D>(), OUT,
+  return hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, minb_of<V, D, OUT>(), OUT,
                            OUT && PREFETCH[V], D>;
 }
 
