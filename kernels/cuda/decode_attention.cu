@@ -6,7 +6,9 @@
 // One CTA per (b * Hkv + h, split); NW warps; each warp takes 16-token tiles of the
 // split round-robin, keeps its own online softmax, and the CTA merges its warps in
 // shared memory into one partial (out, max, sum, base 2) per query row, which
-// `combine_kernel` merges over the splits.
+// `combine_kernel` merges over the splits. Head dim 256: the warps work in pairs, each warp
+// d = 128's code on its half of every row, the pair adding its partial scores before
+// the softmax (split_kernel, common.cuh pair_add).
 //
 // Tokens sit on the mma M axis, the GQA heads (<= 8) on N:
 //   S^T[16 tok, 8 heads]  = K[16 tok, D] . Q^T[D, 8]      (A = K from registers)
@@ -447,7 +449,7 @@ struct RowStream {
 };
 
 // ---------------------------------------------------------------------------------
-// KIVI (head dim 128, groups of G = 32; kernels/layout.py KIVIFlat): keys per CHANNEL
+// KIVI (head dim 64 or 128 a warp, 256 as warp pairs; groups of G = 32; kernels/layout.py KIVIFlat): keys per CHANNEL
 // over 32-token groups, codes packed along TOKENS ([group][dim][32 BITS / 8 bytes], token
 // i of a group at bits [i BITS, (i+1) BITS)), fp16 scale / zero per (group, dim); values
 // per token in groups of 32 dims (2 or 4 bits, rows like int4); then fp16 windows of K

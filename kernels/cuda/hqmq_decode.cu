@@ -1,5 +1,5 @@
 // Fused split-K decode attention over HQMQ caches (S secondaries with 12-bit codes,
-// r=4 uniform radius levels, head_dim 128; Med3x outliers: see below), CUDA C++ with mma.sync
+// r=4 uniform radius levels, head_dim 64, 128 or 256: Dims; Med3x outliers: see below), CUDA C++ with mma.sync
 // from registers. Built at first use by kernels/cuda_hqmq.py (nvcc -> a shared library
 // called through ctypes). kernels/NOTES.md ("CUDA HQMQ decode") has the design and the
 // figures.
