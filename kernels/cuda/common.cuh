@@ -95,6 +95,33 @@ __device__ __forceinline__ void online_softmax(const float (&s)[4], float (&m)[2
   l[1] += p1 + p3;
 }
 
+// Head dim 256 by warp pairs (hqmq_decode.cu, decode_attention.cu): each warp of a pair
+// scores the tile over its half of the dims, and the pair adds its two partial scores
+// here before the softmax. xb: this tile's exchange buffer of the pair, [half][lane] in
+// 16-byte (pair_add) or 32-byte (pair_add2: two tiles' scores) slots, double-buffered by the
+// caller, so one named barrier (bar, 64 threads) a tile suffices: a warp writes a buffer
+// again two tiles later, after its partner has passed the barrier of the tile between, that
+// is after its read. Both warps get the same sums (a + b == b + a).
+__device__ __forceinline__ void pair_add(float (&s)[4], uint8_t* xb, int hf, int lane, int bar) {
+  *reinterpret_cast<float4*>(xb + 512 * hf + 16 * lane) = make_float4(s[0], s[1], s[2], s[3]);
+  asm volatile("bar.sync %0, 64;" ::"r"(bar) : "memory");
+  const float4 o = *reinterpret_cast<const float4*>(xb + 512 * (hf ^ 1) + 16 * lane);
+  s[0] += o.x;
+  s[1] += o.y;
+  s[2] += o.z;
+  s[3] += o.w;
+}
+__device__ __forceinline__ void pair_add2(float (&s0)[4], float (&s1)[4], uint8_t* xb, int hf, int lane, int bar) {
+  float4* mine = reinterpret_cast<float4*>(xb + 1024 * hf + 32 * lane);
+  mine[0] = make_float4(s0[0], s0[1], s0[2], s0[3]);
+  mine[1] = make_float4(s1[0], s1[1], s1[2], s1[3]);
+  asm volatile("bar.sync %0, 64;" ::"r"(bar) : "memory");
+  const float4* other = reinterpret_cast<const float4*>(xb + 1024 * (hf ^ 1) + 32 * lane);
+  const float4 o0 = other[0], o1 = other[1];
+  s0[0] += o0.x; s0[1] += o0.y; s0[2] += o0.z; s0[3] += o0.w;
+  s1[0] += o1.x; s1[1] += o1.y; s1[2] += o1.z; s1[3] += o1.w;
+}
+
 // Merge the nsplit partials of each query row: one CTA per row, PARTS x D threads;
 // thread (part, d) sums the splits part, part + PARTS, ... (unrolled: many loads in
 // flight), then the parts are added in shared memory. GPU run 13: B=1 took 53 / 83 /

@@ -6,7 +6,9 @@
 // One CTA per (b * Hkv + h, split); NW warps; each warp takes 16-token tiles of the
 // split round-robin, keeps its own online softmax, and the CTA merges its warps in
 // shared memory into one partial (out, max, sum, base 2) per query row, which
-// `combine_kernel` merges over the splits.
+// `combine_kernel` merges over the splits. Head dim 256: the warps work in pairs, each warp
+// d = 128's code on its half of every row, the pair adding its partial scores before
+// the softmax (split_kernel, common.cuh pair_add).
 //
 // Tokens sit on the mma M axis, the GQA heads (<= 8) on N:
 //   S^T[16 tok, 8 heads]  = K[16 tok, D] . Q^T[D, 8]      (A = K from registers)
@@ -162,7 +164,9 @@ __device__ __forceinline__ uint32_t ldg_u16(const uint16_t* p, bool ok) {
 // Triton FAST path does: round16(x s + z), one rounding (kernels/triton_common.py).
 template <int D>
 struct Int4 {
+  static constexpr int DIM = D;  // the dims a warp takes (head dim 256: a pair's half, Int4<128>)
   static constexpr int ROWB = D / 2, KW = D / 32, VW = D / 64, NG = D / 32;  // groups of 32
+  static_assert(D <= 128, "a lane's K chunk (D/4 dims) in one group of 32 (head dim 256: warp pairs of 128)");
   static constexpr bool ZERO = true;
   static constexpr int KIND = 0;  // token rows: Raw / load_tile / copy_tile (KIVI: 1, 2 below)
   __device__ static int kdim(int kk, int slot, int half) { return 8 * (kk >> 1) + 2 * (kk & 1) + slot + 4 * half; }
@@ -187,6 +191,7 @@ struct Int4 {
 
 template <int D, bool E5>
 struct Fp8 {
+  static constexpr int DIM = D;
   static constexpr int ROWB = D, KW = D / 16, VW = D / 32, NG = 1;
   static constexpr bool ZERO = false;
   static constexpr int KIND = 0;
@@ -263,9 +268,10 @@ __device__ __forceinline__ void load_tile(Raw<F>& r, Cursor<F>& cur, int tend, b
 // fp16. hqmq_decode.cu has its own load_q with the dims of KIVI's kdim: one load_q in
 // common.cuh for both (tried offline, the qtype switch with it) changed the code of
 // nearly every kernel of both files (52 of 55 here, 22 of 25 there).
-template <class F, int D, typename QT>
+// D: this warp's dims, [D hf, D hf + D) of q's GD (head dim 256: a pair's half).
+template <class F, int D, int GD = D, typename QT>
 __device__ __forceinline__ void load_q(const QT* q, long long row, bool real, float scale, int c,
-                                       uint32_t (&qb)[D / 16][2]) {
+                                       uint32_t (&qb)[D / 16][2], int hf = 0) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
@@ -273,12 +279,12 @@ __device__ __forceinline__ void load_q(const QT* q, long long row, bool real, fl
       float x[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int d = c * (D / 4) + F::kdim(kk, slot, half);
+        const int d = D * hf + c * (D / 4) + F::kdim(kk, slot, half);
         float v = 0.f;
         if (real) {
-          if constexpr (std::is_same<QT, float>::value) v = q[row * D + d];
-          else if constexpr (std::is_same<QT, __half>::value) v = __half2float(q[row * D + d]);
-          else v = __uint_as_float((uint32_t)q[row * D + d] << 16);  // bf16 bits
+          if constexpr (std::is_same<QT, float>::value) v = q[row * GD + d];
+          else if constexpr (std::is_same<QT, __half>::value) v = __half2float(q[row * GD + d]);
+          else v = __uint_as_float((uint32_t)q[row * GD + d] << 16);  // bf16 bits
         }
         x[half] = v * scale;
       }
@@ -327,17 +333,20 @@ struct CpCursor {
   int t0;
 };
 
-template <class F, int NW>
+// SPL = 2 (head dim 256): the stage holds this warp's half of each row; the global rows
+// are SPL times longer (RowStream::init points the cursor at the half).
+template <class F, int NW, int SPL = 1>
 __device__ __forceinline__ void copy_tile(uint32_t stage, CpCursor& cur, int tend, bool on, int lane) {
   using S = SmemTile<F>;
   constexpr int CPT = S::CPT;
+  constexpr int RSTEP = SPL == 1 ? 512 : (32 / CPT) * F::ROWB * SPL;  // global bytes between a lane's chunks
 #pragma unroll
   for (int r = 0; r < S::PER_LANE; ++r) {
     const int i = lane + 32 * r, t = i / CPT, j = i % CPT;
     const bool ok = on && cur.t0 + t < tend;
     const uint32_t off = 16 * swz<CPT>(t, j);
-    cp_async<16>(stage + off, cur.k + 512 * r, ok);
-    cp_async<16>(stage + S::CODES + off, cur.v + 512 * r, ok);
+    cp_async<16>(stage + off, cur.k + RSTEP * r, ok);
+    cp_async<16>(stage + S::CODES + off, cur.v + RSTEP * r, ok);
   }
   if constexpr (F::ZERO) {
     constexpr int N = F::NG * 2;  // one token's scales
@@ -349,11 +358,11 @@ __device__ __forceinline__ void copy_tile(uint32_t stage, CpCursor& cur, int ten
   }
   constexpr int STEP = NW * 16;
   cur.t0 += STEP;
-  cur.k += STEP * F::ROWB;
-  cur.v += STEP * F::ROWB;
+  cur.k += STEP * F::ROWB * SPL;
+  cur.v += STEP * F::ROWB * SPL;
   if constexpr (F::ZERO) {
-    cur.sa += STEP * F::NG;
-    cur.sb += STEP * F::NG;
+    cur.sa += STEP * F::NG * SPL;
+    cur.sb += STEP * F::NG * SPL;
   }
 }
 
@@ -405,25 +414,34 @@ __device__ __forceinline__ void read_stage(Raw<F>& r, const uint8_t* st, int g, 
 // The token-row formats' stream through the shared-memory pipeline (copy_tile /
 // read_stage above); KIVI brings its own (KiviStream below). One pipeline loop in
 // split_kernel drives either.
-template <class F, int D, int NW>
+// GD: the head dim of the rows (D: this warp's dims; GD = 2 D: the warp takes half hf).
+template <class F, int D, int NW, int GD = D>
 struct RowStream {
   using RawT = Raw<F>;
   static constexpr int BYTES = SmemTile<F>::BYTES, TILES = 1;  // one 16-token tile per stage
+  static constexpr int SPL = GD / D;
   CpCursor cur;
-  __device__ __forceinline__ void init(const Params& p, int bh, int t0, int lane) {
+  __device__ __forceinline__ void init(const Params& p, int bh, int t0, int lane, int hf = 0) {
     constexpr int NG = F::NG;
     cur.t0 = t0;
-    cur.k = p.kc + bh * p.k_cs + (long long)t0 * F::ROWB + 16 * lane;
-    cur.v = p.vc + bh * p.v_cs + (long long)t0 * F::ROWB + 16 * lane;
+    if constexpr (SPL == 1) {
+      cur.k = p.kc + bh * p.k_cs + (long long)t0 * F::ROWB + 16 * lane;
+      cur.v = p.vc + bh * p.v_cs + (long long)t0 * F::ROWB + 16 * lane;
+    } else {  // chunk `lane` of the half tile: token lane / CPT, bytes ROWB hf + 16 (lane % CPT)
+      constexpr int CPT = SmemTile<F>::CPT;
+      const long long o = (long long)(t0 + lane / CPT) * (F::ROWB * SPL) + F::ROWB * hf + 16 * (lane % CPT);
+      cur.k = p.kc + bh * p.k_cs + o;
+      cur.v = p.vc + bh * p.v_cs + o;
+    }
     if constexpr (F::ZERO) {
-      const long long ko = bh * p.k_ss + (long long)(t0 + (lane & 15)) * NG;
-      const long long vo = bh * p.v_ss + (long long)(t0 + (lane & 15)) * NG;
+      const long long ko = bh * p.k_ss + (long long)(t0 + (lane & 15)) * (NG * SPL) + NG * hf;
+      const long long vo = bh * p.v_ss + (long long)(t0 + (lane & 15)) * (NG * SPL) + NG * hf;
       cur.sa = (lane < 16 ? p.ks : p.kz) + ko;
       cur.sb = (lane < 16 ? p.vs : p.vz) + vo;
     }
   }
   __device__ __forceinline__ void copy(uint32_t stage, int tend, bool on, int lane) {
-    copy_tile<F, NW>(stage, cur, tend, on, lane);
+    copy_tile<F, NW, SPL>(stage, cur, tend, on, lane);
   }
   __device__ __forceinline__ static void read(RawT& r, const uint8_t* st, int g, int c, int) {
     read_stage<F, D>(r, st, g, c);
@@ -431,7 +449,7 @@ struct RowStream {
 };
 
 // ---------------------------------------------------------------------------------
-// KIVI (head dim 128, groups of G = 32; kernels/layout.py KIVIFlat): keys per CHANNEL
+// KIVI (head dim 64 or 128 a warp, 256 as warp pairs; groups of G = 32; kernels/layout.py KIVIFlat): keys per CHANNEL
 // over 32-token groups, codes packed along TOKENS ([group][dim][32 BITS / 8 bytes], token
 // i of a group at bits [i BITS, (i+1) BITS)), fp16 scale / zero per (group, dim); values
 // per token in groups of 32 dims (2 or 4 bits, rows like int4); then fp16 windows of K
@@ -466,16 +484,36 @@ __device__ __forceinline__ uint32_t crumbs_r(uint32_t x, uint32_t m, uint32_t ma
   return hsub2(d, mag);
 }
 
-template <int BITS_>
+// D: a warp's dims, 64 or 128 (head dim 256: warp pairs of 128). A lane c owns the D/4 dims
+// [c D/4, (c+1) D/4) of K, a lane g the D/8 dims [g D/8, (g+1) D/8) of V, as at 128; what
+// scales with D is the lane's number of k-steps / m-tiles (D/16) and the bytes it reads per
+// token (VB: 2, 4 or 8).
+template <int BITS_, int D_ = 128>
 struct KiviQ {
-  static constexpr int BITS = BITS_, KIND = 1, D = 128, G = 32, NG = D / G;
+  static constexpr int BITS = BITS_, KIND = 1, D = D_, DIM = D_, G = 32, NG = D / G;
   static constexpr bool ZERO = true;
   static_assert(BITS == 2 || BITS == 4, "KIVI: 2 or 4 bits");
+  static_assert(D == 64 || D == 128, "KIVI: a warp's 64 or 128 dims");
   static constexpr int GB = G * BITS / 8;   // K bytes per (group, dim)
   static constexpr int KPL = BITS / 2;      // K words per dim per 16-token tile ("planes")
-  static constexpr int KBLK = 144;          // one plane's 32 dims (128 B) + 16 B: lanes c hit other banks
-  static constexpr int SBLK = 80;           // 32 dims of fp16 scales (64 B) + 16 B
-  static constexpr int RB = D * BITS / 8, VW = RB / 32, CPT = RB / 16;  // V row bytes, words per lane, chunks
+  static constexpr int DL = D / 4;          // K dims of a lane c (one block of a plane)
+  static constexpr int KBLK = 4 * DL + 16;  // one plane's DL dims + 16 B: lanes c hit other banks (144 at 128)
+  static constexpr int SBLK = 2 * DL + 16;  // DL dims of fp16 scales + 16 B (80 at 128)
+  static constexpr int RB = D * BITS / 8, CPT = RB / 16;  // V row bytes, 16-byte chunks per row
+  static constexpr int VB = RB / 8, VW = (VB + 3) / 4;    // V bytes / 32-bit words of a lane's D/8 dims
+  static constexpr int VSH = D == 64 ? 2 : 1;  // lane g's V dims lie in scale group g >> VSH
+  // VB bytes of a lane's V dims at p (aligned to VB) into v (zero-extended when VB = 2)
+  __device__ __forceinline__ static void ld_v(uint32_t (&v)[VW], const uint8_t* p) {
+    if constexpr (VB == 8) {
+      const uint2 x = *reinterpret_cast<const uint2*>(p);
+      v[0] = x.x;
+      v[1] = x.y;
+    } else if constexpr (VB == 4) {
+      v[0] = *reinterpret_cast<const uint32_t*>(p);
+    } else {
+      v[0] = *reinterpret_cast<const uint16_t*>(p);
+    }
+  }
   __device__ static int kdim(int kk, int slot, int half) { return 4 * kk + 2 * slot + half; }
   __device__ static int row_tok(int r) {
     const int b = r & 7;
@@ -484,7 +522,7 @@ struct KiviQ {
   // V rows in a stage: row t at vrow(t) (the 4 rows 4c + x a read takes land in 4 bank
   // groups), 16-byte chunk j at vchunk (64-byte rows: halves c < 2 / c >= 2 swapped)
   __device__ static int vrow(int t) { return (t & ~3) | ((t & 3) ^ ((t >> 2) & 3)); }
-  __device__ static int vchunk(int t, int j) { return BITS == 4 ? j ^ (2 * ((t >> 3) & 1)) : j; }
+  __device__ static int vchunk(int t, int j) { return BITS == 4 && RB >= 64 ? j ^ (2 * ((t >> 3) & 1)) : j; }
   struct Raw {
     const uint8_t* kb;  // the lane's K codes in the stage (its plane, dims 32c..)
     const uint8_t* sb;  // its K scales (zeros at + 4 SBLK)
@@ -519,17 +557,11 @@ struct KiviQ {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int t = row_tok(2 * c + (i & 1) + 8 * (i >> 1));
-      const int o = g * VW * 4;  // byte of the lane's 16 dims in the row
+      const int o = g * VB;  // byte of the lane's D/8 dims in the row
       const uint8_t* row = vb + RB * vrow(t) + 16 * vchunk(t, o / 16) + o % 16;
-      if constexpr (VW == 2) {
-        const uint2 x = *reinterpret_cast<const uint2*>(row);
-        r.v[i][0] = x.x;
-        r.v[i][1] = x.y;
-      } else {
-        r.v[i][0] = *reinterpret_cast<const uint32_t*>(row);
-      }
-      s[i] = vs[t * NG + (g >> 1)];
-      z[i] = vz[t * NG + (g >> 1)];
+      ld_v(r.v[i], row);
+      s[i] = vs[t * NG + (g >> VSH)];
+      z[i] = vz[t * NG + (g >> VSH)];
     }
     pair_scales(r, s, z);
   }
@@ -570,14 +602,14 @@ struct KiviQ {
   // vs / vz: its V scales / zeros, NG per token)
   __device__ static void read_v_lb(Raw& r, const uint8_t* vb, const uint16_t* vs, const uint16_t* vz, int g, int c,
                                    int h) {
-    static_assert(BITS == 2 && VW == 1, "the lane-byte map is KIVI-2's");
+    static_assert(BITS == 2, "the lane-byte map is KIVI-2's");
     uint32_t s[4], z[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int t = lb_tok(h, 2 * c + (i & 1) + 8 * (i >> 1));
-      r.v[i][0] = *reinterpret_cast<const uint32_t*>(vb + RB * lb_vrow(t) + 4 * g);
-      s[i] = vs[t * NG + (g >> 1)];
-      z[i] = vz[t * NG + (g >> 1)];
+      ld_v(r.v[i], vb + RB * lb_vrow(t) + VB * g);
+      s[i] = vs[t * NG + (g >> VSH)];
+      z[i] = vz[t * NG + (g >> VSH)];
     }
     pair_scales(r, s, z);
   }
@@ -603,8 +635,8 @@ struct KiviQ {
   }
   __device__ static void vstep(const Raw& r, int mt, uint32_t (&a)[4]) {
     if constexpr (BITS == 4) {
-      Int4<128>::vpair(r.v[0], r.v[1], mt, r.vs2[0], r.vz2[0], a[0], a[1]);
-      Int4<128>::vpair(r.v[2], r.v[3], mt, r.vs2[1], r.vz2[1], a[2], a[3]);
+      Int4<D>::vpair(r.v[0], r.v[1], mt, r.vs2[0], r.vz2[0], a[0], a[1]);
+      Int4<D>::vpair(r.v[2], r.v[3], mt, r.vs2[1], r.vz2[1], a[2], a[3]);
     } else {
       vpair2(r.v[0][0], r.v[1][0], mt, r.vs2[0], r.vz2[0], a[0], a[1]);
       vpair2(r.v[2][0], r.v[3][0], mt, r.vs2[1], r.vz2[1], a[2], a[3]);
@@ -631,14 +663,16 @@ struct KiviQ {
 // dims, so one LDS.128 (kszq) gives a k-step's scales and zeros (laid out for the folded
 // zero point's extra mma, variants 10 / 11, removed; variant 12 reads them as pairs).
 // Copied as 4-byte cp.async (4 per lane).
-template <int BITS, int NW, int VL_ = 0, int SZ_ = 0>
+// GD: the head dim of the cache (D_: this warp's dims; GD = 2 D_: the warp takes half hf of
+// every group's K dims, V rows and scales; the stage is d = D_'s).
+template <int BITS, int NW, int VL_ = 0, int SZ_ = 0, int D_ = 128, int GD = D_>
 struct KiviStream {
-  using F = KiviQ<BITS>;
+  using F = KiviQ<BITS, D_>;
   using RawT = typename F::Raw;
-  static constexpr int VL = VL_, SZ = SZ_;
-  static constexpr int D = F::D, NG = F::NG, GB = F::GB, RB = F::RB, KBLK = F::KBLK, SBLK = F::SBLK;
+  static constexpr int VL = VL_, SZ = SZ_, SPL = GD / D_;
+  static constexpr int D = F::D, NG = F::NG, GB = F::GB, RB = F::RB, KBLK = F::KBLK, SBLK = F::SBLK, DL = F::DL;
   static constexpr int PLANES = 2 * F::KPL, PLS = 4 * KBLK + (BITS == 4 ? 32 : 0);
-  static constexpr int KSB = 144;  // SZ: 32 dims of (z, s) pairs (128 B) + 16 B: the 4 lanes c of a read hit other banks
+  static constexpr int KSB = 4 * DL + 16;  // SZ: DL dims of (z, s) pairs + 16 B: the 4 lanes c of a read hit other banks
   static constexpr int KSO = PLANES * PLS, KZO = KSO + 4 * SBLK, VC = SZ ? KSO + 4 * KSB : KZO + 4 * SBLK;
   static constexpr int VSO = VC + 32 * RB, VZO = VSO + 32 * NG * 2, BYTES = VZO + 32 * NG * 2;
   static constexpr int TILES = 2;             // 16-token tiles per stage
@@ -651,13 +685,21 @@ struct KiviStream {
   const uint16_t* vsz;  // lanes 0-15: V scales of tokens 2 lane, 2 lane + 1; 16-31: their zeros
   int t0;
   uint32_t kdst;        // the lane's K word in a stage, run 0
-  __device__ __forceinline__ void init(const Params& p, int bh, int t0_, int lane) {
+  __device__ __forceinline__ void init(const Params& p, int bh, int t0_, int lane, int hf = 0) {
     t0 = t0_;  // a multiple of 32: the warp's units are whole groups
     const long long grp = t0 >> 5;
-    k = p.kc + bh * p.k_cs + grp * (D * GB) + 4 * lane;
-    ksz = (lane < 16 ? p.ks : p.kz) + bh * p.k_ss + grp * D + (SZ ? 2 : 8) * (lane & 15);
-    v = p.vc + bh * p.v_cs + (long long)t0 * RB + 16 * lane;
-    vsz = (lane < 16 ? p.vs : p.vz) + bh * p.v_ss + (long long)(t0 + 2 * (lane & 15)) * NG;
+    if constexpr (SPL == 1) {
+      k = p.kc + bh * p.k_cs + grp * (D * GB) + 4 * lane;
+      ksz = (lane < 16 ? p.ks : p.kz) + bh * p.k_ss + grp * D + (SZ ? 2 : 8) * (lane & 15);
+      v = p.vc + bh * p.v_cs + (long long)t0 * RB + 16 * lane;
+      vsz = (lane < 16 ? p.vs : p.vz) + bh * p.v_ss + (long long)(t0 + 2 * (lane & 15)) * NG;
+    } else {  // the half: K dims [D hf, D hf + D) of the group, V row bytes [RB hf, RB hf + RB)
+      constexpr int CPR = RB / 16;  // a half row's 16-byte chunks
+      k = p.kc + bh * p.k_cs + grp * (GD * GB) + hf * (D * GB) + 4 * lane;
+      ksz = (lane < 16 ? p.ks : p.kz) + bh * p.k_ss + grp * GD + hf * D + (SZ ? 2 : 8) * (lane & 15);
+      v = p.vc + bh * p.v_cs + (long long)(t0 + lane / CPR) * (RB * SPL) + RB * hf + 16 * (lane % CPR);
+      vsz = (lane < 16 ? p.vs : p.vz) + bh * p.v_ss + (long long)(t0 + 2 * (lane & 15)) * (NG * SPL) + NG * hf;
+    }
     // word `lane` of a run: 2 bits dim 16 r + lane / 2, plane lane % 2; 4 bits dim 8 r + lane / 4, plane lane % 4
     constexpr int WPD = GB / 4;  // words per dim
     kdst = (lane % WPD) * PLS + 4 * (lane / WPD);
@@ -666,32 +708,59 @@ struct KiviStream {
     constexpr int DPR = 128 / GB;  // dims per run
 #pragma unroll
     for (int r = 0; r < RUNS; ++r) {
-      const int d0 = DPR * r;  // the run's first dim: block d0 / 32, column d0 % 32
-      cp_async<4>(stage + kdst + (d0 >> 5) * KBLK + 4 * (d0 & 31), k + 128 * r, on);
+      const int d0 = DPR * r;  // the run's first dim: block d0 / DL, column d0 % DL
+      cp_async<4>(stage + kdst + (d0 / DL) * KBLK + 4 * (d0 % DL), k + 128 * r, on);
     }
-    if constexpr (SZ) {
+    if constexpr (SZ && D == 128) {
       // copy j: word (lane & 15) + 16 j of the scales (lanes 0-15) / zeros (16-31) = the
       // dims 2w, 2w+1 of block j: k-step (lane & 15) / 2, pair lane & 1; scales at words 1, 3
       const int o = 16 * ((lane & 15) >> 1) + 4 * (2 * (lane & 1) + (lane < 16 ? 1 : 0));
 #pragma unroll
       for (int j = 0; j < 4; ++j) cp_async<4>(stage + KSO + j * KSB + o, ksz + 32 * j, on);
-    } else {
+    } else if constexpr (SZ) {
+      // as at 128, over D / 2 words per tensor: word w = (lane & 15) + 16 j lies in block
+      // w / (DL / 2) at k-step (w % (DL / 2)) / 2
+#pragma unroll
+      for (int j = 0; j < D / 32; ++j) {
+        const int w = (lane & 15) + 16 * j, b = w / (DL / 2), wb = w % (DL / 2);
+        cp_async<4>(stage + KSO + b * KSB + 16 * (wb >> 1) + 4 * (2 * (wb & 1) + (lane < 16 ? 1 : 0)), ksz + 32 * j,
+                    on);
+      }
+    } else if constexpr (D == 128) {
       cp_async<16>(stage + (lane < 16 ? KSO : KZO) + SBLK * ((lane & 15) >> 2) + 16 * (lane & 3), ksz, on);
+    } else {
+      // 16-byte pieces p = (lane & 15) + 16 j (dims 8p ..) of D / 8 per tensor: block 8p / DL
+#pragma unroll
+      for (int j = 0; j < (D / 8 + 15) / 16; ++j) {
+        const int pc = (lane & 15) + 16 * j;
+        if (pc < D / 8)
+          cp_async<16>(stage + (lane < 16 ? KSO : KZO) + SBLK * (8 * pc / DL) + 2 * (8 * pc % DL), ksz + 128 * j, on);
+      }
     }
+    constexpr int VSTEP = SPL == 1 ? 512 : (32 / (RB / 16)) * RB * SPL;  // global bytes between a lane's chunks
 #pragma unroll
     for (int r = 0; r < VCH; ++r) {  // 32 rows x 2 VCH chunks
       const int i = lane + 32 * r, t = i / (RB / 16), j = i % (RB / 16), h = t >> 4, tt = t & 15;
       const bool ok = on && t0 + t < tend;
       const int dst = VL ? RB * F::lb_vrow(t) + 16 * j : h * 16 * RB + RB * F::vrow(tt) + 16 * F::vchunk(tt, j);
-      cp_async<16>(stage + VC + dst, v + 512 * r, ok);
+      cp_async<16>(stage + VC + dst, v + VSTEP * r, ok);
     }
-    cp_async<16>(stage + (lane < 16 ? VSO : VZO) + 16 * (lane & 15), vsz, on && t0 + 2 * (lane & 15) < tend);
+    {
+      constexpr int VSB = 4 * NG;  // bytes of the two tokens' V scales a lane copies
+      const bool ok = on && t0 + 2 * (lane & 15) < tend;
+      if constexpr (SPL == 2) {  // the two tokens' halves lie a row apart
+        cp_async<2 * NG>(stage + (lane < 16 ? VSO : VZO) + VSB * (lane & 15), vsz, ok);
+        cp_async<2 * NG>(stage + (lane < 16 ? VSO : VZO) + VSB * (lane & 15) + 2 * NG, vsz + NG * SPL, ok);
+      } else {
+        cp_async<VSB>(stage + (lane < 16 ? VSO : VZO) + VSB * (lane & 15), vsz, ok);
+      }
+    }
     constexpr int STEP = NW * 32;  // tokens between a warp's groups
     t0 += STEP;
-    k += NW * (D * GB);
-    ksz += NW * D;
-    v += STEP * RB;
-    vsz += STEP * NG;
+    k += NW * (GD * GB);
+    ksz += NW * GD;
+    v += STEP * RB * SPL;
+    vsz += STEP * NG * SPL;
   }
   // SZ: k-step kk's (z01, s01, z23, s23) of lane c's dims
   __device__ __forceinline__ static uint4 kszq(const uint8_t* st, int c, int kk) {
@@ -735,6 +804,7 @@ struct KiviTileStream {
     v = p.vc + bh * p.v_cs + (long long)t0 * F::RB + 16 * lane;
     vsz = (lane < 16 ? p.vs : p.vz) + bh * p.v_ss + (long long)(t0 + (lane & 15)) * F::NG;
   }
+  __device__ __forceinline__ void init(const Params& p, int bh, int t0_, int lane, int) { init(p, bh, t0_, lane); }
   __device__ __forceinline__ void copy(uint32_t stage, int tend, bool on, int lane) {
     // K codes: dim lane + 32 i, word w of the half group -> plane w, block i (4-byte copies)
 #pragma unroll
@@ -778,9 +848,11 @@ struct KiviTileStream {
 // where the mma wants them (kstep / vstep), from per-row base pointers (before run 17
 // the tile's V was decoded up front into 32 registers: 136 per thread, which in the
 // shared kernel would have cost the quantized path a CTA per SM).
-template <int BITS_>
+// GD: the cache's head dim (D_: this warp's dims, [d0, d0 + D_) of GD; GD = 2 D_: a pair's half)
+template <int BITS_, int D_ = 128, int GD = D_>
 struct KiviTail {
-  static constexpr int BITS = BITS_, KIND = 2, D = 128, G = 32, NG = D / G, GB = G * BITS / 8, RB = D * BITS / 8;
+  static constexpr int GNG = GD / 32, GRB = GD * BITS_ / 8;
+  static constexpr int BITS = BITS_, KIND = 2, D = D_, G = 32, NG = D / G, GB = G * BITS / 8, RB = D * BITS / 8;
   static constexpr bool ZERO = true;
   __device__ static int kdim(int kk, int slot, int half) { return 4 * kk + 2 * slot + half; }
   __device__ static int row_tok(int r) { return r; }
@@ -800,7 +872,7 @@ struct KiviTail {
     __half h[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const long long o = (long long)gi * D + d + e;
+      const long long o = (long long)gi * GD + d + e;
       const uint32_t code = (r.kc[o * GB + ((w * BITS) >> 3)] >> ((w * BITS) & 7)) & ((1u << BITS) - 1);
       h[e] = __hfma(__ushort2half_rn((unsigned short)code), __ushort_as_half(r.ks[o]), __ushort_as_half(r.kz[o]));
     }
@@ -816,7 +888,7 @@ struct KiviTail {
         lo = kq2(r, t, d);
         hi = kq2(r, t, d + 2);
       } else if (t < r.T) {
-        const uint2 x = *reinterpret_cast<const uint2*>(r.kr + (long long)(t - r.TQK) * D + d);
+        const uint2 x = *reinterpret_cast<const uint2*>(r.kr + (long long)(t - r.TQK) * GD + d);
         lo = x.x;
         hi = x.y;
       }
@@ -827,30 +899,32 @@ struct KiviTail {
     // 12 scalar loads) they take more registers than the quantized path of the kernel
     asm volatile("" ::: "memory");
   }
-  __device__ static void load(Raw& r, const Params& p, int bh, int t0, int g, int c) {
-    r.kc = p.kc + bh * p.k_cs;
-    r.ks = p.ks + bh * p.k_ss;
-    r.kz = p.kz + bh * p.k_ss;
-    r.kr = p.kr + bh * p.k_rs;
-    r.vc = p.vc + bh * p.v_cs;
-    r.vs = p.vs + bh * p.v_ss;
-    r.vz = p.vz + bh * p.v_ss;
-    r.vr = p.vr + bh * p.v_rs;
+  // hf: this warp's half of GD = 2 D (the pointers start at its first dim d0 = D hf)
+  __device__ static void load(Raw& r, const Params& p, int bh, int t0, int g, int c, int hf = 0) {
+    const int d0 = D * hf;
+    r.kc = p.kc + bh * p.k_cs + d0 * GB;
+    r.ks = p.ks + bh * p.k_ss + d0;
+    r.kz = p.kz + bh * p.k_ss + d0;
+    r.kr = p.kr + bh * p.k_rs + d0;
+    r.vc = p.vc + bh * p.v_cs + d0 * BITS / 8;
+    r.vs = p.vs + bh * p.v_ss + d0 / G;
+    r.vz = p.vz + bh * p.v_ss + d0 / G;
+    r.vr = p.vr + bh * p.v_rs + d0;
     r.t0 = t0; r.TQK = p.TQK; r.TQV = p.TQV; r.T = p.T; r.c = c; r.g = g;
   }
-  // dims 16g + 2mt, +1 of V token t as a half2 (zeros past T)
+  // dims (D/8) g + 2mt, +1 of V token t as a half2 (zeros past T)
   __device__ static uint32_t vword(const Raw& r, int t, int mt) {
-    const int j = 16 * r.g + 2 * mt;
+    const int j = (D / 8) * r.g + 2 * mt;
     if (t < r.TQV) {
-      const long long so = (long long)t * NG + (j >> 5);
+      const long long so = (long long)t * GNG + (j >> 5);
       const __half s = __ushort_as_half(r.vs[so]), z = __ushort_as_half(r.vz[so]);
       const int bit = j * BITS;  // both dims' codes lie in one byte
-      const uint32_t b = r.vc[(long long)t * RB + (bit >> 3)] >> (bit & 7);
+      const uint32_t b = r.vc[(long long)t * GRB + (bit >> 3)] >> (bit & 7);
       const __half h0 = __hfma(__ushort2half_rn((unsigned short)(b & ((1u << BITS) - 1))), s, z);
       const __half h1 = __hfma(__ushort2half_rn((unsigned short)((b >> BITS) & ((1u << BITS) - 1))), s, z);
       return (uint32_t)__half_as_ushort(h0) | ((uint32_t)__half_as_ushort(h1) << 16);
     }
-    if (t < r.T) return *reinterpret_cast<const uint32_t*>(r.vr + (long long)(t - r.TQV) * D + j);
+    if (t < r.T) return *reinterpret_cast<const uint32_t*>(r.vr + (long long)(t - r.TQV) * GD + j);
     return 0u;
   }
   __device__ static void vstep(const Raw& r, int mt, uint32_t (&a)[4]) {
@@ -867,13 +941,15 @@ struct KiviTail {
 // The pipeline's stream of a format: token rows (int4, fp8) or KIVI's, whose stage holds a
 // whole group (GS >= 1, since run 17; GS 5 with the interleaved K scales / zeros and, for
 // KIVI-2, the lane-byte map) or one tile (GS = 0, run 16's).
-template <class F, int D, int NW, int GS, int KIND = F::KIND>
+// D: a warp's dims, GD the cache's (2 D: warp pairs, each its half of the rows).
+template <class F, int D, int NW, int GS, int GD = D, int KIND = F::KIND>
 struct StreamOf {
-  using type = RowStream<F, D, NW>;
+  using type = RowStream<F, D, NW, GD>;
 };
-template <class F, int D, int NW, int GS>
-struct StreamOf<F, D, NW, GS, 1> {
-  using type = typename std::conditional<GS != 0, KiviStream<F::BITS, NW, GS == 5 && F::BITS == 2, GS == 5>,
+template <class F, int D, int NW, int GS, int GD>
+struct StreamOf<F, D, NW, GS, GD, 1> {
+  static_assert(GS != 0 || GD == 128, "the tile stream (variants 5, 6) is head dim 128's only");
+  using type = typename std::conditional<GS != 0, KiviStream<F::BITS, NW, GS == 5 && F::BITS == 2, GS == 5, F::D, GD>,
                                          KiviTileStream<F::BITS, NW>>::type;
 };
 
@@ -884,9 +960,12 @@ struct StreamOf<F, D, NW, GS, 1> {
 // R: Raw<F> for the token-row formats (KIND 0); F::Raw for KIVI, whose K fragments are
 // read per k-step (F::kstep) and V fragments per m-tile (F::vstep). Score row r of the
 // mma is token t0 + r for KIND 0, t0 + F::row_tok(r) for KIVI.
-template <class F, int D, class R>
+// SPL = 2 (head dim 256): D is this warp's half; its partial scores are added to its
+// partner's (common.cuh pair_add: xb, hf, bar) before the softmax.
+template <class F, int D, class R, int SPL = 1>
 __device__ __forceinline__ void tile_step(const R& r, int t0, int tend, float qk, const uint32_t (&qb)[D / 16][2],
-                                          float (&acc)[D / 16][4], float (&m)[2], float (&l)[2], int g) {
+                                          float (&acc)[D / 16][4], float (&m)[2], float (&l)[2], int g,
+                                          uint8_t* xb = nullptr, int hf = 0, int bar = 0) {
   constexpr int KS = D / 16;
   // ---- scores S^T (tokens g, g+8; heads 2c, 2c+1); q is exact fp16, the base-2
   // scale is applied to the fp32 scores (as the Triton kernels do)
@@ -919,6 +998,7 @@ __device__ __forceinline__ void tile_step(const R& r, int t0, int tend, float qk
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) s[i] *= qk;
+  if constexpr (SPL == 2) pair_add(s, xb, hf, threadIdx.x & 31, bar);
   if (t0 + tg >= tend) s[0] = s[1] = NEG_INF;
   if (t0 + tg8 >= tend) s[2] = s[3] = NEG_INF;
 
@@ -1013,10 +1093,11 @@ __device__ __forceinline__ void pv_tile(const typename F::Raw& r, const float (&
 // QK^T interleaved (independent mma chains: more work between dependent mma), the
 // k-steps' scales / zeros loaded once for both, one softmax pass over 32 tokens, then
 // O^T += V^T P^T tile by tile. u0: the group's first token.
-template <class S, int D>
+template <class S, int D, int SPL = 1>
 __device__ __forceinline__ void group_step(const uint8_t* st, int u0, int tend, float qk,
                                            const uint32_t (&qb)[D / 16][2], float (&acc)[D / 16][4], float (&m)[2],
-                                           float (&l)[2], int g, int c) {
+                                           float (&l)[2], int g, int c, uint8_t* xb = nullptr, int hf = 0,
+                                           int bar = 0) {
   using F = typename S::F;
   constexpr int KS = D / 16;
   typename F::Raw r;
@@ -1046,6 +1127,7 @@ __device__ __forceinline__ void group_step(const uint8_t* st, int u0, int tend, 
     s0[i] *= qk;
     s1[i] *= qk;
   }
+  if constexpr (SPL == 2) pair_add2(s0, s1, xb, hf, 4 * g + c, bar);
   if (u0 + tg >= tend) s0[0] = s0[1] = NEG_INF;
   if (u0 + tg8 >= tend) s0[2] = s0[3] = NEG_INF;
   if (u0 + 16 + tg >= tend) s1[0] = s1[1] = NEG_INF;
@@ -1063,10 +1145,11 @@ __device__ __forceinline__ void group_step(const uint8_t* st, int u0, int tend, 
 // one LDS.128 of the lane's plane and two PRMT give both tiles' K codes (crumbs 0, 1:
 // tile 0 rows g, g+8; crumbs 2, 3: tile 1), decoded with immediate masks as
 // round16(x s + z), as group_step.
-template <class S, int D>
+template <class S, int D, int SPL = 1>
 __device__ __forceinline__ void group_step_lb(const uint8_t* st, int u0, int tend, float qk,
                                               const uint32_t (&qb)[D / 16][2], float (&acc)[D / 16][4],
-                                              float (&m)[2], float (&l)[2], int g, int c) {
+                                              float (&m)[2], float (&l)[2], int g, int c, uint8_t* xb = nullptr,
+                                              int hf = 0, int bar = 0) {
   using F = typename S::F;
   static_assert(F::BITS == 2, "the lane-byte map is KIVI-2's");
   constexpr int KS = D / 16;
@@ -1088,6 +1171,7 @@ __device__ __forceinline__ void group_step_lb(const uint8_t* st, int u0, int ten
     s0[i] *= qk;
     s1[i] *= qk;
   }
+  if constexpr (SPL == 2) pair_add2(s0, s1, xb, hf, 4 * g + c, bar);
   const int tg = F::lb_tok(0, g);  // row g of tile h: token tg + 2h; row g+8: + 1
   if (u0 + tg >= tend) s0[0] = s0[1] = NEG_INF;
   if (u0 + tg + 1 >= tend) s0[2] = s0[3] = NEG_INF;
@@ -1113,14 +1197,26 @@ __host__ __device__ constexpr int unit_stages() {
 }
 
 // Shared memory of the SMS-stage pipeline (0: the register path), and of the merge.
+// D: the cache's head dim; F: a warp's format (F::DIM = D, or D / 2 for warp pairs: then
+// NW / 2 pairs stream the tiles, and 4 KB per pair after the stages hold their exchange).
+template <class F, int D, int NW, int SMS, int GS>
+__host__ __device__ constexpr int pipe_bytes() {
+  if constexpr (SMS == 0) {
+    return 0;
+  } else {
+    constexpr int SPL = D / F::DIM;
+    using S = typename StreamOf<F, F::DIM, NW / SPL, GS, D>::type;
+    return unit_stages<SMS, S::TILES>() * NW * S::BYTES;
+  }
+}
 template <class F, int D, int NW, int SMS, int GS>
 constexpr int dyn_smem() {
   if constexpr (SMS == 0 || F::KIND == 2) {
     return 0;
   } else {
-    using S = typename StreamOf<F, D, NW, GS>::type;
-    constexpr int pipe = unit_stages<SMS, S::TILES>() * NW * S::BYTES;
-    constexpr int red = NW * 8 * D * 4;
+    constexpr int SPL = D / F::DIM, NP = NW / SPL;
+    constexpr int pipe = pipe_bytes<F, D, NW, SMS, GS>() + (SPL == 2 ? NP * 4096 : 0);
+    constexpr int red = NP * 8 * D * 4;
     return pipe > red ? pipe : red;
   }
 }
@@ -1130,8 +1226,14 @@ constexpr int dyn_smem() {
 // GS: KIVI's stream (StreamOf).
 template <class F, int D, int NW, int STAGES, int MINB, int SMS, int GS>
 __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
-  constexpr int KS = D / 16;  // k-steps of QK^T = m-tiles of PV
+  // Head dim 256 (SPL = 2): warp pairs (wp) take the tiles, warp hf of a pair the dims
+  // [128 hf, 128 hf + 128) of every row with d = 128's format F (DW dims), and the pair adds
+  // its partial scores before the softmax (pair_add): 120-odd registers a thread as at 128,
+  // where doubling every per-thread array took 165-217. Else wp = warp, NP = NW, DW = D.
+  constexpr int SPL = D / F::DIM, DW = F::DIM, NP = NW / SPL;
+  constexpr int KS = DW / 16;  // k-steps of QK^T = m-tiles of PV
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wp = warp / SPL, hf = warp % SPL;
   const int g = lane >> 2, c = lane & 3;
   const int bh = blockIdx.x;
   const int h = bh % p.Hkv;
@@ -1143,9 +1245,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   {
     const bool real = g < p.gqa;
     const long long row = (long long)bh * p.gqa + g;
-    if (p.qtype == 0) load_q<F, D>(reinterpret_cast<const __half*>(p.q), row, real, 1.f, c, qb);
-    else if (p.qtype == 1) load_q<F, D>(reinterpret_cast<const uint16_t*>(p.q), row, real, 1.f, c, qb);
-    else load_q<F, D>(reinterpret_cast<const float*>(p.q), row, real, 1.f, c, qb);
+    if (p.qtype == 0) load_q<F, DW, D>(reinterpret_cast<const __half*>(p.q), row, real, 1.f, c, qb, hf);
+    else if (p.qtype == 1) load_q<F, DW, D>(reinterpret_cast<const uint16_t*>(p.q), row, real, 1.f, c, qb, hf);
+    else load_q<F, DW, D>(reinterpret_cast<const float*>(p.q), row, real, 1.f, c, qb, hf);
   }
 
   float acc[KS][4];  // O^T: rows dims g D/8 + 2mt (+1 for c2, c3), cols heads 2c, 2c+1
@@ -1173,19 +1275,24 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   const int first = sp * per;
   const int last = min(first + per, nsteps);
   extern __shared__ __align__(16) uint8_t dsm[];
+  // SPL = 2: the pair's score exchange, after every warp's stages: two buffers of 2 KB
+  constexpr int XB = pipe_bytes<F, D, NW, SMS, GS>();
+  uint8_t* const xb = dsm + XB + wp * 4096;
 
   if (tail_cta) {
     if constexpr (F::KIND == 1) {  // KIVI window tail: direct loads, one tile per warp at a time
-      using TF = KiviTail<F::BITS>;
-      for (int st = first + warp; st < last; st += NW) {
+      using TF = KiviTail<F::BITS, DW, D>;
+      int jt = 0;
+      for (int st = first + wp; st < last; st += NP) {
         typename TF::Raw r;
         const int t0 = t_first + st * 16;
-        TF::load(r, p, bh, t0, g, c);
-        tile_step<TF, D>(r, t0, tend, qk, qb, acc, m, l, g);
+        TF::load(r, p, bh, t0, g, c, hf);
+        tile_step<TF, DW, typename TF::Raw, SPL>(r, t0, tend, qk, qb, acc, m, l, g, xb + 2048 * (jt & 1), hf, 1 + wp);
+        ++jt;
       }
     }
   } else if constexpr (SMS == 0) {
-    static_assert(F::KIND == 0, "the register path reads token rows");
+    static_assert(F::KIND == 0 && SPL == 1, "the register path reads whole token rows");
     const int vgrp = g * (D / 8) / 32;  // the group of this lane's V dims (int4)
     Cursor<F> cur;  // at this warp's first tile
     {
@@ -1214,14 +1321,15 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
       }
     }
   } else {
-    using S = typename StreamOf<F, D, NW, GS>::type;  // RowStream (int4, fp8), KiviStream or KiviTileStream
+    using S = typename StreamOf<F, DW, NP, GS, D>::type;  // RowStream (int4, fp8), KiviStream or KiviTileStream
     constexpr int TPU = S::TILES, NS = unit_stages<SMS, TPU>();  // tiles per stage (unit), stages
     const int ufirst = first / TPU, ulast = (last + TPU - 1) / TPU;  // KIVI: splits are whole groups
     S cur;
-    cur.init(p, bh, t_first + (ufirst + warp) * TPU * 16, lane);
+    cur.init(p, bh, t_first + (ufirst + wp) * TPU * 16, lane, hf);
     const uint8_t* wsm = dsm + warp * (NS * S::BYTES);
     const uint32_t wsa = smem_u32(wsm);
-    const int nunit = ulast > ufirst + warp ? (ulast - ufirst - warp + NW - 1) / NW : 0;  // this warp's units
+    // this warp's units (the same for both warps of a pair: pair_add's barriers match)
+    const int nunit = ulast > ufirst + wp ? (ulast - ufirst - wp + NP - 1) / NP : 0;
 #pragma unroll
     for (int i = 0; i < NS - 1; ++i) {
       cur.copy(wsa + i * S::BYTES, tend, i < nunit, lane);
@@ -1234,18 +1342,21 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
       cp_commit();
       cp_wait<NS - 1>();  // this lane's copies of unit j are done
       __syncwarp();       // ... and every lane's
-      const int u0 = t_first + (ufirst + warp + j * NW) * TPU * 16;
+      const int u0 = t_first + (ufirst + wp + j * NP) * TPU * 16;
       if constexpr (F::KIND == 1 && GS >= 2) {  // KIVI, a group per step (S::F is KiviQ)
         if constexpr (GS == 5 && S::F::BITS == 2)
-          group_step_lb<S, D>(wsm + rd * S::BYTES, u0, tend, qk, qb, acc, m, l, g, c);
+          group_step_lb<S, DW, SPL>(wsm + rd * S::BYTES, u0, tend, qk, qb, acc, m, l, g, c, xb + 2048 * (j & 1), hf,
+                                    1 + wp);
         else
-          group_step<S, D>(wsm + rd * S::BYTES, u0, tend, qk, qb, acc, m, l, g, c);
+          group_step<S, DW, SPL>(wsm + rd * S::BYTES, u0, tend, qk, qb, acc, m, l, g, c, xb + 2048 * (j & 1), hf,
+                                 1 + wp);
       } else {
 #pragma unroll
         for (int h = 0; h < TPU; ++h) {
           typename S::RawT r;
           S::read(r, wsm + rd * S::BYTES, g, c, h);
-          tile_step<F, D>(r, u0 + 16 * h, tend, qk, qb, acc, m, l, g);
+          tile_step<F, DW, typename S::RawT, SPL>(r, u0 + 16 * h, tend, qk, qb, acc, m, l, g,
+                                                  xb + 2048 * ((j * TPU + h) & 1), hf, 1 + wp);
         }
       }
       rd = rd == NS - 1 ? 0 : rd + 1;
@@ -1267,12 +1378,13 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   // common.cuh helper (tried offline) it left hqmq_decode.cu's kernels and this file's
   // int4 / fp8 ones byte-identical but changed the instruction order of the 16 KIVI
   // kernels, which no GPU run has tested or timed in that form.
-  __shared__ float sm_m[NW][8], sm_l[NW][8];
-  __shared__ float red_static[SMS ? 1 : NW][SMS ? 1 : 8][SMS ? 1 : D];
+  // (a pair's two warps hold the same m, l: both write them; each its half of the dims)
+  __shared__ float sm_m[NP][8], sm_l[NP][8];
+  __shared__ float red_static[SMS ? 1 : NP][SMS ? 1 : 8][SMS ? 1 : D];
   float(*red)[8][D] = SMS ? reinterpret_cast<float(*)[8][D]>(dsm) : reinterpret_cast<float(*)[8][D]>(&red_static[0][0][0]);
   if (g == 0) {
-    sm_m[warp][2 * c] = m[0]; sm_m[warp][2 * c + 1] = m[1];
-    sm_l[warp][2 * c] = l[0]; sm_l[warp][2 * c + 1] = l[1];
+    sm_m[wp][2 * c] = m[0]; sm_m[wp][2 * c + 1] = m[1];
+    sm_l[wp][2 * c] = l[0]; sm_l[wp][2 * c + 1] = l[1];
   }
   __syncthreads();
   float outs = 1.f;
@@ -1282,13 +1394,13 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
     const int hd = 2 * c + e;
     float M = NEG_INF;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) M = fmaxf(M, sm_m[w][hd]);
+    for (int w = 0; w < NP; ++w) M = fmaxf(M, sm_m[w][hd]);
     const float f = (m[e] == NEG_INF) ? 0.f : exp2f(m[e] - M) * outs;
 #pragma unroll
     for (int mt = 0; mt < KS; ++mt) {
-      const int d = g * (D / 8) + 2 * mt;
-      red[warp][hd][d] = f * acc[mt][e];
-      red[warp][hd][d + 1] = f * acc[mt][2 + e];
+      const int d = DW * hf + g * (DW / 8) + 2 * mt;
+      red[wp][hd][d] = f * acc[mt][e];
+      red[wp][hd][d + 1] = f * acc[mt][2 + e];
     }
   }
   __syncthreads();
@@ -1296,15 +1408,15 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
     const int hd = idx / D, d = idx % D;
     float o = 0.f;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) o += red[w][hd][d];
+    for (int w = 0; w < NP; ++w) o += red[w][hd][d];
     const long long prow = ((long long)bh * p.gqa + hd) * p.nsplit + p.split0 + blockIdx.y;
     p.po[prow * D + d] = o;
     if (d == 0) {
       float M = NEG_INF, L = 0.f;
 #pragma unroll
-      for (int w = 0; w < NW; ++w) M = fmaxf(M, sm_m[w][hd]);
+      for (int w = 0; w < NP; ++w) M = fmaxf(M, sm_m[w][hd]);
 #pragma unroll
-      for (int w = 0; w < NW; ++w) L += (sm_m[w][hd] == NEG_INF) ? 0.f : sm_l[w][hd] * exp2f(sm_m[w][hd] - M);
+      for (int w = 0; w < NP; ++w) L += (sm_m[w][hd] == NEG_INF) ? 0.f : sm_l[w][hd] * exp2f(sm_m[w][hd] - M);
       p.pm[prow] = M;
       p.pl[prow] = L;
     }
@@ -1331,9 +1443,35 @@ constexpr int KVARIANTS[][3] = {{4, 4, 1}, {4, 6, 1}, {3, 4, 1}, {1, 4, 0}, {4, 
                                 {0, 0, -1}, {0, 0, -1}, {4, 4, 5}};
 constexpr int KVARIANT0 = 2, NKVARIANTS = 11;
 
+// Head dim 256: 8 warps (4 pairs) of d = 128's per-warp code, so a variant's register cap
+// per warp is kept by halving its min CTAs per SM (rounded down, at least 1); the pipeline
+// variants only (split_kernel's register path reads whole rows), with at most SMEM256 bytes
+// of stages per CTA (fp8 v5's 8 stages x 8 warps x 4 KB would not fit).
+constexpr int SMEM256 = 192 * 1024;
+template <int D>
+constexpr int minb_of(int minb) {
+  return D > 128 ? (minb / 2 > 0 ? minb / 2 : 1) : minb;
+}
+// KIVI at head dim 64: one more CTA per SM than the variant's d = 128 cap (91-96 registers,
+// no spills offline; v12: 5 x 4 warps), for the latency a tile of half the work leaves
+// exposed. (+2 spilled up to 116 bytes.)
+template <int D>
+constexpr int kivi_minb_of(int minb) {
+  return D == 64 ? minb + 1 : minb_of<D>(minb);
+}
+template <class F, int D>
+constexpr int sms_of(int sms) {
+  if constexpr (D > 128) {
+    constexpr int most = SMEM256 / (8 * SmemTile<F>::BYTES);
+    return sms < most ? sms : most;
+  } else {
+    return sms;
+  }
+}
+
 template <class F, int D, int STAGES, int MINB, int SMS, int GS>
 int launch_cfg(const Params& p, int rows, int grid_y, cudaStream_t stream) {
-  constexpr int NW = 4;
+  constexpr int NW = 4 * (D / F::DIM);  // (head dim 256: 4 warp pairs)
   constexpr int smem = dyn_smem<F, D, NW, SMS, GS>();
   auto k = split_kernel<F, D, NW, STAGES, MINB, SMS, GS>;
   if constexpr (smem > 0) {  // dynamic + static (256 B) may pass the default 48 KiB (fp8, 3 stages: 48 KiB + 256 B)
@@ -1351,7 +1489,7 @@ int launch_cfg(const Params& p, int rows, int grid_y, cudaStream_t stream) {
 template <class F, int D, int STAGES, int MINB, int SMS, int GS>
 int regs_cfg() {
   cudaFuncAttributes a;
-  const cudaError_t e = cudaFuncGetAttributes(&a, split_kernel<F, D, 4, STAGES, MINB, SMS, GS>);
+  const cudaError_t e = cudaFuncGetAttributes(&a, split_kernel<F, D, 4 * (D / F::DIM), STAGES, MINB, SMS, GS>);
   return e == cudaSuccess ? a.numRegs : -(int)e;
 }
 
@@ -1359,32 +1497,35 @@ int regs_cfg() {
 template <class F, int D, int V>
 int launch_v(const Params& p, int rows, int grid_y, cudaStream_t stream) {
   if constexpr (F::KIND == 1) {
-    if constexpr (V < KVARIANT0 || V >= KVARIANT0 + NKVARIANTS || KVARIANTS[V - KVARIANT0][2] < 0) {
+    if constexpr (V < KVARIANT0 || V >= KVARIANT0 + NKVARIANTS || KVARIANTS[V - KVARIANT0][2] < 0 ||
+                  (D != 128 && KVARIANTS[V - KVARIANT0][2] == 0)) {
       return (int)cudaErrorInvalidValue;  // KIVI's quantized part streams through shared memory only
     } else {
-      constexpr int MINB = KVARIANTS[V - KVARIANT0][0], SMS = KVARIANTS[V - KVARIANT0][1];
+      constexpr int MINB = kivi_minb_of<D>(KVARIANTS[V - KVARIANT0][0]), SMS = KVARIANTS[V - KVARIANT0][1];
       return launch_cfg<F, D, 1, MINB, SMS, KVARIANTS[V - KVARIANT0][2]>(p, rows, grid_y, stream);
     }
-  } else if constexpr (V >= NVARIANTS) {
+  } else if constexpr (V >= NVARIANTS || (D > 128 && VARIANTS[V][2] == 0)) {
     return (int)cudaErrorInvalidValue;
   } else {
-    return launch_cfg<F, D, VARIANTS[V][0], VARIANTS[V][1], VARIANTS[V][2], 0>(p, rows, grid_y, stream);
+    return launch_cfg<F, D, VARIANTS[V][0], minb_of<D>(VARIANTS[V][1]), sms_of<F, D>(VARIANTS[V][2]), 0>(
+        p, rows, grid_y, stream);
   }
 }
 
 template <class F, int D, int V>
 int regs_v() {
   if constexpr (F::KIND == 1) {
-    if constexpr (V < KVARIANT0 || V >= KVARIANT0 + NKVARIANTS || KVARIANTS[V - KVARIANT0][2] < 0) {
+    if constexpr (V < KVARIANT0 || V >= KVARIANT0 + NKVARIANTS || KVARIANTS[V - KVARIANT0][2] < 0 ||
+                  (D != 128 && KVARIANTS[V - KVARIANT0][2] == 0)) {
       return -1;
     } else {
-      constexpr int MINB = KVARIANTS[V - KVARIANT0][0], SMS = KVARIANTS[V - KVARIANT0][1];
+      constexpr int MINB = kivi_minb_of<D>(KVARIANTS[V - KVARIANT0][0]), SMS = KVARIANTS[V - KVARIANT0][1];
       return regs_cfg<F, D, 1, MINB, SMS, KVARIANTS[V - KVARIANT0][2]>();
     }
-  } else if constexpr (V >= NVARIANTS) {
+  } else if constexpr (V >= NVARIANTS || (D > 128 && VARIANTS[V][2] == 0)) {
     return -1;
   } else {
-    return regs_cfg<F, D, VARIANTS[V][0], VARIANTS[V][1], VARIANTS[V][2], 0>();
+    return regs_cfg<F, D, VARIANTS[V][0], minb_of<D>(VARIANTS[V][1]), sms_of<F, D>(VARIANTS[V][2]), 0>();
   }
 }
 
@@ -1456,7 +1597,7 @@ struct HostArgs {
 };
 
 // fmt: 0 int4 (groups of 32), 1 fp8 e4m3, 2 fp8 e5m2; variant: VARIANTS above.
-// Returns a cudaError_t (0 = launched), or -1 for a head dim other than 64 / 128.
+// Returns a cudaError_t (0 = launched), or -1 for a head dim other than 64 / 128 / 256.
 #define KVQ_DISPATCH(CALL, ARGS)                                       \
   if (D == 128) {                                                  \
     if (fmt == 0) return CALL<Int4<128>, 128> ARGS;                     \
@@ -1466,6 +1607,10 @@ struct HostArgs {
     if (fmt == 0) return CALL<Int4<64>, 64> ARGS;                       \
     if (fmt == 1) return CALL<Fp8<64, false>, 64> ARGS;                 \
     if (fmt == 2) return CALL<Fp8<64, true>, 64> ARGS;                  \
+  } else if (D == 256) { /* warp pairs, each d = 128's format */   \
+    if (fmt == 0) return CALL<Int4<128>, 256> ARGS;                     \
+    if (fmt == 1) return CALL<Fp8<128, false>, 256> ARGS;               \
+    if (fmt == 2) return CALL<Fp8<128, true>, 256> ARGS;                \
   }                                                                \
   return -1;
 
@@ -1474,7 +1619,35 @@ static int run_rows(const HostArgs& a, const Params& p, int rows, void* out, cud
   KVQ_DISPATCH(launch, (p, rows, out, a.otype, a.variant, s))
 }
 
-// KIVI, head dim 128, groups of 32, 2 or 4 bits, ONE launch: tokens [n_main, T) (the
+// The KIVI instance of (head dim, bits), handed to `act` (KiviRun, KiviRegs); -1 for any other.
+template <class Act>
+int kivi_dispatch(int D, int bits, const Act& act) {
+  if (bits != 2 && bits != 4) return -1;
+  if (D == 128) return bits == 2 ? act.template go<KiviQ<2>, 128>() : act.template go<KiviQ<4>, 128>();
+  if (D == 64) return bits == 2 ? act.template go<KiviQ<2, 64>, 64>() : act.template go<KiviQ<4, 64>, 64>();
+  if (D == 256) return bits == 2 ? act.template go<KiviQ<2>, 256>() : act.template go<KiviQ<4>, 256>();  // warp pairs
+  return -1;
+}
+struct KiviRun {
+  const Params& p;
+  int rows;
+  void* out;
+  int otype, variant;
+  cudaStream_t s;
+  template <class F, int D>
+  int go() const {
+    const int e = launch_split<F, D>(p, rows, p.nsplit, variant, s);
+    if (e) return e;
+    return launch_combine<D>(p.po, p.pm, p.pl, out, otype, rows * p.gqa, p.nsplit, s);
+  }
+};
+struct KiviRegs {
+  int variant;
+  template <class F, int D>
+  int go() const { return regs_of<F, D>(variant); }
+};
+
+// KIVI, head dim 64 / 128 / 256, groups of 32, 2 or 4 bits, ONE launch: tokens [n_main, T) (the
 // windows) in nsplit_tail splits of per_tail tiles by the tail path, then tokens
 // [0, n_main) (both K and V quantized; n_main = min(TQK, TQV), whole groups) in
 // nsplit_main splits of per_main tiles through the pipeline (variant 2..5); one combine.
@@ -1486,10 +1659,7 @@ static int run_kivi(const HostArgs& a, Params p, int rows, void* out, cudaStream
   p.TQK = a.TQK; p.TQV = a.TQV;
   p.t_first = 0; p.T = a.T; p.split0 = 0;
   p.n_main = a.n_main; p.steps_per_split = a.per_main; p.per_tail = a.per_tail; p.nsplit_tail = a.nsplit_tail;
-  const int e = bits == 2 ? launch_split<KiviQ<2>, 128>(p, rows, p.nsplit, a.variant, s)
-                          : launch_split<KiviQ<4>, 128>(p, rows, p.nsplit, a.variant, s);
-  if (e) return e;
-  return launch_combine<128>(p.po, p.pm, p.pl, out, a.otype, rows * p.gqa, p.nsplit, s);
+  return kivi_dispatch(a.D, bits, KiviRun{p, rows, out, a.otype, a.variant, s});
 }
 
 }  // namespace
@@ -1526,10 +1696,9 @@ extern "C" int kvq_run(const void* args, const void* q, const int* vlen, float* 
 }
 
 // Registers of the KIVI instances: tail = 0 the quantized part (variant), 1 the tail path.
-extern "C" int kvq_num_regs_kivi(int bits, int tail, int variant) {
+extern "C" int kvq_num_regs_kivi(int bits, int tail, int variant, int D) {
   if (tail) variant = 2;  // (the tail path is a branch of the same kernel since run 17)
-  if (bits == 2) return regs_of<KiviQ<2>, 128>(variant);
-  return regs_of<KiviQ<4>, 128>(variant);
+  return kivi_dispatch(D, bits, KiviRegs{variant});
 }
 
 extern "C" int kvq_num_variants() { return NVARIANTS; }

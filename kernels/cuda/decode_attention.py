@@ -15,14 +15,15 @@ stays readable from here. backend="auto" sends
 the formats in CUDA_VERIFIED here (H200 run 16, B=8, T=32k, vs fp16 SDPA in the same run:
 int4 2.26x vs Triton's 1.20x, fp8 1.76x vs 1.55x, KIVI-2 2.04x vs 0.84x, KIVI-4 1.81x vs 0.81x).
 
-Formats: `IntFlat` with 4 bits and groups of 32 (the `int4` spec), head_dim 64 or 128;
-`FP8Flat` e4m3 / e5m2 (sm_89+), head_dim 64 or 128. GQA groups up to 8 query heads per
-kv head. Anything else: `unsupported(q, k, v)` names the reason (the dispatcher then
+Formats: `IntFlat` with 4 bits and groups of 32 (the `int4` spec), head_dim 64, 128 or
+256; `FP8Flat` e4m3 / e5m2 (sm_89+), head_dim 64, 128 or 256 (256: the shared-memory
+variants only). GQA groups up to 8 query heads per kv head. Anything else: `unsupported(q, k, v)` names the reason (the dispatcher then
 uses Triton). Numerics as the Triton FAST path: K/V decoded to fp16 with one rounding
 of s*x + z (int4), q rounded to fp16 unscaled, the base-2 softmax scale applied to the
 fp32 scores, P rounded to fp16, fp32 accumulation.
 
-`KIVIFlat` (2 or 4 bits, groups of 32, head_dim 128; GPU-verified since run 16): keys
+`KIVIFlat` (2 or 4 bits, groups of 32, head_dim 64, 128 or 256; 128 GPU-verified since run
+16, 64 and 256 compiled offline only, see VERIFIED_HEAD_DIMS): keys
 per channel over 32-token groups (codes along tokens), values per token; the quantized
 tokens both sides have go through the same kernel template (a KIVI decode functor), the
 fp16 windows' tail through a branch of the same launch (its first splits; direct loads),
@@ -109,6 +110,20 @@ DEFAULT_CTAS_PER_SM = None
 # T = 4096; the test now compares the kernel's change with the reference's), CUDA vs
 # Triton 4.3e-5, 2.4x faster than Triton at B=8, T=32k.
 CUDA_VERIFIED = {"int4", "fp8", "kivi"}
+# Head dims the kernels take (HEAD_DIMS), and those backend="auto" routes here per format
+# (VERIFIED_HEAD_DIMS): int4 / fp8 at 256 and KIVI at 64 / 256 (2026-12) are compiled
+# offline for sm_90a (no spills; the d = 128 kernels' PTX unchanged) and have GPU tests in
+# suites/tests/test_cuda_decode.py, but no GPU run yet: add a head dim here once they pass.
+# Head dim 256 runs 8 warps as 4 pairs, each warp d = 128's code on its half of the dims,
+# the pair's partial scores added through shared memory (120-144 registers; doubling the
+# per-thread arrays instead took 165-217).
+HEAD_DIMS = (64, 128, 256)
+VERIFIED_HEAD_DIMS = {"int4": (64, 128), "fp8": (64, 128), "kivi": (128,)}
+# The register-path variants (0, 1) read whole token rows (no warp-pair split), so the .cu
+# has no head_dim 256 instance of them; nor of KIVI's tile stream (5, 6) off d = 128, whose
+# stage layout is d = 128's.
+HEAD_256_VARIANTS = SMEM_VARIANTS
+KIVI_TILE_STREAM = (5, 6)
 
 _FORMAT = {IntFlat: "int4", FP8Flat: "fp8", KIVIFlat: "kivi"}  # cache type -> CUDA_VERIFIED name
 
@@ -122,7 +137,7 @@ def _declare(lib) -> str | None:
     lib.kvq_run.restype = I
     lib.kvq_num_regs.argtypes = [I, I, I]
     lib.kvq_num_regs.restype = I
-    lib.kvq_num_regs_kivi.argtypes = [I, I, I]
+    lib.kvq_num_regs_kivi.argtypes = [I, I, I, I]
     lib.kvq_num_regs_kivi.restype = I
     return None
 
@@ -141,11 +156,25 @@ def num_regs(fmt: int, head_dim: int, variant: int = 0) -> int:
     return -1 if lib is None else lib.kvq_num_regs(fmt, head_dim, variant)
 
 
-def num_regs_kivi(bits: int, tail: bool = False, variant: int = 2) -> int:
+def num_regs_kivi(bits: int, tail: bool = False, variant: int = 2, head_dim: int = 128) -> int:
     """Registers per thread of the KIVI instances (tail=True: the window-tail path, a
     branch of the variant-2 kernel since run 17)."""
     lib = _load()
-    return -1 if lib is None else lib.kvq_num_regs_kivi(bits, int(tail), variant)
+    return -1 if lib is None else lib.kvq_num_regs_kivi(bits, int(tail), variant, head_dim)
+
+
+def variants(k) -> tuple[int, ...]:
+    """The launch variants with an instance for this cache type and head dim."""
+    if isinstance(k, KIVIFlat):
+        return tuple(v for v in KIVI_VARIANTS if k.D == 128 or v not in KIVI_TILE_STREAM)
+    return tuple(range(NUM_VARIANTS)) if k.D <= 128 else HEAD_256_VARIANTS
+
+
+def head_dim_reason(D: int) -> str | None:
+    """Why the kernels have no instance for this head dim (None: they have one)."""
+    if D not in HEAD_DIMS:
+        return f"head_dim {D} (the CUDA kernels take {', '.join(map(str, HEAD_DIMS))})"
+    return None
 
 
 def _aligned(t: torch.Tensor, stride_bytes: int, n: int) -> bool:
@@ -168,8 +197,9 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
     if isinstance(k, KIVIFlat):
         return _kivi_unsupported(q, k, v)
     D, H = k.D, k.H
-    if D not in (64, 128):
-        return f"head_dim {D} (the CUDA kernels take 64 or 128)"
+    why = head_dim_reason(D)
+    if why:
+        return why
     if q.dim() != 4 or q.shape[1] % H or not 1 <= q.shape[1] // H <= 8:
         return f"GQA group of q {tuple(q.shape)} over {H} kv heads (the CUDA kernels take 1..8)"
     row_align = 16  # cp.async copies 16-byte chunks of codes (rows are 32..128 bytes)
@@ -206,8 +236,9 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
 def _kivi_unsupported(q: torch.Tensor, k, v) -> str | None:
     if k.role != "K" or v.role != "V":
         return "pass the keys' KIVIFlat (role K) then the values' (role V)"
-    if k.D != 128:
-        return f"head_dim {k.D} (the CUDA KIVI kernel takes 128)"
+    why = head_dim_reason(k.D)
+    if why:
+        return why
     if (k.bits, k.group) != (v.bits, v.group) or k.bits not in (2, 4) or k.group != 32:
         return f"kivi {k.bits}/{v.bits} bits, groups {k.group}/{v.group} (the CUDA kernel takes 2 or 4 bits, groups of 32)"
     if (v.B, v.H, v.D, v.T) != (k.B, k.H, k.D, k.T):
@@ -257,11 +288,16 @@ def format_name(k) -> str | None:
 
 def auto_refusal(k) -> str | None:
     """Why backend="auto" does not route this cache here (None: it does): its format is
-    not in CUDA_VERIFIED."""
+    not in CUDA_VERIFIED, or its head dim not in VERIFIED_HEAD_DIMS."""
     name = format_name(k)
     if name is None:
         return f"no CUDA kernel for {type(k).__name__}"
-    return None if name in CUDA_VERIFIED else f"{name} is not in cuda.decode_attention.CUDA_VERIFIED"
+    if name not in CUDA_VERIFIED:
+        return f"{name} is not in cuda.decode_attention.CUDA_VERIFIED"
+    if k.D not in VERIFIED_HEAD_DIMS.get(name, ()):
+        return (f"{name} at head_dim {k.D} is not in cuda.decode_attention.VERIFIED_HEAD_DIMS "
+                f"(not yet run on a GPU; backend='cuda' takes it)")
+    return None
 
 
 def takes_by_default(k) -> bool:
@@ -362,8 +398,8 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype) -> _Plan:
     keep = []
     if isinstance(k, KIVIFlat):
         variant = DEFAULT_VARIANT["kivi"] if variant is None else variant
-        if variant not in KIVI_VARIANTS:
-            raise ValueError(f"KIVI takes the shared-memory variants {KIVI_VARIANTS}, got {variant}")
+        if variant not in variants(k):
+            raise ValueError(f"KIVI takes the shared-memory variants {variants(k)} at head_dim {D}, got {variant}")
         n_main, (ns_m, per_m), (ns_t, per_t) = kivi_plan(k, v, q.device, num_splits, ctas_per_sm)
         a.kind, a.fmt = 1, k.bits
         for f, role, pre in ((k, "K", "k"), (v, "V", "v")):
@@ -398,6 +434,8 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype) -> _Plan:
         variant = DEFAULT_VARIANT[a.fmt] if variant is None else variant
         if not 0 <= variant < NUM_VARIANTS:
             raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
+        if variant not in variants(k):
+            raise ValueError(f"variant {variant} has no instance at head_dim {D} (variants: {variants(k)})")
     a.variant = variant
     plan = _Plan()
     plan.keep, plan.args, plan.ptr = keep, a, ctypes.addressof(a)
@@ -500,4 +538,5 @@ def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | No
 
 __all__ = ["decode", "make_workspace", "unsupported", "takes_by_default", "auto_refusal", "OPTIONS", "RENAMED",
            "CUDA_VERIFIED", "format_name", "kivi_plan", "num_regs_kivi", "why_unavailable", "available", "splits",
-           "num_regs", "SOURCE", "NUM_VARIANTS", "SMEM_VARIANTS", "KIVI_VARIANTS"]
+           "num_regs", "SOURCE", "NUM_VARIANTS", "SMEM_VARIANTS", "KIVI_VARIANTS", "HEAD_DIMS", "VERIFIED_HEAD_DIMS",
+           "variants", "head_dim_reason"]

@@ -1,5 +1,5 @@
 // Fused split-K decode attention over HQMQ caches (S secondaries with 12-bit codes,
-// r=4 uniform radius levels, head_dim 128; Med3x outliers: see below), CUDA C++ with mma.sync
+// r=4 uniform radius levels, head_dim 64, 128 or 256: Dims; Med3x outliers: see below), CUDA C++ with mma.sync
 // from registers. Built at first use by kernels/cuda_hqmq.py (nvcc -> a shared library
 // called through ctypes). kernels/NOTES.md ("CUDA HQMQ decode") has the design and the
 // figures.
@@ -46,11 +46,29 @@
 namespace {
 
 
-constexpr int D = 128;
-constexpr int NC = D / 4;     // chunks per token
-constexpr int CB = NC * 12 / 8;  // code bytes per token (48)
-constexpr int RB = NC * 4 / 8;   // radius bytes per token (16)
-constexpr int KS = D / 16;       // k-steps of QK^T = m-tiles of PV
+// The head dim D (64, 128, 256) fixes a token's bytes and how many chunks a lane decodes:
+// lane c takes KC = D/16 chunks of K (one per k-step), lane g VC = D/32 of V (two m-tiles
+// each), as at 128. What needs care is alignment: at 64 a token's codes are 24 bytes and a
+// lane's K codes 6 bytes at byte 6c, its V codes 3 bytes at 3g (shifted out of two words).
+template <int D>
+struct Dims {
+  static_assert(D == 64 || D == 128 || D == 256, "HQMQ: head dim 64, 128 or 256");
+  static constexpr int NC = D / 4;        // chunks per token
+  static constexpr int CB = NC * 12 / 8;  // code bytes per token (24, 48, 96)
+  static constexpr int RB = NC * 4 / 8;   // radius bytes per token (8, 16, 32)
+  static constexpr int KS = D / 16;       // k-steps of QK^T = m-tiles of PV = K chunks of a lane
+  static constexpr int VC = D / 32;       // V chunks of a lane
+  static constexpr int FB = NC / 8;       // Med3x flag bytes per token (2, 4, 8)
+  // codes are copied in pieces of PIECE bytes that never straddle two tokens (24-byte rows: 8)
+  static constexpr int PIECE = CB % 16 ? 8 : 16, PPT = CB / PIECE, NPC = 16 * PPT;  // per token / per tile
+  using FlagT = typename std::conditional<FB == 2, uint16_t,
+                                          typename std::conditional<FB == 4, uint32_t, uint2>::type>::type;
+  // D = 256 splits the head over the two warps of a pair (SPL): each decodes, scores and
+  // accumulates its DW = 128 dims with d = 128's code, the pair adds its two partial scores
+  // through shared memory before the softmax. Doubling every per-thread array instead took
+  // 194-203 registers (offline), one CTA of 8 warps per SM.
+  static constexpr int SPL = D > 128 ? 2 : 1, DW = D / SPL;
+};
 
 struct Params {
   const void* q;  // [B, Hq, 1, D], qtype 0 fp16, 1 bf16, 2 fp32
@@ -107,27 +125,34 @@ __device__ __forceinline__ float rm15(uint32_t bits) {
 // ---------------------------------------------------------------------------------
 // one warp stage: the bytes of a 16-token tile
 // ---------------------------------------------------------------------------------
-struct Stage {
+template <int D>
+struct Stage {  // of one warp: its DW dims' bytes (the whole row's flags)
+  static constexpr int CB = Dims<Dims<D>::DW>::CB, RB = Dims<Dims<D>::DW>::RB, FB = Dims<D>::FB;
   static constexpr int KC = 0, VC = 16 * CB, KR = 2 * 16 * CB, VR = KR + 16 * RB, KM = VR + 16 * RB, VM = KM + 48;
-  static constexpr int BYTES = VM + 48;  // 2144
-  // Med3x: the tile's 16 flag words per role and the 64-token block's outlier start per role
-  static constexpr int FL = BYTES, OX = FL + 2 * 64;  // K at +0, V at +64 (flags) / +4 (start)
-  static constexpr int BYTES_OUT = OX + 16;  // 2288
+  static constexpr int BYTES = VM + 48;  // 2144 at D = 128
+  // Med3x: the tile's 16 flag rows per role (token t of role r at FL + FLR r + FB t; at D = 64
+  // FL + FLR r + 2 (t + fsh): see copy_tile) and the 64-token block's outlier start per role
+  static constexpr int FLR = D == 64 ? 40 : 16 * FB;  // bytes per role (64: 9 words + padding)
+  static constexpr int FL = BYTES, OX = FL + 2 * FLR;  // K at +0, V at +FLR (flags) / +4 (start)
+  static constexpr int BYTES_OUT = OX + 16;  // 2288 at D = 128
 };
-template <bool OUT>
-constexpr int STAGE_BYTES = OUT ? Stage::BYTES_OUT : Stage::BYTES;
+template <bool OUT, int D = 128>
+constexpr int STAGE_BYTES = OUT ? Stage<D>::BYTES_OUT : Stage<D>::BYTES;
 
 // A lane's global source pointers for its copies of the next tile (advanced by warp strides).
+template <int D>
 struct CpCursor {
-  const uint8_t* c0;  // codes chunk `lane` (K for lanes 0..31), chunk lane + 32 (lanes 0..15)
+  const uint8_t* c0;  // codes piece `lane` (K for lanes 0..31), piece lane + 32 (lanes 0..15) ...
   const uint8_t* vc0;
   const uint8_t* r;   // radius row lane & 15: K (lanes 0..15) or V (16..31)
   const uint8_t* m;   // r_max window granule (lanes 0..2 K, 3..5 V)
   const uint8_t* mlast;  // last valid r_max byte of this lane's tensor (the window is read only up to it)
-  const uint32_t* frow;  // Med3x: flag words of this lane's role (lanes 0..15 K, 16..31 V)
+  const typename Dims<D>::FlagT* frow;  // Med3x: flag rows of this lane's role (lanes 0..15 K, 16..31 V)
   const int* irow;       // Med3x: its 64-token block starts
   int t0;
   int i;  // tiles copied so far (Med3x: position in the 64-token block)
+  int fsh;  // D = 64: 1 when the role's flag rows start 2 bytes past a 4-byte boundary (odd capacity)
+  int o1;   // D = 256: bytes from code chunk `lane` of the warp's half tile to chunk lane + 32
 };
 
 // Tokens from one tile of a warp to its next: NW tiles on (a warp takes every NW-th tile),
@@ -142,24 +167,55 @@ __device__ __forceinline__ int tile_advance(int i) {
 // PF (the Med3x variants that fetch the outliers one tile ahead): the stage of tile n carries
 // the flag words and block start of tile n + 1 instead of its own (on1: tile n + 1 is one of
 // the warp's), so they are in shared memory while tile n runs; tile 0's come from global memory.
-template <int NW, bool OUT, bool PF = false>
-__device__ __forceinline__ void copy_tile(uint32_t st, CpCursor& cur, int T, bool on, int lane, bool on1 = false) {
+// cp.async of N <= 16 bytes of which only the first `src` are read (the rest zero-filled):
+// Med3x flag rows of 2 bytes at D = 64, copied two tokens per 4-byte copy
+__device__ __forceinline__ void cp_async4_part(uint32_t dst, const void* src, int n) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+
+// NW: the warps (D = 256: warp pairs) streaming tiles; CB, RB of the global rows (the
+// cursor's strides), the stage holds the warp's DW dims.
+template <int NW, bool OUT, bool PF = false, int D = 128>
+__device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, bool on, int lane, bool on1 = false) {
+  using Stage = ::Stage<D>;
+  using DD = Dims<D>;
+  constexpr int CB = DD::CB, RB = DD::RB;
   const int STEP = tile_advance<NW, OUT>(cur.i);
-  {
-    const int i = lane;  // code chunk i: token i / 3
-    const bool ok = on && cur.t0 + i / 3 < T;
-    cp_async<16>(st + Stage::KC + 16 * i, cur.c0, ok);
-    cp_async<16>(st + Stage::VC + 16 * i, cur.vc0, ok);
+  if constexpr (D >= 128) {  // 48 code bytes a token in the stage (256: the warp's half of the row)
+    {
+      const int i = lane;  // code chunk i: token i / 3
+      const bool ok = on && cur.t0 + i / 3 < T;
+      cp_async<16>(st + Stage::KC + 16 * i, cur.c0, ok);
+      cp_async<16>(st + Stage::VC + 16 * i, cur.vc0, ok);
+    }
+    if (lane < 16) {
+      const int i = lane + 32;
+      const bool ok = on && cur.t0 + i / 3 < T;
+      cp_async<16>(st + Stage::KC + 16 * i, cur.c0 + (D == 128 ? 512 : cur.o1), ok);
+      cp_async<16>(st + Stage::VC + 16 * i, cur.vc0 + (D == 128 ? 512 : cur.o1), ok);
+    }
+  } else {
+    constexpr int P = DD::PIECE;
+#pragma unroll
+    for (int j = 0; j < (DD::NPC + 31) / 32; ++j) {
+      const int i = lane + 32 * j;  // piece i: token i / PPT
+      if (DD::NPC % 32 == 0 || i < DD::NPC) {
+        const bool ok = on && cur.t0 + i / DD::PPT < T;
+        cp_async<P>(st + Stage::KC + P * i, cur.c0 + 32 * P * j, ok);
+        cp_async<P>(st + Stage::VC + P * i, cur.vc0 + 32 * P * j, ok);
+      }
+    }
   }
-  if (lane < 16) {
-    const int i = lane + 32;
-    const bool ok = on && cur.t0 + i / 3 < T;
-    cp_async<16>(st + Stage::KC + 16 * i, cur.c0 + 512, ok);
-    cp_async<16>(st + Stage::VC + 16 * i, cur.vc0 + 512, ok);
-  }
-  {
+  if constexpr (D >= 128) {  // (256: the warp's 16 bytes of the token's 32)
     const bool ok = on && cur.t0 + (lane & 15) < T;
     cp_async<16>(st + (lane < 16 ? Stage::KR : Stage::VR) + 16 * (lane & 15), cur.r, ok);
+  } else {
+    const bool ok = on && cur.t0 + (lane & 15) < T;
+#pragma unroll
+    for (int x = 0; x < (RB + 15) / 16; ++x) {  // one token's radius row: 8 bytes
+      constexpr int N = RB < 16 ? RB : 16;
+      cp_async<N>(st + (lane < 16 ? Stage::KR : Stage::VR) + RB * (lane & 15) + 16 * x, cur.r + 16 * x, ok);
+    }
   }
   if (lane < 6) {
     // granule (lane % 3) of the 16-byte-aligned window over this tile's r_max: copied only
@@ -168,11 +224,25 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor& cur, int T, boo
     cp_async<16>(st + (lane < 3 ? Stage::KM : Stage::VM) + 16 * (lane % 3), cur.m, ok);
   }
   if constexpr (OUT && PF) {  // the next tile's flags and (at a block's first tile) outlier starts
-    const int t1 = cur.t0 + STEP, t = t1 + (lane & 15);
-    cp_async<4>(st + Stage::FL + 4 * lane, cur.frow + t, on1 && t < T);
+    const int t1 = cur.t0 + STEP;
+    if constexpr (DD::FB == 2) {
+      // 2-byte rows, 4-byte copies: lanes 0..8 (K) / 16..24 (V) copy word l of the window
+      // from token t1 - fsh (4-byte aligned: an odd capacity puts every other (b, h) row 2
+      // bytes off), the valid tokens' bytes only (zeros past T); token t1 + i then lies at
+      // byte 2 (i + fsh) of the role's region. (Token t1 - 1 is inside the allocation: only a
+      // row that starts off the boundary, so not the first, has fsh = 1.)
+      const int a = t1 - cur.fsh + 2 * (lane & 15);
+      if ((lane & 15) < 9)
+        cp_async4_part(st + Stage::FL + Stage::FLR * (lane >> 4) + 4 * (lane & 15), cur.frow + a,
+                       on1 ? 2 * max(0, min(2, T - a)) : 0);
+    } else {
+      const int t = t1 + (lane & 15);
+      cp_async<DD::FB>(st + Stage::FL + DD::FB * lane, cur.frow + t, on1 && t < T);
+    }
     if (((cur.i + 1) & 3) == 0 && (lane & 15) == 0)
       cp_async<4>(st + Stage::OX + (lane >> 2), cur.irow + (t1 >> 6), on1);
   } else if constexpr (OUT) {
+    static_assert(D == 128, "the direct Med3x path (variants 0, 2) is head dim 128's only");
     const int t = cur.t0 + (lane & 15);  // lanes 0..15: K flags of token lane, 16..31: V's
     cp_async<4>(st + Stage::FL + 4 * lane, cur.frow + t, on && t < T);
     if ((cur.i & 3) == 0 && (lane & 15) == 0)  // the block's outlier start, at its first tile
@@ -190,8 +260,11 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor& cur, int T, boo
 // the tile: K decode + scores, online softmax, V decode + PV
 // ---------------------------------------------------------------------------------
 // (decode_attention.cu's load_q with KiviQ's kdim; kept apart, as it says why)
-template <typename QT>
-__device__ __forceinline__ void load_q(const QT* q, long long row, bool real, int c, uint32_t (&qb)[KS][2]) {
+// DW: the dims of this warp, dims [DW hf, DW hf + DW) of q's D (D = 256: a pair's half)
+template <int DW, int D, typename QT>
+__device__ __forceinline__ void load_q(const QT* q, long long row, bool real, int c, uint32_t (&qb)[DW / 16][2],
+                                       int hf = 0) {
+  constexpr int KS = DW / 16;
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk) {
 #pragma unroll
@@ -199,7 +272,7 @@ __device__ __forceinline__ void load_q(const QT* q, long long row, bool real, in
       float x[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int d = 4 * (8 * c + kk) + 2 * slot + half;
+        const int d = DW * hf + 4 * (KS * c + kk) + 2 * slot + half;
         float v = 0.f;
         if (real) {
           if constexpr (std::is_same<QT, float>::value) v = q[row * D + d];
@@ -220,6 +293,18 @@ __device__ __forceinline__ uint32_t code8(uint32_t w0, uint32_t w1, uint32_t w2)
   constexpr int bit = 12 * KK, wi = bit / 32, sh = bit % 32;
   const uint32_t lo = wi == 0 ? w0 : (wi == 1 ? w1 : w2);
   const uint32_t hi = wi == 0 ? w1 : w2;
+  uint32_t x;
+  if constexpr (sh < 3) x = lo << (3 - sh);
+  else if constexpr (sh + 12 > 32) x = __funnelshift_r(lo, hi, sh - 3);
+  else x = lo >> (sh - 3);
+  return x & 0x7FF8u;
+}
+// code KK of the little-endian stream w[0..N), times 8 (code8 over N words: D = 64's shifted pair)
+template <int KK, int N>
+__device__ __forceinline__ uint32_t code8n(const uint32_t (&w)[N]) {
+  constexpr int bit = 12 * KK, wi = bit / 32, sh = bit % 32;
+  const uint32_t lo = w[wi];
+  const uint32_t hi = wi + 1 < N ? w[wi + 1 < N ? wi + 1 : wi] : 0u;
   uint32_t x;
   if constexpr (sh < 3) x = lo << (3 - sh);
   else if constexpr (sh + 12 > 32) x = __funnelshift_r(lo, hi, sh - 3);
@@ -259,21 +344,46 @@ struct OutRows {
 // it reads its fragments from global memory (as the direct path, without the prefetch).
 constexpr int OCAP = 128;  // items per buffer; call 17b's data: ~40 per tile (K only), the tests' ~80
 constexpr int OPL = OCAP / 32;  // item copies per lane
-struct PfBuf {  // one tile's half of a warp's double buffer
+// A token's Med3x flags as one integer (bit c = chunk c): 64 bits at D = 256
+template <int D>
+using FlagW = typename std::conditional<D == 256, unsigned long long, uint32_t>::type;
+__device__ __forceinline__ int popc(uint32_t x) { return __popc(x); }
+__device__ __forceinline__ int popc(unsigned long long x) { return __popcll(x); }
+template <int D>
+__device__ __forceinline__ FlagW<D> flags_at(const uint8_t* p) {  // a flag row in shared memory
+  if constexpr (D == 64) return *reinterpret_cast<const uint16_t*>(p);
+  else if constexpr (D == 128) return *reinterpret_cast<const uint32_t*>(p);
+  else return *reinterpret_cast<const unsigned long long*>(p);
+}
+
+template <int D = 128>
+struct PfBuf {  // one tile's half of a warp's double buffer (the same at every head dim)
   static constexpr int IT = 0;              // OCAP items (uint2)
   static constexpr int WS = OCAP * 8;       // [32] {flag word, first slot} of token lane & 15, role lane >> 4
   static constexpr int U = WS + 32 * 8;     // {k0, v0, mask, n}: list index of slot 0 (K, V), see out_meta
   static constexpr int BYTES = U + 16;      // 1296
 };
+// entry of token `tok` (role K: 0..15, V: 16..31) in the buffer half pb: (the warp's flag
+// word, the slot of its first chunk)
+template <int D>
+__device__ __forceinline__ void ws_get(const uint8_t* pb, int tok, FlagW<D>& fw, int& first) {
+  const int2 ws = *reinterpret_cast<const int2*>(pb + PfBuf<D>::WS + 8 * tok);
+  fw = (uint32_t)ws.x;
+  first = ws.y;
+}
 
 // Tile bookkeeping from its flag words fl (lane: token lane & 15 of role lane >> 4; 0 past T)
 // and the list positions runk / runv of its first K / V outlier (warp-uniform; advanced past
 // it), into buffer half pb (shared address pa); then the copies of its items (not committed).
-// Slots: K items at 0 .. nK-1, V items at nK .. nK+nV-1; u.mask bits 0..7: k-steps kk with a
-// K outlier in some lane (chunk 8c + kk), bits 8..11: V chunk columns jj (chunk 4g + jj).
-__device__ __forceinline__ void out_meta(uint32_t fl, int& runk, int& runv, const OutRows& orow, int lane,
-                                         uint8_t* pb, uint32_t pa) {
-  const int x = __popc(fl);
+// Slots: K items at 0 .. nK-1, V items at nK .. nK+nV-1; u.mask bits 0..KS-1: k-steps kk with a
+// K outlier in some lane (chunk KS c + kk), bits KS..KS+VC-1: V chunk columns jj (chunk VC g + jj);
+// at D = 128 bits 0..7 and 8..11. D = 256 (a warp pair, hf: this warp's half): the slots and
+// counts are the whole rows', the entries and masks this warp's word of them (as d = 128's).
+template <int D = 128>
+__device__ __forceinline__ void out_meta(FlagW<D> fl, int& runk, int& runv, const OutRows& orow, int lane,
+                                         uint8_t* pb, uint32_t pa, int hf = 0) {
+  using PfBuf = ::PfBuf<D>;
+  const int x = popc(fl);
   int inc = x;
 #pragma unroll
   for (int d = 1; d < 16; d <<= 1) {
@@ -281,16 +391,38 @@ __device__ __forceinline__ void out_meta(uint32_t fl, int& runk, int& runv, cons
     if ((lane & 15) >= d) inc += y;
   }
   const int nk = __shfl_sync(0xffffffffu, inc, 15), nv = __shfl_sync(0xffffffffu, inc, 31);
-  *reinterpret_cast<int2*>(pb + PfBuf::WS + 8 * lane) = make_int2((int)fl, inc - x + (lane >= 16 ? nk : 0));
-  const uint32_t mk = __reduce_or_sync(0xffffffffu, lane < 16 ? fl : 0u);
-  uint32_t mv = __reduce_or_sync(0xffffffffu, lane < 16 ? 0u : fl);
-  const uint32_t kk = mk | (mk >> 8) | (mk >> 16) | (mk >> 24);
-  mv |= mv >> 16;
-  mv |= mv >> 8;
-  mv |= mv >> 4;
+  constexpr int DW = Dims<D>::DW, KS = DW / 16;
+  constexpr uint32_t KM = (1u << KS) - 1u, VM = (1u << (DW / 32)) - 1u;
+  uint32_t kk, mv;  // k-steps with a K outlier (bit KS c + kk of some lane c folded onto kk), V columns
+  if constexpr (D == 256) {  // the warp's 32 chunks: 8 per lane c (K), 4 per lane g (V), as at 128
+    const uint32_t lo = (uint32_t)fl, hi = (uint32_t)(fl >> 32), mine = hf ? hi : lo;
+    *reinterpret_cast<int2*>(pb + PfBuf::WS + 8 * lane) =
+        make_int2((int)mine, inc - x + (lane >= 16 ? nk : 0) + (hf ? __popc(lo) : 0));
+    const uint32_t mk = __reduce_or_sync(0xffffffffu, lane < 16 ? mine : 0u);
+    mv = __reduce_or_sync(0xffffffffu, lane < 16 ? 0u : mine);
+    kk = mk | (mk >> 8) | (mk >> 16) | (mk >> 24);
+    mv |= mv >> 16;
+    mv |= mv >> 8;
+    mv |= mv >> 4;
+  } else {
+    *reinterpret_cast<int2*>(pb + PfBuf::WS + 8 * lane) = make_int2((int)fl, inc - x + (lane >= 16 ? nk : 0));
+    const uint32_t mk = __reduce_or_sync(0xffffffffu, lane < 16 ? fl : 0u);
+    mv = __reduce_or_sync(0xffffffffu, lane < 16 ? 0u : fl);
+    if constexpr (D == 128) {
+      kk = mk | (mk >> 8) | (mk >> 16) | (mk >> 24);
+      mv |= mv >> 16;
+      mv |= mv >> 8;
+      mv |= mv >> 4;
+    } else {  // 16 chunks: 4 per lane c (K), 2 per lane g (V)
+      kk = mk | (mk >> 4) | (mk >> 8) | (mk >> 12);
+      mv |= mv >> 8;
+      mv |= mv >> 4;
+      mv |= mv >> 2;
+    }
+  }
   const int n = nk + nv;
   if (lane == 0)
-    *reinterpret_cast<int4*>(pb + PfBuf::U) = make_int4(runk, runv - nk, (int)((kk & 0xFFu) | ((mv & 0xFu) << 8)), n);
+    *reinterpret_cast<int4*>(pb + PfBuf::U) = make_int4(runk, runv - nk, (int)((kk & KM) | ((mv & VM) << KS)), n);
   if (n <= OCAP) {
     const uint2* kp = orow.k + runk;  // slot sl of K (sl < nk) / of V (nk <= sl < n): kp + sl / vp + sl
     const uint2* vp = orow.v + (runv - nk);
@@ -309,21 +441,24 @@ __device__ __forceinline__ void out_meta(uint32_t fl, int& runk, int& runv, cons
 template <bool G, bool K>
 __device__ __forceinline__ uint2 out_item(const uint8_t* pb, const int4& u, const OutRows& orow, int sl) {
   if constexpr (G) return __ldg((K ? orow.k + u.x : orow.v + u.y) + sl);
-  else return *reinterpret_cast<const uint2*>(pb + PfBuf::IT + 8 * sl);
+  else return *reinterpret_cast<const uint2*>(pb + PfBuf<>::IT + 8 * sl);
 }
 
-// scores (s[4] of tokens g, g+8) += qk * (the tile's K outliers) q
-template <bool G>
+// scores (s[4] of tokens g, g+8) += qk * (the tile's K outliers) q; lane c's chunks KS c ..
+template <bool G, int D = 128>
 __device__ __forceinline__ void out_scores(float (&s)[4], const uint8_t* pb, const int4& u, const OutRows& orow,
-                                           float qk, const uint32_t (&qb)[KS][2], int g, int c) {
+                                           float qk, const uint32_t (&qb)[D / 16][2], int g, int c) {
+  constexpr int KS = D / 16;
+  constexpr uint32_t KMASK = (1u << KS) - 1u;
   uint32_t bits[2];
   int sl[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int2 ws = *reinterpret_cast<const int2*>(pb + PfBuf::WS + 8 * (g + 8 * i));
-    const uint32_t fw = (uint32_t)ws.x;
-    sl[i] = ws.y + __popc(fw & ((1u << (8 * c)) - 1u));
-    bits[i] = (fw >> (8 * c)) & 0xFFu;
+    FlagW<D> fw;
+    int first;
+    ws_get<D>(pb, g + 8 * i, fw, first);
+    sl[i] = first + popc(fw & ((FlagW<D>(1) << (KS * c)) - FlagW<D>(1)));
+    bits[i] = (uint32_t)(fw >> (KS * c)) & KMASK;
   }
   float so[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -343,23 +478,26 @@ __device__ __forceinline__ void out_scores(float (&s)[4], const uint8_t* pb, con
 }
 
 // O^T += (the tile's V outliers)^T P^T (qb0, qb1: P^T without r_max / 15); the lane's tokens
-// 2c, 2c+1, 2c+8, 2c+9, chunks 4g .. 4g+3
-template <bool G>
-__device__ __forceinline__ void out_values(float (&acc)[KS][4], const uint8_t* pb, const int4& u,
+// 2c, 2c+1, 2c+8, 2c+9, chunks VC g .. VC g + VC - 1 (4g .. 4g+3 at D = 128)
+template <bool G, int D = 128>
+__device__ __forceinline__ void out_values(float (&acc)[D / 16][4], const uint8_t* pb, const int4& u,
                                            const OutRows& orow, int g, int c, uint32_t qb0, uint32_t qb1) {
+  constexpr int KS = D / 16, VC = D / 32;
+  constexpr uint32_t VMASK = (1u << VC) - 1u;
   uint32_t bits[4];
   int sl[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int t = 2 * c + (j & 1) + 8 * (j >> 1);
-    const int2 ws = *reinterpret_cast<const int2*>(pb + PfBuf::WS + 8 * (16 + t));
-    const uint32_t fw = (uint32_t)ws.x;
-    sl[j] = ws.y + __popc(fw & ((1u << (4 * g)) - 1u));
-    bits[j] = (fw >> (4 * g)) & 0xFu;
+    FlagW<D> fw;
+    int first;
+    ws_get<D>(pb, 16 + t, fw, first);
+    sl[j] = first + popc(fw & ((FlagW<D>(1) << (VC * g)) - FlagW<D>(1)));
+    bits[j] = (uint32_t)(fw >> (VC * g)) & VMASK;
   }
 #pragma unroll
-  for (int jj = 0; jj < 4; ++jj) {
-    if (((uint32_t)u.z >> (8 + jj)) & 1u) {  // warp-uniform
+  for (int jj = 0; jj < VC; ++jj) {
+    if (((uint32_t)u.z >> (KS + jj)) & 1u) {  // warp-uniform
       uint2 vo[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -374,18 +512,106 @@ __device__ __forceinline__ void out_values(float (&acc)[KS][4], const uint8_t* p
   }
 }
 
+// ---- the quantized path at D = 64 (tile_step keeps D = 128's verbatim, which D = 256's
+// warp pairs run too: its timing was measured in that form). Same arithmetic; a lane's codes
+// lie at unaligned bytes of the 24-byte rows.
+// K: tokens g, g+8; lane c's 4 chunks 4c .. 4c + 3 (one per k-step): the scores s (unscaled)
+// and the tokens' r_max / 15 (rk).
+template <int D>
+__device__ __forceinline__ void k_generic(const uint8_t* st, const uint8_t* ktab, int moff_k,
+                                          const uint32_t (&qb)[D / 16][2], float (&s)[4], float (&rk)[2], int g,
+                                          int c) {
+  static_assert(D == 64, "D = 64's layout");
+  using Stage = ::Stage<D>;
+  constexpr int KS = D / 16, CB = Dims<D>::CB, RB = Dims<D>::RB;
+  uint32_t off[2][KS], rw[2], rmb[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int t = g + 8 * i;
+    // 48 bits at byte 6c: from the word pair at 4 (3c / 2), shifted by 16 (c & 1)
+    const uint8_t* row = st + Stage::KC + t * CB + 4 * ((3 * c) >> 1);
+    const uint32_t w0 = *reinterpret_cast<const uint32_t*>(row), w1 = *reinterpret_cast<const uint32_t*>(row + 4);
+    const int sh = 16 * (c & 1);
+    const uint32_t w[2] = {__funnelshift_r(w0, w1, sh), w1 >> sh};
+    rw[i] = *reinterpret_cast<const uint16_t*>(st + Stage::KR + t * RB + 2 * c);
+    rmb[i] = *reinterpret_cast<const uint16_t*>(st + Stage::KM + moff_k + 2 * t);
+    off[i][0] = code8n<0>(w);
+    off[i][1] = code8n<1>(w);
+    off[i][2] = code8n<2>(w);
+    off[i][3] = code8n<3>(w);
+  }
+  rk[0] = rm15(rmb[0]);
+  rk[1] = rm15(rmb[1]);
+  const uint32_t rlo = __byte_perm(rw[0], rw[1], 0x5410);  // chunks 0-3 of g, g+8
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+    const uint32_t x = (kk & 2) ? rlo >> 8 : rlo;
+    const __half2 rh = (kk & 1) ? nibbles<true>(x) : nibbles<false>(x);  // (rq of token g, of g+8), exact
+    const uint2 cg = gather(ktab, off[0][kk]);
+    const uint2 cg8 = gather(ktab, off[1][kk]);
+    const __half2 rg = __low2half2(rh), rg8 = __high2half2(rh);
+    mma16816(s, u32(__hmul2(h2(cg.x), rg)), u32(__hmul2(h2(cg8.x), rg8)), u32(__hmul2(h2(cg.y), rg)),
+             u32(__hmul2(h2(cg8.y), rg8)), qb[kk][0], qb[kk][1]);
+  }
+}
+
+// V: tokens 2c, 2c+1, 2c+8, 2c+9; lane g's 2 chunks 2g, 2g + 1: O^T += V^T P^T (pb0, pb1)
+template <int D>
+__device__ __forceinline__ void v_generic(const uint8_t* st, const uint8_t* vtab, float (&acc)[D / 16][4],
+                                          uint32_t pb0, uint32_t pb1, int g, int c) {
+  static_assert(D == 64, "D = 64's layout");
+  using Stage = ::Stage<D>;
+  constexpr int VC = D / 32, CB = Dims<D>::CB, RB = Dims<D>::RB;
+  uint32_t off[4][VC];
+  uint32_t rb[4];  // the lane's radius byte (2 nibbles) of each token
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int t = 2 * c + (j & 1) + 8 * (j >> 1);
+    // 24 bits at byte 3g: from the word pair at 4 (3g / 4), shifted by 8 (3g % 4)
+    const uint8_t* row = st + Stage::VC + t * CB + 4 * ((3 * g) >> 2);
+    const uint32_t w0 = *reinterpret_cast<const uint32_t*>(row), w1 = *reinterpret_cast<const uint32_t*>(row + 4);
+    const uint32_t lo = __funnelshift_r(w0, w1, 8 * ((3 * g) & 3));
+    off[j][0] = (lo << 3) & 0x7FF8u;
+    off[j][1] = (lo >> 9) & 0x7FF8u;
+    rb[j] = st[Stage::VR + t * RB + g];
+  }
+  const uint32_t x01 = __byte_perm(rb[0], rb[1], 0x5410), x89 = __byte_perm(rb[2], rb[3], 0x5410);
+  // chunk jj = m-tiles 2 jj, 2 jj + 1; its radius nibble is nibble jj of the byte
+#pragma unroll
+  for (int jj = 0; jj < VC; ++jj) {
+    const __half2 r01 = jj ? nibbles<true>(x01) : nibbles<false>(x01);  // (rq_2c, rq_2c+1), exact
+    const __half2 r89 = jj ? nibbles<true>(x89) : nibbles<false>(x89);
+    const uint2 c0 = gather(vtab, off[0][jj]), c1 = gather(vtab, off[1][jj]);
+    const uint2 c8 = gather(vtab, off[2][jj]), c9 = gather(vtab, off[3][jj]);
+    mma16816(acc[2 * jj], u32(__hmul2(h2(__byte_perm(c0.x, c1.x, 0x5410)), r01)),
+             u32(__hmul2(h2(__byte_perm(c0.x, c1.x, 0x7632)), r01)),
+             u32(__hmul2(h2(__byte_perm(c8.x, c9.x, 0x5410)), r89)),
+             u32(__hmul2(h2(__byte_perm(c8.x, c9.x, 0x7632)), r89)), pb0, pb1);
+    mma16816(acc[2 * jj + 1], u32(__hmul2(h2(__byte_perm(c0.y, c1.y, 0x5410)), r01)),
+             u32(__hmul2(h2(__byte_perm(c0.y, c1.y, 0x7632)), r01)),
+             u32(__hmul2(h2(__byte_perm(c8.y, c9.y, 0x5410)), r89)),
+             u32(__hmul2(h2(__byte_perm(c8.y, c9.y, 0x7632)), r89)), pb0, pb1);
+  }
+}
+
 // PF: the tile's outliers from its half pb of the warp's buffer (filled one tile ahead; its
 // item copies are the last group but two: the loop commits the stage of tile j + SMS - 1 and
 // tile j + 1's items after them)
-template <bool OUT, bool PF = false>
+// SPL = 2 (head dim 256): D is the warp's 128 dims; its partial scores are added to its
+// partner's (pair_add: xb, hf, bar) before the softmax.
+template <bool OUT, bool PF = false, int D = 128, int SPL = 1>
 __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab, const uint8_t* vtab, int moff_k,
-                                          int moff_v, int t0, int T, float qk, const uint32_t (&qb)[KS][2],
-                                          float (&acc)[KS][4], float (&m)[2], float (&l)[2], int g, int c,
+                                          int moff_v, int t0, int T, float qk, const uint32_t (&qb)[D / 16][2],
+                                          float (&acc)[D / 16][4], float (&m)[2], float (&l)[2], int g, int c,
                                           int& run, bool block_start, const OutRows& orow,
-                                          const uint8_t* pb = nullptr) {
+                                          const uint8_t* pb = nullptr, uint8_t* xb = nullptr, int hf = 0,
+                                          int bar = 0) {
+  using Stage = ::Stage<D>;
+  constexpr int KS = D / 16, CB = Dims<D>::CB, RB = Dims<D>::RB;
+  static_assert(D == 128 || !OUT || PF, "the direct Med3x path (variants 0, 2) is head dim 128's only");
   const int lane = 4 * g + c;
   int4 u = make_int4(0, 0, 0, 0);  // PF: {k0, v0, mask, n} of the tile (warp-uniform)
-  if constexpr (OUT && PF) u = *reinterpret_cast<const int4*>(pb + PfBuf::U);
+  if constexpr (OUT && PF) u = *reinterpret_cast<const int4*>(pb + PfBuf<D>::U);
   // ---- Med3x: flags, offsets, the K outliers' loads
   uint32_t myw = 0, outb = 0;
   int pre_l = 0;
@@ -422,10 +648,12 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
       }
     }
   }
-  // ---- K: tokens g, g+8; chunks 8c .. 8c+7
+  // ---- K: tokens g, g+8; chunks 8c .. 8c+7 (KS c .. KS c + KS - 1: k_generic)
   float s[4] = {0.f, 0.f, 0.f, 0.f};
   float rk[2];
-  {
+  if constexpr (D != 128) {
+    k_generic<D>(st, ktab, moff_k, qb, s, rk, g, c);
+  } else {
     uint32_t w[2][3], rw[2], rmb[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -472,9 +700,9 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
       cp_wait<2>();
       __syncwarp();
     }
-    if (u.z & 0xFF) {  // the K outliers' scores, unscaled by r_max
-      if (u.w > OCAP) out_scores<true>(s, pb, u, orow, qk, qb, g, c);
-      else out_scores<false>(s, pb, u, orow, qk, qb, g, c);
+    if (u.z & ((1 << KS) - 1)) {  // the K outliers' scores, unscaled by r_max
+      if (u.w > OCAP) out_scores<true, D>(s, pb, u, orow, qk, qb, g, c);
+      else out_scores<false, D>(s, pb, u, orow, qk, qb, g, c);
     }
   } else if constexpr (OUT) {
     if (outb & 0xFFFFu) {  // the K outliers' scores, unscaled by r_max
@@ -505,6 +733,7 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
       }
     }
   }
+  if constexpr (SPL == 2) pair_add(s, xb, hf, lane, bar);
   if (t0 + g >= T) s[0] = s[1] = NEG_INF;
   if (t0 + g + 8 >= T) s[2] = s[3] = NEG_INF;
 
@@ -519,7 +748,10 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
   const uint32_t pb0 = movtrans(pack_half2(p0 * rv0, p1 * rv0));  // P^T: k = tokens 2c, 2c+1; n = head g
   const uint32_t pb1 = movtrans(pack_half2(p2 * rv1, p3 * rv1));  //      k = tokens 2c+8, 2c+9
 
-  // ---- V: tokens 2c, 2c+1 (pair 0), 2c+8, 2c+9 (pair 1); chunks 4g .. 4g+3
+  // ---- V: tokens 2c, 2c+1 (pair 0), 2c+8, 2c+9 (pair 1); chunks 4g .. 4g+3 (VC g ..: v_generic)
+  if constexpr (D != 128) {
+    v_generic<D>(st, vtab, acc, pb0, pb1, g, c);
+  } else {
   const int sh = 16 * (g & 1);
   const int wo = 4 * ((3 * g) >> 1);  // byte of the word holding bit 48 g of the row
   uint32_t off[4][4];  // [token 2c, 2c+1, 2c+8, 2c+9][chunk jj] table byte offsets
@@ -555,11 +787,12 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
              u32(__hmul2(h2(__byte_perm(c8.y, c9.y, 0x5410)), r89)),
              u32(__hmul2(h2(__byte_perm(c8.y, c9.y, 0x7632)), r89)), pb0, pb1);
   }
+  }
   if constexpr (OUT && PF) {
-    if (u.z >> 8) {  // the V outliers, weighted by P without r_max / 15
+    if (u.z >> KS) {  // the V outliers, weighted by P without r_max / 15
       const uint32_t qb0 = movtrans(pack_half2(p0, p1)), qb1 = movtrans(pack_half2(p2, p3));
-      if (u.w > OCAP) out_values<true>(acc, pb, u, orow, g, c, qb0, qb1);
-      else out_values<false>(acc, pb, u, orow, g, c, qb0, qb1);
+      if (u.w > OCAP) out_values<true, D>(acc, pb, u, orow, g, c, qb0, qb1);
+      else out_values<false, D>(acc, pb, u, orow, g, c, qb0, qb1);
     }
   } else if constexpr (OUT) {
     if (outb >> 16) {  // the V outliers, weighted by P without r_max / 15
@@ -577,10 +810,12 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
   }
 }
 
-template <int NW, int SMS, int TABB, bool OUT, bool PF = false>
+template <int NW, int SMS, int TABB, bool OUT, bool PF = false, int D = 128>
 constexpr int dyn_smem() {
-  constexpr int body = 2 * TABB + SMS * NW * STAGE_BYTES<OUT> + (OUT && PF ? NW * 2 * PfBuf::BYTES : 0);
-  constexpr int red = NW * 8 * D * 4;
+  constexpr int SPL = Dims<D>::SPL, NP = NW / SPL;  // (D = 256: the pairs' score exchange, 2 KB each)
+  constexpr int body = 2 * TABB + SMS * NW * STAGE_BYTES<OUT, D> + (OUT && PF ? NW * 2 * PfBuf<D>::BYTES : 0) +
+                       (SPL == 2 ? NP * 2048 : 0);
+  constexpr int red = NP * 8 * D * 4;
   return body > red ? body : red;
 }
 
@@ -588,17 +823,28 @@ constexpr int dyn_smem() {
 // so both gathers are [reg + immediate] LDS.64.
 // OUT: Med3x (flags and outlier lists in Params; a split starts on a 64-token block).
 // PF (with OUT): the outliers one tile ahead, through a per-warp double buffer after the stages.
-template <int NW, int SMS, int TABB, int MINB, bool OUT, bool PF = false>
+template <int NW, int SMS, int TABB, int MINB, bool OUT, bool PF = false, int D = 128>
 __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params p) {
-  constexpr int SB = STAGE_BYTES<OUT>;
+  using Stage = ::Stage<D>;
+  using PfBuf = ::PfBuf<D>;
+  using FlagT = typename Dims<D>::FlagT;
+  // SPL = 2 (D = 256): warp pairs (wp) stream the tiles, warp hf of a pair takes dims
+  // [128 hf, 128 hf + 128) (DW) of every row; else wp = warp, NP = NW, DW = D.
+  constexpr int SPL = Dims<D>::SPL, NP = NW / SPL, DW = Dims<D>::DW;
+  constexpr int SB = STAGE_BYTES<OUT, D>, KS = DW / 16, CB = Dims<D>::CB, RB = Dims<D>::RB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wp = warp / SPL, hf = warp % SPL;
   const int g = lane >> 2, c = lane & 3;
   const int bh = blockIdx.x, sp = blockIdx.y;
   const int h = bh % p.Hkv;
+  // (the other head dims name their dynamic shared memory apart: with one symbol for all, the
+  // 64 / 256 instances changed how nvcc unrolled d = 128 v8's table copy)
   extern __shared__ __align__(16) uint8_t dsm[];
-  uint8_t* ktab = dsm;
-  uint8_t* vtab = dsm + TABB;
-  uint8_t* stages = dsm + 2 * TABB;
+  extern __shared__ __align__(16) uint8_t dsm_d[];
+  uint8_t* const dsm_of = D == 128 ? dsm : dsm_d;
+  uint8_t* ktab = dsm_of;
+  uint8_t* vtab = dsm_of + TABB;
+  uint8_t* stages = dsm_of + 2 * TABB;
 
   // The valid length: p.T, or read from device memory at run time (CUDA-graph replays of a
   // growing cache) and clamped to the capacity p.T the splits were sized for. CTAs whose
@@ -610,19 +856,30 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   const int last = min(first + p.steps_per_split, nsteps);
 
   // ---- start this warp's pipeline first (the DRAM stream), then the tables
-  CpCursor cur;
+  CpCursor<D> cur;
   int moff_k, moff_v;
   {
-    const int t0 = (first + (OUT ? 4 * warp : warp)) * 16;
+    const int t0 = (first + (OUT ? 4 * wp : wp)) * 16;
     cur.t0 = t0;
     cur.i = 0;
     if constexpr (OUT) {
-      cur.frow = lane < 16 ? p.kf + bh * p.k_fs : p.vf + bh * p.v_fs;
+      cur.frow = lane < 16 ? reinterpret_cast<const FlagT*>(p.kf) + bh * p.k_fs
+                           : reinterpret_cast<const FlagT*>(p.vf) + bh * p.v_fs;
+      if constexpr (D == 64) cur.fsh = (int)((reinterpret_cast<uintptr_t>(cur.frow) >> 1) & 1);
       cur.irow = lane < 16 ? p.ki + bh * p.k_is : p.vi + bh * p.v_is;
     }
-    cur.c0 = p.kc + bh * p.k_cs + (long long)t0 * CB + 16 * lane;
-    cur.vc0 = p.vc + bh * p.v_cs + (long long)t0 * CB + 16 * lane;
-    cur.r = (lane < 16 ? p.kr + bh * p.k_rs : p.vr + bh * p.v_rs) + (long long)t0 * RB + 16 * (lane & 15);
+    if constexpr (SPL == 2) {  // chunk i (16 B) of the warp's half tile: token i / 3, bytes 48 hf + 16 (i % 3)
+      const int o0 = (lane / 3) * CB + 16 * (lane % 3), i1 = lane + 32;
+      cur.o1 = (i1 / 3) * CB + 16 * (i1 % 3) - o0;
+      cur.c0 = p.kc + bh * p.k_cs + (long long)t0 * CB + (CB / 2) * hf + o0;
+      cur.vc0 = p.vc + bh * p.v_cs + (long long)t0 * CB + (CB / 2) * hf + o0;
+      cur.r = (lane < 16 ? p.kr + bh * p.k_rs : p.vr + bh * p.v_rs) + (long long)t0 * RB + RB * (lane & 15) +
+              (RB / 2) * hf;
+    } else {
+      cur.c0 = p.kc + bh * p.k_cs + (long long)t0 * CB + Dims<D>::PIECE * lane;
+      cur.vc0 = p.vc + bh * p.v_cs + (long long)t0 * CB + Dims<D>::PIECE * lane;
+      cur.r = (lane < 16 ? p.kr + bh * p.k_rs : p.vr + bh * p.v_rs) + (long long)t0 * RB + RB * (lane & 15);
+    }
     const uint8_t* mk = reinterpret_cast<const uint8_t*>(p.km + bh * p.k_ms + t0);
     const uint8_t* mv = reinterpret_cast<const uint8_t*>(p.vm + bh * p.v_ms + t0);
     moff_k = (int)(reinterpret_cast<uintptr_t>(mk) & 15);
@@ -633,11 +890,18 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   }
   // PF: tile 0's flag words and block starts straight from global memory (the stages carry
   // the next tile's), issued now so they land behind the table copy
-  uint32_t fl0 = 0;
+  FlagW<D> fl0 = 0;
   int runk = 0, runv = 0;  // PF: list position of the next tile's first K / V outlier
   if constexpr (OUT && PF) {
     const int t = cur.t0 + (lane & 15);
-    if (t < T) fl0 = __ldg(cur.frow + t);
+    if constexpr (D == 256) {
+      if (t < T) {
+        const uint2 f = __ldg(cur.frow + t);
+        fl0 = (unsigned long long)f.x | ((unsigned long long)f.y << 32);
+      }
+    } else {
+      if (t < T) fl0 = __ldg(cur.frow + t);
+    }
     if (cur.t0 < T) {
       runk = __ldg(p.ki + bh * p.k_is + (cur.t0 >> 6));
       runv = __ldg(p.vi + bh * p.v_is + (cur.t0 >> 6));
@@ -660,16 +924,16 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   }
   const uint8_t* wsm = stages + warp * (SMS * SB);
   const uint32_t wsa = smem_u32(wsm);
-  int ntile;
+  int ntile;  // (the same for both warps of a pair: pair_add's barriers match)
   if constexpr (OUT) {  // whole blocks: the final block's tiles past T are masked (and cost a tile)
     const int nb = (last - first + 3) / 4;
-    ntile = nb > warp ? 4 * ((nb - warp + NW - 1) / NW) : 0;
+    ntile = nb > wp ? 4 * ((nb - wp + NP - 1) / NP) : 0;
   } else {
-    ntile = last > first + warp ? (last - first - warp + NW - 1) / NW : 0;
+    ntile = last > first + wp ? (last - first - wp + NP - 1) / NP : 0;
   }
 #pragma unroll
   for (int i = 0; i < SMS - 1; ++i) {
-    copy_tile<NW, OUT, PF>(wsa + i * SB, cur, T, i < ntile, lane, i + 1 < ntile);
+    copy_tile<NP, OUT, PF, D>(wsa + i * SB, cur, T, i < ntile, lane, i + 1 < ntile);
     cp_commit();
   }
   int run = 0;  // Med3x: outliers of this lane's role before the current tile, in its block
@@ -683,9 +947,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   {
     const bool real = g < p.gqa;
     const long long row = (long long)bh * p.gqa + g;
-    if (p.qtype == 0) load_q(reinterpret_cast<const __half*>(p.q), row, real, c, qb);
-    else if (p.qtype == 1) load_q(reinterpret_cast<const uint16_t*>(p.q), row, real, c, qb);
-    else load_q(reinterpret_cast<const float*>(p.q), row, real, c, qb);
+    if (p.qtype == 0) load_q<DW, D>(reinterpret_cast<const __half*>(p.q), row, real, c, qb, hf);
+    else if (p.qtype == 1) load_q<DW, D>(reinterpret_cast<const uint16_t*>(p.q), row, real, c, qb, hf);
+    else load_q<DW, D>(reinterpret_cast<const float*>(p.q), row, real, c, qb, hf);
   }
   float acc[KS][4];
 #pragma unroll
@@ -695,8 +959,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   // tiles: nothing to copy); its own group, after the prologue's stages
   uint8_t* pfb = stages + NW * SMS * SB + warp * 2 * PfBuf::BYTES;
   const uint32_t pfa = smem_u32(pfb);
+  // SPL = 2: the pair's score exchange (pair_add), two tiles' buffers of 1 KB
+  uint8_t* xb = stages + NW * SMS * SB + (OUT && PF ? NW * 2 * PfBuf::BYTES : 0) + wp * 2048;
   if constexpr (OUT && PF) {
-    out_meta(fl0, runk, runv, orow, lane, pfb, pfa);
+    out_meta<D>(fl0, runk, runv, orow, lane, pfb, pfa, hf);
     cp_commit();
     cp_wait<SMS>();  // the tables (the oldest group) have landed
   } else {
@@ -707,7 +973,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   int rd = 0, wr = SMS - 1;
   for (int j = 0; j < ntile; ++j) {
     __syncwarp();
-    copy_tile<NW, OUT, PF>(wsa + wr * SB, cur, T, j + SMS - 1 < ntile, lane, j + SMS < ntile);
+    copy_tile<NP, OUT, PF, D>(wsa + wr * SB, cur, T, j + SMS - 1 < ntile, lane, j + SMS < ntile);
     cp_commit();
     if constexpr (OUT && PF) {
       // stage j: groups since it = tile j-1's items?, then per tile (stage, items) and the stage
@@ -721,16 +987,17 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
         runv = *reinterpret_cast<const int*>(st + Stage::OX + 4);
       }
       const int nb = ((j + 1) & 1) * PfBuf::BYTES;
-      out_meta(*reinterpret_cast<const uint32_t*>(st + Stage::FL + 4 * lane), runk, runv, orow, lane, pfb + nb,
-               pfa + nb);
+      const uint8_t* fr = D == 64 ? st + Stage::FL + Stage::FLR * (lane >> 4) + 2 * ((lane & 15) + cur.fsh)
+                                  : st + Stage::FL + Dims<D>::FB * lane;
+      out_meta<D>(flags_at<D>(fr), runk, runv, orow, lane, pfb + nb, pfa + nb, hf);
       cp_commit();
     } else {
       cp_wait<SMS - 1>();
       __syncwarp();
     }
-    const int tile = OUT ? first + 4 * (warp + NW * (j >> 2)) + (j & 3) : first + warp + j * NW;
-    tile_step<OUT, PF>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16, T, p.qk_scale, qb, acc, m, l, g, c, run,
-                       (j & 3) == 0, orow, pfb + (j & 1) * PfBuf::BYTES);
+    const int tile = OUT ? first + 4 * (wp + NP * (j >> 2)) + (j & 3) : first + wp + j * NP;
+    tile_step<OUT, PF, DW, SPL>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16, T, p.qk_scale, qb, acc, m, l, g, c, run,
+                       (j & 3) == 0, orow, pfb + (j & 1) * PfBuf::BYTES, xb + (j & 1) * 1024, hf, 1 + wp);
     rd = rd == SMS - 1 ? 0 : rd + 1;
     wr = wr == SMS - 1 ? 0 : wr + 1;
   }
@@ -742,12 +1009,13 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     for (int o = 4; o < 32; o <<= 1) l[e] += __shfl_xor_sync(0xffffffffu, l[e], o);
   }
   // (the merge and partial write as decode_attention.cu's, kept apart: it says why)
-  __shared__ float sm_m[NW][8], sm_l[NW][8];
+  // (a pair's two warps hold the same m, l: both write them; each its half of the dims)
+  __shared__ float sm_m[NP][8], sm_l[NP][8];
   __syncthreads();  // every warp is done with the tables and stages: reuse them for the merge
-  float(*red)[8][D] = reinterpret_cast<float(*)[8][D]>(dsm);
+  float(*red)[8][D] = reinterpret_cast<float(*)[8][D]>(dsm_of);
   if (g == 0) {
-    sm_m[warp][2 * c] = m[0]; sm_m[warp][2 * c + 1] = m[1];
-    sm_l[warp][2 * c] = l[0]; sm_l[warp][2 * c + 1] = l[1];
+    sm_m[wp][2 * c] = m[0]; sm_m[wp][2 * c + 1] = m[1];
+    sm_l[wp][2 * c] = l[0]; sm_l[wp][2 * c + 1] = l[1];
   }
   __syncthreads();
 #pragma unroll
@@ -755,13 +1023,13 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     const int hd = 2 * c + e;
     float M = NEG_INF;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) M = fmaxf(M, sm_m[w][hd]);
+    for (int w = 0; w < NP; ++w) M = fmaxf(M, sm_m[w][hd]);
     const float f = (m[e] == NEG_INF) ? 0.f : exp2f(m[e] - M);
 #pragma unroll
     for (int mt = 0; mt < KS; ++mt) {
-      const int d = g * (D / 8) + 2 * mt;
-      red[warp][hd][d] = f * acc[mt][e];
-      red[warp][hd][d + 1] = f * acc[mt][2 + e];
+      const int d = DW * hf + g * (DW / 8) + 2 * mt;
+      red[wp][hd][d] = f * acc[mt][e];
+      red[wp][hd][d + 1] = f * acc[mt][2 + e];
     }
   }
   __syncthreads();
@@ -769,15 +1037,15 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     const int hd = idx / D, d = idx % D;
     float o = 0.f;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) o += red[w][hd][d];
+    for (int w = 0; w < NP; ++w) o += red[w][hd][d];
     const long long prow = ((long long)bh * p.gqa + hd) * p.nsplit + sp;
     p.po[prow * D + d] = o;
     if (d == 0) {
       float M = NEG_INF, L = 0.f;
 #pragma unroll
-      for (int w = 0; w < NW; ++w) M = fmaxf(M, sm_m[w][hd]);
+      for (int w = 0; w < NP; ++w) M = fmaxf(M, sm_m[w][hd]);
 #pragma unroll
-      for (int w = 0; w < NW; ++w) L += (sm_m[w][hd] == NEG_INF) ? 0.f : sm_l[w][hd] * exp2f(sm_m[w][hd] - M);
+      for (int w = 0; w < NP; ++w) L += (sm_m[w][hd] == NEG_INF) ? 0.f : sm_l[w][hd] * exp2f(sm_m[w][hd] - M);
       // No valid token at all (valid length 0): every split is empty and the combine would
       // return 0/0; split 0 then says (m = 0, l = 1, o = 0), so the output is zeros, the
       // flash-attention convention for a fully masked row.
@@ -815,21 +1083,36 @@ static_assert(TAB_SMALL % 16 == 0, "table alignment");
 // tile ahead") for their registers.
 constexpr bool OUT_OK[NVARIANTS] = {true, false, true, false, false, false, false, false, false, true, true};
 
-template <int V, int TABB, bool OUT>
-constexpr int smem_of() {
-  return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, OUT, OUT && PREFETCH[V]>();
+// Head dims 64 and 256 (2026-12, not yet timed on a GPU): Med3x through the prefetching
+// variants only (the direct path's outlier fragments are d = 128's alone; at 64 its chunk
+// bookkeeping differs).
+template <int D>
+constexpr bool out_ok(int v) {
+  return D == 128 ? OUT_OK[v] : PREFETCH[v];
 }
-template <int V, int TABB, bool OUT>
+// Head dim 64, 8-warp variants without Med3x: one more CTA per SM than at 128 (80 registers,
+// no spills offline; v3: 3 x 8 warps where the shared memory allows, S <= 96), for the
+// latency a tile of half the work leaves exposed. (Med3x v10 spilled 64 bytes so capped.)
+template <int V, int D, bool OUT>
+constexpr int minb_of() {
+  return D == 64 && !OUT && VARIANTS[V][0] == 8 ? VARIANTS[V][2] + 1 : VARIANTS[V][2];
+}
+
+template <int V, int TABB, bool OUT, int D>
+constexpr int smem_of() {
+  return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, OUT, OUT && PREFETCH[V], D>();
+}
+template <int V, int TABB, bool OUT, int D>
 constexpr auto kernel_of() {
-  return hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, VARIANTS[V][2], OUT,
-                           OUT && PREFETCH[V]>;
+  return hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, minb_of<V, D, OUT>(), OUT,
+                           OUT && PREFETCH[V], D>;
 }
 
 // The dynamic shared-memory opt-in, once per instance (also before an occupancy query).
-template <int V, int TABB, bool OUT>
+template <int V, int TABB, bool OUT, int D>
 int prepare() {
-  static cudaError_t e = cudaFuncSetAttribute(kernel_of<V, TABB, OUT>(), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              smem_of<V, TABB, OUT>());
+  static cudaError_t e = cudaFuncSetAttribute(kernel_of<V, TABB, OUT, D>(),
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem_of<V, TABB, OUT, D>());
   return (int)e;
 }
 
@@ -838,19 +1121,19 @@ constexpr int NO_INSTANCE = -1001;  // no Med3x instance of this variant
 
 // LAUNCH: 0 or a cudaError_t; OCCUPANCY: CTAs resident per SM (registers, shared memory,
 // threads), < 0 = -error; REGS: registers per thread, < 0 = -error.
-template <int V, int TABB, bool OUT>
+template <int V, int TABB, bool OUT, int D>
 int act(What what, const Params* p, int rows, cudaStream_t stream) {
-  if constexpr (OUT && !OUT_OK[V]) {
+  if constexpr (OUT && !out_ok<D>(V)) {
     return NO_INSTANCE;
   } else {
-    constexpr auto k = kernel_of<V, TABB, OUT>();
-    constexpr int NT = VARIANTS[V][0] * 32, SM = smem_of<V, TABB, OUT>();
+    constexpr auto k = kernel_of<V, TABB, OUT, D>();
+    constexpr int NT = VARIANTS[V][0] * 32, SM = smem_of<V, TABB, OUT, D>();
     if (what == REGS) {
       cudaFuncAttributes a;
       const cudaError_t e = cudaFuncGetAttributes(&a, k);
       return e == cudaSuccess ? a.numRegs : -(int)e;
     }
-    if (const int e = prepare<V, TABB, OUT>()) return what == LAUNCH ? e : -e;
+    if (const int e = prepare<V, TABB, OUT, D>()) return what == LAUNCH ? e : -e;
     if (what == OCCUPANCY) {
       int n = 0;
       const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, NT, SM);
@@ -861,30 +1144,40 @@ int act(What what, const Params* p, int rows, cudaStream_t stream) {
   }
 }
 
-template <int TABB, bool OUT>
+template <int TABB, bool OUT, int D>
 int act_t(int variant, What what, const Params* p, int rows, cudaStream_t s) {
   switch (variant) {
-    case 1: return act<1, TABB, OUT>(what, p, rows, s);
-    case 2: return act<2, TABB, OUT>(what, p, rows, s);
-    case 3: return act<3, TABB, OUT>(what, p, rows, s);
-    case 4: return act<4, TABB, OUT>(what, p, rows, s);
-    case 5: return act<5, TABB, OUT>(what, p, rows, s);
-    case 6: return act<6, TABB, OUT>(what, p, rows, s);
-    case 7: return act<7, TABB, OUT>(what, p, rows, s);
-    case 8: return act<8, TABB, OUT>(what, p, rows, s);
-    case 9: return act<9, TABB, OUT>(what, p, rows, s);
-    case 10: return act<10, TABB, OUT>(what, p, rows, s);
-    default: return act<0, TABB, OUT>(what, p, rows, s);
+    case 1: return act<1, TABB, OUT, D>(what, p, rows, s);
+    case 2: return act<2, TABB, OUT, D>(what, p, rows, s);
+    case 3: return act<3, TABB, OUT, D>(what, p, rows, s);
+    case 4: return act<4, TABB, OUT, D>(what, p, rows, s);
+    case 5: return act<5, TABB, OUT, D>(what, p, rows, s);
+    case 6: return act<6, TABB, OUT, D>(what, p, rows, s);
+    case 7: return act<7, TABB, OUT, D>(what, p, rows, s);
+    case 8: return act<8, TABB, OUT, D>(what, p, rows, s);
+    case 9: return act<9, TABB, OUT, D>(what, p, rows, s);
+    case 10: return act<10, TABB, OUT, D>(what, p, rows, s);
+    default: return act<0, TABB, OUT, D>(what, p, rows, s);
   }
 }
 
-// -1 for S outside 1..170 (the tables), NO_INSTANCE for a variant without a Med3x instance
-int dispatch(int variant, int S, bool out, What what, const Params* p, int rows, cudaStream_t s) {
-  if (S < 1 || 192 * S > TAB_LARGE) return -1;
+template <int D>
+int dispatch_d(int variant, int S, bool out, What what, const Params* p, int rows, cudaStream_t s) {
   const bool small = 192 * S <= TAB_SMALL;
-  if (out) return small ? act_t<TAB_SMALL, true>(variant, what, p, rows, s)
-                        : act_t<TAB_LARGE, true>(variant, what, p, rows, s);
-  return small ? act_t<TAB_SMALL, false>(variant, what, p, rows, s) : act_t<TAB_LARGE, false>(variant, what, p, rows, s);
+  if (out) return small ? act_t<TAB_SMALL, true, D>(variant, what, p, rows, s)
+                        : act_t<TAB_LARGE, true, D>(variant, what, p, rows, s);
+  return small ? act_t<TAB_SMALL, false, D>(variant, what, p, rows, s)
+               : act_t<TAB_LARGE, false, D>(variant, what, p, rows, s);
+}
+
+// -1 for S outside 1..170 (the tables) or a head dim other than 64 / 128 / 256, NO_INSTANCE
+// for a variant without a Med3x instance
+int dispatch(int variant, int S, bool out, What what, const Params* p, int rows, cudaStream_t s, int D) {
+  if (S < 1 || 192 * S > TAB_LARGE) return -1;
+  if (D == 128) return dispatch_d<128>(variant, S, out, what, p, rows, s);
+  if (D == 64) return dispatch_d<64>(variant, S, out, what, p, rows, s);
+  if (D == 256) return dispatch_d<256>(variant, S, out, what, p, rows, s);
+  return -1;
 }
 
 }  // namespace
@@ -898,7 +1191,7 @@ extern "C" int kvq_hqmq_decode(const void* q, int qtype, const void* kc, const v
                                const void* ki, const void* vi, long long k_fs, long long k_os, long long k_is,
                                long long v_fs, long long v_os, long long v_is, int B, int Hkv, int gqa, int T, int S,
                                int steps_per_split, int nsplit, float qk_scale, float* po, float* pm, float* pl,
-                               void* out, int otype, int variant, const int* vlen, void* stream) {
+                               void* out, int otype, int variant, const int* vlen, void* stream, int D) {
   Params p;
   p.vlen = vlen;
   p.q = q; p.qtype = qtype;
@@ -914,18 +1207,20 @@ extern "C" int kvq_hqmq_decode(const void* q, int qtype, const void* kc, const v
   p.po = po; p.pm = pm; p.pl = pl;
   const int rows = B * Hkv;
   cudaStream_t s = (cudaStream_t)stream;
-  const int e = dispatch(variant, S, kf != nullptr, LAUNCH, &p, rows, s);
+  const int e = dispatch(variant, S, kf != nullptr, LAUNCH, &p, rows, s, D);
   if (e) return e;
-  return launch_combine<D>(po, pm, pl, out, otype, rows * gqa, nsplit, s);  // common.cuh
+  if (D == 64) return launch_combine<64>(po, pm, pl, out, otype, rows * gqa, nsplit, s);  // common.cuh
+  if (D == 256) return launch_combine<256>(po, pm, pl, out, otype, rows * gqa, nsplit, s);
+  return launch_combine<128>(po, pm, pl, out, otype, rows * gqa, nsplit, s);
 }
 
 extern "C" int kvq_hqmq_num_variants() { return NVARIANTS; }
 
 // CTAs per SM of a variant (out: its Med3x instance); < 0: -error, -1 bad S, NO_INSTANCE.
-extern "C" int kvq_hqmq_occupancy(int variant, int S, int out) {
-  return dispatch(variant, S, out != 0, OCCUPANCY, nullptr, 0, nullptr);
+extern "C" int kvq_hqmq_occupancy(int variant, int S, int out, int D) {
+  return dispatch(variant, S, out != 0, OCCUPANCY, nullptr, 0, nullptr, D);
 }
 
-extern "C" int kvq_hqmq_num_regs(int variant, int S, int out) {
-  return dispatch(variant, S, out != 0, REGS, nullptr, 0, nullptr);
+extern "C" int kvq_hqmq_num_regs(int variant, int S, int out, int D) {
+  return dispatch(variant, S, out != 0, REGS, nullptr, 0, nullptr, D);
 }

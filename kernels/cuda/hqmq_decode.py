@@ -2,8 +2,9 @@
 first use by library.py's loader (`KernelLibrary`), called through ctypes.
 
 Takes: `HQMQFlat` K and V with 12-bit codes (24 S <= 4096, S <= 170), r = 4 uniform
-radius levels, head_dim 128, with or without Med3x outliers (both sides alike;
-backend="auto" sends Med3x here only when AUTO_MED3), GQA groups of 1..8, q
+radius levels, head_dim 64, 128 or 256 (HEAD_DIMS), with or without Med3x outliers (both
+sides alike; backend="auto" sends Med3x here only when AUTO_MED3; at head_dim 64 and 256
+through the prefetching variants only), GQA groups of 1..8, q
 fp16/bf16/fp32. The kernel gathers codewords from the fp16 codebook `[H, 24 S, 4]` held
 in shared memory; when a flat carries another table (the default is the fp32
 secondaries) the fp16 codebook is built once per secondaries tensor and cached here.
@@ -78,7 +79,29 @@ AUTO = True
 MED3_VARIANTS = (0, 2, 9, 10)
 DEFAULT_VARIANT_MED3 = 10
 AUTO_MED3 = True
-_QK_SCALE = 1.4426950408889634 / math.sqrt(128)  # log2(e) / sqrt(d): the base-2 softmax scale, d = 128
+# Head dims with an instance in the .cu (Dims<D>). 64 and 256 (2026-12, compiled offline for
+# sm_90a, not yet run on a GPU): 64 the d = 128 arithmetic over a lane's 4 K / 2 V chunks
+# (91-119 registers); 256 by warp pairs, each warp d = 128's code on its half of the dims and
+# the pair's partial scores added through shared memory (124-141 registers under every
+# variant's own cap, no spills; doubling the per-thread arrays took 194-203, uncapped).
+# Med3x there only through the prefetching variants. The d = 128 instances are unchanged
+# (PTX identical).
+HEAD_DIMS = (64, 128, 256)
+AUTO_HEAD_DIMS = (128,)  # what backend="auto" routes here: add 64 / 256 once their GPU tests pass
+
+
+def variants(head_dim: int = 128, med3: bool = False) -> tuple[int, ...]:
+    """The variants with an instance at this head dim (med3: with a Med3x instance)."""
+    if med3:
+        return MED3_VARIANTS if head_dim == 128 else PREFETCH_VARIANTS
+    return tuple(range(NUM_VARIANTS))
+
+
+def qk_scale(head_dim: int) -> float:
+    """log2(e) / sqrt(d): the base-2 softmax scale the kernel applies to the fp32 scores."""
+    return 1.4426950408889634 / math.sqrt(head_dim)
+
+
 
 # fp16 codebooks are derived from the secondaries TENSOR (quantizers/derived.py: weakly
 # keyed, with its in-place write counter). GPU run 1 keyed them by data_ptr, and a freed
@@ -89,11 +112,11 @@ _QK_SCALE = 1.4426950408889634 / math.sqrt(128)  # log2(e) / sqrt(d): the base-2
 def _declare(lib) -> None:
     P, I, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
     lib.kvq_hqmq_decode.argtypes = [P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, LL, LL, P, P, P, P, P, P, LL,
-                                    LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F, P, P, P, P, I, I, P, P]
+                                    LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F, P, P, P, P, I, I, P, P, I]
     lib.kvq_hqmq_decode.restype = I
-    lib.kvq_hqmq_num_regs.argtypes = [I, I, I]
+    lib.kvq_hqmq_num_regs.argtypes = [I, I, I, I]
     lib.kvq_hqmq_num_regs.restype = I
-    lib.kvq_hqmq_occupancy.argtypes = [I, I, I]
+    lib.kvq_hqmq_occupancy.argtypes = [I, I, I, I]
     lib.kvq_hqmq_occupancy.restype = I
 
 
@@ -106,18 +129,32 @@ def available() -> bool:  # through the module's why_unavailable, as before Kern
     return why_unavailable() is None
 
 
-def num_regs(variant: int = 0, S: int = 96, med3: bool = False) -> int:
+def num_regs(variant: int = 0, S: int = 96, med3: bool = False, head_dim: int = 128) -> int:
     """Registers per thread of a variant's instance (med3: its Med3x one); < 0: none / error."""
     lib = _load()
-    return -1 if lib is None else lib.kvq_hqmq_num_regs(variant, S, int(med3))
+    return -1 if lib is None else lib.kvq_hqmq_num_regs(variant, S, int(med3), head_dim)
+
+
+def head_dim_reason(D: int) -> str | None:
+    """Why the kernel has no instance for this head dim (None: it has one)."""
+    if D not in HEAD_DIMS:
+        return f"head_dim {D} (the CUDA HQMQ kernel takes {', '.join(map(str, HEAD_DIMS))})"
+    return None
+
+
+def _align(D: int) -> int:
+    """Bytes the code / radius rows are copied in (cp.async): 8 at head_dim 64 (24-byte code
+    rows, 8-byte radius rows), else 16."""
+    return 8 if D == 64 else 16
 
 
 def _flat_reason(f) -> str | None:
     """Why the kernel cannot read this flat (None: it can)."""
     if not isinstance(f, HQMQFlat):
         return f"no CUDA HQMQ kernel for {type(f).__name__}"
-    if f.D != 128:
-        return f"head_dim {f.D} (the CUDA HQMQ kernel takes 128)"
+    why = head_dim_reason(f.D)
+    if why:
+        return why
     if f.code_bits != 12 or not 1 <= f.S <= 170:
         return f"code bits {f.code_bits} / S={f.S} (the CUDA kernel takes 12-bit codes, S <= 170)"
     if f.r_bits != 4 or f.log_radius:
@@ -126,8 +163,9 @@ def _flat_reason(f) -> str | None:
         return "no secondaries to build the fp16 codebook from"
     if f.codes.dtype != torch.uint8 or f.radius.dtype != torch.uint8 or f.r_max.dtype != torch.float16:
         return "codes/radius must be uint8, r_max fp16"
-    if f.codes.shape[-1] != 48 or f.radius.shape[-1] != 16:
-        return "code/radius rows of 48/16 bytes expected"
+    cb, rb, al = f.D * 3 // 8, f.D // 8, _align(f.D)
+    if f.codes.shape[-1] != cb or f.radius.shape[-1] != rb:
+        return f"code/radius rows of {cb}/{rb} bytes expected"
     if not (f.codes.is_cuda and f.radius.is_cuda and f.r_max.is_cuda):
         return "cache buffers not on a CUDA device"
     try:
@@ -136,23 +174,27 @@ def _flat_reason(f) -> str | None:
         bh_stride(f.r_max, "r_max")
     except ValueError as e:
         return str(e)
-    if f.codes.data_ptr() % 16 or f.radius.data_ptr() % 16 or cs % 16 or rs % 16:
-        return "codes/radius not 16-byte aligned (cp.async)"
+    if f.codes.data_ptr() % al or f.radius.data_ptr() % al or cs % al or rs % al:
+        return f"codes/radius not {al}-byte aligned (cp.async)"
     if f.r_max.data_ptr() % 2:
         return "r_max not 2-byte aligned"
     if f.has_outliers:  # Med3x: flag words, the outlier list (8-byte items), the block starts
         fl, ol, ix = f.flags, f.outliers, f.outlier_index
-        if fl.dtype != torch.uint8 or fl.shape[-1] != 4 or ol.dtype != torch.float16 or ol.shape[-1] != 4 \
+        fb = f.D // 32  # flag bytes per token (one bit per 4-dim chunk)
+        if fl.dtype != torch.uint8 or fl.shape[-1] != fb or ol.dtype != torch.float16 or ol.shape[-1] != 4 \
                 or ix.dtype != torch.int32:
-            return "Med3x flags [.., 4] uint8, outliers [.., 4] fp16, outlier_index int32 expected"
+            return f"Med3x flags [.., {fb}] uint8, outliers [.., 4] fp16, outlier_index int32 expected"
         if not (fl.is_cuda and ol.is_cuda and ix.is_cuda):
             return "Med3x buffers not on a CUDA device"
         try:
             fs, os_, _ = bh_stride(fl, "flags"), bh_stride(ol, "outliers"), bh_stride(ix, "outlier_index")
         except ValueError as e:
             return str(e)
-        if fl.data_ptr() % 4 or fs % 4 or ol.data_ptr() % 8 or os_ % 4 or ix.data_ptr() % 4:
-            return "Med3x flags / outliers / outlier_index not 4 / 8 / 4-byte aligned"
+        # flag rows are copied 4 bytes at a time (at head_dim 64 two tokens' 2-byte rows from a
+        # 4-byte boundary, whatever the capacity: the .cu's copy_tile), 8 at 256
+        fa = max(4, fb)
+        if fl.data_ptr() % fa or (fb > 2 and fs % fa) or ol.data_ptr() % 8 or os_ % 4 or ix.data_ptr() % 4:
+            return f"Med3x flags / outliers / outlier_index not {fa} / 8 / 4-byte aligned"
     return None
 
 
@@ -179,7 +221,7 @@ def _flat_info(f):
     if why is None:
         med3 = None
         if f.has_outliers:  # strides in flag words / 8-byte items / ints (pointers: read per call)
-            med3 = (bh_stride(f.flags) // 4, bh_stride(f.outliers) // 4, bh_stride(f.outlier_index))
+            med3 = (bh_stride(f.flags) // (f.D // 32), bh_stride(f.outliers) // 4, bh_stride(f.outlier_index))
         info = ((bh_stride(f.codes), bh_stride(f.radius), bh_stride(f.r_max)), codebook16(f), med3)
     else:
         info = why
@@ -200,8 +242,11 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
     for f in (k, v):
         if not isinstance(f, HQMQFlat):
             return f"no CUDA HQMQ kernel for {type(f).__name__}"
-    if k.D != 128:
-        return f"head_dim {k.D} (the CUDA HQMQ kernel takes 128)"
+    why = head_dim_reason(k.D)
+    if why:
+        return why
+    if v.D != k.D:
+        return f"K head_dim {k.D}, V {v.D}"
     if q.dim() != 4 or q.shape[1] % k.H or not 1 <= q.shape[1] // k.H <= 8:
         return f"GQA group of q {tuple(q.shape)} over {k.H} kv heads (1..8)"
     for f in (k, v):
@@ -222,15 +267,15 @@ def codebook16(f) -> torch.Tensor:
     return derived(f.sec, "cuda_hqmq.codebook16", lambda: codebook_from_secondaries(f.sec.float()).half().contiguous())
 
 
-def occupancy(variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False) -> int:
+def occupancy(variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False, head_dim: int = 128) -> int:
     """CTAs of a variant resident per SM (the CUDA occupancy query; < 0 when unavailable:
     no library, no such instance (NO_INSTANCE: no Med3x instance), a refused opt-in)."""
     lib = _load()
     if lib is None:
         return -1
-    key = (variant, S <= 96, med3)
+    key = (variant, S <= 96, med3, head_dim)
     if key not in _OCC:
-        _OCC[key] = lib.kvq_hqmq_occupancy(variant, S, int(med3))
+        _OCC[key] = lib.kvq_hqmq_occupancy(variant, S, int(med3), head_dim)
     return _OCC[key]
 
 
@@ -238,7 +283,7 @@ _OCC: dict = {}
 
 
 def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm: int | None = None,
-           variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False):
+           variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False, head_dim: int = 128):
     """(number of splits, 16-token tiles per split), every split non-empty: num_splits if
     given, else about ctas_per_sm CTAs per SM if given, else the whole-wave rule: for
     w = 1, 2, ... waves of `slots = occupancy x SMs` CTAs, the most splits that fit w
@@ -248,7 +293,7 @@ def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm
     sms = sm_count(device)
 
     def whole_waves(tiles: int) -> int:
-        occ = occupancy(variant, S, med3) if device.type == "cuda" else -1
+        occ = occupancy(variant, S, med3, head_dim) if device.type == "cuda" else -1
         if occ <= 0:
             return max(-(-tiles // TILES_PER_SPLIT), math.ceil(MIN_CTAS_PER_SM * sms / max(1, rows)))
         slots = occ * sms
@@ -262,19 +307,22 @@ def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm
 
 
 def auto_refusal(k) -> str | None:
-    """Why backend="auto" does not route this cache here (None: it does): AUTO, and
-    AUTO_MED3 for Med3x."""
+    """Why backend="auto" does not route this cache here (None: it does): AUTO, its head
+    dim in AUTO_HEAD_DIMS, and AUTO_MED3 for Med3x."""
     if not isinstance(k, HQMQFlat):
         return f"no CUDA HQMQ kernel for {type(k).__name__}"
     if not AUTO:
         return "cuda.hqmq_decode.AUTO is False"
+    if k.D not in AUTO_HEAD_DIMS:
+        return (f"head_dim {k.D} is not in cuda.hqmq_decode.AUTO_HEAD_DIMS (not yet run on a GPU; "
+                f"backend='cuda' takes it)")
     if k.has_outliers and not AUTO_MED3:
         return "cuda.hqmq_decode.AUTO_MED3 is False: auto keeps Med3x caches on Triton"
     return None
 
 
 def takes_by_default(k) -> bool:
-    """Whether backend="auto" routes this cache here: AUTO, and AUTO_MED3 for Med3x."""
+    """Whether backend="auto" routes this cache here: AUTO, AUTO_HEAD_DIMS, and AUTO_MED3 for Med3x."""
     return auto_refusal(k) is None
 
 
@@ -290,7 +338,7 @@ def workspace(q: torch.Tensor, k, *, num_splits: int | None = None, ctas_per_sm:
     call of a captured CUDA graph so the call allocates nothing."""
     med3 = k.has_outliers
     variant = (DEFAULT_VARIANT_MED3 if med3 else DEFAULT_VARIANT) if variant is None else variant
-    nsplit, _ = splits(k.B * k.H, k.T, q.device, num_splits, ctas_per_sm, variant, k.S, med3)
+    nsplit, _ = splits(k.B * k.H, k.T, q.device, num_splits, ctas_per_sm, variant, k.S, med3, k.D)
     return Workspace(k.B * q.shape[1], nsplit, k.D, q.device, out_dtype or q.dtype)
 
 
@@ -360,11 +408,13 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     variant = (DEFAULT_VARIANT_MED3 if out else DEFAULT_VARIANT) if variant is None else variant
     if not 0 <= variant < NUM_VARIANTS:
         raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
-    if out and variant not in MED3_VARIANTS:
-        raise ValueError(f"variant {variant} has no Med3x instance (MED3_VARIANTS: {MED3_VARIANTS})")
-    if occupancy(variant, k.S, out) <= 0:  # v8 with S > 96 (call 17a: the opt-in is refused)
-        raise ValueError(f"variant {variant} does not fit the shared memory with S={k.S}")
-    nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm, variant, k.S, out)
+    if out and variant not in variants(D, True):
+        raise ValueError(f"variant {variant} has no Med3x instance at head_dim {D} (variants: {variants(D, True)})")
+    if variant not in variants(D):
+        raise ValueError(f"variant {variant} has no instance at head_dim {D} (variants: {variants(D)})")
+    if occupancy(variant, k.S, out, D) <= 0:  # v8 with S > 96 (call 17a: the opt-in is refused)
+        raise ValueError(f"variant {variant} does not fit the shared memory with S={k.S} at head_dim {D}")
+    nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm, variant, k.S, out, D)
     out_dtype = out_dtype or q.dtype
     if out_dtype not in QTYPE:
         raise ValueError(f"out dtype {out_dtype}")
@@ -375,13 +425,13 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     dev = q.device.index
     args = (q.data_ptr(), QTYPE[q.dtype], k.codes.data_ptr(), k.radius.data_ptr(), k.r_max.data_ptr(),
             v.codes.data_ptr(), v.radius.data_ptr(), v.r_max.data_ptr(), kt.data_ptr(), vt.data_ptr(), *strides,
-            *(med3 or _NO_MED3_ARGS), B, H, Hq // H, T, k.S, per, nsplit, _QK_SCALE, ws.po.data_ptr(),
+            *(med3 or _NO_MED3_ARGS), B, H, Hq // H, T, k.S, per, nsplit, qk_scale(D), ws.po.data_ptr(),
             ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr(), QTYPE[out_dtype], variant, vl)
     if torch.cuda.current_device() == dev:  # the usual case: no device switch around the launch
-        err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev))
+        err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev), D)
     else:
         with torch.cuda.device(dev):
-            err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev))
+            err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev), D)
     if err:
         raise RuntimeError(f"CUDA HQMQ kernel launch failed: error {err}")
     return ws.out.view(B, Hq, 1, D)
@@ -389,4 +439,4 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
 
 __all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits",
            "codebook16", "takes_by_default", "auto_refusal", "OPTIONS", "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS",
-           "MED3_VARIANTS", "PREFETCH_VARIANTS", "SOURCE"]
+           "MED3_VARIANTS", "PREFETCH_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale", "head_dim_reason"]

@@ -2,7 +2,7 @@
 flatten (the outliers regrouped per (b, h), the outlier index derived), its store
 (`HQMQStore`: the token fields codes, radius, r_max, flags, plus the per-(b, h) outlier
 lists), its device step encoder (kernels/hqmq_encode.py's `hqmq_tokens`), its kernels
-(Triton, kernels/triton/hqmq.py; CUDA 12-bit codes r=4 d128, kernels/cuda/hqmq_decode.py).
+(Triton, kernels/triton/hqmq.py; CUDA 12-bit codes r=4 d64/128/256, kernels/cuda/hqmq_decode.py).
 
 Mixed-radix codes (`pack=mixed`, quantizers/hqmq.py): the flat declares them
 (`HQMQFlat.code_pack`, `code_layout`); the Triton kernel and the step encoder read and

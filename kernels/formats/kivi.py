@@ -1,7 +1,7 @@
 """The KIVI format (keys per channel over G-token groups, values per-token groups, an fp16
 window): `KIVIFlat` and its graph view `KIVIGraphFlat` (kernels/layout.py), its flatten,
 its store (`KIVIStore`), its device step encoder (`encode_step`), its kernels (Triton,
-kernels/triton/kivi.py; CUDA KIVI-2/4 g32 d128, kernels/cuda/decode_attention.py, host
+kernels/triton/kivi.py; CUDA KIVI-2/4 g32 d64/128/256, kernels/cuda/decode_attention.py, host
 counts only: no valid_len).
 
 The store: the new segments of a write are flattened by `flatten_kivi` (so the KIVI

@@ -76,12 +76,12 @@ def with_junk(t, n, g):
     return torch.cat([t, junk.to(t.device)], dim=2)
 
 
-def check_last_token(run, role, T, v_outlier=False, v_gain=-8.0):
+def check_last_token(run, role, T, v_outlier=False, v_gain=-8.0, D=128):
     """Change only the last key (aligned with every query of its head: it takes the
-    softmax) or value (x v_gain) of a [1, 8, T, 128] cache; run(q, k, v) -> (out, ref) for
+    softmax) or value (x v_gain) of a [1, 8, T, D] cache; run(q, k, v) -> (out, ref) for
     32 query heads, on the cache and on the changed one: the kernel's change must follow
     the reference's."""
-    B, Hq, Hkv, D = 1, 32, 8, 128
+    B, Hq, Hkv = 1, 32, 8
     k, v = make(B, Hkv, T, D, 1), make(B, Hkv, T, D, 2, outlier=v_outlier)
     q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(3)).half().to(DEV)
     k2, v2 = k.clone(), v.clone()

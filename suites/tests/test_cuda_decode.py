@@ -319,10 +319,9 @@ def test_default_splits_cover_every_tile(rows, T):
 KIVI_SPECS = ["kivi:bits=2", "kivi:bits=4"]
 
 
-def check_kivi(kspec, B, Hq, Hkv, T, dtype, seed=0, vspec=None, k=None, v=None, q=None, **kw):
+def check_kivi(kspec, B, Hq, Hkv, T, dtype, seed=0, vspec=None, k=None, v=None, q=None, D=128, **kw):
     """(out, reference, (K flat, V flat)); kspec / vspec: the K and V quantizers (the same
-    unless vspec: other windows); k, v, q default to seeded random tensors."""
-    D = 128
+    unless vspec: other windows); k, v, q default to seeded random tensors of head dim D."""
     k = make(B, Hkv, T, D, seed) if k is None else k
     v = make(B, Hkv, T, D, seed + 1, outlier=False) if v is None else v
     if q is None:
@@ -497,7 +496,9 @@ def test_kivi_unsupported_names_a_reason():
     assert "role" in cuda_decode._kivi_unsupported(q, vf, kf)
     assert "bits" in cuda_decode._kivi_unsupported(q, *_kivi_flats("kivi:bits=3", 100))
     assert "groups" in cuda_decode._kivi_unsupported(q, *_kivi_flats("kivi:bits=2,group=64", 200))
-    assert "head_dim" in cuda_decode._kivi_unsupported(torch.randn(1, 4, 1, 64), *_kivi_flats("kivi:bits=2", 100, D=64))
+    assert "head_dim" in cuda_decode._kivi_unsupported(torch.randn(1, 4, 1, 96), *_kivi_flats("kivi:bits=2", 100, D=96))
+    for D in (64, 256):  # taken since the kernels are templated on the head dim
+        assert cuda_decode._kivi_unsupported(torch.randn(1, 4, 1, D), *_kivi_flats("kivi:bits=2", 100, D=D)) is None
 
 
 @pytest.mark.parametrize("T,kspec", [(1, None), (20, None), (4099, None), (8192 + 7, None),
@@ -575,3 +576,148 @@ def test_both_sources_build_and_load_without_a_gpu(tmp_path, monkeypatch):
         assert hasattr(lib, symbol)
         if symbol == "kvq_run":  # the launch-argument struct the loader fills has the .cu's layout
             assert lib.kvq_args_size() == ctypes.sizeof(cuda_decode._Args)
+
+
+# ---------------------------------------------------------------------------------------
+# head dims 64 and 256 (issue 28): int4 / fp8 at 256, KIVI-2 / KIVI-4 at 64 and 256, each
+# against the dequantize-then-attend reference at T = 1, odd, larger and long, the last
+# key / value, GQA groups 1, 2, 8 and every variant the head dim has. backend="cuda" (the
+# auto route waits for VERIFIED_HEAD_DIMS).
+# ---------------------------------------------------------------------------------------
+NEW_HEADS = [("int4", 256), ("fp8-e4m3", 256), ("fp8-e5m2", 256), ("kivi:bits=2", 64), ("kivi:bits=4", 64),
+             ("kivi:bits=2", 256), ("kivi:bits=4", 256)]
+
+
+def check_head(spec, B, Hq, Hkv, T, D, dtype=torch.float16, seed=0, **kw):
+    """(out, reference, flats) of backend="cuda" at head dim D, int4 / fp8 or KIVI."""
+    if spec.startswith("kivi"):
+        return check_kivi(spec, B, Hq, Hkv, T, dtype, seed=seed, D=D, **kw)
+    k, v = make(B, Hkv, T, D, seed), make(B, Hkv, T, D, seed + 1, outlier=False)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(seed + 2)).to(dtype).to(DEV)
+    return checked_call(spec, q, k, v, **kw)
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec,D", NEW_HEADS)
+@pytest.mark.parametrize("T", [1, 333, 4099])
+@pytest.mark.parametrize("B,dtype", [(1, torch.float16), (3, torch.bfloat16)])
+def test_head_dims_match_reference(spec, D, T, B, dtype):
+    _, _, (kf, _) = check_head(spec, B, 32, 8, T, D, dtype, seed=T + D)
+    assert kf.D == D
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec,D", NEW_HEADS)
+def test_head_dims_fp32_q_and_long(spec, D):
+    check_head(spec, 2, 8, 2, 200, D, torch.float32, seed=D + 1)
+    check_head(spec, 1, 32, 8, 65536 + 5, D, torch.bfloat16, seed=D + 2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec,D", NEW_HEADS)
+@pytest.mark.parametrize("gqa", [1, 2, 8])
+def test_head_dims_gqa(spec, D, gqa):
+    check_head(spec, 3, 2 * gqa, 2, 777, D, seed=gqa + D)
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec,D", NEW_HEADS)
+@pytest.mark.parametrize("role", ["K", "V"])
+@pytest.mark.parametrize("T", [16, 4099])
+def test_head_dims_last_token_matters(spec, D, role, T):
+    if spec.startswith("kivi"):
+        def run(q, k, v):
+            return check_kivi(spec, 1, 32, 8, T, torch.float16, k=k, v=v, q=q, D=D, num_splits=3)[:2]
+    else:
+        def run(q, k, v):
+            return checked_call(spec, q, k, v, num_splits=3)[:2]
+    check_last_token(run, role, T, D=D)
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec,D", NEW_HEADS)
+def test_head_dims_variants_and_splits(spec, D):
+    """Every variant the head dim has (cuda_decode.variants) at several split counts; the
+    others are refused with the reason."""
+    failed = []
+    _, _, (kf, vf) = check_head(spec, 2, 8, 2, 1500, D, seed=3)
+    offered = cuda_decode.variants(kf)
+    for variant in offered:
+        for ns in (1, 3, None, 10_000):
+            try:
+                check_head(spec, 2, 8, 2, 1500, D, seed=3, variant=variant, num_splits=ns)
+            except AssertionError as e:
+                failed.append(f"variant {variant} splits {ns}: {str(e).splitlines()[0]}")
+    assert not failed, "\n".join(failed)
+    q = torch.zeros(2, 8, 1, D, device=DEV).half()
+    for bad in (v for v in range(13) if v not in offered):
+        with pytest.raises(ValueError, match="variant"):
+            attend(q, kf, vf, variant=bad)
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("view", [False, True])
+def test_head_256_capacity_beyond_valid_length(spec, view):
+    """int4 / fp8 at 256: garbage (NaN, inf) after T in whole buffers or [:, :, :n] views;
+    and a device valid_len below the capacity (empty and partial splits)."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    B, Hq, Hkv, T, D = 3, 16, 4, 1037, 256
+    k, v = make(B, Hkv, T, D, 5), make(B, Hkv, T, D, 6, outlier=False)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(7)).half().to(DEV)
+    qk, pk, qv, pv = build(spec, k, v)
+    kf, vf = _with_capacity(L.flatten(pk, "K"), 300), _with_capacity(L.flatten(pv, "V"), 300, seed=1)
+    names = ("codes", "scale", "zero") if isinstance(kf, L.IntFlat) else ("codes",)
+    if view:
+        kf = dataclasses.replace(kf, **{n: getattr(kf, n)[:, :, : T + 100] for n in names})
+        vf = dataclasses.replace(vf, **{n: getattr(vf, n)[:, :, : T + 100] for n in names})
+    kd, vd = qk.decode(pk), qv.decode(pv)
+    out = attend(q, kf, vf)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, reference_decode_attention(q, kd, vd)) < TOL[torch.float16]
+    kc, vc = dataclasses.replace(kf, T=T + 100), dataclasses.replace(vf, T=T + 100)  # T: the capacity bound
+    for n in (1, 17, 500, T):
+        for ns in (None, 4):
+            out = cuda_decode.decode(q, kc, vc, num_splits=ns, valid_len=_vlen(n), out_dtype=torch.float32)
+            assert torch.isfinite(out).all(), (n, ns)
+            err = rel_err(out, reference_decode_attention(q, kd[:, :, :n], vd[:, :, :n]))
+            assert err < TOL[torch.float16], f"{spec} n={n} splits={ns}: {err:.3g}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", KIVI_SPECS)
+@pytest.mark.parametrize("D", [64, 256])
+def test_kivi_head_dims_windows_differ(spec, D):
+    """The tail path at 64 / 256: more quantized V than K and the other way round."""
+    bits = spec[-1]
+    check_kivi(f"kivi:bits={bits},residual=64,window=fixed", 2, 8, 2, 1111, torch.float16, seed=D,
+               vspec=f"kivi:bits={bits},residual=8", D=D)
+    check_kivi(f"kivi:bits={bits},residual=0", 2, 8, 2, 1111, torch.bfloat16, seed=D + 1,
+               vspec=f"kivi:bits={bits},residual=40", D=D)
+
+
+def test_head_dims_taken_and_auto_gated():
+    """Any machine: the accept rules take 64 / 128 / 256 and name the reason otherwise; auto
+    routes a head dim only once it is in VERIFIED_HEAD_DIMS; head dim 256 offers the
+    shared-memory variants, KIVI off d 128 its group-stream ones."""
+    assert cuda_decode.head_dim_reason(96) and "head_dim 96" in cuda_decode.head_dim_reason(96)
+    assert all(cuda_decode.head_dim_reason(D) is None for D in (64, 128, 256))
+    x = torch.randn(1, 2, 40, 256)
+    f = L.flatten(get_quantizer("int4", role="K").encode(x))
+    assert cuda_decode.variants(f) == cuda_decode.SMEM_VARIANTS
+    why = cuda_decode.auto_refusal(f)
+    assert (why is None) == (256 in cuda_decode.VERIFIED_HEAD_DIMS["int4"])
+    if why:
+        assert "VERIFIED_HEAD_DIMS" in why
+    kf, _ = _kivi_flats("kivi:bits=2", 100, D=64)
+    assert 5 not in cuda_decode.variants(kf) and cuda_decode.DEFAULT_VARIANT["kivi"] in cuda_decode.variants(kf)
+    assert (cuda_decode.auto_refusal(kf) is None) == (64 in cuda_decode.VERIFIED_HEAD_DIMS["kivi"])
+    x96 = torch.randn(1, 2, 40, 96)
+    f96 = L.flatten(get_quantizer("int4", role="K").encode(x96))
+    if CUDA:
+        assert "head_dim 96" in cuda_decode.unsupported(torch.randn(1, 4, 1, 96, device=DEV),
+                                                        *(2 * [L.flatten(get_quantizer("int4", role="K").encode(
+                                                            x96.to(DEV)))]))
+    else:
+        assert "CUDA" in cuda_decode.unsupported(torch.randn(1, 4, 1, 96), f96, f96)

@@ -26,32 +26,32 @@ MED3 = SPEC + ",outliers=med3"
 
 
 @functools.lru_cache(maxsize=24)
-def encoded(B, Hkv, T, seed, spec=SPEC):
+def encoded(B, Hkv, T, seed, spec=SPEC, D=128):
     """(K flat, V flat, decoded K, decoded V) of make()'s synthetic cache (cached). With
     Med3x both K and V get the 3 large channels, so both sides have outliers."""
-    k, v = make(B, Hkv, T, 128, seed), make(B, Hkv, T, 128, seed + 1, outlier="med3" in spec)
+    k, v = make(B, Hkv, T, D, seed), make(B, Hkv, T, D, seed + 1, outlier="med3" in spec)
     qk, pk, qv, pv = build(spec, k, v)
     return L.flatten(pk, "K"), L.flatten(pv, "V"), qk.decode(pk), qv.decode(pv)
 
 
-def query(B, Hq, seed, dtype=torch.float16):
-    return torch.randn(B, Hq, 1, 128, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEV)
+def query(B, Hq, seed, dtype=torch.float16, D=128):
+    return torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEV)
 
 
-def check(B, Hq, Hkv, T, dtype=torch.float16, seed=0, spec=SPEC, flat_kw=None, **kw):
+def check(B, Hq, Hkv, T, dtype=torch.float16, seed=0, spec=SPEC, flat_kw=None, D=128, **kw):
     from kvqbench.kernels.decode_attention import reference_decode_attention
 
-    fk, fv, kd, vd = encoded(B, Hkv, T, seed, spec)
+    fk, fv, kd, vd = encoded(B, Hkv, T, seed, spec, D)
     if "med3" in spec and T >= 16:  # the outlier path runs on both sides
         assert fk.n_outliers > 0 and fv.n_outliers > 0
     if flat_kw:
         fk, fv = fk.with_table(**flat_kw), fv.with_table(**flat_kw)
-    q = query(B, Hq, seed + 2, dtype)
+    q = query(B, Hq, seed + 2, dtype, D)
     out = attend(q, fk, fv, **kw)
     ref = reference_decode_attention(q, kd, vd)
     assert torch.isfinite(out).all()
     err = rel_err(out, ref)
-    assert err < TOL[dtype], f"{spec} B={B} T={T} {dtype} {kw}: relative error {err:.3g}"
+    assert err < TOL[dtype], f"{spec} D={D} B={B} T={T} {dtype} {kw}: relative error {err:.3g}"
     return out, ref
 
 
@@ -243,13 +243,14 @@ def test_med3_last_token_matters(role):
         check_last_token(run, role, 4099, v_outlier=True, v_gain=-40.0)
 
 
-def _dense_outliers(B, Hkv, T, seed, lo, hi):
-    """make()'s cache with 9 more large channels (x 25, one per 4-dim chunk 2, 5, .., 26)
-    on tokens lo .. hi-1 only: there a 16-token tile holds > 128 outlier chunks of K and V
-    together (the prefetch buffer's OCAP: those tiles read their outliers from global
-    memory), elsewhere ~80 (from the buffer), and tiles straddling lo / hi mix both."""
-    x = make(B, Hkv, T, 128, seed).float()
-    for c in range(9):
+def _dense_outliers(B, Hkv, T, seed, lo, hi, D=128):
+    """make()'s cache with up to 9 more large channels (x 25, one per 4-dim chunk 2, 5, ..,
+    26; at D = 64 chunks 2 .. 14) on tokens lo .. hi-1 only: there a 16-token tile holds >
+    128 outlier chunks of K and V together (the prefetch buffer's OCAP: those tiles read
+    their outliers from global memory), elsewhere ~80 (from the buffer), and tiles
+    straddling lo / hi mix both."""
+    x = make(B, Hkv, T, D, seed).float()
+    for c in range(min(9, D // 12)):
         x[:, :, lo:hi, 4 * (3 * c + 2) + 1] *= 25.0
     return x.half()
 
@@ -377,10 +378,11 @@ def test_valid_len_argument_checks():
 # dispatch (any machine)
 # ---------------------------------------------------------------------------------------
 def test_unsupported_names_a_reason():
-    k = torch.randn(1, 2, 40, 64)
+    k = torch.randn(1, 2, 40, 96)
     f = L.flatten(get_quantizer(SPEC, role="K").encode(k))
-    q = torch.randn(1, 4, 1, 64)
+    q = torch.randn(1, 4, 1, 96)
     assert "CUDA" in cuda_hqmq.unsupported(q, f, f)  # a CPU q
+    assert "head_dim 96" in cuda_hqmq._flat_reason(f)
     if CUDA:
         fd = L.flatten(get_quantizer(SPEC, role="K").encode(k.to(DEV)))
         assert "head_dim" in cuda_hqmq.unsupported(q.to(DEV), fd, fd)
@@ -397,7 +399,7 @@ def test_default_splits_fill_whole_waves(monkeypatch):
     """The default split rule: the fewest whole waves of occupancy x SMs CTAs filled to at
     least FILL; every split non-empty; the old rule when the occupancy is unknown."""
     monkeypatch.setattr(cuda_hqmq, "sm_count", lambda device: 132)
-    monkeypatch.setattr(cuda_hqmq, "occupancy", lambda variant=0, S=96, med3=False: 3)
+    monkeypatch.setattr(cuda_hqmq, "occupancy", lambda variant=0, S=96, med3=False, head_dim=128: 3)
     dev = torch.device("cuda")
     assert cuda_hqmq.splits(64, 32768, dev) == (6, 342)  # B=8: 384 of 396 slots
     assert cuda_hqmq.splits(8, 32768, dev) == (49, 42)  # B=1: 392 of 396
@@ -415,7 +417,7 @@ def test_default_splits_fill_whole_waves(monkeypatch):
     for ns in (1, 3, 7, 10_000):
         n, per = cuda_hqmq.splits(8, 4099, dev, num_splits=ns, med3=True)
         assert per % 4 == 0 and n * per >= 257 and (n - 1) * per < 257
-    monkeypatch.setattr(cuda_hqmq, "occupancy", lambda variant=0, S=96, med3=False: -1)
+    monkeypatch.setattr(cuda_hqmq, "occupancy", lambda variant=0, S=96, med3=False, head_dim=128: -1)
     assert cuda_hqmq.splits(64, 32768, dev) == (32, 64)  # max(2048 / 64 tiles, 2 x 132 / 64)
 
 
@@ -447,3 +449,184 @@ def test_cpu_dispatch_stays_on_triton():
     f = L.flatten(get_quantizer(SPEC, role="K").encode(k))
     with pytest.raises(ValueError, match="CUDA"):
         decode_attention(torch.randn(1, 4, 1, 64), f, f, backend="cuda")
+
+
+# ---------------------------------------------------------------------------------------
+# head dims 64 and 256 (issue 28), with and without Med3x (at 64 / 256 through the
+# prefetching variants): T = 1, odd, larger and 131072, the last key / value, GQA 1, 2, 8,
+# every variant the head dim has, capacity garbage, valid_len, dense outliers. backend="cuda"
+# (the auto route waits for AUTO_HEAD_DIMS).
+# ---------------------------------------------------------------------------------------
+NEW_DIMS = [64, 256]
+
+
+def head_variants(D, spec):
+    """The Med3x tests' variants at head dim D (None: the default) or the plain ones."""
+    return (None,) + tuple(cuda_hqmq.variants(D, "med3" in spec))
+
+
+@needs_cuda
+@pytest.mark.parametrize("D", NEW_DIMS)
+@pytest.mark.parametrize("spec", [SPEC, MED3])
+@pytest.mark.parametrize("T", [1, 333, 4099])
+@pytest.mark.parametrize("B,dtype", [(1, torch.float16), (3, torch.bfloat16), (2, torch.float32)])
+def test_head_dims_match_reference(D, spec, T, B, dtype):
+    for variant in (None,) + (tuple(cuda_hqmq.PREFETCH_VARIANTS) if spec == MED3 else ()):
+        check(B, 32, 8, T, dtype, seed=T, spec=spec, D=D, variant=variant)
+
+
+@needs_cuda
+@pytest.mark.parametrize("D", NEW_DIMS)
+@pytest.mark.parametrize("spec", [SPEC, MED3])
+@pytest.mark.parametrize("gqa", [1, 2, 8])
+def test_head_dims_gqa(D, spec, gqa):
+    check(2, 2 * gqa, 2, 777, seed=gqa, spec=spec, D=D)
+
+
+@needs_cuda
+@pytest.mark.parametrize("D", NEW_DIMS)
+@pytest.mark.parametrize("spec", [SPEC, MED3])
+@pytest.mark.parametrize("role", ["K", "V"])
+@pytest.mark.parametrize("T", [16, 4099])
+def test_head_dims_last_token_matters(D, spec, role, T):
+    med3 = spec == MED3
+
+    def run(q, k, v):
+        return checked_call(spec, q, k, v, num_splits=3)[:2]
+
+    check_last_token(run, role, T, v_outlier=med3, v_gain=-40.0 if med3 else -8.0, D=D)
+
+
+@needs_cuda
+@pytest.mark.parametrize("D", NEW_DIMS)
+@pytest.mark.parametrize("spec", [SPEC, MED3])
+def test_head_dims_variants_and_splits(D, spec):
+    """Every variant with an instance at D (cuda_hqmq.variants: at 256 warp pairs, 2 to 8 per
+    CTA) x split counts; the others are refused with the reason; S=170 (the large tables)."""
+    failed = []
+    for variant in cuda_hqmq.variants(D, spec == MED3):
+        for ns in (1, 3, None, 10_000):
+            try:
+                check(2, 8, 2, 1500, seed=1, spec=spec, D=D, variant=variant, num_splits=ns)
+            except AssertionError as e:
+                failed.append(f"variant {variant} splits {ns}: {str(e).splitlines()[0]}")
+    assert not failed, "\n".join(failed)
+    fk, fv, _, _ = encoded(2, 2, 1500, 1, spec, D)
+    for bad in (v for v in range(cuda_hqmq.NUM_VARIANTS) if v not in cuda_hqmq.variants(D, spec == MED3)):
+        with pytest.raises(ValueError, match="instance"):
+            cuda_hqmq.decode(query(2, 8, 1, D=D), fk, fv, variant=bad)
+    check(1, 8, 2, 999, spec=spec.replace("S=96", "S=96,fill=true") if spec == SPEC else spec, seed=5, D=D)
+
+
+@needs_cuda
+@pytest.mark.parametrize("D", NEW_DIMS)
+@pytest.mark.parametrize("view", [False, True])
+@pytest.mark.parametrize("spec", [SPEC, MED3])
+def test_head_dims_capacity_beyond_valid_length(D, view, spec):
+    """Garbage (NaN, inf) after T in every buffer (flags included), whole or [:, :, :n] views."""
+    B, Hq, Hkv, T = 3, 16, 4, 1037
+    fk, fv, kd, vd = encoded(B, Hkv, T, 5, spec, D)
+    q = query(B, Hq, 7, D=D)
+    for extra in (300, 301):  # odd and even capacities (at D = 64 a Med3x row then starts 2 bytes off)
+        kf, vf = _with_capacity(fk, extra), _with_capacity(fv, extra, seed=1)
+        if view:
+            names = ("codes", "radius", "r_max") + (("flags",) if kf.has_outliers else ())
+            kf = dataclasses.replace(kf, **{n: getattr(kf, n)[:, :, : T + 101] for n in names})
+            vf = dataclasses.replace(vf, **{n: getattr(vf, n)[:, :, : T + 101] for n in names})
+        _attend_all(q, kf, vf, kd, vd, D, spec)
+
+
+def _attend_all(q, kf, vf, kd, vd, D, spec):
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    ref = reference_decode_attention(q, kd, vd)
+    for variant in head_variants(D, spec):
+        for ns in (None, 3):
+            out = attend(q, kf, vf, num_splits=ns, variant=variant)
+            assert torch.isfinite(out).all()
+            assert rel_err(out, ref) < TOL[torch.float16], f"variant {variant} splits {ns}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("D", NEW_DIMS)
+@pytest.mark.parametrize("spec", [SPEC, MED3])
+def test_head_dims_valid_len_below_capacity(D, spec):
+    """A device valid count n below the capacity (real data after it): the reference over n;
+    n = 0 gives zeros."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    cap = 2077
+    fk, fv, kd, vd = encoded(2, 8, cap, 43, spec, D)
+    q = query(2, 32, 44, D=D)
+    for variant in head_variants(D, spec):
+        for ns in (None, 12):
+            for n in (1, 15, 16, 17, 1000, cap - 1):
+                out = cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32, valid_len=_vl(n),
+                                       variant=variant)
+                ref = reference_decode_attention(q, kd[:, :, :n], vd[:, :, :n])
+                assert torch.isfinite(out).all(), f"n={n} variant {variant}"
+                err = rel_err(out, ref)
+                assert err < TOL[torch.float16], f"n={n} splits={ns} variant {variant}: relative error {err:.3g}"
+            out = cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32, valid_len=_vl(0),
+                                   variant=variant)
+            assert torch.equal(out, torch.zeros_like(out))
+
+
+@needs_cuda
+@pytest.mark.parametrize("D", NEW_DIMS)
+@pytest.mark.parametrize("spec", [SPEC, MED3])
+def test_head_dims_long_context(D, spec):
+    """T = 131072 (4096 encoded tokens tiled 32 times) and 131069."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    fk, fv, kd, vd = encoded(1, 8, 4096, 31, spec, D)
+    kf, vf = fk.tile(1, 32), fv.tile(1, 32)
+    kd, vd = kd.repeat(1, 1, 32, 1), vd.repeat(1, 1, 32, 1)
+    q = query(1, 32, 4, torch.bfloat16, D)
+    for T in (131072, 131069):
+        ref = reference_decode_attention(q, kd[:, :, :T], vd[:, :, :T])
+        out = attend(q, dataclasses.replace(kf, T=T), dataclasses.replace(vf, T=T))
+        err = rel_err(out, ref)
+        assert err < TOL[torch.bfloat16], f"D={D} T={T}: relative error {err:.3g}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("D", NEW_DIMS)
+def test_head_dims_med3_prefetch_overflow(D):
+    """Dense outliers on part of the cache: tiles over and under the prefetch buffer's
+    capacity (items read from global memory / from the buffer) follow the reference."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    B, Hq, Hkv, T = 2, 16, 4, 1237
+    k, v = _dense_outliers(B, Hkv, T, 51, 200, 700, D), _dense_outliers(B, Hkv, T, 52, 450, 1000, D)
+    qk, pk, qv, pv = build(MED3, k, v)
+    fk, fv = L.flatten(pk, "K"), L.flatten(pv, "V")
+    both = _outliers_per_tile(fk, T) + _outliers_per_tile(fv, T)
+    assert (both > 128).any() and (both <= 128).any()
+    q = query(B, Hq, 53, D=D)
+    ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
+    for variant in cuda_hqmq.variants(D, True):
+        for ns in (1, 3, None):
+            out = attend(q, fk, fv, num_splits=ns, variant=variant)
+            assert torch.isfinite(out).all()
+            err = rel_err(out, ref)
+            assert err < TOL[torch.float16], f"D={D} variant {variant} splits {ns}: relative error {err:.3g}"
+
+
+def test_head_dims_taken_and_auto_gated():
+    """Any machine: 64 / 128 / 256 are taken by the flat rule, others named; Med3x at 64 /
+    256 has the prefetching variants only; auto waits for AUTO_HEAD_DIMS; the softmax scale
+    follows the head dim."""
+    import math
+
+    for D in (64, 256):
+        f = L.flatten(get_quantizer(SPEC, role="K").encode(torch.randn(1, 2, 40, D)))
+        assert cuda_hqmq.head_dim_reason(D) is None
+        why = cuda_hqmq._flat_reason(f)
+        assert why is None or "head_dim" not in why, why  # (CPU buffers: "not on a CUDA device")
+        assert (cuda_hqmq.auto_refusal(f) is None) == (D in cuda_hqmq.AUTO_HEAD_DIMS and cuda_hqmq.AUTO)
+        assert cuda_hqmq.variants(D, True) == cuda_hqmq.PREFETCH_VARIANTS
+    assert cuda_hqmq.variants(256) == cuda_hqmq.variants(64) == tuple(range(cuda_hqmq.NUM_VARIANTS))
+    assert cuda_hqmq.variants(128, True) == cuda_hqmq.MED3_VARIANTS
+    for D in (64, 128, 256):
+        assert cuda_hqmq.qk_scale(D) == pytest.approx(1 / (math.sqrt(D) * math.log(2)))
