@@ -100,5 +100,14 @@ def test_generate_command(tiny, tmp_path, capsys):
     assert len(res["tokens"]) == 2 and all(len(t) <= 6 for t in res["tokens"]) and res["tokens_per_s"] > 0
     err = capsys.readouterr().err
     assert "tokens/s" in err and "steps: eager" in err
+    # --repeat: each call timed; greedy, so the same tokens every call
+    again = tmp_path / "g2.json"
+    assert cli.main(["generate", "--model", tiny["model"], "--spec", "int4", "--prompt", "the quick brown",
+                     "--max-new-tokens", "4", "--device", "cpu", "--repeat", "2", "--json", str(again)]) == 0
+    two = json.loads(again.read_text())
+    assert len(two["calls"]) == 2 and all(c["tokens_per_s"] > 0 for c in two["calls"])
+    cap = capsys.readouterr()
+    assert "call 1 of 2" in cap.err and "call 2 of 2" in cap.err and cap.out.count("--- [0]") == 1  # texts once
+    assert cli.main(["generate", "--model", tiny["model"], "--repeat", "0"]) == 2
     assert cli.main(["generate", "--model", tiny["model"], "--spec", "int9", "--device", "cpu"]) == 2
     assert cli.main(["generate", "--model", tiny["model"], "--max-new-tokens", "0"]) == 2
