@@ -63,10 +63,12 @@ def test_report_schema_and_files(one_shape_run):
         assert rows[method]["why_not_cuda"] == "q is not on a CUDA device"
     # the CUDA rows and the B=1 graph replays: reported as not run, with the reason, never a number
     skipped = {r["method"]: r["skipped"] for r in res["latency"] if "skipped" in r}
-    want = {f"{m}-cuda" for m in FUSED_SPECS} | {f"{m}-graph" for m in ["fp16-sdpa", *FUSED_SPECS, *triton]}
+    want = ({f"{m}-cuda" for m in FUSED_SPECS} | {f"{m}-graph" for m in ["fp16-sdpa", *FUSED_SPECS, *triton]}
+            | {"flashinfer-fp16", "flashinfer-fp8"})  # FlashInfer's peer rows: a GPU's, where it is installed
     assert set(skipped) == want
     assert all(why.startswith("not run here: ") for why in skipped.values())
     assert skipped["fused-int4-cuda"] == "not run here: torch has no CUDA device"
+    assert "FlashInfer" in skipped["flashinfer-fp8"]
     assert set(res["memory"]["rows"][0]) >= {"spec", "bits_per_element", "projection_GB"}
     assert res["memory"]["rows"][0]["bits_per_element"] == 16.0  # fp16 first
     assert set(res["encode"]) == {"shape", "chunks", "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3"}
@@ -92,7 +94,7 @@ def _flats(spec: str):
     from kvqbench.quantizers import get_quantizer
     from kvqbench.suites.bench.toolkit import synthetic_kv
 
-    k, v = synthetic_kv(1, 1, 64, 64, "cpu")
+    k, v = synthetic_kv(1, 1, 64, 128, "cpu")  # head_dim 128: every CUDA kernel's auto route takes it (VERIFIED_HEAD_DIMS)
     return (flatten(get_quantizer(spec, role="K").encode(k), "K"),
             flatten(get_quantizer(spec, role="V").encode(v), "V"))
 
@@ -277,3 +279,43 @@ def test_fake_quant_reads_the_tiled_cache_back():
     got = q.decode_tokens(seg, packed.shared, (2, 2, 256, 64))
     want = q.decode(packed).repeat(2, 1, 2, 1)
     assert torch.equal(got.to(want.dtype), want)
+
+
+def test_flashinfer_rows_page_the_same_kv_the_sdpa_row_reads():
+    """The FlashInfer peer rows (issue 28): K/V in FlashInfer's HND pages, its page table
+    and its call, checked here against a stand-in module that attends over the pages it
+    is given as the documented layout says (FlashInfer itself runs on a GPU only)."""
+    import types
+
+    from kvqbench.suites.bench.latency import methods as M
+
+    class Wrapper:  # BatchDecodeWithPagedKVCacheWrapper's plan / run, in torch
+        def __init__(self, workspace, layout):
+            assert layout == "HND" and workspace.dtype == torch.uint8
+
+        def plan(self, indptr, indices, last_len, hq, hkv, d, page, pos_encoding_mode, q_data_type, kv_data_type):
+            self.args = (indptr, indices, last_len, hq, hkv, d, page)
+            assert pos_encoding_mode == "NONE"
+
+        def run(self, q, kv):
+            indptr, indices, last_len, hq, hkv, d, page = self.args
+            outs = []
+            for b in range(q.shape[0]):
+                pages = indices[indptr[b]:indptr[b + 1]].long()
+                k, v = (x[pages].float().permute(1, 0, 2, 3).reshape(hkv, -1, d) for x in kv)
+                n = (len(pages) - 1) * page + int(last_len[b])
+                k, v = k[:, :n].repeat_interleave(hq // hkv, 0), v[:, :n].repeat_interleave(hq // hkv, 0)
+                w = torch.softmax(q[b].float()[:, None] @ k.transpose(1, 2) / d ** 0.5, -1)
+                outs.append((w @ v)[:, 0])
+            return torch.stack(outs).to(q.dtype)
+
+    fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=Wrapper)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 32, generator=g).half()
+    k, v = (torch.randn(2, 2, 48, 32, generator=g).half() for _ in range(2))
+    ref = M.run_sdpa(q.float(), k.float(), v.float(), "default")
+    got = M.flashinfer_callable(q, k, v, torch.float16, flashinfer=fake)()
+    assert got.shape == ref.shape and torch.allclose(got.float(), ref, atol=2e-3)
+    swapped = M.flashinfer_callable(q, k.flip(0), v.flip(0), torch.float16, flashinfer=fake)()  # rows kept apart
+    assert not torch.allclose(swapped.float(), ref, atol=2e-3)
+    assert M.flashinfer_refusal(1, 48) is not None  # no GPU here: the reason, never a number

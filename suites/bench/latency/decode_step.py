@@ -5,7 +5,8 @@ Rows per (B, T) (methods.py says what each call is): `fp16-sdpa`; per packed for
 the backend that ran and why not CUDA), `fused-<x>-triton` (the Triton kernel, the
 tuner's config), `fused-<x>-cuda` where the auto route leaves a CUDA kernel unused
 (measured by opt-in, or "not run here" with the reason; never a number from another
-path); `fake-quant`. At B=1 every timed call is also timed as a CUDA-graph replay
+path); `fake-quant`; `flashinfer-fp16` / `-fp8` (FlashInfer's batch decode over the fp16 row's
+K/V, where it is installed; skipped with the reason elsewhere). At B=1 every timed call is also timed as a CUDA-graph replay
 (`<row>-graph`; the fp16 baseline too), since there the eager call tracks host time.
 
 Each row carries the bytes the method must read at least (the flats' read_nbytes:
@@ -26,7 +27,9 @@ from ....kernels.decode_attention import reference_decode_attention
 from ..toolkit import DEVICE, GPU, LAUNCH_ERRORS, describe_error, graph_replay, host_us, timeit_us
 from .caches import EncodedCache, tiled
 from .config import DEFAULT_LAUNCH, LatencyConfig
-from .methods import auto_backend, cuda_refusal, fake_quant_callable, fused_callable, sdpa_callable, shipped_callable
+from .methods import (FLASHINFER_KV, FLASHINFER_PAGE, auto_backend, cuda_refusal, fake_quant_callable,
+                      flashinfer_callable, flashinfer_refusal, fused_callable, run_sdpa, sdpa_callable,
+                      shipped_callable)
 from .tuning import greedy_tune, launch_stages
 
 
@@ -66,7 +69,7 @@ def _timed(out: _Rows, method: str, fn, nbytes: int, extra: dict, graph: bool, c
         row = dict(extra)
         if check:
             row.update(check(fn))
-        if GPU and method.startswith("fused-"):  # the eager call's issue time (host_time.py): its Python before
+        if GPU and method.startswith(("fused-", "flashinfer-")):  # the eager call's issue time (host_time.py): its Python before
             row["host_us"] = host_us(fn, n=20, warmup=3, rounds=5, sync=torch.cuda.synchronize)  # the kernel
         out.measured(method, timeit_us(fn), nbytes, **row)
     except ROW_ERRORS as e:
@@ -84,10 +87,12 @@ def _timed(out: _Rows, method: str, fn, nbytes: int, extra: dict, graph: bool, c
 
 
 def _fp16_sdpa(cfg: LatencyConfig, q, out: _Rows, qo_bytes: int):
+    """fp16-sdpa, then FlashInfer's rows over the same K/V (`_flashinfer`)."""
     B, T = out.B, out.T
     kv16 = 2 * B * cfg.hkv * T * cfg.d * 2
     if kv16 > cfg.fp16_max_bytes:
-        out.skipped("fp16-sdpa", "fp16 K/V over the memory cap")
+        for method in ("fp16-sdpa", *FLASHINFER_KV):
+            out.skipped(method, "fp16 K/V over the memory cap")
         return
     try:
         k16 = torch.randn(B, cfg.hkv, T, cfg.d, device=DEVICE, dtype=torch.float16)
@@ -95,11 +100,34 @@ def _fp16_sdpa(cfg: LatencyConfig, q, out: _Rows, qo_bytes: int):
         fn, backend, errs = sdpa_callable(q, k16, v16)
         _timed(out, "fp16-sdpa", fn, kv16 + qo_bytes, graph=B == 1,
                extra={"backend": backend, "note": f"backend={backend}" + (f" ({'; '.join(errs)})" if errs else "")})
+        _flashinfer(q, k16, v16, out, kv16, qo_bytes)
     except LAUNCH_ERRORS as e:  # the fp16 K/V themselves
         out.failed("fp16-sdpa", e)
     finally:
         if GPU:
             torch.cuda.empty_cache()
+
+
+def _flashinfer(q, k16, v16, out: _Rows, kv16: int, qo_bytes: int):
+    """FlashInfer's decode over the fp16 row's K/V, as fp16 and as fp8 (methods.py), each
+    checked against SDPA over the same values (`rel_err_vs_sdpa`)."""
+    why = flashinfer_refusal(out.B, out.T)
+    for method, kv_dtype in FLASHINFER_KV.items():
+        if why:
+            out.skipped(method, why)
+            continue
+        try:
+            fn = flashinfer_callable(q, k16, v16, kv_dtype)
+        except ROW_ERRORS as e:  # its JIT build, its plan
+            out.failed(method, e)
+            continue
+        nbytes = kv16 * kv_dtype.itemsize // 2 + qo_bytes
+
+        def check(fn, kv_dtype=kv_dtype):
+            ref = run_sdpa(q, k16.to(kv_dtype).half(), v16.to(kv_dtype).half(), "default").float()
+            return {"rel_err_vs_sdpa": float((fn().float() - ref).norm() / ref.norm())}
+        _timed(out, method, fn, nbytes, {"backend": "flashinfer", "note": f"FlashInfer batch decode, paged "
+                                         f"{kv_dtype} K/V, {FLASHINFER_PAGE}-token pages"}, out.B == 1, check)
 
 
 def _reference_error(q, cache: EncodedCache, fn) -> float:

@@ -11,7 +11,10 @@
 - `fused-<x>-cuda`: the CUDA kernel by opt-in (backend="cuda") where the auto
   route does not take it although it could run (Med3x behind hqmq_decode.AUTO_MED3);
 - `fake-quant`: what the public benchmark compared against: the whole packed
-  HQMQ cache decoded to fp16 by the quantizer's torch decode, then the same SDPA.
+  HQMQ cache decoded to fp16 by the quantizer's torch decode, then the same SDPA;
+- `flashinfer-fp16`, `flashinfer-fp8`: FlashInfer's batch decode over paged fp16 / fp8
+  K/V, the kernel serving engines ship, as a peer row where flashinfer is installed
+  (skipped with the reason elsewhere).
 
 The toolkit's `graph_replay` captures any of them in a CUDA graph: at B=1 an eager
 call costs host time comparable to the kernel, so B=1 is also timed as graph replays.
@@ -118,3 +121,56 @@ def fake_quant_callable(q, cache: EncodedCache, kf, vf):
         return run_sdpa(q, kh, vh, backend)
 
     return fn
+
+
+# ---------------------------------------------------------------------------------------
+# FlashInfer's batch decode (issue 28): the kernel engines ship, as a peer row. K/V in its
+# paged layout, HND, PAGE tokens per page, each row's pages consecutive: the same tokens
+# as the fp16 SDPA row's [B, Hkv, T, d] (the paging is a copy made before timing).
+# ---------------------------------------------------------------------------------------
+FLASHINFER_PAGE = 16
+FLASHINFER_KV = {"flashinfer-fp16": torch.float16, "flashinfer-fp8": torch.float8_e4m3fn}
+
+
+def flashinfer_refusal(B: int, T: int) -> str | None:
+    """Why the FlashInfer rows cannot run here (None: they can)."""
+    if not GPU:
+        return "not run here: FlashInfer's kernels need a CUDA GPU"
+    if T % FLASHINFER_PAGE:
+        return f"T={T} is not a whole number of {FLASHINFER_PAGE}-token pages"
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError as e:
+        return f"not run here: flashinfer is not installed (pip install flashinfer-python on a GPU runner): {e}"
+    return None
+
+
+def paged(x: torch.Tensor, page: int = FLASHINFER_PAGE) -> torch.Tensor:
+    """[B, H, T, d] -> FlashInfer's HND pages [B * T / page, H, page, d], row b's pages
+    b * T / page onwards (contiguous: a copy)."""
+    B, H, T, d = x.shape
+    return x.view(B, H, T // page, page, d).permute(0, 2, 1, 3, 4).reshape(B * T // page, H, page, d).contiguous()
+
+
+def page_table(B: int, T: int, device, page: int = FLASHINFER_PAGE):
+    """(indptr [B + 1], indices [B * T / page], last_page_len [B]): int32, every page full."""
+    n = T // page
+    indptr = torch.arange(0, (B + 1) * n, n, dtype=torch.int32, device=device)
+    indices = torch.arange(B * n, dtype=torch.int32, device=device)
+    return indptr, indices, torch.full((B,), page, dtype=torch.int32, device=device)
+
+
+def flashinfer_callable(q, k16, v16, kv_dtype, flashinfer=None):
+    """FlashInfer's BatchDecodeWithPagedKVCacheWrapper over k16 / v16 ([B, Hkv, T, d]) held
+    as `kv_dtype` (fp16, or e4m3 with unit scales, as vLLM's fp8 cache without scales),
+    planned once; the call is `run` alone. `flashinfer`: the module (tests pass a stand-in)."""
+    if flashinfer is None:
+        import flashinfer
+    B, Hkv, T, d = k16.shape
+    kp, vp = paged(k16).to(kv_dtype), paged(v16).to(kv_dtype)
+    workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=q.device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
+    wrapper.plan(*page_table(B, T, q.device), q.shape[1], Hkv, d, FLASHINFER_PAGE, pos_encoding_mode="NONE",
+                 q_data_type=q.dtype, kv_data_type=kv_dtype)
+    q3 = q.reshape(B, q.shape[1], d)
+    return lambda: wrapper.run(q3, (kp, vp)).view(B, -1, 1, d)
