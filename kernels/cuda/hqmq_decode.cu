@@ -37,6 +37,7 @@
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include <type_traits>
@@ -1180,10 +1181,63 @@ int dispatch(int variant, int S, bool out, What what, const Params* p, int rows,
   return -1;
 }
 
+// The launch arguments that stay the same from call to call on one cache layout: the
+// loader builds them once per layout (hqmq_decode.py `_PlanArgs` mirrors this struct field by
+// field; kvq_hqmq_plan_size lets it check the size) and a call passes one pointer plus the
+// per-call q / valid count / workspace / stream, not ~45 converted ctypes arguments (those
+// cost 59-93 us of host time per eager call on the H200, NOTES.md third session call 6).
+struct HqmqPlan {
+  const void* kc; const void* kr; const void* km;  // K codes, radius codes, r_max (fp16 bits)
+  const void* vc; const void* vr; const void* vm;
+  const void* ktab; const void* vtab;  // [Hkv, 24 S, 4] fp16 codebooks
+  // Med3x: flag words, outlier items, block starts; kf == nullptr: no outliers (the OUT=false
+  // instance; the rest unused)
+  const void* kf; const void* vf; const void* ko; const void* vo; const void* ki; const void* vi;
+  long long k_cs, k_rs, k_ms, v_cs, v_rs, v_ms;  // per-(b, h) strides in elements
+  long long k_fs, k_os, k_is, v_fs, v_os, v_is;  // Med3x strides: flag words / 8-byte items / ints
+  int qtype, otype, variant, D, S, B, Hkv, gqa;
+  int T;  // the capacity bound when a valid count is passed
+  int steps_per_split, nsplit;
+  int vlen;  // 1: made for calls with a device valid count, 0: without (the loader keys plans by it)
+  float qk_scale;  // log2(e) / sqrt(D)
+};
+// The Python mirror is laid out by ctypes with the C rules: these pin the layout it assumes
+// (a field moved here without it fails the build, not a launch).
+static_assert(sizeof(HqmqPlan) == 264, "HqmqPlan: change _PlanArgs in hqmq_decode.py with it");
+static_assert(offsetof(HqmqPlan, k_cs) == 112 && offsetof(HqmqPlan, qtype) == 208 &&
+                  offsetof(HqmqPlan, qk_scale) == 256,
+              "HqmqPlan: change _PlanArgs in hqmq_decode.py with it");
+
+// One decode call from a plan (both entries below): the split kernel of (variant, S,
+// Med3x, D), then the combine into `out`.
+int run_plan(const HqmqPlan& a, const void* q, const int* vlen, float* po, float* pm, float* pl, void* out,
+             cudaStream_t s) {
+  Params p;
+  p.vlen = vlen;
+  p.q = q; p.qtype = a.qtype;
+  p.kc = (const uint8_t*)a.kc; p.kr = (const uint8_t*)a.kr; p.km = (const uint16_t*)a.km;
+  p.vc = (const uint8_t*)a.vc; p.vr = (const uint8_t*)a.vr; p.vm = (const uint16_t*)a.vm;
+  p.ktab = (const uint16_t*)a.ktab; p.vtab = (const uint16_t*)a.vtab;
+  p.k_cs = a.k_cs; p.k_rs = a.k_rs; p.k_ms = a.k_ms; p.v_cs = a.v_cs; p.v_rs = a.v_rs; p.v_ms = a.v_ms;
+  p.kf = (const uint32_t*)a.kf; p.vf = (const uint32_t*)a.vf; p.ko = (const uint2*)a.ko; p.vo = (const uint2*)a.vo;
+  p.ki = (const int*)a.ki; p.vi = (const int*)a.vi;
+  p.k_fs = a.k_fs; p.k_os = a.k_os; p.k_is = a.k_is; p.v_fs = a.v_fs; p.v_os = a.v_os; p.v_is = a.v_is;
+  p.T = a.T; p.Hkv = a.Hkv; p.gqa = a.gqa; p.steps_per_split = a.steps_per_split; p.nsplit = a.nsplit;
+  p.tab_bytes = 192 * a.S; p.qk_scale = a.qk_scale;
+  p.po = po; p.pm = pm; p.pl = pl;
+  const int rows = a.B * a.Hkv;
+  const int e = dispatch(a.variant, a.S, a.kf != nullptr, LAUNCH, &p, rows, s, a.D);
+  if (e) return e;
+  if (a.D == 64) return launch_combine<64>(po, pm, pl, out, a.otype, rows * a.gqa, a.nsplit, s);  // common.cuh
+  if (a.D == 256) return launch_combine<256>(po, pm, pl, out, a.otype, rows * a.gqa, a.nsplit, s);
+  return launch_combine<128>(po, pm, pl, out, a.otype, rows * a.gqa, a.nsplit, s);
+}
+
 }  // namespace
 
 // Returns a cudaError_t (0 = launched), -1 (S too large for the tables) or NO_INSTANCE.
-// kf == nullptr: no Med3x outliers (kf..v_is unused).
+// kf == nullptr: no Med3x outliers (kf..v_is unused). The per-call entry (every argument
+// converted by ctypes on every call); kvq_hqmq_run below is the planned one.
 extern "C" int kvq_hqmq_decode(const void* q, int qtype, const void* kc, const void* kr, const void* km,
                                const void* vc, const void* vr, const void* vm, const void* ktab, const void* vtab,
                                long long k_cs, long long k_rs, long long k_ms, long long v_cs, long long v_rs,
@@ -1192,26 +1246,25 @@ extern "C" int kvq_hqmq_decode(const void* q, int qtype, const void* kc, const v
                                long long v_fs, long long v_os, long long v_is, int B, int Hkv, int gqa, int T, int S,
                                int steps_per_split, int nsplit, float qk_scale, float* po, float* pm, float* pl,
                                void* out, int otype, int variant, const int* vlen, void* stream, int D) {
-  Params p;
-  p.vlen = vlen;
-  p.q = q; p.qtype = qtype;
-  p.kc = (const uint8_t*)kc; p.kr = (const uint8_t*)kr; p.km = (const uint16_t*)km;
-  p.vc = (const uint8_t*)vc; p.vr = (const uint8_t*)vr; p.vm = (const uint16_t*)vm;
-  p.ktab = (const uint16_t*)ktab; p.vtab = (const uint16_t*)vtab;
-  p.k_cs = k_cs; p.k_rs = k_rs; p.k_ms = k_ms; p.v_cs = v_cs; p.v_rs = v_rs; p.v_ms = v_ms;
-  p.kf = (const uint32_t*)kf; p.vf = (const uint32_t*)vf; p.ko = (const uint2*)ko; p.vo = (const uint2*)vo;
-  p.ki = (const int*)ki; p.vi = (const int*)vi;
-  p.k_fs = k_fs; p.k_os = k_os; p.k_is = k_is; p.v_fs = v_fs; p.v_os = v_os; p.v_is = v_is;
-  p.T = T; p.Hkv = Hkv; p.gqa = gqa; p.steps_per_split = steps_per_split; p.nsplit = nsplit;
-  p.tab_bytes = 192 * S; p.qk_scale = qk_scale;
-  p.po = po; p.pm = pm; p.pl = pl;
-  const int rows = B * Hkv;
-  cudaStream_t s = (cudaStream_t)stream;
-  const int e = dispatch(variant, S, kf != nullptr, LAUNCH, &p, rows, s, D);
-  if (e) return e;
-  if (D == 64) return launch_combine<64>(po, pm, pl, out, otype, rows * gqa, nsplit, s);  // common.cuh
-  if (D == 256) return launch_combine<256>(po, pm, pl, out, otype, rows * gqa, nsplit, s);
-  return launch_combine<128>(po, pm, pl, out, otype, rows * gqa, nsplit, s);
+  const HqmqPlan a = {kc, kr, km, vc, vr, vm, ktab, vtab, kf, vf, ko, vo, ki, vi,
+                      k_cs, k_rs, k_ms, v_cs, v_rs, v_ms, k_fs, k_os, k_is, v_fs, v_os, v_is,
+                      qtype, otype, variant, D, S, B, Hkv, gqa, T, steps_per_split, nsplit, vlen != nullptr, qk_scale};
+  return run_plan(a, q, vlen, po, pm, pl, out, (cudaStream_t)stream);
+}
+
+extern "C" int kvq_hqmq_plan_size() { return (int)sizeof(HqmqPlan); }
+
+// One decode call from a plan (a HqmqPlan*: a type of the anonymous namespace in the
+// signature would give the function internal linkage, and the library would not export it):
+// q [B, Hq, 1, D] contiguous; vlen null, or a device int32 valid count (the plan must have
+// been made for one: else -2); po / pm / pl the partials [B*Hq, nsplit, D] / [B*Hq, nsplit] x2
+// (fp32), out [B*Hq, D] in the plan's otype. Launches only (no allocation, no
+// synchronisation): capturable in a CUDA graph. Returns as kvq_hqmq_decode.
+extern "C" int kvq_hqmq_run(const void* plan, const void* q, const int* vlen, float* po, float* pm, float* pl,
+                            void* out, void* stream) {
+  const HqmqPlan& a = *static_cast<const HqmqPlan*>(plan);
+  if ((vlen != nullptr) != (a.vlen != 0)) return -2;
+  return run_plan(a, q, vlen, po, pm, pl, out, (cudaStream_t)stream);
 }
 
 extern "C" int kvq_hqmq_num_variants() { return NVARIANTS; }

@@ -29,7 +29,7 @@ from ...quantizers.derived import derived
 from ...quantizers.derived import tensor_version as _version
 from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import HQMQFlat, codebook_from_secondaries
-from .library import QTYPE, KernelLibrary
+from .library import QTYPE, KernelLibrary, PlanCache, fresh_partials, on_current_stream
 
 SOURCE = Path(__file__).parent / "hqmq_decode.cu"
 # VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM):
@@ -88,6 +88,15 @@ AUTO_MED3 = True
 # (PTX identical).
 HEAD_DIMS = (64, 128, 256)
 AUTO_HEAD_DIMS = (128,)  # what backend="auto" routes here: add 64 / 256 once their GPU tests pass
+# The planned host path (issue 28, "thin host path"): the checks, strides, codebooks and
+# split plan of a call are made once per (cache layout, q shape / dtype / device, options,
+# valid_len given or not) into a ctypes struct the .cu reads (`_PlanArgs`, kvq_hqmq_run), so
+# a call is one lookup and one ctypes call with 8 arguments instead of ~45 (the per-call
+# path: 59-93 us of host time per eager call on the H200, NOTES.md third session call 6).
+# Written without a GPU (2026-12): it flips to True once test_cuda_hqmq.py's planned-path
+# tests (bit-identical to the per-call path, plan reuse) pass on one; until then `decode`
+# takes the per-call path, as it always has.
+PLANNED = False
 
 
 def variants(head_dim: int = 128, med3: bool = False) -> tuple[int, ...]:
@@ -109,8 +118,13 @@ def qk_scale(head_dim: int) -> float:
 # (relative error 1.4 in one test).
 
 
-def _declare(lib) -> None:
+def _declare(lib) -> str | None:
     P, I, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+    lib.kvq_hqmq_plan_size.restype = I
+    if lib.kvq_hqmq_plan_size() != ctypes.sizeof(_PlanArgs):  # a struct out of step with the .cu: refuse, never misread
+        return f"HqmqPlan is {lib.kvq_hqmq_plan_size()} bytes in the library, _PlanArgs {ctypes.sizeof(_PlanArgs)}"
+    lib.kvq_hqmq_run.argtypes = [P, P, P, P, P, P, P, P]
+    lib.kvq_hqmq_run.restype = I
     lib.kvq_hqmq_decode.argtypes = [P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, LL, LL, P, P, P, P, P, P, LL,
                                     LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F, P, P, P, P, I, I, P, P, I]
     lib.kvq_hqmq_decode.restype = I
@@ -118,6 +132,7 @@ def _declare(lib) -> None:
     lib.kvq_hqmq_num_regs.restype = I
     lib.kvq_hqmq_occupancy.argtypes = [I, I, I, I]
     lib.kvq_hqmq_occupancy.restype = I
+    return None
 
 
 _LIB = KernelLibrary(SOURCE, "kvq_hqmq", _declare)  # built / loaded once, as decode_attention.py's
@@ -234,7 +249,14 @@ def _flat_info(f):
 
 
 def unsupported(q: torch.Tensor, k, v) -> str | None:
-    """Why the CUDA HQMQ kernel cannot take this call (None: it can). Does not build."""
+    """Why the CUDA HQMQ kernel cannot take this call (None: it can). Does not build.
+    (PLANNED: a layout a default-options call has planned already is taken without
+    re-checking, its plan having passed every check this makes: the auto route asks this
+    on every call.)"""
+    if PLANNED and _PLANS.plans and isinstance(k, HQMQFlat) and isinstance(v, HQMQFlat):
+        for given in (False, True):
+            if _lookup(q, k, v, None, None, None, None, given)[0] is not None:
+                return None
     if not q.is_cuda:
         return "q is not on a CUDA device"
     if q.dtype not in QTYPE:
@@ -374,36 +396,31 @@ def _checked(q: torch.Tensor, k, v):
     return ik[0] + iv[0], ik[1], iv[1], ptrs + ik[2] + iv[2]
 
 
-def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int | None = None,
-           variant: int | None = None, workspace=None, out_dtype=None,
-           valid_len: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q K^T / sqrt(d)) V over the valid tokens of HQMQ caches; `[B, Hq, 1, d]` in
-    out_dtype (default q's), the workspace's buffer. ValueError when `unsupported` gives a
-    reason, RuntimeError when the kernel is unavailable.
+def _valid_len_ptr(valid_len, q: torch.Tensor) -> int:
+    """The device pointer of a valid_len tensor, or ValueError (checked without reading it)."""
+    if not (isinstance(valid_len, torch.Tensor) and valid_len.dtype == torch.int32
+            and valid_len.numel() == 1 and valid_len.device == q.device):
+        raise ValueError("valid_len must be an int32 tensor of one element on q's device")
+    return valid_len.data_ptr()
 
-    valid_len: None (the flats' T tokens are valid), or an int32 CUDA tensor of shape [1]
-    on q's device holding the number of valid tokens, read by the kernel at run time:
-    k.T is then the CAPACITY bound (the splits are sized from it; values above it are
-    clamped to it, below 0 to 0; 0 gives zeros). With valid_len and a fitting `workspace`
-    (`cuda_hqmq.workspace(...)`) a call makes no host sync and no allocation, so a CUDA
-    graph captured once serves every decode step: change the tensor's value on the device
-    between replays."""
+
+def _loaded():
     lib = _LIB.lib if _LIB.lib is not None else _load()
     if lib is None:
         raise RuntimeError(f"CUDA HQMQ kernel unavailable: {_LIB.why}")
+    return lib
+
+
+def _launch_values(q: torch.Tensor, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len):
+    """Every check of a call after the library's, in the order `decode` has always made them
+    (so a call with several faults names the same one on both paths), and what the launch
+    derives from them: (strides, K table, V table, Med3x pointers and strides or None,
+    variant, splits, tiles per split, out dtype, valid_len pointer or 0)."""
     B, H, T, D = k.B, k.H, k.T, k.D
     strides, kt, vt, med3 = _checked(q, k, v)
     if T == 0:
         raise ValueError("empty cache (T = 0)")
-    vl = 0
-    if valid_len is not None:
-        if not (isinstance(valid_len, torch.Tensor) and valid_len.dtype == torch.int32
-                and valid_len.numel() == 1 and valid_len.device == q.device):
-            raise ValueError("valid_len must be an int32 tensor of one element on q's device")
-        vl = valid_len.data_ptr()
-    if not q.is_contiguous():
-        q = q.contiguous()
-    Hq = q.shape[1]
+    vl = 0 if valid_len is None else _valid_len_ptr(valid_len, q)
     out = med3 is not None
     variant = (DEFAULT_VARIANT_MED3 if out else DEFAULT_VARIANT) if variant is None else variant
     if not 0 <= variant < NUM_VARIANTS:
@@ -418,6 +435,42 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     out_dtype = out_dtype or q.dtype
     if out_dtype not in QTYPE:
         raise ValueError(f"out dtype {out_dtype}")
+    return strides, kt, vt, med3, variant, nsplit, per, out_dtype, vl
+
+
+def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int | None = None,
+           variant: int | None = None, workspace=None, out_dtype=None,
+           valid_len: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q K^T / sqrt(d)) V over the valid tokens of HQMQ caches; `[B, Hq, 1, d]` in
+    out_dtype (default q's), the workspace's buffer. ValueError when `unsupported` gives a
+    reason, RuntimeError when the kernel is unavailable.
+
+    valid_len: None (the flats' T tokens are valid), or an int32 CUDA tensor of shape [1]
+    on q's device holding the number of valid tokens, read by the kernel at run time:
+    k.T is then the CAPACITY bound (the splits are sized from it; values above it are
+    clamped to it, below 0 to 0; 0 gives zeros). With valid_len and a fitting `workspace`
+    (`cuda_hqmq.workspace(...)`) a call makes no host sync and no allocation, so a CUDA
+    graph captured once serves every decode step: change the tensor's value on the device
+    between replays.
+
+    With a workspace that fits, the result is a view of its `out` buffer (overwritten by
+    the next call with it); without one, a fresh tensor. PLANNED picks the host path (the
+    same launches either way)."""
+    if PLANNED:
+        return _decode_planned(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len)
+    return _decode_per_call(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len)
+
+
+def _decode_per_call(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len):
+    """Every check and argument made again on every call, ~45 ctypes arguments (the path
+    until PLANNED; the planned path's tests compare against it)."""
+    lib = _loaded()
+    B, H, T, D = k.B, k.H, k.T, k.D
+    strides, kt, vt, med3, variant, nsplit, per, out_dtype, vl = _launch_values(
+        q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len)
+    if not q.is_contiguous():
+        q = q.contiguous()
+    Hq = q.shape[1]
     rows_q = B * Hq
     ws = workspace
     if ws is None or ws.nsplit != nsplit or ws.out.dtype != out_dtype or ws.out.numel() != rows_q * D:
@@ -437,6 +490,102 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     return ws.out.view(B, Hq, 1, D)
 
 
+# ---------------------------------------------------------------------------------------
+# the planned path (PLANNED): what a call on one cache layout launches, made once. The key
+# follows the per-call path's inputs: the flats' tensors (by identity: PlanCache), their
+# format ints, the secondaries' in-place write counters (the fp16 codebooks follow them, as
+# _flat_info's do), q's shape / dtype / device, the options, and whether valid_len is given
+# (the struct records it and kvq_hqmq_run refuses a call that disagrees: a plan made for
+# eager calls is never launched with a device count, nor one made for graphs without).
+# Data pointers and strides are read once: the store never moves a tensor's storage in place.
+# ---------------------------------------------------------------------------------------
+class _PlanArgs(ctypes.Structure):  # mirrors HqmqPlan in hqmq_decode.cu (checked by kvq_hqmq_plan_size)
+    _fields_ = ([(n, ctypes.c_void_p) for n in ("kc", "kr", "km", "vc", "vr", "vm", "ktab", "vtab",
+                                                "kf", "vf", "ko", "vo", "ki", "vi")]
+                + [(n, ctypes.c_longlong) for n in ("k_cs", "k_rs", "k_ms", "v_cs", "v_rs", "v_ms",
+                                                    "k_fs", "k_os", "k_is", "v_fs", "v_os", "v_is")]
+                + [(n, ctypes.c_int) for n in ("qtype", "otype", "variant", "D", "S", "B", "Hkv", "gqa", "T",
+                                               "steps_per_split", "nsplit", "vlen")]
+                + [("qk_scale", ctypes.c_float)])
+
+
+class _Plan:
+    """A call's launch: the argument struct (and its address), the tensors it points into
+    that nothing else keeps alive (the fp16 codebooks), and the workspace shape."""
+    __slots__ = ("args", "ptr", "keep", "nsplit", "rows_q", "D", "shape", "out_dtype")
+
+
+_PLANS = PlanCache()
+
+
+def _plan_tensors(k, v) -> tuple:
+    return (k.codes, k.radius, k.r_max, k.sec, k.table, k.flags, k.outliers, k.outlier_index,
+            v.codes, v.radius, v.r_max, v.sec, v.table, v.flags, v.outliers, v.outlier_index)
+
+
+def _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len_given: bool):
+    """(the kept plan of this call or None, its key, the tensors it reads)."""
+    ts = _plan_tensors(k, v)
+    key = (type(k), type(v), tuple(map(id, ts)),
+           k.B, k.H, k.T, k.D, k.S, k.code_bits, k.r_bits, k.log_radius, k.table_mode,
+           v.B, v.H, v.T, v.D, v.S, v.code_bits, v.r_bits, v.log_radius, v.table_mode,
+           None if k.sec is None else _version(k.sec), None if v.sec is None else _version(v.sec),
+           q.shape, q.dtype, q.device, valid_len_given, num_splits, ctas_per_sm, variant, out_dtype)
+    return _PLANS.get(key, ts), key, ts
+
+
+def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len):
+    """The plan of a call on HQMQ flats: the kept one, else one made (every check of the
+    call: ValueError / RuntimeError as the per-call path) and kept."""
+    plan, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len is not None)
+    if plan is None:
+        plan = _PLANS.put(key, ts, _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len))
+    return plan
+
+
+def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len) -> _Plan:
+    _loaded()
+    strides, kt, vt, med3, variant, nsplit, per, out_dtype, _ = _launch_values(
+        q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len)
+    B, H, D, Hq = k.B, k.H, k.D, q.shape[1]
+    a = _PlanArgs()
+    a.kc, a.kr, a.km = k.codes.data_ptr(), k.radius.data_ptr(), k.r_max.data_ptr()
+    a.vc, a.vr, a.vm = v.codes.data_ptr(), v.radius.data_ptr(), v.r_max.data_ptr()
+    a.ktab, a.vtab = kt.data_ptr(), vt.data_ptr()
+    a.k_cs, a.k_rs, a.k_ms, a.v_cs, a.v_rs, a.v_ms = strides
+    if med3 is not None:  # else the pointers stay null: kvq_hqmq_run takes the instance without outliers
+        (a.kf, a.vf, a.ko, a.vo, a.ki, a.vi, a.k_fs, a.k_os, a.k_is, a.v_fs, a.v_os, a.v_is) = med3
+    a.qtype, a.otype, a.variant, a.D, a.S = QTYPE[q.dtype], QTYPE[out_dtype], variant, D, k.S
+    a.B, a.Hkv, a.gqa, a.T, a.steps_per_split, a.nsplit = B, H, Hq // H, k.T, per, nsplit
+    a.vlen = int(valid_len is not None)
+    a.qk_scale = qk_scale(D)
+    plan = _Plan()
+    plan.args, plan.ptr, plan.keep = a, ctypes.addressof(a), (kt, vt)
+    plan.nsplit, plan.rows_q, plan.D, plan.shape, plan.out_dtype = nsplit, B * Hq, D, (B, Hq, 1, D), out_dtype
+    return plan
+
+
+def _decode_planned(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len):
+    if not (isinstance(k, HQMQFlat) and isinstance(v, HQMQFlat)):  # no plan: the per-call path's error
+        return _decode_per_call(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len)
+    plan = _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len)
+    vl = None if valid_len is None else _valid_len_ptr(valid_len, q)  # (a plan holds no valid_len tensor)
+    if not q.is_contiguous():
+        q = q.contiguous()
+    ws, part = workspace, None
+    if ws is not None and ws.nsplit == plan.nsplit and ws.out.dtype == plan.out_dtype \
+            and ws.out.numel() == plan.rows_q * plan.D:
+        po, pm, pl, optr = ws.po.data_ptr(), ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr()
+        out = ws.out.view(plan.shape)
+    else:  # (part held to the launch: see fresh_partials)
+        part, out, po, pm, pl, optr = fresh_partials(plan.rows_q, plan.nsplit, plan.D, plan.shape, plan.out_dtype,
+                                                     q.device)
+    err = on_current_stream(q.get_device(), _LIB.lib.kvq_hqmq_run, plan.ptr, q.data_ptr(), vl, po, pm, pl, optr)
+    if err:
+        raise RuntimeError(f"CUDA HQMQ kernel launch failed: error {err}")
+    return out
+
+
 __all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits",
            "codebook16", "takes_by_default", "auto_refusal", "OPTIONS", "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS",
-           "MED3_VARIANTS", "PREFETCH_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale", "head_dim_reason"]
+           "MED3_VARIANTS", "PREFETCH_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale", "head_dim_reason", "PLANNED"]

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 try:
@@ -135,4 +136,81 @@ class KernelLibrary:
         return self.why
 
 
-__all__ = ["FLAGS", "QTYPE", "KernelLibrary", "arch_flags", "build_dir", "compile_library", "load_library", "nvcc"]
+# ---------------------------------------------------------------------------------------
+# the planned call path, shared by the loaders of this folder. At B=1 a decode call's time is
+# host time, so what does not change between calls on one cache layout (the checks, strides,
+# the split plan, the launch arguments as a ctypes struct the .cu reads) is made once and kept.
+# ---------------------------------------------------------------------------------------
+def _absent():  # the "weak reference" of a field that is None (it stays None)
+    return None
+
+
+class PlanCache:
+    """Launch plans by call key. A plan serves while every tensor it points into is alive and
+    the same object: `put` keeps weak references to them and `get` compares by identity, so a
+    tensor freed and its id reused by another never serves a stale plan. The key must hold
+    those tensors' ids and every int, dtype, option and q property the plan derives from
+    (anything else that changes then makes a new key). A tensor resized or restrided IN
+    PLACE keeps its id: the decode store never does that (it grows into new buffers).
+    Cleared when `limit` plans are held: a plan is cheap to make again. `builds` counts
+    the plans put (tests)."""
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self.plans: dict = {}
+        self.builds = 0
+
+    def get(self, key, tensors):
+        """The plan kept under key, None when there is none or one of its tensors is gone or
+        another object."""
+        entry = self.plans.get(key)
+        if entry is None:
+            return None
+        refs, plan = entry
+        for r, t in zip(refs, tensors):
+            if r() is not t:
+                return None
+        return plan
+
+    def put(self, key, tensors, plan):
+        """Keep plan under key (tensors: the ones it points into, None where absent); returns it."""
+        if len(self.plans) >= self.limit:
+            self.plans.clear()
+        self.plans[key] = (tuple(_absent if t is None else weakref.ref(t) for t in tensors), plan)
+        self.builds += 1
+        return plan
+
+    def clear(self) -> None:
+        self.plans.clear()
+
+
+# the current device and its current stream's handle without a torch.cuda.Stream object (a
+# few microseconds less per call than torch.cuda.current_stream); None on torch builds without them
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_cur_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def on_current_stream(dev: int, entry, *args) -> int:
+    """entry(*args, stream) on device dev's current stream, with dev made the current device
+    around the call when it is not (the .cu entries launch on the current device)."""
+    if _cur_device is not None and _raw_stream is not None and _cur_device() == dev:
+        return entry(*args, _raw_stream(dev))
+    with torch.cuda.device(dev):
+        return entry(*args, torch.cuda.current_stream(dev).cuda_stream)
+
+
+def fresh_partials(rows_q: int, nsplit: int, D: int, shape, out_dtype, device):
+    """(partials buffer, out tensor, po, pm, pl, out pointer) of a call without a fitting
+    workspace: one fp32 buffer holds the three partials ([rows_q, nsplit, D], then [rows_q,
+    nsplit] twice), one tensor of `shape` the result (two allocations where a Workspace makes
+    four). The caller holds the buffer until its launch is queued: freed earlier, its memory
+    could be handed out again before the kernel writes it."""
+    n = rows_q * nsplit
+    part = torch.empty(n * (D + 2), dtype=torch.float32, device=device)
+    out = torch.empty(shape, dtype=out_dtype, device=device)
+    po = part.data_ptr()
+    pm = po + 4 * n * D
+    return part, out, po, pm, pm + 4 * n, out.data_ptr()
+
+__all__ = ["FLAGS", "QTYPE", "KernelLibrary", "PlanCache", "arch_flags", "build_dir", "compile_library", "fresh_partials",
+           "load_library", "nvcc", "on_current_stream"]

@@ -630,3 +630,283 @@ def test_head_dims_taken_and_auto_gated():
     assert cuda_hqmq.variants(128, True) == cuda_hqmq.MED3_VARIANTS
     for D in (64, 128, 256):
         assert cuda_hqmq.qk_scale(D) == pytest.approx(1 / (math.sqrt(D) * math.log(2)))
+
+
+# ---------------------------------------------------------------------------------------
+# the planned host path (cuda_hqmq.PLANNED, issue 28 "thin host path"): a plan per call
+# layout, one ctypes call per decode. The GPU tests hold it to the per-call path bit for bit
+# (the same kernels with the same arguments: any difference is a misplaced field); the CPU
+# tests check the plan cache's keying and invalidation with the build stubbed.
+# ---------------------------------------------------------------------------------------
+def _both(monkeypatch, q, k, v, **kw):
+    """(the per-call path's result, the planned path's result) of one call, cloned."""
+    monkeypatch.setattr(cuda_hqmq, "PLANNED", False)
+    old = cuda_hqmq.decode(q, k, v, **kw).clone()
+    monkeypatch.setattr(cuda_hqmq, "PLANNED", True)
+    new = cuda_hqmq.decode(q, k, v, **kw).clone()
+    return old, new
+
+
+@needs_cuda
+@pytest.mark.parametrize("D", cuda_hqmq.HEAD_DIMS)
+@pytest.mark.parametrize("spec", [SPEC, MED3])
+@pytest.mark.parametrize("B", [1, 8])
+def test_planned_path_is_the_per_call_path(monkeypatch, D, spec, B):
+    """Every head dim, with and without Med3x, B 1 and 8, GQA groups 1 / 2 / 8, valid_len
+    absent, below T and at T; each planned call twice (made, then kept)."""
+    T = 333
+    fk, fv, _, _ = encoded(B, 2, T, 60 + D, spec, D)
+    for gqa in (1, 2, 8):
+        q = query(B, 2 * gqa, 61 + gqa, D=D)
+        for vl in (None, _vl(T - 100), _vl(T)):
+            for _ in range(2):
+                old, new = _both(monkeypatch, q, fk, fv, valid_len=vl)
+                assert torch.isfinite(old).all()
+                assert torch.equal(old, new), f"D={D} {spec} B={B} gqa={gqa} valid_len={vl}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("D", cuda_hqmq.HEAD_DIMS)
+@pytest.mark.parametrize("spec", [SPEC, MED3])
+def test_planned_path_variants_splits_dtypes_workspace(monkeypatch, D, spec):
+    """Every variant the head dim has (Med3x: its Med3x ones), default and 3 splits, q and
+    out dtypes: bit-identical; a fitting workspace's out buffer is the result on both paths,
+    a workspace that does not fit is replaced by fresh buffers on both."""
+    fk, fv, _, _ = encoded(2, 2, 1037, 62, spec, D)
+    q = query(2, 8, 63, D=D)
+    for variant in head_variants(D, spec):
+        if variant is not None and cuda_hqmq.occupancy(variant, fk.S, fk.has_outliers, D) <= 0:
+            continue
+        for ns in (None, 3):
+            for dt in (None, torch.float32):
+                old, new = _both(monkeypatch, q, fk, fv, variant=variant, num_splits=ns, out_dtype=dt)
+                assert torch.equal(old, new), f"D={D} {spec} variant {variant} splits {ns} out {dt}"
+    qb = query(2, 8, 64, torch.bfloat16, D=D)
+    old, new = _both(monkeypatch, qb, fk, fv)
+    assert torch.equal(old, new)
+    ws = cuda_hqmq.workspace(q, fk, out_dtype=torch.float32)
+    for planned in (False, True):
+        monkeypatch.setattr(cuda_hqmq, "PLANNED", planned)
+        out = cuda_hqmq.decode(q, fk, fv, workspace=ws, out_dtype=torch.float32)
+        assert out.data_ptr() == ws.out.data_ptr() and out.shape == (2, 8, 1, D)
+        other = cuda_hqmq.decode(q, fk, fv, workspace=ws, num_splits=1, out_dtype=torch.float32)  # does not fit
+        assert other.data_ptr() != ws.out.data_ptr()
+    old, new = _both(monkeypatch, q, fk, fv, workspace=ws, out_dtype=torch.float32)
+    assert torch.equal(old, new)
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", [SPEC, MED3])
+def test_planned_path_reuses_plans_and_follows_the_cache(monkeypatch, spec):
+    """A decode step's new flat objects over the same buffers, another q of the same shape,
+    another valid_len tensor: the plan is reused (no build). The valid length growing (T),
+    the cache grown into new buffers, the secondaries written in place: a new plan, and the
+    result is the per-call path's on the new state."""
+    plans = cuda_hqmq._PLANS
+    plans.clear()
+    fk, fv, _, _ = encoded(1, 8, 1500, 66, spec)
+    q = query(1, 32, 67)
+    b0 = plans.builds
+    for T in (1000, 1000, 1001, 1001):  # the store's flats of two steps, twice each
+        old, new = _both(monkeypatch, q, dataclasses.replace(fk, T=T), dataclasses.replace(fv, T=T))
+        assert torch.equal(old, new), f"T={T}"
+    assert plans.builds - b0 == 2
+    k, v = dataclasses.replace(fk, T=1001), dataclasses.replace(fv, T=1001)
+    old, new = _both(monkeypatch, query(1, 32, 68), k, v)
+    assert torch.equal(old, new) and plans.builds - b0 == 2
+    for n in (5, 700, 5):
+        old, new = _both(monkeypatch, q, k, v, valid_len=_vl(n))
+        assert torch.equal(old, new), f"valid_len {n}"
+    assert plans.builds - b0 == 3  # one plan for the calls with a device valid length
+    kg, vg = _with_capacity(k, 300), _with_capacity(v, 300, seed=1)  # grown into new buffers
+    old, new = _both(monkeypatch, q, kg, vg)
+    assert torch.equal(old, new) and plans.builds - b0 == 4
+    ks = dataclasses.replace(k, sec=k.sec.clone())
+    before = _both(monkeypatch, q, ks, v)[1]
+    ks.sec.mul_(-1)  # the codebook follows the secondaries: the plan must not keep the old one
+    old, new = _both(monkeypatch, q, ks, v)
+    assert torch.equal(old, new) and not torch.equal(new, before)
+    assert plans.builds - b0 == 6
+
+
+@needs_cuda
+def test_planned_path_graph_replay(monkeypatch):
+    """Captured once through the planned path with valid_len and a workspace, replayed after
+    device-side changes: each replay equals the per-call path's eager call bit for bit."""
+    cap = 3000
+    fk, fv, _, _ = encoded(1, 8, cap, 45, MED3)
+    q = query(1, 32, 46)
+    vl = _vl(1000)
+    ws = cuda_hqmq.workspace(q, fk, out_dtype=torch.float32)
+    monkeypatch.setattr(cuda_hqmq, "PLANNED", True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (the build, the plan) outside the capture
+        cuda_hqmq.decode(q, fk, fv, workspace=ws, out_dtype=torch.float32, valid_len=vl)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_hqmq.decode(q, fk, fv, workspace=ws, out_dtype=torch.float32, valid_len=vl)
+    assert out.data_ptr() == ws.out.data_ptr()
+    monkeypatch.setattr(cuda_hqmq, "PLANNED", False)
+    for step, n in enumerate((1000, 2999, 17, cap)):
+        vl.fill_(n)
+        q.copy_(query(1, 32, 100 + step))
+        graph.replay()
+        eager = cuda_hqmq.decode(q, fk, fv, out_dtype=torch.float32, valid_len=_vl(n))
+        assert torch.equal(out, eager), f"n={n}"
+
+
+@needs_cuda
+def test_planned_path_errors_are_the_per_call_paths(monkeypatch):
+    """Bad input raises the same exception with the same message on both paths, whether
+    the call makes a plan or (valid_len) finds one."""
+    fk, fv, _, _ = encoded(1, 8, 64, 47)
+    mk, mv, _, _ = encoded(1, 8, 64, 47, MED3)
+    q = query(1, 32, 48)
+    cases = [((q, fk, fv), {"valid_len": torch.tensor([5], device=DEV)}),
+             ((q, fk, fv), {"valid_len": torch.tensor([5], dtype=torch.int32)}),
+             ((q, fk, fv), {"variant": cuda_hqmq.NUM_VARIANTS}),
+             ((q, mk, mv), {"variant": 3}),
+             ((q, fk, fv), {"out_dtype": torch.int32}),
+             ((q.cpu(), fk, fv), {}),
+             ((query(1, 12, 48), fk, fv), {}),
+             ((q[:, :, :, :64].contiguous(), fk, fv), {}),
+             ((q, fk, dataclasses.replace(fv, T=50)), {}),
+             ((q, dataclasses.replace(fk, T=0), dataclasses.replace(fv, T=0)), {}),
+             ((q, mk, fv), {}),
+             ((q, fk, dataclasses.replace(fv, sec=None)), {})]
+    for args, kw in cases:
+        seen = []
+        for planned in (False, True, True):
+            monkeypatch.setattr(cuda_hqmq, "PLANNED", planned)
+            with pytest.raises(ValueError) as e:
+                cuda_hqmq.decode(*args, **kw)
+            seen.append(str(e.value))
+        assert seen[0] == seen[1] == seen[2], (kw, seen)
+    _both(monkeypatch, q, fk, fv, valid_len=_vl(9))  # a kept plan for valid_len calls
+    for bad in (torch.tensor([5], device=DEV), torch.tensor([5, 6], dtype=torch.int32, device=DEV)):
+        with pytest.raises(ValueError, match="valid_len must be an int32 tensor of one element on q's device"):
+            cuda_hqmq.decode(q, fk, fv, valid_len=bad)
+
+
+def test_plan_struct_mirrors_the_cu():
+    """Any machine: the ctypes mirror of HqmqPlan has the size and offsets the .cu pins by
+    static_assert (the library check compares sizes at load)."""
+    import re
+
+    src = cuda_hqmq.SOURCE.read_text()
+    a = cuda_hqmq._PlanArgs
+    assert int(re.search(r"sizeof\(HqmqPlan\) == (\d+)", src).group(1)) == __import__("ctypes").sizeof(a)
+    for field, off in re.findall(r"offsetof\(HqmqPlan, (\w+)\) == (\d+)", src):
+        assert getattr(a, field).offset == int(off), field
+    c_fields = re.search(r"struct HqmqPlan \{(.*?)\n\};", src, re.S).group(1)
+    c_names = re.findall(r"\b(\w+)\s*[;,]", re.sub(r"//[^\n]*", "", c_fields))
+    assert c_names == [n for n, _ in a._fields_]
+
+
+def test_plan_cache_keeps_plans_by_tensor_identity():
+    """Any machine: a plan serves only while its tensors are the same live objects (an id
+    reused by another tensor does not match), None fields stay None, full caches clear."""
+    from kvqbench.kernels.cuda.library import PlanCache
+
+    c = PlanCache(limit=3)
+    t, u = torch.zeros(3), torch.zeros(3)
+    p = c.put(("k",), (t, None), object())
+    assert c.get(("k",), (t, None)) is p and c.builds == 1
+    assert c.get(("k",), (u, None)) is None  # the same key, another object (as after an id is reused)
+    assert c.get(("k",), (t, u)) is None
+    del t
+    assert c.get(("k",), (u, None)) is None  # its tensor gone
+    for i in range(3):
+        c.put(("x", i), (u,), object())
+    assert len(c.plans) == 1 and c.builds == 4  # cleared when full, then the new one kept
+
+
+def test_plan_keying_and_invalidation(monkeypatch):
+    """Any machine, the build stubbed: which changes of a call make a new plan (every input
+    the per-call path's checks and arguments derive from) and which reuse the kept one."""
+    from types import SimpleNamespace
+
+    from kvqbench.kernels.cuda.library import PlanCache
+
+    built = []
+    monkeypatch.setattr(cuda_hqmq, "_PLANS", PlanCache())
+    monkeypatch.setattr(cuda_hqmq, "_build_plan", lambda *a: built.append(a) or SimpleNamespace(n=len(built)))
+    x = torch.randn(2, 2, 40, 128)
+    fk = L.flatten(get_quantizer(SPEC, role="K").encode(x), "K")
+    fv = L.flatten(get_quantizer(SPEC, role="V").encode(x), "V")
+    q = torch.randn(2, 4, 1, 128)
+
+    def plan(q=q, k=fk, v=fv, ns=None, cps=None, variant=None, out_dtype=None, valid_len=None):
+        return cuda_hqmq._plan(q, k, v, ns, cps, variant, out_dtype, valid_len)
+
+    p = plan()
+    same = [plan(), plan(k=dataclasses.replace(fk), v=dataclasses.replace(fv)), plan(q=torch.randn(2, 4, 1, 128)),
+            plan(q=q.clone())]
+    assert all(s is p for s in same) and len(built) == 1
+    vl = torch.tensor([3], dtype=torch.int32)
+    pv = plan(valid_len=vl)
+    assert pv is not p and plan(valid_len=torch.tensor([9], dtype=torch.int32)) is pv
+    new = [plan(q=q.half()), plan(q=torch.randn(2, 8, 1, 128)), plan(ns=3), plan(cps=4), plan(variant=0),
+           plan(out_dtype=torch.float32), plan(k=dataclasses.replace(fk, T=39), v=dataclasses.replace(fv, T=39)),
+           plan(k=dataclasses.replace(fk, codes=fk.codes.clone())),
+           plan(v=dataclasses.replace(fv, r_max=fv.r_max.clone())),
+           plan(k=dataclasses.replace(fk, table_mode="codebook"))]
+    assert len({id(n) for n in new + [p, pv]}) == len(new) + 2 and len(built) == 2 + len(new)
+    g = dataclasses.replace(fk, sec=fk.sec.clone())
+    pg = plan(k=g)
+    assert plan(k=g) is pg
+    g.sec.mul_(1.0)  # written in place: the fp16 codebook is rebuilt, so is the plan
+    assert plan(k=g) is not pg
+    n = len(built)
+    assert plan() is p and len(built) == n  # the first layout still kept
+
+
+def test_planned_call_passes_only_the_per_call_arguments(monkeypatch):
+    """Any machine, the plan and the ctypes call stubbed: a planned call passes the plan's
+    pointer, q's (contiguous) data, the valid_len pointer (checked on every call, with the
+    per-call path's message) and the partial / out buffers (a fitting workspace's, else one
+    fresh buffer laid out po | pm | pl), and raises on a launch error."""
+    from types import SimpleNamespace
+
+    from kvqbench.kernels.common import Workspace
+
+    plan = SimpleNamespace(ptr=1234, nsplit=3, rows_q=8, D=128, shape=(2, 4, 1, 128), out_dtype=torch.float32)
+    calls, err = [], [0]
+    monkeypatch.setattr(cuda_hqmq, "_plan", lambda *a: plan)
+    monkeypatch.setattr(cuda_hqmq, "on_current_stream", lambda dev, entry, *args: calls.append((entry, args)) or err[0])
+    monkeypatch.setattr(cuda_hqmq._LIB, "lib", SimpleNamespace(kvq_hqmq_run="run"))
+    x = torch.randn(2, 2, 40, 128)
+    fk = L.flatten(get_quantizer(SPEC, role="K").encode(x), "K")
+    fv = L.flatten(get_quantizer(SPEC, role="V").encode(x), "V")
+    q = torch.randn(2, 4, 1, 128)
+
+    def call(q=q, workspace=None, valid_len=None):
+        return cuda_hqmq._decode_planned(q, fk, fv, None, None, None, workspace, None, valid_len)
+
+    out = call()
+    entry, (ptr, qp, vl, po, pm, pl, optr) = calls[-1]
+    assert (entry, ptr, qp, vl) == ("run", 1234, q.data_ptr(), None)
+    assert out.shape == plan.shape and out.dtype == torch.float32 and optr == out.data_ptr()
+    assert (pm - po, pl - pm) == (4 * 8 * 3 * 128, 4 * 8 * 3)
+    ws = Workspace(8, 3, 128, q.device, torch.float32)
+    out = call(workspace=ws)
+    assert calls[-1][1][3:] == (ws.po.data_ptr(), ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr())
+    assert out.data_ptr() == ws.out.data_ptr() and out.shape == plan.shape
+    call(workspace=Workspace(8, 2, 128, q.device, torch.float32))  # does not fit: fresh buffers
+    assert calls[-1][1][3] != ws.po.data_ptr()
+    vlen = torch.tensor([7], dtype=torch.int32)
+    call(valid_len=vlen)
+    assert calls[-1][1][2] == vlen.data_ptr()
+    n = len(calls)
+    with pytest.raises(ValueError, match="valid_len must be an int32 tensor of one element on q's device"):
+        call(valid_len=torch.tensor([7]))
+    assert len(calls) == n
+    qt = torch.randn(2, 4, 1, 256)[..., ::2]
+    assert not qt.is_contiguous()
+    call(q=qt)
+    assert calls[-1][1][1] != qt.data_ptr()  # a contiguous copy's
+    err[0] = 700
+    with pytest.raises(RuntimeError, match="error 700"):
+        call()
