@@ -15,6 +15,10 @@ fp16, added by their own mma (K: to the scores unscaled; V: weighted by P withou
 r_max / 15); q exact in fp16, base-2 softmax scale on the fp32 scores, P in fp16, fp32
 accumulation. reports/kernels/NOTES.md ("CUDA HQMQ decode") has the
 design, SASS counts and GPU figures.
+
+(About 590 lines, on purpose: the host side of one .cu source, its checks, split choice
+and the planned call's ctypes struct mirroring the .cu's `HqmqPlan`; PLANNED switches the
+planned call on once its GPU tests pass.)
 """
 from __future__ import annotations
 
