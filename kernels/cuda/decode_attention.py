@@ -44,14 +44,13 @@ from __future__ import annotations
 
 import ctypes
 import math
-import weakref
 from pathlib import Path
 
 import torch
 
 from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import FP8Flat, IntFlat, KIVIFlat
-from .library import QTYPE, KernelLibrary
+from .library import QTYPE, KernelLibrary, PlanCache, fresh_partials, on_current_stream
 
 SOURCE = Path(__file__).parent / "decode_attention.cu"
 # VARIANTS in the .cu: (register stages, min CTAs per SM, shared-memory stages):
@@ -185,7 +184,7 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
     """Why the CUDA kernels cannot take this call (None: they can). Does not build.
     (A layout a default-options call has planned already is taken without re-checking:
     decode_attention's auto route asks this on every call.)"""
-    if type(k) in _FORMAT and type(v) is type(k) and q.is_cuda and _PLANS:
+    if type(k) in _FORMAT and type(v) is type(k) and q.is_cuda and _PLANS.plans:
         if _lookup(q, k, v, None, DEFAULT_CTAS_PER_SM, None, None)[0] is not None:
             return None
     if not q.is_cuda:
@@ -330,13 +329,10 @@ class _Plan:
     """What a call on one cache layout launches: the argument struct, the split count and
     the workspace size, with weak references to the cache tensors it points into (a plan
     is used only while every one of them is alive and the same object)."""
-    __slots__ = ("refs", "keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind")
+    __slots__ = ("keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind")
 
 
-_PLANS: dict = {}
-_PLANS_MAX = 64  # layouts kept (cleared when full: a plan is cheap to rebuild)
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the handle without a Stream object
-_cur_device = getattr(torch._C, "_cuda_getDevice", None)
+_PLANS = PlanCache(64)  # layouts kept (library.py: weak references, cleared when full)
 
 
 def _flat_key(f):
@@ -355,10 +351,7 @@ def _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype):
     ts = tk + tv
     key = (type(k), ik, iv, tuple(map(id, ts)), q.dtype, q.shape, q.device, num_splits, ctas_per_sm, variant,
            out_dtype)
-    plan = _PLANS.get(key)
-    if plan is not None and all(r() is t for r, t in zip(plan.refs, ts)):
-        return plan, key, ts
-    return None, key, ts
+    return _PLANS.get(key, ts), key, ts
 
 
 def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype) -> _Plan:
@@ -367,12 +360,7 @@ def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype) -> _Plan:
     plan, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype)
     if plan is not None:
         return plan
-    plan = _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype)
-    plan.refs = tuple(weakref.ref(t) if t is not None else (lambda: None) for t in ts)
-    if len(_PLANS) >= _PLANS_MAX:
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan
+    return _PLANS.put(key, ts, _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype))
 
 
 def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype) -> _Plan:
@@ -492,27 +480,15 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
                              f"{plan.out_dtype}): use make_workspace")
         ws = None
     if ws is None:  # one buffer for the three partials, one for the result
-        n = plan.rows_q * plan.nsplit
-        part = torch.empty(n * (plan.D + 2), dtype=torch.float32, device=q.device)
-        out = torch.empty(plan.shape, dtype=plan.out_dtype, device=q.device)
-        po = part.data_ptr()
-        pm = po + 4 * n * plan.D
-        pl = pm + 4 * n
-        optr = out.data_ptr()
+        part, out, po, pm, pl, optr = fresh_partials(plan.rows_q, plan.nsplit, plan.D, plan.shape, plan.out_dtype,
+                                                     q.device)
     else:
         po, pm, pl, optr = ws.po.data_ptr(), ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr()
         out = ws.__dict__.get("_kvq_out")
         if out is None or out.shape != plan.shape or out.data_ptr() != optr:
             out = ws.out.view(plan.shape)
             ws._kvq_out = out  # (the view, made once per workspace)
-    dev = q.get_device()
-    lib = _LIB.lib
-    if _cur_device is not None and _raw_stream is not None and _cur_device() == dev:
-        err = lib.kvq_run(plan.ptr, q.data_ptr(), vptr, po, pm, pl, optr, _raw_stream(dev))
-    else:
-        with torch.cuda.device(dev):
-            err = lib.kvq_run(plan.ptr, q.data_ptr(), vptr, po, pm, pl, optr,
-                              torch.cuda.current_stream(dev).cuda_stream)
+    err = on_current_stream(q.get_device(), _LIB.lib.kvq_run, plan.ptr, q.data_ptr(), vptr, po, pm, pl, optr)
     if err:
         raise RuntimeError(f"CUDA decode kernel launch failed: error {err}")
     return out
