@@ -167,8 +167,10 @@ class Format:
       `pos` (CUDA graphs); None: decode steps take the quantizer's own write.
     - `multi_step`: whether `step` also takes a t-token write x `[B, H, t, D]` at t0 in
       one launch (KIVI: two, its window and its groups), storing exactly what t
-      one-token steps store (nothing fitted on the first write, no per-write state; a
-      window whose flushes follow from the token count is fine, KIVI's), or exactly what
+      one-token steps store (no per-write state; what a quantizer fits on its first write,
+      fp8's scale, is fitted before the write by `Quantizer.empty_for` and refitted in place
+      after a rewind, `KernelStore.refit`; a window whose flushes follow from the token
+      count is fine, KIVI's), or exactly what
       the quantizer's own write of them stores (HQMQ + Med3x: its median over the write,
       two launches, `hqmq_med3_write`): a bool, or a
       callable of the quantizer (the store's stepper) saying it per config. Such a fused

@@ -482,8 +482,8 @@ class KernelStore:
     def can_rewind(self) -> bool:
         """Whether `rewind` may serve: multi-token writes go through the step encoder (a
         new prefill rewrites the buffers in place), the flat's static parts hold model
-        constants only (a scale fitted on the first write, fp8's, would be stale), and
-        the store keeps no side state (`_rewind_more`)."""
+        constants only or what the next first write refits in place (fp8's scale,
+        `refit`), and the store keeps no side state (`_rewind_more`)."""
         shared = self._meta[2]
         const = not shared or getattr(self.stepper, "shared_is_constant", False) or self.refits
         return self.multi_steps and const and self._rewind_more(check=True)
