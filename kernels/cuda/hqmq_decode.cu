@@ -317,6 +317,27 @@ __device__ __forceinline__ uint2 gather(const uint8_t* tab, uint32_t off) {
   return *reinterpret_cast<const uint2*>(tab + off);
 }
 
+// One V chunk's P@V step, shared by v_generic (D = 64) and tile_step's D = 128 path (one copy
+// of the gather + scale + 2 mma): the codewords at table byte offsets o0..o3 (tokens 2c, 2c+1,
+// 2c+8, 2c+9) times their radius nibble (HI = nibble 1 if hi) of x01 / x89, into m-tiles a0
+// (the codewords' .x halves) and a1 (.y); hi is a constant of the unrolled callers' loops
+__device__ __forceinline__ void pv_chunk(float (&a0)[4], float (&a1)[4], const uint8_t* vtab, uint32_t o0,
+                                         uint32_t o1, uint32_t o2, uint32_t o3, uint32_t x01, uint32_t x89,
+                                         bool hi, uint32_t pb0, uint32_t pb1) {
+  const __half2 r01 = hi ? nibbles<true>(x01) : nibbles<false>(x01);  // (rq_2c, rq_2c+1), exact
+  const __half2 r89 = hi ? nibbles<true>(x89) : nibbles<false>(x89);
+  const uint2 c0 = gather(vtab, o0), c1 = gather(vtab, o1);
+  const uint2 c8 = gather(vtab, o2), c9 = gather(vtab, o3);
+  mma16816(a0, u32(__hmul2(h2(__byte_perm(c0.x, c1.x, 0x5410)), r01)),
+           u32(__hmul2(h2(__byte_perm(c0.x, c1.x, 0x7632)), r01)),
+           u32(__hmul2(h2(__byte_perm(c8.x, c9.x, 0x5410)), r89)),
+           u32(__hmul2(h2(__byte_perm(c8.x, c9.x, 0x7632)), r89)), pb0, pb1);
+  mma16816(a1, u32(__hmul2(h2(__byte_perm(c0.y, c1.y, 0x5410)), r01)),
+           u32(__hmul2(h2(__byte_perm(c0.y, c1.y, 0x7632)), r01)),
+           u32(__hmul2(h2(__byte_perm(c8.y, c9.y, 0x5410)), r89)),
+           u32(__hmul2(h2(__byte_perm(c8.y, c9.y, 0x7632)), r89)), pb0, pb1);
+}
+
 // Med3x outliers are ADDED by two more mma per tile: the format stores radius code 0 for an
 // outlier chunk (quantizers/hqmq.py encode: rq of where(outlier, 0, r); kernels/step_encode.py
 // writes the same bytes), so the quantized path contributes 0 there, and
@@ -580,18 +601,8 @@ __device__ __forceinline__ void v_generic(const uint8_t* st, const uint8_t* vtab
   // chunk jj = m-tiles 2 jj, 2 jj + 1; its radius nibble is nibble jj of the byte
 #pragma unroll
   for (int jj = 0; jj < VC; ++jj) {
-    const __half2 r01 = jj ? nibbles<true>(x01) : nibbles<false>(x01);  // (rq_2c, rq_2c+1), exact
-    const __half2 r89 = jj ? nibbles<true>(x89) : nibbles<false>(x89);
-    const uint2 c0 = gather(vtab, off[0][jj]), c1 = gather(vtab, off[1][jj]);
-    const uint2 c8 = gather(vtab, off[2][jj]), c9 = gather(vtab, off[3][jj]);
-    mma16816(acc[2 * jj], u32(__hmul2(h2(__byte_perm(c0.x, c1.x, 0x5410)), r01)),
-             u32(__hmul2(h2(__byte_perm(c0.x, c1.x, 0x7632)), r01)),
-             u32(__hmul2(h2(__byte_perm(c8.x, c9.x, 0x5410)), r89)),
-             u32(__hmul2(h2(__byte_perm(c8.x, c9.x, 0x7632)), r89)), pb0, pb1);
-    mma16816(acc[2 * jj + 1], u32(__hmul2(h2(__byte_perm(c0.y, c1.y, 0x5410)), r01)),
-             u32(__hmul2(h2(__byte_perm(c0.y, c1.y, 0x7632)), r01)),
-             u32(__hmul2(h2(__byte_perm(c8.y, c9.y, 0x5410)), r89)),
-             u32(__hmul2(h2(__byte_perm(c8.y, c9.y, 0x7632)), r89)), pb0, pb1);
+    pv_chunk(acc[2 * jj], acc[2 * jj + 1], vtab, off[0][jj], off[1][jj], off[2][jj], off[3][jj], x01, x89,
+             jj != 0, pb0, pb1);
   }
 }
 
@@ -775,18 +786,8 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj) {
     const uint32_t x01 = (jj & 2) ? (u01 >> 8) : u01, x89 = (jj & 2) ? (u89 >> 8) : u89;
-    const __half2 r01 = (jj & 1) ? nibbles<true>(x01) : nibbles<false>(x01);  // (rq_2c, rq_2c+1), exact
-    const __half2 r89 = (jj & 1) ? nibbles<true>(x89) : nibbles<false>(x89);
-    const uint2 c0 = gather(vtab, off[0][jj]), c1 = gather(vtab, off[1][jj]);
-    const uint2 c8 = gather(vtab, off[2][jj]), c9 = gather(vtab, off[3][jj]);
-    mma16816(acc[2 * jj], u32(__hmul2(h2(__byte_perm(c0.x, c1.x, 0x5410)), r01)),
-             u32(__hmul2(h2(__byte_perm(c0.x, c1.x, 0x7632)), r01)),
-             u32(__hmul2(h2(__byte_perm(c8.x, c9.x, 0x5410)), r89)),
-             u32(__hmul2(h2(__byte_perm(c8.x, c9.x, 0x7632)), r89)), pb0, pb1);
-    mma16816(acc[2 * jj + 1], u32(__hmul2(h2(__byte_perm(c0.y, c1.y, 0x5410)), r01)),
-             u32(__hmul2(h2(__byte_perm(c0.y, c1.y, 0x7632)), r01)),
-             u32(__hmul2(h2(__byte_perm(c8.y, c9.y, 0x5410)), r89)),
-             u32(__hmul2(h2(__byte_perm(c8.y, c9.y, 0x7632)), r89)), pb0, pb1);
+    pv_chunk(acc[2 * jj], acc[2 * jj + 1], vtab, off[0][jj], off[1][jj], off[2][jj], off[3][jj], x01, x89,
+             (jj & 1) != 0, pb0, pb1);
   }
   }
   if constexpr (OUT && PF) {

@@ -42,6 +42,11 @@ stage-part)
 compare)  # `compare ARGS...`: kvqbench compare on this machine (--out under $OUT; tar it: few files come back)
   place_models; shift
   $PY -m kvqbench.suites.compare.cli compare "$@" ;;
+lm-eval)  # `lm-eval ARGS...`: kvqbench-lm-eval with lm-eval and the packages the image lacks carried as
+  # wheels in .gpu3/ (pip download --no-deps of lm_eval and its missing dependencies, pytz too)
+  place_models; shift
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu3/*.whl
+  $PY -m kvqbench.suites.lm_eval.cli "$@" ;;
 time|time-ahead|record)
   place_models
   [ -f $C/downloads/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "carry .gpu2 (the SmolLM2 GGUF's second part)"; exit 2; }
@@ -77,5 +82,5 @@ time|time-ahead|record)
   cp $C/triton_ahead/*.json "$OUT/" 2>/dev/null; ls $C/triton_ahead 2>/dev/null
   for f in kernels/triton_ahead/*.json; do [ -f "$f" ] && cp "$f" "$OUT/shipped_$(basename $f)"; done
   echo "all done at $(( $(date +%s) - t0 )) s" ;;
-*) echo "usage: $0 stage | stage-part | compare ARGS... | time [seconds] | time-ahead [seconds per run] | record [seconds]"; exit 2 ;;
+*) echo "usage: $0 stage | stage-part | compare ARGS... | lm-eval ARGS... | time [seconds] | time-ahead [seconds per run] | record [seconds]"; exit 2 ;;
 esac

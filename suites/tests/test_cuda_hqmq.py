@@ -296,6 +296,23 @@ def _vl(n):
     return torch.tensor([n], dtype=torch.int32, device=DEV)
 
 
+def _valid_len_sweep(q, fk, fv, kd, vd, ns, variant, lens):
+    """One valid_len sweep (test_valid_len_below_capacity, test_head_dims_valid_len_below_capacity):
+    for each n of lens, decode with valid_len=n against the reference over the first n tokens
+    (finite, relative error under TOL); then n = 0 gives zeros."""
+    from kvqbench.kernels.decode_attention import reference_decode_attention
+
+    for n in lens:
+        out = cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32, valid_len=_vl(n),
+                               variant=variant)
+        ref = reference_decode_attention(q, kd[:, :, :n], vd[:, :, :n])
+        assert torch.isfinite(out).all(), f"n={n} variant {variant}"
+        err = rel_err(out, ref)
+        assert err < TOL[torch.float16], f"n={n} splits={ns} variant {variant}: relative error {err:.3g}"
+    out = cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32, valid_len=_vl(0), variant=variant)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
 @needs_cuda
 def test_valid_len_equal_to_T_is_the_plain_call():
     fk, fv, _, _ = encoded(2, 8, 1999, 41)
@@ -316,21 +333,11 @@ def test_valid_len_below_capacity(ns, spec):
     """Only the first n tokens count (the rest of the capacity is real data that would
     change the result); with 12 splits most CTAs are empty for small n (rows partly
     empty: their m = -inf partials weigh 0); n = 0 empties every split (zeros)."""
-    from kvqbench.kernels.decode_attention import reference_decode_attention
-
     cap = 2077
     fk, fv, kd, vd = encoded(2, 8, cap, 43, spec)
     q = query(2, 32, 44)
     for variant in med3_variants() if spec == MED3 else (None,):
-        for n in (1, 15, 16, 17, 200, 1000, cap - 1):
-            out = cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32, valid_len=_vl(n),
-                                   variant=variant)
-            ref = reference_decode_attention(q, kd[:, :, :n], vd[:, :, :n])
-            assert torch.isfinite(out).all(), f"n={n} variant {variant}"
-            err = rel_err(out, ref)
-            assert err < TOL[torch.float16], f"n={n} splits={ns} variant {variant}: relative error {err:.3g}"
-        out = cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32, valid_len=_vl(0), variant=variant)
-        assert torch.equal(out, torch.zeros_like(out))
+        _valid_len_sweep(q, fk, fv, kd, vd, ns, variant, (1, 15, 16, 17, 200, 1000, cap - 1))
 
 
 @needs_cuda
@@ -553,23 +560,12 @@ def _attend_all(q, kf, vf, kd, vd, D, spec):
 def test_head_dims_valid_len_below_capacity(D, spec):
     """A device valid count n below the capacity (real data after it): the reference over n;
     n = 0 gives zeros."""
-    from kvqbench.kernels.decode_attention import reference_decode_attention
-
     cap = 2077
     fk, fv, kd, vd = encoded(2, 8, cap, 43, spec, D)
     q = query(2, 32, 44, D=D)
     for variant in head_variants(D, spec):
         for ns in (None, 12):
-            for n in (1, 15, 16, 17, 1000, cap - 1):
-                out = cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32, valid_len=_vl(n),
-                                       variant=variant)
-                ref = reference_decode_attention(q, kd[:, :, :n], vd[:, :, :n])
-                assert torch.isfinite(out).all(), f"n={n} variant {variant}"
-                err = rel_err(out, ref)
-                assert err < TOL[torch.float16], f"n={n} splits={ns} variant {variant}: relative error {err:.3g}"
-            out = cuda_hqmq.decode(q, fk, fv, num_splits=ns, out_dtype=torch.float32, valid_len=_vl(0),
-                                   variant=variant)
-            assert torch.equal(out, torch.zeros_like(out))
+            _valid_len_sweep(q, fk, fv, kd, vd, ns, variant, (1, 15, 16, 17, 1000, cap - 1))
 
 
 @needs_cuda
