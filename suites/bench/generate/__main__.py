@@ -68,17 +68,25 @@ def _section(r: dict) -> str:
     return r.get("section") or f"batch {r['batch']}"
 
 
+def _walled(fn, cuda: bool):
+    """(wall seconds of the whole call fn(), synchronised on both sides, its result): how
+    every row is timed, transformers' and ours alike."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - t0, out
+
+
 def _hf(model, ids, new: int, static: bool, mask=None) -> tuple[float, str]:
     kw = {"cache_implementation": "static"} if static else {}
     if mask is not None:  # left padded: pads masked, pad id 0 as generate's
         kw.update(attention_mask=mask, pad_token_id=0)
-    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kw)
-    sync()
+    s, out = _walled(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kw),
+                     ids.is_cuda)
     assert out.shape[1] == ids.shape[1] + new, out.shape
-    return time.perf_counter() - t0, "static+compile" if static else "dynamic"
+    return s, "static+compile" if static else "dynamic"
 
 
 def _calls(model, batch: int, prompt: int, lengths, separate: bool) -> list[tuple]:
@@ -113,9 +121,12 @@ def measure_row(model, name: str, batch: int, prompt: int, new: int, runs: int, 
             else:
                 engine, spec = name.split(":", 1)
                 prompts = ids if mask is None else [r[m.bool()].tolist() for r, m in zip(ids, mask)]
-                g = generate(model, prompts, None if spec == "plain" else spec, max_new_tokens=new,
-                             compile=engine == "kvqbench+compile")
-                s, mode = g.prefill_s + g.decode_s, g.mode
+                # the whole call's wall time (generate's own prefill_s + decode_s leave out
+                # its engine lookup, rewind or new cache, and setup; before 2026-12-05 rows used them)
+                s, g = _walled(lambda: generate(model, prompts, None if spec == "plain" else spec,
+                                                max_new_tokens=new, compile=engine == "kvqbench+compile"),
+                               ids.is_cuda)
+                mode = g.mode
                 whys.update([g.why] if g.why else [])
                 dec_tokens, dec_s = dec_tokens + g.steps * sum(map(len, g.batches)), dec_s + g.decode_s
             times[-1] += s
