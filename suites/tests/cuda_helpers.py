@@ -105,6 +105,20 @@ def auto_case(q_dtype):
     return q, k, v
 
 
+def warmed_capture(fn):
+    """(graph, fn's output inside it): fn run once on a side stream first (builds, plans and
+    cached tables made outside the capture), then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def check_graph_replay(spec, **kw):
     """GraphedDecode (captured once) gives decode_attention's bytes for each new q."""
     from kvqbench.kernels.decode_attention import decode_attention

@@ -17,7 +17,8 @@ from kvqbench.kernels.cuda import hqmq_decode as cuda_hqmq
 from kvqbench.kernels import layout as L
 from kvqbench.quantizers import get_quantizer
 from kvqbench.suites.tests.cuda_helpers import (CUDA, DEV, TOL, attend, auto_case, build, check_graph_replay,
-                                                check_last_token, checked_call, flats, make, rel_err, with_junk)
+                                                check_last_token, checked_call, flats, make, rel_err, warmed_capture,
+                                                with_junk)
 
 WHY = cuda_hqmq.why_unavailable() if CUDA else "no CUDA device"
 needs_cuda = pytest.mark.skipif(WHY is not None, reason=f"CUDA HQMQ kernel unavailable: {WHY}")
@@ -352,14 +353,8 @@ def test_valid_len_graph_replay():
     q = query(1, 32, 46)
     vl = _vl(1000)
     ws = cuda_hqmq.workspace(q, fk, out_dtype=torch.float32)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (the build, the cached tables) outside the capture
-        cuda_hqmq.decode(q, fk, fv, workspace=ws, out_dtype=torch.float32, valid_len=vl)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = cuda_hqmq.decode(q, fk, fv, workspace=ws, out_dtype=torch.float32, valid_len=vl)
+    graph, out = warmed_capture(lambda: cuda_hqmq.decode(q, fk, fv, workspace=ws, out_dtype=torch.float32,
+                                                         valid_len=vl))
     assert out.data_ptr() == ws.out.data_ptr()
     for step, n in enumerate((1000, 2999, 17, cap)):
         vl.fill_(n)  # on the device: the graph reads it at replay
@@ -735,14 +730,8 @@ def test_planned_path_graph_replay(monkeypatch):
     vl = _vl(1000)
     ws = cuda_hqmq.workspace(q, fk, out_dtype=torch.float32)
     monkeypatch.setattr(cuda_hqmq, "PLANNED", True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (the build, the plan) outside the capture
-        cuda_hqmq.decode(q, fk, fv, workspace=ws, out_dtype=torch.float32, valid_len=vl)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = cuda_hqmq.decode(q, fk, fv, workspace=ws, out_dtype=torch.float32, valid_len=vl)
+    graph, out = warmed_capture(lambda: cuda_hqmq.decode(q, fk, fv, workspace=ws, out_dtype=torch.float32,
+                                                         valid_len=vl))
     assert out.data_ptr() == ws.out.data_ptr()
     monkeypatch.setattr(cuda_hqmq, "PLANNED", False)
     for step, n in enumerate((1000, 2999, 17, cap)):
