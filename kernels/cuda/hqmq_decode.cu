@@ -317,6 +317,19 @@ __device__ __forceinline__ uint2 gather(const uint8_t* tab, uint32_t off) {
   return *reinterpret_cast<const uint2*>(tab + off);
 }
 
+// One K chunk's q.K step, shared by k_generic (D = 64) and tile_step's D = 128 path (one copy
+// of the gather + scale + mma): the codewords at table byte offsets o0 (token g) and o8 (g + 8)
+// times their radius nibble (nibble 1 if hi) of x, into the scores s against q's k-step qk.
+__device__ __forceinline__ void k_chunk(float (&s)[4], const uint8_t* ktab, uint32_t o0, uint32_t o8, uint32_t x,
+                                        bool hi, uint32_t qk0, uint32_t qk1) {
+  const __half2 rh = hi ? nibbles<true>(x) : nibbles<false>(x);  // (rq of token g, of g+8), exact
+  const uint2 cg = gather(ktab, o0);
+  const uint2 cg8 = gather(ktab, o8);
+  const __half2 rg = __low2half2(rh), rg8 = __high2half2(rh);
+  mma16816(s, u32(__hmul2(h2(cg.x), rg)), u32(__hmul2(h2(cg8.x), rg8)), u32(__hmul2(h2(cg.y), rg)),
+           u32(__hmul2(h2(cg8.y), rg8)), qk0, qk1);
+}
+
 // One V chunk's P@V step, shared by v_generic (D = 64) and tile_step's D = 128 path (one copy
 // of the gather + scale + 2 mma): the codewords at table byte offsets o0..o3 (tokens 2c, 2c+1,
 // 2c+8, 2c+9) times their radius nibble (HI = nibble 1 if hi) of x01 / x89, into m-tiles a0
@@ -567,13 +580,7 @@ __device__ __forceinline__ void k_generic(const uint8_t* st, const uint8_t* ktab
   const uint32_t rlo = __byte_perm(rw[0], rw[1], 0x5410);  // chunks 0-3 of g, g+8
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk) {
-    const uint32_t x = (kk & 2) ? rlo >> 8 : rlo;
-    const __half2 rh = (kk & 1) ? nibbles<true>(x) : nibbles<false>(x);  // (rq of token g, of g+8), exact
-    const uint2 cg = gather(ktab, off[0][kk]);
-    const uint2 cg8 = gather(ktab, off[1][kk]);
-    const __half2 rg = __low2half2(rh), rg8 = __high2half2(rh);
-    mma16816(s, u32(__hmul2(h2(cg.x), rg)), u32(__hmul2(h2(cg8.x), rg8)), u32(__hmul2(h2(cg.y), rg)),
-             u32(__hmul2(h2(cg8.y), rg8)), qb[kk][0], qb[kk][1]);
+    k_chunk(s, ktab, off[0][kk], off[1][kk], (kk & 2) ? rlo >> 8 : rlo, kk & 1, qb[kk][0], qb[kk][1]);
   }
 }
 
@@ -697,12 +704,7 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
     for (int kk = 0; kk < KS; ++kk) {
       uint32_t x = kk < 4 ? rlo : rhi;
       if (kk & 2) x >>= 8;
-      const __half2 rh = (kk & 1) ? nibbles<true>(x) : nibbles<false>(x);  // (rq of token g, of g+8), exact
-      const uint2 cg = gather(ktab, off[0][kk]);
-      const uint2 cg8 = gather(ktab, off[1][kk]);
-      const __half2 rg = __low2half2(rh), rg8 = __high2half2(rh);
-      mma16816(s, u32(__hmul2(h2(cg.x), rg)), u32(__hmul2(h2(cg8.x), rg8)), u32(__hmul2(h2(cg.y), rg)),
-               u32(__hmul2(h2(cg8.y), rg8)), qb[kk][0], qb[kk][1]);
+      k_chunk(s, ktab, off[0][kk], off[1][kk], x, kk & 1, qb[kk][0], qb[kk][1]);
     }
   }
   s[0] *= qk * rk[0]; s[1] *= qk * rk[0]; s[2] *= qk * rk[1]; s[3] *= qk * rk[1];
