@@ -39,7 +39,8 @@ stage)
   mkdir -p $STAGE && cp .gpu/part_aa .gpu/*.whl $STAGE/ && cp -r .gpu/corpora $STAGE/ && ls -la $STAGE ;;
 stage-part)
   mkdir -p $STAGE/qwen && cp .gpuq/[0-9]*/part_* $STAGE/qwen/ && echo "$(ls $STAGE/qwen | wc -l) of 10 Qwen parts staged" ;;
-compare)  # `compare ARGS...`: kvqbench compare on this machine (--out under $OUT; tar it: few files come back)
+compare)  # `compare ARGS...`: kvqbench compare on this machine (--out under /tmp, then tar it into $OUT:
+  # few files come back from a call)
   place_models; shift
   $PY -m kvqbench.suites.compare.cli compare "$@" ;;
 lm-eval)  # `lm-eval ARGS...`: kvqbench-lm-eval with lm-eval and the packages the image lacks carried as
@@ -58,6 +59,9 @@ time|time-ahead|record)
     timeout "$2" $PY -m pytest -q -s -m bench --benchmark-enable -p no:cacheprovider suites/bench/bench_compare.py \
       -k "$CASE and not 4ranks" --benchmark-json "$OUT/bench_compare_$1.json" 2>&1 \
       | tee "$OUT/compare_$1.log" | grep -v USDT | cut -c1-200 | tail -40
+    # the kept reports as one archive: the run tool returns only a few files per call (a
+    # report folder's results.json and report.md were left out on 2026-12-05)
+    [ -d "$OUT/compare_$1" ] && tar czf "$OUT/compare_$1.tgz" -C "$OUT" "compare_$1" && rm -rf "$OUT/compare_$1"
   }
   if [ "$1" = time ]; then
     rm -rf $C/triton_ahead  # an earlier run's manifest on this machine: round 1 would not be a first run
