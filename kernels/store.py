@@ -498,10 +498,9 @@ class KernelStore:
         """After a rewind, the first write's fit (`packed`: the stepper's `empty_for` of that
         write) into the flat's static tensors IN PLACE (a captured graph and the kernels'
         plans read these buffers); returns `packed`, the layer's new (empty) Packed."""
-        if not self.refits:
-            return packed
-        if self.tokens:
-            raise RuntimeError(f"refit of a store holding {self.tokens} tokens: only a rewound store refits")
+        if not self.refits or self.tokens:
+            raise RuntimeError(f"refit of a store holding {self.tokens} tokens (refits: {self.refits}): only a "
+                               "rewound store whose stepper fits on its first write refits")
         made = self._zero_flat(packed, self.role, self.format, self.stepper)
         if made is None:
             raise RuntimeError(f"refit: {packed.spec} no longer flattens from its one-token layout")

@@ -6,8 +6,9 @@
 Issue 9's budgets: on a 2-core CPU machine the default `kvqbench compare`
 (quantize-on-write, 2 x 512-token windows, every default configuration and seed) under
 5 minutes; on a GPU `kvqbench compare --protocol both --windows 4 --window 512` under 3
-minutes, and (issue 29) `--protocol deployed` with the same windows under 3 minutes too. The budget goes into `extra_info` beside the measured seconds of each round,
-the device and the run's shape; it is reported, never asserted (a timing is not a test). The model and
+minutes, and (issue 29) `--protocol deployed` with the same windows under 3 minutes too.
+The budget goes into `extra_info` beside the measured seconds of each round, the device
+and the run's shape; it is reported, never asserted (a timing is not a test). The model and
 corpus are fetched and converted, and on a GPU the CUDA kernel libraries built, before
 the timed round (a cached first run's work), so the figure is the compare itself: model
 load, every configuration (Triton's first-use compiles included), the report.

@@ -5,9 +5,10 @@ Rows per (B, T) (methods.py says what each call is): `fp16-sdpa`; per packed for
 the backend that ran and why not CUDA), `fused-<x>-triton` (the Triton kernel, the
 tuner's config), `fused-<x>-cuda` where the auto route leaves a CUDA kernel unused
 (measured by opt-in, or "not run here" with the reason; never a number from another
-path); `fake-quant`; `flashinfer-fp16` / `-fp8` (FlashInfer's batch decode over the fp16 row's
-K/V, where it is installed; skipped with the reason elsewhere). At B=1 every timed call is also timed as a CUDA-graph replay
-(`<row>-graph`; the fp16 baseline too), since there the eager call tracks host time.
+path); `fake-quant`; `flashinfer-fp16` / `-fp8` (FlashInfer's batch decode over the fp16
+row's K/V, where it is installed; skipped with the reason elsewhere). At B=1 every timed
+call is also timed as a CUDA-graph replay (`<row>-graph`; the fp16 baseline too), since
+there the eager call tracks host time.
 
 Each row carries the bytes the method must read at least (the flats' read_nbytes:
 packed K+V cache and lookup tables, or fp16 K+V; plus q and the output), the achieved
@@ -69,8 +70,8 @@ def _timed(out: _Rows, method: str, fn, nbytes: int, extra: dict, graph: bool, c
         row = dict(extra)
         if check:
             row.update(check(fn))
-        if GPU and method.startswith(("fused-", "flashinfer-")):  # the eager call's issue time (host_time.py): its Python before
-            row["host_us"] = host_us(fn, n=20, warmup=3, rounds=5, sync=torch.cuda.synchronize)  # the kernel
+        if GPU and method.startswith(("fused-", "flashinfer-")):  # the eager call's issue time (host_time.py):
+            row["host_us"] = host_us(fn, n=20, warmup=3, rounds=5, sync=torch.cuda.synchronize)  # its Python
         out.measured(method, timeit_us(fn), nbytes, **row)
     except ROW_ERRORS as e:
         out.failed(method, e)
