@@ -117,7 +117,7 @@ CUDA_VERIFIED = {"int4", "fp8", "kivi"}
 # the pair's partial scores added through shared memory (120-144 registers; doubling the
 # per-thread arrays instead took 165-217).
 HEAD_DIMS = (64, 128, 256)
-VERIFIED_HEAD_DIMS = {"int4": (64, 128), "fp8": (64, 128), "kivi": (128,)}
+VERIFIED_HEAD_DIMS = {"int4": (64, 128, 256), "fp8": (64, 128, 256), "kivi": (64, 128, 256)}
 # The register-path variants (0, 1) read whole token rows (no warp-pair split), so the .cu
 # has no head_dim 256 instance of them; nor of KIVI's tile stream (5, 6) off d = 128, whose
 # stage layout is d = 128's.

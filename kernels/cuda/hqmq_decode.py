@@ -91,7 +91,7 @@ AUTO_MED3 = True
 # Med3x there only through the prefetching variants. The d = 128 instances are unchanged
 # (PTX identical).
 HEAD_DIMS = (64, 128, 256)
-AUTO_HEAD_DIMS = (128,)  # what backend="auto" routes here: add 64 / 256 once their GPU tests pass
+AUTO_HEAD_DIMS = (64, 128, 256)  # what backend="auto" routes here (64 / 256: GPU tests of 2026-12-05)
 # The planned host path (issue 28, "thin host path"): the checks, strides, codebooks and
 # split plan of a call are made once per (cache layout, q shape / dtype / device, options,
 # valid_len given or not) into a ctypes struct the .cu reads (`_PlanArgs`, kvq_hqmq_run), so
@@ -100,7 +100,7 @@ AUTO_HEAD_DIMS = (128,)  # what backend="auto" routes here: add 64 / 256 once th
 # Written without a GPU (2026-12): it flips to True once test_cuda_hqmq.py's planned-path
 # tests (bit-identical to the per-call path, plan reuse) pass on one; until then `decode`
 # takes the per-call path, as it always has.
-PLANNED = False
+PLANNED = True
 
 
 def variants(head_dim: int = 128, med3: bool = False) -> tuple[int, ...]:

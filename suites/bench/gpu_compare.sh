@@ -43,6 +43,10 @@ compare)  # `compare ARGS...`: kvqbench compare on this machine (--out under /tm
   # few files come back from a call)
   place_models; shift
   $PY -m kvqbench.suites.compare.cli compare "$@" ;;
+kvqbench)  # `kvqbench ARGS...`: any kvqbench command on this machine with the models placed
+  # (e.g. `kvqbench generate --compile --repeat 2 ...`)
+  place_models; shift
+  $PY -m kvqbench.suites.compare.cli "$@" ;;
 lm-eval)  # `lm-eval ARGS...`: kvqbench-lm-eval with lm-eval and the packages the image lacks carried as
   # wheels in .gpu3/ (pip download --no-deps of lm_eval and its missing dependencies, pytz too)
   place_models; shift

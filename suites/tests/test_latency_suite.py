@@ -235,6 +235,9 @@ def test_failures_and_usage_errors(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main(["--out", str(tmp_path)])
         assert e.value.code == 2 and "--smoke" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # shape options set the GPU run, not the smoke run
+        main(["--smoke", "--head-dim", "64", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--head-dim" in capsys.readouterr().err
 
 
 def test_config_refuses_a_focus_it_does_not_measure():

@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-tune", action="store_true", help="the Triton rows at their default launch config too")
     ap.add_argument("--skip-encode", action="store_true")
     ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--head-dim", type=int, help="head dim of the GPU run (default 128; the models' 64 and 256 too)")
+    ap.add_argument("--tokens", type=int, nargs="+", help="cached tokens T of the GPU run (default 4k 16k 32k 128k)")
+    ap.add_argument("--batches", type=int, nargs="+", help="batch sizes B of the GPU run (default 1 8 32)")
     ap.add_argument("--render", metavar="LATENCY_JSON", type=Path,
                     help="measure nothing: write latency.md and the plots beside this JSON")
     return ap
@@ -59,7 +62,19 @@ def main(argv=None) -> dict:
     from .run import run_latency
 
     options = dict(budget_s=a.budget_s, tune=not a.no_tune, encode=not a.skip_encode, memory=not a.skip_memory)
-    cfg = LatencyConfig.smoke(**options) if a.smoke else LatencyConfig.full(**options)
+    shape = {k: v for k, v in dict(d=a.head_dim, tokens=a.tokens and tuple(a.tokens),
+                                   batches=a.batches and tuple(a.batches)).items() if v}
+    if shape and a.smoke:
+        ap.error("--head-dim / --tokens / --batches set the GPU run's shapes; --smoke has its own")
+    if shape:
+        full = LatencyConfig.full()
+        b, t = shape.get("batches", full.batches), shape.get("tokens", full.tokens)
+        # the focus (tuning, targets) stays B=8, T=32k where it is measured, else the largest
+        shape["focus"] = (8 if 8 in b else max(b), 32768 if 32768 in t else max(t))
+    try:
+        cfg = LatencyConfig.smoke(**options) if a.smoke else LatencyConfig.full(**options, **shape)
+    except ValueError as e:
+        ap.error(str(e))
     res = run_latency(cfg, Path(a.out), log=lambda s: print(s, flush=True))
     render(Path(a.out), res)
     return res
