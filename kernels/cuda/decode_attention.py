@@ -110,9 +110,10 @@ DEFAULT_CTAS_PER_SM = None
 # Triton 4.3e-5, 2.4x faster than Triton at B=8, T=32k.
 CUDA_VERIFIED = {"int4", "fp8", "kivi"}
 # Head dims the kernels take (HEAD_DIMS), and those backend="auto" routes here per format
-# (VERIFIED_HEAD_DIMS): int4 / fp8 at 256 and KIVI at 64 / 256 (2026-12) are compiled
-# offline for sm_90a (no spills; the d = 128 kernels' PTX unchanged) and have GPU tests in
-# suites/tests/test_cuda_decode.py, but no GPU run yet: add a head dim here once they pass.
+# (VERIFIED_HEAD_DIMS): int4 / fp8 at 256 and KIVI at 64 / 256 (2026-12, compiled for
+# sm_90a with no spills, the d = 128 kernels' PTX unchanged) passed their GPU tests on the
+# H200 on 2026-12-05 (test_cuda_decode.py + test_cuda_hqmq.py whole: 427 passed, 1 skipped;
+# reports/latency/cuda_tests_2026-12-05.log), so auto routes them.
 # Head dim 256 runs 8 warps as 4 pairs, each warp d = 128's code on its half of the dims,
 # the pair's partial scores added through shared memory (120-144 registers; doubling the
 # per-thread arrays instead took 165-217).

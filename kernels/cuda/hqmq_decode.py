@@ -83,8 +83,8 @@ AUTO = True
 MED3_VARIANTS = (0, 2, 9, 10)
 DEFAULT_VARIANT_MED3 = 10
 AUTO_MED3 = True
-# Head dims with an instance in the .cu (Dims<D>). 64 and 256 (2026-12, compiled offline for
-# sm_90a, not yet run on a GPU): 64 the d = 128 arithmetic over a lane's 4 K / 2 V chunks
+# Head dims with an instance in the .cu (Dims<D>). 64 and 256 (2026-12, compiled for sm_90a;
+# GPU tests passed on the H200 on 2026-12-05, so auto routes them): 64 the d = 128 arithmetic over a lane's 4 K / 2 V chunks
 # (91-119 registers); 256 by warp pairs, each warp d = 128's code on its half of the dims and
 # the pair's partial scores added through shared memory (124-141 registers under every
 # variant's own cap, no spills; doubling the per-thread arrays took 194-203, uncapped).
@@ -97,9 +97,10 @@ AUTO_HEAD_DIMS = (64, 128, 256)  # what backend="auto" routes here (64 / 256: GP
 # valid_len given or not) into a ctypes struct the .cu reads (`_PlanArgs`, kvq_hqmq_run), so
 # a call is one lookup and one ctypes call with 8 arguments instead of ~45 (the per-call
 # path: 59-93 us of host time per eager call on the H200, NOTES.md third session call 6).
-# Written without a GPU (2026-12): it flips to True once test_cuda_hqmq.py's planned-path
-# tests (bit-identical to the per-call path, plan reuse) pass on one; until then `decode`
-# takes the per-call path, as it always has.
+# Written without a GPU (2026-12); on since test_cuda_hqmq.py's planned-path tests
+# (bit-identical to the per-call path, plan reuse) passed on the H200 (2026-12-05). Host us
+# per eager call there: 31-45 by host_time.py (reports/latency/host_time_h200_2026-12-05.txt;
+# 59-93 before), 37-73 in the latency suite's eager rows (issue 28 asks <= 20).
 PLANNED = True
 
 

@@ -118,6 +118,15 @@ def flatten_hqmq(packed: Packed, role: str | None = None, table_dtype=torch.floa
     return flat
 
 
+def engine_table(device) -> tuple[str, torch.dtype] | None:
+    """The codeword source the engine gives HQMQ's kernels on `device` (None: the flat's
+    own, fp32 secondaries): the fp16 codebook on a GPU, the fastest Triton source in the
+    H200 sweeps (reports/kernels/NOTES.md; B=8 T=32k d 128, Triton: 409 us with it in the
+    latency run of 2026-12-02, 1490 us with the fp32 secondaries in that of 2026-12-05). The CUDA kernels gather from the same fp16 codebook
+    (cuda/hqmq_decode.py `codebook16`)."""
+    return ("codebook", torch.float16) if torch.device(device).type == "cuda" else None
+
+
 def configure(flat: HQMQFlat, table=None) -> HQMQFlat:
     """The flat with another codeword source for the kernel, (table_mode, dtype) (None: as is)."""
     return flat if table is None else flat.with_table(*table)

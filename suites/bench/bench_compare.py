@@ -56,6 +56,7 @@ def _triton_cache_entries() -> int:
 def test_compare_wall_time(benchmark, tmp_path, case):
     from kvqbench.suites.compare import cli
     from kvqbench.suites.compare.run import DEFAULT_CORPUS, DEFAULT_MODEL
+    from kvqbench.suites.harness import fidelity as fidelity_mod
     from kvqbench.suites.harness import perplexity as scoring  # run.py imports its functions per call
     from kvqbench.suites.harness.corpora import load_corpus
     from kvqbench.suites.harness.models import embedded_folder
@@ -75,7 +76,8 @@ def test_compare_wall_time(benchmark, tmp_path, case):
     codes, walls, triton_entries, first_use, stacks = [], [], [], [], []
     log = FirstUseLog()  # Triton compiles per row (one process only: ranks == 1)
     # KVQBENCH_SAMPLE_ROWS: a regular expression of row labels ("prefill-then-decode hqmq:S=96,r=4
-    # seed=0") whose stacks are sampled (StackSampler), each round
+    # seed=0", "deployed avq2 seed=0", "fidelity spherical3.5 seed=0") whose stacks are sampled
+    # (StackSampler), each round
     sample_rows = os.environ.get("KVQBENCH_SAMPLE_ROWS")
 
     def labelled(fn, protocol):  # the compare's scoring functions, telling the log the row
@@ -83,6 +85,12 @@ def test_compare_wall_time(benchmark, tmp_path, case):
             log.row = f"{protocol} {spec} seed={seed}"
             return fn(model, windows, spec, seed, **kw)
         return scored
+
+    def labelled_fidelity(fn):  # fidelity(model, prompts, spec, reference, seed=0, ...)
+        def generated(model, prompts, spec, *a, **kw):
+            log.row = f"fidelity {spec} seed={kw.get('seed', 0)}"
+            return fn(model, prompts, spec, *a, **kw)
+        return generated
 
     def run():
         argv = ["compare", "--device", device, "--out", str(tmp_path), "--run-name", f"timed{len(walls)}", *extra]
@@ -95,7 +103,9 @@ def test_compare_wall_time(benchmark, tmp_path, case):
                     mock.patch.object(scoring, "ppl_quantize_on_write",
                                       labelled(scoring.ppl_quantize_on_write, "quantize-on-write")), \
                     mock.patch.object(scoring, "ppl_prefill_then_decode",
-                                      labelled(scoring.ppl_prefill_then_decode, "prefill-then-decode")):
+                                      labelled(scoring.ppl_prefill_then_decode, "prefill-then-decode")), \
+                    mock.patch.object(scoring, "ppl_deployed", labelled(scoring.ppl_deployed, "deployed")), \
+                    mock.patch.object(fidelity_mod, "fidelity", labelled_fidelity(fidelity_mod.fidelity)):
                 codes.append(cli.main(argv))
             log.row = "after the rows"
             first_use.append(log.since(start))

@@ -93,6 +93,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ...kernels import registry as kernel_registry
+from ...kernels.formats.hqmq import engine_table
 from ...kernels.step_encode import StepErrors
 from ...kernels.store import KernelStore, TokenBuffer, grown_capacity, multi_steps
 from ...quantizers import Packed, Segment, get_quantizer
@@ -542,8 +543,8 @@ class QuantizedLayer(DynamicLayer):
         return can and self.layer_type in (None, "full_attention")
 
     def _table(self) -> tuple[str, torch.dtype] | None:
-        if self.hqmq_table == "auto":  # the fastest source on a GPU (reports/kernels/NOTES.md): fp16 codebook
-            return ("codebook", torch.float16) if self.device.type == "cuda" else None
+        if self.hqmq_table == "auto":  # the fastest source on a GPU: fp16 codebook
+            return engine_table(self.device)
         return self.hqmq_table
 
     def _decode_into(self, role: str, new: list[Segment], shared_tokens: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from ....kernels.formats.hqmq import engine_table
 from ....kernels.hqmq_encode import encode_with_kernel
 from ....kernels.layout import flatten
 from ....quantizers import Packed, Quantizer, Segment, get_quantizer
@@ -43,7 +44,11 @@ def encode_caches(device, hkv: int, t0: int, d: int) -> dict[str, EncodedCache]:
         # a quantizer with a searched codebook (HQMQ) encodes through the kernel search
         enc = encode_with_kernel if hasattr(qk, "search") else (lambda q, x: q.encode(x))
         pk, pv = enc(qk, k), enc(qv, v)
-        by_spec[spec] = EncodedCache(spec, qk, qv, pk, pv, flatten(pk, "K"), flatten(pv, "V"))
+        kf, vf = flatten(pk, "K"), flatten(pv, "V")
+        table = engine_table(device) if hasattr(kf, "with_table") else None
+        if table:  # the codeword source the engine gives the kernels (QuantizedCache's hqmq_table="auto")
+            kf, vf = kf.with_table(*table), vf.with_table(*table)
+        by_spec[spec] = EncodedCache(spec, qk, qv, pk, pv, kf, vf)
     return {method: by_spec[spec] for method, spec in METHOD_SPECS.items()}
 
 
