@@ -309,6 +309,21 @@ def test_kivi_policy_matches_quantized_tokens():
     q = get_quantizer("kivi:bits=2,group=8,residual=8", role="V")
     q.quantized_tokens = lambda t: t // 3 * 3  # a policy of another form: refused
     assert kivi_policy(q) is None
+    # checked once per format and role (it was ~0.1 s of every generate call at 30 layers),
+    # never for another format or role
+    calls = []
+    cls = type(get_quantizer("kivi:bits=4,group=16,residual=48", role="V"))
+    orig = cls.quantized_tokens
+    from kvqbench.kernels.formats import kivi as kivi_format
+
+    with mock.patch.object(cls, "quantized_tokens", lambda self, t: calls.append(t) or orig(self, t)), \
+            mock.patch.dict(kivi_format._POLICIES, clear=True):  # as in a fresh process
+        first = kivi_policy(get_quantizer("kivi:bits=4,group=16,residual=48", role="V"))
+        n = len(calls)
+        assert n > 0 and kivi_policy(get_quantizer("kivi:bits=4,group=16,residual=48", role="V")) == first
+        assert len(calls) == n
+        kivi_policy(get_quantizer("kivi:bits=4,group=16,residual=48", role="K"))
+        assert len(calls) > n
 
 
 def test_plugins_and_disabled_step_encoding_take_the_old_path():
