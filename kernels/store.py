@@ -51,6 +51,10 @@ addresses) and `graph_view` is the flat attention reads, its T the reserved capa
 Host synchronisation (old path, `append`): none per step (HQMQ + Med3x: see
 kernels/formats/hqmq.py). (The quantizers' own encode still synchronises: input
 checks, pack range checks and Med3x's boolean-mask indexing.)
+
+(About 600 lines: the one store every format's buffers live in, generic over formats;
+the formats' own rules are in kernels/formats/, what stays is growth, rewind, refit,
+graph views and the device-position bookkeeping they all share.)
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ the fields, shapes and dtypes that `encode_tokens` stores for its shape (learnt
 by encoding reference tensors of that shape once); and finite stored bytes that
 decode to NaN/Inf raise `CorruptPackedError` instead of reaching attention.
 
-(About 570 lines: the one contract every plugin implements, Quantizer, Segment, Packed
+(About 660 lines: the one contract every plugin implements, Quantizer, Segment, Packed
 and the value checks, kept in one file so a plugin author reads it in one place.)
 """
 from __future__ import annotations

@@ -112,6 +112,9 @@ outlier_bits, minus 1 for qjl keys) and `gain_o` per token vector, and per
 (layer, role) and batch row `outlier_mask` (uint8 [B, H, D/8]) and its own
 `rotation_o` (fp16 [H, N, N]), `signs_o` or `rotseed_o`; the regular part's
 rotation is then [H, D-N, D-N].
+
+(About 490 lines: one quantizer file, as the plugin contract asks; TurboQuant's MSE
+levels, QJL keys and the outlier-channel split share its rotation and packing code.)
 """
 from __future__ import annotations
 

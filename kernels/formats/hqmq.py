@@ -41,6 +41,9 @@ only when a host-side upper bound (previous bound plus the write's total outlier
 a shape, so known without a sync) says the outlier buffer might overflow: the bound grows
 B*H times faster than the largest list, so that is about B*H*log(T) syncs over T tokens,
 not one per step; host-position steps one every >= 64 steps (`OUTLIER_SLACK_STEPS`).
+
+(About 470 lines: one format's file, as kernels/FORMATS.md asks, for two formats that
+share a store: HQMQ and HQMQ + Med3x, whose outlier buffers take half of it.)
 """
 from __future__ import annotations
 

@@ -13,6 +13,10 @@ command exits with EXIT_PARTIAL after writing the report.
 
 Provenance (versions, commit, plugin distributions) lives in provenance.py, the
 Triton-ahead compile pool in ahead.py.
+
+(About 550 lines: the one command's flow from arguments to report, its validation,
+resume, fidelity and lm-eval stages, read top to bottom; its parts with a life of their
+own already moved out: provenance.py, ahead.py, results.py, report.py.)
 """
 from __future__ import annotations
 

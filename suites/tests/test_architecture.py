@@ -11,6 +11,7 @@ edge: that is how plugins are found, below whatever finds them.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -164,3 +165,21 @@ def test_backends_import_neither_the_front_nor_each_other():
         targets = edges[f"kvqbench.kernels.{neutral}"]
         assert not any(t.startswith(("kvqbench.kernels.formats", "kvqbench.kernels.triton", "kvqbench.kernels.cuda"))
                        or t == front for t in targets), (neutral, targets)
+
+
+def test_long_files_state_why():
+    """Issue 26: no Python file outside kernel sources (files with Triton kernels) over
+    ~450 lines without a reason at its top, as "(About N lines: why ...)" with N within
+    20% of its length (a file that grew past its reason is read again)."""
+    root = Path(__file__).resolve().parents[2]
+    missing = []
+    for d in ("quantizers", "kernels", "suites"):
+        for p in sorted((root / d).rglob("*.py")):
+            text = p.read_text()
+            n = text.count("\n")
+            if n <= 450 or "@triton.jit" in text:
+                continue
+            m = re.search(r"\(About (\d+) lines", "\n".join(text.splitlines()[:150]))
+            if not m or not 0.8 * n <= int(m.group(1)) <= 1.2 * n:
+                missing.append(f"{p.relative_to(root)} ({n} lines; states {m.group(1) if m else 'no reason'})")
+    assert not missing, "long files without a current reason at their top: " + ", ".join(missing)

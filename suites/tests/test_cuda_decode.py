@@ -4,7 +4,9 @@ dequantize-then-attend reference.
 On a machine without a CUDA GPU or nvcc every kernel test skips, with the reason
 `cuda_decode.why_unavailable()` gives; the dispatch tests at the end run anywhere.
 Tolerances as test_kernels.py's GPU ones (fp16 operands, fp32 accumulation).
-(One file per CUDA source, as kernels/cuda/ has them: hence its length.)
+
+(About 730 lines: one file per CUDA source, as kernels/cuda/ has them: the GPU tests of one
+.cu source's three formats (int4, fp8, KIVI) and head dims, run by name in a GPU call.)
 """
 from __future__ import annotations
 

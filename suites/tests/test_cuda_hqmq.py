@@ -4,6 +4,9 @@ reason is `cuda_hqmq.why_unavailable()`); the dispatch tests at the end run anyw
 Tolerances as test_kernels.py's fp16-codebook HQMQ checks (fp16 operands, fp32 sums).
 Encodings are cached per worker (`encoded`): one GPU call runs the whole file, and the
 encode plus the dequantized reference cost more than the kernel.
+
+(About 900 lines: one kernel's GPU tests (plain HQMQ, Med3x, head dims, the planned host path), in one
+file so that a GPU call runs them by name.)
 """
 from __future__ import annotations
 

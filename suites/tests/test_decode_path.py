@@ -10,6 +10,9 @@
 
 CPU: the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set before
 triton is imported), tiny shapes, all-fp32 arithmetic there.
+
+(About 490 lines: the decode engine end to end (store, fused attention in the model, batched
+windows): one subject, one file.)
 """
 from __future__ import annotations
 

@@ -18,6 +18,9 @@ GPU (skipped without CUDA): the captured graph against the uncaptured device ste
 (bit-equal) and the host-position fused steps (same tokens, close logits).
 (One file for the whole device-step path, encoders to model, as one GPU call runs it:
 hence its length.)
+
+(About 510 lines: the device-position step of every format and of dense layers, graphed and not;
+one subject, one file.)
 """
 from __future__ import annotations
 

@@ -17,6 +17,9 @@ CPU: the kernels run under the Triton interpreter, tiny shapes.
 (About 450 lines, one file: every format's encoder is held to the same old path by the
 same harness, `_errors`, `_data`, the store round trip; split per format, each file
 would carry a copy of it.)
+
+(About 480 lines: every format's device step encoder against its quantizer's torch path; one
+subject, one file.)
 """
 from __future__ import annotations
 
