@@ -109,6 +109,12 @@ def synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
+# How the latency suite's eager rows and host_time.py both time a call's host cost, so the
+# two tools give one figure (with 5 rounds of 20 calls the suite read 37-73 us where
+# host_time read 25-45 for the same calls on the H200, 2026-12-05)
+HOST_US_CALLS = dict(n=100, warmup=20, rounds=15)
+
+
 def host_us(fn, n: int = 200, warmup: int = 1, rounds: int = 1, sync="auto") -> float:
     """Host time per call: n calls enqueued back to back (no sync between them; keep n
     well under the launch queue's depth, ~1000 launches, so the host is timed, not the

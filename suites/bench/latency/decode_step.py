@@ -25,7 +25,7 @@ import time
 import torch
 
 from ....kernels.decode_attention import reference_decode_attention
-from ..toolkit import DEVICE, GPU, LAUNCH_ERRORS, describe_error, graph_replay, host_us, timeit_us
+from ..toolkit import DEVICE, GPU, HOST_US_CALLS, LAUNCH_ERRORS, describe_error, graph_replay, host_us, timeit_us
 from .caches import EncodedCache, tiled
 from .config import DEFAULT_LAUNCH, LatencyConfig
 from .methods import (FLASHINFER_KV, FLASHINFER_PAGE, auto_backend, cuda_refusal, fake_quant_callable,
@@ -71,7 +71,7 @@ def _timed(out: _Rows, method: str, fn, nbytes: int, extra: dict, graph: bool, c
         if check:
             row.update(check(fn))
         if GPU and method.startswith(("fused-", "flashinfer-")):  # the eager call's issue time (host_time.py):
-            row["host_us"] = host_us(fn, n=20, warmup=3, rounds=5, sync=torch.cuda.synchronize)  # its Python
+            row["host_us"] = host_us(fn, sync=torch.cuda.synchronize, **HOST_US_CALLS)  # its Python
         out.measured(method, timeit_us(fn), nbytes, **row)
     except ROW_ERRORS as e:
         out.failed(method, e)

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from ..toolkit import host_us
+from ..toolkit import HOST_US_CALLS, host_us
 
 # formats of issue 28's table: label -> quantizer spec
 SPECS = {"int4": "int4", "fp8": "fp8", "kivi4": "kivi:bits=4", "hqmq": "hqmq:S=96,r=4", "fp16": "fp16"}
@@ -52,7 +52,7 @@ def flats(spec: str, B: int, T: int, hkv: int, d: int, t0: int = 256, device="cp
     return tile_to(flatten(pk, "K"), B, T), tile_to(flatten(pv, "V"), B, T)
 
 
-def stubbed_host_us(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int = 128, n: int = 100,
+def stubbed_host_us(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int = 128, n: int = HOST_US_CALLS["n"],
                     valid_len: bool = False) -> float:
     """Host microseconds per `decode_attention(q, k, v)` call (backend auto): on a CPU with
     the launch stubbed out (the Python-side cost of the call), on a GPU issued for real."""
@@ -69,7 +69,7 @@ def stubbed_host_us(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: in
     # on a GPU the launch is real and unsynchronised: what is timed is the issue time (the
     # kernel runs behind it as long as the queue is not full: n is kept below its depth)
     with stubbed_launches() if dev == "cpu" else contextlib.nullcontext():
-        return host_us(lambda: decode_attention(q, kf, vf, **kw), n=n, warmup=20, rounds=15,
+        return host_us(lambda: decode_attention(q, kf, vf, **kw), **{**HOST_US_CALLS, "n": n},
                        sync=None if dev == "cpu" else "auto")
 
 
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--T", type=int, default=4096)
     p.add_argument("--d", type=int, nargs="+", default=[128, 64])
     p.add_argument("--formats", nargs="+", default=list(SPECS), choices=list(SPECS))
-    p.add_argument("--n", type=int, default=100)
+    p.add_argument("--n", type=int, default=HOST_US_CALLS["n"])
     a = p.parse_args(argv)
     how = "launch stubbed" if not torch.cuda.is_available() else "issued on " + torch.cuda.get_device_name()
     print(f"host us per decode_attention call, {how} (Hq 32, Hkv 8, T={a.T}; least of 15 means of {a.n})")
