@@ -134,8 +134,8 @@ def _flashinfer(cfg: LatencyConfig, q, k16, v16, out: _Rows, kv16: int, qo_bytes
         def check(fn, kv_dtype=kv_dtype):
             ref = run_sdpa(q, k16.to(kv_dtype).half(), v16.to(kv_dtype).half(), "default").float()
             return {"rel_err_vs_sdpa": float((fn().float() - ref).norm() / ref.norm())}
-        _timed(out, method, fn, nbytes, {"backend": "flashinfer", "note": f"FlashInfer batch decode, paged "
-                                         f"{kv_dtype} K/V, {FLASHINFER_PAGE}-token pages"}, graphed(cfg, out.B, out.T), check)
+        note = f"FlashInfer batch decode, paged {kv_dtype} K/V, {FLASHINFER_PAGE}-token pages"
+        _timed(out, method, fn, nbytes, {"backend": "flashinfer", "note": note}, graphed(cfg, out.B, out.T), check)
 
 
 def _reference_error(q, cache: EncodedCache, fn) -> float:
