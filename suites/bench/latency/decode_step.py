@@ -70,8 +70,10 @@ def _timed(out: _Rows, method: str, fn, nbytes: int, extra: dict, graph: bool, c
         row = dict(extra)
         if check:
             row.update(check(fn))
-        if GPU and method.startswith(("fused-", "flashinfer-")):  # the eager call's issue time (host_time.py):
-            row["host_us"] = host_us(fn, sync=torch.cuda.synchronize, **HOST_US_CALLS)  # its Python
+        # the eager call's issue time (host_time.py), at B=1 where it decides the call's time
+        # (at larger shapes the GPU time of 15 x 100 calls would cost seconds per row)
+        if GPU and out.B == 1 and method.startswith(("fused-", "flashinfer-")):
+            row["host_us"] = host_us(fn, sync=torch.cuda.synchronize, **HOST_US_CALLS)
         out.measured(method, timeit_us(fn), nbytes, **row)
     except ROW_ERRORS as e:
         out.failed(method, e)
