@@ -24,7 +24,7 @@ Llama-3-70B at 128k.
     caches.py             synthetic K/V, their encodings in the kernel layout, tiling
     methods.py            the timed calls: fp16 SDPA, fused kernels (shipped / Triton / CUDA), fake-quant, graphs
     tuning.py             the launch-config tuner (greedy, at the focus shape)
-    decode_step.py        the latency section (every method at every (B, T)); eager fused rows at B=1 carry host_us (GPU)
+    decode_step.py        the latency section (every method at every (B, T)); eager fused rows at B=1: host_us
     host_time.py          an eager call's host time; on a CPU with the launch stubbed: issue 28's table
     encode_throughput.py  the HQMQ encode section
     memory.py             the memory section
