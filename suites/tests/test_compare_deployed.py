@@ -106,6 +106,10 @@ def test_generate_command(tiny, tmp_path, capsys):
                      "--max-new-tokens", "4", "--device", "cpu", "--repeat", "2", "--json", str(again)]) == 0
     two = json.loads(again.read_text())
     assert len(two["calls"]) == 2 and all(c["tokens_per_s"] > 0 for c in two["calls"])
+    # the headline is the last call, timed whole (wall >= the engine's own prefill + steps)
+    last = two["calls"][-1]
+    assert two["tokens_per_s"] == last["tokens_per_s"] and two["wall_s"] == last["wall_s"]
+    assert all(c["wall_s"] >= c["prefill_s"] + c["decode_s"] for c in two["calls"])
     cap = capsys.readouterr()
     assert "call 1 of 2" in cap.err and "call 2 of 2" in cap.err and cap.out.count("--- [0]") == 1  # texts once
     assert cli.main(["generate", "--model", tiny["model"], "--repeat", "0"]) == 2
