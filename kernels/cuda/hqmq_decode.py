@@ -17,8 +17,8 @@ accumulation. reports/kernels/NOTES.md ("CUDA HQMQ decode") has the
 design, SASS counts and GPU figures.
 
 (About 590 lines, on purpose: the host side of one .cu source, its checks, split choice
-and the planned call's ctypes struct mirroring the .cu's `HqmqPlan`; PLANNED switches the
-planned call on once its GPU tests pass.)
+and the planned call's ctypes struct mirroring the .cu's `HqmqPlan`; the per-call path
+stays beside it while PLANNED is new, as the reference its GPU tests compare with.)
 """
 from __future__ import annotations
 
@@ -84,10 +84,11 @@ MED3_VARIANTS = (0, 2, 9, 10)
 DEFAULT_VARIANT_MED3 = 10
 AUTO_MED3 = True
 # Head dims with an instance in the .cu (Dims<D>). 64 and 256 (2026-12, compiled for sm_90a;
-# GPU tests passed on the H200 on 2026-12-05, so auto routes them): 64 the d = 128 arithmetic over a lane's 4 K / 2 V chunks
-# (91-119 registers); 256 by warp pairs, each warp d = 128's code on its half of the dims and
-# the pair's partial scores added through shared memory (124-141 registers under every
-# variant's own cap, no spills; doubling the per-thread arrays took 194-203, uncapped).
+# GPU tests passed on the H200 on 2026-12-05, so auto routes them): 64 the d = 128
+# arithmetic over a lane's 4 K / 2 V chunks (91-119 registers); 256 by warp pairs, each
+# warp d = 128's code on its half of the dims and the pair's partial scores added through
+# shared memory (124-141 registers under every variant's own cap, no spills; doubling the
+# per-thread arrays took 194-203, uncapped).
 # Med3x there only through the prefetching variants. The d = 128 instances are unchanged
 # (PTX identical).
 HEAD_DIMS = (64, 128, 256)
@@ -593,4 +594,5 @@ def _decode_planned(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dt
 
 __all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits",
            "codebook16", "takes_by_default", "auto_refusal", "OPTIONS", "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS",
-           "MED3_VARIANTS", "PREFETCH_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale", "head_dim_reason", "PLANNED"]
+           "MED3_VARIANTS", "PREFETCH_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale",
+           "head_dim_reason", "PLANNED"]

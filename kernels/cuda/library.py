@@ -212,5 +212,7 @@ def fresh_partials(rows_q: int, nsplit: int, D: int, shape, out_dtype, device):
     pm = po + 4 * n * D
     return part, out, po, pm, pm + 4 * n, out.data_ptr()
 
-__all__ = ["FLAGS", "QTYPE", "KernelLibrary", "PlanCache", "arch_flags", "build_dir", "compile_library", "fresh_partials",
+
+__all__ = ["FLAGS", "QTYPE", "KernelLibrary", "PlanCache", "arch_flags", "build_dir", "compile_library",
+           "fresh_partials",
            "load_library", "nvcc", "on_current_stream"]

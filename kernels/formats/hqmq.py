@@ -125,8 +125,8 @@ def engine_table(device) -> tuple[str, torch.dtype] | None:
     """The codeword source the engine gives HQMQ's kernels on `device` (None: the flat's
     own, fp32 secondaries): the fp16 codebook on a GPU, the fastest Triton source in the
     H200 sweeps (reports/kernels/NOTES.md; B=8 T=32k d 128, Triton: 409 us with it in the
-    latency run of 2026-12-02, 1490 us with the fp32 secondaries in that of 2026-12-05). The CUDA kernels gather from the same fp16 codebook
-    (cuda/hqmq_decode.py `codebook16`)."""
+    latency run of 2026-12-02, 1490 us with the fp32 secondaries in that of 2026-12-05).
+    The CUDA kernels gather from the same fp16 codebook (cuda/hqmq_decode.py `codebook16`)."""
     return ("codebook", torch.float16) if torch.device(device).type == "cuda" else None
 
 

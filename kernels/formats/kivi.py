@@ -95,12 +95,16 @@ def kivi_policy(q) -> tuple[int, int] | None:
     key = (type(q), q.spec, q.role)
     if "quantized_tokens" in vars(q):  # an instance's own policy: checked, never remembered
         return _checked_policy(q)
-    if key not in _POLICIES:  # the check runs ~600 calls of quantized_tokens: once per format and role
-        _POLICIES[key] = _checked_policy(q)  # (per store it was ~0.1 s of every generate call at 30 layers)
-    return _POLICIES[key]
+    # The check runs ~600 calls of quantized_tokens: once per format and role, not per store
+    # (per store, a generate call at 2 layers made 9252 of them on the CPU; at 30 layers it is
+    # the suspected cause of KIVI's extra ~0.18 s per call on the H200, 2026-12-05, not yet
+    # re-measured)
+    if key not in KNOWN_POLICIES:
+        KNOWN_POLICIES[key] = _checked_policy(q)
+    return KNOWN_POLICIES[key]
 
 
-_POLICIES: dict = {}
+KNOWN_POLICIES: dict = {}  # (quantizer class, spec, role) -> kivi_policy's answer
 
 
 def _checked_policy(q) -> tuple[int, int] | None:

@@ -312,15 +312,14 @@ def test_kivi_policy_matches_quantized_tokens():
     q = get_quantizer("kivi:bits=2,group=8,residual=8", role="V")
     q.quantized_tokens = lambda t: t // 3 * 3  # a policy of another form: refused
     assert kivi_policy(q) is None
-    # checked once per format and role (it was ~0.1 s of every generate call at 30 layers),
-    # never for another format or role
+    # checked once per format and role, not per store (nor answered for another role)
     calls = []
     cls = type(get_quantizer("kivi:bits=4,group=16,residual=48", role="V"))
     orig = cls.quantized_tokens
     from kvqbench.kernels.formats import kivi as kivi_format
 
     with mock.patch.object(cls, "quantized_tokens", lambda self, t: calls.append(t) or orig(self, t)), \
-            mock.patch.dict(kivi_format._POLICIES, clear=True):  # as in a fresh process
+            mock.patch.dict(kivi_format.KNOWN_POLICIES, clear=True):  # as in a fresh process
         first = kivi_policy(get_quantizer("kivi:bits=4,group=16,residual=48", role="V"))
         n = len(calls)
         assert n > 0 and kivi_policy(get_quantizer("kivi:bits=4,group=16,residual=48", role="V")) == first

@@ -6,9 +6,10 @@ the backend that ran and why not CUDA), `fused-<x>-triton` (the Triton kernel, t
 tuner's config), `fused-<x>-cuda` where the auto route leaves a CUDA kernel unused
 (measured by opt-in, or "not run here" with the reason; never a number from another
 path); `fake-quant`; `flashinfer-fp16` / `-fp8` (FlashInfer's batch decode over the fp16
-row's K/V, where it is installed; skipped with the reason elsewhere). At B=1 every timed
-call is also timed as a CUDA-graph replay (`<row>-graph`; the fp16 baseline too), since
-there the eager call tracks host time.
+row's K/V, where it is installed; skipped with the reason elsewhere). At B=1 and at the
+focus shape every timed call is also timed as a CUDA-graph replay (`<row>-graph`; the fp16
+baseline too): at B=1 the eager call tracks host time, and issue 28 judges graphed calls
+at the focus (`graphed`).
 
 Each row carries the bytes the method must read at least (the flats' read_nbytes:
 packed K+V cache and lookup tables, or fp16 K+V; plus q and the output), the achieved

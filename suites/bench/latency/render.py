@@ -21,7 +21,8 @@ def write_markdown(path: Path, res: dict):
          "Rows: `fused-<x>` is what ships, `decode_attention(q, k, v)` with backend=\"auto\" and each "
          "backend's defaults (backend = the one that ran; why not CUDA in the note); `fused-<x>-triton` the "
          "Triton kernel with the tuner's config; `fused-<x>-cuda` the CUDA kernel by opt-in where auto does "
-         "not take it; `-graph` the same call replayed as a CUDA graph (B=1 and the focus shape), compared with `fp16-sdpa-graph`. "
+         "not take it; `-graph` the same call replayed as a CUDA graph (B=1 and the focus shape), compared "
+         "with `fp16-sdpa-graph`. "
          "x = same-run fp16 SDPA us / row us. host us: an eager fused call's issue time (the call returning, "
          "no sync; host_time.py), the Python it runs before its kernel.", "",
          "| B | T | method | backend | latency (us) | host us | x fp16 SDPA | GB/s | of copy BW | bytes (MB) | note |",
@@ -93,7 +94,8 @@ def target_lines(t: dict) -> list[str]:
     if "graphed" in t:  # issue 28's, on graphed calls (and eager host time)
         L += ["", f"Issue 28's targets: graphed calls against the graphed fp16 SDPA at B={fb[0]} T={fb[1]} and "
               f"B={b1[0]} T={b1[1]}; eager host time per call at B={b1[0]} T={b1[1]}.", "",
-              "| target | row | backend | us | x fp16 SDPA graph / host us | target | met |", "|---|---|---|---:|---|---|---|"]
+              "| target | row | backend | us | x fp16 SDPA graph / host us | target | met |",
+              "|---|---|---|---:|---|---|---|"]
         for key, g in t["graphed"].items():
             x = f"{g['speedup']:.2f}x" if "speedup" in g else ""
             x += f" ({g['ratio_to_hqmq']:.2f}x {g['hqmq_row']})" if "ratio_to_hqmq" in g else ""
