@@ -184,16 +184,24 @@ def fidelity_section(data, folder: Path) -> list[str]:
              "against the same model's own cache. First diff: index of the first generated token that differs "
              "(rows that never diverged count at the full length, so the mean is a lower bound where any did not); "
              "match: positions equal to the reference; NLL/token: what the unquantized model assigns to the "
-             "quantized continuation (its own greedy continuation: the reference column). Seed 0.", ""]
+             "quantized continuation (its own greedy continuation: the reference column). Seed 0; where the "
+             "deployed rows of every seed carried greedy twins of their windows (made by: twins), the match rate's "
+             "range over the seeds beside it. Made by: `twins`, the greedy twin of each window in the deployed "
+             "perplexity run's own batch and replayed steps; `generate`, a generation of its own (formats whose "
+             "rows cannot share a cache that way).", ""]
     if rows:
         plot_fidelity(rows, bits, meta, folder / "fidelity_vs_bits.png")
         lines += ["![fidelity against measured bits](fidelity_vs_bits.png)", "",
-                  "| spec | cache bits measured | first diff mean | min | never diverged | match rate | NLL/token | "
-                  "reference NLL/token | decode steps |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| spec | cache bits measured | first diff mean | min | never diverged | match rate | "
+                  "match rate over seeds | NLL/token | reference NLL/token | decode steps | made by |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for spec, f in rows:
+            seeds = [v["match_rate"] for v in (f.get("by_seed") or {}).values()]
+            spread = f"{min(seeds):.3f}-{max(seeds):.3f} ({len(seeds)})" if len(seeds) > 1 else "-"
+            made = "twins" if f.get("source") == "deployed twins" else "generate"
             lines.append(f"| `{spec}` | {bits[spec]:.3f} | {f['first_diff_mean']:.1f} | {f['first_diff_min']} | "
-                         f"{f['never_diverged']}/{f['prompts']} | {f['match_rate']:.3f} | {f['nll_per_token']:.3f} | "
-                         f"{f['ref_nll_per_token']:.3f} | {f['decode_mode']} |")
+                         f"{f['never_diverged']}/{f['prompts']} | {f['match_rate']:.3f} | {spread} | "
+                         f"{f['nll_per_token']:.3f} | {f['ref_nll_per_token']:.3f} | {f['decode_mode']} | {made} |")
     for spec, f in failed:
         lines.append(f"\nFAILED fidelity `{spec}`: {f['error']}")
     return lines + [""]

@@ -268,7 +268,8 @@ def run_compare(args) -> int:
     from ..harness.corpora import special_prefix, tokenize_text, load_corpus, token_windows, window_starts
     from ..harness.models import load_model
     from ..harness.calibration import spec_needs_calibration
-    from ..harness.perplexity import batch_rows, ppl_deployed, ppl_prefill_then_decode, ppl_quantize_on_write
+    from ..harness.perplexity import (batch_rows, ppl_deployed, ppl_prefill_then_decode, ppl_quantize_on_write,
+                                      twins_unsupported)
     from . import distributed
 
     plan = validate(args)
@@ -320,12 +321,21 @@ def run_compare(args) -> int:
 
     cal_for = _calibration(args, model, tok, text, plan, specs, n_tokens, meta)
 
+    # Generation fidelity rides in the deployed rows where a format allows (greedy twins of
+    # the windows in the same batch and replayed steps: suites/harness/fidelity.py); the
+    # fidelity stage after the rows generates only for the others (and for every spec when
+    # the run has no deployed protocol, or on a resume whose rows are already measured).
+    twins = {s: twins_unsupported(model, s) is None for s in specs} if plan["fidelity"] and \
+        "deployed" in protocols else {}
+
     def measure(protocol, spec, seed, rows=slice(None), batch_size=args.batch_size, progress=None):
         w = windows[rows, :plan["lengths"][protocol]]
         cal = cal_for(spec, seed)
         kw = {"calibration": cal} if cal is not None else {}
         if protocol == "quantize-on-write":
             return ppl_quantize_on_write(model, w, spec, seed, progress=progress, batch_size=batch_size, **kw)
+        if protocol == "deployed" and twins.get(spec) and rows == slice(None):
+            kw["continuations"] = True
         scorer = ppl_deployed if protocol == "deployed" else ppl_prefill_then_decode
         return scorer(model, w, spec, seed, context=args.context, progress=progress, batch_size=batch_size, **kw)
 
@@ -349,9 +359,13 @@ def run_compare(args) -> int:
         stage_done("load, calibration, diagnostics")
         bar = tqdm(total=len(todo) * len(windows), unit="window", dynamic_ncols=True)
 
+        if twins:  # before the rows: their twins are scored against it as they finish
+            _reference(run, model, windows[:, :args.context], args.decode_tokens)
+
         def on_record(job, r, windows_done: int = len(windows)):  # one finished configuration
             bar.update(windows_done)
             r.update(stamps[job[1]])
+            continued = r.pop("continuations", None)
             if "error" not in r and not math.isfinite(r["ppl"]):  # not a figure: a failure, retried on resume
                 r["error"] = f"non-finite perplexity {r['ppl']} (NLL sum {r['nll_sum']})"
             if "error" in r:
@@ -369,6 +383,8 @@ def run_compare(args) -> int:
             tqdm.write(f"{job[0]:20s} {job[1]:34s} seed={job[2]}  PPL {r['ppl']:10.4f}  cache bits "
                        f"{r['cache_bits_per_element']:6.3f} (formula {r['formula_bits']:6.3f}; model constants "
                        f"{r['constant_nbytes']} B)  {r['wall_s']:6.1f} s{steps}")
+            if continued is not None:
+                _twin_fidelity(run, model, windows[:, :args.context], r, continued, stamps[job[1]])
 
         if ranks is not None:
             run.data["meta"]["distributed"]["scoring"] = distributed.score_rounds(
@@ -447,34 +463,73 @@ def _calibration(args, model, tok, text, plan, specs, n_tokens: int, meta: dict)
     return cal_for
 
 
-def _fidelity(run, model, prompts, specs, new_tokens: int, stamps: dict, cal_for=lambda spec, seed: None) -> None:
-    """Generation fidelity per spec (seed 0) against the model's own cache over the run's
-    window prompts (suites/harness/fidelity.py), into results.json's `fidelity`;
-    resumable per spec, a failure recorded and the run goes on. A calibrated spec codes
-    with the run's calibration (`cal_for`: fitted once per spec and seed, the one its
-    seed-0 perplexity rows used)."""
-    from ..harness.fidelity import fidelity, reference_continuations
+def _reference(run, model, prompts, new_tokens: int) -> dict:
+    """The unquantized model's greedy continuations of the prompts (once per run, kept in
+    results.json's `fidelity`)."""
+    from ..harness.fidelity import reference_continuations
 
     store = run.data.setdefault("fidelity", {})
-    if store.get("reference") is None:
+    ref = store.get("reference")
+    if ref is None or ref.get("new_tokens") != new_tokens or len(ref["tokens"]) != len(prompts):
         print(f"generation fidelity: reference continuations ({len(prompts)} prompts, {new_tokens} tokens) ...",
               file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         store["reference"] = reference_continuations(model, prompts, new_tokens)
         store["reference_wall_s"] = time.perf_counter() - t0
         run.save()
+    return store["reference"]
+
+
+def _show_fidelity(f: dict) -> None:
+    print(f"fidelity {f['spec']:34s} seed={f['seed']} first diff mean {f['first_diff_mean']:5.1f} min "
+          f"{f['first_diff_min']:3d}  match {f['match_rate']:.3f}  NLL/token {f['nll_per_token']:.3f} (reference "
+          f"{f['ref_nll_per_token']:.3f})  steps {f['decode_mode']} ({f['source']})", file=sys.stderr, flush=True)
+
+
+def _twin_fidelity(run, model, prompts, r: dict, continued: list, stamp: dict) -> None:
+    """Fidelity figures of a deployed row's greedy twins: seed 0's as the spec's row of
+    results.json's `fidelity` (the report's table), every seed's under `by_seed`."""
+    from ..harness.fidelity import score_continuations
+
+    store = run.data["fidelity"]
+    t0 = time.perf_counter()
+    try:
+        f = score_continuations(model, prompts, continued, store["reference"], spec=r["spec"], seed=r["seed"],
+                                decode_mode=r["decode_mode"], source="deployed twins")
+    except Exception as e:  # noqa: BLE001 (keep the row; the fidelity stage generates this spec instead)
+        print(f"fidelity {r['spec']} seed={r['seed']}: the twins' scoring failed ({type(e).__name__}: {e})",
+              file=sys.stderr, flush=True)
+        return
+    f.update(stamp, wall_s=time.perf_counter() - t0)  # the scoring alone; the twins ran inside the row
+    _show_fidelity(f)
     rows = store.setdefault("rows", {})
+    if r["seed"] == 0:
+        rows[r["spec"]] = {**f, "by_seed": rows.get(r["spec"], {}).get("by_seed", {})}
+    seeds = rows.setdefault(r["spec"], {"spec": r["spec"], "error": "seed 0 not measured"}).setdefault("by_seed", {})
+    seeds[str(r["seed"])] = {k: f[k] for k in ("first_diff_mean", "first_diff_min", "match_rate", "nll_per_token")}
+    run.save()
+
+
+def _fidelity(run, model, prompts, specs, new_tokens: int, stamps: dict, cal_for=lambda spec, seed: None) -> None:
+    """Generation fidelity per spec (seed 0) against the model's own cache over the run's
+    window prompts (suites/harness/fidelity.py), into results.json's `fidelity`, for the
+    specs whose deployed rows did not carry greedy twins (`_twin_fidelity`); resumable
+    per spec, a failure recorded and the run goes on. A calibrated spec codes with the
+    run's calibration (`cal_for`: fitted once per spec and seed, the one its seed-0
+    perplexity rows used)."""
+    from ..harness.fidelity import fidelity
+
+    reference = _reference(run, model, prompts, new_tokens)
+    rows = run.data["fidelity"].setdefault("rows", {})
     for spec in specs:
         if spec in rows and "error" not in rows[spec] and stamp_matches(rows[spec], stamps[spec]):
             continue
         try:
             t0 = time.perf_counter()  # recorded: the fidelity pass is part of a GPU compare's time budget
-            rows[spec] = {**fidelity(model, prompts, spec, store["reference"], calibration=cal_for(spec, 0)),
-                          **stamps[spec], "wall_s": time.perf_counter() - t0}
-            f = rows[spec]
-            print(f"fidelity {spec:34s} first diff mean {f['first_diff_mean']:5.1f} min {f['first_diff_min']:3d}  "
-                  f"match {f['match_rate']:.3f}  NLL/token {f['nll_per_token']:.3f} (reference "
-                  f"{f['ref_nll_per_token']:.3f})  steps {f['decode_mode']}", file=sys.stderr, flush=True)
+            seeds = rows.get(spec, {}).get("by_seed")  # twins of later seeds' rows, if any ran
+            rows[spec] = {**fidelity(model, prompts, spec, reference, calibration=cal_for(spec, 0)),
+                          **stamps[spec], "wall_s": time.perf_counter() - t0, **({"by_seed": seeds} if seeds else {})}
+            _show_fidelity(rows[spec])
         except Exception as e:  # noqa: BLE001 (keep what is measured; record the failure)
             rows[spec] = {"spec": spec, "error": f"{type(e).__name__}: {e}"}
         run.save()

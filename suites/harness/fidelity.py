@@ -6,7 +6,12 @@ continuations that leave the unquantized model's.
     f["first_diff_mean"], f["first_diff_min"], f["never_diverged"], f["match_rate"], f["nll_per_token"]
 
 Both continuations come from `generate.generate` (exact prefill, decode steps through
-the cache: the deployed protocol), EOS off, so every row has `new_tokens` tokens.
+the cache: the deployed protocol), EOS off, so every row has `new_tokens` tokens. The
+compare makes the quantized ones cheaper where it runs the deployed protocol: each
+window's greedy twin rides in the perplexity run's own batch and replayed steps
+(`perplexity.ppl_deployed(..., continuations=True)`), scored here by
+`score_continuations` (`source` says which; a format whose rows cannot share a cache
+that way, `perplexity.twins_unsupported`, runs through `fidelity`).
 Per prompt: the index of the first generated token that differs from the reference
 (`new_tokens` where none does: such rows are counted in `never_diverged` and enter the
 mean at that censored value, so the mean is a lower bound when any row never diverged);
@@ -81,6 +86,21 @@ def fidelity(model, prompts: torch.Tensor, spec: str, reference: dict, seed: int
                      calibration=calibration)
         tokens += g.tokens
         modes.add(g.mode)
+    return score_continuations(model, prompts, tokens, reference, spec=spec, seed=seed, batch=batch,
+                               decode_mode="+".join(sorted(modes)))
+
+
+def score_continuations(model, prompts: torch.Tensor, tokens: list[list[int]], reference: dict, *, spec: str,
+                        seed: int, batch: int = 8, decode_mode: str, source: str = "generate") -> dict:
+    """The figures of the module docstring for greedy continuations `tokens` (one list of
+    `reference["new_tokens"]` per prompt) made elsewhere: by `fidelity`'s own
+    generation, or by the greedy twins of a deployed perplexity run
+    (`ppl_deployed(..., continuations=True)`, `source="deployed twins"`)."""
+    prompts = _ids(prompts)
+    n = reference["new_tokens"]
+    if len(tokens) != prompts.shape[0] or any(len(t) != n for t in tokens):
+        raise ValueError(f"need {prompts.shape[0]} continuations of {n} tokens, got {len(tokens)} of "
+                         f"{sorted(set(map(len, tokens)))}")
     first, matches = [], 0
     for got, want in zip(tokens, reference["tokens"]):
         diff = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), n)
@@ -92,7 +112,7 @@ def fidelity(model, prompts: torch.Tensor, spec: str, reference: dict, seed: int
                 first_diff=first, first_diff_mean=sum(first) / rows, first_diff_min=min(first),
                 never_diverged=sum(d == n for d in first), match_rate=matches / (rows * n),
                 nll_per_token=sum(nll) / (rows * n), ref_nll_per_token=sum(reference["nll"]) / (rows * n),
-                ppl_of_continuation=math.exp(sum(nll) / (rows * n)), decode_mode="+".join(sorted(modes)))
+                ppl_of_continuation=math.exp(sum(nll) / (rows * n)), decode_mode=decode_mode, source=source)
 
 
-__all__ = ["fidelity", "reference_continuations"]
+__all__ = ["fidelity", "reference_continuations", "score_continuations"]

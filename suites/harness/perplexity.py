@@ -72,7 +72,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from ...kernels.graphs import GraphedDecodeStep
-from ...quantizers import parse_spec
+from ...quantizers import get_quantizer, parse_spec
 from ...quantizers.checks import deferred_checks, flush
 from ...quantizers.fitted import FitsOnFirstWrite
 from .attention import fused_attention
@@ -117,17 +117,24 @@ class _Bytes:
     def __init__(self):
         self.total = self.cache = self.constant = self.numel = 0
 
-    def add(self, cache) -> None:
-        """A batch's cache, as its rows would store them one by one."""
+    def add(self, cache, scored: int | None = None, rows: int | None = None) -> None:
+        """A batch's cache, as its rows would store them one by one; with `scored` of its
+        `rows` rows, those rows' share (the other rows being greedy twins of equal bytes
+        per row: `twins_unsupported`), which must divide exactly."""
         if isinstance(cache, QuantizedCache):
-            self.total += cache.nbytes_as_row_caches()
-            self.cache += cache.cache_nbytes_as_row_caches()
+            total, own, numel = cache.nbytes_as_row_caches(), cache.cache_nbytes_as_row_caches(), cache.numel()
             # once per model: the same tensors in every window's cache
             self.constant = max(self.constant, cache.constant_nbytes())
-            self.numel += cache.numel()
         else:
-            b, n = plain_cache_stats(cache)
-            self.total, self.cache, self.numel = self.total + b, self.cache + b, self.numel + n
+            total, numel = plain_cache_stats(cache)
+            own = total
+        if scored is not None:
+            parts = [total * scored, own * scored, numel * scored]
+            if any(x % rows for x in parts):
+                raise RuntimeError(f"{getattr(cache, 'spec', 'the cache')}: {rows} rows do not store equal bytes "
+                                   f"({total} B, {numel} elements); the scored rows' share is not defined")
+            total, own, numel = (x // rows for x in parts)
+        self.total, self.cache, self.numel = self.total + total, self.cache + own, self.numel + numel
 
     def fields(self) -> dict:
         bits = (lambda b: b * 8 / self.numel) if self.numel else (lambda b: float("nan"))
@@ -189,6 +196,34 @@ def _fused_setting(model, spec: str | None, fused: bool | None):
 def _last_logit_only(model) -> dict:
     """Ask the prefill for its last logit only, where the model's forward supports it."""
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
+def twins_unsupported(model, spec: str | None) -> str | None:
+    """Why a batch of `spec` cannot carry greedy twins of its windows (`ppl_deployed(...,
+    continuations=True)`), or None. A twin shares its window's cache, so it must leave
+    the window's figures as they are: its rows' statistics must not mix with the
+    window's (`rows_independent`), and every row must store the same bytes (no field
+    whose length depends on the data, such as Med3x's outlier list), so the windows'
+    share of the cache's bytes is exact."""
+    if spec is None:
+        return None
+    cls = parse_spec(spec)[0]
+    if not rows_independent(cls):
+        return f"{spec}: its statistics span the rows of a write"
+    cfg = model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    for role in ("K", "V"):
+        q = get_quantizer(spec, role=role)
+        try:  # a prefill's write and a decode step's, of zeros (a data-dependent list stays empty)
+            packed = q.append(q.append(None, torch.zeros(2, heads, 3, head_dim)), torch.zeros(2, heads, 1, head_dim))
+        except (ValueError, RuntimeError) as e:  # e.g. a calibrated spec without its calibration
+            return f"{spec} {role}: a probe write failed ({e})"
+        uneven = sorted({k for seg in packed.segments for k, t in seg.fields.items() if t.dim() == 0
+                         or t.shape[0] != 2})
+        if uneven:
+            return f"{spec} {role}: its field(s) {', '.join(uneven)} are not one slice per row"
+    return None
 
 
 def _decode_step(model, cache, kw: dict, rows: int, total_tokens: int, graph: bool) -> Callable:
@@ -289,20 +324,34 @@ def ppl_prefill_then_decode(model, windows: torch.Tensor, spec: str | None, seed
 def ppl_deployed(model, windows: torch.Tensor, spec: str | None, seed: int = 0, *,
                  context: int, device=None, progress: Progress | None = None,
                  batch_size: int = DEFAULT_BATCH, fused: bool | None = None,
-                 graph: bool | None = None, calibration=None) -> dict:
+                 graph: bool | None = None, calibration=None, continuations: bool = False) -> dict:
     """`deployed`: what a serving engine does. Tokens 0..L-1 are one prefill call whose
     attention reads its own K/V at full precision (`QuantizedCache(prefill="exact")`)
     while they are stored quantized; tokens L..N-2 are then fed one decode step at a
     time, each reading the quantized cache (fused and graphed where it can be, as in
     `prefill-then-decode`). Scored are the decode steps' predictions only: tokens
     L+1..N-1 (N-1-L per window); token L's logit comes from the exact prefill and would
-    not depend on the quantizer. Arguments as `ppl_prefill_then_decode`."""
+    not depend on the quantizer. Arguments as `ppl_prefill_then_decode`.
+
+    `continuations=True`: each batch also carries a greedy twin of each window, a row with
+    the same prompt (tokens 0..L-1) that then feeds itself its own argmax, as greedy
+    generation does, in the same cache and the same replayed steps (a fidelity figure at
+    the cost of a wider batch, not of a second capture: suites/harness/fidelity.py).
+    The result then holds `continuations`, each window's N-L greedy tokens (the exact
+    prefill's argmax, then one per step). The scored figures are the windows' rows
+    alone, bytes included; `spec` must take twins (`twins_unsupported`). The batch is
+    twice as wide, so its matrix products may round otherwise than without twins
+    (module docstring: batch size): `continuation_rows` records it."""
+    if continuations:
+        why = twins_unsupported(model, spec)
+        if why:
+            raise ValueError(f"continuations=True: {why}")
     return _prefill_decode("deployed", model, windows, spec, seed, context, device, progress,
-                           batch_size, fused, graph, calibration)
+                           batch_size, fused, graph, calibration, continuations)
 
 
 def _prefill_decode(protocol, model, windows, spec, seed, context, device, progress, batch_size, fused, graph,
-                    calibration=None):
+                    calibration=None, twins: bool = False):
     windows = _check_windows(windows, 2 if protocol == "prefill-then-decode" else 3)
     calibration = _fitted_calibration(spec, seed, calibration)
     n_win, N = windows.shape
@@ -318,33 +367,43 @@ def _prefill_decode(protocol, model, windows, spec, seed, context, device, progr
     graph = fused is not False and (graph if graph is not None else dev.type == "cuda")
     modes: set[str] = set()
     per_window: list[float] = []
+    continued: list[list[int]] = []  # the greedy twins' tokens, per window
     # Value checks (NaN/Inf, fp16 range) of every write are read once per batch, with
     # the loss: no host synchronisation inside the decode loop from them.
     with torch.inference_mode(), context_manager, deferred_checks():
         for i in range(0, n_win, rows):
             ids = windows[i:i + rows].to(dev)
+            r = ids.shape[0]
+            fed = torch.cat([ids, ids]) if twins else ids  # rows r.. are the twins
             cache = _new_cache(model, spec, seed, capacity=N, fused=fused, prefill="exact" if exact else "quantized",
                                calibration=calibration)
             kw = cache_kwargs(model, cache)
-            logits = model(input_ids=ids[:, :context], **kw, use_cache=True, **_last_logit_only(model)).logits[:, -1:]
-            w_nll = torch.zeros(ids.shape[0], dtype=torch.float64, device=dev) if exact else \
-                _nll(logits, ids[:, context:context + 1])
-            step = _decode_step(model, cache, kw, ids.shape[0], N, graph)
+            logits = model(input_ids=fed[:, :context], **kw, use_cache=True, **_last_logit_only(model)).logits[:, -1:]
+            w_nll = torch.zeros(r, dtype=torch.float64, device=dev) if exact else \
+                _nll(logits[:r], ids[:, context:context + 1])
+            greedy = [logits[r:, -1].argmax(-1, keepdim=True)] if twins else []  # argmax on device: no sync
+            step = _decode_step(model, cache, kw, fed.shape[0], N, graph)
             for t in range(context, N - 1):
-                w_nll += _nll(step(ids[:, t:t + 1])[:, -1:], ids[:, t + 1:t + 2])
+                out = step(torch.cat([ids[:, t:t + 1], greedy[-1]]) if twins else ids[:, t:t + 1])[:, -1:]
+                w_nll += _nll(out[:r], ids[:, t + 1:t + 2])
+                if twins:
+                    greedy.append(out[r:, -1].argmax(-1, keepdim=True))
             flush()
             modes.add(getattr(step, "mode", "eager"))
             per_window += w_nll.tolist()
+            if twins:
+                continued += torch.cat(greedy, 1).tolist()
             nll += sum(per_window[i:])  # this batch's windows, summed as a batch
-            n_pred += ids.shape[0] * (N - context - (1 if exact else 0))
-            stored.add(cache)
+            n_pred += r * (N - context - (1 if exact else 0))
+            stored.add(cache, *((r, fed.shape[0]) if twins else ()))
             del cache, logits
             if progress:
                 progress(i + ids.shape[0], n_win)
+    extra = {"continuations": continued, "continuation_rows": rows} if twins else {}
     return _result(protocol, {"context": context, "decode_steps": N - 1 - context,
-                              "decode_mode": "+".join(sorted(modes)), "window_nll": per_window},
+                              "decode_mode": "+".join(sorted(modes)), "window_nll": per_window, **extra},
                    spec, seed, windows, nll, n_pred, stored, t0, rows)
 
 
 __all__ = ["DEFAULT_BATCH", "batch_rows", "rows_independent", "ppl_quantize_on_write", "ppl_prefill_then_decode",
-           "ppl_deployed"]
+           "ppl_deployed", "twins_unsupported"]

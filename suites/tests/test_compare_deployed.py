@@ -65,15 +65,45 @@ def test_a_rerun_keeps_the_fidelity_it_measured(tiny, tmp_path, monkeypatch):
 
 
 def test_a_failed_fidelity_row_is_recorded_and_the_run_goes_on(tiny, tmp_path, monkeypatch):
+    """int2's twins are scored as its deployed row finishes; that fails, so the fidelity
+    stage generates int2 on its own, fails again, and records it; the rows stand."""
     import kvqbench.suites.harness.fidelity as F
 
-    real = F.fidelity
-    monkeypatch.setattr(F, "fidelity", lambda m, p, spec, ref, **k: (_ for _ in ()).throw(RuntimeError("boom"))
-                        if spec == "int2" else real(m, p, spec, ref, **k))
+    real = F.score_continuations
+    monkeypatch.setattr(F, "score_continuations", lambda m, p, t, ref, **k: (_ for _ in ()).throw(
+        RuntimeError("boom")) if k["spec"] == "int2" else real(m, p, t, ref, **k))
     assert cli.main(args(tiny, tmp_path)) == 3  # partial: the report is written, a row failed
-    rows = json.loads((tmp_path / "r" / "results.json").read_text())["fidelity"]["rows"]
+    data = json.loads((tmp_path / "r" / "results.json").read_text())
+    rows = data["fidelity"]["rows"]
     assert rows["int2"]["error"] == "RuntimeError: boom" and "error" not in rows["int4"]
     assert "FAILED fidelity `int2`" in (tmp_path / "r" / "report.md").read_text()
+    assert all("error" not in r for r in data["results"])
+
+
+def test_fidelity_rides_in_the_deployed_rows_where_it_can(tiny, tmp_path, monkeypatch, capsys):
+    """Twin-able formats get their fidelity from their deployed rows' greedy twins, every
+    seed of a stochastic one; the rest (Med3x's outlier list, fp8's scale over rows) from
+    a generation of their own, as before; the report says which made each row."""
+    import kvqbench.suites.harness.fidelity as F
+
+    generated = []
+    real = F.fidelity
+    monkeypatch.setattr(F, "fidelity", lambda m, p, spec, ref, **k: generated.append(spec) or real(m, p, spec, ref, **k))
+    specs = "fp16;int2;spherical3;fp8-e4m3;hqmq:S=8,r=3,outliers=med3"
+    assert cli.main(args(tiny, tmp_path, "--seeds", "2", specs=specs)) == 0
+    assert sorted(generated) == ["fp8-e4m3", "hqmq:S=8,r=3,outliers=med3"]
+    data = json.loads((tmp_path / "r" / "results.json").read_text())
+    rows = data["fidelity"]["rows"]
+    assert {s: f["source"] for s, f in rows.items()} == {
+        "fp16": "deployed twins", "int2": "deployed twins", "spherical3": "deployed twins",
+        "fp8-e4m3": "generate", "hqmq:S=8,r=3,outliers=med3": "generate"}
+    assert sorted(rows["spherical3"]["by_seed"]) == ["0", "1"] and sorted(rows["int2"]["by_seed"]) == ["0"]
+    assert rows["spherical3"]["by_seed"]["0"]["match_rate"] == rows["spherical3"]["match_rate"]
+    dep = {(r["spec"], r["seed"]): r for r in data["results"] if r["protocol"] == "deployed"}
+    assert dep[("spherical3", 1)]["continuation_rows"] == 2 and "continuation_rows" not in dep[("fp8-e4m3", 0)]
+    assert all("continuations" not in r for r in data["results"])  # the tokens are scored, not kept
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert "| twins |" in report and "| generate |" in report
 
 
 def test_protocol_choices_and_defaults():

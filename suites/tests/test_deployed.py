@@ -11,7 +11,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvqbench.quantizers import get_quantizer
 from kvqbench.suites.harness.kv_cache import QuantizedCache, QuantizedLayer, cache_kwargs
-from kvqbench.suites.harness.perplexity import ppl_deployed, ppl_prefill_then_decode
+from kvqbench.suites.harness.perplexity import ppl_deployed, ppl_prefill_then_decode, twins_unsupported
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 VOCAB = 128
@@ -93,6 +93,41 @@ def test_deployed_fused_and_device_steps_equal_dense(model, spec):
         fused = ppl_deployed(model, w, spec, context=30, fused=True, graph=True)
     assert fused["ppl"] == pytest.approx(dense["ppl"], rel=1e-3)
     assert fused["bits_per_element"] == dense["bits_per_element"]
+
+
+@pytest.mark.parametrize("spec", [None, "int2", "kivi:bits=2,group=8,residual=8", "spherical3"])
+def test_greedy_twins_continue_greedily_and_leave_the_windows_figures(model, spec):
+    """`continuations=True`: each window's twin is greedy generation from its prompt. Fed
+    back as windows (prompt + the twins' tokens), the teacher-forced rows walk the twins'
+    own path beside new twins in the same batch shape, so the new twins must make the
+    same tokens, and every step's teacher logit must pick them (checked through the NLL:
+    the greedy path is the argmax path). The windows' bytes are those of a run without
+    twins (every row stores alike), and so are the counts."""
+    w = ids(40, batch=3, seed=7)
+    alone = ppl_deployed(model, w, spec, context=30)
+    both = ppl_deployed(model, w, spec, context=30, continuations=True)
+    cont = both["continuations"]
+    assert len(cont) == 3 and all(len(c) == 40 - 30 for c in cont) and both["continuation_rows"] == 3
+    for key in ("n_predicted", "decode_steps", "bits_per_element", "cache_bits_per_element", "cache_nbytes",
+                "cache_elements", "constant_nbytes"):
+        assert both[key] == alone[key], key
+    # the windows' loss with twins beside them: the same per-row arithmetic, up to a wider
+    # batch's rounding (module docstring of perplexity.py: fp16 2e-5 batch 2 vs 1, int4 3.6e-3)
+    assert both["ppl"] == pytest.approx(alone["ppl"], rel=2e-2)
+    again = ppl_deployed(model, torch.cat([w[:, :30], torch.tensor(cont)], 1), spec, context=30,
+                         continuations=True)
+    assert again["continuations"] == cont
+    greedy = torch.tensor(cont)
+    assert greedy.unique().numel() > 1  # a real continuation, not one repeated token
+
+
+def test_twins_only_where_rows_store_alike(model):
+    assert twins_unsupported(model, "int4") is None and twins_unsupported(model, None) is None
+    assert "span the rows" in twins_unsupported(model, "fp8-e4m3")  # one scale fitted over every row
+    why = twins_unsupported(model, "hqmq:S=8,r=3,outliers=med3")  # a data-dependent outlier list
+    assert "outliers" in why and "one slice per row" in why
+    with pytest.raises(ValueError, match="continuations=True: fp8-e4m3: its statistics span the rows"):
+        ppl_deployed(model, ids(40), "fp8-e4m3", context=30, continuations=True)
 
 
 def test_bad_arguments_are_refused(model):

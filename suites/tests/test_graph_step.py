@@ -511,3 +511,31 @@ def test_a_replay_refuses_moved_buffers(model):
         layer.replace_packed("K", layer.packed["K"])
     with pytest.raises(RuntimeError, match="buffers moved"), fused_attention(model):
         step(torch.zeros(2, 1, dtype=torch.long, device=DEV))
+
+
+def test_dense_probe_runs_once_per_format_role_and_shape(monkeypatch):
+    """The CUDA probe of a dense layer's one-token write (a host sync would break the
+    capture) answers for the code path, so a process asks it once per format, role and
+    write shape, not at every layer of every row's new cache. Checked with the CUDA
+    calls stubbed: the cache logic, not the probe itself (which the GPU tests run)."""
+    import types
+    from unittest import mock
+
+    from kvqbench.suites.harness import dense_steps
+
+    calls = []
+    monkeypatch.setattr(dense_steps, "code_one_token", lambda q, x, p: calls.append((q.spec, q.role)))
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    decoded = types.SimpleNamespace(buf=types.SimpleNamespace(device=torch.device("cuda")),
+                                    valid=torch.zeros(2, 3, 5, 16))
+    with mock.patch.dict(dense_steps.PROBED, clear=True):  # as in a fresh process
+        for layer in range(3):
+            for role in ("K", "V"):
+                q = get_quantizer("spherical3", layer=layer, role=role, seed=layer)
+                packed = q.encode(torch.randn(2, 3, 5, 16))
+                assert dense_steps.probe(q, packed, decoded) is None
+        assert [role for _, role in calls] == ["K", "V"] and len({spec for spec, _ in calls}) == 1
+        q = get_quantizer("spherical3", role="K")
+        dense_steps.probe(q, q.encode(torch.randn(1, 3, 5, 16)), decoded)  # another batch: probed
+        assert len(calls) == 3
