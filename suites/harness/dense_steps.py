@@ -9,7 +9,8 @@ alone. The step runs the quantizer's own `encode_tokens` and `decode` (the code 
 path runs, not a copy) on the token, writes each stored field into a preallocated buffer
 at row (position - first position) and the decoded token into the layer's decoded
 history at the position; attention reads the history's reserved rows under a mask of the
-device valid length. Nothing in it is a host value, so it is captured and replayed.
+device valid length (padding.masked_attention). Nothing in it is a host value, so it is
+captured and replayed.
 
 Not graphable (`unsupported` names why): an `append` that keeps state across writes
 (`Quantizer.appends_one_segment`: KIVI's windows, per-channel int keys), fields whose
@@ -145,12 +146,4 @@ class DenseSteps:
         return [self.decoded.buf, *self.fields.values(), *self.checks.flags]
 
 
-def masked_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """softmax(q K^T / sqrt(d)) V of one decode query `[B, Hq, 1, D]` over the first
-    `valid` (a device int32 `[1]`) of the rows of `[B, Hkv, cap, D]`."""
-    keep = torch.arange(k.shape[2], device=k.device) < valid
-    return torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=keep.view(1, 1, 1, -1),
-                                                            enable_gqa=query.shape[1] != k.shape[1])
-
-
-__all__ = ["PROBED", "DenseSteps", "code_one_token", "masked_attention", "probe", "unsupported"]
+__all__ = ["PROBED", "DenseSteps", "code_one_token", "probe", "unsupported"]

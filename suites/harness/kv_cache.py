@@ -422,7 +422,8 @@ class QuantizedLayer(DynamicLayer):
 
     def _dense_unsupported(self) -> str | None:
         """A dense layer's reason (dense_steps.py): the format's, found once per layer (on
-        CUDA with one probe write)."""
+        CUDA with a probe write, which dense_steps.probe makes once per format, role and
+        shape in a process)."""
         if self.layer_type not in (None, "full_attention"):
             return f"layer {self.layer_idx} is {self.layer_type} (the model's mask windows it; a step's has none)"
         if not self._dense_probed:  # the format's answer: once per layer
@@ -579,8 +580,6 @@ class QuantizedLayer(DynamicLayer):
         if self.device_pos is not None and self.mode == "dense":  # dense_steps.py
             _, valid, cap = self.device_pos
             k, v = self.decoded["K"].buf[:, :, :cap], self.decoded["V"].buf[:, :, :cap]
-            if rs is None:
-                return dense_steps.masked_attention(query, k, v, valid)
             return padding.masked_attention(query, k, v, valid, rs)
         if self.mode == "dense":  # a padded batch's host-path step (`_write` hands out the handle)
             return padding.masked_attention(query, self.decoded["K"].valid, self.decoded["V"].valid, None, rs)

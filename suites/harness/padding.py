@@ -31,12 +31,17 @@ def keys_from(row_start: torch.Tensor, T: int, device, valid: torch.Tensor | Non
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
-                     row_start: torch.Tensor) -> torch.Tensor:
+                     row_start: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V of one decode query `[B, Hq, 1, D]` over the rows of
-    `[B, Hkv, T, D]` each batch row attends to: from its row start on and below the
-    device valid length `valid` (int32 `[1]`, or None: all T). A row with no key left
-    gets 0 (SDPA's fully masked row), as the fused kernels."""
-    keep = keys_from(row_start, k.shape[2], k.device, valid)[:, None, None, :]
+    `[B, Hkv, T, D]` each batch row attends to: from its row start on (None: every row
+    from 0, one mask for the batch) and below the device valid length `valid` (int32
+    `[1]`, or None: all T). A row with no key left gets 0 (SDPA's fully masked row), as
+    the fused kernels. The dense layers' graphed decode steps read their reserved rows
+    through it (dense_steps.py)."""
+    if row_start is None:
+        keep = (torch.arange(k.shape[2], device=k.device) < valid).view(1, 1, 1, -1)
+    else:
+        keep = keys_from(row_start, k.shape[2], k.device, valid)[:, None, None, :]
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep,
                                                             enable_gqa=q.shape[1] != k.shape[1])
 
