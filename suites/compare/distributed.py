@@ -288,8 +288,9 @@ def combine(job: Job, parts: list[tuple[int, dict]]) -> dict:
         for _, r in parts:
             total += r[key]
         out[key] = total
-    if all("window_nll" in r for _, r in parts):  # per-window NLL sums, in window order
-        out["window_nll"] = [x for _, r in parts for x in r["window_nll"]]
+    for key in ("window_nll", "continuations"):  # per window (NLL sums, greedy twins' tokens), in window order
+        if all(key in r for _, r in parts):
+            out[key] = [x for _, r in parts for x in r[key]]
     out["ppl"] = math.exp(out["nll_sum"] / out["n_predicted"])
     numel = out["cache_elements"]
     # total (constants charged to every window, as before the split) and the cache's own

@@ -334,7 +334,7 @@ def run_compare(args) -> int:
         kw = {"calibration": cal} if cal is not None else {}
         if protocol == "quantize-on-write":
             return ppl_quantize_on_write(model, w, spec, seed, progress=progress, batch_size=batch_size, **kw)
-        if protocol == "deployed" and twins.get(spec) and rows == slice(None):
+        if protocol == "deployed" and twins.get(spec):
             kw["continuations"] = True
         scorer = ppl_deployed if protocol == "deployed" else ppl_prefill_then_decode
         return scorer(model, w, spec, seed, context=args.context, progress=progress, batch_size=batch_size, **kw)

@@ -245,6 +245,27 @@ def test_two_gloo_ranks_give_the_single_process_figures_and_resume_across_world_
 
 
 
+def test_greedy_twins_ride_in_the_ranks_units_and_give_the_single_process_fidelity(tiny, tmp_path):
+    """The deployed protocol under two gloo ranks: each unit (a window batch) carries its
+    windows' greedy twins, combine() puts their tokens back in window order, and rank 0
+    scores them: the same fidelity figures as one process (same batches, same arithmetic)."""
+    args = lambda out: ["compare", "--model", tiny["model"], "--corpus", tiny["corpus"], "--device", "cpu",  # noqa: E731
+                        "--windows", "3", "--batch-size", "2", "--seeds", "2", "--specs", "fp16;int2;spherical3",
+                        "--protocol", "deployed", "--context", "16", "--decode-tokens", "6", "--out", str(out),
+                        "--run-name", "r"]
+    single, dist2 = tmp_path / "single", tmp_path / "dist2"
+    assert cli.main(args(single)) == 0
+    torchrun(args(dist2))
+    want, got = (json.loads((d / "r" / "results.json").read_text())["fidelity"]["rows"] for d in (single, dist2))
+    assert sorted(got) == sorted(want) == ["fp16", "int2", "spherical3"]
+    for spec, w in want.items():
+        g = got[spec]
+        assert g["source"] == w["source"] == "deployed twins" and g["prompts"] == 3
+        for key in ("first_diff", "match_rate", "nll_per_token", "by_seed"):
+            assert g[key] == w[key], (spec, key)
+    assert sorted(got["spherical3"]["by_seed"]) == ["0", "1"]
+
+
 # --- the scaling benchmark's arithmetic (its runs are GPU work; suites/bench/scaling.py) ----
 
 def _scaling_run(ranks: int, wall_s: float, nll_shift: float = 0.0) -> dict:
