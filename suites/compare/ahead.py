@@ -22,14 +22,17 @@ class AheadRun:
 
 
 @contextmanager
-def triton_ahead(args, device, model_info, plan, specs):
+def triton_ahead(args, device, model_info, plan, specs, record: bool = True):
     """The compare's use of kernels/precompile.py. On a CUDA run, the Triton specialisations a
     run of the same shape compiled before (`<cache>/triton_ahead/`; on a machine that has none,
     the copy the package ships for the default job, `precompile.SHIPPED`) compile in a thread
     pool while the first rows run, and what this run's rows compile is recorded per spec for the
     next run. Yields an `AheadRun` (the loop calls its `row` with each row's spec). Off with
-    KVQBENCH_PRECOMPILE_THREADS=0, on a CPU, under torchrun, or where `precompile.supported()`
-    says why not. It changes when kernels compile, never a figure."""
+    KVQBENCH_PRECOMPILE_THREADS=0, on a CPU, or where `precompile.supported()` says why not.
+    Under torchrun every rank preloads (the kernels must be in each process's memory; a
+    specialisation one rank compiled, the others load from Triton's disk cache) and rank 0
+    alone records (`record=False` elsewhere: one writer of the manifest). It changes when
+    kernels compile, never a figure."""
     from ...kernels import precompile as P
 
     threads = int(os.environ.get("KVQBENCH_PRECOMPILE_THREADS") or P.default_threads())  # checked by validate
@@ -48,6 +51,12 @@ def triton_ahead(args, device, model_info, plan, specs):
     if not manifest.entries:
         manifest.entries = P.Manifest(P.SHIPPED / name, shape).entries
     pool = P.preload(manifest, list(dict.fromkeys(specs)), threads)
+    if not record:
+        try:
+            yield AheadRun(None, pool)
+        finally:
+            pool.close()
+        return
     rec = P.Recorder()
     try:
         with rec.installed():

@@ -103,6 +103,7 @@ def main(argv=None) -> int:
     except SystemExit as e:  # argparse: --help (0) or bad usage (2), message already printed
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     args.debug = getattr(args, "debug", False)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given (compare --workers relaunches it)
     prog = f"kvqbench {args.command}"
     try:
         return args.func(args)

@@ -110,6 +110,13 @@ def validate(args) -> dict:
                              ("--calibration-windows", getattr(args, "calibration_windows", 2), 1)):
         if value < low:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
+    workers = getattr(args, "workers", 1)
+    if workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {workers}")
+    if workers > 1 and os.environ.get("WORLD_SIZE") is not None:
+        raise UsageError("--workers launches its own ranks; under torchrun, give torchrun --nproc-per-node instead")
+    if workers > 1 and args.device_map == "auto":
+        raise UsageError("--workers with --device-map auto: a model spread over every GPU runs as one process")
     if args.lm_eval_limit is not None and args.lm_eval_limit < 1:
         raise UsageError(f"--lm-eval-limit must be >= 1, got {args.lm_eval_limit}")
     if args.specs is None:
@@ -273,6 +280,8 @@ def run_compare(args) -> int:
     from . import distributed
 
     plan = validate(args)
+    if getattr(args, "workers", 1) > 1:
+        return launch_workers(args, plan)
     specs, protocols, device = plan["specs"], plan["protocols"], plan["device"]
     folder = Path(args.out) / plan["run"]
     if os.environ.get("RANK", "0") == "0":  # rank 0 alone writes (distributed.py)
@@ -346,7 +355,9 @@ def run_compare(args) -> int:
                                          plan["lengths"][job[0]] if job[0] == "quantize-on-write" else 1)
         measure_unit = lambda u: measure(*u.job, rows=slice(u.start, u.stop), batch_size=u.rows)  # noqa: E731
         if not ranks.is_main:  # scores its share; rank 0 alone writes results.json and the report
-            distributed.score_rounds(ranks, None, rows_of, len(windows), measure_unit)
+            # (the Triton pool on every rank: each process needs the kernels in its own memory)
+            with triton_ahead(args, ranks.device, model_info, plan, specs, record=False):
+                distributed.score_rounds(ranks, None, rows_of, len(windows), measure_unit)
             return 0
     stamps = calibration_stamps(row_stamps(specs), meta, [s for s in specs if spec_needs_calibration(s)])
     with Run(folder, meta, args.fresh) as run:
@@ -386,11 +397,15 @@ def run_compare(args) -> int:
             if continued is not None:
                 _twin_fidelity(run, model, windows[:, :args.context], r, continued, stamps[job[1]])
 
-        if ranks is not None:
-            run.data["meta"]["distributed"]["scoring"] = distributed.score_rounds(
-                ranks, todo, rows_of, len(windows), measure_unit, on_record)
-            run.save()
-        with triton_ahead(args, device if ranks is None else None, model_info, plan, [j[1] for j in todo]) as ahead:
+        with triton_ahead(args, device if ranks is None else ranks.device, model_info, plan,
+                          [j[1] for j in todo]) as ahead:
+            if ranks is not None:
+                def labelled(u):  # the recorder files what rank 0's rows compile under their spec
+                    ahead.row(u.job[1])
+                    return measure_unit(u)
+                run.data["meta"]["distributed"]["scoring"] = distributed.score_rounds(
+                    ranks, todo, rows_of, len(windows), labelled, on_record)
+                run.save()
             for protocol, spec, seed in todo if ranks is None else []:
                 bar.set_postfix_str(f"{protocol} {spec} seed={seed}")
                 ahead.row(spec)
@@ -427,6 +442,41 @@ def run_compare(args) -> int:
             print(f"  {line}", file=sys.stderr)
         return EXIT_PARTIAL
     return 0
+
+
+def launch_workers(args, plan) -> int:
+    """`--workers N`: this same command as N ranks on this machine, through torch's own
+    launcher (`torch.distributed.run --standalone`), which starts the processes and their
+    rendezvous; distributed.py deals the rows (on one GPU over gloo: the decode steps are
+    host-bound Python, so N processes use N host cores). Returns the exit status a single
+    process would: 0, EXIT_PARTIAL when the report was written with failed rows, else
+    1 (torchrun's 1 for any rank that failed)."""
+    import subprocess
+
+    argv, skip = [], False
+    for a in args.argv:
+        if skip:
+            skip = False
+        elif a == "--workers":
+            skip = True
+        elif not a.startswith("--workers="):  # torchrun's argparse takes --run for its --run-path
+            argv.append("--run-name" if a == "--run" else ("--run-name=" + a[6:] if a.startswith("--run=") else a))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.workers}",
+           "-m", "kvqbench.suites.compare.cli", *argv]
+    print(f"kvqbench compare: {args.workers} workers on {plan['device']} (torch.distributed.run)", file=sys.stderr,
+          flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    started = time.time()
+    rc = subprocess.run(cmd, env=env).returncode
+    if rc == 0:
+        return 0
+    folder = Path(args.out) / plan["run"]
+    try:  # a report this launch wrote, with failed rows in it: the single process's exit 3
+        written = (folder / "report.md").stat().st_mtime >= started
+        failed = any("error" in r for r in json.loads((folder / "results.json").read_text())["results"])
+    except (OSError, ValueError, KeyError):
+        return 1
+    return EXIT_PARTIAL if written and failed else 1
 
 
 def _calibration(args, model, tok, text, plan, specs, n_tokens: int, meta: dict):
@@ -588,6 +638,9 @@ def add_arguments(sub, parents=()) -> None:
     p.add_argument("--device-map", default=None, choices=["auto", "none"],
                    help="auto: spread the model over the node's GPUs (accelerate; then one rank per node under "
                         "torchrun); default: auto when a local model folder exceeds 3/4 of one GPU")
+    p.add_argument("--workers", type=int, default=1,
+                   help="score the rows in N processes on this machine's device (torchrun's launcher, "
+                        "distributed.py; a host-bound GPU run shares one GPU); same figures as one process")
     p.add_argument("--fresh", action="store_true", help="discard earlier results of this run")
     p.add_argument("--verify", action="store_true",
                    help="hash every file of the cached model, not only those whose size or mtime changed")

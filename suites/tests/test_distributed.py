@@ -266,6 +266,23 @@ def test_greedy_twins_ride_in_the_ranks_units_and_give_the_single_process_fideli
     assert sorted(got["spherical3"]["by_seed"]) == ["0", "1"]
 
 
+def test_workers_flag_launches_the_ranks_itself(tiny, tmp_path, capsys, monkeypatch):
+    """`kvqbench compare --workers 2` is torchrun with two ranks, started by the command
+    itself: the same figures as one process; bad uses refused before any work."""
+    single, two = tmp_path / "single", tmp_path / "two"
+    assert cli.main(compare_args(tiny, single)) == 0
+    assert cli.main(compare_args(tiny, two) + ["--workers", "2"]) == 0
+    assert_same_figures(records(two), records(single))
+    meta = json.loads((two / "r" / "results.json").read_text())["meta"]["distributed"]
+    assert (meta["world_size"], meta["backend"]) == (2, "gloo")
+    capsys.readouterr()
+    assert cli.main(compare_args(tiny, two) + ["--workers", "0"]) == 2
+    assert "--workers must be >= 1" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(compare_args(tiny, two) + ["--workers", "2"]) == 2
+    assert "under torchrun, give torchrun --nproc-per-node" in capsys.readouterr().err
+
+
 # --- the scaling benchmark's arithmetic (its runs are GPU work; suites/bench/scaling.py) ----
 
 def _scaling_run(ranks: int, wall_s: float, nll_shift: float = 0.0) -> dict:
