@@ -44,6 +44,9 @@ CASES = {
     # 4 processes sharing the GPU (gloo, suites/compare/distributed.py): host-bound decode
     # steps (those that take no CUDA graph) overlap
     "gpu-both-4x512-4ranks": (BOTH, "cuda", 4, 180, 2),
+    # issue 29's budget through the plain command with `--workers 4` (it launches the four
+    # ranks itself; the Triton manifest preloaded on each)
+    "gpu-workers4-deployed-4x512": (DEPLOYED + ["--workers", "4"], "cuda", 1, 180, 2),
 }
 
 
