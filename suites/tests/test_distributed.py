@@ -16,6 +16,7 @@ import os
 import random
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 
@@ -210,17 +211,19 @@ def assert_same_figures(got: dict, want: dict):
                 assert g[f] == w[f], (key, f, g[f], w[f])
 
 
-def test_two_gloo_ranks_give_the_single_process_figures_and_resume_across_world_sizes(tiny, tmp_path, capsys):
+def test_two_gloo_ranks_give_the_single_process_figures_and_resume_across_world_sizes(tiny, tmp_path, capfd):
     single, dist2, back1 = tmp_path / "single", tmp_path / "dist2", tmp_path / "back1"
     assert cli.main(compare_args(tiny, single)) == 0
     want = records(single)
     assert len(want) == 8
 
-    # World 1 -> 2: a single-process run "killed" after one configuration, resumed by two ranks.
+    # World 1 -> 2: a single-process run "killed" after one configuration, resumed by two
+    # ranks that the command launches itself (`--workers 2`: torch.distributed.run)
     kept = ("quantize-on-write", "fp16", 0)
     keep_only(single, dist2, {kept})
-    p = torchrun(compare_args(tiny, dist2))
-    assert "8 configurations, 1 already measured" in p.stderr
+    capfd.readouterr()
+    assert cli.main(compare_args(tiny, dist2) + ["--workers", "2"]) == 0
+    assert "8 configurations, 1 already measured" in capfd.readouterr().err
     got = records(dist2)
     assert got[kept] == want[kept]  # not redone: the very record, wall time included
     assert_same_figures(got, want)
@@ -236,9 +239,16 @@ def test_two_gloo_ranks_give_the_single_process_figures_and_resume_across_world_
     # World 2 -> 1: the two-rank run "killed" with two configurations to go.
     redo = {("prefill-then-decode", "spherical3", 1), ("quantize-on-write", "int4", 0)}
     keep_only(dist2, back1, set(got) - redo)
-    capsys.readouterr()
+    capfd.readouterr()
     assert cli.main(compare_args(tiny, back1)) == 0
-    assert "8 configurations, 6 already measured" in capsys.readouterr().err
+    assert "8 configurations, 6 already measured" in capfd.readouterr().err
+
+    # --workers: refused where it cannot work, before any work
+    assert cli.main(compare_args(tiny, back1) + ["--workers", "0"]) == 2
+    assert "--workers must be >= 1" in capfd.readouterr().err
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": "2"}):
+        assert cli.main(compare_args(tiny, back1) + ["--workers", "2"]) == 2
+    assert "under torchrun, give torchrun --nproc-per-node" in capfd.readouterr().err
     again = records(back1)
     assert all(again[k] == got[k] for k in set(got) - redo)
     assert_same_figures(again, want)
@@ -264,23 +274,6 @@ def test_greedy_twins_ride_in_the_ranks_units_and_give_the_single_process_fideli
         for key in ("first_diff", "match_rate", "nll_per_token", "by_seed"):
             assert g[key] == w[key], (spec, key)
     assert sorted(got["spherical3"]["by_seed"]) == ["0", "1"]
-
-
-def test_workers_flag_launches_the_ranks_itself(tiny, tmp_path, capsys, monkeypatch):
-    """`kvqbench compare --workers 2` is torchrun with two ranks, started by the command
-    itself: the same figures as one process; bad uses refused before any work."""
-    single, two = tmp_path / "single", tmp_path / "two"
-    assert cli.main(compare_args(tiny, single)) == 0
-    assert cli.main(compare_args(tiny, two) + ["--workers", "2"]) == 0
-    assert_same_figures(records(two), records(single))
-    meta = json.loads((two / "r" / "results.json").read_text())["meta"]["distributed"]
-    assert (meta["world_size"], meta["backend"]) == (2, "gloo")
-    capsys.readouterr()
-    assert cli.main(compare_args(tiny, two) + ["--workers", "0"]) == 2
-    assert "--workers must be >= 1" in capsys.readouterr().err
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert cli.main(compare_args(tiny, two) + ["--workers", "2"]) == 2
-    assert "under torchrun, give torchrun --nproc-per-node" in capsys.readouterr().err
 
 
 # --- the scaling benchmark's arithmetic (its runs are GPU work; suites/bench/scaling.py) ----
