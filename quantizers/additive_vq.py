@@ -224,13 +224,17 @@ class AdditiveVQ(Calibrated, FitsOnFirstWrite, Quantizer):
                **{f"avq{m}-cal": {"M": m, "codebooks": "calibrated", "beam": 8} for m in (2, 3, 4)}}
     # ~2.9 and ~4.25 measured bits at 512 tokens x 3 kv-heads of 64 dims, codebooks
     # included (0.67 bits per stage there); beam=8 is ~10x slower to encode: an option.
-    # The calibrated aliases (avq2-cal, avq3-cal) are not examples: every consumer of
-    # examples() (conformance, kvqbench list, the batch and bench tests) codes with fresh
-    # uncalibrated instances; `kvqbench compare --specs "avq2-cal"` runs them. Their CPU
-    # cost in compare's default sweep (SmolLM2-135M, 2 x 512-token windows, 2-core VM,
-    # idle): the capture ~3 s once, the 60 (layer, role) EM fits ~19 s per seed, the
-    # scoring ~10 s per seed (avq2 ~13 s).
+    # The calibrated aliases (avq2-cal, avq3-cal: the CommVQ-like rows) are not examples:
+    # every consumer of examples() (conformance, kvqbench list, the batch and bench tests)
+    # codes with fresh uncalibrated instances. `kvqbench compare` runs them in its default
+    # sweep (`calibrated_example_specs`, beside the per-write avq2 / avq3): without them the
+    # AVQ family's front is the per-write fit, whose codebooks are cache bytes (avq2: 2.92
+    # cache bits where avq2-cal stores 2.25). Their CPU cost there (SmolLM2-135M, 2 x 512-
+    # token windows, 2-core VM, 2026-12-05): the capture ~2 s once; per seed, the 60 (layer,
+    # role) EM fits 9.7 s (avq2-cal) / 18.0 s (avq3-cal) and the scoring 9.6 / 14.8 s
+    # (avq2 per-write: 4.9 s).
     example_specs = ("avq2", "avq3")
+    calibrated_example_specs = ("avq2-cal", "avq3-cal")
 
     @dataclasses.dataclass
     class Config:

@@ -208,6 +208,11 @@ class Quantizer(ABC):
     # Configs that `kvqbench list`, the conformance suite and the benchmarks
     # exercise; empty means just the plugin's name (its default config).
     example_specs: ClassVar[tuple[str, ...]] = ()
+    # Calibrated configs (quantizers/calibrated.py: fitted once per model on calibration
+    # K/V) that `kvqbench compare`'s default sweep also runs (it calibrates them); the
+    # other consumers of `examples()` code with fresh, uncalibrated instances, so they
+    # are kept apart.
+    calibrated_example_specs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config=None, *, layer: int = 0, role: str = "K", seed: int = 0):
         if role not in ROLES:

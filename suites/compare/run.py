@@ -52,13 +52,15 @@ class UsageError(Exception):
 
 
 def default_specs() -> list[str]:
-    """fp16 first, then every example config of every registered quantizer: a new
+    """fp16 first, then every example config of every registered quantizer, and its
+    calibrated examples (`calibrated_example_specs`: the run calibrates them): a new
     plugin is compared without touching this file."""
     from ...quantizers import registry
 
     specs = ["fp16"]
     for name in sorted(registry()):
-        specs += [s for s in registry()[name].examples() if s not in specs]
+        cls = registry()[name]
+        specs += [s for s in (*cls.examples(), *getattr(cls, "calibrated_example_specs", ())) if s not in specs]
     return specs
 
 

@@ -216,6 +216,9 @@ def twins_unsupported(model, spec: str | None) -> str | None:
     for role in ("K", "V"):
         q = get_quantizer(spec, role=role)
         try:  # a prefill's write and a decode step's, of zeros (a data-dependent list stays empty)
+            if getattr(q, "needs_calibration", False):  # any calibration will do: the layout is asked
+                q.load_calibration(q.calibrate(torch.randn(1, heads, 16, head_dim,
+                                                           generator=torch.Generator().manual_seed(0))))
             packed = q.append(q.append(None, torch.zeros(2, heads, 3, head_dim)), torch.zeros(2, heads, 1, head_dim))
         except (ValueError, RuntimeError) as e:  # e.g. a calibrated spec without its calibration
             return f"{spec} {role}: a probe write failed ({e})"
