@@ -27,6 +27,9 @@ def reference_bits(spec: str, head_dim: int, tokens: int = 2048, heads: int = LI
     from ..conformance import reference_tensor
 
     q = get_quantizer(spec)
+    if getattr(q, "needs_calibration", False):  # calibrated once per model: on another seeded tensor
+        q.load_calibration(q.calibrate(reference_tensor(head_dim, tokens=min(tokens, 512), heads=heads, batch=1,
+                                                        seed=1)))
     x = reference_tensor(head_dim, tokens=tokens, heads=heads, batch=1, seed=0)
     packed = q.encode(x)
     return packed.cache_bits_per_element, q.formula_bits(head_dim), packed.constant_nbytes
@@ -46,14 +49,14 @@ def cmd_list(args) -> int:
     dims = (64, 128)
     print(f"cache bits per element measured from stored bytes on a reference tensor [1, {LIST_HEADS}, {args.tokens}, d]"
           " (keys, seed 0);\nformula bits in parentheses; '+N B': bytes of the model constants (seeded rotations, "
-          "sketches, secondaries:\nregenerated once per model, not cache bytes) of that one (layer, role) of "
-          f"{LIST_HEADS} kv-heads\n")
+          "sketches, secondaries,\ncalibrated codebooks: once per model, not cache bytes) of that one (layer, role) "
+          f"of {LIST_HEADS} kv-heads;\na calibrated spec (e.g. avq2-cal) calibrated on another seeded tensor\n")
     print(f"{'spec':34s} " + " ".join(f"{'d=' + str(d):>26s}" for d in dims))
     for name, cls in sorted(registry().items()):
         if args.names and name not in args.names:
             continue
         print(f"\n{name}: {cls.description}  [{cls.__module__}]")
-        for spec in cls.examples():
+        for spec in (*cls.examples(), *getattr(cls, "calibrated_example_specs", ())):
             cells = []
             for d in dims:
                 try:
