@@ -21,9 +21,9 @@ import json
 import math
 from pathlib import Path
 
-from .verdicts import (SPREAD, HQMQ_FRONTS, at, band, compare_fronts, config_of, describe_front, family_front,
-                       field_split, fmt, front_word, hqmq_front, hqmq_standing, interp, is_config, off_front, order,
-                       paired, paired_text, pareto_rows, tally)
+from .verdicts import (SPREAD, HQMQ_FRONTS, at, band, compare_fronts, config_of, describe_front, dominance,
+                       family_front, field_split, fmt, front_word, hqmq_front, hqmq_standing, interp, is_config,
+                       off_front, order, paired, paired_text, pareto_rows, tally)
 
 NOT_RUN = "not measured in this run"
 PAPER_STEP_US = 33  # claim 8: the paper's flat fused decode step (0.033 ms)
@@ -247,8 +247,12 @@ def claim_matched_bits(rows, protocol="?"):
             continue
         dominated = [r["spec"] for r in off_front(rows, fam, base)]
         c = compare_fronts(base, plain)
-        points += c["points"]
-        if c["points"]:
+        beaten = [] if c["points"] else dominance(base, plain)
+        points += c["points"] + beaten
+        if beaten:
+            lines.append(f"{fam} front ({describe_front(base)}) shares no bits with {HQMQ_FRONTS['plain']}; "
+                         + "; ".join(f"{p['vertex']}: {band(p['hq'])} vs {band(p['base'])}" for p in beaten))
+        elif c["points"]:
             lo, hi = c["overlap"]
             lines.append(f"{fam} front ({describe_front(base)}) vs {HQMQ_FRONTS['plain']} over {lo:.2f}-{hi:.2f} b: "
                          + "; ".join(f"{p['bits']:.2f} b HQMQ {band(p['hq'])} vs {band(p['base'])}: "

@@ -12,7 +12,9 @@ fronts are piecewise linear in log PPL, so their difference is linear between th
 points and its sign can change only there. At each point the verdict is a win or a
 loss only when the two seed bands do not overlap (`order`), else "within the seed
 spread". A row off its family's front (dominated by the family's own rows) is never
-compared: it is listed as such.
+compared: it is listed as such. Fronts that share no bits are not interpolated either;
+they reach a verdict only by dominance (`dominance`): a vertex of the costlier front
+beaten by the cheaper front's best vertex, fewer bits and seed bands apart.
 
 Paired differences (`paired`): records carry `window_nll`, the NLL summed over each
 window (harness/perplexity.py). Two configurations scored on the same windows are
@@ -136,6 +138,26 @@ def compare_fronts(base: list[dict], hq: list[dict]) -> dict:
             continue
         points.append({"bits": bits, "vertex": pts[bits], "base": b, "hq": h, "order": order(h, b)})
     return {"overlap": (lo, hi), "points": points}
+
+
+def dominance(base: list[dict], hq: list[dict]) -> list[dict]:
+    """Where two fronts share no bits (`compare_fronts` finds no point): the vertices of the
+    costlier front that the cheaper front's best vertex (its most bits, lowest PPL) beats
+    with fewer bits, seed bands apart. Points as `compare_fronts`'s, `order` HQMQ's: '>'
+    for an HQMQ vertex beaten by a cheaper baseline, '<' for a baseline vertex beaten by a
+    cheaper HQMQ. Without overlap nothing else is compared: a cheaper front whose best
+    PPL is not below is no verdict either way (it trades bits for PPL)."""
+    if not base or not hq:
+        return []
+    if base[-1]["bits"] < hq[0]["bits"]:
+        b = base[-1]
+        return [{"bits": h["bits"], "vertex": f"HQMQ `{h['spec']}`, beaten with fewer bits by `{b['spec']}` "
+                 f"({b['bits']:.3f} b)", "base": b, "hq": h, "order": ">"} for h in hq if order(h, b) == ">"]
+    if hq[-1]["bits"] < base[0]["bits"]:
+        h = hq[-1]
+        return [{"bits": b["bits"], "vertex": f"baseline `{b['spec']}`, beaten with fewer bits by `{h['spec']}` "
+                 f"({h['bits']:.3f} b)", "base": b, "hq": h, "order": "<"} for b in base if order(h, b) == "<"]
+    return []
 
 
 def tally(points: list[dict]) -> dict:
@@ -273,14 +295,21 @@ def hqmq_standing(rows: list[dict]) -> list[str]:
             if not front:
                 continue
             c = compare_fronts(base, front)
-            if not c["points"]:
+            points = c["points"] or dominance(base, front)
+            if not points:
                 outside[v].append(f"{fam} ({base[0]['bits']:.2f}-{base[-1]['bits']:.2f} b)")
                 continue
-            for p in c["points"]:
+            for p in points:
                 out.append(f"| {fam} | {v} | {p['bits']:.3f} | {p['vertex']} | {band(p['base'])} | {band(p['hq'])} | "
                            f"{p['hq']['ppl'] / p['base']['ppl']:.3f} | {_word(p['order'])} |")
-            lo, hi = c["overlap"]
-            summary[v].append(f"{fam} ({lo:.2f}-{hi:.2f} b): {front_word(c['points'])}")
+            if c["points"]:
+                lo, hi = c["overlap"]
+                summary[v].append(f"{fam} ({lo:.2f}-{hi:.2f} b): {front_word(c['points'])}")
+            else:
+                who = "HQMQ's" if points[0]["order"] == ">" else f"{fam}'s"
+                summary[v].append(f"{fam} ({base[0]['bits']:.2f}-{base[-1]['bits']:.2f} b, no bits in common): "
+                                  f"{len(points)} of {who} vertices beaten with fewer bits "
+                                  f"({'HQMQ loses' if points[0]['order'] == '>' else 'HQMQ wins'})")
     if not any(summary.values()):  # no table: no family front shares bits with an HQMQ front
         out = out[:table_at - 3]
     out.append("")

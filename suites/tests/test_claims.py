@@ -78,6 +78,28 @@ def test_claim_6_in_part_unresolved_and_not_run():
     assert claims.claim_matched_bits(far, P)[3].startswith(claims.NOT_RUN)
 
 
+def test_fronts_without_common_bits_judged_by_dominance_only():
+    """No bits in common: a cheaper front's best vertex beating the costlier front's
+    vertices (seed bands apart) is a verdict; a cheaper front that is not lower is none."""
+    hq = verdicts.pareto_rows(_hq(50, 40))  # 3.0 and 5.0 bits, bands +-1
+    cheap_good = verdicts.pareto_rows([_row("avq2-cal", "avq", 2.25, 60), _row("avq3-cal", "avq", 2.75, 45)])
+    d = verdicts.dominance(cheap_good, hq)  # 45 at 2.75 b beats HQMQ's 50 at 3 b, not its 40 at 5 b
+    assert [(p["bits"], p["order"]) for p in d] == [(3.0, ">")] and "`avq3-cal` (2.750 b)" in d[0]["vertex"]
+    c = claims.claim_matched_bits(_hq(50, 40) + [_row("avq3-cal", "avq", 2.75, 45)], P)
+    assert c[3].startswith("does not hold") and "beaten with fewer bits by `avq3-cal`" in c[2]
+    md = "\n".join(claims.hqmq_standing(_hq(50, 40) + [_row("avq3-cal", "avq", 2.75, 45)]))
+    assert "avq (2.75-2.75 b, no bits in common): 1 of HQMQ's vertices beaten with fewer bits (HQMQ loses)" in md
+    assert "| avq | plain | 3.000 | HQMQ `hqmq:S=24,r=3`, beaten with fewer bits" in md
+    # the other way: HQMQ cheaper and lower than a costly baseline
+    costly = verdicts.pareto_rows([_row("int8", "int", 8.0, 45), _row("fp8", "int", 9.0, 39.5)])
+    assert [(p["bits"], p["order"]) for p in verdicts.dominance(costly, hq)] == [(8.0, "<")]
+    assert claims.claim_matched_bits(_hq(50, 40) + [_row("spherical8", "spherical", 8.0, 45)], P)[3].startswith(
+        "holds")
+    # a cheaper front that is not lower, or bands that touch: no verdict, as before
+    assert verdicts.dominance(verdicts.pareto_rows([_row("a", "avq", 2.5, 55)]), hq) == []
+    assert verdicts.dominance(verdicts.pareto_rows([_row("a", "avq", 2.5, 49.5, 48, 51)]), hq) == []
+
+
 def test_hqmq_standing_front_against_front_for_both_hqmq_fronts_and_fill():
     rows = (_hq(50, 40) + _hq(48, 39, suffix=",outliers=med3")
             + [_row("fp16", "fp16", 16, 30), _row("int3", "int", 3.5, 60), _row("int4", "int", 4.5, 52),
