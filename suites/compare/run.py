@@ -446,6 +446,20 @@ def run_compare(args) -> int:
     return 0
 
 
+def worker_argv(argv: list[str]) -> list[str]:
+    """The command line each rank of `--workers` runs: this one without --workers, and
+    --run spelt --run-name (torchrun's argparse takes --run for its own --run-path)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--workers":
+            skip = True
+        elif not a.startswith("--workers="):
+            out.append("--run-name" if a == "--run" else ("--run-name=" + a[6:] if a.startswith("--run=") else a))
+    return out
+
+
 def launch_workers(args, plan) -> int:
     """`--workers N`: this same command as N ranks on this machine, through torch's own
     launcher (`torch.distributed.run --standalone`), which starts the processes and their
@@ -455,16 +469,8 @@ def launch_workers(args, plan) -> int:
     1 (torchrun's 1 for any rank that failed)."""
     import subprocess
 
-    argv, skip = [], False
-    for a in args.argv:
-        if skip:
-            skip = False
-        elif a == "--workers":
-            skip = True
-        elif not a.startswith("--workers="):  # torchrun's argparse takes --run for its --run-path
-            argv.append("--run-name" if a == "--run" else ("--run-name=" + a[6:] if a.startswith("--run=") else a))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.workers}",
-           "-m", "kvqbench.suites.compare.cli", *argv]
+           "-m", "kvqbench.suites.compare.cli", *worker_argv(args.argv)]
     print(f"kvqbench compare: {args.workers} workers on {plan['device']} (torch.distributed.run)", file=sys.stderr,
           flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

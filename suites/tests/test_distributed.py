@@ -100,6 +100,15 @@ def test_xdist_workers_are_pinned_one_gpu_each():
 
 # --- units, rounds, assignment ---------------------------------------------------------
 
+def test_workers_relaunch_the_same_command_line():
+    from kvqbench.suites.compare.run import worker_argv
+
+    assert worker_argv(["--debug", "compare", "--workers", "4", "--run", "x", "--specs", "fp16;int4"]) == [
+        "--debug", "compare", "--run-name", "x", "--specs", "fp16;int4"]
+    assert worker_argv(["compare", "--workers=2", "--run=y", "--run-name", "z"]) == [
+        "compare", "--run-name=y", "--run-name", "z"]
+
+
 def test_units_are_the_single_process_batches():
     units = D.units_of(("quantize-on-write", "int4", 0), n_windows=7, rows=3)
     assert [(u.batch, u.start, u.stop, u.rows) for u in units] == [(0, 0, 3, 3), (1, 3, 6, 3), (2, 6, 7, 3)]
