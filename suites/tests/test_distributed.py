@@ -109,6 +109,35 @@ def test_workers_relaunch_the_same_command_line():
         "compare", "--run-name=y", "--run-name", "z"]
 
 
+def test_workers_exit_status_is_the_single_process_one(tmp_path, monkeypatch):
+    """torchrun exits 1 when any rank failed; a report this launch wrote with failed rows
+    in it is the single process's exit 3 (partial), anything else stays 1."""
+    import argparse
+    import time as time_mod
+
+    from kvqbench.suites.compare import run as R
+
+    args = argparse.Namespace(workers=2, argv=["compare", "--workers", "2"], out=str(tmp_path))
+    plan = {"device": "cpu", "run": "r"}
+    rc = [0]
+    monkeypatch.setattr(subprocess, "run", lambda cmd, env: argparse.Namespace(returncode=rc[0]))
+    assert R.launch_workers(args, plan) == 0
+    rc[0] = 1
+    assert R.launch_workers(args, plan) == 1  # no report at all
+    folder = tmp_path / "r"
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps({"results": [{"spec": "int4"}, {"spec": "x", "error": "boom"}]}))
+    (folder / "report.md").write_text("old")
+    old = time_mod.time() - 3600
+    os.utime(folder / "report.md", (old, old))
+    assert R.launch_workers(args, plan) == 1  # a report from before this launch
+    def ranks_failing_after_the_report(cmd, env):
+        (folder / "report.md").write_text("new")
+        return argparse.Namespace(returncode=1)
+    monkeypatch.setattr(subprocess, "run", ranks_failing_after_the_report)
+    assert R.launch_workers(args, plan) == R.EXIT_PARTIAL
+
+
 def test_units_are_the_single_process_batches():
     units = D.units_of(("quantize-on-write", "int4", 0), n_windows=7, rows=3)
     assert [(u.batch, u.start, u.stop, u.rows) for u in units] == [(0, 0, 3, 3), (1, 3, 6, 3), (2, 6, 7, 3)]
