@@ -62,6 +62,7 @@ Bytes in two parts (quantizers/base.py; METHOD.md 4 "Bits:"). A record holds
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import time
@@ -207,12 +208,18 @@ def twins_unsupported(model, spec: str | None) -> str | None:
     share of the cache's bytes is exact."""
     if spec is None:
         return None
-    cls = parse_spec(spec)[0]
-    if not rows_independent(cls):
-        return f"{spec}: its statistics span the rows of a write"
     cfg = model.config
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return _twins_unsupported(parse_spec(spec)[0], spec, heads, head_dim)
+
+
+@functools.lru_cache(maxsize=256)
+def _twins_unsupported(cls, spec: str, heads: int, head_dim: int) -> str | None:
+    """`twins_unsupported` for a format class, spec and shape: a function of the format's
+    code alone, so asked once per process (a calibrated spec's probe runs an EM fit)."""
+    if not rows_independent(cls):
+        return f"{spec}: its statistics span the rows of a write"
     for role in ("K", "V"):
         q = get_quantizer(spec, role=role)
         try:  # a prefill's write and a decode step's, of zeros (a data-dependent list stays empty)
