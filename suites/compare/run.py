@@ -148,6 +148,9 @@ def validate(args) -> dict:
         raise UsageError(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} GPU(s)")
+    if workers > 1 and device.index is not None:
+        raise UsageError(f"--device {args.device} with --workers: the ranks take the GPUs round-robin; pass --device "
+                         "cuda (CUDA_VISIBLE_DEVICES chooses which)")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out} exists and is not a folder")
     # A plain name: results go to --out/NAME and nowhere else.

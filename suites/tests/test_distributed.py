@@ -284,6 +284,8 @@ def test_two_gloo_ranks_give_the_single_process_figures_and_resume_across_world_
     # --workers: refused where it cannot work, before any work
     assert cli.main(compare_args(tiny, back1) + ["--workers", "0"]) == 2
     assert "--workers must be >= 1" in capfd.readouterr().err
+    assert cli.main(compare_args(tiny, back1) + ["--workers", "2", "--device", "cpu:0"]) == 2
+    assert "the ranks take the GPUs round-robin" in capfd.readouterr().err
     with mock.patch.dict(os.environ, {"WORLD_SIZE": "2"}):
         assert cli.main(compare_args(tiny, back1) + ["--workers", "2"]) == 2
     assert "under torchrun, give torchrun --nproc-per-node" in capfd.readouterr().err
