@@ -1,6 +1,7 @@
-"""`kvqbench compare` over several processes launched by `torchrun`: one rank per GPU
-(NCCL), several ranks per GPU (gloo: for host-bound runs), or per CPU process (gloo), on
-one node or many through torchrun's rendezvous.
+"""`kvqbench compare` over several processes launched by `torchrun` (or by `compare
+--workers N` itself, `launch`): one rank per GPU (NCCL), several ranks per GPU (gloo: for
+host-bound runs), or per CPU process (gloo), on one node or many through torchrun's
+rendezvous.
 The launcher, the rendezvous and the collectives are torch's; this module only says
 who scores what and how the figures are put back together.
 
@@ -350,7 +351,46 @@ def score_rounds(ranks: Ranks, todo: list[Job] | None, rows_of: Callable[[Job], 
             "units": sum(len(u) for u in rounds), "rounds": len(rounds), "busy_s_per_rank": busy_all}
 
 
+def worker_argv(argv: list[str]) -> list[str]:
+    """The command line each rank of `compare --workers` runs: this one without --workers,
+    and --run spelt --run-name (torchrun's argparse takes --run for its own --run-path)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--workers":
+            skip = True
+        elif not a.startswith("--workers="):
+            out.append("--run-name" if a == "--run" else ("--run-name=" + a[6:] if a.startswith("--run=") else a))
+    return out
+
+
+def launch(argv: list[str], workers: int, folder: Path) -> str:
+    """`kvqbench compare --workers N`: the command line `argv` (the CLI's own) as N ranks on
+    this machine through torch's launcher (`torch.distributed.run --standalone`, which
+    starts the processes and their rendezvous); on one GPU they share it over gloo
+    (`plan_ranks`: the decode steps are host-bound Python, so N processes use N host
+    cores). Returns "ok"; "partial" when torchrun failed (its exit 1 for any rank) after
+    rank 0 wrote this launch's report with failed rows in it (a single process's exit 3);
+    else "failed"."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
+           "-m", "kvqbench.suites.compare.cli", *worker_argv(argv)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    started = time.time()
+    if subprocess.run(cmd, env=env).returncode == 0:
+        return "ok"
+    try:
+        written = (folder / "report.md").stat().st_mtime >= started
+        failed = any("error" in r for r in json.loads((folder / "results.json").read_text())["results"])
+    except (OSError, ValueError, KeyError):
+        return "failed"
+    return "partial" if written and failed else "failed"
+
+
 __all__ = ["Ranks", "Unit", "DistributedSetupError", "launched", "plan_ranks", "weights_bytes",
            "choose_device_map", "pin_xdist_worker_gpu", "start", "stop",
            "local_main_first", "describe", "check_same", "units_of", "plan_rounds", "mine", "combine",
-           "score_rounds", "COLLECTIVE_TIMEOUT", "UNITS_PER_RANK"]
+           "score_rounds", "worker_argv", "launch", "COLLECTIVE_TIMEOUT", "UNITS_PER_RANK"]

@@ -14,9 +14,10 @@ command exits with EXIT_PARTIAL after writing the report.
 Provenance (versions, commit, plugin distributions) lives in provenance.py, the
 Triton-ahead compile pool in ahead.py.
 
-(About 550 lines: the one command's flow from arguments to report, its validation,
-resume, fidelity and lm-eval stages, read top to bottom; its parts with a life of their
-own already moved out: provenance.py, ahead.py, results.py, report.py.)
+(About 570 lines: the one command's flow from arguments to report, its validation,
+resume and lm-eval stage, read top to bottom; its parts with a life of their own already
+moved out: provenance.py, ahead.py, results.py, report.py, fidelity_stage.py, and the
+launch of `--workers` to distributed.py.)
 """
 from __future__ import annotations
 
@@ -31,9 +32,10 @@ from pathlib import Path
 import torch
 
 from ..harness.perplexity import DEFAULT_BATCH
+from . import fidelity_stage
 from .ahead import triton_ahead
 from .provenance import hardware, row_stamps, versions
-from .results import Run, RunError, calibration_stamps, stamp_matches
+from .results import Run, RunError, calibration_stamps
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "canterbury"
@@ -376,7 +378,7 @@ def run_compare(args) -> int:
         bar = tqdm(total=len(todo) * len(windows), unit="window", dynamic_ncols=True)
 
         if twins:  # before the rows: their twins are scored against it as they finish
-            _reference(run, model, windows[:, :args.context], args.decode_tokens)
+            fidelity_stage.reference(run, model, windows[:, :args.context], args.decode_tokens)
 
         def on_record(job, r, windows_done: int = len(windows)):  # one finished configuration
             bar.update(windows_done)
@@ -400,7 +402,7 @@ def run_compare(args) -> int:
                        f"{r['cache_bits_per_element']:6.3f} (formula {r['formula_bits']:6.3f}; model constants "
                        f"{r['constant_nbytes']} B)  {r['wall_s']:6.1f} s{steps}")
             if continued is not None:
-                _twin_fidelity(run, model, windows[:, :args.context], r, continued, stamps[job[1]])
+                fidelity_stage.from_twins(run, model, windows[:, :args.context], r, continued, stamps[job[1]])
 
         with triton_ahead(args, device if ranks is None else ranks.device, model_info, plan,
                           [j[1] for j in todo]) as ahead:
@@ -431,7 +433,8 @@ def run_compare(args) -> int:
         bar.close()
         stage_done("rows")
         if plan["fidelity"]:
-            _fidelity(run, model, windows[:, :args.context], specs, args.decode_tokens, stamps, cal_for)
+            fidelity_stage.generated(run, model, windows[:, :args.context], specs, args.decode_tokens, stamps,
+                                     cal_for)
             stage_done("fidelity")
         if args.lm_eval:
             _lm_eval_scores(args, run, model, tok, specs, protocols[0], plan["lm_eval_metadata"], cal_for)
@@ -449,45 +452,16 @@ def run_compare(args) -> int:
     return 0
 
 
-def worker_argv(argv: list[str]) -> list[str]:
-    """The command line each rank of `--workers` runs: this one without --workers, and
-    --run spelt --run-name (torchrun's argparse takes --run for its own --run-path)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--workers":
-            skip = True
-        elif not a.startswith("--workers="):
-            out.append("--run-name" if a == "--run" else ("--run-name=" + a[6:] if a.startswith("--run=") else a))
-    return out
-
-
 def launch_workers(args, plan) -> int:
-    """`--workers N`: this same command as N ranks on this machine, through torch's own
-    launcher (`torch.distributed.run --standalone`), which starts the processes and their
-    rendezvous; distributed.py deals the rows (on one GPU over gloo: the decode steps are
-    host-bound Python, so N processes use N host cores). Returns the exit status a single
-    process would: 0, EXIT_PARTIAL when the report was written with failed rows, else
-    1 (torchrun's 1 for any rank that failed)."""
-    import subprocess
+    """`--workers N`: this same command as N ranks on this machine (distributed.launch);
+    returns the exit status a single process would: 0, EXIT_PARTIAL when the report was
+    written with failed rows, else 1 (torchrun's 1 for any rank that failed)."""
+    from . import distributed
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.workers}",
-           "-m", "kvqbench.suites.compare.cli", *worker_argv(args.argv)]
     print(f"kvqbench compare: {args.workers} workers on {plan['device']} (torch.distributed.run)", file=sys.stderr,
           flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    started = time.time()
-    rc = subprocess.run(cmd, env=env).returncode
-    if rc == 0:
-        return 0
-    folder = Path(args.out) / plan["run"]
-    try:  # a report this launch wrote, with failed rows in it: the single process's exit 3
-        written = (folder / "report.md").stat().st_mtime >= started
-        failed = any("error" in r for r in json.loads((folder / "results.json").read_text())["results"])
-    except (OSError, ValueError, KeyError):
-        return 1
-    return EXIT_PARTIAL if written and failed else 1
+    outcome = distributed.launch(args.argv, args.workers, Path(args.out) / plan["run"])
+    return {"ok": 0, "partial": EXIT_PARTIAL}.get(outcome, 1)
 
 
 def _calibration(args, model, tok, text, plan, specs, n_tokens: int, meta: dict):
@@ -522,78 +496,6 @@ def _calibration(args, model, tok, text, plan, specs, n_tokens: int, meta: dict)
             meta["calibration"].setdefault("fit_s", {})[f"{spec} seed={seed}"] = round(time.perf_counter() - t1, 2)
         return fitted[(spec, seed)]
     return cal_for
-
-
-def _reference(run, model, prompts, new_tokens: int) -> dict:
-    """The unquantized model's greedy continuations of the prompts (once per run, kept in
-    results.json's `fidelity`)."""
-    from ..harness.fidelity import reference_continuations
-
-    store = run.data.setdefault("fidelity", {})
-    ref = store.get("reference")
-    if ref is None or ref.get("new_tokens") != new_tokens or len(ref["tokens"]) != len(prompts):
-        print(f"generation fidelity: reference continuations ({len(prompts)} prompts, {new_tokens} tokens) ...",
-              file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        store["reference"] = reference_continuations(model, prompts, new_tokens)
-        store["reference_wall_s"] = time.perf_counter() - t0
-        run.save()
-    return store["reference"]
-
-
-def _show_fidelity(f: dict) -> None:
-    print(f"fidelity {f['spec']:34s} seed={f['seed']} first diff mean {f['first_diff_mean']:5.1f} min "
-          f"{f['first_diff_min']:3d}  match {f['match_rate']:.3f}  NLL/token {f['nll_per_token']:.3f} (reference "
-          f"{f['ref_nll_per_token']:.3f})  steps {f['decode_mode']} ({f['source']})", file=sys.stderr, flush=True)
-
-
-def _twin_fidelity(run, model, prompts, r: dict, continued: list, stamp: dict) -> None:
-    """Fidelity figures of a deployed row's greedy twins: seed 0's as the spec's row of
-    results.json's `fidelity` (the report's table), every seed's under `by_seed`."""
-    from ..harness.fidelity import score_continuations
-
-    store = run.data["fidelity"]
-    t0 = time.perf_counter()
-    try:
-        f = score_continuations(model, prompts, continued, store["reference"], spec=r["spec"], seed=r["seed"],
-                                decode_mode=r["decode_mode"], source="deployed twins")
-    except Exception as e:  # noqa: BLE001 (keep the row; the fidelity stage generates this spec instead)
-        print(f"fidelity {r['spec']} seed={r['seed']}: the twins' scoring failed ({type(e).__name__}: {e})",
-              file=sys.stderr, flush=True)
-        return
-    f.update(stamp, wall_s=time.perf_counter() - t0)  # the scoring alone; the twins ran inside the row
-    _show_fidelity(f)
-    rows = store.setdefault("rows", {})
-    if r["seed"] == 0:
-        rows[r["spec"]] = {**f, "by_seed": rows.get(r["spec"], {}).get("by_seed", {})}
-    seeds = rows.setdefault(r["spec"], {"spec": r["spec"], "error": "seed 0 not measured"}).setdefault("by_seed", {})
-    seeds[str(r["seed"])] = {k: f[k] for k in ("first_diff_mean", "first_diff_min", "match_rate", "nll_per_token")}
-    run.save()
-
-
-def _fidelity(run, model, prompts, specs, new_tokens: int, stamps: dict, cal_for=lambda spec, seed: None) -> None:
-    """Generation fidelity per spec (seed 0) against the model's own cache over the run's
-    window prompts (suites/harness/fidelity.py), into results.json's `fidelity`, for the
-    specs whose deployed rows did not carry greedy twins (`_twin_fidelity`); resumable
-    per spec, a failure recorded and the run goes on. A calibrated spec codes with the
-    run's calibration (`cal_for`: fitted once per spec and seed, the one its seed-0
-    perplexity rows used)."""
-    from ..harness.fidelity import fidelity
-
-    reference = _reference(run, model, prompts, new_tokens)
-    rows = run.data["fidelity"].setdefault("rows", {})
-    for spec in specs:
-        if spec in rows and "error" not in rows[spec] and stamp_matches(rows[spec], stamps[spec]):
-            continue
-        try:
-            t0 = time.perf_counter()  # recorded: the fidelity pass is part of a GPU compare's time budget
-            seeds = rows.get(spec, {}).get("by_seed")  # twins of later seeds' rows, if any ran
-            rows[spec] = {**fidelity(model, prompts, spec, reference, calibration=cal_for(spec, 0)),
-                          **stamps[spec], "wall_s": time.perf_counter() - t0, **({"by_seed": seeds} if seeds else {})}
-            _show_fidelity(rows[spec])
-        except Exception as e:  # noqa: BLE001 (keep what is measured; record the failure)
-            rows[spec] = {"spec": spec, "error": f"{type(e).__name__}: {e}"}
-        run.save()
 
 
 def _lm_eval_scores(args, run, model, tok, specs, protocol, meta_le, cal_for=lambda spec, seed: None) -> None:

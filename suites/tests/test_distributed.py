@@ -101,11 +101,9 @@ def test_xdist_workers_are_pinned_one_gpu_each():
 # --- units, rounds, assignment ---------------------------------------------------------
 
 def test_workers_relaunch_the_same_command_line():
-    from kvqbench.suites.compare.run import worker_argv
-
-    assert worker_argv(["--debug", "compare", "--workers", "4", "--run", "x", "--specs", "fp16;int4"]) == [
+    assert D.worker_argv(["--debug", "compare", "--workers", "4", "--run", "x", "--specs", "fp16;int4"]) == [
         "--debug", "compare", "--run-name", "x", "--specs", "fp16;int4"]
-    assert worker_argv(["compare", "--workers=2", "--run=y", "--run-name", "z"]) == [
+    assert D.worker_argv(["compare", "--workers=2", "--run=y", "--run-name", "z"]) == [
         "compare", "--run-name=y", "--run-name", "z"]
 
 
