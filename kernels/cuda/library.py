@@ -214,5 +214,4 @@ def fresh_partials(rows_q: int, nsplit: int, D: int, shape, out_dtype, device):
 
 
 __all__ = ["FLAGS", "QTYPE", "KernelLibrary", "PlanCache", "arch_flags", "build_dir", "compile_library",
-           "fresh_partials",
-           "load_library", "nvcc", "on_current_stream"]
+           "fresh_partials", "load_library", "nvcc", "on_current_stream"]

@@ -33,6 +33,8 @@ import os
 import re
 import socket
 import struct
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -373,9 +375,6 @@ def launch(argv: list[str], workers: int, folder: Path) -> str:
     cores). Returns "ok"; "partial" when torchrun failed (its exit 1 for any rank) after
     rank 0 wrote this launch's report with failed rows in it (a single process's exit 3);
     else "failed"."""
-    import subprocess
-    import sys
-
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
            "-m", "kvqbench.suites.compare.cli", *worker_argv(argv)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
