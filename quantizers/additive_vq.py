@@ -153,7 +153,30 @@ EM_RIDGE = 1e-3
 MAX_JOINT = 4096  # M * K codewords solved for jointly (a [M K, M K] float64 system per group)
 
 
-def joint_codewords(z: torch.Tensor, codes: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
+def normal_equations(z: torch.Tensor, codes: torch.Tensor, K: int,
+                     one_hot: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-hot design's normal equations for chunks z [N, dim] coded `codes` [N, M]:
+    A [M K, M K] (how often codewords i and j code one chunk together; float64 counts, exact)
+    and rhs [M K, dim] (the sum of the chunks each codeword codes), float64. On a GPU by
+    one-hot matmuls (as vq.cluster_sums, whose reason holds here: CUDA's index_add_ adds
+    rhs in the order its atomics land, so a calibration would differ from run to run);
+    on the CPU by index_add_, sequential and cheaper. `one_hot` forces either way (tests)."""
+    N, dim = z.shape
+    M = codes.shape[1]
+    MK = M * K
+    if not (z.is_cuda if one_hot is None else one_hot):
+        idx = codes + torch.arange(M, device=z.device) * K  # [N, M] into the M*K stacked codewords
+        A = torch.zeros(MK * MK, dtype=torch.float64, device=z.device)
+        A.index_add_(0, (idx.unsqueeze(2) * MK + idx.unsqueeze(1)).flatten(),
+                     torch.ones(N * M * M, dtype=torch.float64, device=z.device))
+        rhs = torch.zeros(MK, dim, dtype=torch.float64, device=z.device)
+        rhs.index_add_(0, idx.flatten(), z.double().repeat_interleave(M, dim=0))
+        return A.view(MK, MK), rhs
+    member = (codes.unsqueeze(-1) == torch.arange(K, device=z.device)).double().flatten(1)  # [N, M K]
+    return member.T @ member, member.T @ z.double()
+
+
+def joint_codewords(z: torch.Tensor, codes: torch.Tensor, cb: torch.Tensor, one_hot: bool | None = None) -> torch.Tensor:
     """The M-step: codebooks [G, M, K, dim] minimising sum ||z - sum_m cb[m, codes[m]]||^2 over
     chunks z [G, N, dim] with codes [G, N, M], all stages at once (normal equations of the
     one-hot design, float64), codeword 0 of each stage held at zero, a codeword no chunk
@@ -166,16 +189,10 @@ def joint_codewords(z: torch.Tensor, codes: torch.Tensor, cb: torch.Tensor) -> t
     free[:, 0] = False
     free = free.flatten().to(z.device)
     for g in range(G):
-        idx = codes[g] + torch.arange(M, device=z.device) * K  # [N, M] into the M*K stacked codewords
-        A = torch.zeros(MK * MK, dtype=torch.float64, device=z.device)
-        A.index_add_(0, (idx.unsqueeze(2) * MK + idx.unsqueeze(1)).flatten(),
-                     torch.ones(N * M * M, dtype=torch.float64, device=z.device))
-        A = A.view(MK, MK)
-        rhs = torch.zeros(MK, dim, dtype=torch.float64, device=z.device)
-        rhs.index_add_(0, idx.flatten(), z[g].double().repeat_interleave(M, dim=0))
+        A, rhs = normal_equations(z[g], codes[g], K, one_hot=one_hot)
         prev = cb[g].double().reshape(MK, dim)
         lam = EM_RIDGE * max(1.0, float(A.diagonal().mean()))
-        Af = A[free][:, free] + lam * torch.eye(int(free.sum()), dtype=torch.float64, device=z.device)
+        Af = A[free][:, free] + lam * torch.eye(MK - M, dtype=torch.float64, device=z.device)  # (free: all but codeword 0s)
         sol = torch.linalg.solve(Af, rhs[free] + lam * prev[free])
         flat = out[g].reshape(MK, dim)
         flat[free] = sol

@@ -508,7 +508,7 @@ def _calibration(args, model, tok, text, plan, specs, n_tokens: int, meta: dict)
             return None
         if (spec, seed) not in fitted:
             t1 = time.perf_counter()
-            fitted[(spec, seed)] = fit_calibration(spec, captured, seed)
+            fitted[(spec, seed)] = fit_calibration(spec, captured, seed, device=next(model.parameters()).device)
             meta["calibration"].setdefault("fit_s", {})[f"{spec} seed={seed}"] = round(time.perf_counter() - t1, 2)
         return fitted[(spec, seed)]
     return cal_for
