@@ -76,7 +76,8 @@ def fidelity(model, prompts: torch.Tensor, spec: str, reference: dict, seed: int
             raise ValueError(f"{spec} is a calibrated quantizer (fitted once per model on calibration K/V): "
                              "fidelity(..., calibration=) needs its calibration, K/V of windows other than the "
                              "prompts (suites/harness/calibration.py)")
-        calibration = fit_calibration(spec, calibration, seed)  # once for every batch of prompts
+        calibration = fit_calibration(spec, calibration, seed,  # once for every batch of prompts
+                                      device=next(model.parameters()).device)
     n = reference["new_tokens"]
     if len(reference["tokens"]) != prompts.shape[0]:
         raise ValueError(f"{len(reference['tokens'])} reference continuations for {prompts.shape[0]} prompts")

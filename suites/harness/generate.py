@@ -336,7 +336,8 @@ def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, t
             raise ValueError(f"{spec} is a calibrated quantizer (fitted once per model on calibration K/V): "
                              "generate(..., calibration=) needs its calibration, K/V of windows that are not "
                              "generated from (suites/harness/calibration.py capture_kv / corpus_calibration)")
-        calibration = fit_calibration(spec, calibration, seed)  # once, not per group's cache
+        calibration = fit_calibration(spec, calibration, seed,  # once, not per group's cache
+                                      device=next(model.parameters()).device)
     dev = next(model.parameters()).device
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and max(map(len, rows)) + max_new_tokens > limit:

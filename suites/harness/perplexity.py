@@ -104,12 +104,12 @@ def _new_cache(model, spec: str | None, seed: int, capacity: int = 0, fused: boo
                           calibration=calibration)
 
 
-def _fitted_calibration(spec: str | None, seed: int, calibration):
+def _fitted_calibration(spec: str | None, seed: int, calibration, device=None):
     """A calibrated spec's calibration fitted once for every batch's cache (captured K/V in,
-    suites/harness/calibration.py); anything else as given."""
+    suites/harness/calibration.py; fitted on `device`, the scoring's); anything else as given."""
     if calibration is None or not spec_needs_calibration(spec):
         return calibration
-    return fit_calibration(spec, calibration, seed)
+    return fit_calibration(spec, calibration, seed, device=device)
 
 
 class _Bytes:
@@ -278,8 +278,8 @@ def ppl_quantize_on_write(model, windows: torch.Tensor, spec: str | None, seed: 
     key groups, the Med3x median) include tokens later than the query that reads them.
     """
     windows = _check_windows(windows, 2)
-    calibration = _fitted_calibration(spec, seed, calibration)
     dev = _device_of(model, device)
+    calibration = _fitted_calibration(spec, seed, calibration, dev)
     n_win, N = windows.shape
     rows = batch_rows(model, spec, windows, batch_size, N)
     t0 = time.perf_counter()
@@ -363,7 +363,7 @@ def ppl_deployed(model, windows: torch.Tensor, spec: str | None, seed: int = 0, 
 def _prefill_decode(protocol, model, windows, spec, seed, context, device, progress, batch_size, fused, graph,
                     calibration=None, twins: bool = False):
     windows = _check_windows(windows, 2 if protocol == "prefill-then-decode" else 3)
-    calibration = _fitted_calibration(spec, seed, calibration)
+    calibration = _fitted_calibration(spec, seed, calibration, _device_of(model, device))
     n_win, N = windows.shape
     last = N - 1 if protocol == "prefill-then-decode" else N - 2  # deployed: one decode step at least
     if not 1 <= context <= last:

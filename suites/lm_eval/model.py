@@ -290,7 +290,8 @@ class KVQuantLM(HFLM):
             info = {"corpus": {k: corpus_info.get(k) for k in ("name", "sha256")}, **info}
             log.warning("kvqbench: %s calibrated on %d window(s) of %d tokens of %s, token ranges %s",
                         self.spec, n_windows, info["tokens"], corpus_info.get("name"), info["ranges"])
-        self.kv_calibration = fit_calibration(self.spec, given, self.kv_seed)
+        self.kv_calibration = fit_calibration(self.spec, given, self.kv_seed,
+                                              device=next(self.model.parameters()).device)
         self.kv_calibration_info = info
 
     # ---- the two replaced methods ---------------------------------------------------
