@@ -336,13 +336,20 @@ class AdditiveVQ(Calibrated, FitsOnFirstWrite, Quantizer):
         return pts if c.per_head else pts.reshape(1, -1, c.dim)
 
     def fit_shared(self, x, shared):  # x: one row [1, H, T, D]
+        return self.fit_shared_rows(x, shared)
+
+    def fit_shared_rows(self, x, shared):
+        """Each row's codebooks fitted on its own chunks: the rows' point sets are groups of one
+        residual k-means (fitted.py fit_shared_rows), each drawing what a one-row fit draws."""
         c = self.config
         if c.codebooks != "fitted":
             return {}
+        B = x.shape[0]
+        pts = torch.cat([self._chunks(x[b:b + 1], shared) for b in range(B)])  # [B G, N, dim]
         gen = torch.Generator().manual_seed(stable_seed(self.name, self.seed, self.layer, self.role, "fit"))
-        cb = fit_residual_codebooks(self._chunks(x, shared), c.M, 1 << c.K_bits, gen)
+        cb = fit_residual_codebooks(pts, c.M, 1 << c.K_bits, gen)
         check_fp16_storable("avq codeword", cb)
-        return {"codebooks": cb.half().unsqueeze(0)}
+        return {"codebooks": cb.half().view(B, -1, *cb.shape[1:])}
 
     def calibrate(self, x):
         """codebooks=calibrated: EM codebooks (`em_codebooks`) on calibration K/V x, float

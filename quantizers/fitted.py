@@ -57,6 +57,20 @@ class FitsOnFirstWrite:
     def fit_shared(self, x: torch.Tensor, shared: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def fits_rows_at_once(self) -> bool:
+        """Whether `fit_shared_rows` fits every row of a write at once (a plugin that defines it
+        may decline per config)."""
+        return type(self).fit_shared_rows is not FitsOnFirstWrite.fit_shared_rows
+
+    def fit_shared_rows(self, x: torch.Tensor, shared: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Optional: what `fit_shared` returns for each row of x `[B, H, T, D]`, concatenated
+        over rows (`[B, ...]`), each row's fit exactly what `fit_shared` gives it alone (its
+        seeded draws included). Defined where the fit batches over rows (vq's k-means takes
+        independent groups), so a B-row write costs one fit's launches, not B. Byte for byte
+        on the CPU (test_fitted_rows); on a GPU a batched matmul may sum in another order
+        than a one-row one (cuBLAS picks kernels per batch shape), as batching windows does."""
+        raise NotImplementedError
+
     def per_row_shared(self) -> tuple[str, ...]:
         """Names of the shared tensors fitted per row, stored `[rows, ...]` (this config's;
         empty when it fits nothing)."""
@@ -87,6 +101,15 @@ class FitsOnFirstWrite:
         names = self._row_names()
         if not self.fit_per_row:
             return self.fit_shared(x, shared)
+        if x.shape[0] > 1 and self.fits_rows_at_once():
+            # the rows' fits as one batched fit (fit_shared_rows): the same tensors as the
+            # loop below, in one launch per step instead of one per row on a GPU
+            fitted = self.fit_shared_rows(x, shared)
+            extra = set(fitted) - set(names)
+            if extra:
+                raise TypeError(f"{type(self).__name__}.fit_shared_rows returned {sorted(extra)}, not in "
+                                "per_row_shared()")
+            return fitted
         rows = []
         for b in range(x.shape[0]):  # row b's fit sees row b's tokens and tensors only
             fitted = self.fit_shared(x[b:b + 1], {k: v[b:b + 1] if k in names else v for k, v in shared.items()})

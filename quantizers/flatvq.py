@@ -75,14 +75,21 @@ class FlatVQ(FitsOnFirstWrite, Quantizer):
         return x.reshape(B, H, T * (D // self.config.dim), self.config.dim)
 
     def fit_shared(self, x, shared):  # x: one row [1, H, T, D]
+        return self.fit_shared_rows(x, shared)
+
+    def fit_shared_rows(self, x, shared):
+        """Each row's codebook(s) fitted on its own chunks: the rows' point sets are groups of
+        one k-means (fitted.py fit_shared_rows), each drawing what a one-row fit draws (one
+        generator per (layer, role), the same permutation for every group)."""
         c = self.config
-        pts = self._chunks(x).transpose(0, 1).reshape(x.shape[1], -1, c.dim)  # [H, B*N, dim]
+        B, H = x.shape[:2]
+        pts = self._chunks(x).reshape(B, H, -1, c.dim)  # [B, H, N, dim]
         if not c.per_head:
-            pts = pts.reshape(1, -1, c.dim)
+            pts = pts.reshape(B, 1, -1, c.dim)
         gen = torch.Generator().manual_seed(stable_seed(self.name, self.seed, self.layer, self.role, "fit"))
-        cb = fit_codebook_with_zero(pts, 1 << c.K_bits, gen)
+        cb = fit_codebook_with_zero(pts.flatten(0, 1), 1 << c.K_bits, gen)
         check_fp16_storable("flatvq codeword", cb)
-        return {"codebook": cb.half().unsqueeze(0)}
+        return {"codebook": cb.half().view(B, pts.shape[1], *cb.shape[1:])}
 
     def encode_tokens(self, x, shared):
         B, H, T, D = x.shape

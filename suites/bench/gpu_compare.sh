@@ -12,7 +12,7 @@
 #   .gpu/gguf-*.whl              the gguf reader (not on that image), .gpu/corpora/ the corpus cache
 # then: call 1 `bash suites/bench/gpu_compare.sh stage` (carry .gpu; may run tests after it),
 #       call 2 `[CASE=gpu-deployed-4x512] bash suites/bench/gpu_compare.sh time [seconds]` (carry .gpu2), at once: both
-#       rounds -> $OUT/bench_compare_h200.json, compare_h200.log; or `time-ahead`: two cold
+#       rounds -> $OUT/bench_compare_h200_<case>.json, compare_h200_<case>.log; or `time-ahead`: two cold
 #       rounds, without and with a shipped Triton manifest (kernels/precompile.py) ->
 #       bench_compare_h200_cold_{no,shipped}_manifest.json and the manifest.
 set -u
@@ -69,7 +69,7 @@ time|time-ahead|record)
   }
   if [ "$1" = time ]; then
     rm -rf $C/triton_ahead  # an earlier run's manifest on this machine: round 1 would not be a first run
-    timed h200 "${2:-400}"
+    timed "h200_$CASE" "${2:-400}"  # per case: two cases in one call keep both logs
   else
     # issue 9's fresh machine with and without a shipped manifest, cold rounds only: a run with
     # no manifest anywhere records one (<cache>/triton_ahead/); it goes where the package
