@@ -1,6 +1,7 @@
 """Vector-quantization mechanics shared by flat VQ and additive VQ: k-means
 fitting (Lloyd's algorithm), nearest-codeword and residual (greedy or beam)
-encoding.
+encoding, residual k-means codebooks and their EM refinement on calibration
+data (additive VQ's codebooks=calibrated).
 
 Every fitted codebook keeps codeword 0 at the zero vector: a stage can always
 decline to code, so a chunk's residual never grows, which is what gives the
@@ -168,4 +169,100 @@ def residual_search(r: torch.Tensor, cb: torch.Tensor, beam: int) -> tuple[torch
     return out[0], out[1]
 
 
-__all__ = ["KMEANS_ITERS", "fit_codebook_with_zero", "kmeans", "nearest", "residual_search", "sample_points"]
+
+def fit_residual_codebooks(z: torch.Tensor, M: int, K: int, gen: torch.Generator) -> torch.Tensor:
+    """Residual k-means: chunks z [G, N, dim] -> fp16-valued codebooks [G, M, K, dim].
+    Stage m is fitted to the residual the stored (fp16) stages 1..m-1 leave."""
+    res, stages = z.float(), []
+    for m in range(M):
+        cb = fit_codebook_with_zero(res, K, gen).half().float()  # [G, K, dim], as stored
+        stages.append(cb)
+        if m + 1 < M:
+            res = res - cb.gather(1, nearest(res, cb).unsqueeze(-1).expand_as(res))
+    return torch.stack(stages, 1)
+
+
+# codebooks=calibrated: EM rounds after the residual k-means start (calibration cost, once per
+# model and (layer, role)); the calibration chunks an EM sees per codebook group, at most
+# CAL_POINTS_PER_CODEWORD * K (a seeded sample); the least beam its E-step and encode use;
+# the ridge that keeps a codeword no calibration chunk chose where it was.
+EM_ITERS = 3
+CAL_POINTS_PER_CODEWORD = 32
+CAL_BEAM = 4
+EM_RIDGE = 1e-3
+MAX_JOINT = 4096  # M * K codewords solved for jointly (a [M K, M K] float64 system per group)
+
+
+def normal_equations(z: torch.Tensor, codes: torch.Tensor, K: int,
+                     one_hot: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-hot design's normal equations for chunks z [N, dim] coded `codes` [N, M]:
+    A [M K, M K] (how often codewords i and j code one chunk together; float64 counts, exact)
+    and rhs [M K, dim] (the sum of the chunks each codeword codes), float64. On a GPU by
+    one-hot matmuls (as vq.cluster_sums, whose reason holds here: CUDA's index_add_ adds
+    rhs in the order its atomics land, so a calibration would differ from run to run);
+    on the CPU by index_add_, sequential and cheaper. `one_hot` forces either way (tests)."""
+    N, dim = z.shape
+    M = codes.shape[1]
+    MK = M * K
+    if not (z.is_cuda if one_hot is None else one_hot):
+        idx = codes + torch.arange(M, device=z.device) * K  # [N, M] into the M*K stacked codewords
+        A = torch.zeros(MK * MK, dtype=torch.float64, device=z.device)
+        A.index_add_(0, (idx.unsqueeze(2) * MK + idx.unsqueeze(1)).flatten(),
+                     torch.ones(N * M * M, dtype=torch.float64, device=z.device))
+        rhs = torch.zeros(MK, dim, dtype=torch.float64, device=z.device)
+        rhs.index_add_(0, idx.flatten(), z.double().repeat_interleave(M, dim=0))
+        return A.view(MK, MK), rhs
+    member = (codes.unsqueeze(-1) == torch.arange(K, device=z.device)).double().flatten(1)  # [N, M K]
+    return member.T @ member, member.T @ z.double()
+
+
+def joint_codewords(z: torch.Tensor, codes: torch.Tensor, cb: torch.Tensor, one_hot: bool | None = None) -> torch.Tensor:
+    """The M-step: codebooks [G, M, K, dim] minimising sum ||z - sum_m cb[m, codes[m]]||^2 over
+    chunks z [G, N, dim] with codes [G, N, M], all stages at once (normal equations of the
+    one-hot design, float64), codeword 0 of each stage held at zero, a codeword no chunk
+    chose held at its value in `cb` (the ridge EM_RIDGE pulls every codeword toward it)."""
+    G, N, dim = z.shape
+    _, M, K, _ = cb.shape
+    MK = M * K
+    out = cb.double().clone()
+    free = torch.ones(M, K, dtype=torch.bool)
+    free[:, 0] = False
+    free = free.flatten().to(z.device)
+    for g in range(G):
+        A, rhs = normal_equations(z[g], codes[g], K, one_hot=one_hot)
+        prev = cb[g].double().reshape(MK, dim)
+        lam = EM_RIDGE * max(1.0, float(A.diagonal().mean()))
+        Af = A[free][:, free] + lam * torch.eye(MK - M, dtype=torch.float64, device=z.device)  # (free: all but codeword 0s)
+        sol = torch.linalg.solve(Af, rhs[free] + lam * prev[free])
+        flat = out[g].reshape(MK, dim)
+        flat[free] = sol
+        out[g] = flat.view(M, K, dim)
+    return out.float()
+
+
+def em_codebooks(z: torch.Tensor, M: int, K: int, beam: int, gen: torch.Generator, iters: int | None = None,
+                 history: list | None = None) -> torch.Tensor:
+    """EM for additive codebooks on calibration chunks z [G, N, dim] -> fp16-valued [G, M, K, dim]:
+    residual k-means to start, then `iters` rounds of (E) beam-search codes, (M) joint least
+    squares (`joint_codewords`), each round's codebooks rounded to fp16 as stored. Returns the
+    codebooks of the lowest mean squared residual seen (E-step residuals; beam search is not
+    exact, so a round may not improve). `history` receives that error after each E-step."""
+    z = z.float()
+    iters = EM_ITERS if iters is None else iters
+    cb = fit_residual_codebooks(z, M, K, gen)
+    best = None
+    for it in range(iters + 1):
+        codes, res = residual_search(z.unsqueeze(0), cb, beam)
+        err = float(res.double().pow(2).sum(-1).mean())
+        if history is not None:
+            history.append(err)
+        if best is None or err < best[0]:
+            best = (err, cb)
+        if it == iters:
+            break
+        cb = joint_codewords(z, codes[0], cb).half().float()
+    return best[1]
+
+__all__ = ["CAL_BEAM", "CAL_POINTS_PER_CODEWORD", "EM_ITERS", "KMEANS_ITERS", "MAX_JOINT", "em_codebooks", "fit_codebook_with_zero",
+           "fit_residual_codebooks", "joint_codewords", "kmeans", "nearest", "normal_equations", "residual_search",
+           "sample_points"]

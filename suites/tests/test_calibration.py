@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvqbench.quantizers import get_quantizer
-from kvqbench.quantizers.additive_vq import joint_codewords, em_codebooks, fit_residual_codebooks, normal_equations
+from kvqbench.quantizers.vq import em_codebooks, fit_residual_codebooks, joint_codewords, normal_equations
 from kvqbench.quantizers.calibrated import CalibrationMissingError
 from kvqbench.quantizers.vq import residual_search
 from kvqbench.suites import conformance

@@ -23,7 +23,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvqbench.quantizers import CorruptPackedError, get_quantizer, parse_spec, registry
-from kvqbench.quantizers.additive_vq import fit_residual_codebooks
+from kvqbench.quantizers.vq import fit_residual_codebooks
 from kvqbench.quantizers.base import stable_seed
 from kvqbench.quantizers.fitted import FitsOnFirstWrite, nbytes_as_row_caches
 from kvqbench.quantizers.packing import pack_bits
