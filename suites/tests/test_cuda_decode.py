@@ -571,10 +571,16 @@ def test_both_sources_build_and_load_without_a_gpu(tmp_path, monkeypatch):
 
     from kvqbench.kernels.cuda import hqmq_decode as cuda_hqmq
 
+    from concurrent.futures import ThreadPoolExecutor
+
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    for source, stem, symbol in ((cuda_decode.SOURCE, "kvq_decode", "kvq_run"),
-                                 (cuda_hqmq.SOURCE, "kvq_hqmq", "kvq_hqmq_decode")):
-        lib = ctypes.CDLL(str(library.compile_library(source, stem, (9, 0))))
+    builds = ((cuda_decode.SOURCE, "kvq_decode", "kvq_run"), (cuda_hqmq.SOURCE, "kvq_hqmq", "kvq_hqmq_decode"))
+    # The two nvcc builds (one process each, ~20 s apiece) side by side: separate stems,
+    # separate locks and outputs; each library is then loaded and checked as before.
+    with ThreadPoolExecutor(len(builds)) as pool:
+        paths = list(pool.map(lambda b: library.compile_library(b[0], b[1], (9, 0)), builds))
+    for (source, stem, symbol), path in zip(builds, paths):
+        lib = ctypes.CDLL(str(path))
         assert hasattr(lib, symbol)
         if symbol == "kvq_run":  # the launch-argument struct the loader fills has the .cu's layout
             assert lib.kvq_args_size() == ctypes.sizeof(cuda_decode._Args)

@@ -174,8 +174,12 @@ def test_compiled_layers_give_the_uncompiled_tokens_and_restore_the_model(model)
     assert AttentionInterface._global_mapping[ATTN_NAME] is kvqbench_attention
 
 
+# Med3x is slow-only here (`pytest -m slow`; ~10 s under the Triton interpreter): the kept
+# engine's rewind of an HQMQ store runs by default (hqmq:S=8,r=4), and a rewound Med3x
+# cache's lists and bytes against a fresh cache's are checked by
+# test_a_rewound_med3x_cache_keeps_its_lists_where_they_are_and_stores_a_fresh_caches_bytes.
 @pytest.mark.parametrize("spec", ["int4", "hqmq:S=8,r=4", "kivi:bits=2,group=8,residual=8",
-                                  "hqmq:S=8,r=4,outliers=med3", "fp8-e4m3"])
+                                  pytest.param("hqmq:S=8,r=4,outliers=med3", marks=pytest.mark.slow), "fp8-e4m3"])
 def test_the_kept_engine_is_rewound_and_gives_a_fresh_caches_tokens(model, spec):
     # generate keeps the model's last cache and captured step; a next call of the same key
     # rewinds that cache in place (same buffers: the graph replays), and its tokens are a

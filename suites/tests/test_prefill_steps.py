@@ -123,8 +123,20 @@ def _assert_same(new, old, ties: bool):
             assert torch.equal(a, b), role
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("spec", DEVICE_SPECS)
+# Every device-encoded format once; each format family (fp16, int, HQMQ, fp8, KIVI) in
+# both input dtypes, but not every config of a family in both: the step encoders' dtype
+# handling is one per family (the kernels' own dtype sweeps: test_step_encode.py
+# test_int_rows_equal_quantize_groups, test_fp8_tokens_equal_torch_cast,
+# test_hqmq_tokens_equal_encode_tokens). The cheap fp16 / fp8 configs keep both dtypes.
+F16, BF16 = torch.float16, torch.bfloat16
+DEVICE_CASES = [("fp16", F16), ("fp16", BF16), ("int4", F16), ("int4", BF16), ("int2", F16), ("int8", BF16),
+                ("hqmq:S=8,r=4", F16), ("hqmq:S=8,r=4,pack=mixed", BF16)] + \
+               [(s, d) for s in ("fp8-e4m3", "fp8-e5m2", "fp8-e4m3-head") for d in (F16, BF16)] + \
+               [(s, (F16, BF16)[i % 2]) for i, s in enumerate(KIVI_SPECS)]
+assert {s for s, _ in DEVICE_CASES} == set(DEVICE_SPECS)
+
+
+@pytest.mark.parametrize("spec,dtype", DEVICE_CASES, ids=[f"{s}-{str(d)[6:]}" for s, d in DEVICE_CASES])
 def test_device_prefill_stores_what_the_old_prefill_stores(spec, dtype):
     x = _data((2, 2, 2, 40, 32), dtype, 0 if dtype == torch.float16 else 1)
     new, launches, out_new = _run(spec, x, 29, 4, device=True, mid=5)
@@ -335,8 +347,8 @@ def _assert_same_med3(new, old):
             assert torch.equal(sn.outliers.view(BH, -1, 4)[bh, :n], so.outliers.view(BH, -1, 4)[bh, :n]), role
 
 
-@pytest.mark.parametrize("spec,dtype", [(MED3, torch.float16), (MED3, torch.bfloat16),
-                                        (MED3 + ",pack=mixed", torch.float16)])
+# Both dtypes, each once (as DEVICE_CASES): plain codes in fp16, mixed packing in bf16.
+@pytest.mark.parametrize("spec,dtype", [(MED3, torch.float16), (MED3 + ",pack=mixed", torch.bfloat16)])
 def test_med3_device_prefill_stores_what_the_old_prefill_stores(spec, dtype):
     # a 70-token prefill (its lists cross the 64-token index block), 4 steps with a 5-token
     # chunk halfway (a second device write, its own median)

@@ -219,8 +219,22 @@ def _assert_same_cache(fast, old, tie_ok=False):
         assert torch.equal(a, b) if not tie_ok else torch.allclose(a, b, atol=0.2)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("spec", SPECS)
+# Every step-encoded format once; each family (fp16, int, fp8, KIVI, HQMQ, Med3x) in both
+# input dtypes (fp16: a 37-token prefill, bf16: 20), but not every config of a family in
+# both: the encoders' dtype handling is per family, and the kernels' own dtype sweeps are
+# above (test_int_rows_equal_quantize_groups, test_fp8_tokens_equal_torch_cast,
+# test_hqmq_tokens_equal_encode_tokens). Med3x, KIVI-2 and int4 run in fp16 again, across
+# buffer growth: test_fast_steps_across_growth_and_a_multi_token_write.
+F16, BF16 = torch.float16, torch.bfloat16
+FAST_CASES = [("int4", F16), ("int4", BF16), ("int2", F16), ("int8", BF16), ("int3", BF16),
+              ("fp8-e4m3", F16), ("fp8-e4m3", BF16), ("fp8-e5m2", F16), ("fp8-e5m2", BF16),
+              ("kivi:bits=2,group=8,residual=8", F16), ("kivi:bits=4,group=4,residual=8,window=fixed", BF16),
+              ("hqmq:S=8,r=4", BF16), ("hqmq:S=24,r=3,radius=log", F16), ("hqmq:S=8,r=4,outliers=med3", BF16),
+              ("fp16", F16), ("fp16", BF16)]
+assert {s for s, _ in FAST_CASES} == set(SPECS)
+
+
+@pytest.mark.parametrize("spec,dtype", FAST_CASES, ids=[f"{s}-{str(d)[6:]}" for s, d in FAST_CASES])
 def test_fast_steps_store_what_the_old_path_stores(spec, dtype):
     # (13 steps: the interpreter runs each program's ops one by one in Python, ~0.2-0.5 s
     # a step; KIVI flushes two or three times in them)
