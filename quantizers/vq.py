@@ -169,7 +169,6 @@ def residual_search(r: torch.Tensor, cb: torch.Tensor, beam: int) -> tuple[torch
     return out[0], out[1]
 
 
-
 def fit_residual_codebooks(z: torch.Tensor, M: int, K: int, gen: torch.Generator) -> torch.Tensor:
     """Residual k-means: chunks z [G, N, dim] -> fp16-valued codebooks [G, M, K, dim].
     Stage m is fitted to the residual the stored (fp16) stages 1..m-1 leave."""
@@ -198,7 +197,7 @@ def normal_equations(z: torch.Tensor, codes: torch.Tensor, K: int,
     """The one-hot design's normal equations for chunks z [N, dim] coded `codes` [N, M]:
     A [M K, M K] (how often codewords i and j code one chunk together; float64 counts, exact)
     and rhs [M K, dim] (the sum of the chunks each codeword codes), float64. On a GPU by
-    one-hot matmuls (as vq.cluster_sums, whose reason holds here: CUDA's index_add_ adds
+    one-hot matmuls over blocks of chunks (as `cluster_sums`, whose reason holds here: CUDA's index_add_ adds
     rhs in the order its atomics land, so a calibration would differ from run to run);
     on the CPU by index_add_, sequential and cheaper. `one_hot` forces either way (tests)."""
     N, dim = z.shape
@@ -212,8 +211,14 @@ def normal_equations(z: torch.Tensor, codes: torch.Tensor, K: int,
         rhs = torch.zeros(MK, dim, dtype=torch.float64, device=z.device)
         rhs.index_add_(0, idx.flatten(), z.double().repeat_interleave(M, dim=0))
         return A.view(MK, MK), rhs
-    member = (codes.unsqueeze(-1) == torch.arange(K, device=z.device)).double().flatten(1)  # [N, M K]
-    return member.T @ member, member.T @ z.double()
+    A = z.new_zeros(MK, MK, dtype=torch.float64)
+    rhs = z.new_zeros(MK, dim, dtype=torch.float64)
+    step = max(1, ONE_HOT_BLOCK // MK)  # the one-hot temporary [n, M K] stays under ONE_HOT_BLOCK elements
+    for lo in range(0, N, step):
+        member = (codes[lo:lo + step].unsqueeze(-1) == torch.arange(K, device=z.device)).double().flatten(1)
+        A += member.T @ member
+        rhs += member.T @ z[lo:lo + step].double()
+    return A, rhs
 
 
 def joint_codewords(z: torch.Tensor, codes: torch.Tensor, cb: torch.Tensor, one_hot: bool | None = None) -> torch.Tensor:

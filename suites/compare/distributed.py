@@ -371,8 +371,8 @@ def launch(argv: list[str], workers: int, folder: Path) -> str:
     """`kvqbench compare --workers N`: the command line `argv` (the CLI's own) as N ranks on
     this machine through torch's launcher (`torch.distributed.run --standalone`, which
     starts the processes and their rendezvous); on one GPU they share it over gloo
-    (`plan_ranks`: the decode steps are host-bound Python, so N processes use N host
-    cores). Returns "ok"; "partial" when torchrun failed (its exit 1 for any rank) after
+    (`plan_ranks`; on one H200 four such ranks made every row 1.3-3x slower, 2026-12-05:
+    it pays where ranks get GPUs of their own). Returns "ok"; "partial" when torchrun failed (its exit 1 for any rank) after
     rank 0 wrote this launch's report with failed rows in it (a single process's exit 3);
     else "failed"."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",

@@ -47,20 +47,6 @@ EXIT_PARTIAL = 3  # the report was written, but some configuration failed
 # (model fetch + conversion 31 s, rows 408 s with the calibrated AVQ's EM fits;
 # reports/cpu2core_smollm2-135m_canterbury, 2026-12-05). A GPU affords 16.
 CPU_WINDOWS, GPU_WINDOWS = 2, 16
-# Default --workers on one GPU: the rows are host-bound Python (dense decode steps, EM fits),
-# so ranks sharing the GPU over gloo finish sooner on a many-core host; never more ranks than
-# host cores / 4 (each rank gets C // N torch threads). 1 until measured (reports/kernels/NOTES.md).
-GPU_WORKERS = 1
-
-
-def default_workers(args) -> int:
-    """--workers when not given: 1 on a CPU, under torchrun, with --device-map auto or an indexed
-    device; GPU_WORKERS (at most host cores // 4) on one GPU."""
-    dev = str(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if (not dev.startswith("cuda") or ":" in dev or os.environ.get("WORLD_SIZE") is not None
-            or args.device_map == "auto"):
-        return 1
-    return max(1, min(GPU_WORKERS, (os.cpu_count() or 1) // 4))
 
 
 class UsageError(Exception):
@@ -128,8 +114,6 @@ def validate(args) -> dict:
                              ("--calibration-windows", getattr(args, "calibration_windows", 2), 1)):
         if value < low:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
-    if getattr(args, "workers", 1) is None:  # see GPU_WORKERS
-        args.workers = default_workers(args)
     workers = getattr(args, "workers", 1)
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
@@ -567,10 +551,10 @@ def add_arguments(sub, parents=()) -> None:
     p.add_argument("--device-map", default=None, choices=["auto", "none"],
                    help="auto: spread the model over the node's GPUs (accelerate; then one rank per node under "
                         "torchrun); default: auto when a local model folder exceeds 3/4 of one GPU")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=int, default=1,
                    help="score the rows in N processes on this machine's device (torchrun's launcher, "
-                        "distributed.py; a host-bound GPU run shares one GPU); same figures as one process "
-                        f"(default 1 on a CPU, {GPU_WORKERS} on one GPU of a host with >= {4 * GPU_WORKERS} cores)")
+                        "distributed.py); same figures as one process. On one H200 four ranks sharing the GPU "
+                        "were slower than one (2026-12-05); it pays where ranks get GPUs of their own")
     p.add_argument("--fresh", action="store_true", help="discard earlier results of this run")
     p.add_argument("--verify", action="store_true",
                    help="hash every file of the cached model, not only those whose size or mtime changed")

@@ -83,9 +83,9 @@ def fit_calibration(spec: str, captured: dict, seed: int = 0,
 
     device: where each fit runs (the K/V are moved there one (layer, role) at a time; the
     fitted tensors come back as `calibrate` returns them). The compare passes the model's
-    device: on the H200's host the 60 EM fits of one (avq3-cal, seed) took ~13-22 s of the
-    deployed compare's 3-minute budget on the CPU (GPU call of 2026-12-05 11:04 UTC);
-    a GPU fit's results differ from a CPU fit's in rounding only (EM's sums in another order)."""
+    device: fitted on the H200's host CPU, avq2-cal's and avq3-cal's 60 fits each left 26-31 s
+    per seed between the deployed compare's rows (its progress bar, 2026-12-05 10:55 UTC; on
+    this 2-core VM `fit_s` reads 10 + 16-18 s). A GPU fit differs from a CPU fit in rounding only."""
     if not isinstance(captured, dict) or not captured:
         raise ValueError(f"{spec}: calibration must be a non-empty mapping (layer, role) -> K/V, "
                          f"got {type(captured).__name__}")

@@ -101,7 +101,7 @@ def test_the_joint_m_step_is_least_squares_and_keeps_codeword_zero():
         assert float((z[0] - r2).double().pow(2).sum(-1).mean()) > after * (1 - 1e-7)
 
 
-def test_the_gpu_m_step_one_hot_equals_the_cpu_index_add():
+def test_the_gpu_m_step_one_hot_equals_the_cpu_index_add(monkeypatch):
     """joint_codewords builds its normal equations by one-hot matmuls on a GPU (deterministic,
     unlike CUDA's index_add_) and by index_add_ on the CPU: the same system. Counts are exact
     in both; the chunk sums differ by summation order only (float64), so the codebooks agree
@@ -113,6 +113,10 @@ def test_the_gpu_m_step_one_hot_equals_the_cpu_index_add():
     A1, r1 = normal_equations(z[0], codes[0, 0], 16, one_hot=True)
     assert torch.equal(A0, A1) and float(A0.sum()) == 1024 * 9  # every chunk: M x M pairs
     assert torch.allclose(r0, r1, rtol=0, atol=1e-12)
+    import kvqbench.quantizers.vq as vq_mod
+    monkeypatch.setattr(vq_mod, "ONE_HOT_BLOCK", 48 * 100)  # blocks of 100 chunks: the summed blocks, the same system
+    A2, r2 = normal_equations(z[0], codes[0, 0], 16, one_hot=True)
+    assert torch.equal(A0, A2) and torch.allclose(r0, r2, rtol=0, atol=1e-12)
     new0, new1 = joint_codewords(z, codes[0], cb, one_hot=False), joint_codewords(z, codes[0], cb, one_hot=True)
     assert torch.allclose(new0, new1, rtol=1e-9, atol=1e-9)
 

@@ -340,24 +340,3 @@ def test_scaling_throughput_speedup_and_agreement():
     assert not off["agreement"]["same"] and off["agreement"]["max_ppl_rel_diff"] == pytest.approx(1e-5)
     assert scaling.compare_command(2, ["--device", "cpu"], "out", "r")[1:4] == [
         "-m", "torch.distributed.run", "--standalone"]
-
-
-def test_default_workers_only_on_one_gpu(monkeypatch):
-    """--workers unset: one process on a CPU, under torchrun, with --device-map auto or an
-    indexed device; on one GPU GPU_WORKERS, capped by host cores // 4."""
-    import argparse
-
-    from kvqbench.suites.compare import run as R
-
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr(R, "GPU_WORKERS", 4)
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    ns = lambda device, device_map=None: argparse.Namespace(device=device, device_map=device_map)
-    assert R.default_workers(ns("cpu")) == 1
-    assert R.default_workers(ns("cuda")) == 4
-    assert R.default_workers(ns("cuda:1")) == 1
-    assert R.default_workers(ns("cuda", "auto")) == 1
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)
-    assert R.default_workers(ns("cuda")) == 2
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert R.default_workers(ns("cuda")) == 1
