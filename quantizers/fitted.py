@@ -101,22 +101,19 @@ class FitsOnFirstWrite:
         names = self._row_names()
         if not self.fit_per_row:
             return self.fit_shared(x, shared)
-        if x.shape[0] > 1 and self.fits_rows_at_once():
-            # the rows' fits as one batched fit (fit_shared_rows): the same tensors as the
-            # loop below, in one launch per step instead of one per row on a GPU
-            fitted = self.fit_shared_rows(x, shared)
-            extra = set(fitted) - set(names)
-            if extra:
-                raise TypeError(f"{type(self).__name__}.fit_shared_rows returned {sorted(extra)}, not in "
-                                "per_row_shared()")
-            return fitted
-        rows = []
-        for b in range(x.shape[0]):  # row b's fit sees row b's tokens and tensors only
-            fitted = self.fit_shared(x[b:b + 1], {k: v[b:b + 1] if k in names else v for k, v in shared.items()})
+
+        def per_row_only(fitted: dict, method: str) -> dict:
             extra = set(fitted) - set(names)
             if extra:  # a plugin bug: these would be fitted on one row but shared by all
-                raise TypeError(f"{type(self).__name__}.fit_shared returned {sorted(extra)}, not in per_row_shared()")
-            rows.append(fitted)
+                raise TypeError(f"{type(self).__name__}.{method} returned {sorted(extra)}, not in per_row_shared()")
+            return fitted
+        if x.shape[0] > 1 and self.fits_rows_at_once():
+            # the rows' fits as one batched fit: the same tensors as the loop below, in one
+            # launch per step instead of one per row on a GPU
+            return per_row_only(self.fit_shared_rows(x, shared), "fit_shared_rows")
+        rows = [per_row_only(self.fit_shared(x[b:b + 1], {k: v[b:b + 1] if k in names else v
+                                                          for k, v in shared.items()}), "fit_shared")
+                for b in range(x.shape[0])]  # row b's fit sees row b's tokens and tensors only
         return {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
 
     def fitted_shared(self, x: torch.Tensor) -> dict[str, torch.Tensor]:

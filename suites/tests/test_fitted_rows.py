@@ -210,3 +210,13 @@ def test_batched_windows_give_each_windows_nll_and_bits(spec):
         assert batch_rows(model, spec, windows, 8, 1) == (3 if batched else 1)
         assert many["cache_nbytes"] == one["cache_nbytes"] and many["bits_per_element"] == one["bits_per_element"]
         assert many["nll_sum"] == pytest.approx(one["nll_sum"], rel=NLL_REL_TOL), (spec, fn.__name__)
+
+
+@pytest.mark.parametrize("rows", [1, 3])  # 1: the one-row fit_shared; 3: the batched fit_shared_rows
+def test_a_fit_returning_a_tensor_not_fitted_per_row_is_refused(rows, monkeypatch):
+    q = get_quantizer("flatvq:dim=4,K_bits=6", layer=1, role="K", seed=3)
+    real = type(q).fit_shared_rows
+    monkeypatch.setattr(type(q), "fit_shared_rows", lambda self, x, shared: {**real(self, x, shared), "stray": x[:1]})
+    x = reference_tensor(64, tokens=8, batch=rows)
+    with pytest.raises(TypeError, match="returned \\['stray'\\], not in per_row_shared"):
+        q.encode(x)
