@@ -120,10 +120,9 @@ def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", valid_len: to
     number of valid tokens, read by the kernel at run time (so a CUDA graph can replay
     the call while the cache grows); the flats' T is then the capacity bound the launch
     grid is cut for (valid_len <= T; a larger value is clamped to T). Int, fp8 and HQMQ on
-    both backends; KIVI on Triton only, with `KIVIGraphFlat` views (`KernelStore.graph_view`:
-    the window policy turns the length into each side's group and window counts on the
-    device): the CUDA KIVI kernel takes host counts only, so "auto" sends a KIVI call with
-    valid_len to Triton and "cuda" refuses it."""
+    both backends; KIVI with `KIVIGraphFlat` views (`KernelStore.graph_view`: the window
+    policy turns the length into each side's group and window counts on the device), on
+    both backends ("auto" takes CUDA for them once `cuda.decode_attention.KIVI_VALID_LEN_AUTO`)."""
     kern, _ = _route(q, k, v, backend, kw, valid_len, row_start=row_start)
     if valid_len is not None:
         kw["valid_len"] = valid_len

@@ -73,10 +73,13 @@ struct Params {
   // [0, n_main) in steps_per_split tiles each (KiviQ through the pipeline). The tail's
   // CTAs come first in the grid, so they run beside the first wave, not after the last.
   int n_main, per_tail, nsplit_tail;
+  // KIVI with a device count (a graph view): each side's window policy (A, P), its
+  // quantized tokens max(0, T - A) / P * P; TQK, TQV and n_main then come from the count
+  int KA, KP, VA, VP;
   int qtype, T, Hkv, gqa, steps_per_split, nsplit;
-  // int4 / fp8: the valid token count on the device (null: T). T is then the capacity
-  // bound the grid was sized for; the kernel reads min(*vlen, T) at run time, so one
-  // captured CUDA graph serves every decode step (CTAs past it write an empty partial).
+  // the valid token count on the device (null: T). T is then the capacity bound the grid
+  // was sized for; the kernel reads min(*vlen, T) at run time, so one captured CUDA graph
+  // serves every decode step (CTAs past it write an empty partial).
   const int* vlen;
   float qk_scale;       // log2(e) / sqrt(D)
   float* po;            // partials [B*Hq, nsplit, D], [B*Hq, nsplit] x2
@@ -900,7 +903,8 @@ struct KiviTail {
     asm volatile("" ::: "memory");
   }
   // hf: this warp's half of GD = 2 D (the pointers start at its first dim d0 = D hf)
-  __device__ static void load(Raw& r, const Params& p, int bh, int t0, int g, int c, int hf = 0) {
+  // tqk, tqv, T: the call's counts (the host's, or those of the device count)
+  __device__ static void load(Raw& r, const Params& p, int bh, int t0, int g, int c, int hf, int tqk, int tqv, int T) {
     const int d0 = D * hf;
     r.kc = p.kc + bh * p.k_cs + d0 * GB;
     r.ks = p.ks + bh * p.k_ss + d0;
@@ -910,7 +914,7 @@ struct KiviTail {
     r.vs = p.vs + bh * p.v_ss + d0 / G;
     r.vz = p.vz + bh * p.v_ss + d0 / G;
     r.vr = p.vr + bh * p.v_rs + d0;
-    r.t0 = t0; r.TQK = p.TQK; r.TQV = p.TQV; r.T = p.T; r.c = c; r.g = g;
+    r.t0 = t0; r.TQK = tqk; r.TQV = tqv; r.T = T; r.c = c; r.g = g;
   }
   // dims (D/8) g + 2mt, +1 of V token t as a half2 (zeros past T)
   __device__ static uint32_t vword(const Raw& r, int t, int mt) {
@@ -1255,19 +1259,26 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   for (int i = 0; i < KS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 
-  // valid tokens: p.T, or the device count (int4 / fp8; may be below T, down to none:
-  // a CTA whose tiles all lie past it keeps m = -inf, l = 0, acc = 0 and writes exactly
-  // that empty partial, which the combine weighs by 0)
+  // valid tokens: p.T, or the device count (may be below T, down to none: a CTA whose
+  // tiles all lie past it keeps m = -inf, l = 0, acc = 0 and writes exactly that empty
+  // partial, which the combine weighs by 0)
   int tend = p.vlen ? min(p.T, __ldg(p.vlen)) : p.T;
   int t_first = p.t_first, sp = blockIdx.y, per = p.steps_per_split;
   bool tail_cta = false;
+  int tqk = p.TQK, tqv = p.TQV;  // KIVI: each side's quantized tokens
   if constexpr (F::KIND == 1) {  // KIVI: this CTA's part (the tail's splits first)
+    int n_main = p.n_main;
+    if (p.vlen) {  // a graph view: the window policies split the device count (whole groups)
+      tqk = max(tend - p.KA, 0) / p.KP * p.KP;
+      tqv = max(tend - p.VA, 0) / p.VP * p.VP;
+      n_main = min(tqk, tqv);
+    }
     tail_cta = sp < p.nsplit_tail;
     if (tail_cta) {
-      t_first = p.n_main;
+      t_first = n_main;
       per = p.per_tail;
     } else {
-      tend = p.n_main;
+      tend = n_main;
       sp -= p.nsplit_tail;
     }
   }
@@ -1286,7 +1297,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
       for (int st = first + wp; st < last; st += NP) {
         typename TF::Raw r;
         const int t0 = t_first + st * 16;
-        TF::load(r, p, bh, t0, g, c, hf);
+        TF::load(r, p, bh, t0, g, c, hf, tqk, tqv, tend);
         tile_step<TF, DW, typename TF::Raw, SPL>(r, t0, tend, qk, qb, acc, m, l, g, xb + 2048 * (jt & 1), hf, 1 + wp);
         ++jt;
       }
@@ -1593,6 +1604,9 @@ struct HostArgs {
   // KIVI: TQK / TQV quantized tokens, tokens [0, n_main) in nsplit_main splits of per_main
   // tiles through the pipeline, [n_main, T) in nsplit_tail splits of per_tail by the tail path
   int TQK, TQV, n_main, per_main, nsplit_main, per_tail, nsplit_tail;
+  // KIVI graph views: the window policies (KP = 0: none; the call takes no device count),
+  // T the capacity, the splits cut for it
+  int KA, KP, VA, VP;
   float qk_scale;  // log2(e) / sqrt(D)
 };
 
@@ -1659,6 +1673,7 @@ static int run_kivi(const HostArgs& a, Params p, int rows, void* out, cudaStream
   p.TQK = a.TQK; p.TQV = a.TQV;
   p.t_first = 0; p.T = a.T; p.split0 = 0;
   p.n_main = a.n_main; p.steps_per_split = a.per_main; p.per_tail = a.per_tail; p.nsplit_tail = a.nsplit_tail;
+  p.KA = a.KA; p.KP = a.KP; p.VA = a.VA; p.VP = a.VP;
   return kivi_dispatch(a.D, bits, KiviRun{p, rows, out, a.otype, a.variant, s});
 }
 
@@ -1666,8 +1681,9 @@ static int run_kivi(const HostArgs& a, Params p, int rows, void* out, cudaStream
 
 extern "C" int kvq_args_size() { return (int)sizeof(HostArgs); }
 
-// One decode call: q [B, Hq, 1, D] contiguous; vlen: null, or (kind 0) a device int32
-// holding the valid token count (<= a.T; the kernel clamps to a.T); po / pm / pl the
+// One decode call: q [B, Hq, 1, D] contiguous; vlen: null, or a device int32 holding the
+// valid token count (<= a.T; the kernel clamps to a.T; KIVI: with the plan of a graph
+// view, a.KP > 0); po / pm / pl the
 // partials [B*Hq, nsplit, D] / [B*Hq, nsplit] x2 (fp32), out [B*Hq, D] in a.otype.
 // Launches only (no allocation, no synchronisation): capturable in a CUDA graph.
 // (args is a HostArgs*: a type of the anonymous namespace in the signature would give the
@@ -1687,11 +1703,11 @@ extern "C" int kvq_run(const void* args, const void* q, const int* vlen, float* 
   p.po = po; p.pm = pm; p.pl = pl;
   const int rows = a->B * a->Hkv;
   cudaStream_t s = (cudaStream_t)stream;
+  p.vlen = vlen;
   if (a->kind == 1) {
-    if (vlen) return -2;  // KIVI: no device valid count (its windows and groups are two lengths per side)
+    if (vlen && a->KP <= 0) return -2;  // KIVI: a device count needs the window policies (a graph view's plan)
     return run_kivi(*a, p, rows, out, s);
   }
-  p.vlen = vlen;
   return run_rows(*a, p, rows, out, s);
 }
 

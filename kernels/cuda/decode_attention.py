@@ -33,8 +33,11 @@ Variants (`variant=`): 0, 1 hold prefetched tiles in registers; 2..5 stream each
 warp's tiles through a cp.async shared-memory pipeline (SMEM_VARIANTS). KIVI has its
 own KIVI_VARIANTS (2..9 and 12).
 
-valid_len (int4 / fp8): the number of valid tokens read on the device, so one captured
-CUDA graph serves every decode step (`decode`, `make_workspace`).
+valid_len: the number of valid tokens read on the device, so one captured CUDA graph
+serves every decode step (`decode`, `make_workspace`). KIVI takes it with `KIVIGraphFlat`
+views (`KernelStore.graph_view`): each side's window policy turns the count into its
+quantized tokens and window rows in the kernel, as the Triton kernel does; the grid is cut
+for the capacity. backend="auto" takes such calls while KIVI_VALID_LEN_AUTO.
 
 (About 500 lines, on purpose: the host side of one .cu source, three formats of one
 template; its launch-argument struct mirrors the .cu's, and its constants keep the GPU
@@ -49,7 +52,7 @@ from pathlib import Path
 import torch
 
 from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles
-from ..layout import FP8Flat, IntFlat, KIVIFlat
+from ..layout import FP8Flat, IntFlat, KIVIFlat, KIVIGraphFlat
 from .library import QTYPE, KernelLibrary, PlanCache, fresh_partials, on_current_stream
 
 SOURCE = Path(__file__).parent / "decode_attention.cu"
@@ -124,8 +127,13 @@ VERIFIED_HEAD_DIMS = {"int4": (64, 128, 256), "fp8": (64, 128, 256), "kivi": (64
 # stage layout is d = 128's.
 HEAD_256_VARIANTS = SMEM_VARIANTS
 KIVI_TILE_STREAM = (5, 6)
+# KIVI graph views with a device count (2026-12-05: the kernel derives each side's counts
+# from it by the window policies; before, a graphed KIVI step ran the Triton kernel):
+# backend="auto" takes them once the GPU tests of that path have passed (test_cuda_decode.py
+# "kivi_valid_len"); until then auto leaves them to Triton and backend="cuda" takes them.
+KIVI_VALID_LEN_AUTO = False
 
-_FORMAT = {IntFlat: "int4", FP8Flat: "fp8", KIVIFlat: "kivi"}  # cache type -> CUDA_VERIFIED name
+_FORMAT = {IntFlat: "int4", FP8Flat: "fp8", KIVIFlat: "kivi", KIVIGraphFlat: "kivi"}  # cache type -> CUDA_VERIFIED name
 
 
 def _declare(lib) -> str | None:
@@ -233,6 +241,11 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
     return None
 
 
+def _is_graph(k, v) -> bool:
+    """Both sides KIVI graph views with their window policies (a device count's call)."""
+    return type(k) is KIVIGraphFlat and type(v) is KIVIGraphFlat and bool(k.policy) and bool(v.policy)
+
+
 def _kivi_unsupported(q: torch.Tensor, k, v) -> str | None:
     if k.role != "K" or v.role != "V":
         return "pass the keys' KIVIFlat (role K) then the values' (role V)"
@@ -241,21 +254,29 @@ def _kivi_unsupported(q: torch.Tensor, k, v) -> str | None:
         return why
     if (k.bits, k.group) != (v.bits, v.group) or k.bits not in (2, 4) or k.group != 32:
         return f"kivi {k.bits}/{v.bits} bits, groups {k.group}/{v.group} (the CUDA kernel takes 2 or 4 bits, groups of 32)"
-    if (v.B, v.H, v.D, v.T) != (k.B, k.H, k.D, k.T):
-        return "K and V KIVI caches differ in shape or length"
+    graph = _is_graph(k, v)  # every buffer may be read up to the capacity: all are checked
+    if graph:
+        if k.capacity != v.capacity or k.codes is None or v.codes is None:
+            return "K and V KIVI graph views differ in capacity or have no group buffers"
+        if k.policy[1] % 32 or v.policy[1] % 32:  # a flush quantizes P tokens: whole groups
+            return f"KIVI window policies {k.policy} / {v.policy} (the CUDA kernel takes flushes of whole 32-token groups)"
+    elif (v.T, type(v)) != (k.T, type(k)):
+        return "K and V KIVI caches differ in length or type"
+    if (v.B, v.H, v.D) != (k.B, k.H, k.D):
+        return "K and V KIVI caches differ in shape"
     if q.dim() != 4 or q.shape[1] % k.H or not 1 <= q.shape[1] // k.H <= 8:
         return f"GQA group of q {tuple(q.shape)} over {k.H} kv heads (the CUDA kernels take 1..8)"
     for f, role in ((k, "K"), (v, "V")):
-        if f.residual.dtype != torch.float16 or (f.T_res and f.residual.data_ptr() % 16):
+        if f.residual.dtype != torch.float16 or ((graph or f.T_res) and f.residual.data_ptr() % 16):
             return f"{role} window must be fp16, 16-byte aligned"
-        if f.T_res:
+        if graph or f.T_res:
             try:
                 rs = bh_stride(f.residual, f"{role} window")
             except ValueError as e:
                 return str(e)
             if rs % 8:
                 return f"{role} window head stride not 16-byte aligned"
-        if f.n_groups:
+        if graph or f.n_groups:
             if f.codes.dtype != torch.uint8 or f.scale.dtype != torch.float16 or f.zero.dtype != torch.float16:
                 return "kivi codes must be uint8, scale/zero fp16"
             if f.zero.stride() != f.scale.stride():
@@ -297,6 +318,9 @@ def auto_refusal(k) -> str | None:
     if k.D not in VERIFIED_HEAD_DIMS.get(name, ()):
         return (f"{name} at head_dim {k.D} is not in cuda.decode_attention.VERIFIED_HEAD_DIMS "
                 f"(not yet run on a GPU; backend='cuda' takes it)")
+    if type(k) is KIVIGraphFlat and not KIVI_VALID_LEN_AUTO:
+        return ("KIVI graph views (device counts) wait for their GPU tests "
+                "(cuda.decode_attention.KIVI_VALID_LEN_AUTO; backend='cuda' takes them)")
     return None
 
 
@@ -322,7 +346,7 @@ class _Args(ctypes.Structure):  # mirrors HostArgs in decode_attention.cu (check
                 + [(n, ctypes.c_longlong) for n in ("k_cs", "k_ss", "k_rs", "v_cs", "v_ss", "v_rs")]
                 + [(n, ctypes.c_int) for n in ("kind", "fmt", "D", "qtype", "otype", "variant", "B", "Hkv", "gqa", "T",
                                                "per", "nsplit", "TQK", "TQV", "n_main", "per_main", "nsplit_main",
-                                               "per_tail", "nsplit_tail")]
+                                               "per_tail", "nsplit_tail", "KA", "KP", "VA", "VP")]
                 + [("qk_scale", ctypes.c_float)])
 
 
@@ -330,44 +354,54 @@ class _Plan:
     """What a call on one cache layout launches: the argument struct, the split count and
     the workspace size, with weak references to the cache tensors it points into (a plan
     is used only while every one of them is alive and the same object)."""
-    __slots__ = ("keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind")
+    __slots__ = ("keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind", "device_count")
 
 
 _PLANS = PlanCache(64)  # layouts kept (library.py: weak references, cleared when full)
 
 
-def _flat_key(f):
-    """(tensors a plan reads, the ints that place the valid tokens in them) of a flat."""
+def _flat_key(f, device_count: bool):
+    """(tensors a plan reads, the ints that place the valid tokens in them) of a flat
+    (device_count: a KIVI graph view's call with valid_len, placed by its policy and capacity)."""
     if type(f) is IntFlat:
         return (f.codes, f.scale, f.zero), (f.B, f.H, f.T, f.D, f.bits, f.group)
     if type(f) is FP8Flat:
         return (f.codes, f.scale), (f.B, f.H, f.T, f.D, f.fmt)
-    return (f.codes, f.scale, f.zero, f.residual), (f.B, f.H, f.D, f.bits, f.group, f.role, f.n_groups, f.n_res)
+    counts = (f.policy, f.capacity) if device_count else (f.n_groups, f.n_res)
+    return (f.codes, f.scale, f.zero, f.residual), (f.B, f.H, f.D, f.bits, f.group, f.role, *counts)
 
 
-def _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype):
+def _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bool = False):
     """(the cached plan of this call or None, its key, the tensors it reads)."""
-    tk, ik = _flat_key(k)
-    tv, iv = _flat_key(v)
+    tk, ik = _flat_key(k, device_count)
+    tv, iv = _flat_key(v, device_count)
     ts = tk + tv
     key = (type(k), ik, iv, tuple(map(id, ts)), q.dtype, q.shape, q.device, num_splits, ctas_per_sm, variant,
-           out_dtype)
+           out_dtype, device_count)
     return _PLANS.get(key, ts), key, ts
 
 
-def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype) -> _Plan:
+def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bool = False) -> _Plan:
     if type(k) not in _FORMAT or type(v) is not type(k):
         raise ValueError(f"CUDA decode kernel: no CUDA kernel for {type(k).__name__}/{type(v).__name__}")
-    plan, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype)
+    if device_count and isinstance(k, KIVIFlat) and not _is_graph(k, v):
+        raise ValueError("valid_len: KIVI takes a device count only with KIVIGraphFlat views (the window policies "
+                         "that split it into groups and window rows: KernelStore.graph_view)")
+    if not device_count and _is_graph(k, v):
+        raise ValueError("a KIVI graph view needs valid_len: its group and window counts follow the device length")
+    device_count = device_count and isinstance(k, KIVIFlat)  # (int4 / fp8: the same plan either way)
+    plan, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count)
     if plan is not None:
         return plan
-    return _PLANS.put(key, ts, _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype))
+    return _PLANS.put(key, ts, _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count))
 
 
-def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype) -> _Plan:
+def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bool = False) -> _Plan:
     B, H, T, D = k.B, k.H, k.T, k.D
+    if device_count:
+        T = k.capacity  # (K and V of one capacity: unsupported checks it)
     check_q(q, H, D, B)
-    if (v.B, v.H, v.T, v.D) != (B, H, T, D):
+    if (v.B, v.H, v.D) != (B, H, D) or (not device_count and v.T != T):
         raise ValueError("K and V caches differ in shape")
     why = unsupported(q, k, v)
     if why:
@@ -389,19 +423,22 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype) -> _Plan:
         variant = DEFAULT_VARIANT["kivi"] if variant is None else variant
         if variant not in variants(k):
             raise ValueError(f"KIVI takes the shared-memory variants {variants(k)} at head_dim {D}, got {variant}")
-        n_main, (ns_m, per_m), (ns_t, per_t) = kivi_plan(k, v, q.device, num_splits, ctas_per_sm)
+        n_main, (ns_m, per_m), (ns_t, per_t) = kivi_plan(k, v, q.device, num_splits, ctas_per_sm, device_count)
         a.kind, a.fmt = 1, k.bits
         for f, role, pre in ((k, "K", "k"), (v, "V", "v")):
-            if f.n_groups:  # else never read: no quantized token on this side
+            if f.n_groups or device_count:  # else never read: no quantized token on this side
                 setattr(a, pre + "c", f.codes.data_ptr())
                 setattr(a, pre + "s", f.scale.data_ptr())
                 setattr(a, pre + "z", f.zero.data_ptr())
                 setattr(a, pre + "_cs", bh_stride(f.codes, f"{role} codes"))
                 setattr(a, pre + "_ss", bh_stride(f.scale, f"{role} scale"))
-            if f.T_res:
+            if f.T_res or device_count:
                 setattr(a, pre + "r", f.residual.data_ptr())
                 setattr(a, pre + "_rs", bh_stride(f.residual, f"{role} window"))
-        a.TQK, a.TQV, a.n_main = k.T_quant, v.T_quant, n_main
+        if device_count:  # the kernel derives TQK, TQV, n_main from the count
+            (a.KA, a.KP), (a.VA, a.VP) = k.policy, v.policy
+        else:
+            a.TQK, a.TQV, a.n_main = k.T_quant, v.T_quant, n_main
         a.per_main, a.nsplit_main, a.per_tail, a.nsplit_tail = per_m, ns_m, per_t, ns_t
         a.nsplit = nsplit = ns_m + ns_t
     else:
@@ -429,15 +466,17 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype) -> _Plan:
     plan = _Plan()
     plan.keep, plan.args, plan.ptr = keep, a, ctypes.addressof(a)
     plan.nsplit, plan.rows_q, plan.D, plan.out_dtype, plan.kind = nsplit, B * Hq, D, out_dtype, a.kind
+    plan.device_count = device_count
     plan.shape = (B, Hq, 1, D)
     return plan
 
 
 def make_workspace(q: torch.Tensor, k, v, *, num_splits: int | None = None,
-                   ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM, out_dtype=None) -> Workspace:
+                   ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM, out_dtype=None, valid_len: bool = False) -> Workspace:
     """A workspace that fits `decode(q, k, v, ...)` with the same options (the one a
-    valid_len / CUDA-graph caller must pass: such a call allocates nothing)."""
-    plan = _plan(q, k, v, num_splits, ctas_per_sm, None, out_dtype)
+    valid_len / CUDA-graph caller must pass: such a call allocates nothing). valid_len:
+    whether the calls pass one (KIVI graph views: the splits are cut for the capacity)."""
+    plan = _plan(q, k, v, num_splits, ctas_per_sm, None, out_dtype, bool(valid_len))
     return Workspace(plan.rows_q, plan.nsplit, plan.D, q.device, plan.out_dtype)
 
 
@@ -449,26 +488,26 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     ValueError when `unsupported` gives a reason, RuntimeError when the kernels are
     unavailable or a launch fails.
 
-    valid_len (int4 / fp8 only): an int32 CUDA tensor of one element on q's device holding
-    the number of valid tokens. The flat's T is then the CAPACITY bound: the grid and the
-    splits are sized from it, and the kernel reads min(valid_len, T) at run time (CTAs
+    valid_len: an int32 CUDA tensor of one element on q's device holding the number of
+    valid tokens. The flat's T (KIVI graph views: their capacity) is then the CAPACITY
+    bound: the grid and the splits are sized from it, and the kernel reads min(valid_len, T) at run time (CTAs
     whose tokens all lie past it write empty partials); a count < 1 gives NaN (no token to
     attend to). It is read on the device only, so with a `workspace` that fits
     (`make_workspace`) the call neither synchronises nor allocates: it can be captured in
     a CUDA graph and replayed after the count changes (`valid_len.fill_(n)` on the
     device). A workspace that does not fit is then an error, not a silent allocation.
-    KIVI takes no valid_len: its valid state is two lengths per side (quantized groups and
-    window rows), which move when a window flushes.
+    KIVI takes valid_len with `KIVIGraphFlat` views only: its valid state is two lengths per
+    side (quantized groups and window rows), which the kernel derives from the count by each
+    side's window policy (A, P): max(0, T - A) // P * P tokens quantized, the rest in the
+    window.
 
     With a workspace, the result is its `out` buffer (overwritten by the next call with
     it); without one, a fresh tensor."""
-    plan = _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype)
+    plan = _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len is not None)
     if not q.is_contiguous():
         q = q.contiguous()
     vptr = None
     if valid_len is not None:
-        if plan.kind != 0:
-            raise ValueError("valid_len: int4 / fp8 caches only (KIVI has two lengths per side)")
         if (type(valid_len) is not torch.Tensor or valid_len.dtype != torch.int32 or valid_len.numel() != 1
                 or valid_len.get_device() != q.get_device()):
             raise ValueError("valid_len must be an int32 tensor of one element on q's CUDA device")
@@ -495,20 +534,29 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     return out
 
 
-def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM):
+def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM,
+              device_count: bool = False):
     """How a KIVI call is cut: (n_main, (splits, tiles per split) of tokens [0, n_main),
     (splits, tiles per split) of the tail [n_main, T)). n_main = min(TQK, TQV): both sides
     quantized (whole groups, whole tiles); its splits hold whole groups (an even number of
     tiles: the group stream's stage is a group); num_splits / ctas_per_sm apply to that
-    part, the tail (the windows, usually < R + G tokens) takes the default rule."""
+    part, the tail (the windows, usually < R + G tokens) takes the default rule.
+    device_count (graph views): cut for the most either part can hold at any count up to
+    the capacity C: n_main(C) (it grows with the count), and a tail of at most
+    max(A + P) - 1 tokens over the sides (T - q(T) < A + P for q(T) = max(0, T - A) // P * P)."""
     rows = k.B * k.H
-    n_main = min(k.T_quant, v.T_quant)
+    if device_count:
+        C = k.capacity
+        n_main = min(max(0, C - a) // p * p for a, p in (k.policy, v.policy))
+        tail_tokens = min(C, max(a + p for a, p in (k.policy, v.policy)) - 1)
+    else:
+        n_main = min(k.T_quant, v.T_quant)
+        tail_tokens = k.T - n_main
     main = (0, 0)
     if n_main:
         _, per = splits(rows, n_main, device, num_splits, ctas_per_sm, KIVI_TILES_PER_SPLIT)
         per += per % 2
         main = (-(-(n_main // 16) // per), per)
-    tail_tokens = k.T - n_main
     tail = splits(rows, tail_tokens, device) if tail_tokens else (0, 0)
     return n_main, main, tail
 

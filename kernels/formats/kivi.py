@@ -523,7 +523,9 @@ class KIVIStore(KernelStore):
 
 CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_decode.decode(q, k, v, **kw), title="CUDA KIVI kernel",
               auto=lambda k: cuda_decode.auto_refusal(k), options=cuda_decode.OPTIONS,
-              valid_len=False,  # its valid state is two counts per side (kernels/cuda/decode_attention.py)
+              # graph views only: the kernel derives each side's counts from the device length
+              # by the window policies (kernels/cuda/decode_attention.py)
+              valid_len=True,
               unsupported=lambda q, k, v: cuda_decode.unsupported(q, k, v),
               why_unavailable=lambda: cuda_decode.why_unavailable(), renamed=cuda_decode.RENAMED)
 

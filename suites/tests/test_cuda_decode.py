@@ -522,6 +522,127 @@ def test_kivi_plan_covers_every_token(T, kspec):
             assert nt * pt >= tt and (nt - 1) * pt < tt
 
 
+# ---------------------------------------------------------------------------------------
+# KIVI graph views with a device count (valid_len): the kernel derives each side's
+# quantized tokens and window rows from the count by the window policies, on a grid cut
+# for the capacity (a graphed decode step's call; before 2026-12-05 those ran on Triton)
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("policies", [((0, 128), (128, 32)), ((128, 32), (128, 32)), ((0, 64), (20, 32))])
+@pytest.mark.parametrize("capacity", [1, 40, 161, 1000])
+def test_kivi_device_count_plan_covers_every_count(policies, capacity):
+    """kivi_plan(device_count=True): at every count up to the capacity, the main part
+    [0, n_main(T)) and the tail [n_main(T), T) fit the splits cut for the capacity (CPU)."""
+    z = torch.zeros(1)
+    kf, vf = (L.KIVIGraphFlat(B=2, H=3, D=64, bits=2, group=32, role=r, n_groups=0, codes=z, scale=z, zero=z,
+                              residual=z, policy=p, capacity=capacity) for r, p in zip("KV", policies))
+    for kw in ({}, {"num_splits": 3}):
+        n_cap, (nm, pm), (nt, pt) = cuda_decode.kivi_plan(kf, vf, torch.device("cpu"), device_count=True, **kw)
+        assert n_cap % 32 == 0 and (nm == 0) == (n_cap == 0) and pm % 2 == 0
+        for T in range(1, capacity + 1):
+            n_main = min(max(0, T - a) // p * p for a, p in policies)
+            assert n_main <= n_cap and n_main // 16 <= nm * pm
+            assert -(-(T - n_main) // 16) <= nt * pt, (T, n_main, nt, pt)
+
+
+def _kivi_cache_views(spec, T, cap, D, seed):
+    """(q, host-count K / V flats, graph views at capacity cap, reference K / V) of a
+    QuantizedCache of spec holding T tokens (a prefill leaves the window policy's state),
+    NaN / inf garbage past every buffer's valid rows."""
+    from kvqbench.suites.harness.kv_cache import QuantizedCache
+
+    B, Hkv, Hq = 2, 2, 8
+    k, v = make(B, Hkv, T, D, seed), make(B, Hkv, T, D, seed + 1, outlier=False)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(seed + 2)).half().to(DEV)
+    cache = QuantizedCache(spec, n_layers=1, fused=True, seed=3)
+    cache.update(k, v, 0)
+    cache.reserve(cap)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(seed + 3)
+    for role in ("K", "V"):
+        st = layer.stores[role]
+        per = 1 if role == "K" else st.flat.group
+        for name, b in st.buffers.items():
+            n = st.flat.n_res if name == "residual" else st.flat.n_groups * per
+            rest = b.buf[:, :, n:]
+            b.buf[:, :, n:] = with_junk(rest[:, :, :0], rest.shape[2], g)
+    host = tuple(layer.stores[r].kernel_view() for r in ("K", "V"))
+    views = tuple(layer.stores[r].graph_view(cap) for r in ("K", "V"))
+    return cache, q, host, views, (layer.read("K"), layer.read("V"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", ["kivi:bits=2", "kivi:bits=4,window=fixed"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_kivi_valid_len_matches_the_host_counts_call_and_the_reference(spec, D, monkeypatch):
+    """Counts across both sides' flushes (keys: the paper's window (0, 128), values (128,
+    32); the fixed window (128, 32) both), a window-only cache and T = 1: the device-count
+    call equals the host-count call of the same cache to fp32 rounding (other splits) and
+    the reference within TOL, with garbage past the valid rows and splits past the count.
+    backend="auto" takes it once the switch is on."""
+    from kvqbench.kernels.decode_attention import explain_backend, reference_decode_attention
+
+    for i, T in enumerate((1, 100, 159, 160, 161, 255, 256, 300, 1500)):
+        _, q, (kh, vh), (kg, vg), (kd, vd) = _kivi_cache_views(spec, T, 1600, D, seed=10 * i + D)
+        ref = reference_decode_attention(q, kd, vd)
+        host = cuda_decode.decode(q, kh, vh, out_dtype=torch.float32)
+        vl = torch.tensor([T], dtype=torch.int32, device=DEV)
+        for ns in (None, 1, 7):
+            out = cuda_decode.decode(q, kg, vg, num_splits=ns, valid_len=vl, out_dtype=torch.float32)
+            assert torch.isfinite(out).all(), (spec, D, T, ns)
+            assert rel_err(out, host) < 1e-5, (spec, D, T, ns, rel_err(out, host))
+            assert rel_err(out, ref) < TOL[torch.float16], (spec, D, T, ns, rel_err(out, ref))
+    monkeypatch.setattr(cuda_decode, "KIVI_VALID_LEN_AUTO", False)
+    assert explain_backend(q, kg, vg, valid_len=vl).backend == "triton"
+    monkeypatch.setattr(cuda_decode, "KIVI_VALID_LEN_AUTO", True)
+    assert explain_backend(q, kg, vg, valid_len=vl).backend == "cuda"
+    with pytest.raises(ValueError, match="needs valid_len"):
+        cuda_decode.decode(q, kg, vg)
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", ["kivi:bits=2", "kivi:bits=4"])
+def test_kivi_graphed_steps_on_cuda_match_the_triton_ones(spec, monkeypatch):
+    """A model's graphed decode steps (head dim 64, 2 layers) from a 240-token prompt over
+    50 steps (both sides flush at 256 and 288 tokens) through the CUDA kernel with device
+    counts give the logits of the same steps through the Triton kernel (bf16 model: the
+    same greedy tokens, logits within 0.05), and the replays equal uncaptured device steps."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvqbench.kernels.graphs import GraphedDecodeStep
+    from kvqbench.suites.harness.attention import fused_attention
+    from kvqbench.suites.harness.kv_cache import QuantizedCache, cache_kwargs
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+                      attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).to(DEV, torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (2, 240), generator=torch.Generator().manual_seed(1)).to(DEV)
+
+    def run(on_cuda: bool, capture: bool = True):
+        monkeypatch.setattr(cuda_decode, "KIVI_VALID_LEN_AUTO", on_cuda)
+        if not capture:
+            monkeypatch.setattr(GraphedDecodeStep, "_capture", lambda self: self._device_step())
+        with torch.inference_mode(), fused_attention(model):
+            cache = QuantizedCache(spec, config=model.config, fused=True, seed=1)
+            kw = cache_kwargs(model, cache)
+            tok = model(input_ids=ids, **kw, use_cache=True).logits[:, -1:].argmax(-1)
+            step = GraphedDecodeStep(model, cache, 2, max_tokens=240 + 54)
+            out = []
+            for _ in range(50):
+                logits = step(tok).clone()
+                out.append(logits)
+                tok = logits[:, -1:].argmax(-1)
+        monkeypatch.undo()
+        assert (step.graph is not None) == capture, step.why
+        return torch.cat(out, 1)
+
+    cuda, triton = run(True), run(False)
+    assert torch.equal(cuda.argmax(-1), triton.argmax(-1))
+    assert torch.allclose(cuda.float(), triton.float(), atol=0.05)
+    assert torch.equal(cuda, run(True, capture=False))
+
+
 FAKE_NVCC = """#!/bin/sh
 [ "$1" = "--version" ] && { echo "fake nvcc 0.1"; exit 0; }
 echo build >> "$KVQ_NVCC_CALLS"
