@@ -131,7 +131,10 @@ KIVI_TILE_STREAM = (5, 6)
 # from it by the window policies; before, a graphed KIVI step ran the Triton kernel):
 # backend="auto" takes them once the GPU tests of that path have passed (test_cuda_decode.py
 # "kivi_valid_len"); until then auto leaves them to Triton and backend="cuda" takes them.
-KIVI_VALID_LEN_AUTO = False
+# H200, 2026-12-05 13:45 UTC (0262160 + the tests' tolerances): every KIVI test of the file
+# passed (135 + the 8 device-count ones: head dims 64 / 128 / 256, counts across both sides'
+# flushes, garbage past the valid rows, a model's graphed steps vs the Triton ones): on.
+KIVI_VALID_LEN_AUTO = True
 
 _FORMAT = {IntFlat: "int4", FP8Flat: "fp8", KIVIFlat: "kivi", KIVIGraphFlat: "kivi"}  # cache type -> CUDA_VERIFIED name
 
