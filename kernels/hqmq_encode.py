@@ -21,10 +21,10 @@ encoder, kernels/formats/hqmq.py; kernels/step_encode.py has the other formats' 
 the shared pieces): radii, the per-write median and outliers, r_max, the direction
 search (`best_codes`), radius codes, packing (whole bits, or mixed radix: `pack_groups`),
 the per-(b, h) outlier lists and the 64-token outlier index. A Med3x write of several
-tokens (its median is over the whole write) is `hqmq_med3_write`: `_med3_write_kernel`
-(per (b, h): the median as an exact k-th smallest over the radii's bit patterns, each
-token's list position, the index blocks, the lengths), then `_hqmq_kernel` with that
-per-(b, h) threshold, one program per token as without Med3x.
+tokens (its median is over the whole write) is `hqmq_med3_write`: the write's chunk
+radii (`_chunk_radii_kernel`), their median per (b, h) (torch.median), `_med3_write_kernel`
+(per (b, h): each token's list position, the index blocks, the lengths), then
+`_hqmq_kernel` with that per-(b, h) threshold, one program per token as without Med3x.
 
 Bit identity and ties: the kernel computes v_j = sum_i u_i M[i, j] in the
 order i = 0..3 (M the right-multiplication matrix of conj(s), as torch's
@@ -215,42 +215,31 @@ def _chunk_radius(xo, m):
     return norm4(x0, x1, x2, x3)
 
 
-@triton.jit(do_not_specialize=["T", "t0"])
-def _med3_write_kernel(x_ptr, sxb, sxh, sxt, H, T, t0, C, med_ptr, st_ptr, olen_ptr, oi_ptr, oi_h,
-                       NC: tl.constexpr, NCP: tl.constexpr, BLK: tl.constexpr, TB: tl.constexpr,
-                       RB: tl.constexpr, OB: tl.constexpr):
-    """Med3x's cross-token part of a write of T tokens at token t0, one program per (b, h):
-    r_med = the lower median (torch.median) of the write's T*NC chunk radii, found exactly
-    as the k-th smallest (k = (T*NC - 1) // 2) of their float32 bit patterns (radii are
-    >= 0, so the patterns sort as the values), RB bits per pass over the write: a digit is
-    the number of candidate prefixes whose count of patterns <= it is still <= k. Then the
-    outlier count of every token (r > C * r_med, r > 0), their running sum: each token's
-    start in the (b, h) list (`st_ptr` [B*H, T], int64: the list length before the write
-    plus the write's outliers before the token), the start of every OB-token index block
-    the write opens (`oi_ptr`), and the list length after the write (`olen_ptr`)."""
+@triton.jit(do_not_specialize=["n"])
+def _chunk_radii_kernel(x_ptr, sxb, sxh, sxt, H, n, r_ptr, NC: tl.constexpr, BLK: tl.constexpr):
+    """The chunk radii of a write (norm4, as the encode sees them) into r `[B*H, n]` fp32,
+    n = T * NC, chunk i of row bh = token i // NC, chunk i % NC: grid (B*H, cdiv(n, BLK))."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
-    xb = x_ptr + b.to(tl.int64) * sxb + h * sxh
-    n = T * NC
-    k = (n - 1) // 2
-    d = tl.arange(0, 1 << RB).to(tl.int64)
-    lo = tl.zeros([], tl.int64)  # the median's bit pattern, RB bits a pass from the top
-    for p in tl.static_range(32 // RB):
-        low = (1 << (32 - RB * (p + 1))) - 1
-        cand = lo + d * (low + 1) + low  # the largest pattern of each next digit
-        cnt = tl.zeros([1 << RB], tl.int32)
-        for s in range(0, n, BLK):
-            i = s + tl.arange(0, BLK)
-            m = i < n
-            r = _chunk_radius(xb + (i // NC) * sxt + (i % NC) * 4, m)
-            bits = tl.where(m, r.to(tl.int32, bitcast=True).to(tl.int64), 1 << 40)  # past n: above all
-            cnt += tl.sum((bits[:, None] <= cand[None, :]).to(tl.int32), axis=0)
-        lo += tl.sum((cnt <= k).to(tl.int64), axis=0) * (low + 1)
-    r_med = lo.to(tl.int32).to(tl.float32, bitcast=True)
-    tl.store(med_ptr + bh, r_med)
-    thr = C * r_med
+    i = tl.program_id(1) * BLK + tl.arange(0, BLK)
+    m = i < n
+    r = _chunk_radius(x_ptr + b.to(tl.int64) * sxb + h * sxh + (i // NC) * sxt + (i % NC) * 4, m)
+    tl.store(r_ptr + bh.to(tl.int64) * n + i, r, mask=m)
+
+
+@triton.jit(do_not_specialize=["T", "t0"])
+def _med3_write_kernel(r_ptr, T, t0, C, med_ptr, st_ptr, olen_ptr, oi_ptr, oi_h,
+                       NC: tl.constexpr, NCP: tl.constexpr, TB: tl.constexpr, OB: tl.constexpr):
+    """Med3x's per-token part of a write of T tokens at token t0, one program per (b, h),
+    from the write's chunk radii (`r_ptr` [B*H, T*NC]) and their median (`med_ptr` [B*H]):
+    the outlier count of every token (r > C * r_med, r > 0), their running sum: each
+    token's start in the (b, h) list (`st_ptr` [B*H, T], int64: the list length before
+    the write plus the write's outliers before the token), the start of every OB-token
+    index block the write opens (`oi_ptr`), and the list length after the write (`olen_ptr`)."""
+    bh = tl.program_id(0)
     bh64 = bh.to(tl.int64)
+    thr = C * tl.load(med_ptr + bh)
     olen = tl.load(olen_ptr + bh)
     c = tl.arange(0, NCP)
     cm = c < NC
@@ -258,7 +247,7 @@ def _med3_write_kernel(x_ptr, sxb, sxh, sxt, H, T, t0, C, med_ptr, st_ptr, olen_
         tt = s + tl.arange(0, TB)
         tm = tt < T
         m = tm[:, None] & cm[None, :]
-        r = _chunk_radius(xb + tt[:, None] * sxt + c[None, :] * 4, m)
+        r = tl.load(r_ptr + bh64 * T * NC + tt[:, None] * NC + c[None, :], mask=m, other=0.0)
         per_tok = tl.sum(((r > thr) & (r > 0) & m).to(tl.int32), axis=1)  # [TB]
         start = olen + (tl.cumsum(per_tok, axis=0) - per_tok).to(tl.int64)
         tl.store(st_ptr + bh64 * T + tt, start, mask=tm)
@@ -410,27 +399,31 @@ def hqmq_tokens(x, flat, S: int, rel, t0: int, err, *, C: float = 3.0, med3: boo
 
 def hqmq_med3_write(x, flat, S: int, rel, t0: int, err, *, C: float, outlier_len) -> None:
     """`HQMQ.encode_tokens` of a Med3x write of t tokens x `[B, H, t, D]` on the device,
-    into the buffers of `flat` at tokens t0..t0+t-1, in two launches and no host read:
-    `_med3_write_kernel` (a program per (b, h): the median chunk radius over the write,
-    each token's start in its (b, h) outlier list, the starts of the 64-token index blocks
-    the write opens, the lists' lengths `outlier_len` advanced), then `_hqmq_kernel` over
-    (B*H, t) with that per-(b, h) threshold, each token's outliers stored at its start.
-    The caller has made room in `flat.outliers` (t*D/8 more per list: at most half the
-    chunks exceed C times a lower median) and in `flat.outlier_index`."""
+    into the buffers of `flat` at tokens t0..t0+t-1, with no host read: the write's chunk
+    radii (`_chunk_radii_kernel`), r_med = their lower median per (b, h) (torch.median: the
+    k-th smallest, k = (t*D/4 - 1) // 2, the value the encode's own median gives), then
+    `_med3_write_kernel` (a program per (b, h): each token's start in its (b, h) outlier
+    list, the starts of the 64-token index blocks the write opens, the lists' lengths
+    `outlier_len` advanced), then `_hqmq_kernel` over (B*H, t) with that per-(b, h)
+    threshold, each token's outliers stored at its start. The caller has made room in
+    `flat.outliers` (t*D/8 more per list: at most half the chunks exceed C times a lower
+    median) and in `flat.outlier_index`.
+    (Until 2026-12-05 the median was a radix select inside `_med3_write_kernel`, 16 passes
+    over the write in one program per (b, h): at a 512-token prefill of the embedded model,
+    3 to 24 programs per launch, the suspected part of Med3x's prefill costing ~0.05 s more
+    than HQMQ's on the H200.)"""
     B, H, t, D = x.shape
-    nc = D // 4
-    med = torch.empty(B * H, dtype=torch.float32, device=x.device)
+    nc, n = D // 4, t * (D // 4)
+    r = torch.empty(B * H, n, dtype=torch.float32, device=x.device)
+    blk = 1024
+    step_encode.launch(_chunk_radii_kernel, (B * H, triton.cdiv(n, blk)), x, x.stride(0), x.stride(1), x.stride(2),
+                       H, n, r, NC=nc, BLK=blk)
+    med = torch.median(r, dim=1).values  # the lower median: as the encode's torch.median
     st = torch.empty(B * H, t, dtype=torch.int64, device=x.device)
     oi = flat.outlier_index
-    if interpreting():  # the interpreter pays per loop iteration, the GPU per register
-        blk, tb, extra = 4096, 64, {}
-    else:
-        blk, tb, extra = 1024, 32, {"num_warps": 8}
-    step_encode.launch(_med3_write_kernel, (B * H,), x, x.stride(0), x.stride(1), x.stride(2), H, t, t0, float(C),
-                       med, st, outlier_len, oi, oi.stride(1), NC=nc, NCP=p2(nc), BLK=blk, TB=tb, RB=2,
-                       OB=OUTLIER_BLOCK, **extra)
+    step_encode.launch(_med3_write_kernel, (B * H,), r, t, t0, float(C), med, st, outlier_len, oi, oi.stride(1),
+                       NC=nc, NCP=p2(nc), TB=32 if interpreting() else 64, OB=OUTLIER_BLOCK)
     hqmq_tokens(x, flat, S, rel, t0, err, C=C, med3=True, outlier_len=outlier_len, med3_plan=(med, st))
-
 
 
 __all__ = ["best_codes", "hqmq_search", "hqmq_tokens", "hqmq_med3_write", "kernel_quantizer", "encode_with_kernel"]
