@@ -197,7 +197,8 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
     (A layout a default-options call has planned already is taken without re-checking:
     decode_attention's auto route asks this on every call.)"""
     if type(k) in _FORMAT and type(v) is type(k) and q.is_cuda and _PLANS.plans:
-        if _lookup(q, k, v, None, DEFAULT_CTAS_PER_SM, None, None)[0] is not None:
+        # (a KIVI graph view is planned for a device count: the only call it takes)
+        if _lookup(q, k, v, None, DEFAULT_CTAS_PER_SM, None, None, _is_graph(k, v))[0] is not None:
             return None
     if not q.is_cuda:
         return "q is not on a CUDA device"
