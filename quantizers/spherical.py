@@ -294,9 +294,15 @@ class Spherical(FitsOnFirstWrite, Quantizer):
         if not self.has_outliers:
             return [None]
         n = self.n_out(head_dim)
-        mask = unpack_bits(shared["outlier_mask"].to(device), 1, head_dim)  # [R, H, D]
-        order = torch.argsort(mask, dim=-1, descending=True, stable=True)
-        return [order[..., n:].sort(-1).values, order[..., :n].sort(-1).values]
+        source = shared["outlier_mask"]
+
+        def build():
+            mask = unpack_bits(source.to(device), 1, head_dim)  # [R, H, D]
+            order = torch.argsort(mask, dim=-1, descending=True, stable=True)
+            return [order[..., n:].sort(-1).values, order[..., :n].sort(-1).values]
+        # once per stored mask (derived.py): a decode step's write and read each asked for it
+        # again, ~12 of its ~200 ops per part and step
+        return derived(source, ("spherical.channel_index", n, head_dim, str(device)), build)
 
     @staticmethod
     def _take(x, idx):
