@@ -358,7 +358,7 @@ class _Plan:
     """What a call on one cache layout launches: the argument struct, the split count and
     the workspace size, with weak references to the cache tensors it points into (a plan
     is used only while every one of them is alive and the same object)."""
-    __slots__ = ("keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind", "device_count")
+    __slots__ = ("keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind")
 
 
 _PLANS = PlanCache(64)  # layouts kept (library.py: weak references, cleared when full)
@@ -470,7 +470,6 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_cou
     plan = _Plan()
     plan.keep, plan.args, plan.ptr = keep, a, ctypes.addressof(a)
     plan.nsplit, plan.rows_q, plan.D, plan.out_dtype, plan.kind = nsplit, B * Hq, D, out_dtype, a.kind
-    plan.device_count = device_count
     plan.shape = (B, Hq, 1, D)
     return plan
 
