@@ -62,7 +62,13 @@ def fwht(x: torch.Tensor, block: int) -> torch.Tensor:
     while h < block:
         y = y.unflatten(-1, (block // (2 * h), 2, h))
         a, b = y.select(-2, 0), y.select(-2, 1)
-        y = torch.stack([a + b, a - b], dim=-2).flatten(-3)
+        # sums and differences written straight into their halves: two kernels a stage
+        # where a stack of two temporaries took three (a graphed dense decode step replays
+        # every one of them, per layer and role)
+        out = torch.empty_like(y)
+        torch.add(a, b, out=out.select(-2, 0))
+        torch.sub(a, b, out=out.select(-2, 1))
+        y = out.flatten(-3)
         h *= 2
     return y.reshape(shape)
 
