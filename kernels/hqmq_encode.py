@@ -407,11 +407,12 @@ def hqmq_med3_write(x, flat, S: int, rel, t0: int, err, *, C: float, outlier_len
     `outlier_len` advanced), then `_hqmq_kernel` over (B*H, t) with that per-(b, h)
     threshold, each token's outliers stored at its start. The caller has made room in
     `flat.outliers` (t*D/8 more per list: at most half the chunks exceed C times a lower
-    median) and in `flat.outlier_index`.
+    median) and in `flat.outlier_index`. The radii take a float32 temporary of half x's
+    bytes (x fp16).
     (Until 2026-12-05 the median was a radix select inside `_med3_write_kernel`, 16 passes
-    over the write in one program per (b, h): at a 512-token prefill of the embedded model,
-    3 to 24 programs per launch, the suspected part of Med3x's prefill costing ~0.05 s more
-    than HQMQ's on the H200.)"""
+    over the write in one program per (b, h). Replacing it did not close Med3x's prefill gap
+    to HQMQ's: ~0.045 s more at a 512-token batch-8 prefill of the embedded shape on an H100
+    afterwards, against ~0.06 s on the H200 before; reports/generate/README.md.)"""
     B, H, t, D = x.shape
     nc, n = D // 4, t * (D // 4)
     r = torch.empty(B * H, n, dtype=torch.float32, device=x.device)
@@ -421,8 +422,9 @@ def hqmq_med3_write(x, flat, S: int, rel, t0: int, err, *, C: float, outlier_len
     med = torch.median(r, dim=1).values  # the lower median: as the encode's torch.median
     st = torch.empty(B * H, t, dtype=torch.int64, device=x.device)
     oi = flat.outlier_index
+    tb = 64 if interpreting() else 32  # tokens a loop step: the interpreter pays per iteration
     step_encode.launch(_med3_write_kernel, (B * H,), r, t, t0, float(C), med, st, outlier_len, oi, oi.stride(1),
-                       NC=nc, NCP=p2(nc), TB=32 if interpreting() else 64, OB=OUTLIER_BLOCK)
+                       NC=nc, NCP=p2(nc), TB=tb, OB=OUTLIER_BLOCK)
     hqmq_tokens(x, flat, S, rel, t0, err, C=C, med3=True, outlier_len=outlier_len, med3_plan=(med, st))
 
 

@@ -268,6 +268,7 @@ def em_codebooks(z: torch.Tensor, M: int, K: int, beam: int, gen: torch.Generato
         cb = joint_codewords(z, codes[0], cb).half().float()
     return best[1]
 
+
 __all__ = ["CAL_BEAM", "CAL_POINTS_PER_CODEWORD", "EM_ITERS", "KMEANS_ITERS", "MAX_JOINT", "em_codebooks", "fit_codebook_with_zero",
            "fit_residual_codebooks", "joint_codewords", "kmeans", "nearest", "normal_equations", "residual_search",
            "sample_points"]

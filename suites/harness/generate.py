@@ -331,14 +331,13 @@ def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, t
     if stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
     rows = _rows(input_ids)
+    dev = next(model.parameters()).device
     if spec is not None and spec_needs_calibration(spec):
         if calibration is None:
             raise ValueError(f"{spec} is a calibrated quantizer (fitted once per model on calibration K/V): "
                              "generate(..., calibration=) needs its calibration, K/V of windows that are not "
                              "generated from (suites/harness/calibration.py capture_kv / corpus_calibration)")
-        calibration = fit_calibration(spec, calibration, seed,  # once, not per group's cache
-                                      device=next(model.parameters()).device)
-    dev = next(model.parameters()).device
+        calibration = fit_calibration(spec, calibration, seed, device=dev)  # once, not per group's cache
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and max(map(len, rows)) + max_new_tokens > limit:
         raise ValueError(f"prompt ({max(map(len, rows))} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
