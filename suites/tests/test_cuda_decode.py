@@ -567,7 +567,7 @@ def _kivi_cache_views(spec, T, cap, D, seed):
             b.buf[:, :, n:] = with_junk(rest[:, :, :0], rest.shape[2], g)
     host = tuple(layer.stores[r].kernel_view() for r in ("K", "V"))
     views = tuple(layer.stores[r].graph_view(cap) for r in ("K", "V"))
-    return cache, q, host, views, (layer.read("K"), layer.read("V"))
+    return q, host, views, (layer.read("K"), layer.read("V"))
 
 
 @needs_cuda
@@ -583,7 +583,7 @@ def test_kivi_valid_len_matches_the_host_counts_call_and_the_reference(spec, D, 
     from kvqbench.kernels.decode_attention import explain_backend, reference_decode_attention
 
     for i, T in enumerate((1, 100, 159, 160, 161, 255, 256, 300, 1500)):
-        _, q, (kh, vh), (kg, vg), (kd, vd) = _kivi_cache_views(spec, T, 1600, D, seed=10 * i + D)
+        q, (kh, vh), (kg, vg), (kd, vd) = _kivi_cache_views(spec, T, 1600, D, seed=10 * i + D)
         ref = reference_decode_attention(q, kd, vd)
         host = cuda_decode.decode(q, kh, vh, out_dtype=torch.float32)
         vl = torch.tensor([T], dtype=torch.int32, device=DEV)
