@@ -45,6 +45,7 @@ class StickyChecks:
         self.where = where
         self.flags: list[torch.Tensor] = []
         self.errors: list[Callable[[], Exception]] = []
+        self.watched: list[tuple[torch.Tensor, Callable[[], Exception]]] = []
         self._next: int | None = None
 
     @contextlib.contextmanager
@@ -64,10 +65,17 @@ class StickyChecks:
         self.errors[k] = error
         self.flags[k].logical_or_(bad.reshape(()))
 
+    def watch(self, flag: torch.Tensor, error: Callable[[], Exception]) -> None:
+        """A flag a kernel of the step raises itself (one element, nonzero: failed), read by
+        `check` after the `require` flags (kept apart: those are matched by their order)."""
+        self.watched.append((flag.reshape(()), error))
+
     def check(self) -> None:
-        if not self.flags:
+        flags = self.flags + [f for f, _ in self.watched]
+        if not flags:
             return
-        for failed, error in zip(torch.stack(self.flags).tolist(), self.errors):
+        errors = self.errors + [e for _, e in self.watched]
+        for failed, error in zip(torch.stack([f.bool() for f in flags]).tolist(), errors):
             if failed:
                 e = error()
                 raise type(e)(f"{self.where} (values quoted are those of the last step): {e}") from e

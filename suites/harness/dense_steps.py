@@ -31,9 +31,10 @@ import dataclasses
 
 import torch
 
+from ...kernels import spherical_step
 from ...kernels.store import TokenBuffer
 from ...quantizers import Packed, Segment
-from ...quantizers.base import WINDOW_FIELD, Quantizer
+from ...quantizers.base import FP16_MAX, WINDOW_FIELD, Quantizer, QuantizerInputError
 from ...quantizers.checks import StickyChecks
 
 
@@ -88,7 +89,24 @@ def probe(q: Quantizer, packed: Packed, decoded: TokenBuffer) -> str | None:
     return why
 
 
-PROBED: dict = {}  # (quantizer class, spec, role, batch, heads, head_dim, dtype, device) -> probe's answer
+PROBED: dict = {}
+
+# Device encoders of a one-token write, by quantizer name: one launch where the torch path
+# replays its encode and decode op by op (spherical: 170-330 aten ops per layer and step).
+# Used on CUDA ("cuda"); "always" also on the CPU (the Triton interpreter: tests), "never".
+DEVICE_ENCODERS = "cuda"
+
+
+def device_encoder(q: Quantizer, packed: Packed, fields: dict, checks: StickyChecks):
+    """The device encoder of q's one-token writes into `fields` (None: the torch path),
+    its flags watched by `checks`."""
+    if q.name != "spherical" or spherical_step.unsupported(q):
+        return None
+    flags = torch.zeros(2, dtype=torch.int32, device=packed.device)
+    checks.watch(flags[0], lambda: QuantizerInputError("input has NaN/Inf values; a cache cannot store them"))
+    checks.watch(flags[1], lambda: QuantizerInputError(
+        f"spherical gain overflows the fp16 the cache stores (max {FP16_MAX}); rescale the input"))
+    return spherical_step.SphericalStep(q, packed, fields, flags)  # (quantizer class, spec, role, batch, heads, head_dim, dtype, device) -> probe's answer
 
 
 class DenseSteps:
@@ -107,11 +125,17 @@ class DenseSteps:
         with torch.inference_mode(decoded.buf.is_inference()):
             decoded.buf[:, :, decoded.length:].zero_()
         self.checks = StickyChecks(where)
+        self.encoder = None
+        if DEVICE_ENCODERS == "always" or (DEVICE_ENCODERS == "cuda" and packed.device.type == "cuda"):
+            self.encoder = device_encoder(q, packed, self.fields, self.checks)
         self.run_start = self.run_end = self.base  # positions of the steps not yet folded, [start, end)
 
     def step_at(self, x: torch.Tensor, pos: torch.Tensor, packed: Packed) -> None:
         """Write token x `[B, H, 1, D]` at device position `pos` (int32 `[1]`); no host state
         changes (`advance` accounts for it)."""
+        if self.encoder is not None:  # one launch: the torch path's bytes (device_encoder)
+            self.encoder(x if x.stride(-1) == 1 else x.contiguous(), pos, self.base, self.decoded.buf)
+            return
         with self.checks.step():
             fields, dec = code_one_token(self.q, x, packed)
         if set(fields) != set(self.fields):
@@ -143,7 +167,7 @@ class DenseSteps:
         self.run_start = self.run_end
 
     def buffers(self) -> list[torch.Tensor]:
-        return [self.decoded.buf, *self.fields.values(), *self.checks.flags]
+        return [self.decoded.buf, *self.fields.values(), *self.checks.flags, *(f for f, _ in self.checks.watched)]
 
 
-__all__ = ["PROBED", "DenseSteps", "code_one_token", "probe", "unsupported"]
+__all__ = ["DEVICE_ENCODERS", "PROBED", "DenseSteps", "device_encoder", "code_one_token", "probe", "unsupported"]

@@ -416,6 +416,22 @@ def test_dense_device_steps_equal_dense_steps(model, spec):
     assert cd.get_seq_length() == 20 + 4 and cd.reserved == 20 + 4 + 4
 
 
+@pytest.mark.parametrize("spec", ["spherical3", "spherical2.5"])
+def test_dense_device_steps_through_the_spherical_encoder(model, spec, monkeypatch):
+    # kernels/spherical_step.py: one launch a step instead of the torch path (on a GPU by
+    # default; here forced, under the interpreter); the same bytes and logits
+    from kvqbench.suites.harness import dense_steps
+
+    monkeypatch.setattr(dense_steps, "DEVICE_ENCODERS", "always")
+    eager, ce, _ = _decode(model, spec, 4, graphed=False)
+    dev, cd, step = _decode(model, spec, 4, graphed=True, between=2)
+    assert step.mode == ("graph" if DEV.type == "cuda" else "device") and step.steps == 3, step.why
+    assert all(s.encoder is not None for layer in cd.layers for s in layer.dense_steps.values())
+    _assert_same_bytes(cd, ce, exact_layers=1)
+    tol = dict(atol=1e-5, rtol=1e-5) if DEV.type == "cpu" else dict(atol=0.05, rtol=0)
+    assert torch.allclose(dev.float(), eager.float(), **tol)
+
+
 def _kernel_reads(spec: str) -> bool:
     from kvqbench.kernels.store import KernelStore
 

@@ -1,0 +1,217 @@
+"""A decode step's spherical (TurboQuant) write in one launch: the dense step's encoder.
+
+A dense layer's graphed decode step (suites/harness/dense_steps.py) runs the
+quantizer's own torch `encode_tokens` and `decode` on the new token. For spherical that
+is 170 aten ops per layer and step (330 with an outlier split), most of them tiny
+kernels, which a 30-layer model's CUDA graph replays one after another: 42-46% of the
+spherical rows' time in the deployed compare (reports/kernels/NOTES.md, 2026-12-05).
+Here one program per (batch row, kv-head) does a part's whole write (both parts of an
+outlier split, one after the other), with the quantizer's float64 arithmetic:
+
+    y = x_part @ A^-1, u = y / ||y||, code = bucketize(u, level midpoints),
+    w = (levels[code] @ M) c, gain = <x_part, w> / ||w||^2 (lsq) or ||y|| (norm),
+
+and writes the packed codes and the fp16 gain into the step's field rows, and the
+decoded token (levels[code] @ M) (gain16 c), placed at the part's channels and rounded
+float64 -> float32 -> the history's dtype as the torch path rounds it, into the decoded
+history at the device position.
+
+The same bytes as the torch path (suites/tests/test_spherical_step.py): `levels @ M` is
+exact in float64 (the quantizer's `_unscaled`), so the decoded token follows from the
+codes and the fp16 gain; those hang on sums taken in another order (the y of a row and
+the gain's two sums), which differ by ~1e-16 relative, so a code or a gain differs only
+where u lies that close to a midpoint or the gain to an fp16 rounding boundary. The
+double -> half cast goes through float32, as torch's does.
+
+Not here: QJL keys (the sketch of the residual; the torch path serves them). Bad values
+are counted on the device (`flags`: non-finite inputs, gains beyond fp16) and raised by
+the step's sticky checks when the Packed is next read.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .step_encode import device_pos, launch, nonfinite, p2, pack_row
+
+TILE = 16  # channels per tile of a matrix pass: a [part size, TILE] float64 tile in registers
+
+
+@triton.jit
+def _to_history(v, DT: tl.constexpr):
+    """float32 v in the history's dtype, rounded to nearest even as torch's cast; bf16 by
+    its bits (the interpreter's bf16 cast does not round so; NaN is not expected here:
+    flagged input)."""
+    if DT == tl.bfloat16:
+        u = v.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return v.to(DT)
+
+
+@triton.jit
+def _part(x_ptr, xo, idx_ptr, io, ainv_ptr, m_ptr, mo, c_ptr, lv_ptr, ed_ptr,
+          code_ptr, co, gain_ptr, go, dec_ptr, do, flag_ptr,
+          D: tl.constexpr, DP: tl.constexpr, SPLIT: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr,
+          NBP: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr, LSQ: tl.constexpr, TILE: tl.constexpr):
+    """One part (D channels, at idx_ptr + io when SPLIT, else 0..D-1) of one token row."""
+    k = tl.arange(0, DP)
+    km = k < D
+    # y = x_part @ A^-1, accumulated over tiles of input channels j
+    y = tl.zeros([DP], dtype=tl.float64)
+    for j0 in range(0, DP, TILE):
+        j = j0 + tl.arange(0, TILE)
+        jm = j < D
+        ch = tl.load(idx_ptr + io + j, mask=jm, other=0) if SPLIT else j
+        xj = tl.load(x_ptr + xo + ch, mask=jm, other=0.0).to(tl.float32).to(tl.float64)
+        a = tl.load(ainv_ptr + mo + j[:, None] * D + k[None, :], mask=jm[:, None] & km[None, :], other=0.0)
+        y += tl.sum(xj[:, None] * a, axis=0)
+    n = tl.sqrt(tl.sum(y * y, axis=0))
+    u = y / tl.where(n > 0, n, 1.0)
+    # bucketize (right=False): the number of midpoints strictly below u
+    e = tl.arange(0, NEP)
+    edges = tl.load(ed_ptr + e, mask=e < NE, other=float("inf"))
+    code = tl.sum((edges[None, :] < u[:, None]).to(tl.int32), axis=1)
+    code = tl.where(km, code, 0)
+    v = tl.load(lv_ptr + code, mask=km, other=0.0)
+    c = tl.load(c_ptr)
+    # w = (v @ M) c over tiles of output channels j: <x, w> and ||w||^2 first, the gain, then
+    # the decoded part in a second pass (recomputed: exact, so the same values)
+    xw = tl.zeros([TILE], dtype=tl.float64)
+    ww = tl.zeros([TILE], dtype=tl.float64)
+    for j0 in range(0, DP, TILE):
+        j = j0 + tl.arange(0, TILE)
+        jm = j < D
+        mt = tl.load(m_ptr + mo + k[:, None] * D + j[None, :], mask=km[:, None] & jm[None, :], other=0.0)
+        w = tl.sum(v[:, None] * mt, axis=0) * c
+        ch = tl.load(idx_ptr + io + j, mask=jm, other=0) if SPLIT else j
+        xj = tl.load(x_ptr + xo + ch, mask=jm, other=0.0).to(tl.float32).to(tl.float64)
+        xw += xj * w
+        ww += w * w
+    if LSQ:
+        g = tl.sum(xw, axis=0) / tl.sum(ww, axis=0)
+    else:
+        g = n
+    over = tl.abs(g) > 65504.0
+    g16 = g.to(tl.float32).to(tl.float16)  # torch's double -> half goes through float
+    scale = g16.to(tl.float64) * c
+    if not LSQ:
+        scale = scale / tl.sqrt(tl.sum(v * v, axis=0))
+    for j0 in range(0, DP, TILE):
+        j = j0 + tl.arange(0, TILE)
+        jm = j < D
+        mt = tl.load(m_ptr + mo + k[:, None] * D + j[None, :], mask=km[:, None] & jm[None, :], other=0.0)
+        dec = tl.sum(v[:, None] * mt, axis=0) * scale
+        ch = tl.load(idx_ptr + io + j, mask=jm, other=0) if SPLIT else j
+        tl.store(dec_ptr + do + ch, _to_history(dec.to(tl.float32), dec_ptr.dtype.element_ty), mask=jm)
+    byt = pack_row(code, BITS, DP, NBP)
+    b = tl.arange(0, NBP)
+    tl.store(code_ptr + co + b, byt.to(tl.uint8), mask=b < NB)
+    tl.store(gain_ptr + go, g16)
+    if over:
+        tl.atomic_add(flag_ptr + 1, 1)
+
+
+@triton.jit
+def _spherical_step_kernel(x_ptr, sxb, sxh, pos_ptr, base, H, flag_ptr, dec_ptr, sdb, sdh, sdt,
+                           idx_ptr, sib, sih, ainv_ptr, m_ptr, c_ptr, lv_ptr, ed_ptr,
+                           code_ptr, scr, scb, sch, gain_ptr, sgr, sgb, sgh,
+                           idx2_ptr, sib2, sih2, ainv2_ptr, m2_ptr, c2_ptr, lv2_ptr, ed2_ptr,
+                           code2_ptr, scr2, scb2, sch2, gain2_ptr,
+                           D: tl.constexpr, DP: tl.constexpr, LSQ: tl.constexpr, SPLIT: tl.constexpr,
+                           D1: tl.constexpr, DP1: tl.constexpr, BITS1: tl.constexpr, NB1: tl.constexpr,
+                           NBP1: tl.constexpr, NE1: tl.constexpr, NEP1: tl.constexpr,
+                           D2: tl.constexpr, DP2: tl.constexpr, BITS2: tl.constexpr, NB2: tl.constexpr,
+                           NBP2: tl.constexpr, NE2: tl.constexpr, NEP2: tl.constexpr, TILE: tl.constexpr):
+    """Program b*H+h: the token x[b, h, 0] at device position p = *pos_ptr; field rows
+    p - base (their strides: row, batch, head; a part's codes contiguous), history token p.
+    SPLIT: part 1 is the regular channels (idx_ptr), part 2 the outlier ones (idx2_ptr),
+    each with its matrices, levels and fields; an index's batch stride is 0 where one mask
+    row serves every batch row. The gains of both parts share their strides."""
+    p = tl.load(pos_ptr)
+    row = p - base
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    xo = b.to(tl.int64) * sxb + h * sxh
+    d = tl.arange(0, DP)
+    x = tl.load(x_ptr + xo + d, mask=d < D, other=0.0).to(tl.float32)
+    n_bad = tl.sum((nonfinite(x) & (d < D)).to(tl.int32), axis=0)
+    if n_bad > 0:
+        tl.atomic_add(flag_ptr, n_bad)
+    do = b.to(tl.int64) * sdb + h * sdh + p.to(tl.int64) * sdt
+    fo = row.to(tl.int64)
+    _part(x_ptr, xo, idx_ptr, b * sib + h * sih, ainv_ptr, m_ptr, h * D1 * D1, c_ptr, lv_ptr, ed_ptr,
+          code_ptr, fo * scr + b * scb + h * sch, gain_ptr, fo * sgr + b * sgb + h * sgh, dec_ptr, do, flag_ptr,
+          D1, DP1, SPLIT, BITS1, NB1, NBP1, NE1, NEP1, LSQ, TILE)
+    if SPLIT:
+        _part(x_ptr, xo, idx2_ptr, b * sib2 + h * sih2, ainv2_ptr, m2_ptr, h * D2 * D2, c2_ptr, lv2_ptr, ed2_ptr,
+              code2_ptr, fo * scr2 + b * scb2 + h * sch2, gain2_ptr, fo * sgr + b * sgb + h * sgh, dec_ptr, do, flag_ptr,
+              D2, DP2, SPLIT, BITS2, NB2, NBP2, NE2, NEP2, LSQ, TILE)
+
+
+def unsupported(q) -> str | None:
+    """Why the kernel cannot take q's one-token writes (None: it can). Host only."""
+    if q.use_qjl:
+        return f"{q.spec} {q.role}: QJL keys (the residual's sketch) are coded by the torch path"
+    return None
+
+
+class SphericalStep:
+    """The device encoder of one (layer, role)'s spherical one-token writes: the part
+    tables (channel index, float64 matrices, levels) built once from the cache's shared
+    tensors, then `__call__` is one launch per step. `fields` are the step's field row
+    buffers (dense_steps.DenseSteps: `[rows, B, H, 1, ...]`), `flags` int32 `[2]`: the
+    counts of non-finite inputs and of gains beyond fp16, added to by every step."""
+
+    def __init__(self, q, packed, fields: dict, flags: torch.Tensor):
+        why = unsupported(q)
+        if why:
+            raise ValueError(why)
+        D, dev = packed.head_dim, packed.device
+        self.q, self.fields, self.flags, self.D, self.H = q, fields, flags, D, packed.heads
+        idx = q.channel_index(packed.shared, D, dev)
+        self.parts = []
+        for (part, d, bits), ix in zip(q.parts(D), idx):
+            m, c, inv = q.matrices(packed.shared, d, dev, part)
+            lv, edges = q.levels(d, dev, bits)
+            self.parts.append(dict(
+                part=part, d=d, bits=bits, idx=None if ix is None else ix.to(torch.int32).contiguous(),
+                ainv=inv.contiguous(), m=m.contiguous(), c=torch.tensor([c], dtype=torch.float64, device=dev),
+                lv=lv.contiguous(), edges=edges.contiguous()))
+        self.split = len(self.parts) == 2
+        if self.split and self.parts[0]["idx"].shape[0] not in (1, packed.batch):
+            raise ValueError(f"{q.spec}: a channel index of {self.parts[0]['idx'].shape[0]} rows for a batch of "
+                             f"{packed.batch}")
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, base: int, dec: torch.Tensor) -> None:
+        """Write token x `[B, H, 1, D]` at device position `pos` (field rows pos - base,
+        history `dec` `[B, H, cap, D]` token pos)."""
+        B, H, T, D = x.shape
+        if T != 1 or H != self.H or D != self.D or x.stride(-1) != 1 or dec.stride(-1) != 1:
+            raise ValueError(f"spherical step: expected one contiguous token [B, {self.H}, 1, {self.D}], "
+                             f"got {tuple(x.shape)}")
+        pos_arg, _ = device_pos(pos, x)
+        p1 = self.parts[0]
+        p2_ = self.parts[1] if self.split else p1
+        f1c, f1g = self.fields["codes" + p1["part"]], self.fields["gain" + p1["part"]]
+        f2c, f2g = (self.fields["codes_o"], self.fields["gain_o"]) if self.split else (f1c, f1g)
+        idx = [(p["idx"], 0 if p["idx"].shape[0] == 1 else p["idx"].stride(0), p["idx"].stride(1))
+               if self.split else (f1c, 0, 0) for p in (p1, p2_)]  # (never read without a split)
+        const = {}
+        for n, p in (("1", p1), ("2", p2_)):
+            nb = (p["d"] * p["bits"] + 7) // 8
+            ne = p["edges"].numel()
+            const.update({f"D{n}": p["d"], f"DP{n}": p2(p["d"]), f"BITS{n}": p["bits"], f"NB{n}": nb,
+                          f"NBP{n}": p2(nb), f"NE{n}": ne, f"NEP{n}": p2(max(ne, 1))})
+        launch(_spherical_step_kernel, (B * H,), x, x.stride(0), x.stride(1), pos_arg, base, H, self.flags,
+               dec, dec.stride(0), dec.stride(1), dec.stride(2),
+               *idx[0], p1["ainv"], p1["m"], p1["c"], p1["lv"], p1["edges"],
+               f1c, f1c.stride(0), f1c.stride(1), f1c.stride(2), f1g, f1g.stride(0), f1g.stride(1), f1g.stride(2),
+               *idx[1], p2_["ainv"], p2_["m"], p2_["c"], p2_["lv"], p2_["edges"],
+               f2c, f2c.stride(0), f2c.stride(1), f2c.stride(2), f2g,
+               D=D, DP=p2(D), LSQ=self.q.config.gain == "lsq", SPLIT=self.split, TILE=TILE, **const)
+
+
+__all__ = ["SphericalStep", "unsupported"]
