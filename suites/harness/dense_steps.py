@@ -31,7 +31,7 @@ import dataclasses
 
 import torch
 
-from ...kernels import spherical_step
+from ...kernels import spherical_step, vq_step
 from ...kernels.store import TokenBuffer
 from ...quantizers import Packed, Segment
 from ...quantizers.base import FP16_MAX, WINDOW_FIELD, Quantizer, QuantizerInputError
@@ -92,7 +92,8 @@ def probe(q: Quantizer, packed: Packed, decoded: TokenBuffer) -> str | None:
 PROBED: dict = {}
 
 # Device encoders of a one-token write, by quantizer name: one launch where the torch path
-# replays its encode and decode op by op (spherical: 170-330 aten ops per layer and step).
+# replays its encode and decode op by op (spherical: 170-330 aten ops per layer and step,
+# kernels/spherical_step.py; avq greedy / flatvq: 196-576, kernels/vq_step.py).
 # Used on CUDA ("cuda"); "always" also on the CPU (the Triton interpreter: tests), "never".
 DEVICE_ENCODERS = "cuda"
 
@@ -100,13 +101,17 @@ DEVICE_ENCODERS = "cuda"
 def device_encoder(q: Quantizer, packed: Packed, fields: dict, checks: StickyChecks):
     """The device encoder of q's one-token writes into `fields` (None: the torch path),
     its flags watched by `checks`."""
-    if q.name != "spherical" or spherical_step.unsupported(q):
+    if q.name == "spherical" and not spherical_step.unsupported(q):
+        make, what = spherical_step.SphericalStep, "spherical gain"
+    elif q.name in ("avq", "flatvq") and not vq_step.unsupported(q, packed.head_dim):
+        make, what = vq_step.VQStep, "avq scale or gain"
+    else:
         return None
     flags = torch.zeros(2, dtype=torch.int32, device=packed.device)
     checks.watch(flags[0], lambda: QuantizerInputError("input has NaN/Inf values; a cache cannot store them"))
     checks.watch(flags[1], lambda: QuantizerInputError(
-        f"spherical gain overflows the fp16 the cache stores (max {FP16_MAX}); rescale the input"))
-    return spherical_step.SphericalStep(q, packed, fields, flags)  # (quantizer class, spec, role, batch, heads, head_dim, dtype, device) -> probe's answer
+        f"{what} overflows the fp16 the cache stores (max {FP16_MAX}); rescale the input"))
+    return make(q, packed, fields, flags)  # (quantizer class, spec, role, batch, heads, head_dim, dtype, device) -> probe's answer
 
 
 class DenseSteps:

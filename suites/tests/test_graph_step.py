@@ -416,10 +416,10 @@ def test_dense_device_steps_equal_dense_steps(model, spec):
     assert cd.get_seq_length() == 20 + 4 and cd.reserved == 20 + 4 + 4
 
 
-@pytest.mark.parametrize("spec", ["spherical3", "spherical2.5"])
-def test_dense_device_steps_through_the_spherical_encoder(model, spec, monkeypatch):
-    # kernels/spherical_step.py: one launch a step instead of the torch path (on a GPU by
-    # default; here forced, under the interpreter); the same bytes and logits
+@pytest.mark.parametrize("spec", ["spherical3", "spherical2.5", "avq2", "flatvq:dim=4,K_bits=8"])
+def test_dense_device_steps_through_a_device_encoder(model, spec, monkeypatch):
+    # kernels/spherical_step.py, vq_step.py: one launch a step instead of the torch path (on a
+    # GPU by default; forced here, under the interpreter on a CPU); the same bytes and logits
     from kvqbench.suites.harness import dense_steps
 
     monkeypatch.setattr(dense_steps, "DEVICE_ENCODERS", "always")

@@ -1,0 +1,220 @@
+"""A decode step's vector-quantized write in one launch: the dense step's encoder for
+additive VQ (`avq`, greedy search) and flat VQ (`flatvq`).
+
+As for spherical (spherical_step.py), a graphed dense step otherwise replays the
+quantizer's torch encode and decode op by op: 196 aten ops per layer and step for flat VQ,
+540-576 for avq2 / avq3 (reports/kernels/NOTES.md, 2026-12-05). Here one program per
+(batch row, kv-head) codes the token with the quantizer's arithmetic:
+
+    avq:    y = fwht(x s) / sqrt(b)                 (float32 butterflies, as rotation.py)
+            z = y / fp16(||y||_64 / sqrt(D))        (float32 division)
+            per chunk of `dim`, per stage m: code = argmin_k ||c_k||^2 - 2 <r, c_k>
+            (float64, first minimum), r -= c_code (float32)
+            gain = <y, zhat>_64 / ||zhat||^2_64 (lsq; zhat the float32 sum of the stages'
+            codewords in stage order) or the fp16 scale (rms)
+            decoded = fwht(zhat * gain16) / sqrt(b) * s
+    flatvq: code = the nearest codeword of each chunk; decoded = the codeword
+
+and writes the packed codes (chunk, stage) order, the fp16 gain and the decoded token at
+the device position. A butterfly stage is a sum over a [D, D] tile holding each output's
+two inputs (with +-1) and zeros elsewhere: adding zeros is exact, so each output is the
+one float32 rounding of a + b or a - b the torch stage makes.
+
+The same bytes as the torch path (suites/tests/test_vq_step.py) except where two
+codewords' float64 scores lie within their rounding of each other (the torch matmul sums
+a score's `dim` products in another order): not met on these data.
+
+Not here (the torch path serves them): beam search (the calibrated rows' beam 8), head
+dims or chunk lengths that are no power of two, more than MAX_TILE score elements per
+token (chunks x codewords), head dims above 128 (the butterfly tile's size).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .step_encode import device_pos, launch, nonfinite, p2
+
+MAX_TILE = 16384  # chunks x codewords of one stage's float64 scores, held in registers
+MAX_D = 128  # the butterfly tile is [D, D]
+
+
+@triton.jit
+def _fwht(y, D: tl.constexpr, LOG2B: tl.constexpr):
+    """fwht(y, b) of a float32 row y [D] in blocks of b = 2^LOG2B (rotation.fwht, bit for bit)."""
+    i = tl.arange(0, D)[:, None]
+    j = tl.arange(0, D)[None, :]
+    for s in tl.static_range(LOG2B):
+        h = 1 << s
+        low = (i & h) == 0
+        sel = (j == i) | (j == (i ^ h))
+        sgn = tl.where((j == i) & ~low, -1.0, 1.0)
+        y = tl.sum(tl.where(sel, y[None, :] * sgn, 0.0), axis=1)
+    return y
+
+
+@triton.jit
+def _to_history(v, DT: tl.constexpr):
+    """float32 v in the history's dtype, rounded to nearest even as torch's cast (bf16 by
+    its bits: the interpreter's bf16 cast does not round so)."""
+    if DT == tl.bfloat16:
+        u = v.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return v.to(DT)
+
+
+@triton.jit
+def _vq_step_kernel(x_ptr, sxb, sxh, pos_ptr, base, H, flag_ptr, dec_ptr, sdb, sdh, sdt, sgn_ptr,
+                    cb_ptr, scr, scg, scm, code_ptr, sor, sob, soh, gain_ptr, sgr, sgb, sgh,
+                    D: tl.constexpr, DIM: tl.constexpr, NC: tl.constexpr, M: tl.constexpr, K: tl.constexpr,
+                    BITS: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, MP: tl.constexpr,
+                    ROTATE: tl.constexpr, LOG2B: tl.constexpr, INV_SQRT_B: tl.constexpr,
+                    NORMALISE: tl.constexpr, LSQ: tl.constexpr):
+    """Program b*H+h: token x[b, h, 0] at device position p = *pos_ptr; field rows p - base
+    (strides row, batch, head), history token p. Codebooks at cb_ptr + b*scr + h*scg + m*scm
+    ([K, DIM] fp16 each; scr / scg 0 where one row / group serves all)."""
+    p = tl.load(pos_ptr)
+    row = (p - base).to(tl.int64)
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    e = tl.arange(0, D)
+    x = tl.load(x_ptr + b.to(tl.int64) * sxb + h * sxh + e).to(tl.float32)
+    n_bad = tl.sum(nonfinite(x).to(tl.int32), axis=0)
+    if n_bad > 0:
+        tl.atomic_add(flag_ptr, n_bad)
+    if ROTATE:
+        s = tl.load(sgn_ptr + h * D + e)
+        y = _fwht(x * s, D, LOG2B) * INV_SQRT_B
+    else:
+        y = x
+    if NORMALISE:
+        y64 = y.to(tl.float64)
+        sc = tl.sqrt(tl.sum(y64 * y64, axis=0)) / tl.sqrt(tl.full([], D, tl.float64))  # / sqrt(D), as torch
+        over = tl.abs(sc) > 65504.0
+        s16 = sc.to(tl.float32).to(tl.float16).to(tl.float32)  # torch's double -> half goes through float
+        z = tl.math.div_rn(y, tl.where(s16 > 0, s16, 1.0))
+    else:
+        z = y
+    r = tl.reshape(z, [NC, DIM])
+    n = tl.arange(0, NC)[:, None]
+    d = tl.arange(0, DIM)[None, :]
+    k = tl.arange(0, K)
+    mm = tl.arange(0, MP)[None, :]
+    zhat = tl.zeros([NC, DIM], dtype=tl.float32)
+    codes = tl.zeros([NC, MP], dtype=tl.int32)
+    cbo = b.to(tl.int64) * scr + h * scg
+    for m in tl.static_range(M):
+        cm = cb_ptr + cbo + m * scm
+        score = tl.zeros([NC, K], dtype=tl.float64)
+        cn = tl.zeros([K], dtype=tl.float64)
+        for dd in tl.static_range(DIM):
+            c = tl.load(cm + k * DIM + dd).to(tl.float64)
+            rd = tl.sum(tl.where(d == dd, r, 0.0), axis=1).to(tl.float64)  # column dd: exact
+            score += rd[:, None] * (c * -2.0)[None, :]
+            cn += c * c
+        score = score + cn[None, :]
+        score = tl.where(score == score, score, float("inf"))  # NaN input (flagged): any code, no NaN argmin
+        idx = tl.argmin(score, axis=1, tie_break_left=True)  # the first minimum, as torch
+        sel = tl.load(cm + idx[:, None] * DIM + d).to(tl.float32)
+        r = r - sel
+        zhat = zhat + sel
+        codes = tl.where(mm == m, idx[:, None], codes)
+    if NORMALISE:
+        if LSQ:
+            zh = tl.reshape(zhat, [D]).to(tl.float64)
+            nz = tl.sum(zh * zh, axis=0)
+            g = tl.sum(y64 * zh, axis=0) / tl.where(nz > 0, nz, 1.0)
+            over = over | (tl.abs(g) > 65504.0)
+            g16 = g.to(tl.float32).to(tl.float16)
+        else:
+            g16 = s16.to(tl.float16)
+        tl.store(gain_ptr + row * sgr + b * sgb + h * sgh, g16)
+        out = tl.reshape(zhat * g16.to(tl.float32), [D])
+        if over:
+            tl.atomic_add(flag_ptr + 1, 1)
+    else:
+        out = tl.reshape(zhat, [D])
+    if ROTATE:
+        out = _fwht(out, D, LOG2B) * INV_SQRT_B * s
+    tl.store(dec_ptr + b.to(tl.int64) * sdb + h * sdh + p.to(tl.int64) * sdt + e,
+             _to_history(out, dec_ptr.dtype.element_ty))
+    # codes in (chunk, stage) order: value n*M + m at bits [(n*M + m)*BITS, ...) (packing.py)
+    jb = tl.arange(0, NBP)[:, None, None]
+    sh = (n * M + mm)[None, :, :] * BITS - 8 * jb
+    ov = (sh > -BITS) & (sh < 8) & (mm < M)[None, :, :]
+    left = tl.where(ov & (sh > 0), sh, 0)
+    right = tl.where(ov & (sh < 0), -sh, 0)
+    part = tl.where(ov, ((codes[None, :, :] << left) >> right) & 0xFF, 0)
+    byt = tl.sum(tl.sum(part, axis=2), axis=1)  # disjoint bits: the sum is the OR
+    j = tl.arange(0, NBP)
+    tl.store(code_ptr + row * sor + b * sob + h * soh + j, byt.to(tl.uint8), mask=j < NB)
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def unsupported(q, head_dim: int) -> str | None:
+    """Why the kernel cannot take q's one-token writes at this head_dim (None: it can)."""
+    c = q.config
+    M, K = (c.M, 1 << c.K_bits) if q.name == "avq" else (1, 1 << c.K_bits)
+    if q.name == "avq" and c.beam != 1:
+        return f"{q.spec}: beam search (beam {c.beam}) is coded by the torch path"
+    if head_dim > MAX_D or not _pow2(head_dim) or not _pow2(c.dim) or c.dim > head_dim:
+        return f"{q.spec}: head_dim {head_dim} / chunk {c.dim} not powers of two up to {MAX_D}"
+    if head_dim // c.dim * K > MAX_TILE:
+        return f"{q.spec}: {head_dim // c.dim} chunks x {K} codewords exceed the kernel's {MAX_TILE} scores"
+    return None
+
+
+class VQStep:
+    """The device encoder of one (layer, role)'s avq / flatvq one-token writes (see
+    spherical_step.SphericalStep: tables once, then one launch a step)."""
+
+    def __init__(self, q, packed, fields: dict, flags: torch.Tensor):
+        why = unsupported(q, packed.head_dim)
+        if why:
+            raise ValueError(why)
+        c, D, dev = q.config, packed.head_dim, packed.device
+        self.q, self.fields, self.flags, self.D, self.H = q, fields, flags, D, packed.heads
+        self.avq = q.name == "avq"
+        if self.avq:
+            cb = packed.shared["codebooks"]  # [R, G, M, K, dim] fp16
+            self.M = c.M
+        else:
+            cb = packed.shared["codebook"].unsqueeze(2)  # [R, G, 1, K, dim]
+            self.M = 1
+        self.cb = cb.to(dev, torch.float16).contiguous()
+        self.rotate = self.avq and c.rotation == "hadamard"
+        from ..quantizers.rotation import hadamard_block, signs_of  # (kernels import quantizers lazily)
+
+        self.signs = signs_of(packed.shared["signs"], D).to(dev).contiguous() if self.rotate else self.cb
+        self.block = hadamard_block(D)
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, base: int, dec: torch.Tensor) -> None:
+        B, H, T, D = x.shape
+        if T != 1 or H != self.H or D != self.D or x.stride(-1) != 1 or dec.stride(-1) != 1:
+            raise ValueError(f"vq step: expected one contiguous token [B, {self.H}, 1, {self.D}], got {tuple(x.shape)}")
+        c = self.q.config
+        pos_arg, _ = device_pos(pos, x)
+        codes = self.fields["codes"]
+        gain = self.fields.get("gain", codes)  # (flat VQ stores no gain: never written)
+        cb = self.cb
+        K, dim = cb.shape[3], cb.shape[4]
+        nb = (D // dim * self.M * c.K_bits + 7) // 8
+        launch(_vq_step_kernel, (B * H,), x, x.stride(0), x.stride(1), pos_arg, base, H, self.flags,
+               dec, dec.stride(0), dec.stride(1), dec.stride(2), self.signs,
+               cb, 0 if cb.shape[0] == 1 else cb.stride(0), 0 if cb.shape[1] == 1 else cb.stride(1), cb.stride(2),
+               codes, codes.stride(0), codes.stride(1), codes.stride(2),
+               gain, gain.stride(0), gain.stride(1), gain.stride(2),
+               D=D, DIM=dim, NC=D // dim, M=self.M, K=K, BITS=c.K_bits, NB=nb, NBP=p2(nb), MP=p2(self.M),
+               ROTATE=self.rotate, LOG2B=self.block.bit_length() - 1, INV_SQRT_B=1 / math.sqrt(self.block),
+               NORMALISE=self.avq, LSQ=self.avq and c.gain == "lsq")
+
+
+__all__ = ["MAX_D", "MAX_TILE", "VQStep", "unsupported"]
