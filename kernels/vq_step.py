@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quantizers.rotation import hadamard_block, signs_of
 from .step_encode import device_pos, launch, nonfinite, p2
 
 MAX_TILE = 16384  # chunks x codewords of one stage's float64 scores, held in registers
@@ -191,8 +192,6 @@ class VQStep:
             self.M = 1
         self.cb = cb.to(dev, torch.float16).contiguous()
         self.rotate = self.avq and c.rotation == "hadamard"
-        from ..quantizers.rotation import hadamard_block, signs_of  # (kernels import quantizers lazily)
-
         self.signs = signs_of(packed.shared["signs"], D).to(dev).contiguous() if self.rotate else self.cb
         self.block = hadamard_block(D)
 

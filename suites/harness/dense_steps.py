@@ -10,7 +10,10 @@ path runs, not a copy) on the token, writes each stored field into a preallocate
 at row (position - first position) and the decoded token into the layer's decoded
 history at the position; attention reads the history's reserved rows under a mask of the
 device valid length (padding.masked_attention). Nothing in it is a host value, so it is
-captured and replayed.
+captured and replayed. On CUDA, spherical (TurboQuant, QJL keys aside), greedy additive VQ
+and flat VQ take a device encoder instead (`device_encoder`: kernels/spherical_step.py,
+kernels/vq_step.py): one Triton launch per layer and role that stores the same bytes and
+writes the same decoded token, where the torch code replays 170-576 aten ops.
 
 Not graphable (`unsupported` names why): an `append` that keeps state across writes
 (`Quantizer.appends_one_segment`: KIVI's windows, per-channel int keys), fields whose
