@@ -24,9 +24,13 @@ The same bytes as the torch path (suites/tests/test_vq_step.py) except where two
 codewords' float64 scores lie within their rounding of each other (the torch matmul sums
 a score's `dim` products in another order): not met on these data.
 
-Not here (the torch path serves them): beam search (the calibrated rows' beam 8), head
-dims or chunk lengths that are no power of two, more than MAX_TILE score elements per
-token (chunks x codewords), head dims above 128 (the butterfly tile's size).
+Beam search (`beam` > 1, the calibrated rows' beam 8) keeps the `beam` best partial sums
+per chunk as residual_search does (topk by repeated first-minimum: at exactly equal
+scores torch.topk's order is its own, a tie that distinct codewords do not meet).
+
+Not here (the torch path serves them): head dims or chunk lengths that are no power of
+two, more than MAX_TILE float64 scores per stage and token (chunks x beams x codewords),
+head dims above 128 (the butterfly tile's size).
 """
 from __future__ import annotations
 
@@ -69,12 +73,89 @@ def _to_history(v, DT: tl.constexpr):
 
 
 @triton.jit
+def _scores(r, cm, DIM: tl.constexpr, K: tl.constexpr):
+    """||c_k||^2 - 2 <r, c_k> in float64 for residuals r [A, B, DIM] (float32) and the
+    codebook at cm ([K, DIM] fp16): [A, B, K], summed as residual_search's matmul, then
+    + ||c||^2."""
+    k = tl.arange(0, K)
+    col = tl.arange(0, DIM)[None, None, :]
+    score = tl.zeros([r.shape[0], r.shape[1], K], dtype=tl.float64)
+    cn = tl.zeros([K], dtype=tl.float64)
+    for dd in tl.static_range(DIM):
+        c = tl.load(cm + k * DIM + dd).to(tl.float64)
+        rd = tl.sum(tl.where(col == dd, r, 0.0), axis=2).to(tl.float64)  # column dd: exact
+        score += rd[:, :, None] * (c * -2.0)[None, None, :]
+        cn += c * c
+    return score + cn[None, None, :]
+
+
+@triton.jit
+def _greedy(r, cb, scm, NC: tl.constexpr, DIM: tl.constexpr, M: tl.constexpr, K: tl.constexpr, MP: tl.constexpr):
+    """Codes [NC, MP] of the chunks r [NC, DIM]: each stage's nearest codeword to what the
+    earlier stages left (residual_search, beam 1)."""
+    d = tl.arange(0, DIM)[None, :]
+    mm = tl.arange(0, MP)[None, :]
+    codes = tl.zeros([NC, MP], dtype=tl.int32)
+    for m in tl.static_range(M):
+        score = tl.reshape(_scores(r[:, None, :], cb + m * scm, DIM, K), [NC, K])
+        score = tl.where(score == score, score, float("inf"))  # NaN input (flagged): any code, no NaN argmin
+        idx = tl.argmin(score, axis=1, tie_break_left=True)  # the first minimum, as torch
+        r = r - tl.load(cb + m * scm + idx[:, None] * DIM + d).to(tl.float32)
+        codes = tl.where(mm == m, idx[:, None], codes)
+    return codes
+
+
+@triton.jit
+def _beam(z, cb, scm, NC: tl.constexpr, DIM: tl.constexpr, M: tl.constexpr, K: tl.constexpr, MP: tl.constexpr,
+          BEAM: tl.constexpr, BP: tl.constexpr):
+    """Codes [NC, MP] by residual_search's beam search: per stage, every kept partial sum
+    (beam) extended by every codeword, scored ||residual||^2 = err + ||c||^2 - 2 <r, c>
+    (float64), the BEAM best kept in ascending order (ties: the lower beam, then codeword:
+    torch.topk's order there is its own); the best beam's codes at the end."""
+    d = tl.arange(0, DIM)
+    mm = tl.arange(0, MP)
+    t = tl.arange(0, BP)
+    res = tl.broadcast_to(z[:, None, :], [NC, BP, DIM])  # beam i's residual [NC, BP, DIM]
+    err = tl.zeros([NC, BP], dtype=tl.float64)
+    for dd in tl.static_range(DIM):  # ||z||^2 as the torch path sums it: the float64 squares, in order
+        zd = tl.sum(tl.where(d[None, :] == dd, z, 0.0), axis=1).to(tl.float64)
+        err += (zd * zd)[:, None]
+    codes = tl.zeros([NC, BP, MP], dtype=tl.int32)
+    live = 1  # beams held before the stage
+    for m in tl.static_range(M):
+        score = _scores(res, cb + m * scm, DIM, K) + err[:, :, None]  # [NC, BP, K]
+        score = tl.where((t < live)[None, :, None] & (score == score), score, float("inf"))
+        flat = tl.reshape(score, [NC, BP * K])
+        col = tl.arange(0, BP * K)[None, :]
+        keep = min(BEAM, live * K)
+        src = tl.zeros([NC, BP], dtype=tl.int32)
+        kk = tl.zeros([NC, BP], dtype=tl.int32)
+        new_err = tl.zeros([NC, BP], dtype=tl.float64)
+        for j in tl.static_range(keep):
+            best = tl.argmin(flat, axis=1, tie_break_left=True)
+            val = tl.min(flat, axis=1)
+            flat = tl.where(col == best[:, None], float("inf"), flat)
+            src = tl.where(t[None, :] == j, (best // K)[:, None], src)
+            kk = tl.where(t[None, :] == j, (best % K)[:, None], kk)
+            new_err = tl.where(t[None, :] == j, val[:, None], new_err)
+        # the kept beams' residuals and codes, gathered from their source beams (one term each: exact)
+        pick = t[None, None, :] == src[:, :, None]  # [NC, BP(new), BP(source)]
+        res = tl.sum(tl.where(pick[:, :, :, None], res[:, None, :, :], 0.0), axis=2)
+        res = res - tl.load(cb + m * scm + kk[:, :, None] * DIM + d[None, None, :]).to(tl.float32)
+        codes = tl.sum(tl.where(pick[:, :, :, None], codes[:, None, :, :], 0), axis=2)
+        codes = tl.where(mm[None, None, :] == m, kk[:, :, None], codes)
+        err = new_err
+        live = keep
+    return tl.sum(tl.where((t == 0)[None, :, None], codes, 0), axis=1)
+
+
+@triton.jit
 def _vq_step_kernel(x_ptr, sxb, sxh, pos_ptr, base, H, flag_ptr, dec_ptr, sdb, sdh, sdt, sgn_ptr,
                     cb_ptr, scr, scg, scm, code_ptr, sor, sob, soh, gain_ptr, sgr, sgb, sgh,
                     D: tl.constexpr, DIM: tl.constexpr, NC: tl.constexpr, M: tl.constexpr, K: tl.constexpr,
                     BITS: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, MP: tl.constexpr,
                     ROTATE: tl.constexpr, LOG2B: tl.constexpr, INV_SQRT_B: tl.constexpr,
-                    NORMALISE: tl.constexpr, LSQ: tl.constexpr):
+                    NORMALISE: tl.constexpr, LSQ: tl.constexpr, BEAM: tl.constexpr, BP: tl.constexpr):
     """Program b*H+h: token x[b, h, 0] at device position p = *pos_ptr; field rows p - base
     (strides row, batch, head), history token p. Codebooks at cb_ptr + b*scr + h*scg + m*scm
     ([K, DIM] fp16 each; scr / scg 0 where one row / group serves all)."""
@@ -101,30 +182,19 @@ def _vq_step_kernel(x_ptr, sxb, sxh, pos_ptr, base, H, flag_ptr, dec_ptr, sdb, s
         z = tl.math.div_rn(y, tl.where(s16 > 0, s16, 1.0))
     else:
         z = y
-    r = tl.reshape(z, [NC, DIM])
     n = tl.arange(0, NC)[:, None]
     d = tl.arange(0, DIM)[None, :]
-    k = tl.arange(0, K)
     mm = tl.arange(0, MP)[None, :]
-    zhat = tl.zeros([NC, DIM], dtype=tl.float32)
-    codes = tl.zeros([NC, MP], dtype=tl.int32)
     cbo = b.to(tl.int64) * scr + h * scg
+    if BEAM == 1:
+        codes = _greedy(tl.reshape(z, [NC, DIM]), cb_ptr + cbo, scm, NC, DIM, M, K, MP)
+    else:
+        codes = _beam(tl.reshape(z, [NC, DIM]), cb_ptr + cbo, scm, NC, DIM, M, K, MP, BEAM, BP)
+    # zhat as decode sums it: the stages' codewords in stage order, from zero (float32)
+    zhat = tl.zeros([NC, DIM], dtype=tl.float32)
     for m in tl.static_range(M):
-        cm = cb_ptr + cbo + m * scm
-        score = tl.zeros([NC, K], dtype=tl.float64)
-        cn = tl.zeros([K], dtype=tl.float64)
-        for dd in tl.static_range(DIM):
-            c = tl.load(cm + k * DIM + dd).to(tl.float64)
-            rd = tl.sum(tl.where(d == dd, r, 0.0), axis=1).to(tl.float64)  # column dd: exact
-            score += rd[:, None] * (c * -2.0)[None, :]
-            cn += c * c
-        score = score + cn[None, :]
-        score = tl.where(score == score, score, float("inf"))  # NaN input (flagged): any code, no NaN argmin
-        idx = tl.argmin(score, axis=1, tie_break_left=True)  # the first minimum, as torch
-        sel = tl.load(cm + idx[:, None] * DIM + d).to(tl.float32)
-        r = r - sel
-        zhat = zhat + sel
-        codes = tl.where(mm == m, idx[:, None], codes)
+        cm = tl.sum(tl.where(mm == m, codes, 0), axis=1)
+        zhat = zhat + tl.load(cb_ptr + cbo + m * scm + cm[:, None] * DIM + d).to(tl.float32)
     if NORMALISE:
         if LSQ:
             zh = tl.reshape(zhat, [D]).to(tl.float64)
@@ -160,16 +230,23 @@ def _pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def unsupported(q, head_dim: int) -> str | None:
+# Beam search compiles to the largest tiles here ([chunks, beams, codewords] float64); on CUDA
+# it is taken once a GPU has run test_vq_step.py's beam cases (then this is True).
+BEAM_ON_CUDA = False
+
+
+def unsupported(q, head_dim: int, device: torch.device | None = None) -> str | None:
     """Why the kernel cannot take q's one-token writes at this head_dim (None: it can)."""
     c = q.config
+    if q.name == "avq" and c.beam > 1 and device is not None and device.type == "cuda" and not BEAM_ON_CUDA:
+        return f"{q.spec}: beam search on CUDA waits for a GPU run of its tests (vq_step.BEAM_ON_CUDA)"
     M, K = (c.M, 1 << c.K_bits) if q.name == "avq" else (1, 1 << c.K_bits)
-    if q.name == "avq" and c.beam != 1:
-        return f"{q.spec}: beam search (beam {c.beam}) is coded by the torch path"
     if head_dim > MAX_D or not _pow2(head_dim) or not _pow2(c.dim) or c.dim > head_dim:
         return f"{q.spec}: head_dim {head_dim} / chunk {c.dim} not powers of two up to {MAX_D}"
-    if head_dim // c.dim * K > MAX_TILE:
-        return f"{q.spec}: {head_dim // c.dim} chunks x {K} codewords exceed the kernel's {MAX_TILE} scores"
+    beams = p2(c.beam) if q.name == "avq" else 1
+    if head_dim // c.dim * beams * K > MAX_TILE:
+        return (f"{q.spec}: {head_dim // c.dim} chunks x {beams} beams x {K} codewords exceed the kernel's "
+                f"{MAX_TILE} scores")
     return None
 
 
@@ -178,12 +255,13 @@ class VQStep:
     spherical_step.SphericalStep: tables once, then one launch a step)."""
 
     def __init__(self, q, packed, fields: dict, flags: torch.Tensor):
-        why = unsupported(q, packed.head_dim)
+        why = unsupported(q, packed.head_dim, packed.device)
         if why:
             raise ValueError(why)
         c, D, dev = q.config, packed.head_dim, packed.device
         self.q, self.fields, self.flags, self.D, self.H = q, fields, flags, D, packed.heads
         self.avq = q.name == "avq"
+        self.beam = c.beam if self.avq else 1
         if self.avq:
             cb = packed.shared["codebooks"]  # [R, G, M, K, dim] fp16
             self.M = c.M
@@ -213,7 +291,8 @@ class VQStep:
                gain, gain.stride(0), gain.stride(1), gain.stride(2),
                D=D, DIM=dim, NC=D // dim, M=self.M, K=K, BITS=c.K_bits, NB=nb, NBP=p2(nb), MP=p2(self.M),
                ROTATE=self.rotate, LOG2B=self.block.bit_length() - 1, INV_SQRT_B=1 / math.sqrt(self.block),
-               NORMALISE=self.avq, LSQ=self.avq and c.gain == "lsq")
+               NORMALISE=self.avq, LSQ=self.avq and c.gain == "lsq", BEAM=self.beam, BP=p2(self.beam),
+               num_warps=8 if self.beam > 1 else 4)
 
 
-__all__ = ["MAX_D", "MAX_TILE", "VQStep", "unsupported"]
+__all__ = ["BEAM_ON_CUDA", "MAX_D", "MAX_TILE", "VQStep", "unsupported"]

@@ -106,7 +106,7 @@ def device_encoder(q: Quantizer, packed: Packed, fields: dict, checks: StickyChe
     its flags watched by `checks`."""
     if q.name == "spherical" and not spherical_step.unsupported(q):
         make, what = spherical_step.SphericalStep, "spherical gain"
-    elif q.name in ("avq", "flatvq") and not vq_step.unsupported(q, packed.head_dim):
+    elif q.name in ("avq", "flatvq") and not vq_step.unsupported(q, packed.head_dim, packed.device):
         make, what = vq_step.VQStep, "avq scale or gain"
     else:
         return None

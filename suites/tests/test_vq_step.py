@@ -2,8 +2,8 @@
 quantizer's torch path writes: the same packed codes and fp16 gains in the step's field
 rows and the same decoded token in the history, bit for bit, at the device position
 (fitted codebooks per batch row or per kv-head, seeded ones, lsq and rms gains, with and
-without the Hadamard rotation, fp32 / fp16 / bf16 inputs, head dims 32-128). Beam search
-(the calibrated rows), non-power-of-two chunks and head dims stay on the torch path.
+without the Hadamard rotation, greedy and beam search, fp32 / fp16 / bf16 inputs, head
+dims 16-128). Non-power-of-two chunks and head dims stay on the torch path.
 Bad input is flagged on the device and raised at the next check.
 
 CPU: the Triton interpreter (`DEVICE_ENCODERS = "always"`); GPU: compiled. A code could
@@ -80,12 +80,20 @@ def test_head_dims(D, monkeypatch):
     assert torch.equal(got.decoded.buf[:, :, :43], ref.decoded.buf[:, :, :43])
 
 
-@pytest.mark.parametrize("spec,D,why", [("avq2-cal", 32, "beam search"), ("avq2", 48, "powers of two"),
+@pytest.mark.parametrize("spec,D,why", [("avq:M=2,K_bits=8,beam=16", 64, "exceed"), ("avq2", 48, "powers of two"),
                                         ("flatvq:dim=3,K_bits=4", 48, "powers of two"),
                                         ("avq2", 256, "powers of two up to 128"),
                                         ("flatvq:dim=1,K_bits=14", 32, "exceed")])
 def test_what_the_kernel_leaves_to_the_torch_path(spec, D, why):
     assert why in vq_step.unsupported(get_quantizer(spec), D)
+
+
+def test_beam_search_on_cuda_waits_for_its_gpu_tests(monkeypatch):
+    monkeypatch.setattr(vq_step, "BEAM_ON_CUDA", False)
+    cuda = torch.device("cuda")
+    assert "waits for a GPU run" in vq_step.unsupported(get_quantizer("avq2-cal"), 64, cuda)
+    assert vq_step.unsupported(get_quantizer("avq2-cal"), 64, torch.device("cpu")) is None
+    assert vq_step.unsupported(get_quantizer("avq2"), 64, cuda) is None
 
 
 @pytest.mark.parametrize("bad,match", [(float("nan"), "NaN/Inf"), (float("-inf"), "NaN/Inf"),
@@ -98,3 +106,16 @@ def test_bad_input_is_raised_at_the_next_check(bad, match, monkeypatch):
     ds.step_at(x, torch.tensor([41], dtype=torch.int32, device=DEV), None)
     with pytest.raises(QuantizerInputError, match=match):
         ds.checks.check()
+
+
+@pytest.mark.parametrize("spec,D", [("avq:M=2,K_bits=6,beam=4", 32), ("avq:M=3,K_bits=5,beam=8,codebooks=gaussian", 32),
+                                    ("avq:M=2,K_bits=4,beam=3,gain=rms,rotation=none", 32),
+                                    ("avq:M=3,K_bits=8,beam=8,codebooks=gaussian", 64)])  # avq3-cal's tiles
+def test_beam_search_writes_the_torch_paths_bytes(spec, D, monkeypatch):
+    monkeypatch.setattr(vq_step, "BEAM_ON_CUDA", True)
+    ref = _steps(spec, "K", torch.float32, "never", monkeypatch, D=D)
+    got = _steps(spec, "K", torch.float32, "always", monkeypatch, D=D)
+    assert got.encoder is not None
+    for name in ref.fields:
+        assert torch.equal(got.fields[name][:3], ref.fields[name][:3]), name
+    assert torch.equal(got.decoded.buf[:, :, :43], ref.decoded.buf[:, :, :43])
