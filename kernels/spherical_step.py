@@ -33,21 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .step_encode import device_pos, launch, nonfinite, p2, pack_row
+from .step_encode import device_pos, launch, nonfinite, p2, to_dtype_rne, pack_row
 
 TILE = 16  # channels per tile of a matrix pass: a [part size, TILE] float64 tile in registers
-
-
-@triton.jit
-def _to_history(v, DT: tl.constexpr):
-    """float32 v in the history's dtype, rounded to nearest even as torch's cast; bf16 by
-    its bits (the interpreter's bf16 cast does not round so; NaN is not expected here:
-    flagged input)."""
-    if DT == tl.bfloat16:
-        u = v.to(tl.uint32, bitcast=True)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return v.to(DT)
 
 
 @triton.jit
@@ -104,7 +92,7 @@ def _part(x_ptr, xo, idx_ptr, io, ainv_ptr, m_ptr, mo, c_ptr, lv_ptr, ed_ptr,
         mt = tl.load(m_ptr + mo + k[:, None] * D + j[None, :], mask=km[:, None] & jm[None, :], other=0.0)
         dec = tl.sum(v[:, None] * mt, axis=0) * scale
         ch = tl.load(idx_ptr + io + j, mask=jm, other=0) if SPLIT else j
-        tl.store(dec_ptr + do + ch, _to_history(dec.to(tl.float32), dec_ptr.dtype.element_ty), mask=jm)
+        tl.store(dec_ptr + do + ch, to_dtype_rne(dec.to(tl.float32), dec_ptr.dtype.element_ty), mask=jm)
     byt = pack_row(code, BITS, DP, NBP)
     b = tl.arange(0, NBP)
     tl.store(code_ptr + co + b, byt.to(tl.uint8), mask=b < NB)

@@ -23,7 +23,7 @@ those of the quantizer's `encode_tokens` (suites/tests/test_step_encode.py):
   whose code it shares), on this module's pieces.
 
 The jit helpers (`rne`, `fp16_toward`, `pack_row`, `flag`, `token_program`,
-`nonfinite`), `device_pos` and the counted `launch` are public: a format's own step
+`nonfinite`, `to_dtype_rne`), `device_pos` and the counted `launch` are public: a format's own step
 encoder (kernels/formats/, an out-of-tree format) builds on them.
 
 Arithmetic follows torch's op by op: IEEE division (`div_rn`), `sqrt_rn`, sums in
@@ -136,6 +136,17 @@ def flag(err_ptr, bits, n_bad, token):
         tl.atomic_or(err_ptr, bits)
         tl.atomic_min(err_ptr + 1, token)
         tl.atomic_add(err_ptr + 2, n_bad)
+
+
+@triton.jit
+def to_dtype_rne(v, DT: tl.constexpr):
+    """float32 v in dtype DT rounded to nearest even, as torch's cast; bf16 by its bits (the
+    interpreter's bf16 cast does not round so; NaN is not expected: callers flag bad input)."""
+    if DT == tl.bfloat16:
+        u = v.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return v.to(DT)
 
 
 @triton.jit

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ..quantizers.rotation import hadamard_block, signs_of
-from .step_encode import device_pos, launch, nonfinite, p2
+from .step_encode import device_pos, launch, nonfinite, p2, to_dtype_rne
 
 MAX_TILE = 16384  # chunks x codewords of one stage's float64 scores, held in registers
 MAX_D = 128  # the butterfly tile is [D, D]
@@ -59,17 +59,6 @@ def _fwht(y, D: tl.constexpr, LOG2B: tl.constexpr):
         sgn = tl.where((j == i) & ~low, -1.0, 1.0)
         y = tl.sum(tl.where(sel, y[None, :] * sgn, 0.0), axis=1)
     return y
-
-
-@triton.jit
-def _to_history(v, DT: tl.constexpr):
-    """float32 v in the history's dtype, rounded to nearest even as torch's cast (bf16 by
-    its bits: the interpreter's bf16 cast does not round so)."""
-    if DT == tl.bfloat16:
-        u = v.to(tl.uint32, bitcast=True)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return v.to(DT)
 
 
 @triton.jit
@@ -213,7 +202,7 @@ def _vq_step_kernel(x_ptr, sxb, sxh, pos_ptr, base, H, flag_ptr, dec_ptr, sdb, s
     if ROTATE:
         out = _fwht(out, D, LOG2B) * INV_SQRT_B * s
     tl.store(dec_ptr + b.to(tl.int64) * sdb + h * sdh + p.to(tl.int64) * sdt + e,
-             _to_history(out, dec_ptr.dtype.element_ty))
+             to_dtype_rne(out, dec_ptr.dtype.element_ty))
     # codes in (chunk, stage) order: value n*M + m at bits [(n*M + m)*BITS, ...) (packing.py)
     jb = tl.arange(0, NBP)[:, None, None]
     sh = (n * M + mm)[None, :, :] * BITS - 8 * jb
