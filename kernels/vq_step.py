@@ -34,12 +34,16 @@ head dims above 128 (the butterfly tile's size).
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from ..quantizers import Segment
+from ..quantizers.base import FP16_MAX, QuantizerInputError
+from ..quantizers.checks import require
 from ..quantizers.rotation import hadamard_block, signs_of
 from .step_encode import device_pos, launch, nonfinite, p2, to_dtype_rne
 
@@ -138,23 +142,28 @@ def _beam(z, cb, scm, NC: tl.constexpr, DIM: tl.constexpr, M: tl.constexpr, K: t
     return tl.sum(tl.where((t == 0)[None, :, None], codes, 0), axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["t0", "base"])
 def _vq_step_kernel(x_ptr, sxb, sxh, pos_ptr, base, H, flag_ptr, dec_ptr, sdb, sdh, sdt, sgn_ptr,
                     cb_ptr, scr, scg, scm, code_ptr, sor, sob, soh, gain_ptr, sgr, sgb, sgh,
                     D: tl.constexpr, DIM: tl.constexpr, NC: tl.constexpr, M: tl.constexpr, K: tl.constexpr,
                     BITS: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, MP: tl.constexpr,
                     ROTATE: tl.constexpr, LOG2B: tl.constexpr, INV_SQRT_B: tl.constexpr,
-                    NORMALISE: tl.constexpr, LSQ: tl.constexpr, BEAM: tl.constexpr, BP: tl.constexpr):
-    """Program b*H+h: token x[b, h, 0] at device position p = *pos_ptr; field rows p - base
-    (strides row, batch, head), history token p. Codebooks at cb_ptr + b*scr + h*scg + m*scm
-    ([K, DIM] fp16 each; scr / scg 0 where one row / group serves all)."""
-    p = tl.load(pos_ptr)
+                    NORMALISE: tl.constexpr, LSQ: tl.constexpr, BEAM: tl.constexpr, BP: tl.constexpr,
+                    t0, sxt, DEVPOS: tl.constexpr, DEC: tl.constexpr):
+    """Program (b*H+h, t): token x[b, h, t] at position p = t0 + t (DEVPOS: + *pos_ptr, a
+    graphed step's device position); field rows p - base (strides row, batch, head), history
+    token p (DEC). Codebooks at cb_ptr + b*scr + h*scg + m*scm ([K, DIM] fp16 each; scr /
+    scg 0 where one row / group serves all)."""
+    t = tl.program_id(1)
+    p = t0 + t
+    if DEVPOS:
+        p += tl.load(pos_ptr)
     row = (p - base).to(tl.int64)
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
     e = tl.arange(0, D)
-    x = tl.load(x_ptr + b.to(tl.int64) * sxb + h * sxh + e).to(tl.float32)
+    x = tl.load(x_ptr + b.to(tl.int64) * sxb + h * sxh + t.to(tl.int64) * sxt + e).to(tl.float32)
     n_bad = tl.sum(nonfinite(x).to(tl.int32), axis=0)
     if n_bad > 0:
         tl.atomic_add(flag_ptr, n_bad)
@@ -199,10 +208,11 @@ def _vq_step_kernel(x_ptr, sxb, sxh, pos_ptr, base, H, flag_ptr, dec_ptr, sdb, s
             tl.atomic_add(flag_ptr + 1, 1)
     else:
         out = tl.reshape(zhat, [D])
-    if ROTATE:
-        out = _fwht(out, D, LOG2B) * INV_SQRT_B * s
-    tl.store(dec_ptr + b.to(tl.int64) * sdb + h * sdh + p.to(tl.int64) * sdt + e,
-             to_dtype_rne(out, dec_ptr.dtype.element_ty))
+    if DEC:
+        if ROTATE:
+            out = _fwht(out, D, LOG2B) * INV_SQRT_B * s
+        tl.store(dec_ptr + b.to(tl.int64) * sdb + h * sdh + p.to(tl.int64) * sdt + e,
+                 to_dtype_rne(out, dec_ptr.dtype.element_ty))
     # codes in (chunk, stage) order: value n*M + m at bits [(n*M + m)*BITS, ...) (packing.py)
     jb = tl.arange(0, NBP)[:, None, None]
     sh = (n * M + mm)[None, :, :] * BITS - 8 * jb
@@ -239,49 +249,106 @@ def unsupported(q, head_dim: int, device: torch.device | None = None) -> str | N
     return None
 
 
-class VQStep:
-    """The device encoder of one (layer, role)'s avq / flatvq one-token writes (see
-    spherical_step.SphericalStep: tables once, then one launch a step)."""
+class VQTables:
+    """What the kernel reads of one (layer, role)'s shared tensors: the codebooks as
+    [R, G, M, K, dim] fp16 and the rotation's +-1 signs."""
 
-    def __init__(self, q, packed, fields: dict, flags: torch.Tensor):
-        why = unsupported(q, packed.head_dim, packed.device)
+    def __init__(self, q, shared: dict, head_dim: int, device):
+        why = unsupported(q, head_dim, device)
         if why:
             raise ValueError(why)
-        c, D, dev = q.config, packed.head_dim, packed.device
-        self.q, self.fields, self.flags, self.D, self.H = q, fields, flags, D, packed.heads
-        self.avq = q.name == "avq"
+        c = q.config
+        self.q, self.D, self.avq = q, head_dim, q.name == "avq"
         self.beam = c.beam if self.avq else 1
-        if self.avq:
-            cb = packed.shared["codebooks"]  # [R, G, M, K, dim] fp16
-            self.M = c.M
-        else:
-            cb = packed.shared["codebook"].unsqueeze(2)  # [R, G, 1, K, dim]
-            self.M = 1
-        self.cb = cb.to(dev, torch.float16).contiguous()
+        cb = shared["codebooks"] if self.avq else shared["codebook"].unsqueeze(2)  # [R, G, M, K, dim]
+        self.M = c.M if self.avq else 1
+        self.cb = cb.to(device, torch.float16).contiguous()
         self.rotate = self.avq and c.rotation == "hadamard"
-        self.signs = signs_of(packed.shared["signs"], D).to(dev).contiguous() if self.rotate else self.cb
-        self.block = hadamard_block(D)
+        self.signs = signs_of(shared["signs"], head_dim).to(device).contiguous() if self.rotate else self.cb
+        self.block = hadamard_block(head_dim)
 
-    def __call__(self, x: torch.Tensor, pos: torch.Tensor, base: int, dec: torch.Tensor) -> None:
+    def launch(self, x, t0: int, pos, base: int, flags, codes, gain, dec) -> None:
+        """Tokens x `[B, H, T, D]` at positions t0 + t (+ the device position `pos`, or None);
+        field rows at position - base (codes / gain: row, batch and head strides first);
+        the decoded tokens into `dec` `[B, H, cap, D]` at their positions (None: not written)."""
         B, H, T, D = x.shape
-        if T != 1 or H != self.H or D != self.D or x.stride(-1) != 1 or dec.stride(-1) != 1:
-            raise ValueError(f"vq step: expected one contiguous token [B, {self.H}, 1, {self.D}], got {tuple(x.shape)}")
         c = self.q.config
-        pos_arg, _ = device_pos(pos, x)
-        codes = self.fields["codes"]
-        gain = self.fields.get("gain", codes)  # (flat VQ stores no gain: never written)
+        pos_arg, devpos = device_pos(pos, x)
+        gain = codes if gain is None else gain  # (flat VQ stores no gain: never written)
         cb = self.cb
         K, dim = cb.shape[3], cb.shape[4]
         nb = (D // dim * self.M * c.K_bits + 7) // 8
-        launch(_vq_step_kernel, (B * H,), x, x.stride(0), x.stride(1), pos_arg, base, H, self.flags,
-               dec, dec.stride(0), dec.stride(1), dec.stride(2), self.signs,
+        dec_arg = codes if dec is None else dec
+        sd = (0, 0, 0) if dec is None else (dec.stride(0), dec.stride(1), dec.stride(2))
+        launch(_vq_step_kernel, (B * H, T), x, x.stride(0), x.stride(1), pos_arg, base, H, flags,
+               dec_arg, *sd, self.signs,
                cb, 0 if cb.shape[0] == 1 else cb.stride(0), 0 if cb.shape[1] == 1 else cb.stride(1), cb.stride(2),
                codes, codes.stride(0), codes.stride(1), codes.stride(2),
                gain, gain.stride(0), gain.stride(1), gain.stride(2),
                D=D, DIM=dim, NC=D // dim, M=self.M, K=K, BITS=c.K_bits, NB=nb, NBP=p2(nb), MP=p2(self.M),
                ROTATE=self.rotate, LOG2B=self.block.bit_length() - 1, INV_SQRT_B=1 / math.sqrt(self.block),
                NORMALISE=self.avq, LSQ=self.avq and c.gain == "lsq", BEAM=self.beam, BP=p2(self.beam),
+               t0=t0, sxt=x.stride(2), DEVPOS=devpos, DEC=dec is not None,
                num_warps=8 if self.beam > 1 else 4)
 
 
-__all__ = ["BEAM_ON_CUDA", "MAX_D", "MAX_TILE", "VQStep", "unsupported"]
+class VQStep:
+    """The device encoder of one (layer, role)'s avq / flatvq one-token writes (see
+    spherical_step.SphericalStep: tables once, then one launch a step)."""
+
+    def __init__(self, q, packed, fields: dict, flags: torch.Tensor):
+        self.tables = VQTables(q, packed.shared, packed.head_dim, packed.device)
+        self.fields, self.flags, self.H = fields, flags, packed.heads
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, base: int, dec: torch.Tensor) -> None:
+        B, H, T, D = x.shape
+        if T != 1 or H != self.H or D != self.tables.D or x.stride(-1) != 1 or dec.stride(-1) != 1:
+            raise ValueError(f"vq step: expected one contiguous token [B, {self.H}, 1, {self.tables.D}], "
+                             f"got {tuple(x.shape)}")
+        self.tables.launch(x, 0, pos, base, self.flags, self.fields["codes"], self.fields.get("gain"), dec)
+
+
+def encode_tokens(q, x: torch.Tensor, shared: dict) -> Segment:
+    """`q.encode_tokens(x, shared)` (avq / flatvq, x float `[B, H, T, D]`) in one launch:
+    the same fields. Scales or gains beyond fp16 raise through `checks.require` (deferred
+    inside `deferred_checks()`, as the torch path's); x's values were checked by `append`."""
+    B, H, T, D = x.shape
+    tables = VQTables(q, shared, D, x.device)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    nb = (D // q.config.dim * tables.M * q.config.K_bits + 7) // 8
+    codes = torch.empty(B, H, T, nb, dtype=torch.uint8, device=x.device)
+    gain = torch.empty(B, H, T, dtype=torch.float16, device=x.device) if tables.avq else None
+    flags = torch.zeros(2, dtype=torch.int32, device=x.device)
+    tables.launch(x, 0, None, 0, flags, codes.permute(2, 0, 1, 3), None if gain is None else gain.permute(2, 0, 1),
+                  None)
+    require(flags[1] > 0, lambda: QuantizerInputError(
+        f"{q.spec}: an RMS scale or gain overflows the fp16 the cache stores (max {FP16_MAX}); rescale the input"))
+    return Segment({"codes": codes, **({"gain": gain} if gain is not None else {})}, T)
+
+
+def kernel_quantizer(q):
+    """Quantizer `q` (avq / flatvq) whose multi-token `encode_tokens` is the kernel: a
+    shallow copy of the instance (its calibration and seed included) of a subclass; its
+    fit, decode and one-token writes are the quantizer's own."""
+    cls = _KERNEL_CLASSES.get(type(q))
+    if cls is None:
+        base = type(q)
+
+        class KernelVQ(base):
+            def encode_tokens(self, x, shared):
+                if x.shape[2] < 2 or unsupported(self, x.shape[-1], x.device):
+                    return super().encode_tokens(x, shared)
+                return encode_tokens(self, x, shared)
+
+        KernelVQ.__name__ = cls_name = f"Kernel{base.__name__}"
+        KernelVQ.__qualname__ = cls_name
+        cls = _KERNEL_CLASSES[base] = KernelVQ
+    w = copy.copy(q)
+    w.__class__ = cls
+    return w
+
+
+_KERNEL_CLASSES: dict = {}
+
+
+__all__ = ["BEAM_ON_CUDA", "MAX_D", "MAX_TILE", "VQStep", "VQTables", "encode_tokens", "kernel_quantizer", "unsupported"]

@@ -101,6 +101,26 @@ PROBED: dict = {}
 DEVICE_ENCODERS = "cuda"
 
 
+# Multi-token writes (a prefill) of avq / flat VQ encoded by the same kernel (vq_step.kernel_quantizer):
+# taken on CUDA once a GPU has run test_vq_step.py's segment cases ("cuda"); "always" also
+# on the CPU (tests); "never" until then.
+SEGMENT_ENCODERS = "never"
+
+
+def segment_writer(q: Quantizer, device: torch.device, cache: dict, role: str):
+    """The quantizer a dense layer's multi-token write goes through: `q` whose encode is
+    the device kernel (one launch for the write's codes and gains), or None (q itself).
+    Made once per role into `cache`."""
+    if not (SEGMENT_ENCODERS == "always" or (SEGMENT_ENCODERS == "cuda" and device.type == "cuda")):
+        return None
+    if q.name not in ("avq", "flatvq"):
+        return None
+    key = ("dense", role)
+    if key not in cache:
+        cache[key] = vq_step.kernel_quantizer(q)
+    return cache[key]
+
+
 def device_encoder(q: Quantizer, packed: Packed, fields: dict, checks: StickyChecks):
     """The device encoder of q's one-token writes into `fields` (None: the torch path),
     its flags watched by `checks`."""
@@ -178,4 +198,4 @@ class DenseSteps:
         return [self.decoded.buf, *self.fields.values(), *self.checks.flags, *(f for f, _ in self.checks.watched)]
 
 
-__all__ = ["DEVICE_ENCODERS", "PROBED", "DenseSteps", "device_encoder", "code_one_token", "probe", "unsupported"]
+__all__ = ["DEVICE_ENCODERS", "PROBED", "SEGMENT_ENCODERS", "DenseSteps", "device_encoder", "segment_writer", "code_one_token", "probe", "unsupported"]

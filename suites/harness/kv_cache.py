@@ -355,6 +355,10 @@ class QuantizedLayer(DynamicLayer):
         HQMQ's search as a Triton kernel, the same fields; a deployed engine encodes its
         prefill on the device), else the quantizer itself."""
         q = self.quantizers[role]
+        if x.shape[-2] >= 2 and self.mode != "fused":  # a dense format's multi-token encode in one launch
+            dense = dense_steps.segment_writer(q, x.device, self._device_writers, role)
+            if dense is not None:
+                return dense
         if x.device.type != "cuda" or x.shape[-2] < 2 or self.fused_wanted is False or self.mode == "dense":
             return q
         cached = self._device_writers.get(role)

@@ -420,10 +420,12 @@ def test_dense_device_steps_equal_dense_steps(model, spec):
 def test_dense_device_steps_through_a_device_encoder(model, spec, monkeypatch):
     # kernels/spherical_step.py, vq_step.py: one launch a step instead of the torch path (on a
     # GPU by default; forced here, under the interpreter on a CPU); the same bytes and logits
+    # (avq / flat VQ: their prefill's encode too, `dense_steps.segment_writer`)
     from kvqbench.suites.harness import dense_steps
 
+    eager, ce, _ = _decode(model, spec, 4, graphed=False)  # the torch path throughout (CPU defaults)
     monkeypatch.setattr(dense_steps, "DEVICE_ENCODERS", "always")
-    eager, ce, _ = _decode(model, spec, 4, graphed=False)
+    monkeypatch.setattr(dense_steps, "SEGMENT_ENCODERS", "always")
     dev, cd, step = _decode(model, spec, 4, graphed=True, between=2)
     assert step.mode == ("graph" if DEV.type == "cuda" else "device") and step.steps == 3, step.why
     assert all(s.encoder is not None for layer in cd.layers for s in layer.dense_steps.values())

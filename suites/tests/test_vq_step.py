@@ -119,3 +119,39 @@ def test_beam_search_writes_the_torch_paths_bytes(spec, D, monkeypatch):
     for name in ref.fields:
         assert torch.equal(got.fields[name][:3], ref.fields[name][:3]), name
     assert torch.equal(got.decoded.buf[:, :, :43], ref.decoded.buf[:, :, :43])
+
+
+@pytest.mark.parametrize("spec", ["avq2", "avq3", "avq:M=2,K_bits=6,gain=rms,per_head=true",
+                                  "avq:M=2,K_bits=6,beam=4", "flatvq:dim=4,K_bits=8", "flatvq:dim=2,K_bits=6"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_multi_token_write_stores_the_torch_paths_fields(spec, dtype, monkeypatch):
+    # the prefill's encode (vq_step.encode_tokens over (rows x kv-heads, tokens)), after the
+    # quantizer's own fit: what `append` stores, field for field
+    monkeypatch.setattr(vq_step, "BEAM_ON_CUDA", True)
+    q = get_quantizer(spec, role="K", layer=2, seed=5)
+    x = _data(2, 3, 9, 32, dtype, 1)
+    ref = q.encode(x)
+    got = vq_step.kernel_quantizer(q).encode(x)
+    assert type(got) is type(ref) and [s.tokens for s in got.segments] == [9]
+    for name, t in ref.segments[0].fields.items():
+        assert torch.equal(got.segments[0].fields[name], t), name
+    for name, t in ref.shared.items():
+        assert torch.equal(got.shared[name], t), name
+    assert torch.equal(q.decode(got), q.decode(ref))
+
+
+def test_the_kernel_quantizer_shares_the_instances_calibration():
+    q = get_quantizer("avq2-cal", role="V", layer=0)
+    cb = torch.randn(1, 1, 2, 256, 8).half()
+    q.load_calibration({"codebooks": cb})
+    w = vq_step.kernel_quantizer(q)
+    assert type(w).__name__ == "KernelAdditiveVQ" and isinstance(w, type(q))
+    assert torch.equal(w.empty(torch.zeros(1, 2, 3, 32)).shared["codebooks"].cpu(), cb)
+
+
+def test_a_multi_token_write_flags_a_gain_beyond_fp16():
+    q = get_quantizer("avq2", role="V")
+    x = _data(1, 2, 8, 32, torch.float32, 0)
+    shared = q.fitted_shared(x)
+    with pytest.raises(QuantizerInputError, match="overflows the fp16"):
+        vq_step.encode_tokens(q, x * 1e36, shared)
