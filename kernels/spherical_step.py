@@ -33,7 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .step_encode import device_pos, launch, nonfinite, p2, to_dtype_rne, pack_row
+from ..quantizers import Segment
+from ..quantizers.base import FP16_MAX, QuantizerInputError
+from ..quantizers.checks import require
+from .step_encode import device_pos, launch, nonfinite, p2, pack_row, to_dtype_rne, with_kernel_encode
 
 TILE = 16  # channels per tile of a matrix pass: a [part size, TILE] float64 tile in registers
 
@@ -42,7 +45,8 @@ TILE = 16  # channels per tile of a matrix pass: a [part size, TILE] float64 til
 def _part(x_ptr, xo, idx_ptr, io, ainv_ptr, m_ptr, mo, c_ptr, lv_ptr, ed_ptr,
           code_ptr, co, gain_ptr, go, dec_ptr, do, flag_ptr,
           D: tl.constexpr, DP: tl.constexpr, SPLIT: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr,
-          NBP: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr, LSQ: tl.constexpr, TILE: tl.constexpr):
+          NBP: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr, LSQ: tl.constexpr, TILE: tl.constexpr,
+          DEC: tl.constexpr):
     """One part (D channels, at idx_ptr + io when SPLIT, else 0..D-1) of one token row."""
     k = tl.arange(0, DP)
     km = k < D
@@ -86,13 +90,14 @@ def _part(x_ptr, xo, idx_ptr, io, ainv_ptr, m_ptr, mo, c_ptr, lv_ptr, ed_ptr,
     scale = g16.to(tl.float64) * c
     if not LSQ:
         scale = scale / tl.sqrt(tl.sum(v * v, axis=0))
-    for j0 in range(0, DP, TILE):
-        j = j0 + tl.arange(0, TILE)
-        jm = j < D
-        mt = tl.load(m_ptr + mo + k[:, None] * D + j[None, :], mask=km[:, None] & jm[None, :], other=0.0)
-        dec = tl.sum(v[:, None] * mt, axis=0) * scale
-        ch = tl.load(idx_ptr + io + j, mask=jm, other=0) if SPLIT else j
-        tl.store(dec_ptr + do + ch, to_dtype_rne(dec.to(tl.float32), dec_ptr.dtype.element_ty), mask=jm)
+    if DEC:
+        for j0 in range(0, DP, TILE):
+            j = j0 + tl.arange(0, TILE)
+            jm = j < D
+            mt = tl.load(m_ptr + mo + k[:, None] * D + j[None, :], mask=km[:, None] & jm[None, :], other=0.0)
+            dec = tl.sum(v[:, None] * mt, axis=0) * scale
+            ch = tl.load(idx_ptr + io + j, mask=jm, other=0) if SPLIT else j
+            tl.store(dec_ptr + do + ch, to_dtype_rne(dec.to(tl.float32), dec_ptr.dtype.element_ty), mask=jm)
     byt = pack_row(code, BITS, DP, NBP)
     b = tl.arange(0, NBP)
     tl.store(code_ptr + co + b, byt.to(tl.uint8), mask=b < NB)
@@ -101,7 +106,7 @@ def _part(x_ptr, xo, idx_ptr, io, ainv_ptr, m_ptr, mo, c_ptr, lv_ptr, ed_ptr,
         tl.atomic_add(flag_ptr + 1, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["t0", "base"])
 def _spherical_step_kernel(x_ptr, sxb, sxh, pos_ptr, base, H, flag_ptr, dec_ptr, sdb, sdh, sdt,
                            idx_ptr, sib, sih, ainv_ptr, m_ptr, c_ptr, lv_ptr, ed_ptr,
                            code_ptr, scr, scb, sch, gain_ptr, sgr, sgb, sgh,
@@ -111,18 +116,23 @@ def _spherical_step_kernel(x_ptr, sxb, sxh, pos_ptr, base, H, flag_ptr, dec_ptr,
                            D1: tl.constexpr, DP1: tl.constexpr, BITS1: tl.constexpr, NB1: tl.constexpr,
                            NBP1: tl.constexpr, NE1: tl.constexpr, NEP1: tl.constexpr,
                            D2: tl.constexpr, DP2: tl.constexpr, BITS2: tl.constexpr, NB2: tl.constexpr,
-                           NBP2: tl.constexpr, NE2: tl.constexpr, NEP2: tl.constexpr, TILE: tl.constexpr):
-    """Program b*H+h: the token x[b, h, 0] at device position p = *pos_ptr; field rows
-    p - base (their strides: row, batch, head; a part's codes contiguous), history token p.
+                           NBP2: tl.constexpr, NE2: tl.constexpr, NEP2: tl.constexpr, TILE: tl.constexpr,
+                           t0, sxt, DEVPOS: tl.constexpr, DEC: tl.constexpr):
+    """Program (b*H+h, t): the token x[b, h, t] at position p = t0 + t (DEVPOS: + *pos_ptr, a
+    graphed step's device position); field rows p - base (their strides: row, batch, head; a
+    part's codes contiguous), history token p (DEC).
     SPLIT: part 1 is the regular channels (idx_ptr), part 2 the outlier ones (idx2_ptr),
     each with its matrices, levels and fields; an index's batch stride is 0 where one mask
     row serves every batch row. The gains of both parts share their strides."""
-    p = tl.load(pos_ptr)
+    t = tl.program_id(1)
+    p = t0 + t
+    if DEVPOS:
+        p += tl.load(pos_ptr)
     row = p - base
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
-    xo = b.to(tl.int64) * sxb + h * sxh
+    xo = b.to(tl.int64) * sxb + h * sxh + t.to(tl.int64) * sxt
     d = tl.arange(0, DP)
     x = tl.load(x_ptr + xo + d, mask=d < D, other=0.0).to(tl.float32)
     n_bad = tl.sum((nonfinite(x) & (d < D)).to(tl.int32), axis=0)
@@ -132,11 +142,11 @@ def _spherical_step_kernel(x_ptr, sxb, sxh, pos_ptr, base, H, flag_ptr, dec_ptr,
     fo = row.to(tl.int64)
     _part(x_ptr, xo, idx_ptr, b * sib + h * sih, ainv_ptr, m_ptr, h * D1 * D1, c_ptr, lv_ptr, ed_ptr,
           code_ptr, fo * scr + b * scb + h * sch, gain_ptr, fo * sgr + b * sgb + h * sgh, dec_ptr, do, flag_ptr,
-          D1, DP1, SPLIT, BITS1, NB1, NBP1, NE1, NEP1, LSQ, TILE)
+          D1, DP1, SPLIT, BITS1, NB1, NBP1, NE1, NEP1, LSQ, TILE, DEC)
     if SPLIT:
         _part(x_ptr, xo, idx2_ptr, b * sib2 + h * sih2, ainv2_ptr, m2_ptr, h * D2 * D2, c2_ptr, lv2_ptr, ed2_ptr,
               code2_ptr, fo * scr2 + b * scb2 + h * sch2, gain2_ptr, fo * sgr + b * sgb + h * sgh, dec_ptr, do, flag_ptr,
-              D2, DP2, SPLIT, BITS2, NB2, NBP2, NE2, NEP2, LSQ, TILE)
+              D2, DP2, SPLIT, BITS2, NB2, NBP2, NE2, NEP2, LSQ, TILE, DEC)
 
 
 def unsupported(q) -> str | None:
@@ -146,45 +156,38 @@ def unsupported(q) -> str | None:
     return None
 
 
-class SphericalStep:
-    """The device encoder of one (layer, role)'s spherical one-token writes: the part
-    tables (channel index, float64 matrices, levels) built once from the cache's shared
-    tensors, then `__call__` is one launch per step. `fields` are the step's field row
-    buffers (dense_steps.DenseSteps: `[rows, B, H, 1, ...]`), `flags` int32 `[2]`: the
-    counts of non-finite inputs and of gains beyond fp16, added to by every step."""
+class SphericalTables:
+    """What the kernel reads of one (layer, role)'s shared tensors, per part: the channel
+    index, the float64 matrices (M, c, A^-1) and the levels with their midpoints."""
 
-    def __init__(self, q, packed, fields: dict, flags: torch.Tensor):
+    def __init__(self, q, shared: dict, head_dim: int, batch: int, device):
         why = unsupported(q)
         if why:
             raise ValueError(why)
-        D, dev = packed.head_dim, packed.device
-        self.q, self.fields, self.flags, self.D, self.H = q, fields, flags, D, packed.heads
-        idx = q.channel_index(packed.shared, D, dev)
+        self.q, self.D = q, head_dim
         self.parts = []
-        for (part, d, bits), ix in zip(q.parts(D), idx):
-            m, c, inv = q.matrices(packed.shared, d, dev, part)
-            lv, edges = q.levels(d, dev, bits)
+        for (part, d, bits), ix in zip(q.parts(head_dim), q.channel_index(shared, head_dim, device)):
+            m, c, inv = q.matrices(shared, d, device, part)
+            lv, edges = q.levels(d, device, bits)
             self.parts.append(dict(
                 part=part, d=d, bits=bits, idx=None if ix is None else ix.to(torch.int32).contiguous(),
-                ainv=inv.contiguous(), m=m.contiguous(), c=torch.tensor([c], dtype=torch.float64, device=dev),
+                ainv=inv.contiguous(), m=m.contiguous(), c=torch.tensor([c], dtype=torch.float64, device=device),
                 lv=lv.contiguous(), edges=edges.contiguous()))
         self.split = len(self.parts) == 2
-        if self.split and self.parts[0]["idx"].shape[0] not in (1, packed.batch):
-            raise ValueError(f"{q.spec}: a channel index of {self.parts[0]['idx'].shape[0]} rows for a batch of "
-                             f"{packed.batch}")
+        if self.split and self.parts[0]["idx"].shape[0] not in (1, batch):
+            raise ValueError(f"{q.spec}: a channel index of {self.parts[0]['idx'].shape[0]} rows for a batch of {batch}")
 
-    def __call__(self, x: torch.Tensor, pos: torch.Tensor, base: int, dec: torch.Tensor) -> None:
-        """Write token x `[B, H, 1, D]` at device position `pos` (field rows pos - base,
-        history `dec` `[B, H, cap, D]` token pos)."""
+    def launch(self, x, t0: int, pos, base: int, flags, fields: dict, dec) -> None:
+        """Tokens x `[B, H, T, D]` (last axis contiguous) at positions t0 + t (+ the device
+        position `pos`, or None); `fields` (codes / gain of each part: row, batch and head
+        strides first) at rows position - base; the decoded tokens into `dec` `[B, H, cap,
+        D]` at their positions (None: not written)."""
         B, H, T, D = x.shape
-        if T != 1 or H != self.H or D != self.D or x.stride(-1) != 1 or dec.stride(-1) != 1:
-            raise ValueError(f"spherical step: expected one contiguous token [B, {self.H}, 1, {self.D}], "
-                             f"got {tuple(x.shape)}")
-        pos_arg, _ = device_pos(pos, x)
+        pos_arg, devpos = device_pos(pos, x)
         p1 = self.parts[0]
         p2_ = self.parts[1] if self.split else p1
-        f1c, f1g = self.fields["codes" + p1["part"]], self.fields["gain" + p1["part"]]
-        f2c, f2g = (self.fields["codes_o"], self.fields["gain_o"]) if self.split else (f1c, f1g)
+        f1c, f1g = fields["codes" + p1["part"]], fields["gain" + p1["part"]]
+        f2c, f2g = (fields["codes_o"], fields["gain_o"]) if self.split else (f1c, f1g)
         idx = [(p["idx"], 0 if p["idx"].shape[0] == 1 else p["idx"].stride(0), p["idx"].stride(1))
                if self.split else (f1c, 0, 0) for p in (p1, p2_)]  # (never read without a split)
         const = {}
@@ -193,13 +196,63 @@ class SphericalStep:
             ne = p["edges"].numel()
             const.update({f"D{n}": p["d"], f"DP{n}": p2(p["d"]), f"BITS{n}": p["bits"], f"NB{n}": nb,
                           f"NBP{n}": p2(nb), f"NE{n}": ne, f"NEP{n}": p2(max(ne, 1))})
-        launch(_spherical_step_kernel, (B * H,), x, x.stride(0), x.stride(1), pos_arg, base, H, self.flags,
-               dec, dec.stride(0), dec.stride(1), dec.stride(2),
+        dec_arg = f1c if dec is None else dec
+        sd = (0, 0, 0) if dec is None else (dec.stride(0), dec.stride(1), dec.stride(2))
+        launch(_spherical_step_kernel, (B * H, T), x, x.stride(0), x.stride(1), pos_arg, base, H, flags,
+               dec_arg, *sd,
                *idx[0], p1["ainv"], p1["m"], p1["c"], p1["lv"], p1["edges"],
                f1c, f1c.stride(0), f1c.stride(1), f1c.stride(2), f1g, f1g.stride(0), f1g.stride(1), f1g.stride(2),
                *idx[1], p2_["ainv"], p2_["m"], p2_["c"], p2_["lv"], p2_["edges"],
                f2c, f2c.stride(0), f2c.stride(1), f2c.stride(2), f2g,
-               D=D, DP=p2(D), LSQ=self.q.config.gain == "lsq", SPLIT=self.split, TILE=TILE, **const)
+               D=D, DP=p2(D), LSQ=self.q.config.gain == "lsq", SPLIT=self.split, TILE=TILE, **const,
+               t0=t0, sxt=x.stride(2), DEVPOS=devpos, DEC=dec is not None)
 
 
-__all__ = ["SphericalStep", "unsupported"]
+class SphericalStep:
+    """The device encoder of one (layer, role)'s spherical one-token writes: the part
+    tables built once from the cache's shared tensors, then `__call__` is one launch per
+    step. `fields` are the step's field row buffers (dense_steps.DenseSteps: `[rows, B, H,
+    1, ...]`), `flags` int32 `[2]`: the counts of non-finite inputs and of gains beyond
+    fp16, added to by every step."""
+
+    def __init__(self, q, packed, fields: dict, flags: torch.Tensor):
+        self.tables = SphericalTables(q, packed.shared, packed.head_dim, packed.batch, packed.device)
+        self.fields, self.flags, self.H = fields, flags, packed.heads
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, base: int, dec: torch.Tensor) -> None:
+        """Write token x `[B, H, 1, D]` at device position `pos` (field rows pos - base,
+        history `dec` `[B, H, cap, D]` token pos)."""
+        B, H, T, D = x.shape
+        if T != 1 or H != self.H or D != self.tables.D or x.stride(-1) != 1 or dec.stride(-1) != 1:
+            raise ValueError(f"spherical step: expected one contiguous token [B, {self.H}, 1, {self.tables.D}], "
+                             f"got {tuple(x.shape)}")
+        self.tables.launch(x, 0, pos, base, self.flags, self.fields, dec)
+
+
+def encode_tokens(q, x: torch.Tensor, shared: dict) -> Segment:
+    """`q.encode_tokens(x, shared)` (spherical without QJL keys, x float `[B, H, T, D]`) in
+    one launch: the same fields. Gains beyond fp16 raise through `checks.require`; x's
+    values were checked by `append`."""
+    B, H, T, D = x.shape
+    tables = SphericalTables(q, shared, D, B, x.device)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    fields = {}
+    for p in tables.parts:
+        fields["codes" + p["part"]] = torch.empty(B, H, T, (p["d"] * p["bits"] + 7) // 8, dtype=torch.uint8,
+                                                  device=x.device)
+        fields["gain" + p["part"]] = torch.empty(B, H, T, dtype=torch.float16, device=x.device)
+    flags = torch.zeros(2, dtype=torch.int32, device=x.device)
+    views = {k: (v.permute(2, 0, 1, 3) if v.dim() == 4 else v.permute(2, 0, 1)) for k, v in fields.items()}
+    tables.launch(x, 0, None, 0, flags, views, None)
+    require(flags[1] > 0, lambda: QuantizerInputError(
+        f"spherical gain overflows the fp16 the cache stores (max {FP16_MAX}); rescale the input"))
+    return Segment(fields, T)
+
+
+def kernel_quantizer(q):
+    """Quantizer `q` (spherical) whose multi-token `encode_tokens` is the kernel (QJL keys:
+    the quantizer's own; see step_encode.with_kernel_encode)."""
+    return with_kernel_encode(q, encode_tokens, lambda w, x: unsupported(w))
+
+
+__all__ = ["SphericalStep", "SphericalTables", "encode_tokens", "kernel_quantizer", "unsupported"]

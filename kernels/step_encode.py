@@ -22,7 +22,8 @@ those of the quantizer's `encode_tokens` (suites/tests/test_step_encode.py):
 - HQMQ incl. Med3x (`HQMQFlat`): `hqmq_encode.hqmq_tokens` (beside the search kernel
   whose code it shares), on this module's pieces.
 
-The jit helpers (`rne`, `fp16_toward`, `pack_row`, `flag`, `token_program`,
+`with_kernel_encode` gives a quantizer a kernel for its multi-token encode (a dense layer's
+prefill: spherical_step.py, vq_step.py). The jit helpers (`rne`, `fp16_toward`, `pack_row`, `flag`, `token_program`,
 `nonfinite`, `to_dtype_rne`), `device_pos` and the counted `launch` are public: a format's own step
 encoder (kernels/formats/, an out-of-tree format) builds on them.
 
@@ -39,6 +40,8 @@ without a sync (suites/harness/kv_cache.py says when) and raises the old path's
 QuantizerInputError then, naming layer, role and token.
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 import triton
@@ -76,6 +79,31 @@ def device_pos(pos, x: torch.Tensor):
     if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int32 or pos.numel() < 1 or pos.device != x.device:
         raise ValueError(f"pos must be an int32 tensor on {x.device} (the write position)")
     return pos, True
+
+
+def with_kernel_encode(q, encode, why_not):
+    """Quantizer `q` whose multi-token `encode_tokens(x, shared)` is `encode(self, x,
+    shared)` (a device kernel storing the same fields) unless `why_not(self, x)` names a
+    reason or the write is one token: a shallow copy of the instance (its calibration and
+    seed included) whose class is a subclass of q's made once per (class, encode). Its fit,
+    decode and every other method are the quantizer's own."""
+    key = (type(q), encode)
+    cls = _KERNEL_CLASSES.get(key)
+    if cls is None:
+        base = type(q)
+
+        def encode_tokens(self, x, shared):
+            if x.shape[2] < 2 or why_not(self, x):
+                return base.encode_tokens(self, x, shared)
+            return encode(self, x, shared)
+
+        cls = _KERNEL_CLASSES[key] = type(f"Kernel{base.__name__}", (base,), {"encode_tokens": encode_tokens})
+    w = copy.copy(q)
+    w.__class__ = cls
+    return w
+
+
+_KERNEL_CLASSES: dict = {}
 
 
 def p2(n: int) -> int:

@@ -34,7 +34,6 @@ head dims above 128 (the butterfly tile's size).
 """
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
@@ -45,7 +44,7 @@ from ..quantizers import Segment
 from ..quantizers.base import FP16_MAX, QuantizerInputError
 from ..quantizers.checks import require
 from ..quantizers.rotation import hadamard_block, signs_of
-from .step_encode import device_pos, launch, nonfinite, p2, to_dtype_rne
+from .step_encode import device_pos, launch, nonfinite, p2, to_dtype_rne, with_kernel_encode
 
 MAX_TILE = 16384  # chunks x codewords of one stage's float64 scores, held in registers
 MAX_D = 128  # the butterfly tile is [D, D]
@@ -327,28 +326,9 @@ def encode_tokens(q, x: torch.Tensor, shared: dict) -> Segment:
 
 
 def kernel_quantizer(q):
-    """Quantizer `q` (avq / flatvq) whose multi-token `encode_tokens` is the kernel: a
-    shallow copy of the instance (its calibration and seed included) of a subclass; its
-    fit, decode and one-token writes are the quantizer's own."""
-    cls = _KERNEL_CLASSES.get(type(q))
-    if cls is None:
-        base = type(q)
-
-        class KernelVQ(base):
-            def encode_tokens(self, x, shared):
-                if x.shape[2] < 2 or unsupported(self, x.shape[-1], x.device):
-                    return super().encode_tokens(x, shared)
-                return encode_tokens(self, x, shared)
-
-        KernelVQ.__name__ = cls_name = f"Kernel{base.__name__}"
-        KernelVQ.__qualname__ = cls_name
-        cls = _KERNEL_CLASSES[base] = KernelVQ
-    w = copy.copy(q)
-    w.__class__ = cls
-    return w
-
-
-_KERNEL_CLASSES: dict = {}
+    """Quantizer `q` (avq / flatvq) whose multi-token `encode_tokens` is the kernel (see
+    step_encode.with_kernel_encode)."""
+    return with_kernel_encode(q, encode_tokens, lambda w, x: unsupported(w, x.shape[-1], x.device))
 
 
 __all__ = ["BEAM_ON_CUDA", "MAX_D", "MAX_TILE", "VQStep", "VQTables", "encode_tokens", "kernel_quantizer", "unsupported"]

@@ -101,7 +101,8 @@ PROBED: dict = {}
 DEVICE_ENCODERS = "cuda"
 
 
-# Multi-token writes (a prefill) of avq / flat VQ encoded by the same kernel (vq_step.kernel_quantizer):
+# Multi-token writes (a prefill) of spherical / avq / flat VQ encoded by the same kernels
+# (spherical_step / vq_step `kernel_quantizer`):
 # taken on CUDA once a GPU has run test_vq_step.py's segment cases ("cuda"); "always" also
 # on the CPU (tests); "never" until then.
 SEGMENT_ENCODERS = "never"
@@ -113,11 +114,13 @@ def segment_writer(q: Quantizer, device: torch.device, cache: dict, role: str):
     Made once per role into `cache`."""
     if not (SEGMENT_ENCODERS == "always" or (SEGMENT_ENCODERS == "cuda" and device.type == "cuda")):
         return None
-    if q.name not in ("avq", "flatvq"):
+    make = {"avq": vq_step.kernel_quantizer, "flatvq": vq_step.kernel_quantizer,
+            "spherical": spherical_step.kernel_quantizer}.get(q.name)
+    if make is None:
         return None
     key = ("dense", role)
     if key not in cache:
-        cache[key] = vq_step.kernel_quantizer(q)
+        cache[key] = make(q)
     return cache[key]
 
 

@@ -21,6 +21,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kvqbench.kernels import spherical_step  # noqa: E402
 from kvqbench.kernels import step_encode as se  # noqa: E402
 from kvqbench.kernels.store import TokenBuffer  # noqa: E402
 from kvqbench.quantizers import QuantizerInputError, get_quantizer  # noqa: E402
@@ -100,3 +101,28 @@ def test_bad_input_is_raised_at_the_next_check(bad, match, monkeypatch):
     ds.step_at(x, torch.tensor([8], dtype=torch.int32, device=DEV), packed)
     with pytest.raises(QuantizerInputError, match=match):
         ds.checks.check()
+
+
+@pytest.mark.parametrize("spec", ["spherical3", "spherical4:gain=norm", "spherical2.5", "spherical2.25",
+                                  "spherical:bits=3,rotation=dense,outliers=5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_multi_token_write_stores_the_torch_paths_fields(spec, dtype):
+    # a dense layer's prefill through the kernel (spherical_step.encode_tokens over (rows x
+    # kv-heads, tokens)) after the quantizer's own fit of the outlier mask: what `append` stores
+    q = get_quantizer(spec, role="V", layer=1, seed=3)
+    x = _data(2, 3, 9, 32, dtype, 2)
+    ref = q.encode(x)
+    got = spherical_step.kernel_quantizer(q).encode(x)
+    assert [s.tokens for s in got.segments] == [9]
+    for name, t in ref.segments[0].fields.items():
+        assert torch.equal(got.segments[0].fields[name], t), name
+    for name, t in ref.shared.items():
+        assert torch.equal(got.shared[name], t), name
+    assert torch.equal(q.decode(got), q.decode(ref))
+
+
+def test_qjl_keys_multi_token_writes_keep_the_torch_path():
+    q = get_quantizer("spherical4-qjl", role="K", layer=1)
+    x = _data(1, 2, 5, 32, torch.float32, 0)
+    got = spherical_step.kernel_quantizer(q).encode(x)
+    assert torch.equal(got.segments[0].fields["qjl_signs"], q.encode(x).segments[0].fields["qjl_signs"])
