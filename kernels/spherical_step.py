@@ -16,7 +16,7 @@ decoded token (levels[code] @ M) (gain16 c), placed at the part's channels and r
 float64 -> float32 -> the history's dtype as the torch path rounds it, into the decoded
 history at the device position.
 
-The same bytes as the torch path (suites/tests/test_spherical_step.py): `levels @ M` is
+The same bytes as the torch path (suites/tests/test_dense_encoders.py): `levels @ M` is
 exact in float64 (the quantizer's `_unscaled`), so the decoded token follows from the
 codes and the fp16 gain; those hang on sums taken in another order (the y of a row and
 the gain's two sums), which differ by ~1e-16 relative, so a code or a gain differs only

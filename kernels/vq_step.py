@@ -20,7 +20,7 @@ the device position. A butterfly stage is a sum over a [D, D] tile holding each 
 two inputs (with +-1) and zeros elsewhere: adding zeros is exact, so each output is the
 one float32 rounding of a + b or a - b the torch stage makes.
 
-The same bytes as the torch path (suites/tests/test_vq_step.py) except where two
+The same bytes as the torch path (suites/tests/test_dense_encoders.py) except where two
 codewords' float64 scores lie within their rounding of each other (the torch matmul sums
 a score's `dim` products in another order): not met on these data.
 
@@ -229,7 +229,7 @@ def _pow2(n: int) -> bool:
 
 
 # Beam search compiles to the largest tiles here ([chunks, beams, codewords] float64); on CUDA
-# it is taken once a GPU has run test_vq_step.py's beam cases (then this is True).
+# it is taken once a GPU has run test_dense_encoders.py's beam cases (then this is True).
 BEAM_ON_CUDA = False
 
 

@@ -103,7 +103,7 @@ DEVICE_ENCODERS = "cuda"
 
 # Multi-token writes (a prefill) of spherical / avq / flat VQ encoded by the same kernels
 # (spherical_step / vq_step `kernel_quantizer`):
-# taken on CUDA once a GPU has run test_vq_step.py's segment cases ("cuda"); "always" also
+# taken on CUDA once a GPU has run test_dense_encoders.py's multi-token cases ("cuda"); "always" also
 # on the CPU (tests); "never" until then.
 SEGMENT_ENCODERS = "never"
 
