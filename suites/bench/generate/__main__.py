@@ -114,7 +114,7 @@ def measure_row(model, name: str, batch: int, prompt: int, new: int, runs: int, 
     times = []
     for _ in range(runs):  # the figures: the last run's
         times.append(0.0)
-        modes, whys, dec_tokens, dec_s = set(), set(), 0, 0.0
+        modes, whys, dec_tokens, dec_s, pre_s = set(), set(), 0, 0.0, 0.0
         for ids, mask in calls:
             if name.startswith("hf-"):
                 s, mode = _hf(model, ids, new, static=name == "hf-static-compile", mask=mask)
@@ -129,11 +129,16 @@ def measure_row(model, name: str, batch: int, prompt: int, new: int, runs: int, 
                 mode = g.mode
                 whys.update([g.why] if g.why else [])
                 dec_tokens, dec_s = dec_tokens + g.steps * sum(map(len, g.batches)), dec_s + g.decode_s
+                pre_s += g.prefill_s
             times[-1] += s
             modes.add(mode)
     row = dict(row=name, batch=batch, prompt=prompt, new=new, seconds=times, tokens_per_s=batch * new / times[-1],
                decode_tokens_per_s=dec_tokens / dec_s if dec_s > 0 else None, mode="+".join(sorted(modes)),
                why="; ".join(sorted(whys)) or None)
+    if not name.startswith("hf-"):
+        # where a call's time goes (last run): the prefill, the decode steps, and the rest (engine
+        # lookup, rewind or a new cache, room, graph capture, reading the tokens back)
+        row.update(prefill_s=pre_s, decode_s=dec_s, other_s=times[-1] - pre_s - dec_s)
     if lengths is not None:
         row.update(ragged_fields(lengths, separate))
     return row
@@ -164,17 +169,19 @@ def render(data: dict) -> str:
         base = {(r["row"], r.get("calls")): r["tokens_per_s"] for r in sub}
         ragged = any("calls" in r for r in sub)
         lines += [f"## {sec}", "", "| row | tokens/s | x hf-dynamic | x hf-static-compile | decode-only tokens/s "
-                  f"| step mode |{' x separate calls |' if ragged else ''}",
-                  "|---|---|---|---|---|---|" + ("---|" if ragged else "")]
+                  f"| prefill / decode / other ms | step mode |{' x separate calls |' if ragged else ''}",
+                  "|---|---|---|---|---|---|---|" + ("---|" if ragged else "")]
         for r in sub:
             ratio = lambda b, c=r.get("calls"): (  # noqa: E731
                 f"{r['tokens_per_s'] / base[b, c]:.2f}" if (b, c) in base else "-")
             dec = f"{r['decode_tokens_per_s']:.0f}" if r.get("decode_tokens_per_s") else "-"
             label = r["row"] + (f" ({r['batch']} separate calls)" if r.get("calls") == "separate" else "")
             sep = f" {ratio(r['row'], 'separate')} |" if r.get("calls") == "padded" else " - |" if ragged else ""
+            split = (f"{1e3 * r['prefill_s']:.0f} / {1e3 * r['decode_s']:.0f} / {1e3 * r['other_s']:.0f}"
+                     if "prefill_s" in r else "-")
             lines.append(f"| {label} | {r['tokens_per_s']:.1f} | {ratio('hf-dynamic')} | "
-                         f"{ratio('hf-static-compile')} | {dec} | {r['mode']}{' (' + r['why'] + ')' if r['why'] else ''} |"
-                         f"{sep}")
+                         f"{ratio('hf-static-compile')} | {dec} | {split} | {r['mode']}"
+                         f"{' (' + r['why'] + ')' if r['why'] else ''} |{sep}")
         lines.append("")
     for r in rows:
         if "error" in r:
