@@ -31,8 +31,11 @@ read when the layer's Packed is next read.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from ...kernels import spherical_step, vq_step
 from ...kernels.store import TokenBuffer
@@ -101,6 +104,8 @@ PROBED: dict = {}
 DEVICE_ENCODERS = "cuda"
 
 
+ENCODER_FALLBACKS: dict = {}  # (spec, role) -> why its step kernel gave way to the torch path in this process
+
 # Multi-token writes (a prefill) of spherical / avq / flat VQ encoded by the same kernels
 # (spherical_step / vq_step `kernel_quantizer`):
 # taken on CUDA once a GPU has run test_dense_encoders.py's multi-token cases ("cuda"); "always" also
@@ -156,7 +161,7 @@ class DenseSteps:
         with torch.inference_mode(decoded.buf.is_inference()):
             decoded.buf[:, :, decoded.length:].zero_()
         self.checks = StickyChecks(where)
-        self.encoder = None
+        self.encoder, self.encoded = None, False
         if DEVICE_ENCODERS == "always" or (DEVICE_ENCODERS == "cuda" and packed.device.type == "cuda"):
             self.encoder = device_encoder(q, packed, self.fields, self.checks)
         self.run_start = self.run_end = self.base  # positions of the steps not yet folded, [start, end)
@@ -165,8 +170,18 @@ class DenseSteps:
         """Write token x `[B, H, 1, D]` at device position `pos` (int32 `[1]`); no host state
         changes (`advance` accounts for it)."""
         if self.encoder is not None:  # one launch: the torch path's bytes (device_encoder)
-            self.encoder(x if x.stride(-1) == 1 else x.contiguous(), pos, self.base, self.decoded.buf)
-            return
+            try:
+                self.encoder(x if x.stride(-1) == 1 else x.contiguous(), pos, self.base, self.decoded.buf)
+                self.encoded = True
+                return
+            except (CompilationError, OutOfResources) as e:  # this GPU cannot build the kernel: the torch path
+                if self.encoded:  # (a compile happens at the first call, a warm-up before any capture)
+                    raise
+                why = f"{self.q.spec} {self.q.role}: its step kernel does not build here ({type(e).__name__}: " \
+                      f"{str(e).splitlines()[0][:200] if str(e) else ''}); the torch path writes its steps"
+                ENCODER_FALLBACKS[(self.q.spec, self.q.role)] = why
+                warnings.warn(why)
+                self.encoder = None
         with self.checks.step():
             fields, dec = code_one_token(self.q, x, packed)
         if set(fields) != set(self.fields):
@@ -201,4 +216,4 @@ class DenseSteps:
         return [self.decoded.buf, *self.fields.values(), *self.checks.flags, *(f for f, _ in self.checks.watched)]
 
 
-__all__ = ["DEVICE_ENCODERS", "PROBED", "SEGMENT_ENCODERS", "DenseSteps", "device_encoder", "segment_writer", "code_one_token", "probe", "unsupported"]
+__all__ = ["DEVICE_ENCODERS", "ENCODER_FALLBACKS", "PROBED", "SEGMENT_ENCODERS", "DenseSteps", "device_encoder", "segment_writer", "code_one_token", "probe", "unsupported"]

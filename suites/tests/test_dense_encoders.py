@@ -208,3 +208,21 @@ def test_a_vq_multi_token_write_flags_a_gain_beyond_fp16():
     x = _data(1, 2, 8, 32, torch.float32, 0)
     with pytest.raises(QuantizerInputError, match="overflows the fp16"):
         vq_step.encode_tokens(q, x * 1e36, q.fitted_shared(x))
+
+
+def test_a_step_kernel_that_does_not_build_gives_way_to_the_torch_path(monkeypatch):
+    # a GPU whose Triton cannot build the kernel (registers, an op): the first call (a warm-up,
+    # before any capture) falls back, says why, and the steps store what the torch path stores
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setattr(dense_steps, "ENCODER_FALLBACKS", {})
+    ref = _steps("spherical3", "V", torch.float32, "never", monkeypatch)
+
+    def refuse(*a, **k):
+        raise OutOfResources(300000, 232448, "shared memory")
+    monkeypatch.setattr(spherical_step.SphericalTables, "launch", refuse)
+    with pytest.warns(UserWarning, match="does not build here"):
+        got = _steps("spherical3", "V", torch.float32, "always", monkeypatch)
+    assert got.encoder is None and (got.q.spec, "V") in dense_steps.ENCODER_FALLBACKS
+    for name in ref.fields:
+        assert torch.equal(got.fields[name][:3], ref.fields[name][:3]), name
