@@ -23,9 +23,13 @@ the gain's two sums), which differ by ~1e-16 relative, so a code or a gain diffe
 where u lies that close to a midpoint or the gain to an fp16 rounding boundary. The
 double -> half cast goes through float32, as torch's does.
 
-Not here: QJL keys (the sketch of the residual; the torch path serves them). Bad values
-are counted on the device (`flags`: non-finite inputs, gains beyond fp16) and raised by
-the step's sticky checks when the Packed is next read.
+QJL keys (TurboQuant_prod) without an outlier split: the MSE stage's decode in float64 (exact:
+the same values as decode's), the residual's norm and the signs of its sketch S r (a
+sign differs only where (S r)_i is within rounding of 0), and the decoded token adds the
+sketch's estimate (z @ S exact). On CUDA behind `QJL_ON_CUDA` until a GPU runs its tests;
+QJL with a split stays on the torch path. Bad values are counted on the device (`flags`:
+non-finite inputs, gains or residual norms beyond fp16) and raised by the step's sticky
+checks when the Packed is next read.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import triton.language as tl
 from ..quantizers import Segment
 from ..quantizers.base import FP16_MAX, QuantizerInputError
 from ..quantizers.checks import require
+from ..quantizers.spherical import QJL_SCALE
 from .step_encode import device_pos, launch, nonfinite, p2, pack_row, to_dtype_rne, with_kernel_encode
 
 TILE = 16  # channels per tile of a matrix pass: a [part size, TILE] float64 tile in registers
@@ -104,6 +109,7 @@ def _part(x_ptr, xo, idx_ptr, io, ainv_ptr, m_ptr, mo, c_ptr, lv_ptr, ed_ptr,
     tl.store(gain_ptr + go, g16)
     if over:
         tl.atomic_add(flag_ptr + 1, 1)
+    return v, scale
 
 
 @triton.jit(do_not_specialize=["t0", "base"])
@@ -117,13 +123,18 @@ def _spherical_step_kernel(x_ptr, sxb, sxh, pos_ptr, base, H, flag_ptr, dec_ptr,
                            NBP1: tl.constexpr, NE1: tl.constexpr, NEP1: tl.constexpr,
                            D2: tl.constexpr, DP2: tl.constexpr, BITS2: tl.constexpr, NB2: tl.constexpr,
                            NBP2: tl.constexpr, NE2: tl.constexpr, NEP2: tl.constexpr, TILE: tl.constexpr,
-                           t0, sxt, DEVPOS: tl.constexpr, DEC: tl.constexpr):
+                           t0, sxt, DEVPOS: tl.constexpr, DEC: tl.constexpr,
+                           sk_ptr, qs_ptr, qsig_ptr, sqr, sqb, sqh, qn_ptr, snr, snb, snh,
+                           QJL: tl.constexpr = False, NBQ: tl.constexpr = 1, NBPQ: tl.constexpr = 1):
     """Program (b*H+h, t): the token x[b, h, t] at position p = t0 + t (DEVPOS: + *pos_ptr, a
     graphed step's device position); field rows p - base (their strides: row, batch, head; a
     part's codes contiguous), history token p (DEC).
     SPLIT: part 1 is the regular channels (idx_ptr), part 2 the outlier ones (idx2_ptr),
     each with its matrices, levels and fields; an index's batch stride is 0 where one mask
-    row serves every batch row. The gains of both parts share their strides."""
+    row serves every batch row. The gains of both parts share their strides.
+    QJL (keys, no split): the MSE stage's decode in float64, the residual r = x - it, its norm
+    (qn_ptr, fp16) and the signs of S r (qsig_ptr, 1 bit per sketch row; S at sk_ptr, fp16
+    [D, D]); the decoded token adds sqrt(pi/2)/m ||r||_fp16 S^T z (*qs_ptr = sqrt(pi/2)/m)."""
     t = tl.program_id(1)
     p = t0 + t
     if DEVPOS:
@@ -140,20 +151,50 @@ def _spherical_step_kernel(x_ptr, sxb, sxh, pos_ptr, base, H, flag_ptr, dec_ptr,
         tl.atomic_add(flag_ptr, n_bad)
     do = b.to(tl.int64) * sdb + h * sdh + p.to(tl.int64) * sdt
     fo = row.to(tl.int64)
-    _part(x_ptr, xo, idx_ptr, b * sib + h * sih, ainv_ptr, m_ptr, h * D1 * D1, c_ptr, lv_ptr, ed_ptr,
-          code_ptr, fo * scr + b * scb + h * sch, gain_ptr, fo * sgr + b * sgb + h * sgh, dec_ptr, do, flag_ptr,
-          D1, DP1, SPLIT, BITS1, NB1, NBP1, NE1, NEP1, LSQ, TILE, DEC)
+    v1, scale1 = _part(x_ptr, xo, idx_ptr, b * sib + h * sih, ainv_ptr, m_ptr, h * D1 * D1, c_ptr, lv_ptr, ed_ptr,
+                       code_ptr, fo * scr + b * scb + h * sch, gain_ptr, fo * sgr + b * sgb + h * sgh, dec_ptr, do,
+                       flag_ptr, D1, DP1, SPLIT, BITS1, NB1, NBP1, NE1, NEP1, LSQ, TILE, DEC and not QJL)
+    if QJL:  # (no split: `unsupported`)
+        dm = d < D
+        tile = dm[:, None] & dm[None, :]
+        mt = tl.load(m_ptr + h * D * D + d[:, None] * D + d[None, :], mask=tile, other=0.0)
+        mse = tl.sum(v1[:, None] * mt, axis=0) * scale1  # exact products: the MSE stage as decode builds it
+        r = tl.where(dm, x.to(tl.float64) - mse, 0.0)
+        rn = tl.sqrt(tl.sum(r * r, axis=0))
+        sk = tl.load(sk_ptr + d[:, None] * D + d[None, :], mask=tile, other=0.0).to(tl.float64)  # S[i, j]
+        proj = tl.sum(sk * r[None, :], axis=1)  # (S r)[i]
+        sign = tl.where(dm & (proj < 0), 1, 0)
+        qb = tl.arange(0, NBPQ)
+        tl.store(qsig_ptr + fo * sqr + b * sqb + h * sqh + qb, pack_row(sign, 1, DP, NBPQ).to(tl.uint8), mask=qb < NBQ)
+        rn16 = rn.to(tl.float32).to(tl.float16)
+        tl.store(qn_ptr + fo * snr + b * snb + h * snh, rn16)
+        if rn > 65504.0:
+            tl.atomic_add(flag_ptr + 1, 1)
+        if DEC:
+            z = 1.0 - 2.0 * sign.to(tl.float64)
+            zs = tl.sum(z[:, None] * sk, axis=0)  # z @ S: +-1 times fp16 values, exact
+            out = mse + zs * (rn16.to(tl.float64) * tl.load(qs_ptr))
+            tl.store(dec_ptr + do + d, to_dtype_rne(out.to(tl.float32), dec_ptr.dtype.element_ty), mask=dm)
     if SPLIT:
         _part(x_ptr, xo, idx2_ptr, b * sib2 + h * sih2, ainv2_ptr, m2_ptr, h * D2 * D2, c2_ptr, lv2_ptr, ed2_ptr,
               code2_ptr, fo * scr2 + b * scb2 + h * sch2, gain2_ptr, fo * sgr + b * sgb + h * sgh, dec_ptr, do, flag_ptr,
               D2, DP2, SPLIT, BITS2, NB2, NBP2, NE2, NEP2, LSQ, TILE, DEC)
 
 
-def unsupported(q) -> str | None:
-    """Why the kernel cannot take q's one-token writes (None: it can). Host only."""
-    if q.use_qjl:
-        return f"{q.spec} {q.role}: QJL keys (the residual's sketch) are coded by the torch path"
+# QJL keys (the residual's sketch) on CUDA once a GPU has run test_dense_encoders.py's QJL cases.
+QJL_ON_CUDA = False
+
+
+def unsupported(q, device=None) -> str | None:
+    """Why the kernel cannot take q's writes (None: it can). Host only."""
+    if q.use_qjl and q.has_outliers:
+        return f"{q.spec} {q.role}: QJL keys with an outlier split are coded by the torch path"
+    if q.use_qjl and device is not None and torch.device(device).type == "cuda" and not QJL_ON_CUDA:
+        return f"{q.spec} {q.role}: QJL keys on CUDA wait for a GPU run of their tests (spherical_step.QJL_ON_CUDA)"
     return None
+
+
+_QJL_ARGS = ("sk_ptr", "qs_ptr", "qsig_ptr", "sqr", "sqb", "sqh", "qn_ptr", "snr", "snb", "snh")
 
 
 class SphericalTables:
@@ -161,10 +202,14 @@ class SphericalTables:
     index, the float64 matrices (M, c, A^-1) and the levels with their midpoints."""
 
     def __init__(self, q, shared: dict, head_dim: int, batch: int, device):
-        why = unsupported(q)
+        why = unsupported(q, device)
         if why:
             raise ValueError(why)
         self.q, self.D = q, head_dim
+        self.qjl = q.use_qjl
+        if self.qjl:  # the sketch S (fp16 [D, D]) and sqrt(pi/2)/m in float64 (a constexpr would be fp32)
+            self.sketch = shared["qjl"].to(device).contiguous()
+            self.qjl_scale = torch.tensor([QJL_SCALE / self.sketch.shape[0]], dtype=torch.float64, device=device)
         self.parts = []
         for (part, d, bits), ix in zip(q.parts(head_dim), q.channel_index(shared, head_dim, device)):
             m, c, inv = q.matrices(shared, d, device, part)
@@ -198,6 +243,13 @@ class SphericalTables:
                           f"NBP{n}": p2(nb), f"NE{n}": ne, f"NEP{n}": p2(max(ne, 1))})
         dec_arg = f1c if dec is None else dec
         sd = (0, 0, 0) if dec is None else (dec.stride(0), dec.stride(1), dec.stride(2))
+        if self.qjl:
+            qs, qn = fields["qjl_signs"], fields["qjl_norm"]
+            qjl = (self.sketch, self.qjl_scale, qs, qs.stride(0), qs.stride(1), qs.stride(2),
+                   qn, qn.stride(0), qn.stride(1), qn.stride(2))
+            const.update(QJL=True, NBQ=(D + 7) // 8, NBPQ=p2((D + 7) // 8))
+        else:
+            qjl = (f1c, f1c, f1c, 0, 0, 0, f1g, 0, 0, 0)  # never read
         launch(_spherical_step_kernel, (B * H, T), x, x.stride(0), x.stride(1), pos_arg, base, H, flags,
                dec_arg, *sd,
                *idx[0], p1["ainv"], p1["m"], p1["c"], p1["lv"], p1["edges"],
@@ -205,7 +257,7 @@ class SphericalTables:
                *idx[1], p2_["ainv"], p2_["m"], p2_["c"], p2_["lv"], p2_["edges"],
                f2c, f2c.stride(0), f2c.stride(1), f2c.stride(2), f2g,
                D=D, DP=p2(D), LSQ=self.q.config.gain == "lsq", SPLIT=self.split, TILE=TILE, **const,
-               t0=t0, sxt=x.stride(2), DEVPOS=devpos, DEC=dec is not None)
+               t0=t0, sxt=x.stride(2), DEVPOS=devpos, DEC=dec is not None, **dict(zip(_QJL_ARGS, qjl)))
 
 
 class SphericalStep:
@@ -230,7 +282,7 @@ class SphericalStep:
 
 
 def encode_tokens(q, x: torch.Tensor, shared: dict) -> Segment:
-    """`q.encode_tokens(x, shared)` (spherical without QJL keys, x float `[B, H, T, D]`) in
+    """`q.encode_tokens(x, shared)` (spherical, x float `[B, H, T, D]`; see `unsupported`) in
     one launch: the same fields. Gains beyond fp16 raise through `checks.require`; x's
     values were checked by `append`."""
     B, H, T, D = x.shape
@@ -241,18 +293,21 @@ def encode_tokens(q, x: torch.Tensor, shared: dict) -> Segment:
         fields["codes" + p["part"]] = torch.empty(B, H, T, (p["d"] * p["bits"] + 7) // 8, dtype=torch.uint8,
                                                   device=x.device)
         fields["gain" + p["part"]] = torch.empty(B, H, T, dtype=torch.float16, device=x.device)
+    if tables.qjl:
+        fields["qjl_signs"] = torch.empty(B, H, T, (D + 7) // 8, dtype=torch.uint8, device=x.device)
+        fields["qjl_norm"] = torch.empty(B, H, T, dtype=torch.float16, device=x.device)
     flags = torch.zeros(2, dtype=torch.int32, device=x.device)
     views = {k: (v.permute(2, 0, 1, 3) if v.dim() == 4 else v.permute(2, 0, 1)) for k, v in fields.items()}
     tables.launch(x, 0, None, 0, flags, views, None)
     require(flags[1] > 0, lambda: QuantizerInputError(
-        f"spherical gain overflows the fp16 the cache stores (max {FP16_MAX}); rescale the input"))
+        f"spherical gain or QJL residual norm overflows the fp16 the cache stores (max {FP16_MAX}); rescale the input"))
     return Segment(fields, T)
 
 
 def kernel_quantizer(q):
-    """Quantizer `q` (spherical) whose multi-token `encode_tokens` is the kernel (QJL keys:
-    the quantizer's own; see step_encode.with_kernel_encode)."""
-    return with_kernel_encode(q, encode_tokens, lambda w, x: unsupported(w))
+    """Quantizer `q` (spherical) whose multi-token `encode_tokens` is the kernel where
+    `unsupported` allows (see step_encode.with_kernel_encode)."""
+    return with_kernel_encode(q, encode_tokens, lambda w, x: unsupported(w, x.device))
 
 
-__all__ = ["SphericalStep", "SphericalTables", "encode_tokens", "kernel_quantizer", "unsupported"]
+__all__ = ["QJL_ON_CUDA", "SphericalStep", "SphericalTables", "encode_tokens", "kernel_quantizer", "unsupported"]

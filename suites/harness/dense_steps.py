@@ -132,8 +132,8 @@ def segment_writer(q: Quantizer, device: torch.device, cache: dict, role: str):
 def device_encoder(q: Quantizer, packed: Packed, fields: dict, checks: StickyChecks):
     """The device encoder of q's one-token writes into `fields` (None: the torch path),
     its flags watched by `checks`."""
-    if q.name == "spherical" and not spherical_step.unsupported(q):
-        make, what = spherical_step.SphericalStep, "spherical gain"
+    if q.name == "spherical" and not spherical_step.unsupported(q, packed.device):
+        make, what = spherical_step.SphericalStep, "spherical gain or QJL residual norm"
     elif q.name in ("avq", "flatvq") and not vq_step.unsupported(q, packed.head_dim, packed.device):
         make, what = vq_step.VQStep, "avq scale or gain"
     else:

@@ -4,8 +4,8 @@ step's field rows and the decoded token in the history at the device position, a
 fields of a multi-token write (a dense layer's prefill, after the quantizer's own fit).
 
 - spherical (TurboQuant): plain and outlier-split specs (one mask for all rows or one per
-  row), Hadamard, structured and dense rotations, lsq and norm gains; QJL keys stay on the
-  torch path (their values take the kernel).
+  row), Hadamard, structured and dense rotations, lsq and norm gains, QJL keys (without a
+  split: with one they stay on the torch path).
 - additive VQ (greedy and beam search) and flat VQ: fitted codebooks per batch row or per
   kv-head, seeded ones, lsq and rms gains, with and without the Hadamard rotation, head
   dims 16-128; non-power-of-two chunks and head dims stay on the torch path.
@@ -117,13 +117,33 @@ def test_spherical_head_dims_that_are_not_powers_of_two(spec, monkeypatch):
     _same_steps(spec, "V", torch.float32, monkeypatch, D=48, B=1, H=3)
 
 
-def test_spherical_qjl_keys_keep_the_torch_path_and_their_values_take_the_kernel(monkeypatch):
-    assert _steps("spherical4-qjl", "K", torch.float32, "always", monkeypatch).encoder is None
-    assert _steps("spherical4-qjl", "V", torch.float32, "always", monkeypatch).encoder is not None
-    q = get_quantizer("spherical4-qjl", role="K", layer=1)
-    x = _data(1, 2, 5, 32, torch.float32, 0)
-    got = spherical_step.kernel_quantizer(q).encode(x)
-    assert torch.equal(got.segments[0].fields["qjl_signs"], q.encode(x).segments[0].fields["qjl_signs"])
+QJL = ["spherical4-qjl", "spherical3-qjl", "spherical:bits=3,qjl=true,gain=norm,rotation=dense"]
+
+
+@pytest.mark.parametrize("spec", QJL)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_spherical_qjl_key_steps_write_the_torch_paths_bytes(spec, dtype, monkeypatch):
+    monkeypatch.setattr(spherical_step, "QJL_ON_CUDA", True)
+    _same_steps(spec, "K", dtype, monkeypatch)
+
+
+@pytest.mark.parametrize("spec", QJL[:1] + QJL[2:])
+def test_spherical_qjl_key_multi_token_writes_store_the_torch_paths_fields(spec, monkeypatch):
+    monkeypatch.setattr(spherical_step, "QJL_ON_CUDA", True)
+    _same_write(get_quantizer(spec, role="K", layer=1, seed=3), _data(2, 3, 9, 32, torch.float16, 2),
+                spherical_step.kernel_quantizer)
+
+
+def test_spherical_qjl_with_a_split_and_on_cuda_before_its_gpu_run_keep_the_torch_path(monkeypatch):
+    split = get_quantizer("spherical:bits=3,qjl=true,outlier_fraction=0.25,rotation=structured", role="K")
+    assert "outlier split" in spherical_step.unsupported(split)
+    monkeypatch.setattr(spherical_step, "QJL_ON_CUDA", False)
+    q = get_quantizer("spherical4-qjl", role="K")
+    assert "wait for a GPU run" in spherical_step.unsupported(q, torch.device("cuda"))
+    assert spherical_step.unsupported(q, torch.device("cpu")) is None
+    assert spherical_step.unsupported(get_quantizer("spherical4-qjl", role="V"), torch.device("cuda")) is None
+    assert _steps("spherical:bits=3,qjl=true,outlier_fraction=0.25,rotation=structured", "K", torch.float32,
+                  "always", monkeypatch).encoder is None
 
 
 @pytest.mark.parametrize("spec", ["spherical3", "spherical4:gain=norm", "spherical2.5", "spherical2.25",
@@ -135,7 +155,7 @@ def test_spherical_multi_token_writes_store_the_torch_paths_fields(spec, dtype):
 
 
 @pytest.mark.parametrize("bad,match", [(float("nan"), "NaN/Inf"), (float("inf"), "NaN/Inf"),
-                                       (1e38, "gain overflows the fp16")])
+                                       (1e38, "spherical gain.* overflows the fp16")])
 def test_spherical_bad_input_is_raised_at_the_next_check(bad, match, monkeypatch):
     _bad_input_raises("spherical3", bad, match, monkeypatch, prompt=7)
 
