@@ -37,11 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quantizers import Segment
-from ..quantizers.base import FP16_MAX, QuantizerInputError
-from ..quantizers.checks import require
 from ..quantizers.spherical import QJL_SCALE
-from .step_encode import device_pos, launch, nonfinite, p2, pack_row, to_dtype_rne, with_kernel_encode
+from .step_encode import device_pos, encode_segment, launch, nonfinite, p2, pack_row, to_dtype_rne, with_kernel_encode
 
 TILE = 16  # channels per tile of a matrix pass: a [part size, TILE] float64 tile in registers
 
@@ -185,8 +182,9 @@ def _spherical_step_kernel(x_ptr, sxb, sxh, pos_ptr, base, H, flag_ptr, dec_ptr,
 QJL_ON_CUDA = False
 
 
-def unsupported(q, device=None) -> str | None:
-    """Why the kernel cannot take q's writes (None: it can). Host only."""
+def unsupported(q, head_dim: int, device=None) -> str | None:
+    """Why the kernel cannot take q's writes at this head_dim (None: it can; any head_dim
+    the quantizer takes). Host only."""
     if q.use_qjl and q.has_outliers:
         return f"{q.spec} {q.role}: QJL keys with an outlier split are coded by the torch path"
     if q.use_qjl and device is not None and torch.device(device).type == "cuda" and not QJL_ON_CUDA:
@@ -199,10 +197,14 @@ _QJL_ARGS = ("sk_ptr", "qs_ptr", "qsig_ptr", "sqr", "sqb", "sqh", "qn_ptr", "snr
 
 class SphericalTables:
     """What the kernel reads of one (layer, role)'s shared tensors, per part: the channel
-    index, the float64 matrices (M, c, A^-1) and the levels with their midpoints."""
+    index, the float64 matrices (M, c, A^-1) and the levels with their midpoints; the
+    fields a write stores (`field_shapes`: name -> (shape after [B, H, T], dtype)) and the
+    kernel's constants, both made once."""
+
+    overflow = "a spherical gain or QJL residual norm"  # what the kernel's second flag counts
 
     def __init__(self, q, shared: dict, head_dim: int, batch: int, device):
-        why = unsupported(q, device)
+        why = unsupported(q, head_dim, device)
         if why:
             raise ValueError(why)
         self.q, self.D = q, head_dim
@@ -220,7 +222,20 @@ class SphericalTables:
                 lv=lv.contiguous(), edges=edges.contiguous()))
         self.split = len(self.parts) == 2
         if self.split and self.parts[0]["idx"].shape[0] not in (1, batch):
-            raise ValueError(f"{q.spec}: a channel index of {self.parts[0]['idx'].shape[0]} rows for a batch of {batch}")
+            raise ValueError(f"{q.spec}: a channel index of {self.parts[0]['idx'].shape[0]} rows "
+                             f"for a batch of {batch}")
+        self.field_shapes, self.const = {}, dict(D=head_dim, DP=p2(head_dim), LSQ=q.config.gain == "lsq",
+                                                 SPLIT=self.split, TILE=TILE)
+        for n, p in zip("12", self.parts + self.parts[:1] * (not self.split)):  # (part 2 never read without a split)
+            nb, ne = (p["d"] * p["bits"] + 7) // 8, p["edges"].numel()
+            self.field_shapes["codes" + p["part"]] = ((nb,), torch.uint8)
+            self.field_shapes["gain" + p["part"]] = ((), torch.float16)
+            self.const.update({f"D{n}": p["d"], f"DP{n}": p2(p["d"]), f"BITS{n}": p["bits"], f"NB{n}": nb,
+                               f"NBP{n}": p2(nb), f"NE{n}": ne, f"NEP{n}": p2(max(ne, 1))})
+        if self.qjl:
+            nbq = (head_dim + 7) // 8
+            self.field_shapes.update(qjl_signs=((nbq,), torch.uint8), qjl_norm=((), torch.float16))
+            self.const.update(QJL=True, NBQ=nbq, NBPQ=p2(nbq))
 
     def launch(self, x, t0: int, pos, base: int, flags, fields: dict, dec) -> None:
         """Tokens x `[B, H, T, D]` (last axis contiguous) at positions t0 + t (+ the device
@@ -235,19 +250,12 @@ class SphericalTables:
         f2c, f2g = (fields["codes_o"], fields["gain_o"]) if self.split else (f1c, f1g)
         idx = [(p["idx"], 0 if p["idx"].shape[0] == 1 else p["idx"].stride(0), p["idx"].stride(1))
                if self.split else (f1c, 0, 0) for p in (p1, p2_)]  # (never read without a split)
-        const = {}
-        for n, p in (("1", p1), ("2", p2_)):
-            nb = (p["d"] * p["bits"] + 7) // 8
-            ne = p["edges"].numel()
-            const.update({f"D{n}": p["d"], f"DP{n}": p2(p["d"]), f"BITS{n}": p["bits"], f"NB{n}": nb,
-                          f"NBP{n}": p2(nb), f"NE{n}": ne, f"NEP{n}": p2(max(ne, 1))})
         dec_arg = f1c if dec is None else dec
         sd = (0, 0, 0) if dec is None else (dec.stride(0), dec.stride(1), dec.stride(2))
         if self.qjl:
             qs, qn = fields["qjl_signs"], fields["qjl_norm"]
             qjl = (self.sketch, self.qjl_scale, qs, qs.stride(0), qs.stride(1), qs.stride(2),
                    qn, qn.stride(0), qn.stride(1), qn.stride(2))
-            const.update(QJL=True, NBQ=(D + 7) // 8, NBPQ=p2((D + 7) // 8))
         else:
             qjl = (f1c, f1c, f1c, 0, 0, 0, f1g, 0, 0, 0)  # never read
         launch(_spherical_step_kernel, (B * H, T), x, x.stride(0), x.stride(1), pos_arg, base, H, flags,
@@ -256,58 +264,18 @@ class SphericalTables:
                f1c, f1c.stride(0), f1c.stride(1), f1c.stride(2), f1g, f1g.stride(0), f1g.stride(1), f1g.stride(2),
                *idx[1], p2_["ainv"], p2_["m"], p2_["c"], p2_["lv"], p2_["edges"],
                f2c, f2c.stride(0), f2c.stride(1), f2c.stride(2), f2g,
-               D=D, DP=p2(D), LSQ=self.q.config.gain == "lsq", SPLIT=self.split, TILE=TILE, **const,
-               t0=t0, sxt=x.stride(2), DEVPOS=devpos, DEC=dec is not None, **dict(zip(_QJL_ARGS, qjl)))
+               **self.const, t0=t0, sxt=x.stride(2), DEVPOS=devpos, DEC=dec is not None, **dict(zip(_QJL_ARGS, qjl)))
 
 
-class SphericalStep:
-    """The device encoder of one (layer, role)'s spherical one-token writes: the part
-    tables built once from the cache's shared tensors, then `__call__` is one launch per
-    step. `fields` are the step's field row buffers (dense_steps.DenseSteps: `[rows, B, H,
-    1, ...]`), `flags` int32 `[2]`: the counts of non-finite inputs and of gains beyond
-    fp16, added to by every step."""
-
-    def __init__(self, q, packed, fields: dict, flags: torch.Tensor):
-        self.tables = SphericalTables(q, packed.shared, packed.head_dim, packed.batch, packed.device)
-        self.fields, self.flags, self.H = fields, flags, packed.heads
-
-    def __call__(self, x: torch.Tensor, pos: torch.Tensor, base: int, dec: torch.Tensor) -> None:
-        """Write token x `[B, H, 1, D]` at device position `pos` (field rows pos - base,
-        history `dec` `[B, H, cap, D]` token pos)."""
-        B, H, T, D = x.shape
-        if T != 1 or H != self.H or D != self.tables.D or x.stride(-1) != 1 or dec.stride(-1) != 1:
-            raise ValueError(f"spherical step: expected one contiguous token [B, {self.H}, 1, {self.tables.D}], "
-                             f"got {tuple(x.shape)}")
-        self.tables.launch(x, 0, pos, base, self.flags, self.fields, dec)
-
-
-def encode_tokens(q, x: torch.Tensor, shared: dict) -> Segment:
-    """`q.encode_tokens(x, shared)` (spherical, x float `[B, H, T, D]`; see `unsupported`) in
-    one launch: the same fields. Gains beyond fp16 raise through `checks.require`; x's
-    values were checked by `append`."""
-    B, H, T, D = x.shape
-    tables = SphericalTables(q, shared, D, B, x.device)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    fields = {}
-    for p in tables.parts:
-        fields["codes" + p["part"]] = torch.empty(B, H, T, (p["d"] * p["bits"] + 7) // 8, dtype=torch.uint8,
-                                                  device=x.device)
-        fields["gain" + p["part"]] = torch.empty(B, H, T, dtype=torch.float16, device=x.device)
-    if tables.qjl:
-        fields["qjl_signs"] = torch.empty(B, H, T, (D + 7) // 8, dtype=torch.uint8, device=x.device)
-        fields["qjl_norm"] = torch.empty(B, H, T, dtype=torch.float16, device=x.device)
-    flags = torch.zeros(2, dtype=torch.int32, device=x.device)
-    views = {k: (v.permute(2, 0, 1, 3) if v.dim() == 4 else v.permute(2, 0, 1)) for k, v in fields.items()}
-    tables.launch(x, 0, None, 0, flags, views, None)
-    require(flags[1] > 0, lambda: QuantizerInputError(
-        f"spherical gain or QJL residual norm overflows the fp16 the cache stores (max {FP16_MAX}); rescale the input"))
-    return Segment(fields, T)
+def encode_tokens(q, x: torch.Tensor, shared: dict):
+    """`q.encode_tokens(x, shared)` in one launch: the same fields (step_encode.encode_segment)."""
+    return encode_segment(SphericalTables(q, shared, x.shape[-1], x.shape[0], x.device), x)
 
 
 def kernel_quantizer(q):
     """Quantizer `q` (spherical) whose multi-token `encode_tokens` is the kernel where
     `unsupported` allows (see step_encode.with_kernel_encode)."""
-    return with_kernel_encode(q, encode_tokens, lambda w, x: unsupported(w, x.device))
+    return with_kernel_encode(q, encode_tokens, lambda w, x: unsupported(w, x.shape[-1], x.device))
 
 
-__all__ = ["QJL_ON_CUDA", "SphericalStep", "SphericalTables", "encode_tokens", "kernel_quantizer", "unsupported"]
+__all__ = ["QJL_ON_CUDA", "SphericalTables", "encode_tokens", "kernel_quantizer", "unsupported"]

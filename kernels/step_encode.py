@@ -22,9 +22,11 @@ those of the quantizer's `encode_tokens` (suites/tests/test_step_encode.py):
 - HQMQ incl. Med3x (`HQMQFlat`): `hqmq_encode.hqmq_tokens` (beside the search kernel
   whose code it shares), on this module's pieces.
 
-`with_kernel_encode` gives a quantizer a kernel for its multi-token encode (a dense layer's
-prefill: spherical_step.py, vq_step.py). The jit helpers (`rne`, `fp16_toward`, `pack_row`, `flag`, `token_program`,
-`nonfinite`, `to_dtype_rne`), `device_pos` and the counted `launch` are public: a format's own step
+A dense format's kernel (spherical_step.py, vq_step.py) reads a tables object; `TablesStep`
+runs it for a decode step and `encode_segment` for a multi-token write, which
+`with_kernel_encode` makes a quantizer's encode (a dense layer's prefill). The jit helpers
+(`rne`, `fp16_toward`, `pack_row`, `flag`, `token_program`, `nonfinite`, `to_dtype_rne`),
+`device_pos` and the counted `launch` are public: a format's own step
 encoder (kernels/formats/, an out-of-tree format) builds on them.
 
 Arithmetic follows torch's op by op: IEEE division (`div_rn`), `sqrt_rn`, sums in
@@ -47,7 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quantizers.base import FP16_MAX, QuantizerInputError
+from ..quantizers.base import FP16_MAX, QuantizerInputError, Segment
+from ..quantizers.checks import require
 from .common import interpreting
 
 NONFINITE, FP16_OVERFLOW = 1, 2  # error bits a kernel ORs into its role's flag row
@@ -79,6 +82,42 @@ def device_pos(pos, x: torch.Tensor):
     if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int32 or pos.numel() < 1 or pos.device != x.device:
         raise ValueError(f"pos must be an int32 tensor on {x.device} (the write position)")
     return pos, True
+
+
+class TablesStep:
+    """The device encoder of one (layer, role)'s one-token writes of a dense format whose
+    kernel reads `tables` (spherical_step.SphericalTables, vq_step.VQTables: built once
+    from the cache's shared tensors), one launch a step: token x `[B, H, 1, D]` at the
+    device position `pos` into the step's field rows `fields` (`[rows, B, H, 1, ...]`, row
+    pos - base) and the decoded history `dec` `[B, H, cap, D]` at token pos. `flags` int32
+    `[2]`: the counts of non-finite inputs and of values beyond fp16, added to by every step."""
+
+    def __init__(self, tables, heads: int, fields: dict, flags: torch.Tensor):
+        self.tables, self.H, self.fields, self.flags = tables, heads, fields, flags
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, base: int, dec: torch.Tensor) -> None:
+        B, H, T, D = x.shape
+        if T != 1 or H != self.H or D != self.tables.D or x.stride(-1) != 1 or dec.stride(-1) != 1:
+            raise ValueError(f"{self.tables.q.spec} step: expected one contiguous token [B, {self.H}, 1, "
+                             f"{self.tables.D}], got {tuple(x.shape)}")
+        self.tables.launch(x, 0, pos, base, self.flags, self.fields, dec)
+
+
+def encode_segment(tables, x: torch.Tensor):
+    """The quantizer's `encode_tokens` of x (float `[B, H, T, D]`) by the kernel that reads
+    `tables`, in one launch: the same fields (`tables.field_shapes`), as a Segment. Values
+    beyond fp16 raise through `checks.require` (deferred inside `deferred_checks()`, as the
+    torch path's); x's values were checked by `append`."""
+    B, H, T, D = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    fields = {name: torch.empty((B, H, T) + tail, dtype=dtype, device=x.device)
+              for name, (tail, dtype) in tables.field_shapes.items()}
+    flags = torch.zeros(2, dtype=torch.int32, device=x.device)
+    rows_first = {k: v.permute(2, 0, 1, *range(3, v.dim())) for k, v in fields.items()}  # (token, batch, head, ...)
+    tables.launch(x, 0, None, 0, flags, rows_first, None)
+    require(flags[1] > 0, lambda: QuantizerInputError(
+        f"{tables.q.spec}: {tables.overflow} overflows the fp16 the cache stores (max {FP16_MAX}); rescale the input"))
+    return Segment(fields, T)
 
 
 def with_kernel_encode(q, encode, why_not):
@@ -532,5 +571,5 @@ class StepErrors:
 
 
 __all__ = ["StepErrors", "device_pos", "fp8_tokens", "int_rows", "launch", "p2", "rne", "fp16_toward", "pack_row",
-           "flag", "token_program", "nonfinite", "kivi_shift",
-           "kivi_window", "LAUNCHES", "FP8_FORMATS"]
+           "flag", "token_program", "nonfinite", "to_dtype_rne", "kivi_shift", "kivi_window", "LAUNCHES", "FP8_FORMATS",
+           "TablesStep", "encode_segment", "with_kernel_encode"]

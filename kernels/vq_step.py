@@ -40,11 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quantizers import Segment
-from ..quantizers.base import FP16_MAX, QuantizerInputError
-from ..quantizers.checks import require
 from ..quantizers.rotation import hadamard_block, signs_of
-from .step_encode import device_pos, launch, nonfinite, p2, to_dtype_rne, with_kernel_encode
+from .step_encode import device_pos, encode_segment, launch, nonfinite, p2, to_dtype_rne, with_kernel_encode
 
 MAX_TILE = 16384  # chunks x codewords of one stage's float64 scores, held in registers
 MAX_D = 128  # the butterfly tile is [D, D]
@@ -234,11 +231,11 @@ BEAM_ON_CUDA = False
 
 
 def unsupported(q, head_dim: int, device: torch.device | None = None) -> str | None:
-    """Why the kernel cannot take q's one-token writes at this head_dim (None: it can)."""
+    """Why the kernel cannot take q's writes at this head_dim (None: it can). Host only."""
     c = q.config
     if q.name == "avq" and c.beam > 1 and device is not None and device.type == "cuda" and not BEAM_ON_CUDA:
         return f"{q.spec}: beam search on CUDA waits for a GPU run of its tests (vq_step.BEAM_ON_CUDA)"
-    M, K = (c.M, 1 << c.K_bits) if q.name == "avq" else (1, 1 << c.K_bits)
+    K = 1 << c.K_bits
     if head_dim > MAX_D or not _pow2(head_dim) or not _pow2(c.dim) or c.dim > head_dim:
         return f"{q.spec}: head_dim {head_dim} / chunk {c.dim} not powers of two up to {MAX_D}"
     beams = p2(c.beam) if q.name == "avq" else 1
@@ -250,79 +247,54 @@ def unsupported(q, head_dim: int, device: torch.device | None = None) -> str | N
 
 class VQTables:
     """What the kernel reads of one (layer, role)'s shared tensors: the codebooks as
-    [R, G, M, K, dim] fp16 and the rotation's +-1 signs."""
+    [R, G, M, K, dim] fp16 and the rotation's +-1 signs; the fields a write stores
+    (`field_shapes`: name -> (shape after [B, H, T], dtype)) and the kernel's constants,
+    both made once. (`batch`: the tables' rows are checked by the kernel's strides.)"""
 
-    def __init__(self, q, shared: dict, head_dim: int, device):
+    overflow = "an RMS scale or gain"  # what the kernel's second flag counts
+
+    def __init__(self, q, shared: dict, head_dim: int, batch: int, device):
         why = unsupported(q, head_dim, device)
         if why:
             raise ValueError(why)
         c = q.config
-        self.q, self.D, self.avq = q, head_dim, q.name == "avq"
-        self.beam = c.beam if self.avq else 1
-        cb = shared["codebooks"] if self.avq else shared["codebook"].unsqueeze(2)  # [R, G, M, K, dim]
-        self.M = c.M if self.avq else 1
+        self.q, self.D, avq = q, head_dim, q.name == "avq"
+        beam, M = (c.beam, c.M) if avq else (1, 1)
+        cb = shared["codebooks"] if avq else shared["codebook"].unsqueeze(2)  # [R, G, M, K, dim]
         self.cb = cb.to(device, torch.float16).contiguous()
-        self.rotate = self.avq and c.rotation == "hadamard"
-        self.signs = signs_of(shared["signs"], head_dim).to(device).contiguous() if self.rotate else self.cb
-        self.block = hadamard_block(head_dim)
+        rotate = avq and c.rotation == "hadamard"
+        self.signs = signs_of(shared["signs"], head_dim).to(device).contiguous() if rotate else self.cb
+        block, K = hadamard_block(head_dim), 1 << c.K_bits
+        nb = (head_dim // c.dim * M * c.K_bits + 7) // 8
+        self.field_shapes = {"codes": ((nb,), torch.uint8), **({"gain": ((), torch.float16)} if avq else {})}
+        self.const = dict(D=head_dim, DIM=c.dim, NC=head_dim // c.dim, M=M, K=K, BITS=c.K_bits, NB=nb, NBP=p2(nb),
+                          MP=p2(M), ROTATE=rotate, LOG2B=block.bit_length() - 1, INV_SQRT_B=1 / math.sqrt(block),
+                          NORMALISE=avq, LSQ=avq and c.gain == "lsq", BEAM=beam, BP=p2(beam),
+                          num_warps=8 if beam > 1 else 4)
 
-    def launch(self, x, t0: int, pos, base: int, flags, codes, gain, dec) -> None:
-        """Tokens x `[B, H, T, D]` at positions t0 + t (+ the device position `pos`, or None);
-        field rows at position - base (codes / gain: row, batch and head strides first);
-        the decoded tokens into `dec` `[B, H, cap, D]` at their positions (None: not written)."""
+    def launch(self, x, t0: int, pos, base: int, flags, fields: dict, dec) -> None:
+        """Tokens x `[B, H, T, D]` (last axis contiguous) at positions t0 + t (+ the device
+        position `pos`, or None); `fields` (codes, gain: row, batch and head strides first)
+        at rows position - base; the decoded tokens into `dec` `[B, H, cap, D]` at their
+        positions (None: not written)."""
         B, H, T, D = x.shape
-        c = self.q.config
         pos_arg, devpos = device_pos(pos, x)
-        gain = codes if gain is None else gain  # (flat VQ stores no gain: never written)
+        codes = fields["codes"]
+        gain = fields.get("gain", codes)  # (flat VQ stores no gain: never written)
         cb = self.cb
-        K, dim = cb.shape[3], cb.shape[4]
-        nb = (D // dim * self.M * c.K_bits + 7) // 8
         dec_arg = codes if dec is None else dec
         sd = (0, 0, 0) if dec is None else (dec.stride(0), dec.stride(1), dec.stride(2))
         launch(_vq_step_kernel, (B * H, T), x, x.stride(0), x.stride(1), pos_arg, base, H, flags,
                dec_arg, *sd, self.signs,
                cb, 0 if cb.shape[0] == 1 else cb.stride(0), 0 if cb.shape[1] == 1 else cb.stride(1), cb.stride(2),
                codes, codes.stride(0), codes.stride(1), codes.stride(2),
-               gain, gain.stride(0), gain.stride(1), gain.stride(2),
-               D=D, DIM=dim, NC=D // dim, M=self.M, K=K, BITS=c.K_bits, NB=nb, NBP=p2(nb), MP=p2(self.M),
-               ROTATE=self.rotate, LOG2B=self.block.bit_length() - 1, INV_SQRT_B=1 / math.sqrt(self.block),
-               NORMALISE=self.avq, LSQ=self.avq and c.gain == "lsq", BEAM=self.beam, BP=p2(self.beam),
-               t0=t0, sxt=x.stride(2), DEVPOS=devpos, DEC=dec is not None,
-               num_warps=8 if self.beam > 1 else 4)
+               gain, gain.stride(0), gain.stride(1), gain.stride(2), **self.const,
+               t0=t0, sxt=x.stride(2), DEVPOS=devpos, DEC=dec is not None)
 
 
-class VQStep:
-    """The device encoder of one (layer, role)'s avq / flatvq one-token writes (see
-    spherical_step.SphericalStep: tables once, then one launch a step)."""
-
-    def __init__(self, q, packed, fields: dict, flags: torch.Tensor):
-        self.tables = VQTables(q, packed.shared, packed.head_dim, packed.device)
-        self.fields, self.flags, self.H = fields, flags, packed.heads
-
-    def __call__(self, x: torch.Tensor, pos: torch.Tensor, base: int, dec: torch.Tensor) -> None:
-        B, H, T, D = x.shape
-        if T != 1 or H != self.H or D != self.tables.D or x.stride(-1) != 1 or dec.stride(-1) != 1:
-            raise ValueError(f"vq step: expected one contiguous token [B, {self.H}, 1, {self.tables.D}], "
-                             f"got {tuple(x.shape)}")
-        self.tables.launch(x, 0, pos, base, self.flags, self.fields["codes"], self.fields.get("gain"), dec)
-
-
-def encode_tokens(q, x: torch.Tensor, shared: dict) -> Segment:
-    """`q.encode_tokens(x, shared)` (avq / flatvq, x float `[B, H, T, D]`) in one launch:
-    the same fields. Scales or gains beyond fp16 raise through `checks.require` (deferred
-    inside `deferred_checks()`, as the torch path's); x's values were checked by `append`."""
-    B, H, T, D = x.shape
-    tables = VQTables(q, shared, D, x.device)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    nb = (D // q.config.dim * tables.M * q.config.K_bits + 7) // 8
-    codes = torch.empty(B, H, T, nb, dtype=torch.uint8, device=x.device)
-    gain = torch.empty(B, H, T, dtype=torch.float16, device=x.device) if tables.avq else None
-    flags = torch.zeros(2, dtype=torch.int32, device=x.device)
-    tables.launch(x, 0, None, 0, flags, codes.permute(2, 0, 1, 3), None if gain is None else gain.permute(2, 0, 1),
-                  None)
-    require(flags[1] > 0, lambda: QuantizerInputError(
-        f"{q.spec}: an RMS scale or gain overflows the fp16 the cache stores (max {FP16_MAX}); rescale the input"))
-    return Segment({"codes": codes, **({"gain": gain} if gain is not None else {})}, T)
+def encode_tokens(q, x: torch.Tensor, shared: dict):
+    """`q.encode_tokens(x, shared)` in one launch: the same fields (step_encode.encode_segment)."""
+    return encode_segment(VQTables(q, shared, x.shape[-1], x.shape[0], x.device), x)
 
 
 def kernel_quantizer(q):
@@ -331,4 +303,4 @@ def kernel_quantizer(q):
     return with_kernel_encode(q, encode_tokens, lambda w, x: unsupported(w, x.shape[-1], x.device))
 
 
-__all__ = ["BEAM_ON_CUDA", "MAX_D", "MAX_TILE", "VQStep", "VQTables", "encode_tokens", "kernel_quantizer", "unsupported"]
+__all__ = ["BEAM_ON_CUDA", "MAX_D", "MAX_TILE", "VQTables", "encode_tokens", "kernel_quantizer", "unsupported"]

@@ -10,10 +10,11 @@ path runs, not a copy) on the token, writes each stored field into a preallocate
 at row (position - first position) and the decoded token into the layer's decoded
 history at the position; attention reads the history's reserved rows under a mask of the
 device valid length (padding.masked_attention). Nothing in it is a host value, so it is
-captured and replayed. On CUDA, spherical (TurboQuant, QJL keys aside), greedy additive VQ
-and flat VQ take a device encoder instead (`device_encoder`: kernels/spherical_step.py,
+captured and replayed. On CUDA, spherical (TurboQuant), additive VQ and flat VQ take a
+device encoder instead (`device_encoder`, `KERNELS`: kernels/spherical_step.py,
 kernels/vq_step.py): one Triton launch per layer and role that stores the same bytes and
-writes the same decoded token, where the torch code replays 170-576 aten ops.
+writes the same decoded token, where the torch code replays 170-576 aten ops (QJL keys and
+beam search once a GPU has run their tests: the modules' QJL_ON_CUDA / BEAM_ON_CUDA).
 
 Not graphable (`unsupported` names why): an `append` that keeps state across writes
 (`Quantizer.appends_one_segment`: KIVI's windows, per-channel int keys), fields whose
@@ -38,6 +39,7 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from ...kernels import spherical_step, vq_step
+from ...kernels.step_encode import TablesStep
 from ...kernels.store import TokenBuffer
 from ...quantizers import Packed, Segment
 from ...quantizers.base import FP16_MAX, WINDOW_FIELD, Quantizer, QuantizerInputError
@@ -95,54 +97,56 @@ def probe(q: Quantizer, packed: Packed, decoded: TokenBuffer) -> str | None:
     return why
 
 
-PROBED: dict = {}
+PROBED: dict = {}  # (quantizer class, spec, role, batch, heads, head_dim, dtype, device) -> probe's answer
 
-# Device encoders of a one-token write, by quantizer name: one launch where the torch path
-# replays its encode and decode op by op (spherical: 170-330 aten ops per layer and step,
-# kernels/spherical_step.py; avq greedy / flatvq: 196-576, kernels/vq_step.py).
-# Used on CUDA ("cuda"); "always" also on the CPU (the Triton interpreter: tests), "never".
+# Dense formats whose writes a device kernel encodes, by quantizer name: the module whose
+# `Tables` the kernel reads and whose `unsupported` says where it cannot (kernels/
+# spherical_step.py, kernels/vq_step.py). A decode step is then one launch where the torch
+# path replays its encode and decode op by op (spherical 170-330 aten ops per layer and step,
+# avq / flat VQ 196-576).
+KERNELS = {"spherical": (spherical_step, spherical_step.SphericalTables),
+           "avq": (vq_step, vq_step.VQTables), "flatvq": (vq_step, vq_step.VQTables)}
+
+# Decode steps through those kernels: on CUDA ("cuda"); "always" also on the CPU (the Triton
+# interpreter: tests); "never".
 DEVICE_ENCODERS = "cuda"
 
+# Multi-token writes (a prefill) through the same kernels, after the quantizer's own fit:
+# "never" until a GPU has run test_dense_encoders.py's multi-token cases, then "cuda";
+# "always" also on the CPU (tests).
+SEGMENT_ENCODERS = "never"
 
 ENCODER_FALLBACKS: dict = {}  # (spec, role) -> why its step kernel gave way to the torch path in this process
 
-# Multi-token writes (a prefill) of spherical / avq / flat VQ encoded by the same kernels
-# (spherical_step / vq_step `kernel_quantizer`):
-# taken on CUDA once a GPU has run test_dense_encoders.py's multi-token cases ("cuda"); "always" also
-# on the CPU (tests); "never" until then.
-SEGMENT_ENCODERS = "never"
+
+def _wanted(setting: str, device: torch.device) -> bool:
+    return setting == "always" or (setting == "cuda" and device.type == "cuda")
 
 
 def segment_writer(q: Quantizer, device: torch.device, cache: dict, role: str):
     """The quantizer a dense layer's multi-token write goes through: `q` whose encode is
-    the device kernel (one launch for the write's codes and gains), or None (q itself).
-    Made once per role into `cache`."""
-    if not (SEGMENT_ENCODERS == "always" or (SEGMENT_ENCODERS == "cuda" and device.type == "cuda")):
-        return None
-    make = {"avq": vq_step.kernel_quantizer, "flatvq": vq_step.kernel_quantizer,
-            "spherical": spherical_step.kernel_quantizer}.get(q.name)
-    if make is None:
+    the device kernel (one launch for the write's fields), or None (q itself). Made once
+    per role into `cache`."""
+    if q.name not in KERNELS or not _wanted(SEGMENT_ENCODERS, device):
         return None
     key = ("dense", role)
     if key not in cache:
-        cache[key] = make(q)
+        cache[key] = KERNELS[q.name][0].kernel_quantizer(q)
     return cache[key]
 
 
 def device_encoder(q: Quantizer, packed: Packed, fields: dict, checks: StickyChecks):
     """The device encoder of q's one-token writes into `fields` (None: the torch path),
     its flags watched by `checks`."""
-    if q.name == "spherical" and not spherical_step.unsupported(q, packed.device):
-        make, what = spherical_step.SphericalStep, "spherical gain or QJL residual norm"
-    elif q.name in ("avq", "flatvq") and not vq_step.unsupported(q, packed.head_dim, packed.device):
-        make, what = vq_step.VQStep, "avq scale or gain"
-    else:
+    module, tables = KERNELS.get(q.name, (None, None))
+    if module is None or module.unsupported(q, packed.head_dim, packed.device):
         return None
     flags = torch.zeros(2, dtype=torch.int32, device=packed.device)
     checks.watch(flags[0], lambda: QuantizerInputError("input has NaN/Inf values; a cache cannot store them"))
     checks.watch(flags[1], lambda: QuantizerInputError(
-        f"{what} overflows the fp16 the cache stores (max {FP16_MAX}); rescale the input"))
-    return make(q, packed, fields, flags)  # (quantizer class, spec, role, batch, heads, head_dim, dtype, device) -> probe's answer
+        f"{tables.overflow} overflows the fp16 the cache stores (max {FP16_MAX}); rescale the input"))
+    return TablesStep(tables(q, packed.shared, packed.head_dim, packed.batch, packed.device), packed.heads,
+                      fields, flags)
 
 
 class DenseSteps:
@@ -162,7 +166,7 @@ class DenseSteps:
             decoded.buf[:, :, decoded.length:].zero_()
         self.checks = StickyChecks(where)
         self.encoder, self.encoded = None, False
-        if DEVICE_ENCODERS == "always" or (DEVICE_ENCODERS == "cuda" and packed.device.type == "cuda"):
+        if _wanted(DEVICE_ENCODERS, packed.device):
             self.encoder = device_encoder(q, packed, self.fields, self.checks)
         self.run_start = self.run_end = self.base  # positions of the steps not yet folded, [start, end)
 
@@ -216,4 +220,5 @@ class DenseSteps:
         return [self.decoded.buf, *self.fields.values(), *self.checks.flags, *(f for f, _ in self.checks.watched)]
 
 
-__all__ = ["DEVICE_ENCODERS", "ENCODER_FALLBACKS", "PROBED", "SEGMENT_ENCODERS", "DenseSteps", "device_encoder", "segment_writer", "code_one_token", "probe", "unsupported"]
+__all__ = ["DEVICE_ENCODERS", "ENCODER_FALLBACKS", "KERNELS", "PROBED", "SEGMENT_ENCODERS", "DenseSteps",
+           "code_one_token", "device_encoder", "probe", "segment_writer", "unsupported"]

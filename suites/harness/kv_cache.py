@@ -205,7 +205,8 @@ class QuantizedLayer(DynamicLayer):
         # largest of them on the host (writes below it hold pads, `_fill_pads`).
         self.row_start: torch.Tensor | None = None
         self.pad_max = 0
-        self._device_writers: dict = {}  # role -> the quantizer a CUDA multi-token write goes through (`_writer`)
+        # role (fused) or ("dense", role) -> the quantizer a multi-token write goes through (`_writer`)
+        self._device_writers: dict = {}
         self._clear()
 
     def _clear(self) -> None:
@@ -350,10 +351,11 @@ class QuantizedLayer(DynamicLayer):
         return True
 
     def _writer(self, role: str, x: torch.Tensor):
-        """The quantizer a multi-token write goes through: on CUDA, for a cache that may run
+        """The quantizer a multi-token write goes through: a dense format's kernel writer
+        where it has one (dense_steps.segment_writer); on CUDA, for a cache that may run
         fused, the format's device encoder where it has one (registry `device_encoder`:
         HQMQ's search as a Triton kernel, the same fields; a deployed engine encodes its
-        prefill on the device), else the quantizer itself."""
+        prefill on the device); else the quantizer itself."""
         q = self.quantizers[role]
         if x.shape[-2] >= 2 and self.mode != "fused":  # a dense format's multi-token encode in one launch
             dense = dense_steps.segment_writer(q, x.device, self._device_writers, role)

@@ -136,12 +136,12 @@ def test_spherical_qjl_key_multi_token_writes_store_the_torch_paths_fields(spec,
 
 def test_spherical_qjl_with_a_split_and_on_cuda_before_its_gpu_run_keep_the_torch_path(monkeypatch):
     split = get_quantizer("spherical:bits=3,qjl=true,outlier_fraction=0.25,rotation=structured", role="K")
-    assert "outlier split" in spherical_step.unsupported(split)
+    assert "outlier split" in spherical_step.unsupported(split, 32)
     monkeypatch.setattr(spherical_step, "QJL_ON_CUDA", False)
     q = get_quantizer("spherical4-qjl", role="K")
-    assert "wait for a GPU run" in spherical_step.unsupported(q, torch.device("cuda"))
-    assert spherical_step.unsupported(q, torch.device("cpu")) is None
-    assert spherical_step.unsupported(get_quantizer("spherical4-qjl", role="V"), torch.device("cuda")) is None
+    assert "wait for a GPU run" in spherical_step.unsupported(q, 32, torch.device("cuda"))
+    assert spherical_step.unsupported(q, 32, torch.device("cpu")) is None
+    assert spherical_step.unsupported(get_quantizer("spherical4-qjl", role="V"), 32, torch.device("cuda")) is None
     assert _steps("spherical:bits=3,qjl=true,outlier_fraction=0.25,rotation=structured", "K", torch.float32,
                   "always", monkeypatch).encoder is None
 
@@ -240,7 +240,7 @@ def test_a_step_kernel_that_does_not_build_gives_way_to_the_torch_path(monkeypat
 
     def refuse(*a, **k):
         raise OutOfResources(300000, 232448, "shared memory")
-    monkeypatch.setattr(spherical_step.SphericalTables, "launch", refuse)
+    monkeypatch.setattr(spherical_step.SphericalTables, "launch", refuse)  # (the kernel's launch)
     with pytest.warns(UserWarning, match="does not build here"):
         got = _steps("spherical3", "V", torch.float32, "always", monkeypatch)
     assert got.encoder is None and (got.q.spec, "V") in dense_steps.ENCODER_FALLBACKS
