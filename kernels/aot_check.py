@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-_DT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8",
+_DT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64", torch.uint8: "u8",
        torch.int32: "i32", torch.int64: "i64", torch.int16: "i16"}
 
 
@@ -39,8 +39,8 @@ def _signature(fn, args, kw):
         else:
             vals[k] = v
     for i, name in enumerate(names):
-        v = vals[name]
         p = fn.params[i]
+        v = vals[name] if name in vals else p.default  # a constexpr left at its default
         if p.is_constexpr:
             sig[name] = "constexpr"
             const[name] = v

@@ -110,17 +110,18 @@ def _beam(z, cb, scm, NC: tl.constexpr, DIM: tl.constexpr, M: tl.constexpr, K: t
         zd = tl.sum(tl.where(d[None, :] == dd, z, 0.0), axis=1).to(tl.float64)
         err += (zd * zd)[:, None]
     codes = tl.zeros([NC, BP, MP], dtype=tl.int32)
-    live = 1  # beams held before the stage
     for m in tl.static_range(M):
+        # beams held before the stage: constexprs of the unrolled loop (Triton's min() and a
+        # loop-carried int are tensors, and static_range needs a constexpr); BEAM <= K (unsupported())
+        live = 1 if m == 0 else BEAM
         score = _scores(res, cb + m * scm, DIM, K) + err[:, :, None]  # [NC, BP, K]
         score = tl.where((t < live)[None, :, None] & (score == score), score, float("inf"))
         flat = tl.reshape(score, [NC, BP * K])
         col = tl.arange(0, BP * K)[None, :]
-        keep = min(BEAM, live * K)
         src = tl.zeros([NC, BP], dtype=tl.int32)
         kk = tl.zeros([NC, BP], dtype=tl.int32)
         new_err = tl.zeros([NC, BP], dtype=tl.float64)
-        for j in tl.static_range(keep):
+        for j in tl.static_range(BEAM):
             best = tl.argmin(flat, axis=1, tie_break_left=True)
             val = tl.min(flat, axis=1)
             flat = tl.where(col == best[:, None], float("inf"), flat)
@@ -134,7 +135,6 @@ def _beam(z, cb, scm, NC: tl.constexpr, DIM: tl.constexpr, M: tl.constexpr, K: t
         codes = tl.sum(tl.where(pick[:, :, :, None], codes[:, None, :, :], 0), axis=2)
         codes = tl.where(mm[None, None, :] == m, kk[:, :, None], codes)
         err = new_err
-        live = keep
     return tl.sum(tl.where((t == 0)[None, :, None], codes, 0), axis=1)
 
 
@@ -239,6 +239,8 @@ def unsupported(q, head_dim: int, device: torch.device | None = None) -> str | N
     if head_dim > MAX_D or not _pow2(head_dim) or not _pow2(c.dim) or c.dim > head_dim:
         return f"{q.spec}: head_dim {head_dim} / chunk {c.dim} not powers of two up to {MAX_D}"
     beams = p2(c.beam) if q.name == "avq" else 1
+    if q.name == "avq" and c.beam > K:
+        return f"{q.spec}: a beam of {c.beam} wider than the {K} codewords of a stage"
     if head_dim // c.dim * beams * K > MAX_TILE:
         return (f"{q.spec}: {head_dim // c.dim} chunks x {beams} beams x {K} codewords exceed the kernel's "
                 f"{MAX_TILE} scores")
