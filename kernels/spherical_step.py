@@ -179,7 +179,7 @@ def _spherical_step_kernel(x_ptr, sxb, sxh, pos_ptr, base, H, flag_ptr, dec_ptr,
 
 
 # QJL keys (the residual's sketch) on CUDA once a GPU has run test_dense_encoders.py's QJL cases.
-QJL_ON_CUDA = False
+QJL_ON_CUDA = True
 
 
 def unsupported(q, head_dim: int, device=None) -> str | None:

@@ -227,7 +227,7 @@ def _pow2(n: int) -> bool:
 
 # Beam search compiles to the largest tiles here ([chunks, beams, codewords] float64); on CUDA
 # it is taken once a GPU has run test_dense_encoders.py's beam cases (then this is True).
-BEAM_ON_CUDA = False
+BEAM_ON_CUDA = True
 
 
 def unsupported(q, head_dim: int, device: torch.device | None = None) -> str | None:

@@ -114,7 +114,7 @@ DEVICE_ENCODERS = "cuda"
 # Multi-token writes (a prefill) through the same kernels, after the quantizer's own fit:
 # "never" until a GPU has run test_dense_encoders.py's multi-token cases, then "cuda";
 # "always" also on the CPU (tests).
-SEGMENT_ENCODERS = "never"
+SEGMENT_ENCODERS = "cuda"
 
 ENCODER_FALLBACKS: dict = {}  # (spec, role) -> why its step kernel gave way to the torch path in this process
 
