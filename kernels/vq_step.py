@@ -85,7 +85,7 @@ def _greedy(r, cb, scm, NC: tl.constexpr, DIM: tl.constexpr, M: tl.constexpr, K:
     d = tl.arange(0, DIM)[None, :]
     mm = tl.arange(0, MP)[None, :]
     codes = tl.zeros([NC, MP], dtype=tl.int32)
-    for m in tl.static_range(M):
+    for m in range(M):  # a loop, not unrolled (compile time)
         score = tl.reshape(_scores(r[:, None, :], cb + m * scm, DIM, K), [NC, K])
         score = tl.where(score == score, score, float("inf"))  # NaN input (flagged): any code, no NaN argmin
         idx = tl.argmin(score, axis=1, tie_break_left=True)  # the first minimum, as torch
@@ -110,10 +110,9 @@ def _beam(z, cb, scm, NC: tl.constexpr, DIM: tl.constexpr, M: tl.constexpr, K: t
         zd = tl.sum(tl.where(d[None, :] == dd, z, 0.0), axis=1).to(tl.float64)
         err += (zd * zd)[:, None]
     codes = tl.zeros([NC, BP, MP], dtype=tl.int32)
-    for m in tl.static_range(M):
-        # beams held before the stage: constexprs of the unrolled loop (Triton's min() and a
-        # loop-carried int are tensors, and static_range needs a constexpr); BEAM <= K (unsupported())
-        live = 1 if m == 0 else BEAM
+    # loops, not unrolled: unrolled, avq3-cal's [8 x 8 x 256] float64 tiles took ~30 s to compile
+    for m in range(M):
+        live = tl.where(m == 0, 1, BEAM)  # beams held before the stage (BEAM <= K: unsupported())
         score = _scores(res, cb + m * scm, DIM, K) + err[:, :, None]  # [NC, BP, K]
         score = tl.where((t < live)[None, :, None] & (score == score), score, float("inf"))
         flat = tl.reshape(score, [NC, BP * K])
@@ -121,7 +120,7 @@ def _beam(z, cb, scm, NC: tl.constexpr, DIM: tl.constexpr, M: tl.constexpr, K: t
         src = tl.zeros([NC, BP], dtype=tl.int32)
         kk = tl.zeros([NC, BP], dtype=tl.int32)
         new_err = tl.zeros([NC, BP], dtype=tl.float64)
-        for j in tl.static_range(BEAM):
+        for j in range(BEAM):
             best = tl.argmin(flat, axis=1, tie_break_left=True)
             val = tl.min(flat, axis=1)
             flat = tl.where(col == best[:, None], float("inf"), flat)
