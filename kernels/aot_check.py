@@ -1,6 +1,7 @@
 """Compile the fused kernels for a GPU target WITHOUT a GPU, and report resources.
 
     python -m kvqbench.kernels.aot_check            # sm_90 (H100/H200)
+    python -m kvqbench.kernels.aot_check --dense-steps   # the dense step kernels (CI runs this)
 
 Runs the real host wrappers on CPU tensors with the launches recorded instead of run
 (kernels/triton/common.py's `launch_hook`), then
@@ -109,6 +110,79 @@ def cubin_resources(cubin: bytes) -> str:
         return " ".join(ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "REG" in ln)
 
 
+def dense_step_captures(head_dims=(64, 128), dtypes=(torch.float16, torch.bfloat16)) -> dict:
+    """The dense step kernels' launches (kernels/spherical_step.py, vq_step.py) for every
+    default spec they serve (suites/compare/run.py default_specs: a new plugin's examples
+    too), at each head dim, as a cache makes them: a multi-token write (a prefill) and a
+    one-token step at a device position into the decoded history, fp16 and bf16 tokens.
+    Keyed by (spec, role, head_dim, dtype, kernel). Recorded, not run (no GPU needed)."""
+    from ..quantizers import get_quantizer
+    from ..suites.compare.run import default_specs
+    from ..suites.harness import dense_steps
+    from . import step_encode
+
+    caps: dict = {}
+    key = [None]
+
+    def record(kernel, grid, *args, **kw):
+        caps.setdefault(key[0] + (kernel.__name__,), _Capture(kernel)).calls.append((grid, args, kw))
+
+    step_encode.launch_hook = record
+    try:
+        for spec in default_specs():
+            for role in ("K", "V"):
+                q = get_quantizer(spec, role=role, layer=1, seed=3)
+                if q.name not in dense_steps.KERNELS:
+                    continue
+                module, tables_cls = dense_steps.KERNELS[q.name]
+                for d in head_dims:
+                    if module.unsupported(q, d) is not None:
+                        continue
+                    g = torch.Generator().manual_seed(0)
+                    if getattr(q, "needs_calibration", False):
+                        q.load_calibration(q.calibrate(torch.randn(2, 2, 64, d, generator=g)))
+                    for dtype in dtypes:
+                        key[0] = (spec, role, d, str(dtype).split(".")[-1])
+                        x = torch.randn(2, 2, 16, d, generator=g).to(dtype)
+                        shared = q.fitted_shared(x)
+                        module.encode_tokens(q, x, shared)  # the prefill's write
+                        tables = tables_cls(q, shared, d, 2, x.device)  # a graphed step's write
+                        fields = {n: torch.empty((20, 2, 2, 1) + tail, dtype=dt)
+                                  for n, (tail, dt) in tables.field_shapes.items()}
+                        step_encode.TablesStep(tables, 2, fields, torch.zeros(2, dtype=torch.int32))(
+                            x[:, :, :1], torch.zeros(1, dtype=torch.int32), 0, torch.empty(2, 2, 20, d, dtype=dtype))
+    finally:
+        step_encode.launch_hook = None
+    return caps
+
+
+def check_dense_steps(arch: int, head_dims=(64, 128), dtypes=(torch.float16, torch.bfloat16)) -> int:
+    """Compile every distinct dense step kernel variant for sm_<arch>; print one line each;
+    the number that failed. A construct the interpreter takes and the compiler does not (a
+    loop-carried int as a static_range bound cost a GPU session) fails here, on a CPU."""
+    failures, seen = 0, set()
+    for (spec, role, d, dtype, name), cap in dense_step_captures(head_dims, dtypes).items():
+        for grid, args, kw in cap.calls:
+            sig, const, opts = _signature(cap.fn, args, kw)
+            variant = (name, tuple(sorted(sig.items())), tuple(sorted((k, str(v)) for k, v in const.items())))
+            if variant in seen:
+                continue
+            seen.add(variant)
+            one = _Capture(cap.fn)
+            one.calls = [(grid, args, kw)]
+            where = f"{name} {spec} {role} d={d} {dtype} DEVPOS={const.get('DEVPOS')}"
+            try:
+                res = compile_captured(one, arch)[0]
+                print(f"OK   {where} | {cubin_resources(res['asm']['cubin'])}", flush=True)
+            except Exception as e:  # noqa: BLE001 - reported, counted
+                failures += 1
+                cause = e
+                while cause.__cause__ is not None:  # the innermost: where in the jitted helper
+                    cause = cause.__cause__
+                print(f"FAIL {where}: {type(e).__name__}: {str(cause)[-1500:]}", flush=True)
+    return failures
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90)
@@ -119,9 +193,15 @@ def main(argv=None):
     ap.add_argument("--only", default="", help="specs containing this")
     ap.add_argument("--extra-only", action="store_true")
     ap.add_argument("--T", type=int, default=256, help="cache length of the captured launches")
+    ap.add_argument("--dense-steps", action="store_true",
+                    help="compile the dense step kernels (spherical, additive / flat VQ) of every default spec instead")
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], help="with --dense-steps")
+    ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], help="with --dense-steps")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: the interpreter does not compile")
+    if a.dense_steps:
+        sys.exit(1 if check_dense_steps(a.arch, a.head_dims, [getattr(torch, t) for t in a.dtypes]) else 0)
     from ..quantizers import get_quantizer
     from . import common
     from .decode_attention import decode_attention
