@@ -26,8 +26,7 @@ double -> half cast goes through float32, as torch's does.
 QJL keys (TurboQuant_prod) without an outlier split: the MSE stage's decode in float64 (exact:
 the same values as decode's), the residual's norm and the signs of its sketch S r (a
 sign differs only where (S r)_i is within rounding of 0), and the decoded token adds the
-sketch's estimate (z @ S exact). On CUDA behind `QJL_ON_CUDA` until a GPU runs its tests;
-QJL with a split stays on the torch path. Bad values are counted on the device (`flags`:
+sketch's estimate (z @ S exact). QJL with a split stays on the torch path. Bad values are counted on the device (`flags`:
 non-finite inputs, gains or residual norms beyond fp16) and raised by the step's sticky
 checks when the Packed is next read.
 """
@@ -178,17 +177,11 @@ def _spherical_step_kernel(x_ptr, sxb, sxh, pos_ptr, base, H, flag_ptr, dec_ptr,
               D2, DP2, SPLIT, BITS2, NB2, NBP2, NE2, NEP2, LSQ, TILE, DEC)
 
 
-# QJL keys (the residual's sketch) on CUDA once a GPU has run test_dense_encoders.py's QJL cases.
-QJL_ON_CUDA = True
-
-
 def unsupported(q, head_dim: int, device=None) -> str | None:
     """Why the kernel cannot take q's writes at this head_dim (None: it can; any head_dim
     the quantizer takes). Host only."""
     if q.use_qjl and q.has_outliers:
         return f"{q.spec} {q.role}: QJL keys with an outlier split are coded by the torch path"
-    if q.use_qjl and device is not None and torch.device(device).type == "cuda" and not QJL_ON_CUDA:
-        return f"{q.spec} {q.role}: QJL keys on CUDA wait for a GPU run of their tests (spherical_step.QJL_ON_CUDA)"
     return None
 
 
@@ -278,4 +271,4 @@ def kernel_quantizer(q):
     return with_kernel_encode(q, encode_tokens, lambda w, x: unsupported(w, x.shape[-1], x.device))
 
 
-__all__ = ["QJL_ON_CUDA", "SphericalTables", "encode_tokens", "kernel_quantizer", "unsupported"]
+__all__ = ["SphericalTables", "encode_tokens", "kernel_quantizer", "unsupported"]

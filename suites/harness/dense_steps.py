@@ -13,8 +13,8 @@ device valid length (padding.masked_attention). Nothing in it is a host value, s
 captured and replayed. On CUDA, spherical (TurboQuant), additive VQ and flat VQ take a
 device encoder instead (`device_encoder`, `KERNELS`: kernels/spherical_step.py,
 kernels/vq_step.py): one Triton launch per layer and role that stores the same bytes and
-writes the same decoded token, where the torch code replays 170-576 aten ops (QJL keys and
-beam search once a GPU has run their tests: the modules' QJL_ON_CUDA / BEAM_ON_CUDA).
+writes the same decoded token, where the torch code replays 170-576 aten ops; a prefill's
+encode (after the quantizer's fit) goes through the same kernels (`segment_writer`).
 
 Not graphable (`unsupported` names why): an `append` that keeps state across writes
 (`Quantizer.appends_one_segment`: KIVI's windows, per-channel int keys), fields whose
@@ -112,8 +112,7 @@ KERNELS = {"spherical": (spherical_step, spherical_step.SphericalTables),
 DEVICE_ENCODERS = "cuda"
 
 # Multi-token writes (a prefill) through the same kernels, after the quantizer's own fit:
-# "never" until a GPU has run test_dense_encoders.py's multi-token cases, then "cuda";
-# "always" also on the CPU (tests).
+# on CUDA ("cuda"); "always" also on the CPU (tests); "never".
 SEGMENT_ENCODERS = "cuda"
 
 ENCODER_FALLBACKS: dict = {}  # (spec, role) -> why its step kernel gave way to the torch path in this process

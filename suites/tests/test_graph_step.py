@@ -421,13 +421,11 @@ def test_dense_device_steps_through_a_device_encoder(model, spec, monkeypatch):
     # kernels/spherical_step.py, vq_step.py: one launch a step instead of the torch path (on a
     # GPU by default; forced here, under the interpreter on a CPU); the same bytes and logits
     # (avq / flat VQ: their prefill's encode too, `dense_steps.segment_writer`)
-    from kvqbench.kernels import spherical_step
     from kvqbench.suites.harness import dense_steps
 
     eager, ce, _ = _decode(model, spec, 4, graphed=False)  # the torch path throughout (CPU defaults)
     monkeypatch.setattr(dense_steps, "DEVICE_ENCODERS", "always")
     monkeypatch.setattr(dense_steps, "SEGMENT_ENCODERS", "always")
-    monkeypatch.setattr(spherical_step, "QJL_ON_CUDA", True)
     dev, cd, step = _decode(model, spec, 4, graphed=True, between=2)
     assert step.mode == ("graph" if DEV.type == "cuda" else "device") and step.steps == 3, step.why
     assert all(s.encoder is not None for layer in cd.layers for s in layer.dense_steps.values())
