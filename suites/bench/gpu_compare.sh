@@ -56,6 +56,11 @@ time|time-ahead|record)
   place_models
   [ -f $C/downloads/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "carry .gpu2 (the SmolLM2 GGUF's second part)"; exit 2; }
   CASE=${CASE:-gpu-both-4x512}  # or gpu-deployed-4x512 (issue 29's budget)
+  # what a machine makes once, before any timed round: the CUDA libraries (a stage call that
+  # ran no CUDA test leaves them unbuilt: ~2 minutes of a first round on 2026-12-05) and the
+  # embedded model's float32 folder (its conversion, ~38 s, was inside a first round then)
+  $PY -c "from kvqbench.kernels.cuda import decode_attention as a, hqmq_decode as h; print('CUDA libraries', a.available(), h.available())"
+  $PY -c "from kvqbench.suites.harness.models import embedded_folder; print('model', embedded_folder('smollm2-135m')[0])"
   timed() {  # NAME SECONDS: one benchmark process; its round 1 starts from an empty Triton cache
     # whatever ran on this machine before (a fresh machine's first run), a round 2 finds what
     # round 1 compiled
