@@ -177,7 +177,7 @@ def _spherical_step_kernel(x_ptr, sxb, sxh, pos_ptr, base, H, flag_ptr, dec_ptr,
               D2, DP2, SPLIT, BITS2, NB2, NBP2, NE2, NEP2, LSQ, TILE, DEC)
 
 
-def unsupported(q, head_dim: int, device=None) -> str | None:
+def unsupported(q, head_dim: int) -> str | None:
     """Why the kernel cannot take q's writes at this head_dim (None: it can; any head_dim
     the quantizer takes). Host only."""
     if q.use_qjl and q.has_outliers:
@@ -197,7 +197,7 @@ class SphericalTables:
     overflow = "a spherical gain or QJL residual norm"  # what the kernel's second flag counts
 
     def __init__(self, q, shared: dict, head_dim: int, batch: int, device):
-        why = unsupported(q, head_dim, device)
+        why = unsupported(q, head_dim)
         if why:
             raise ValueError(why)
         self.q, self.D = q, head_dim
@@ -268,7 +268,7 @@ def encode_tokens(q, x: torch.Tensor, shared: dict):
 def kernel_quantizer(q):
     """Quantizer `q` (spherical) whose multi-token `encode_tokens` is the kernel where
     `unsupported` allows (see step_encode.with_kernel_encode)."""
-    return with_kernel_encode(q, encode_tokens, lambda w, x: unsupported(w, x.shape[-1], x.device))
+    return with_kernel_encode(q, encode_tokens, lambda w, x: unsupported(w, x.shape[-1]))
 
 
 __all__ = ["SphericalTables", "encode_tokens", "kernel_quantizer", "unsupported"]

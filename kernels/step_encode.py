@@ -115,9 +115,14 @@ def encode_segment(tables, x: torch.Tensor):
     flags = torch.zeros(2, dtype=torch.int32, device=x.device)
     rows_first = {k: v.permute(2, 0, 1, *range(3, v.dim())) for k, v in fields.items()}  # (token, batch, head, ...)
     tables.launch(x, 0, None, 0, flags, rows_first, None)
-    require(flags[1] > 0, lambda: QuantizerInputError(
-        f"{tables.q.spec}: {tables.overflow} overflows the fp16 the cache stores (max {FP16_MAX}); rescale the input"))
+    require(flags[1] > 0, lambda: overflow_error(tables))
     return Segment(fields, T)
+
+
+def overflow_error(tables) -> QuantizerInputError:
+    """The error of a dense kernel's second flag (values beyond the fp16 the cache stores)."""
+    return QuantizerInputError(f"{tables.q.spec}: {tables.overflow} overflows the fp16 the cache stores "
+                               f"(max {FP16_MAX}); rescale the input")
 
 
 def with_kernel_encode(q, encode, why_not):
@@ -572,4 +577,4 @@ class StepErrors:
 
 __all__ = ["StepErrors", "device_pos", "fp8_tokens", "int_rows", "launch", "p2", "rne", "fp16_toward", "pack_row",
            "flag", "token_program", "nonfinite", "to_dtype_rne", "kivi_shift", "kivi_window", "LAUNCHES", "FP8_FORMATS",
-           "TablesStep", "encode_segment", "with_kernel_encode"]
+           "TablesStep", "encode_segment", "overflow_error", "with_kernel_encode"]

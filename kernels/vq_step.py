@@ -226,7 +226,7 @@ def _pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def unsupported(q, head_dim: int, device: torch.device | None = None) -> str | None:
+def unsupported(q, head_dim: int) -> str | None:
     """Why the kernel cannot take q's writes at this head_dim (None: it can). Host only."""
     c = q.config
     K = 1 << c.K_bits
@@ -250,7 +250,7 @@ class VQTables:
     overflow = "an RMS scale or gain"  # what the kernel's second flag counts
 
     def __init__(self, q, shared: dict, head_dim: int, batch: int, device):
-        why = unsupported(q, head_dim, device)
+        why = unsupported(q, head_dim)
         if why:
             raise ValueError(why)
         c = q.config
@@ -296,7 +296,7 @@ def encode_tokens(q, x: torch.Tensor, shared: dict):
 def kernel_quantizer(q):
     """Quantizer `q` (avq / flatvq) whose multi-token `encode_tokens` is the kernel (see
     step_encode.with_kernel_encode)."""
-    return with_kernel_encode(q, encode_tokens, lambda w, x: unsupported(w, x.shape[-1], x.device))
+    return with_kernel_encode(q, encode_tokens, lambda w, x: unsupported(w, x.shape[-1]))
 
 
 __all__ = ["MAX_D", "MAX_TILE", "VQTables", "encode_tokens", "kernel_quantizer", "unsupported"]

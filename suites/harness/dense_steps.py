@@ -39,10 +39,10 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from ...kernels import spherical_step, vq_step
-from ...kernels.step_encode import TablesStep
+from ...kernels.step_encode import TablesStep, overflow_error
 from ...kernels.store import TokenBuffer
 from ...quantizers import Packed, Segment
-from ...quantizers.base import FP16_MAX, WINDOW_FIELD, Quantizer, QuantizerInputError
+from ...quantizers.base import WINDOW_FIELD, Quantizer, QuantizerInputError
 from ...quantizers.checks import StickyChecks
 
 
@@ -138,14 +138,13 @@ def device_encoder(q: Quantizer, packed: Packed, fields: dict, checks: StickyChe
     """The device encoder of q's one-token writes into `fields` (None: the torch path),
     its flags watched by `checks`."""
     module, tables = KERNELS.get(q.name, (None, None))
-    if module is None or module.unsupported(q, packed.head_dim, packed.device):
+    if module is None or module.unsupported(q, packed.head_dim):
         return None
+    made = tables(q, packed.shared, packed.head_dim, packed.batch, packed.device)
     flags = torch.zeros(2, dtype=torch.int32, device=packed.device)
     checks.watch(flags[0], lambda: QuantizerInputError("input has NaN/Inf values; a cache cannot store them"))
-    checks.watch(flags[1], lambda: QuantizerInputError(
-        f"{tables.overflow} overflows the fp16 the cache stores (max {FP16_MAX}); rescale the input"))
-    return TablesStep(tables(q, packed.shared, packed.head_dim, packed.batch, packed.device), packed.heads,
-                      fields, flags)
+    checks.watch(flags[1], lambda: overflow_error(made))
+    return TablesStep(made, packed.heads, fields, flags)
 
 
 class DenseSteps:

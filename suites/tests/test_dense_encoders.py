@@ -137,7 +137,7 @@ def test_spherical_qjl_key_multi_token_writes_store_the_torch_paths_fields(spec)
 def test_spherical_qjl_with_a_split_keeps_the_torch_path(monkeypatch):
     split = get_quantizer("spherical:bits=3,qjl=true,outlier_fraction=0.25,rotation=structured", role="K")
     assert "outlier split" in spherical_step.unsupported(split, 32)
-    assert spherical_step.unsupported(get_quantizer("spherical4-qjl", role="K"), 32, torch.device("cuda")) is None
+    assert spherical_step.unsupported(get_quantizer("spherical4-qjl", role="K"), 32) is None
     assert _steps("spherical:bits=3,qjl=true,outlier_fraction=0.25,rotation=structured", "K", torch.float32,
                   "always", monkeypatch).encoder is None
 
