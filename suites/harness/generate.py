@@ -198,7 +198,8 @@ def _one_batch(model, prompts, spec, max_new, pick, eos, stop, tokenizer, graph,
         # the prompt's pads: the model's own 2-D mask, each row's positions
         extra["attention_mask"] = (torch.arange(P, device=dev)[None, :] >= cache.row_start[:, None]).long()
         extra["position_ids"] = cache.position_ids(0, P)
-    logits = model(input_ids=ids, **kw, use_cache=True, **extra).logits[:, -1]
+    with torch.profiler.record_function("kvqbench.generate.prefill"):  # (a no-op unless profiled)
+        logits = model(input_ids=ids, **kw, use_cache=True, **extra).logits[:, -1]
     out = torch.empty(B, max_new, dtype=torch.long, device=dev)
     out[:, :1] = pick(logits)
     sync()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 from ...harness.generate import generate
 from ..decode.measure import SHAPES, build_model
 from ..toolkit import env_info
+from .profile import profile_call
 
 DEFAULT_SPECS = ["plain", "fp16", "fp8-e4m3", "int4", "kivi:bits=2", "kivi:bits=4", "hqmq:S=96,r=4",
                  "hqmq:S=96,r=4,outliers=med3"]
@@ -41,6 +43,9 @@ def _args(argv):
     p.add_argument("--smoke", action="store_true", help="tiny shape, CPU, 8+4 tokens: the plumbing only")
     p.add_argument("--budget-s", type=float, default=float("inf"), help="start no row after this many seconds")
     p.add_argument("--out", type=Path, default=Path("reports/generate"))
+    p.add_argument("--profile", action="store_true",
+                   help="after each kvqbench row's timed runs, one more call under torch.profiler: "
+                        "profile_<row>_b<batch>.txt in --out (prefill and whole-call operators, syncs)")
     a = p.parse_args(argv)
     if min(a.batches) < 1 or a.prompt < 1 or a.new < 2 or a.runs < 1:
         p.error("--batches, --prompt, --runs must be >= 1 and --new >= 2")
@@ -228,6 +233,14 @@ def main(argv=None) -> int:
             row = dict(row=name, batch=batch, error=f"{type(e).__name__}: {str(e)[:300]}")
             if lens:
                 row.update(ragged_fields(lens, sep))
+        if a.profile and not name.startswith("hf-") and "error" not in row and not lens:
+            engine, spec = name.split(":", 1)
+            ids = _calls(model, batch, a.prompt, None, False)[0][0]
+            tag = re.sub(r"[^A-Za-z0-9=.,+-]+", "_", name)
+            profile_call(lambda: generate(model, ids, None if spec == "plain" else spec, max_new_tokens=a.new,
+                                          compile=engine == "kvqbench+compile"),
+                         a.out / f"profile_{tag}_b{batch}.txt", f"{name}, batch {batch}, prompt {a.prompt}, "
+                         f"{a.new} new tokens (one call after the timed runs)")
         data["rows"].append(row)
         print(json.dumps(row), flush=True)
         _save(a.out / "generate.json", data)

@@ -1,0 +1,19 @@
+"""The generate benchmark's plumbing on the tiny CPU shape (`--smoke`): rows written, and
+`--profile` finds generate's prefill range and writes its tables."""
+import json
+
+from kvqbench.suites.bench.generate.__main__ import main
+
+
+def test_smoke_rows_and_profile(tmp_path):
+    assert main(["--smoke", "--specs", "int4", "--baselines", "hf-dynamic", "--profile", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "generate.json").read_text())["rows"]
+    assert [(r["row"], r["batch"]) for r in rows] == [("hf-dynamic", 1), ("kvqbench:int4", 1),
+                                                      ("hf-dynamic", 2), ("kvqbench:int4", 2)]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    profiles = sorted(p.name for p in tmp_path.glob("profile_*.txt"))
+    assert profiles == ["profile_kvqbench_int4_b1.txt", "profile_kvqbench_int4_b2.txt"]  # none for hf-* rows
+    text = (tmp_path / profiles[1]).read_text()
+    assert "## prefill (1 range(s))" in text and "## whole call" in text
+    prefill_events = int(text.split("## prefill (1 range(s)): ")[1].split(" events")[0])
+    assert prefill_events > 0  # the range was found and holds the prefill's operators
