@@ -18,7 +18,8 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMe
 
 
 def _self_device_us(e) -> float:
-    return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+    # (torch >= 2.4 names it self_device_time_total; the older name warns where both exist)
+    return e.self_device_time_total if hasattr(e, "self_device_time_total") else e.self_cuda_time_total
 
 
 def _table(events, title: str, rows: int = 25) -> list[str]:
