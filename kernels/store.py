@@ -561,6 +561,14 @@ class KernelStore:
     def _run_more(self, seg: Segment, start: int) -> None:
         """Hook: the run's fields beside the token fields (Med3x's outliers)."""
 
+    def run_nbytes(self) -> tuple[int, torch.Tensor | None] | None:
+        """The bytes `run_segments` adds to its base, without making its segments: (host
+        bytes, a device scalar of bytes more or None); None where only the segments can
+        say (the caller makes them). A size count pools the device parts of every store
+        into one host read (`QuantizedCache.cache_nbytes`). Here: None; formats whose
+        segments cost device work to make (Med3x's outlier lists) count them instead."""
+        return None
+
     def end_run(self) -> None:
         """The run's segments (the last `run_segments`) become ordinary absorbed segments;
         the next `step` starts a new run."""

@@ -638,7 +638,25 @@ class QuantizedLayer(DynamicLayer):
         return sum(p.nbytes for p in self.packed.values() if p is not None)
 
     def cache_nbytes(self) -> int:
-        return sum(p.cache_nbytes for p in self.packed.values() if p is not None)
+        host, dev = self.cache_nbytes_parts()
+        return host + sum(int(t) for t in dev)
+
+    def cache_nbytes_parts(self) -> tuple[int, list[torch.Tensor]]:
+        """`cache_nbytes` as (host bytes, device scalars to add): a store in a run counts
+        its run's bytes itself where it can (`KernelStore.run_nbytes`) instead of making
+        the run's segments; the input-error flags are checked as any read of results does."""
+        host, dev = 0, []
+        for role in ROLES:
+            store = self.stores[role] if self.mode == "fused" else None
+            run = store.run_nbytes() if store is not None and store.in_run else None
+            if run is None:
+                p = self._current(role)
+                host += p.cache_nbytes if p is not None else 0
+                continue
+            self.check()
+            host += self._packed[role].cache_nbytes + run[0]
+            dev += [] if run[1] is None else [run[1]]
+        return host, dev
 
     def constant_nbytes(self) -> int:
         return sum(p.constant_nbytes for p in self.packed.values() if p is not None)
@@ -977,7 +995,9 @@ class QuantizedCache(Cache):
     def cache_nbytes(self) -> int:
         """Bytes the cache stores for its writes, all layers, K and V: codes, scales, fitted
         codebooks; not the model constants (quantizers/base.py `Packed.cache_nbytes`)."""
-        return sum(layer.cache_nbytes() for layer in self.layers)
+        parts = [layer.cache_nbytes_parts() for layer in self.layers]
+        dev = [t for _, d in parts for t in d]  # read once for all layers (one sync, not one per store)
+        return sum(h for h, _ in parts) + (int(torch.stack(dev).sum()) if dev else 0)
 
     def constant_nbytes(self) -> int:
         """Bytes of the model constants (seeded rotations, sketches, secondaries) of every
