@@ -236,7 +236,7 @@ def main(argv=None) -> int:
         if a.profile and not name.startswith("hf-") and "error" not in row and not lens:
             engine, spec = name.split(":", 1)
             ids = _calls(model, batch, a.prompt, None, False)[0][0]
-            tag = re.sub(r"[^A-Za-z0-9=.,+-]+", "_", name)
+            tag = re.sub(r"[^A-Za-z0-9._-]+", "_", name)  # (plain names: files travel back from a GPU call)
             profile_call(lambda: generate(model, ids, None if spec == "plain" else spec, max_new_tokens=a.new,
                                           compile=engine == "kvqbench+compile"),
                          a.out / f"profile_{tag}_b{batch}.txt", f"{name}, batch {batch}, prompt {a.prompt}, "
