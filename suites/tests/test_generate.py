@@ -170,6 +170,11 @@ def test_compiled_layers_give_the_uncompiled_tokens_and_restore_the_model(model)
     graphs = counters["stats"]["unique_graphs"]
     again = generate(model, ids, "int4", max_new_tokens=4, compile=True)  # a second call compiles nothing
     assert again.tokens == want.tokens and counters["stats"]["unique_graphs"] == graphs
+    # nor does a new prompt length: the prefill runs the uncompiled layers, the steps' shape is the same
+    longer = prompts(n=ids.shape[1] + 3)
+    assert generate(model, longer, "int4", max_new_tokens=4, compile=True).tokens == \
+        generate(model, longer, "int4", max_new_tokens=4).tokens
+    assert counters["stats"]["unique_graphs"] == graphs
     assert list(model.model.layers) == layers and QuantizedCache.update is update
     assert AttentionInterface._global_mapping[ATTN_NAME] is kvqbench_attention
 
