@@ -36,6 +36,8 @@ def _args(argv):
     p.add_argument("--compile", action="store_true",
                    help="also a `kvqbench+compile:<spec>` row per spec: generate(compile=True), the model's norms "
                         "and MLPs through torch.compile around our attention and cache")
+    p.add_argument("--compiled-only", action="store_true",
+                   help="with --compile: only the `kvqbench+compile:<spec>` rows (beside the baselines)")
     p.add_argument("--ragged", type=int, default=0, metavar="N",
                    help="also N prompts of N lengths (prompt, prompt-s, ..., s ~ prompt/(4N)) per row: one "
                         "left-padded call (hf-*: attention_mask) and N separate batch-1 calls, in their own table")
@@ -52,6 +54,8 @@ def _args(argv):
     if a.smoke:
         a.shape, a.prompt, a.new, a.runs, a.dtype = "tiny", 8, 4, 1, "float32"
         a.batches = [1, 2]
+    if a.compiled_only and not a.compile:
+        p.error("--compiled-only needs --compile")
     if a.ragged and not 2 <= a.ragged <= a.prompt:
         p.error(f"--ragged N needs 2 <= N <= --prompt ({a.prompt})")
     return a
@@ -210,7 +214,7 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     data = dict(shape=a.shape, dtype=a.dtype, prompt=a.prompt, new=a.new, runs=a.runs, ragged=a.ragged, device=dev,
                 environment=environment(), rows=[])
-    names = list(a.baselines) + [f"kvqbench:{s}" for s in a.specs]
+    names = list(a.baselines) + ([] if a.compiled_only else [f"kvqbench:{s}" for s in a.specs])
     if a.compile:
         names += [f"kvqbench+compile:{s}" for s in a.specs]
     jobs = [(name, batch, None, False) for batch in a.batches for name in names]
