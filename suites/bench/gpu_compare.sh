@@ -40,7 +40,10 @@ stage)
 stage-part)
   mkdir -p $STAGE/qwen && cp .gpuq/[0-9]*/part_* $STAGE/qwen/ && echo "$(ls $STAGE/qwen | wc -l) of 10 Qwen parts staged" ;;
 compare)  # `compare ARGS...`: kvqbench compare on this machine (--out under /tmp, then tar it into $OUT:
-  # few files come back from a call)
+  # few files come back from a call). A long report spans calls: run each under `timeout` well
+  # inside the call's limit, and carry what came back (the run folder with its results.json,
+  # untarred into an ignored .gpur/) with `--out .gpur` next time: the compare resumes from it on
+  # a fresh machine too (a machine lost mid-call returns nothing, 2026-12-05: keep calls short)
   place_models; shift
   $PY -m kvqbench.suites.compare.cli compare "$@" ;;
 kvqbench)  # `kvqbench ARGS...`: any kvqbench command on this machine with the models placed
