@@ -14,6 +14,6 @@ def test_smoke_rows_and_profile(tmp_path):
     profiles = sorted(p.name for p in tmp_path.glob("profile_*.txt"))
     assert profiles == ["profile_kvqbench_int4_b1.txt", "profile_kvqbench_int4_b2.txt"]  # none for hf-* rows
     text = (tmp_path / profiles[1]).read_text()
-    assert "## prefill (1 range(s))" in text and "## whole call" in text
+    assert "## prefill (1 range(s))" in text and "## whole call" in text and "## Python by function" in text
     prefill_events = int(text.split("## prefill (1 range(s)): ")[1].split(" events")[0])
     assert prefill_events > 0  # the range was found and holds the prefill's operators

@@ -3,9 +3,13 @@ benchmark runs one more call per kvqbench row under the profiler (after the time
 their figures are untouched) and writes a text file per row: the operators of the prefill
 (those that start inside generate's `kvqbench.generate.prefill` range) and of the whole
 call, by self device time and by self host time, and the host-device synchronisations
-counted (a sync inside the prefill serialises the host's launches with the device's work)."""
+counted (a sync inside the prefill serialises the host's launches with the device's work),
+then the Python by function (cProfile) of one more call."""
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 from pathlib import Path
 
 import torch
@@ -61,6 +65,18 @@ def profile_call(fn, path: Path, header: str) -> None:
     inside = [e for e in events if e.name != PREFILL and any(s <= e.time_range.start < t for s, t in ranges)]
     lines = [f"# {header}", ""] + _table(inside, f"prefill ({len(ranges)} range(s))") + _table(
         [e for e in events if e.name != PREFILL], "whole call")
+    # the host's Python by function (torch.profiler names operators, not the Python between
+    # them): one more call under cProfile
+    stats = io.StringIO()
+    prof_py = cProfile.Profile()
+    prof_py.enable()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof_py.disable()
+    pstats.Stats(prof_py, stream=stats).sort_stats("tottime").print_stats(30)
+    lines += ["## Python by function (cProfile, another call; its overhead inflates every figure)", "",
+              stats.getvalue().strip()]
     path.write_text("\n".join(lines))
 
 
