@@ -6,6 +6,7 @@ merge (test_distributed.py), results.json validation, the report and `kvqbench l
 and that the conformance check of declared constants can fail."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -235,3 +236,35 @@ def test_list_shows_cache_bits_and_constant_bytes(capsys):
     # 8 kv-heads: HQMQ S=24 stores 8 x 24 x 4 fp16 secondaries; Hadamard 8 x d/8 sign bytes
     assert re.search(r"hqmq:S=24,r=3\s+3\.500 \( 3\.292\) \+\s+1536 B\s+3\.375 \( 3\.167\) \+\s+1536 B", out), out
     assert re.search(r"hadamard-int4\s+4\.500 \( 4\.500\) \+\s+64 B\s+4\.250 \( 4\.250\) \+\s+128 B", out), out
+
+
+# ---- the size count of a fused cache in a run ---------------------------------------------
+def test_med3_size_count_makes_no_segments():
+    # generate's size count at the end of a call (`cache_nbytes`) of a fused Med3x layer
+    # whose prefill and steps were encoded on the device (a run: its segments are made when
+    # read): the run's bytes from its token views and its flags' outlier count
+    # (`KernelStore.run_nbytes`), its segments not made (`_run_outliers` gathers the lists:
+    # a dozen ops and a host read per store); the same count as the segments' and as the
+    # quantizer's own path (every write through `append`)
+    from unittest import mock
+
+    from kvqbench.suites.harness.kv_cache import QuantizedLayer
+
+    x = conformance.reference_tensor(32, tokens=76, heads=2, batch=2, outlier_channels=(1, 9), outlier_scale=20.0).unsqueeze(0).expand(2, -1, -1, -1, -1).clone()
+    x[1] = x[1].flip(-2)
+    layers = []
+    for device in (True, False):
+        layer = QuantizedLayer("hqmq:S=8,r=4,outliers=med3", 1, seed=0)
+        layer.fused_wanted, layer.prefill = True, "exact"
+        with torch.inference_mode(), (contextlib.nullcontext() if device else  # the quantizer's append
+                                      mock.patch.object(QuantizedLayer, "_device_write", lambda self, k, v: False)):
+            layer.update(x[0, :, :, :70], x[1, :, :, :70])
+            for t in range(70, 76):
+                layer.update(x[0, :, :, t:t + 1], x[1, :, :, t:t + 1])
+        layers.append(layer)
+    fused, old = layers
+    assert fused.mode == "fused" and all(s.in_run for s in fused.stores.values())
+    assert int(fused.stores["K"].outlier_len.sum()) > 0
+    with mock.patch.object(type(fused.stores["K"]), "_run_outliers", side_effect=AssertionError("segments made")):
+        fast = fused.cache_nbytes()
+    assert fast == sum(p.cache_nbytes for p in fused.packed.values()) == fused.cache_nbytes() == old.cache_nbytes()
