@@ -48,8 +48,8 @@ def add_arguments(sub, parents) -> None:
                    help="model dtype (default: float16 on a GPU, float32 on a CPU)")
     p.add_argument("--no-graph", action="store_true", help="eager decode steps (no CUDA graph)")
     p.add_argument("--compile", action="store_true",
-                   help="compile the model's norms and MLPs (torch.compile) around the cache: faster steps after a "
-                        "first call that pays the compile")
+                   help="compile the model's decoder layers (torch.compile) around the cache for the decode steps "
+                        "(the prefill runs them uncompiled): faster steps after a first call that pays the compile")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the same generation N times and report each call's tokens/s (whole calls; --json's "
                         "headline is the last): the first pays the graph capture (and --compile's compile), later "

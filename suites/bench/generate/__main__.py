@@ -34,8 +34,8 @@ def _args(argv):
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--compile", action="store_true",
-                   help="also a `kvqbench+compile:<spec>` row per spec: generate(compile=True), the model's norms "
-                        "and MLPs through torch.compile around our attention and cache")
+                   help="also a `kvqbench+compile:<spec>` row per spec: generate(compile=True), the decode "
+                        "steps' decoder layers through torch.compile around our attention and cache")
     p.add_argument("--compiled-only", action="store_true",
                    help="with --compile: only the `kvqbench+compile:<spec>` rows (beside the baselines)")
     p.add_argument("--ragged", type=int, default=0, metavar="N",
