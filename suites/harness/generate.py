@@ -279,36 +279,39 @@ def _compiled(mod):
 
 
 @contextlib.contextmanager
+def _swapped(model, wrap):
+    """Within the block every decoder layer, the final norm and the rotary embedding are
+    `wrap(module)`; the model's own modules are put back after."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"compile=True: {type(model).__name__} has no .model.layers to compile")
+    before = list(layers)
+    named = [(n, getattr(inner, n)) for n in ("norm", "rotary_emb") if isinstance(getattr(inner, n, None), torch.nn.Module)]
+    try:
+        for i, layer in enumerate(before):
+            layers[i] = wrap(layer)
+        for n, mod in named:
+            setattr(inner, n, wrap(mod))
+        yield model
+    finally:
+        for i, layer in enumerate(before):
+            layers[i] = layer
+        for n, mod in named:
+            setattr(inner, n, mod)
+
+
+@contextlib.contextmanager
 def compiled_parts(model):
     """Within the block every decoder layer runs as its torch.compile wrapper, whole
     (projections, rotary, norms, MLP, residual adds fused as transformers' compiled
     generation fuses them), with the quantized cache's write and the fused attention
     left opaque (`_opaque_to_dynamo`: they stay kvqbench's kernels and graphed steps);
     the final norm and the rotary embedding too. Restored after."""
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"compile=True: {type(model).__name__} has no .model.layers to compile")
-    originals = list(layers)
-    swaps = []
-    for name in ("norm", "rotary_emb"):
-        mod = getattr(inner, name, None)
-        if isinstance(mod, torch.nn.Module):
-            swaps.append((name, mod))
-            setattr(inner, name, _compiled(mod))
-    try:
-        for i, layer in enumerate(originals):
-            layers[i] = _compiled(layer)
-        with _opaque_to_dynamo():
-            yield model
-    finally:
-        for i, layer in enumerate(originals):
-            layers[i] = layer
-        for name, mod in swaps:
-            setattr(inner, name, mod)
+    with _swapped(model, _compiled), _opaque_to_dynamo():
+        yield model
 
 
-@contextlib.contextmanager
 def _uncompiled(model):
     """Inside `compiled_parts`: the model's own modules back for the block. The prefill runs
     them: one pass over the prompt, its host cost paid once per call, where the compiled
@@ -317,22 +320,7 @@ def _uncompiled(model):
     108 against 47 for Med3x; reports/generate), and each new prompt length would be a
     new shape to compile; the decode steps, the same shape every call, keep the compiled
     layers."""
-    inner = getattr(model, "model", model)
-    layers = inner.layers
-    compiled = list(layers)
-    swaps = [(name, getattr(inner, name)) for name in ("norm", "rotary_emb")
-             if hasattr(getattr(inner, name, None), "_orig_mod")]
-    try:
-        for i, mod in enumerate(compiled):
-            layers[i] = getattr(mod, "_orig_mod", mod)
-        for name, mod in swaps:
-            setattr(inner, name, mod._orig_mod)
-        yield
-    finally:
-        for i, mod in enumerate(compiled):
-            layers[i] = mod
-        for name, mod in swaps:
-            setattr(inner, name, mod)
+    return _swapped(model, lambda mod: getattr(mod, "_orig_mod", mod))
 
 
 def generate(model, input_ids, spec: str | None, *, max_new_tokens: int = 128, tokenizer=None,
