@@ -645,7 +645,7 @@ class QuantizedLayer(DynamicLayer):
         """`cache_nbytes` as (host bytes, device scalars to add): a store in a run counts
         its run's bytes itself where it can (`KernelStore.run_nbytes`) instead of making
         the run's segments; the input-error flags are checked as any read of results does."""
-        host, dev = 0, []
+        host, dev, checked = 0, [], False
         for role in ROLES:
             store = self.stores[role] if self.mode == "fused" else None
             run = store.run_nbytes() if store is not None and store.in_run else None
@@ -653,7 +653,9 @@ class QuantizedLayer(DynamicLayer):
                 p = self._current(role)
                 host += p.cache_nbytes if p is not None else 0
                 continue
-            self.check()
+            if not checked:  # (one read of the layer's flags covers both roles)
+                self.check()
+                checked = True
             host += self._packed[role].cache_nbytes + run[0]
             dev += [] if run[1] is None else [run[1]]
         return host, dev
