@@ -1,5 +1,6 @@
 """The `kvqbench` command: `list` the quantizers, `compare` them on a real model,
-`generate` text through a quantized cache at engine speed.
+`report` a finished run again from its records, `generate` text through a quantized
+cache at engine speed.
 
 Exit status: 0 success; 1 an error the run could not get past (one line; the
 traceback with --debug); 2 bad usage (argparse's own checks and ours, all made
@@ -74,6 +75,32 @@ def cmd_list(args) -> int:
     return EXIT_OK
 
 
+def cmd_report(args) -> int:
+    """Re-render report.md and the plots of finished `compare` runs from their results.json,
+    measuring nothing (a rerun of `compare` after a commit measures its rows again)."""
+    from pathlib import Path
+
+    from filelock import FileLock, Timeout
+
+    from . import report
+    from .results import LOCK_WAIT_S, RunError
+    from .run import UsageError
+
+    for folder in map(Path, args.folders):
+        path = folder / "results.json"
+        if not path.is_file():
+            raise UsageError(f"{folder}: no results.json there (a `kvqbench compare` run folder has one)")
+        try:  # never beside a run that is still writing the file
+            with FileLock(str(path) + ".lock", timeout=LOCK_WAIT_S):
+                out = report.write_report(folder)
+        except Timeout:
+            raise RunError(f"{path} is being written by a running `kvqbench compare`; wait for it") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise RunError(f"{path} is not a readable results file ({type(e).__name__}: {str(e)[:120]})") from None
+        print(f"report: {out}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import generate_cmd
     from . import run as compare
@@ -91,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the reference tensor")
     p.set_defaults(func=cmd_list)
     compare.add_arguments(sub, parents=[common])
+    p = sub.add_parser("report", help="re-render the report and plots of finished compare runs from their "
+                       "results.json (measures nothing)", parents=[common])
+    p.add_argument("folders", nargs="+", help="run folders (reports/<run>)")
+    p.set_defaults(func=cmd_report)
     generate_cmd.add_arguments(sub, parents=[common])
     return parser
 

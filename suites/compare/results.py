@@ -195,6 +195,13 @@ class Run:
         return any((r["protocol"], r["spec"], r["seed"]) == (protocol, spec, seed) and stamp_matches(r, stamp)
                    for r in self.data["results"])
 
+    def stale(self, jobs, stamps: dict) -> list[dict]:
+        """Earlier records of `jobs` ((protocol, spec, seed)) made by other code than `stamps`
+        describes (another commit, a changed config): measured again, so a rerun says so."""
+        keys = set(jobs)
+        return [r for r in self.data["results"] if (r["protocol"], r["spec"], r["seed"]) in keys
+                and not stamp_matches(r, stamps.get(r["spec"]))]
+
     def add(self, record: dict) -> None:
         """Append `record`, replacing an earlier one of its (protocol, spec, seed)."""
         key = tuple(record.get(k) for k in ("protocol", "spec", "seed"))

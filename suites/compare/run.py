@@ -374,6 +374,13 @@ def run_compare(args) -> int:
         jobs = jobs_for(specs, protocols, args.seeds)
         todo = [j for j in jobs if not run.done(*j, stamp=stamps[j[1]])]
         print(f"{len(jobs)} configurations, {len(jobs) - len(todo)} already measured in {run.path}", file=sys.stderr)
+        stale = run.stale(jobs, stamps)
+        if stale:  # a rerun after a commit measures again: say why, and how to only re-render
+            made = sorted({str((r.get("versions") or {}).get("commit"))[:7] for r in stale})
+            now = str(next(iter(stamps.values()))["versions"]["commit"])[:7] if stamps else "?"
+            print(f"{len(stale)} of them were measured by other code (commit {', '.join(made)}; now {now}, or "
+                  "another config) and are measured again; `kvqbench report "
+                  f"{run.folder}` re-renders the report from the records as they are", file=sys.stderr)
         stage_done("load, calibration, diagnostics")
         bar = tqdm(total=len(todo) * len(windows), unit="window", dynamic_ncols=True)
 

@@ -157,7 +157,7 @@ def test_resume_measures_again_what_other_code_measured(tiny, tmp_path, plugin, 
 
     plugin(bits=2, version="0.1")  # the default changed, the version did not
     by, err = run()
-    assert "2 configurations, 1 already measured" in err
+    assert "2 configurations, 1 already measured" in err and "1 of them were measured by other code" in err
     assert by["myq"]["quantizer"]["config"]["bits"] == 2 and by["myq"]["bits_per_element"] < bits4
 
     plugin(bits=2, version="0.2")  # a new release of the plugin
@@ -168,9 +168,31 @@ def test_resume_measures_again_what_other_code_measured(tiny, tmp_path, plugin, 
     monkeypatch.setattr(provenance, "kvqbench_version", lambda: code)
     by, err = run()
     assert "2 configurations, 0 already measured" in err and by["fp16"]["versions"]["kvqbench"] == "9.9"
+    assert "2 of them were measured by other code" in err and "now fffffff" in err and "kvqbench report" in err
     code = dict(code, dirty=True)  # an edited checkout still resumes (after Ctrl-C, say)
     by, err = run()
     assert "2 configurations, 2 already measured" in err
+
+
+def test_report_re_renders_without_measuring(tiny, tmp_path, monkeypatch, capsys):
+    """`kvqbench report DIR` writes report.md from results.json as it is (a rerun of
+    compare after a commit measures again), never touches the records, waits for a
+    running compare's lock, and names a folder that is not a run."""
+    assert cli.main(compare_args(tiny, tmp_path, specs="fp16;int4")) == 0
+    folder = tmp_path / "r"
+    records = (folder / "results.json").read_bytes()
+    (folder / "report.md").unlink()
+    monkeypatch.setattr(provenance, "kvqbench_version", lambda: {"version": "9.9", "commit": "e" * 40, "dirty": False})
+    monkeypatch.setattr(compare_run, "run_compare", lambda args: pytest.fail("report measured"))
+    assert cli.main(["report", str(folder)]) == 0
+    md = (folder / "report.md").read_text()
+    assert "int4" in md and (folder / "results.json").read_bytes() == records
+    assert cli.main(["report", str(tmp_path / "nowhere")]) == 2
+    assert "no results.json" in capsys.readouterr().err
+    monkeypatch.setattr(results, "LOCK_WAIT_S", 0.2)
+    with FileLock(str(folder / "results.json.lock")):
+        assert cli.main(["report", str(folder)]) == 1
+    assert "being written" in capsys.readouterr().err
 
 
 def test_malformed_records_are_measured_again_and_newer_fields_kept(tiny, tmp_path, capsys):
