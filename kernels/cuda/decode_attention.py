@@ -11,9 +11,8 @@ loop issues ~2.8 (int4) / ~1.6 (fp8) SASS instructions per element (Triton: 5.3)
 Built by library.py (nvcc at first use, once per machine). `why_unavailable()` says why
 the CUDA path cannot run here (no CUDA torch, a ROCm torch, no nvcc, a GPU older than
 sm_80, a failed build); `decode_attention` then uses the Triton kernels and the reason
-stays readable from here. backend="auto" sends
-the formats in CUDA_VERIFIED here (H200 run 16, B=8, T=32k, vs fp16 SDPA in the same run:
-int4 2.26x vs Triton's 1.20x, fp8 1.76x vs 1.55x, KIVI-2 2.04x vs 0.84x, KIVI-4 1.81x vs 0.81x).
+stays readable from here. backend="auto" sends the formats in CUDA_VERIFIED here (each
+faster than its Triton kernel on the H200: reports/latency/).
 
 Formats: `IntFlat` with 4 bits and groups of 32 (the `int4` spec), head_dim 64, 128 or
 256; `FP8Flat` e4m3 / e5m2 (sm_89+), head_dim 64, 128 or 256 (256: the shared-memory
@@ -22,12 +21,11 @@ uses Triton). Numerics as the Triton FAST path: K/V decoded to fp16 with one rou
 of s*x + z (int4), q rounded to fp16 unscaled, the base-2 softmax scale applied to the
 fp32 scores, P rounded to fp16, fp32 accumulation.
 
-`KIVIFlat` (2 or 4 bits, groups of 32, head_dim 64, 128 or 256; 128 GPU-verified since run
-16, 64 and 256 compiled offline only, see VERIFIED_HEAD_DIMS): keys
+`KIVIFlat` (2 or 4 bits, groups of 32, head_dim 64, 128 or 256): keys
 per channel over 32-token groups (codes along tokens), values per token; the quantized
 tokens both sides have go through the same kernel template (a KIVI decode functor), the
 fp16 windows' tail through a branch of the same launch (its first splits; direct loads),
-one combine. NOTES.md, "KIVI as a format of the CUDA template" and "GPU run 17".
+one combine (reports/kernels/NOTES.md, "KIVI as a format of the CUDA template").
 
 Variants (`variant=`): 0, 1 hold prefetched tiles in registers; 2..5 stream each
 warp's tiles through a cp.async shared-memory pipeline (SMEM_VARIANTS). KIVI has its
@@ -56,70 +54,36 @@ from ..layout import FP8Flat, IntFlat, KIVIFlat, KIVIGraphFlat
 from .library import QTYPE, KernelLibrary, PlanCache, fresh_partials, on_current_stream
 
 SOURCE = Path(__file__).parent / "decode_attention.cu"
-# VARIANTS in the .cu: (register stages, min CTAs per SM, shared-memory stages):
-# 0 (2, 1, 0) and 1 (3, 3, 0) are the register-prefetch kernels of GPU runs 11-13;
-# 2..5 the cp.async shared-memory pipeline with 4, 3, 6, 8 stages per warp (115-118
-# registers, no spills). GPU run 15 (NOTES.md), B=8, T=32k: int4 v2 114.3 us (v0 144.2),
-# fp8 v2 146.1 (best v3 144.3; v0 165.1); B=1: fp8 v2 33.8 us (v0 83.1).
+# The numbers behind every default below (variants, splits, switches), run by run, are in
+# reports/kernels/NOTES.md, "Defaults of kernels/cuda and the runs that chose them".
+# VARIANTS in the .cu: (register stages, min CTAs per SM, shared-memory stages): 0 (2, 1, 0)
+# and 1 (3, 3, 0) hold prefetched tiles in registers; 2..5 stream each warp's tiles through a
+# cp.async shared-memory pipeline of 4, 3, 6, 8 stages (115-118 registers, no spills).
 NUM_VARIANTS = 6
 SMEM_VARIANTS = (2, 3, 4, 5)
-# KIVI's own variants (KVARIANTS in the .cu, run 17): 2, 3, 4 stream whole 32-token groups
-# per stage (2 / 3 / 2 group stages; 2, 3 capped at 128 registers = 4 CTAs per SM, 4
-# uncapped at ~137 = 3 CTAs); 5, 6 run 16's one-tile stages (its variants 2 and 3); 7, 8
-# the group stream with a group's two tiles in one step (one softmax pass per group, the
-# two QK^T mma chains interleaved; 7 uncapped: 137 registers, 8 capped: 122-126, 4 CTAs;
-# 9 as 8 with 3 group stages). 10-12 (2026-12-02; as 8, with the group's K scales / zeros
-# interleaved per k-step): 10 the folded zero
-# point (scores = (q s) . (x - c) + q . z + c q . s: no K HFMA2; numerics differ from
-# Triton's by ~1e-3, about its error vs the fp32 reference), 11 KIVI-2 in the lane-byte
-# map (a lane's 4 tokens of a group are one byte: both tiles' K from one load and 2 PRMT,
-# immediate masks) with the folded zero (KIVI-4: = 10), 12 KIVI-2 lane-byte with 8's
-# decode (numerics unchanged; KIVI-4: = 8). SASS per 32-token group, KIVI-2: 8 800, 10
-# 766, 11 691, 12 724; KIVI-4: 8 842, 10 809 (NOTES.md, "KIVI-2 variants prepared offline").
-# 10 and 11 are removed: at T = 131072 the fold's error was 3.6-4.1e-3 relative in GPU
-# call 20a, over the 3e-3 every variant is tested to (the .cu has no kernel for them; the
-# launcher refuses variants not listed here).
+# KIVI's own variants (KVARIANTS in the .cu): 2, 3, 4 stream whole 32-token groups per stage;
+# 5, 6 one-tile stages; 7, 8, 9 a group's two tiles in one step (one softmax pass per group);
+# 12 KIVI-2 in the lane-byte map (a lane's 4 tokens of a group in one byte) with 8's decode.
+# 10 and 11 (a folded zero point) are gone: their error at T = 131072 passed the 3e-3 every
+# variant is tested to; the launcher refuses variants not listed here.
 KIVI_VARIANTS = (2, 3, 4, 5, 6, 7, 8, 9, 12)
-# by format: int4, fp8 e4m3, fp8 e5m2, KIVI. KIVI 4 (group stream, uncapped: 136-138
-# registers, 3 CTAs per SM) was the fastest in GPU run 17b at both shapes: B=8 KIVI-2
-# 114.0 us (v2 116.6, v3 114.8, run 16's stream v5 118.5), KIVI-4 124.8 (v2 125.3, v5 141.0).
-# GPU call 20a (2026-12-02, same-run SDPA 252.1 us), B=8 T=32k at the default splits: KIVI-2
-# v4 109.1 us, v8 102.4, v11 99.9 (folded zero point: 3.6e-3 relative error at T=131072, over
-# the 3e-3 the tests allow), v12 100.2 (2.52x; lane-byte K layout, v8's decode: 9.7e-6, the
-# same numerics); KIVI-4 v4 120.6, v12 115.6 (2.18x). B=1: v12 30.0 / 34.5 us (v4 30.8 / 34.6).
-# So 12 for both widths (10 and 11 removed, above).
+# by format: int4, fp8 e4m3, fp8 e5m2, KIVI: the fastest of each at B=8 and B=1, T=32k, on the H200
 DEFAULT_VARIANT = {0: 2, 1: 2, 2: 2, "kivi": 12}
-# Default split count (ctas_per_sm=None): about TILES_PER_SPLIT 16-token tiles per split,
-# but at least MIN_CTAS_PER_SM CTAs per SM. Run 15's optima were ~62 tiles per split at
-# both shapes: B=8 (64 rows) 33 splits (ctas_per_sm=16: int4 114.3 us vs 115.9 at 8,
-# 127.1 at 4), B=1 (8 rows) 33 splits (ctas_per_sm=2: fp8 33.8 us vs 38.0 at 4, 38.6 at 8).
+# Default split count (ctas_per_sm=None): about TILES_PER_SPLIT 16-token tiles per split, but at
+# least MIN_CTAS_PER_SM CTAs per SM (the measured optima: ~62 tiles per split at B=8 and B=1);
+# KIVI's quantized part streams groups, ~128 tiles per split.
 TILES_PER_SPLIT = 64
 MIN_CTAS_PER_SM = 2
-# KIVI's quantized part (group stream, variant 4): ~128 tiles per split. GPU run 17b, B=8
-# T=32k, variant 4 at 4 / 8 / 16 CTAs per SM (9 / 17 / 33 splits): KIVI-2 115.5 / 114.0 /
-# 119.0 us, KIVI-4 126.8 / 124.8 / 130.3; B=1 (the 2-per-SM floor: 33 splits) 30.8 / 34.5.
 KIVI_TILES_PER_SPLIT = 128
 DEFAULT_CTAS_PER_SM = None
-# What decode_attention(backend="auto") sends here: both formats, each GPU-verified in
-# run 15 (76 tests passed) and faster than Triton: int4 2.20x vs 1.17x fp16 SDPA, fp8
-# 1.71x vs 1.52x at B=8, T=32k; B=1 as CUDA graphs: int4 26.2 us, fp8 33.3 vs Triton
-# 48.0 / 48.8 and SDPA 48.4.
-#
-# THE SWITCH the lead flips after a GPU run: the formats whose CUDA kernels passed the
-# GPU tests. backend="auto" routes only these here; backend="cuda" takes every format
-# `unsupported` accepts. KIVI ("kivi") joined after H200 run 16: 156 of 157 tests passed
-# (the one failure was the last-token test's fixed 1e-3 floor, 9.8e-4 for 2-bit keys at
-# T = 4096; the test now compares the kernel's change with the reference's), CUDA vs
-# Triton 4.3e-5, 2.4x faster than Triton at B=8, T=32k.
+# THE SWITCH the lead flips after a GPU run: the formats whose CUDA kernels passed the GPU tests
+# and beat Triton. backend="auto" routes only these here; backend="cuda" takes every format
+# `unsupported` accepts.
 CUDA_VERIFIED = {"int4", "fp8", "kivi"}
 # Head dims the kernels take (HEAD_DIMS), and those backend="auto" routes here per format
-# (VERIFIED_HEAD_DIMS): int4 / fp8 at 256 and KIVI at 64 / 256 (2026-12, compiled for
-# sm_90a with no spills, the d = 128 kernels' PTX unchanged) passed their GPU tests on the
-# H200 on 2026-12-05 (test_cuda_decode.py + test_cuda_hqmq.py whole: 427 passed, 1 skipped;
-# reports/latency/cuda_tests_2026-12-05.log), so auto routes them.
-# Head dim 256 runs 8 warps as 4 pairs, each warp d = 128's code on its half of the dims,
-# the pair's partial scores added through shared memory (120-144 registers; doubling the
-# per-thread arrays instead took 165-217).
+# (VERIFIED_HEAD_DIMS: passed the GPU tests). Head dim 256 runs 8 warps as 4 pairs, each warp
+# d = 128's code on its half of the dims, the pair's partial scores added through shared memory
+# (doubling the per-thread arrays instead cost 165-217 registers).
 HEAD_DIMS = (64, 128, 256)
 VERIFIED_HEAD_DIMS = {"int4": (64, 128, 256), "fp8": (64, 128, 256), "kivi": (64, 128, 256)}
 # The register-path variants (0, 1) read whole token rows (no warp-pair split), so the .cu
@@ -127,13 +91,9 @@ VERIFIED_HEAD_DIMS = {"int4": (64, 128, 256), "fp8": (64, 128, 256), "kivi": (64
 # stage layout is d = 128's.
 HEAD_256_VARIANTS = SMEM_VARIANTS
 KIVI_TILE_STREAM = (5, 6)
-# KIVI graph views with a device count (2026-12-05: the kernel derives each side's counts
-# from it by the window policies; before, a graphed KIVI step ran the Triton kernel):
-# backend="auto" takes them once the GPU tests of that path have passed (test_cuda_decode.py
-# "kivi_valid_len"); until then auto leaves them to Triton and backend="cuda" takes them.
-# H200, 2026-12-05 13:45 UTC (0262160 + the tests' tolerances): every KIVI test of the file
-# passed (135 + the 8 device-count ones: head dims 64 / 128 / 256, counts across both sides'
-# flushes, garbage past the valid rows, a model's graphed steps vs the Triton ones): on.
+# KIVI graph views with a device count (the kernel derives each side's counts from it by the
+# window policies): auto takes them since their GPU tests passed (test_cuda_decode.py
+# "kivi_valid_len"); off, auto leaves them to Triton and backend="cuda" takes them.
 KIVI_VALID_LEN_AUTO = True
 
 _FORMAT = {IntFlat: "int4", FP8Flat: "fp8", KIVIFlat: "kivi", KIVIGraphFlat: "kivi"}  # cache type -> CUDA_VERIFIED name
@@ -169,7 +129,7 @@ def num_regs(fmt: int, head_dim: int, variant: int = 0) -> int:
 
 def num_regs_kivi(bits: int, tail: bool = False, variant: int = 2, head_dim: int = 128) -> int:
     """Registers per thread of the KIVI instances (tail=True: the window-tail path, a
-    branch of the variant-2 kernel since run 17)."""
+    branch of the variant-2 kernel)."""
     lib = _load()
     return -1 if lib is None else lib.kvq_num_regs_kivi(bits, int(tail), variant, head_dim)
 
@@ -339,8 +299,8 @@ RENAMED = {"programs_per_sm": "ctas_per_sm"}
 
 
 # ---------------------------------------------------------------------------------------
-# the call path. At B=1 a decode call's time is host time (run 16: KIVI 67.5 us eager vs
-# 37.8 us as a CUDA graph), so what does not change between calls -- the checks, strides,
+# the call path. At B=1 a decode call's time is host time (KIVI: 67.5 us eager vs 37.8 us as
+# a CUDA graph on the H200), so what does not change between calls -- the checks, strides,
 # split plan and the ~35 launch arguments -- is computed once per cache layout and kept in
 # a plan (a ctypes struct the C side reads: kvq_run takes one pointer plus the per-call q,
 # valid count, workspace and stream).

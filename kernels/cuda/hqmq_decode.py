@@ -38,70 +38,43 @@ from .library import QTYPE, KernelLibrary, PlanCache, fresh_partials, on_current
 SOURCE = Path(__file__).parent / "hqmq_decode.cu"
 # VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM):
 # 0 (4, 4, 3), 1 (8, 4, 1), 2 (4, 3, 3), 3 (8, 2, 2), 4 (4, 6, 1), 5 (8, 4, 2), 6 (4, 2, 4),
-# 7 (16, 4, 1), 8 (16, 5, 1; not with S > 96: its shared memory). Since the table copy by
-# cp.async (GPU call 17a) every instance takes 120-126 registers (was 167-177), so shared
-# memory sets the CTAs per SM (v0 3, v3 2, v6 4, v7 1).
-# 9 (4, 3, 3) and 10 (8, 2, 2), added 2026-12-02 for Med3x (PREFETCH_VARIANTS): the outliers
-# one tile ahead (NOTES.md "Med3x outliers one tile ahead"); without outliers they run v2's /
-# v3's kernel itself (the same template instance).
+# 7 (16, 4, 1), 8 (16, 5, 1; not with S > 96: its shared memory). With the table copied by
+# cp.async every instance takes 120-126 registers, so shared memory sets the CTAs per SM
+# (v0 3, v3 2, v6 4, v7 1). 9 (4, 3, 3) and 10 (8, 2, 2) are Med3x's (PREFETCH_VARIANTS): the
+# outliers one tile ahead; without outliers they run v2's / v3's kernel itself.
 NUM_VARIANTS = 11
 PREFETCH_VARIANTS = (9, 10)
-# GPU call 17a (H200, same-run fp16 SDPA 251.9 / 48.2 us as a graph), default split rule:
-# B=8 T=32k every variant 155.5-164.8 us (v3 155.5 = 1.62x; run 16's default 188.1 =
-# 1.36x), B=1 as graphs 33.0-38.1 (v3 33.0 = 1.46x). v3 was best or within 0.5 us of the
-# best at both shapes.
+# The numbers behind these defaults and switches, call by call: reports/kernels/NOTES.md,
+# "Defaults of kernels/cuda and the runs that chose them".
+# v3: best, or within 0.5 us of it, at B=8 and B=1, T=32k on the H200.
 DEFAULT_VARIANT = 3
-# Default split count: the whole-wave rule of `splits` (FILL of occupancy x SMs CTAs in
-# the fewest waves). Call 17a, B=8: 6 splits (v0, 3 CTAs/SM) 157.6 us against 9 (1.45
-# waves) 177.6, 12 (2 waves) 162.5, 33 (5.3 waves, run 16's rule) 182.4.
+# Default split count: the whole-wave rule of `splits` (FILL of occupancy x SMs CTAs in the
+# fewest waves; a split count that leaves a partial wave was up to 16% slower).
 FILL = 0.9
 MIN_CTAS_PER_SM = 2  # the fallback rule's floor when the occupancy is unknown
 TILES_PER_SPLIT = 64
-# backend="auto" routes HQMQ (no Med3x) here: GPU call 17a passed the whole test file (43
-# passed; the CPU-only dispatch test skips on a GPU) and the kernel is 9.7x faster than
-# the Triton one at B=8 T=32k (155.5 vs 1503.7 us), 6.3x as B=1 graphs (33.0 vs 209.2).
-# Call 17b (after the Med3x template parameter was added; the no-outlier path otherwise
-# unchanged) reproduced it: v3 155.9 us = 1.65x SDPA 257.7, CUDA vs Triton 1.6e-3.
+# backend="auto" routes HQMQ (no Med3x) here: it passed the GPU tests and is ~10x the Triton
+# kernel's speed at B=8 T=32k.
 AUTO = True
-# Med3x (outliers extracted and stored aside): variants with an outlier path (the .cu's
-# OUT_OK: v0, v2 at 164 registers, 3 CTAs/SM; the 128-register variants spilled). GPU call
-# 17b (same-run SDPA 257.7 / 48.9 us as a graph): B=8 T=32k v2 209.6 us (1.23x SDPA; 1.34x
-# the HQMQ kernel's 155.9, target 1.25x NOT met), Triton Med3x 1157.4; B=1 graph 42.9 (1.14x).
-# CUDA vs Triton 4.4e-4 / 4.0e-4 there, but that data has outliers almost only in K (5.2 M K,
-# 256 V) and the test file was cut by its time limit (33 passed, none failed, which ones not
-# recorded). GPU call of 2026-12-01 10:53 UTC: the whole of test_cuda_decode.py,
-# test_cuda_hqmq.py and test_graph_step.py passed (226 passed, 1 skipped, 0 failed; Med3x
-# matches, last K / V token, T = 4099 with one head, capacity garbage, valid_len), so
-# backend="auto" now routes Med3x caches here: 5.5x faster than Triton at B=8 T=32k.
-# 9, 10: the prefetching Med3x instances (2026-12-02: 143 registers / 3 CTAs per SM and
-# 128 / 2 x 8 warps, no spills). GPU call 20a (same-run SDPA 252.2 us, HQMQ v3 156.0), B=8
-# T=32k at the default splits: v0 210.9 us (1.35x HQMQ), v2 210.4, v9 195.1 (1.25x), v10
-# 188.5 (1.21x); B=1 graphs v0 44.2, v9 40.2, v10 38.5 us (1.16x HQMQ's 33.2), errors vs
-# Triton equal to v0's (4.4e-4). v10 is the default; every GPU test of test_cuda_hqmq.py
-# passed with it (call 22d: T = 1 to 131072, the overflow test, the variant sweep, valid_len,
-# last K / V token, capacity garbage; reports/kernels/NOTES.md, "GPU calls 22a-22f").
+# Med3x (outliers extracted and stored aside): the variants with an outlier path (the .cu's
+# OUT_OK: v0, v2; the 128-register variants spilled) and the prefetching ones, 9 and 10, that
+# load a tile's outliers one tile ahead (v10 the fastest: ~1.2x HQMQ's time). Auto routes
+# Med3x caches here since the GPU tests passed with v10 (~5.5x Triton's speed).
 MED3_VARIANTS = (0, 2, 9, 10)
 DEFAULT_VARIANT_MED3 = 10
 AUTO_MED3 = True
-# Head dims with an instance in the .cu (Dims<D>). 64 and 256 (2026-12, compiled for sm_90a;
-# GPU tests passed on the H200 on 2026-12-05, so auto routes them): 64 the d = 128
-# arithmetic over a lane's 4 K / 2 V chunks (91-119 registers); 256 by warp pairs, each
-# warp d = 128's code on its half of the dims and the pair's partial scores added through
-# shared memory (124-141 registers under every variant's own cap, no spills; doubling the
-# per-thread arrays took 194-203, uncapped).
-# Med3x there only through the prefetching variants. The d = 128 instances are unchanged
-# (PTX identical).
+# Head dims with an instance in the .cu (Dims<D>), all routed by auto since their GPU tests:
+# 64 the d = 128 arithmetic over a lane's 4 K / 2 V chunks; 256 by warp pairs, each warp
+# d = 128's code on its half of the dims, the pair's partial scores added through shared
+# memory (doubling the per-thread arrays cost ~200 registers). Med3x off d = 128 only through
+# the prefetching variants.
 HEAD_DIMS = (64, 128, 256)
-AUTO_HEAD_DIMS = (64, 128, 256)  # what backend="auto" routes here (64 / 256: GPU tests of 2026-12-05)
+AUTO_HEAD_DIMS = (64, 128, 256)
 # The planned host path (issue 28, "thin host path"): the checks, strides, codebooks and
 # split plan of a call are made once per (cache layout, q shape / dtype / device, options,
 # valid_len given or not) into a ctypes struct the .cu reads (`_PlanArgs`, kvq_hqmq_run), so
-# a call is one lookup and one ctypes call with 8 arguments instead of ~45 (the per-call
-# path: 59-93 us of host time per eager call on the H200, NOTES.md third session call 6).
-# Written without a GPU (2026-12); on since test_cuda_hqmq.py's planned-path tests
-# (bit-identical to the per-call path, plan reuse) passed on the H200 (2026-12-05). Host us
-# per eager call there: 31-45 by host_time.py (reports/latency/host_time_h200_2026-12-05.txt;
-# 59-93 before), 37-73 in the latency suite's eager rows (issue 28 asks <= 20).
+# a call is one lookup and one ctypes call with 8 arguments instead of ~45 (host time per
+# eager call on the H200: 31-45 us, against 59-93 per call without the plan).
 PLANNED = True
 
 
@@ -119,9 +92,8 @@ def qk_scale(head_dim: int) -> float:
 
 
 # fp16 codebooks are derived from the secondaries TENSOR (quantizers/derived.py: weakly
-# keyed, with its in-place write counter). GPU run 1 keyed them by data_ptr, and a freed
-# tensor's address reused by another quantizer's secondaries served a stale codebook
-# (relative error 1.4 in one test).
+# keyed, with its in-place write counter), never by data_ptr: a freed tensor's address reused
+# by another quantizer's secondaries once served a stale codebook.
 
 
 def _declare(lib) -> str | None:
@@ -435,7 +407,7 @@ def _launch_values(q: torch.Tensor, k, v, num_splits, ctas_per_sm, variant, out_
         raise ValueError(f"variant {variant} has no Med3x instance at head_dim {D} (variants: {variants(D, True)})")
     if variant not in variants(D):
         raise ValueError(f"variant {variant} has no instance at head_dim {D} (variants: {variants(D)})")
-    if occupancy(variant, k.S, out, D) <= 0:  # v8 with S > 96 (call 17a: the opt-in is refused)
+    if occupancy(variant, k.S, out, D) <= 0:  # v8 with S > 96 (the shared-memory opt-in is refused)
         raise ValueError(f"variant {variant} does not fit the shared memory with S={k.S} at head_dim {D}")
     nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm, variant, k.S, out, D)
     out_dtype = out_dtype or q.dtype
