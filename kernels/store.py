@@ -481,6 +481,11 @@ class KernelStore:
     def in_run(self) -> bool:
         return self._run_start is not None
 
+    @property
+    def run_tokens(self) -> int:
+        """Tokens of the current run (0 outside one): what `run_segments` adds to its base."""
+        return 0 if self._run_start is None else self.tokens - self._run_start
+
     # ---- reuse (an engine's preallocated pool) -----------------------------------------
     @property
     def can_rewind(self) -> bool:

@@ -266,5 +266,6 @@ def test_med3_size_count_makes_no_segments():
     assert fused.mode == "fused" and all(s.in_run for s in fused.stores.values())
     assert int(fused.stores["K"].outlier_len.sum()) > 0
     with mock.patch.object(type(fused.stores["K"]), "_run_outliers", side_effect=AssertionError("segments made")):
-        fast = fused.cache_nbytes()
+        fast, elements = fused.cache_nbytes(), fused.numel()  # (generate counts both)
     assert fast == sum(p.cache_nbytes for p in fused.packed.values()) == fused.cache_nbytes() == old.cache_nbytes()
+    assert elements == sum(p.numel for p in fused.packed.values()) == old.numel() == 2 * x[0].numel()

@@ -2,6 +2,8 @@
 `--profile` finds generate's prefill range and writes its tables."""
 import json
 
+import torch
+
 from kvqbench.suites.bench.generate.__main__ import main
 
 
@@ -17,3 +19,22 @@ def test_smoke_rows_and_profile(tmp_path):
     assert "## prefill (1 range(s))" in text and "## whole call" in text and "## Python by function" in text
     prefill_events = int(text.split("## prefill (1 range(s)): ")[1].split(" events")[0])
     assert prefill_events > 0  # the range was found and holds the prefill's operators
+
+
+def test_the_figure_is_the_fastest_warm_run(monkeypatch):
+    """A row's figure is its fastest run after the first (a one-off stall in one warm run,
+    or the first run's compiles, never becomes it), and its time split is that run's."""
+    from kvqbench.suites.bench.generate import __main__ as bench
+
+    walls = iter([9.0, 4.0, 2.0, 3.0])  # the first run compiles; run 2 is the fastest
+    real = bench._walled
+
+    def fake(fn, cuda):
+        _, out = real(fn, cuda)
+        return next(walls), out
+
+    monkeypatch.setattr(bench, "_walled", fake)
+    model = bench.build_model("tiny", dtype=torch.float32, device="cpu", max_positions=32)
+    row = bench.measure_row(model, "kvqbench:int4", 1, 8, 4, runs=4)
+    assert row["seconds"] == [9.0, 4.0, 2.0, 3.0] and row["figure_run"] == 2
+    assert row["tokens_per_s"] == 4 / 2.0 and abs(row["other_s"] - (2.0 - row["prefill_s"] - row["decode_s"])) < 1e-12

@@ -5,8 +5,8 @@ user's side, against transformers' own generation of the same model in the same 
     python -m kvqbench.suites.bench.generate --smoke --out /tmp/gen           # CPU: the plumbing, tiny shapes
     python -m kvqbench.suites.bench.generate --smoke --ragged 3 --out /tmp/gen   # + a ragged batch of 3 prompts
 
-Rows (each timed `--runs` times; the last run is the figure, earlier ones pay compiles
-and graph captures and are kept beside it):
+Rows (each timed `--runs` times, 3 by default; the figure is the fastest run after the
+first, which pays compiles and graph captures; every run's seconds are kept beside it):
 - `hf-dynamic`: `model.generate` with transformers' DynamicCache (its default);
 - `hf-static-compile`: `model.generate(cache_implementation="static")`, which transformers
   compiles with torch.compile (its documented fast path);
