@@ -346,3 +346,16 @@ def test_flashinfer_rows_page_the_same_kv_the_sdpa_row_reads():
     swapped = M.flashinfer_callable(q, k.flip(0), v.flip(0), torch.float16, flashinfer=fake)()  # rows kept apart
     assert not torch.allclose(swapped.float(), ref, atol=2e-3)
     assert M.flashinfer_refusal(1, 48) is not None  # no GPU here: the reason, never a number
+
+
+def test_host_time_breakdown_names_where_a_call_goes(monkeypatch):
+    """`host_time --breakdown` (CPU: the launch stubbed): route, kernel function and whole
+    call in host us, then the call's functions by self time, the route among them."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kvqbench.suites.bench.latency.host_time import host_breakdown
+
+    text = host_breakdown("int4", 1, 256, hq=4, hkv=2, d=64, n=5)
+    head, *rows = text.splitlines()
+    parts = dict(p.rsplit(" ", 2)[0:2] for p in head.split(": ", 1)[1].split(", "))
+    assert set(parts) == {"route", "triton kernel fn", "whole call"} and all(float(v) > 0 for v in parts.values())
+    assert "function (cProfile)" in rows[0] and any("_route" in r for r in rows[1:])

@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -73,6 +74,43 @@ def stubbed_host_us(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: in
                        sync=None if dev == "cpu" else "auto")
 
 
+def host_breakdown(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int = 128, n: int = 200,
+                   top: int = 14) -> str:
+    """Where one eager call's host time goes: the route alone (`_route`: which kernel takes
+    the call and its checks), the chosen kernel's function alone (plan lookup, buffers,
+    launch), the whole call, each in host us per call; then cProfile of n whole calls
+    (its own overhead inflates the small functions: read it for shares, not times)."""
+    import cProfile
+    import io
+    import pstats
+
+    from ....kernels.decode_attention import _route, decode_attention
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    kf, vf = flats(spec, B, T, hkv, d, device=dev)
+    q = torch.randn(B, hq, 1, d, device=dev).half()
+    kern, _ = _route(q, kf, vf, "auto", {}, None)
+    sync = None if dev == "cpu" else "auto"
+    with stubbed_launches() if dev == "cpu" else contextlib.nullcontext():
+        parts = {"route": host_us(lambda: _route(q, kf, vf, "auto", {}, None), **{**HOST_US_CALLS, "n": n}, sync=sync),
+                 f"{kern.backend} kernel fn": host_us(lambda: kern.fn(q, kf, vf), **{**HOST_US_CALLS, "n": n}, sync=sync),
+                 "whole call": host_us(lambda: decode_attention(q, kf, vf), **{**HOST_US_CALLS, "n": n}, sync=sync)}
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(n):
+            decode_attention(q, kf, vf)
+        prof.disable()
+        if dev != "cpu":
+            torch.cuda.synchronize()
+    stats = pstats.Stats(prof, stream=io.StringIO()).stats  # (file, line, name) -> (cc, ncalls, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    head = f"{spec} B={B} d={d} T={T}: " + ", ".join(f"{k} {v:.1f} us" for k, v in parts.items())
+    lines = [f"  {'self us/call':>12s} {'cum us/call':>11s} {'calls/call':>10s}  function (cProfile)"]
+    lines += [f"  {tt / n * 1e6:12.2f} {ct / n * 1e6:11.2f} {nc / n:10.1f}  {Path(f).name}:{ln}({name})"
+              for (f, ln, name), (_, nc, tt, ct, _) in rows]
+    return head + "\n" + "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvqbench.suites.bench.latency.host_time",
                                 description=__doc__.splitlines()[0])
@@ -81,7 +119,13 @@ def main(argv=None) -> int:
     p.add_argument("--d", type=int, nargs="+", default=[128, 64])
     p.add_argument("--formats", nargs="+", default=list(SPECS), choices=list(SPECS))
     p.add_argument("--n", type=int, default=HOST_US_CALLS["n"])
+    p.add_argument("--breakdown", action="store_true",
+                   help="per format at the first B and d: route / kernel function / whole call, and a cProfile")
     a = p.parse_args(argv)
+    if a.breakdown:
+        for f in a.formats:
+            print(host_breakdown(SPECS[f], a.B[0], a.T, d=a.d[0], n=a.n), flush=True)
+        return 0
     how = "launch stubbed" if not torch.cuda.is_available() else "issued on " + torch.cuda.get_device_name()
     print(f"host us per decode_attention call, {how} (Hq 32, Hkv 8, T={a.T}; least of 15 means of {a.n})")
     print(f"{'format':8s} {'d':>4s} " + " ".join(f"{'B=' + str(b):>8s}" for b in a.B) + "  " +
