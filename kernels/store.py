@@ -481,10 +481,6 @@ class KernelStore:
     def in_run(self) -> bool:
         return self._run_start is not None
 
-    @property
-    def run_tokens(self) -> int:
-        """Tokens of the current run (0 outside one): what `run_segments` adds to its base."""
-        return 0 if self._run_start is None else self.tokens - self._run_start
 
     # ---- reuse (an engine's preallocated pool) -----------------------------------------
     @property
@@ -572,6 +568,11 @@ class KernelStore:
         say (the caller makes them). A size count pools the device parts of every store
         into one host read (`QuantizedCache.cache_nbytes`). Here: None; formats whose
         segments cost device work to make (Med3x's outlier lists) count them instead."""
+        return None
+
+    def run_numel(self) -> int | None:
+        """The elements `run_segments` adds to its base, without making its segments; None
+        where only the segments can say (as `run_nbytes`)."""
         return None
 
     def end_run(self) -> None:

@@ -429,6 +429,10 @@ class HQMQStore(KernelStore):
         n = unpack_bits(self.buffers["flags"].buf[:, :, start : self.tokens], 1, self.D // 4).sum()
         return host, n * (4 * self.outliers.element_size())
 
+    def run_numel(self) -> int:
+        """The run's elements: however `run_segments` cuts it, its segments hold the run's tokens."""
+        return 0 if self._run_start is None else (self.tokens - self._run_start) * self.B * self.H * self.D
+
     def _flat_more(self) -> dict:
         if self.outliers is None:
             return {}

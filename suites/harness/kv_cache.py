@@ -669,9 +669,10 @@ class QuantizedLayer(DynamicLayer):
         n = 0
         for role in ROLES:
             store = self.stores[role] if self.mode == "fused" else None
-            if store is not None and store.in_run:
+            run = store.run_numel() if store is not None and store.in_run else None
+            if run is not None:
                 base = self._packed[role]
-                n += (base.numel if base is not None else 0) + store.run_tokens * store.B * store.H * store.D
+                n += (base.numel if base is not None else 0) + run
             else:
                 p = self._current(role)
                 n += p.numel if p is not None else 0

@@ -358,4 +358,4 @@ def test_host_time_breakdown_names_where_a_call_goes(monkeypatch):
     head, *rows = text.splitlines()
     parts = dict(p.rsplit(" ", 2)[0:2] for p in head.split(": ", 1)[1].split(", "))
     assert set(parts) == {"route", "triton kernel fn", "whole call"} and all(float(v) > 0 for v in parts.values())
-    assert "function (cProfile)" in rows[0] and any("_route" in r for r in rows[1:])
+    assert "function (cProfile)" in rows[0] and any("decode_attention" in r for r in rows[1:])

@@ -76,23 +76,24 @@ def stubbed_host_us(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: in
 
 def host_breakdown(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int = 128, n: int = 200,
                    top: int = 14) -> str:
-    """Where one eager call's host time goes: the route alone (`_route`: which kernel takes
-    the call and its checks), the chosen kernel's function alone (plan lookup, buffers,
+    """Where one eager call's host time goes: the route alone (`explain_backend`: which
+    kernel takes the call and its checks, as the call routes it), the chosen kernel's function alone (plan lookup, buffers,
     launch), the whole call, each in host us per call; then cProfile of n whole calls
     (its own overhead inflates the small functions: read it for shares, not times)."""
     import cProfile
     import io
     import pstats
 
-    from ....kernels.decode_attention import _route, decode_attention
+    from ....kernels import registry
+    from ....kernels.decode_attention import decode_attention, explain_backend
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     kf, vf = flats(spec, B, T, hkv, d, device=dev)
     q = torch.randn(B, hq, 1, d, device=dev).half()
-    kern, _ = _route(q, kf, vf, "auto", {}, None)
+    kern = registry.format_of_flat(type(kf)).by_backend[explain_backend(q, kf, vf).backend]
     sync = None if dev == "cpu" else "auto"
     with stubbed_launches() if dev == "cpu" else contextlib.nullcontext():
-        parts = {"route": host_us(lambda: _route(q, kf, vf, "auto", {}, None), **{**HOST_US_CALLS, "n": n}, sync=sync),
+        parts = {"route": host_us(lambda: explain_backend(q, kf, vf), **{**HOST_US_CALLS, "n": n}, sync=sync),
                  f"{kern.backend} kernel fn": host_us(lambda: kern.fn(q, kf, vf), **{**HOST_US_CALLS, "n": n}, sync=sync),
                  "whole call": host_us(lambda: decode_attention(q, kf, vf), **{**HOST_US_CALLS, "n": n}, sync=sync)}
         prof = cProfile.Profile()
