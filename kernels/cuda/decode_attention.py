@@ -51,7 +51,7 @@ import torch
 
 from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import FP8Flat, IntFlat, KIVIFlat, KIVIGraphFlat
-from .library import QTYPE, KernelLibrary, PlanCache, fresh_partials, on_current_stream
+from .library import QTYPE, KernelLibrary, PlanCache, RoutedPlan, fresh_partials, on_current_stream
 
 SOURCE = Path(__file__).parent / "decode_attention.cu"
 # The numbers behind every default below (variants, splits, switches), run by run, are in
@@ -158,7 +158,10 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
     decode_attention's auto route asks this on every call.)"""
     if type(k) in _FORMAT and type(v) is type(k) and q.is_cuda and _PLANS.plans:
         # (a KIVI graph view is planned for a device count: the only call it takes)
-        if _lookup(q, k, v, None, DEFAULT_CTAS_PER_SM, None, None, _is_graph(k, v))[0] is not None:
+        graph = _is_graph(k, v)
+        plan = _lookup(q, k, v, None, DEFAULT_CTAS_PER_SM, None, None, graph)[0]
+        if plan is not None:
+            ROUTED.offer(q, k, v, (None, DEFAULT_CTAS_PER_SM, None, None, graph), plan)
             return None
     if not q.is_cuda:
         return "q is not on a CUDA device"
@@ -322,6 +325,9 @@ class _Plan:
 
 
 _PLANS = PlanCache(64)  # layouts kept (library.py: weak references, cleared when full)
+# The plan the auto route's check found, handed to the same call's launch (library.py
+# RoutedPlan): off until the GPU tests and host_time --breakdown have run with it on.
+ROUTED = RoutedPlan(enabled=False)
 
 
 def _flat_key(f, device_count: bool):
@@ -354,6 +360,9 @@ def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bo
     if not device_count and _is_graph(k, v):
         raise ValueError("a KIVI graph view needs valid_len: its group and window counts follow the device length")
     device_count = device_count and isinstance(k, KIVIFlat)  # (int4 / fp8: the same plan either way)
+    routed = ROUTED.take(q, k, v, (num_splits, ctas_per_sm, variant, out_dtype, device_count))
+    if routed is not None:
+        return routed
     plan, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count)
     if plan is not None:
         return plan

@@ -33,7 +33,7 @@ from ...quantizers.derived import derived
 from ...quantizers.derived import tensor_version as _version
 from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import HQMQFlat, codebook_from_secondaries
-from .library import QTYPE, KernelLibrary, PlanCache, fresh_partials, on_current_stream
+from .library import QTYPE, KernelLibrary, PlanCache, RoutedPlan, fresh_partials, on_current_stream
 
 SOURCE = Path(__file__).parent / "hqmq_decode.cu"
 # VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM):
@@ -233,7 +233,9 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
     on every call.)"""
     if PLANNED and _PLANS.plans and isinstance(k, HQMQFlat) and isinstance(v, HQMQFlat):
         for given in (False, True):
-            if _lookup(q, k, v, None, None, None, None, given)[0] is not None:
+            plan = _lookup(q, k, v, None, None, None, None, given)[0]
+            if plan is not None:
+                ROUTED.offer(q, k, v, (None, None, None, None, given), plan)
                 return None
     if not q.is_cuda:
         return "q is not on a CUDA device"
@@ -494,6 +496,9 @@ class _Plan:
 
 
 _PLANS = PlanCache()
+# The plan the auto route's check found, handed to the same call's launch (library.py
+# RoutedPlan): off until the GPU tests and host_time --breakdown have run with it on.
+ROUTED = RoutedPlan(enabled=False)
 
 
 def _plan_tensors(k, v) -> tuple:
@@ -515,6 +520,9 @@ def _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len_give
 def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len):
     """The plan of a call on HQMQ flats: the kept one, else one made (every check of the
     call: ValueError / RuntimeError as the per-call path) and kept."""
+    routed = ROUTED.take(q, k, v, (num_splits, ctas_per_sm, variant, out_dtype, valid_len is not None))
+    if routed is not None:
+        return routed
     plan, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len is not None)
     if plan is None:
         plan = _PLANS.put(key, ts, _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len))

@@ -184,6 +184,30 @@ class PlanCache:
         self.plans.clear()
 
 
+class RoutedPlan:
+    """The plan the auto route's `unsupported` check found for a call, handed to the same
+    call's launch so it does not look the plan up a second time (a lookup builds a key of
+    ~10-30 fields: a few us of an eager call's host time). One slot: `offer` keeps (q, k,
+    v, options, plan); `take` returns the plan only to a call on the very same q, k and v
+    objects with the same options, and empties the slot either way, so a plan never
+    outlives the call that found it (another call, or thread, finds the slot empty or
+    holding other objects and looks up as before). Off while `enabled` is False."""
+
+    def __init__(self, enabled: bool = False):
+        self.enabled = enabled
+        self.slot = None
+
+    def offer(self, q, k, v, options, plan) -> None:
+        if self.enabled:  # (weak references: a slot never keeps a dropped cache's buffers alive)
+            self.slot = (weakref.ref(q), weakref.ref(k), weakref.ref(v), options, plan)
+
+    def take(self, q, k, v, options):
+        slot, self.slot = self.slot, None
+        if slot is None or slot[0]() is not q or slot[1]() is not k or slot[2]() is not v or slot[3] != options:
+            return None
+        return slot[4]
+
+
 # the current device and its current stream's handle without a torch.cuda.Stream object (a
 # few microseconds less per call than torch.cuda.current_stream); None on torch builds without them
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -213,5 +237,5 @@ def fresh_partials(rows_q: int, nsplit: int, D: int, shape, out_dtype, device):
     return part, out, po, pm, pm + 4 * n, out.data_ptr()
 
 
-__all__ = ["FLAGS", "QTYPE", "KernelLibrary", "PlanCache", "arch_flags", "build_dir", "compile_library",
+__all__ = ["FLAGS", "QTYPE", "KernelLibrary", "PlanCache", "RoutedPlan", "arch_flags", "build_dir", "compile_library",
            "fresh_partials", "load_library", "nvcc", "on_current_stream"]

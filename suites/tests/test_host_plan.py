@@ -194,3 +194,60 @@ def test_errors_unchanged_with_a_plan(spec):
     unplanned = errors()
     _launches(lambda: decode_attention(q, kf, vf, backend="triton"))  # the good call's plan
     assert errors() == unplanned
+
+
+# ---- the CUDA backends' routed plan (kernels/cuda/library.py RoutedPlan) ---------------------
+def test_routed_plan_serves_only_the_call_that_found_it():
+    """A plan the route's check offers is taken by the same call (same q, k, v objects,
+    same options) once; any other call, options or a second take finds nothing; off, the
+    slot stays empty; the slot holds no strong reference to the call's tensors."""
+    import gc
+    import weakref
+
+    from kvqbench.kernels.cuda.library import RoutedPlan
+
+    k, v = _flats("int4")
+    q = torch.randn(1, 4, 1, 64)
+    memo, plan = RoutedPlan(enabled=True), object()
+    memo.offer(q, k, v, ("opts",), plan)
+    assert memo.take(q, k, v, ("opts",)) is plan and memo.take(q, k, v, ("opts",)) is None  # once
+    for other in ((q.clone(), k, v, ("opts",)), (q, v, k, ("opts",)), (q, k, v, ("other",))):
+        memo.offer(q, k, v, ("opts",), plan)
+        assert memo.take(*other) is None and memo.slot is None  # emptied either way
+    off = RoutedPlan()
+    off.offer(q, k, v, ("opts",), plan)
+    assert off.slot is None and off.take(q, k, v, ("opts",)) is None
+    q2 = torch.randn(1, 4, 1, 64)
+    memo.offer(q2, k, v, ("opts",), plan)
+    gone = weakref.ref(q2)
+    del q2
+    gc.collect()
+    assert gone() is None and memo.take(q, k, v, ("opts",)) is None
+
+
+@pytest.mark.parametrize("backend", ["int4", "hqmq"])
+def test_cuda_plan_takes_the_routed_plan_without_a_lookup(backend, monkeypatch):
+    """The CUDA backends' `_plan` uses the plan the same call's route offered (with the
+    options it looked up) and looks up nothing; with other options it looks up as before."""
+    from kvqbench.kernels.cuda import decode_attention as cd
+    from kvqbench.kernels.cuda import hqmq_decode as ch
+    from kvqbench.kernels.cuda.library import RoutedPlan
+
+    mod, spec = (cd, "int4") if backend == "int4" else (ch, "hqmq:S=96,r=4")
+    k, v = _flats(spec)
+    q = torch.randn(1, 4, 1, 64)
+    monkeypatch.setattr(mod, "ROUTED", RoutedPlan(enabled=True))
+    lookups = []
+    monkeypatch.setattr(mod, "_lookup", lambda *a: lookups.append(a) or (sentinel, None, ()))
+    sentinel = object()
+    if backend == "int4":
+        default, other = (None, cd.DEFAULT_CTAS_PER_SM, None, None, False), (7, cd.DEFAULT_CTAS_PER_SM, None, None, False)
+        call = lambda o: cd._plan(q, k, v, *o[:4], device_count=o[4])  # noqa: E731
+    else:
+        default, other = (None, None, None, None, False), (7, None, None, None, False)
+        call = lambda o: ch._plan(q, k, v, *o[:4], valid_len=None)  # noqa: E731
+    routed = object()
+    mod.ROUTED.offer(q, k, v, default, routed)
+    assert call(default) is routed and not lookups
+    mod.ROUTED.offer(q, k, v, default, routed)
+    assert call(other) is sentinel and len(lookups) == 1

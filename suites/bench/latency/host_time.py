@@ -74,6 +74,19 @@ def stubbed_host_us(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: in
                        sync=None if dev == "cpu" else "auto")
 
 
+@contextlib.contextmanager
+def routed_plans(on: bool):
+    """The CUDA backends' routed plan (kernels/cuda/library.py `RoutedPlan`) on or off inside."""
+    from ....kernels.cuda import decode_attention as cd, hqmq_decode as ch
+
+    old = cd.ROUTED.enabled, ch.ROUTED.enabled
+    cd.ROUTED.enabled = ch.ROUTED.enabled = on
+    try:
+        yield
+    finally:
+        cd.ROUTED.enabled, ch.ROUTED.enabled = old
+
+
 def host_breakdown(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int = 128, n: int = 200,
                    top: int = 14) -> str:
     """Where one eager call's host time goes: the route alone (`explain_backend`: which
@@ -121,11 +134,15 @@ def main(argv=None) -> int:
     p.add_argument("--formats", nargs="+", default=list(SPECS), choices=list(SPECS))
     p.add_argument("--n", type=int, default=HOST_US_CALLS["n"])
     p.add_argument("--breakdown", action="store_true",
-                   help="per format at the first B and d: route / kernel function / whole call, and a cProfile")
+                   help="per format at the first B and d: route / kernel function / whole call, and a cProfile, "
+                   "with the CUDA backends' routed plan off and on")
     a = p.parse_args(argv)
     if a.breakdown:
         for f in a.formats:
-            print(host_breakdown(SPECS[f], a.B[0], a.T, d=a.d[0], n=a.n), flush=True)
+            for on in (False, True):  # the CUDA backends' routed plan off, then on (same run)
+                with routed_plans(on):
+                    print(f"[routed plan {'on' if on else 'off'}] "
+                          + host_breakdown(SPECS[f], a.B[0], a.T, d=a.d[0], n=a.n), flush=True)
         return 0
     how = "launch stubbed" if not torch.cuda.is_available() else "issued on " + torch.cuda.get_device_name()
     print(f"host us per decode_attention call, {how} (Hq 32, Hkv 8, T={a.T}; least of 15 means of {a.n})")
