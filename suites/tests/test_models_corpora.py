@@ -188,3 +188,15 @@ def test_windows_too_short(smollm):
     assert window_starts(1000, 100, 10) == [i * 100 for i in range(10)]
     with pytest.raises(ValueError, match="too short"):
         window_starts(1000, 100, 3, stride=500)
+
+
+def test_embedded_gguf_names_an_unknown_model(tmp_path):
+    """`embedded_gguf` (what gpu_compare.sh prep-qwen splits for a GPU machine) refuses a
+    name that is not an embedded model, naming the known ones, before any download."""
+    import pytest
+
+    from kvqbench.suites.harness.models import EMBEDDED_MODELS, embedded_gguf
+
+    with pytest.raises(ValueError, match="unknown embedded model 'nope'") as e:
+        embedded_gguf("nope", tmp_path / "w")
+    assert all(n in str(e.value) for n in EMBEDDED_MODELS) and not (tmp_path / "w").exists()
