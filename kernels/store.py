@@ -481,7 +481,6 @@ class KernelStore:
     def in_run(self) -> bool:
         return self._run_start is not None
 
-
     # ---- reuse (an engine's preallocated pool) -----------------------------------------
     @property
     def can_rewind(self) -> bool:

@@ -49,7 +49,7 @@ PREFETCH_VARIANTS = (9, 10)
 # v3: best, or within 0.5 us of it, at B=8 and B=1, T=32k on the H200.
 DEFAULT_VARIANT = 3
 # Default split count: the whole-wave rule of `splits` (FILL of occupancy x SMs CTAs in the
-# fewest waves; a split count that leaves a partial wave was up to 16% slower).
+# fewest waves; on the H200 at B=8 T=32k a split count leaving a partial wave was up to 16% slower).
 FILL = 0.9
 MIN_CTAS_PER_SM = 2  # the fallback rule's floor when the occupancy is unknown
 TILES_PER_SPLIT = 64

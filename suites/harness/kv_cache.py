@@ -665,7 +665,8 @@ class QuantizedLayer(DynamicLayer):
 
     def numel(self) -> int:
         """K/V elements held; a store in a run counts its run's tokens itself (making the
-        run's segments gathers Med3x's outlier lists: ~40 ms of a generate call)."""
+        run's segments gathers Med3x's outlier lists: ~40 ms of a batch-8 generate call of the
+        SmolLM2 shape on an H100, 2026-12-05)."""
         n = 0
         for role in ROLES:
             store = self.stores[role] if self.mode == "fused" else None

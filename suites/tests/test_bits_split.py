@@ -250,7 +250,8 @@ def test_med3_size_count_makes_no_segments():
 
     from kvqbench.suites.harness.kv_cache import QuantizedLayer
 
-    x = conformance.reference_tensor(32, tokens=76, heads=2, batch=2, outlier_channels=(1, 9), outlier_scale=20.0).unsqueeze(0).expand(2, -1, -1, -1, -1).clone()
+    x = conformance.reference_tensor(32, tokens=76, heads=2, batch=2, outlier_channels=(1, 9), outlier_scale=20.0)
+    x = x.unsqueeze(0).expand(2, -1, -1, -1, -1).clone()  # K and V
     x[1] = x[1].flip(-2)
     layers = []
     for device in (True, False):

@@ -237,9 +237,8 @@ def test_cuda_plan_takes_the_routed_plan_without_a_lookup(backend, monkeypatch):
     k, v = _flats(spec)
     q = torch.randn(1, 4, 1, 64)
     monkeypatch.setattr(mod, "ROUTED", RoutedPlan(enabled=True))
-    lookups = []
+    lookups, sentinel = [], object()  # sentinel: what a lookup would find
     monkeypatch.setattr(mod, "_lookup", lambda *a: lookups.append(a) or (sentinel, None, ()))
-    sentinel = object()
     if backend == "int4":
         default, other = (None, cd.DEFAULT_CTAS_PER_SM, None, None, False), (7, cd.DEFAULT_CTAS_PER_SM, None, None, False)
         call = lambda o: cd._plan(q, k, v, *o[:4], device_count=o[4])  # noqa: E731

@@ -90,9 +90,10 @@ def routed_plans(on: bool):
 def host_breakdown(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int = 128, n: int = 200,
                    top: int = 14) -> str:
     """Where one eager call's host time goes: the route alone (`explain_backend`: which
-    kernel takes the call and its checks, as the call routes it), the chosen kernel's function alone (plan lookup, buffers,
-    launch), the whole call, each in host us per call; then cProfile of n whole calls
-    (its own overhead inflates the small functions: read it for shares, not times)."""
+    kernel takes the call and its checks, as the call routes it), the chosen kernel's
+    function alone (plan lookup, buffers, launch), the whole call, each in host us per
+    call; then cProfile of n whole calls (its own overhead inflates the small functions:
+    read it for shares, not times)."""
     import cProfile
     import io
     import pstats
