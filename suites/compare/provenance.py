@@ -107,8 +107,23 @@ def versions() -> dict:
     return out
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def hardware(device: str) -> dict:
-    hw = {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
+    # the CPU's model and the vector ISA torch's kernels use: quantized rows' PPL moves by a few
+    # percent between CPUs (another reduction order flips rounding decisions), so a CPU figure
+    # names the arithmetic it came from
+    cap = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
+    hw = {"platform": platform.platform(), "cpu": cpu_model(), "cpu_capability": cap,
           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": device}
     if device.startswith("cuda"):
         hw["gpu"] = torch.cuda.get_device_name(torch.device(device))

@@ -274,7 +274,10 @@ def write_report(folder: Path) -> Path:
         f"- seeds: stochastic quantizers (codebooks or rotations drawn from a seed: "
         f"{', '.join(_stochastic_families(results, meta)) or 'none run'}) ran over seeds "
         f"{meta.get('seeds', [0])}; the tables give the mean PPL, its min-max over seeds and the sample sd, "
-        "and the claims count a difference only when the seed ranges do not overlap.",
+        "and the claims count a difference only when the seed ranges do not overlap. The arithmetic is a draw "
+        "too: another CPU or GPU (another reduction order) flips rounding and clustering decisions, so quantized "
+        "rows, deterministic ones included, move by up to a few percent of PPL between machines (fp16 does not; "
+        "reports/README.md has a measured case), and a verdict near the seed spread can move with them.",
         "",
         "Which protocol answers which question: `quantize-on-write` (the paper's) quantizes every K/V read, the "
         "prompt's own attention included, and a window is one write, so per-write statistics (KIVI's per-channel "

@@ -154,17 +154,24 @@ def test_rolling_task_orders_caches(base):
     assert ppl["int2"] > 1.5 * ppl["fp16"]
 
 
+BROKEN = "int:bits=1,group=64"  # 1.5 bits: no retrieval left
+
+
 def test_passkey_tells_a_broken_cache_from_a_good_one(base):
+    """fp16 finds the passkey, a 1-bit cache never does. (Not int2: the generation engine's
+    exact prefill leaves it some retrieval, and how much depends on the CPU's arithmetic:
+    0 of 3 passkeys on one 2-core machine, 1 of 3 and 2 of 12 on another, where the 1-bit
+    cache found 0 of 12.)"""
     acc = {}
-    for spec in ("fp16", "int2"):
+    for spec in ("fp16", BROKEN):
         lm = wrap(base, spec)
         res = evaluate(["kvqbench_passkey"], lm=lm, metadata=PASSKEY)
         acc[spec] = task_scores(res)["kvqbench_passkey"]["exact_match"]
         assert lm.kv_calls["generate"] == PASSKEY["passkey_docs"]  # the quantized cache ran generate
-        assert lm.bits_per_element() == {"fp16": 16.0, "int2": 3.0}[spec]
+        assert lm.bits_per_element() == {"fp16": 16.0, BROKEN: 1.5}[spec]
         assert res["config"]["kv_quantizer"] == spec
     assert acc["fp16"] >= 2 / 3, acc
-    assert acc["int2"] == 0.0, acc
+    assert acc[BROKEN] == 0.0, acc
 
 
 def test_generation_runs_batched_through_the_engine(base):
