@@ -62,7 +62,9 @@ def test_discovery_finds_every_benchmark_for_every_spec(bench):
         assert [eval(p) for p in found[name].params[0]] == specs, name  # asv stores params as reprs
     assert "fused_decode.FusedDecode.time_fused_decode" in found
     assert "fused_decode.SdpaFp16.time_sdpa_decode" in found
-    assert found["fused_decode.FusedOverFp16.track_time_over_fp16_sdpa"].unit == "x fp16 SDPA time"  # issue 28
+    ratio = found["fused_decode.FusedOverFp16.track_time_over_fp16_sdpa"]
+    assert ratio.unit == "x fp16 SDPA time"  # issue 28, at every head size it names
+    assert [eval(p) for p in ratio.params[1]] == [64, 128, 256]
     assert found["quantizer_figures.Figures.track_bits_per_element"].unit == "bits"
     assert found["model_ppl.Perplexity.track_ppl"].unit == "PPL"
 
