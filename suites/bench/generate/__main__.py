@@ -18,6 +18,7 @@ from ...harness.generate import generate
 from ..decode.measure import SHAPES, build_model
 from ..toolkit import env_info
 from .profile import profile_call
+from .render import render_files
 
 DEFAULT_SPECS = ["plain", "fp16", "fp8-e4m3", "int4", "kivi:bits=2", "kivi:bits=4", "hqmq:S=96,r=4",
                  "hqmq:S=96,r=4,outliers=med3"]
@@ -48,7 +49,12 @@ def _args(argv):
     p.add_argument("--profile", action="store_true",
                    help="after each kvqbench row's timed runs, one more call under torch.profiler: "
                         "profile_<row>_b<batch>.txt in --out (prefill and whole-call operators, syncs)")
+    p.add_argument("--render", nargs="+", type=Path, metavar="RUN.json",
+                   help="measure nothing: re-render saved runs' Markdown and plot beside their JSON")
     a = p.parse_args(argv)
+    for f in a.render or ():
+        if not f.is_file():
+            p.error(f"--render: no file {f}")
     if min(a.batches) < 1 or a.prompt < 1 or a.new < 2 or a.runs < 1:
         p.error("--batches, --prompt, --runs must be >= 1 and --new >= 2")
     if a.smoke:
@@ -71,10 +77,6 @@ def ragged_fields(lengths, separate: bool) -> dict:
     """What a ragged row carries beside the others: its table, lengths and kind of calls."""
     return dict(section=f"ragged batch of {len(lengths)} prompts, lengths {min(lengths)}..{max(lengths)}",
                 lengths=list(lengths), calls="separate" if separate else "padded")
-
-
-def _section(r: dict) -> str:
-    return r.get("section") or f"batch {r['batch']}"
 
 
 def _walled(fn, cuda: bool):
@@ -165,46 +167,6 @@ def environment() -> dict:
     return dict(env_info(), transformers=transformers.__version__)
 
 
-def render(data: dict) -> str:
-    rows = data["rows"]
-    lines = [f"# Generation throughput: {data['shape']} (random weights), {data['dtype']}, prompt {data['prompt']}, "
-             f"{data['new']} new tokens, greedy", "",
-             f"{data['environment']}", "",
-             "tokens/s = batch x new tokens / wall seconds of the whole call (prefill included), the fastest "
-             f"of {data['runs']} runs after the first (which compiles); x = ratio to the row named, same run, same batch.", ""]
-    if any("calls" in r for r in rows):
-        lines += ["Ragged: N prompts of different lengths, once as one left-padded call (hf-*: with an "
-                  "attention_mask, pad id 0) and once as N separate batch-1 calls (`(N separate calls)`: their "
-                  "seconds summed); tokens/s = N x new tokens / seconds; x hf-* compares like calls (padded to padded, "
-                  "separate to separate); x separate calls = the padded call's tokens/s / the same row's "
-                  "separate calls' tokens/s.", ""]
-    sections = [f"batch {b}" for b in sorted({r["batch"] for r in rows if "section" not in r})]
-    for sec in sections + list(dict.fromkeys(r["section"] for r in rows if "section" in r)):
-        sub = [r for r in rows if _section(r) == sec and "error" not in r]
-        base = {(r["row"], r.get("calls")): r["tokens_per_s"] for r in sub}
-        ragged = any("calls" in r for r in sub)
-        lines += [f"## {sec}", "", "| row | tokens/s | x hf-dynamic | x hf-static-compile | decode-only tokens/s "
-                  f"| prefill / decode / other ms | step mode |{' x separate calls |' if ragged else ''}",
-                  "|---|---|---|---|---|---|---|" + ("---|" if ragged else "")]
-        for r in sub:
-            ratio = lambda b, c=r.get("calls"): (  # noqa: E731
-                f"{r['tokens_per_s'] / base[b, c]:.2f}" if (b, c) in base else "-")
-            dec = f"{r['decode_tokens_per_s']:.0f}" if r.get("decode_tokens_per_s") else "-"
-            label = r["row"] + (f" ({r['batch']} separate calls)" if r.get("calls") == "separate" else "")
-            sep = f" {ratio(r['row'], 'separate')} |" if r.get("calls") == "padded" else " - |" if ragged else ""
-            split = (f"{1e3 * r['prefill_s']:.0f} / {1e3 * r['decode_s']:.0f} / {1e3 * r['other_s']:.0f}"
-                     if "prefill_s" in r else "-")
-            lines.append(f"| {label} | {r['tokens_per_s']:.1f} | {ratio('hf-dynamic')} | "
-                         f"{ratio('hf-static-compile')} | {dec} | {split} | {r['mode']}"
-                         f"{' (' + r['why'] + ')' if r['why'] else ''} |{sep}")
-        lines.append("")
-    for r in rows:
-        if "error" in r:
-            lines.append(f"- {r['row']} {_section(r)}{', separate calls' if r.get('calls') == 'separate' else ''}: "
-                         f"FAILED: {r['error']}")
-    return "\n".join(lines) + "\n"
-
-
 def _save(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
@@ -213,6 +175,10 @@ def _save(path: Path, data: dict) -> None:
 
 def main(argv=None) -> int:
     a = _args(argv)
+    if a.render:
+        for f in a.render:
+            print(*render_files(f))
+        return 0
     dev = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     model = build_model(a.shape, dtype=getattr(torch, a.dtype), device=dev, max_positions=a.prompt + a.new + 16)
     model.generation_config.eos_token_id = None
@@ -254,7 +220,7 @@ def main(argv=None) -> int:
         data["rows"].append(row)
         print(json.dumps(row), flush=True)
         _save(a.out / "generate.json", data)
-    (a.out / "generate.md").write_text(render(data))
+    render_files(a.out / "generate.json")
     return 3 if failed else 0
 
 
