@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .claims import claims, hqmq_standing, pareto_rows
 from .results import row_problem
+from .serving import serving_section
 
 import matplotlib
 
@@ -289,6 +290,7 @@ def write_report(folder: Path) -> Path:
         "for). Each verdict below names its protocol. " + _window_note(results),
         "",
     ]
+    lines += serving_section(data, folder, summarize)
     for protocol in meta["protocols"]:
         rows = summarize(results, protocol)
         if not rows:

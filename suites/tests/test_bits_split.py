@@ -270,3 +270,36 @@ def test_med3_size_count_makes_no_segments():
         fast, elements = fused.cache_nbytes(), fused.numel()  # (generate counts both)
     assert fast == sum(p.cache_nbytes for p in fused.packed.values()) == fused.cache_nbytes() == old.cache_nbytes()
     assert elements == sum(p.numel for p in fused.packed.values()) == old.numel() == 2 * x[0].numel()
+
+
+def test_serving_summary_reads_the_run_and_the_latency_report_beside_it(tmp_path):
+    """The report's "serving at a glance": memory per token from the model's shape and the
+    cache bits, PPL against fp16, which specs a fused kernel reads (spherical: none, dense
+    steps), and the GPU backend and speed only where a latency report at this head dim
+    timed the spec (named with its source); none beside the run: the report says so."""
+    run = tmp_path / "reports" / "run"
+    run.mkdir(parents=True)
+    meta = dict(_meta(), model={"name": "m", "n_layers": 2, "n_kv_heads": 2, "head_dim": 64})
+    recs = [_rec("fp16", "fp16", 0, 16.0, 16.0, 0, ppl=10.0), _rec("int4", "int", 0, 5.0, 5.0, 0, ppl=11.0),
+            _rec("spherical4", "spherical", 0, 4.25, 4.26, 1440, ppl=10.5)]
+    (run / "results.json").write_text(json.dumps({"meta": meta, "results": recs}))
+    md = report.write_report(run).read_text()
+    assert "## Serving at a glance" in md and "no kernel speed: no latency report at this head dim" in md
+    # 2 layers x 2 kv heads x 64 dims x K and V = 512 elements per token: int4's 5 bits = 0.31 KiB
+    assert "| `int4` | 5.000 | 0.31 | 3.20x smaller | +10.00% | - | fused |" in md
+    assert "| `spherical4` | 4.250 | 0.27 | 3.76x smaller | +5.00% | - | none: dense steps |" in md
+    lat = {"env": {"gpu": "GPU-X", "time": "2026-12-05 04:40:00"}, "shape": {"Hq": 32, "Hkv": 8, "d": 64},
+           "method_specs": {"fused-int4": "int4", "fake-quant": "fp16"},
+           "latency": [{"method": "fused-int4-graph", "B": 8, "T": 32768, "backend": "cuda",
+                        "speedup_vs_fp16_sdpa": 2.25},
+                       {"method": "fused-int4-graph", "B": 1, "T": 32768, "backend": "cuda",
+                        "speedup_vs_fp16_sdpa": 9.0},
+                       {"method": "fake-quant-graph", "B": 8, "T": 32768, "backend": "sdpa",
+                        "speedup_vs_fp16_sdpa": 0.1}]}
+    (tmp_path / "reports" / "latency" / "d64").mkdir(parents=True)
+    (tmp_path / "reports" / "latency" / "d64" / "latency.json").write_text(json.dumps(lat))
+    (tmp_path / "reports" / "latency" / "latency.json").write_text(json.dumps(dict(lat, shape={"d": 128})))
+    md = report.write_report(run).read_text()
+    assert "latency/d64/latency.json: GPU-X, 2026-12-05 04:40" in md
+    assert "| `int4` | 5.000 | 0.31 | 3.20x smaller | +10.00% | - | fused | CUDA, 2.25x |" in md
+    assert "| `fp16` | 16.000 | 1.00 | 1.00x smaller | +0.00% | - | fused | - |" in md  # (fake-quant is no route)
