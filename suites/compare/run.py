@@ -404,7 +404,8 @@ def run_compare(args) -> int:
                           for role in ("K", "V")) / 2
             r.update(formula_bits=formula, family=q.name, stochastic=is_stochastic(job[1]))
             run.add(r)
-            steps = f"  decode steps: {r['decode_mode']}" if r.get("decode_mode") else ""  # graph / eager
+            steps = (f"  decode steps: {r['decode_mode']}, reading with {r.get('decode_attention') or '?'}"
+                     if r.get("decode_mode") else "")  # graph / eager; cuda / triton / dense
             tqdm.write(f"{job[0]:20s} {job[1]:34s} seed={job[2]}  PPL {r['ppl']:10.4f}  cache bits "
                        f"{r['cache_bits_per_element']:6.3f} (formula {r['formula_bits']:6.3f}; model constants "
                        f"{r['constant_nbytes']} B)  {r['wall_s']:6.1f} s{steps}")

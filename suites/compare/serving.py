@@ -78,12 +78,17 @@ def serving_section(data: dict, folder: Path, summarize) -> list[str]:
     per_token = 2 * shape[0] * shape[1] * d if all(shape) else None  # K and V elements per token, all layers
     fp16 = next((r["ppl"] for r in rows if r["spec"] == "fp16"), None)
     fid = (data.get("fidelity") or {}).get("rows") or {}
+    ran: dict[str, set] = {}  # what this run's decode steps read the history with (records since 2026-12-06)
+    for rec in results:
+        if rec.get("protocol") == protocol and "error" not in rec and rec.get("decode_attention"):
+            ran.setdefault(rec["spec"], set()).add(rec["decode_attention"])
     where, speed = latency_figures(folder, d) if d else (None, {})
     lines = ["## Serving at a glance", "",
              f"Per spec: the cache's own bytes per token on {m['name']} (every layer, K and V; model constants "
              f"apart), the {protocol} PPL against fp16's, the greedy match rate against the model's own cache "
              "(generation fidelity, where run), whether a fused decode kernel reads its caches at head_dim "
-             f"{d} (else decode steps dequantize and run SDPA), and "
+             f"{d} (else decode steps dequantize and run SDPA) and, where the records say, what this run's "
+             "decode steps read the history with (cuda / triton kernel, dense = decoded history + SDPA), and "
              + (f"the backend decode_attention's auto route took in a latency run on a GPU and its speed: graphed "
                 f"fp16 SDPA time over the graphed fused call's at B={SPEED_AT['B']}, T={SPEED_AT['T']} (above 1 is "
                 f"faster than fp16; {where}; formats that run did not time: -)." if where else
@@ -97,6 +102,8 @@ def serving_section(data: dict, folder: Path, summarize) -> list[str]:
             route = fused_reader(r["spec"], d) if d else "-"
         except ValueError as e:  # a spec this checkout no longer parses
             route = f"? ({str(e)[:60]})"
+        if r["spec"] in ran:
+            route += f"; this run: {'/'.join(sorted(ran[r['spec']]))}"
         f = fid.get(r["spec"]) or {}
         match = f"{f['match_rate']:.3f}" if "match_rate" in f else "-"
         rel = f"{100 * (r['ppl'] / fp16 - 1):+.2f}%" if fp16 else "-"

@@ -578,6 +578,30 @@ class QuantizedLayer(DynamicLayer):
             return self.decoded[role].valid
         return self._decode_segments(role, self._current(role).segments)
 
+    def attention_route(self, n_heads: int, dtype: torch.dtype) -> str:
+        """What this layer's decode steps read the history with, as a step with an
+        n_heads-head query of `dtype` would now: the fused kernel's backend ("cuda",
+        "triton"; with "+dense" when the kernel refused some steps, served densely) or
+        "dense" (the decoded history through SDPA). Asked after the steps, outside any
+        capture: the front's own routing (explain_backend), no kernel runs."""
+        from ...kernels.decode_attention import explain_backend
+
+        if self.mode != "fused":
+            return "dense"
+        p = self.packed["K"]
+        q = torch.zeros(p.batch, n_heads, 1, p.head_dim, dtype=dtype, device=self.device)
+        try:
+            if self.device_pos is not None:
+                _, valid, cap = self.device_pos
+                route = explain_backend(q, self.stores["K"].graph_view(cap), self.stores["V"].graph_view(cap),
+                                        valid_len=valid, row_start=self.row_start).backend
+            else:
+                route = explain_backend(q, self.stores["K"].kernel_view(), self.stores["V"].kernel_view(),
+                                        row_start=self.row_start).backend
+        except ValueError:  # a layout every kernel refuses: its steps were served densely
+            return "dense"
+        return route + ("+dense" if self.fallbacks else "")
+
     def fused_attend(self, query: torch.Tensor) -> torch.Tensor:
         """The fused kernel over the K and V stores: `[B, Hq, 1, D]`."""
         from ...kernels.decode_attention import decode_attention
@@ -1023,6 +1047,12 @@ class QuantizedCache(Cache):
     def numel(self) -> int:
         """Number of K/V elements held, all layers, K and V."""
         return sum(layer.numel() for layer in self.layers)
+
+    def attention_route(self, n_heads: int, dtype: torch.dtype) -> str:
+        """The routes of the layers' decode steps (`QuantizedLayer.attention_route`), "+"-joined
+        where layers differ (e.g. "cuda+dense" when some layers are dense); "" before a write."""
+        return "+".join(sorted({layer.attention_route(n_heads, dtype) for layer in self.layers
+                                if layer.mode is not None}))
 
     def nbytes_as_row_caches(self) -> int:
         """What the batch's rows would store as separate one-row caches (batched scoring

@@ -360,6 +360,16 @@ def ppl_deployed(model, windows: torch.Tensor, spec: str | None, seed: int = 0, 
                            batch_size, fused, graph, calibration, continuations)
 
 
+def _attention_route(model, cache) -> str:
+    """What a batch's decode steps read the history with: the quantized cache's route
+    (QuantizedCache.attention_route: cuda / triton / dense), "sdpa" for the model's own cache."""
+    route = getattr(cache, "attention_route", None)
+    if route is None:
+        return "sdpa"
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return route(cfg.num_attention_heads, next(model.parameters()).dtype)
+
+
 def _prefill_decode(protocol, model, windows, spec, seed, context, device, progress, batch_size, fused, graph,
                     calibration=None, twins: bool = False):
     windows = _check_windows(windows, 2 if protocol == "prefill-then-decode" else 3)
@@ -376,6 +386,7 @@ def _prefill_decode(protocol, model, windows, spec, seed, context, device, progr
     context_manager, fused = _fused_setting(model, spec, fused)
     graph = fused is not False and (graph if graph is not None else dev.type == "cuda")
     modes: set[str] = set()
+    routes: set[str] = set()  # what the decode steps read the history with (cuda, triton, dense, sdpa)
     per_window: list[float] = []
     continued: list[list[int]] = []  # the greedy twins' tokens, per window
     # Value checks (NaN/Inf, fp16 range) of every write are read once per batch, with
@@ -400,6 +411,7 @@ def _prefill_decode(protocol, model, windows, spec, seed, context, device, progr
                     greedy.append(out[r:, -1].argmax(-1, keepdim=True))
             flush()
             modes.add(getattr(step, "mode", "eager"))
+            routes.add(_attention_route(model, cache))
             per_window += w_nll.tolist()
             if twins:
                 continued += torch.cat(greedy, 1).tolist()
@@ -411,7 +423,8 @@ def _prefill_decode(protocol, model, windows, spec, seed, context, device, progr
                 progress(i + ids.shape[0], n_win)
     extra = {"continuations": continued, "continuation_rows": rows} if twins else {}
     return _result(protocol, {"context": context, "decode_steps": N - 1 - context,
-                              "decode_mode": "+".join(sorted(modes)), "window_nll": per_window, **extra},
+                              "decode_mode": "+".join(sorted(modes)), "decode_attention": "+".join(sorted(routes)),
+                              "window_nll": per_window, **extra},
                    spec, seed, windows, nll, n_pred, stored, t0, rows)
 
 

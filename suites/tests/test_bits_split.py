@@ -281,13 +281,13 @@ def test_serving_summary_reads_the_run_and_the_latency_report_beside_it(tmp_path
     run.mkdir(parents=True)
     meta = dict(_meta(), model={"name": "m", "n_layers": 2, "n_kv_heads": 2, "head_dim": 64})
     recs = [_rec("fp16", "fp16", 0, 16.0, 16.0, 0, ppl=10.0), _rec("int4", "int", 0, 5.0, 5.0, 0, ppl=11.0),
-            _rec("spherical4", "spherical", 0, 4.25, 4.26, 1440, ppl=10.5)]
+            dict(_rec("spherical4", "spherical", 0, 4.25, 4.26, 1440, ppl=10.5), decode_attention="dense")]
     (run / "results.json").write_text(json.dumps({"meta": meta, "results": recs}))
     md = report.write_report(run).read_text()
     assert "## Serving at a glance" in md and "no kernel speed: no latency report at this head dim" in md
     # 2 layers x 2 kv heads x 64 dims x K and V = 512 elements per token: int4's 5 bits = 0.31 KiB
     assert "| `int4` | 5.000 | 0.31 | 3.20x smaller | +10.00% | - | fused |" in md
-    assert "| `spherical4` | 4.250 | 0.27 | 3.76x smaller | +5.00% | - | none: dense steps |" in md
+    assert "| `spherical4` | 4.250 | 0.27 | 3.76x smaller | +5.00% | - | none: dense steps; this run: dense |" in md
     lat = {"env": {"gpu": "GPU-X", "time": "2026-12-05 04:40:00"}, "shape": {"Hq": 32, "Hkv": 8, "d": 64},
            "method_specs": {"fused-int4": "int4", "fake-quant": "fp16"},
            "latency": [{"method": "fused-int4-graph", "B": 8, "T": 32768, "backend": "cuda",

@@ -218,6 +218,10 @@ def test_prefill_then_decode_ppl_fused_equals_dense(model, spec):
     # tokens of a random model (PPL ~750); 5e-3 there.
     assert fused["ppl"] == pytest.approx(dense["ppl"], rel=5e-3 if CUDA and "hqmq" in spec else 1e-3)
     assert fused["bits_per_element"] == dense["bits_per_element"]
+    # the record says what the steps read the history with: the fused kernel's backend (the
+    # interpreter's Triton on a CPU), or the decoded history
+    assert dense["decode_attention"] == "dense"
+    assert fused["decode_attention"] in (("cuda", "triton") if CUDA else ("triton",)), fused["decode_attention"]
 
 
 # (Med3x's device steps: test_graph_step.py, against its eager fused steps byte for byte;
@@ -236,6 +240,9 @@ def test_prefill_then_decode_graph_steps_equal_eager(model, spec, mode):
     assert (eager["decode_mode"], graphed["decode_mode"]) == ("eager", "graph" if CUDA and mode == "device" else mode)
     assert graphed["nll_sum"] == pytest.approx(eager["nll_sum"], rel=1e-6)
     assert graphed["bits_per_element"] == eager["bits_per_element"]
+    # the same kernels either way; per-channel keys: no fused kernel reads them (dense steps)
+    assert graphed["decode_attention"] == eager["decode_attention"]
+    assert eager["decode_attention"] in (("dense",) if mode == "eager" else ("cuda", "triton") if CUDA else ("triton",))
 
 
 def test_fused_logits_match_dense_step_by_step(model):

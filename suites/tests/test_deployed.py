@@ -76,6 +76,10 @@ def test_deployed_scores_the_decode_steps_only(model):
     assert fp16["ppl"] == pytest.approx(plain["ppl"], rel=1e-3)
     assert int2["ppl"] != pytest.approx(plain["ppl"], rel=1e-3)
     assert harsh["n_predicted"] == 3 * (40 - 30)  # prefill-then-decode also scores the prefill's last logit
+    # what the steps read the history with: the model's own cache through SDPA; ours on a CPU
+    # by default the decoded history (fused kernels run there only on request)
+    assert plain["decode_attention"] == "sdpa"
+    assert int2["decode_attention"] in (("cuda", "triton") if torch.cuda.is_available() else ("dense",))
     assert int2["bits_per_element"] == harsh["bits_per_element"]  # same writes, same bytes
 
 
@@ -93,6 +97,7 @@ def test_deployed_fused_and_device_steps_equal_dense(model, spec):
         fused = ppl_deployed(model, w, spec, context=30, fused=True, graph=True)
     assert fused["ppl"] == pytest.approx(dense["ppl"], rel=1e-3)
     assert fused["bits_per_element"] == dense["bits_per_element"]
+    assert dense["decode_attention"] == "dense" and fused["decode_attention"] in ("cuda", "triton")
 
 
 @pytest.mark.parametrize("spec", [None, "int2", "kivi:bits=2,group=8,residual=8", "spherical3"])
