@@ -2,12 +2,13 @@
 deploying a format, from the run's own records plus the newest latency report beside the
 runs: its memory per token on this model, its quality under the protocol closest to
 serving (deployed where the run has it), its greedy agreement with the model's own cache,
-which kernel reads it on a GPU, and how fast that kernel was against fp16 SDPA.
+whether a fused kernel reads it (and what this run's decode steps read with), and how fast
+the kernel a GPU routes it to was against fp16 SDPA.
 
-The kernel column is decided without a GPU: the format registry's kernels and their
-`auto` switches (kernels/registry.py) on the layout a small encode of the spec makes at
-this model's head dim; the speed column is a measurement of another run (named with its
-GPU, date and shape), never of this one.
+Whether a fused kernel reads a spec is decided without a GPU: a small encode of the spec at
+this model's head dim, flattened for its format's kernels (kernels/registry.py; every fused
+format has a Triton kernel). WHICH backend a GPU takes, and its speed, are measurements: of
+another run (the latency suite's, named with its GPU, date and shape), never of this one.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import json
 from pathlib import Path
 
 SPEED_AT = {"B": 8, "T": 32768}  # issue 28's shape of the latency suite: its graphed rows
+BACKEND_TITLE = {"cuda": "CUDA", "triton": "Triton"}
 
 
 def fused_reader(spec: str, head_dim: int) -> str:
@@ -38,10 +40,10 @@ def fused_reader(spec: str, head_dim: int) -> str:
     return "fused"
 
 
-def latency_figures(folder: Path, head_dim: int) -> tuple[str | None, dict[str, float]]:
-    """(where the figures come from, spec -> (backend, graphed fp16 SDPA time over the
-    graphed fused call's at SPEED_AT)) from the newest latency suite JSON under <folder>/../latency/ whose shape has
-    this head dim; (None, {}) when there is none."""
+def latency_figures(folder: Path, head_dim: int) -> tuple[str | None, dict[str, tuple[str, float]]]:
+    """(where the figures come from, spec -> (backend, graphed fp16 SDPA time over the graphed
+    fused call's at SPEED_AT)) from the newest latency suite JSON under <folder>/../latency/
+    whose shape has this head dim; (None, {}) when there is none."""
     found = []
     for path in Path(folder).parent.glob("latency/**/latency.json"):
         try:
@@ -107,8 +109,8 @@ def serving_section(data: dict, folder: Path, summarize) -> list[str]:
         f = fid.get(r["spec"]) or {}
         match = f"{f['match_rate']:.3f}" if "match_rate" in f else "-"
         rel = f"{100 * (r['ppl'] / fp16 - 1):+.2f}%" if fp16 else "-"
-        cell = (f" {speed[r['spec']][0].upper() if speed[r['spec']][0] == 'cuda' else speed[r['spec']][0].title()}, "
-                f"{speed[r['spec']][1]:.2f}x |" if r["spec"] in speed else " - |")
+        backend, ratio = speed.get(r["spec"], ("", 0.0))
+        cell = f" {BACKEND_TITLE.get(backend, backend)}, {ratio:.2f}x |" if backend else " - |"
         kib = f"{per_token * r['bits'] / 8 / 1024:.2f}" if per_token else "-"
         lines.append(f"| `{r['spec']}` | {r['bits']:.3f} | {kib} | "
                      f"{16 / r['bits']:.2f}x smaller | {rel} | {match} | {route} |" + (cell if where else ""))
