@@ -169,6 +169,15 @@ def validate(args) -> dict:
             raise UsageError(f"--lm-eval-metadata must be a JSON object, got {args.lm_eval_metadata!r}")
     if args.lm_eval:
         _check_lm_eval_tasks(args.lm_eval, lm_meta)
+    lm_specs = specs
+    if args.lm_eval_specs is not None:
+        if not args.lm_eval:
+            raise UsageError("--lm-eval-specs needs --lm-eval TASKS")
+        lm_specs = list(dict.fromkeys(s.strip() for s in args.lm_eval_specs.split(";") if s.strip()))
+        stray = [s for s in lm_specs if s not in specs]
+        if not lm_specs or stray:
+            raise UsageError(f"--lm-eval-specs must name specs of this run ({'; '.join(specs)}), got "
+                             f"{args.lm_eval_specs!r}" + (f": {', '.join(stray)} not among them" if stray else ""))
     threads = os.environ.get("KVQBENCH_PRECOMPILE_THREADS")
     if threads and not threads.strip().isdigit():
         raise UsageError(f"KVQBENCH_PRECOMPILE_THREADS must be a whole number of threads (0: off), got {threads!r}")
@@ -182,6 +191,7 @@ def validate(args) -> dict:
     window = max([lengths[p] for p in protocols] + ([decode] if fidelity else []))
     check_context(window, model_context(args.model), args.model)
     return {"specs": specs, "protocols": protocols, "device": str(device), "lm_eval_metadata": lm_meta,
+            "lm_eval_specs": lm_specs,
             "lengths": {p: lengths[p] for p in protocols}, "fidelity": fidelity, "window": window,
             "run": args.run or f"{args.model}_{args.corpus}".replace("/", "-")}
 
@@ -445,7 +455,8 @@ def run_compare(args) -> int:
                                      cal_for)
             stage_done("fidelity")
         if args.lm_eval:
-            _lm_eval_scores(args, run, model, tok, specs, protocols[0], plan["lm_eval_metadata"], cal_for)
+            _lm_eval_scores(args, run, model, tok, plan["lm_eval_specs"], protocols[0], plan["lm_eval_metadata"],
+                            cal_for)
             stage_done("lm-eval")
         out = report.write_report(run.folder)
         stage_done("report")
@@ -569,6 +580,9 @@ def add_arguments(sub, parents=()) -> None:
     p.add_argument("--lm-eval", default=None, metavar="TASKS",
                    help="also run these lm-eval tasks per spec (comma-separated; kvqbench_local = the offline "
                         "passkey and rolling tasks; hub tasks such as piqa where the hub is reachable)")
+    p.add_argument("--lm-eval-specs", default=None, metavar="SPECS",
+                   help="';'-separated specs of this run that lm-eval scores (default: every spec), e.g. "
+                        "'kivi:bits=4;hqmq:S=96,r=4' for claim 5's pair in a full sweep")
     p.add_argument("--lm-eval-limit", type=int, default=None, help="lm-eval: at most this many documents per task")
     p.add_argument("--lm-eval-metadata", default=None, metavar="JSON",
                    help='lm-eval task knobs, e.g. \'{"passkey_docs": 10}\' (see kvqbench.suites.lm_eval.tasks)')

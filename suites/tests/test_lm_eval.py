@@ -222,3 +222,8 @@ def test_compare_adds_task_scores(tmp_path):
     assert wp["int2"] > wp["fp16"] and le["int2"]["bits_per_element"] == 3.0
     report = (tmp_path / "t" / "report.md").read_text()
     assert "## Downstream tasks (lm-eval)" in report and "kvqbench_rolling word_perplexity" in report
+    # --lm-eval-specs: a sweep scores only the specs a claim compares
+    assert cli.main([*args[:-6], "--run", "u", "--lm-eval", "kvqbench_rolling", "--lm-eval-specs", "int2",
+                     "--lm-eval-metadata", json.dumps(ROLLING)]) == 0
+    data = json.loads((tmp_path / "u" / "results.json").read_text())
+    assert {r["spec"]: "lm_eval" in r for r in data["results"]} == {"fp16": False, "int2": True}
