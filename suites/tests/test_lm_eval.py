@@ -222,8 +222,20 @@ def test_compare_adds_task_scores(tmp_path):
     assert wp["int2"] > wp["fp16"] and le["int2"]["bits_per_element"] == 3.0
     report = (tmp_path / "t" / "report.md").read_text()
     assert "## Downstream tasks (lm-eval)" in report and "kvqbench_rolling word_perplexity" in report
+    assert "| generation tokens/s (steps) |" in report  # (a loglikelihood task: "-" in it)
     # --lm-eval-specs: a sweep scores only the specs a claim compares
     assert cli.main([*args[:-6], "--run", "u", "--lm-eval", "kvqbench_rolling", "--lm-eval-specs", "int2",
                      "--lm-eval-metadata", json.dumps(ROLLING)]) == 0
     data = json.loads((tmp_path / "u" / "results.json").read_text())
     assert {r["spec"]: "lm_eval" in r for r in data["results"]} == {"fp16": False, "int2": True}
+
+
+def test_compare_scores_keep_the_generation_speed(base):
+    """What `compare --lm-eval` stores of a generation task: the scores and the engine's
+    tokens/s and step mode (the report's last lm-eval column)."""
+    from kvqbench.suites.lm_eval.evaluate import compare_scores
+
+    rec = compare_scores(base.model, base.tokenizer, "int4", 0, "kvqbench_passkey", metadata=PASSKEY)
+    gen = rec["kv_generation"]
+    assert rec["kv_calls"]["generate"] == PASSKEY["passkey_docs"] and gen["calls"] >= 1
+    assert gen["new_tokens"] > 0 and gen["tokens_per_s"] > 0 and gen["modes"]
