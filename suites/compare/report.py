@@ -124,7 +124,7 @@ def lm_eval_section(results) -> list[str]:
     lines = ["## Downstream tasks (lm-eval)", "",
              f"Tasks `{req[0]}`, limit {req[1]}, task knobs {req[2]}; seed 0. Loglikelihood requests run "
              "`quantize-on-write` (a fresh quantized cache per sequence); generation requests run through the "
-             "generation engine, batched (the deployed protocol: an exact prefill stored quantized, then decode "
+             "generation engine, 8 per call (the deployed protocol: an exact prefill stored quantized, then decode "
              "steps reading the quantized cache, graphed where they can be): its tokens/s (all generation calls, "
              "prefills included) and step mode beside the scores.", "",
              "| spec | cache bits measured (PPL run) | PPL | " + " | ".join(heads) + " | generation tokens/s (steps) |",

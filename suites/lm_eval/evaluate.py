@@ -97,6 +97,9 @@ def task_scores(results: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+COMPARE_BATCH = 8  # generation requests per engine call under `compare --lm-eval` (loglikelihood: one each)
+
+
 def compare_scores(model, tokenizer, spec: str, seed: int, tasks: str, limit=None, metadata=None,
                    calibration=None) -> dict:
     """What `kvqbench compare --lm-eval TASKS` stores on a result record: the task
@@ -105,7 +108,8 @@ def compare_scores(model, tokenizer, spec: str, seed: int, tasks: str, limit=Non
     import time
 
     t0 = time.perf_counter()
-    lm = KVQuantLM(model, tokenizer=tokenizer, quantizer=spec, seed=seed, calibration=calibration)
+    lm = KVQuantLM(model, tokenizer=tokenizer, quantizer=spec, seed=seed, calibration=calibration,
+                   batch_size=COMPARE_BATCH)
     res = evaluate(tasks, lm=lm, limit=limit, metadata=metadata)
     return {"requested": [tasks, limit, metadata], "scores": task_scores(res),
             "n_samples": {t: v.get("effective", v.get("original")) for t, v in res.get("n-samples", {}).items()},
