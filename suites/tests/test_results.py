@@ -287,3 +287,18 @@ def test_report_has_no_fixed_sentences(tiny, tmp_path):
     assert "128 tokens" not in md.replace("up to 128 recent tokens", "")
     assert "up to 16 recent tokens" in md and "hub datasets unreachable" not in md
     assert "not measured in this run: no latency report" in md
+
+
+def test_hardware_names_the_cpu_and_its_vector_isa(tmp_path, monkeypatch):
+    """A run names the arithmetic it came from: the CPU's model name (quantized PPLs move by a
+    few percent between CPUs) and the ISA torch's kernels use; without /proc/cpuinfo, what
+    `platform` knows."""
+    hw = provenance.hardware("cpu")
+    assert hw["cpu"] and hw["cpu_capability"] and hw["torch_threads"] >= 1 and hw["device"] == "cpu"
+    fake = tmp_path / "cpuinfo"
+    fake.write_text("processor\t: 0\nmodel name\t: Example CPU @ 2.0GHz\nflags\t\t: fpu\n")
+    real = provenance.Path
+    monkeypatch.setattr(provenance, "Path", lambda p: real(fake) if p == "/proc/cpuinfo" else real(p))
+    assert provenance.cpu_model() == "Example CPU @ 2.0GHz"
+    monkeypatch.setattr(provenance, "Path", lambda p: real(tmp_path / "absent"))
+    assert provenance.cpu_model()  # platform's answer
