@@ -600,6 +600,8 @@ class QuantizedLayer(DynamicLayer):
                                         row_start=self.row_start).backend
         except ValueError:  # a layout every kernel refuses: its steps were served densely
             return "dense"
+        except Exception as e:  # noqa: BLE001 (a label: never the end of the measurement it labels)
+            return f"unknown ({type(e).__name__})"
         return route + ("+dense" if self.fallbacks else "")
 
     def fused_attend(self, query: torch.Tensor) -> torch.Tensor:

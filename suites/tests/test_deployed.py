@@ -143,3 +143,18 @@ def test_bad_arguments_are_refused(model):
         ppl_deployed(model, ids(40), "int4", context=39)
     with pytest.raises(ValueError, match="prefill must be one of"):
         QuantizedCache("int4", config=model.config, prefill="fp32")
+
+
+def test_a_route_that_cannot_be_told_does_not_end_the_row(model, monkeypatch):
+    """`decode_attention` is a label of the row: a routing question that fails (a library
+    that cannot load, say) records "unknown (...)" and keeps the measurement."""
+    from kvqbench.kernels import decode_attention as front
+
+    def broken(*a, **k):
+        raise RuntimeError("no library")
+
+    monkeypatch.setattr(front, "explain_backend", broken)
+    w = ids(40, batch=2, seed=5)
+    with mock.patch.object(QuantizedLayer, "_device_write", lambda self, k, v: False):
+        r = ppl_deployed(model, w, "int4", context=30, fused=True, graph=False)
+    assert r["decode_attention"] == "unknown (RuntimeError)" and r["ppl"] > 0
