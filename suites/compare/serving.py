@@ -37,6 +37,8 @@ def fused_reader(spec: str, head_dim: int) -> str:
     except (ValueError, TypeError) as e:  # a layout its format's kernels do not read
         why = str(e)
         return f"none: dense steps ({why[:70]}{'...' if len(why) > 70 else ''})"
+    except Exception as e:  # noqa: BLE001 (a cell of the summary: never the end of the report)
+        return f"? ({type(e).__name__})"
     return "fused"
 
 
