@@ -588,15 +588,15 @@ class QuantizedLayer(DynamicLayer):
 
         if self.mode != "fused":
             return "dense"
-        p = self.packed["K"]
-        q = torch.zeros(p.batch, n_heads, 1, p.head_dim, dtype=dtype, device=self.device)
+        ks = self.stores["K"]  # (its shape, not `packed`: that would make a run's segments, Med3x's lists)
+        q = torch.zeros(ks.B, n_heads, 1, ks.D, dtype=dtype, device=self.device)
         try:
             if self.device_pos is not None:
                 _, valid, cap = self.device_pos
-                route = explain_backend(q, self.stores["K"].graph_view(cap), self.stores["V"].graph_view(cap),
+                route = explain_backend(q, ks.graph_view(cap), self.stores["V"].graph_view(cap),
                                         valid_len=valid, row_start=self.row_start).backend
             else:
-                route = explain_backend(q, self.stores["K"].kernel_view(), self.stores["V"].kernel_view(),
+                route = explain_backend(q, ks.kernel_view(), self.stores["V"].kernel_view(),
                                         row_start=self.row_start).backend
         except ValueError:  # a layout every kernel refuses: its steps were served densely
             return "dense"

@@ -366,8 +366,7 @@ def _attention_route(model, cache) -> str:
     route = getattr(cache, "attention_route", None)
     if route is None:
         return "sdpa"
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return route(cfg.num_attention_heads, next(model.parameters()).dtype)
+    return route(model.config.get_text_config().num_attention_heads, next(model.parameters()).dtype)
 
 
 def _prefill_decode(protocol, model, windows, spec, seed, context, device, progress, batch_size, fused, graph,

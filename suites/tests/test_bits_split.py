@@ -268,6 +268,8 @@ def test_med3_size_count_makes_no_segments():
     assert int(fused.stores["K"].outlier_len.sum()) > 0
     with mock.patch.object(type(fused.stores["K"]), "_run_outliers", side_effect=AssertionError("segments made")):
         fast, elements = fused.cache_nbytes(), fused.numel()  # (generate counts both)
+        route = fused.attention_route(4, torch.float32)  # (the protocols' label of their steps)
+    assert route in ("cuda", "triton")
     assert fast == sum(p.cache_nbytes for p in fused.packed.values()) == fused.cache_nbytes() == old.cache_nbytes()
     assert elements == sum(p.numel for p in fused.packed.values()) == old.numel() == 2 * x[0].numel()
 
