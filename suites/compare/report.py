@@ -124,10 +124,11 @@ def lm_eval_section(results) -> list[str]:
     lines = ["## Downstream tasks (lm-eval)", "",
              f"Tasks `{req[0]}`, limit {req[1]}, task knobs {req[2]}; seed 0. Loglikelihood requests run "
              "`quantize-on-write` (a fresh quantized cache per sequence); generation requests run through the "
-             "generation engine, 8 per call (the deployed protocol: an exact prefill stored quantized, then decode "
-             "steps reading the quantized cache, graphed where they can be): its tokens/s (all generation calls, "
-             "prefills included) and step mode beside the scores.", "",
-             "| spec | cache bits measured (PPL run) | PPL | " + " | ".join(heads) + " | generation tokens/s (steps) |",
+             "generation engine (the deployed protocol: an exact prefill stored quantized, then decode steps "
+             "reading the quantized cache, graphed where they can be): its tokens/s (all generation calls, "
+             "prefills included), step mode and requests per engine call beside the scores.", "",
+             "| spec | cache bits measured (PPL run) | PPL | " + " | ".join(heads)
+             + " | generation tokens/s (steps, requests per call) |",
              "|---|---|---|" + "---|" * len(heads) + "---|"]
     for r in rows:
         le, cells = r["lm_eval"], []
@@ -138,8 +139,8 @@ def lm_eval_section(results) -> list[str]:
         if "error" in le:
             cells = [f"FAILED: {le['error']}".replace("|", "\\|")] + [""] * (len(heads) - 1)
         gen = le.get("kv_generation") or {}  # (records before 2026-12-06 have none)
-        cells.append(f"{gen['tokens_per_s']:.1f} ({'+'.join(gen.get('modes') or []) or '?'})"
-                     if gen.get("tokens_per_s") else "-")
+        cells.append(f"{gen['tokens_per_s']:.1f} ({'+'.join(gen.get('modes') or []) or '?'}, "
+                     f"{gen.get('requests_per_call', '?')})" if gen.get("tokens_per_s") else "-")
         lines.append(f"| `{r['spec']}` | {cache_bits(r):.3f} | {r['ppl']:.4f} | " + " | ".join(cells) + " |")
     return lines + [""]
 

@@ -98,6 +98,11 @@ def outlier_diagnostics(model, window: torch.Tensor) -> list[dict]:
     return rows
 
 
+def spec_list(text: str) -> list[str]:
+    """The specs of a ';'-separated option, stripped, empty ones and repeats dropped."""
+    return list(dict.fromkeys(s.strip() for s in text.split(";") if s.strip()))
+
+
 def validate(args) -> dict:
     """Every check that needs no model: returns the normalised plan, or raises
     UsageError naming the bad argument."""
@@ -126,7 +131,7 @@ def validate(args) -> dict:
     if args.specs is None:
         specs = default_specs()
     else:
-        specs = list(dict.fromkeys(s.strip() for s in args.specs.split(";") if s.strip()))
+        specs = spec_list(args.specs)
         if not specs:
             raise UsageError(f"--specs {args.specs!r} names no quantizer spec (';'-separated, e.g. 'fp16;int4')")
     for spec in specs:  # fail on a typo before an hour of work, not after
@@ -173,7 +178,7 @@ def validate(args) -> dict:
     if args.lm_eval_specs is not None:
         if not args.lm_eval:
             raise UsageError("--lm-eval-specs needs --lm-eval TASKS")
-        lm_specs = list(dict.fromkeys(s.strip() for s in args.lm_eval_specs.split(";") if s.strip()))
+        lm_specs = spec_list(args.lm_eval_specs)
         stray = [s for s in lm_specs if s not in specs]
         if not lm_specs or stray:
             raise UsageError(f"--lm-eval-specs must name specs of this run ({'; '.join(specs)}), got "
