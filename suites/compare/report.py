@@ -140,7 +140,7 @@ def lm_eval_section(results) -> list[str]:
             cells = [f"FAILED: {le['error']}".replace("|", "\\|")] + [""] * (len(heads) - 1)
         gen = le.get("kv_generation") or {}  # (records before 2026-12-06 have none)
         cells.append(f"{gen['tokens_per_s']:.1f} ({'+'.join(gen.get('modes') or []) or '?'}, "
-                     f"{gen.get('requests_per_call', '?')})" if gen.get("tokens_per_s") else "-")
+                     f"{gen.get('batch_size', '?')})" if gen.get("tokens_per_s") else "-")
         lines.append(f"| `{r['spec']}` | {cache_bits(r):.3f} | {r['ppl']:.4f} | " + " | ".join(cells) + " |")
     return lines + [""]
 

@@ -114,8 +114,8 @@ def compare_scores(model, tokenizer, spec: str, seed: int, tasks: str, limit=Non
     return {"requested": [tasks, limit, metadata], "scores": task_scores(res),
             "n_samples": {t: v.get("effective", v.get("original")) for t, v in res.get("n-samples", {}).items()},
             "bits_per_element": lm.bits_per_element(), "kv_calls": dict(lm.kv_calls),
-            "kv_generation": dict(lm.get_model_info().get("kv_generation") or {},  # tokens, seconds, tokens/s, modes
-                                  requests_per_call=COMPARE_BATCH),
+            # tokens, seconds, tokens/s, modes, batch_size (requests per engine call)
+            "kv_generation": dict(lm.get_model_info().get("kv_generation") or {}),
             "lm_eval_version": res.get("lm_eval_version"), "wall_s": time.perf_counter() - t0}
 
 
