@@ -250,3 +250,38 @@ def test_cuda_plan_takes_the_routed_plan_without_a_lookup(backend, monkeypatch):
     assert call(default) is routed and not lookups
     mod.ROUTED.offer(q, k, v, default, routed)
     assert call(other) is sentinel and len(lookups) == 1
+
+
+
+@pytest.mark.parametrize("spec,valid_len", [("int4", False), ("int4", True), ("fp8", False), ("kivi:bits=4", False),
+                                            ("hqmq:S=96,r=4", False), ("hqmq:S=96,r=4", True),
+                                            ("hqmq:S=24,r=3,outliers=med3", False)])
+def test_the_auto_route_hands_its_plan_to_the_launch(spec, valid_len, monkeypatch):
+    """Through the real front (`decode_attention`, backend auto) on a CPU that walks the
+    CUDA path (host_time.py `cuda_path_on_cpu`: q looks like a CUDA tensor, the launch is
+    stubbed, the plan a first call would build is kept by hand): the plan the CUDA
+    backend's `unsupported` check finds is the one the same call's `_plan` takes from the
+    routed slot. The options tuple `offer` stores and the one `take` asks with are written
+    in two places; if they disagree the routed plan goes unused (a lookup per call, as with
+    the slot off) and this fails (checked by changing either tuple)."""
+    from kvqbench.kernels.cuda import decode_attention as cd
+    from kvqbench.kernels.cuda import hqmq_decode as ch
+    from kvqbench.kernels.cuda.library import RoutedPlan
+    from kvqbench.suites.bench.latency.host_time import CudaLookingTensor, cuda_path_on_cpu
+
+    mod = ch if spec.startswith("hqmq") else cd
+    k, v = _flats(spec)
+    q = torch.randn(1, 4, 1, 64).as_subclass(CudaLookingTensor)
+    assert q.is_cuda and not torch.Tensor(q).is_cuda
+    vl = torch.tensor([k.T], dtype=torch.int32) if valid_len else None
+    routed, taken = RoutedPlan(enabled=True), []
+    take = routed.take
+    monkeypatch.setattr(routed, "take", lambda *a: taken.append(take(*a)) or taken[-1])
+    monkeypatch.setattr(mod, "ROUTED", routed)
+    with cuda_path_on_cpu(spec, q, k, v, valid_len) as launches:
+        [(_, plan)] = mod._PLANS.plans.values()
+        out = decode_attention(q, k, v, valid_len=vl)
+        assert mod._PLANS.builds == 1  # (the hand-kept plan only: nothing was built)
+    assert launches == [plan.ptr], "the call did not reach the CUDA launch with the kept plan"
+    assert taken == [plan], f"the launch looked the plan up again instead of taking the routed one ({taken})"
+    assert out.shape == plan.shape

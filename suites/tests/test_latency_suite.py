@@ -359,3 +359,21 @@ def test_host_time_breakdown_names_where_a_call_goes(monkeypatch):
     parts = dict(p.rsplit(" ", 2)[0:2] for p in head.split(": ", 1)[1].split(", "))
     assert set(parts) == {"route", "triton kernel fn", "whole call"} and all(float(v) > 0 for v in parts.values())
     assert "function (cProfile)" in rows[0] and any("decode_attention" in r for r in rows[1:])
+
+
+def test_host_time_walks_the_cuda_path_on_a_cpu(monkeypatch):
+    """host_time on a CPU also times the CUDA backend's Python (`cuda_path_on_cpu`: q looks
+    like a CUDA tensor, the launch stubbed): the breakdown names the CUDA kernel function
+    and the .cu wrapper's functions; a format without a CUDA kernel gives NaN, not a
+    Triton figure under the CUDA label."""
+    import math
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kvqbench.suites.bench.latency.host_time import cuda_path_host_us, host_breakdown
+
+    text = host_breakdown("hqmq:S=96,r=4", 1, 256, hq=4, hkv=2, d=64, n=5, cuda_on_cpu=True)
+    head, *rows = text.splitlines()
+    assert "(CUDA path walked on the CPU)" in head and "cuda kernel fn" in head
+    assert any("hqmq_decode.py" in r for r in rows[1:]) and not any("triton" in r for r in rows[1:])
+    assert cuda_path_host_us("int4", 1, 256, hq=4, hkv=2, d=64, n=5) > 0
+    assert math.isnan(cuda_path_host_us("fp16", 1, 256, hq=4, hkv=2, d=64, n=5))

@@ -7,6 +7,9 @@ token when the GPU outruns the host); the latency section records it beside each
 fused row ("host_us"). On a CPU, `stubbed_host_us` replaces the launch itself by a no-op
 (kernels/triton/common.py `launch_hook`), so what is timed is exactly the Python a GPU
 call pays before its kernel: routing, checks, split choice, workspace, launch arguments.
+The CUDA backends' Python is walked on a CPU too (`cuda_path_on_cpu`: q passes for a CUDA
+tensor, the ctypes launch is stubbed), so their host path can be worked on without a GPU;
+the ctypes launch and CUDA's allocator are then left out.
 
     python -m kvqbench.suites.bench.latency.host_time            # CPU: the table of issue 28
     python -m kvqbench.suites.bench.latency.host_time --d 64 --B 1 8
@@ -53,6 +56,76 @@ def flats(spec: str, B: int, T: int, hkv: int, d: int, t0: int = 256, device="cp
     return tile_to(flatten(pk, "K"), B, T), tile_to(flatten(pv, "V"), B, T)
 
 
+class CudaLookingTensor(torch.Tensor):
+    """A CPU tensor the CUDA backends take for a CUDA one (`is_cuda`): with
+    `cuda_path_on_cpu`, a CPU walks the CUDA backends' real route and launch path. No
+    __torch_function__ (a subclass's would add Python to every attribute read: timed
+    here, it is not the GPU call's)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@contextlib.contextmanager
+def cuda_path_on_cpu(spec: str, q, kf, vf, valid_len: bool = False):
+    """Inside, `decode_attention(q, kf, vf)` (q a `CudaLookingTensor`) on a CPU runs the CUDA
+    backend of `spec`'s format up to its launch, which is stubbed: the library reads as
+    available, the launch records its plan pointer (yielded list) and returns 0, and the
+    plan a first default-options call would build (it reads the device: SM count, a
+    ctypes struct of device pointers) is put in the plan cache by hand, with 2 splits.
+    What it leaves out of a GPU call: the ctypes launch itself and CUDA's allocator (a
+    call without a workspace allocates its partials and result on the CPU here)."""
+    import types
+
+    from ....kernels.cuda import decode_attention as cd, hqmq_decode as ch
+
+    mod = ch if spec.startswith("hqmq") else cd
+    launches = []
+    stub = types.SimpleNamespace(lib=types.SimpleNamespace(kvq_run=None, kvq_hqmq_run=None))
+    patched = {"why_unavailable": lambda: None, "_PLANS": type(mod._PLANS)(64), "_LIB": stub,
+               "on_current_stream": lambda dev, entry, *args: launches.append(args[0]) or 0}
+    old = {name: getattr(mod, name) for name in patched}
+    for name, value in patched.items():
+        setattr(mod, name, value)
+    try:
+        B, hq, _, d = q.shape
+        plan = types.SimpleNamespace(ptr=0x5EED, nsplit=2, rows_q=B * hq, D=d, shape=(B, hq, 1, d), out_dtype=q.dtype)
+        if mod is ch:
+            key, ts = ch._lookup(q, kf, vf, None, None, None, None, valid_len)[1:]
+        else:
+            key, ts = cd._lookup(q, kf, vf, None, cd.DEFAULT_CTAS_PER_SM, None, None, False)[1:]
+        mod._PLANS.put(key, ts, plan)
+        yield launches
+    finally:
+        for name, value in old.items():
+            setattr(mod, name, value)
+
+
+def cuda_path_host_us(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int = 128,
+                      n: int = HOST_US_CALLS["n"], valid_len: bool = False) -> float:
+    """Host microseconds per `decode_attention(q, k, v)` call (backend auto) through the CUDA
+    backend, on a CPU (`cuda_path_on_cpu`: the launch stubbed): the Python of a CUDA call,
+    to compare with the Triton path's (`stubbed_host_us`) in the same run. NaN where the
+    format has no CUDA kernel or takes no valid_len without a graph view."""
+    from ....kernels import registry
+    from ....kernels.decode_attention import decode_attention, explain_backend
+
+    kf, vf = flats(spec, B, T, hkv, d)
+    if "cuda" not in registry.format_of_flat(type(kf)).by_backend or (valid_len and hasattr(kf, "T_res")):
+        return float("nan")
+    q = torch.randn(B, hq, 1, d).half().as_subclass(CudaLookingTensor)
+    kw = {"valid_len": torch.tensor([T], dtype=torch.int32)} if valid_len else {}
+    with cuda_path_on_cpu(spec, q, kf, vf, valid_len) as launches:
+        if explain_backend(q, kf, vf, **kw).backend != "cuda":
+            return float("nan")
+        us = host_us(lambda: decode_attention(q, kf, vf, **kw), **{**HOST_US_CALLS, "n": n}, sync=None)
+    assert launches, "the CUDA path did not reach its launch"
+    return us
+
+
 def stubbed_host_us(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int = 128, n: int = HOST_US_CALLS["n"],
                     valid_len: bool = False) -> float:
     """Host microseconds per `decode_attention(q, k, v)` call (backend auto): on a CPU with
@@ -88,12 +161,13 @@ def routed_plans(on: bool):
 
 
 def host_breakdown(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int = 128, n: int = 200,
-                   top: int = 14) -> str:
+                   top: int = 14, cuda_on_cpu: bool = False) -> str:
     """Where one eager call's host time goes: the route alone (`explain_backend`: which
     kernel takes the call and its checks, as the call routes it), the chosen kernel's
     function alone (plan lookup, buffers, launch), the whole call, each in host us per
     call; then cProfile of n whole calls (its own overhead inflates the small functions:
-    read it for shares, not times)."""
+    read it for shares, not times). cuda_on_cpu: on a CPU, through the CUDA backend's path
+    (`cuda_path_on_cpu`) instead of Triton's."""
     import cProfile
     import io
     import pstats
@@ -104,9 +178,14 @@ def host_breakdown(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     kf, vf = flats(spec, B, T, hkv, d, device=dev)
     q = torch.randn(B, hq, 1, d, device=dev).half()
-    kern = registry.format_of_flat(type(kf)).by_backend[explain_backend(q, kf, vf).backend]
+    if dev == "cpu" and cuda_on_cpu:
+        q = q.as_subclass(CudaLookingTensor)
+        stub = cuda_path_on_cpu(spec, q, kf, vf)
+    else:
+        stub = stubbed_launches() if dev == "cpu" else contextlib.nullcontext()
     sync = None if dev == "cpu" else "auto"
-    with stubbed_launches() if dev == "cpu" else contextlib.nullcontext():
+    with stub:
+        kern = registry.format_of_flat(type(kf)).by_backend[explain_backend(q, kf, vf).backend]
         parts = {"route": host_us(lambda: explain_backend(q, kf, vf), **{**HOST_US_CALLS, "n": n}, sync=sync),
                  f"{kern.backend} kernel fn": host_us(lambda: kern.fn(q, kf, vf), **{**HOST_US_CALLS, "n": n}, sync=sync),
                  "whole call": host_us(lambda: decode_attention(q, kf, vf), **{**HOST_US_CALLS, "n": n}, sync=sync)}
@@ -119,7 +198,8 @@ def host_breakdown(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int
             torch.cuda.synchronize()
     stats = pstats.Stats(prof, stream=io.StringIO()).stats  # (file, line, name) -> (cc, ncalls, tottime, cumtime, callers)
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    head = f"{spec} B={B} d={d} T={T}: " + ", ".join(f"{k} {v:.1f} us" for k, v in parts.items())
+    walked = " (CUDA path walked on the CPU)" if cuda_on_cpu and dev == "cpu" else ""
+    head = f"{spec} B={B} d={d} T={T}{walked}: " + ", ".join(f"{k} {v:.1f} us" for k, v in parts.items())
     lines = [f"  {'self us/call':>12s} {'cum us/call':>11s} {'calls/call':>10s}  function (cProfile)"]
     lines += [f"  {tt / n * 1e6:12.2f} {ct / n * 1e6:11.2f} {nc / n:10.1f}  {Path(f).name}:{ln}({name})"
               for (f, ln, name), (_, nc, tt, ct, _) in rows]
@@ -141,9 +221,10 @@ def main(argv=None) -> int:
     if a.breakdown:
         for f in a.formats:
             for on in (False, True):  # the CUDA backends' routed plan off, then on (same run)
-                with routed_plans(on):
+                with routed_plans(on):  # (on a CPU: the CUDA backend's path walked, where there is one)
+                    walk = not torch.cuda.is_available() and f != "fp16"
                     print(f"[routed plan {'on' if on else 'off'}] "
-                          + host_breakdown(SPECS[f], a.B[0], a.T, d=a.d[0], n=a.n), flush=True)
+                          + host_breakdown(SPECS[f], a.B[0], a.T, d=a.d[0], n=a.n, cuda_on_cpu=walk), flush=True)
         return 0
     how = "launch stubbed" if not torch.cuda.is_available() else "issued on " + torch.cuda.get_device_name()
     print(f"host us per decode_attention call, {how} (Hq 32, Hkv 8, T={a.T}; least of 15 means of {a.n})")
@@ -155,6 +236,15 @@ def main(argv=None) -> int:
             vl = [stubbed_host_us(SPECS[f], b, a.T, d=d, n=a.n, valid_len=True) for b in a.B]
             print(f"{f:8s} {d:4d} " + " ".join(f"{u:8.1f}" for u in us) + "  " + " ".join(f"{u:8.1f}" for u in vl),
                   flush=True)
+    if not torch.cuda.is_available():  # the CUDA backends' Python, walked here (cuda_path_on_cpu)
+        print("\nthe same through the CUDA backend's path, walked on this CPU (launch stubbed, the plan kept; "
+              "no ctypes launch, CPU allocator; nan: no CUDA kernel takes it)")
+        for d in a.d:
+            for f in a.formats:
+                us = [cuda_path_host_us(SPECS[f], b, a.T, d=d, n=a.n) for b in a.B]
+                vl = [cuda_path_host_us(SPECS[f], b, a.T, d=d, n=a.n, valid_len=True) for b in a.B]
+                print(f"{f:8s} {d:4d} " + " ".join(f"{u:8.1f}" for u in us) + "  "
+                      + " ".join(f"{u:8.1f}" for u in vl), flush=True)
     return 0
 
 
