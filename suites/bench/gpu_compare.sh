@@ -21,12 +21,17 @@
 #       compare_h200_<case>.log; or `time-ahead`: two cold rounds, without and with a shipped
 #       Triton manifest (kernels/precompile.py) -> bench_compare_h200_cold_{no,shipped}_manifest.json
 #       and the manifest. Qwen (491 MB) the same way in twelve parts, then `compare --model ...`.
+# lm-eval (claim 5 through `compare --lm-eval`, or `lm-eval ARGS...`): `prep-lm-eval` here puts
+# the wheels of lm-eval and every requirement the image lacks (suites/bench/gpu_wheels.py,
+# Python 3.12, ~13 MiB) in .gpul/; a call that carries .gpul stages them, and every call
+# after it installs them.
 set -u
 STAGE=${KVQ_STAGE:-/tmp/kvq_stage}
 C=${KVQBENCH_CACHE:-$HOME/.cache/kvqbench}
 stage_parts() {  # what this call carries: the wheel and corpus (.gpu/), model parts (.gpum/); joins complete models
   mkdir -p $STAGE/corpora $C/downloads
   [ -d .gpu ] && cp .gpu/*.whl $STAGE/ && cp .gpu/corpora/* $STAGE/corpora/
+  [ -d .gpul ] && mkdir -p $STAGE/lm_eval && cp .gpul/*.whl $STAGE/lm_eval/ && echo "lm-eval wheels staged"
   for d in .gpum/*/[0-9]*; do
     [ -f "$d/parts" ] || continue
     m=$(basename "$(dirname "$d")"); mkdir -p $STAGE/$m && cp $d/part_* $d/parts $d/name $STAGE/$m/
@@ -44,6 +49,11 @@ place_models() {  # the environment, the gguf reader, the corpus and every model
   source "$(dirname "$0")/gpu_env.sh"
   export PYTHONUNBUFFERED=1
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $STAGE/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  if ls $STAGE/lm_eval/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.lm_eval_installed ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $STAGE/lm_eval/*.whl \
+      && $PY -c "import lm_eval, datasets; print('lm-eval', lm_eval.__version__, 'datasets', datasets.__version__)" \
+      && touch /tmp/site/.lm_eval_installed
+  fi
   mkdir -p $C/corpora && cp $STAGE/corpora/* $C/corpora/
 }
 case "${1:-}" in
@@ -74,11 +84,13 @@ kvqbench)  # `kvqbench ARGS...`: any kvqbench command on this machine with the m
   # (e.g. `kvqbench generate --compile --repeat 2 ...`)
   place_models; shift
   $PY -m kvqbench.suites.compare.cli "$@" ;;
-lm-eval)  # `lm-eval ARGS...`: kvqbench-lm-eval with lm-eval and the packages the image lacks carried as
-  # wheels in .gpu3/ (pip download --no-deps of lm_eval and its missing dependencies, pytz too)
+lm-eval)  # `lm-eval ARGS...`: kvqbench-lm-eval, lm-eval's wheels staged by a call that carried .gpul
   place_models; shift
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu3/*.whl
+  [ -f /tmp/site/.lm_eval_installed ] || { echo "lm-eval is not staged: carry .gpul (prep-lm-eval) in a call first"; exit 2; }
   $PY -m kvqbench.suites.lm_eval.cli "$@" ;;
+prep-lm-eval)  # on the CPU machine: .gpul/, lm-eval's wheels for the image (see the top)
+  rm -rf .gpul && ${PYTHON:-.venv/bin/python} suites/bench/gpu_wheels.py lm_eval pytz --out .gpul || exit 1
+  du -sh .gpul ;;
 time|time-ahead|record)
   place_models
   [ -f $C/downloads/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "not all of .gpum/smollm2-135m/NN staged"; exit 2; }
@@ -122,5 +134,5 @@ time|time-ahead|record)
   cp $C/triton_ahead/*.json "$OUT/" 2>/dev/null; ls $C/triton_ahead 2>/dev/null
   for f in kernels/triton_ahead/*.json; do [ -f "$f" ] && cp "$f" "$OUT/shipped_$(basename $f)"; done
   echo "all done at $(( $(date +%s) - t0 )) s" ;;
-*) echo "usage: $0 prep [MODEL] | stage | compare ARGS... | lm-eval ARGS... | time [seconds] | time-ahead [seconds per run] | record [seconds]"; exit 2 ;;
+*) echo "usage: $0 prep [MODEL] | prep-lm-eval | stage | compare ARGS... | lm-eval ARGS... | time [seconds] | time-ahead [seconds per run] | record [seconds]"; exit 2 ;;
 esac

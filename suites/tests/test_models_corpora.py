@@ -200,3 +200,30 @@ def test_embedded_gguf_names_an_unknown_model(tmp_path):
     with pytest.raises(ValueError, match="unknown embedded model 'nope'") as e:
         embedded_gguf("nope", tmp_path / "w")
     assert all(n in str(e.value) for n in EMBEDDED_MODELS) and not (tmp_path / "w").exists()
+
+
+def test_gpu_wheels_carry_what_the_image_lacks_at_the_pinned_versions(tmp_path):
+    """suites/bench/gpu_wheels.py (gpu_compare.sh prep-lm-eval): lm-eval's requirements,
+    closed over, at the versions installed here; what the GPU image holds is left out;
+    a requirement not installed here is refused (its version would be a guess)."""
+    import importlib.util
+    from importlib import metadata
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("lm_eval")
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu_wheels.py"
+    spec = importlib.util.spec_from_file_location("gpu_wheels", path)
+    gw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gw)
+
+    image = gw.image_packages()
+    assert {"torch", "transformers", "numpy", "pandas"} <= image and "lm-eval" not in image
+    need = gw.closure(["lm_eval"])
+    assert need["lm-eval"] == metadata.version("lm_eval") and need["datasets"] == metadata.version("datasets")
+    assert "numpy" in need  # (closed over: a requirement of a requirement)
+    (tmp_path / "img.txt").write_text("# a comment\ndatasets, numpy\n")
+    assert gw.image_packages(tmp_path / "img.txt") == {"datasets", "numpy"}
+    with pytest.raises(SystemExit, match="not installed here"):
+        gw.closure(["no-such-distribution-kvq"])
