@@ -55,13 +55,19 @@ def choose_splits(rows: int, ntiles: int, device, num_splits: int | None = None,
     return math.ceil(ntiles / per), per
 
 
+def token_tiles(T: int) -> int:
+    """16-token tiles of T tokens (at least one): all of T that `split_tiles` reads, so
+    splits made for one T serve every T of the same tile count (the CUDA plans' retarget)."""
+    return max(1, -(-T // 16))
+
+
 def split_tiles(rows: int, T: int, sms: int, num_splits: int | None, ctas_per_sm: int | None, default,
                 multiple: int = 1) -> tuple[int, int]:
     """(number of splits, 16-token tiles per split) of T tokens in each of `rows` rows, every
     split non-empty: num_splits if given, else about ctas_per_sm CTAs per SM (of `sms`) if
     given, else `default(tiles)` splits; tiles per split rounded up to a multiple of
     `multiple` (the CUDA HQMQ kernel's Med3x blocks). The CUDA kernels' rule."""
-    tiles = max(1, -(-T // 16))
+    tiles = token_tiles(T)
     if num_splits:
         want = num_splits
     elif ctas_per_sm:

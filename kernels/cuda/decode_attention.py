@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles
+from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles, token_tiles
 from ..layout import FP8Flat, IntFlat, KIVIFlat, KIVIGraphFlat
 from .library import QTYPE, KernelLibrary, PlanCache, RoutedPlan, fresh_partials, on_current_stream
 
@@ -321,7 +321,7 @@ class _Plan:
     """What a call on one cache layout launches: the argument struct, the split count and
     the workspace size, with weak references to the cache tensors it points into (a plan
     is used only while every one of them is alive and the same object)."""
-    __slots__ = ("keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind")
+    __slots__ = ("keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind", "T", "splits_asked")
 
 
 _PLANS = PlanCache(64)  # layouts kept (library.py: weak references, cleared when full)
@@ -335,11 +335,15 @@ ROUTED = RoutedPlan(enabled=True)
 
 def _flat_key(f, device_count: bool):
     """(tensors a plan reads, the ints that place the valid tokens in them) of a flat
-    (device_count: a KIVI graph view's call with valid_len, placed by its policy and capacity)."""
+    (device_count: a KIVI graph view's call with valid_len, placed by its policy and capacity).
+    int4 / fp8: not the token count. An eager decode step calls on the same store buffers
+    with one token more each time: the plan is kept and `_retarget`ed to the call's T (the
+    length, the split count and size: what T changes) instead of built again per step
+    (a build is the ~60-90 us per-call host path). KIVI's counts stay in its key."""
     if type(f) is IntFlat:
-        return (f.codes, f.scale, f.zero), (f.B, f.H, f.T, f.D, f.bits, f.group)
+        return (f.codes, f.scale, f.zero), (f.B, f.H, f.D, f.bits, f.group)
     if type(f) is FP8Flat:
-        return (f.codes, f.scale), (f.B, f.H, f.T, f.D, f.fmt)
+        return (f.codes, f.scale), (f.B, f.H, f.D, f.fmt)
     counts = (f.policy, f.capacity) if device_count else (f.n_groups, f.n_res)
     return (f.codes, f.scale, f.zero, f.residual), (f.B, f.H, f.D, f.bits, f.group, f.role, *counts)
 
@@ -363,13 +367,37 @@ def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bo
     if not device_count and _is_graph(k, v):
         raise ValueError("a KIVI graph view needs valid_len: its group and window counts follow the device length")
     device_count = device_count and isinstance(k, KIVIFlat)  # (int4 / fp8: the same plan either way)
-    routed = ROUTED.take(q, k, v, (num_splits, ctas_per_sm, variant, out_dtype, device_count))
-    if routed is not None:
-        return routed
-    plan, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count)
-    if plan is not None:
-        return plan
-    return _PLANS.put(key, ts, _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count))
+    plan = ROUTED.take(q, k, v, (num_splits, ctas_per_sm, variant, out_dtype, device_count))
+    if plan is None:
+        plan, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count)
+        if plan is None:
+            return _PLANS.put(key, ts, _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count))
+    if plan.kind == 0 and plan.T != k.T:  # int4 / fp8 on more (or fewer) tokens of the same buffers
+        _retarget(plan, q, k, v)
+    return plan
+
+
+def _token_fields(a, k, device, num_splits, ctas_per_sm):
+    """The launch fields that follow the token count T of an int4 / fp8 call: T, the split
+    count and tiles per split (the only ones: `_retarget` relies on it). Returns nsplit."""
+    nsplit, per = splits(k.B * k.H, k.T, device, num_splits, ctas_per_sm)
+    a.T, a.per, a.nsplit = k.T, per, nsplit
+    return nsplit
+
+
+def _retarget(plan, q, k, v) -> None:
+    """A kept int4 / fp8 plan set to this call's T (the checks of a build that involve T;
+    the rest of the plan is T's alike). In place: a plan serves one call at a time (two
+    threads decoding the same cache buffers at once would race on it, as on the cache)."""
+    if v.T != k.T:
+        raise ValueError("K and V caches differ in shape")
+    if k.T == 0:
+        raise ValueError("empty cache (T = 0)")
+    if token_tiles(k.T) == token_tiles(plan.T):  # the splits read T's tiles only (15 steps of 16)
+        plan.args.T = k.T
+    else:
+        plan.nsplit = _token_fields(plan.args, k, q.device, *plan.splits_asked)
+    plan.T = k.T
 
 
 def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bool = False) -> _Plan:
@@ -418,8 +446,7 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_cou
         a.per_main, a.nsplit_main, a.per_tail, a.nsplit_tail = per_m, ns_m, per_t, ns_t
         a.nsplit = nsplit = ns_m + ns_t
     else:
-        nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm)
-        a.per, a.nsplit = per, nsplit
+        nsplit = _token_fields(a, k, q.device, num_splits, ctas_per_sm)
         if isinstance(k, IntFlat):
             a.kind, a.fmt = 0, 0
             a.kc, a.ks, a.kz = k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr()
@@ -442,6 +469,7 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_cou
     plan = _Plan()
     plan.keep, plan.args, plan.ptr = keep, a, ctypes.addressof(a)
     plan.nsplit, plan.rows_q, plan.D, plan.out_dtype, plan.kind = nsplit, B * Hq, D, out_dtype, a.kind
+    plan.T, plan.splits_asked = k.T, (num_splits, ctas_per_sm)
     plan.shape = (B, Hq, 1, D)
     return plan
 

@@ -31,7 +31,7 @@ import torch
 
 from ...quantizers.derived import derived
 from ...quantizers.derived import tensor_version as _version
-from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles
+from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles, token_tiles
 from ..layout import HQMQFlat, codebook_from_secondaries
 from .library import QTYPE, KernelLibrary, PlanCache, RoutedPlan, fresh_partials, on_current_stream
 
@@ -391,6 +391,12 @@ def _loaded():
     return lib
 
 
+def _token_splits(k, device, num_splits, ctas_per_sm, variant) -> tuple[int, int]:
+    """(splits, tiles per split) of a call on k's T tokens: with T itself, all a plan holds
+    that follows the token count (`_retarget` relies on it)."""
+    return splits(k.B * k.H, k.T, device, num_splits, ctas_per_sm, variant, k.S, k.has_outliers, k.D)
+
+
 def _launch_values(q: torch.Tensor, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len):
     """Every check of a call after the library's, in the order `decode` has always made them
     (so a call with several faults names the same one on both paths), and what the launch
@@ -411,7 +417,7 @@ def _launch_values(q: torch.Tensor, k, v, num_splits, ctas_per_sm, variant, out_
         raise ValueError(f"variant {variant} has no instance at head_dim {D} (variants: {variants(D)})")
     if occupancy(variant, k.S, out, D) <= 0:  # v8 with S > 96 (the shared-memory opt-in is refused)
         raise ValueError(f"variant {variant} does not fit the shared memory with S={k.S} at head_dim {D}")
-    nsplit, per = splits(B * H, T, q.device, num_splits, ctas_per_sm, variant, k.S, out, D)
+    nsplit, per = _token_splits(k, q.device, num_splits, ctas_per_sm, variant)
     out_dtype = out_dtype or q.dtype
     if out_dtype not in QTYPE:
         raise ValueError(f"out dtype {out_dtype}")
@@ -492,7 +498,7 @@ class _PlanArgs(ctypes.Structure):  # mirrors HqmqPlan in hqmq_decode.cu (checke
 class _Plan:
     """A call's launch: the argument struct (and its address), the tensors it points into
     that nothing else keeps alive (the fp16 codebooks), and the workspace shape."""
-    __slots__ = ("args", "ptr", "keep", "nsplit", "rows_q", "D", "shape", "out_dtype")
+    __slots__ = ("args", "ptr", "keep", "nsplit", "rows_q", "D", "shape", "out_dtype", "T", "splits_asked")
 
 
 _PLANS = PlanCache()
@@ -512,9 +518,9 @@ def _plan_tensors(k, v) -> tuple:
 def _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len_given: bool):
     """(the kept plan of this call or None, its key, the tensors it reads)."""
     ts = _plan_tensors(k, v)
-    key = (type(k), type(v), tuple(map(id, ts)),
-           k.B, k.H, k.T, k.D, k.S, k.code_bits, k.r_bits, k.log_radius, k.table_mode,
-           v.B, v.H, v.T, v.D, v.S, v.code_bits, v.r_bits, v.log_radius, v.table_mode,
+    key = (type(k), type(v), tuple(map(id, ts)),  # (not T: see _retarget)
+           k.B, k.H, k.D, k.S, k.code_bits, k.r_bits, k.log_radius, k.table_mode,
+           v.B, v.H, v.D, v.S, v.code_bits, v.r_bits, v.log_radius, v.table_mode,
            None if k.sec is None else _version(k.sec), None if v.sec is None else _version(v.sec),
            q.shape, q.dtype, q.device, valid_len_given, num_splits, ctas_per_sm, variant, out_dtype)
     return _PLANS.get(key, ts), key, ts
@@ -523,12 +529,13 @@ def _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len_give
 def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len):
     """The plan of a call on HQMQ flats: the kept one, else one made (every check of the
     call: ValueError / RuntimeError as the per-call path) and kept."""
-    routed = ROUTED.take(q, k, v, (num_splits, ctas_per_sm, variant, out_dtype, valid_len is not None))
-    if routed is not None:
-        return routed
-    plan, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len is not None)
+    plan = ROUTED.take(q, k, v, (num_splits, ctas_per_sm, variant, out_dtype, valid_len is not None))
     if plan is None:
-        plan = _PLANS.put(key, ts, _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len))
+        plan, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len is not None)
+        if plan is None:
+            return _PLANS.put(key, ts, _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len))
+    if plan.T != k.T:
+        _retarget(plan, q, k, v)
     return plan
 
 
@@ -551,7 +558,27 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len)
     plan = _Plan()
     plan.args, plan.ptr, plan.keep = a, ctypes.addressof(a), (kt, vt)
     plan.nsplit, plan.rows_q, plan.D, plan.shape, plan.out_dtype = nsplit, B * Hq, D, (B, Hq, 1, D), out_dtype
+    plan.T, plan.splits_asked = k.T, (num_splits, ctas_per_sm)
     return plan
+
+
+def _retarget(plan, q, k, v) -> None:
+    """A kept plan set to this call's T: an eager decode step calls on the same buffers with
+    one token more each time, and T is out of the plan key (`_lookup`), so the step pays
+    this instead of a build (the ~60-90 us per-call host path). The checks of a build that
+    involve T, then T and the splits (`_token_splits`: all that follows T). In place: a plan
+    serves one call at a time (two threads decoding the same cache buffers at once would
+    race on it, as on the cache)."""
+    if v.T != k.T:
+        raise ValueError("K and V caches differ in shape")
+    if k.T == 0:
+        raise ValueError("empty cache (T = 0)")
+    a = plan.args
+    if token_tiles(k.T) != token_tiles(plan.T):  # (the splits read T's tiles only: 15 steps of 16 skip this)
+        nsplit, per = _token_splits(k, q.device, *plan.splits_asked, a.variant)
+        a.steps_per_split, a.nsplit = per, nsplit
+        plan.nsplit = nsplit
+    a.T = plan.T = k.T
 
 
 def _decode_planned(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len):

@@ -813,14 +813,21 @@ def test_plan_cache_keeps_plans_by_tensor_identity():
 
 def test_plan_keying_and_invalidation(monkeypatch):
     """Any machine, the build stubbed: which changes of a call make a new plan (every input
-    the per-call path's checks and arguments derive from) and which reuse the kept one."""
+    the per-call path's checks and arguments derive from, but the token count) and which
+    reuse the kept one (another T: retargeted, see test_host_plan.py)."""
     from types import SimpleNamespace
 
     from kvqbench.kernels.cuda.library import PlanCache
 
     built = []
     monkeypatch.setattr(cuda_hqmq, "_PLANS", PlanCache())
-    monkeypatch.setattr(cuda_hqmq, "_build_plan", lambda *a: built.append(a) or SimpleNamespace(n=len(built)))
+    def build(*a):  # (what a retarget reads of a plan: its T, the struct's variant, the split options)
+        args = cuda_hqmq._PlanArgs()
+        args.variant = cuda_hqmq.DEFAULT_VARIANT
+        built.append(a)
+        return SimpleNamespace(n=len(built), T=a[1].T, args=args, splits_asked=a[3:5], nsplit=0)
+
+    monkeypatch.setattr(cuda_hqmq, "_build_plan", build)
     x = torch.randn(2, 2, 40, 128)
     fk = L.flatten(get_quantizer(SPEC, role="K").encode(x), "K")
     fv = L.flatten(get_quantizer(SPEC, role="V").encode(x), "V")
@@ -833,12 +840,14 @@ def test_plan_keying_and_invalidation(monkeypatch):
     same = [plan(), plan(k=dataclasses.replace(fk), v=dataclasses.replace(fv)), plan(q=torch.randn(2, 4, 1, 128)),
             plan(q=q.clone())]
     assert all(s is p for s in same) and len(built) == 1
+    # another token count of the same buffers (an eager decode step): the kept plan, retargeted
+    assert plan(k=dataclasses.replace(fk, T=39), v=dataclasses.replace(fv, T=39)) is p and p.T == p.args.T == 39
+    assert plan() is p and p.T == 40 and len(built) == 1
     vl = torch.tensor([3], dtype=torch.int32)
     pv = plan(valid_len=vl)
     assert pv is not p and plan(valid_len=torch.tensor([9], dtype=torch.int32)) is pv
     new = [plan(q=q.half()), plan(q=torch.randn(2, 8, 1, 128)), plan(ns=3), plan(cps=4), plan(variant=0),
-           plan(out_dtype=torch.float32), plan(k=dataclasses.replace(fk, T=39), v=dataclasses.replace(fv, T=39)),
-           plan(k=dataclasses.replace(fk, codes=fk.codes.clone())),
+           plan(out_dtype=torch.float32), plan(k=dataclasses.replace(fk, codes=fk.codes.clone())),
            plan(v=dataclasses.replace(fv, r_max=fv.r_max.clone())),
            plan(k=dataclasses.replace(fk, table_mode="codebook"))]
     assert len({id(n) for n in new + [p, pv]}) == len(new) + 2 and len(built) == 2 + len(new)

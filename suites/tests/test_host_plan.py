@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 
 import pytest
 import torch
@@ -237,7 +238,8 @@ def test_cuda_plan_takes_the_routed_plan_without_a_lookup(backend, monkeypatch):
     k, v = _flats(spec)
     q = torch.randn(1, 4, 1, 64)
     monkeypatch.setattr(mod, "ROUTED", RoutedPlan(enabled=True))
-    lookups, sentinel = [], object()  # sentinel: what a lookup would find
+    # (plans of this layout at its T: nothing to retarget)
+    lookups, sentinel = [], types.SimpleNamespace(kind=0, T=k.T)  # sentinel: what a lookup would find
     monkeypatch.setattr(mod, "_lookup", lambda *a: lookups.append(a) or (sentinel, None, ()))
     if backend == "int4":
         default, other = (None, cd.DEFAULT_CTAS_PER_SM, None, None, False), (7, cd.DEFAULT_CTAS_PER_SM, None, None, False)
@@ -245,7 +247,7 @@ def test_cuda_plan_takes_the_routed_plan_without_a_lookup(backend, monkeypatch):
     else:
         default, other = (None, None, None, None, False), (7, None, None, None, False)
         call = lambda o: ch._plan(q, k, v, *o[:4], valid_len=None)  # noqa: E731
-    routed = object()
+    routed = types.SimpleNamespace(kind=0, T=k.T)
     mod.ROUTED.offer(q, k, v, default, routed)
     assert call(default) is routed and not lookups
     mod.ROUTED.offer(q, k, v, default, routed)
@@ -285,3 +287,84 @@ def test_the_auto_route_hands_its_plan_to_the_launch(spec, valid_len, monkeypatc
     assert launches == [plan.ptr], "the call did not reach the CUDA launch with the kept plan"
     assert taken == [plan], f"the launch looked the plan up again instead of taking the routed one ({taken})"
     assert out.shape == plan.shape
+
+
+# ---- the CUDA backends' plans follow a growing cache (an eager decode step: T + 1) ------------
+@pytest.mark.parametrize("spec", ["int4", "fp8", "hqmq:S=96,r=4"])
+def test_a_kept_plan_follows_the_token_count_instead_of_a_build(spec, monkeypatch):
+    """T is out of the CUDA plans' keys (int4 / fp8 / HQMQ): a call on the same buffers with
+    another T finds the kept plan and `_retarget`s it (T, splits, tiles per split, by the
+    function a build uses) instead of building one per decode step. Checked on a CPU
+    through the plan functions (the launch struct of a real build needs the GPU:
+    test_a_grown_cache_retargets_its_plan_as_a_build_would); K / V of different T and an
+    empty cache are refused as a build refuses them. KIVI keeps its counts in its key."""
+    from kvqbench.kernels.cuda import decode_attention as cd
+    from kvqbench.kernels.cuda import hqmq_decode as ch
+
+    from kvqbench.kernels import common
+
+    hq = spec.startswith("hqmq")
+    mod = ch if hq else cd
+    monkeypatch.setattr(common, "ASSUMED_SM_COUNT", 132)  # (an H100's / H200's SMs: splits that move with T)
+    k, v = _flats(spec, T=256)
+    q = torch.randn(1, 4, 1, 64)
+    a = ch._PlanArgs() if hq else cd._Args()
+    a.variant = ch.DEFAULT_VARIANT if hq else 0
+
+    def splits_at(f):  # what a build at f.T sets: (splits, tiles per split)
+        return ch._token_splits(f, q.device, None, None, a.variant) if hq else cd.splits(f.B * f.H, f.T, q.device)
+
+    (a.nsplit, per), a.T = splits_at(k), k.T  # (as a build at T = 256 leaves them)
+    if hq:
+        a.steps_per_split = per
+    else:
+        a.per = per
+    plan = types.SimpleNamespace(args=a, T=256, nsplit=a.nsplit, kind=0, splits_asked=(None, None))
+    options = (None, None, None, None, False)
+    key, ts = mod._lookup(q, k, v, *options)[1:]
+    monkeypatch.setattr(mod, "_PLANS", type(mod._PLANS)(8))
+    mod._PLANS.put(key, ts, plan)
+    seen = set()
+    for T in (255, 17, 1, 256):  # (255: the same 16 tiles as 256, the splits kept; then other tile counts)
+        k.T = v.T = T  # (the store grows its flat's T in place the same way)
+        assert mod._lookup(q, k, v, *options)[1] == key
+        assert mod._plan(q, k, v, None, None, None, None, None if hq else False) is plan
+        assert mod._PLANS.builds == 1 and plan.T == a.T == T
+        assert (a.nsplit, a.steps_per_split if hq else a.per) == splits_at(k) and plan.nsplit == a.nsplit
+        seen.add(a.nsplit)
+    assert len(seen) > 1, seen  # (the split count itself followed T)
+    for bad_k, bad_v, why in ((256, 255, "differ in shape"), (0, 0, "empty cache")):
+        k.T, v.T = bad_k, bad_v
+        with pytest.raises(ValueError, match=why):
+            mod._retarget(plan, q, k, v)
+    kk, kv = _flats("kivi:bits=4", T=512)  # KIVI: its window and group counts stay in the key
+    grown = dataclasses.replace(kk, n_res=kk.T_res - 1)
+    assert cd._lookup(q, kk, kv, *options)[1] != cd._lookup(q, grown, kv, *options)[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real plan build needs a CUDA GPU")
+@pytest.mark.parametrize("spec", ["int4", "fp8", "hqmq:S=96,r=4"])
+def test_a_grown_cache_retargets_its_plan_as_a_build_would(spec):
+    """On the GPU: the kept plan, retargeted to another T, holds the very launch struct a
+    fresh build at that T makes (byte for byte), and the CUDA result equals Triton's."""
+    from kvqbench.kernels.cuda import decode_attention as cd
+    from kvqbench.kernels.cuda import hqmq_decode as ch
+
+    hq = spec.startswith("hqmq")
+    mod = ch if hq else cd
+    k, v = _flats(spec, T=256)
+    q = torch.randn(1, 4, 1, 64, device=DEV, dtype=torch.float16)
+    mod._PLANS.clear()
+    decode_attention(q, k, v, backend="cuda")
+    for T in (255, 129, 17, 1):
+        k.T = v.T = T
+        builds = mod._PLANS.builds
+        got = decode_attention(q, k, v, backend="cuda")
+        assert mod._PLANS.builds == builds, "a build per token count"
+        [(_, plan)] = mod._PLANS.plans.values()
+        fresh = (ch._build_plan(q, k, v, None, None, None, None, None) if hq
+                 else cd._build_plan(q, k, v, None, cd.DEFAULT_CTAS_PER_SM, None, None, False))
+        assert bytes(plan.args) == bytes(fresh.args) and plan.nsplit == fresh.nsplit
+        want = decode_attention(q, k, v, backend="triton").float()
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        assert err < 3e-3, f"T={T}: CUDA vs Triton relative error {err:.2e}"  # (the CUDA tests' tolerance)

@@ -92,7 +92,12 @@ def cuda_path_on_cpu(spec: str, q, kf, vf, valid_len: bool = False):
         setattr(mod, name, value)
     try:
         B, hq, _, d = q.shape
-        plan = types.SimpleNamespace(ptr=0x5EED, nsplit=2, rows_q=B * hq, D=d, shape=(B, hq, 1, d), out_dtype=q.dtype)
+        args = ch._PlanArgs() if mod is ch else cd._Args()  # (the fields a retarget sets: T, splits)
+        if mod is ch:
+            args.variant = ch.DEFAULT_VARIANT_MED3 if kf.has_outliers else ch.DEFAULT_VARIANT
+        plan = types.SimpleNamespace(ptr=0x5EED, nsplit=2, rows_q=B * hq, D=d, shape=(B, hq, 1, d), out_dtype=q.dtype,
+                                     T=kf.T, kind=1 if hasattr(kf, "T_res") else 0, args=args,
+                                     splits_asked=(None, None if mod is ch else cd.DEFAULT_CTAS_PER_SM))
         if mod is ch:
             key, ts = ch._lookup(q, kf, vf, None, None, None, None, valid_len)[1:]
         else:
@@ -104,32 +109,60 @@ def cuda_path_on_cpu(spec: str, q, kf, vf, valid_len: bool = False):
             setattr(mod, name, value)
 
 
+def stepping(fn, kf, vf):
+    """fn() on a token count one less every other call (the flats' T, KIVI's window rows),
+    as eager decode steps call on one more token each time: what a plan keyed by the
+    token count would build on every call. Changed in place, as the decode store does."""
+    if hasattr(kf, "T_res"):
+        base = [(f, f.T_res) for f in (kf, vf)]
+
+        def shift(s):
+            for f, rows in base:
+                f.n_res = rows - s
+    else:
+        T = kf.T
+
+        def shift(s):
+            kf.T = vf.T = T - s
+    state = [0]
+
+    def call():
+        state[0] ^= 1
+        shift(state[0])
+        return fn()
+
+    return call
+
+
 def cuda_path_host_us(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int = 128,
-                      n: int = HOST_US_CALLS["n"], valid_len: bool = False) -> float:
+                      n: int = HOST_US_CALLS["n"], valid_len: bool = False, step: bool = False) -> float:
     """Host microseconds per `decode_attention(q, k, v)` call (backend auto) through the CUDA
     backend, on a CPU (`cuda_path_on_cpu`: the launch stubbed): the Python of a CUDA call,
     to compare with the Triton path's (`stubbed_host_us`) in the same run. NaN where the
-    format has no CUDA kernel or takes no valid_len without a graph view."""
+    format has no CUDA kernel or takes no valid_len without a graph view, and for a KIVI
+    `step` (its window rows are in its plan key: every step builds, which needs the GPU)."""
     from ....kernels import registry
     from ....kernels.decode_attention import decode_attention, explain_backend
 
     kf, vf = flats(spec, B, T, hkv, d)
-    if "cuda" not in registry.format_of_flat(type(kf)).by_backend or (valid_len and hasattr(kf, "T_res")):
+    if "cuda" not in registry.format_of_flat(type(kf)).by_backend or ((valid_len or step) and hasattr(kf, "T_res")):
         return float("nan")
     q = torch.randn(B, hq, 1, d).half().as_subclass(CudaLookingTensor)
     kw = {"valid_len": torch.tensor([T], dtype=torch.int32)} if valid_len else {}
     with cuda_path_on_cpu(spec, q, kf, vf, valid_len) as launches:
         if explain_backend(q, kf, vf, **kw).backend != "cuda":
             return float("nan")
-        us = host_us(lambda: decode_attention(q, kf, vf, **kw), **{**HOST_US_CALLS, "n": n}, sync=None)
+        fn = lambda: decode_attention(q, kf, vf, **kw)  # noqa: E731
+        us = host_us(stepping(fn, kf, vf) if step else fn, **{**HOST_US_CALLS, "n": n}, sync=None)
     assert launches, "the CUDA path did not reach its launch"
     return us
 
 
 def stubbed_host_us(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int = 128, n: int = HOST_US_CALLS["n"],
-                    valid_len: bool = False) -> float:
+                    valid_len: bool = False, step: bool = False) -> float:
     """Host microseconds per `decode_attention(q, k, v)` call (backend auto): on a CPU with
-    the launch stubbed out (the Python-side cost of the call), on a GPU issued for real."""
+    the launch stubbed out (the Python-side cost of the call), on a GPU issued for real.
+    step: each call on another token count (`stepping`), as eager decode steps are."""
     from ....kernels.decode_attention import decode_attention
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,8 +175,9 @@ def stubbed_host_us(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: in
         kw["valid_len"] = torch.tensor([T], dtype=torch.int32, device=dev)
     # on a GPU the launch is real and unsynchronised: what is timed is the issue time (the
     # kernel runs behind it as long as the queue is not full: n is kept below its depth)
+    fn = lambda: decode_attention(q, kf, vf, **kw)  # noqa: E731
     with stubbed_launches() if dev == "cpu" else contextlib.nullcontext():
-        return host_us(lambda: decode_attention(q, kf, vf, **kw), **{**HOST_US_CALLS, "n": n},
+        return host_us(stepping(fn, kf, vf) if step else fn, **{**HOST_US_CALLS, "n": n},
                        sync=None if dev == "cpu" else "auto")
 
 
@@ -228,23 +262,26 @@ def main(argv=None) -> int:
         return 0
     how = "launch stubbed" if not torch.cuda.is_available() else "issued on " + torch.cuda.get_device_name()
     print(f"host us per decode_attention call, {how} (Hq 32, Hkv 8, T={a.T}; least of 15 means of {a.n})")
-    print(f"{'format':8s} {'d':>4s} " + " ".join(f"{'B=' + str(b):>8s}" for b in a.B) + "  " +
-          " ".join(f"{'B=' + str(b) + ' vl':>8s}" for b in a.B))
+    print("(vl: with a device valid_len; step: each call on another token count, as eager decode steps)")
+    head = f"{'format':8s} {'d':>4s} " + "  ".join(" ".join(f"{'B=' + str(b) + s:>9s}" for b in a.B)
+                                                 for s in ("", " vl", " step"))
+    print(head)
+
+    def row(f, d, timer):
+        cols = [[timer(SPECS[f], b, a.T, d=d, n=a.n, **kw) for b in a.B]
+                for kw in ({}, {"valid_len": True}, {"step": True})]
+        print(f"{f:8s} {d:4d} " + "  ".join(" ".join(f"{u:9.1f}" for u in c) for c in cols), flush=True)
+
     for d in a.d:
         for f in a.formats:
-            us = [stubbed_host_us(SPECS[f], b, a.T, d=d, n=a.n) for b in a.B]
-            vl = [stubbed_host_us(SPECS[f], b, a.T, d=d, n=a.n, valid_len=True) for b in a.B]
-            print(f"{f:8s} {d:4d} " + " ".join(f"{u:8.1f}" for u in us) + "  " + " ".join(f"{u:8.1f}" for u in vl),
-                  flush=True)
+            row(f, d, stubbed_host_us)
     if not torch.cuda.is_available():  # the CUDA backends' Python, walked here (cuda_path_on_cpu)
         print("\nthe same through the CUDA backend's path, walked on this CPU (launch stubbed, the plan kept; "
-              "no ctypes launch, CPU allocator; nan: no CUDA kernel takes it)")
+              "no ctypes launch, CPU allocator; nan: no CUDA kernel takes it, or a KIVI step, which builds)")
+        print(head)
         for d in a.d:
             for f in a.formats:
-                us = [cuda_path_host_us(SPECS[f], b, a.T, d=d, n=a.n) for b in a.B]
-                vl = [cuda_path_host_us(SPECS[f], b, a.T, d=d, n=a.n, valid_len=True) for b in a.B]
-                print(f"{f:8s} {d:4d} " + " ".join(f"{u:8.1f}" for u in us) + "  "
-                      + " ".join(f"{u:8.1f}" for u in vl), flush=True)
+                row(f, d, cuda_path_host_us)
     return 0
 
 
