@@ -160,7 +160,7 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
         # (a KIVI graph view is planned for a device count: the only call it takes)
         graph = _is_graph(k, v)
         plan = _lookup(q, k, v, None, DEFAULT_CTAS_PER_SM, None, None, graph)[0]
-        if plan is not None:
+        if plan is not None and (graph or k.T == v.T):  # (counts are out of the key: see _flat_key)
             ROUTED.offer(q, k, v, (None, DEFAULT_CTAS_PER_SM, None, None, graph), plan)
             return None
     if not q.is_cuda:
@@ -321,7 +321,8 @@ class _Plan:
     """What a call on one cache layout launches: the argument struct, the split count and
     the workspace size, with weak references to the cache tensors it points into (a plan
     is used only while every one of them is alive and the same object)."""
-    __slots__ = ("keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind", "T", "splits_asked")
+    __slots__ = ("keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind", "T", "splits_asked",
+                 "counts", "cut")
 
 
 _PLANS = PlanCache(64)  # layouts kept (library.py: weak references, cleared when full)
@@ -339,12 +340,13 @@ def _flat_key(f, device_count: bool):
     int4 / fp8: not the token count. An eager decode step calls on the same store buffers
     with one token more each time: the plan is kept and `_retarget`ed to the call's T (the
     length, the split count and size: what T changes) instead of built again per step
-    (a build is the ~60-90 us per-call host path). KIVI's counts stay in its key."""
+    (a build is the ~60-90 us per-call host path). KIVI: whether each side has quantized
+    groups and window rows (which buffers the plan points into), not their counts."""
     if type(f) is IntFlat:
         return (f.codes, f.scale, f.zero), (f.B, f.H, f.D, f.bits, f.group)
     if type(f) is FP8Flat:
         return (f.codes, f.scale), (f.B, f.H, f.D, f.fmt)
-    counts = (f.policy, f.capacity) if device_count else (f.n_groups, f.n_res)
+    counts = (f.policy, f.capacity) if device_count else (f.n_groups > 0, f.T_res > 0)
     return (f.codes, f.scale, f.zero, f.residual), (f.B, f.H, f.D, f.bits, f.group, f.role, *counts)
 
 
@@ -372,9 +374,37 @@ def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bo
         plan, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count)
         if plan is None:
             return _PLANS.put(key, ts, _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count))
-    if plan.kind == 0 and plan.T != k.T:  # int4 / fp8 on more (or fewer) tokens of the same buffers
+    if plan.kind == 0:
+        if plan.T != k.T:  # int4 / fp8 on more (or fewer) tokens of the same buffers
+            _retarget(plan, q, k, v)
+    elif not device_count and plan.counts != _kivi_counts(k, v):  # KIVI: other group / window counts
         _retarget(plan, q, k, v)
     return plan
+
+
+def _kivi_counts(k, v) -> tuple:
+    return k.n_groups, k.T_res, v.n_groups, v.T_res
+
+
+def _kivi_cut(k, v) -> tuple:
+    """All of a host-count call's counts that `kivi_plan`'s cut reads: n_main and the tail's
+    16-token tiles (0: no tail). Calls alike in it are cut alike (a retarget then sets the
+    lengths only: most decode steps)."""
+    n_main = min(k.T_quant, v.T_quant)
+    tail = k.T - n_main
+    return n_main, token_tiles(tail) if tail else 0
+
+
+def _kivi_token_fields(a, k, v, device, num_splits, ctas_per_sm, device_count: bool) -> int:
+    """The launch fields that follow a KIVI call's counts (host counts; a graph view's
+    device count: its capacity cut): T, the quantized lengths, the main / tail cut and
+    their splits (the only ones: `_retarget` relies on it). Returns nsplit."""
+    n_main, (ns_m, per_m), (ns_t, per_t) = kivi_plan(k, v, device, num_splits, ctas_per_sm, device_count)
+    if not device_count:
+        a.T, a.TQK, a.TQV, a.n_main = k.T, k.T_quant, v.T_quant, n_main
+    a.per_main, a.nsplit_main, a.per_tail, a.nsplit_tail = per_m, ns_m, per_t, ns_t
+    a.nsplit = ns_m + ns_t
+    return a.nsplit
 
 
 def _token_fields(a, k, device, num_splits, ctas_per_sm):
@@ -386,14 +416,23 @@ def _token_fields(a, k, device, num_splits, ctas_per_sm):
 
 
 def _retarget(plan, q, k, v) -> None:
-    """A kept int4 / fp8 plan set to this call's T (the checks of a build that involve T;
-    the rest of the plan is T's alike). In place: a plan serves one call at a time (two
+    """A kept plan set to this call's token count (int4 / fp8: T; KIVI: its group and window
+    counts), with the checks of a build that involve them; the rest of the plan is alike
+    for every count of the same buffers. In place: a plan serves one call at a time (two
     threads decoding the same cache buffers at once would race on it, as on the cache)."""
     if v.T != k.T:
         raise ValueError("K and V caches differ in shape")
     if k.T == 0:
         raise ValueError("empty cache (T = 0)")
-    if token_tiles(k.T) == token_tiles(plan.T):  # the splits read T's tiles only (15 steps of 16)
+    if plan.kind == 1:
+        if _kivi_cut(k, v) == plan.cut:
+            a = plan.args
+            a.T, a.TQK, a.TQV = k.T, k.T_quant, v.T_quant
+        else:
+            plan.nsplit = _kivi_token_fields(plan.args, k, v, q.device, *plan.splits_asked, False)
+            plan.cut = _kivi_cut(k, v)
+        plan.counts = _kivi_counts(k, v)
+    elif token_tiles(k.T) == token_tiles(plan.T):  # the splits read T's tiles only (15 steps of 16)
         plan.args.T = k.T
     else:
         plan.nsplit = _token_fields(plan.args, k, q.device, *plan.splits_asked)
@@ -427,7 +466,6 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_cou
         variant = DEFAULT_VARIANT["kivi"] if variant is None else variant
         if variant not in variants(k):
             raise ValueError(f"KIVI takes the shared-memory variants {variants(k)} at head_dim {D}, got {variant}")
-        n_main, (ns_m, per_m), (ns_t, per_t) = kivi_plan(k, v, q.device, num_splits, ctas_per_sm, device_count)
         a.kind, a.fmt = 1, k.bits
         for f, role, pre in ((k, "K", "k"), (v, "V", "v")):
             if f.n_groups or device_count:  # else never read: no quantized token on this side
@@ -441,10 +479,7 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_cou
                 setattr(a, pre + "_rs", bh_stride(f.residual, f"{role} window"))
         if device_count:  # the kernel derives TQK, TQV, n_main from the count
             (a.KA, a.KP), (a.VA, a.VP) = k.policy, v.policy
-        else:
-            a.TQK, a.TQV, a.n_main = k.T_quant, v.T_quant, n_main
-        a.per_main, a.nsplit_main, a.per_tail, a.nsplit_tail = per_m, ns_m, per_t, ns_t
-        a.nsplit = nsplit = ns_m + ns_t
+        nsplit = _kivi_token_fields(a, k, v, q.device, num_splits, ctas_per_sm, device_count)
     else:
         nsplit = _token_fields(a, k, q.device, num_splits, ctas_per_sm)
         if isinstance(k, IntFlat):
@@ -470,6 +505,8 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_cou
     plan.keep, plan.args, plan.ptr = keep, a, ctypes.addressof(a)
     plan.nsplit, plan.rows_q, plan.D, plan.out_dtype, plan.kind = nsplit, B * Hq, D, out_dtype, a.kind
     plan.T, plan.splits_asked = k.T, (num_splits, ctas_per_sm)
+    plan.counts = _kivi_counts(k, v) if a.kind == 1 and not device_count else None
+    plan.cut = _kivi_cut(k, v) if a.kind == 1 and not device_count else None
     plan.shape = (B, Hq, 1, D)
     return plan
 

@@ -234,7 +234,7 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
     if PLANNED and _PLANS.plans and isinstance(k, HQMQFlat) and isinstance(v, HQMQFlat):
         for given in (False, True):
             plan = _lookup(q, k, v, None, None, None, None, given)[0]
-            if plan is not None:
+            if plan is not None and k.T == v.T:  # (T is out of the key: see _retarget)
                 ROUTED.offer(q, k, v, (None, None, None, None, given), plan)
                 return None
     if not q.is_cuda:

@@ -337,27 +337,75 @@ def test_a_kept_plan_follows_the_token_count_instead_of_a_build(spec, monkeypatc
         k.T, v.T = bad_k, bad_v
         with pytest.raises(ValueError, match=why):
             mod._retarget(plan, q, k, v)
-    kk, kv = _flats("kivi:bits=4", T=512)  # KIVI: its window and group counts stay in the key
-    grown = dataclasses.replace(kk, n_res=kk.T_res - 1)
-    assert cd._lookup(q, kk, kv, *options)[1] != cd._lookup(q, grown, kv, *options)[1]
+
+
+def test_a_kept_kivi_plan_follows_its_group_and_window_counts(monkeypatch):
+    """KIVI: the plan key says which buffers a side's plan points into (groups or not,
+    window rows or not), not their counts; a kept plan is retargeted to the call's counts
+    by the function a build fills them with (the struct byte-equal to that function's
+    fields on a fresh one), and a side that gains its first group is a new plan."""
+    from kvqbench.kernels import common
+    from kvqbench.kernels.cuda import decode_attention as cd
+
+    monkeypatch.setattr(common, "ASSUMED_SM_COUNT", 132)
+    k, v = _flats("kivi:bits=4", T=300, t0=300)
+    q = torch.randn(1, 4, 1, 64)
+    options = (None, None, None, None, False)
+
+    def fields_of(k, v):  # what a build fills in of the counts, on an empty struct
+        a = cd._Args()
+        cd._kivi_token_fields(a, k, v, q.device, None, None, False)
+        return a
+
+    a = fields_of(k, v)
+    plan = types.SimpleNamespace(args=a, T=k.T, nsplit=a.nsplit, kind=1, splits_asked=(None, None),
+                                 counts=cd._kivi_counts(k, v), cut=cd._kivi_cut(k, v))
+    key, ts = cd._lookup(q, k, v, *options)[1:]
+    monkeypatch.setattr(cd, "_PLANS", type(cd._PLANS)(8))
+    cd._PLANS.put(key, ts, plan)
+    # (here K: 8 groups of 32 and 44 window rows; V: 5 groups and 140 rows; T = 300 each)
+    assert (k.n_groups, k.T_res, v.n_groups, v.T_res) == (8, 44, 5, 140)
+    cuts = []
+    fill = cd._kivi_token_fields
+    monkeypatch.setattr(cd, "_kivi_token_fields", lambda *a: cuts.append(1) or fill(*a))
+    # T = 299 (n_main and the tail's tiles kept: the lengths only), then 268 twice (n_main, then
+    # the tail's tiles moved) and 300: each a new cut
+    for (kg, kr, vg, vr), cut in (((8, 43, 5, 139), 0), ((8, 12, 4, 140), 1), ((7, 44, 5, 108), 1),
+                                  ((8, 44, 5, 140), 1)):
+        k.n_groups, k.n_res, v.n_groups, v.n_res = kg, kr, vg, vr
+        n = len(cuts)
+        assert cd._lookup(q, k, v, *options)[1] == key
+        assert cd._plan(q, k, v, None, None, None, None, False) is plan and cd._PLANS.builds == 1
+        assert len(cuts) - n == cut
+        assert bytes(plan.args) == bytes(fields_of(k, v)) and plan.counts == cd._kivi_counts(k, v)
+        assert plan.T == k.T and plan.nsplit == plan.args.nsplit
+    k.n_res = 0  # (a side without window rows: another plan, one that points into no window)
+    assert cd._lookup(q, k, v, *options)[1] != key
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a real plan build needs a CUDA GPU")
-@pytest.mark.parametrize("spec", ["int4", "fp8", "hqmq:S=96,r=4"])
+@pytest.mark.parametrize("spec", ["int4", "fp8", "hqmq:S=96,r=4", "kivi:bits=4"])
 def test_a_grown_cache_retargets_its_plan_as_a_build_would(spec):
-    """On the GPU: the kept plan, retargeted to another T, holds the very launch struct a
-    fresh build at that T makes (byte for byte), and the CUDA result equals Triton's."""
+    """On the GPU: the kept plan, retargeted to another token count, holds the very launch
+    struct a fresh build at that count makes (byte for byte), and the CUDA result equals
+    Triton's."""
     from kvqbench.kernels.cuda import decode_attention as cd
     from kvqbench.kernels.cuda import hqmq_decode as ch
 
-    hq = spec.startswith("hqmq")
+    hq, kivi = spec.startswith("hqmq"), spec.startswith("kivi")
     mod = ch if hq else cd
-    k, v = _flats(spec, T=256)
+    k, v = _flats(spec, T=300, t0=300) if kivi else _flats(spec, T=256)
     q = torch.randn(1, 4, 1, 64, device=DEV, dtype=torch.float16)
     mod._PLANS.clear()
     decode_attention(q, k, v, backend="cuda")
-    for T in (255, 129, 17, 1):
-        k.T = v.T = T
+    # KIVI (K: 8 groups and 44 window rows, V: 5 and 140): the counts of the CPU test above
+    steps = ([(8, 43, 5, 139), (8, 12, 4, 140), (7, 44, 5, 108), (8, 44, 5, 140)] if kivi else [255, 129, 17, 1])
+    assert not kivi or (k.n_groups, k.T_res, v.n_groups, v.T_res) == (8, 44, 5, 140)
+    for T in steps:
+        if kivi:
+            k.n_groups, k.n_res, v.n_groups, v.n_res = T
+        else:
+            k.T = v.T = T
         builds = mod._PLANS.builds
         got = decode_attention(q, k, v, backend="cuda")
         assert mod._PLANS.builds == builds, "a build per token count"

@@ -378,4 +378,4 @@ def test_host_time_walks_the_cuda_path_on_a_cpu(monkeypatch):
     assert cuda_path_host_us("int4", 1, 256, hq=4, hkv=2, d=64, n=5) > 0
     assert cuda_path_host_us("hqmq:S=96,r=4", 1, 256, hq=4, hkv=2, d=64, n=5, step=True) > 0  # (retargets)
     assert math.isnan(cuda_path_host_us("fp16", 1, 256, hq=4, hkv=2, d=64, n=5))
-    assert math.isnan(cuda_path_host_us("kivi:bits=4", 1, 256, hq=4, hkv=2, d=64, n=5, step=True))  # (builds)
+    assert cuda_path_host_us("kivi:bits=4", 1, 256, hq=4, hkv=2, d=64, n=5, step=True) > 0  # (window rows)

@@ -46,8 +46,12 @@ def stubbed_launches():
         tc.launch_hook = old
 
 
-def flats(spec: str, B: int, T: int, hkv: int, d: int, t0: int = 256, device="cpu"):
-    """(K, V) kernel-layout caches of `spec`, B sequences of T tokens (t0 encoded, tiled)."""
+def flats(spec: str, B: int, T: int, hkv: int, d: int, t0: int | None = None, device="cpu"):
+    """(K, V) kernel-layout caches of `spec`, B sequences of T tokens (t0 encoded, tiled).
+    KIVI from 288 tokens (K: a 32-row fp16 window, V: 128 rows, both kept by the tiling),
+    so that both sides have window rows, as between flushes of a decode, and a `stepping`
+    call can take one off each; the rest from 256."""
+    t0 = t0 or (288 if spec.startswith("kivi") else 256)
     from ....kernels.layout import flatten
     from ..toolkit import encode_kv, synthetic_kv, tile_to
 
@@ -97,7 +101,9 @@ def cuda_path_on_cpu(spec: str, q, kf, vf, valid_len: bool = False):
             args.variant = ch.DEFAULT_VARIANT_MED3 if kf.has_outliers else ch.DEFAULT_VARIANT
         plan = types.SimpleNamespace(ptr=0x5EED, nsplit=2, rows_q=B * hq, D=d, shape=(B, hq, 1, d), out_dtype=q.dtype,
                                      T=kf.T, kind=1 if hasattr(kf, "T_res") else 0, args=args,
-                                     splits_asked=(None, None if mod is ch else cd.DEFAULT_CTAS_PER_SM))
+                                     splits_asked=(None, None if mod is ch else cd.DEFAULT_CTAS_PER_SM),
+                                     counts=cd._kivi_counts(kf, vf) if hasattr(kf, "T_res") else None,
+                                     cut=cd._kivi_cut(kf, vf) if hasattr(kf, "T_res") else None)
         if mod is ch:
             key, ts = ch._lookup(q, kf, vf, None, None, None, None, valid_len)[1:]
         else:
@@ -115,6 +121,8 @@ def stepping(fn, kf, vf):
     token count would build on every call. Changed in place, as the decode store does."""
     if hasattr(kf, "T_res"):
         base = [(f, f.T_res) for f in (kf, vf)]
+        if min(rows for _, rows in base) < 1:
+            raise ValueError("stepping a KIVI layout takes a window row off each side: one has none")
 
         def shift(s):
             for f, rows in base:
@@ -139,13 +147,12 @@ def cuda_path_host_us(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: 
     """Host microseconds per `decode_attention(q, k, v)` call (backend auto) through the CUDA
     backend, on a CPU (`cuda_path_on_cpu`: the launch stubbed): the Python of a CUDA call,
     to compare with the Triton path's (`stubbed_host_us`) in the same run. NaN where the
-    format has no CUDA kernel or takes no valid_len without a graph view, and for a KIVI
-    `step` (its window rows are in its plan key: every step builds, which needs the GPU)."""
+    format has no CUDA kernel or takes no valid_len without a graph view."""
     from ....kernels import registry
     from ....kernels.decode_attention import decode_attention, explain_backend
 
     kf, vf = flats(spec, B, T, hkv, d)
-    if "cuda" not in registry.format_of_flat(type(kf)).by_backend or ((valid_len or step) and hasattr(kf, "T_res")):
+    if "cuda" not in registry.format_of_flat(type(kf)).by_backend or (valid_len and hasattr(kf, "T_res")):
         return float("nan")
     q = torch.randn(B, hq, 1, d).half().as_subclass(CudaLookingTensor)
     kw = {"valid_len": torch.tensor([T], dtype=torch.int32)} if valid_len else {}
@@ -277,7 +284,7 @@ def main(argv=None) -> int:
             row(f, d, stubbed_host_us)
     if not torch.cuda.is_available():  # the CUDA backends' Python, walked here (cuda_path_on_cpu)
         print("\nthe same through the CUDA backend's path, walked on this CPU (launch stubbed, the plan kept; "
-              "no ctypes launch, CPU allocator; nan: no CUDA kernel takes it, or a KIVI step, which builds)")
+              "no ctypes launch, CPU allocator; nan: no CUDA kernel takes it)")
         print(head)
         for d in a.d:
             for f in a.formats:
