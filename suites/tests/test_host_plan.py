@@ -416,3 +416,36 @@ def test_a_grown_cache_retargets_its_plan_as_a_build_would(spec):
         want = decode_attention(q, k, v, backend="triton").float()
         err = ((got.float() - want).abs().max() / want.abs().max()).item()
         assert err < 3e-3, f"T={T}: CUDA vs Triton relative error {err:.2e}"  # (the CUDA tests' tolerance)
+
+
+@pytest.mark.parametrize("spec", ["int4", "fp8", "hqmq:S=96,r=4", "kivi:bits=4"])
+def test_eager_decode_steps_keep_one_cuda_plan_key(spec):
+    """What the kept plans rest on: an eager decode step through the quantized cache calls
+    the kernels on the store's own buffers with one token more (the store grows its flat's
+    T in place), so the CUDA plan key stays the same step after step within the reserved
+    capacity (int4 / fp8 / HQMQ: one key; KIVI: a new key only where a side's window
+    empties or fills at a flush). With the token count in the key (before 2026-12-06)
+    every step was a new key, hence a plan build per layer per token."""
+    from kvqbench.kernels.cuda import decode_attention as cd
+    from kvqbench.kernels.cuda import hqmq_decode as ch
+    from kvqbench.suites.harness.kv_cache import QuantizedCache
+
+    mod = ch if spec.startswith("hqmq") else cd
+    B, H, D, T0, steps = 1, 2, 64, 40, 12
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, B, H, T0 + steps, D, generator=g).to(DEV)
+    q = torch.randn(B, 4, 1, D, device=DEV)
+    keys = []
+    with torch.inference_mode():
+        cache = QuantizedCache(spec, n_layers=1, fused=True)
+        cache.update(x[0, :, :, :T0], x[1, :, :, :T0], 0)
+        cache.reserve(T0 + steps)
+        layer = cache.layers[0]
+        for t in range(T0, T0 + steps):
+            cache.update(x[0, :, :, t:t + 1], x[1, :, :, t:t + 1], 0)
+            k, v = layer.stores["K"].kernel_view(), layer.stores["V"].kernel_view()
+            assert k.T == v.T == t + 1
+            options = (None, None, None, None, False) if mod is ch else (None, cd.DEFAULT_CTAS_PER_SM, None, None, False)
+            keys.append(mod._lookup(q, k, v, *options)[1])
+    distinct = len(set(keys))
+    assert distinct <= (1 + 2 * steps // 32 if spec.startswith("kivi") else 1), f"{distinct} plan keys in {steps} steps"
