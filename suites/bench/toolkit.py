@@ -231,6 +231,37 @@ def tile_to(flat, B: int, T: int):
     return flat.tile(B // flat.B, T // flat.T)
 
 
+def stepping(fn, kf, vf):
+    """fn() on a token count one less every other call (the flats' T; KIVI: one window row
+    fewer on each side), as eager decode steps call the kernels on one more token each
+    time: what a launch plan keyed by the token count would make anew on every call (the
+    latency suite's `host_us_step`, host_time.py's step column). The flats change in
+    place, as the decode store's do; `.restore()` puts them back. ValueError for a KIVI
+    layout with a side without window rows (no row to take off)."""
+    if hasattr(kf, "T_res"):  # a KIVIFlat (told by its window, as tile_to tells it)
+        base = [(f, f.n_res) for f in (kf, vf)]
+        if min(f.T_res for f in (kf, vf)) < 1:
+            raise ValueError("stepping a KIVI layout takes a window row off each side: one has none")
+
+        def shift(s):
+            for f, n_res in base:
+                f.n_res = (f.residual.shape[2] if n_res is None else n_res) - s if s else n_res
+    else:
+        T = kf.T
+
+        def shift(s):
+            kf.T = vf.T = T - s
+    state = [0]
+
+    def call():
+        state[0] ^= 1
+        shift(state[0])
+        return fn()
+
+    call.restore = lambda: shift(0)
+    return call
+
+
 def graph_replay(fn):
     """fn() captured once in a CUDA graph (warmed up on a side stream first, so that
     kernels compile and plans/workspaces are built outside the capture); returns the

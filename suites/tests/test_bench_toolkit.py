@@ -67,6 +67,32 @@ def test_tile_to_fits_every_layout_and_refuses_what_does_not_fit(spec):
             tk.tile_to(tiled, 3, T)
 
 
+@pytest.mark.parametrize("spec", ["int4", "kivi:bits=2,group=8,residual=8"])
+def test_stepping_alternates_the_token_count_and_puts_it_back(spec):
+    """toolkit.stepping: every other call one token fewer (KIVI: one window row fewer on
+    each side), T equal on both sides throughout, the flats restored after; a KIVI side
+    without window rows is refused."""
+    from kvqbench.kernels.layout import flatten
+
+    k, v = tk.synthetic_kv(1, 2, 60, 64, "cpu")  # (KIVI: fp16 windows of 4 and 12 rows)
+    (_, pk), (_, pv) = tk.encode_kv(spec, k, v)
+    kf, vf = flatten(pk, "K"), flatten(pv, "V")
+    before = (kf.T, vf.T, getattr(kf, "n_res", None), getattr(vf, "n_res", None))
+    seen = []
+    step = tk.stepping(lambda: seen.append((kf.T, vf.T)), kf, vf)
+    for _ in range(4):
+        step()
+    assert seen == [(59, 59), (60, 60)] * 2
+    step()
+    step.restore()
+    assert (kf.T, vf.T, getattr(kf, "n_res", None), getattr(vf, "n_res", None)) == before
+    if hasattr(kf, "T_res"):
+        import dataclasses
+
+        with pytest.raises(ValueError, match="window row"):
+            tk.stepping(lambda: None, dataclasses.replace(kf, n_res=0), vf)
+
+
 def test_timer_yardstick_and_environment_on_this_machine():
     calls = []
     t = tk.timeit_us(lambda: calls.append(1), rep_ms=5, warmup_ms=1)

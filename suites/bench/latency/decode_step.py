@@ -26,7 +26,8 @@ import time
 import torch
 
 from ....kernels.decode_attention import reference_decode_attention
-from ..toolkit import DEVICE, GPU, HOST_US_CALLS, LAUNCH_ERRORS, describe_error, graph_replay, host_us, timeit_us
+from ..toolkit import (DEVICE, GPU, HOST_US_CALLS, LAUNCH_ERRORS, describe_error, graph_replay, host_us, stepping,
+                       timeit_us)
 from .caches import EncodedCache, tiled
 from .config import DEFAULT_LAUNCH, LatencyConfig
 from .methods import (FLASHINFER_KV, FLASHINFER_PAGE, auto_backend, cuda_refusal, fake_quant_callable,
@@ -58,15 +59,29 @@ class _Rows:
         self.log(f"{method} B={self.B} T={self.T}: ERROR {describe_error(e, 200)}")
 
 
+def _step_host_us(fn, kf, vf) -> dict:
+    """{"host_us_step": issue time per call when each call has another token count
+    (toolkit.stepping)} or {"host_us_step_skipped": why}; the flats put back after."""
+    try:
+        step = stepping(fn, kf, vf)
+    except ValueError as e:
+        return {"host_us_step_skipped": str(e)}
+    try:
+        return {"host_us_step": host_us(step, sync=torch.cuda.synchronize, **HOST_US_CALLS)}
+    finally:
+        step.restore()
+
+
 # What a timed call can raise and still leave the run going: a launch at a too-large
 # shape or config, and (CUDA kernels, graph capture) a RuntimeError from the launch.
 ROW_ERRORS = LAUNCH_ERRORS + (RuntimeError, ValueError)
 NO_GRAPH = "not run here: CUDA graphs need a CUDA device"
 
 
-def _timed(out: _Rows, method: str, fn, nbytes: int, extra: dict, graph: bool, check=None):
+def _timed(out: _Rows, method: str, fn, nbytes: int, extra: dict, graph: bool, check=None, flats=None):
     """The eager row of fn, then (graph) its CUDA-graph replay row; `check` adds fields
-    to the eager row from fn (the correctness check)."""
+    to the eager row from fn (the correctness check). flats: fn's (K, V) kernel caches,
+    for the step host time."""
     try:
         row = dict(extra)
         if check:
@@ -75,6 +90,8 @@ def _timed(out: _Rows, method: str, fn, nbytes: int, extra: dict, graph: bool, c
         # (at larger shapes the GPU time of 15 x 100 calls would cost seconds per row)
         if GPU and out.B == 1 and method.startswith(("fused-", "flashinfer-")):
             row["host_us"] = host_us(fn, sync=torch.cuda.synchronize, **HOST_US_CALLS)
+            if flats is not None:  # and as eager decode calls: another token count each call
+                row.update(_step_host_us(fn, *flats))
         out.measured(method, timeit_us(fn), nbytes, **row)
     except ROW_ERRORS as e:
         out.failed(method, e)
@@ -172,7 +189,7 @@ def _fused_rows(cfg: LatencyConfig, out: _Rows, q, method: str, cache: EncodedCa
     except ROW_ERRORS as e:
         out.failed(method, e)
         return
-    _timed(out, method, shipped_callable(q, kf, vf), nbytes, ship, graph, check)
+    _timed(out, method, shipped_callable(q, kf, vf), nbytes, ship, graph, check, flats=(kf, vf))
 
     tri = f"{method}-triton"
     chosen, trials = tuning["chosen"], tuning["trials"]
@@ -198,7 +215,7 @@ def _fused_rows(cfg: LatencyConfig, out: _Rows, q, method: str, cache: EncodedCa
         return
     _timed(out, f"{method}-cuda", shipped_callable(q, kf, vf, "cuda"), nbytes,
            {**base, "backend": "cuda", "config": "defaults (backend=cuda)",
-            "note": f"opt-in, not what auto runs: {why}"}, graph, check)
+            "note": f"opt-in, not what auto runs: {why}"}, graph, check, flats=(kf, vf))
 
 
 def latency_section(cfg: LatencyConfig, caches: dict[str, EncodedCache], copy_GBps: float, sm_count: int,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..toolkit import HOST_US_CALLS, host_us
+from ..toolkit import HOST_US_CALLS, host_us, stepping
 
 # formats of issue 28's table: label -> quantizer spec
 SPECS = {"int4": "int4", "fp8": "fp8", "kivi4": "kivi:bits=4", "hqmq": "hqmq:S=96,r=4", "fp16": "fp16"}
@@ -115,33 +115,6 @@ def cuda_path_on_cpu(spec: str, q, kf, vf, valid_len: bool = False):
             setattr(mod, name, value)
 
 
-def stepping(fn, kf, vf):
-    """fn() on a token count one less every other call (the flats' T, KIVI's window rows),
-    as eager decode steps call on one more token each time: what a plan keyed by the
-    token count would build on every call. Changed in place, as the decode store does."""
-    if hasattr(kf, "T_res"):
-        base = [(f, f.T_res) for f in (kf, vf)]
-        if min(rows for _, rows in base) < 1:
-            raise ValueError("stepping a KIVI layout takes a window row off each side: one has none")
-
-        def shift(s):
-            for f, rows in base:
-                f.n_res = rows - s
-    else:
-        T = kf.T
-
-        def shift(s):
-            kf.T = vf.T = T - s
-    state = [0]
-
-    def call():
-        state[0] ^= 1
-        shift(state[0])
-        return fn()
-
-    return call
-
-
 def cuda_path_host_us(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int = 128,
                       n: int = HOST_US_CALLS["n"], valid_len: bool = False, step: bool = False) -> float:
     """Host microseconds per `decode_attention(q, k, v)` call (backend auto) through the CUDA
@@ -160,7 +133,8 @@ def cuda_path_host_us(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: 
         if explain_backend(q, kf, vf, **kw).backend != "cuda":
             return float("nan")
         fn = lambda: decode_attention(q, kf, vf, **kw)  # noqa: E731
-        us = host_us(stepping(fn, kf, vf) if step else fn, **{**HOST_US_CALLS, "n": n}, sync=None)
+        timed = stepping(fn, kf, vf) if step else fn
+        us = host_us(timed, **{**HOST_US_CALLS, "n": n}, sync=None)
     assert launches, "the CUDA path did not reach its launch"
     return us
 

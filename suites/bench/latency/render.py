@@ -24,13 +24,15 @@ def write_markdown(path: Path, res: dict):
          "not take it; `-graph` the same call replayed as a CUDA graph (B=1 and the focus shape), compared "
          "with `fp16-sdpa-graph`. "
          "x = same-run fp16 SDPA us / row us. host us: an eager fused call's issue time (the call returning, "
-         "no sync; host_time.py), the Python it runs before its kernel.", "",
+         "no sync; host_time.py), the Python it runs before its kernel; after the slash, the same when each "
+         "call has another token count, as eager decode steps do (`host_us_step`).", "",
          "| B | T | method | backend | latency (us) | host us | x fp16 SDPA | GB/s | of copy BW | bytes (MB) | note |",
          "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (r["B"], r["T"], r["method"])):
         note = "; ".join(str(n) for n in (r.get("note"), r.get("why_not_cuda"), r.get("config")) if n)
         x = f"{r['speedup_vs_fp16_sdpa']:.2f}" if "speedup_vs_fp16_sdpa" in r else ""
-        host = f"{r['host_us']:.1f}" if "host_us" in r else ""
+        host = (f"{r['host_us']:.1f}" if "host_us" in r else "") + \
+            (f" / {r['host_us_step']:.1f}" if "host_us_step" in r else "")
         L.append(f"| {r['B']} | {r['T']} | {r['method']} | {r.get('backend', '')} | {r['latency_us']:.1f} | {host} | {x} | "
                  f"{r['GBps']:.0f} | {r['frac_copy_bw']:.2f} | {r['bytes'] / 1e6:.1f} | {note} |")
     skipped = [r for r in res["latency"] if "latency_us" not in r]
