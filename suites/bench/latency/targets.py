@@ -71,8 +71,12 @@ def targets(rows: list[dict], focus: tuple[int, int]) -> dict:
         if r is None or "host_us" not in r:
             return {"row": m, "target": f"<= {HOST_US:g} us host per eager call", "met": None,
                     "missing": f"no eager {m} row with host_us at B={b1[0]} T={b1[1]}"}
-        return {"row": m, "backend": r.get("backend"), "host_us": r["host_us"],
-                "target": f"<= {HOST_US:g} us host per eager call", "met": r["host_us"] <= HOST_US}
+        # judged on the larger of the fixed-T call and the step call (another token count each
+        # call: what eager decode pays); rows before 2026-12-06 have the fixed-T figure only
+        us = max(r["host_us"], r.get("host_us_step", r["host_us"]))
+        return {"row": m, "backend": r.get("backend"), "host_us": us,
+                "judged_on": "max(fixed T, step)" if "host_us_step" in r else "fixed T (no step figure)",
+                "target": f"<= {HOST_US:g} us host per eager call", "met": us <= HOST_US}
 
     def b1_row(m):
         eager, graph = x(m, b1), x(m + "-graph", b1)
