@@ -59,3 +59,18 @@ def test_render_redraws_a_saved_run_without_measuring(tmp_path, monkeypatch):
     md = (tmp_path / "gen_x.md").read_text()
     assert "| kvqbench+compile:int4 | 3000.0 | - | 1.50 |" in md and "FAILED: RuntimeError: boom" in md
     assert (tmp_path / "gen_x.png").stat().st_size > 0
+
+
+def test_engine_rows_pass_their_mode_to_generate(monkeypatch):
+    """`kvqbench:` rows leave graph and compile to generate's defaults, `kvqbench+compile:`
+    compiles, `kvqbench-eager:` (--eager) asks for eager steps (graph=False)."""
+    bench = sys.modules[main.__module__]
+    seen = []
+    real = bench.generate
+    monkeypatch.setattr(bench, "generate", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    model = bench.build_model("tiny", dtype=torch.float32, device="cpu", max_positions=32)
+    for name in ("kvqbench:int4", "kvqbench-eager:int4"):
+        row = bench.measure_row(model, name, 1, 8, 4, runs=1)
+        assert row["tokens_per_s"] > 0 and row["mode"] == "eager"  # (no CUDA here: eager either way)
+    assert [{k: v for k, v in kw.items() if k in ("graph", "compile")} for kw in seen] == [{}, {"graph": False}]
+    assert bench.ENGINES["kvqbench+compile"] == {"compile": True}

@@ -24,6 +24,10 @@ DEFAULT_SPECS = ["plain", "fp16", "fp8-e4m3", "int4", "kivi:bits=2", "kivi:bits=
                  "hqmq:S=96,r=4,outliers=med3"]
 
 
+# the engine rows: name prefix -> generate()'s arguments
+ENGINES = {"kvqbench": {}, "kvqbench+compile": {"compile": True}, "kvqbench-eager": {"graph": False}}
+
+
 def _args(argv):
     p = argparse.ArgumentParser(prog="python -m kvqbench.suites.bench.generate", description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES), help="model shape, random weights")
@@ -37,6 +41,10 @@ def _args(argv):
     p.add_argument("--compile", action="store_true",
                    help="also a `kvqbench+compile:<spec>` row per spec: generate(compile=True), the decode "
                         "steps' decoder layers through torch.compile around our attention and cache")
+    p.add_argument("--eager", action="store_true",
+                   help="also a `kvqbench-eager:<spec>` row per spec: generate(graph=False), eager decode steps "
+                        "over the fused kernels (each layer's call pays its host path: what an uncaptured "
+                        "engine, or model.generate with our cache, runs)")
     p.add_argument("--compiled-only", action="store_true",
                    help="with --compile: only the `kvqbench+compile:<spec>` rows (beside the baselines)")
     p.add_argument("--ragged", type=int, default=0, metavar="N",
@@ -135,8 +143,7 @@ def measure_row(model, name: str, batch: int, prompt: int, new: int, runs: int, 
                 # the whole call's wall time (generate's own prefill_s + decode_s leave out
                 # its engine lookup, rewind or new cache, and setup; before 2026-12-05 rows used them)
                 s, g = _walled(lambda: generate(model, prompts, None if spec == "plain" else spec,
-                                                max_new_tokens=new, compile=engine == "kvqbench+compile"),
-                               ids.is_cuda)
+                                                max_new_tokens=new, **ENGINES[engine]), ids.is_cuda)
                 mode = g.mode
                 whys.update([g.why] if g.why else [])
                 dec_tokens, dec_s = dec_tokens + g.steps * sum(map(len, g.batches)), dec_s + g.decode_s
@@ -189,6 +196,8 @@ def main(argv=None) -> int:
     names = list(a.baselines) + ([] if a.compiled_only else [f"kvqbench:{s}" for s in a.specs])
     if a.compile:
         names += [f"kvqbench+compile:{s}" for s in a.specs]
+    if a.eager:
+        names += [f"kvqbench-eager:{s}" for s in a.specs]
     jobs = [(name, batch, None, False) for batch in a.batches for name in names]
     # A ragged row exists because generate runs prompts of different lengths as ONE
     # left-padded batch (suites/harness/padding.py): it is timed against what a user
@@ -214,7 +223,7 @@ def main(argv=None) -> int:
             ids = _calls(model, batch, a.prompt, None, False)[0][0]
             tag = re.sub(r"[^A-Za-z0-9._-]+", "_", name)  # (plain names: files travel back from a GPU call)
             profile_call(lambda: generate(model, ids, None if spec == "plain" else spec, max_new_tokens=a.new,
-                                          compile=engine == "kvqbench+compile"),
+                                          **ENGINES[engine]),
                          a.out / f"profile_{tag}_b{batch}.txt", f"{name}, batch {batch}, prompt {a.prompt}, "
                          f"{a.new} new tokens (one call after the timed runs)")
         data["rows"].append(row)
