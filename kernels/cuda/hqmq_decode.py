@@ -504,7 +504,7 @@ class _Plan:
 _PLANS = PlanCache()
 # The plan the auto route's check found, handed to the same call's launch (library.py
 # RoutedPlan). On since 2026-12-06 from CPU evidence only: the CUDA path walked on a CPU
-# (host_time.py cuda_path_on_cpu; test_host_plan.py checks the route's offer is what the
+# (host_time.py cuda_path_on_cpu; test_cuda_plans.py checks the route's offer is what the
 # launch takes) gave HQMQ 19.9 -> 15.2 host us per call, int4 12.7 -> 12.5 (noise).
 # The GPU tests have not yet run with it on: the next GPU session runs them first.
 ROUTED = RoutedPlan(enabled=True)

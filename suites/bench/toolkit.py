@@ -231,6 +231,17 @@ def tile_to(flat, B: int, T: int):
     return flat.tile(B // flat.B, T // flat.T)
 
 
+def kernel_flats(spec: str, B: int, T: int, H: int, d: int, t0: int, device="cpu"):
+    """(K, V) kernel-layout caches (kernels.layout `*Flat`s) of `spec`: t0 synthetic tokens
+    of one sequence encoded, flattened and tiled to B sequences of T tokens (`tile_to`).
+    Imports the kernels' layout when called."""
+    from kvqbench.kernels.layout import flatten  # absolute: also when loaded by path (asv)
+
+    k, v = synthetic_kv(1, H, t0, d, device)
+    (_, pk), (_, pv) = encode_kv(spec, k, v)
+    return tile_to(flatten(pk, "K"), B, T), tile_to(flatten(pv, "V"), B, T)
+
+
 def stepping(fn, kf, vf):
     """fn() on a token count one less every other call (the flats' T; KIVI: one window row
     fewer on each side), as eager decode steps call the kernels on one more token each

@@ -814,7 +814,7 @@ def test_plan_cache_keeps_plans_by_tensor_identity():
 def test_plan_keying_and_invalidation(monkeypatch):
     """Any machine, the build stubbed: which changes of a call make a new plan (every input
     the per-call path's checks and arguments derive from, but the token count) and which
-    reuse the kept one (another T: retargeted, see test_host_plan.py)."""
+    reuse the kept one (another T: retargeted, see test_cuda_plans.py)."""
     from types import SimpleNamespace
 
     from kvqbench.kernels.cuda.library import PlanCache

@@ -51,13 +51,9 @@ def flats(spec: str, B: int, T: int, hkv: int, d: int, t0: int | None = None, de
     KIVI from 288 tokens (K: a 32-row fp16 window, V: 128 rows, both kept by the tiling),
     so that both sides have window rows, as between flushes of a decode, and a `stepping`
     call can take one off each; the rest from 256."""
-    t0 = t0 or (288 if spec.startswith("kivi") else 256)
-    from ....kernels.layout import flatten
-    from ..toolkit import encode_kv, synthetic_kv, tile_to
+    from ..toolkit import kernel_flats
 
-    k, v = synthetic_kv(1, hkv, t0, d, device)
-    (_, pk), (_, pv) = encode_kv(spec, k, v)
-    return tile_to(flatten(pk, "K"), B, T), tile_to(flatten(pv, "V"), B, T)
+    return kernel_flats(spec, B, T, hkv, d, t0 or (288 if spec.startswith("kivi") else 256), device)
 
 
 class CudaLookingTensor(torch.Tensor):

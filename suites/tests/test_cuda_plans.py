@@ -1,0 +1,286 @@
+"""The CUDA backends' launch plans (kernels/cuda/decode_attention.py, hqmq_decode.py;
+issue 28, "a thin host path"): the plan the auto route's check finds is handed to the same
+call's launch (`RoutedPlan`), and a kept plan follows the token count of a growing cache
+(`_retarget`) instead of a build per eager decode step.
+
+On a CPU the CUDA path is walked (suites/bench/latency/host_time.py `cuda_path_on_cpu`: q
+passes for a CUDA tensor, the launch stubbed) or the plan functions are called directly;
+the tests that build real plans need a CUDA GPU. No timing here (host_time.py times it).
+"""
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from kvqbench.kernels.decode_attention import decode_attention  # noqa: E402
+from kvqbench.suites.bench.toolkit import kernel_flats  # noqa: E402
+
+pytestmark = pytest.mark.kernels
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _flats(spec, B=1, T=128, H=2, d=64, t0=None):
+    return kernel_flats(spec, B, T, H, d, t0 or (256 if spec.startswith("kivi") else 64), DEV)
+
+
+# ---- the CUDA backends' routed plan (kernels/cuda/library.py RoutedPlan) ---------------------
+def test_routed_plan_serves_only_the_call_that_found_it():
+    """A plan the route's check offers is taken by the same call (same q, k, v objects,
+    same options) once; any other call, options or a second take finds nothing; off, the
+    slot stays empty; the slot holds no strong reference to the call's tensors."""
+    import gc
+    import weakref
+
+    from kvqbench.kernels.cuda.library import RoutedPlan
+
+    k, v = _flats("int4")
+    q = torch.randn(1, 4, 1, 64)
+    memo, plan = RoutedPlan(enabled=True), object()
+    memo.offer(q, k, v, ("opts",), plan)
+    assert memo.take(q, k, v, ("opts",)) is plan and memo.take(q, k, v, ("opts",)) is None  # once
+    for other in ((q.clone(), k, v, ("opts",)), (q, v, k, ("opts",)), (q, k, v, ("other",))):
+        memo.offer(q, k, v, ("opts",), plan)
+        assert memo.take(*other) is None and memo.slot is None  # emptied either way
+    off = RoutedPlan()
+    off.offer(q, k, v, ("opts",), plan)
+    assert off.slot is None and off.take(q, k, v, ("opts",)) is None
+    q2 = torch.randn(1, 4, 1, 64)
+    memo.offer(q2, k, v, ("opts",), plan)
+    gone = weakref.ref(q2)
+    del q2
+    gc.collect()
+    assert gone() is None and memo.take(q, k, v, ("opts",)) is None
+
+
+@pytest.mark.parametrize("backend", ["int4", "hqmq"])
+def test_cuda_plan_takes_the_routed_plan_without_a_lookup(backend, monkeypatch):
+    """The CUDA backends' `_plan` uses the plan the same call's route offered (with the
+    options it looked up) and looks up nothing; with other options it looks up as before."""
+    from kvqbench.kernels.cuda import decode_attention as cd
+    from kvqbench.kernels.cuda import hqmq_decode as ch
+    from kvqbench.kernels.cuda.library import RoutedPlan
+
+    mod, spec = (cd, "int4") if backend == "int4" else (ch, "hqmq:S=96,r=4")
+    k, v = _flats(spec)
+    q = torch.randn(1, 4, 1, 64)
+    monkeypatch.setattr(mod, "ROUTED", RoutedPlan(enabled=True))
+    # (plans of this layout at its T: nothing to retarget)
+    lookups, sentinel = [], types.SimpleNamespace(kind=0, T=k.T)  # sentinel: what a lookup would find
+    monkeypatch.setattr(mod, "_lookup", lambda *a: lookups.append(a) or (sentinel, None, ()))
+    if backend == "int4":
+        default, other = (None, cd.DEFAULT_CTAS_PER_SM, None, None, False), (7, cd.DEFAULT_CTAS_PER_SM, None, None, False)
+        call = lambda o: cd._plan(q, k, v, *o[:4], device_count=o[4])  # noqa: E731
+    else:
+        default, other = (None, None, None, None, False), (7, None, None, None, False)
+        call = lambda o: ch._plan(q, k, v, *o[:4], valid_len=None)  # noqa: E731
+    routed = types.SimpleNamespace(kind=0, T=k.T)
+    mod.ROUTED.offer(q, k, v, default, routed)
+    assert call(default) is routed and not lookups
+    mod.ROUTED.offer(q, k, v, default, routed)
+    assert call(other) is sentinel and len(lookups) == 1
+
+
+
+@pytest.mark.parametrize("spec,valid_len", [("int4", False), ("int4", True), ("fp8", False), ("kivi:bits=4", False),
+                                            ("hqmq:S=96,r=4", False), ("hqmq:S=96,r=4", True),
+                                            ("hqmq:S=24,r=3,outliers=med3", False)])
+def test_the_auto_route_hands_its_plan_to_the_launch(spec, valid_len, monkeypatch):
+    """Through the real front (`decode_attention`, backend auto) on a CPU that walks the
+    CUDA path (host_time.py `cuda_path_on_cpu`: q looks like a CUDA tensor, the launch is
+    stubbed, the plan a first call would build is kept by hand): the plan the CUDA
+    backend's `unsupported` check finds is the one the same call's `_plan` takes from the
+    routed slot. The options tuple `offer` stores and the one `take` asks with are written
+    in two places; if they disagree the routed plan goes unused (a lookup per call, as with
+    the slot off) and this fails (checked by changing either tuple)."""
+    from kvqbench.kernels.cuda import decode_attention as cd
+    from kvqbench.kernels.cuda import hqmq_decode as ch
+    from kvqbench.kernels.cuda.library import RoutedPlan
+    from kvqbench.suites.bench.latency.host_time import CudaLookingTensor, cuda_path_on_cpu
+
+    mod = ch if spec.startswith("hqmq") else cd
+    k, v = _flats(spec)
+    q = torch.randn(1, 4, 1, 64).as_subclass(CudaLookingTensor)
+    assert q.is_cuda and not torch.Tensor(q).is_cuda
+    vl = torch.tensor([k.T], dtype=torch.int32) if valid_len else None
+    routed, taken = RoutedPlan(enabled=True), []
+    take = routed.take
+    monkeypatch.setattr(routed, "take", lambda *a: taken.append(take(*a)) or taken[-1])
+    monkeypatch.setattr(mod, "ROUTED", routed)
+    with cuda_path_on_cpu(spec, q, k, v, valid_len) as launches:
+        [(_, plan)] = mod._PLANS.plans.values()
+        out = decode_attention(q, k, v, valid_len=vl)
+        assert mod._PLANS.builds == 1  # (the hand-kept plan only: nothing was built)
+    assert launches == [plan.ptr], "the call did not reach the CUDA launch with the kept plan"
+    assert taken == [plan], f"the launch looked the plan up again instead of taking the routed one ({taken})"
+    assert out.shape == plan.shape
+
+
+# ---- the CUDA backends' plans follow a growing cache (an eager decode step: T + 1) ------------
+@pytest.mark.parametrize("spec", ["int4", "fp8", "hqmq:S=96,r=4"])
+def test_a_kept_plan_follows_the_token_count_instead_of_a_build(spec, monkeypatch):
+    """T is out of the CUDA plans' keys (int4 / fp8 / HQMQ): a call on the same buffers with
+    another T finds the kept plan and `_retarget`s it (T, splits, tiles per split, by the
+    function a build uses) instead of building one per decode step. Checked on a CPU
+    through the plan functions (the launch struct of a real build needs the GPU:
+    test_a_grown_cache_retargets_its_plan_as_a_build_would); K / V of different T and an
+    empty cache are refused as a build refuses them. KIVI keeps its counts in its key."""
+    from kvqbench.kernels.cuda import decode_attention as cd
+    from kvqbench.kernels.cuda import hqmq_decode as ch
+
+    from kvqbench.kernels import common
+
+    hq = spec.startswith("hqmq")
+    mod = ch if hq else cd
+    monkeypatch.setattr(common, "ASSUMED_SM_COUNT", 132)  # (an H100's / H200's SMs: splits that move with T)
+    k, v = _flats(spec, T=256)
+    q = torch.randn(1, 4, 1, 64)
+    a = ch._PlanArgs() if hq else cd._Args()
+    a.variant = ch.DEFAULT_VARIANT if hq else 0
+
+    def splits_at(f):  # what a build at f.T sets: (splits, tiles per split)
+        return ch._token_splits(f, q.device, None, None, a.variant) if hq else cd.splits(f.B * f.H, f.T, q.device)
+
+    (a.nsplit, per), a.T = splits_at(k), k.T  # (as a build at T = 256 leaves them)
+    if hq:
+        a.steps_per_split = per
+    else:
+        a.per = per
+    plan = types.SimpleNamespace(args=a, T=256, nsplit=a.nsplit, kind=0, splits_asked=(None, None))
+    options = (None, None, None, None, False)
+    key, ts = mod._lookup(q, k, v, *options)[1:]
+    monkeypatch.setattr(mod, "_PLANS", type(mod._PLANS)(8))
+    mod._PLANS.put(key, ts, plan)
+    seen = set()
+    for T in (255, 17, 1, 256):  # (255: the same 16 tiles as 256, the splits kept; then other tile counts)
+        k.T = v.T = T  # (the store grows its flat's T in place the same way)
+        assert mod._lookup(q, k, v, *options)[1] == key
+        assert mod._plan(q, k, v, None, None, None, None, None if hq else False) is plan
+        assert mod._PLANS.builds == 1 and plan.T == a.T == T
+        assert (a.nsplit, a.steps_per_split if hq else a.per) == splits_at(k) and plan.nsplit == a.nsplit
+        seen.add(a.nsplit)
+    assert len(seen) > 1, seen  # (the split count itself followed T)
+    for bad_k, bad_v, why in ((256, 255, "differ in shape"), (0, 0, "empty cache")):
+        k.T, v.T = bad_k, bad_v
+        with pytest.raises(ValueError, match=why):
+            mod._retarget(plan, q, k, v)
+
+
+def test_a_kept_kivi_plan_follows_its_group_and_window_counts(monkeypatch):
+    """KIVI: the plan key says which buffers a side's plan points into (groups or not,
+    window rows or not), not their counts; a kept plan is retargeted to the call's counts
+    by the function a build fills them with (the struct byte-equal to that function's
+    fields on a fresh one), and a side that gains its first group is a new plan."""
+    from kvqbench.kernels import common
+    from kvqbench.kernels.cuda import decode_attention as cd
+
+    monkeypatch.setattr(common, "ASSUMED_SM_COUNT", 132)
+    k, v = _flats("kivi:bits=4", T=300, t0=300)
+    q = torch.randn(1, 4, 1, 64)
+    options = (None, None, None, None, False)
+
+    def fields_of(k, v):  # what a build fills in of the counts, on an empty struct
+        a = cd._Args()
+        cd._kivi_token_fields(a, k, v, q.device, None, None, False)
+        return a
+
+    a = fields_of(k, v)
+    plan = types.SimpleNamespace(args=a, T=k.T, nsplit=a.nsplit, kind=1, splits_asked=(None, None),
+                                 counts=cd._kivi_counts(k, v), cut=cd._kivi_cut(k, v))
+    key, ts = cd._lookup(q, k, v, *options)[1:]
+    monkeypatch.setattr(cd, "_PLANS", type(cd._PLANS)(8))
+    cd._PLANS.put(key, ts, plan)
+    # (here K: 8 groups of 32 and 44 window rows; V: 5 groups and 140 rows; T = 300 each)
+    assert (k.n_groups, k.T_res, v.n_groups, v.T_res) == (8, 44, 5, 140)
+    cuts = []
+    fill = cd._kivi_token_fields
+    monkeypatch.setattr(cd, "_kivi_token_fields", lambda *a: cuts.append(1) or fill(*a))
+    # T = 299 (n_main and the tail's tiles kept: the lengths only), then 268 twice (n_main, then
+    # the tail's tiles moved) and 300: each a new cut
+    for (kg, kr, vg, vr), cut in (((8, 43, 5, 139), 0), ((8, 12, 4, 140), 1), ((7, 44, 5, 108), 1),
+                                  ((8, 44, 5, 140), 1)):
+        k.n_groups, k.n_res, v.n_groups, v.n_res = kg, kr, vg, vr
+        n = len(cuts)
+        assert cd._lookup(q, k, v, *options)[1] == key
+        assert cd._plan(q, k, v, None, None, None, None, False) is plan and cd._PLANS.builds == 1
+        assert len(cuts) - n == cut
+        assert bytes(plan.args) == bytes(fields_of(k, v)) and plan.counts == cd._kivi_counts(k, v)
+        assert plan.T == k.T and plan.nsplit == plan.args.nsplit
+    k.n_res = 0  # (a side without window rows: another plan, one that points into no window)
+    assert cd._lookup(q, k, v, *options)[1] != key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real plan build needs a CUDA GPU")
+@pytest.mark.parametrize("spec", ["int4", "fp8", "hqmq:S=96,r=4", "kivi:bits=4"])
+def test_a_grown_cache_retargets_its_plan_as_a_build_would(spec):
+    """On the GPU: the kept plan, retargeted to another token count, holds the very launch
+    struct a fresh build at that count makes (byte for byte), and the CUDA result equals
+    Triton's."""
+    from kvqbench.kernels.cuda import decode_attention as cd
+    from kvqbench.kernels.cuda import hqmq_decode as ch
+
+    hq, kivi = spec.startswith("hqmq"), spec.startswith("kivi")
+    mod = ch if hq else cd
+    k, v = _flats(spec, T=300, t0=300) if kivi else _flats(spec, T=256)
+    q = torch.randn(1, 4, 1, 64, device=DEV, dtype=torch.float16)
+    mod._PLANS.clear()
+    decode_attention(q, k, v, backend="cuda")
+    # KIVI (K: 8 groups and 44 window rows, V: 5 and 140): the counts of the CPU test above
+    steps = ([(8, 43, 5, 139), (8, 12, 4, 140), (7, 44, 5, 108), (8, 44, 5, 140)] if kivi else [255, 129, 17, 1])
+    assert not kivi or (k.n_groups, k.T_res, v.n_groups, v.T_res) == (8, 44, 5, 140)
+    for T in steps:
+        if kivi:
+            k.n_groups, k.n_res, v.n_groups, v.n_res = T
+        else:
+            k.T = v.T = T
+        builds = mod._PLANS.builds
+        got = decode_attention(q, k, v, backend="cuda")
+        assert mod._PLANS.builds == builds, "a build per token count"
+        [(_, plan)] = mod._PLANS.plans.values()
+        fresh = (ch._build_plan(q, k, v, None, None, None, None, None) if hq
+                 else cd._build_plan(q, k, v, None, cd.DEFAULT_CTAS_PER_SM, None, None, False))
+        assert bytes(plan.args) == bytes(fresh.args) and plan.nsplit == fresh.nsplit
+        want = decode_attention(q, k, v, backend="triton").float()
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        assert err < 3e-3, f"T={T}: CUDA vs Triton relative error {err:.2e}"  # (the CUDA tests' tolerance)
+
+
+@pytest.mark.parametrize("spec", ["int4", "fp8", "hqmq:S=96,r=4", "kivi:bits=4"])
+def test_eager_decode_steps_keep_one_cuda_plan_key(spec):
+    """What the kept plans rest on: an eager decode step through the quantized cache calls
+    the kernels on the store's own buffers with one token more (the store grows its flat's
+    T in place), so the CUDA plan key stays the same step after step within the reserved
+    capacity (int4 / fp8 / HQMQ: one key; KIVI: a new key only where a side's window
+    empties or fills at a flush). With the token count in the key (before 2026-12-06)
+    every step was a new key, hence a plan build per layer per token."""
+    from kvqbench.kernels.cuda import decode_attention as cd
+    from kvqbench.kernels.cuda import hqmq_decode as ch
+    from kvqbench.suites.harness.kv_cache import QuantizedCache
+
+    mod = ch if spec.startswith("hqmq") else cd
+    B, H, D, T0, steps = 1, 2, 64, 40, 12
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, B, H, T0 + steps, D, generator=g).to(DEV)
+    q = torch.randn(B, 4, 1, D, device=DEV)
+    keys = []
+    with torch.inference_mode():
+        cache = QuantizedCache(spec, n_layers=1, fused=True)
+        cache.update(x[0, :, :, :T0], x[1, :, :, :T0], 0)
+        cache.reserve(T0 + steps)
+        layer = cache.layers[0]
+        for t in range(T0, T0 + steps):
+            cache.update(x[0, :, :, t:t + 1], x[1, :, :, t:t + 1], 0)
+            k, v = layer.stores["K"].kernel_view(), layer.stores["V"].kernel_view()
+            assert k.T == v.T == t + 1
+            options = (None, None, None, None, False) if mod is ch else (None, cd.DEFAULT_CTAS_PER_SM, None, None, False)
+            keys.append(mod._lookup(q, k, v, *options)[1])
+    distinct = len(set(keys))
+    assert distinct <= (1 + 2 * steps // 32 if spec.startswith("kivi") else 1), f"{distinct} plan keys in {steps} steps"
