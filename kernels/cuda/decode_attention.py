@@ -51,7 +51,8 @@ import torch
 
 from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles, token_tiles
 from ..layout import FP8Flat, IntFlat, KIVIFlat, KIVIGraphFlat
-from .library import QTYPE, KernelLibrary, PlanCache, RoutedPlan, fresh_partials, on_current_stream
+from .library import (QTYPE, KernelLibrary, PlanCache, RoutedPlan, check_token_counts, follow_tokens, fresh_partials,
+                      on_current_stream)
 
 SOURCE = Path(__file__).parent / "decode_attention.cu"
 # The numbers behind every default below (variants, splits, switches), run by run, are in
@@ -327,21 +328,20 @@ class _Plan:
 
 _PLANS = PlanCache(64)  # layouts kept (library.py: weak references, cleared when full)
 # The plan the auto route's check found, handed to the same call's launch (library.py
-# RoutedPlan). On since 2026-12-06 from CPU evidence only: the CUDA path walked on a CPU
-# (host_time.py cuda_path_on_cpu; test_cuda_plans.py checks the route's offer is what the
-# launch takes) gave HQMQ 19.9 -> 15.2 host us per call, int4 12.7 -> 12.5 (noise).
-# The GPU tests have not yet run with it on: the next GPU session runs them first.
+# RoutedPlan). On since 2026-12-06 from CPU evidence only: test_cuda_plans.py checks the
+# route's offer is what the launch takes, and the CUDA path walked on a 2-core CPU
+# (host_time.py --breakdown, cuda_path_on_cpu: launch stubbed; B=1, T=4096, d=128, one run)
+# took 0.76x the host time with it on for HQMQ, 0.98x for int4 (noise). The GPU tests have
+# not yet run with it on: the next GPU session runs them first.
 ROUTED = RoutedPlan(enabled=True)
 
 
 def _flat_key(f, device_count: bool):
     """(tensors a plan reads, the ints that place the valid tokens in them) of a flat
     (device_count: a KIVI graph view's call with valid_len, placed by its policy and capacity).
-    int4 / fp8: not the token count. An eager decode step calls on the same store buffers
-    with one token more each time: the plan is kept and `_retarget`ed to the call's T (the
-    length, the split count and size: what T changes) instead of built again per step
-    (a build is the ~60-90 us per-call host path). KIVI: whether each side has quantized
-    groups and window rows (which buffers the plan points into), not their counts."""
+    int4 / fp8: not the token count (a kept plan follows it: `_retarget`, library.py
+    `follow_tokens`). KIVI: whether each side has quantized groups and window rows (which
+    buffers the plan points into), not their counts."""
     if type(f) is IntFlat:
         return (f.codes, f.scale, f.zero), (f.B, f.H, f.D, f.bits, f.group)
     if type(f) is FP8Flat:
@@ -386,12 +386,18 @@ def _kivi_counts(k, v) -> tuple:
     return k.n_groups, k.T_res, v.n_groups, v.T_res
 
 
+def _host_lengths(k, v) -> tuple[int, int]:
+    """(n_main, tail tokens) of a host-count KIVI call: the tokens both sides hold quantized,
+    and the rest (`kivi_plan` cuts these)."""
+    n_main = min(k.T_quant, v.T_quant)
+    return n_main, k.T - n_main
+
+
 def _kivi_cut(k, v) -> tuple:
     """All of a host-count call's counts that `kivi_plan`'s cut reads: n_main and the tail's
     16-token tiles (0: no tail). Calls alike in it are cut alike (a retarget then sets the
     lengths only: most decode steps)."""
-    n_main = min(k.T_quant, v.T_quant)
-    tail = k.T - n_main
+    n_main, tail = _host_lengths(k, v)
     return n_main, token_tiles(tail) if tail else 0
 
 
@@ -416,27 +422,20 @@ def _token_fields(a, k, device, num_splits, ctas_per_sm):
 
 
 def _retarget(plan, q, k, v) -> None:
-    """A kept plan set to this call's token count (int4 / fp8: T; KIVI: its group and window
-    counts), with the checks of a build that involve them; the rest of the plan is alike
-    for every count of the same buffers. In place: a plan serves one call at a time (two
-    threads decoding the same cache buffers at once would race on it, as on the cache)."""
-    if v.T != k.T:
-        raise ValueError("K and V caches differ in shape")
-    if k.T == 0:
-        raise ValueError("empty cache (T = 0)")
-    if plan.kind == 1:
-        if _kivi_cut(k, v) == plan.cut:
-            a = plan.args
-            a.T, a.TQK, a.TQV = k.T, k.T_quant, v.T_quant
-        else:
-            plan.nsplit = _kivi_token_fields(plan.args, k, v, q.device, *plan.splits_asked, False)
-            plan.cut = _kivi_cut(k, v)
-        plan.counts = _kivi_counts(k, v)
-    elif token_tiles(k.T) == token_tiles(plan.T):  # the splits read T's tiles only (15 steps of 16)
-        plan.args.T = k.T
+    """A kept plan set to this call's token count: int4 / fp8 by library.py `follow_tokens`;
+    KIVI its group and window counts (the split fields re-cut only when `_kivi_cut` moves).
+    The rest of a plan is alike for every count of the same buffers."""
+    if plan.kind == 0:
+        follow_tokens(plan, k, v, lambda: _token_fields(plan.args, k, q.device, *plan.splits_asked))
+        return
+    check_token_counts(k, v)
+    if _kivi_cut(k, v) == plan.cut:
+        a = plan.args
+        a.T, a.TQK, a.TQV = k.T, k.T_quant, v.T_quant
     else:
-        plan.nsplit = _token_fields(plan.args, k, q.device, *plan.splits_asked)
-    plan.T = k.T
+        plan.nsplit = _kivi_token_fields(plan.args, k, v, q.device, *plan.splits_asked, False)
+        plan.cut = _kivi_cut(k, v)
+    plan.counts, plan.T = _kivi_counts(k, v), k.T
 
 
 def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bool = False) -> _Plan:
@@ -590,8 +589,7 @@ def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | No
         n_main = min(max(0, C - a) // p * p for a, p in (k.policy, v.policy))
         tail_tokens = min(C, max(a + p for a, p in (k.policy, v.policy)) - 1)
     else:
-        n_main = min(k.T_quant, v.T_quant)
-        tail_tokens = k.T - n_main
+        n_main, tail_tokens = _host_lengths(k, v)
     main = (0, 0)
     if n_main:
         _, per = splits(rows, n_main, device, num_splits, ctas_per_sm, KIVI_TILES_PER_SPLIT)

@@ -31,9 +31,9 @@ import torch
 
 from ...quantizers.derived import derived
 from ...quantizers.derived import tensor_version as _version
-from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles, token_tiles
+from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import HQMQFlat, codebook_from_secondaries
-from .library import QTYPE, KernelLibrary, PlanCache, RoutedPlan, fresh_partials, on_current_stream
+from .library import QTYPE, KernelLibrary, PlanCache, RoutedPlan, follow_tokens, fresh_partials, on_current_stream
 
 SOURCE = Path(__file__).parent / "hqmq_decode.cu"
 # VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM):
@@ -503,10 +503,8 @@ class _Plan:
 
 _PLANS = PlanCache()
 # The plan the auto route's check found, handed to the same call's launch (library.py
-# RoutedPlan). On since 2026-12-06 from CPU evidence only: the CUDA path walked on a CPU
-# (host_time.py cuda_path_on_cpu; test_cuda_plans.py checks the route's offer is what the
-# launch takes) gave HQMQ 19.9 -> 15.2 host us per call, int4 12.7 -> 12.5 (noise).
-# The GPU tests have not yet run with it on: the next GPU session runs them first.
+# RoutedPlan). On since 2026-12-06 from CPU evidence only (decode_attention.py's ROUTED
+# says which); the GPU tests have not yet run with it on.
 ROUTED = RoutedPlan(enabled=True)
 
 
@@ -563,22 +561,14 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len)
 
 
 def _retarget(plan, q, k, v) -> None:
-    """A kept plan set to this call's T: an eager decode step calls on the same buffers with
-    one token more each time, and T is out of the plan key (`_lookup`), so the step pays
-    this instead of a build (the ~60-90 us per-call host path). The checks of a build that
-    involve T, then T and the splits (`_token_splits`: all that follows T). In place: a plan
-    serves one call at a time (two threads decoding the same cache buffers at once would
-    race on it, as on the cache)."""
-    if v.T != k.T:
-        raise ValueError("K and V caches differ in shape")
-    if k.T == 0:
-        raise ValueError("empty cache (T = 0)")
-    a = plan.args
-    if token_tiles(k.T) != token_tiles(plan.T):  # (the splits read T's tiles only: 15 steps of 16 skip this)
-        nsplit, per = _token_splits(k, q.device, *plan.splits_asked, a.variant)
-        a.steps_per_split, a.nsplit = per, nsplit
-        plan.nsplit = nsplit
-    a.T = plan.T = k.T
+    """A kept plan set to this call's T (library.py `follow_tokens`; the splits by
+    `_token_splits`, as a build makes them)."""
+    follow_tokens(plan, k, v, lambda: _resplit(plan.args, k, q.device, *plan.splits_asked))
+
+
+def _resplit(a, k, device, num_splits, ctas_per_sm) -> int:
+    a.nsplit, a.steps_per_split = _token_splits(k, device, num_splits, ctas_per_sm, a.variant)
+    return a.nsplit
 
 
 def _decode_planned(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len):

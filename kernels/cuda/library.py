@@ -28,6 +28,8 @@ except ImportError:  # pragma: no cover - no CUDA build on such hosts anyway
 
 import torch
 
+from ..common import token_tiles
+
 FLAGS = ["-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"]
 QTYPE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # the .cu sources' dtype codes (q, out)
 
@@ -184,6 +186,30 @@ class PlanCache:
         self.plans.clear()
 
 
+def check_token_counts(k, v) -> None:
+    """The checks of a plan build that involve the token count, for a kept plan used at
+    another count (`follow_tokens`; KIVI's retarget)."""
+    if v.T != k.T:
+        raise ValueError("K and V caches differ in shape")
+    if k.T == 0:
+        raise ValueError("empty cache (T = 0)")
+
+
+def follow_tokens(plan, k, v, resplit) -> None:
+    """A kept plan set to this call's token count T: an eager decode step calls on the same
+    cache buffers with one token more each time, and T is out of the plan keys, so a step
+    pays this instead of a build (the per-call path: 59-93 us of host time per call on the
+    H200, reports/kernels/NOTES.md). The plan's `args.T` and `T` follow k.T; its split
+    fields only when T's 16-token tile count moves (the split rules read the tiles only):
+    `resplit()` sets them as a build does and returns the split count. In place: a plan
+    serves one call at a time (two threads decoding the same cache buffers at once would
+    race on it, as on the cache)."""
+    check_token_counts(k, v)
+    if token_tiles(k.T) != token_tiles(plan.T):
+        plan.nsplit = resplit()
+    plan.args.T = plan.T = k.T
+
+
 class RoutedPlan:
     """The plan the auto route's `unsupported` check found for a call, handed to the same
     call's launch so it does not look the plan up a second time (a lookup builds a key of
@@ -237,5 +263,6 @@ def fresh_partials(rows_q: int, nsplit: int, D: int, shape, out_dtype, device):
     return part, out, po, pm, pm + 4 * n, out.data_ptr()
 
 
-__all__ = ["FLAGS", "QTYPE", "KernelLibrary", "PlanCache", "RoutedPlan", "arch_flags", "build_dir", "compile_library",
+__all__ = ["FLAGS", "QTYPE", "KernelLibrary", "PlanCache", "RoutedPlan", "check_token_counts", "follow_tokens",
+           "arch_flags", "build_dir", "compile_library",
            "fresh_partials", "load_library", "nvcc", "on_current_stream"]

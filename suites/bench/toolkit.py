@@ -250,13 +250,13 @@ def stepping(fn, kf, vf):
     place, as the decode store's do; `.restore()` puts them back. ValueError for a KIVI
     layout with a side without window rows (no row to take off)."""
     if hasattr(kf, "T_res"):  # a KIVIFlat (told by its window, as tile_to tells it)
-        base = [(f, f.n_res) for f in (kf, vf)]
-        if min(f.T_res for f in (kf, vf)) < 1:
+        base = [(f, f.n_res, f.T_res) for f in (kf, vf)]  # (n_res None: all the window's rows)
+        if min(rows for *_, rows in base) < 1:
             raise ValueError("stepping a KIVI layout takes a window row off each side: one has none")
 
         def shift(s):
-            for f, n_res in base:
-                f.n_res = (f.residual.shape[2] if n_res is None else n_res) - s if s else n_res
+            for f, n_res, rows in base:
+                f.n_res = rows - s if s else n_res
     else:
         T = kf.T
 

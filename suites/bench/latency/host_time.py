@@ -75,7 +75,8 @@ def cuda_path_on_cpu(spec: str, q, kf, vf, valid_len: bool = False):
     backend of `spec`'s format up to its launch, which is stubbed: the library reads as
     available, the launch records its plan pointer (yielded list) and returns 0, and the
     plan a first default-options call would build (it reads the device: SM count, a
-    ctypes struct of device pointers) is put in the plan cache by hand, with 2 splits.
+    ctypes struct of device pointers) is put in the plan cache by hand, its token-count
+    fields set by the modules' own functions.
     What it leaves out of a GPU call: the ctypes launch itself and CUDA's allocator (a
     call without a workspace allocates its partials and result on the CPU here)."""
     import types
@@ -92,14 +93,23 @@ def cuda_path_on_cpu(spec: str, q, kf, vf, valid_len: bool = False):
         setattr(mod, name, value)
     try:
         B, hq, _, d = q.shape
-        args = ch._PlanArgs() if mod is ch else cd._Args()  # (the fields a retarget sets: T, splits)
+        kivi = hasattr(kf, "T_res")
+        # what a default-options build leaves of the fields that follow the token count (set
+        # by the modules' own functions: a retarget reads them); pointers stay null
+        asked = (None, None if mod is ch else cd.DEFAULT_CTAS_PER_SM)
+        args = ch._PlanArgs() if mod is ch else cd._Args()
         if mod is ch:
             args.variant = ch.DEFAULT_VARIANT_MED3 if kf.has_outliers else ch.DEFAULT_VARIANT
-        plan = types.SimpleNamespace(ptr=0x5EED, nsplit=2, rows_q=B * hq, D=d, shape=(B, hq, 1, d), out_dtype=q.dtype,
-                                     T=kf.T, kind=1 if hasattr(kf, "T_res") else 0, args=args,
-                                     splits_asked=(None, None if mod is ch else cd.DEFAULT_CTAS_PER_SM),
-                                     counts=cd._kivi_counts(kf, vf) if hasattr(kf, "T_res") else None,
-                                     cut=cd._kivi_cut(kf, vf) if hasattr(kf, "T_res") else None)
+            ch._resplit(args, kf, q.device, *asked)
+            args.T = kf.T
+        elif kivi:
+            cd._kivi_token_fields(args, kf, vf, q.device, *asked, False)
+        else:
+            cd._token_fields(args, kf, q.device, *asked)
+        plan = types.SimpleNamespace(ptr=0x5EED, nsplit=args.nsplit, rows_q=B * hq, D=d, shape=(B, hq, 1, d),
+                                     out_dtype=q.dtype, T=kf.T, kind=int(kivi), args=args, splits_asked=asked,
+                                     counts=cd._kivi_counts(kf, vf) if kivi else None,
+                                     cut=cd._kivi_cut(kf, vf) if kivi else None)
         if mod is ch:
             key, ts = ch._lookup(q, kf, vf, None, None, None, None, valid_len)[1:]
         else:
