@@ -12,6 +12,7 @@ older than sm_80, no nvcc, a failed build).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -250,17 +251,36 @@ def on_current_stream(dev: int, entry, *args) -> int:
 
 
 def fresh_partials(rows_q: int, nsplit: int, D: int, shape, out_dtype, device):
-    """(partials buffer, out tensor, po, pm, pl, out pointer) of a call without a fitting
-    workspace: one fp32 buffer holds the three partials ([rows_q, nsplit, D], then [rows_q,
-    nsplit] twice), one tensor of `shape` the result (two allocations where a Workspace makes
-    four). The caller holds the buffer until its launch is queued: freed earlier, its memory
-    could be handed out again before the kernel writes it."""
+    """(buffer, out tensor, po, pm, pl, out pointer) of a call without a fitting workspace:
+    ONE allocation holds the result (first, `shape` in out_dtype, contiguous) and then the
+    three fp32 partials ([rows_q, nsplit, D], then [rows_q, nsplit] twice), where a
+    Workspace makes four: an allocation is a few microseconds of an eager call's host time
+    (two of them were ~6 us of ~23 on an H100, host_time --breakdown). So the result is a
+    view whose storage also holds the partials (kept while it lives; a decode step drops it
+    at the next projection). The caller holds the buffer until its launch is queued: freed
+    earlier, its memory could be handed out again before the kernel writes it."""
     n = rows_q * nsplit
-    part = torch.empty(n * (D + 2), dtype=torch.float32, device=device)
-    out = torch.empty(shape, dtype=out_dtype, device=device)
-    po = part.data_ptr()
+    esize = _ESIZE[out_dtype]
+    head = -(-rows_q * D * esize // _PART_ALIGN) * _PART_ALIGN  # (the partials start aligned)
+    buf = torch.empty((head + 4 * n * (D + 2)) // esize, dtype=out_dtype, device=device)
+    out = buf.as_strided(shape, _contiguous_strides(tuple(shape)))
+    optr = buf.data_ptr()
+    po = optr + head
     pm = po + 4 * n * D
-    return part, out, po, pm, pm + 4 * n, out.data_ptr()
+    return buf, out, po, pm, pm + 4 * n, optr
+
+
+_ESIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4}
+_PART_ALIGN = 256  # bytes: the fp32 partials' start (the kernels' vector loads need 16)
+
+
+@functools.lru_cache(maxsize=64)
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 __all__ = ["FLAGS", "QTYPE", "KernelLibrary", "PlanCache", "RoutedPlan", "check_token_counts", "follow_tokens",

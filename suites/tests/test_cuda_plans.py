@@ -290,3 +290,23 @@ def test_eager_decode_steps_keep_one_cuda_plan_key(spec):
             keys.append(mod._lookup(q, k, v, *options)[1])
     distinct = len(set(keys))
     assert distinct <= (1 + 2 * steps // 32 if spec.startswith("kivi") else 1), f"{distinct} plan keys in {steps} steps"
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows_q,nsplit,D", [(32, 66, 128), (3, 1, 64), (256, 7, 256)])
+def test_fresh_partials_carve_one_allocation(out_dtype, rows_q, nsplit, D):
+    """An unplanned-workspace call's one allocation: the result first (contiguous, its
+    shape and dtype, at the buffer's start), then the three fp32 partials, 256-byte aligned,
+    each as long as the kernel writes and none overlapping another or the result."""
+    from kvqbench.kernels.cuda.library import fresh_partials
+
+    B, Hq = 1, rows_q
+    buf, out, po, pm, pl, optr = fresh_partials(rows_q, nsplit, D, torch.Size((B, Hq, 1, D)), out_dtype, "cpu")
+    assert out.shape == (B, Hq, 1, D) and out.dtype == out_dtype and out.is_contiguous()
+    assert out.data_ptr() == optr == buf.data_ptr()
+    n, base, end = rows_q * nsplit, buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
+    spans = [(optr, optr + out.numel() * out.element_size()), (po, po + 4 * n * D), (pm, pm + 4 * n), (pl, pl + 4 * n)]
+    assert (po - base) % 256 == 0
+    assert all(base <= a < b <= end for a, b in spans)
+    assert all(b1 <= a2 for (_, b1), (a2, _) in zip(spans, spans[1:]))  # in order, disjoint
+    assert spans[-1][1] == end  # (no more than the partials after the result's aligned head)
