@@ -19,5 +19,6 @@
   kvqbench.suites.bench.cuda.bench`, `.hqmq_bench`) and the GPU calls that build, test
   and time them (`bash suites/bench/cuda/gpu_run.sh`, `hqmq_gpu_run.sh`);
 - `gpu_env.sh`: the environment of one GPU call, sourced by every GPU script here
-  (cuda/*.sh, decode/gpu_decode.sh, gpu_compare.sh).
+  (cuda/*.sh, decode/gpu_decode.sh, gpu_compare.sh); `gpu_pack_out.sh`, a call's last
+  step: $OUT packed into the 8 files, 2 folders deep, that a call returns (run it once).
 """
