@@ -12,7 +12,6 @@ older than sm_80, no nvcc, a failed build).
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import os
 import shutil
@@ -250,39 +249,54 @@ def on_current_stream(dev: int, entry, *args) -> int:
         return entry(*args, torch.cuda.current_stream(dev).cuda_stream)
 
 
+class Scratch:
+    """The fp32 partials of CUDA calls without a workspace, one buffer per (device, stream),
+    grown as needed and reused by every later call on that stream: an allocation is a few
+    microseconds of an eager call's host time (two, result and partials, were ~6 us of ~23
+    on an H100 under host_time --breakdown's cProfile), and the result must be fresh, the
+    partials need not. Safe by stream order: a call's kernels read its partials before any
+    later call on the same stream runs, and a buffer grown out of (or dropped when `limit`
+    streams are held) returns to the caching allocator, which hands its memory again to
+    work on that stream only. While the stream is being captured into a CUDA graph the
+    call gets a fresh buffer from the graph's pool (a graph must not point into a buffer
+    this cache may drop); so does a machine whose torch lacks the raw stream query."""
+
+    def __init__(self, limit: int = 16, alloc=None):
+        self.limit = limit
+        self.bufs: dict = {}
+        self.alloc = alloc or (lambda size, device: torch.empty(size, dtype=torch.float32, device=device))
+
+    def take(self, size: int, device) -> torch.Tensor:
+        """An fp32 buffer of at least `size` elements for one call on device's current stream."""
+        if device.type != "cuda" or _raw_stream is None or _capturing():
+            return self.alloc(size, device)
+        key = (device.index, _raw_stream(device.index))
+        buf = self.bufs.get(key)
+        if buf is None or buf.numel() < size:
+            if len(self.bufs) >= self.limit:
+                self.bufs.clear()
+            buf = self.bufs[key] = self.alloc(size, device)
+        return buf
+
+
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+SCRATCH = Scratch()
+
+
 def fresh_partials(rows_q: int, nsplit: int, D: int, shape, out_dtype, device):
-    """(buffer, out tensor, po, pm, pl, out pointer) of a call without a fitting workspace:
-    ONE allocation holds the result (first, `shape` in out_dtype, contiguous) and then the
-    three fp32 partials ([rows_q, nsplit, D], then [rows_q, nsplit] twice), where a
-    Workspace makes four: an allocation is a few microseconds of an eager call's host time
-    (two of them were ~6 us of ~23 on an H100, host_time --breakdown). So the result is a
-    view whose storage also holds the partials (kept while it lives; a decode step drops it
-    at the next projection). The caller holds the buffer until its launch is queued: freed
-    earlier, its memory could be handed out again before the kernel writes it."""
+    """(partials buffer, out tensor, po, pm, pl, out pointer) of a call without a fitting
+    workspace: the three fp32 partials ([rows_q, nsplit, D], then [rows_q, nsplit] twice) in
+    one buffer from SCRATCH, the result a fresh tensor of `shape`. The caller holds the
+    buffer until its launch is queued (a fresh one, freed earlier, could be handed out
+    again before the kernel writes it)."""
     n = rows_q * nsplit
-    esize = _ESIZE[out_dtype]
-    head = -(-rows_q * D * esize // _PART_ALIGN) * _PART_ALIGN  # (the partials start aligned)
-    buf = torch.empty((head + 4 * n * (D + 2)) // esize, dtype=out_dtype, device=device)
-    out = buf.as_strided(shape, _contiguous_strides(tuple(shape)))
-    optr = buf.data_ptr()
-    po = optr + head
+    part = SCRATCH.take(n * (D + 2), device)
+    out = torch.empty(shape, dtype=out_dtype, device=device)
+    po = part.data_ptr()
     pm = po + 4 * n * D
-    return buf, out, po, pm, pm + 4 * n, optr
+    return part, out, po, pm, pm + 4 * n, out.data_ptr()
 
 
-_ESIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4}
-_PART_ALIGN = 256  # bytes: the fp32 partials' start (the kernels' vector loads need 16)
-
-
-@functools.lru_cache(maxsize=64)
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
-
-
-__all__ = ["FLAGS", "QTYPE", "KernelLibrary", "PlanCache", "RoutedPlan", "check_token_counts", "follow_tokens",
-           "arch_flags", "build_dir", "compile_library",
+__all__ = ["FLAGS", "QTYPE", "KernelLibrary", "PlanCache", "RoutedPlan", "SCRATCH", "Scratch", "check_token_counts",
+           "follow_tokens", "arch_flags", "build_dir", "compile_library",
            "fresh_partials", "load_library", "nvcc", "on_current_stream"]

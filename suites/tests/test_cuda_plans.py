@@ -1,7 +1,8 @@
 """The CUDA backends' launch plans (kernels/cuda/decode_attention.py, hqmq_decode.py;
 issue 28, "a thin host path"): the plan the auto route's check finds is handed to the same
 call's launch (`RoutedPlan`), and a kept plan follows the token count of a growing cache
-(`_retarget`) instead of a build per eager decode step.
+(`_retarget`) instead of a build per eager decode step; a call without a workspace takes
+its partials from a per-stream scratch buffer (`Scratch`) instead of an allocation.
 
 On a CPU the CUDA path is walked (suites/bench/latency/host_time.py `cuda_path_on_cpu`: q
 passes for a CUDA tensor, the launch stubbed) or the plan functions are called directly;
@@ -292,21 +293,70 @@ def test_eager_decode_steps_keep_one_cuda_plan_key(spec):
     assert distinct <= (1 + 2 * steps // 32 if spec.startswith("kivi") else 1), f"{distinct} plan keys in {steps} steps"
 
 
-@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows_q,nsplit,D", [(32, 66, 128), (3, 1, 64), (256, 7, 256)])
-def test_fresh_partials_carve_one_allocation(out_dtype, rows_q, nsplit, D):
-    """An unplanned-workspace call's one allocation: the result first (contiguous, its
-    shape and dtype, at the buffer's start), then the three fp32 partials, 256-byte aligned,
-    each as long as the kernel writes and none overlapping another or the result."""
-    from kvqbench.kernels.cuda.library import fresh_partials
+def test_scratch_partials_are_kept_per_stream_and_never_while_capturing(monkeypatch):
+    """Calls without a workspace take their partials from one buffer per (device, stream),
+    grown when a call needs more; another stream or device gets its own; while a stream is
+    captured into a CUDA graph (or on a CPU) each call gets a fresh one; `limit` streams
+    held: the cache starts over. The result tensor is fresh every call."""
+    from kvqbench.kernels.cuda import library
 
-    B, Hq = 1, rows_q
-    buf, out, po, pm, pl, optr = fresh_partials(rows_q, nsplit, D, torch.Size((B, Hq, 1, D)), out_dtype, "cpu")
-    assert out.shape == (B, Hq, 1, D) and out.dtype == out_dtype and out.is_contiguous()
-    assert out.data_ptr() == optr == buf.data_ptr()
-    n, base, end = rows_q * nsplit, buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
-    spans = [(optr, optr + out.numel() * out.element_size()), (po, po + 4 * n * D), (pm, pm + 4 * n), (pl, pl + 4 * n)]
-    assert (po - base) % 256 == 0
-    assert all(base <= a < b <= end for a, b in spans)
-    assert all(b1 <= a2 for (_, b1), (a2, _) in zip(spans, spans[1:]))  # in order, disjoint
-    assert spans[-1][1] == end  # (no more than the partials after the result's aligned head)
+    made = []
+    scratch = library.Scratch(limit=3, alloc=lambda size, device: made.append(size) or torch.empty(size))
+    stream, capturing = [7], [False]
+    monkeypatch.setattr(library, "_raw_stream", lambda index: stream[0])
+    monkeypatch.setattr(library, "_capturing", lambda: capturing[0])
+    gpu0, gpu1 = types.SimpleNamespace(type="cuda", index=0), types.SimpleNamespace(type="cuda", index=1)
+    a = scratch.take(100, gpu0)
+    assert scratch.take(100, gpu0) is a and scratch.take(60, gpu0) is a and made == [100]
+    b = scratch.take(101, gpu0)  # grown: a new buffer, kept for the later calls
+    assert b is not a and scratch.take(80, gpu0) is b and made == [100, 101]
+    assert scratch.take(80, gpu1) is not b  # another device
+    stream[0] = 8
+    c = scratch.take(80, gpu0)  # another stream of the same device
+    assert c is not b and len(scratch.bufs) == 3
+    capturing[0] = True
+    assert all(scratch.take(10, gpu0) is not x for x in (b, c)) and len(scratch.bufs) == 3  # fresh, not kept
+    capturing[0] = False
+    assert scratch.take(10, torch.device("cpu")) is not c  # (a CPU call: fresh)
+    stream[0] = 9
+    scratch.take(10, gpu0)  # a fourth stream: the cache starts over at the limit
+    assert len(scratch.bufs) == 1
+    buf, out, po, pm, pl, optr = library.fresh_partials(4, 3, 8, torch.Size((1, 4, 1, 8)), torch.float16, torch.device("cpu"))
+    assert out.shape == (1, 4, 1, 8) and out.dtype == torch.float16 and optr == out.data_ptr()
+    assert (po, pm, pl) == (buf.data_ptr(), po + 4 * 12 * 8, po + 4 * 12 * 9) and buf.numel() >= 12 * 10
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="streams and graphs need a CUDA GPU")
+@pytest.mark.parametrize("spec", ["int4", "hqmq:S=96,r=4", "kivi:bits=4"])
+def test_scratch_partials_across_streams_and_a_graph(spec):
+    """On the GPU: calls without a workspace on two streams at once (each its own scratch)
+    give the serial results bit for bit, many times over (a shared buffer would race); a
+    graph captured without a workspace (its partials from the graph's pool) replays the
+    eager result after eager calls of other shapes ran through the scratch in between."""
+    k, v = _flats(spec, T=300, t0=300) if spec.startswith("kivi") else _flats(spec, T=2000, H=8, d=128)
+    D, H = k.D, k.H
+    qs = [torch.randn(1, 4 * H, 1, D, device=DEV, dtype=torch.float16) for _ in range(2)]
+    want = [decode_attention(q, k, v, backend="cuda") for q in qs]
+    streams = [torch.cuda.Stream() for _ in qs]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = [[], []]
+    for _ in range(20):
+        for i, (q, s) in enumerate(zip(qs, streams)):
+            with torch.cuda.stream(s):
+                outs[i].append(decode_attention(q, k, v, backend="cuda"))
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, want[i]) for i in range(2) for o in outs[i])
+    g, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        decode_attention(qs[0], k, v, backend="cuda")  # (warm: the plan built outside the capture)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(g):
+        captured = decode_attention(qs[0], k, v, backend="cuda")
+    other = torch.randn(2, 8 * H, 1, D, device=DEV, dtype=torch.float16)  # another shape: more partials
+    decode_attention(other, *(_flats(spec, B=2, T=300, t0=300) if spec.startswith("kivi")
+                              else _flats(spec, B=2, T=2000, H=8, d=128)), backend="cuda")
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, want[0])
