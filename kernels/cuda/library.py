@@ -250,16 +250,22 @@ def on_current_stream(dev: int, entry, *args) -> int:
 
 
 class Scratch:
-    """The fp32 partials of CUDA calls without a workspace, one buffer per (device, stream),
-    grown as needed and reused by every later call on that stream: an allocation is a few
+    """The fp32 partials of CUDA calls without a workspace, one buffer per (device, stream,
+    thread), grown as needed and reused by every later call there: an allocation is a few
     microseconds of an eager call's host time (two, result and partials, were ~6 us of ~23
     on an H100 under host_time --breakdown's cProfile), and the result must be fresh, the
-    partials need not. Safe by stream order: a call's kernels read its partials before any
-    later call on the same stream runs, and a buffer grown out of (or dropped when `limit`
-    streams are held) returns to the caching allocator, which hands its memory again to
-    work on that stream only. While the stream is being captured into a CUDA graph the
-    call gets a fresh buffer from the graph's pool (a graph must not point into a buffer
-    this cache may drop); so does a machine whose torch lacks the raw stream query."""
+    partials need not. Safe by stream order: a call's two kernels (split, combine) read its
+    partials before a later call on the same stream runs; a buffer grown out of (or dropped
+    when `limit` are held) returns to the caching allocator, which hands its memory again to
+    work on that stream only. The thread is in the key because a ctypes call releases the
+    GIL between a call's two launches: two threads on one stream would interleave them
+    over one buffer. A fresh buffer instead (from the graph's pool while capturing) when the
+    stream may be capturing into a CUDA graph (a graph must not point into a buffer this
+    cache may drop): the capture query reads the current device's stream, so also when the
+    call's device is not the current one, and where torch lacks the raw stream queries.
+    A stream handle destroyed and made again aliases its old key (ExternalStream): the
+    same stream-order argument then no longer holds; torch's own streams are pooled, not
+    destroyed."""
 
     def __init__(self, limit: int = 16, alloc=None):
         self.limit = limit
@@ -268,15 +274,23 @@ class Scratch:
 
     def take(self, size: int, device) -> torch.Tensor:
         """An fp32 buffer of at least `size` elements for one call on device's current stream."""
-        if device.type != "cuda" or _raw_stream is None or _capturing():
+        if (device.type != "cuda" or _raw_stream is None or _cur_device is None or _cur_device() != device.index
+                or _capturing()):
             return self.alloc(size, device)
-        key = (device.index, _raw_stream(device.index))
+        key = (device.index, _raw_stream(device.index), threading.get_ident())
         buf = self.bufs.get(key)
         if buf is None or buf.numel() < size:
             if len(self.bufs) >= self.limit:
                 self.bufs.clear()
             buf = self.bufs[key] = self.alloc(size, device)
         return buf
+
+    def held_bytes(self) -> int:
+        """Device bytes the kept buffers hold (a memory benchmark's cache figure leaves them out)."""
+        return sum(b.numel() * b.element_size() for b in self.bufs.values())
+
+    def clear(self) -> None:
+        self.bufs.clear()
 
 
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing

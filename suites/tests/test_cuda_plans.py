@@ -294,32 +294,46 @@ def test_eager_decode_steps_keep_one_cuda_plan_key(spec):
 
 
 def test_scratch_partials_are_kept_per_stream_and_never_while_capturing(monkeypatch):
-    """Calls without a workspace take their partials from one buffer per (device, stream),
-    grown when a call needs more; another stream or device gets its own; while a stream is
-    captured into a CUDA graph (or on a CPU) each call gets a fresh one; `limit` streams
-    held: the cache starts over. The result tensor is fresh every call."""
+    """Calls without a workspace take their partials from one buffer per (device, stream,
+    thread), grown when a call needs more; another stream, device or thread gets its own;
+    while a stream is captured into a CUDA graph, for a device that is not the current one
+    (the capture query reads the current device's stream) or on a CPU, each call gets a
+    fresh one; `limit` held: the cache starts over. The result tensor is fresh every call."""
+    import threading
+
     from kvqbench.kernels.cuda import library
 
     made = []
-    scratch = library.Scratch(limit=3, alloc=lambda size, device: made.append(size) or torch.empty(size))
-    stream, capturing = [7], [False]
-    monkeypatch.setattr(library, "_raw_stream", lambda index: stream[0])
+    scratch = library.Scratch(limit=4, alloc=lambda size, device: made.append(size) or torch.empty(size))
+    streams, current, capturing = {0: 7, 1: 70}, [0], [False]
+    monkeypatch.setattr(library, "_raw_stream", lambda index: streams[index])
+    monkeypatch.setattr(library, "_cur_device", lambda: current[0])
     monkeypatch.setattr(library, "_capturing", lambda: capturing[0])
     gpu0, gpu1 = types.SimpleNamespace(type="cuda", index=0), types.SimpleNamespace(type="cuda", index=1)
     a = scratch.take(100, gpu0)
     assert scratch.take(100, gpu0) is a and scratch.take(60, gpu0) is a and made == [100]
     b = scratch.take(101, gpu0)  # grown: a new buffer, kept for the later calls
     assert b is not a and scratch.take(80, gpu0) is b and made == [100, 101]
-    assert scratch.take(80, gpu1) is not b  # another device
-    stream[0] = 8
+    assert scratch.take(80, gpu1) is not scratch.take(80, gpu1) and len(scratch.bufs) == 1  # not the current device
+    current[0] = 1
+    d1 = scratch.take(80, gpu1)  # current: kept, its own
+    assert d1 is not b and scratch.take(80, gpu1) is d1
+    current[0] = 0
+    streams[0] = 8
     c = scratch.take(80, gpu0)  # another stream of the same device
-    assert c is not b and len(scratch.bufs) == 3
+    assert c is not b and scratch.take(80, gpu0) is c and len(scratch.bufs) == 3
+    other = []
+    t = threading.Thread(target=lambda: other.append(scratch.take(80, gpu0)))
+    t.start()
+    t.join()
+    assert other[0] is not c and len(scratch.bufs) == 4  # another thread on the same stream
     capturing[0] = True
-    assert all(scratch.take(10, gpu0) is not x for x in (b, c)) and len(scratch.bufs) == 3  # fresh, not kept
+    assert all(scratch.take(10, gpu0) is not x for x in (b, c)) and len(scratch.bufs) == 4  # fresh, not kept
     capturing[0] = False
     assert scratch.take(10, torch.device("cpu")) is not c  # (a CPU call: fresh)
-    stream[0] = 9
-    scratch.take(10, gpu0)  # a fourth stream: the cache starts over at the limit
+    assert scratch.held_bytes() == 4 * (101 + 80 + 80 + 80)
+    streams[0] = 9
+    scratch.take(10, gpu0)  # one more key: the cache starts over at the limit
     assert len(scratch.bufs) == 1
     buf, out, po, pm, pl, optr = library.fresh_partials(4, 3, 8, torch.Size((1, 4, 1, 8)), torch.float16, torch.device("cpu"))
     assert out.shape == (1, 4, 1, 8) and out.dtype == torch.float16 and optr == out.data_ptr()
@@ -328,12 +342,22 @@ def test_scratch_partials_are_kept_per_stream_and_never_while_capturing(monkeypa
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="streams and graphs need a CUDA GPU")
 @pytest.mark.parametrize("spec", ["int4", "hqmq:S=96,r=4", "kivi:bits=4"])
-def test_scratch_partials_across_streams_and_a_graph(spec):
-    """On the GPU: calls without a workspace on two streams at once (each its own scratch)
-    give the serial results bit for bit, many times over (a shared buffer would race); a
-    graph captured without a workspace (its partials from the graph's pool) replays the
-    eager result after eager calls of other shapes ran through the scratch in between."""
-    k, v = _flats(spec, T=300, t0=300) if spec.startswith("kivi") else _flats(spec, T=2000, H=8, d=128)
+def test_scratch_partials_across_streams_threads_and_a_graph(spec):
+    """On the GPU, calls without a workspace (partials from library.py's Scratch): on two
+    streams at once (a buffer each), and from two threads on one stream (a buffer each),
+    give the serial results bit for bit, many times over; a graph captured on a stream the
+    scratch serves takes none of its buffers, and replays the eager result after eager
+    calls with other inputs ran on that stream in between."""
+    import threading
+
+    from kvqbench.kernels.cuda.library import SCRATCH
+
+    kivi = spec.startswith("kivi")
+
+    def flats(B):  # (long enough for many splits: kernels that overlap the next launch)
+        return _flats(spec, B=B, T=300, t0=300) if kivi else _flats(spec, B=B, T=8192, H=8, d=128)
+
+    k, v = flats(1)
     D, H = k.D, k.H
     qs = [torch.randn(1, 4 * H, 1, D, device=DEV, dtype=torch.float16) for _ in range(2)]
     want = [decode_attention(q, k, v, backend="cuda") for q in qs]
@@ -347,16 +371,34 @@ def test_scratch_partials_across_streams_and_a_graph(spec):
                 outs[i].append(decode_attention(q, k, v, backend="cuda"))
     torch.cuda.synchronize()
     assert all(torch.equal(o, want[i]) for i in range(2) for o in outs[i])
-    g, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    kept = {key[1] for key in SCRATCH.bufs}
+    assert {s.cuda_stream for s in streams} <= kept  # a buffer per stream
+    outs = [[], []]
+
+    def loop(i):
+        for _ in range(50):
+            outs[i].append(decode_attention(qs[i], k, v, backend="cuda"))
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, want[i]) for i in range(2) for o in outs[i])
+    side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        decode_attention(qs[0], k, v, backend="cuda")  # (warm: the plan built outside the capture)
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(g):
+        decode_attention(qs[0], k, v, backend="cuda")  # (warm: the plan built, side's scratch kept)
+    side.synchronize()
+    before = dict(SCRATCH.bufs)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=side):
         captured = decode_attention(qs[0], k, v, backend="cuda")
-    other = torch.randn(2, 8 * H, 1, D, device=DEV, dtype=torch.float16)  # another shape: more partials
-    decode_attention(other, *(_flats(spec, B=2, T=300, t0=300) if spec.startswith("kivi")
-                              else _flats(spec, B=2, T=2000, H=8, d=128)), backend="cuda")
-    g.replay()
+    assert SCRATCH.bufs == before  # the capture took no kept buffer
+    with torch.cuda.stream(side):  # eager calls on the capture's stream: its scratch, grown
+        decode_attention(torch.randn(2, 4 * H, 1, D, device=DEV, dtype=torch.float16), *flats(2), backend="cuda")
+        decode_attention(qs[1], k, v, backend="cuda")
+        g.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, want[0])
