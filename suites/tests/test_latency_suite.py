@@ -384,3 +384,22 @@ def test_host_time_walks_the_cuda_path_on_a_cpu(monkeypatch):
     assert cuda_path_host_us("hqmq:S=96,r=4", 1, 256, hq=4, hkv=2, d=64, n=5, step=True) > 0  # (retargets)
     assert math.isnan(cuda_path_host_us("fp16", 1, 256, hq=4, hkv=2, d=64, n=5))
     assert cuda_path_host_us("kivi:bits=4", 1, 256, hq=4, hkv=2, d=64, n=5, step=True) > 0  # (window rows)
+
+
+def test_host_time_write_times_the_cache_write_without_running_its_kernels(monkeypatch):
+    """`host_time --write` on a CPU: one layer's one-token K/V write through the quantized
+    cache with the step encoders' launches stubbed (a positive figure; the launches counted,
+    none run, the hook put back after), and no DynamicCache figure (its torch.cat copies the
+    history on a CPU: data, not host time)."""
+    import math
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kvqbench.kernels import step_encode
+    from kvqbench.suites.bench.latency import host_time
+
+    monkeypatch.setattr(host_time, "HOST_US_CALLS", dict(n=5, warmup=1, rounds=2))
+    before, hook = step_encode.LAUNCHES[0], step_encode.launch_hook
+    us = host_time.write_host_us("int4", 1, 64, hkv=2, d=64, n=5)
+    assert us > 0 and step_encode.LAUNCHES[0] - before == 2 * (1 + 1 + 2 * 5)  # K and V: prompt, warm-up, rounds
+    assert step_encode.launch_hook is hook
+    assert math.isnan(host_time.write_host_us(None, 1, 64, hkv=2, d=64, n=5))

@@ -13,6 +13,7 @@ the ctypes launch and CUDA's allocator are then left out.
 
     python -m kvqbench.suites.bench.latency.host_time            # CPU: the table of issue 28
     python -m kvqbench.suites.bench.latency.host_time --d 64 --B 1 8
+    python -m kvqbench.suites.bench.latency.host_time --write   # an eager step's cache write per layer
 
 Sets TRITON_INTERPRET on a CPU before the kernels are imported (as the command line of
 the latency suite does).
@@ -168,6 +169,39 @@ def stubbed_host_us(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: in
                        sync=None if dev == "cpu" else "auto")
 
 
+def write_host_us(spec: str | None, B: int, T: int, hkv: int = 8, d: int = 128, n: int = HOST_US_CALLS["n"]) -> float:
+    """Host microseconds of one layer's eager one-token write (K and V) through
+    `QuantizedCache.update` after a T-token prompt, the device encoders' Triton launches
+    real on a GPU (issued, not synchronised) and stubbed on a CPU (step_encode.launch_hook:
+    our Python alone); spec None: transformers' DynamicCache.update (torch.cat), the plain
+    cache an eager model.generate grows. What an eager decode step pays per layer for its
+    cache besides attention (the generate benchmark's eager rows: ~120 us per layer more than
+    DynamicCache on an H100, 2026-12-06)."""
+    from transformers import DynamicCache
+
+    from ....kernels import step_encode
+    from ...harness.kv_cache import QuantizedCache
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and spec is None:
+        return float("nan")  # (on a CPU its torch.cat copies the history: data, not host time)
+    dtype = torch.float16 if dev == "cuda" else torch.float32
+    calls = HOST_US_CALLS["warmup"] + HOST_US_CALLS["rounds"] * n
+    g = torch.Generator(device=dev).manual_seed(0)
+    k, v = (torch.randn(B, hkv, T + 1, d, device=dev, dtype=dtype, generator=g) for _ in range(2))
+    cache = DynamicCache() if spec is None else QuantizedCache(spec, n_layers=1, fused=True, capacity=T + calls + 1)
+    k1, v1 = k[:, :, T:].contiguous(), v[:, :, T:].contiguous()
+    old = step_encode.launch_hook
+    if dev == "cpu":  # (the prompt's write too: its bytes do not matter here)
+        step_encode.launch_hook = lambda *a, **kw: None
+    try:
+        cache.update(k[:, :, :T], v[:, :, :T], 0)
+        return host_us(lambda: cache.update(k1, v1, 0), **{**HOST_US_CALLS, "n": n},
+                       sync=None if dev == "cpu" else "auto")
+    finally:
+        step_encode.launch_hook = old
+
+
 @contextlib.contextmanager
 def routed_plans(on: bool):
     """The CUDA backends' routed plan (kernels/cuda/library.py `RoutedPlan`) on or off inside."""
@@ -238,7 +272,20 @@ def main(argv=None) -> int:
     p.add_argument("--breakdown", action="store_true",
                    help="per format at the first B and d: route / kernel function / whole call, and a cProfile, "
                    "with the CUDA backends' routed plan off and on")
+    p.add_argument("--write", action="store_true",
+                   help="instead: host us of one layer's eager one-token cache write (K and V) after a T-token "
+                   "prompt, per format and DynamicCache (Triton launches stubbed on a CPU)")
     a = p.parse_args(argv)
+    if a.write:
+        how = "launches stubbed" if not torch.cuda.is_available() else "issued on " + torch.cuda.get_device_name()
+        print(f"host us per one-token cache write of one layer (K and V), {how} (Hkv 8, T={a.T}; "
+              f"least of 15 means of {a.n})")
+        print(f"{'cache':14s} {'d':>4s} " + " ".join(f"{'B=' + str(b):>9s}" for b in a.B))
+        for d in a.d:
+            for f in ["DynamicCache"] + [f for f in a.formats if f != "fp16"]:
+                us = [write_host_us(None if f == "DynamicCache" else SPECS[f], b, a.T, d=d, n=a.n) for b in a.B]
+                print(f"{f:14s} {d:4d} " + " ".join(f"{u:9.1f}" for u in us), flush=True)
+        return 0
     if a.breakdown:
         for f in a.formats:
             for on in (False, True):  # the CUDA backends' routed plan off, then on (same run)
