@@ -322,8 +322,7 @@ class _Plan:
     """What a call on one cache layout launches: the argument struct, the split count and
     the workspace size, with weak references to the cache tensors it points into (a plan
     is used only while every one of them is alive and the same object)."""
-    __slots__ = ("keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind", "T", "splits_asked",
-                 "counts", "cut")
+    __slots__ = ("keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind", "splits_asked")
 
 
 _PLANS = PlanCache(64)  # layouts kept (library.py: weak references, cleared when full)
@@ -375,15 +374,18 @@ def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bo
         if plan is None:
             return _PLANS.put(key, ts, _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count))
     if plan.kind == 0:
-        if plan.T != k.T:  # int4 / fp8 on more (or fewer) tokens of the same buffers
+        if plan.args.T != k.T:  # int4 / fp8 on more (or fewer) tokens of the same buffers
             _retarget(plan, q, k, v)
-    elif not device_count and plan.counts != _kivi_counts(k, v):  # KIVI: other group / window counts
+    elif not device_count and _kivi_moved(plan.args, k, v):  # KIVI: other group / window counts
         _retarget(plan, q, k, v)
     return plan
 
 
-def _kivi_counts(k, v) -> tuple:
-    return k.n_groups, k.T_res, v.n_groups, v.T_res
+def _kivi_moved(a, k, v) -> bool:
+    """Whether a host-count KIVI call's lengths differ from those its plan's struct holds
+    (with K and V of one T, T and the two quantized lengths fix both sides' group and
+    window counts; K and V of different T: moved, so the retarget refuses them)."""
+    return (a.T, a.TQK, a.TQV) != (k.T, k.T_quant, v.T_quant) or v.T != k.T
 
 
 def _host_lengths(k, v) -> tuple[int, int]:
@@ -393,12 +395,11 @@ def _host_lengths(k, v) -> tuple[int, int]:
     return n_main, k.T - n_main
 
 
-def _kivi_cut(k, v) -> tuple:
+def _kivi_cut(n_main: int, T: int) -> tuple:
     """All of a host-count call's counts that `kivi_plan`'s cut reads: n_main and the tail's
     16-token tiles (0: no tail). Calls alike in it are cut alike (a retarget then sets the
     lengths only: most decode steps)."""
-    n_main, tail = _host_lengths(k, v)
-    return n_main, token_tiles(tail) if tail else 0
+    return n_main, token_tiles(T - n_main) if T > n_main else 0
 
 
 def _kivi_token_fields(a, k, v, device, num_splits, ctas_per_sm, device_count: bool) -> int:
@@ -423,19 +424,18 @@ def _token_fields(a, k, device, num_splits, ctas_per_sm):
 
 def _retarget(plan, q, k, v) -> None:
     """A kept plan set to this call's token count: int4 / fp8 by library.py `follow_tokens`;
-    KIVI its group and window counts (the split fields re-cut only when `_kivi_cut` moves).
-    The rest of a plan is alike for every count of the same buffers."""
+    KIVI its group and window counts (the split fields re-cut only when `_kivi_cut` moves
+    from the cut the struct holds). The rest of a plan is alike for every count of the same
+    buffers."""
     if plan.kind == 0:
         follow_tokens(plan, k, v, lambda: _token_fields(plan.args, k, q.device, *plan.splits_asked))
         return
     check_token_counts(k, v)
-    if _kivi_cut(k, v) == plan.cut:
-        a = plan.args
+    a = plan.args
+    if _kivi_cut(_host_lengths(k, v)[0], k.T) == _kivi_cut(a.n_main, a.T):
         a.T, a.TQK, a.TQV = k.T, k.T_quant, v.T_quant
     else:
-        plan.nsplit = _kivi_token_fields(plan.args, k, v, q.device, *plan.splits_asked, False)
-        plan.cut = _kivi_cut(k, v)
-    plan.counts, plan.T = _kivi_counts(k, v), k.T
+        plan.nsplit = _kivi_token_fields(a, k, v, q.device, *plan.splits_asked, False)
 
 
 def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bool = False) -> _Plan:
@@ -503,9 +503,7 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_cou
     plan = _Plan()
     plan.keep, plan.args, plan.ptr = keep, a, ctypes.addressof(a)
     plan.nsplit, plan.rows_q, plan.D, plan.out_dtype, plan.kind = nsplit, B * Hq, D, out_dtype, a.kind
-    plan.T, plan.splits_asked = k.T, (num_splits, ctas_per_sm)
-    plan.counts = _kivi_counts(k, v) if a.kind == 1 and not device_count else None
-    plan.cut = _kivi_cut(k, v) if a.kind == 1 and not device_count else None
+    plan.splits_asked = (num_splits, ctas_per_sm)
     plan.shape = (B, Hq, 1, D)
     return plan
 

@@ -498,7 +498,7 @@ class _PlanArgs(ctypes.Structure):  # mirrors HqmqPlan in hqmq_decode.cu (checke
 class _Plan:
     """A call's launch: the argument struct (and its address), the tensors it points into
     that nothing else keeps alive (the fp16 codebooks), and the workspace shape."""
-    __slots__ = ("args", "ptr", "keep", "nsplit", "rows_q", "D", "shape", "out_dtype", "T", "splits_asked")
+    __slots__ = ("args", "ptr", "keep", "nsplit", "rows_q", "D", "shape", "out_dtype", "splits_asked")
 
 
 _PLANS = PlanCache()
@@ -532,7 +532,7 @@ def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len):
         plan, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len is not None)
         if plan is None:
             return _PLANS.put(key, ts, _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len))
-    if plan.T != k.T:
+    if plan.args.T != k.T:
         _retarget(plan, q, k, v)
     return plan
 
@@ -556,7 +556,7 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len)
     plan = _Plan()
     plan.args, plan.ptr, plan.keep = a, ctypes.addressof(a), (kt, vt)
     plan.nsplit, plan.rows_q, plan.D, plan.shape, plan.out_dtype = nsplit, B * Hq, D, (B, Hq, 1, D), out_dtype
-    plan.T, plan.splits_asked = k.T, (num_splits, ctas_per_sm)
+    plan.splits_asked = (num_splits, ctas_per_sm)
     return plan
 
 

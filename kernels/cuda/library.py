@@ -199,15 +199,15 @@ def follow_tokens(plan, k, v, resplit) -> None:
     """A kept plan set to this call's token count T: an eager decode step calls on the same
     cache buffers with one token more each time, and T is out of the plan keys, so a step
     pays this instead of a build (the per-call path: 59-93 us of host time per call on the
-    H200, reports/kernels/NOTES.md). The plan's `args.T` and `T` follow k.T; its split
+    H200, reports/kernels/NOTES.md). The plan's `args.T` follows k.T; its split
     fields only when T's 16-token tile count moves (the split rules read the tiles only):
     `resplit()` sets them as a build does and returns the split count. In place: a plan
     serves one call at a time (two threads decoding the same cache buffers at once would
     race on it, as on the cache)."""
     check_token_counts(k, v)
-    if token_tiles(k.T) != token_tiles(plan.T):
+    if token_tiles(k.T) != token_tiles(plan.args.T):
         plan.nsplit = resplit()
-    plan.args.T = plan.T = k.T
+    plan.args.T = k.T
 
 
 class RoutedPlan:

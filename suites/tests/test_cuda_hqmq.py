@@ -821,11 +821,11 @@ def test_plan_keying_and_invalidation(monkeypatch):
 
     built = []
     monkeypatch.setattr(cuda_hqmq, "_PLANS", PlanCache())
-    def build(*a):  # (what a retarget reads of a plan: its T, the struct's variant, the split options)
+    def build(*a):  # (what a retarget reads of a plan: the struct's T and variant, the split options)
         args = cuda_hqmq._PlanArgs()
-        args.variant = cuda_hqmq.DEFAULT_VARIANT
+        args.variant, args.T = cuda_hqmq.DEFAULT_VARIANT, a[1].T
         built.append(a)
-        return SimpleNamespace(n=len(built), T=a[1].T, args=args, splits_asked=a[3:5], nsplit=0)
+        return SimpleNamespace(n=len(built), args=args, splits_asked=a[3:5], nsplit=0)
 
     monkeypatch.setattr(cuda_hqmq, "_build_plan", build)
     x = torch.randn(2, 2, 40, 128)
@@ -841,8 +841,8 @@ def test_plan_keying_and_invalidation(monkeypatch):
             plan(q=q.clone())]
     assert all(s is p for s in same) and len(built) == 1
     # another token count of the same buffers (an eager decode step): the kept plan, retargeted
-    assert plan(k=dataclasses.replace(fk, T=39), v=dataclasses.replace(fv, T=39)) is p and p.T == p.args.T == 39
-    assert plan() is p and p.T == 40 and len(built) == 1
+    assert plan(k=dataclasses.replace(fk, T=39), v=dataclasses.replace(fv, T=39)) is p and p.args.T == 39
+    assert plan() is p and p.args.T == 40 and len(built) == 1
     vl = torch.tensor([3], dtype=torch.int32)
     pv = plan(valid_len=vl)
     assert pv is not p and plan(valid_len=torch.tensor([9], dtype=torch.int32)) is pv

@@ -76,7 +76,7 @@ def test_cuda_plan_takes_the_routed_plan_without_a_lookup(backend, monkeypatch):
     q = torch.randn(1, 4, 1, 64)
     monkeypatch.setattr(mod, "ROUTED", RoutedPlan(enabled=True))
     # (plans of this layout at its T: nothing to retarget)
-    lookups, sentinel = [], types.SimpleNamespace(kind=0, T=k.T)  # sentinel: what a lookup would find
+    lookups, sentinel = [], types.SimpleNamespace(kind=0, args=types.SimpleNamespace(T=k.T))  # what a lookup finds
     monkeypatch.setattr(mod, "_lookup", lambda *a: lookups.append(a) or (sentinel, None, ()))
     if backend == "int4":
         default, other = (None, cd.DEFAULT_CTAS_PER_SM, None, None, False), (7, cd.DEFAULT_CTAS_PER_SM, None, None, False)
@@ -84,7 +84,7 @@ def test_cuda_plan_takes_the_routed_plan_without_a_lookup(backend, monkeypatch):
     else:
         default, other = (None, None, None, None, False), (7, None, None, None, False)
         call = lambda o: ch._plan(q, k, v, *o[:4], valid_len=None)  # noqa: E731
-    routed = types.SimpleNamespace(kind=0, T=k.T)
+    routed = types.SimpleNamespace(kind=0, args=types.SimpleNamespace(T=k.T))
     mod.ROUTED.offer(q, k, v, default, routed)
     assert call(default) is routed and not lookups
     mod.ROUTED.offer(q, k, v, default, routed)
@@ -156,7 +156,7 @@ def test_a_kept_plan_follows_the_token_count_instead_of_a_build(spec, monkeypatc
         a.steps_per_split = per
     else:
         a.per = per
-    plan = types.SimpleNamespace(args=a, T=256, nsplit=a.nsplit, kind=0, splits_asked=(None, None))
+    plan = types.SimpleNamespace(args=a, nsplit=a.nsplit, kind=0, splits_asked=(None, None))
     options = (None, None, None, None, False)
     key, ts = mod._lookup(q, k, v, *options)[1:]
     monkeypatch.setattr(mod, "_PLANS", type(mod._PLANS)(8))
@@ -166,7 +166,7 @@ def test_a_kept_plan_follows_the_token_count_instead_of_a_build(spec, monkeypatc
         k.T = v.T = T  # (the store grows its flat's T in place the same way)
         assert mod._lookup(q, k, v, *options)[1] == key
         assert mod._plan(q, k, v, None, None, None, None, None if hq else False) is plan
-        assert mod._PLANS.builds == 1 and plan.T == a.T == T
+        assert mod._PLANS.builds == 1 and a.T == T
         assert (a.nsplit, a.steps_per_split if hq else a.per) == splits_at(k) and plan.nsplit == a.nsplit
         seen.add(a.nsplit)
     assert len(seen) > 1, seen  # (the split count itself followed T)
@@ -195,8 +195,7 @@ def test_a_kept_kivi_plan_follows_its_group_and_window_counts(monkeypatch):
         return a
 
     a = fields_of(k, v)
-    plan = types.SimpleNamespace(args=a, T=k.T, nsplit=a.nsplit, kind=1, splits_asked=(None, None),
-                                 counts=cd._kivi_counts(k, v), cut=cd._kivi_cut(k, v))
+    plan = types.SimpleNamespace(args=a, nsplit=a.nsplit, kind=1, splits_asked=(None, None))
     key, ts = cd._lookup(q, k, v, *options)[1:]
     monkeypatch.setattr(cd, "_PLANS", type(cd._PLANS)(8))
     cd._PLANS.put(key, ts, plan)
@@ -214,8 +213,8 @@ def test_a_kept_kivi_plan_follows_its_group_and_window_counts(monkeypatch):
         assert cd._lookup(q, k, v, *options)[1] == key
         assert cd._plan(q, k, v, None, None, None, None, False) is plan and cd._PLANS.builds == 1
         assert len(cuts) - n == cut
-        assert bytes(plan.args) == bytes(fields_of(k, v)) and plan.counts == cd._kivi_counts(k, v)
-        assert plan.T == k.T and plan.nsplit == plan.args.nsplit
+        assert bytes(plan.args) == bytes(fields_of(k, v)) and not cd._kivi_moved(plan.args, k, v)
+        assert plan.args.T == k.T and plan.nsplit == plan.args.nsplit
     k.n_res = 0  # (a side without window rows: another plan, one that points into no window)
     assert cd._lookup(q, k, v, *options)[1] != key
 

@@ -108,9 +108,7 @@ def cuda_path_on_cpu(spec: str, q, kf, vf, valid_len: bool = False):
         else:
             cd._token_fields(args, kf, q.device, *asked)
         plan = types.SimpleNamespace(ptr=0x5EED, nsplit=args.nsplit, rows_q=B * hq, D=d, shape=(B, hq, 1, d),
-                                     out_dtype=q.dtype, T=kf.T, kind=int(kivi), args=args, splits_asked=asked,
-                                     counts=cd._kivi_counts(kf, vf) if kivi else None,
-                                     cut=cd._kivi_cut(kf, vf) if kivi else None)
+                                     out_dtype=q.dtype, kind=int(kivi), args=args, splits_asked=asked)
         if mod is ch:
             key, ts = ch._lookup(q, kf, vf, None, None, None, None, valid_len)[1:]
         else:
