@@ -91,7 +91,6 @@ def test_cuda_plan_takes_the_routed_plan_without_a_lookup(backend, monkeypatch):
     assert call(other) is sentinel and len(lookups) == 1
 
 
-
 @pytest.mark.parametrize("spec,valid_len", [("int4", False), ("int4", True), ("fp8", False), ("kivi:bits=4", False),
                                             ("hqmq:S=96,r=4", False), ("hqmq:S=96,r=4", True),
                                             ("hqmq:S=24,r=3,outliers=med3", False)])
@@ -134,11 +133,10 @@ def test_a_kept_plan_follows_the_token_count_instead_of_a_build(spec, monkeypatc
     function a build uses) instead of building one per decode step. Checked on a CPU
     through the plan functions (the launch struct of a real build needs the GPU:
     test_a_grown_cache_retargets_its_plan_as_a_build_would); K / V of different T and an
-    empty cache are refused as a build refuses them. KIVI keeps its counts in its key."""
+    empty cache are refused as a build refuses them. KIVI: the next test."""
+    from kvqbench.kernels import common
     from kvqbench.kernels.cuda import decode_attention as cd
     from kvqbench.kernels.cuda import hqmq_decode as ch
-
-    from kvqbench.kernels import common
 
     hq = spec.startswith("hqmq")
     mod = ch if hq else cd

@@ -210,8 +210,6 @@ def test_gpu_wheels_carry_what_the_image_lacks_at_the_pinned_versions(tmp_path):
     from importlib import metadata
     from pathlib import Path
 
-    import pytest
-
     pytest.importorskip("lm_eval")
     path = Path(__file__).resolve().parents[1] / "bench" / "gpu_wheels.py"
     spec = importlib.util.spec_from_file_location("gpu_wheels", path)
