@@ -51,6 +51,7 @@ model; quantizers/base.py). A KernelStore holds token-axis segment bytes only
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
 
@@ -176,6 +177,11 @@ def measure_modes(model, spec: str | None, *, context: int, batch: int, steps: i
     dev = next(model.parameters()).device
     cuda = dev.type == "cuda"
     if cuda:  # (the CUDA calls' kept partials are no cache bytes: dropped here, left out below)
+        # An earlier configuration's compiled graphs (reduce-overhead's memory) are freed
+        # here, not inside this row's span: freed there, they made plain-compiled's
+        # kv_live_bytes negative (H100, 2026-12-06: -0.06 GiB at B=1, T=4096)
+        torch._dynamo.reset()
+        gc.collect()
         SCRATCH.clear()
         torch.cuda.empty_cache()
     base = _mem(dev)
