@@ -469,6 +469,19 @@ def test_host_profile_reports_each_cache_with_its_own_code_in_the_profile(capsys
     assert "kv_cache.py" in parts[1] and "kv_cache.py" not in parts[0]
 
 
+def test_host_profile_prefill_tables_each_cache_and_its_extra_work(capsys):
+    # `--prefill`: one profiled prefill per cache, its operators tabled; the quantized cache
+    # does work the plain one does not (its encode's bit shifts)
+    from kvqbench.suites.bench.decode.host_profile import main
+
+    assert main(["--prefill", "--shape", "tiny", "--specs", "plain", "int4", "--context", "24", "--top", "1000",
+                 "--device", "cpu"]) == 0
+    parts = capsys.readouterr().out.split("== ")[1:]
+    assert [p.split(",")[0] for p in parts] == ["plain", "int4"]
+    assert all("## prefill:" in p and "by self host time" in p for p in parts)
+    assert "aten::__rshift__" in parts[1] and "aten::__rshift__" not in parts[0]
+
+
 # ---- the prefill's write on the device -------------------------------------------------------
 @pytest.mark.parametrize("fused,expect", [(None, "KernelHQMQ"), (False, "HQMQ")])
 def test_a_fused_cuda_prefill_writes_through_the_formats_device_encoder(fused, expect):

@@ -8,6 +8,12 @@ most own time, per step). cProfile slows Python down, so its per-step figures ar
 larger than the issue time: read them as shares, not as times.
 
     python -m kvqbench.suites.bench.decode.host_profile --shape llama3-8b-4l --specs plain int4 hqmq:S=96,r=4
+
+`--prefill`: instead, where one prefill's time goes (torch.profiler: operators by self
+device and host time, the device kernels, syncs), after an untimed prefill of the same
+shape (compiles). The H100 decode benchmark of 2026-12-06 took 8.7 s (int4) and 48 s
+(HQMQ) to prefill 32768 x 8 tokens of the 4-layer shape against 2.0 s for the engine's
+fp16 store, 4-5x its 2026-12-04 H200 figures; this says which kernels or syncs hold it.
 """
 from __future__ import annotations
 
@@ -78,6 +84,34 @@ def _profile_once(model, spec: str, context: int, batch: int, steps: int, top: i
     return head + "\n" + buf.getvalue()
 
 
+def profile_prefill(model, spec: str, context: int, batch: int, top: int, dev) -> str:
+    """One prefill of `context` random tokens per row into a fresh cache of `spec` under
+    torch.profiler, after an untimed one (compiles, cuDNN plans): its wall time and tables."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..generate.profile import op_table
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(dev)
+
+    def once():
+        cache = DynamicCache(config=model.config) if spec == "plain" else \
+            QuantizedCache(spec, config=model.config, capacity=context + 8)
+        ctx = fused_attention(model) if spec != "plain" else contextlib.nullcontext()
+        with torch.inference_mode(), ctx, deferred_checks():
+            return prefill(model, cache, ids, dev)[0]
+
+    cold = once()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        warm = once()
+    events = [e for e in prof.events() if e.device_type == DeviceType.CPU]
+    head = (f"== {spec}, context {context}, batch {batch}: prefill {warm:.3f} s ({cold:.3f} s the first, "
+            f"untimed one; the profiled one under the profiler)")
+    return "\n".join([head] + op_table(events, "prefill", rows=top))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvqbench.suites.bench.decode.host_profile",
                                 description=__doc__.splitlines()[0])
@@ -88,11 +122,15 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--prefill", action="store_true", help="profile one prefill per spec instead (module docstring)")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     model = build_model(a.shape, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, device=dev)
     for spec in a.specs:
-        print(profile_spec(model, spec, a.context, a.batch, a.steps, a.top, dev), flush=True)
+        if a.prefill:
+            print(profile_prefill(model, spec, a.context, a.batch, a.top, dev), flush=True)
+        else:
+            print(profile_spec(model, spec, a.context, a.batch, a.steps, a.top, dev), flush=True)
     return 0
 
 

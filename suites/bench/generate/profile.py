@@ -26,7 +26,7 @@ def _self_device_us(e) -> float:
     return e.self_device_time_total if hasattr(e, "self_device_time_total") else e.self_cuda_time_total
 
 
-def _table(events, title: str, rows: int = 25) -> list[str]:
+def op_table(events, title: str, rows: int = 25) -> list[str]:
     agg: dict[str, list[float]] = {}
     for e in events:
         a = agg.setdefault(e.name, [0, 0.0, 0.0])
@@ -63,7 +63,7 @@ def profile_call(fn, path: Path, header: str) -> None:
     events = [e for e in prof.events() if e.device_type == DeviceType.CPU]  # (kernels: through their launches)
     ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == PREFILL]
     inside = [e for e in events if e.name != PREFILL and any(s <= e.time_range.start < t for s, t in ranges)]
-    lines = [f"# {header}", ""] + _table(inside, f"prefill ({len(ranges)} range(s))") + _table(
+    lines = [f"# {header}", ""] + op_table(inside, f"prefill ({len(ranges)} range(s))") + op_table(
         [e for e in events if e.name != PREFILL], "whole call")
     # the host's Python by function (torch.profiler names operators, not the Python between
     # them): one more call under cProfile
@@ -80,4 +80,4 @@ def profile_call(fn, path: Path, header: str) -> None:
     path.write_text("\n".join(lines))
 
 
-__all__ = ["profile_call", "PREFILL"]
+__all__ = ["op_table", "profile_call", "PREFILL"]
