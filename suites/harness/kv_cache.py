@@ -343,7 +343,7 @@ class QuantizedLayer(DynamicLayer):
             if self.stores[role].segment_on_read:  # (Med3x: made when read, `_current`; no host read here)
                 continue
             base = self._packed[role]
-            self._packed[role] = dataclasses.replace(base, segments=self.stores[role].run_segments(base.segments))
+            self._packed[role] = dataclasses.replace(base, segments=self._run_segments(role, self.stores[role], base))
             self.stores[role].end_run()
         self._view.clear()
         self._unchecked = True
@@ -510,9 +510,19 @@ class QuantizedLayer(DynamicLayer):
         at, p = self._view.get(role, (None, None))
         if at != self.tokens:
             base = self._packed[role]
-            p = dataclasses.replace(base, segments=store.run_segments(base.segments))
+            p = dataclasses.replace(base, segments=self._run_segments(role, store, base))
             self._view[role] = (self.tokens, p)
         return p
+
+    def _run_segments(self, role: str, store, base: Packed) -> list[Segment]:
+        """base's segments plus the store's run, whose layouts the role's quantizer learns
+        as its own writes' (`Quantizer.learn_layout`: the device encoders store exactly
+        `encode_tokens`' fields), so reading them never probes their shapes on the host."""
+        segs = store.run_segments(base.segments)
+        q = self.quantizers[role]
+        for seg in segs[len(base.segments):]:
+            q.learn_layout((base.batch, base.heads, seg.tokens, base.head_dim), seg)
+        return segs
 
     @property
     def packed(self) -> dict[str, Packed | None]:
