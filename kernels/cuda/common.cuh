@@ -122,6 +122,22 @@ __device__ __forceinline__ void pair_add2(float (&s0)[4], float (&s1)[4], uint8_
   s1[0] += o1.x; s1[1] += o1.y; s1[2] += o1.z; s1[3] += o1.w;
 }
 
+// One split's term of the combine and the row's result: combine_kernel and the fused
+// last-CTA combine (combine_rows) both add through these, in the same order, so the two paths
+// give the same bits (the GPU tests compare them bit for bit).
+__device__ __forceinline__ float combine_weight(float ms, float M) { return (ms == NEG_INF) ? 0.f : exp2f(ms - M); }
+__device__ __forceinline__ void combine_add(float& acc, float w, float x) { acc += w * x; }
+template <typename OutT>
+__device__ __forceinline__ void combine_store(OutT* out, long long i, float num, float den) {
+  const float o = num / den;
+  if constexpr (sizeof(OutT) == 4) out[i] = o;
+  else if constexpr (std::is_same<OutT, __half>::value) out[i] = __float2half_rn(o);
+  else {  // bf16 bits, round to nearest even
+    const uint32_t u = __float_as_uint(o);
+    out[i] = (OutT)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+
 // Merge the nsplit partials of each query row: one CTA per row, PARTS x D threads;
 // thread (part, d) sums the splits part, part + PARTS, ... (unrolled: many loads in
 // flight), then the parts are added in shared memory. GPU run 13: B=1 took 53 / 83 /
@@ -152,10 +168,9 @@ __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const float* _
   float num = 0.f, den = 0.f;
 #pragma unroll 4
   for (int s = part; s < nsplit; s += parts) {
-    const float ms = pmr[s];
-    const float w = (ms == NEG_INF) ? 0.f : exp2f(ms - M);
-    den += w * plr[s];
-    num += w * por[(long long)s * D];
+    const float w = combine_weight(pmr[s], M);
+    combine_add(den, w, plr[s]);
+    combine_add(num, w, por[(long long)s * D]);
   }
   part_num[tid] = num;
   part_den[tid] = den;
@@ -165,13 +180,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const float* _
     num += part_num[i * D + d];
     den += part_den[i * D + d];
   }
-  const float o = num / den;
-  if constexpr (sizeof(OutT) == 4) out[row * D + d] = o;
-  else if constexpr (std::is_same<OutT, __half>::value) out[row * D + d] = __float2half_rn(o);
-  else {  // bf16 bits, round to nearest even
-    const uint32_t u = __float_as_uint(o);
-    out[row * D + d] = (OutT)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  }
+  combine_store(out, row * D + d, num, den);
 }
 
 // The combine launch of a call: rows_q query rows of D dims, out in otype (0 fp16, 1 bf16
@@ -184,6 +193,102 @@ int launch_combine(const float* po, const float* pm, const float* pl, void* out,
   else if (otype == 1) combine_kernel<uint16_t><<<rows_q, threads, 0, stream>>>(po, pm, pl, (uint16_t*)out, nsplit, D);
   else combine_kernel<float><<<rows_q, threads, 0, stream>>>(po, pm, pl, (float*)out, nsplit, D);
   return (int)cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------
+// The fused combine (the FUSED instances of the split kernels; library.py FUSED_COMBINE):
+// no second launch. The CTAs of one row group (one (b, kv head): its gqa query rows, nsplit
+// CTAs) count themselves in on an int32 counter of the call's own (library.py: one per
+// workspace / scratch buffer, zeroed when allocated); the last CTA to arrive merges the
+// group's partials as combine_kernel would and writes `out`, and sets the counter back to 0
+// (every CTA of the group has counted by then), so the next launch finds it zero without a
+// memset. A CUDA graph replays the same: each replay leaves the counters at 0.
+// ---------------------------------------------------------------------------------
+
+// After a CTA's partial stores (every thread of the CTA calls it): whether this CTA is the
+// last of its group's nsplit to get here (the same answer in every thread). Each thread
+// fences its own stores (device scope) before the barrier, one thread counts the CTA in, and
+// the last CTA fences again before it reads the others' partials (combine_rows reads them
+// through L2: ld.global.cg). nsplit == 1: the only CTA, the counter untouched.
+__device__ __forceinline__ bool last_of_group(int* counter, int nsplit) {
+  if (nsplit == 1) {
+    __syncthreads();  // (the CTA's own partial stores, visible to its threads)
+    return true;
+  }
+  __threadfence();
+  __syncthreads();
+  int last = 0;
+  if (threadIdx.x == 0) {
+    last = atomicAdd(counter, 1) == nsplit - 1;
+    if (last) atomicExch(counter, 0);
+  }
+  last = __syncthreads_or(last);
+  if (last) __threadfence();
+  return last != 0;
+}
+
+// The combine of query rows [row0, row0 + nrows) by one CTA (every thread calls it; smax:
+// nrows floats of shared memory, free to overwrite), bit for bit combine_kernel's: there,
+// thread (part, d) of PARTS = COMBINE_THREADS / D sums the splits s = part, part + PARTS, ...
+// in order and part 0 then adds the parts' sums in order; here a thread keeps the PARTS sums
+// of 4 dims side by side (independent chains: a stride of PARTS splits' loads in flight
+// together, float4 loads of po) and adds them in that same order.
+template <int D, typename OutT>
+__device__ __forceinline__ void combine_rows_t(const float* po, const float* pm, const float* pl, OutT* out,
+                                               long long row0, int nrows, int nsplit, const float* smax) {
+  constexpr int PARTS = COMBINE_THREADS / D, Q = D / 4;
+  for (int it = threadIdx.x; it < nrows * Q; it += blockDim.x) {
+    const int r = it / Q, d0 = 4 * (it % Q);
+    const long long row = row0 + r;
+    const float* pmr = pm + row * nsplit;
+    const float* plr = pl + row * nsplit;
+    const float* por = po + row * nsplit * D + d0;
+    const float M = smax[r];
+    float num[PARTS][4], den[PARTS];
+#pragma unroll
+    for (int i = 0; i < PARTS; ++i) den[i] = num[i][0] = num[i][1] = num[i][2] = num[i][3] = 0.f;
+#pragma unroll 2
+    for (int s0 = 0; s0 < nsplit; s0 += PARTS) {
+#pragma unroll
+      for (int i = 0; i < PARTS; ++i) {
+        const int s = s0 + i;
+        if (s < nsplit) {
+          const float w = combine_weight(__ldcg(pmr + s), M);
+          combine_add(den[i], w, __ldcg(plr + s));
+          const float4 x = __ldcg(reinterpret_cast<const float4*>(por + (long long)s * D));
+          combine_add(num[i][0], w, x.x);
+          combine_add(num[i][1], w, x.y);
+          combine_add(num[i][2], w, x.z);
+          combine_add(num[i][3], w, x.w);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 1; i < PARTS; ++i) {
+      den[0] += den[i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) num[0][j] += num[i][j];
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) combine_store(out, row * D + d0 + j, num[0][j], den[0]);
+  }
+}
+template <int D>
+__device__ __forceinline__ void combine_rows(const float* po, const float* pm, const float* pl, void* out, int otype,
+                                             long long row0, int nrows, int nsplit, float* smax) {
+  const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  for (int r = threadIdx.x >> 5; r < nrows; r += nw) {  // each row's max over its splits (a warp a row)
+    const float* pmr = pm + (row0 + r) * nsplit;
+    float M = NEG_INF;
+    for (int s = lane; s < nsplit; s += 32) M = fmaxf(M, __ldcg(pmr + s));
+#pragma unroll
+    for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    if (lane == 0) smax[r] = M;
+  }
+  __syncthreads();
+  if (otype == 0) combine_rows_t<D>(po, pm, pl, (__half*)out, row0, nrows, nsplit, smax);
+  else if (otype == 1) combine_rows_t<D>(po, pm, pl, (uint16_t*)out, row0, nrows, nsplit, smax);
+  else combine_rows_t<D>(po, pm, pl, (float*)out, row0, nrows, nsplit, smax);
 }
 
 }  // namespace

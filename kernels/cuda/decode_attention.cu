@@ -46,6 +46,16 @@
 
 namespace {
 
+// One source, two libraries (library.py FusedCombine): the default build launches each split
+// kernel and then the combine (combine_kernel); built with -DKVQ_FUSED_COMBINE=1 every split
+// kernel is its FUSED instance, whose last CTA of a row group merges the partials itself
+// (common.cuh combine_rows), one launch a call. Separate builds keep the default library's
+// kernels exactly as they were (the same SASS) and its build time.
+#ifndef KVQ_FUSED_COMBINE
+#define KVQ_FUSED_COMBINE 0
+#endif
+constexpr bool FUSED_BUILD = KVQ_FUSED_COMBINE != 0;
+
 
 struct Params {
   const void* q;        // [B, Hq, 1, D] contiguous, qtype 0 fp16, 1 bf16, 2 fp32
@@ -85,6 +95,12 @@ struct Params {
   float* po;            // partials [B*Hq, nsplit, D], [B*Hq, nsplit] x2
   float* pm;
   float* pl;
+  // FUSED instances only (after the rest: the other fields keep their offsets): a counter per
+  // row group (b * Hkv + h; zero between launches), the output [B*Hq, D] and its type
+  // (0 fp16, 1 bf16 bits, 2 fp32)
+  int* counters;
+  void* out;
+  int otype;
 };
 
 // ---------------------------------------------------------------------------------
@@ -1227,8 +1243,9 @@ constexpr int dyn_smem() {
 
 // STAGES: register path (SMS = 0), tiles held = STAGES (STAGES - 1 loaded ahead);
 // SMS > 0: the shared-memory pipeline of SMS stages per warp (STAGES unused).
-// GS: KIVI's stream (StreamOf).
-template <class F, int D, int NW, int STAGES, int MINB, int SMS, int GS>
+// GS: KIVI's stream (StreamOf). FUSED: the last CTA of a row group merges the group's
+// partials into p.out (common.cuh combine_rows), no combine launch after it.
+template <class F, int D, int NW, int STAGES, int MINB, int SMS, int GS, bool FUSED = false>
 __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   // Head dim 256 (SPL = 2): warp pairs (wp) take the tiles, warp hf of a pair the dims
   // [128 hf, 128 hf + 128) of every row with d = 128's format F (DW dims), and the pair adds
@@ -1432,6 +1449,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
       p.pl[prow] = L;
     }
   }
+  if constexpr (FUSED) {  // (sm_m is free once every thread is past last_of_group's barrier)
+    if (last_of_group(p.counters + bh, p.nsplit))
+      combine_rows<D>(p.po, p.pm, p.pl, p.out, p.otype, (long long)bh * p.gqa, p.gqa, p.nsplit, &sm_m[0][0]);
+  }
 }
 
 
@@ -1484,7 +1505,7 @@ template <class F, int D, int STAGES, int MINB, int SMS, int GS>
 int launch_cfg(const Params& p, int rows, int grid_y, cudaStream_t stream) {
   constexpr int NW = 4 * (D / F::DIM);  // (head dim 256: 4 warp pairs)
   constexpr int smem = dyn_smem<F, D, NW, SMS, GS>();
-  auto k = split_kernel<F, D, NW, STAGES, MINB, SMS, GS>;
+  auto k = split_kernel<F, D, NW, STAGES, MINB, SMS, GS, FUSED_BUILD>;
   if constexpr (smem > 0) {  // dynamic + static (256 B) may pass the default 48 KiB (fp8, 3 stages: 48 KiB + 256 B)
     static bool set = false;  // once per instance (benign race: the same value)
     if (!set) {
@@ -1500,7 +1521,8 @@ int launch_cfg(const Params& p, int rows, int grid_y, cudaStream_t stream) {
 template <class F, int D, int STAGES, int MINB, int SMS, int GS>
 int regs_cfg() {
   cudaFuncAttributes a;
-  const cudaError_t e = cudaFuncGetAttributes(&a, split_kernel<F, D, 4 * (D / F::DIM), STAGES, MINB, SMS, GS>);
+  const cudaError_t e =
+      cudaFuncGetAttributes(&a, split_kernel<F, D, 4 * (D / F::DIM), STAGES, MINB, SMS, GS, FUSED_BUILD>);
   return e == cudaSuccess ? a.numRegs : -(int)e;
 }
 
@@ -1560,11 +1582,13 @@ int launch_split(const Params& p, int rows, int grid_y, int variant, cudaStream_
   }
 }
 
+// A call's launches: the split kernel, then the combine (a FUSED_BUILD: the split kernel alone).
 template <class F, int D>
 int launch(const Params& p, int rows, void* out, int otype, int variant, cudaStream_t stream) {
   const int e = launch_split<F, D>(p, rows, p.nsplit, variant, stream);
   if (e) return e;
-  return launch_combine<D>(p.po, p.pm, p.pl, out, otype, rows * p.gqa, p.nsplit, stream);
+  if constexpr (FUSED_BUILD) return (int)cudaGetLastError();
+  else return launch_combine<D>(p.po, p.pm, p.pl, out, otype, rows * p.gqa, p.nsplit, stream);
 }
 
 template <class F, int D>
@@ -1649,11 +1673,7 @@ struct KiviRun {
   int otype, variant;
   cudaStream_t s;
   template <class F, int D>
-  int go() const {
-    const int e = launch_split<F, D>(p, rows, p.nsplit, variant, s);
-    if (e) return e;
-    return launch_combine<D>(p.po, p.pm, p.pl, out, otype, rows * p.gqa, p.nsplit, s);
-  }
+  int go() const { return launch<F, D>(p, rows, out, otype, variant, s); }
 };
 struct KiviRegs {
   int variant;
@@ -1688,8 +1708,8 @@ extern "C" int kvq_args_size() { return (int)sizeof(HostArgs); }
 // Launches only (no allocation, no synchronisation): capturable in a CUDA graph.
 // (args is a HostArgs*: a type of the anonymous namespace in the signature would give the
 // function internal linkage, and the library would not export it)
-extern "C" int kvq_run(const void* args, const void* q, const int* vlen, float* po, float* pm, float* pl, void* out,
-                       void* stream) {
+static int run_call(const void* args, const void* q, const int* vlen, float* po, float* pm, float* pl, void* out,
+                    int* counters, void* stream) {
   const HostArgs* a = static_cast<const HostArgs*>(args);
   Params p = {};
   p.q = q; p.qtype = a->qtype;
@@ -1701,6 +1721,7 @@ extern "C" int kvq_run(const void* args, const void* q, const int* vlen, float* 
   p.T = a->T; p.Hkv = a->Hkv; p.gqa = a->gqa;
   p.steps_per_split = a->per; p.nsplit = a->nsplit; p.qk_scale = a->qk_scale;
   p.po = po; p.pm = pm; p.pl = pl;
+  p.counters = counters; p.out = out; p.otype = a->otype;
   const int rows = a->B * a->Hkv;
   cudaStream_t s = (cudaStream_t)stream;
   p.vlen = vlen;
@@ -1710,6 +1731,23 @@ extern "C" int kvq_run(const void* args, const void* q, const int* vlen, float* 
   }
   return run_rows(*a, p, rows, out, s);
 }
+
+extern "C" int kvq_run(const void* args, const void* q, const int* vlen, float* po, float* pm, float* pl, void* out,
+                       void* stream) {
+  if (FUSED_BUILD) return (int)cudaErrorInvalidValue;  // (this build's calls are kvq_run_fused's)
+  return run_call(args, q, vlen, po, pm, pl, out, nullptr, stream);
+}
+
+// The call of a FUSED_BUILD (library.py FusedCombine), one launch: as kvq_run, and counters:
+// B * Hkv int32 at zero (each launch leaves them at zero), this call's alone while it runs
+// (a call at the same time takes other counters, as it takes other partials).
+extern "C" int kvq_run_fused(const void* args, const void* q, const int* vlen, float* po, float* pm, float* pl,
+                             void* out, int* counters, void* stream) {
+  if (!FUSED_BUILD || !counters) return (int)cudaErrorInvalidValue;
+  return run_call(args, q, vlen, po, pm, pl, out, counters, stream);
+}
+
+extern "C" int kvq_fused_build() { return FUSED_BUILD; }
 
 // Registers of the KIVI instances: tail = 0 the quantized part (variant), 1 the tail path.
 extern "C" int kvq_num_regs_kivi(int bits, int tail, int variant, int D) {

@@ -37,9 +37,9 @@ views (`KernelStore.graph_view`): each side's window policy turns the count into
 quantized tokens and window rows in the kernel, as the Triton kernel does; the grid is cut
 for the capacity. backend="auto" takes such calls while KIVI_VALID_LEN_AUTO.
 
-(About 500 lines, on purpose: the host side of one .cu source, three formats of one
+(About 620 lines, on purpose: the host side of one .cu source, three formats of one
 template; its launch-argument struct mirrors the .cu's, and its constants keep the GPU
-runs that chose them beside them.)
+runs that chose them beside them; the fused combine's build and call beside the default's.)
 """
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ import torch
 
 from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles, token_tiles
 from ..layout import FP8Flat, IntFlat, KIVIFlat, KIVIGraphFlat
-from .library import (QTYPE, KernelLibrary, PlanCache, RoutedPlan, check_token_counts, follow_tokens, fresh_partials,
-                      on_current_stream)
+from .library import (FUSED_COMBINE, FUSED_DEFINE, QTYPE, KernelLibrary, PlanCache, RoutedPlan, check_token_counts,
+                      follow_tokens, fresh_partials, fused_partials, on_current_stream, workspace_counters)
 
 SOURCE = Path(__file__).parent / "decode_attention.cu"
 # The numbers behind every default below (variants, splits, switches), run by run, are in
@@ -114,24 +114,41 @@ def _declare(lib) -> str | None:
     return None
 
 
+def _declare_fused(lib) -> str | None:  # the fused build (library.py FusedCombine): kvq_run_fused, not kvq_run
+    lib.kvq_fused_build.restype = ctypes.c_int
+    if lib.kvq_fused_build() != 1:
+        return "not a fused build (KVQ_FUSED_COMBINE)"
+    lib.kvq_run_fused.argtypes = [ctypes.c_void_p] * 9  # (kvq_run's, then the counters)
+    lib.kvq_run_fused.restype = ctypes.c_int
+    return _declare(lib)
+
+
 _LIB = KernelLibrary(SOURCE, "kvq_decode", _declare)
+_FUSED = KernelLibrary(SOURCE, "kvq_decode_fused", _declare_fused, FUSED_DEFINE)  # built at the first fused call
 _load = _LIB.load
 why_unavailable = _LIB.why_unavailable
+
+
+def _fused_run():
+    lib = _FUSED.lib or _FUSED.load()
+    if lib is None:
+        raise RuntimeError(f"the fused build of the CUDA decode kernels is unavailable: {_FUSED.why}")
+    return lib.kvq_run_fused
 
 
 def available() -> bool:  # through the module's why_unavailable, as before KernelLibrary (tests stub it)
     return why_unavailable() is None
 
 
-def num_regs(fmt: int, head_dim: int, variant: int = 0) -> int:
-    lib = _load()
+def num_regs(fmt: int, head_dim: int, variant: int = 0, fused: bool = False) -> int:
+    lib = _FUSED.load() if fused else _load()  # (fused: the instances of the fused build)
     return -1 if lib is None else lib.kvq_num_regs(fmt, head_dim, variant)
 
 
-def num_regs_kivi(bits: int, tail: bool = False, variant: int = 2, head_dim: int = 128) -> int:
+def num_regs_kivi(bits: int, tail: bool = False, variant: int = 2, head_dim: int = 128, fused: bool = False) -> int:
     """Registers per thread of the KIVI instances (tail=True: the window-tail path, a
     branch of the variant-2 kernel)."""
-    lib = _load()
+    lib = _FUSED.load() if fused else _load()
     return -1 if lib is None else lib.kvq_num_regs_kivi(bits, int(tail), variant, head_dim)
 
 
@@ -513,7 +530,10 @@ def make_workspace(q: torch.Tensor, k, v, *, num_splits: int | None = None,
     valid_len / CUDA-graph caller must pass: such a call allocates nothing). valid_len:
     whether the calls pass one (KIVI graph views: the splits are cut for the capacity)."""
     plan = _plan(q, k, v, num_splits, ctas_per_sm, None, out_dtype, bool(valid_len))
-    return Workspace(plan.rows_q, plan.nsplit, plan.D, q.device, plan.out_dtype)
+    ws = Workspace(plan.rows_q, plan.nsplit, plan.D, q.device, plan.out_dtype)
+    if FUSED_COMBINE.on:  # (its counters now, not in a capture's first call)
+        workspace_counters(ws, plan.rows_q, q.device)
+    return ws
 
 
 def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM,
@@ -555,16 +575,26 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
             raise ValueError(f"workspace does not fit this call ({plan.nsplit} splits, {plan.rows_q} x {plan.D} "
                              f"{plan.out_dtype}): use make_workspace")
         ws = None
+    fused = FUSED_COMBINE.on  # (one launch, the counters after `out`: library.py FusedCombine)
     if ws is None:  # one buffer for the three partials, one for the result
-        part, out, po, pm, pl, optr = fresh_partials(plan.rows_q, plan.nsplit, plan.D, plan.shape, plan.out_dtype,
-                                                     q.device)
+        if fused:
+            part, out, po, pm, pl, optr, cptr = fused_partials(plan.rows_q, plan.nsplit, plan.D, plan.shape,
+                                                               plan.out_dtype, q.device)
+        else:
+            part, out, po, pm, pl, optr = fresh_partials(plan.rows_q, plan.nsplit, plan.D, plan.shape, plan.out_dtype,
+                                                         q.device)
     else:
         po, pm, pl, optr = ws.po.data_ptr(), ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr()
         out = ws.__dict__.get("_kvq_out")
         if out is None or out.shape != plan.shape or out.data_ptr() != optr:
             out = ws.out.view(plan.shape)
             ws._kvq_out = out  # (the view, made once per workspace)
-    err = on_current_stream(q.get_device(), _LIB.lib.kvq_run, plan.ptr, q.data_ptr(), vptr, po, pm, pl, optr)
+        if fused:
+            cptr = workspace_counters(ws, plan.rows_q, q.device)
+    if fused:
+        err = on_current_stream(q.get_device(), _fused_run(), plan.ptr, q.data_ptr(), vptr, po, pm, pl, optr, cptr)
+    else:
+        err = on_current_stream(q.get_device(), _LIB.lib.kvq_run, plan.ptr, q.data_ptr(), vptr, po, pm, pl, optr)
     if err:
         raise RuntimeError(f"CUDA decode kernel launch failed: error {err}")
     return out

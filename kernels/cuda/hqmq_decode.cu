@@ -71,6 +71,15 @@ struct Dims {
   static constexpr int SPL = D > 128 ? 2 : 1, DW = D / SPL;
 };
 
+// One source, two libraries (library.py FusedCombine), as decode_attention.cu: built with
+// -DKVQ_FUSED_COMBINE=1 every split kernel is its FUSED instance (its last CTA of a row group
+// merges the partials: common.cuh combine_rows), one launch a call; the default build is
+// the split kernel and the combine launch, its kernels exactly as before.
+#ifndef KVQ_FUSED_COMBINE
+#define KVQ_FUSED_COMBINE 0
+#endif
+constexpr bool FUSED_BUILD = KVQ_FUSED_COMBINE != 0;
+
 struct Params {
   const void* q;  // [B, Hq, 1, D], qtype 0 fp16, 1 bf16, 2 fp32
   const uint8_t* kc;  // codes [B, Hkv, Tcap, 48]
@@ -98,6 +107,12 @@ struct Params {
   float* po;
   float* pm;
   float* pl;
+  // FUSED instances only (after the rest: the other fields keep their offsets): a counter per
+  // row group (b * Hkv + h; zero between launches), the output [B*Hq, D] and its type
+  // (0 fp16, 1 bf16 bits, 2 fp32)
+  int* counters;
+  void* out;
+  int otype;
 };
 
 // ---------------------------------------------------------------------------------
@@ -827,7 +842,9 @@ constexpr int dyn_smem() {
 // so both gathers are [reg + immediate] LDS.64.
 // OUT: Med3x (flags and outlier lists in Params; a split starts on a 64-token block).
 // PF (with OUT): the outliers one tile ahead, through a per-warp double buffer after the stages.
-template <int NW, int SMS, int TABB, int MINB, bool OUT, bool PF = false, int D = 128>
+// FUSED: the last CTA of a row group merges the group's partials into p.out (common.cuh
+// combine_rows), no combine launch after it.
+template <int NW, int SMS, int TABB, int MINB, bool OUT, bool PF = false, int D = 128, bool FUSED = false>
 __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params p) {
   using Stage = ::Stage<D>;
   using PfBuf = ::PfBuf<D>;
@@ -1058,6 +1075,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       p.pl[prow] = none ? 1.f : L;
     }
   }
+  if constexpr (FUSED) {  // (sm_m is free once every thread is past last_of_group's barrier)
+    if (last_of_group(p.counters + bh, p.nsplit))
+      combine_rows<D>(p.po, p.pm, p.pl, p.out, p.otype, (long long)bh * p.gqa, p.gqa, p.nsplit, &sm_m[0][0]);
+  }
 }
 
 
@@ -1109,7 +1130,7 @@ constexpr int smem_of() {
 template <int V, int TABB, bool OUT, int D>
 constexpr auto kernel_of() {
   return hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, minb_of<V, D, OUT>(), OUT,
-                           OUT && PREFETCH[V], D>;
+                           OUT && PREFETCH[V], D, FUSED_BUILD>;
 }
 
 // The dynamic shared-memory opt-in, once per instance (also before an occupancy query).
@@ -1211,10 +1232,10 @@ static_assert(offsetof(HqmqPlan, k_cs) == 112 && offsetof(HqmqPlan, qtype) == 20
                   offsetof(HqmqPlan, qk_scale) == 256,
               "HqmqPlan: change _PlanArgs in hqmq_decode.py with it");
 
-// One decode call from a plan (both entries below): the split kernel of (variant, S,
-// Med3x, D), then the combine into `out`.
+// One decode call from a plan (the entries below): the split kernel of (variant, S,
+// Med3x, D), then the combine into `out` (a FUSED_BUILD: the split kernel alone, counters given).
 int run_plan(const HqmqPlan& a, const void* q, const int* vlen, float* po, float* pm, float* pl, void* out,
-             cudaStream_t s) {
+             cudaStream_t s, int* counters = nullptr) {
   Params p;
   p.vlen = vlen;
   p.q = q; p.qtype = a.qtype;
@@ -1228,9 +1249,12 @@ int run_plan(const HqmqPlan& a, const void* q, const int* vlen, float* po, float
   p.T = a.T; p.Hkv = a.Hkv; p.gqa = a.gqa; p.steps_per_split = a.steps_per_split; p.nsplit = a.nsplit;
   p.tab_bytes = 192 * a.S; p.qk_scale = a.qk_scale;
   p.po = po; p.pm = pm; p.pl = pl;
+  p.counters = counters; p.out = out; p.otype = a.otype;
+  if (FUSED_BUILD != (counters != nullptr)) return (int)cudaErrorInvalidValue;  // (fused: kvq_hqmq_run_fused)
   const int rows = a.B * a.Hkv;
   const int e = dispatch(a.variant, a.S, a.kf != nullptr, LAUNCH, &p, rows, s, a.D);
   if (e) return e;
+  if constexpr (FUSED_BUILD) return (int)cudaGetLastError();
   if (a.D == 64) return launch_combine<64>(po, pm, pl, out, a.otype, rows * a.gqa, a.nsplit, s);  // common.cuh
   if (a.D == 256) return launch_combine<256>(po, pm, pl, out, a.otype, rows * a.gqa, a.nsplit, s);
   return launch_combine<128>(po, pm, pl, out, a.otype, rows * a.gqa, a.nsplit, s);
@@ -1269,6 +1293,19 @@ extern "C" int kvq_hqmq_run(const void* plan, const void* q, const int* vlen, fl
   if ((vlen != nullptr) != (a.vlen != 0)) return -2;
   return run_plan(a, q, vlen, po, pm, pl, out, (cudaStream_t)stream);
 }
+
+// The call of a FUSED_BUILD (library.py FusedCombine), one launch: as kvq_hqmq_run, and
+// counters: B * Hkv int32 at zero (each launch leaves them at zero), this call's alone
+// while it runs. Returns as kvq_hqmq_run.
+extern "C" int kvq_hqmq_run_fused(const void* plan, const void* q, const int* vlen, float* po, float* pm, float* pl,
+                                  void* out, int* counters, void* stream) {
+  const HqmqPlan& a = *static_cast<const HqmqPlan*>(plan);
+  if ((vlen != nullptr) != (a.vlen != 0)) return -2;
+  if (!counters) return (int)cudaErrorInvalidValue;
+  return run_plan(a, q, vlen, po, pm, pl, out, (cudaStream_t)stream, counters);
+}
+
+extern "C" int kvq_hqmq_fused_build() { return FUSED_BUILD; }
 
 extern "C" int kvq_hqmq_num_variants() { return NVARIANTS; }
 

@@ -33,7 +33,8 @@ from ...quantizers.derived import derived
 from ...quantizers.derived import tensor_version as _version
 from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import HQMQFlat, codebook_from_secondaries
-from .library import QTYPE, KernelLibrary, PlanCache, RoutedPlan, follow_tokens, fresh_partials, on_current_stream
+from .library import (FUSED_COMBINE, FUSED_DEFINE, QTYPE, KernelLibrary, PlanCache, RoutedPlan, follow_tokens,
+                      fresh_partials, fused_partials, on_current_stream, workspace_counters)
 
 SOURCE = Path(__file__).parent / "hqmq_decode.cu"
 # VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM):
@@ -113,18 +114,36 @@ def _declare(lib) -> str | None:
     return None
 
 
+def _declare_fused(lib) -> str | None:  # the fused build (library.py FusedCombine): kvq_hqmq_run_fused
+    lib.kvq_hqmq_fused_build.restype = ctypes.c_int
+    if lib.kvq_hqmq_fused_build() != 1:
+        return "not a fused build (KVQ_FUSED_COMBINE)"
+    lib.kvq_hqmq_run_fused.argtypes = [ctypes.c_void_p] * 9  # (kvq_hqmq_run's, then the counters)
+    lib.kvq_hqmq_run_fused.restype = ctypes.c_int
+    return _declare(lib)
+
+
 _LIB = KernelLibrary(SOURCE, "kvq_hqmq", _declare)  # built / loaded once, as decode_attention.py's
+_FUSED = KernelLibrary(SOURCE, "kvq_hqmq_fused", _declare_fused, FUSED_DEFINE)  # built at the first fused call
 _load = _LIB.load
 why_unavailable = _LIB.why_unavailable
+
+
+def _fused_run():
+    lib = _FUSED.lib or _FUSED.load()
+    if lib is None:
+        raise RuntimeError(f"the fused build of the CUDA HQMQ kernel is unavailable: {_FUSED.why}")
+    return lib.kvq_hqmq_run_fused
 
 
 def available() -> bool:  # through the module's why_unavailable, as before KernelLibrary (tests stub it)
     return why_unavailable() is None
 
 
-def num_regs(variant: int = 0, S: int = 96, med3: bool = False, head_dim: int = 128) -> int:
-    """Registers per thread of a variant's instance (med3: its Med3x one); < 0: none / error."""
-    lib = _load()
+def num_regs(variant: int = 0, S: int = 96, med3: bool = False, head_dim: int = 128, fused: bool = False) -> int:
+    """Registers per thread of a variant's instance (med3: its Med3x one; fused: the fused
+    build's); < 0: none / error."""
+    lib = _FUSED.load() if fused else _load()
     return -1 if lib is None else lib.kvq_hqmq_num_regs(variant, S, int(med3), head_dim)
 
 
@@ -341,7 +360,10 @@ def workspace(q: torch.Tensor, k, *, num_splits: int | None = None, ctas_per_sm:
     med3 = k.has_outliers
     variant = (DEFAULT_VARIANT_MED3 if med3 else DEFAULT_VARIANT) if variant is None else variant
     nsplit, _ = splits(k.B * k.H, k.T, q.device, num_splits, ctas_per_sm, variant, k.S, med3, k.D)
-    return Workspace(k.B * q.shape[1], nsplit, k.D, q.device, out_dtype or q.dtype)
+    ws = Workspace(k.B * q.shape[1], nsplit, k.D, q.device, out_dtype or q.dtype)
+    if FUSED_COMBINE.on:  # (its counters now, not in a capture's first call)
+        workspace_counters(ws, k.B * q.shape[1], q.device)
+    return ws
 
 
 _NO_MED3_ARGS = (None,) * 6 + (0,) * 6  # no Med3x: null flag pointer, the kernel's OUT=false instance
@@ -578,14 +600,23 @@ def _decode_planned(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dt
     if not q.is_contiguous():
         q = q.contiguous()
     ws, part = workspace, None
+    fused = FUSED_COMBINE.on  # (one launch, the counters after `out`: library.py FusedCombine)
     if ws is not None and ws.nsplit == plan.nsplit and ws.out.dtype == plan.out_dtype \
             and ws.out.numel() == plan.rows_q * plan.D:
         po, pm, pl, optr = ws.po.data_ptr(), ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr()
         out = ws.out.view(plan.shape)
-    else:  # (part held to the launch: see fresh_partials)
+        if fused:
+            cptr = workspace_counters(ws, plan.rows_q, q.device)
+    elif fused:  # (part held to the launch: see fresh_partials)
+        part, out, po, pm, pl, optr, cptr = fused_partials(plan.rows_q, plan.nsplit, plan.D, plan.shape,
+                                                           plan.out_dtype, q.device)
+    else:
         part, out, po, pm, pl, optr = fresh_partials(plan.rows_q, plan.nsplit, plan.D, plan.shape, plan.out_dtype,
                                                      q.device)
-    err = on_current_stream(q.get_device(), _LIB.lib.kvq_hqmq_run, plan.ptr, q.data_ptr(), vl, po, pm, pl, optr)
+    if fused:
+        err = on_current_stream(q.get_device(), _fused_run(), plan.ptr, q.data_ptr(), vl, po, pm, pl, optr, cptr)
+    else:
+        err = on_current_stream(q.get_device(), _LIB.lib.kvq_hqmq_run, plan.ptr, q.data_ptr(), vl, po, pm, pl, optr)
     if err:
         raise RuntimeError(f"CUDA HQMQ kernel launch failed: error {err}")
     return out

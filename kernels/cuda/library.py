@@ -58,15 +58,16 @@ def build_dir() -> Path:
     return Path(root) / "kvqbench_cuda_decode"
 
 
-def compile_library(source: Path, stem: str, cap: tuple[int, int]) -> Path:
+def compile_library(source: Path, stem: str, cap: tuple[int, int], extra: tuple[str, ...] = ()) -> Path:
     """nvcc `source` into a shared library for compute capability `cap`, once per
-    source/flags/compiler/arch (the file name carries their hash); raises RuntimeError
-    (nvcc missing or failing) or OSError / SubprocessError."""
+    source/flags/compiler/arch (the file name carries their hash); extra: more nvcc flags
+    (the fused build's define: FusedCombine). Raises RuntimeError (nvcc missing or
+    failing) or OSError / SubprocessError."""
     path = nvcc()
     if path is None:
         raise RuntimeError("no nvcc found (CUDA_HOME / PATH): cannot build the CUDA kernels")
     ver = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
-    flags = FLAGS + arch_flags(cap)
+    flags = FLAGS + arch_flags(cap) + list(extra)
     headers = "".join(h.read_text() for h in sorted(source.parent.glob("*.cuh")))  # included by every source
     key = hashlib.sha256((source.read_text() + headers + "\0".join(flags) + ver).encode()).hexdigest()[:16]
     out = build_dir() / f"{stem}_sm{cap[0]}{cap[1]}_{key}.so"
@@ -92,7 +93,7 @@ def compile_library(source: Path, stem: str, cap: tuple[int, int]) -> Path:
     return out
 
 
-def load_library(source: Path, stem: str) -> tuple[ctypes.CDLL | None, str | None]:
+def load_library(source: Path, stem: str, extra: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]:
     """(library, None) for `source` built for this GPU, or (None, why not): no CUDA
     device, ROCm, a GPU below sm_80 (mma.sync m16n8k16), no nvcc, a failed build."""
     if not torch.cuda.is_available():
@@ -103,7 +104,7 @@ def load_library(source: Path, stem: str) -> tuple[ctypes.CDLL | None, str | Non
     if cap < (8, 0):
         return None, f"GPU sm_{cap[0]}{cap[1]}: the kernels need sm_80+ (mma.sync m16n8k16)"
     try:
-        return ctypes.CDLL(str(compile_library(source, stem, cap))), None
+        return ctypes.CDLL(str(compile_library(source, stem, cap, extra))), None
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         return None, f"building/loading {source.name} failed: {type(e).__name__}: {e}"
 
@@ -112,10 +113,11 @@ class KernelLibrary:
     """One CUDA source's library (decode_attention.cu's, hqmq_decode.cu's), built and loaded once
     per process at first use: `load()` gives it or None, `why` the reason when it is None
     (from `load_library`, or from `declare(lib)`, which sets the entry points' ctypes
-    signatures and may refuse the library by returning a reason)."""
+    signatures and may refuse the library by returning a reason). extra: more nvcc flags
+    (another build of the same source: the fused combine's, FusedCombine)."""
 
-    def __init__(self, source: Path, stem: str, declare):
-        self.source, self.stem, self._declare = source, stem, declare
+    def __init__(self, source: Path, stem: str, declare, extra: tuple[str, ...] = ()):
+        self.source, self.stem, self._declare, self.extra = source, stem, declare, tuple(extra)
         self.lib: ctypes.CDLL | None = None
         self.why: str | None = None
         self._tried = False
@@ -125,7 +127,7 @@ class KernelLibrary:
         with self._lock:
             if not self._tried:
                 self._tried = True
-                lib, self.why = load_library(self.source, self.stem)
+                lib, self.why = load_library(self.source, self.stem, self.extra)
                 if lib is not None:
                     self.why = self._declare(lib)
                     self.lib = lib if self.why is None else None
@@ -249,12 +251,38 @@ def on_current_stream(dev: int, entry, *args) -> int:
         return entry(*args, torch.cuda.current_stream(dev).cuda_stream)
 
 
+class FusedCombine:
+    """THE SWITCH of the fused combine: a call's split kernel merges its own partials (the
+    last CTA of each row group, common.cuh `combine_rows`, the same bits as the combine
+    launch) instead of a second launch, so an eager call issues one kernel, not two. Off by
+    default until the GPU tests (suites/tests/test_cuda_fused_combine.py) and host_time's
+    `--fused-combine` on / off figures have run; `KVQBENCH_FUSED_COMBINE=1` turns it on for
+    a process. Read at every launch (no plan holds it), so `on` may be set in a run;
+    `mode()` names what runs now, for a benchmark to record. The fused kernels are another
+    build of each .cu (FUSED_DEFINE; built at the first fused call), so the default
+    library, its kernels and its build time stay as they were. Plans are shared: the same
+    struct, the same splits. Each call's counters (B * Hkv int32) sit beside its partials:
+    in its workspace (`workspace_counters`) or the scratch buffer of its stream and thread
+    (`fused_partials`), zeroed when allocated and left at zero by every launch."""
+
+    def __init__(self, on: bool = False):
+        self.on = on
+
+    def mode(self) -> str:
+        return "fused" if self.on else "split+combine"
+
+
+FUSED_COMBINE = FusedCombine(os.environ.get("KVQBENCH_FUSED_COMBINE", "0").strip() == "1")
+FUSED_DEFINE = ("-DKVQ_FUSED_COMBINE=1",)  # the fused build's nvcc flag (KernelLibrary extra)
+
+
 class Scratch:
     """The fp32 partials of CUDA calls without a workspace, one buffer per (device, stream,
-    thread), grown as needed and reused by every later call there: an allocation is a few
-    microseconds of an eager call's host time (two, result and partials, were ~6 us of ~23
-    on an H100 under host_time --breakdown's cProfile), and the result must be fresh, the
-    partials need not. Safe by stream order: a call's two kernels (split, combine) read its
+    thread), grown as needed and reused by every later call there (the result must be
+    fresh, the partials need not). Kept for the partials' allocation it saves, though on an
+    H100 (2026-12-06, host_time at T = 32768) the calls' host time did not move measurably
+    with it: fp8 +0.6, KIVI-4 -0.8, HQMQ +0.4 us per call (the ~6 us of two allocations in
+    --breakdown's cProfile was mostly cProfile's). Safe by stream order: a call's two kernels (split, combine) read its
     partials before a later call on the same stream runs; a buffer grown out of (or dropped
     when `limit` are held) returns to the caching allocator, which hands its memory again to
     work on that stream only. The thread is in the key because a ctypes call releases the
@@ -267,30 +295,54 @@ class Scratch:
     same stream-order argument then no longer holds; torch's own streams are pooled, not
     destroyed."""
 
-    def __init__(self, limit: int = 16, alloc=None):
+    def __init__(self, limit: int = 16, alloc=None, zeros=None):
         self.limit = limit
         self.bufs: dict = {}
+        self.cnts: dict = {}  # a fused call's counters, by take's key (take_fused)
         self.alloc = alloc or (lambda size, device: torch.empty(size, dtype=torch.float32, device=device))
+        self.zeros = zeros or (lambda n, device: torch.zeros(n, dtype=torch.int32, device=device))
 
     def take(self, size: int, device) -> torch.Tensor:
         """An fp32 buffer of at least `size` elements for one call on device's current stream."""
+        key = self._key(device)
+        return self.alloc(size, device) if key is None else self._kept(self.bufs, key, size, self.alloc, device)
+
+    def take_fused(self, size: int, ncnt: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`take`'s buffer and, beside it, ncnt int32 counters at zero for one fused call
+        (FusedCombine), both kept under take's key. Counters are zeroed once, when allocated
+        (torch.zeros: a memset on the current stream, before the launch), and every fused
+        launch leaves the ones it used at zero, so a kept buffer serves the next call as it
+        is. Fresh (zeroed) where take's buffer is fresh: while capturing, the memset is a
+        node of the graph, replayed before the kernel each time."""
+        key = self._key(device)
+        if key is None:
+            return self.alloc(size, device), self.zeros(ncnt, device)
+        return (self._kept(self.bufs, key, size, self.alloc, device),
+                self._kept(self.cnts, key, ncnt, self.zeros, device))
+
+    @staticmethod
+    def _key(device):
+        """The (device, stream, thread) a kept buffer serves; None: a fresh one (the class docstring says when)."""
         if (device.type != "cuda" or _raw_stream is None or _cur_device is None or _cur_device() != device.index
                 or _capturing()):
-            return self.alloc(size, device)
-        key = (device.index, _raw_stream(device.index), threading.get_ident())
-        buf = self.bufs.get(key)
-        if buf is None or buf.numel() < size:
-            if len(self.bufs) >= self.limit:
-                self.bufs.clear()
-            buf = self.bufs[key] = self.alloc(size, device)
-        return buf
+            return None
+        return device.index, _raw_stream(device.index), threading.get_ident()
+
+    def _kept(self, table: dict, key, n: int, make, device) -> torch.Tensor:
+        t = table.get(key)
+        if t is None or t.numel() < n:
+            if len(table) >= self.limit:
+                table.clear()
+            t = table[key] = make(n, device)
+        return t
 
     def held_bytes(self) -> int:
         """Device bytes the kept buffers hold (a memory benchmark's cache figure leaves them out)."""
-        return sum(b.numel() * b.element_size() for b in self.bufs.values())
+        return sum(b.numel() * b.element_size() for b in (*self.bufs.values(), *self.cnts.values()))
 
     def clear(self) -> None:
         self.bufs.clear()
+        self.cnts.clear()
 
 
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
@@ -311,6 +363,32 @@ def fresh_partials(rows_q: int, nsplit: int, D: int, shape, out_dtype, device):
     return part, out, po, pm, pm + 4 * n, out.data_ptr()
 
 
-__all__ = ["FLAGS", "QTYPE", "KernelLibrary", "PlanCache", "RoutedPlan", "SCRATCH", "Scratch", "check_token_counts",
-           "follow_tokens", "arch_flags", "build_dir", "compile_library",
-           "fresh_partials", "load_library", "nvcc", "on_current_stream"]
+def fused_partials(rows_q: int, nsplit: int, D: int, shape, out_dtype, device):
+    """`fresh_partials` for a fused call: (held buffers, out tensor, po, pm, pl, out pointer,
+    counters pointer); the counters (rows_q int32 >= the B * Hkv row groups) from SCRATCH
+    beside the partials (Scratch.take_fused)."""
+    n = rows_q * nsplit
+    part, cnt = SCRATCH.take_fused(n * (D + 2), rows_q, device)
+    out = torch.empty(shape, dtype=out_dtype, device=device)
+    po = part.data_ptr()
+    pm = po + 4 * n * D
+    return (part, cnt), out, po, pm, pm + 4 * n, out.data_ptr(), cnt.data_ptr()
+
+
+def workspace_counters(ws, n: int, device) -> int:
+    """The device pointer of a workspace's own fused-call counters (n int32 at zero), made
+    with it the first time (kernels/common.py `Workspace` is shared with the Triton backend:
+    they are kept on the object as `_kvq_counters`). Two workspaces never share counters;
+    make_workspace / workspace() attach them when FUSED_COMBINE is on, so a capture that
+    uses the workspace allocates nothing (made while capturing, the memset is a node of the
+    graph, replayed each time: still correct)."""
+    cnt = ws.__dict__.get("_kvq_counters")
+    if cnt is None or cnt.numel() < n:
+        cnt = ws._kvq_counters = torch.zeros(n, dtype=torch.int32, device=device)
+    return cnt.data_ptr()
+
+
+__all__ = ["FLAGS", "QTYPE", "FUSED_COMBINE", "FUSED_DEFINE", "FusedCombine", "KernelLibrary", "PlanCache",
+           "RoutedPlan", "SCRATCH", "Scratch", "check_token_counts", "follow_tokens", "arch_flags", "build_dir",
+           "compile_library", "fresh_partials", "fused_partials", "load_library", "nvcc", "on_current_stream",
+           "workspace_counters"]

@@ -14,6 +14,7 @@ the ctypes launch and CUDA's allocator are then left out.
     python -m kvqbench.suites.bench.latency.host_time            # CPU: the table of issue 28
     python -m kvqbench.suites.bench.latency.host_time --d 64 --B 1 8
     python -m kvqbench.suites.bench.latency.host_time --write   # an eager step's cache write per layer
+    python -m kvqbench.suites.bench.latency.host_time --fused-combine   # the CUDA combine launched / fused
 
 Sets TRITON_INTERPRET on a CPU before the kernels are imported (as the command line of
 the latency suite does).
@@ -87,7 +88,8 @@ def cuda_path_on_cpu(spec: str, q, kf, vf, valid_len: bool = False):
     mod = ch if spec.startswith("hqmq") else cd
     launches = []
     stub = types.SimpleNamespace(lib=types.SimpleNamespace(kvq_run=None, kvq_hqmq_run=None))
-    patched = {"why_unavailable": lambda: None, "_PLANS": type(mod._PLANS)(64), "_LIB": stub,
+    fused_stub = types.SimpleNamespace(lib=types.SimpleNamespace(kvq_run_fused=None, kvq_hqmq_run_fused=None))
+    patched = {"why_unavailable": lambda: None, "_PLANS": type(mod._PLANS)(64), "_LIB": stub, "_FUSED": fused_stub,
                "on_current_stream": lambda dev, entry, *args: launches.append(args[0]) or 0}
     old = {name: getattr(mod, name) for name in patched}
     for name, value in patched.items():
@@ -214,6 +216,32 @@ def routed_plans(on: bool):
         cd.ROUTED.enabled, ch.ROUTED.enabled = old
 
 
+@contextlib.contextmanager
+def fused_combine(on: bool):
+    """The CUDA kernels' fused combine (kernels/cuda/library.py `FusedCombine`: the split
+    kernel merges its partials, one launch a call) on or off inside; on a GPU, on builds and
+    loads the fused libraries first (not inside a timing)."""
+    from ....kernels.cuda import decode_attention as cd, hqmq_decode as ch, library
+
+    if on and torch.cuda.is_available():
+        for mod in (cd, ch):
+            if mod.why_unavailable() is None and mod._FUSED.load() is None:
+                raise RuntimeError(f"the fused build is unavailable: {mod._FUSED.why}")
+    old = library.FUSED_COMBINE.on
+    library.FUSED_COMBINE.on = on
+    try:
+        yield
+    finally:
+        library.FUSED_COMBINE.on = old
+
+
+def combine_mode() -> str:
+    """What the CUDA calls launch now: "split+combine" (two launches) or "fused" (one)."""
+    from ....kernels.cuda import library
+
+    return library.FUSED_COMBINE.mode()
+
+
 def host_breakdown(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int = 128, n: int = 200,
                    top: int = 14, cuda_on_cpu: bool = False) -> str:
     """Where one eager call's host time goes: the route alone (`explain_backend`: which
@@ -253,7 +281,8 @@ def host_breakdown(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int
     stats = pstats.Stats(prof, stream=io.StringIO()).stats  # (file, line, name) -> (cc, ncalls, tottime, cumtime, callers)
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     walked = " (CUDA path walked on the CPU)" if cuda_on_cpu and dev == "cpu" else ""
-    head = f"{spec} B={B} d={d} T={T}{walked}: " + ", ".join(f"{k} {v:.1f} us" for k, v in parts.items())
+    head = (f"{spec} B={B} d={d} T={T}{walked} (combine {combine_mode()}): "
+            + ", ".join(f"{k} {v:.1f} us" for k, v in parts.items()))
     lines = [f"  {'self us/call':>12s} {'cum us/call':>11s} {'calls/call':>10s}  function (cProfile)"]
     lines += [f"  {tt / n * 1e6:12.2f} {ct / n * 1e6:11.2f} {nc / n:10.1f}  {Path(f).name}:{ln}({name})"
               for (f, ln, name), (_, nc, tt, ct, _) in rows]
@@ -270,7 +299,12 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=HOST_US_CALLS["n"])
     p.add_argument("--breakdown", action="store_true",
                    help="per format at the first B and d: route / kernel function / whole call, and a cProfile, "
-                   "with the CUDA backends' routed plan off and on")
+                   "with the CUDA backends' routed plan off and on (with --fused-combine: the fused combine off "
+                   "and on instead, the routed plan as set)")
+    p.add_argument("--fused-combine", action="store_true",
+                   help="each row twice in one run: the CUDA kernels' combine as a second launch (split), then fused "
+                   "into the split kernel (fused; kernels/cuda/library.py FusedCombine); the default runs the mode "
+                   "KVQBENCH_FUSED_COMBINE sets")
     p.add_argument("--write", action="store_true",
                    help="instead: host us of one layer's eager one-token cache write (K and V) after a T-token "
                    "prompt, per format and DynamicCache (Triton launches stubbed on a CPU)")
@@ -287,29 +321,39 @@ def main(argv=None) -> int:
         return 0
     if a.breakdown:
         for f in a.formats:
-            for on in (False, True):  # the CUDA backends' routed plan off, then on (same run)
-                with routed_plans(on):  # (on a CPU: the CUDA backend's path walked, where there is one)
+            for on in (False, True):  # the routed plan (or the fused combine) off, then on (same run)
+                switch = fused_combine(on) if a.fused_combine else routed_plans(on)
+                with switch:  # (on a CPU: the CUDA backend's path walked, where there is one)
                     walk = not torch.cuda.is_available() and f != "fp16"
-                    print(f"[routed plan {'on' if on else 'off'}] "
+                    what = "fused combine" if a.fused_combine else "routed plan"
+                    print(f"[{what} {'on' if on else 'off'}] "
                           + host_breakdown(SPECS[f], a.B[0], a.T, d=a.d[0], n=a.n, cuda_on_cpu=walk), flush=True)
         return 0
+    modes = (False, True) if a.fused_combine else (None,)  # None: as KVQBENCH_FUSED_COMBINE set it
     print(f"host us per decode_attention call, {how} (Hq 32, Hkv 8, T={a.T}; least of 15 means of {a.n})")
+    print("combine: " + ("split (two launches) then fused (one), each row twice" if a.fused_combine
+                         else combine_mode()))
     print("(vl: with a device valid_len; step: each call on another token count, as eager decode steps)")
-    head = f"{'format':8s} {'d':>4s} " + "  ".join(" ".join(f"{'B=' + str(b) + s:>9s}" for b in a.B)
+    head = f"{'format':14s} {'d':>4s} " + "  ".join(" ".join(f"{'B=' + str(b) + s:>9s}" for b in a.B)
                                                  for s in ("", " vl", " step"))
     print(head)
 
     def row(f, d, timer):
-        cols = [[timer(SPECS[f], b, a.T, d=d, n=a.n, **kw) for b in a.B]
-                for kw in ({}, {"valid_len": True}, {"step": True})]
-        print(f"{f:8s} {d:4d} " + "  ".join(" ".join(f"{u:9.1f}" for u in c) for c in cols), flush=True)
+        for mode in modes if f != "fp16" else (None,):  # (fp16 runs no CUDA kernel of ours)
+            with contextlib.nullcontext() if mode is None else fused_combine(mode):
+                cols = [[timer(SPECS[f], b, a.T, d=d, n=a.n, **kw) for b in a.B]
+                        for kw in ({}, {"valid_len": True}, {"step": True})]
+            name = f if mode is None else f"{f} {'fused' if mode else 'split'}"
+            print(f"{name:14s} {d:4d} " + "  ".join(" ".join(f"{u:9.1f}" for u in c) for c in cols), flush=True)
 
     # One untimed pass over every format first: on an H100 (2026-12-06) the first format
     # timed (int4) read 7 us above an earlier run in every column while the others matched
     # it; a process's first seconds (clocks, lazy loading, allocator growth) go here instead
     for d in a.d:
         for f in a.formats:
-            stubbed_host_us(SPECS[f], a.B[0], a.T, d=d, n=10)
+            for mode in modes:  # (the fused build loaded here too: fused_combine(True))
+                with contextlib.nullcontext() if mode is None else fused_combine(mode):
+                    stubbed_host_us(SPECS[f], a.B[0], a.T, d=d, n=10)
     for d in a.d:
         for f in a.formats:
             row(f, d, stubbed_host_us)
