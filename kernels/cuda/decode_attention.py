@@ -52,7 +52,8 @@ import torch
 from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles, token_tiles
 from ..layout import FP8Flat, IntFlat, KIVIFlat, KIVIGraphFlat
 from .library import (FUSED_COMBINE, FUSED_DEFINE, QTYPE, KernelLibrary, PlanCache, RoutedPlan, check_token_counts,
-                      follow_tokens, fresh_partials, fused_partials, on_current_stream, workspace_counters)
+                      follow_tokens, fresh_partials, fused_declare, fused_partials, on_current_stream,
+                      workspace_counters)
 
 SOURCE = Path(__file__).parent / "decode_attention.cu"
 # The numbers behind every default below (variants, splits, switches), run by run, are in
@@ -114,17 +115,9 @@ def _declare(lib) -> str | None:
     return None
 
 
-def _declare_fused(lib) -> str | None:  # the fused build (library.py FusedCombine): kvq_run_fused, not kvq_run
-    lib.kvq_fused_build.restype = ctypes.c_int
-    if lib.kvq_fused_build() != 1:
-        return "not a fused build (KVQ_FUSED_COMBINE)"
-    lib.kvq_run_fused.argtypes = [ctypes.c_void_p] * 9  # (kvq_run's, then the counters)
-    lib.kvq_run_fused.restype = ctypes.c_int
-    return _declare(lib)
-
-
 _LIB = KernelLibrary(SOURCE, "kvq_decode", _declare)
-_FUSED = KernelLibrary(SOURCE, "kvq_decode_fused", _declare_fused, FUSED_DEFINE)  # built at the first fused call
+_FUSED = KernelLibrary(SOURCE, "kvq_decode_fused",  # built at the first fused call
+                       fused_declare("kvq_fused_build", "kvq_run_fused", _declare), FUSED_DEFINE)
 _load = _LIB.load
 why_unavailable = _LIB.why_unavailable
 

@@ -34,7 +34,7 @@ from ...quantizers.derived import tensor_version as _version
 from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import HQMQFlat, codebook_from_secondaries
 from .library import (FUSED_COMBINE, FUSED_DEFINE, QTYPE, KernelLibrary, PlanCache, RoutedPlan, follow_tokens,
-                      fresh_partials, fused_partials, on_current_stream, workspace_counters)
+                      fresh_partials, fused_declare, fused_partials, on_current_stream, workspace_counters)
 
 SOURCE = Path(__file__).parent / "hqmq_decode.cu"
 # VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM):
@@ -114,17 +114,9 @@ def _declare(lib) -> str | None:
     return None
 
 
-def _declare_fused(lib) -> str | None:  # the fused build (library.py FusedCombine): kvq_hqmq_run_fused
-    lib.kvq_hqmq_fused_build.restype = ctypes.c_int
-    if lib.kvq_hqmq_fused_build() != 1:
-        return "not a fused build (KVQ_FUSED_COMBINE)"
-    lib.kvq_hqmq_run_fused.argtypes = [ctypes.c_void_p] * 9  # (kvq_hqmq_run's, then the counters)
-    lib.kvq_hqmq_run_fused.restype = ctypes.c_int
-    return _declare(lib)
-
-
 _LIB = KernelLibrary(SOURCE, "kvq_hqmq", _declare)  # built / loaded once, as decode_attention.py's
-_FUSED = KernelLibrary(SOURCE, "kvq_hqmq_fused", _declare_fused, FUSED_DEFINE)  # built at the first fused call
+_FUSED = KernelLibrary(SOURCE, "kvq_hqmq_fused",  # built at the first fused call
+                       fused_declare("kvq_hqmq_fused_build", "kvq_hqmq_run_fused", _declare), FUSED_DEFINE)
 _load = _LIB.load
 why_unavailable = _LIB.why_unavailable
 

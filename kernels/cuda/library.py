@@ -11,6 +11,7 @@ older than sm_80, no nvcc, a failed build).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -271,6 +272,30 @@ class FusedCombine:
     def mode(self) -> str:
         return "fused" if self.on else "split+combine"
 
+    @contextlib.contextmanager
+    def set(self, on: bool):
+        """On (or off) inside the block, as before it after."""
+        old, self.on = self.on, on
+        try:
+            yield
+        finally:
+            self.on = old
+
+
+def fused_declare(build: str, run: str, declare):
+    """The `declare` of a source's fused build (KernelLibrary's): the build flag `build`
+    checked, the entry `run` set (the default entry's eight pointers, then the counters),
+    then the default build's own declarations."""
+    def declare_fused(lib) -> str | None:
+        getattr(lib, build).restype = ctypes.c_int
+        if getattr(lib, build)() != 1:
+            return "not a fused build (KVQ_FUSED_COMBINE)"
+        entry = getattr(lib, run)
+        entry.argtypes = [ctypes.c_void_p] * 9
+        entry.restype = ctypes.c_int
+        return declare(lib)
+    return declare_fused
+
 
 FUSED_COMBINE = FusedCombine(os.environ.get("KVQBENCH_FUSED_COMBINE", "0").strip() == "1")
 FUSED_DEFINE = ("-DKVQ_FUSED_COMBINE=1",)  # the fused build's nvcc flag (KernelLibrary extra)
@@ -388,7 +413,7 @@ def workspace_counters(ws, n: int, device) -> int:
     return cnt.data_ptr()
 
 
-__all__ = ["FLAGS", "QTYPE", "FUSED_COMBINE", "FUSED_DEFINE", "FusedCombine", "KernelLibrary", "PlanCache",
-           "RoutedPlan", "SCRATCH", "Scratch", "check_token_counts", "follow_tokens", "arch_flags", "build_dir",
-           "compile_library", "fresh_partials", "fused_partials", "load_library", "nvcc", "on_current_stream",
-           "workspace_counters"]
+__all__ = ["FLAGS", "QTYPE", "FUSED_COMBINE", "FUSED_DEFINE", "FusedCombine", "KernelLibrary", "fused_declare",
+           "PlanCache", "RoutedPlan", "SCRATCH", "Scratch", "check_token_counts", "follow_tokens", "arch_flags",
+           "build_dir", "compile_library", "fresh_partials", "fused_partials", "load_library", "nvcc",
+           "on_current_stream", "workspace_counters"]

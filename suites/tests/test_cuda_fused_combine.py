@@ -13,7 +13,6 @@ the switch, the plumbing of the fused call (the CUDA path walked, host_time.py
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import subprocess
@@ -53,14 +52,7 @@ SPECS = ["int4", "fp8-e4m3", "kivi:bits=2", "kivi:bits=4", HQMQ, MED3]
 CASES = [(s, D) for s in SPECS for D in (64, 128, 256)] + [("fp8-e5m2", 128)]
 
 
-@contextlib.contextmanager
-def fused(on: bool):
-    old = library.FUSED_COMBINE.on
-    library.FUSED_COMBINE.on = on
-    try:
-        yield
-    finally:
-        library.FUSED_COMBINE.on = old
+fused = library.FUSED_COMBINE.set
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

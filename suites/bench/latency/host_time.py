@@ -227,12 +227,8 @@ def fused_combine(on: bool):
         for mod in (cd, ch):
             if mod.why_unavailable() is None and mod._FUSED.load() is None:
                 raise RuntimeError(f"the fused build is unavailable: {mod._FUSED.why}")
-    old = library.FUSED_COMBINE.on
-    library.FUSED_COMBINE.on = on
-    try:
+    with library.FUSED_COMBINE.set(on):
         yield
-    finally:
-        library.FUSED_COMBINE.on = old
 
 
 def combine_mode() -> str:
