@@ -4,6 +4,8 @@ capacity rows, and the last-token and graph-replay checks both kernels go throug
 Tolerances as test_kernels.py's GPU ones (fp16 operands, fp32 accumulation)."""
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from kvqbench.kernels import layout as L
@@ -148,3 +150,12 @@ def raised_by_later_steps(step, match: str) -> int:
         for n in range(1, limit + 1):
             step()
     return n
+
+
+def in_threads(fn, n: int = 2) -> None:
+    """fn(0) ... fn(n - 1) in n threads at once, joined (calls racing on one stream)."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
 from kvqbench.kernels.cuda import decode_attention as cuda_decode  # noqa: E402
 from kvqbench.kernels.cuda import hqmq_decode as cuda_hqmq  # noqa: E402
 from kvqbench.kernels.cuda import library  # noqa: E402
-from kvqbench.suites.tests.cuda_helpers import CUDA, DEV, flats, make, warmed_capture  # noqa: E402
+from kvqbench.suites.tests.cuda_helpers import CUDA, DEV, flats, in_threads, make, warmed_capture  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 
@@ -285,11 +285,7 @@ def test_fused_calls_on_two_streams_and_two_threads_at_once(spec):
             for _ in range(30):
                 threaded[i].append(call(spec, qs[i], kf, vf))
 
-        threads = [threading.Thread(target=loop, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        in_threads(loop)
     torch.cuda.synchronize()
     for i in range(2):
         assert all(same_bits(o, want[i]) for o in outs[i] + ws_outs[i] + threaded[i]), (spec, i)

@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from kvqbench.kernels.decode_attention import decode_attention  # noqa: E402
 from kvqbench.suites.bench.toolkit import kernel_flats  # noqa: E402
-from kvqbench.suites.tests.cuda_helpers import TOL, rel_err  # noqa: E402
+from kvqbench.suites.tests.cuda_helpers import TOL, in_threads, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 
@@ -377,11 +377,7 @@ def test_scratch_partials_across_streams_threads_and_a_graph(spec):
         for _ in range(50):
             outs[i].append(decode_attention(qs[i], k, v, backend="cuda"))
 
-    threads = [threading.Thread(target=loop, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(loop)
     torch.cuda.synchronize()
     assert all(torch.equal(o, want[i]) for i in range(2) for o in outs[i])
     side = torch.cuda.Stream()
