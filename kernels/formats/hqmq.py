@@ -15,8 +15,8 @@ list, updated for the blocks a write starts. Their bytes are the one exception t
 store holding each byte once: the segment keeps its (b, h, t, chunk)-ordered list, the
 store a per-(b, h) copy (outliers are a few percent of the chunks). A decode step at a
 device position appends the outliers at the device list ends and writes an index block
-start when the token at the position opens one; `reserve` makes room for the worst case
-of the steps to come, half the chunks of each token.
+start when the token at the position opens one; `reserve` makes room for the real
+longest list plus the worst case of the steps to come, half the chunks of each token.
 
 Med3x writes of several tokens (a fused cache's prefill, a later chunk) are encoded on
 the device too (`hqmq_med3_write`, two launches per (layer, role), no host read): the
@@ -27,6 +27,18 @@ segment holds its outliers `[n, 4]`, a count only the device knows, the store ke
 in the run, cut at the write's end (`segment_on_read`), and makes it when the cache is
 read (`run_segments`): one segment for the write, one for the steps after it, as the
 old path appends them.
+
+Held memory: that worst case is tens of times what real data stores (a few percent of the chunks
+are outliers; at 32k tokens it made an H100 decode run's Med3x stores 3.1 GiB for 1.1 GiB
+stored, 2026-12-06), so it is given back after the write, where the buffer may move and
+the real lengths cost no sync: the write leaves a copy of its lengths on its way to the
+host (`LengthSnapshot`, kernels/formats/hqmq_lengths.py), and the first host-position step
+that finds it landed sets the bound from it and cuts the buffer to the bound plus the
+steps' slack (`_release_write_room`); `reserve`, never captured, reads the lengths itself.
+Neither the write (no host read there) nor a later multi-token write cuts: after a rewind
+an engine's captured graph holds the buffer, and the next prompt's write must not move it.
+No overflow: every device write still has room for its worst case over the bound, and the
+bound stays an upper bound of the longest list (`_tighten_bound`).
 
 Med3x with `median=prefill` (the prefill's median kept, quantizers/hqmq.py) is declined
 (`device_refusal`): neither device encoder takes the kept median, so the store encodes no
@@ -42,7 +54,7 @@ a shape, so known without a sync) says the outlier buffer might overflow: the bo
 B*H times faster than the largest list, so that is about B*H*log(T) syncs over T tokens,
 not one per step; host-position steps one every >= 64 steps (`OUTLIER_SLACK_STEPS`).
 
-(About 470 lines: one format's file, as kernels/FORMATS.md asks, for two formats that
+(About 530 lines: one format's file, as kernels/FORMATS.md asks, for two formats that
 share a store: HQMQ and HQMQ + Med3x, whose outlier buffers take half of it.)
 """
 from __future__ import annotations
@@ -60,6 +72,7 @@ from ..layout import HQMQFlat, concat_field, normalised_secondaries, units_on, w
 from ..registry import Format, Kernel
 from ..store import KernelStore, TokenBuffer, concat_tokens, grown_capacity
 from ..triton.hqmq import hqmq_decode_attention
+from .hqmq_lengths import LengthSnapshot, resized
 
 OUTLIER_SLACK_STEPS = 64  # Med3x decode steps of worst-case outliers to spare when the list grows
 
@@ -147,6 +160,7 @@ def encode_step(store: "HQMQStore", x: torch.Tensor, errors: torch.Tensor, t0: i
     C = store.stepper.config.C
     if f.has_outliers and x.shape[2] > 1:
         hqmq_med3_write(x, f, f.S, f.rel, t0, errors, C=C, outlier_len=store.outlier_len)
+        store._snapshot = LengthSnapshot(store.outlier_len, store._outlier_bound)  # (`_release_write_room`)
         return
     hqmq_tokens(x, f, f.S, f.rel, t0, errors, C=C, med3=f.has_outliers,
                 outlier_len=store.outlier_len, index_block=index_block, pos=pos)
@@ -171,6 +185,7 @@ class HQMQStore(KernelStore):
         self.outlier_len: torch.Tensor | None = None  # [B, H] int64, valid entries per (b, h)
         self.outlier_index: TokenBuffer | None = None  # [B, H, nblk_cap] int32 (one entry per block)
         self._outlier_bound = 0  # host-side upper bound of outlier_len.max()
+        self._snapshot: LengthSnapshot | None = None  # the lengths after the last multi-token write
         # Med3x writes of several tokens on the device (`hqmq_med3_write`): where the current
         # run is cut (each such write's end: its tokens are one segment, as the old path
         # appends them), and the run's segments before its last (`run_segments`)
@@ -188,7 +203,7 @@ class HQMQStore(KernelStore):
         if not check:
             if self.outliers is not None:
                 self.outlier_len.zero_()
-                self._outlier_bound = 0
+                self._outlier_bound, self._snapshot = 0, None
                 self.outlier_index.length = 0
             flags = self.buffers["flags"].buf
             with torch.inference_mode(flags.is_inference()):
@@ -285,13 +300,38 @@ class HQMQStore(KernelStore):
         """Read the longest (b, h) list (a sync) into the bound; grow the buffer when it has
         less than `room` to spare. True when it grew."""
         ocap = self.outliers.shape[2]
-        self._outlier_bound = int(self.outlier_len.max())
+        self._outlier_bound, self._snapshot = int(self.outlier_len.max()), None
         if self._outlier_bound + room <= ocap:
             return False
         cap = whole_blocks(max(2 * ocap, self._outlier_bound + room))
-        grown = self.outliers.new_zeros(self.B, self.H, cap, 4)
-        grown[:, :, :ocap] = self.outliers
-        self.outliers = grown
+        self.outliers = resized(self.outliers, cap, self._outlier_bound)
+        return True
+
+    def _tighten_bound(self) -> bool:
+        """The bound from the real longest list after the last Med3x write of several
+        tokens, once the snapshot `encode_step` took of it is on the host (no sync); True
+        when it was. Still an upper bound: the longest list then plus what the bound has
+        added since (every write adds its worst case to it) is at least the longest now."""
+        snap = self._snapshot
+        longest = None if snap is None else snap.longest()
+        if longest is None:
+            return False
+        self._snapshot = None
+        self._outlier_bound = min(self._outlier_bound, longest + self._outlier_bound - snap.bound)
+        return True
+
+    def _release_write_room(self, room: int) -> bool:
+        """At a host-position step after a Med3x write of several tokens: its worst-case
+        room released once the real lengths are known (`_tighten_bound`), the buffer cut
+        to the bound plus `room` when it holds more than twice that (a write within the
+        slack is not worth a copy; doubling growth leaves up to twice too). True when the
+        buffer moved."""
+        if not self._tighten_bound():
+            return False
+        cap = whole_blocks(self._outlier_bound + room)
+        if self.outliers.shape[2] <= 2 * cap:
+            return False
+        self.outliers = resized(self.outliers, cap, self._outlier_bound)
         return True
 
     def graph_unsupported(self) -> str | None:
@@ -303,7 +343,8 @@ class HQMQStore(KernelStore):
         block, moved = None, False
         if self.outliers is not None:  # Med3x: a one-token write adds at most nc/2 outliers per (b, h)
             most = self.D // 8  # (half the chunks can exceed C times their median)
-            moved = self._reserve_outliers(most, OUTLIER_SLACK_STEPS * most)
+            moved = self._release_write_room((1 + OUTLIER_SLACK_STEPS) * most)
+            moved |= self._reserve_outliers(most, OUTLIER_SLACK_STEPS * most)
             if t0 % OUTLIER_BLOCK == 0:  # the token opens a block: the kernel writes its start
                 block = t0 // OUTLIER_BLOCK
                 moved |= self.outlier_index.extend(block + 1)
@@ -327,7 +368,8 @@ class HQMQStore(KernelStore):
             self.outlier_index = TokenBuffer(torch.empty(B, H, 1, dtype=torch.int32, device=dev),
                                              grown_capacity(max(t0 + t, self.capacity_hint)) // OUTLIER_BLOCK)
             self._outlier_bound, moved = most, True
-        else:
+        else:  # (no cut here: a rewound cache's prefill must not move what its graph holds)
+            self._tighten_bound()
             moved = self._reserve_outliers(most, slack)
         blocks = -(-(t0 + t) // OUTLIER_BLOCK)
         moved |= self.outlier_index.extend(blocks)
@@ -345,10 +387,19 @@ class HQMQStore(KernelStore):
     def _reserve_more(self, tokens: int) -> bool:
         if self.outliers is None:
             return False
-        # Med3x: the worst case of the steps to come (half the chunks of each token), the
-        # index blocks they open; flags past the valid tokens zeroed, so no kernel looks
-        # up outliers for a capacity row (the kernels' device step writes each token's).
-        moved = self._reserve_outliers(max(0, tokens - self.tokens) * (self.D // 8))
+        # Med3x: the real longest list plus the worst case of the steps to come (half the
+        # chunks of each token), read exactly (reserve is never captured) when a write's
+        # worst-case room is still held (then released) or the bound says it may not fit;
+        # the index blocks they open; flags past the valid tokens zeroed, so no kernel
+        # looks up outliers for a capacity row (the kernels' device step writes each token's).
+        steps, ocap, moved = max(0, tokens - self.tokens) * (self.D // 8), self.outliers.shape[2], False
+        release = self._snapshot is not None
+        if release or self._outlier_bound + steps > ocap:
+            self._outlier_bound, self._snapshot = int(self.outlier_len.max()), None
+            cap = whole_blocks(self._outlier_bound + steps)
+            if cap > ocap or (release and cap < ocap):
+                self.outliers, moved = resized(self.outliers, cap, self._outlier_bound), True
+        self._outlier_bound += steps
         moved |= self.outlier_index.extend(-(-tokens // OUTLIER_BLOCK))
         flags = self.buffers["flags"].buf
         with torch.inference_mode(flags.is_inference()):

@@ -378,10 +378,14 @@ def test_med3_exact_prefill_then_a_chunk_that_grows_the_lists(monkeypatch):
         layer.update(x[0, :, :, :70], x[1, :, :, :70])
     assert all(s.in_run and s.segment_on_read for s in layer.stores.values())
     assert layer.packed["K"].tokens == 70 and [s.tokens for s in layer.packed["V"].segments] == [70]
+    grew, resized = [], hqmq_format.resized  # (the lists grow, then the step after each write cuts them)
+    monkeypatch.setattr(hqmq_format, "resized",
+                        lambda o, cap, keep: grew.append(cap > o.shape[2]) or resized(o, cap, keep))
     new, launches, out = _run(MED3, x, 70, 4, device=True, mid=70, mode="exact")
+    assert any(grew)
     old, _, _ = _run(MED3, x, 70, 4, device=False, mid=70, mode="exact")
     assert launches == 6 and out[0] is not None and torch.equal(out[0], x[0, :, :, :70])
-    assert new.stores["K"].token_capacity >= 144 and new.stores["V"].outliers.shape[2] > 320  # (grew)
+    assert new.stores["K"].token_capacity >= 144
     assert [s.tokens for s in new.packed["K"].segments] == [70, 2, 70, 2]
     _assert_same_med3(new, old)
 
