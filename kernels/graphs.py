@@ -135,6 +135,12 @@ class GraphedDecodeStep:
             self.pos = torch.full((self.batch, 1), t, dtype=torch.long, device=self.device)
             self._pos_at = t  # the host token count self.pos holds
 
+    def moved(self) -> bool:
+        """Whether the cache's buffers moved since the capture (a replay would refuse): a
+        write between calls that outgrew the reserved room (a rewound Med3x cache's next
+        prompt: its lists' room is given back after each write, kernels/formats/hqmq.py)."""
+        return self.graph is not None and self.quantized and self.cache.buffer_signature() != self._signature
+
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         if tuple(input_ids.shape) != (self.batch, 1):
             raise ValueError(f"input_ids must be [{self.batch}, 1] (one new token per row), got {tuple(input_ids.shape)}")
@@ -154,7 +160,7 @@ class GraphedDecodeStep:
                     self._pos_at = t
             self.ids.copy_(input_ids)
             if self.graph is not None:
-                if self.quantized and self.cache.buffer_signature() != self._signature:
+                if self.moved():
                     raise RuntimeError("the cache's buffers moved since the step was captured (reset, replace_packed, "
                                        "growth): the graph would write and read freed memory; build a new "
                                        "GraphedDecodeStep")

@@ -207,6 +207,8 @@ def _one_batch(model, prompts, spec, max_new, pick, eos, stop, tokenizer, graph,
     sync()
     t1 = time.perf_counter()
     steps, why = 0, None
+    if step is not None and step.moved():  # the prompt outgrew the kept room (Med3x lists): capture anew
+        step = None
     if max_new > 1:
         if step is None and graph:
             step = GraphedDecodeStep(model, cache, batch=B, max_tokens=room)
