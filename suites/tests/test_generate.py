@@ -315,3 +315,20 @@ def test_the_kept_engine_does_not_keep_an_earlier_model_alive():
     assert gone() is None
     G.release_engines()
     assert not G._ENGINE
+
+
+def test_a_kept_step_whose_cache_buffers_moved_is_made_anew(model, monkeypatch):
+    # A rewound cache's next prompt may outgrow the kept room (Med3x's lists are cut back
+    # after each write) and move its buffers: the kept step's graph would replay into freed
+    # memory, so generate makes a new step (and keeps the same cache) instead of raising
+    from kvqbench.kernels.graphs import GraphedDecodeStep
+    from kvqbench.suites.harness import generate as G
+
+    G.release_engines()
+    first = generate(model, prompts(n=6, seed=1), "int4", max_new_tokens=3, graph=True, fused=True)
+    cache, step = G._ENGINE[0][2], G._ENGINE[0][3]
+    monkeypatch.setattr(GraphedDecodeStep, "moved", lambda self: self is step)
+    again = generate(model, prompts(n=6, seed=1), "int4", max_new_tokens=3, graph=True, fused=True)
+    assert G._ENGINE[0][2] is cache and G._ENGINE[0][3] is not step
+    assert again.tokens == first.tokens
+    G.release_engines()
