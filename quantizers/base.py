@@ -578,8 +578,9 @@ class Quantizer(ABC):
         write of the shape with other lengths marks those fields data-dependent. Writers
         outside `encode_tokens` call it for their segments (the fused stores' device
         encoders, suites/harness/kv_cache.py): else the first read of every new prompt
-        length encoded zeros of its whole shape on the host to learn it (2026-12-06, H100:
-        a 32768 x 8-token prefill took 8.7 s for int4 and 48 s for HQMQ, mostly that)."""
+        length encoded zeros of its whole shape on the host to learn it (a CPU, launches
+        stubbed: most of a 32768-token write's 17 s (int4) / 97 s (HQMQ); an H100's decode
+        benchmark prefilled 32768 x 8 tokens in 8.7 / 48 s against fp16's 2.0, 2026-12-06)."""
         if set(seg.fields) == {WINDOW_FIELD}:  # (a window of fp16 tokens: checked as such, not learnt)
             return
         key = self._layout_key("segment", tuple(shape))
