@@ -35,8 +35,10 @@ the real lengths cost no sync: the write leaves a copy of its lengths on its way
 host (`LengthSnapshot`, kernels/formats/hqmq_lengths.py), and the first host-position step
 that finds it landed sets the bound from it and cuts the buffer to the bound plus the
 steps' slack (`_release_write_room`); `reserve`, never captured, reads the lengths itself.
-Neither the write (no host read there) nor a later multi-token write cuts: after a rewind
-an engine's captured graph holds the buffer, and the next prompt's write must not move it.
+A long write (`MED3_CUT_AT_WRITE_BYTES`) reads its lengths at once and cuts before the
+next layer writes, so a long prefill's peak holds one layer's worst case, not every
+layer's. A later multi-token write makes room without a cut (a rewound engine's graph
+holds the buffer; if its write still moves it, `generate` captures the step anew).
 No overflow: every device write still has room for its worst case over the bound, and the
 bound stays an upper bound of the longest list (`_tighten_bound`).
 
@@ -54,7 +56,7 @@ a shape, so known without a sync) says the outlier buffer might overflow: the bo
 B*H times faster than the largest list, so that is about B*H*log(T) syncs over T tokens,
 not one per step; host-position steps one every >= 64 steps (`OUTLIER_SLACK_STEPS`).
 
-(About 530 lines: one format's file, as kernels/FORMATS.md asks, for two formats that
+(About 550 lines: one format's file, as kernels/FORMATS.md asks, for two formats that
 share a store: HQMQ and HQMQ + Med3x, whose outlier buffers take half of it.)
 """
 from __future__ import annotations
@@ -75,6 +77,12 @@ from ..triton.hqmq import hqmq_decode_attention
 from .hqmq_lengths import LengthSnapshot, resized
 
 OUTLIER_SLACK_STEPS = 64  # Med3x decode steps of worst-case outliers to spare when the list grows
+# A Med3x write whose worst-case outlier room passes this many bytes reads its lengths at
+# once (one host read per layer and role) and gives the room back before the next layer
+# writes: else every layer of a long prefill holds its worst case until its first step,
+# half an fp16 cache on top (at 32768 x 8 tokens, 8 heads of 128: 256 MiB per layer and
+# role). Shorter writes (a prompt of a few hundred tokens) keep the write free of host reads.
+MED3_CUT_AT_WRITE_BYTES = 64 << 20
 
 
 def per_head_outliers(packed: Packed, nc: int):
@@ -160,7 +168,10 @@ def encode_step(store: "HQMQStore", x: torch.Tensor, errors: torch.Tensor, t0: i
     C = store.stepper.config.C
     if f.has_outliers and x.shape[2] > 1:
         hqmq_med3_write(x, f, f.S, f.rel, t0, errors, C=C, outlier_len=store.outlier_len)
-        store._snapshot = LengthSnapshot(store.outlier_len, store._outlier_bound)  # (`_release_write_room`)
+        if x.shape[0] * x.shape[1] * x.shape[2] * (store.D // 8) * 8 > MED3_CUT_AT_WRITE_BYTES:
+            store.release_write_room_now()
+        else:
+            store._snapshot = LengthSnapshot(store.outlier_len, store._outlier_bound)  # (`_release_write_room`)
         return
     hqmq_tokens(x, f, f.S, f.rel, t0, errors, C=C, med3=f.has_outliers,
                 outlier_len=store.outlier_len, index_block=index_block, pos=pos)
@@ -320,19 +331,27 @@ class HQMQStore(KernelStore):
         self._outlier_bound = min(self._outlier_bound, longest + self._outlier_bound - snap.bound)
         return True
 
-    def _release_write_room(self, room: int) -> bool:
+    def _release_write_room(self, room: int, exact: bool = False) -> bool:
         """At a host-position step after a Med3x write of several tokens: its worst-case
         room released once the real lengths are known (`_tighten_bound`), the buffer cut
         to the bound plus `room` when it holds more than twice that (a write within the
         slack is not worth a copy; doubling growth leaves up to twice too). True when the
         buffer moved."""
-        if not self._tighten_bound():
+        if not (exact or self._tighten_bound()):
             return False
         cap = whole_blocks(self._outlier_bound + room)
         if self.outliers.shape[2] <= 2 * cap:
             return False
         self.outliers = resized(self.outliers, cap, self._outlier_bound)
         return True
+
+    def release_write_room_now(self) -> None:
+        """A long Med3x write's worst-case room given back right after it
+        (`MED3_CUT_AT_WRITE_BYTES`): its lengths read (a host read), the lists cut to the
+        longest plus the steps' slack, the flat onto them."""
+        self._outlier_bound, self._snapshot = int(self.outlier_len.max()), None
+        if self._release_write_room((1 + OUTLIER_SLACK_STEPS) * (self.D // 8), exact=True):
+            self._refresh_flat()
 
     def graph_unsupported(self) -> str | None:
         return self._refusal or super().graph_unsupported()

@@ -130,6 +130,28 @@ def test_a_prefill_with_few_outliers_gives_its_worst_case_room_back_at_the_next_
         assert s.allocated_nbytes <= cap * s.stored_nbytes + B * H * room * 8 + s.outlier_index.nbytes, role
 
 
+def test_a_long_write_gives_its_room_back_at_once_and_stores_the_references_bytes(monkeypatch):
+    # A write whose worst-case room passes MED3_CUT_AT_WRITE_BYTES (here: every write) reads
+    # its lengths and cuts the lists right after it, before any step (a long prefill's peak
+    # then holds one layer's worst case); the steps after it store the reference's bytes
+    from kvqbench.kernels.formats import hqmq as hqmq_format
+
+    monkeypatch.setattr(hqmq_format, "MED3_CUT_AT_WRITE_BYTES", 0)
+    P, n = 192, 8
+    x = _data(P + n, seed=2)
+    layer = QuantizedLayer(SPEC, 0, seed=0)
+    layer.fused_wanted, layer.prefill, layer.capacity_hint = True, "exact", P + n
+    with torch.inference_mode():
+        layer.update(x[0, :, :, :P], x[1, :, :, :P])
+        for role, s in layer.stores.items():
+            room = whole_blocks(int(s.outlier_len.max()) + (1 + OUTLIER_SLACK_STEPS) * MOST)
+            assert s.outliers.shape[2] <= room < whole_blocks(P * MOST) // 2, role
+            assert s.flat.outliers is s.outliers, role  # the kernels read the cut lists
+        for t in range(P, P + n):
+            layer.update(x[0, :, :, t:t + 1], x[1, :, :, t:t + 1])
+    _assert_same(layer, _layer(x, P, n, device=False))
+
+
 @pytest.mark.parametrize("worst_from", [192, 0], ids=["steps-worst", "all-worst"])
 def test_decoding_past_the_slack_grows_the_cut_buffer_and_stores_the_references_bytes(worst_from):
     # 192-token prefill, then more steps than the slack (64), each at the worst case: a cut
