@@ -52,7 +52,7 @@ import torch
 from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles, token_tiles
 from ..layout import FP8Flat, IntFlat, KIVIFlat, KIVIGraphFlat
 from .library import (FUSED_COMBINE, FUSED_DEFINE, QTYPE, KernelLibrary, PlanCache, RoutedPlan, check_token_counts,
-                      follow_tokens, fresh_partials, fused_declare, fused_partials, on_current_stream,
+                      follow_tokens, fresh_partials, fused_declare, on_current_stream,
                       workspace_counters)
 
 SOURCE = Path(__file__).parent / "decode_attention.cu"
@@ -120,13 +120,6 @@ _FUSED = KernelLibrary(SOURCE, "kvq_decode_fused",  # built at the first fused c
                        fused_declare("kvq_fused_build", "kvq_run_fused", _declare), FUSED_DEFINE)
 _load = _LIB.load
 why_unavailable = _LIB.why_unavailable
-
-
-def _fused_run():
-    lib = _FUSED.lib or _FUSED.load()
-    if lib is None:
-        raise RuntimeError(f"the fused build of the CUDA decode kernels is unavailable: {_FUSED.why}")
-    return lib.kvq_run_fused
 
 
 def available() -> bool:  # through the module's why_unavailable, as before KernelLibrary (tests stub it)
@@ -569,25 +562,19 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
                              f"{plan.out_dtype}): use make_workspace")
         ws = None
     fused = FUSED_COMBINE.on  # (one launch, the counters after `out`: library.py FusedCombine)
-    if ws is None:  # one buffer for the three partials, one for the result
-        if fused:
-            part, out, po, pm, pl, optr, cptr = fused_partials(plan.rows_q, plan.nsplit, plan.D, plan.shape,
-                                                               plan.out_dtype, q.device)
-        else:
-            part, out, po, pm, pl, optr = fresh_partials(plan.rows_q, plan.nsplit, plan.D, plan.shape, plan.out_dtype,
-                                                         q.device)
+    if ws is None:  # the partials from the scratch buffer, a fresh result
+        part, out, po, pm, pl, optr, cptr = fresh_partials(plan.rows_q, plan.nsplit, plan.D, plan.shape,
+                                                           plan.out_dtype, q.device, counters=fused)
     else:
         po, pm, pl, optr = ws.po.data_ptr(), ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr()
         out = ws.__dict__.get("_kvq_out")
         if out is None or out.shape != plan.shape or out.data_ptr() != optr:
             out = ws.out.view(plan.shape)
             ws._kvq_out = out  # (the view, made once per workspace)
-        if fused:
-            cptr = workspace_counters(ws, plan.rows_q, q.device)
-    if fused:
-        err = on_current_stream(q.get_device(), _fused_run(), plan.ptr, q.data_ptr(), vptr, po, pm, pl, optr, cptr)
-    else:
-        err = on_current_stream(q.get_device(), _LIB.lib.kvq_run, plan.ptr, q.data_ptr(), vptr, po, pm, pl, optr)
+        cptr = workspace_counters(ws, plan.rows_q, q.device) if fused else None
+    entry = _FUSED.entry("kvq_run_fused") if fused else _LIB.lib.kvq_run
+    err = on_current_stream(q.get_device(), entry, plan.ptr, q.data_ptr(), vptr, po, pm, pl, optr,
+                            *((cptr,) if fused else ()))
     if err:
         raise RuntimeError(f"CUDA decode kernel launch failed: error {err}")
     return out

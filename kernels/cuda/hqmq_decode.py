@@ -34,7 +34,7 @@ from ...quantizers.derived import tensor_version as _version
 from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import HQMQFlat, codebook_from_secondaries
 from .library import (FUSED_COMBINE, FUSED_DEFINE, QTYPE, KernelLibrary, PlanCache, RoutedPlan, follow_tokens,
-                      fresh_partials, fused_declare, fused_partials, on_current_stream, workspace_counters)
+                      fresh_partials, fused_declare, on_current_stream, workspace_counters)
 
 SOURCE = Path(__file__).parent / "hqmq_decode.cu"
 # VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM):
@@ -119,13 +119,6 @@ _FUSED = KernelLibrary(SOURCE, "kvq_hqmq_fused",  # built at the first fused cal
                        fused_declare("kvq_hqmq_fused_build", "kvq_hqmq_run_fused", _declare), FUSED_DEFINE)
 _load = _LIB.load
 why_unavailable = _LIB.why_unavailable
-
-
-def _fused_run():
-    lib = _FUSED.lib or _FUSED.load()
-    if lib is None:
-        raise RuntimeError(f"the fused build of the CUDA HQMQ kernel is unavailable: {_FUSED.why}")
-    return lib.kvq_hqmq_run_fused
 
 
 def available() -> bool:  # through the module's why_unavailable, as before KernelLibrary (tests stub it)
@@ -597,18 +590,13 @@ def _decode_planned(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dt
             and ws.out.numel() == plan.rows_q * plan.D:
         po, pm, pl, optr = ws.po.data_ptr(), ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr()
         out = ws.out.view(plan.shape)
-        if fused:
-            cptr = workspace_counters(ws, plan.rows_q, q.device)
-    elif fused:  # (part held to the launch: see fresh_partials)
-        part, out, po, pm, pl, optr, cptr = fused_partials(plan.rows_q, plan.nsplit, plan.D, plan.shape,
-                                                           plan.out_dtype, q.device)
-    else:
-        part, out, po, pm, pl, optr = fresh_partials(plan.rows_q, plan.nsplit, plan.D, plan.shape, plan.out_dtype,
-                                                     q.device)
-    if fused:
-        err = on_current_stream(q.get_device(), _fused_run(), plan.ptr, q.data_ptr(), vl, po, pm, pl, optr, cptr)
-    else:
-        err = on_current_stream(q.get_device(), _LIB.lib.kvq_hqmq_run, plan.ptr, q.data_ptr(), vl, po, pm, pl, optr)
+        cptr = workspace_counters(ws, plan.rows_q, q.device) if fused else None
+    else:  # (part held to the launch: see fresh_partials)
+        part, out, po, pm, pl, optr, cptr = fresh_partials(plan.rows_q, plan.nsplit, plan.D, plan.shape,
+                                                           plan.out_dtype, q.device, counters=fused)
+    entry = _FUSED.entry("kvq_hqmq_run_fused") if fused else _LIB.lib.kvq_hqmq_run
+    err = on_current_stream(q.get_device(), entry, plan.ptr, q.data_ptr(), vl, po, pm, pl, optr,
+                            *((cptr,) if fused else ()))
     if err:
         raise RuntimeError(f"CUDA HQMQ kernel launch failed: error {err}")
     return out

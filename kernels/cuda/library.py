@@ -140,6 +140,14 @@ class KernelLibrary:
         self.load()
         return self.why
 
+    def entry(self, name: str):
+        """The library's entry point `name`, loading it first; RuntimeError (saying why)
+        when the library is unavailable."""
+        lib = self.lib or self.load()
+        if lib is None:
+            raise RuntimeError(f"{self.source.name} ({self.stem}) is unavailable: {self.why}")
+        return getattr(lib, name)
+
 
 # ---------------------------------------------------------------------------------------
 # the planned call path, shared by the loaders of this folder. At B=1 a decode call's time is
@@ -264,7 +272,7 @@ class FusedCombine:
     library, its kernels and its build time stay as they were. Plans are shared: the same
     struct, the same splits. Each call's counters (B * Hkv int32) sit beside its partials:
     in its workspace (`workspace_counters`) or the scratch buffer of its stream and thread
-    (`fused_partials`), zeroed when allocated and left at zero by every launch."""
+    (`fresh_partials`), zeroed when allocated and left at zero by every launch."""
 
     def __init__(self, on: bool = False):
         self.on = on
@@ -307,8 +315,8 @@ class Scratch:
     fresh, the partials need not). Kept for the partials' allocation it saves, though on an
     H100 (2026-12-06, host_time at T = 32768) the calls' host time did not move measurably
     with it: fp8 +0.6, KIVI-4 -0.8, HQMQ +0.4 us per call (the ~6 us of two allocations in
-    --breakdown's cProfile was mostly cProfile's). Safe by stream order: a call's two kernels (split, combine) read its
-    partials before a later call on the same stream runs; a buffer grown out of (or dropped
+    --breakdown's cProfile was mostly cProfile's). Safe by stream order: a call's kernels
+    read its partials before a later call on the same stream runs; a buffer grown out of (or dropped
     when `limit` are held) returns to the caching allocator, which hands its memory again to
     work on that stream only. The thread is in the key because a ctypes call releases the
     GIL between a call's two launches: two threads on one stream would interleave them
@@ -323,7 +331,7 @@ class Scratch:
     def __init__(self, limit: int = 16, alloc=None, zeros=None):
         self.limit = limit
         self.bufs: dict = {}
-        self.cnts: dict = {}  # a fused call's counters, by take's key (take_fused)
+        self.cnts: dict = {}  # fused calls' counters, by take's key (`counters`)
         self.alloc = alloc or (lambda size, device: torch.empty(size, dtype=torch.float32, device=device))
         self.zeros = zeros or (lambda n, device: torch.zeros(n, dtype=torch.int32, device=device))
 
@@ -332,18 +340,14 @@ class Scratch:
         key = self._key(device)
         return self.alloc(size, device) if key is None else self._kept(self.bufs, key, size, self.alloc, device)
 
-    def take_fused(self, size: int, ncnt: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """`take`'s buffer and, beside it, ncnt int32 counters at zero for one fused call
-        (FusedCombine), both kept under take's key. Counters are zeroed once, when allocated
-        (torch.zeros: a memset on the current stream, before the launch), and every fused
-        launch leaves the ones it used at zero, so a kept buffer serves the next call as it
-        is. Fresh (zeroed) where take's buffer is fresh: while capturing, the memset is a
-        node of the graph, replayed before the kernel each time."""
+    def counters(self, n: int, device) -> torch.Tensor:
+        """n int32 counters at zero for one fused call (FusedCombine) beside `take`'s buffer,
+        under its key. Zeroed once, when allocated (torch.zeros: a memset on the current
+        stream, before the launch); every fused launch leaves the ones it used at zero, so
+        kept counters serve the next call as they are. Fresh where `take`'s buffer is fresh:
+        while capturing, the memset is a node of the graph, replayed before the kernel."""
         key = self._key(device)
-        if key is None:
-            return self.alloc(size, device), self.zeros(ncnt, device)
-        return (self._kept(self.bufs, key, size, self.alloc, device),
-                self._kept(self.cnts, key, ncnt, self.zeros, device))
+        return self.zeros(n, device) if key is None else self._kept(self.cnts, key, n, self.zeros, device)
 
     @staticmethod
     def _key(device):
@@ -374,30 +378,20 @@ _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.
 SCRATCH = Scratch()
 
 
-def fresh_partials(rows_q: int, nsplit: int, D: int, shape, out_dtype, device):
-    """(partials buffer, out tensor, po, pm, pl, out pointer) of a call without a fitting
-    workspace: the three fp32 partials ([rows_q, nsplit, D], then [rows_q, nsplit] twice) in
-    one buffer from SCRATCH, the result a fresh tensor of `shape`. The caller holds the
-    buffer until its launch is queued (a fresh one, freed earlier, could be handed out
-    again before the kernel writes it)."""
+def fresh_partials(rows_q: int, nsplit: int, D: int, shape, out_dtype, device, counters: bool = False):
+    """(held buffers, out tensor, po, pm, pl, out pointer, counters pointer or None) of a
+    call without a fitting workspace: the three fp32 partials ([rows_q, nsplit, D], then
+    [rows_q, nsplit] twice) in one buffer from SCRATCH, the result a fresh tensor of
+    `shape`; `counters` (a fused call): rows_q int32 counters (>= its B * Hkv row groups)
+    from SCRATCH too. The caller holds the buffers until its launch is queued (a fresh one,
+    freed earlier, could be handed out again before the kernel writes it)."""
     n = rows_q * nsplit
     part = SCRATCH.take(n * (D + 2), device)
+    cnt = SCRATCH.counters(rows_q, device) if counters else None
     out = torch.empty(shape, dtype=out_dtype, device=device)
     po = part.data_ptr()
     pm = po + 4 * n * D
-    return part, out, po, pm, pm + 4 * n, out.data_ptr()
-
-
-def fused_partials(rows_q: int, nsplit: int, D: int, shape, out_dtype, device):
-    """`fresh_partials` for a fused call: (held buffers, out tensor, po, pm, pl, out pointer,
-    counters pointer); the counters (rows_q int32 >= the B * Hkv row groups) from SCRATCH
-    beside the partials (Scratch.take_fused)."""
-    n = rows_q * nsplit
-    part, cnt = SCRATCH.take_fused(n * (D + 2), rows_q, device)
-    out = torch.empty(shape, dtype=out_dtype, device=device)
-    po = part.data_ptr()
-    pm = po + 4 * n * D
-    return (part, cnt), out, po, pm, pm + 4 * n, out.data_ptr(), cnt.data_ptr()
+    return (part, cnt), out, po, pm, pm + 4 * n, out.data_ptr(), None if cnt is None else cnt.data_ptr()
 
 
 def workspace_counters(ws, n: int, device) -> int:
@@ -415,5 +409,5 @@ def workspace_counters(ws, n: int, device) -> int:
 
 __all__ = ["FLAGS", "QTYPE", "FUSED_COMBINE", "FUSED_DEFINE", "FusedCombine", "KernelLibrary", "fused_declare",
            "PlanCache", "RoutedPlan", "SCRATCH", "Scratch", "check_token_counts", "follow_tokens", "arch_flags",
-           "build_dir", "compile_library", "fresh_partials", "fused_partials", "load_library", "nvcc",
+           "build_dir", "compile_library", "fresh_partials", "load_library", "nvcc",
            "on_current_stream", "workspace_counters"]

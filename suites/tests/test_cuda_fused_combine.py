@@ -319,7 +319,7 @@ def test_the_walked_cuda_path_takes_the_fused_entry_when_on(spec):
     calls = []
     with cuda_path_on_cpu(spec, q, k, v):
         mod._LIB = types.SimpleNamespace(lib=types.SimpleNamespace(**{plain: plain}))
-        mod._FUSED = types.SimpleNamespace(lib=types.SimpleNamespace(**{fused_entry: fused_entry}))
+        mod._FUSED = types.SimpleNamespace(entry=lambda name: name)
         mod.on_current_stream = lambda dev, entry, *args: calls.append((entry, args)) or 0
         with fused(False):
             decode_attention(q, k, v)
@@ -337,7 +337,7 @@ def test_the_walked_cuda_path_takes_the_fused_entry_when_on(spec):
 
 
 def test_scratch_keeps_fused_counters_beside_its_partials(monkeypatch):
-    """take_fused: the partials buffer and int32 counters at zero under take's key (per
+    """`counters`: int32 counters at zero under `take`'s key (per
     device, stream and thread), the counters made again (zeroed) only when a call needs
     more; fresh ones while capturing, for another device or on a CPU; held_bytes and clear
     count them; the unfused take is unchanged."""
@@ -349,29 +349,33 @@ def test_scratch_keeps_fused_counters_beside_its_partials(monkeypatch):
     monkeypatch.setattr(library, "_cur_device", lambda: current[0])
     monkeypatch.setattr(library, "_capturing", lambda: capturing[0])
     gpu0, gpu1 = types.SimpleNamespace(type="cuda", index=0), types.SimpleNamespace(type="cuda", index=1)
-    buf, cnt = scratch.take_fused(100, 8, gpu0)
-    assert scratch.take(50, gpu0) is buf and all(x is y for x, y in zip(scratch.take_fused(60, 8, gpu0), (buf, cnt)))
-    assert scratch.take_fused(60, 4, gpu0)[1] is cnt and zeroed == [8] and made == [100]
-    cnt2 = scratch.take_fused(60, 16, gpu0)[1]  # more row groups: new zeroed counters, kept
-    assert cnt2 is not cnt and zeroed == [8, 16] and scratch.take_fused(60, 16, gpu0)[1] is cnt2
+
+    def take_fused(size, n, device):  # what a fused call takes: its partials, then its counters
+        return scratch.take(size, device), scratch.counters(n, device)
+
+    buf, cnt = take_fused(100, 8, gpu0)
+    assert scratch.take(50, gpu0) is buf and all(x is y for x, y in zip(take_fused(60, 8, gpu0), (buf, cnt)))
+    assert take_fused(60, 4, gpu0)[1] is cnt and zeroed == [8] and made == [100]
+    cnt2 = take_fused(60, 16, gpu0)[1]  # more row groups: new zeroed counters, kept
+    assert cnt2 is not cnt and zeroed == [8, 16] and take_fused(60, 16, gpu0)[1] is cnt2
     streams[0] = 8
-    assert scratch.take_fused(60, 16, gpu0)[1] is not cnt2 and len(scratch.cnts) == 2  # another stream
+    assert take_fused(60, 16, gpu0)[1] is not cnt2 and len(scratch.cnts) == 2  # another stream
     other = []
-    t = threading.Thread(target=lambda: other.append(scratch.take_fused(60, 16, gpu0)[1]))
+    t = threading.Thread(target=lambda: other.append(take_fused(60, 16, gpu0)[1]))
     t.start()
     t.join()
     assert other[0] is not cnt2 and len(scratch.cnts) == 3  # another thread
     n = len(zeroed)
     capturing[0] = True
-    assert scratch.take_fused(60, 16, gpu0)[1] is not cnt2 and len(zeroed) == n + 1 and len(scratch.cnts) == 3
+    assert take_fused(60, 16, gpu0)[1] is not cnt2 and len(zeroed) == n + 1 and len(scratch.cnts) == 3
     capturing[0] = False
-    assert all(scratch.take_fused(60, 16, gpu1)[1] is not c for c in scratch.cnts.values())  # not the current device
-    assert scratch.take_fused(60, 16, torch.device("cpu"))[1].sum() == 0  # (a CPU call: fresh zeros)
+    assert all(take_fused(60, 16, gpu1)[1] is not c for c in scratch.cnts.values())  # not the current device
+    assert take_fused(60, 16, torch.device("cpu"))[1].sum() == 0  # (a CPU call: fresh zeros)
     assert scratch.held_bytes() == sum(b.numel() * 4 for b in scratch.bufs.values()) + 4 * 16 * 3
     scratch.clear()
     assert not scratch.bufs and not scratch.cnts
-    part, out, po, pm, pl, optr, cptr = library.fused_partials(4, 3, 8, torch.Size((1, 4, 1, 8)), torch.float16,
-                                                              torch.device("cpu"))
+    part, out, po, pm, pl, optr, cptr = library.fresh_partials(4, 3, 8, torch.Size((1, 4, 1, 8)), torch.float16,
+                                                              torch.device("cpu"), counters=True)
     buf, cnt = part
     assert (po, pm, pl, optr) == (buf.data_ptr(), po + 4 * 12 * 8, po + 4 * 12 * 9, out.data_ptr())
     assert cptr == cnt.data_ptr() and cnt.dtype == torch.int32 and cnt.numel() >= 4 and not cnt.any()

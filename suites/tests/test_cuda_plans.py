@@ -333,7 +333,9 @@ def test_scratch_partials_are_kept_per_stream_and_never_while_capturing(monkeypa
     scratch.take(10, gpu0)  # one more key: the cache starts over at the limit
     assert len(scratch.bufs) == 1
     cpu = torch.device("cpu")
-    buf, out, po, pm, pl, optr = library.fresh_partials(4, 3, 8, torch.Size((1, 4, 1, 8)), torch.float16, cpu)
+    (buf, cnt), out, po, pm, pl, optr, cptr = library.fresh_partials(4, 3, 8, torch.Size((1, 4, 1, 8)),
+                                                                     torch.float16, cpu)
+    assert cnt is None and cptr is None  # (no counters for a call that is not fused)
     assert out.shape == (1, 4, 1, 8) and out.dtype == torch.float16 and optr == out.data_ptr()
     assert (po, pm, pl) == (buf.data_ptr(), po + 4 * 12 * 8, po + 4 * 12 * 9) and buf.numel() >= 12 * 10
 

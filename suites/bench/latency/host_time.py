@@ -88,7 +88,7 @@ def cuda_path_on_cpu(spec: str, q, kf, vf, valid_len: bool = False):
     mod = ch if spec.startswith("hqmq") else cd
     launches = []
     stub = types.SimpleNamespace(lib=types.SimpleNamespace(kvq_run=None, kvq_hqmq_run=None))
-    fused_stub = types.SimpleNamespace(lib=types.SimpleNamespace(kvq_run_fused=None, kvq_hqmq_run_fused=None))
+    fused_stub = types.SimpleNamespace(entry=lambda name: None)
     patched = {"why_unavailable": lambda: None, "_PLANS": type(mod._PLANS)(64), "_LIB": stub, "_FUSED": fused_stub,
                "on_current_stream": lambda dev, entry, *args: launches.append(args[0]) or 0}
     old = {name: getattr(mod, name) for name in patched}
