@@ -168,7 +168,8 @@ def encode_step(store: "HQMQStore", x: torch.Tensor, errors: torch.Tensor, t0: i
     C = store.stepper.config.C
     if f.has_outliers and x.shape[2] > 1:
         hqmq_med3_write(x, f, f.S, f.rel, t0, errors, C=C, outlier_len=store.outlier_len)
-        if x.shape[0] * x.shape[1] * x.shape[2] * (store.D // 8) * 8 > MED3_CUT_AT_WRITE_BYTES:
+        worst = x.shape[0] * x.shape[1] * x.shape[2] * (store.D // 8)  # entries: half of every token's chunks
+        if worst * 4 * store.outliers.element_size() > MED3_CUT_AT_WRITE_BYTES:
             store.release_write_room_now()
         else:
             store._snapshot = LengthSnapshot(store.outlier_len, store._outlier_bound)  # (`_release_write_room`)
@@ -387,7 +388,7 @@ class HQMQStore(KernelStore):
             self.outlier_index = TokenBuffer(torch.empty(B, H, 1, dtype=torch.int32, device=dev),
                                              grown_capacity(max(t0 + t, self.capacity_hint)) // OUTLIER_BLOCK)
             self._outlier_bound, moved = most, True
-        else:  # (no cut here: a rewound cache's prefill must not move what its graph holds)
+        else:  # (no cut before a write: it needs its worst case; a long one cuts after, `encode_step`)
             self._tighten_bound()
             moved = self._reserve_outliers(most, slack)
         blocks = -(-(t0 + t) // OUTLIER_BLOCK)

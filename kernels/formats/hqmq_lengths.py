@@ -2,11 +2,12 @@
 the device, for `HQMQStore` (kernels/formats/hqmq.py), and the list buffer's reallocation.
 
 A Med3x write of several tokens (`hqmq_med3_write`) is given room for its worst case, half
-the chunks of each token, about 30x what real data stores; its lengths are left on the
-device (the write makes no host read). `LengthSnapshot` copies them to the host behind the
-write (CUDA: pinned memory, non-blocking, an event; a CPU tensor is read in place, as
-kernels/step_encode.py's `StepErrors` reads its flags), so a later host step can release the excess
-once the copy has landed, with no sync and no torch op to look.
+the chunks of each token, where real data makes a few percent outliers (kernels/formats/
+hqmq.py, "Held memory", has the measured case); its lengths are left on the device (the
+write makes no host read). `LengthSnapshot` copies them to the host behind the write (CUDA:
+pinned memory, non-blocking, an event; a CPU tensor is read in place, as
+kernels/step_encode.py's `StepErrors` reads its flags), so a later host step can release
+the excess once the copy has landed, with no sync and no torch op to look.
 """
 from __future__ import annotations
 

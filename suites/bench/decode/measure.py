@@ -139,7 +139,6 @@ def compiled_step(model, cache, start: int):
     mode="reduce-overhead" (its docs' recipe), the position on the device (advanced in
     place after each call, as `generate` passes `cache_position`)."""
     dev = next(model.parameters()).device
-    torch._dynamo.reset()  # each configuration compiles its own shapes, not on top of the last one's
     fwd = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     pos = torch.tensor([start], device=dev)
     kw = cache_kwargs(model, cache)
@@ -176,12 +175,13 @@ def measure_modes(model, spec: str | None, *, context: int, batch: int, steps: i
             raise ValueError(f"mode must be eager or graph, got {m!r}")
     dev = next(model.parameters()).device
     cuda = dev.type == "cuda"
+    # An earlier configuration's compiled graphs (reduce-overhead's memory) are freed here,
+    # not inside this row's span: freed there, they made plain-compiled's kv_live_bytes
+    # negative (H100, 2026-12-06: -0.06 GiB at B=1, T=4096); each configuration then
+    # compiles its own shapes, not on top of the last one's
+    torch._dynamo.reset()
+    gc.collect()
     if cuda:  # (the CUDA calls' kept partials are no cache bytes: dropped here, left out below)
-        # An earlier configuration's compiled graphs (reduce-overhead's memory) are freed
-        # here, not inside this row's span: freed there, they made plain-compiled's
-        # kv_live_bytes negative (H100, 2026-12-06: -0.06 GiB at B=1, T=4096)
-        torch._dynamo.reset()
-        gc.collect()
         SCRATCH.clear()
         torch.cuda.empty_cache()
     base = _mem(dev)

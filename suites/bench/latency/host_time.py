@@ -217,12 +217,15 @@ def routed_plans(on: bool):
 
 
 @contextlib.contextmanager
-def fused_combine(on: bool):
+def fused_combine(on: bool | None):
     """The CUDA kernels' fused combine (kernels/cuda/library.py `FusedCombine`: the split
-    kernel merges its partials, one launch a call) on or off inside; on a GPU, on builds and
-    loads the fused libraries first (not inside a timing)."""
+    kernel merges its partials, one launch a call) on or off inside (None: as it is); on a
+    GPU, on builds and loads the fused libraries first (not inside a timing)."""
     from ....kernels.cuda import decode_attention as cd, hqmq_decode as ch, library
 
+    if on is None:
+        yield
+        return
     if on and torch.cuda.is_available():
         for mod in (cd, ch):
             if mod.why_unavailable() is None and mod._FUSED.load() is None:
@@ -336,7 +339,7 @@ def main(argv=None) -> int:
 
     def row(f, d, timer):
         for mode in modes if f != "fp16" else (None,):  # (fp16 runs no CUDA kernel of ours)
-            with contextlib.nullcontext() if mode is None else fused_combine(mode):
+            with fused_combine(mode):
                 cols = [[timer(SPECS[f], b, a.T, d=d, n=a.n, **kw) for b in a.B]
                         for kw in ({}, {"valid_len": True}, {"step": True})]
             name = f if mode is None else f"{f} {'fused' if mode else 'split'}"
@@ -348,7 +351,7 @@ def main(argv=None) -> int:
     for d in a.d:
         for f in a.formats:
             for mode in modes:  # (the fused build loaded here too: fused_combine(True))
-                with contextlib.nullcontext() if mode is None else fused_combine(mode):
+                with fused_combine(mode):
                     stubbed_host_us(SPECS[f], a.B[0], a.T, d=d, n=10)
     for d in a.d:
         for f in a.formats:
