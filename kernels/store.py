@@ -358,7 +358,7 @@ class KernelStore:
         """x's tokens into the buffers as part of the current run (opened here if none is)."""
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if self._run_start is None:
+        if self._run_start is None:  # (KIVI's `_step` takes no begin_write)
             self._run_start = self._run_position()
         self._step(x, errors)
 
@@ -368,18 +368,32 @@ class KernelStore:
 
     def _step(self, x: torch.Tensor, errors: torch.Tensor) -> None:
         """x's tokens (one; `steps`: t) into the buffers at the current length."""
+        t0, extra = self.begin_write(x.shape[2])
+        self.format.step(self, x, errors, t0, **extra)
+        self.end_write(t0 + x.shape[2])
+
+    def begin_write(self, t: int) -> tuple[int, dict]:
+        """Room for a host-position write of t tokens encoded on the device, made before its
+        launch: (the first token t0, the keyword arguments of the format's step encoder);
+        `end_write(t0 + t)` after the launch. `step` does both around the format's encoder;
+        kernels/cuda/step_write.py around one launch for a layer's K and V stores."""
+        if self._run_start is None:  # (the write is part of the current run, opened here if none is)
+            self._run_start = self._run_position()
         t0 = self.tokens
-        end = t0 + x.shape[2]
+        end = t0 + t
         grew = False
         for name in self.fields:
             if name in self.buffers:
                 grew |= self.buffers[name].extend(end)
-        moved, extra = self._step_room(t0, end - t0)
+        moved, extra = self._step_room(t0, t)
         if grew:
             self._repoint()
         elif moved:  # no segment views these: the flat alone
             self._refresh_flat()
-        self.format.step(self, x, errors, t0, **extra)
+        return t0, extra
+
+    def end_write(self, end: int) -> None:
+        """The host bookkeeping of a write that `begin_write` made room for, now `end` tokens."""
         for name in self.fields:
             if name in self.buffers:
                 self.buffers[name].length = end

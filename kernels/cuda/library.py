@@ -32,6 +32,9 @@ import torch
 from ..common import token_tiles
 
 FLAGS = ["-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"]
+# A source whose results must equal torch's bit for bit (step_write.cu: the stored bytes of a
+# cache write): IEEE division and denormals, no FMA contraction (torch rounds each product)
+EXACT_FLAGS = ["-O3", "-fmad=false", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"]
 QTYPE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # the .cu sources' dtype codes (q, out)
 
 
@@ -59,16 +62,17 @@ def build_dir() -> Path:
     return Path(root) / "kvqbench_cuda_decode"
 
 
-def compile_library(source: Path, stem: str, cap: tuple[int, int], extra: tuple[str, ...] = ()) -> Path:
+def compile_library(source: Path, stem: str, cap: tuple[int, int], extra: tuple[str, ...] = (),
+                    base: tuple[str, ...] = tuple(FLAGS)) -> Path:
     """nvcc `source` into a shared library for compute capability `cap`, once per
     source/flags/compiler/arch (the file name carries their hash); extra: more nvcc flags
-    (the fused build's define: FusedCombine). Raises RuntimeError (nvcc missing or
-    failing) or OSError / SubprocessError."""
+    (the fused build's define: FusedCombine); base: the flags before them (FLAGS or
+    EXACT_FLAGS). Raises RuntimeError (nvcc missing or failing) or OSError / SubprocessError."""
     path = nvcc()
     if path is None:
         raise RuntimeError("no nvcc found (CUDA_HOME / PATH): cannot build the CUDA kernels")
     ver = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
-    flags = FLAGS + arch_flags(cap) + list(extra)
+    flags = list(base) + arch_flags(cap) + list(extra)
     headers = "".join(h.read_text() for h in sorted(source.parent.glob("*.cuh")))  # included by every source
     key = hashlib.sha256((source.read_text() + headers + "\0".join(flags) + ver).encode()).hexdigest()[:16]
     out = build_dir() / f"{stem}_sm{cap[0]}{cap[1]}_{key}.so"
@@ -94,7 +98,8 @@ def compile_library(source: Path, stem: str, cap: tuple[int, int], extra: tuple[
     return out
 
 
-def load_library(source: Path, stem: str, extra: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]:
+def load_library(source: Path, stem: str, extra: tuple[str, ...] = (),
+                 base: tuple[str, ...] = tuple(FLAGS)) -> tuple[ctypes.CDLL | None, str | None]:
     """(library, None) for `source` built for this GPU, or (None, why not): no CUDA
     device, ROCm, a GPU below sm_80 (mma.sync m16n8k16), no nvcc, a failed build."""
     if not torch.cuda.is_available():
@@ -105,7 +110,7 @@ def load_library(source: Path, stem: str, extra: tuple[str, ...] = ()) -> tuple[
     if cap < (8, 0):
         return None, f"GPU sm_{cap[0]}{cap[1]}: the kernels need sm_80+ (mma.sync m16n8k16)"
     try:
-        return ctypes.CDLL(str(compile_library(source, stem, cap, extra))), None
+        return ctypes.CDLL(str(compile_library(source, stem, cap, extra, base))), None
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         return None, f"building/loading {source.name} failed: {type(e).__name__}: {e}"
 
@@ -115,10 +120,11 @@ class KernelLibrary:
     per process at first use: `load()` gives it or None, `why` the reason when it is None
     (from `load_library`, or from `declare(lib)`, which sets the entry points' ctypes
     signatures and may refuse the library by returning a reason). extra: more nvcc flags
-    (another build of the same source: the fused combine's, FusedCombine)."""
+    (another build of the same source: the fused combine's, FusedCombine); base: FLAGS or
+    EXACT_FLAGS."""
 
-    def __init__(self, source: Path, stem: str, declare, extra: tuple[str, ...] = ()):
-        self.source, self.stem, self._declare, self.extra = source, stem, declare, tuple(extra)
+    def __init__(self, source: Path, stem: str, declare, extra: tuple[str, ...] = (), base=tuple(FLAGS)):
+        self.source, self.stem, self._declare, self.extra, self.base = source, stem, declare, tuple(extra), tuple(base)
         self.lib: ctypes.CDLL | None = None
         self.why: str | None = None
         self._tried = False
@@ -128,7 +134,7 @@ class KernelLibrary:
         with self._lock:
             if not self._tried:
                 self._tried = True
-                lib, self.why = load_library(self.source, self.stem, self.extra)
+                lib, self.why = load_library(self.source, self.stem, self.extra, self.base)
                 if lib is not None:
                     self.why = self._declare(lib)
                     self.lib = lib if self.why is None else None
@@ -407,7 +413,7 @@ def workspace_counters(ws, n: int, device) -> int:
     return cnt.data_ptr()
 
 
-__all__ = ["FLAGS", "QTYPE", "FUSED_COMBINE", "FUSED_DEFINE", "FusedCombine", "KernelLibrary", "fused_declare",
+__all__ = ["FLAGS", "EXACT_FLAGS", "QTYPE", "FUSED_COMBINE", "FUSED_DEFINE", "FusedCombine", "KernelLibrary", "fused_declare",
            "PlanCache", "RoutedPlan", "SCRATCH", "Scratch", "check_token_counts", "follow_tokens", "arch_flags",
            "build_dir", "compile_library", "fresh_partials", "load_library", "nvcc",
            "on_current_stream", "workspace_counters"]

@@ -93,6 +93,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ...kernels import registry as kernel_registry
+from ...kernels.cuda import step_write
 from ...kernels.formats.hqmq import engine_table
 from ...kernels.step_encode import StepErrors
 from ...kernels.store import KernelStore, TokenBuffer, grown_capacity, multi_steps
@@ -384,8 +385,9 @@ class QuantizedLayer(DynamicLayer):
                 return False
         if self.errors.poll():
             self.errors.check(self.layer_idx)
-        self.stores["K"].step(k, self.errors.rows[0])
-        self.stores["V"].step(v, self.errors.rows[1])
+        if not step_write.write_pair(self.stores["K"], self.stores["V"], k, v, self.errors.flags):
+            self.stores["K"].step(k, self.errors.rows[0])  # (one launch per role: the format's encoder)
+            self.stores["V"].step(v, self.errors.rows[1])
         self.tokens += 1
         return True
 

@@ -307,16 +307,27 @@ def main(argv=None) -> int:
     p.add_argument("--write", action="store_true",
                    help="instead: host us of one layer's eager one-token cache write (K and V) after a T-token "
                    "prompt, per format and DynamicCache (Triton launches stubbed on a CPU)")
+    p.add_argument("--cuda-write", action="store_true",
+                   help="with --write: each row twice in one run, the Triton step encoders (two launches) then "
+                   "the one-launch CUDA write where it takes the format (kernels/cuda/step_write.py)")
     a = p.parse_args(argv)
     how = "launch stubbed" if not torch.cuda.is_available() else "issued on " + torch.cuda.get_device_name()
     if a.write:
         print(f"host us per one-token cache write of one layer (K and V), {how} (Hkv 8, T={a.T}; "
               f"least of 15 means of {a.n})")
         print(f"{'cache':14s} {'d':>4s} " + " ".join(f"{'B=' + str(b):>9s}" for b in a.B))
+        from ....kernels.cuda import step_write
+
         for d in a.d:
-            for f in ["DynamicCache"] + [f for f in a.formats if f != "fp16"]:
-                us = [write_host_us(None if f == "DynamicCache" else SPECS[f], b, a.T, d=d, n=a.n) for b in a.B]
-                print(f"{f:14s} {d:4d} " + " ".join(f"{u:9.1f}" for u in us), flush=True)
+            for f in ["DynamicCache"] + list(a.formats):
+                for on in (False, True) if a.cuda_write and f != "DynamicCache" else (None,):
+                    if on and not step_write.takes(SPECS[f]):
+                        continue  # (a format the CUDA write does not take: its row is the Triton one)
+                    with step_write.CUDA_WRITE.set(step_write.CUDA_WRITE.on if on is None else on):
+                        us = [write_host_us(None if f == "DynamicCache" else SPECS[f], b, a.T, d=d, n=a.n)
+                              for b in a.B]
+                    name = f + {None: "", False: " triton", True: " cuda"}[on]
+                    print(f"{name:14s} {d:4d} " + " ".join(f"{u:9.1f}" for u in us), flush=True)
         return 0
     if a.breakdown:
         for f in a.formats:

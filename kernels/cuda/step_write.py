@@ -1,0 +1,178 @@
+"""An eager decode step's cache write in ONE CUDA launch per layer (step_write.cu, this folder):
+K and V of naive int (per-token groups), fp8 and the engine's fp16 store, through ctypes and a
+plan kept per pair of stores, instead of two Triton step-encoder launches.
+
+Why: `model.generate` with our cache runs eager decode steps, and on an H100 one layer's
+one-token write cost 73-96 us of host time for int4 / fp8 against DynamicCache's 16 (the
+two Triton launches, each binding and specialising ~25 arguments: reports/kernels/NOTES.md,
+2026-12-06); thirty layers pay it every token. The bytes and the error flags are those of
+kernels/step_encode.py's encoders (built with library.py EXACT_FLAGS; GPU tests:
+suites/tests/test_cuda_step_write.py compare them bit for bit). Graphed steps keep the
+Triton encoders: a CUDA graph replays a launch without its host cost.
+
+`write_pair(k_store, v_store, k, v, errors)` writes and returns True, or returns False (nothing
+done: the stores' own step encoders serve the write) when the switch is off, the library is
+unavailable, or the stores are not a pair it takes (`why_not`). THE SWITCH `CUDA_WRITE`: off
+by default until the GPU tests and host_time's `--write` figures have run;
+`KVQBENCH_CUDA_WRITE=1` turns it on for a process.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+from ...quantizers import get_quantizer
+from .. import registry
+from ..formats import fp8 as fp8_format, fp16 as fp16_format, naive_int as int_format
+from ..layout import FP16Flat
+from ..store import KernelStore
+from .library import EXACT_FLAGS, KernelLibrary, PlanCache, on_current_stream
+
+SOURCE = Path(__file__).parent / "step_write.cu"
+_XTYPE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_FP8_KIND = {"e4m3": 1, "e5m2": 2}
+LL, P = ctypes.c_longlong, ctypes.c_void_p
+
+
+class _Role(ctypes.Structure):  # WriteRole in the .cu, field by field
+    _fields_ = [("c", P), ("s", P), ("z", P), ("hs", P), ("err", P), ("cb", LL), ("ch", LL), ("ct", LL),
+                ("sb", LL), ("sh", LL), ("st", LL), ("xb", LL), ("xh", LL)]
+
+
+class _Plan(ctypes.Structure):  # WritePlan in the .cu
+    _fields_ = [("kind", LL), ("xtype", LL), ("B", LL), ("H", LL), ("D", LL), ("bits", LL), ("G", LL),
+                ("role", _Role * 2)]
+
+
+def _declare(lib) -> str | None:
+    lib.kvq_write_plan_size.restype = ctypes.c_int
+    if lib.kvq_write_plan_size() != ctypes.sizeof(_Plan):  # out of step with the .cu: refuse, never misread
+        return f"WritePlan is {lib.kvq_write_plan_size()} bytes in the library, _Plan {ctypes.sizeof(_Plan)}"
+    lib.kvq_write_max_d.restype = ctypes.c_int
+    lib.kvq_write_pair.argtypes = [P, P, P, ctypes.c_int, ctypes.c_int, P]
+    lib.kvq_write_pair.restype = ctypes.c_int
+    return None
+
+
+_LIB = KernelLibrary(SOURCE, "kvq_step_write", _declare, base=EXACT_FLAGS)
+_PLANS = PlanCache(256)  # a pair per layer: 256 holds the largest models' layers
+
+
+class CudaWrite:
+    """THE SWITCH of the one-launch eager write (module docstring); read at every write."""
+
+    def __init__(self, on: bool = False):
+        self.on = on
+
+    @contextlib.contextmanager
+    def set(self, on: bool):
+        old, self.on = self.on, on
+        try:
+            yield
+        finally:
+            self.on = old
+
+
+CUDA_WRITE = CudaWrite(os.environ.get("KVQBENCH_CUDA_WRITE", "0").strip() == "1")
+
+
+def why_unavailable() -> str | None:
+    """None when the library is built and loadable here, else the reason (builds it at the first call)."""
+    return _LIB.why_unavailable()
+
+
+def _kind(store) -> int | None:
+    """The .cu's format kind of a store this write takes, None for any other."""
+    if type(store) is not KernelStore or store.stepper is None:
+        return None  # (a store subclass has its own append rule; no stepper: the old path)
+    fmt = store.format
+    if fmt is int_format.FORMAT:
+        return 0
+    if fmt is fp8_format.FORMAT:
+        return _FP8_KIND.get(store.flat.fmt)
+    return 3 if fmt is fp16_format.FORMAT else None
+
+
+def takes(spec: str) -> bool:
+    """Whether the write takes caches of this quantizer spec (one-token writes on a CUDA
+    device, head_dim <= 256, as `why_not` checks per write)."""
+    q = get_quantizer(spec)
+    fmt = registry.format_of_quantizer(type(q))
+    return (fmt in (int_format.FORMAT, fp8_format.FORMAT, fp16_format.FORMAT) and fmt.quantizer is type(q)
+            and not getattr(q, "per_channel", False))
+
+
+def why_not(k_store, v_store, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why `write_pair` does not take this write (None: it does, the switch and library aside)."""
+    kind = _kind(k_store)
+    if kind is None or _kind(v_store) != kind:
+        return "not a pair of naive int (per-token groups), fp8 or fp16 stores"
+    if k.device.type != "cuda" or v.device != k.device:
+        return "not on a CUDA device"
+    if k.shape[2] != 1 or v.shape != k.shape:
+        return "not a one-token write of K and V of one shape"
+    if k.dtype not in _XTYPE or v.dtype != k.dtype:
+        return f"input dtype {k.dtype}/{v.dtype}"
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        return "the head dim is not contiguous"
+    if k.shape[3] > 256:
+        return f"head_dim {k.shape[3]} > 256"
+    if kind == 0 and (k_store.flat.group != v_store.flat.group or k_store.flat.bits != v_store.flat.bits
+                      or k.shape[3] % k_store.flat.group):
+        return "K and V int groups differ or do not divide the head dim"
+    return None
+
+
+def _role(store, x: torch.Tensor, err: torch.Tensor) -> _Role:
+    f, r = store.flat, _Role()
+    c = f.values if isinstance(f, FP16Flat) else f.codes
+    r.c, (r.cb, r.ch, r.ct) = c.data_ptr(), c.stride()[:3]
+    if hasattr(f, "zero"):
+        r.s, r.z, (r.sb, r.sh, r.st) = f.scale.data_ptr(), f.zero.data_ptr(), f.scale.stride()[:3]
+    elif hasattr(f, "scale"):
+        r.hs = f.scale.data_ptr()  # fp8: fp32 [H], as the Triton encoder reads it
+    r.err, (r.xb, r.xh) = err.data_ptr(), x.stride()[:2]
+    return r
+
+
+def _tensors(store) -> tuple:
+    f = store.flat
+    return tuple(getattr(f, n) for n in ("values", "codes", "scale", "zero") if hasattr(f, n))
+
+
+def _plan(k_store, v_store, k, v, errors) -> _Plan:
+    ts = _tensors(k_store) + _tensors(v_store) + (errors,)
+    key = (tuple(map(id, ts)), k.dtype, k.shape, k.stride(), v.stride())
+    plan = _PLANS.get(key, ts)
+    if plan is None:
+        f = k_store.flat
+        plan = _Plan(kind=_kind(k_store), xtype=_XTYPE[k.dtype], B=k.shape[0], H=k.shape[1], D=k.shape[3],
+                     bits=getattr(f, "bits", 0), G=getattr(f, "group", 1))
+        plan.role[0], plan.role[1] = _role(k_store, k, errors[0]), _role(v_store, v, errors[1])
+        _PLANS.put(key, ts, plan)
+    return plan
+
+
+def write_pair(k_store, v_store, k: torch.Tensor, v: torch.Tensor, errors: torch.Tensor) -> bool:
+    """The one-token write k, v `[B, H, 1, D]` into the stores in one launch (the rows of the
+    `[2, 4]` flag tensor `errors` take their input errors, as the step encoders'); False
+    (nothing done) when the switch is off, the library unavailable or `why_not` gives a reason."""
+    if not CUDA_WRITE.on or why_not(k_store, v_store, k, v) is not None or _LIB.load() is None:
+        return False
+    t0k, _ = k_store.begin_write(1)
+    t0v, _ = v_store.begin_write(1)
+    plan = _plan(k_store, v_store, k, v, errors)  # (after begin_write: a buffer that grew is a new plan)
+    err = on_current_stream(k.get_device(), _LIB.lib.kvq_write_pair, ctypes.addressof(plan), k.data_ptr(),
+                            v.data_ptr(), t0k, t0v)
+    if err:
+        raise RuntimeError(f"CUDA cache write launch failed: error {err}")
+    k_store.end_write(t0k + 1)
+    v_store.end_write(t0v + 1)
+    return True
+
+
+__all__ = ["CUDA_WRITE", "CudaWrite", "SOURCE", "takes", "why_not", "why_unavailable", "write_pair"]

@@ -1,0 +1,132 @@
+"""The one-launch eager cache write (kernels/cuda/step_write.py): a layer's one-token K and V
+write of naive int, fp8 and fp16 in one CUDA launch stores exactly the bytes the Triton step
+encoders store (kernels/step_encode.py, themselves held to the quantizers by
+test_step_encode.py), raises the same input errors, and issues no Triton launch.
+
+GPU only, but for the refusals (`why_not`) and the switch, which run everywhere.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvqbench.kernels import step_encode as se
+from kvqbench.kernels import store as store_mod
+from kvqbench.kernels.cuda import step_write as sw
+from kvqbench.quantizers import QuantizerInputError
+from kvqbench.suites.harness.kv_cache import QuantizedLayer
+
+CUDA = torch.cuda.is_available()
+WHY = sw.why_unavailable() if CUDA else "no CUDA device"
+needs_cuda = pytest.mark.skipif(WHY is not None, reason=f"the CUDA write library is unavailable: {WHY}")
+DEV = torch.device("cuda" if CUDA else "cpu")
+SPECS = ["int4", "int2", "int3", "int8", "int4:group=16", "int4:group=64", "fp8-e4m3", "fp8-e5m2", "fp16"]
+
+
+def _data(shape, dtype, seed):
+    """Random rows `[2 roles, B, H, T, D]` of mixed scales, with the edge cases of the
+    encoders' rounding: a constant group (zero span), a group of fp16-subnormal steps,
+    values near the fp16 max, signed zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.rand(shape[:-1] + (1,), generator=g).mul(4).add(0.01)
+    x[..., 3] *= 8
+    x[0, 0, 0, :, :16] = 0.5
+    x[1, 0, 0, :, :16] *= 1e-6
+    x[0, 1, 1, :, 5] = 6.0e4
+    x[1, 1, 0, :, 7] = -0.0
+    return x.to(DEV, dtype)
+
+
+def _run(spec, dtype, D, cuda_write, seed=0, prefill=37, steps=30, B=2, H=3, bad=None):
+    """A fused layer's prefill then one-token steps, the write on or off, the same inputs;
+    bad: a value put into V (b 1, head 2) at the last step's token."""
+    x = _data((2, B, H, prefill + steps, D), dtype, seed)
+    if bad is not None:
+        x[1, 1, 2, prefill + steps - 1, 9] = bad
+    layer = QuantizedLayer(spec, 0, seed=seed)
+    layer.fused_wanted = True
+    with sw.CUDA_WRITE.set(cuda_write), torch.inference_mode():
+        layer.update(x[0, :, :, :prefill], x[1, :, :, :prefill])
+        before = se.LAUNCHES[0]
+        for t in range(prefill, prefill + steps):
+            layer.update(x[0, :, :, t:t + 1], x[1, :, :, t:t + 1])
+        launched = se.LAUNCHES[0] - before
+    assert layer.mode == "fused"
+    return layer, launched
+
+
+def _assert_same(a, b):
+    assert a.tokens == b.tokens
+    for role in ("K", "V"):
+        sa, sb = a.stores[role], b.stores[role]
+        assert set(sa.buffers) == set(sb.buffers) and sa.tokens == sb.tokens
+        for name in sa.buffers:
+            assert torch.equal(sa.buffers[name].valid, sb.buffers[name].valid), (role, name)
+        assert torch.equal(a.read(role), b.read(role))
+    assert torch.equal(a.errors.flags, b.errors.flags)
+
+
+@needs_cuda
+@pytest.mark.parametrize("D", [64, 128, 256, 96])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("spec", SPECS)
+def test_cuda_write_stores_what_the_triton_steps_store(spec, dtype, D, monkeypatch):
+    if D % 64 and "group=64" in spec:
+        pytest.skip("group 64 does not divide head_dim 96")
+    monkeypatch.setattr(store_mod, "MIN_CAPACITY", 64)  # the steps cross a buffer growth
+    new, launched = _run(spec, dtype, D, True)
+    old, old_launched = _run(spec, dtype, D, False)
+    _assert_same(new, old)
+    assert launched == 0 and old_launched == 2 * 30  # no Triton launch: the CUDA write served every step
+    assert new.stores["V"].buffers[new.stores["V"].fields[0]].capacity > 64
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec,bad,match", [
+    ("int4", float("nan"), "NaN/Inf"), ("int4", 7e4, "overflows the fp16"), ("fp8-e4m3", float("inf"), "NaN/Inf"),
+    ("fp8-e5m2", float("nan"), "NaN/Inf"), ("fp16", 7e4, "overflow"), ("fp16", float("-inf"), "NaN/Inf")])
+def test_bad_input_raises_what_the_triton_steps_raise(spec, bad, match):
+    # (the bad token is the last step's: a later step's poll would raise inside the loop)
+    new, _ = _run(spec, torch.float32, 64, True, steps=6, bad=bad)
+    old, _ = _run(spec, torch.float32, 64, False, steps=6, bad=bad)
+    flags = new.errors.flags.cpu()
+    assert flags.tolist() == old.errors.flags.cpu().tolist()
+    assert flags[1, 1] == 37 + 5  # V, the token named
+    with pytest.raises(QuantizerInputError, match=rf"layer 0 V: .*token 42.*{match}"):
+        new.nbytes()
+
+
+@needs_cuda
+def test_two_layers_keep_their_own_plans_and_flags():
+    # Two layers of one model written in turn: each launch reads its own pair's plan (the
+    # plans are keyed by the stores' buffers), so neither writes into the other.
+    a, _ = _run("int4", torch.float16, 128, True, seed=1)
+    b, _ = _run("int4", torch.float16, 128, True, seed=2)
+    a_old, _ = _run("int4", torch.float16, 128, False, seed=1)
+    b_old, _ = _run("int4", torch.float16, 128, False, seed=2)
+    _assert_same(a, a_old)
+    _assert_same(b, b_old)
+
+
+# ---- everywhere: the switch and the refusals ---------------------------------------------------------
+def test_the_switch_is_off_by_default_and_set_restores_it():
+    assert sw.CudaWrite().on is False
+    s = sw.CudaWrite(False)
+    with s.set(True):
+        assert s.on
+    assert s.on is False
+
+
+@pytest.mark.parametrize("spec,why", [("kivi:bits=2,group=8,residual=8", "not a pair"),
+                                      ("hqmq:S=8,r=4", "not a pair"), ("int4", "not on a CUDA device")])
+def test_why_not_names_the_refusal(spec, why):
+    x = torch.randn(1, 2, 12, 64, dtype=torch.float16)  # (on the CPU: the device refusal for int4)
+    layer = QuantizedLayer(spec, 0)
+    layer.fused_wanted = True
+    layer.update(x[:, :, :10], x[:, :, :10])
+    assert layer.mode == "fused"
+    k = x[:, :, 10:11]
+    assert why in sw.why_not(layer.stores["K"], layer.stores["V"], k, k)
+    with sw.CUDA_WRITE.set(True):  # refused: nothing written
+        assert not sw.write_pair(layer.stores["K"], layer.stores["V"], k, k, layer.errors.flags)
+    assert layer.stores["K"].tokens == 10
