@@ -320,7 +320,8 @@ def write_cost(spec: str, *, heads: int = 8, head_dim: int = 128, batch: int = 1
     one token (K and V of one layer, attention excluded) after a prefill of `context`
     tokens, `steps` steps. Counted with torch's profiler, per step (lists) and their
     maxima: `ops`, the top-level torch ops (each a kernel launch on a GPU, a few are
-    views); `launches`, the Triton launches; `host_reads`, the reads of a device value
+    views); `launches`, the device encoders' launches (Triton, and on a GPU the one-launch
+    CUDA write of kernels/cuda/step_write.py); `host_reads`, the reads of a device value
     by the host (`aten::_local_scalar_dense`: `.item()`, `bool()`; a sync on a GPU).
     Per (layer, role) is half of each. `host_us`: host wall time per update, timed over
     the same number of steps without the profiler. On a CPU the Triton kernels are
@@ -333,6 +334,7 @@ def write_cost(spec: str, *, heads: int = 8, head_dim: int = 128, batch: int = 1
     from torch.profiler import ProfilerActivity, profile
 
     from ....kernels import step_encode as se
+    from ....kernels.cuda import step_write
 
     dev = torch.device(device)
     layer = QuantizedLayer(spec, 0, seed=seed)
@@ -348,14 +350,14 @@ def write_cost(spec: str, *, heads: int = 8, head_dim: int = 128, batch: int = 1
         layer.update(x[0, :, :, :context], x[1, :, :, :context])
         out["mode"] = layer.mode
         for t in range(context, context + steps):
-            n0, k, v = se.LAUNCHES[0], x[0, :, :, t : t + 1], x[1, :, :, t : t + 1]
+            n0, k, v = se.LAUNCHES[0] + step_write.LAUNCHES[0], x[0, :, :, t : t + 1], x[1, :, :, t : t + 1]
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 layer.update(k, v)
             events = list(prof.events())
             out["ops"].append(sum(e.name.startswith("aten::") and (
                 e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")) for e in events))
             out["host_reads"].append(sum(e.name == "aten::_local_scalar_dense" for e in events))
-            out["launches"].append(se.LAUNCHES[0] - n0)
+            out["launches"].append(se.LAUNCHES[0] + step_write.LAUNCHES[0] - n0)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         kv = [(x[0, :, :, t : t + 1], x[1, :, :, t : t + 1]) for t in range(context + steps, context + 2 * steps)]

@@ -162,7 +162,7 @@ def markdown(run: dict) -> str:
                   "`measure.write_cost`: step encode = the device kernels write into the store; "
                   "off = the quantizer's `append` + the store's `append`. Maxima over the counted steps; host us = "
                   "host wall time per update (eager runs; a graph replay runs none of it).", "",
-                  "| cache | step encode | torch ops | Triton launches | host reads | host us |", "|---|---|---|---|---|---|"]
+                  "| cache | step encode | torch ops | encoder launches | host reads | host us |", "|---|---|---|---|---|---|"]
         lines += [f"| {c['spec']} | {'on' if c['step_encode'] else 'off'} | {c['max_ops']} | {c['max_launches']} | "
                   f"{c['max_host_reads']} | {c['host_us']:.0f} |" for c in run["write_cost"]]
     engine = engine_table(run)
