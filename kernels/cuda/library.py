@@ -266,7 +266,24 @@ def on_current_stream(dev: int, entry, *args) -> int:
         return entry(*args, torch.cuda.current_stream(dev).cuda_stream)
 
 
-class FusedCombine:
+class Switch:
+    """A process-wide on / off that its module reads at every call (THE SWITCH of a feature
+    kept behind its GPU measurements); `set` flips it inside a block."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    @contextlib.contextmanager
+    def set(self, on: bool):
+        """On (or off) inside the block, as before it after."""
+        old, self.on = self.on, on
+        try:
+            yield
+        finally:
+            self.on = old
+
+
+class FusedCombine(Switch):
     """THE SWITCH of the fused combine: a call's split kernel merges its own partials (the
     last CTA of each row group, common.cuh `combine_rows`, the same bits as the combine
     launch) instead of a second launch, so an eager call issues one kernel, not two. Off by
@@ -284,19 +301,10 @@ class FusedCombine:
     (`fresh_partials`), zeroed when allocated and left at zero by every launch."""
 
     def __init__(self, on: bool = False):
-        self.on = on
+        super().__init__(on)
 
     def mode(self) -> str:
         return "fused" if self.on else "split+combine"
-
-    @contextlib.contextmanager
-    def set(self, on: bool):
-        """On (or off) inside the block, as before it after."""
-        old, self.on = self.on, on
-        try:
-            yield
-        finally:
-            self.on = old
 
 
 def fused_declare(build: str, run: str, declare):
@@ -416,7 +424,7 @@ def workspace_counters(ws, n: int, device) -> int:
     return cnt.data_ptr()
 
 
-__all__ = ["FLAGS", "EXACT_FLAGS", "QTYPE", "FUSED_COMBINE", "FUSED_DEFINE", "FusedCombine", "KernelLibrary", "fused_declare",
+__all__ = ["FLAGS", "EXACT_FLAGS", "QTYPE", "FUSED_COMBINE", "FUSED_DEFINE", "FusedCombine", "KernelLibrary", "Switch", "fused_declare",
            "PlanCache", "RoutedPlan", "SCRATCH", "Scratch", "check_token_counts", "follow_tokens", "arch_flags",
            "build_dir", "compile_library", "fresh_partials", "load_library", "nvcc",
            "on_current_stream", "workspace_counters"]

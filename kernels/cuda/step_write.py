@@ -22,7 +22,6 @@ int4 69 -> 21 us, fp8 52-56 -> 19, fp16 47-48 -> 19-22, DynamicCache 15-17; eage
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 from pathlib import Path
@@ -34,7 +33,7 @@ from .. import registry
 from ..formats import fp8 as fp8_format, fp16 as fp16_format, naive_int as int_format
 from ..layout import FP16Flat
 from ..store import KernelStore
-from .library import EXACT_FLAGS, KernelLibrary, PlanCache, on_current_stream
+from .library import EXACT_FLAGS, KernelLibrary, PlanCache, Switch, on_current_stream
 
 SOURCE = Path(__file__).parent / "step_write.cu"
 _XTYPE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -67,22 +66,7 @@ LAUNCHES = [0]  # writes launched (step_encode.LAUNCHES counts the Triton ones; 
 _PLANS = PlanCache(256)  # a pair per layer: 256 holds the largest models' layers
 
 
-class CudaWrite:
-    """THE SWITCH of the one-launch eager write (module docstring); read at every write."""
-
-    def __init__(self, on: bool = True):
-        self.on = on
-
-    @contextlib.contextmanager
-    def set(self, on: bool):
-        old, self.on = self.on, on
-        try:
-            yield
-        finally:
-            self.on = old
-
-
-CUDA_WRITE = CudaWrite(os.environ.get("KVQBENCH_CUDA_WRITE", "1").strip() != "0")
+CUDA_WRITE = Switch(os.environ.get("KVQBENCH_CUDA_WRITE", "1").strip() != "0")  # THE SWITCH (module docstring)
 
 
 def why_unavailable() -> str | None:
@@ -181,4 +165,4 @@ def write_pair(k_store, v_store, k: torch.Tensor, v: torch.Tensor, errors: torch
     return True
 
 
-__all__ = ["CUDA_WRITE", "CudaWrite", "SOURCE", "takes", "why_not", "why_unavailable", "write_pair"]
+__all__ = ["CUDA_WRITE", "SOURCE", "takes", "why_not", "why_unavailable", "write_pair"]

@@ -111,12 +111,21 @@ def test_two_layers_keep_their_own_plans_and_flags():
 
 
 # ---- everywhere: the switch and the refusals ---------------------------------------------------------
-def test_the_switch_is_on_by_default_and_set_restores_it():
-    assert sw.CudaWrite().on is True
-    s = sw.CudaWrite()
-    with s.set(False):
-        assert s.on is False
-    assert s.on is True
+def test_the_switch_is_on_unless_the_environment_turns_it_off():
+    import os
+    import subprocess
+    import sys
+
+    code = "from kvqbench.kernels.cuda import step_write as s; print(s.CUDA_WRITE.on)"
+    for env, want in ((None, "True"), ("0", "False"), ("1", "True")):
+        e = {k: v for k, v in os.environ.items() if k != "KVQBENCH_CUDA_WRITE"}
+        if env is not None:
+            e["KVQBENCH_CUDA_WRITE"] = env
+        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want
+    with sw.CUDA_WRITE.set(False):
+        assert sw.CUDA_WRITE.on is False
+    assert sw.CUDA_WRITE.on is (os.environ.get("KVQBENCH_CUDA_WRITE", "1").strip() != "0")
 
 
 @pytest.mark.parametrize("spec,why", [("kivi:bits=2,group=8,residual=8", "not a pair"),
