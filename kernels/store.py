@@ -392,8 +392,9 @@ class KernelStore:
             self._refresh_flat()
         return t0, extra
 
-    def end_write(self, end: int) -> None:
-        """The host bookkeeping of a write that `begin_write` made room for, now `end` tokens."""
+    def end_write(self, end: int, errors: torch.Tensor | None = None) -> None:
+        """The host bookkeeping of a write that `begin_write` made room for, now `end` tokens
+        (errors: the role's flag row, for a store whose bookkeeping launches: KIVI's flush)."""
         for name in self.fields:
             if name in self.buffers:
                 self.buffers[name].length = end

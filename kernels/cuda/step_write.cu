@@ -1,8 +1,9 @@
 // One eager decode step's cache write, K and V in ONE launch, for the formats whose step
 // encoders are simple (kernels/cuda/step_write.py says which and why): naive int (per-token
-// groups along the head dim), fp8 (a per-kv-head scale) and the engine's fp16 store.
+// groups along the head dim), fp8 (a per-kv-head scale), the engine's fp16 store, and KIVI's
+// fp16 window row (its flushes, every G steps, stay the Triton int launch).
 // The bytes are those of kernels/step_encode.py's Triton encoders (`int_rows`, `fp8_tokens`,
-// `fp16_tokens`), which follow torch op by op: built WITHOUT --use_fast_math and with
+// `fp16_tokens`, `kivi_window`), which follow torch op by op: built WITHOUT --use_fast_math and with
 // -fmad=false (library.py EXACT_FLAGS), IEEE division (__fdiv_rn), round half to even.
 // Errors as theirs: bits in the role's flag row (1 NaN/Inf, 2 beyond fp16), the first bad
 // token (atomicMin), the count of bad values.
@@ -70,7 +71,7 @@ __device__ __forceinline__ uint8_t fp8_code(float y, int M, int EMIN, float MAXV
   return (uint8_t)code;
 }
 
-__global__ void write_kernel(WritePlan p, const void* xk, const void* xv, int t0k, int t0v) {
+__global__ void write_kernel(WritePlan p, const void* xk, const void* xv, int rowk, int rowv, int tokk, int tokv) {
   __shared__ float xs[MAX_D];
   __shared__ int qs[MAX_D];
   __shared__ float gs[MAX_D], gz[MAX_D];  // int: each group's scale and zero (fp16 values)
@@ -79,7 +80,8 @@ __global__ void write_kernel(WritePlan p, const void* xk, const void* xv, int t0
   const long long b = bh / p.H, h = bh % p.H;
   const WriteRole& w = p.role[r];
   const void* x = r ? xv : xk;
-  const int t = r ? t0v : t0k;
+  const int t = r ? rowv : rowk;  // the row of the store's token axis written (KIVI: of its window)
+  const int tok = r ? tokv : tokk;  // the token its flags name
   const int D = (int)p.D;
   const long long xo = b * w.xb + h * w.xh;
   int n_bad = 0;
@@ -146,7 +148,7 @@ __global__ void write_kernel(WritePlan p, const void* xk, const void* xv, int t0
     bits = __any_sync(0xffffffffu, over) ? 2 : 0;
   }
   for (int o = 16; o > 0; o >>= 1) n_bad += __shfl_xor_sync(0xffffffffu, n_bad, o);
-  if (lane == 0) raise_flag(w.err, bits | (n_bad > 0 ? 1 : 0), n_bad, t);
+  if (lane == 0) raise_flag(w.err, bits | (n_bad > 0 ? 1 : 0), n_bad, tok);
 }
 
 }  // namespace
@@ -154,13 +156,15 @@ __global__ void write_kernel(WritePlan p, const void* xk, const void* xv, int t0
 extern "C" int kvq_write_plan_size() { return (int)sizeof(WritePlan); }
 extern "C" int kvq_write_max_d() { return MAX_D; }
 
-// One layer's one-token write: xk, xv [B, H, 1, D] of the plan's dtype, at tokens t0k / t0v
-// of the two stores. Launches only (no allocation, no synchronisation). (plan is a
-// WritePlan*: a namespace-local type in the signature would hide the entry from ctypes.)
-extern "C" int kvq_write_pair(const void* plan, const void* xk, const void* xv, int t0k, int t0v, void* stream) {
+// One layer's one-token write: xk, xv [B, H, 1, D] of the plan's dtype, at rows rowk / rowv of
+// the two stores' token axes (a KIVI window's row: fp16 kind), flagged as tokens tokk / tokv.
+// Launches only (no allocation, no synchronisation). (plan is a WritePlan*: a namespace-local
+// type in the signature would hide the entry from ctypes.)
+extern "C" int kvq_write_pair(const void* plan, const void* xk, const void* xv, int rowk, int rowv, int tokk,
+                              int tokv, void* stream) {
   const WritePlan* p = static_cast<const WritePlan*>(plan);
   if (p->D < 1 || p->D > MAX_D || (p->kind == 0 && (p->G < 1 || p->D % p->G))) return (int)cudaErrorInvalidValue;
-  write_kernel<<<dim3((unsigned)(p->B * p->H), 2), 32, 0, static_cast<cudaStream_t>(stream)>>>(*p, xk, xv, t0k,
-                                                                                                t0v);
+  write_kernel<<<dim3((unsigned)(p->B * p->H), 2), 32, 0, static_cast<cudaStream_t>(stream)>>>(*p, xk, xv, rowk, rowv,
+                                                                                                tokk, tokv);
   return (int)cudaGetLastError();
 }

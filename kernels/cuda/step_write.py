@@ -1,6 +1,7 @@
 """An eager decode step's cache write in ONE CUDA launch per layer (step_write.cu, this folder):
-K and V of naive int (per-token groups), fp8 and the engine's fp16 store, through ctypes and a
-plan kept per pair of stores, instead of two Triton step-encoder launches.
+K and V of naive int (per-token groups), fp8 and the engine's fp16 store (and KIVI's window
+row, once `VERIFIED` holds it), through ctypes and a plan kept per pair of stores, instead of
+two Triton step-encoder launches.
 
 Why: `model.generate` with our cache runs eager decode steps, and on an H100 one layer's
 one-token write cost 73-96 us of host time for int4 / fp8 against DynamicCache's 16 (the
@@ -30,8 +31,8 @@ import torch
 
 from ...quantizers import get_quantizer
 from .. import registry
-from ..formats import fp8 as fp8_format, fp16 as fp16_format, naive_int as int_format
-from ..layout import FP16Flat
+from ..formats import fp8 as fp8_format, fp16 as fp16_format, kivi as kivi_format, naive_int as int_format
+from ..formats.kivi import KIVIStore
 from ..store import KernelStore
 from .library import EXACT_FLAGS, KernelLibrary, PlanCache, Switch, on_current_stream
 
@@ -56,7 +57,7 @@ def _declare(lib) -> str | None:
     if lib.kvq_write_plan_size() != ctypes.sizeof(_Plan):  # out of step with the .cu: refuse, never misread
         return f"WritePlan is {lib.kvq_write_plan_size()} bytes in the library, _Plan {ctypes.sizeof(_Plan)}"
     lib.kvq_write_max_d.restype = ctypes.c_int
-    lib.kvq_write_pair.argtypes = [P, P, P, ctypes.c_int, ctypes.c_int, P]
+    lib.kvq_write_pair.argtypes = [P, P, P] + [ctypes.c_int] * 4 + [P]
     lib.kvq_write_pair.restype = ctypes.c_int
     return None
 
@@ -74,32 +75,55 @@ def why_unavailable() -> str | None:
     return _LIB.why_unavailable()
 
 
-def _kind(store) -> int | None:
-    """The .cu's format kind of a store this write takes, None for any other."""
-    if type(store) is not KernelStore or store.stepper is None:
-        return None  # (a store subclass has its own append rule; no stepper: the old path)
+# The kinds of store pair the write takes, and (VERIFIED) those it takes by default: a kind
+# joins VERIFIED once its GPU tests (suites/tests/test_cuda_step_write.py) passed. KIVI's window
+# row is the fp16 kind into the window buffer; its store's bookkeeping (the flush every G
+# steps, a Triton int launch) is KIVIStore.end_write's: written 2026-12-06, not yet run on a GPU.
+KINDS = ("int", "fp8", "fp16", "kivi")
+VERIFIED = {"int", "fp8", "fp16"}
+
+
+def _kind(store) -> str | None:
+    """The kind of a store this write takes (KINDS), None for any other."""
+    if store.stepper is None:
+        return None  # (no step encoder for its quantizer: the old path)
     fmt = store.format
+    if type(store) is KIVIStore:
+        return "kivi"
+    if type(store) is not KernelStore:
+        return None  # (another store subclass has its own append rule)
     if fmt is int_format.FORMAT:
-        return 0
+        return "int"
     if fmt is fp8_format.FORMAT:
-        return _FP8_KIND.get(store.flat.fmt)
-    return 3 if fmt is fp16_format.FORMAT else None
+        return "fp8"
+    return "fp16" if fmt is fp16_format.FORMAT else None
+
+
+def _cu_kind(store) -> int:
+    """The .cu's format kind: 0 int, 1 / 2 fp8 e4m3 / e5m2, 3 fp16 (values, or a KIVI window)."""
+    kind = _kind(store)
+    return {"int": 0, "fp8": _FP8_KIND.get(getattr(store.flat, "fmt", None), -1)}.get(kind, 3)
 
 
 def takes(spec: str) -> bool:
-    """Whether the write takes caches of this quantizer spec (one-token writes on a CUDA
-    device, head_dim <= 256, as `why_not` checks per write)."""
+    """Whether the write takes caches of this quantizer spec by default (one-token writes on
+    a CUDA device, head_dim <= 256, as `why_not` checks per write)."""
     q = get_quantizer(spec)
     fmt = registry.format_of_quantizer(type(q))
-    return (fmt in (int_format.FORMAT, fp8_format.FORMAT, fp16_format.FORMAT) and fmt.quantizer is type(q)
-            and not getattr(q, "per_channel", False))
+    if fmt is None or fmt.quantizer is not type(q):
+        return False
+    kind = {int_format.FORMAT: "int", fp8_format.FORMAT: "fp8", fp16_format.FORMAT: "fp16",
+            kivi_format.FORMAT: "kivi"}.get(fmt)
+    return kind in VERIFIED and not (kind == "int" and q.per_channel)
 
 
 def why_not(k_store, v_store, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why `write_pair` does not take this write (None: it does, the switch and library aside)."""
     kind = _kind(k_store)
     if kind is None or _kind(v_store) != kind:
-        return "not a pair of naive int (per-token groups), fp8 or fp16 stores"
+        return "not a pair of naive int (per-token groups), fp8, fp16 or KIVI stores"
+    if kind not in VERIFIED:
+        return f"the {kind} write is not verified on a GPU yet (step_write.VERIFIED)"
     if k.device.type != "cuda" or v.device != k.device:
         return "not on a CUDA device"
     if k.shape[2] != 1 or v.shape != k.shape:
@@ -110,59 +134,75 @@ def why_not(k_store, v_store, k: torch.Tensor, v: torch.Tensor) -> str | None:
         return "the head dim is not contiguous"
     if k.shape[3] > 256:
         return f"head_dim {k.shape[3]} > 256"
-    if kind == 0 and (k_store.flat.group != v_store.flat.group or k_store.flat.bits != v_store.flat.bits
-                      or k.shape[3] % k_store.flat.group):
+    if kind == "int" and (k_store.flat.group != v_store.flat.group or k_store.flat.bits != v_store.flat.bits
+                          or k.shape[3] % k_store.flat.group):
         return "K and V int groups differ or do not divide the head dim"
+    if kind == "fp8" and _cu_kind(k_store) != _cu_kind(v_store):
+        return "K and V fp8 formats differ"
     return None
 
 
-def _role(store, x: torch.Tensor, err: torch.Tensor) -> _Role:
-    f, r = store.flat, _Role()
-    c = f.values if isinstance(f, FP16Flat) else f.codes
-    r.c, (r.cb, r.ch, r.ct) = c.data_ptr(), c.stride()[:3]
-    if hasattr(f, "zero"):
-        r.s, r.z, (r.sb, r.sh, r.st) = f.scale.data_ptr(), f.zero.data_ptr(), f.scale.stride()[:3]
-    elif hasattr(f, "scale"):
-        r.hs = f.scale.data_ptr()  # fp8: fp32 [H], as the Triton encoder reads it
-    r.err, (r.xb, r.xh) = err.data_ptr(), x.stride()[:2]
-    return r
-
-
 def _tensors(store) -> tuple:
+    """The tensors a store's plan points into: its token buffers (KIVI: the window)."""
+    if type(store) is KIVIStore:
+        return (store.buffers["residual"].buf,)
     f = store.flat
     return tuple(getattr(f, n) for n in ("values", "codes", "scale", "zero") if hasattr(f, n))
 
 
+def _role(store, x: torch.Tensor, err: torch.Tensor) -> _Role:
+    f, r = store.flat, _Role()
+    c = _tensors(store)[0]  # fp16 values, a KIVI window or codes
+    r.c, (r.cb, r.ch, r.ct) = c.data_ptr(), c.stride()[:3]
+    if _kind(store) == "int":
+        r.s, r.z, (r.sb, r.sh, r.st) = f.scale.data_ptr(), f.zero.data_ptr(), f.scale.stride()[:3]
+    elif _kind(store) == "fp8":
+        r.hs = f.scale.data_ptr()  # fp32 [H], as the Triton encoder reads it
+    r.err, (r.xb, r.xh) = err.data_ptr(), x.stride()[:2]
+    return r
+
+
 def _plan(k_store, v_store, k, v, errors) -> _Plan:
-    ts = _tensors(k_store) + _tensors(v_store) + (errors,)
+    ts = _tensors(k_store) + _tensors(v_store) + (errors.flags,)
     key = (tuple(map(id, ts)), k.dtype, k.shape, k.stride(), v.stride())
     plan = _PLANS.get(key, ts)
     if plan is None:
         f = k_store.flat
-        plan = _Plan(kind=_kind(k_store), xtype=_XTYPE[k.dtype], B=k.shape[0], H=k.shape[1], D=k.shape[3],
-                     bits=getattr(f, "bits", 0), G=getattr(f, "group", 1))
-        plan.role[0], plan.role[1] = _role(k_store, k, errors[0]), _role(v_store, v, errors[1])
+        int_kind = _kind(k_store) == "int"
+        plan = _Plan(kind=_cu_kind(k_store), xtype=_XTYPE[k.dtype], B=k.shape[0], H=k.shape[1], D=k.shape[3],
+                     bits=f.bits if int_kind else 0, G=f.group if int_kind else 1)
+        plan.role[0], plan.role[1] = _role(k_store, k, errors.rows[0]), _role(v_store, v, errors.rows[1])
         _PLANS.put(key, ts, plan)
     return plan
 
 
-def write_pair(k_store, v_store, k: torch.Tensor, v: torch.Tensor, errors: torch.Tensor) -> bool:
-    """The one-token write k, v `[B, H, 1, D]` into the stores in one launch (the rows of the
-    `[2, 4]` flag tensor `errors` take their input errors, as the step encoders'); False
-    (nothing done) when the switch is off, the library unavailable or `why_not` gives a reason."""
-    if not CUDA_WRITE.on or why_not(k_store, v_store, k, v) is not None or _LIB.load() is None:
-        return False
-    t0k, _ = k_store.begin_write(1)
-    t0v, _ = v_store.begin_write(1)
+def _launch(k_store, v_store, k, v, errors, rows: tuple[int, int], tokens: tuple[int, int]) -> None:
+    """The one launch: k, v into rows `rows` of the stores' token axes (KIVI: window rows),
+    flagged as `tokens`. (A CPU test replaces it by the Triton encoders to check the stores'
+    bookkeeping around it: suites/tests/test_cuda_step_write.py.)"""
     plan = _plan(k_store, v_store, k, v, errors)  # (after begin_write: a buffer that grew is a new plan)
     err = on_current_stream(k.get_device(), _LIB.lib.kvq_write_pair, ctypes.addressof(plan), k.data_ptr(),
-                            v.data_ptr(), t0k, t0v)
+                            v.data_ptr(), *rows, *tokens)
     if err:
         raise RuntimeError(f"CUDA cache write launch failed: error {err}")
+
+
+def write_pair(k_store, v_store, k: torch.Tensor, v: torch.Tensor, errors) -> bool:
+    """The one-token write k, v `[B, H, 1, D]` into the stores in one launch (`errors`: the
+    layer's `StepErrors`, whose rows take their input errors as the step encoders' do);
+    False (nothing done) when the switch is off, the library unavailable or `why_not` gives
+    a reason. Each store's `begin_write` makes the room (the row written: KIVI's in its
+    window) before the launch, its `end_write` the bookkeeping after (KIVI's flush)."""
+    if not CUDA_WRITE.on or why_not(k_store, v_store, k, v) is not None or _LIB.load() is None:
+        return False
+    rk, _ = k_store.begin_write(1)
+    rv, _ = v_store.begin_write(1)
+    tk, tv = k_store.tokens, v_store.tokens
+    _launch(k_store, v_store, k, v, errors, (rk, rv), (tk, tv))
     LAUNCHES[0] += 1
-    k_store.end_write(t0k + 1)
-    v_store.end_write(t0v + 1)
+    k_store.end_write(tk + 1, errors.rows[0])
+    v_store.end_write(tv + 1, errors.rows[1])
     return True
 
 
-__all__ = ["CUDA_WRITE", "SOURCE", "takes", "why_not", "why_unavailable", "write_pair"]
+__all__ = ["CUDA_WRITE", "KINDS", "VERIFIED", "SOURCE", "takes", "why_not", "why_unavailable", "write_pair"]

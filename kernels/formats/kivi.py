@@ -209,17 +209,34 @@ class KIVIStore(KernelStore):
         self.format.step(self, x, errors, self.tokens)
 
     def _step_window(self, x: torch.Tensor, errors: torch.Tensor) -> None:
-        f, res = self.flat, self.buffers["residual"]
+        n, _ = self.begin_write(1)
+        step_encode.kivi_window(x, self.buffers["residual"].buf, n, errors, self.tokens)
+        self.end_write(self.tokens + 1, errors)
+
+    def begin_write(self, t: int) -> tuple[int, dict]:
+        """A one-token window step's room (KernelStore.begin_write's contract): the window
+        row it is written at (the token is `tokens`); `end_write` then flushes if it filled
+        the window. (kernels/cuda/step_write.py writes both roles' rows in one launch.)"""
+        if t != 1:
+            raise ValueError("a KIVI window step writes one token (more: _step_tokens)")
+        if self._run_start is None:
+            self._run_start = self._run_position()
+        res = self.buffers["residual"]
         n = res.length
         res.extend(n + 1)
-        step_encode.kivi_window(x, res.buf, n, errors, self.tokens)
-        res.length = n + 1
+        return n, {}
+
+    def end_write(self, end: int, errors: torch.Tensor | None = None) -> None:
+        """After the window row's launch: the flush (and shift) when the token filled the
+        window, the flat's window and the token count (`end`: tokens + 1)."""
+        f, res = self.flat, self.buffers["residual"]
+        res.length += 1
         done = f.n_groups * f.group
-        flush = self.stepper.quantized_tokens(done + n + 1) - done
+        flush = self.stepper.quantized_tokens(done + res.length) - done
         if flush:
             self._flush(flush, errors)
         f.residual, f.n_res = res.buf, res.length
-        self.tokens += 1
+        self.tokens = end
 
     def _flush(self, n: int, errors: torch.Tensor) -> None:
         """Quantize the window's first n tokens (whole groups) as KIVI's `append_windowed`

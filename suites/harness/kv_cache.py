@@ -385,7 +385,7 @@ class QuantizedLayer(DynamicLayer):
                 return False
         if self.errors.poll():
             self.errors.check(self.layer_idx)
-        if not step_write.write_pair(self.stores["K"], self.stores["V"], k, v, self.errors.flags):
+        if not step_write.write_pair(self.stores["K"], self.stores["V"], k, v, self.errors):
             self.stores["K"].step(k, self.errors.rows[0])  # (one launch per role: the format's encoder)
             self.stores["V"].step(v, self.errors.rows[1])
         self.tokens += 1
