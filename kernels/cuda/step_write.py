@@ -15,7 +15,8 @@ Triton encoders: a CUDA graph replays a launch without its host cost.
 done: the stores' own step encoders serve the write) when the switch is off, the library is
 unavailable, or the stores are not a pair it takes (`why_not`). THE SWITCH `CUDA_WRITE`: on by
 default since its GPU tests passed (H100, 2026-12-06: test_cuda_step_write.py, and the step,
-cache, generate and graph suites with it on); `KVQBENCH_CUDA_WRITE=0` turns it off for a process.
+cache, generate and graph suites with it on); `KVQBENCH_CUDA_WRITE=0` turns it off for a process,
+`KVQBENCH_CUDA_WRITE=all` adds the kinds not yet verified on a GPU (KIVI's window row).
 Measured there (reports/latency/host_write_h100_2026-12-06b.txt, one layer's write, T = 4096):
 int4 69 -> 21 us, fp8 52-56 -> 19, fp16 47-48 -> 19-22, DynamicCache 15-17; eager
 `generate` of SmolLM2-135M's shape at batch 1 went from 0.66-0.88x DynamicCache to 0.83-1.05x
@@ -81,6 +82,8 @@ def why_unavailable() -> str | None:
 # steps, a Triton int launch) is KIVIStore.end_write's: written 2026-12-06, not yet run on a GPU.
 KINDS = ("int", "fp8", "fp16", "kivi")
 VERIFIED = {"int", "fp8", "fp16"}
+if os.environ.get("KVQBENCH_CUDA_WRITE", "").strip() == "all":  # (a GPU run of the kinds not yet verified)
+    VERIFIED = set(KINDS)
 
 
 def _kind(store) -> str | None:
