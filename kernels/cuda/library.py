@@ -290,18 +290,16 @@ class FusedCombine(Switch):
     default: its GPU tests passed (H100, 2026-12-06: every fused call bit-equal to the
     unfused one) but it loses on GPU time: the last CTA merges a whole kv head's rows alone.
     Graphed, B=1, T=32k (reports/latency/fused_combine_h100_2026-12-06/): int4 31.9 -> 38.9
-    us, fp8 42.0 -> 49.3, HQMQ 32.8 -> 39.7; B=8: int4, fp8, KIVI 2-3% slower, HQMQ 1% faster; for 1-2 us less host time per
-    eager call (host_time_h100_2026-12-06c.txt: int4 / fp8 19.2-19.3 vs 19.9-26.8).
-    `KVQBENCH_FUSED_COMBINE=1` turns it on for a process. Read at every launch (no plan holds it), so `on` may be set in a run;
+    us, fp8 42.0 -> 49.3, HQMQ 32.8 -> 39.7; B=8: int4, fp8, KIVI 2-3% slower, HQMQ 1% faster;
+    for 1-2 us less host time per eager call (host_time_h100_2026-12-06c.txt, B=8: int4
+    20.5 -> 19.2 us, fp8 20.6 -> 19.2). `KVQBENCH_FUSED_COMBINE=1` turns it on for a
+    process. Read at every launch (no plan holds it), so `on` may be set in a run;
     `mode()` names what runs now, for a benchmark to record. The fused kernels are another
     build of each .cu (FUSED_DEFINE; built at the first fused call), so the default
     library, its kernels and its build time stay as they were. Plans are shared: the same
     struct, the same splits. Each call's counters (B * Hkv int32) sit beside its partials:
     in its workspace (`workspace_counters`) or the scratch buffer of its stream and thread
     (`fresh_partials`), zeroed when allocated and left at zero by every launch."""
-
-    def __init__(self, on: bool = False):
-        super().__init__(on)
 
     def mode(self) -> str:
         return "fused" if self.on else "split+combine"

@@ -86,20 +86,18 @@ if os.environ.get("KVQBENCH_CUDA_WRITE", "").strip() == "all":  # (a GPU run of 
     VERIFIED = set(KINDS)
 
 
+_KIND_OF_FORMAT = {int_format.FORMAT: "int", fp8_format.FORMAT: "fp8", fp16_format.FORMAT: "fp16",
+                   kivi_format.FORMAT: "kivi"}
+
+
 def _kind(store) -> str | None:
-    """The kind of a store this write takes (KINDS), None for any other."""
-    if store.stepper is None:
-        return None  # (no step encoder for its quantizer: the old path)
+    """The kind of a store this write takes (KINDS), None for any other: a store of one of
+    these formats, of the format's own store class (a subclass has its own append rule), with
+    a step encoder (none: the old path serves its writes)."""
     fmt = store.format
-    if type(store) is KIVIStore:
-        return "kivi"
-    if type(store) is not KernelStore:
-        return None  # (another store subclass has its own append rule)
-    if fmt is int_format.FORMAT:
-        return "int"
-    if fmt is fp8_format.FORMAT:
-        return "fp8"
-    return "fp16" if fmt is fp16_format.FORMAT else None
+    if store.stepper is None or type(store) is not (fmt.store or KernelStore):
+        return None
+    return _KIND_OF_FORMAT.get(fmt)
 
 
 def _cu_kind(store) -> int:
@@ -115,8 +113,7 @@ def takes(spec: str) -> bool:
     fmt = registry.format_of_quantizer(type(q))
     if fmt is None or fmt.quantizer is not type(q):
         return False
-    kind = {int_format.FORMAT: "int", fp8_format.FORMAT: "fp8", fp16_format.FORMAT: "fp16",
-            kivi_format.FORMAT: "kivi"}.get(fmt)
+    kind = _KIND_OF_FORMAT.get(fmt)
     return kind in VERIFIED and not (kind == "int" and q.per_channel)
 
 
@@ -154,12 +151,12 @@ def _tensors(store) -> tuple:
 
 
 def _role(store, x: torch.Tensor, err: torch.Tensor) -> _Role:
-    f, r = store.flat, _Role()
+    f, r, kind = store.flat, _Role(), _kind(store)
     c = _tensors(store)[0]  # fp16 values, a KIVI window or codes
     r.c, (r.cb, r.ch, r.ct) = c.data_ptr(), c.stride()[:3]
-    if _kind(store) == "int":
+    if kind == "int":
         r.s, r.z, (r.sb, r.sh, r.st) = f.scale.data_ptr(), f.zero.data_ptr(), f.scale.stride()[:3]
-    elif _kind(store) == "fp8":
+    elif kind == "fp8":
         r.hs = f.scale.data_ptr()  # fp32 [H], as the Triton encoder reads it
     r.err, (r.xb, r.xh) = err.data_ptr(), x.stride()[:2]
     return r

@@ -358,7 +358,9 @@ def main(argv=None) -> int:
 
     # One untimed pass over every format first: on an H100 (2026-12-06) the first format
     # timed (int4) read 7 us above an earlier run in every column while the others matched
-    # it; a process's first seconds (clocks, lazy loading, allocator growth) go here instead
+    # it; a process's first seconds (clocks, lazy loading, allocator growth) go here instead.
+    # Not enough: the next run (host_time_h100_2026-12-06c.txt) still read its first cell
+    # (int4, B=1, fixed T) at 26.8 us against 20.5-21.7 in int4's other columns
     for d in a.d:
         for f in a.formats:
             for mode in modes:  # (the fused build loaded here too: fused_combine(True))
