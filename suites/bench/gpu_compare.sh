@@ -25,6 +25,13 @@
 # the wheels of lm-eval and every requirement the image lacks (suites/bench/gpu_wheels.py,
 # Python 3.12, ~13 MiB) in .gpul/; a call that carries .gpul stages them, and every call
 # after it installs them.
+# FlashInfer (the latency suite's peer rows, issue 28): `prep-flashinfer` here puts its wheel
+# (pure Python, 101 MB: its kernels are compiled on the machine at first use, by the image's
+# nvcc and ninja) in 40 MiB parts under .gpuf/NN/, with apache-tvm-ffi (its one import the
+# image lacks; the others it imports at start -- pynvml, einops, tabulate -- are there) beside
+# the last part. Carry one part per call (`stage`); once all are there every call installs it,
+# and `py ARGS...` runs $PY ARGS with it, e.g. `py -m kvqbench.suites.bench.latency ...`.
+FLASHINFER_PIN="flashinfer-python==0.7.4 apache-tvm-ffi==0.1.15.post2"
 set -u
 STAGE=${KVQ_STAGE:-/tmp/kvq_stage}
 C=${KVQBENCH_CACHE:-$HOME/.cache/kvqbench}
@@ -36,12 +43,31 @@ stage_parts() {  # what this call carries: the wheel and corpus (.gpu/), model p
     [ -f "$d/parts" ] || continue
     m=$(basename "$(dirname "$d")"); mkdir -p $STAGE/$m && cp $d/part_* $d/parts $d/name $STAGE/$m/
   done
+  for d in .gpuf/[0-9]*; do  # FlashInfer's wheel in parts, apache-tvm-ffi's beside the last
+    [ -f "$d/parts" ] && mkdir -p $STAGE/flashinfer && cp $d/part_* $d/parts $d/name $STAGE/flashinfer/ \
+      && { cp $d/*.whl $STAGE/flashinfer/ 2>/dev/null; true; }
+  done
   for m in $STAGE/*/; do
     [ -f $m/parts ] || continue
     n=$(ls $m/part_* | wc -l); echo "$(basename $m): $n of $(cat $m/parts) parts staged"
-    [ "$n" = "$(cat $m/parts)" ] && [ ! -f $C/downloads/$(cat $m/name) ] && cat $m/part_* > $C/downloads/$(cat $m/name)
+    [ "$n" = "$(cat $m/parts)" ] || continue
+    if [ "$(basename $m)" = flashinfer ]; then  # a wheel to install, not a model
+      [ -f $m/$(cat $m/name) ] || cat $m/part_* > $m/$(cat $m/name)
+    elif [ ! -f $C/downloads/$(cat $m/name) ]; then
+      cat $m/part_* > $C/downloads/$(cat $m/name)
+    fi
   done
   return 0
+}
+install_flashinfer() {  # FlashInfer into /tmp/site once all its parts are staged (after gpu_env.sh)
+  local w=$STAGE/flashinfer
+  [ -f $w/name ] && [ -f $w/$(cat $w/name) ] || { echo "FlashInfer: not all of .gpuf/NN staged (its rows will say so)"; return 0; }
+  if [ ! -f /tmp/site/.flashinfer_installed ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $w/*.whl \
+      && touch /tmp/site/.flashinfer_installed
+  fi
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  $PY -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
 }
 place_models() {  # the environment, the gguf reader, the corpus and every model whose parts are all staged
   stage_parts
@@ -88,6 +114,20 @@ lm-eval)  # `lm-eval ARGS...`: kvqbench-lm-eval, lm-eval's wheels staged by a ca
   place_models; shift
   [ -f /tmp/site/.lm_eval_installed ] || { echo "lm-eval is not staged: carry .gpul (prep-lm-eval) in a call first"; exit 2; }
   $PY -m kvqbench.suites.lm_eval.cli "$@" ;;
+py)  # `py ARGS...`: $PY ARGS with FlashInfer installed where .gpuf's parts are all staged (no models placed)
+  stage_parts; source "$(dirname "$0")/gpu_env.sh"; export PYTHONUNBUFFERED=1; install_flashinfer; shift
+  $PY "$@" ;;
+prep-flashinfer)  # on the CPU machine: .gpuf/NN/, FlashInfer's wheel for the image in parts (see the top)
+  w=/tmp/kvq_prep_flashinfer; rm -rf .gpuf $w && mkdir -p $w/extra || exit 1
+  ${PYTHON:-.venv/bin/python} -m pip download -q --no-deps -d $w ${FLASHINFER_PIN%% *} || exit 1
+  ${PYTHON:-.venv/bin/python} -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --platform manylinux_2_28_x86_64 -d $w/extra ${FLASHINFER_PIN#* } || exit 1
+  whl=$(ls $w/flashinfer_python-*.whl) && (cd $w && split -b 40M -d -a 2 "$(basename $whl)" part_) || exit 1
+  n=$(ls $w/part_* | wc -l)
+  for f in $w/part_*; do
+    d=.gpuf/${f##*part_}; mkdir -p $d && mv $f $d/ && echo $n > $d/parts && basename $whl > $d/name
+  done
+  mv $w/extra/*.whl $d/ && rm -rf $w && echo "$n parts in .gpuf/ (carry one folder per call)" && du -sh .gpuf/* ;;
 prep-lm-eval)  # on the CPU machine: .gpul/, lm-eval's wheels for the image (see the top)
   rm -rf .gpul && ${PYTHON:-.venv/bin/python} suites/bench/gpu_wheels.py lm_eval pytz --out .gpul || exit 1
   du -sh .gpul ;;
@@ -134,5 +174,5 @@ time|time-ahead|record)
   cp $C/triton_ahead/*.json "$OUT/" 2>/dev/null; ls $C/triton_ahead 2>/dev/null
   for f in kernels/triton_ahead/*.json; do [ -f "$f" ] && cp "$f" "$OUT/shipped_$(basename $f)"; done
   echo "all done at $(( $(date +%s) - t0 )) s" ;;
-*) echo "usage: $0 prep [MODEL] | prep-lm-eval | stage | compare ARGS... | lm-eval ARGS... | time [seconds] | time-ahead [seconds per run] | record [seconds]"; exit 2 ;;
+*) echo "usage: $0 prep [MODEL] | prep-lm-eval | prep-flashinfer | stage | py ARGS... | compare ARGS... | lm-eval ARGS... | time [seconds] | time-ahead [seconds per run] | record [seconds]"; exit 2 ;;
 esac

@@ -64,7 +64,7 @@ def test_report_schema_and_files(one_shape_run):
     # the CUDA rows and the B=1 graph replays: reported as not run, with the reason, never a number
     skipped = {r["method"]: r["skipped"] for r in res["latency"] if "skipped" in r}
     want = ({f"{m}-cuda" for m in FUSED_SPECS} | {f"{m}-graph" for m in ["fp16-sdpa", *FUSED_SPECS, *triton]}
-            | {"flashinfer-fp16", "flashinfer-fp8"})  # FlashInfer's peer rows: a GPU's, where it is installed
+            | {"flashinfer-fp16", "flashinfer-fp8", "flashinfer-fp16-tc", "flashinfer-fp8-tc"})  # FlashInfer's peer rows: a GPU's, where it is installed
     assert set(skipped) == want
     assert all(why.startswith("not run here: ") for why in skipped.values())
     assert skipped["fused-int4-cuda"] == "not run here: torch has no CUDA device"
@@ -321,9 +321,12 @@ def test_flashinfer_rows_page_the_same_kv_the_sdpa_row_reads():
 
     from kvqbench.suites.bench.latency import methods as M
 
+    made = []
+
     class Wrapper:  # BatchDecodeWithPagedKVCacheWrapper's plan / run, in torch
-        def __init__(self, workspace, layout):
+        def __init__(self, workspace, layout, use_tensor_cores=False):
             assert layout == "HND" and workspace.dtype == torch.uint8
+            made.append(use_tensor_cores)
 
         def plan(self, indptr, indices, last_len, hq, hkv, d, page, pos_encoding_mode, q_data_type, kv_data_type):
             self.args = (indptr, indices, last_len, hq, hkv, d, page)
@@ -349,6 +352,10 @@ def test_flashinfer_rows_page_the_same_kv_the_sdpa_row_reads():
     got = M.flashinfer_callable(q, k, v, torch.float16, flashinfer=fake)()
     assert got.shape == ref.shape and torch.allclose(got.float(), ref, atol=2e-3)
     swapped = M.flashinfer_callable(q, k.flip(0), v.flip(0), torch.float16, flashinfer=fake)()  # rows kept apart
+    assert not torch.allclose(swapped.float(), ref, atol=2e-3)
+    assert made == [False, False]
+    M.flashinfer_callable(q, k, v, torch.float16, True, flashinfer=fake)
+    assert made[-1] is True  # the -tc rows ask for FlashInfer's tensor-core kernel
     assert not torch.allclose(swapped.float(), ref, atol=2e-3)
     assert M.flashinfer_refusal(1, 48) is not None  # no GPU here: the reason, never a number
 

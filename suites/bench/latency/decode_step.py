@@ -30,7 +30,7 @@ from ..toolkit import (DEVICE, GPU, HOST_US_CALLS, LAUNCH_ERRORS, describe_error
                        timeit_us)
 from .caches import EncodedCache, tiled
 from .config import DEFAULT_LAUNCH, LatencyConfig
-from .methods import (FLASHINFER_KV, FLASHINFER_PAGE, auto_backend, cuda_refusal, fake_quant_callable,
+from .methods import (FLASHINFER_PAGE, FLASHINFER_ROWS, auto_backend, cuda_refusal, fake_quant_callable,
                       flashinfer_callable, flashinfer_refusal, fused_callable, run_sdpa, sdpa_callable,
                       shipped_callable)
 from .tuning import greedy_tune, launch_stages
@@ -119,7 +119,7 @@ def _fp16_sdpa(cfg: LatencyConfig, q, out: _Rows, qo_bytes: int):
     B, T = out.B, out.T
     kv16 = 2 * B * cfg.hkv * T * cfg.d * 2
     if kv16 > cfg.fp16_max_bytes:
-        for method in ("fp16-sdpa", *FLASHINFER_KV):
+        for method in ("fp16-sdpa", *FLASHINFER_ROWS):
             out.skipped(method, "fp16 K/V over the memory cap")
         return
     try:
@@ -140,12 +140,12 @@ def _flashinfer(cfg: LatencyConfig, q, k16, v16, out: _Rows, kv16: int, qo_bytes
     """FlashInfer's decode over the fp16 row's K/V, as fp16 and as fp8 (methods.py), each
     checked against SDPA over the same values (`rel_err_vs_sdpa`)."""
     why = flashinfer_refusal(out.B, out.T)
-    for method, kv_dtype in FLASHINFER_KV.items():
+    for method, (kv_dtype, tensor_cores) in FLASHINFER_ROWS.items():
         if why:
             out.skipped(method, why)
             continue
         try:
-            fn = flashinfer_callable(q, k16, v16, kv_dtype)
+            fn = flashinfer_callable(q, k16, v16, kv_dtype, tensor_cores)
         except ROW_ERRORS as e:  # its JIT build, its plan
             out.failed(method, e)
             continue
@@ -154,7 +154,8 @@ def _flashinfer(cfg: LatencyConfig, q, k16, v16, out: _Rows, kv16: int, qo_bytes
         def check(fn, kv_dtype=kv_dtype):
             ref = run_sdpa(q, k16.to(kv_dtype).half(), v16.to(kv_dtype).half(), "default").float()
             return {"rel_err_vs_sdpa": float((fn().float() - ref).norm() / ref.norm())}
-        note = f"FlashInfer batch decode, paged {kv_dtype} K/V, {FLASHINFER_PAGE}-token pages"
+        note = (f"FlashInfer batch decode ({'tensor' if tensor_cores else 'CUDA'}-core kernel), paged {kv_dtype} K/V, "
+                f"{FLASHINFER_PAGE}-token pages")
         _timed(out, method, fn, nbytes, {"backend": "flashinfer", "note": note}, graphed(cfg, out.B, out.T), check)
 
 

@@ -12,7 +12,7 @@
   route does not take it although it could run (Med3x behind hqmq_decode.AUTO_MED3);
 - `fake-quant`: what the public benchmark compared against: the whole packed
   HQMQ cache decoded to fp16 by the quantizer's torch decode, then the same SDPA;
-- `flashinfer-fp16`, `flashinfer-fp8`: FlashInfer's batch decode over paged fp16 / fp8
+- `flashinfer-fp16`, `flashinfer-fp8` (and `-tc`: its tensor-core kernel): FlashInfer's batch decode over paged fp16 / fp8
   K/V, the kernel serving engines ship, as a peer row where flashinfer is installed
   (skipped with the reason elsewhere).
 
@@ -129,7 +129,12 @@ def fake_quant_callable(q, cache: EncodedCache, kf, vf):
 # as the fp16 SDPA row's [B, Hkv, T, d] (the paging is a copy made before timing).
 # ---------------------------------------------------------------------------------------
 FLASHINFER_PAGE = 16
-FLASHINFER_KV = {"flashinfer-fp16": torch.float16, "flashinfer-fp8": torch.float8_e4m3fn}
+# row -> (K/V dtype, use_tensor_cores): FlashInfer's decode has two kernels, CUDA-core and
+# tensor-core (its prefill kernel on one query row; vLLM picks it for larger GQA groups),
+# and which is faster depends on the group and the card: both are timed, the peer is the
+# faster one of each dtype
+FLASHINFER_ROWS = {"flashinfer-fp16": (torch.float16, False), "flashinfer-fp16-tc": (torch.float16, True),
+                   "flashinfer-fp8": (torch.float8_e4m3fn, False), "flashinfer-fp8-tc": (torch.float8_e4m3fn, True)}
 
 
 def flashinfer_refusal(B: int, T: int) -> str | None:
@@ -160,16 +165,17 @@ def page_table(B: int, T: int, device, page: int = FLASHINFER_PAGE):
     return indptr, indices, torch.full((B,), page, dtype=torch.int32, device=device)
 
 
-def flashinfer_callable(q, k16, v16, kv_dtype, flashinfer=None):
+def flashinfer_callable(q, k16, v16, kv_dtype, tensor_cores: bool = False, flashinfer=None):
     """FlashInfer's BatchDecodeWithPagedKVCacheWrapper over k16 / v16 ([B, Hkv, T, d]) held
     as `kv_dtype` (fp16, or e4m3 with unit scales, as vLLM's fp8 cache without scales),
-    planned once; the call is `run` alone. `flashinfer`: the module (tests pass a stand-in)."""
+    with its tensor-core kernel or not, planned once; the call is `run` alone.
+    `flashinfer`: the module (tests pass a stand-in)."""
     if flashinfer is None:
         import flashinfer
     B, Hkv, T, d = k16.shape
     kp, vp = paged(k16).to(kv_dtype), paged(v16).to(kv_dtype)
     workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=q.device)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", use_tensor_cores=tensor_cores)
     wrapper.plan(*page_table(B, T, q.device), q.shape[1], Hkv, d, FLASHINFER_PAGE, pos_encoding_mode="NONE",
                  q_data_type=q.dtype, kv_data_type=kv_dtype)
     q3 = q.reshape(B, q.shape[1], d)
