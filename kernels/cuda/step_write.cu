@@ -1,10 +1,12 @@
-// One eager decode step's cache write, K and V in ONE launch, for the formats whose step
-// encoders are simple (kernels/cuda/step_write.py says which and why): naive int (per-token
-// groups along the head dim), fp8 (a per-kv-head scale), the engine's fp16 store, and KIVI's
-// fp16 window row (its flushes, every G steps, stay the Triton int launch).
+// One eager decode step's cache write, K and V in ONE launch (kernels/cuda/step_write.py says
+// which formats and why): naive int (per-token groups along the head dim), fp8 (a per-kv-head
+// scale), the engine's fp16 store, KIVI's fp16 window row (its flushes, every G steps, stay the
+// Triton int launch) and HQMQ without Med3x (the O(S) direction search of each chunk).
 // The bytes are those of kernels/step_encode.py's Triton encoders (`int_rows`, `fp8_tokens`,
-// `fp16_tokens`, `kivi_window`), which follow torch op by op: built WITHOUT --use_fast_math and with
-// -fmad=false (library.py EXACT_FLAGS), IEEE division (__fdiv_rn), round half to even.
+// `fp16_tokens`, `kivi_window`) and kernels/hqmq_encode.py's `_hqmq_kernel`, which follow torch
+// op by op: built WITHOUT --use_fast_math and with -fmad=false (library.py EXACT_FLAGS), IEEE
+// division (__fdiv_rn), round half to even; HQMQ's sums and products spelled as __fadd_rn /
+// __fmul_rn in the Triton kernel's order.
 // Errors as theirs: bits in the role's flag row (1 NaN/Inf, 2 beyond fp16), the first bad
 // token (atomicMin), the count of bad values.
 //
@@ -19,6 +21,7 @@
 namespace {
 
 constexpr int MAX_D = 256;
+constexpr int MAX_S = 256;  // HQMQ secondaries a row's search reads from shared memory (4 KB)
 
 // One role's destination (every stride in elements of its field; x's in elements of x)
 struct WriteRole {
@@ -30,10 +33,17 @@ struct WriteRole {
   long long cb, ch, ct;  // codes / values strides
   long long sb, sh, st;  // scale / zero strides
   long long xb, xh;      // x strides (x's last dim contiguous)
+  // HQMQ (kind 4; c: its code rows): radius codes [B, H, Tcap, RB] bytes, r_max [B, H, Tcap] fp16
+  // bits, the normalised secondaries [H, S, 4] fp32 (16-byte aligned), their strides
+  uint8_t* rad;
+  uint16_t* rmax;
+  const float* sec;
+  long long rxb, rxh, rxt, mxb, mxh, mxt;
+  long long S, cbits, rbits;  // secondaries, code bits, radius bits (uniform levels)
 };
 
 struct WritePlan {
-  long long kind;   // 0 int, 1 fp8 e4m3, 2 fp8 e5m2, 3 fp16
+  long long kind;   // 0 int, 1 fp8 e4m3, 2 fp8 e5m2, 3 fp16, 4 HQMQ
   long long xtype;  // 0 fp16, 1 bf16, 2 fp32
   long long B, H, D, bits, G;
   WriteRole role[2];
@@ -71,10 +81,116 @@ __device__ __forceinline__ uint8_t fp8_code(float y, int M, int EMIN, float MAXV
   return (uint8_t)code;
 }
 
+// bytes [0, (n * BITS + 7) / 8) of the BITS-bit values v[0..n) (0 <= v < 2^BITS), LSB first
+// (quantizers/packing.py; step_encode `pack_row`): byte j gathers every value overlapping it
+__device__ void pack_bits(const int* v, int n, int BITS, uint8_t* dst, int lane) {
+  const int NB = (n * BITS + 7) / 8;
+  for (int j = lane; j < NB; j += 32) {
+    int acc = 0;
+    const int i1 = min((8 * j + 7) / BITS, n - 1);
+    for (int i = (8 * j) / BITS; i <= i1; ++i) {
+      const int sh = i * BITS - 8 * j;
+      acc |= (sh >= 0 ? v[i] << sh : v[i] >> -sh) & 0xFF;
+    }
+    dst[j] = (uint8_t)acc;
+  }
+}
+
+// ---- HQMQ (hqmq_encode.py `_hqmq_kernel` / `best_codes`, no Med3x, uniform radius levels) ----
+__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float sub(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
+
+// v = u * conj(s) (triton/common.py `hamilton`, its term order)
+__device__ __forceinline__ void times_conj(const float (&u)[4], float4 s, float (&v)[4]) {
+  const float b0 = s.x, b1 = -s.y, b2 = -s.z, b3 = -s.w;
+  v[0] = sub(sub(sub(mul(u[0], b0), mul(u[1], b1)), mul(u[2], b2)), mul(u[3], b3));
+  v[1] = sub(add(add(mul(u[0], b1), mul(u[1], b0)), mul(u[2], b3)), mul(u[3], b2));
+  v[2] = add(add(sub(mul(u[0], b2), mul(u[1], b3)), mul(u[2], b0)), mul(u[3], b1));
+  v[3] = add(sub(add(mul(u[0], b3), mul(u[1], b2)), mul(u[2], b1)), mul(u[3], b0));
+}
+
+// sum |v_i| / 2, summed left to right
+__device__ __forceinline__ float half_score(const float (&a)[4]) { return mul(add(add(add(a[0], a[1]), a[2]), a[3]), 0.5f); }
+
+// code p * S + s of the unit chunk u: the first secondary s of the best score max(max |v_i|,
+// sum |v_i| / 2) over v = u conj(s), then p = nearest_hurwitz(v) (ties to the axis element,
+// the lowest axis)
+__device__ int best_code(const float (&u)[4], const float4* sec, int S) {
+  float best = -1.0f;
+  int bi = 0;
+  float v[4], a[4];
+  for (int s = 0; s < S; ++s) {
+    times_conj(u, sec[s], v);
+    for (int i = 0; i < 4; ++i) a[i] = fabsf(v[i]);
+    const float score = fmaxf(fmaxf(fmaxf(a[0], a[1]), fmaxf(a[2], a[3])), half_score(a));
+    if (score > best) {
+      best = score;
+      bi = s;
+    }
+  }
+  times_conj(u, sec[bi], v);
+  for (int i = 0; i < 4; ++i) a[i] = fabsf(v[i]);
+  float ax_s = a[0], ax_v = v[0];
+  int ax = 0;
+  for (int i = 1; i < 4; ++i) {
+    if (a[i] > ax_s) {
+      ax = i;
+      ax_v = v[i];
+    }
+    ax_s = fmaxf(ax_s, a[i]);
+  }
+  const int axis_idx = 2 * ax + (ax_v < 0.0f);
+  const int half_idx = 8 + (v[0] < 0.0f) + 2 * (v[1] < 0.0f) + 4 * (v[2] < 0.0f) + 8 * (v[3] < 0.0f);
+  return (half_score(a) > ax_s ? half_idx : axis_idx) * S + bi;
+}
+
+// one HQMQ token row: lane l takes chunks l, l + 32; code and radius codes into the shared
+// arrays, r_max by a warp max; returns the error bits (2: r_max beyond fp16)
+__device__ int hqmq_row(const WriteRole& w, const float* xs, int D, long long b, long long h, long long t, int lane,
+                        int* codes, int* rq, float4* sec) {
+  const int S = (int)w.S, NC = D / 4, L = (1 << (int)w.rbits) - 1;
+  for (int s = lane; s < S; s += 32) sec[s] = reinterpret_cast<const float4*>(w.sec)[h * S + s];
+  __syncwarp();
+  float r[2] = {0.0f, 0.0f};
+  float r_max = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int c = lane + 32 * k;
+    if (c >= NC) continue;
+    const float* x = xs + 4 * c;
+    r[k] = __fsqrt_rn(add(add(add(mul(x[0], x[0]), mul(x[1], x[1])), mul(x[2], x[2])), mul(x[3], x[3])));
+    const bool pos = r[k] > 0.0f;
+    const float u[4] = {pos ? __fdiv_rn(x[0], r[k]) : 1.0f, pos ? __fdiv_rn(x[1], r[k]) : 0.0f,
+                        pos ? __fdiv_rn(x[2], r[k]) : 0.0f, pos ? __fdiv_rn(x[3], r[k]) : 0.0f};
+    codes[c] = best_code(u, sec, S);
+    r_max = fmaxf(r_max, r[k]);
+  }
+  for (int o = 16; o > 0; o >>= 1) r_max = fmaxf(r_max, __shfl_xor_sync(0xffffffffu, r_max, o));
+  const __half rm16 = __float2half_rn(r_max);
+  const float rm = __half2float(rm16);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int c = lane + 32 * k;
+    if (c >= NC) continue;
+    const float y = mul(__fdiv_rn(r[k], rm > 0.0f ? rm : 1.0f), (float)L);
+    const float q = fminf(fmaxf(sub(add(y, 12582912.0f), 12582912.0f), 0.0f), (float)L);  // step_encode `rne`
+    rq[c] = (int)q;
+    if (rq[c] == 0) codes[c] = 0;  // a chunk that decodes to zero stores code 0
+  }
+  __syncwarp();
+  pack_bits(codes, NC, (int)w.cbits, w.c + b * w.cb + h * w.ch + t * w.ct, lane);
+  pack_bits(rq, NC, (int)w.rbits, w.rad + b * w.rxb + h * w.rxh + t * w.rxt, lane);
+  if (lane == 0) w.rmax[b * w.mxb + h * w.mxh + t * w.mxt] = __half_as_ushort(rm16);
+  return r_max > 65504.0f ? 2 : 0;
+}
+
 __global__ void write_kernel(WritePlan p, const void* xk, const void* xv, int rowk, int rowv, int tokk, int tokv) {
   __shared__ float xs[MAX_D];
   __shared__ int qs[MAX_D];
   __shared__ float gs[MAX_D], gz[MAX_D];  // int: each group's scale and zero (fp16 values)
+  __shared__ int rs[MAX_D / 4];           // HQMQ: radius codes (qs: the direction codes)
+  __shared__ float4 ss[MAX_S];            // HQMQ: the kv head's secondaries
   const int lane = threadIdx.x;
   const int bh = blockIdx.x, r = blockIdx.y;
   const long long b = bh / p.H, h = bh % p.H;
@@ -121,22 +237,15 @@ __global__ void write_kernel(WritePlan p, const void* xk, const void* xv, int ro
       qs[e] = (int)q;
     }
     __syncwarp();
-    const int NB = (D * BITS + 7) / 8;
-    for (int j = lane; j < NB; j += 32) {  // byte j: the bits of every value overlapping it
-      int acc = 0;
-      const int i1 = min((8 * j + 7) / BITS, D - 1);
-      for (int i = (8 * j) / BITS; i <= i1; ++i) {
-        const int sh = i * BITS - 8 * j;
-        acc |= (sh >= 0 ? qs[i] << sh : qs[i] >> -sh) & 0xFF;
-      }
-      w.c[co + j] = (uint8_t)acc;
-    }
+    pack_bits(qs, D, BITS, w.c + co, lane);
     bits = __any_sync(0xffffffffu, over) ? 2 : 0;
   } else if (p.kind <= 2) {  // fp8: step_encode `_fp8_kernel`
     const int M = p.kind == 1 ? 3 : 2, EMIN = p.kind == 1 ? -6 : -14;
     const float MAXV = p.kind == 1 ? 448.0f : 57344.0f;
     const float scale = w.hs[h];
     for (int e = lane; e < D; e += 32) w.c[co + e] = fp8_code(__fdiv_rn(xs[e], scale), M, EMIN, MAXV);
+  } else if (p.kind == 4) {  // HQMQ: hqmq_encode `_hqmq_kernel`
+    bits = hqmq_row(w, xs, D, b, h, t, lane, qs, rs, ss);
   } else {  // fp16: step_encode `_fp16_kernel`
     bool over = false;
     uint16_t* vals = reinterpret_cast<uint16_t*>(w.c);
@@ -164,6 +273,11 @@ extern "C" int kvq_write_pair(const void* plan, const void* xk, const void* xv, 
                               int tokv, void* stream) {
   const WritePlan* p = static_cast<const WritePlan*>(plan);
   if (p->D < 1 || p->D > MAX_D || (p->kind == 0 && (p->G < 1 || p->D % p->G))) return (int)cudaErrorInvalidValue;
+  for (int r = 0; r < 2 && p->kind == 4; ++r) {
+    const WriteRole& w = p->role[r];
+    if (p->D % 4 || w.S < 1 || w.S > MAX_S || w.cbits < 1 || w.cbits > 16 || w.rbits < 1 || w.rbits > 8)
+      return (int)cudaErrorInvalidValue;
+  }
   write_kernel<<<dim3((unsigned)(p->B * p->H), 2), 32, 0, static_cast<cudaStream_t>(stream)>>>(*p, xk, xv, rowk, rowv,
                                                                                                 tokk, tokv);
   return (int)cudaGetLastError();

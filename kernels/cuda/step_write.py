@@ -1,7 +1,7 @@
 """An eager decode step's cache write in ONE CUDA launch per layer (step_write.cu, this folder):
 K and V of naive int (per-token groups), fp8 and the engine's fp16 store (and KIVI's window
-row, once `VERIFIED` holds it), through ctypes and a plan kept per pair of stores, instead of
-two Triton step-encoder launches.
+row and HQMQ without Med3x, once `VERIFIED` holds them), through ctypes and a plan kept per
+pair of stores, instead of two Triton step-encoder launches.
 
 Why: `model.generate` with our cache runs eager decode steps, and on an H100 one layer's
 one-token write cost 73-96 us of host time for int4 / fp8 against DynamicCache's 16 (the
@@ -16,7 +16,7 @@ done: the stores' own step encoders serve the write) when the switch is off, the
 unavailable, or the stores are not a pair it takes (`why_not`). THE SWITCH `CUDA_WRITE`: on by
 default since its GPU tests passed (H100, 2026-12-06: test_cuda_step_write.py, and the step,
 cache, generate and graph suites with it on); `KVQBENCH_CUDA_WRITE=0` turns it off for a process,
-`KVQBENCH_CUDA_WRITE=all` adds the kinds not yet verified on a GPU (KIVI's window row).
+`KVQBENCH_CUDA_WRITE=all` adds the kinds not yet verified on a GPU (KIVI's window row, HQMQ).
 Measured there (reports/latency/host_write_h100_2026-12-06b.txt, one layer's write, T = 4096):
 int4 69 -> 21 us, fp8 52-56 -> 19, fp16 47-48 -> 19-22, DynamicCache 15-17; eager
 `generate` of SmolLM2-135M's shape at batch 1 went from 0.66-0.88x DynamicCache to 0.83-1.05x
@@ -32,7 +32,8 @@ import torch
 
 from ...quantizers import get_quantizer
 from .. import registry
-from ..formats import fp8 as fp8_format, fp16 as fp16_format, kivi as kivi_format, naive_int as int_format
+from ..formats import fp8 as fp8_format, fp16 as fp16_format, hqmq as hqmq_format, kivi as kivi_format
+from ..formats import naive_int as int_format
 from ..formats.kivi import KIVIStore
 from ..store import KernelStore
 from .library import EXACT_FLAGS, KernelLibrary, PlanCache, Switch, on_current_stream
@@ -45,7 +46,9 @@ LL, P = ctypes.c_longlong, ctypes.c_void_p
 
 class _Role(ctypes.Structure):  # WriteRole in the .cu, field by field
     _fields_ = [("c", P), ("s", P), ("z", P), ("hs", P), ("err", P), ("cb", LL), ("ch", LL), ("ct", LL),
-                ("sb", LL), ("sh", LL), ("st", LL), ("xb", LL), ("xh", LL)]
+                ("sb", LL), ("sh", LL), ("st", LL), ("xb", LL), ("xh", LL),
+                ("rad", P), ("rmax", P), ("sec", P), ("rxb", LL), ("rxh", LL), ("rxt", LL),
+                ("mxb", LL), ("mxh", LL), ("mxt", LL), ("S", LL), ("cbits", LL), ("rbits", LL)]
 
 
 class _Plan(ctypes.Structure):  # WritePlan in the .cu
@@ -80,14 +83,18 @@ def why_unavailable() -> str | None:
 # joins VERIFIED once its GPU tests (suites/tests/test_cuda_step_write.py) passed. KIVI's window
 # row is the fp16 kind into the window buffer; its store's bookkeeping (the flush every G
 # steps, a Triton int launch) is KIVIStore.end_write's: written 2026-12-06, not yet run on a GPU.
-KINDS = ("int", "fp8", "fp16", "kivi")
+# HQMQ (the search of `_hqmq_kernel` per chunk, one warp per row; Med3x, log-spaced radius
+# levels and mixed-radix code rows keep the Triton encoder): written 2026-12-06 (seventh
+# session, no GPU), compiled offline, not yet run on a GPU.
+KINDS = ("int", "fp8", "fp16", "kivi", "hqmq")
 VERIFIED = {"int", "fp8", "fp16"}
 if os.environ.get("KVQBENCH_CUDA_WRITE", "").strip() == "all":  # (a GPU run of the kinds not yet verified)
     VERIFIED = set(KINDS)
 
 
 _KIND_OF_FORMAT = {int_format.FORMAT: "int", fp8_format.FORMAT: "fp8", fp16_format.FORMAT: "fp16",
-                   kivi_format.FORMAT: "kivi"}
+                   kivi_format.FORMAT: "kivi", hqmq_format.FORMAT: "hqmq"}
+MAX_S = 256  # HQMQ secondaries the .cu's search holds in shared memory
 
 
 def _kind(store) -> str | None:
@@ -101,9 +108,9 @@ def _kind(store) -> str | None:
 
 
 def _cu_kind(store) -> int:
-    """The .cu's format kind: 0 int, 1 / 2 fp8 e4m3 / e5m2, 3 fp16 (values, or a KIVI window)."""
+    """The .cu's format kind: 0 int, 1 / 2 fp8 e4m3 / e5m2, 3 fp16 (values, or a KIVI window), 4 HQMQ."""
     kind = _kind(store)
-    return {"int": 0, "fp8": _FP8_KIND.get(getattr(store.flat, "fmt", None), -1)}.get(kind, 3)
+    return {"int": 0, "fp8": _FP8_KIND.get(getattr(store.flat, "fmt", None), -1), "hqmq": 4}.get(kind, 3)
 
 
 def takes(spec: str) -> bool:
@@ -114,14 +121,29 @@ def takes(spec: str) -> bool:
     if fmt is None or fmt.quantizer is not type(q):
         return False
     kind = _KIND_OF_FORMAT.get(fmt)
+    if kind == "hqmq":
+        return kind in VERIFIED and _hqmq_reason(q.config.S, q.med3, q.config.radius == "log", q.config.pack) is None
     return kind in VERIFIED and not (kind == "int" and q.per_channel)
+
+
+def _hqmq_reason(S: int, med3: bool, log_radius: bool, pack: str) -> str | None:
+    """Why the HQMQ write does not take a config (None: it does)."""
+    if med3:
+        return "HQMQ + Med3x (its outlier lists keep the Triton encoder)"
+    if log_radius:
+        return "HQMQ with log-spaced radius levels"
+    if pack == "mixed":
+        return "HQMQ with mixed-radix code rows"
+    if S > MAX_S:
+        return f"HQMQ with S={S} > {MAX_S} secondaries"
+    return None
 
 
 def why_not(k_store, v_store, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why `write_pair` does not take this write (None: it does, the switch and library aside)."""
     kind = _kind(k_store)
     if kind is None or _kind(v_store) != kind:
-        return "not a pair of naive int (per-token groups), fp8, fp16 or KIVI stores"
+        return "not a pair of naive int (per-token groups), fp8, fp16, KIVI or HQMQ stores"
     if kind not in VERIFIED:
         return f"the {kind} write is not verified on a GPU yet (step_write.VERIFIED)"
     if k.device.type != "cuda" or v.device != k.device:
@@ -139,14 +161,28 @@ def why_not(k_store, v_store, k: torch.Tensor, v: torch.Tensor) -> str | None:
         return "K and V int groups differ or do not divide the head dim"
     if kind == "fp8" and _cu_kind(k_store) != _cu_kind(v_store):
         return "K and V fp8 formats differ"
+    if kind == "hqmq":
+        for f in (k_store.flat, v_store.flat):
+            why = _hqmq_reason(f.S, f.has_outliers or bool(k_store.stepper.med3 or v_store.stepper.med3),
+                               f.log_radius, f.code_pack)
+            if why:
+                return why
+            if k.shape[3] % 4 or f.code_layout[0] != 1 or f.code_bits > 16 or f.r_bits > 8:
+                return f"HQMQ code rows of {f.code_bits} bits / radius {f.r_bits} bits at head_dim {k.shape[3]}"
+            sec = f.sec
+            if sec is None or sec.dtype != torch.float32 or not sec.is_contiguous() or sec.data_ptr() % 16:
+                return "HQMQ secondaries not a contiguous, 16-byte aligned fp32 [H, S, 4] tensor"
     return None
 
 
 def _tensors(store) -> tuple:
-    """The tensors a store's plan points into: its token buffers (KIVI: the window)."""
+    """The tensors a store's plan points into: its token buffers (KIVI: the window; HQMQ: its
+    code, radius and r_max rows and its secondaries)."""
     if type(store) is KIVIStore:
         return (store.buffers["residual"].buf,)
     f = store.flat
+    if _kind(store) == "hqmq":
+        return f.codes, f.radius, f.r_max, f.sec
     return tuple(getattr(f, n) for n in ("values", "codes", "scale", "zero") if hasattr(f, n))
 
 
@@ -158,6 +194,10 @@ def _role(store, x: torch.Tensor, err: torch.Tensor) -> _Role:
         r.s, r.z, (r.sb, r.sh, r.st) = f.scale.data_ptr(), f.zero.data_ptr(), f.scale.stride()[:3]
     elif kind == "fp8":
         r.hs = f.scale.data_ptr()  # fp32 [H], as the Triton encoder reads it
+    elif kind == "hqmq":
+        r.rad, (r.rxb, r.rxh, r.rxt) = f.radius.data_ptr(), f.radius.stride()[:3]
+        r.rmax, (r.mxb, r.mxh, r.mxt) = f.r_max.data_ptr(), f.r_max.stride()[:3]
+        r.sec, r.S, r.cbits, r.rbits = f.sec.data_ptr(), f.S, f.code_bits, f.r_bits
     r.err, (r.xb, r.xh) = err.data_ptr(), x.stride()[:2]
     return r
 

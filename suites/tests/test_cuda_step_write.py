@@ -1,11 +1,13 @@
 """The one-launch eager cache write (kernels/cuda/step_write.py): a layer's one-token K and V
-write of naive int, fp8 and fp16 in one CUDA launch stores exactly the bytes the Triton step
-encoders store (kernels/step_encode.py, themselves held to the quantizers by
-test_step_encode.py), raises the same input errors, and issues no Triton launch.
+write of naive int, fp8, fp16 (and KIVI's window row, HQMQ) in one CUDA launch stores exactly
+the bytes the Triton step encoders store (kernels/step_encode.py, kernels/hqmq_encode.py,
+themselves held to the quantizers by test_step_encode.py), raises the same input errors, and
+issues no Triton launch.
 
-GPU only, but for the refusals (`why_not`) and the switch, which run everywhere. Ran on an
-H100 on 2026-12-06 (115 passed, at the commit that added them; the refusal test then
-corrected for a GPU, where its int4 case is taken).
+GPU only, but for the refusals (`why_not`), the switch and the stores' bookkeeping around the
+launch (emulated by the Triton encoders), which run everywhere. Ran on an H100 on 2026-12-06
+(115 passed, at the commit that added them; the refusal test then corrected for a GPU, where
+its int4 case is taken). The KIVI and HQMQ cases have not run on a GPU yet.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ SPECS = ["int4", "int2", "int3", "int8", "int4:group=16", "int4:group=64", "fp8-
 # KIVI's window row (not yet in step_write.VERIFIED: these tests put it there); its flushes
 # stay Triton launches
 KIVI_SPECS = ["kivi:bits=2,group=8,residual=8", "kivi:bits=4,group=4,residual=8,window=fixed", "kivi:bits=4"]
+# HQMQ without Med3x (not yet in VERIFIED either): 5- to 12-bit codes (S=170: the filled field), 3 / 4 radius bits
+HQMQ_SPECS = ["hqmq:S=8,r=4", "hqmq:S=96,r=4", "hqmq:S=96,r=3,fill=true", "hqmq:S=1,r=2"]
 
 
 def _data(shape, dtype, seed):
@@ -79,7 +83,7 @@ def _assert_same(a, b):
 @needs_cuda
 @pytest.mark.parametrize("D", [64, 128, 256, 96])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("spec", SPECS + KIVI_SPECS)
+@pytest.mark.parametrize("spec", SPECS + KIVI_SPECS + HQMQ_SPECS)
 def test_cuda_write_stores_what_the_triton_steps_store(spec, dtype, D, monkeypatch):
     if D % 64 and "group=64" in spec:
         pytest.skip("group 64 does not divide head_dim 96")
@@ -99,7 +103,8 @@ def test_cuda_write_stores_what_the_triton_steps_store(spec, dtype, D, monkeypat
 @pytest.mark.parametrize("spec,bad,match", [
     ("int4", float("nan"), "NaN/Inf"), ("int4", 7e4, "overflows the fp16"), ("fp8-e4m3", float("inf"), "NaN/Inf"),
     ("fp8-e5m2", float("nan"), "NaN/Inf"), ("fp16", 7e4, "overflow"), ("fp16", float("-inf"), "NaN/Inf"),
-    ("kivi:bits=2,group=8,residual=8", 1e6, "overflows the fp16"), ("kivi:bits=4", float("nan"), "NaN/Inf")])
+    ("kivi:bits=2,group=8,residual=8", 1e6, "overflows the fp16"), ("kivi:bits=4", float("nan"), "NaN/Inf"),
+    ("hqmq:S=8,r=4", float("nan"), "NaN/Inf"), ("hqmq:S=8,r=4", 7e4, "overflow")])
 def test_bad_input_raises_what_the_triton_steps_raise(spec, bad, match, monkeypatch):
     monkeypatch.setattr(sw, "VERIFIED", set(sw.KINDS))
     # (the bad token is the last step's: a later step's poll would raise inside the loop)
@@ -138,7 +143,7 @@ def _triton_launch(k_store, v_store, k, v, errors, rows, tokens):
 
 
 @pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "fp16", "kivi:bits=2,group=4,residual=8",
-                                  "kivi:bits=4,group=4,residual=8,window=fixed"])
+                                  "kivi:bits=4,group=4,residual=8,window=fixed", "hqmq:S=8,r=4"])
 def test_write_pair_bookkeeping_equals_the_step_path(spec, monkeypatch):
     # write_pair's begin_write / launch / end_write of both stores (KIVI: the window row, then
     # a flush when it fills) against each store's own step, the launch emulated on the CPU
@@ -173,7 +178,7 @@ def test_the_switch_is_on_unless_the_environment_turns_it_off():
 
 
 @pytest.mark.parametrize("spec,why", [("kivi:bits=2,group=8,residual=8", "not verified"),
-                                      ("hqmq:S=8,r=4", "not a pair"), ("int4", None)])
+                                      ("hqmq:S=8,r=4", "not verified"), ("int4", None)])
 def test_why_not_names_the_refusal(spec, why):
     x = torch.randn(1, 2, 12, 64, dtype=torch.float16, device=DEV)
     layer = QuantizedLayer(spec, 0)
@@ -191,3 +196,15 @@ def test_why_not_names_the_refusal(spec, why):
     with sw.CUDA_WRITE.set(True):  # refused: nothing written
         assert not sw.write_pair(layer.stores["K"], layer.stores["V"], k, k, layer.errors)
     assert layer.stores["K"].tokens == 10
+
+
+def test_the_hqmq_write_takes_plain_hqmq_only(monkeypatch):
+    # Med3x (its outlier lists), log-spaced radius levels and mixed-radix rows keep the Triton
+    # encoder even once HQMQ is verified; until then no HQMQ config is taken by default
+    assert not sw.takes("hqmq:S=96,r=4")
+    monkeypatch.setattr(sw, "VERIFIED", set(sw.KINDS))
+    assert sw.takes("hqmq:S=96,r=4") and sw.takes("hqmq:S=96,fill=true") and sw.takes("hqmq:S=8,r=3")
+    for spec in ("hqmq:S=96,r=4,outliers=med3", "hqmq:S=96,r=4,radius=log", "hqmq:S=96,pack=mixed"):
+        assert not sw.takes(spec), spec
+    assert "Med3x" in sw._hqmq_reason(96, True, False, "bits")
+    assert "S=300" in sw._hqmq_reason(300, False, False, "bits")
