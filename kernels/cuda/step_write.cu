@@ -1,7 +1,8 @@
 // One eager decode step's cache write, K and V in ONE launch (kernels/cuda/step_write.py says
 // which formats and why): naive int (per-token groups along the head dim), fp8 (a per-kv-head
 // scale), the engine's fp16 store, KIVI's fp16 window row (its flushes, every G steps, stay the
-// Triton int launch) and HQMQ without Med3x (the O(S) direction search of each chunk).
+// Triton int launch) and HQMQ, with or without Med3x (the O(S) direction search of each chunk;
+// Med3x: the chunk radii's median, the outliers appended to their (b, h) lists).
 // The bytes are those of kernels/step_encode.py's Triton encoders (`int_rows`, `fp8_tokens`,
 // `fp16_tokens`, `kivi_window`) and kernels/hqmq_encode.py's `_hqmq_kernel`, which follow torch
 // op by op: built WITHOUT --use_fast_math and with -fmad=false (library.py EXACT_FLAGS), IEEE
@@ -40,6 +41,17 @@ struct WriteRole {
   const float* sec;
   long long rxb, rxh, rxt, mxb, mxh, mxt;
   long long S, cbits, rbits;  // secondaries, code bits, radius bits (uniform levels)
+  // HQMQ + Med3x (med3 != 0): flag rows [B, H, Tcap, FB] bytes, the outlier lists [B, H, Ocap, 4]
+  // fp16 (entries contiguous), their lengths [B * H] int64, the 64-token block starts
+  // [B, H, nblk] int32; strides in elements; C the outlier threshold (r > C * median)
+  uint8_t* flags;
+  uint16_t* outl;
+  long long* olen;
+  int* oidx;
+  long long fxb, fxh, fxt, oxb, oxh, ixb, ixh;
+  long long med3;
+  float C;
+  int pad_;
 };
 
 struct WritePlan {
@@ -145,28 +157,103 @@ __device__ int best_code(const float (&u)[4], const float4* sec, int S) {
   return (half_score(a) > ax_s ? half_idx : axis_idx) * S + bi;
 }
 
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Med3x (`_hqmq_kernel` with MED3, one token): whether each of the lane's chunks is an outlier,
+// r > C * the lower median of the row's chunk radii (torch.median: the radius with at most k
+// smaller and more than k smaller-or-equal, k = (NC - 1) / 2), and r > 0
+__device__ void med3_outliers(const WriteRole& w, const float (&r)[2], int NC, int lane, float* radii, bool (&o)[2]) {
+#pragma unroll
+  for (int k = 0; k < 2; ++k)
+    if (lane + 32 * k < NC) radii[lane + 32 * k] = r[k];
+  __syncwarp();
+  const int half = (NC - 1) / 2;
+  float med = -1.0f;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    if (lane + 32 * k >= NC) continue;
+    int less = 0, leq = 0;
+    for (int j = 0; j < NC; ++j) {
+      less += radii[j] < r[k];
+      leq += radii[j] <= r[k];
+    }
+    if (less <= half && leq > half) med = fmaxf(med, r[k]);
+  }
+  const float thr = mul(w.C, warp_max(med));
+#pragma unroll
+  for (int k = 0; k < 2; ++k) o[k] = lane + 32 * k < NC && r[k] > thr && r[k] > 0.0f;
+}
+
+// Med3x's stores of one token row: its flag bits, its outlier chunks (fp16) at the end of its
+// (b, h) list in chunk order, the list's new length, the block start when the token opens a
+// 64-token block (blk >= 0); returns the error bits (2: an outlier beyond fp16)
+__device__ int med3_store(const WriteRole& w, const float* xs, const bool (&o)[2], int NC, long long b, long long h,
+                          long long H, long long t, int blk, int lane) {
+  const unsigned m0 = __ballot_sync(0xffffffffu, o[0]), m1 = __ballot_sync(0xffffffffu, o[1]);
+  const unsigned long long mask = ((unsigned long long)m1 << 32) | m0;
+  for (int j = lane; j < (NC + 7) / 8; j += 32) w.flags[b * w.fxb + h * w.fxh + t * w.fxt + j] = (uint8_t)(mask >> (8 * j));
+  const long long start = w.olen[b * H + h];
+  const unsigned below = (1u << lane) - 1u;
+  float big = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    if (!o[k]) continue;
+    const long long dest = start + (k ? __popc(m0) + __popc(m1 & below) : __popc(m0 & below));
+    uint16_t* e = w.outl + b * w.oxb + h * w.oxh + dest * 4;
+    const float* x = xs + 4 * (lane + 32 * k);
+    for (int i = 0; i < 4; ++i) {
+      e[i] = __half_as_ushort(__float2half_rn(x[i]));
+      big = fmaxf(big, fabsf(x[i]));
+    }
+  }
+  big = warp_max(big);
+  __syncwarp();  // (every lane has read the length)
+  if (lane == 0) {
+    w.olen[b * H + h] = start + __popc(m0) + __popc(m1);
+    if (blk >= 0) w.oidx[b * w.ixb + h * w.ixh + blk] = (int)start;
+  }
+  return big > 65504.0f ? 2 : 0;
+}
+
 // one HQMQ token row: lane l takes chunks l, l + 32; code and radius codes into the shared
-// arrays, r_max by a warp max; returns the error bits (2: r_max beyond fp16)
-__device__ int hqmq_row(const WriteRole& w, const float* xs, int D, long long b, long long h, long long t, int lane,
-                        int* codes, int* rq, float4* sec) {
+// arrays, r_max by a warp max; Med3x's outliers left out of both (and stored by med3_store);
+// returns the error bits (2: r_max, or an outlier, beyond fp16)
+__device__ int hqmq_row(const WriteRole& w, const float* xs, int D, long long b, long long h, long long H, long long t,
+                        int blk, int lane, int* codes, int* rq, float4* sec, float* radii) {
   const int S = (int)w.S, NC = D / 4, L = (1 << (int)w.rbits) - 1;
   for (int s = lane; s < S; s += 32) sec[s] = reinterpret_cast<const float4*>(w.sec)[h * S + s];
-  __syncwarp();
   float r[2] = {0.0f, 0.0f};
-  float r_max = 0.0f;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int c = lane + 32 * k;
     if (c >= NC) continue;
     const float* x = xs + 4 * c;
     r[k] = __fsqrt_rn(add(add(add(mul(x[0], x[0]), mul(x[1], x[1])), mul(x[2], x[2])), mul(x[3], x[3])));
+  }
+  bool o[2] = {false, false};
+  if (w.med3) med3_outliers(w, r, NC, lane, radii, o);
+  __syncwarp();  // (the secondaries)
+  float r_max = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int c = lane + 32 * k;
+    if (c >= NC) continue;
+    if (o[k]) {  // its code is stored as 0 (its radius code is 0): no search
+      r[k] = 0.0f;
+      codes[c] = 0;
+      continue;
+    }
+    const float* x = xs + 4 * c;
     const bool pos = r[k] > 0.0f;
     const float u[4] = {pos ? __fdiv_rn(x[0], r[k]) : 1.0f, pos ? __fdiv_rn(x[1], r[k]) : 0.0f,
                         pos ? __fdiv_rn(x[2], r[k]) : 0.0f, pos ? __fdiv_rn(x[3], r[k]) : 0.0f};
     codes[c] = best_code(u, sec, S);
     r_max = fmaxf(r_max, r[k]);
   }
-  for (int o = 16; o > 0; o >>= 1) r_max = fmaxf(r_max, __shfl_xor_sync(0xffffffffu, r_max, o));
+  r_max = warp_max(r_max);
   const __half rm16 = __float2half_rn(r_max);
   const float rm = __half2float(rm16);
 #pragma unroll
@@ -182,15 +269,18 @@ __device__ int hqmq_row(const WriteRole& w, const float* xs, int D, long long b,
   pack_bits(codes, NC, (int)w.cbits, w.c + b * w.cb + h * w.ch + t * w.ct, lane);
   pack_bits(rq, NC, (int)w.rbits, w.rad + b * w.rxb + h * w.rxh + t * w.rxt, lane);
   if (lane == 0) w.rmax[b * w.mxb + h * w.mxh + t * w.mxt] = __half_as_ushort(rm16);
-  return r_max > 65504.0f ? 2 : 0;
+  const int over = r_max > 65504.0f ? 2 : 0;
+  return w.med3 ? over | med3_store(w, xs, o, NC, b, h, H, t, blk, lane) : over;
 }
 
-__global__ void write_kernel(WritePlan p, const void* xk, const void* xv, int rowk, int rowv, int tokk, int tokv) {
+__global__ void write_kernel(WritePlan p, const void* xk, const void* xv, int rowk, int rowv, int tokk, int tokv,
+                             int blkk, int blkv) {
   __shared__ float xs[MAX_D];
   __shared__ int qs[MAX_D];
   __shared__ float gs[MAX_D], gz[MAX_D];  // int: each group's scale and zero (fp16 values)
   __shared__ int rs[MAX_D / 4];           // HQMQ: radius codes (qs: the direction codes)
   __shared__ float4 ss[MAX_S];            // HQMQ: the kv head's secondaries
+  __shared__ float radii[MAX_D / 4];       // HQMQ + Med3x: the row's chunk radii (its median)
   const int lane = threadIdx.x;
   const int bh = blockIdx.x, r = blockIdx.y;
   const long long b = bh / p.H, h = bh % p.H;
@@ -245,7 +335,7 @@ __global__ void write_kernel(WritePlan p, const void* xk, const void* xv, int ro
     const float scale = w.hs[h];
     for (int e = lane; e < D; e += 32) w.c[co + e] = fp8_code(__fdiv_rn(xs[e], scale), M, EMIN, MAXV);
   } else if (p.kind == 4) {  // HQMQ: hqmq_encode `_hqmq_kernel`
-    bits = hqmq_row(w, xs, D, b, h, t, lane, qs, rs, ss);
+    bits = hqmq_row(w, xs, D, b, h, p.H, t, r ? blkv : blkk, lane, qs, rs, ss, radii);
   } else {  // fp16: step_encode `_fp16_kernel`
     bool over = false;
     uint16_t* vals = reinterpret_cast<uint16_t*>(w.c);
@@ -266,19 +356,21 @@ extern "C" int kvq_write_plan_size() { return (int)sizeof(WritePlan); }
 extern "C" int kvq_write_max_d() { return MAX_D; }
 
 // One layer's one-token write: xk, xv [B, H, 1, D] of the plan's dtype, at rows rowk / rowv of
-// the two stores' token axes (a KIVI window's row: fp16 kind), flagged as tokens tokk / tokv.
+// the two stores' token axes (a KIVI window's row: fp16 kind), flagged as tokens tokk / tokv;
+// blkk / blkv: HQMQ + Med3x's 64-token block the token opens (-1: none).
 // Launches only (no allocation, no synchronisation). (plan is a WritePlan*: a namespace-local
 // type in the signature would hide the entry from ctypes.)
 extern "C" int kvq_write_pair(const void* plan, const void* xk, const void* xv, int rowk, int rowv, int tokk,
-                              int tokv, void* stream) {
+                              int tokv, int blkk, int blkv, void* stream) {
   const WritePlan* p = static_cast<const WritePlan*>(plan);
   if (p->D < 1 || p->D > MAX_D || (p->kind == 0 && (p->G < 1 || p->D % p->G))) return (int)cudaErrorInvalidValue;
   for (int r = 0; r < 2 && p->kind == 4; ++r) {
     const WriteRole& w = p->role[r];
-    if (p->D % 4 || w.S < 1 || w.S > MAX_S || w.cbits < 1 || w.cbits > 16 || w.rbits < 1 || w.rbits > 8)
+    if (p->D % 4 || w.S < 1 || w.S > MAX_S || w.cbits < 1 || w.cbits > 16 || w.rbits < 1 || w.rbits > 8 ||
+        (w.med3 && (!w.flags || !w.outl || !w.olen || !w.oidx)))
       return (int)cudaErrorInvalidValue;
   }
   write_kernel<<<dim3((unsigned)(p->B * p->H), 2), 32, 0, static_cast<cudaStream_t>(stream)>>>(*p, xk, xv, rowk, rowv,
-                                                                                                tokk, tokv);
+                                                                                                tokk, tokv, blkk, blkv);
   return (int)cudaGetLastError();
 }

@@ -1,6 +1,6 @@
 """An eager decode step's cache write in ONE CUDA launch per layer (step_write.cu, this folder):
 K and V of naive int (per-token groups), fp8 and the engine's fp16 store (and KIVI's window
-row and HQMQ without Med3x, once `VERIFIED` holds them), through ctypes and a plan kept per
+row and HQMQ, once `VERIFIED` holds them), through ctypes and a plan kept per
 pair of stores, instead of two Triton step-encoder launches.
 
 Why: `model.generate` with our cache runs eager decode steps, and on an H100 one layer's
@@ -48,7 +48,10 @@ class _Role(ctypes.Structure):  # WriteRole in the .cu, field by field
     _fields_ = [("c", P), ("s", P), ("z", P), ("hs", P), ("err", P), ("cb", LL), ("ch", LL), ("ct", LL),
                 ("sb", LL), ("sh", LL), ("st", LL), ("xb", LL), ("xh", LL),
                 ("rad", P), ("rmax", P), ("sec", P), ("rxb", LL), ("rxh", LL), ("rxt", LL),
-                ("mxb", LL), ("mxh", LL), ("mxt", LL), ("S", LL), ("cbits", LL), ("rbits", LL)]
+                ("mxb", LL), ("mxh", LL), ("mxt", LL), ("S", LL), ("cbits", LL), ("rbits", LL),
+                ("flags", P), ("outl", P), ("olen", P), ("oidx", P), ("fxb", LL), ("fxh", LL), ("fxt", LL),
+                ("oxb", LL), ("oxh", LL), ("ixb", LL), ("ixh", LL), ("med3", LL), ("C", ctypes.c_float),
+                ("pad_", ctypes.c_int)]
 
 
 class _Plan(ctypes.Structure):  # WritePlan in the .cu
@@ -61,7 +64,7 @@ def _declare(lib) -> str | None:
     if lib.kvq_write_plan_size() != ctypes.sizeof(_Plan):  # out of step with the .cu: refuse, never misread
         return f"WritePlan is {lib.kvq_write_plan_size()} bytes in the library, _Plan {ctypes.sizeof(_Plan)}"
     lib.kvq_write_max_d.restype = ctypes.c_int
-    lib.kvq_write_pair.argtypes = [P, P, P] + [ctypes.c_int] * 4 + [P]
+    lib.kvq_write_pair.argtypes = [P, P, P] + [ctypes.c_int] * 6 + [P]
     lib.kvq_write_pair.restype = ctypes.c_int
     return None
 
@@ -83,9 +86,9 @@ def why_unavailable() -> str | None:
 # joins VERIFIED once its GPU tests (suites/tests/test_cuda_step_write.py) passed. KIVI's window
 # row is the fp16 kind into the window buffer; its store's bookkeeping (the flush every G
 # steps, a Triton int launch) is KIVIStore.end_write's: written 2026-12-06, not yet run on a GPU.
-# HQMQ (the search of `_hqmq_kernel` per chunk, one warp per row; Med3x, log-spaced radius
-# levels and mixed-radix code rows keep the Triton encoder): written 2026-12-06 (seventh
-# session, no GPU), compiled offline, not yet run on a GPU.
+# HQMQ (`_hqmq_kernel` of one token, one warp per row: the search per chunk; Med3x its median,
+# flags and list appends; log-spaced radius levels and mixed-radix code rows keep the Triton
+# encoder): written 2026-12-06 (seventh session, no GPU), compiled offline, not yet run on a GPU.
 KINDS = ("int", "fp8", "fp16", "kivi", "hqmq")
 VERIFIED = {"int", "fp8", "fp16"}
 if os.environ.get("KVQBENCH_CUDA_WRITE", "").strip() == "all":  # (a GPU run of the kinds not yet verified)
@@ -122,14 +125,12 @@ def takes(spec: str) -> bool:
         return False
     kind = _KIND_OF_FORMAT.get(fmt)
     if kind == "hqmq":
-        return kind in VERIFIED and _hqmq_reason(q.config.S, q.med3, q.config.radius == "log", q.config.pack) is None
+        return kind in VERIFIED and _hqmq_reason(q.config.S, q.config.radius == "log", q.config.pack) is None
     return kind in VERIFIED and not (kind == "int" and q.per_channel)
 
 
-def _hqmq_reason(S: int, med3: bool, log_radius: bool, pack: str) -> str | None:
+def _hqmq_reason(S: int, log_radius: bool, pack: str) -> str | None:
     """Why the HQMQ write does not take a config (None: it does)."""
-    if med3:
-        return "HQMQ + Med3x (its outlier lists keep the Triton encoder)"
     if log_radius:
         return "HQMQ with log-spaced radius levels"
     if pack == "mixed":
@@ -162,11 +163,15 @@ def why_not(k_store, v_store, k: torch.Tensor, v: torch.Tensor) -> str | None:
     if kind == "fp8" and _cu_kind(k_store) != _cu_kind(v_store):
         return "K and V fp8 formats differ"
     if kind == "hqmq":
-        for f in (k_store.flat, v_store.flat):
-            why = _hqmq_reason(f.S, f.has_outliers or bool(k_store.stepper.med3 or v_store.stepper.med3),
-                               f.log_radius, f.code_pack)
+        if k_store.stepper.med3 != v_store.stepper.med3:
+            return "Med3x on one side only"
+        for store in (k_store, v_store):
+            f = store.flat
+            why = _hqmq_reason(f.S, f.log_radius, f.code_pack)
             if why:
                 return why
+            if store.stepper.med3 and (f.outliers is None or f.outliers.stride()[-2:] != (4, 1)):
+                return "HQMQ + Med3x outlier lists not made yet, or their entries not contiguous"
             if k.shape[3] % 4 or f.code_layout[0] != 1 or f.code_bits > 16 or f.r_bits > 8:
                 return f"HQMQ code rows of {f.code_bits} bits / radius {f.r_bits} bits at head_dim {k.shape[3]}"
             sec = f.sec
@@ -181,8 +186,9 @@ def _tensors(store) -> tuple:
     if type(store) is KIVIStore:
         return (store.buffers["residual"].buf,)
     f = store.flat
-    if _kind(store) == "hqmq":
-        return f.codes, f.radius, f.r_max, f.sec
+    if _kind(store) == "hqmq":  # (+ Med3x: its flag rows, lists, their lengths and block starts)
+        med3 = (f.flags, f.outliers, store.outlier_len, f.outlier_index) if store.stepper.med3 else ()
+        return (f.codes, f.radius, f.r_max, f.sec) + med3
     return tuple(getattr(f, n) for n in ("values", "codes", "scale", "zero") if hasattr(f, n))
 
 
@@ -198,6 +204,12 @@ def _role(store, x: torch.Tensor, err: torch.Tensor) -> _Role:
         r.rad, (r.rxb, r.rxh, r.rxt) = f.radius.data_ptr(), f.radius.stride()[:3]
         r.rmax, (r.mxb, r.mxh, r.mxt) = f.r_max.data_ptr(), f.r_max.stride()[:3]
         r.sec, r.S, r.cbits, r.rbits = f.sec.data_ptr(), f.S, f.code_bits, f.r_bits
+        if store.stepper.med3:
+            r.med3, r.C = 1, store.stepper.config.C
+            r.flags, (r.fxb, r.fxh, r.fxt) = f.flags.data_ptr(), f.flags.stride()[:3]
+            r.outl, (r.oxb, r.oxh) = f.outliers.data_ptr(), f.outliers.stride()[:2]
+            r.olen = store.outlier_len.data_ptr()
+            r.oidx, (r.ixb, r.ixh) = f.outlier_index.data_ptr(), f.outlier_index.stride()[:2]
     r.err, (r.xb, r.xh) = err.data_ptr(), x.stride()[:2]
     return r
 
@@ -216,13 +228,15 @@ def _plan(k_store, v_store, k, v, errors) -> _Plan:
     return plan
 
 
-def _launch(k_store, v_store, k, v, errors, rows: tuple[int, int], tokens: tuple[int, int]) -> None:
+def _launch(k_store, v_store, k, v, errors, rows: tuple[int, int], tokens: tuple[int, int],
+            blocks: tuple[int | None, int | None]) -> None:
     """The one launch: k, v into rows `rows` of the stores' token axes (KIVI: window rows),
-    flagged as `tokens`. (A CPU test replaces it by the Triton encoders to check the stores'
-    bookkeeping around it: suites/tests/test_cuda_step_write.py.)"""
+    flagged as `tokens`; `blocks`: HQMQ + Med3x's outlier-index block each token opens (None:
+    none). (A CPU test replaces it by the Triton encoders to check the stores' bookkeeping
+    around it: suites/tests/test_cuda_step_write.py.)"""
     plan = _plan(k_store, v_store, k, v, errors)  # (after begin_write: a buffer that grew is a new plan)
     err = on_current_stream(k.get_device(), _LIB.lib.kvq_write_pair, ctypes.addressof(plan), k.data_ptr(),
-                            v.data_ptr(), *rows, *tokens)
+                            v.data_ptr(), *rows, *tokens, *(-1 if b is None else b for b in blocks))
     if err:
         raise RuntimeError(f"CUDA cache write launch failed: error {err}")
 
@@ -235,10 +249,10 @@ def write_pair(k_store, v_store, k: torch.Tensor, v: torch.Tensor, errors) -> bo
     window) before the launch, its `end_write` the bookkeeping after (KIVI's flush)."""
     if not CUDA_WRITE.on or why_not(k_store, v_store, k, v) is not None or _LIB.load() is None:
         return False
-    rk, _ = k_store.begin_write(1)
-    rv, _ = v_store.begin_write(1)
+    rk, kw_k = k_store.begin_write(1)
+    rv, kw_v = v_store.begin_write(1)
     tk, tv = k_store.tokens, v_store.tokens
-    _launch(k_store, v_store, k, v, errors, (rk, rv), (tk, tv))
+    _launch(k_store, v_store, k, v, errors, (rk, rv), (tk, tv), (kw_k.get("index_block"), kw_v.get("index_block")))
     LAUNCHES[0] += 1
     k_store.end_write(tk + 1, errors.rows[0])
     v_store.end_write(tv + 1, errors.rows[1])

@@ -33,8 +33,9 @@ SPECS = ["int4", "int2", "int3", "int8", "int4:group=16", "int4:group=64", "fp8-
 # KIVI's window row (not yet in step_write.VERIFIED: these tests put it there); its flushes
 # stay Triton launches
 KIVI_SPECS = ["kivi:bits=2,group=8,residual=8", "kivi:bits=4,group=4,residual=8,window=fixed", "kivi:bits=4"]
-# HQMQ without Med3x (not yet in VERIFIED either): 5- to 12-bit codes (S=170: the filled field), 3 / 4 radius bits
-HQMQ_SPECS = ["hqmq:S=8,r=4", "hqmq:S=96,r=4", "hqmq:S=96,r=3,fill=true", "hqmq:S=1,r=2"]
+# HQMQ (not yet in VERIFIED either): 5- to 12-bit codes (S=170: the filled field), 2-4 radius bits, Med3x
+HQMQ_SPECS = ["hqmq:S=8,r=4", "hqmq:S=96,r=4", "hqmq:S=96,r=3,fill=true", "hqmq:S=1,r=2",
+              "hqmq:S=8,r=4,outliers=med3", "hqmq:S=96,r=4,outliers=med3", "hqmq:S=24,r=3,outliers=med3,C=1.5"]
 
 
 def _data(shape, dtype, seed):
@@ -104,7 +105,8 @@ def test_cuda_write_stores_what_the_triton_steps_store(spec, dtype, D, monkeypat
     ("int4", float("nan"), "NaN/Inf"), ("int4", 7e4, "overflows the fp16"), ("fp8-e4m3", float("inf"), "NaN/Inf"),
     ("fp8-e5m2", float("nan"), "NaN/Inf"), ("fp16", 7e4, "overflow"), ("fp16", float("-inf"), "NaN/Inf"),
     ("kivi:bits=2,group=8,residual=8", 1e6, "overflows the fp16"), ("kivi:bits=4", float("nan"), "NaN/Inf"),
-    ("hqmq:S=8,r=4", float("nan"), "NaN/Inf"), ("hqmq:S=8,r=4", 7e4, "overflow")])
+    ("hqmq:S=8,r=4", float("nan"), "NaN/Inf"), ("hqmq:S=8,r=4", 7e4, "overflow"),
+    ("hqmq:S=8,r=4,outliers=med3", 7e4, "overflow"), ("hqmq:S=8,r=4,outliers=med3", float("inf"), "NaN/Inf")])
 def test_bad_input_raises_what_the_triton_steps_raise(spec, bad, match, monkeypatch):
     monkeypatch.setattr(sw, "VERIFIED", set(sw.KINDS))
     # (the bad token is the last step's: a later step's poll would raise inside the loop)
@@ -130,7 +132,7 @@ def test_two_layers_keep_their_own_plans_and_flags():
 
 
 # ---- everywhere: the switch, the refusals, the stores' bookkeeping around the launch -------------------
-def _triton_launch(k_store, v_store, k, v, errors, rows, tokens):
+def _triton_launch(k_store, v_store, k, v, errors, rows, tokens, blocks):
     """`step_write._launch` done by the Triton encoders (the interpreter on a CPU): what the
     CUDA launch writes, so the bookkeeping around it is checked where no GPU is."""
     from kvqbench.kernels.formats.kivi import KIVIStore
@@ -139,11 +141,13 @@ def _triton_launch(k_store, v_store, k, v, errors, rows, tokens):
         if type(store) is KIVIStore:
             se.kivi_window(x, store.buffers["residual"].buf, rows[i], errors.rows[i], tokens[i])
         else:
-            store.format.step(store, x, errors.rows[i], rows[i])
+            store.format.step(store, x, errors.rows[i], rows[i],
+                              **({"index_block": blocks[i]} if blocks[i] is not None else {}))
 
 
 @pytest.mark.parametrize("spec", ["int4", "fp8-e4m3", "fp16", "kivi:bits=2,group=4,residual=8",
-                                  "kivi:bits=4,group=4,residual=8,window=fixed", "hqmq:S=8,r=4"])
+                                  "kivi:bits=4,group=4,residual=8,window=fixed", "hqmq:S=8,r=4",
+                                  "hqmq:S=8,r=4,outliers=med3"])
 def test_write_pair_bookkeeping_equals_the_step_path(spec, monkeypatch):
     # write_pair's begin_write / launch / end_write of both stores (KIVI: the window row, then
     # a flush when it fills) against each store's own step, the launch emulated on the CPU
@@ -198,13 +202,13 @@ def test_why_not_names_the_refusal(spec, why):
     assert layer.stores["K"].tokens == 10
 
 
-def test_the_hqmq_write_takes_plain_hqmq_only(monkeypatch):
-    # Med3x (its outlier lists), log-spaced radius levels and mixed-radix rows keep the Triton
-    # encoder even once HQMQ is verified; until then no HQMQ config is taken by default
+def test_the_hqmq_write_takes_uniform_radius_whole_bit_rows(monkeypatch):
+    # log-spaced radius levels and mixed-radix rows keep the Triton encoder even once HQMQ is
+    # verified; until then no HQMQ config is taken by default
     assert not sw.takes("hqmq:S=96,r=4")
     monkeypatch.setattr(sw, "VERIFIED", set(sw.KINDS))
-    assert sw.takes("hqmq:S=96,r=4") and sw.takes("hqmq:S=96,fill=true") and sw.takes("hqmq:S=8,r=3")
-    for spec in ("hqmq:S=96,r=4,outliers=med3", "hqmq:S=96,r=4,radius=log", "hqmq:S=96,pack=mixed"):
+    for spec in ("hqmq:S=96,r=4", "hqmq:S=96,fill=true", "hqmq:S=8,r=3", "hqmq:S=96,r=4,outliers=med3"):
+        assert sw.takes(spec), spec
+    for spec in ("hqmq:S=96,r=4,radius=log", "hqmq:S=96,pack=mixed"):
         assert not sw.takes(spec), spec
-    assert "Med3x" in sw._hqmq_reason(96, True, False, "bits")
-    assert "S=300" in sw._hqmq_reason(300, False, False, "bits")
+    assert "S=300" in sw._hqmq_reason(300, False, "bits")
