@@ -108,13 +108,59 @@ __device__ void pack_bits(const int* v, int n, int BITS, uint8_t* dst, int lane)
   }
 }
 
-// ---- HQMQ (hqmq_encode.py `_hqmq_kernel` / `best_codes`, no Med3x, uniform radius levels) ----
+// ---- HQMQ (hqmq_encode.py `_hqmq_kernel` / `best_codes`, uniform radius levels) ----
+// The per-chunk arithmetic is host-and-device: `kvq_hqmq_rows_host` runs it on a CPU, where
+// a test holds it to the Triton encoder without a GPU (x86-64 rounds each float op: no FMA
+// without -mfma).
+#ifdef __CUDA_ARCH__
+#define HD __device__ __forceinline__
 __device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ float sub(float a, float b) { return __fsub_rn(a, b); }
 __device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float dvd(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ float root(float a) { return __fsqrt_rn(a); }
+#else
+#define HD __host__ __device__ inline
+inline float add(float a, float b) { return a + b; }
+inline float sub(float a, float b) { return a - b; }
+inline float mul(float a, float b) { return a * b; }
+inline float dvd(float a, float b) { return a / b; }
+inline float root(float a) { return sqrtf(a); }
+#endif
+
+// a chunk's radius, as torch's norm: the squares summed in order (hqmq_encode `norm4`)
+HD float chunk_radius(const float* x) {
+  return root(add(add(add(mul(x[0], x[0]), mul(x[1], x[1])), mul(x[2], x[2])), mul(x[3], x[3])));
+}
+
+// the unit direction of a chunk of radius r (1, 0, 0, 0 for r = 0)
+HD void unit(const float* x, float r, float (&u)[4]) {
+  const bool pos = r > 0.0f;
+  u[0] = pos ? dvd(x[0], r) : 1.0f;
+  u[1] = pos ? dvd(x[1], r) : 0.0f;
+  u[2] = pos ? dvd(x[2], r) : 0.0f;
+  u[3] = pos ? dvd(x[3], r) : 0.0f;
+}
+
+// radius code of r against the row's fp16 r_max rm, L levels (step_encode `rne`, then clamped)
+HD int radius_code(float r, float rm, int L) {
+  const float y = mul(dvd(r, rm > 0.0f ? rm : 1.0f), (float)L);
+  return (int)fminf(fmaxf(sub(add(y, 12582912.0f), 12582912.0f), 0.0f), (float)L);
+}
+
+// whether r is the lower median of the NC radii (torch.median: at most k smaller, more than k
+// smaller or equal, k = (NC - 1) / 2)
+HD bool lower_median(const float* radii, int NC, float r) {
+  int less = 0, leq = 0;
+  for (int j = 0; j < NC; ++j) {
+    less += radii[j] < r;
+    leq += radii[j] <= r;
+  }
+  return less <= (NC - 1) / 2 && leq > (NC - 1) / 2;
+}
 
 // v = u * conj(s) (triton/common.py `hamilton`, its term order)
-__device__ __forceinline__ void times_conj(const float (&u)[4], float4 s, float (&v)[4]) {
+HD void times_conj(const float (&u)[4], float4 s, float (&v)[4]) {
   const float b0 = s.x, b1 = -s.y, b2 = -s.z, b3 = -s.w;
   v[0] = sub(sub(sub(mul(u[0], b0), mul(u[1], b1)), mul(u[2], b2)), mul(u[3], b3));
   v[1] = sub(add(add(mul(u[0], b1), mul(u[1], b0)), mul(u[2], b3)), mul(u[3], b2));
@@ -123,12 +169,12 @@ __device__ __forceinline__ void times_conj(const float (&u)[4], float4 s, float 
 }
 
 // sum |v_i| / 2, summed left to right
-__device__ __forceinline__ float half_score(const float (&a)[4]) { return mul(add(add(add(a[0], a[1]), a[2]), a[3]), 0.5f); }
+HD float half_score(const float (&a)[4]) { return mul(add(add(add(a[0], a[1]), a[2]), a[3]), 0.5f); }
 
 // code p * S + s of the unit chunk u: the first secondary s of the best score max(max |v_i|,
 // sum |v_i| / 2) over v = u conj(s), then p = nearest_hurwitz(v) (ties to the axis element,
 // the lowest axis)
-__device__ int best_code(const float (&u)[4], const float4* sec, int S) {
+HD int best_code(const float (&u)[4], const float4* sec, int S) {
   float best = -1.0f;
   int bi = 0;
   float v[4], a[4];
@@ -170,18 +216,10 @@ __device__ void med3_outliers(const WriteRole& w, const float (&r)[2], int NC, i
   for (int k = 0; k < 2; ++k)
     if (lane + 32 * k < NC) radii[lane + 32 * k] = r[k];
   __syncwarp();
-  const int half = (NC - 1) / 2;
   float med = -1.0f;
 #pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    if (lane + 32 * k >= NC) continue;
-    int less = 0, leq = 0;
-    for (int j = 0; j < NC; ++j) {
-      less += radii[j] < r[k];
-      leq += radii[j] <= r[k];
-    }
-    if (less <= half && leq > half) med = fmaxf(med, r[k]);
-  }
+  for (int k = 0; k < 2; ++k)
+    if (lane + 32 * k < NC && lower_median(radii, NC, r[k])) med = fmaxf(med, r[k]);
   const float thr = mul(w.C, warp_max(med));
 #pragma unroll
   for (int k = 0; k < 2; ++k) o[k] = lane + 32 * k < NC && r[k] > thr && r[k] > 0.0f;
@@ -230,8 +268,7 @@ __device__ int hqmq_row(const WriteRole& w, const float* xs, int D, long long b,
   for (int k = 0; k < 2; ++k) {
     const int c = lane + 32 * k;
     if (c >= NC) continue;
-    const float* x = xs + 4 * c;
-    r[k] = __fsqrt_rn(add(add(add(mul(x[0], x[0]), mul(x[1], x[1])), mul(x[2], x[2])), mul(x[3], x[3])));
+    r[k] = chunk_radius(xs + 4 * c);
   }
   bool o[2] = {false, false};
   if (w.med3) med3_outliers(w, r, NC, lane, radii, o);
@@ -246,10 +283,8 @@ __device__ int hqmq_row(const WriteRole& w, const float* xs, int D, long long b,
       codes[c] = 0;
       continue;
     }
-    const float* x = xs + 4 * c;
-    const bool pos = r[k] > 0.0f;
-    const float u[4] = {pos ? __fdiv_rn(x[0], r[k]) : 1.0f, pos ? __fdiv_rn(x[1], r[k]) : 0.0f,
-                        pos ? __fdiv_rn(x[2], r[k]) : 0.0f, pos ? __fdiv_rn(x[3], r[k]) : 0.0f};
+    float u[4];
+    unit(xs + 4 * c, r[k], u);
     codes[c] = best_code(u, sec, S);
     r_max = fmaxf(r_max, r[k]);
   }
@@ -260,9 +295,7 @@ __device__ int hqmq_row(const WriteRole& w, const float* xs, int D, long long b,
   for (int k = 0; k < 2; ++k) {
     const int c = lane + 32 * k;
     if (c >= NC) continue;
-    const float y = mul(__fdiv_rn(r[k], rm > 0.0f ? rm : 1.0f), (float)L);
-    const float q = fminf(fmaxf(sub(add(y, 12582912.0f), 12582912.0f), 0.0f), (float)L);  // step_encode `rne`
-    rq[c] = (int)q;
+    rq[c] = radius_code(r[k], rm, L);
     if (rq[c] == 0) codes[c] = 0;  // a chunk that decodes to zero stores code 0
   }
   __syncwarp();
@@ -351,6 +384,46 @@ __global__ void write_kernel(WritePlan p, const void* xk, const void* xv, int ro
 }
 
 }  // namespace
+
+// The HQMQ write's arithmetic on the host, one row after another (what hqmq_row computes with
+// a warp, in one thread): rows x [n, NC, 4] fp32 of one kv head, its secondaries sec [S, 4];
+// out: the direction codes and radius codes [n, NC], r_max [n] (fp16 bits), Med3x's outlier
+// mask [n, NC] (0 without med3). For tests on machines without a GPU.
+extern "C" int kvq_hqmq_rows_host(const float* x, int n, int NC, const float* sec, int S, int rbits, int med3,
+                                  float C, int* codes, int* rq, uint16_t* rmax, int* outl) {
+  if (NC < 1 || NC > MAX_D / 4 || S < 1 || rbits < 1 || rbits > 8) return 1;
+  const float4* s4 = reinterpret_cast<const float4*>(sec);
+  float r[MAX_D / 4];
+  for (int row = 0; row < n; ++row) {
+    const float* xr = x + (long long)row * NC * 4;
+    int* cr = codes + (long long)row * NC;
+    int* qr = rq + (long long)row * NC;
+    int* orow = outl + (long long)row * NC;
+    for (int c = 0; c < NC; ++c) r[c] = chunk_radius(xr + 4 * c);
+    float thr = INFINITY;
+    if (med3) {
+      float med = -1.0f;
+      for (int c = 0; c < NC; ++c)
+        if (lower_median(r, NC, r[c])) med = fmaxf(med, r[c]);
+      thr = mul(C, med);
+    }
+    float r_max = 0.0f;
+    for (int c = 0; c < NC; ++c) {
+      orow[c] = med3 && r[c] > thr && r[c] > 0.0f;
+      float u[4];
+      unit(xr + 4 * c, r[c], u);
+      cr[c] = orow[c] ? 0 : best_code(u, s4, S);
+      if (!orow[c]) r_max = fmaxf(r_max, r[c]);
+    }
+    const __half rm16 = __float2half_rn(r_max);
+    rmax[row] = __half_as_ushort(rm16);
+    for (int c = 0; c < NC; ++c) {
+      qr[c] = orow[c] ? 0 : radius_code(r[c], __half2float(rm16), (1 << rbits) - 1);
+      if (qr[c] == 0) cr[c] = 0;
+    }
+  }
+  return 0;
+}
 
 extern "C" int kvq_write_plan_size() { return (int)sizeof(WritePlan); }
 extern "C" int kvq_write_max_d() { return MAX_D; }

@@ -212,3 +212,62 @@ def test_the_hqmq_write_takes_uniform_radius_whole_bit_rows(monkeypatch):
     for spec in ("hqmq:S=96,r=4,radius=log", "hqmq:S=96,pack=mixed"):
         assert not sw.takes(spec), spec
     assert "S=300" in sw._hqmq_reason(300, False, "bits")
+
+
+# ---- where nvcc is: the HQMQ write's arithmetic, run on the host, against the Triton encoder -------------
+@pytest.mark.skipif(CUDA or __import__("kvqbench.kernels.cuda.library", fromlist=["nvcc"]).nvcc() is None,
+                    reason="no nvcc to build the host entry (a GPU runs the kernel itself above)")
+@pytest.mark.parametrize("spec", ["hqmq:S=8,r=4", "hqmq:S=96,r=3,fill=true", "hqmq:S=8,r=4,outliers=med3",
+                                  "hqmq:S=24,r=2,outliers=med3,C=1.5"])
+def test_the_hqmq_writes_arithmetic_equals_the_triton_encoders(spec):
+    # step_write.cu's per-chunk functions (radius, direction search, radius code, Med3x's median)
+    # compiled for the host (`kvq_hqmq_rows_host`, the kernel's row in one thread) give the codes,
+    # radius codes, r_max and outlier flags the Triton step encoder stored for the same one-token
+    # steps (interpreted here: its fp32 ops one by one, as the GPU runs them without FMA)
+    import ctypes
+
+    import numpy as np
+
+    from kvqbench.kernels.cuda import library
+    from kvqbench.quantizers.packing import unpack_bits
+
+    lib = ctypes.CDLL(str(library.compile_library(sw.SOURCE, "kvq_step_write", (9, 0), base=tuple(library.EXACT_FLAGS))))
+    B, H, D, prefill, steps = 2, 2, 64, 9, 6
+    x = _data((2, B, H, prefill + steps, D), torch.float32, 0)
+    layer = QuantizedLayer(spec, 0, seed=0)
+    layer.fused_wanted = True
+    with torch.inference_mode():
+        layer.update(x[0, :, :, :prefill], x[1, :, :, :prefill])
+        # the steps search secondaries in pairs: exact twins (a tie: the first must win) and
+        # twins one ulp apart (near-ties, where only the same fp32 operations in the same order
+        # pick the same one)
+        for store in layer.stores.values():
+            sec = store.flat.sec
+            sec[:, 1::2] = sec[:, 0::2][:, :sec[:, 1::2].shape[1]]
+            sec[:, 3::4, 0] = torch.nextafter(sec[:, 3::4, 0], torch.tensor(2.0))
+        for t in range(prefill, prefill + steps):
+            layer.update(x[0, :, :, t:t + 1], x[1, :, :, t:t + 1])
+    nc, n_outliers = D // 4, 0
+    for role, xr in zip(("K", "V"), x):
+        f = layer.stores[role].flat
+        med3 = layer.stores[role].stepper.med3
+        toks = slice(prefill, prefill + steps)
+        codes = unpack_bits(f.codes[:, :, toks].reshape(-1, f.codes.shape[-1]), f.code_bits, nc).reshape(B, H, steps, nc)
+        rq = unpack_bits(f.radius[:, :, toks].reshape(-1, f.radius.shape[-1]), f.r_bits, nc).reshape(B, H, steps, nc)
+        for b, h in ((b, h) for b in range(B) for h in range(H)):
+            rows = np.ascontiguousarray(xr[b, h, toks].numpy(), dtype=np.float32)
+            sec = np.ascontiguousarray(f.sec[h].float().numpy())
+            out = [np.zeros((steps, nc), np.int32) for _ in range(3)]
+            rmax = np.zeros(steps, np.uint16)
+            ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+            assert lib.kvq_hqmq_rows_host(ptr(rows), steps, nc, ptr(sec), f.S, f.r_bits, int(med3),
+                                          ctypes.c_float(layer.stores[role].stepper.config.C),
+                                          ptr(out[0]), ptr(out[1]), ptr(rmax), ptr(out[2])) == 0
+            assert np.array_equal(out[0], codes[b, h].numpy()), (role, b, h)
+            assert np.array_equal(out[1], rq[b, h].numpy()), (role, b, h)
+            assert np.array_equal(rmax, f.r_max[b, h, toks].view(torch.int16).numpy().view(np.uint16)), (role, b, h)
+            if med3:
+                flags = unpack_bits(f.flags[b, h, toks], 1, nc)
+                assert np.array_equal(out[2], flags.numpy()), (role, b, h)
+                n_outliers += int(out[2].sum())
+    assert n_outliers > 0 or "med3" not in spec  # (Med3x: the data has outliers to find)
