@@ -21,7 +21,7 @@ if not torch.cuda.is_available():  # (the bookkeeping test's Triton encoders run
 
 from kvqbench.kernels import step_encode as se  # noqa: E402
 from kvqbench.kernels import store as store_mod  # noqa: E402
-from kvqbench.kernels.cuda import step_write as sw  # noqa: E402
+from kvqbench.kernels.cuda import library, step_write as sw  # noqa: E402
 from kvqbench.quantizers import QuantizerInputError  # noqa: E402
 from kvqbench.suites.harness.kv_cache import QuantizedLayer  # noqa: E402
 
@@ -215,8 +215,7 @@ def test_the_hqmq_write_takes_uniform_radius_whole_bit_rows(monkeypatch):
 
 
 # ---- where nvcc is: the HQMQ write's arithmetic, run on the host, against the Triton encoder -------------
-@pytest.mark.skipif(CUDA or __import__("kvqbench.kernels.cuda.library", fromlist=["nvcc"]).nvcc() is None,
-                    reason="no nvcc to build the host entry (a GPU runs the kernel itself above)")
+@pytest.mark.skipif(CUDA or library.nvcc() is None, reason="no nvcc to build the host entry (a GPU runs the kernel itself above)")
 @pytest.mark.parametrize("spec", ["hqmq:S=8,r=4", "hqmq:S=96,r=3,fill=true", "hqmq:S=8,r=4,outliers=med3",
                                   "hqmq:S=24,r=2,outliers=med3,C=1.5"])
 def test_the_hqmq_writes_arithmetic_equals_the_triton_encoders(spec):
@@ -228,7 +227,6 @@ def test_the_hqmq_writes_arithmetic_equals_the_triton_encoders(spec):
 
     import numpy as np
 
-    from kvqbench.kernels.cuda import library
     from kvqbench.quantizers.packing import unpack_bits
 
     lib = ctypes.CDLL(str(library.compile_library(sw.SOURCE, "kvq_step_write", (9, 0), base=tuple(library.EXACT_FLAGS))))
