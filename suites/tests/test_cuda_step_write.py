@@ -230,6 +230,7 @@ def test_the_hqmq_writes_arithmetic_equals_the_triton_encoders(spec):
     from kvqbench.quantizers.packing import unpack_bits
 
     lib = ctypes.CDLL(str(library.compile_library(sw.SOURCE, "kvq_step_write", (9, 0), base=tuple(library.EXACT_FLAGS))))
+    assert sw._declare(lib) is None  # (the source builds, and the loader's WritePlan has its size)
     B, H, D, prefill, steps = 2, 2, 64, 9, 6
     x = _data((2, B, H, prefill + steps, D), torch.float32, 0)
     layer = QuantizedLayer(spec, 0, seed=0)
