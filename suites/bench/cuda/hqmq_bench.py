@@ -2,10 +2,10 @@
 SDPA and the Triton HQMQ kernels (HQMQ, HQMQ + Med3x), at B=8 and B=1, T=32k.
 
     python -m kvqbench.suites.bench.cuda.hqmq_bench [--out DIR] [--shapes 8x32768,1x32768] [--quick] [--variants 0,3]
-                                                    [--med3-variants 0,2,9,10]
+                                                    [--med3-variants 0,2,9,10] [--head-dim 64]
 
 Protocol as bench.py beside it (its `bench`: the toolkit's do_bench median, L2 flushed, rep 40 ms):
-Hq 32 / Hkv 8 / d 128, fp16 q; caches = real encodings of 4096 synthetic tokens (3
+Hq 32 / Hkv 8 / d 128 (--head-dim: 64 or 256, the variants with an instance there), fp16 q; caches = real encodings of 4096 synthetic tokens (3
 outlier key channels) tiled to T. Every variant with the default (whole-wave) split rule
 and a few fixed split counts; B=1 also as CUDA graph replays (every config), the graph
 with a device-side valid_len (the decode-loop form), and the host time of an eager call.
@@ -43,11 +43,14 @@ def main():
                     "prefetching ones, whose plain kernel is v2's / v3's)")
     ap.add_argument("--med3-variants", default="", help="comma-separated Med3x variants (default: "
                     "cuda_hqmq.MED3_VARIANTS)")
+    ap.add_argument("--head-dim", type=int, default=128, choices=cuda_hqmq.HEAD_DIMS,
+                    help="head dim (d 64: HQMQ reaches 0.85x of its d 128 ratio, Med3x 0.74x, 2026-12-05)")
     a = ap.parse_args()
+    D = a.head_dim
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     t0 = time.time()
     dev = torch.device("cuda")
-    k, v = synthetic_kv(1, 8, 4096, 128, dev)
+    k, v = synthetic_kv(1, 8, 4096, D, dev)
     base = {}
     for name, spec in (("hqmq", "hqmq:S=96,r=4"), ("hqmq-med3", "hqmq:S=96,r=4,outliers=med3")):
         (_, pk), (_, pv) = encode_kv(spec, k, v)
@@ -58,13 +61,15 @@ def main():
     if a.variants:
         variants = [int(x) for x in a.variants.split(",")]
     med3_variants = [int(x) for x in a.med3_variants.split(",")] if a.med3_variants else list(cuda_hqmq.MED3_VARIANTS)
-    regs = {vv: cuda_hqmq.num_regs(vv, 96) for vv in variants}
-    occ = {vv: cuda_hqmq.occupancy(vv, 96) for vv in variants}
-    regs.update({f"med3/{vv}": cuda_hqmq.num_regs(vv, 96, True) for vv in med3_variants})
-    occ.update({f"med3/{vv}": cuda_hqmq.occupancy(vv, 96, True) for vv in med3_variants})
+    variants = [vv for vv in variants if vv in cuda_hqmq.variants(D)]  # (those with an instance at D)
+    med3_variants = [vv for vv in med3_variants if vv in cuda_hqmq.variants(D, True)]
+    regs = {vv: cuda_hqmq.num_regs(vv, 96, head_dim=D) for vv in variants}
+    occ = {vv: cuda_hqmq.occupancy(vv, 96, head_dim=D) for vv in variants}
+    regs.update({f"med3/{vv}": cuda_hqmq.num_regs(vv, 96, True, head_dim=D) for vv in med3_variants})
+    occ.update({f"med3/{vv}": cuda_hqmq.occupancy(vv, 96, True, head_dim=D) for vv in med3_variants})
     env = env_info()
     copy = copy_bandwidth()["GBps_read_plus_write"]
-    print("registers per variant:", regs, "CTAs/SM:", occ, f"copy {copy:.0f} GB/s", flush=True)
+    print(f"head_dim {D}; registers per variant:", regs, "CTAs/SM:", occ, f"copy {copy:.0f} GB/s", flush=True)
 
     def add(B, T, method, us, sd, **extra):
         r = {"B": B, "T": T, "method": method, "us": us, "x_sdpa": sd / us, **extra}
@@ -74,7 +79,7 @@ def main():
 
     print("| B | T | method | config | us | x SDPA | err vs triton |\n|---|---|---|---|---:|---:|---|")
     for B, T in shapes:
-        q, sdpa = fp16_sdpa(B, T, dev)
+        q, sdpa = fp16_sdpa(B, T, dev, d=D)
         sd = bench(sdpa)
         add(B, T, "fp16-sdpa", sd, sd)
         sdg = None
@@ -90,7 +95,7 @@ def main():
             err = f"{rel_err(cuda_hqmq.decode(q, kf, vf, variant=vv, out_dtype=torch.float32), ref):.1e}"
             for ns in SPLITS.get(B, (None,)):
                 cfg = dict(variant=vv, num_splits=ns)
-                nsplit = cuda_hqmq.splits(B * 8, T, dev, ns, None, vv)[0]
+                nsplit = cuda_hqmq.splits(B * 8, T, dev, ns, None, vv, head_dim=D)[0]
                 try:
                     fn = lambda cfg=cfg: cuda_hqmq.decode(q, kf, vf, **cfg)  # noqa: E731
                     t = bench(fn)
@@ -134,7 +139,7 @@ def main():
                 continue
             for ns in SPLITS.get(B, (None,))[:2]:
                 cfg = dict(variant=vv, num_splits=ns)
-                nsplit = cuda_hqmq.splits(B * 8, T, dev, ns, None, vv, 96, True)[0]
+                nsplit = cuda_hqmq.splits(B * 8, T, dev, ns, None, vv, 96, True, D)[0]
                 t = bench(lambda cfg=cfg: cuda_hqmq.decode(q, kf3, vf3, **cfg))
                 add(B, T, "hqmq-med3-cuda", t, sd, cfg=cfg, nsplit=nsplit, err=err)
                 if B == 1:
@@ -158,7 +163,7 @@ def main():
         torch.cuda.empty_cache()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "hqmq_bench.json").write_text(json.dumps({"device": env["gpu"], "env": env, "regs": regs,
+    (out / "hqmq_bench.json").write_text(json.dumps({"device": env["gpu"], "env": env, "head_dim": D, "regs": regs,
                                                       "ctas_per_sm": occ, "copy_GBps": copy, "rows": rows},
                                                      indent=1, default=str))
     print(f"({time.time() - t0:.0f} s)")
