@@ -77,6 +77,10 @@ def _assert_same(a, b):
         assert set(sa.buffers) == set(sb.buffers) and sa.tokens == sb.tokens
         for name in sa.buffers:
             assert torch.equal(sa.buffers[name].valid, sb.buffers[name].valid), (role, name)
+        if getattr(sa, "outliers", None) is not None:  # HQMQ + Med3x: the lists, their lengths, the block starts
+            assert torch.equal(sa.outlier_len, sb.outlier_len) and torch.equal(sa.outlier_index.valid, sb.outlier_index.valid)
+            for (bb, hh), n in zip(((i, j) for i in range(sa.B) for j in range(sa.H)), sa.outlier_len.tolist()):
+                assert torch.equal(sa.outliers[bb, hh, :n], sb.outliers[bb, hh, :n]), (role, bb, hh)
         assert torch.equal(a.read(role), b.read(role))
     assert torch.equal(a.errors.flags, b.errors.flags)
 
@@ -158,10 +162,15 @@ def test_write_pair_bookkeeping_equals_the_step_path(spec, monkeypatch):
     monkeypatch.setattr(sw, "_launch", _triton_launch)
     monkeypatch.setattr(sw, "why_not", lambda *a: None)
     monkeypatch.setattr(sw._LIB, "load", lambda: True)
-    new, launched = _run(spec, torch.float16, 32, True, prefill=13, steps=14, H=2)
-    old, _ = _run(spec, torch.float16, 32, False, prefill=13, steps=14, H=2)
+    # (Med3x past token 64: a step that opens an outlier-index block, its block number handed
+    # through write_pair to the launch; and a buffer growth, 64 -> 128 tokens)
+    steps = 55 if "med3" in spec else 14
+    new, launched = _run(spec, torch.float16, 32, True, prefill=13, steps=steps, H=2)
+    old, _ = _run(spec, torch.float16, 32, False, prefill=13, steps=steps, H=2)
     _assert_same(new, old)
     assert all(s.in_run for s in new.stores.values())
+    if "med3" in spec:
+        assert new.stores["K"].buffers["codes"].capacity > 64 and new.stores["K"].outlier_index.length == 2
 
 
 # ---- everywhere: the switch and the refusals ---------------------------------------------------------
