@@ -793,22 +793,35 @@ def test_plan_struct_mirrors_the_cu():
     assert c_names == [n for n, _ in a._fields_]
 
 
-def test_plan_cache_keeps_plans_by_tensor_identity():
-    """Any machine: a plan serves only while its tensors are the same live objects (an id
-    reused by another tensor does not match), None fields stay None, full caches clear."""
+def test_plan_cache_keeps_plans_while_their_tensors_live():
+    """Any machine: a plan serves while the tensors whose ids its key holds are alive; freeing
+    one drops the entry before its id can name another tensor (so a reused id finds nothing);
+    None fields are allowed; an entry replaced or cleared takes its callbacks with it; full
+    caches clear."""
+    import gc
+
     from kvqbench.kernels.cuda.library import PlanCache
 
     c = PlanCache(limit=3)
     t, u = torch.zeros(3), torch.zeros(3)
-    p = c.put(("k",), (t, None), object())
-    assert c.get(("k",), (t, None)) is p and c.builds == 1
-    assert c.get(("k",), (u, None)) is None  # the same key, another object (as after an id is reused)
-    assert c.get(("k",), (t, u)) is None
+    key = lambda *ts: tuple(map(id, ts))  # noqa: E731 (as the callers key: the tensors' ids)
+    p = c.put(key(t, None), (t, None), object())
+    q = c.put(key(u), (u,), object())
+    assert c.get(key(t, None)) is p and c.get(key(u)) is q and c.builds == 2
+    old = id(t)
     del t
-    assert c.get(("k",), (u, None)) is None  # its tensor gone
-    for i in range(3):
-        c.put(("x", i), (u,), object())
-    assert len(c.plans) == 1 and c.builds == 4  # cleared when full, then the new one kept
+    gc.collect()
+    assert c.get((old, id(None))) is None and c.get(key(u)) is q  # its entry gone, the other kept
+    reused = [torch.zeros(3) for _ in range(64)]  # (CPython hands freed ids out again)
+    assert all(c.get((id(r), id(None))) is None for r in reused)
+    c.plans.clear()  # an entry dropped with its references: freeing u later touches nothing
+    r = c.put(key(u), (u,), object())
+    del u
+    assert key(*reused[:1]) not in c.plans and len(c.plans) == 0 and r is not None
+    w = torch.zeros(3)
+    for i in range(4):
+        c.put(("x", i, id(w)), (w,), object())
+    assert len(c.plans) == 1 and c.builds == 7  # cleared when full (3), then the new one kept
 
 
 def test_plan_keying_and_invalidation(monkeypatch):
