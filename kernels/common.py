@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 
 import torch
 
@@ -151,6 +152,53 @@ def bh_stride(t: torch.Tensor, name: str = "buffer") -> int:
 # ---------------------------------------------------------------------------------------
 # partial results
 # ---------------------------------------------------------------------------------------
+
+# ---------------------------------------------------------------------------------------
+# launch plans kept per layout (both backends: what a call derives from the shapes, once)
+# ---------------------------------------------------------------------------------------
+class PlanCache:
+    """Launch plans by call key. A plan serves while every tensor it points into is alive: the
+    key must hold those tensors' ids and every int, dtype, option and q property the plan
+    derives from (anything else that changes then makes a new key). `put` keeps a weak
+    reference to each tensor whose callback drops the entry when the tensor is freed, which
+    CPython does before the id can be handed to another object: so a key found is a key of
+    live tensors, the very objects the plan was made from, and `get` is one dict lookup (it
+    compared each tensor by identity before: ~1 us of an HQMQ call's 16 tensors on a CPU). A
+    tensor resized or restrided IN PLACE keeps its id: the decode store never does that (it
+    grows into new buffers). Cleared when `limit` plans are held: a plan is cheap to make
+    again. `builds` counts the plans put (tests)."""
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self.plans: dict = {}
+        self.builds = 0
+
+    def get(self, key, tensors=None):
+        """The plan kept under key (its tensors are alive: they are `tensors`), None when there is none."""
+        entry = self.plans.get(key)
+        return None if entry is None else entry[1]
+
+    def put(self, key, tensors, plan):
+        """Keep plan under key (tensors: the ones it points into, None where absent); returns it."""
+        if len(self.plans) >= self.limit:
+            self.plans.clear()
+        plans = self.plans
+
+        def drop(_ref, key=key):  # a tensor of the entry is being freed: its id may be reused
+            entry = plans.get(key)
+            if entry is not None and any(r is _ref for r in entry[0]):
+                del plans[key]
+
+        # (the weak references live in the entry: an entry dropped or replaced takes its
+        # callbacks with it, so a callback only ever drops the entry it belongs to)
+        self.plans[key] = (tuple(weakref.ref(t, drop) for t in tensors if t is not None), plan)
+        self.builds += 1
+        return plan
+
+    def clear(self) -> None:
+        self.plans.clear()
+
+
 class Workspace:
     """Partial-result buffers for one shape, reused between calls (and by CUDA graphs)."""
 
@@ -162,5 +210,5 @@ class Workspace:
         self.out = torch.empty(rows_q * D, dtype=out_dtype, device=device)
 
 
-__all__ = ["interpreting", "sm_count", "ASSUMED_SM_COUNT", "choose_splits", "split_tiles", "pow2", "check_q",
+__all__ = ["PlanCache", "interpreting", "sm_count", "ASSUMED_SM_COUNT", "choose_splits", "split_tiles", "pow2", "check_q",
            "check_valid_len", "check_row_start", "bh_stride", "Workspace"]

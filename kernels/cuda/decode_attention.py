@@ -49,9 +49,9 @@ from pathlib import Path
 
 import torch
 
-from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles, token_tiles
+from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles, token_tiles
 from ..layout import FP8Flat, IntFlat, KIVIFlat, KIVIGraphFlat
-from .library import (FUSED_COMBINE, FUSED_DEFINE, QTYPE, KernelLibrary, PlanCache, RoutedPlan, check_token_counts,
+from .library import (FUSED_COMBINE, FUSED_DEFINE, QTYPE, KernelLibrary, RoutedPlan, check_token_counts,
                       follow_tokens, fresh_partials, fused_declare, on_current_stream,
                       workspace_counters)
 

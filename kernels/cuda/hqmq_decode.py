@@ -31,9 +31,9 @@ import torch
 
 from ...quantizers.derived import derived
 from ...quantizers.derived import tensor_version as _version
-from ..common import Workspace, bh_stride, check_q, sm_count, split_tiles
+from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import HQMQFlat, codebook_from_secondaries
-from .library import (FUSED_COMBINE, FUSED_DEFINE, QTYPE, KernelLibrary, PlanCache, RoutedPlan, follow_tokens,
+from .library import (FUSED_COMBINE, FUSED_DEFINE, QTYPE, KernelLibrary, RoutedPlan, follow_tokens,
                       fresh_partials, fused_declare, on_current_stream, workspace_counters)
 
 SOURCE = Path(__file__).parent / "hqmq_decode.cu"

@@ -34,9 +34,10 @@ from ...quantizers import get_quantizer
 from .. import registry
 from ..formats import fp8 as fp8_format, fp16 as fp16_format, hqmq as hqmq_format, kivi as kivi_format
 from ..formats import naive_int as int_format
+from ..common import PlanCache
 from ..formats.kivi import KIVIStore
 from ..store import KernelStore
-from .library import EXACT_FLAGS, KernelLibrary, PlanCache, Switch, on_current_stream
+from .library import EXACT_FLAGS, KernelLibrary, Switch, on_current_stream
 
 SOURCE = Path(__file__).parent / "step_write.cu"
 _XTYPE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}

@@ -19,13 +19,12 @@ come from plain integer arithmetic in fp32, rounded to the cache dtype as
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 import triton
 import triton.language as tl
 
-from ..common import Workspace, interpreting, sm_count
+from ..common import PlanCache as SharedPlanCache, Workspace, interpreting, sm_count
 
 try:  # Triton >= 3.0
     from triton.language.extra import libdevice
@@ -346,9 +345,8 @@ class SplitPlan:
     """What a split launch of one layout keeps between calls: the kernel, the grid rows,
     every constexpr / launch keyword, the output dtype and shape, and whatever the format's
     wrapper adds (its per-layout launch arguments, checked once). `want`: the split count
-    before the cut by the token tiles (`choose_splits`' rule without T, see `splits`).
-    `refs`: weak references to the tensors the plan was made from (`PlanCache`)."""
-    __slots__ = ("kernel", "rows", "rows_q", "D", "kw", "out_dtype", "out_shape", "want", "block", "extra", "refs",
+    before the cut by the token tiles (`choose_splits`' rule without T, see `splits`)."""
+    __slots__ = ("kernel", "rows", "rows_q", "D", "kw", "out_dtype", "out_shape", "want", "block", "extra",
                  "__weakref__")
 
     def __init__(self, kernel, const, q, B, H, D, num_warps, num_stages, cache_dtype, out_dtype):
@@ -360,7 +358,7 @@ class SplitPlan:
                        RND=TL_DTYPES[cache_dtype], **const, **extra)
         self.out_dtype = out_dtype or q.dtype
         self.out_shape = (B, Hq, 1, D)
-        self.want, self.block, self.extra, self.refs = 0, 1, None, ()
+        self.want, self.block, self.extra = 0, 1, None
 
     def splits(self, ntiles: int) -> tuple[int, int]:
         """`choose_splits(rows, ntiles, ...)` with the plan's `want` (set by the wrapper:
@@ -388,31 +386,16 @@ def run_split(plan: SplitPlan, q, args, runtime, nsplit: int, ws):
     return ws.out.view(plan.out_shape)
 
 
-def _NONE():  # the reference of an absent (None) field
-    return None
-
-
-class PlanCache:
-    """Plans by layout key, each valid while the tensors it was made from are alive and
-    the same objects (weak references, as the CUDA backend's plans): the key holds their
-    ids and every int, dtype, option and q property the plan derives from, but not the
-    valid length T (the split cut is redone per call, `SplitPlan.splits`). A tensor
-    resized or restrided IN PLACE (resize_, as_strided_) keeps its id: the store never does
-    that (it grows into new buffers); anything else that changes makes a new key."""
+class PlanCache(SharedPlanCache):
+    """Plans by layout key (kernels/common.py `PlanCache`: each valid while the tensors whose
+    ids its key holds are alive), the key holding every int, dtype, option and q property the
+    plan derives from, but not the valid length T (the split cut is redone per call,
+    `SplitPlan.splits`); `lookup` makes a call's plan when none is kept. Every cache is
+    listed for `clear_plans` / `plan_count`."""
 
     def __init__(self, max_plans: int = 256):
-        self.max_plans = max_plans
-        self.plans: dict = {}
+        super().__init__(max_plans)
         _CACHES.append(self)
-
-    def get(self, key, tensors):
-        plan = self.plans.get(key)
-        if plan is None:
-            return None
-        for r, t in zip(plan.refs, tensors):
-            if r() is not t:
-                return None
-        return plan
 
     def lookup(self, layout, tensors, make, q, k, v, valid_len, *options, row_start=None):
         """The plan of a call: the cached one for (`layout`, q's shape / dtype / device,
@@ -425,16 +408,6 @@ class PlanCache:
         plan = self.get(key, tensors)
         return plan if plan is not None else self.put(key, tensors,
                                                       make(q, k, v, valid_len, *options, row_start=row_start))
-
-    def put(self, key, tensors, plan):
-        plan.refs = tuple(_NONE if t is None else weakref.ref(t) for t in tensors)
-        if len(self.plans) >= self.max_plans:
-            self.plans.clear()  # a plan is cheap to make again
-        self.plans[key] = plan
-        return plan
-
-    def clear(self) -> None:
-        self.plans.clear()
 
 
 _CACHES: list = []

@@ -800,7 +800,7 @@ def test_plan_cache_keeps_plans_while_their_tensors_live():
     caches clear."""
     import gc
 
-    from kvqbench.kernels.cuda.library import PlanCache
+    from kvqbench.kernels.common import PlanCache
 
     c = PlanCache(limit=3)
     t, u = torch.zeros(3), torch.zeros(3)
@@ -830,7 +830,7 @@ def test_plan_keying_and_invalidation(monkeypatch):
     reuse the kept one (another T: retargeted, see test_cuda_plans.py)."""
     from types import SimpleNamespace
 
-    from kvqbench.kernels.cuda.library import PlanCache
+    from kvqbench.kernels.common import PlanCache
 
     built = []
     monkeypatch.setattr(cuda_hqmq, "_PLANS", PlanCache())
