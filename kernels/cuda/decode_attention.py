@@ -358,7 +358,7 @@ def _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: 
     ts = tk + tv
     key = (type(k), ik, iv, tuple(map(id, ts)), q.dtype, q.shape, q.device, num_splits, ctas_per_sm, variant,
            out_dtype, device_count)
-    return _PLANS.get(key, ts), key, ts
+    return _PLANS.get(key), key, ts
 
 
 def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bool = False) -> _Plan:

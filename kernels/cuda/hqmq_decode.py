@@ -527,7 +527,7 @@ def _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len_give
            v.B, v.H, v.D, v.S, v.code_bits, v.r_bits, v.log_radius, v.table_mode,
            None if k.sec is None else _version(k.sec), None if v.sec is None else _version(v.sec),
            q.shape, q.dtype, q.device, valid_len_given, num_splits, ctas_per_sm, variant, out_dtype)
-    return _PLANS.get(key, ts), key, ts
+    return _PLANS.get(key), key, ts
 
 
 def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len):

@@ -218,7 +218,7 @@ def _role(store, x: torch.Tensor, err: torch.Tensor) -> _Role:
 def _plan(k_store, v_store, k, v, errors) -> _Plan:
     ts = _tensors(k_store) + _tensors(v_store) + (errors.flags,)
     key = (tuple(map(id, ts)), k.dtype, k.shape, k.stride(), v.stride())
-    plan = _PLANS.get(key, ts)
+    plan = _PLANS.get(key)
     if plan is None:
         f = k_store.flat
         int_kind = _kind(k_store) == "int"

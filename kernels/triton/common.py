@@ -405,7 +405,7 @@ class PlanCache(SharedPlanCache):
         its ints and dtypes). (Both tensors are read by the kernel at run time: only
         whether they are given changes the plan, a constexpr.)"""
         key = (*layout, *q_key(q), valid_len is None, row_start is None, *options)
-        plan = self.get(key, tensors)
+        plan = self.get(key)
         return plan if plan is not None else self.put(key, tensors,
                                                       make(q, k, v, valid_len, *options, row_start=row_start))
 
