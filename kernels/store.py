@@ -358,13 +358,17 @@ class KernelStore:
         """x's tokens into the buffers as part of the current run (opened here if none is)."""
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if self._run_start is None:  # (KIVI's `_step` takes no begin_write)
-            self._run_start = self._run_position()
+        self._open_run()  # (KIVI's multi-token `_step` takes no begin_write)
         self._step(x, errors)
 
     def _run_position(self) -> int:
         """Where a run of steps starts on axis 2 of the buffers (tokens; KIVI: groups)."""
         return self.tokens
+
+    def _open_run(self) -> None:
+        """Open a run of device writes here unless one is open."""
+        if self._run_start is None:
+            self._run_start = self._run_position()
 
     def _step(self, x: torch.Tensor, errors: torch.Tensor) -> None:
         """x's tokens (one; `steps`: t) into the buffers at the current length."""
@@ -377,8 +381,7 @@ class KernelStore:
         launch: (the first token t0, the keyword arguments of the format's step encoder);
         `end_write(t0 + t)` after the launch. `step` does both around the format's encoder;
         kernels/cuda/step_write.py around one launch for a layer's K and V stores."""
-        if self._run_start is None:  # (the write is part of the current run, opened here if none is)
-            self._run_start = self._run_position()
+        self._open_run()  # (the write is part of the current run)
         t0 = self.tokens
         end = t0 + t
         grew = False
@@ -461,8 +464,7 @@ class KernelStore:
         self._advance(end)
 
     def _advance(self, end: int) -> None:
-        if self._run_start is None:
-            self._run_start = self.tokens
+        self._open_run()
         for name in self.fields:
             if name in self.buffers:
                 self.buffers[name].length = end

@@ -219,8 +219,7 @@ class KIVIStore(KernelStore):
         the window. (kernels/cuda/step_write.py writes both roles' rows in one launch.)"""
         if t != 1:
             raise ValueError("a KIVI window step writes one token (more: _step_tokens)")
-        if self._run_start is None:
-            self._run_start = self._run_position()
+        self._open_run()
         res = self.buffers["residual"]
         n = res.length
         res.extend(n + 1)
@@ -454,8 +453,7 @@ class KIVIStore(KernelStore):
         return qcap + a + p - 1
 
     def _advance(self, end: int) -> None:
-        if self._run_start is None:
-            self._run_start = self.flat.n_groups
+        self._open_run()
         ng, n_res = self._counts(end)
         per = 1 if self.role == "K" else self.flat.group
         for name in ("codes", "scale", "zero"):
