@@ -78,7 +78,8 @@ def _assert_same(a, b):
         for name in sa.buffers:
             assert torch.equal(sa.buffers[name].valid, sb.buffers[name].valid), (role, name)
         if getattr(sa, "outliers", None) is not None:  # HQMQ + Med3x: the lists, their lengths, the block starts
-            assert torch.equal(sa.outlier_len, sb.outlier_len) and torch.equal(sa.outlier_index.valid, sb.outlier_index.valid)
+            assert torch.equal(sa.outlier_len, sb.outlier_len)
+            assert torch.equal(sa.outlier_index.valid, sb.outlier_index.valid)
             for (bb, hh), n in zip(((i, j) for i in range(sa.B) for j in range(sa.H)), sa.outlier_len.tolist()):
                 assert torch.equal(sa.outliers[bb, hh, :n], sb.outliers[bb, hh, :n]), (role, bb, hh)
         assert torch.equal(a.read(role), b.read(role))
@@ -224,7 +225,8 @@ def test_the_hqmq_write_takes_uniform_radius_whole_bit_rows(monkeypatch):
 
 
 # ---- where nvcc is: the HQMQ write's arithmetic, run on the host, against the Triton encoder -------------
-@pytest.mark.skipif(CUDA or library.nvcc() is None, reason="no nvcc to build the host entry (a GPU runs the kernel itself above)")
+@pytest.mark.skipif(CUDA or library.nvcc() is None,
+                    reason="no nvcc to build the host entry (a GPU runs the kernel itself above)")
 @pytest.mark.parametrize("spec", ["hqmq:S=8,r=4", "hqmq:S=96,r=3,fill=true", "hqmq:S=8,r=4,outliers=med3",
                                   "hqmq:S=24,r=2,outliers=med3,C=1.5"])
 def test_the_hqmq_writes_arithmetic_equals_the_triton_encoders(spec):

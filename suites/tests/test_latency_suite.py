@@ -64,7 +64,8 @@ def test_report_schema_and_files(one_shape_run):
     # the CUDA rows and the B=1 graph replays: reported as not run, with the reason, never a number
     skipped = {r["method"]: r["skipped"] for r in res["latency"] if "skipped" in r}
     want = ({f"{m}-cuda" for m in FUSED_SPECS} | {f"{m}-graph" for m in ["fp16-sdpa", *FUSED_SPECS, *triton]}
-            | {"flashinfer-fp16", "flashinfer-fp8", "flashinfer-fp16-tc", "flashinfer-fp8-tc"})  # FlashInfer's peer rows: a GPU's, where it is installed
+            # FlashInfer's peer rows: a GPU's, where it is installed
+            | {"flashinfer-fp16", "flashinfer-fp8", "flashinfer-fp16-tc", "flashinfer-fp8-tc"})
     assert set(skipped) == want
     assert all(why.startswith("not run here: ") for why in skipped.values())
     assert skipped["fused-int4-cuda"] == "not run here: torch has no CUDA device"

@@ -32,8 +32,8 @@ import torch
 from ..toolkit import HOST_US_CALLS, host_us, stepping
 
 # formats of issue 28's table: label -> quantizer spec
-SPECS = {"int4": "int4", "fp8": "fp8", "kivi4": "kivi:bits=4", "hqmq": "hqmq:S=96,r=4", "med3": "hqmq:S=96,r=4,outliers=med3",
-         "fp16": "fp16"}
+SPECS = {"int4": "int4", "fp8": "fp8", "kivi4": "kivi:bits=4", "hqmq": "hqmq:S=96,r=4",
+         "med3": "hqmq:S=96,r=4,outliers=med3", "fp16": "fp16"}
 
 
 @contextlib.contextmanager
