@@ -299,7 +299,9 @@ class KIVIFlat:
 
     def tile(self, batch_reps: int, n_groups: int) -> "KIVIFlat":
         """A valid cache of `n_groups` quantized groups: this one's groups repeated
-        cyclically, along batch too; the fp16 window stays at the end (benchmarks)."""
+        cyclically, along batch too; the fp16 window stays at the end (benchmarks). Its
+        window length is an int, as the decode store's flats hold it (None would make every
+        length read a tensor shape read, which a benchmark's host time would then charge)."""
         if self.n_groups == 0:
             raise ValueError("nothing to tile: no quantized groups")
         reps = -(-n_groups // self.n_groups)
@@ -311,7 +313,7 @@ class KIVIFlat:
             return t[:, :, :nv].repeat(r)[:, :, :nt].contiguous()
 
         return dataclasses.replace(
-            self, B=self.B * batch_reps, n_groups=n_groups, n_res=None,
+            self, B=self.B * batch_reps, n_groups=n_groups, n_res=self.T_res,
             codes=rep(self.codes), scale=rep(self.scale), zero=rep(self.zero),
             residual=self.residual[:, :, : self.T_res].repeat(batch_reps, 1, 1, 1),
         )

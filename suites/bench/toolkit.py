@@ -239,11 +239,7 @@ def kernel_flats(spec: str, B: int, T: int, H: int, d: int, t0: int, device="cpu
 
     k, v = synthetic_kv(1, H, t0, d, device)
     (_, pk), (_, pv) = encode_kv(spec, k, v)
-    flats = tile_to(flatten(pk, "K"), B, T), tile_to(flatten(pv, "V"), B, T)
-    for f in flats:  # KIVI: its window length as an int, as the decode store's flats hold it
-        if getattr(f, "n_res", 0) is None:  # (None, "all the window's rows", reads the tensor's shape per use)
-            f.n_res = f.residual.shape[2]
-    return flats
+    return tile_to(flatten(pk, "K"), B, T), tile_to(flatten(pv, "V"), B, T)
 
 
 def stepping(fn, kf, vf):
