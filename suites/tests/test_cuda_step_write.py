@@ -7,7 +7,9 @@ issues no Triton launch.
 GPU only, but for the refusals (`why_not`), the switch and the stores' bookkeeping around the
 launch (emulated by the Triton encoders), which run everywhere. Ran on an H100 on 2026-12-06
 (115 passed, at the commit that added them; the refusal test then corrected for a GPU, where
-its int4 case is taken). The KIVI and HQMQ cases have not run on a GPU yet.
+its int4 case is taken). The KIVI and HQMQ cases ran on an H100 on 2026-12-06 (eighth session:
+every HQMQ / Med3x case passed; KIVI's bytes were equal everywhere, and the launch count's
+expectation was corrected for the default 128-token window, which does not flush here).
 """
 from __future__ import annotations
 
@@ -99,7 +101,10 @@ def test_cuda_write_stores_what_the_triton_steps_store(spec, dtype, D, monkeypat
     old, old_launched = _run(spec, dtype, D, False)
     _assert_same(new, old)
     if "kivi" in spec:  # the window rows in one launch, each flush a Triton int launch as before
-        assert 0 < launched < old_launched - 30
+        assert launched < old_launched - 30
+        # residual=8 flushes within the 30 steps; the default window (128 tokens) does not
+        # (37 + 30 tokens), so there the CUDA write served every step alone
+        assert (launched > 0) == ("residual=8" in spec)
     else:
         assert launched == 0 and old_launched == 2 * 30  # no Triton launch: the CUDA write served every step
         assert new.stores["V"].buffers[new.stores["V"].fields[0]].capacity > 64
@@ -180,7 +185,7 @@ def test_the_switch_is_on_unless_the_environment_turns_it_off():
     import sys
 
     code = "from kvqbench.kernels.cuda import step_write as s; print(s.CUDA_WRITE.on, 'kivi' in s.VERIFIED)"
-    for env, want in ((None, "True False"), ("0", "False False"), ("1", "True False"), ("all", "True True")):
+    for env, want in ((None, "True True"), ("0", "False True"), ("1", "True True"), ("all", "True True")):
         e = {k: v for k, v in os.environ.items() if k != "KVQBENCH_CUDA_WRITE"}
         if env is not None:
             e["KVQBENCH_CUDA_WRITE"] = env
@@ -193,7 +198,10 @@ def test_the_switch_is_on_unless_the_environment_turns_it_off():
 
 @pytest.mark.parametrize("spec,why", [("kivi:bits=2,group=8,residual=8", "not verified"),
                                       ("hqmq:S=8,r=4", "not verified"), ("int4", None)])
-def test_why_not_names_the_refusal(spec, why):
+def test_why_not_names_the_refusal(spec, why, monkeypatch):
+    # (every kind is verified today: the refusal a kind gets before its GPU tests pass is
+    # checked with KIVI and HQMQ taken back out)
+    monkeypatch.setattr(sw, "VERIFIED", {"int", "fp8", "fp16"})
     x = torch.randn(1, 2, 12, 64, dtype=torch.float16, device=DEV)
     layer = QuantizedLayer(spec, 0)
     layer.fused_wanted = True
@@ -213,8 +221,9 @@ def test_why_not_names_the_refusal(spec, why):
 
 
 def test_the_hqmq_write_takes_uniform_radius_whole_bit_rows(monkeypatch):
-    # log-spaced radius levels and mixed-radix rows keep the Triton encoder even once HQMQ is
-    # verified; until then no HQMQ config is taken by default
+    # log-spaced radius levels and mixed-radix rows keep the Triton encoder though HQMQ is
+    # verified; a kind out of VERIFIED is taken in no config
+    monkeypatch.setattr(sw, "VERIFIED", set(sw.KINDS) - {"hqmq"})
     assert not sw.takes("hqmq:S=96,r=4")
     monkeypatch.setattr(sw, "VERIFIED", set(sw.KINDS))
     for spec in ("hqmq:S=96,r=4", "hqmq:S=96,fill=true", "hqmq:S=8,r=3", "hqmq:S=96,r=4,outliers=med3"):
