@@ -78,6 +78,29 @@ def _route(q, k, v, backend: str, options: dict, valid_len, declined: dict | Non
                      + "; ".join(f"{b}: {w}" for b, w in (declined or {}).items()))
 
 
+# The fast route on (host_time.py --breakdown times it off and on in one run).
+FAST_ROUTE = True
+
+
+def _fast(q, k, v):
+    """An eager call's fast route (issue 28: host time per call): the first kernel auto
+    tries, when the auto switch routes this cache to it, launches the call through a plan it
+    keeps for exactly these layouts (`Kernel.fast`), skipping the route's checks, which that
+    plan passed when it was made. None: no such plan (the first call on a layout, another
+    switch state, a kernel without a fast route): the route decides. On an eager decode
+    step every call after a layout's first takes it."""
+    fmt = registry.format_of_flat(type(k))
+    if fmt is None:
+        return None
+    kerns = fmt.ordered
+    if not kerns:
+        return None
+    kern = kerns[0]
+    if kern.fast is None or (kern.auto is not None and kern.auto(k)):
+        return None
+    return kern.fast(q, k, v)
+
+
 def explain_backend(q, k, v, backend: str = "auto", valid_len=None, row_start=None, **options) -> Route:
     """The backend `decode_attention(q, k, v, backend, valid_len=..., row_start=...,
     **options)` runs, and why: the same routing, without the call (it may build a CUDA
@@ -123,6 +146,10 @@ def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", valid_len: to
     both backends; KIVI with `KIVIGraphFlat` views (`KernelStore.graph_view`: the window
     policy turns the length into each side's group and window counts on the device), on
     both backends ("auto" takes CUDA for them once `cuda.decode_attention.KIVI_VALID_LEN_AUTO`)."""
+    if FAST_ROUTE and backend == "auto" and valid_len is None and row_start is None and not kw:
+        out = _fast(q, k, v)
+        if out is not None:
+            return out
     kern, _ = _route(q, k, v, backend, kw, valid_len, row_start=row_start)
     if valid_len is not None:
         kw["valid_len"] = valid_len

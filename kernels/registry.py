@@ -93,7 +93,11 @@ class Kernel:
       row_start[b] masked for row b); the built-in Triton kernels do, the CUDA ones not;
     - `unsupported(q, k, v)`: why it cannot take this call's layout (must not build);
     - `why_unavailable()`: why it cannot run here at all (may build, once: it runs last).
-    `renamed`: the front's option names this kernel knows by another name."""
+    `renamed`: the front's option names this kernel knows by another name.
+    `fast(q, k, v)`: optional, the eager fast route of a call with no options, valid_len or
+    row_start, when this is the first kernel auto tries and `auto(k)` routes the cache here:
+    the result where the kernel keeps a plan made for exactly this call's layouts (one that
+    passed every check above when it was made), None to let the route decide."""
     backend: str
     fn: Callable
     title: str = ""
@@ -104,6 +108,7 @@ class Kernel:
     unsupported: Callable[..., str | None] | None = None
     why_unavailable: Callable[[], str | None] | None = None
     renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    fast: Callable[..., Any] | None = None
 
     @property
     def name(self) -> str:

@@ -325,7 +325,8 @@ class _Plan:
     """What a call on one cache layout launches: the argument struct, the split count and
     the workspace size, with weak references to the cache tensors it points into (a plan
     is used only while every one of them is alive and the same object)."""
-    __slots__ = ("keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind", "splits_asked")
+    __slots__ = ("keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind", "splits_asked",
+                 "counts")
 
 
 _PLANS = PlanCache(64)  # layouts kept (library.py: weak references, cleared when full)
@@ -375,19 +376,48 @@ def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bo
         plan, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count)
         if plan is None:
             return _PLANS.put(key, ts, _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count))
+    return _fit(plan, q, k, v, device_count)
+
+
+def _fit(plan, q, k, v, device_count: bool) -> _Plan:
+    """A kept plan set to this call's counts (they are out of the key)."""
     if plan.kind == 0:
         if plan.args.T != k.T:  # int4 / fp8 on more (or fewer) tokens of the same buffers
             _retarget(plan, q, k, v)
-    elif not device_count and _kivi_moved(plan.args, k, v):  # KIVI: other group / window counts
+    elif not device_count and _kivi_moved(plan, k, v):  # KIVI: other group / window counts
         _retarget(plan, q, k, v)
     return plan
 
 
-def _kivi_moved(a, k, v) -> bool:
-    """Whether a host-count KIVI call's lengths differ from those its plan's struct holds
-    (with K and V of one T, T and the two quantized lengths fix both sides' group and
-    window counts; K and V of different T: moved, so the retarget refuses them)."""
-    return (a.T, a.TQK, a.TQV) != (k.T, k.T_quant, v.T_quant) or v.T != k.T
+def fast(q: torch.Tensor, k, v) -> torch.Tensor | None:
+    """decode_attention's fast route (kernels/decode_attention.py `_fast`: backend="auto",
+    no options, no valid_len or row_start, the auto switch routing this format here): the
+    call launched by the plan kept for exactly its layouts, None when none is kept (the
+    route then decides, as before). Every check the route makes held when the plan was
+    built (a build runs `unsupported`, and raises where it refuses) and holds while the
+    key's tensors live: the key is their ids, the flats' shapes and formats, and q's shape,
+    dtype and device. What the key leaves out is checked here as `unsupported`'s planned
+    branch checks it (K and V of one T; a KIVI graph view needs a valid_len: the route)."""
+    if type(v) is not type(k) or not _PLANS.plans or _is_graph(k, v):
+        return None
+    plan = _lookup(q, k, v, None, DEFAULT_CTAS_PER_SM, None, None)[0]
+    if plan is None or ((plan.kind == 0 or _kivi_moved(plan, k, v)) and k.T != v.T):
+        return None  # (KIVI: counts its plan holds are counts of one T, read no further)
+    return _launch(_fit(plan, q, k, v, False), q, None, None)
+
+
+def _kivi_counts(k, v) -> tuple:
+    """What fixes a host-count KIVI call's lengths on its plan's buffers: each side's groups
+    and window rows (n_res None: all rows of the window buffer, whose tensor is in the key)."""
+    return k.n_groups, k.n_res, v.n_groups, v.n_res
+
+
+def _kivi_moved(plan, k, v) -> bool:
+    """Whether a host-count KIVI call's counts differ from those its plan was last set to
+    (`counts`; plain fields: the length properties cost an eager call ~1 us on a CPU). The
+    plan's counts passed `check_token_counts` (K and V of one T), so K and V of different
+    T always read as moved, and the retarget refuses them."""
+    return plan.counts != _kivi_counts(k, v)
 
 
 def _host_lengths(k, v) -> tuple[int, int]:
@@ -438,6 +468,7 @@ def _retarget(plan, q, k, v) -> None:
         a.T, a.TQK, a.TQV = k.T, k.T_quant, v.T_quant
     else:
         plan.nsplit = _kivi_token_fields(a, k, v, q.device, *plan.splits_asked, False)
+    plan.counts = _kivi_counts(k, v)
 
 
 def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bool = False) -> _Plan:
@@ -507,6 +538,7 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_cou
     plan.nsplit, plan.rows_q, plan.D, plan.out_dtype, plan.kind = nsplit, B * Hq, D, out_dtype, a.kind
     plan.splits_asked = (num_splits, ctas_per_sm)
     plan.shape = (B, Hq, 1, D)
+    plan.counts = _kivi_counts(k, v) if a.kind == 1 and not device_count else None
     return plan
 
 
@@ -545,7 +577,13 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
 
     With a workspace, the result is its `out` buffer (overwritten by the next call with
     it); without one, a fresh tensor."""
-    plan = _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len is not None)
+    return _launch(_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len is not None),
+                   q, valid_len, workspace)
+
+
+def _launch(plan, q, valid_len, workspace) -> torch.Tensor:
+    """A call's launch through its plan: the partials from the workspace when it fits (else
+    from the scratch buffer, with a fresh result), q's and valid_len's pointers."""
     if not q.is_contiguous():
         q = q.contiguous()
     vptr = None

@@ -582,6 +582,28 @@ def _decode_planned(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dt
         return _decode_per_call(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len)
     plan = _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len)
     vl = None if valid_len is None else _valid_len_ptr(valid_len, q)  # (a plan holds no valid_len tensor)
+    return _launch_planned(plan, q, vl, workspace)
+
+
+def fast(q: torch.Tensor, k, v) -> torch.Tensor | None:
+    """decode_attention's fast route (kernels/decode_attention.py `_fast`; the auto switch
+    routes this cache here): the call launched by the plan kept for exactly its layouts, None
+    when none is kept (the route decides). The plan passed every check of the route when it
+    was built, and the key holds what those checks read (the buffers' ids, the flats' fields,
+    the codebooks' versions, q's shape, dtype and device); T is out of it (`_retarget`)."""
+    if not (PLANNED and _PLANS.plans) or type(k) is not HQMQFlat or type(v) is not HQMQFlat or k.T != v.T:
+        return None
+    plan = _lookup(q, k, v, None, None, None, None, False)[0]
+    if plan is None:
+        return None
+    if plan.args.T != k.T:
+        _retarget(plan, q, k, v)
+    return _launch_planned(plan, q, None, None)
+
+
+def _launch_planned(plan, q, vl, workspace) -> torch.Tensor:
+    """A planned call's launch: the partials from the workspace when it fits, else from the
+    scratch buffer with a fresh result."""
     if not q.is_contiguous():
         q = q.contiguous()
     ws, part = workspace, None

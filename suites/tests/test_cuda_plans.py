@@ -7,6 +7,11 @@ its partials from a per-stream scratch buffer (`Scratch`) instead of an allocati
 On a CPU the CUDA path is walked (suites/bench/latency/host_time.py `cuda_path_on_cpu`: q
 passes for a CUDA tensor, the launch stubbed) or the plan functions are called directly;
 the tests that build real plans need a CUDA GPU. No timing here (host_time.py times it).
+The front's fast route (a default call on a kept plan skips the route's checks) is here too.
+
+(About 470 lines: why one file: every test here walks the same plan machinery, the plan
+cache, the routed slot, the fast route, retargets and the scratch buffer, through the same
+walked CUDA path; split by feature, each file would repeat that set-up.)
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from kvqbench.kernels import decode_attention as front  # noqa: E402
 from kvqbench.kernels.decode_attention import decode_attention  # noqa: E402
 from kvqbench.suites.bench.toolkit import kernel_flats  # noqa: E402
 from kvqbench.suites.tests.cuda_helpers import TOL, in_threads, rel_err  # noqa: E402
@@ -116,6 +122,7 @@ def test_the_auto_route_hands_its_plan_to_the_launch(spec, valid_len, monkeypatc
     take = routed.take
     monkeypatch.setattr(routed, "take", lambda *a: taken.append(take(*a)) or taken[-1])
     monkeypatch.setattr(mod, "ROUTED", routed)
+    monkeypatch.setattr(front, "FAST_ROUTE", False)  # (the route itself: the fast route skips it)
     with cuda_path_on_cpu(spec, q, k, v, valid_len) as launches:
         [(_, plan)] = mod._PLANS.plans.values()
         out = decode_attention(q, k, v, valid_len=vl)
@@ -123,6 +130,76 @@ def test_the_auto_route_hands_its_plan_to_the_launch(spec, valid_len, monkeypatc
     assert launches == [plan.ptr], "the call did not reach the CUDA launch with the kept plan"
     assert taken == [plan], f"the launch looked the plan up again instead of taking the routed one ({taken})"
     assert out.shape == plan.shape
+
+
+# ---- decode_attention's fast route (kernels/decode_attention.py `_fast`) ------------------------
+FAST_SPECS = ["int4", "fp8", "kivi:bits=4", "hqmq:S=96,r=4", "hqmq:S=24,r=3,outliers=med3"]
+
+
+def _walked_call(spec, k, v, q, fast: bool, monkeypatch, **kw):
+    """(the launch's arguments but the result pointer, out's shape and dtype, whether the
+    route's checks ran) of one `decode_attention` call on the CUDA path walked on a CPU."""
+    from kvqbench.kernels.cuda import decode_attention as cd
+    from kvqbench.kernels.cuda import hqmq_decode as ch
+    from kvqbench.suites.bench.latency.host_time import cuda_path_on_cpu
+
+    mod = ch if spec.startswith("hqmq") else cd
+    checked = []
+    real = mod.unsupported
+    monkeypatch.setattr(mod, "unsupported", lambda *a: checked.append(1) or real(*a))
+    monkeypatch.setattr(front, "FAST_ROUTE", fast)
+    with cuda_path_on_cpu(spec, q, k, v) as launches:
+        calls = []
+        stub = mod.on_current_stream
+        monkeypatch.setattr(mod, "on_current_stream", lambda dev, entry, *a: calls.append(a) or stub(dev, entry, *a))
+        out = decode_attention(q, k, v, **kw)
+        assert mod._PLANS.builds == 1 and launches  # (the hand-kept plan, launched)
+    (args,) = calls
+    return args[:3], (out.shape, out.dtype), bool(checked)  # (plan, q, valid_len: the partials move)
+
+
+@pytest.mark.parametrize("spec", FAST_SPECS)
+def test_the_fast_route_launches_what_the_route_launches(spec, monkeypatch):
+    """With a plan kept for the call's layouts, a default call skips the route's checks (the
+    formats' `unsupported` is not asked) and launches the same plan with the same q (and
+    no valid_len) as the route does; the result has the route's shape and dtype."""
+    from kvqbench.suites.bench.latency.host_time import CudaLookingTensor
+
+    k, v = _flats(spec)
+    q = torch.randn(1, 4, 1, 64).half().as_subclass(CudaLookingTensor)
+    via_route = _walked_call(spec, k, v, q, False, monkeypatch)
+    via_fast = _walked_call(spec, k, v, q, True, monkeypatch)
+    assert via_route[2] and not via_fast[2]
+    assert via_fast[:2] == via_route[:2]
+
+
+@pytest.mark.parametrize("spec", ["int4", "kivi:bits=4", "hqmq:S=96,r=4"])
+def test_the_fast_route_leaves_to_the_route_what_it_must_decide(spec, monkeypatch):
+    """With the plan kept, the fast route declines (None: the route decides) when the auto
+    switch keeps the format off the CUDA kernel, and for KIVI's K and V of different
+    lengths; a call with an option goes through the route (its checks run); a call on
+    another T of the same buffers (int4, HQMQ) takes the kept plan, retargeted."""
+    import dataclasses
+
+    from kvqbench.kernels.cuda import decode_attention as cd
+    from kvqbench.kernels.cuda import hqmq_decode as ch
+    from kvqbench.suites.bench.latency.host_time import CudaLookingTensor, cuda_path_on_cpu
+
+    k, v = _flats(spec)
+    q = torch.randn(1, 4, 1, 64).half().as_subclass(CudaLookingTensor)
+    hq = spec.startswith("hqmq")
+    with cuda_path_on_cpu(spec, q, k, v) as launches:
+        assert front._fast(q, k, v) is not None and len(launches) == 1
+        with monkeypatch.context() as m:
+            m.setattr(ch, "AUTO", False) if hq else m.setattr(cd, "CUDA_VERIFIED", frozenset())
+            assert front._fast(q, k, v) is None
+        if spec.startswith("kivi"):  # (K one window row short of V: the route refuses such a pair)
+            assert front._fast(q, dataclasses.replace(k, n_res=k.T_res - 1), v) is None
+        else:  # (T is out of the plan key: one token fewer on both sides, the same plan)
+            k1, v1 = dataclasses.replace(k, T=k.T - 1), dataclasses.replace(v, T=v.T - 1)
+            assert front._fast(q, k1, v1) is not None and launches[-1] == launches[0]
+            assert (ch if hq else cd)._PLANS.builds == 1
+    assert _walked_call(spec, k, v, q, True, monkeypatch, workspace=None)[2]  # an option given: the route
 
 
 # ---- the CUDA backends' plans follow a growing cache (an eager decode step: T + 1) ------------
@@ -193,7 +270,7 @@ def test_a_kept_kivi_plan_follows_its_group_and_window_counts(monkeypatch):
         return a
 
     a = fields_of(k, v)
-    plan = types.SimpleNamespace(args=a, nsplit=a.nsplit, kind=1, splits_asked=(None, None))
+    plan = types.SimpleNamespace(args=a, nsplit=a.nsplit, kind=1, splits_asked=(None, None), counts=cd._kivi_counts(k, v))
     key, ts = cd._lookup(q, k, v, *options)[1:]
     monkeypatch.setattr(cd, "_PLANS", type(cd._PLANS)(8))
     cd._PLANS.put(key, ts, plan)
@@ -211,7 +288,7 @@ def test_a_kept_kivi_plan_follows_its_group_and_window_counts(monkeypatch):
         assert cd._lookup(q, k, v, *options)[1] == key
         assert cd._plan(q, k, v, None, None, None, None, False) is plan and cd._PLANS.builds == 1
         assert len(cuts) - n == cut
-        assert bytes(plan.args) == bytes(fields_of(k, v)) and not cd._kivi_moved(plan.args, k, v)
+        assert bytes(plan.args) == bytes(fields_of(k, v)) and not cd._kivi_moved(plan, k, v)
         assert plan.args.T == k.T and plan.nsplit == plan.args.nsplit
     k.n_res = 0  # (a side without window rows: another plan, one that points into no window)
     assert cd._lookup(q, k, v, *options)[1] != key

@@ -111,7 +111,8 @@ def cuda_path_on_cpu(spec: str, q, kf, vf, valid_len: bool = False):
         else:
             cd._token_fields(args, kf, q.device, *asked)
         plan = types.SimpleNamespace(ptr=0x5EED, nsplit=args.nsplit, rows_q=B * hq, D=d, shape=(B, hq, 1, d),
-                                     out_dtype=q.dtype, kind=int(kivi), args=args, splits_asked=asked)
+                                     out_dtype=q.dtype, kind=int(kivi), args=args, splits_asked=asked,
+                                     counts=cd._kivi_counts(kf, vf) if kivi else None)
         if mod is ch:
             key, ts = ch._lookup(q, kf, vf, None, None, None, None, valid_len)[1:]
         else:
@@ -205,16 +206,15 @@ def write_host_us(spec: str | None, B: int, T: int, hkv: int = 8, d: int = 128, 
 
 
 @contextlib.contextmanager
-def routed_plans(on: bool):
-    """The CUDA backends' routed plan (kernels/cuda/library.py `RoutedPlan`) on or off inside."""
-    from ....kernels.cuda import decode_attention as cd, hqmq_decode as ch
+def fast_route(on: bool):
+    """decode_attention's fast route (kernels/decode_attention.py `FAST_ROUTE`) on or off inside."""
+    from ....kernels import decode_attention as front
 
-    old = cd.ROUTED.enabled, ch.ROUTED.enabled
-    cd.ROUTED.enabled = ch.ROUTED.enabled = on
+    old, front.FAST_ROUTE = front.FAST_ROUTE, on
     try:
         yield
     finally:
-        cd.ROUTED.enabled, ch.ROUTED.enabled = old
+        front.FAST_ROUTE = old
 
 
 @contextlib.contextmanager
@@ -299,8 +299,8 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=HOST_US_CALLS["n"])
     p.add_argument("--breakdown", action="store_true",
                    help="per format at the first B and d: route / kernel function / whole call, and a cProfile, "
-                   "with the CUDA backends' routed plan off and on (with --fused-combine: the fused combine off "
-                   "and on instead, the routed plan as set)")
+                   "with decode_attention's fast route off and on (with --fused-combine: the fused combine off "
+                   "and on instead, the fast route as set)")
     p.add_argument("--fused-combine", action="store_true",
                    help="each row twice in one run: the CUDA kernels' combine as a second launch (split), then fused "
                    "into the split kernel (fused; kernels/cuda/library.py FusedCombine); the default runs the mode "
@@ -332,11 +332,11 @@ def main(argv=None) -> int:
         return 0
     if a.breakdown:
         for f in a.formats:
-            for on in (False, True):  # the routed plan (or the fused combine) off, then on (same run)
-                switch = fused_combine(on) if a.fused_combine else routed_plans(on)
+            for on in (False, True):  # the fast route (or the fused combine) off, then on (same run)
+                switch = fused_combine(on) if a.fused_combine else fast_route(on)
                 with switch:  # (on a CPU: the CUDA backend's path walked, where there is one)
                     walk = not torch.cuda.is_available() and f != "fp16"
-                    what = "fused combine" if a.fused_combine else "routed plan"
+                    what = "fused combine" if a.fused_combine else "fast route"
                     print(f"[{what} {'on' if on else 'off'}] "
                           + host_breakdown(SPECS[f], a.B[0], a.T, d=a.d[0], n=a.n, cuda_on_cpu=walk), flush=True)
         return 0
