@@ -140,7 +140,7 @@ def _walked_call(spec, k, v, q, fast: bool, monkeypatch, **kw):
     """(the launch's arguments but the result pointer, out's shape and dtype, whether the
     route's checks ran) of one `decode_attention` call on the CUDA path walked on a CPU."""
     from kvqbench.kernels.cuda import decode_attention as cd
-    from kvqbench.kernels.cuda import hqmq_decode as ch
+    from kvqbench.kernels.cuda import hqmq_decode as ch, library
     from kvqbench.suites.bench.latency.host_time import cuda_path_on_cpu
 
     mod = ch if spec.startswith("hqmq") else cd
@@ -149,11 +149,14 @@ def _walked_call(spec, k, v, q, fast: bool, monkeypatch, **kw):
     monkeypatch.setattr(mod, "unsupported", lambda *a: checked.append(1) or real(*a))
     monkeypatch.setattr(front, "FAST_ROUTE", fast)
     with cuda_path_on_cpu(spec, q, k, v) as launches:
+        # (set by hand, not by monkeypatch: the walk's exit restores the real launcher, and a
+        # monkeypatch undone at teardown would put the walk's stub back for later tests)
         calls = []
         stub = mod.on_current_stream
-        monkeypatch.setattr(mod, "on_current_stream", lambda dev, entry, *a: calls.append(a) or stub(dev, entry, *a))
+        mod.on_current_stream = lambda dev, entry, *a: calls.append(a) or stub(dev, entry, *a)
         out = decode_attention(q, k, v, **kw)
         assert mod._PLANS.builds == 1 and launches  # (the hand-kept plan, launched)
+    assert mod.on_current_stream is library.on_current_stream  # (the real launcher back)
     (args,) = calls
     return args[:3], (out.shape, out.dtype), bool(checked)  # (plan, q, valid_len: the partials move)
 
