@@ -13,6 +13,7 @@ the ctypes launch and CUDA's allocator are then left out.
 
     python -m kvqbench.suites.bench.latency.host_time            # CPU: the table of issue 28
     python -m kvqbench.suites.bench.latency.host_time --d 64 --B 1 8
+    python -m kvqbench.suites.bench.latency.host_time --passes 3   # the table three times, least per cell
     python -m kvqbench.suites.bench.latency.host_time --write   # an eager step's cache write per layer
     python -m kvqbench.suites.bench.latency.host_time --fused-combine   # the CUDA combine launched / fused
 
@@ -297,6 +298,9 @@ def main(argv=None) -> int:
     p.add_argument("--d", type=int, nargs="+", default=[128, 64])
     p.add_argument("--formats", nargs="+", default=list(SPECS), choices=list(SPECS))
     p.add_argument("--n", type=int, default=HOST_US_CALLS["n"])
+    p.add_argument("--passes", type=int, default=1,
+                   help="time the whole table this many times; then per cell the least over the passes and the "
+                   "spread (a noisy host's readings move between passes)")
     p.add_argument("--breakdown", action="store_true",
                    help="per format at the first B and d: route / kernel function / whole call, and a cProfile, "
                    "with decode_attention's fast route off and on (with --fused-combine: the fused combine off "
@@ -312,6 +316,8 @@ def main(argv=None) -> int:
                    help="with --write: each row twice in one run, the Triton step encoders (two launches) then "
                    "the one-launch CUDA write where it takes the format (kernels/cuda/step_write.py)")
     a = p.parse_args(argv)
+    if a.passes < 1:
+        p.error(f"--passes must be at least 1, got {a.passes}")
     how = "launch stubbed" if not torch.cuda.is_available() else "issued on " + torch.cuda.get_device_name()
     if a.write:
         print(f"host us per one-token cache write of one layer (K and V), {how} (Hkv 8, T={a.T}; "
@@ -349,13 +355,44 @@ def main(argv=None) -> int:
                                                  for s in ("", " vl", " step"))
     print(head)
 
-    def row(f, d, timer):
+    def cells(f, d, timer):
+        """[(row name, [[us per B] per column])] of one format at one head dim (a row per combine mode)."""
+        out = []
         for mode in modes if f != "fp16" else (None,):  # (fp16 runs no CUDA kernel of ours)
             with fused_combine(mode):
                 cols = [[timer(SPECS[f], b, a.T, d=d, n=a.n, **kw) for b in a.B]
                         for kw in ({}, {"valid_len": True}, {"step": True})]
-            name = f if mode is None else f"{f} {'fused' if mode else 'split'}"
-            print(f"{name:14s} {d:4d} " + "  ".join(" ".join(f"{u:9.1f}" for u in c) for c in cols), flush=True)
+            out.append((f if mode is None else f"{f} {'fused' if mode else 'split'}", cols))
+        return out
+
+    def line(name, d, cols, fmt="9.1f"):
+        return f"{name:14s} {d:4d} " + "  ".join(" ".join(f"{u:{fmt}}" for u in c) for c in cols)
+
+    def table(timer):
+        """Every row, `--passes` times over (a pass: every format once, in order); with more
+        than one pass, each pass's rows as measured, then per cell the least over the passes
+        and the spread (most - least): a noisy host's reading moves a cell by several us
+        between passes minutes apart (an H100 on 2026-12-06: one format 20-35 us), and its
+        least is the host path's time; a spread that stays large says the host is busy."""
+        runs = []
+        for i in range(a.passes):
+            if a.passes > 1:
+                print(f"pass {i + 1} of {a.passes}", flush=True)
+            rows = []
+            for d in a.d:
+                for f in a.formats:
+                    for name, cols in cells(f, d, timer):
+                        rows.append((name, d, cols))
+                        print(line(name, d, cols), flush=True)
+            runs.append(rows)
+        if a.passes > 1:
+            print(f"least of the {a.passes} passes per cell (spread: most - least)")
+            for j, (name, d, _) in enumerate(runs[0]):
+                per = [r[j][2] for r in runs]
+                least = [[min(p[c][b] for p in per) for b in range(len(a.B))] for c in range(3)]
+                spread = [[max(p[c][b] for p in per) - least[c][b] for b in range(len(a.B))] for c in range(3)]
+                print(line(name, d, least) + "   spread " + "  ".join(
+                    " ".join(f"{u:.1f}" for u in c) for c in spread), flush=True)
 
     # One untimed pass over every format first: on an H100 (2026-12-06) the first format
     # timed (int4) read 7 us above an earlier run in every column while the others matched
@@ -367,16 +404,12 @@ def main(argv=None) -> int:
             for mode in modes:  # (the fused build loaded here too: fused_combine(True))
                 with fused_combine(mode):
                     stubbed_host_us(SPECS[f], a.B[0], a.T, d=d, n=10)
-    for d in a.d:
-        for f in a.formats:
-            row(f, d, stubbed_host_us)
+    table(stubbed_host_us)
     if not torch.cuda.is_available():  # the CUDA backends' Python, walked here (cuda_path_on_cpu)
         print("\nthe same through the CUDA backend's path, walked on this CPU (launch stubbed, the plan kept; "
               "no ctypes launch, CPU allocator; nan: no CUDA kernel takes it)")
         print(head)
-        for d in a.d:
-            for f in a.formats:
-                row(f, d, cuda_path_host_us)
+        table(cuda_path_host_us)
     return 0
 
 
