@@ -374,6 +374,25 @@ def test_host_time_breakdown_names_where_a_call_goes(monkeypatch):
     assert "function (cProfile)" in rows[0] and any("decode_attention" in r for r in rows[1:])
 
 
+def test_host_time_passes_report_the_least_of_each_cell(monkeypatch, capsys):
+    """`host_time --passes 2`: every row printed once per pass, then per cell the least over
+    the passes (no pass below it, one pass at it) and the spread (most - least)."""
+    import math
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kvqbench.suites.bench.latency import host_time
+
+    assert host_time.main(["--T", "256", "--B", "1", "--d", "64", "--formats", "int4", "--n", "3", "--passes", "2"]) == 0
+    text = capsys.readouterr().out.split("walked on this CPU")[0]  # (the Triton table; the CUDA walk's follows)
+    rows = [ln.split() for ln in text.splitlines() if ln.startswith("int4")]
+    assert len(rows) == 3 and "spread" in rows[2]
+    passes = [[float(x) for x in r[2:5]] for r in rows[:2]]
+    least, spread = [float(x) for x in rows[2][2:5]], [float(x) for x in rows[2][6:9]]
+    for c in range(3):
+        cell = [p[c] for p in passes]
+        assert least[c] == min(cell) and math.isclose(spread[c], max(cell) - min(cell), abs_tol=0.11)
+
+
 def test_host_time_walks_the_cuda_path_on_a_cpu(monkeypatch):
     """host_time on a CPU also times the CUDA backend's Python (`cuda_path_on_cpu`: q looks
     like a CUDA tensor, the launch stubbed): the breakdown names the CUDA kernel function
