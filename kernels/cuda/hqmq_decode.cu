@@ -188,10 +188,20 @@ __device__ __forceinline__ int tile_advance(int i) {
 __device__ __forceinline__ void cp_async4_part(uint32_t dst, const void* src, int n) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
 }
+// 16 bytes of which the first n (0..16) are read, the rest zero-filled; L1 bypassed (.cg)
+__device__ __forceinline__ void cp_async16_part(uint32_t dst, const void* src, int n) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
 
 // NW: the warps (D = 256: warp pairs) streaming tiles; CB, RB of the global rows (the
 // cursor's strides), the stage holds the warp's DW dims.
-template <int NW, bool OUT, bool PF = false, int D = 128>
+// C16 (D = 64, variant 11; 2026-12-06, the d = 64 study in NOTES.md): a tile's 16 rows of 24
+// code bytes (and of 8 radius bytes) lie back to back, 384 (128) bytes from a 16-byte
+// boundary when the rows of a (b, h) start on one (the host checks it), so they are copied
+// as 24 (8) pieces of 16 bytes that bypass L1, a piece spanning two rows where it must, the
+// bytes past the tile's valid tokens zero-filled: the stage holds the very bytes the 8-byte
+// row pieces leave there, in 3 copy instructions a tile instead of 5.
+template <int NW, bool OUT, bool PF = false, int D = 128, bool C16 = false>
 __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, bool on, int lane, bool on1 = false) {
   using Stage = ::Stage<D>;
   using DD = Dims<D>;
@@ -210,6 +220,14 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, 
       cp_async<16>(st + Stage::KC + 16 * i, cur.c0 + (D == 128 ? 512 : cur.o1), ok);
       cp_async<16>(st + Stage::VC + 16 * i, cur.vc0 + (D == 128 ? 512 : cur.o1), ok);
     }
+  } else if constexpr (C16) {
+    static_assert(D == 64, "16-byte pieces over whole tiles: head dim 64's 24-byte rows");
+    const int nb = on ? CB * max(0, min(16, T - cur.t0)) : 0;  // the tile's valid code bytes
+    if (lane < CB) {  // 16 rows x 24 bytes: 24 pieces a role
+      const int n = max(0, min(16, nb - 16 * lane));
+      cp_async16_part(st + Stage::KC + 16 * lane, cur.c0, n);
+      cp_async16_part(st + Stage::VC + 16 * lane, cur.vc0, n);
+    }
   } else {
     constexpr int P = DD::PIECE;
 #pragma unroll
@@ -225,6 +243,12 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, 
   if constexpr (D >= 128) {  // (256: the warp's 16 bytes of the token's 32)
     const bool ok = on && cur.t0 + (lane & 15) < T;
     cp_async<16>(st + (lane < 16 ? Stage::KR : Stage::VR) + 16 * (lane & 15), cur.r, ok);
+  } else if constexpr (C16) {  // lanes 0..7: K's 8 pieces of the tile's radius rows, 8..15: V's
+    if (lane < 16) {
+      const int nb = on ? RB * max(0, min(16, T - cur.t0)) : 0;
+      cp_async16_part(st + (lane < 8 ? Stage::KR : Stage::VR) + 16 * (lane & 7), cur.r,
+                      max(0, min(16, nb - 16 * (lane & 7))));
+    }
   } else {
     const bool ok = on && cur.t0 + (lane & 15) < T;
 #pragma unroll
@@ -844,7 +868,8 @@ constexpr int dyn_smem() {
 // PF (with OUT): the outliers one tile ahead, through a per-warp double buffer after the stages.
 // FUSED: the last CTA of a row group merges the group's partials into p.out (common.cuh
 // combine_rows), no combine launch after it.
-template <int NW, int SMS, int TABB, int MINB, bool OUT, bool PF = false, int D = 128, bool FUSED = false>
+template <int NW, int SMS, int TABB, int MINB, bool OUT, bool PF = false, int D = 128, bool FUSED = false,
+          bool C16 = false>
 __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params p) {
   using Stage = ::Stage<D>;
   using PfBuf = ::PfBuf<D>;
@@ -896,6 +921,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       cur.vc0 = p.vc + bh * p.v_cs + (long long)t0 * CB + (CB / 2) * hf + o0;
       cur.r = (lane < 16 ? p.kr + bh * p.k_rs : p.vr + bh * p.v_rs) + (long long)t0 * RB + RB * (lane & 15) +
               (RB / 2) * hf;
+    } else if constexpr (C16) {  // piece `lane` of the tile's codes; radius piece lane & 7 (K: lanes 0..7)
+      cur.c0 = p.kc + bh * p.k_cs + (long long)t0 * CB + 16 * lane;
+      cur.vc0 = p.vc + bh * p.v_cs + (long long)t0 * CB + 16 * lane;
+      cur.r = (lane < 8 ? p.kr + bh * p.k_rs : p.vr + bh * p.v_rs) + (long long)t0 * RB + 16 * (lane & 7);
     } else {
       cur.c0 = p.kc + bh * p.k_cs + (long long)t0 * CB + Dims<D>::PIECE * lane;
       cur.vc0 = p.vc + bh * p.v_cs + (long long)t0 * CB + Dims<D>::PIECE * lane;
@@ -954,7 +983,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   }
 #pragma unroll
   for (int i = 0; i < SMS - 1; ++i) {
-    copy_tile<NP, OUT, PF, D>(wsa + i * SB, cur, T, i < ntile, lane, i + 1 < ntile);
+    copy_tile<NP, OUT, PF, D, C16>(wsa + i * SB, cur, T, i < ntile, lane, i + 1 < ntile);
     cp_commit();
   }
   int run = 0;  // Med3x: outliers of this lane's role before the current tile, in its block
@@ -994,7 +1023,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   int rd = 0, wr = SMS - 1;
   for (int j = 0; j < ntile; ++j) {
     __syncwarp();
-    copy_tile<NP, OUT, PF, D>(wsa + wr * SB, cur, T, j + SMS - 1 < ntile, lane, j + SMS < ntile);
+    copy_tile<NP, OUT, PF, D, C16>(wsa + wr * SB, cur, T, j + SMS - 1 < ntile, lane, j + SMS < ntile);
     cp_commit();
     if constexpr (OUT && PF) {
       // stage j: groups since it = tile j-1's items?, then per tile (stage, items) and the stage
@@ -1093,10 +1122,13 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
 // per SM). 20 warps (102 registers) spilled 60 bytes offline: not taken.
 // 9, 10 (2026-12-02, for Med3x): v2's and v3's shapes with the outliers one tile ahead (PF);
 // their instance without outliers is v2's / v3's kernel itself.
-constexpr int VARIANTS[][3] = {{4, 4, 3}, {8, 4, 1}, {4, 3, 3}, {8, 2, 2}, {4, 6, 1},
-                               {8, 4, 2}, {4, 2, 4}, {16, 4, 1}, {16, 5, 1}, {4, 3, 3}, {8, 2, 2}};
-constexpr int NVARIANTS = 11;
-constexpr bool PREFETCH[NVARIANTS] = {false, false, false, false, false, false, false, false, false, true, true};
+// 11 (2026-12-06, head dim 64 only): v3's shape with the tile's rows copied in 16-byte pieces
+// (copy_tile's C16), not yet run on a GPU.
+constexpr int VARIANTS[][3] = {{4, 4, 3}, {8, 4, 1}, {4, 3, 3}, {8, 2, 2}, {4, 6, 1}, {8, 4, 2},
+                               {4, 2, 4}, {16, 4, 1}, {16, 5, 1}, {4, 3, 3}, {8, 2, 2}, {8, 2, 2}};
+constexpr int NVARIANTS = 12;
+constexpr bool PREFETCH[NVARIANTS] = {false, false, false, false, false, false, false, false, false, true, true, false};
+constexpr bool C16V[NVARIANTS] = {false, false, false, false, false, false, false, false, false, false, false, true};
 constexpr int TAB_SMALL = 192 * 96;   // S <= 96
 constexpr int TAB_LARGE = 192 * 170;  // S <= 170 (fill=true at 12 bits)
 static_assert(TAB_SMALL % 16 == 0, "table alignment");
@@ -1106,7 +1138,7 @@ static_assert(TAB_SMALL % 16 == 0, "table alignment");
 // spilled 108 bytes, so they have none and are refused for Med3x caches.
 // 9 and 10 (PF) hold no fragments across the quantized parts: see NOTES.md ("Med3x outliers one
 // tile ahead") for their registers.
-constexpr bool OUT_OK[NVARIANTS] = {true, false, true, false, false, false, false, false, false, true, true};
+constexpr bool OUT_OK[NVARIANTS] = {true, false, true, false, false, false, false, false, false, true, true, false};
 
 // Head dims 64 and 256 (2026-12, not yet timed on a GPU): Med3x through the prefetching
 // variants only (the direct path's outlier fragments are d = 128's alone; at 64 its chunk
@@ -1130,7 +1162,7 @@ constexpr int smem_of() {
 template <int V, int TABB, bool OUT, int D>
 constexpr auto kernel_of() {
   return hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, minb_of<V, D, OUT>(), OUT,
-                           OUT && PREFETCH[V], D, FUSED_BUILD>;
+                           OUT && PREFETCH[V], D, FUSED_BUILD, C16V[V]>;
 }
 
 // The dynamic shared-memory opt-in, once per instance (also before an occupancy query).
@@ -1150,6 +1182,8 @@ template <int V, int TABB, bool OUT, int D>
 int act(What what, const Params* p, int rows, cudaStream_t stream) {
   if constexpr (OUT && !out_ok<D>(V)) {
     return NO_INSTANCE;
+  } else if constexpr (C16V[V] && D != 64) {  // (16-byte pieces over 24-byte rows: head dim 64's alone)
+    return what == LAUNCH ? (int)cudaErrorInvalidValue : -(int)cudaErrorInvalidValue;
   } else {
     constexpr auto k = kernel_of<V, TABB, OUT, D>();
     constexpr int NT = VARIANTS[V][0] * 32, SM = smem_of<V, TABB, OUT, D>();
@@ -1182,6 +1216,7 @@ int act_t(int variant, What what, const Params* p, int rows, cudaStream_t s) {
     case 8: return act<8, TABB, OUT, D>(what, p, rows, s);
     case 9: return act<9, TABB, OUT, D>(what, p, rows, s);
     case 10: return act<10, TABB, OUT, D>(what, p, rows, s);
+    case 11: return act<11, TABB, OUT, D>(what, p, rows, s);
     default: return act<0, TABB, OUT, D>(what, p, rows, s);
   }
 }
