@@ -49,9 +49,13 @@ SOURCE = Path(__file__).parent / "hqmq_decode.cu"
 # pieces need each (b, h)'s rows to start on a 16-byte boundary (an even capacity); where they
 # do not, the call runs v3 itself (the same bytes staged, so the same result). Not yet run
 # on a GPU: no default takes it. C16_VARIANTS: such a variant -> the variant of its shape.
-NUM_VARIANTS = 12
+# 12 (head dim 64 only, the same day, P2 of that study; not yet run on a GPU): v3 with 8 bytes
+# of padding after every 4 tokens' V code rows in the stage, so the V code reads meet no bank
+# conflict (2-way without); the same codes read, so v3's result.
+NUM_VARIANTS = 13
 PREFETCH_VARIANTS = (9, 10)
 C16_VARIANTS = {11: 3}
+D64_VARIANTS = (11, 12)  # variants with an instance at head dim 64 alone
 # The numbers behind these defaults and switches, call by call: reports/kernels/NOTES.md,
 # "Defaults of kernels/cuda and the runs that chose them".
 # v3: best, or within 0.5 us of it, at B=8 and B=1, T=32k on the H200.
@@ -90,7 +94,7 @@ def variants(head_dim: int = 128, med3: bool = False) -> tuple[int, ...]:
     """The variants with an instance at this head dim (med3: with a Med3x instance)."""
     if med3:
         return MED3_VARIANTS if head_dim == 128 else PREFETCH_VARIANTS
-    return tuple(v for v in range(NUM_VARIANTS) if head_dim == 64 or v not in C16_VARIANTS)
+    return tuple(v for v in range(NUM_VARIANTS) if head_dim == 64 or v not in D64_VARIANTS)
 
 
 def qk_scale(head_dim: int) -> float:
@@ -636,5 +640,5 @@ def _launch_planned(plan, q, vl, workspace) -> torch.Tensor:
 
 __all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits",
            "codebook16", "takes_by_default", "auto_refusal", "OPTIONS", "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS",
-           "MED3_VARIANTS", "PREFETCH_VARIANTS", "C16_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale",
+           "MED3_VARIANTS", "PREFETCH_VARIANTS", "C16_VARIANTS", "D64_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale",
            "head_dim_reason", "PLANNED"]
