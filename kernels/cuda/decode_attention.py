@@ -323,13 +323,13 @@ class _Args(ctypes.Structure):  # mirrors HostArgs in decode_attention.cu (check
 
 class _Plan:
     """What a call on one cache layout launches: the argument struct, the split count and
-    the workspace size, with weak references to the cache tensors it points into (a plan
-    is used only while every one of them is alive and the same object)."""
+    the workspace size (`_PLANS` keeps it while the cache tensors it points into live);
+    `counts`: a host-count KIVI plan's counts it was last set to (`_kivi_counts`)."""
     __slots__ = ("keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind", "splits_asked",
                  "counts")
 
 
-_PLANS = PlanCache(64)  # layouts kept (library.py: weak references, cleared when full)
+_PLANS = PlanCache(64)  # layouts kept (kernels/common.py: while their tensors live, cleared when full)
 # The plan the auto route's check found, handed to the same call's launch (library.py
 # RoutedPlan; test_cuda_plans.py checks the route's offer is what the launch takes). On an
 # H100 (host_time --breakdown, B=1, T=32768, d=128, off then on in one run, 2026-12-06) an
@@ -381,12 +381,17 @@ def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bo
 
 def _fit(plan, q, k, v, device_count: bool) -> _Plan:
     """A kept plan set to this call's counts (they are out of the key)."""
-    if plan.kind == 0:
-        if plan.args.T != k.T:  # int4 / fp8 on more (or fewer) tokens of the same buffers
-            _retarget(plan, q, k, v)
-    elif not device_count and _kivi_moved(plan, k, v):  # KIVI: other group / window counts
+    if _moved(plan, k, v, device_count):
         _retarget(plan, q, k, v)
     return plan
+
+
+def _moved(plan, k, v, device_count: bool) -> bool:
+    """Whether this call's counts differ from those its kept plan was last set to: int4 / fp8
+    more (or fewer) tokens of the same buffers, host-count KIVI other group / window counts."""
+    if plan.kind == 0:
+        return plan.args.T != k.T
+    return not device_count and _kivi_moved(plan, k, v)
 
 
 def fast(q: torch.Tensor, k, v) -> torch.Tensor | None:
@@ -401,9 +406,14 @@ def fast(q: torch.Tensor, k, v) -> torch.Tensor | None:
     if type(v) is not type(k) or not _PLANS.plans or _is_graph(k, v):
         return None
     plan = _lookup(q, k, v, None, DEFAULT_CTAS_PER_SM, None, None)[0]
-    if plan is None or ((plan.kind == 0 or _kivi_moved(plan, k, v)) and k.T != v.T):
-        return None  # (KIVI: counts its plan holds are counts of one T, read no further)
-    return _launch(_fit(plan, q, k, v, False), q, None, None)
+    if plan is None:
+        return None
+    moved = _moved(plan, k, v, False)
+    if (moved or plan.kind == 0) and k.T != v.T:  # (KIVI counts a plan holds are of one T: read no further)
+        return None
+    if moved:
+        _retarget(plan, q, k, v)
+    return _launch(plan, q, None, None)
 
 
 def _kivi_counts(k, v) -> tuple:
