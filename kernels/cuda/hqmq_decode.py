@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import weakref
 from pathlib import Path
 
 import torch
@@ -207,24 +206,23 @@ def _flat_reason(f) -> str | None:
 
 
 # Per-call host work (the bh_stride checks, the codebook lookup) is cached per set of
-# buffers: key = the ids of the flat's tensors and its format fields, entry = weak
-# references to those tensors (checked by identity: an id can be reused once a tensor
-# dies), sec._version (the codebook follows the secondaries) and the result: a reason
-# string, or ((codes, radius, r_max strides), fp16 codebook, Med3x strides or None); data
-# pointers are read per call. The store makes a new flat object per decode step over the same buffers, so the key
-# is not the flat itself.
-_INFO: dict = {}
+# buffers (kernels/common.py PlanCache: kept while those tensors live): key = the ids of the
+# flat's tensors, its format fields and sec's version (the codebook follows the
+# secondaries); entry = a reason string, or ((codes, radius, r_max strides), fp16 codebook,
+# Med3x strides or None); data pointers are read per call. The store makes a new flat
+# object per decode step over the same buffers, so the key is not the flat itself.
+_INFO = PlanCache(256)
 
 
 def _flat_info(f):
     if not isinstance(f, HQMQFlat):
         return f"no CUDA HQMQ kernel for {type(f).__name__}"
     ts = (f.codes, f.radius, f.r_max, f.sec, f.table, f.flags, f.outliers, f.outlier_index)
-    key = (tuple(map(id, ts)), f.D, f.S, f.code_bits, f.r_bits, f.log_radius, f.table_mode)
+    key = (tuple(map(id, ts)), f.D, f.S, f.code_bits, f.r_bits, f.log_radius, f.table_mode,
+           None if f.sec is None else _version(f.sec))
     hit = _INFO.get(key)
-    if hit is not None and all(r is None if t is None else r() is t for r, t in zip(hit[0], ts)) \
-            and (f.sec is None or hit[1] == _version(f.sec)):
-        return hit[2]
+    if hit is not None:
+        return hit
     why = _flat_reason(f)
     if why is None:
         med3 = None
@@ -233,12 +231,7 @@ def _flat_info(f):
         info = ((bh_stride(f.codes), bh_stride(f.radius), bh_stride(f.r_max)), codebook16(f), med3)
     else:
         info = why
-    if len(_INFO) > 256:  # drop the entries whose tensors are gone
-        for key_ in [k_ for k_, e in _INFO.items() if any(r is not None and r() is None for r in e[0])]:
-            del _INFO[key_]
-    _INFO[key] = (tuple(None if t is None else weakref.ref(t) for t in ts),
-                  None if f.sec is None else _version(f.sec), info)
-    return info
+    return _INFO.put(key, ts, info)
 
 
 def unsupported(q: torch.Tensor, k, v) -> str | None:
