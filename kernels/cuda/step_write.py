@@ -15,8 +15,7 @@ Triton encoders: a CUDA graph replays a launch without its host cost.
 done: the stores' own step encoders serve the write) when the switch is off, the library is
 unavailable, or the stores are not a pair it takes (`why_not`). THE SWITCH `CUDA_WRITE`: on by
 default since its GPU tests passed (H100, 2026-12-06: test_cuda_step_write.py, and the step,
-cache, generate and graph suites with it on); `KVQBENCH_CUDA_WRITE=0` turns it off for a process,
-`KVQBENCH_CUDA_WRITE=all` adds the kinds not yet verified on a GPU (KIVI's window row, HQMQ).
+cache, generate and graph suites with it on); `KVQBENCH_CUDA_WRITE=0` turns it off for a process.
 Measured there (reports/latency/host_write_h100_2026-12-06b.txt, one layer's write, T = 4096):
 int4 69 -> 21 us, fp8 52-56 -> 19, fp16 47-48 -> 19-22, DynamicCache 15-17; eager
 `generate` of SmolLM2-135M's shape at batch 1 went from 0.66-0.88x DynamicCache to 0.83-1.05x
@@ -89,14 +88,9 @@ def why_unavailable() -> str | None:
 # steps, a Triton int launch) is KIVIStore.end_write's. HQMQ (`_hqmq_kernel` of one token, one
 # warp per row: the search per chunk; Med3x its median, flags and list appends; log-spaced
 # radius levels and mixed-radix code rows keep the Triton encoder). Both joined on 2026-12-06
-# (eighth session, H100): every HQMQ / Med3x case and every KIVI case stored the Triton
-# encoders' bytes (reports/latency/cuda_step_write_tests_2026-12-06.log; the 12 failures there
-# are the launch-count expectation of the default 128-token KIVI window, which does not flush
-# within the test's steps: the test was wrong, since corrected and re-run).
+# once their GPU tests passed on an H100 (reports/latency/README.md lists the logs).
 KINDS = ("int", "fp8", "fp16", "kivi", "hqmq")
 VERIFIED = {"int", "fp8", "fp16", "kivi", "hqmq"}
-if os.environ.get("KVQBENCH_CUDA_WRITE", "").strip() == "all":  # (a GPU run of the kinds not yet verified)
-    VERIFIED = set(KINDS)
 
 
 _KIND_OF_FORMAT = {int_format.FORMAT: "int", fp8_format.FORMAT: "fp8", fp16_format.FORMAT: "fp16",
