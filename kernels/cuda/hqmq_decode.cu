@@ -150,8 +150,9 @@ struct Stage {  // of one warp: its DW dims' bytes (the whole row's flags)
   static_assert(!VPAD || D == 64, "the V row pads are head dim 64's");
   static constexpr int VPB = VPAD ? 32 : 0;  // (the V rows' pads: 4 of 8 bytes)
   static constexpr int KC = 0, VC = 16 * CB, KR = 2 * 16 * CB + VPB, VR = KR + 16 * RB, KM = VR + 16 * RB, VM = KM + 48;
-  // byte of token t's V code row
-  static constexpr __host__ __device__ int vrow(int t) { return VC + t * CB + (VPAD ? 8 * (t >> 2) : 0); }
+  // the pad bytes before token t's V code row, and the row's byte
+  static constexpr __host__ __device__ int vpad(int t) { return VPAD ? 8 * (t >> 2) : 0; }
+  static constexpr __host__ __device__ int vrow(int t) { return VC + t * CB + vpad(t); }
   static constexpr int BYTES = VM + 48;  // 2144 at D = 128
   // Med3x: the tile's 16 flag rows per role (token t of role r at FL + FLR r + FB t; at D = 64
   // FL + FLR r + 2 (t + fsh): see copy_tile) and the 64-token block's outlier start per role
@@ -244,7 +245,7 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, 
       if (DD::NPC % 32 == 0 || i < DD::NPC) {
         const bool ok = on && cur.t0 + i / DD::PPT < T;
         cp_async<P>(st + Stage::KC + P * i, cur.c0 + 32 * P * j, ok);
-        cp_async<P>(st + Stage::VC + P * i + (VPAD ? 8 * (i / (4 * DD::PPT)) : 0), cur.vc0 + 32 * P * j, ok);
+        cp_async<P>(st + Stage::VC + P * i + Stage::vpad(i / DD::PPT), cur.vc0 + 32 * P * j, ok);
       }
     }
   }
@@ -1137,10 +1138,7 @@ constexpr int VARIANTS[][3] = {{4, 4, 3}, {8, 4, 1}, {4, 3, 3}, {8, 2, 2}, {4, 6
 constexpr int NVARIANTS = 13;
 constexpr bool PREFETCH[NVARIANTS] = {false, false, false, false, false, false, false,
                                       false, false, true,  true,  false, false};
-constexpr bool C16V[NVARIANTS] = {false, false, false, false, false, false, false,
-                                  false, false, false, false, true,  false};
-constexpr bool VPADV[NVARIANTS] = {false, false, false, false, false, false, false,
-                                   false, false, false, false, false, true};
+constexpr int C16_VARIANT = 11, VPAD_VARIANT = 12;
 constexpr int TAB_SMALL = 192 * 96;   // S <= 96
 constexpr int TAB_LARGE = 192 * 170;  // S <= 170 (fill=true at 12 bits)
 static_assert(TAB_SMALL % 16 == 0, "table alignment");
@@ -1150,7 +1148,8 @@ static_assert(TAB_SMALL % 16 == 0, "table alignment");
 // spilled 108 bytes, so they have none and are refused for Med3x caches.
 // 9 and 10 (PF) hold no fragments across the quantized parts: see NOTES.md ("Med3x outliers one
 // tile ahead") for their registers.
-constexpr bool OUT_OK[NVARIANTS] = {true, false, true, false, false, false, false, false, false, true, true, false, false};
+constexpr bool OUT_OK[NVARIANTS] = {true, false, true, false, false, false, false,
+                                    false, false, true,  true,  false, false};
 
 // Head dims 64 and 256 (2026-12, not yet timed on a GPU): Med3x through the prefetching
 // variants only (the direct path's outlier fragments are d = 128's alone; at 64 its chunk
@@ -1169,12 +1168,13 @@ constexpr int minb_of() {
 
 template <int V, int TABB, bool OUT, int D>
 constexpr int smem_of() {
-  return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, OUT, OUT && PREFETCH[V], D, VPADV[V]>();
+  return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, OUT, OUT && PREFETCH[V], D, V == VPAD_VARIANT>();
 }
 template <int V, int TABB, bool OUT, int D>
 constexpr auto kernel_of() {
   return hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, minb_of<V, D, OUT>(), OUT,
-                           OUT && PREFETCH[V], D, FUSED_BUILD, C16V[V], VPADV[V]>;
+                           OUT && PREFETCH[V], D, FUSED_BUILD, V == C16_VARIANT,
+                           V == VPAD_VARIANT>;
 }
 
 // The dynamic shared-memory opt-in, once per instance (also before an occupancy query).
@@ -1194,7 +1194,7 @@ template <int V, int TABB, bool OUT, int D>
 int act(What what, const Params* p, int rows, cudaStream_t stream) {
   if constexpr (OUT && !out_ok<D>(V)) {
     return NO_INSTANCE;
-  } else if constexpr ((C16V[V] || VPADV[V]) && D != 64) {  // (head dim 64's 24-byte rows alone)
+  } else if constexpr ((V == C16_VARIANT || V == VPAD_VARIANT) && D != 64) {  // (head dim 64's 24-byte rows alone)
     return what == LAUNCH ? (int)cudaErrorInvalidValue : -(int)cudaErrorInvalidValue;
   } else {
     constexpr auto k = kernel_of<V, TABB, OUT, D>();
