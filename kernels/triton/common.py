@@ -346,8 +346,7 @@ class SplitPlan:
     every constexpr / launch keyword, the output dtype and shape, and whatever the format's
     wrapper adds (its per-layout launch arguments, checked once). `want`: the split count
     before the cut by the token tiles (`choose_splits`' rule without T, see `splits`)."""
-    __slots__ = ("kernel", "rows", "rows_q", "D", "kw", "out_dtype", "out_shape", "want", "block", "extra",
-                 "__weakref__")
+    __slots__ = ("kernel", "rows", "rows_q", "D", "kw", "out_dtype", "out_shape", "want", "block", "extra")
 
     def __init__(self, kernel, const, q, B, H, D, num_warps, num_stages, cache_dtype, out_dtype):
         Hq = q.shape[1]

@@ -6,9 +6,10 @@ SDPA and the Triton HQMQ kernels (HQMQ, HQMQ + Med3x), at B=8 and B=1, T=32k.
 
 Protocol as bench.py beside it (its `bench`: the toolkit's do_bench median, L2 flushed, rep 40 ms):
 Hq 32 / Hkv 8 / d 128 (--head-dim: 64 or 256, the variants with an instance there), fp16 q;
-caches = real encodings of 4096 synthetic tokens (3 outlier key channels) tiled to T. Every variant with the default (whole-wave) split rule
-and a few fixed split counts; B=1 also as CUDA graph replays (every config), the graph
-with a device-side valid_len (the decode-loop form), and the host time of an eager call.
+caches = real encodings of 4096 synthetic tokens (3 outlier key channels) tiled to T. Every
+variant with the default (whole-wave) split rule and a few fixed split counts; B=1 also as
+CUDA graph replays (every config), the graph with a device-side valid_len (the decode-loop
+form), and the host time of an eager call.
 --quick: the default variant's configs only. HQMQ + Med3x: the CUDA variants with an
 outlier path (cuda_hqmq.MED3_VARIANTS, or --med3-variants) beside the Triton kernel, and a
 MED3 line per shape: each one's best config against the best plain HQMQ row of the same

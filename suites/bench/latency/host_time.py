@@ -365,8 +365,8 @@ def main(argv=None) -> int:
             out.append((f if mode is None else f"{f} {'fused' if mode else 'split'}", cols))
         return out
 
-    def line(name, d, cols, fmt="9.1f"):
-        return f"{name:14s} {d:4d} " + "  ".join(" ".join(f"{u:{fmt}}" for u in c) for c in cols)
+    def line(name, d, cols):
+        return f"{name:14s} {d:4d} " + "  ".join(" ".join(f"{u:9.1f}" for u in c) for c in cols)
 
     def table(timer):
         """Every row, `--passes` times over (a pass: every format once, in order); with more
