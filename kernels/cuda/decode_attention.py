@@ -425,9 +425,9 @@ def _kivi_counts(k, v) -> tuple:
 def _kivi_moved(plan, k, v) -> bool:
     """Whether a host-count KIVI call's counts differ from those its plan was last set to
     (`counts`; plain fields: the length properties cost an eager call ~1 us in the CUDA path
-    walked on a 2-core CPU, 2026-12-06). The
-    plan's counts passed `check_token_counts` (K and V of one T), so K and V of different
-    T always read as moved, and the retarget refuses them."""
+    walked on a 2-core CPU, 2026-12-06). The plan's counts passed `check_token_counts` (K
+    and V of one T), so K and V of different T always read as moved, and the retarget
+    refuses them."""
     return plan.counts != _kivi_counts(k, v)
 
 
