@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# A kernel change timed against its base on the same GPU machine in one call (like with like:
+# the `run` tool's machines differ from call to call). Here, on the CPU machine:
+#   `bash suites/bench/gpu_ab.sh prep [REV]` (default HEAD) puts REV's kernels/, quantizers/
+#   and suites/ in .gpuab/ (ignored; ~3 MB) with REV's hash in .gpuab/rev.
+# On the GPU machine, a call that carries .gpuab (and .gpu_commit) runs the same module twice:
+#   `bash suites/bench/gpu_ab.sh py -m kvqbench.suites.bench.cuda.hqmq_bench ...` runs it on
+#   the base tree (as package kvqbench, from /tmp/pp_base; its libraries build under their own
+#   source hash in /tmp/kvq_ext_base, so the two builds do not wait on one lock), with KVQBENCH_COMMIT=REV so results record the base; then call the module
+#   as usual (gpu_env.sh's /tmp/pp) for the working tree.
+set -eu
+case "${1:-}" in
+  prep)
+    rev=$(git rev-parse "${2:-HEAD}")
+    rm -rf .gpuab && mkdir -p .gpuab/tree
+    git archive "$rev" kernels quantizers suites | tar x -C .gpuab/tree
+    echo "$rev" > .gpuab/rev
+    echo "base $rev in .gpuab ($(du -sh .gpuab | cut -f1))" ;;
+  py)
+    shift
+    [ -f .gpuab/rev ] || { echo "gpu_ab.sh: no .gpuab here (run 'prep' on the CPU machine and carry .gpuab)" >&2; exit 2; }
+    PPB=/tmp/pp_base; mkdir -p $PPB/kvqbench
+    for d in kernels quantizers suites; do ln -sfn "$PWD/.gpuab/tree/$d" $PPB/kvqbench/$d; done
+    echo "base tree: $(cat .gpuab/rev)"
+    PYTHONPATH=$PPB KVQBENCH_COMMIT=$(cat .gpuab/rev) TORCH_EXTENSIONS_DIR=/tmp/kvq_ext_base PYTHONDONTWRITEBYTECODE=1 \
+      ${PYTHON:-python} "$@" ;;
+  *) echo "usage: gpu_ab.sh prep [REV] | py ARGS..." >&2; exit 2 ;;
+esac
