@@ -65,17 +65,26 @@ __device__ __forceinline__ uint32_t nibbles_magic(uint32_t x) {
 // for tile rows g (s[e]) and g+8 (s[2+e]); m, l: the running max and sum per head; acc:
 // O^T fragments, rescaled when a max grows; p0..p3: the tile's weights (as s), relative to
 // the new max. The max over the 16 tokens is over g (the lanes of equal c).
+// The max is reduced lazily: a lane first compares its own two tokens with the running max
+// (equal across the lanes of a head), and only when some lane's beat it (one vote; rare after
+// the first tiles) are the maxima reduced and the sums rescaled. Bit for bit the eager
+// reduction's result (max is exact, so "some lane beat m" is "the tile's max beat m"), without
+// its 6 shuffles per tile in the common case: the shuffles queue on the MIO pipe with the
+// shared loads, which bound the kernels (reports/kernels/NOTES.md, the d 64 profile). H100,
+// B=8 T=32k graphed, against the eager reduction in the same call (gpu_ab.sh): HQMQ d 128 -2.5%,
+// Med3x -1.9%, HQMQ d 64 -2.6%, KIVI-2 -0.7%, int4 / fp8 / KIVI-4 within 0.3%
+// (reports/latency/lazy_max_ab_h100_2026-12-06/). Offline it cost 1-11 registers in some
+// instances; the non-default KIVI d 128 variants 2 / 3 (128-register cap) spill 8-28 bytes.
 template <int KS>
 __device__ __forceinline__ void online_softmax(const float (&s)[4], float (&m)[2], float (&l)[2], float (&acc)[KS][4],
                                                float& p0, float& p1, float& p2, float& p3) {
   float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
+  if (__any_sync(0xffffffffu, mx[0] > m[0] || mx[1] > m[1])) {  // some max grew: reduce it, rescale
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
+    for (int e = 0; e < 2; ++e) {
 #pragma unroll
-    for (int o = 4; o < 32; o <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], o));
-  }
-  const bool grow = mx[0] > m[0] || mx[1] > m[1];
-  if (__any_sync(0xffffffffu, grow)) {  // rescale only when some max grew (rare after the start)
+      for (int o = 4; o < 32; o <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], o));
+    }
     float alpha[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {

@@ -1066,13 +1066,12 @@ template <int KS>
 __device__ __forceinline__ void online_softmax2(const float (&s0)[4], const float (&s1)[4], float (&m)[2],
                                                 float (&l)[2], float (&acc)[KS][4], float (&p)[8]) {
   float mx[2] = {fmaxf(fmaxf(s0[0], s0[2]), fmaxf(s1[0], s1[2])), fmaxf(fmaxf(s0[1], s0[3]), fmaxf(s1[1], s1[3]))};
+  if (__any_sync(0xffffffffu, mx[0] > m[0] || mx[1] > m[1])) {  // lazily, as online_softmax
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
+    for (int e = 0; e < 2; ++e) {
 #pragma unroll
-    for (int o = 4; o < 32; o <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], o));
-  }
-  const bool grow = mx[0] > m[0] || mx[1] > m[1];
-  if (__any_sync(0xffffffffu, grow)) {
+      for (int o = 4; o < 32; o <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], o));
+    }
     float alpha[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {

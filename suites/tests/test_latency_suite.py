@@ -430,3 +430,21 @@ def test_host_time_write_times_the_cache_write_without_running_its_kernels(monke
     assert us > 0 and step_encode.LAUNCHES[0] - before == 2 * (1 + 1 + 2 * 5)  # K and V: prompt, warm-up, rounds
     assert step_encode.launch_hook is hook
     assert math.isnan(host_time.write_host_us(None, 1, 64, hkv=2, d=64, n=5))
+
+
+def test_ab_table_sets_runs_side_by_side_against_each_runs_own_sdpa(tmp_path):
+    from kvqbench.suites.bench.latency.ab import table
+
+    def run(name, sdpa, hqmq):
+        rows = [{"method": "fp16-sdpa-graph", "B": 8, "T": 64, "d": 128, "latency_us": sdpa},
+                {"method": "fused-hqmq-graph", "B": 8, "T": 64, "d": 128, "latency_us": hqmq},
+                {"method": "fused-hqmq", "B": 8, "T": 64, "d": 128, "latency_us": 1.0},  # eager: not a column row
+                {"method": "fake-quant", "B": 8, "T": 64, "latency_us": 9.0}]  # no d: kept out, no error
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "latency.json").write_text(json.dumps({"latency": rows}))
+        return tmp_path / name
+    out = table([run("new", 300.0, 150.0), run("base", 200.0, 160.0)]).splitlines()
+    assert out[0] == "| B | T | d | method | new | base |"
+    hq = next(line for line in out if "fused-hqmq-graph" in line)
+    assert "150.0 (2.00x)" in hq and "160.0 (1.25x)" in hq  # each run's ratio is to its own SDPA
+    assert not any("| fused-hqmq |" in line for line in out)
