@@ -141,18 +141,10 @@ __device__ __forceinline__ float rm15(uint32_t bits) {
 // ---------------------------------------------------------------------------------
 // one warp stage: the bytes of a 16-token tile
 // ---------------------------------------------------------------------------------
-// VPAD (D = 64, variant 12; 2026-12-06, P2 of the d = 64 study in NOTES.md): 8 bytes after
-// every 4 tokens' V code rows (token t at VC + 24 t + 8 (t / 4)), so the V code words the 8
-// lanes of each of a warp's 4 tokens read fall in disjoint banks (2-way conflicts without).
-template <int D, bool VPAD = false>
+template <int D>
 struct Stage {  // of one warp: its DW dims' bytes (the whole row's flags)
   static constexpr int CB = Dims<Dims<D>::DW>::CB, RB = Dims<Dims<D>::DW>::RB, FB = Dims<D>::FB;
-  static_assert(!VPAD || D == 64, "the V row pads are head dim 64's");
-  static constexpr int VPB = VPAD ? 32 : 0;  // (the V rows' pads: 4 of 8 bytes)
-  static constexpr int KC = 0, VC = 16 * CB, KR = 2 * 16 * CB + VPB, VR = KR + 16 * RB, KM = VR + 16 * RB, VM = KM + 48;
-  // the pad bytes before token t's V code row, and the row's byte
-  static constexpr __host__ __device__ int vpad(int t) { return VPAD ? 8 * (t >> 2) : 0; }
-  static constexpr __host__ __device__ int vrow(int t) { return VC + t * CB + vpad(t); }
+  static constexpr int KC = 0, VC = 16 * CB, KR = 2 * 16 * CB, VR = KR + 16 * RB, KM = VR + 16 * RB, VM = KM + 48;
   static constexpr int BYTES = VM + 48;  // 2144 at D = 128
   // Med3x: the tile's 16 flag rows per role (token t of role r at FL + FLR r + FB t; at D = 64
   // FL + FLR r + 2 (t + fsh): see copy_tile) and the 64-token block's outlier start per role
@@ -160,8 +152,8 @@ struct Stage {  // of one warp: its DW dims' bytes (the whole row's flags)
   static constexpr int FL = BYTES, OX = FL + 2 * FLR;  // K at +0, V at +FLR (flags) / +4 (start)
   static constexpr int BYTES_OUT = OX + 16;  // 2288 at D = 128
 };
-template <bool OUT, int D = 128, bool VPAD = false>
-constexpr int STAGE_BYTES = OUT ? Stage<D, VPAD>::BYTES_OUT : Stage<D, VPAD>::BYTES;
+template <bool OUT, int D = 128>
+constexpr int STAGE_BYTES = OUT ? Stage<D>::BYTES_OUT : Stage<D>::BYTES;
 
 // A lane's global source pointers for its copies of the next tile (advanced by warp strides).
 template <int D>
@@ -196,24 +188,13 @@ __device__ __forceinline__ int tile_advance(int i) {
 __device__ __forceinline__ void cp_async4_part(uint32_t dst, const void* src, int n) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
 }
-// 16 bytes of which the first n (0..16) are read, the rest zero-filled; L1 bypassed (.cg)
-__device__ __forceinline__ void cp_async16_part(uint32_t dst, const void* src, int n) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
 
 // NW: the warps (D = 256: warp pairs) streaming tiles; CB, RB of the global rows (the
 // cursor's strides), the stage holds the warp's DW dims.
-// C16 (D = 64, variant 11; 2026-12-06, the d = 64 study in NOTES.md): a tile's 16 rows of 24
-// code bytes (and of 8 radius bytes) lie back to back, 384 (128) bytes from a 16-byte
-// boundary when the rows of a (b, h) start on one (the host checks it), so they are copied
-// as 24 (8) pieces of 16 bytes that bypass L1, a piece spanning two rows where it must, the
-// bytes past the tile's valid tokens zero-filled: the stage holds the very bytes the 8-byte
-// row pieces leave there, in 3 copy instructions a tile instead of 5.
-template <int NW, bool OUT, bool PF = false, int D = 128, bool C16 = false, bool VPAD = false>
+template <int NW, bool OUT, bool PF = false, int D = 128>
 __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, bool on, int lane, bool on1 = false) {
-  using Stage = ::Stage<D, VPAD>;
+  using Stage = ::Stage<D>;
   using DD = Dims<D>;
-  static_assert(!(C16 && VPAD), "16-byte pieces over padded V rows: no such variant");
   constexpr int CB = DD::CB, RB = DD::RB;
   const int STEP = tile_advance<NW, OUT>(cur.i);
   if constexpr (D >= 128) {  // 48 code bytes a token in the stage (256: the warp's half of the row)
@@ -229,14 +210,6 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, 
       cp_async<16>(st + Stage::KC + 16 * i, cur.c0 + (D == 128 ? 512 : cur.o1), ok);
       cp_async<16>(st + Stage::VC + 16 * i, cur.vc0 + (D == 128 ? 512 : cur.o1), ok);
     }
-  } else if constexpr (C16) {
-    static_assert(D == 64, "16-byte pieces over whole tiles: head dim 64's 24-byte rows");
-    const int nb = on ? CB * max(0, min(16, T - cur.t0)) : 0;  // the tile's valid code bytes
-    if (lane < CB) {  // 16 rows x 24 bytes: 24 pieces a role
-      const int n = max(0, min(16, nb - 16 * lane));
-      cp_async16_part(st + Stage::KC + 16 * lane, cur.c0, n);
-      cp_async16_part(st + Stage::VC + 16 * lane, cur.vc0, n);
-    }
   } else {
     constexpr int P = DD::PIECE;
 #pragma unroll
@@ -245,19 +218,13 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, 
       if (DD::NPC % 32 == 0 || i < DD::NPC) {
         const bool ok = on && cur.t0 + i / DD::PPT < T;
         cp_async<P>(st + Stage::KC + P * i, cur.c0 + 32 * P * j, ok);
-        cp_async<P>(st + Stage::VC + P * i + Stage::vpad(i / DD::PPT), cur.vc0 + 32 * P * j, ok);
+        cp_async<P>(st + Stage::VC + P * i, cur.vc0 + 32 * P * j, ok);
       }
     }
   }
   if constexpr (D >= 128) {  // (256: the warp's 16 bytes of the token's 32)
     const bool ok = on && cur.t0 + (lane & 15) < T;
     cp_async<16>(st + (lane < 16 ? Stage::KR : Stage::VR) + 16 * (lane & 15), cur.r, ok);
-  } else if constexpr (C16) {  // lanes 0..7: K's 8 pieces of the tile's radius rows, 8..15: V's
-    if (lane < 16) {
-      const int nb = on ? RB * max(0, min(16, T - cur.t0)) : 0;
-      cp_async16_part(st + (lane < 8 ? Stage::KR : Stage::VR) + 16 * (lane & 7), cur.r,
-                      max(0, min(16, nb - 16 * (lane & 7))));
-    }
   } else {
     const bool ok = on && cur.t0 + (lane & 15) < T;
 #pragma unroll
@@ -600,12 +567,12 @@ __device__ __forceinline__ void out_values(float (&acc)[D / 16][4], const uint8_
 // lie at unaligned bytes of the 24-byte rows.
 // K: tokens g, g+8; lane c's 4 chunks 4c .. 4c + 3 (one per k-step): the scores s (unscaled)
 // and the tokens' r_max / 15 (rk).
-template <int D, bool VPAD = false>
+template <int D>
 __device__ __forceinline__ void k_generic(const uint8_t* st, const uint8_t* ktab, int moff_k,
                                           const uint32_t (&qb)[D / 16][2], float (&s)[4], float (&rk)[2], int g,
                                           int c) {
   static_assert(D == 64, "D = 64's layout");
-  using Stage = ::Stage<D, VPAD>;
+  using Stage = ::Stage<D>;
   constexpr int KS = D / 16, CB = Dims<D>::CB, RB = Dims<D>::RB;
   uint32_t off[2][KS], rw[2], rmb[2];
 #pragma unroll
@@ -633,11 +600,11 @@ __device__ __forceinline__ void k_generic(const uint8_t* st, const uint8_t* ktab
 }
 
 // V: tokens 2c, 2c+1, 2c+8, 2c+9; lane g's 2 chunks 2g, 2g + 1: O^T += V^T P^T (pb0, pb1)
-template <int D, bool VPAD = false>
+template <int D>
 __device__ __forceinline__ void v_generic(const uint8_t* st, const uint8_t* vtab, float (&acc)[D / 16][4],
                                           uint32_t pb0, uint32_t pb1, int g, int c) {
   static_assert(D == 64, "D = 64's layout");
-  using Stage = ::Stage<D, VPAD>;
+  using Stage = ::Stage<D>;
   constexpr int VC = D / 32, CB = Dims<D>::CB, RB = Dims<D>::RB;
   uint32_t off[4][VC];
   uint32_t rb[4];  // the lane's radius byte (2 nibbles) of each token
@@ -645,7 +612,7 @@ __device__ __forceinline__ void v_generic(const uint8_t* st, const uint8_t* vtab
   for (int j = 0; j < 4; ++j) {
     const int t = 2 * c + (j & 1) + 8 * (j >> 1);
     // 24 bits at byte 3g: from the word pair at 4 (3g / 4), shifted by 8 (3g % 4)
-    const uint8_t* row = st + Stage::vrow(t) + 4 * ((3 * g) >> 2);
+    const uint8_t* row = st + Stage::VC + t * CB + 4 * ((3 * g) >> 2);
     const uint32_t w0 = *reinterpret_cast<const uint32_t*>(row), w1 = *reinterpret_cast<const uint32_t*>(row + 4);
     const uint32_t lo = __funnelshift_r(w0, w1, 8 * ((3 * g) & 3));
     off[j][0] = (lo << 3) & 0x7FF8u;
@@ -666,14 +633,14 @@ __device__ __forceinline__ void v_generic(const uint8_t* st, const uint8_t* vtab
 // tile j + 1's items after them)
 // SPL = 2 (head dim 256): D is the warp's 128 dims; its partial scores are added to its
 // partner's (pair_add: xb, hf, bar) before the softmax.
-template <bool OUT, bool PF = false, int D = 128, int SPL = 1, bool VPAD = false>
+template <bool OUT, bool PF = false, int D = 128, int SPL = 1>
 __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab, const uint8_t* vtab, int moff_k,
                                           int moff_v, int t0, int T, float qk, const uint32_t (&qb)[D / 16][2],
                                           float (&acc)[D / 16][4], float (&m)[2], float (&l)[2], int g, int c,
                                           int& run, bool block_start, const OutRows& orow,
                                           const uint8_t* pb = nullptr, uint8_t* xb = nullptr, int hf = 0,
                                           int bar = 0) {
-  using Stage = ::Stage<D, VPAD>;
+  using Stage = ::Stage<D>;
   constexpr int KS = D / 16, CB = Dims<D>::CB, RB = Dims<D>::RB;
   static_assert(D == 128 || !OUT || PF, "the direct Med3x path (variants 0, 2) is head dim 128's only");
   const int lane = 4 * g + c;
@@ -719,7 +686,7 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
   float s[4] = {0.f, 0.f, 0.f, 0.f};
   float rk[2];
   if constexpr (D != 128) {
-    k_generic<D, VPAD>(st, ktab, moff_k, qb, s, rk, g, c);
+    k_generic<D>(st, ktab, moff_k, qb, s, rk, g, c);
   } else {
     uint32_t w[2][3], rw[2], rmb[2];
 #pragma unroll
@@ -812,7 +779,7 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
 
   // ---- V: tokens 2c, 2c+1 (pair 0), 2c+8, 2c+9 (pair 1); chunks 4g .. 4g+3 (VC g ..: v_generic)
   if constexpr (D != 128) {
-    v_generic<D, VPAD>(st, vtab, acc, pb0, pb1, g, c);
+    v_generic<D>(st, vtab, acc, pb0, pb1, g, c);
   } else {
   const int sh = 16 * (g & 1);
   const int wo = 4 * ((3 * g) >> 1);  // byte of the word holding bit 48 g of the row
@@ -862,10 +829,10 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
   }
 }
 
-template <int NW, int SMS, int TABB, bool OUT, bool PF = false, int D = 128, bool VPAD = false>
+template <int NW, int SMS, int TABB, bool OUT, bool PF = false, int D = 128>
 constexpr int dyn_smem() {
   constexpr int SPL = Dims<D>::SPL, NP = NW / SPL;  // (D = 256: the pairs' score exchange, 2 KB each)
-  constexpr int body = 2 * TABB + SMS * NW * STAGE_BYTES<OUT, D, VPAD> + (OUT && PF ? NW * 2 * PfBuf<D>::BYTES : 0) +
+  constexpr int body = 2 * TABB + SMS * NW * STAGE_BYTES<OUT, D> + (OUT && PF ? NW * 2 * PfBuf<D>::BYTES : 0) +
                        (SPL == 2 ? NP * 2048 : 0);
   constexpr int red = NP * 8 * D * 4;
   return body > red ? body : red;
@@ -877,16 +844,15 @@ constexpr int dyn_smem() {
 // PF (with OUT): the outliers one tile ahead, through a per-warp double buffer after the stages.
 // FUSED: the last CTA of a row group merges the group's partials into p.out (common.cuh
 // combine_rows), no combine launch after it.
-template <int NW, int SMS, int TABB, int MINB, bool OUT, bool PF = false, int D = 128, bool FUSED = false,
-          bool C16 = false, bool VPAD = false>
+template <int NW, int SMS, int TABB, int MINB, bool OUT, bool PF = false, int D = 128, bool FUSED = false>
 __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params p) {
-  using Stage = ::Stage<D, VPAD>;
+  using Stage = ::Stage<D>;
   using PfBuf = ::PfBuf<D>;
   using FlagT = typename Dims<D>::FlagT;
   // SPL = 2 (D = 256): warp pairs (wp) stream the tiles, warp hf of a pair takes dims
   // [128 hf, 128 hf + 128) (DW) of every row; else wp = warp, NP = NW, DW = D.
   constexpr int SPL = Dims<D>::SPL, NP = NW / SPL, DW = Dims<D>::DW;
-  constexpr int SB = STAGE_BYTES<OUT, D, VPAD>, KS = DW / 16, CB = Dims<D>::CB, RB = Dims<D>::RB;
+  constexpr int SB = STAGE_BYTES<OUT, D>, KS = DW / 16, CB = Dims<D>::CB, RB = Dims<D>::RB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wp = warp / SPL, hf = warp % SPL;
   const int g = lane >> 2, c = lane & 3;
@@ -930,10 +896,6 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       cur.vc0 = p.vc + bh * p.v_cs + (long long)t0 * CB + (CB / 2) * hf + o0;
       cur.r = (lane < 16 ? p.kr + bh * p.k_rs : p.vr + bh * p.v_rs) + (long long)t0 * RB + RB * (lane & 15) +
               (RB / 2) * hf;
-    } else if constexpr (C16) {  // piece `lane` of the tile's codes; radius piece lane & 7 (K: lanes 0..7)
-      cur.c0 = p.kc + bh * p.k_cs + (long long)t0 * CB + 16 * lane;
-      cur.vc0 = p.vc + bh * p.v_cs + (long long)t0 * CB + 16 * lane;
-      cur.r = (lane < 8 ? p.kr + bh * p.k_rs : p.vr + bh * p.v_rs) + (long long)t0 * RB + 16 * (lane & 7);
     } else {
       cur.c0 = p.kc + bh * p.k_cs + (long long)t0 * CB + Dims<D>::PIECE * lane;
       cur.vc0 = p.vc + bh * p.v_cs + (long long)t0 * CB + Dims<D>::PIECE * lane;
@@ -992,7 +954,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   }
 #pragma unroll
   for (int i = 0; i < SMS - 1; ++i) {
-    copy_tile<NP, OUT, PF, D, C16, VPAD>(wsa + i * SB, cur, T, i < ntile, lane, i + 1 < ntile);
+    copy_tile<NP, OUT, PF, D>(wsa + i * SB, cur, T, i < ntile, lane, i + 1 < ntile);
     cp_commit();
   }
   int run = 0;  // Med3x: outliers of this lane's role before the current tile, in its block
@@ -1032,7 +994,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   int rd = 0, wr = SMS - 1;
   for (int j = 0; j < ntile; ++j) {
     __syncwarp();
-    copy_tile<NP, OUT, PF, D, C16, VPAD>(wsa + wr * SB, cur, T, j + SMS - 1 < ntile, lane, j + SMS < ntile);
+    copy_tile<NP, OUT, PF, D>(wsa + wr * SB, cur, T, j + SMS - 1 < ntile, lane, j + SMS < ntile);
     cp_commit();
     if constexpr (OUT && PF) {
       // stage j: groups since it = tile j-1's items?, then per tile (stage, items) and the stage
@@ -1055,7 +1017,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       __syncwarp();
     }
     const int tile = OUT ? first + 4 * (wp + NP * (j >> 2)) + (j & 3) : first + wp + j * NP;
-    tile_step<OUT, PF, DW, SPL, VPAD>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16, T, p.qk_scale, qb, acc, m, l, g, c, run,
+    tile_step<OUT, PF, DW, SPL>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16, T, p.qk_scale, qb, acc, m, l, g, c, run,
                        (j & 3) == 0, orow, pfb + (j & 1) * PfBuf::BYTES, xb + (j & 1) * 1024, hf, 1 + wp);
     rd = rd == SMS - 1 ? 0 : rd + 1;
     wr = wr == SMS - 1 ? 0 : wr + 1;
@@ -1131,14 +1093,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
 // per SM). 20 warps (102 registers) spilled 60 bytes offline: not taken.
 // 9, 10 (2026-12-02, for Med3x): v2's and v3's shapes with the outliers one tile ahead (PF);
 // their instance without outliers is v2's / v3's kernel itself.
-// 11, 12 (2026-12-06, head dim 64 only; not yet run on a GPU): v3's shape with the tile's rows
-// copied in 16-byte pieces (copy_tile's C16), and with the V code rows padded (Stage's VPAD).
-constexpr int VARIANTS[][3] = {{4, 4, 3}, {8, 4, 1}, {4, 3, 3}, {8, 2, 2}, {4, 6, 1}, {8, 4, 2}, {4, 2, 4},
-                               {16, 4, 1}, {16, 5, 1}, {4, 3, 3}, {8, 2, 2}, {8, 2, 2}, {8, 2, 2}};
-constexpr int NVARIANTS = 13;
-constexpr bool PREFETCH[NVARIANTS] = {false, false, false, false, false, false, false,
-                                      false, false, true,  true,  false, false};
-constexpr int C16_VARIANT = 11, VPAD_VARIANT = 12;
+constexpr int VARIANTS[][3] = {{4, 4, 3}, {8, 4, 1}, {4, 3, 3}, {8, 2, 2}, {4, 6, 1},
+                               {8, 4, 2}, {4, 2, 4}, {16, 4, 1}, {16, 5, 1}, {4, 3, 3}, {8, 2, 2}};
+constexpr int NVARIANTS = 11;
+constexpr bool PREFETCH[NVARIANTS] = {false, false, false, false, false, false, false, false, false, true, true};
 constexpr int TAB_SMALL = 192 * 96;   // S <= 96
 constexpr int TAB_LARGE = 192 * 170;  // S <= 170 (fill=true at 12 bits)
 static_assert(TAB_SMALL % 16 == 0, "table alignment");
@@ -1148,8 +1106,7 @@ static_assert(TAB_SMALL % 16 == 0, "table alignment");
 // spilled 108 bytes, so they have none and are refused for Med3x caches.
 // 9 and 10 (PF) hold no fragments across the quantized parts: see NOTES.md ("Med3x outliers one
 // tile ahead") for their registers.
-constexpr bool OUT_OK[NVARIANTS] = {true, false, true, false, false, false, false,
-                                    false, false, true,  true,  false, false};
+constexpr bool OUT_OK[NVARIANTS] = {true, false, true, false, false, false, false, false, false, true, true};
 
 // Head dims 64 and 256 (2026-12, not yet timed on a GPU): Med3x through the prefetching
 // variants only (the direct path's outlier fragments are d = 128's alone; at 64 its chunk
@@ -1168,13 +1125,12 @@ constexpr int minb_of() {
 
 template <int V, int TABB, bool OUT, int D>
 constexpr int smem_of() {
-  return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, OUT, OUT && PREFETCH[V], D, V == VPAD_VARIANT>();
+  return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, OUT, OUT && PREFETCH[V], D>();
 }
 template <int V, int TABB, bool OUT, int D>
 constexpr auto kernel_of() {
   return hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, minb_of<V, D, OUT>(), OUT,
-                           OUT && PREFETCH[V], D, FUSED_BUILD, V == C16_VARIANT,
-                           V == VPAD_VARIANT>;
+                           OUT && PREFETCH[V], D, FUSED_BUILD>;
 }
 
 // The dynamic shared-memory opt-in, once per instance (also before an occupancy query).
@@ -1194,8 +1150,6 @@ template <int V, int TABB, bool OUT, int D>
 int act(What what, const Params* p, int rows, cudaStream_t stream) {
   if constexpr (OUT && !out_ok<D>(V)) {
     return NO_INSTANCE;
-  } else if constexpr ((V == C16_VARIANT || V == VPAD_VARIANT) && D != 64) {  // (head dim 64's 24-byte rows alone)
-    return what == LAUNCH ? (int)cudaErrorInvalidValue : -(int)cudaErrorInvalidValue;
   } else {
     constexpr auto k = kernel_of<V, TABB, OUT, D>();
     constexpr int NT = VARIANTS[V][0] * 32, SM = smem_of<V, TABB, OUT, D>();
@@ -1228,8 +1182,6 @@ int act_t(int variant, What what, const Params* p, int rows, cudaStream_t s) {
     case 8: return act<8, TABB, OUT, D>(what, p, rows, s);
     case 9: return act<9, TABB, OUT, D>(what, p, rows, s);
     case 10: return act<10, TABB, OUT, D>(what, p, rows, s);
-    case 11: return act<11, TABB, OUT, D>(what, p, rows, s);
-    case 12: return act<12, TABB, OUT, D>(what, p, rows, s);
     default: return act<0, TABB, OUT, D>(what, p, rows, s);
   }
 }

@@ -41,20 +41,11 @@ SOURCE = Path(__file__).parent / "hqmq_decode.cu"
 # 7 (16, 4, 1), 8 (16, 5, 1; not with S > 96: its shared memory). With the table copied by
 # cp.async every instance takes 120-126 registers, so shared memory sets the CTAs per SM
 # (v0 3, v3 2, v6 4, v7 1). 9 (4, 3, 3) and 10 (8, 2, 2) are Med3x's (PREFETCH_VARIANTS): the
-# outliers one tile ahead; without outliers they run v2's / v3's kernel itself. 11 (head dim 64
-# only; 2026-12-06, from the d 64 study and its profile in NOTES.md: L1-bound, the tile's copies
-# a fifth of the L1 traffic): v3's shape with a tile's code and radius rows copied in 16-byte
-# pieces that bypass L1 (3 copy instructions a tile instead of 5 of 8 bytes through it). Its
-# pieces need each (b, h)'s rows to start on a 16-byte boundary (an even capacity); where they
-# do not, the call runs v3 itself (the same bytes staged, so the same result). Not yet run
-# on a GPU: no default takes it. C16_VARIANTS: such a variant -> the variant of its shape.
-# 12 (head dim 64 only, the same day, P2 of that study; not yet run on a GPU): v3 with 8 bytes
-# of padding after every 4 tokens' V code rows in the stage, so the V code reads meet no bank
-# conflict (2-way without); the same codes read, so v3's result.
-NUM_VARIANTS = 13
+# outliers one tile ahead; without outliers they run v2's / v3's kernel itself. (11 and 12,
+# head dim 64's 16-byte bypass copies and padded V code rows, lost to v3 on the H100 on
+# 2026-12-06 and went: reports/kernels/NOTES.md.)
+NUM_VARIANTS = 11
 PREFETCH_VARIANTS = (9, 10)
-C16_VARIANTS = {11: 3}
-D64_VARIANTS = (11, 12)  # variants with an instance at head dim 64 alone
 # The numbers behind these defaults and switches, call by call: reports/kernels/NOTES.md,
 # "Defaults of kernels/cuda and the runs that chose them".
 # v3: best, or within 0.5 us of it, at B=8 and B=1, T=32k on the H200.
@@ -93,7 +84,7 @@ def variants(head_dim: int = 128, med3: bool = False) -> tuple[int, ...]:
     """The variants with an instance at this head dim (med3: with a Med3x instance)."""
     if med3:
         return MED3_VARIANTS if head_dim == 128 else PREFETCH_VARIANTS
-    return tuple(v for v in range(NUM_VARIANTS) if head_dim == 64 or v not in D64_VARIANTS)
+    return tuple(range(NUM_VARIANTS))
 
 
 def qk_scale(head_dim: int) -> float:
@@ -426,9 +417,6 @@ def _launch_values(q: torch.Tensor, k, v, num_splits, ctas_per_sm, variant, out_
         raise ValueError(f"variant {variant} has no Med3x instance at head_dim {D} (variants: {variants(D, True)})")
     if variant not in variants(D):
         raise ValueError(f"variant {variant} has no instance at head_dim {D} (variants: {variants(D)})")
-    if variant in C16_VARIANTS and any(t.data_ptr() % 16 or bh_stride(t) % 16
-                                       for f in (k, v) for t in (f.codes, f.radius)):
-        variant = C16_VARIANTS[variant]  # (rows off a 16-byte boundary: the 8-byte copies of its shape)
     if occupancy(variant, k.S, out, D) <= 0:  # v8 with S > 96 (the shared-memory opt-in is refused)
         raise ValueError(f"variant {variant} does not fit the shared memory with S={k.S} at head_dim {D}")
     nsplit, per = _token_splits(k, q.device, num_splits, ctas_per_sm, variant)
@@ -633,5 +621,5 @@ def _launch_planned(plan, q, vl, workspace) -> torch.Tensor:
 
 __all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits",
            "codebook16", "takes_by_default", "auto_refusal", "OPTIONS", "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS",
-           "MED3_VARIANTS", "PREFETCH_VARIANTS", "C16_VARIANTS", "D64_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale",
+           "MED3_VARIANTS", "PREFETCH_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale",
            "head_dim_reason", "PLANNED"]

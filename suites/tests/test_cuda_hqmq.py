@@ -465,27 +465,6 @@ def test_cpu_dispatch_stays_on_triton():
 NEW_DIMS = [64, 256]
 
 
-@needs_cuda
-@pytest.mark.parametrize("variant", cuda_hqmq.D64_VARIANTS)
-@pytest.mark.parametrize("T", [1, 16, 17, 1000, 4104])
-def test_the_d64_copy_and_layout_variants_give_v3s_result_bit_for_bit(T, variant):
-    """Variants 11 (head dim 64: a tile's code and radius rows copied in 16-byte pieces, the
-    bytes past the valid tokens zero-filled) and 12 (the V code rows padded in the stage)
-    read v3's codes, so their result is v3's bit for bit. 11 at an even capacity through
-    its own copies (the plan says 11), at an odd one (rows off a 16-byte boundary) as v3
-    itself; 12 at both. Garbage past T in every case."""
-    fk, fv, _, _ = encoded(2, 2, T, 71, SPEC, 64)
-    q = query(2, 8, 72, D=64)
-    for extra in (2 - T % 2, 3 - T % 2):  # (capacity T + extra: even, then odd)
-        kf, vf = _with_capacity(fk, extra), _with_capacity(fv, extra, seed=1)
-        ran = cuda_hqmq._launch_values(q, kf, vf, None, None, variant, None, None)[4]
-        even = kf.codes.shape[2] % 2 == 0
-        assert ran == (variant if even or variant not in cuda_hqmq.C16_VARIANTS else 3)
-        for ns in (None, 3):
-            new, old = attend(q, kf, vf, variant=variant, num_splits=ns), attend(q, kf, vf, variant=3, num_splits=ns)
-            assert torch.isfinite(new).all() and torch.equal(new, old), (T, extra, ns)
-
-
 def head_variants(D, spec):
     """The Med3x tests' variants at head dim D (None: the default) or the plain ones."""
     return (None,) + tuple(cuda_hqmq.variants(D, "med3" in spec))
@@ -641,9 +620,7 @@ def test_head_dims_taken_and_auto_gated():
         assert why is None or "head_dim" not in why, why  # (CPU buffers: "not on a CUDA device")
         assert (cuda_hqmq.auto_refusal(f) is None) == (D in cuda_hqmq.AUTO_HEAD_DIMS and cuda_hqmq.AUTO)
         assert cuda_hqmq.variants(D, True) == cuda_hqmq.PREFETCH_VARIANTS
-    assert cuda_hqmq.variants(64) == tuple(range(cuda_hqmq.NUM_VARIANTS))  # (11, 12: d 64's alone)
-    assert cuda_hqmq.variants(256) == cuda_hqmq.variants(128) == tuple(
-        v for v in range(cuda_hqmq.NUM_VARIANTS) if v not in cuda_hqmq.D64_VARIANTS)
+    assert cuda_hqmq.variants(256) == cuda_hqmq.variants(64) == tuple(range(cuda_hqmq.NUM_VARIANTS))
     assert cuda_hqmq.variants(128, True) == cuda_hqmq.MED3_VARIANTS
     for D in (64, 128, 256):
         assert cuda_hqmq.qk_scale(D) == pytest.approx(1 / (math.sqrt(D) * math.log(2)))
