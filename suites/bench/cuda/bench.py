@@ -2,10 +2,10 @@
 SDPA on the fp16 cache and the Triton kernels, at the issue-10 shapes.
 
     python -m kvqbench.suites.bench.cuda.bench [--out DIR] [--shapes 8x32768,1x32768]
-        [--methods kivi2,kivi4] [--kivi-variants 4,8,12] [--kivi-ctas default,8]
+        [--methods kivi2,kivi4] [--kivi-variants 4,8,12] [--kivi-ctas default,8] [--head-dim 64]
 
-Protocol: Hq 32 / Hkv 8 / d 128, one query token, fp16 q; caches are real encodings of
-4096 synthetic tokens (3 outlier key channels) tiled to T (the benchmark toolkit's
+Protocol: Hq 32 / Hkv 8 / d 128 (--head-dim: 64, 256), one query token, fp16 q; caches are
+real encodings of 4096 synthetic tokens (3 outlier key channels) tiled to T (the benchmark toolkit's
 helpers, suites/bench/toolkit.py, as in the kernel sweep); every time is the toolkit's
 `timeit_us`, i.e. `triton.testing.do_bench` (CUDA events, median, 256 MB L2 flush
 before each call), warm-up 10 ms, rep 40 ms => well over 30 timed calls; B=1 is also
@@ -34,10 +34,10 @@ METHODS = {"int4": 0, "fp8": 1, "kivi2": "kivi2", "kivi4": "kivi4"}  # name in t
 SPECS = {"int4": "int4", "fp8": "fp8-e4m3", "kivi2": "kivi:bits=2", "kivi4": "kivi:bits=4"}
 
 
-def regs(name, variant):
+def regs(name, variant, D=128):
     if name.startswith("kivi"):
-        return cuda_decode.num_regs_kivi(int(name[-1]), False, variant) if variant in cuda_decode.KIVI_VARIANTS else None
-    return cuda_decode.num_regs(METHODS[name], 128, variant)
+        return cuda_decode.num_regs_kivi(int(name[-1]), False, variant, D) if variant in cuda_decode.KIVI_VARIANTS else None
+    return cuda_decode.num_regs(METHODS[name], D, variant)
 
 
 def bench(fn) -> float:
@@ -52,16 +52,16 @@ def kivi_cfgs(variants, ctas) -> list[dict]:
             for v in variants for c in ctas]
 
 
-def run(shapes, out: Path, methods=tuple(METHODS), kivi_variants=None, kivi_ctas=("default", 8)) -> dict:
+def run(shapes, out: Path, methods=tuple(METHODS), kivi_variants=None, kivi_ctas=("default", 8), D=128) -> dict:
     dev = torch.device("cuda")
     env = env_info()
     res = {"device": env["gpu"], "torch": env["torch"], "triton": env["triton"], "env": env,
-           "regs": {f"{m}/v{v}": regs(m, v) for m in METHODS for v in range(max(cuda_decode.KIVI_VARIANTS) + 1)},
+           "head_dim": D, "regs": {f"{m}/v{v}": regs(m, v, D) for m in METHODS for v in range(max(cuda_decode.KIVI_VARIANTS) + 1)},
            "rows": []}
-    res["regs"].update({f"kivi{b}/tail": cuda_decode.num_regs_kivi(b, True) for b in (2, 4)})
+    res["regs"].update({f"kivi{b}/tail": cuda_decode.num_regs_kivi(b, True, head_dim=D) for b in (2, 4)})
     res["copy_bandwidth"] = copy_bandwidth()
     res["copy_GBps"] = res["copy_bandwidth"]["GBps_read_plus_write"]
-    k, v = synthetic_kv(1, 8, 4096, 128, dev)
+    k, v = synthetic_kv(1, 8, 4096, D, dev)
     base = {}
     for name in methods:
         (_, pk), (_, pv) = encode_kv(SPECS[name], k, v)  # seed 3, as the kernel sweep
@@ -69,7 +69,7 @@ def run(shapes, out: Path, methods=tuple(METHODS), kivi_variants=None, kivi_ctas
     best_variant = {}
     for B, T in shapes:
         rows = res["rows"]
-        q, sdpa = fp16_sdpa(B, T, dev)
+        q, sdpa = fp16_sdpa(B, T, dev, d=D)
         t_sdpa = bench(sdpa)
         rows.append({"B": B, "T": T, "method": "fp16-sdpa", "us": t_sdpa})
         if B == 1:
@@ -139,7 +139,8 @@ def run(shapes, out: Path, methods=tuple(METHODS), kivi_variants=None, kivi_ctas
 
 
 def table(res: dict, best_only: bool = False) -> str:
-    lines = [f"{res['device']}  torch {res['torch']}  triton {res['triton']}  copy {res['copy_GBps']:.0f} GB/s",
+    lines = [f"{res['device']}  torch {res['torch']}  triton {res['triton']}  copy {res['copy_GBps']:.0f} GB/s  "
+             f"head dim {res.get('head_dim', 128)}",
              f"registers per thread: {res['regs']}",
              "| B | T | method | config | us | x faster than SDPA | GB/s | err vs triton | host us/call |",
              "|---|---|---|---|---:|---:|---:|---:|---:|"]
@@ -195,6 +196,7 @@ def main():
                     f"instead of the default sweep, of {','.join(map(str, cuda_decode.KIVI_VARIANTS))}")
     ap.add_argument("--kivi-ctas", default="default,8", help="with --kivi-variants: the split rules, comma-separated: "
                     "'default' (the default rule) or CTAs per SM")
+    ap.add_argument("--head-dim", type=int, default=128, choices=cuda_decode.HEAD_DIMS)
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     if a.once:
@@ -205,7 +207,7 @@ def main():
     if bad:
         ap.error(f"--kivi-variants {bad}: not in {cuda_decode.KIVI_VARIANTS}")
     kc = [x if x == "default" else int(x) for x in a.kivi_ctas.split(",") if x]
-    res = run(shapes, Path(a.out), tuple(a.methods.split(",")), kivi_variants=kv, kivi_ctas=kc)
+    res = run(shapes, Path(a.out), tuple(a.methods.split(",")), kivi_variants=kv, kivi_ctas=kc, D=a.head_dim)
     txt = table(res, best_only=a.best_only)
     Path(a.out, "cuda_bench.md").write_text(txt + "\n")
     print(txt)
