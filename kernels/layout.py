@@ -42,7 +42,7 @@ import dataclasses
 import torch
 
 from ..quantizers import Packed, parse_spec
-from ..quantizers.hqmq import HQMQ, OUTLIER_BLOCK, outlier_block_starts
+from ..quantizers.hqmq import HQMQ, OUTLIER_BLOCK, int8_codewords, outlier_block_starts
 from ..quantizers.packing import mixed_layout, unpack_bits
 from ..quantizers.quaternion import hamilton, hurwitz_units
 from . import registry
@@ -97,6 +97,7 @@ class HQMQFlat:
     # G > 1 codes, each one radix-24S integer: `code_layout`; a mixed layout with G = 1
     # is "bits" byte for byte, and flatten calls it that)
     code_pack: str = "bits"
+    codebook: str = "exact"  # decoded codeword precision (HQMQ codebook=): "exact" or "int8"
     rel16: torch.Tensor | None = dataclasses.field(default=None, repr=False)  # rel in fp16 (fp16 decode path)
 
     def __post_init__(self):
@@ -145,11 +146,16 @@ class HQMQFlat:
           P[p]*S[s] itself (exact in fp32: the products by 0, +-1, +-1/2 are exact and
           the sums run in HQMQ.decode_tokens' order);
         - "codebook": all 24*S codewords `[H, 24*S, 4]`, one gather per chunk.
-        fp16 tables are within an fp16 ulp per component (not bit-identical)."""
+        fp16 tables are within an fp16 ulp per component (not bit-identical). A codebook=int8
+        cache always gets "codebook" (its rounded codewords; a kernel forming P[p]*S[s]
+        would not round them)."""
         if mode not in ("secondaries", "codebook"):
             raise ValueError(f"table mode must be secondaries or codebook, got {mode!r}")
-        make = (lambda: self.sec) if mode == "secondaries" else (lambda: codebook_from_secondaries(self.sec))
-        t = derived(self.sec, ("table", mode, dtype), lambda: make().to(dtype).contiguous())
+        if self.codebook != "exact":
+            mode = "codebook"
+        make = (lambda: self.sec) if mode == "secondaries" else (
+            lambda: codebook_from_secondaries(self.sec, self.codebook))
+        t = derived(self.sec, ("table", mode, dtype, self.codebook), lambda: make().to(dtype).contiguous())
         return dataclasses.replace(self, table=t, table_mode=mode)
 
     def tile(self, batch_reps: int, token_reps: int) -> "HQMQFlat":
@@ -207,13 +213,15 @@ def units_on(device) -> torch.Tensor:
 _UNITS: dict = {}
 
 
-def codebook_from_secondaries(s: torch.Tensor) -> torch.Tensor:
-    """Codebook `[H, 24*S, 4]`: row p*S+s is P[p]*S[s], as `HQMQ.decode_tokens` computes it."""
+def codebook_from_secondaries(s: torch.Tensor, codebook: str = "exact") -> torch.Tensor:
+    """Codebook `[H, 24*S, 4]`: row p*S+s is P[p]*S[s], as `HQMQ.decode_tokens` computes it
+    (codebook="int8": rounded as it rounds them)."""
     H, S, _ = s.shape
     P = hurwitz_units(device=s.device)  # [24, 4]
     code = torch.arange(24 * S, device=s.device)
     p_idx, s_idx = code // S, code % S
-    return hamilton(P[p_idx].unsqueeze(0).expand(H, -1, -1), s[:, s_idx]).contiguous()  # [H, 24S, 4]
+    cw = hamilton(P[p_idx].unsqueeze(0).expand(H, -1, -1), s[:, s_idx])  # [H, 24S, 4]
+    return (int8_codewords(cw) if codebook == "int8" else cw).contiguous()
 
 
 def hqmq_table(shared: dict, S: int, table_dtype=torch.float32) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """HQMQ: Hurwitz quaternion multiplicative quantization (arXiv 2605.27646),
-as specified in METHOD.md section 1.
+as specified in METHOD.md section 1. (About 460 lines: one quantizer file, as the plugin
+contract asks; each option below -- Med3x and its medians, fill, mixed-radix codes, the
+int8 codebook -- is explained beside the code it changes.)
 
 Each 4-element chunk of a K/V vector is a quaternion r*u. The direction u is
 coded as the product p*s of one of the 24 unit Hurwitz quaternions (the group
@@ -62,6 +64,15 @@ ceil(G log2 24S)) and only shrinks the G that fits 63 bits. Med3x uses the same 
 field (outliers store code 0), so it combines with either packing. Decoding is bit
 identical to `pack=bits` for the same input: only the code field's bytes differ.
 
+Codebook precision (`codebook=int8`): decode with every codeword component rounded to the
+int8 grid, c = round(127 u) / 127 (`int8_codewords`), instead of the exact product p*s. The
+codes and bytes are `codebook=exact`'s (the search is unchanged); only the decoded
+direction moves, by at most 1/254 per component (<= 1/127 in norm). Why offer it: a fused
+kernel then gathers 4-byte codewords instead of 8-byte fp16 ones, and HQMQ's kernels are
+bound by those gathers' shared-memory wavefronts (an H100 experiment,
+reports/latency/cb8_experiment_h100_2026-12-06/: -14 to -15% kernel time at B=8 T=32k), for
+about +0.1% of a Gaussian cache's squared error. `codebook=exact` is the method as specified.
+
 Stored per token vector: packed codes (ceil(log2(24 S)) bits per chunk; mixed: above),
 packed radius codes (r bits per chunk), r_max (fp16); with Med3x also the flag
 bitmap and the fp16 outlier chunks in (batch, head, token, chunk) order.
@@ -105,6 +116,14 @@ def outlier_block_starts(per_token: torch.Tensor) -> torch.Tensor:
 # S whose codes fit 17 bits, so every allowed S is allowed after `fill` too; 17 code bits
 # per chunk is already past the ~5-bit caches the method is for (the paper's S <= 256).
 MAX_S = (1 << 17) // 24  # 5461
+CODEBOOKS = ("exact", "int8")  # decoded codeword precision (module docstring)
+INT8_SCALE = 127  # codebook=int8: components on the grid k / 127, |k| <= 127
+
+
+def int8_codewords(cw: torch.Tensor) -> torch.Tensor:
+    """codebook=int8's codewords: each component rounded to the nearest k / 127 (unit
+    quaternions' components lie in [-1, 1], so |k| <= 127 and k fits an int8)."""
+    return torch.round(cw * INT8_SCALE) / INT8_SCALE
 MEDIANS = ("write", "prefill")  # Med3x's median: over each write, or max(the prefill's kept, the write's)
 
 
@@ -114,7 +133,8 @@ class HQMQ(Quantizer):
     example_specs = tuple(
         f"hqmq:S={S},r={r}" + extra for S, r in ((24, 3), (96, 4), (256, 5)) for extra in ("", ",outliers=med3")
     ) + ("hqmq:S=96,r=4,fill=true",  # the paper's 3.79-bit point with its code field filled
-         "hqmq:S=96,r=4,pack=mixed")  # ... and with its codes mixed-radix packed (same codes, fewer bytes)
+         "hqmq:S=96,r=4,pack=mixed",  # ... and with its codes mixed-radix packed (same codes, fewer bytes)
+         "hqmq:S=96,r=4,codebook=int8")  # ... and decoded by the int8 codebook (same bytes; the fast kernel's)
     head_dim_multiple = 4
     stochastic = True  # seeded secondaries: compare runs several seeds
 
@@ -144,6 +164,8 @@ class HQMQ(Quantizer):
         # Code packing: "bits" (ceil(log2(24 S)) bits per code) or "mixed" (G codes as one
         # radix-24S integer per group, `packing.mixed_layout`; same decoded values).
         pack: str = "bits"
+        # Decoded codeword precision: "exact" (p*s) or "int8" (`int8_codewords`)
+        codebook: str = "exact"
 
     def validate_config(self):
         c = self.config
@@ -170,6 +192,8 @@ class HQMQ(Quantizer):
             raise QuantizerInputError(f"hqmq: radius must be uniform or log, got {c.radius!r}")
         if c.pack not in ("bits", "mixed"):
             raise QuantizerInputError(f"hqmq: pack must be bits or mixed, got {c.pack!r}")
+        if c.codebook not in CODEBOOKS:
+            raise QuantizerInputError(f"hqmq: codebook must be one of {', '.join(CODEBOOKS)}, got {c.codebook!r}")
         self.append_matches_single_write = c.outliers == "none"
         if c.median == "prefill" and not isinstance(self, FitsOnFirstWrite):
             raise QuantizerInputError(f"hqmq: median=prefill needs the kept-median class ({type(self).__name__} is "
@@ -351,6 +375,8 @@ class HQMQ(Quantizer):
         s = self.secondaries(shared).to(code.device)  # [H, S, 4]
         heads = torch.arange(H, device=code.device).view(1, H, 1, 1)
         cw = hamilton(P[p_idx], s[heads, s_idx])  # [B, H, T, nc, 4]
+        if self.config.codebook == "int8":
+            cw = int8_codewords(cw)
         levels = self.radius_levels(f["r_max"].float())  # [B, H, T, L+1]
         r_hat = levels.gather(-1, unpack_bits(f["radius"], self.config.r, nc))
         out = cw * r_hat.unsqueeze(-1)
@@ -373,7 +399,8 @@ class HQMQ(Quantizer):
         codeword, e.g. one ignoring the secondaries, exceeds this bound); r^ is within
         half the widest level gap of r, or is r_max when r exceeds the fp16-rounded
         r_max; the expression is convex in r^, so the worst r^ is an end of that
-        interval. Outliers: fp16 rounding of each element. median=prefill: x as coded with
+        interval; codebook=int8 adds r^ ||c - int8(c)|| <= r^ / 127. Outliers: fp16 rounding
+        of each element. median=prefill: x as coded with
         the median kept by `fitted_shared(x)` (fitted.py: the cache this instance wrote last)."""
         B, H, T, D = x.shape
         kept = self.fitted_shared(x)["r_med"] if self.keeps_median else None
@@ -386,6 +413,8 @@ class HQMQ(Quantizer):
         r_hi = torch.where(clamped, rm, torch.minimum(r + g, rm))
         d2 = self._best_direction_error(chunks, r, H).pow(2)
         e2 = torch.maximum((r - r_lo) ** 2 + r * r_lo * d2, (r - r_hi) ** 2 + r * r_hi * d2)
+        if self.config.codebook == "int8":  # + r^ ||c - int8(c)|| <= r_hi / 127 (triangle inequality)
+            e2 = (e2.sqrt() + r_hi / INT8_SCALE) ** 2
         exact = fp16_rounding_bound(chunks).pow(2).sum(-1)
         return torch.where(outlier, exact, e2).sum(-1).sqrt()
 

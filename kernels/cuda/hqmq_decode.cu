@@ -102,7 +102,7 @@ struct Params {
   const int* vi;
   long long k_fs, k_os, k_is, v_fs, v_os, v_is;
   const int* vlen;  // device-side valid length (nullptr: T); T is then the capacity bound
-  int qtype, T, Hkv, gqa, steps_per_split, nsplit, tab_bytes;  // tab_bytes = 192 S
+  int qtype, T, Hkv, gqa, steps_per_split, nsplit, tab_bytes;  // tab_bytes = 24 S cw (one table)
   float qk_scale;
   float* po;
   float* pm;
@@ -302,44 +302,68 @@ __device__ __forceinline__ void load_q(const QT* q, long long row, bool real, in
   }
 }
 
-// code kk (0..7) of the 96-bit little-endian stream w0 w1 w2, times 8 (a byte offset into the table)
-template <int KK>
+// CW: bytes per codeword in the shared table: 8 (fp16 components) or 4 (codebook=int8:
+// components k + 128, k = round(127 u); see gather)
+template <int CW>
+constexpr int CW_SHIFT = CW == 8 ? 3 : 2;  // log2 CW
+template <int CW>
+constexpr uint32_t CW_MASK = 0xFFFu << CW_SHIFT<CW>;
+
+// code kk (0..7) of the 96-bit little-endian stream w0 w1 w2, times CW (a byte offset into the table)
+template <int KK, int CW = 8>
 __device__ __forceinline__ uint32_t code8(uint32_t w0, uint32_t w1, uint32_t w2) {
-  // shifted right by (bit % 32) - 3, so the code lands at bits 3..14: one SHF + one LOP3
-  constexpr int bit = 12 * KK, wi = bit / 32, sh = bit % 32;
+  // shifted right by (bit % 32) - log2 CW, so the code lands at bits 3..14 (CW 4: 2..13):
+  // one SHF + one LOP3
+  constexpr int bit = 12 * KK, wi = bit / 32, sh = bit % 32, L = CW_SHIFT<CW>;
   const uint32_t lo = wi == 0 ? w0 : (wi == 1 ? w1 : w2);
   const uint32_t hi = wi == 0 ? w1 : w2;
   uint32_t x;
-  if constexpr (sh < 3) x = lo << (3 - sh);
-  else if constexpr (sh + 12 > 32) x = __funnelshift_r(lo, hi, sh - 3);
-  else x = lo >> (sh - 3);
-  return x & 0x7FF8u;
+  if constexpr (sh < L) x = lo << (L - sh);
+  else if constexpr (sh + 12 > 32) x = __funnelshift_r(lo, hi, sh - L);
+  else x = lo >> (sh - L);
+  return x & CW_MASK<CW>;
 }
-// code KK of the little-endian stream w[0..N), times 8 (code8 over N words: D = 64's shifted pair)
-template <int KK, int N>
+// code KK of the little-endian stream w[0..N), times CW (code8 over N words: D = 64's shifted pair)
+template <int KK, int N, int CW = 8>
 __device__ __forceinline__ uint32_t code8n(const uint32_t (&w)[N]) {
-  constexpr int bit = 12 * KK, wi = bit / 32, sh = bit % 32;
+  constexpr int bit = 12 * KK, wi = bit / 32, sh = bit % 32, L = CW_SHIFT<CW>;
   const uint32_t lo = w[wi];
   const uint32_t hi = wi + 1 < N ? w[wi + 1 < N ? wi + 1 : wi] : 0u;
   uint32_t x;
-  if constexpr (sh < 3) x = lo << (3 - sh);
-  else if constexpr (sh + 12 > 32) x = __funnelshift_r(lo, hi, sh - 3);
-  else x = lo >> (sh - 3);
-  return x & 0x7FF8u;
+  if constexpr (sh < L) x = lo << (L - sh);
+  else if constexpr (sh + 12 > 32) x = __funnelshift_r(lo, hi, sh - L);
+  else x = lo >> (sh - L);
+  return x & CW_MASK<CW>;
 }
 
+// The codeword at byte offset off as two half2 (components 0, 1 and 2, 3). CW 4 (codebook=int8):
+// one 4-byte load (a random 4-byte gather costs about half the shared-memory wavefronts of an
+// 8-byte one: reports/latency/cb8_experiment_h100_2026-12-06/, 134 -> 93 per d 64 tile); each
+// byte k + 128 goes into the mantissa of fp16 1024 + byte (one PRMT per pair), minus 1152:
+// k exactly. The 1/127 is applied outside (CW_SCALE: the K scores' scale, the V partials).
+template <int CW>
 __device__ __forceinline__ uint2 gather(const uint8_t* tab, uint32_t off) {
-  return *reinterpret_cast<const uint2*>(tab + off);
+  if constexpr (CW == 8) {
+    return *reinterpret_cast<const uint2*>(tab + off);
+  } else {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(tab + off);
+    const __half2 bias = __halves2half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480));  // 1152
+    return make_uint2(u32(__hsub2(h2(__byte_perm(w, 0x64646464u, 0x4140)), bias)),
+                      u32(__hsub2(h2(__byte_perm(w, 0x64646464u, 0x4342)), bias)));
+  }
 }
+template <int CW>
+constexpr float CW_SCALE = CW == 8 ? 1.f : 1.f / 127.f;  // gathered codeword x CW_SCALE = the format's codeword
 
 // One K chunk's q.K step, shared by k_generic (D = 64) and tile_step's D = 128 path (one copy
 // of the gather + scale + mma): the codewords at table byte offsets o0 (token g) and o8 (g + 8)
 // times their radius nibble (nibble 1 if hi) of x, into the scores s against q's k-step qk.
+template <int CW>
 __device__ __forceinline__ void k_chunk(float (&s)[4], const uint8_t* ktab, uint32_t o0, uint32_t o8, uint32_t x,
                                         bool hi, uint32_t qk0, uint32_t qk1) {
   const __half2 rh = hi ? nibbles<true>(x) : nibbles<false>(x);  // (rq of token g, of g+8), exact
-  const uint2 cg = gather(ktab, o0);
-  const uint2 cg8 = gather(ktab, o8);
+  const uint2 cg = gather<CW>(ktab, o0);
+  const uint2 cg8 = gather<CW>(ktab, o8);
   const __half2 rg = __low2half2(rh), rg8 = __high2half2(rh);
   mma16816(s, u32(__hmul2(h2(cg.x), rg)), u32(__hmul2(h2(cg8.x), rg8)), u32(__hmul2(h2(cg.y), rg)),
            u32(__hmul2(h2(cg8.y), rg8)), qk0, qk1);
@@ -349,13 +373,14 @@ __device__ __forceinline__ void k_chunk(float (&s)[4], const uint8_t* ktab, uint
 // of the gather + scale + 2 mma): the codewords at table byte offsets o0..o3 (tokens 2c, 2c+1,
 // 2c+8, 2c+9) times their radius nibble (HI = nibble 1 if hi) of x01 / x89, into m-tiles a0
 // (the codewords' .x halves) and a1 (.y); hi is a constant of the unrolled callers' loops
+template <int CW>
 __device__ __forceinline__ void pv_chunk(float (&a0)[4], float (&a1)[4], const uint8_t* vtab, uint32_t o0,
                                          uint32_t o1, uint32_t o2, uint32_t o3, uint32_t x01, uint32_t x89,
                                          bool hi, uint32_t pb0, uint32_t pb1) {
   const __half2 r01 = hi ? nibbles<true>(x01) : nibbles<false>(x01);  // (rq_2c, rq_2c+1), exact
   const __half2 r89 = hi ? nibbles<true>(x89) : nibbles<false>(x89);
-  const uint2 c0 = gather(vtab, o0), c1 = gather(vtab, o1);
-  const uint2 c8 = gather(vtab, o2), c9 = gather(vtab, o3);
+  const uint2 c0 = gather<CW>(vtab, o0), c1 = gather<CW>(vtab, o1);
+  const uint2 c8 = gather<CW>(vtab, o2), c9 = gather<CW>(vtab, o3);
   mma16816(a0, u32(__hmul2(h2(__byte_perm(c0.x, c1.x, 0x5410)), r01)),
            u32(__hmul2(h2(__byte_perm(c0.x, c1.x, 0x7632)), r01)),
            u32(__hmul2(h2(__byte_perm(c8.x, c9.x, 0x5410)), r89)),
@@ -567,7 +592,7 @@ __device__ __forceinline__ void out_values(float (&acc)[D / 16][4], const uint8_
 // lie at unaligned bytes of the 24-byte rows.
 // K: tokens g, g+8; lane c's 4 chunks 4c .. 4c + 3 (one per k-step): the scores s (unscaled)
 // and the tokens' r_max / 15 (rk).
-template <int D>
+template <int D, int CW>
 __device__ __forceinline__ void k_generic(const uint8_t* st, const uint8_t* ktab, int moff_k,
                                           const uint32_t (&qb)[D / 16][2], float (&s)[4], float (&rk)[2], int g,
                                           int c) {
@@ -585,22 +610,22 @@ __device__ __forceinline__ void k_generic(const uint8_t* st, const uint8_t* ktab
     const uint32_t w[2] = {__funnelshift_r(w0, w1, sh), w1 >> sh};
     rw[i] = *reinterpret_cast<const uint16_t*>(st + Stage::KR + t * RB + 2 * c);
     rmb[i] = *reinterpret_cast<const uint16_t*>(st + Stage::KM + moff_k + 2 * t);
-    off[i][0] = code8n<0>(w);
-    off[i][1] = code8n<1>(w);
-    off[i][2] = code8n<2>(w);
-    off[i][3] = code8n<3>(w);
+    off[i][0] = code8n<0, 2, CW>(w);
+    off[i][1] = code8n<1, 2, CW>(w);
+    off[i][2] = code8n<2, 2, CW>(w);
+    off[i][3] = code8n<3, 2, CW>(w);
   }
   rk[0] = rm15(rmb[0]);
   rk[1] = rm15(rmb[1]);
   const uint32_t rlo = __byte_perm(rw[0], rw[1], 0x5410);  // chunks 0-3 of g, g+8
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk) {
-    k_chunk(s, ktab, off[0][kk], off[1][kk], (kk & 2) ? rlo >> 8 : rlo, kk & 1, qb[kk][0], qb[kk][1]);
+    k_chunk<CW>(s, ktab, off[0][kk], off[1][kk], (kk & 2) ? rlo >> 8 : rlo, kk & 1, qb[kk][0], qb[kk][1]);
   }
 }
 
 // V: tokens 2c, 2c+1, 2c+8, 2c+9; lane g's 2 chunks 2g, 2g + 1: O^T += V^T P^T (pb0, pb1)
-template <int D>
+template <int D, int CW>
 __device__ __forceinline__ void v_generic(const uint8_t* st, const uint8_t* vtab, float (&acc)[D / 16][4],
                                           uint32_t pb0, uint32_t pb1, int g, int c) {
   static_assert(D == 64, "D = 64's layout");
@@ -615,16 +640,16 @@ __device__ __forceinline__ void v_generic(const uint8_t* st, const uint8_t* vtab
     const uint8_t* row = st + Stage::VC + t * CB + 4 * ((3 * g) >> 2);
     const uint32_t w0 = *reinterpret_cast<const uint32_t*>(row), w1 = *reinterpret_cast<const uint32_t*>(row + 4);
     const uint32_t lo = __funnelshift_r(w0, w1, 8 * ((3 * g) & 3));
-    off[j][0] = (lo << 3) & 0x7FF8u;
-    off[j][1] = (lo >> 9) & 0x7FF8u;
+    off[j][0] = (lo << CW_SHIFT<CW>) & CW_MASK<CW>;
+    off[j][1] = (lo >> (12 - CW_SHIFT<CW>)) & CW_MASK<CW>;
     rb[j] = st[Stage::VR + t * RB + g];
   }
   const uint32_t x01 = __byte_perm(rb[0], rb[1], 0x5410), x89 = __byte_perm(rb[2], rb[3], 0x5410);
   // chunk jj = m-tiles 2 jj, 2 jj + 1; its radius nibble is nibble jj of the byte
 #pragma unroll
   for (int jj = 0; jj < VC; ++jj) {
-    pv_chunk(acc[2 * jj], acc[2 * jj + 1], vtab, off[0][jj], off[1][jj], off[2][jj], off[3][jj], x01, x89,
-             jj != 0, pb0, pb1);
+    pv_chunk<CW>(acc[2 * jj], acc[2 * jj + 1], vtab, off[0][jj], off[1][jj], off[2][jj], off[3][jj], x01, x89,
+                 jj != 0, pb0, pb1);
   }
 }
 
@@ -633,7 +658,7 @@ __device__ __forceinline__ void v_generic(const uint8_t* st, const uint8_t* vtab
 // tile j + 1's items after them)
 // SPL = 2 (head dim 256): D is the warp's 128 dims; its partial scores are added to its
 // partner's (pair_add: xb, hf, bar) before the softmax.
-template <bool OUT, bool PF = false, int D = 128, int SPL = 1>
+template <bool OUT, bool PF = false, int D = 128, int SPL = 1, int CW = 8>
 __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab, const uint8_t* vtab, int moff_k,
                                           int moff_v, int t0, int T, float qk, const uint32_t (&qb)[D / 16][2],
                                           float (&acc)[D / 16][4], float (&m)[2], float (&l)[2], int g, int c,
@@ -686,7 +711,7 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
   float s[4] = {0.f, 0.f, 0.f, 0.f};
   float rk[2];
   if constexpr (D != 128) {
-    k_generic<D>(st, ktab, moff_k, qb, s, rk, g, c);
+    k_generic<D, CW>(st, ktab, moff_k, qb, s, rk, g, c);
   } else {
     uint32_t w[2][3], rw[2], rmb[2];
 #pragma unroll
@@ -706,23 +731,26 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
     uint32_t off[2][8];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      off[i][0] = code8<0>(w[i][0], w[i][1], w[i][2]);
-      off[i][1] = code8<1>(w[i][0], w[i][1], w[i][2]);
-      off[i][2] = code8<2>(w[i][0], w[i][1], w[i][2]);
-      off[i][3] = code8<3>(w[i][0], w[i][1], w[i][2]);
-      off[i][4] = code8<4>(w[i][0], w[i][1], w[i][2]);
-      off[i][5] = code8<5>(w[i][0], w[i][1], w[i][2]);
-      off[i][6] = code8<6>(w[i][0], w[i][1], w[i][2]);
-      off[i][7] = code8<7>(w[i][0], w[i][1], w[i][2]);
+      off[i][0] = code8<0, CW>(w[i][0], w[i][1], w[i][2]);
+      off[i][1] = code8<1, CW>(w[i][0], w[i][1], w[i][2]);
+      off[i][2] = code8<2, CW>(w[i][0], w[i][1], w[i][2]);
+      off[i][3] = code8<3, CW>(w[i][0], w[i][1], w[i][2]);
+      off[i][4] = code8<4, CW>(w[i][0], w[i][1], w[i][2]);
+      off[i][5] = code8<5, CW>(w[i][0], w[i][1], w[i][2]);
+      off[i][6] = code8<6, CW>(w[i][0], w[i][1], w[i][2]);
+      off[i][7] = code8<7, CW>(w[i][0], w[i][1], w[i][2]);
     }
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
       uint32_t x = kk < 4 ? rlo : rhi;
       if (kk & 2) x >>= 8;
-      k_chunk(s, ktab, off[0][kk], off[1][kk], x, kk & 1, qb[kk][0], qb[kk][1]);
+      k_chunk<CW>(s, ktab, off[0][kk], off[1][kk], x, kk & 1, qb[kk][0], qb[kk][1]);
     }
   }
-  s[0] *= qk * rk[0]; s[1] *= qk * rk[0]; s[2] *= qk * rk[1]; s[3] *= qk * rk[1];
+  {
+    const float qc = qk * CW_SCALE<CW>;  // (the outliers' scores below take qk itself)
+    s[0] *= qc * rk[0]; s[1] *= qc * rk[0]; s[2] *= qc * rk[1]; s[3] *= qc * rk[1];
+  }
   uint2 vo[4][4];
   if constexpr (OUT && PF) {
     if (u.z) {  // the tile's item copies have landed (each lane's), and every lane's are visible
@@ -779,7 +807,7 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
 
   // ---- V: tokens 2c, 2c+1 (pair 0), 2c+8, 2c+9 (pair 1); chunks 4g .. 4g+3 (VC g ..: v_generic)
   if constexpr (D != 128) {
-    v_generic<D>(st, vtab, acc, pb0, pb1, g, c);
+    v_generic<D, CW>(st, vtab, acc, pb0, pb1, g, c);
   } else {
   const int sh = 16 * (g & 1);
   const int wo = 4 * ((3 * g) >> 1);  // byte of the word holding bit 48 g of the row
@@ -791,10 +819,11 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
     const uint8_t* row = st + Stage::VC + t * CB + wo;
     const uint32_t w0 = *reinterpret_cast<const uint32_t*>(row), w1 = *reinterpret_cast<const uint32_t*>(row + 4);
     const uint32_t lo = __funnelshift_r(w0, w1, sh), hi = w1 >> sh;  // bits 48g .. 48g+47 of the row
-    off[j][0] = (lo << 3) & 0x7FF8u;  // code * 8: a byte offset into the table
-    off[j][1] = (lo >> 9) & 0x7FF8u;
-    off[j][2] = __funnelshift_r(lo, hi, 21) & 0x7FF8u;
-    off[j][3] = (hi >> 1) & 0x7FF8u;
+    constexpr int L = CW_SHIFT<CW>;
+    off[j][0] = (lo << L) & CW_MASK<CW>;  // code * CW: a byte offset into the table
+    off[j][1] = (lo >> (12 - L)) & CW_MASK<CW>;
+    off[j][2] = __funnelshift_r(lo, hi, 24 - L) & CW_MASK<CW>;
+    off[j][3] = (hi >> (4 - L)) & CW_MASK<CW>;
     rb[j] = *reinterpret_cast<const uint16_t*>(st + Stage::VR + t * RB + 2 * g);
   }
   const uint32_t u01 = __byte_perm(rb[0], rb[1], 0x5410), u89 = __byte_perm(rb[2], rb[3], 0x5410);  // t.b0 t.b1 t1.b0 t1.b1
@@ -803,19 +832,21 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj) {
     const uint32_t x01 = (jj & 2) ? (u01 >> 8) : u01, x89 = (jj & 2) ? (u89 >> 8) : u89;
-    pv_chunk(acc[2 * jj], acc[2 * jj + 1], vtab, off[0][jj], off[1][jj], off[2][jj], off[3][jj], x01, x89,
-             (jj & 1) != 0, pb0, pb1);
+    pv_chunk<CW>(acc[2 * jj], acc[2 * jj + 1], vtab, off[0][jj], off[1][jj], off[2][jj], off[3][jj], x01, x89,
+                 (jj & 1) != 0, pb0, pb1);
   }
   }
   if constexpr (OUT && PF) {
-    if (u.z >> KS) {  // the V outliers, weighted by P without r_max / 15
-      const uint32_t qb0 = movtrans(pack_half2(p0, p1)), qb1 = movtrans(pack_half2(p2, p3));
+    if (u.z >> KS) {  // the V outliers, weighted by P without r_max / 15 (CW 4: acc's scale, 127)
+      constexpr float o = 1.f / CW_SCALE<CW>;
+      const uint32_t qb0 = movtrans(pack_half2(p0 * o, p1 * o)), qb1 = movtrans(pack_half2(p2 * o, p3 * o));
       if (u.w > OCAP) out_values<true, D>(acc, pb, u, orow, g, c, qb0, qb1);
       else out_values<false, D>(acc, pb, u, orow, g, c, qb0, qb1);
     }
   } else if constexpr (OUT) {
-    if (outb >> 16) {  // the V outliers, weighted by P without r_max / 15
-      const uint32_t qb0 = movtrans(pack_half2(p0, p1)), qb1 = movtrans(pack_half2(p2, p3));
+    if (outb >> 16) {  // the V outliers, weighted by P without r_max / 15 (CW 4: acc's scale, 127)
+      constexpr float o = 1.f / CW_SCALE<CW>;
+      const uint32_t qb0 = movtrans(pack_half2(p0 * o, p1 * o)), qb1 = movtrans(pack_half2(p2 * o, p3 * o));
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
         mma16816(acc[2 * jj], __byte_perm(vo[0][jj].x, vo[1][jj].x, 0x5410), __byte_perm(vo[0][jj].x, vo[1][jj].x, 0x7632),
@@ -844,7 +875,8 @@ constexpr int dyn_smem() {
 // PF (with OUT): the outliers one tile ahead, through a per-warp double buffer after the stages.
 // FUSED: the last CTA of a row group merges the group's partials into p.out (common.cuh
 // combine_rows), no combine launch after it.
-template <int NW, int SMS, int TABB, int MINB, bool OUT, bool PF = false, int D = 128, bool FUSED = false>
+template <int NW, int SMS, int TABB, int MINB, bool OUT, bool PF = false, int D = 128, bool FUSED = false,
+          int CW = 8>
 __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params p) {
   using Stage = ::Stage<D>;
   using PfBuf = ::PfBuf<D>;
@@ -1017,7 +1049,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       __syncwarp();
     }
     const int tile = OUT ? first + 4 * (wp + NP * (j >> 2)) + (j & 3) : first + wp + j * NP;
-    tile_step<OUT, PF, DW, SPL>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16, T, p.qk_scale, qb, acc, m, l, g, c, run,
+    tile_step<OUT, PF, DW, SPL, CW>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16, T, p.qk_scale, qb, acc, m, l, g, c, run,
                        (j & 3) == 0, orow, pfb + (j & 1) * PfBuf::BYTES, xb + (j & 1) * 1024, hf, 1 + wp);
     rd = rd == SMS - 1 ? 0 : rd + 1;
     wr = wr == SMS - 1 ? 0 : wr + 1;
@@ -1045,7 +1077,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     float M = NEG_INF;
 #pragma unroll
     for (int w = 0; w < NP; ++w) M = fmaxf(M, sm_m[w][hd]);
-    const float f = (m[e] == NEG_INF) ? 0.f : exp2f(m[e] - M);
+    // (CW 4: acc holds the V codewords' integers k, 127 u: CW_SCALE makes them the format's)
+    const float f = (m[e] == NEG_INF) ? 0.f : exp2f(m[e] - M) * CW_SCALE<CW>;
 #pragma unroll
     for (int mt = 0; mt < KS; ++mt) {
       const int d = DW * hf + g * (DW / 8) + 2 * mt;
@@ -1100,6 +1133,11 @@ constexpr bool PREFETCH[NVARIANTS] = {false, false, false, false, false, false, 
 constexpr int TAB_SMALL = 192 * 96;   // S <= 96
 constexpr int TAB_LARGE = 192 * 170;  // S <= 170 (fill=true at 12 bits)
 static_assert(TAB_SMALL % 16 == 0, "table alignment");
+// codebook=int8 (CW 4): 4-byte codewords, half the table; instances of the defaults alone
+// (v3, Med3x v10; the other variants lost to them on both GPUs: NOTES.md)
+template <int CW>
+constexpr int tab_bytes_per_S = 24 * CW;
+constexpr bool cw4_variant(int v) { return v == 3 || v == 10; }
 
 // Variants with a Med3x (OUT) instance: the outlier fragments take ~44 more registers (164
 // for v0 / v2 under their 168 cap, no spills offline); the 128-register variants (v3, v6)
@@ -1127,16 +1165,16 @@ template <int V, int TABB, bool OUT, int D>
 constexpr int smem_of() {
   return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, OUT, OUT && PREFETCH[V], D>();
 }
-template <int V, int TABB, bool OUT, int D>
+template <int V, int TABB, bool OUT, int D, int CW>
 constexpr auto kernel_of() {
   return hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, minb_of<V, D, OUT>(), OUT,
-                           OUT && PREFETCH[V], D, FUSED_BUILD>;
+                           OUT && PREFETCH[V], D, FUSED_BUILD, CW>;
 }
 
 // The dynamic shared-memory opt-in, once per instance (also before an occupancy query).
-template <int V, int TABB, bool OUT, int D>
+template <int V, int TABB, bool OUT, int D, int CW>
 int prepare() {
-  static cudaError_t e = cudaFuncSetAttribute(kernel_of<V, TABB, OUT, D>(),
+  static cudaError_t e = cudaFuncSetAttribute(kernel_of<V, TABB, OUT, D, CW>(),
                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem_of<V, TABB, OUT, D>());
   return (int)e;
 }
@@ -1146,19 +1184,19 @@ constexpr int NO_INSTANCE = -1001;  // no Med3x instance of this variant
 
 // LAUNCH: 0 or a cudaError_t; OCCUPANCY: CTAs resident per SM (registers, shared memory,
 // threads), < 0 = -error; REGS: registers per thread, < 0 = -error.
-template <int V, int TABB, bool OUT, int D>
+template <int V, int TABB, bool OUT, int D, int CW>
 int act(What what, const Params* p, int rows, cudaStream_t stream) {
-  if constexpr (OUT && !out_ok<D>(V)) {
+  if constexpr ((OUT && !out_ok<D>(V)) || (CW == 4 && !cw4_variant(V))) {
     return NO_INSTANCE;
   } else {
-    constexpr auto k = kernel_of<V, TABB, OUT, D>();
+    constexpr auto k = kernel_of<V, TABB, OUT, D, CW>();
     constexpr int NT = VARIANTS[V][0] * 32, SM = smem_of<V, TABB, OUT, D>();
     if (what == REGS) {
       cudaFuncAttributes a;
       const cudaError_t e = cudaFuncGetAttributes(&a, k);
       return e == cudaSuccess ? a.numRegs : -(int)e;
     }
-    if (const int e = prepare<V, TABB, OUT, D>()) return what == LAUNCH ? e : -e;
+    if (const int e = prepare<V, TABB, OUT, D, CW>()) return what == LAUNCH ? e : -e;
     if (what == OCCUPANCY) {
       int n = 0;
       const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, NT, SM);
@@ -1169,39 +1207,45 @@ int act(What what, const Params* p, int rows, cudaStream_t stream) {
   }
 }
 
-template <int TABB, bool OUT, int D>
+template <int TABB, bool OUT, int D, int CW>
 int act_t(int variant, What what, const Params* p, int rows, cudaStream_t s) {
   switch (variant) {
-    case 1: return act<1, TABB, OUT, D>(what, p, rows, s);
-    case 2: return act<2, TABB, OUT, D>(what, p, rows, s);
-    case 3: return act<3, TABB, OUT, D>(what, p, rows, s);
-    case 4: return act<4, TABB, OUT, D>(what, p, rows, s);
-    case 5: return act<5, TABB, OUT, D>(what, p, rows, s);
-    case 6: return act<6, TABB, OUT, D>(what, p, rows, s);
-    case 7: return act<7, TABB, OUT, D>(what, p, rows, s);
-    case 8: return act<8, TABB, OUT, D>(what, p, rows, s);
-    case 9: return act<9, TABB, OUT, D>(what, p, rows, s);
-    case 10: return act<10, TABB, OUT, D>(what, p, rows, s);
-    default: return act<0, TABB, OUT, D>(what, p, rows, s);
+    case 1: return act<1, TABB, OUT, D, CW>(what, p, rows, s);
+    case 2: return act<2, TABB, OUT, D, CW>(what, p, rows, s);
+    case 3: return act<3, TABB, OUT, D, CW>(what, p, rows, s);
+    case 4: return act<4, TABB, OUT, D, CW>(what, p, rows, s);
+    case 5: return act<5, TABB, OUT, D, CW>(what, p, rows, s);
+    case 6: return act<6, TABB, OUT, D, CW>(what, p, rows, s);
+    case 7: return act<7, TABB, OUT, D, CW>(what, p, rows, s);
+    case 8: return act<8, TABB, OUT, D, CW>(what, p, rows, s);
+    case 9: return act<9, TABB, OUT, D, CW>(what, p, rows, s);
+    case 10: return act<10, TABB, OUT, D, CW>(what, p, rows, s);
+    default: return act<0, TABB, OUT, D, CW>(what, p, rows, s);
   }
 }
 
+template <int D, int CW>
+int dispatch_cw(int variant, int S, bool out, What what, const Params* p, int rows, cudaStream_t s) {
+  constexpr int SMALL = TAB_SMALL * CW / 8, LARGE = TAB_LARGE * CW / 8;
+  const bool small = tab_bytes_per_S<CW> * S <= SMALL;
+  if (out) return small ? act_t<SMALL, true, D, CW>(variant, what, p, rows, s)
+                        : act_t<LARGE, true, D, CW>(variant, what, p, rows, s);
+  return small ? act_t<SMALL, false, D, CW>(variant, what, p, rows, s)
+               : act_t<LARGE, false, D, CW>(variant, what, p, rows, s);
+}
 template <int D>
-int dispatch_d(int variant, int S, bool out, What what, const Params* p, int rows, cudaStream_t s) {
-  const bool small = 192 * S <= TAB_SMALL;
-  if (out) return small ? act_t<TAB_SMALL, true, D>(variant, what, p, rows, s)
-                        : act_t<TAB_LARGE, true, D>(variant, what, p, rows, s);
-  return small ? act_t<TAB_SMALL, false, D>(variant, what, p, rows, s)
-               : act_t<TAB_LARGE, false, D>(variant, what, p, rows, s);
+int dispatch_d(int variant, int S, bool out, What what, const Params* p, int rows, cudaStream_t s, int cw) {
+  return cw == 4 ? dispatch_cw<D, 4>(variant, S, out, what, p, rows, s)
+                 : dispatch_cw<D, 8>(variant, S, out, what, p, rows, s);
 }
 
-// -1 for S outside 1..170 (the tables) or a head dim other than 64 / 128 / 256, NO_INSTANCE
-// for a variant without a Med3x instance
-int dispatch(int variant, int S, bool out, What what, const Params* p, int rows, cudaStream_t s, int D) {
-  if (S < 1 || 192 * S > TAB_LARGE) return -1;
-  if (D == 128) return dispatch_d<128>(variant, S, out, what, p, rows, s);
-  if (D == 64) return dispatch_d<64>(variant, S, out, what, p, rows, s);
-  if (D == 256) return dispatch_d<256>(variant, S, out, what, p, rows, s);
+// -1 for S outside 1..170 (the tables), a head dim other than 64 / 128 / 256 or cw other than
+// 8 / 4 (bytes per codeword), NO_INSTANCE for a variant without a Med3x (or cw 4) instance
+int dispatch(int variant, int S, bool out, What what, const Params* p, int rows, cudaStream_t s, int D, int cw) {
+  if (S < 1 || 192 * S > TAB_LARGE || (cw != 8 && cw != 4)) return -1;
+  if (D == 128) return dispatch_d<128>(variant, S, out, what, p, rows, s, cw);
+  if (D == 64) return dispatch_d<64>(variant, S, out, what, p, rows, s, cw);
+  if (D == 256) return dispatch_d<256>(variant, S, out, what, p, rows, s, cw);
   return -1;
 }
 
@@ -1213,7 +1257,7 @@ int dispatch(int variant, int S, bool out, What what, const Params* p, int rows,
 struct HqmqPlan {
   const void* kc; const void* kr; const void* km;  // K codes, radius codes, r_max (fp16 bits)
   const void* vc; const void* vr; const void* vm;
-  const void* ktab; const void* vtab;  // [Hkv, 24 S, 4] fp16 codebooks
+  const void* ktab; const void* vtab;  // [Hkv, 24 S] codebooks of cw bytes per codeword (fp16 x 4 or int8 x 4)
   // Med3x: flag words, outlier items, block starts; kf == nullptr: no outliers (the OUT=false
   // instance; the rest unused)
   const void* kf; const void* vf; const void* ko; const void* vo; const void* ki; const void* vi;
@@ -1224,6 +1268,7 @@ struct HqmqPlan {
   int steps_per_split, nsplit;
   int vlen;  // 1: made for calls with a device valid count, 0: without (the loader keys plans by it)
   float qk_scale;  // log2(e) / sqrt(D)
+  int cw;  // bytes per codeword: 8 (fp16) or 4 (codebook=int8); in the struct's former tail padding
 };
 // The Python mirror is laid out by ctypes with the C rules: these pin the layout it assumes
 // (a field moved here without it fails the build, not a launch).
@@ -1247,12 +1292,12 @@ int run_plan(const HqmqPlan& a, const void* q, const int* vlen, float* po, float
   p.ki = (const int*)a.ki; p.vi = (const int*)a.vi;
   p.k_fs = a.k_fs; p.k_os = a.k_os; p.k_is = a.k_is; p.v_fs = a.v_fs; p.v_os = a.v_os; p.v_is = a.v_is;
   p.T = a.T; p.Hkv = a.Hkv; p.gqa = a.gqa; p.steps_per_split = a.steps_per_split; p.nsplit = a.nsplit;
-  p.tab_bytes = 192 * a.S; p.qk_scale = a.qk_scale;
+  p.tab_bytes = 24 * a.cw * a.S; p.qk_scale = a.qk_scale;
   p.po = po; p.pm = pm; p.pl = pl;
   p.counters = counters; p.out = out; p.otype = a.otype;
   if (FUSED_BUILD != (counters != nullptr)) return (int)cudaErrorInvalidValue;  // (fused: kvq_hqmq_run_fused)
   const int rows = a.B * a.Hkv;
-  const int e = dispatch(a.variant, a.S, a.kf != nullptr, LAUNCH, &p, rows, s, a.D);
+  const int e = dispatch(a.variant, a.S, a.kf != nullptr, LAUNCH, &p, rows, s, a.D, a.cw);
   if (e) return e;
   if constexpr (FUSED_BUILD) return (int)cudaGetLastError();
   if (a.D == 64) return launch_combine<64>(po, pm, pl, out, a.otype, rows * a.gqa, a.nsplit, s);  // common.cuh
@@ -1272,10 +1317,11 @@ extern "C" int kvq_hqmq_decode(const void* q, int qtype, const void* kc, const v
                                const void* ki, const void* vi, long long k_fs, long long k_os, long long k_is,
                                long long v_fs, long long v_os, long long v_is, int B, int Hkv, int gqa, int T, int S,
                                int steps_per_split, int nsplit, float qk_scale, float* po, float* pm, float* pl,
-                               void* out, int otype, int variant, const int* vlen, void* stream, int D) {
+                               void* out, int otype, int variant, const int* vlen, void* stream, int D, int cw) {
   const HqmqPlan a = {kc, kr, km, vc, vr, vm, ktab, vtab, kf, vf, ko, vo, ki, vi,
                       k_cs, k_rs, k_ms, v_cs, v_rs, v_ms, k_fs, k_os, k_is, v_fs, v_os, v_is,
-                      qtype, otype, variant, D, S, B, Hkv, gqa, T, steps_per_split, nsplit, vlen != nullptr, qk_scale};
+                      qtype, otype, variant, D, S, B, Hkv, gqa, T, steps_per_split, nsplit, vlen != nullptr, qk_scale,
+                      cw};
   return run_plan(a, q, vlen, po, pm, pl, out, (cudaStream_t)stream);
 }
 
@@ -1310,10 +1356,10 @@ extern "C" int kvq_hqmq_fused_build() { return FUSED_BUILD; }
 extern "C" int kvq_hqmq_num_variants() { return NVARIANTS; }
 
 // CTAs per SM of a variant (out: its Med3x instance); < 0: -error, -1 bad S, NO_INSTANCE.
-extern "C" int kvq_hqmq_occupancy(int variant, int S, int out, int D) {
-  return dispatch(variant, S, out != 0, OCCUPANCY, nullptr, 0, nullptr, D);
+extern "C" int kvq_hqmq_occupancy(int variant, int S, int out, int D, int cw) {
+  return dispatch(variant, S, out != 0, OCCUPANCY, nullptr, 0, nullptr, D, cw);
 }
 
-extern "C" int kvq_hqmq_num_regs(int variant, int S, int out, int D) {
-  return dispatch(variant, S, out != 0, REGS, nullptr, 0, nullptr, D);
+extern "C" int kvq_hqmq_num_regs(int variant, int S, int out, int D, int cw) {
+  return dispatch(variant, S, out != 0, REGS, nullptr, 0, nullptr, D, cw);
 }

@@ -31,6 +31,7 @@ import torch
 from ...quantizers.derived import derived
 from ...quantizers.derived import tensor_version as _version
 from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
+from ...quantizers.hqmq import INT8_SCALE
 from ..layout import HQMQFlat, codebook_from_secondaries
 from .library import (FUSED_COMBINE, FUSED_DEFINE, QTYPE, KernelLibrary, RoutedPlan, follow_tokens,
                       fresh_partials, fused_declare, on_current_stream, workspace_counters)
@@ -78,13 +79,30 @@ AUTO_HEAD_DIMS = (64, 128, 256)
 # a call is one lookup and one ctypes call with 8 arguments instead of ~45 (host time per
 # eager call on the H200: 31-45 us, against 59-93 per call without the plan).
 PLANNED = True
+# codebook=int8 caches (quantizers/hqmq.py): 4-byte codewords (`codebook8`), instances of the
+# default variants (3; Med3x 10) at every head dim, compiled for sm_90a (2026-12-06: the 70
+# fp16-table instances' registers unchanged, the 12 new 80-128 registers, no spills). The
+# kernel change was first timed as an experiment (reports/latency/cb8_experiment_h100_2026-12-06/:
+# B=8 T=32k on an H100, HQMQ d 128 150.3 -> 127.9 us, d 64 101.6 -> 87.1, Med3x d 128 185.7 ->
+# 178.6). Not yet run on a GPU in this form: auto leaves such caches to Triton until
+# test_cuda_hqmq.py's int8 tests pass on one; backend="cuda" takes them.
+AUTO_INT8 = False
 
 
-def variants(head_dim: int = 128, med3: bool = False) -> tuple[int, ...]:
-    """The variants with an instance at this head dim (med3: with a Med3x instance)."""
+def variants(head_dim: int = 128, med3: bool = False, cw: int = 8) -> tuple[int, ...]:
+    """The variants with an instance at this head dim (med3: with a Med3x instance; cw 4:
+    for codebook=int8 caches, the defaults' alone)."""
+    if cw == 4:
+        return (DEFAULT_VARIANT_MED3,) if med3 else (DEFAULT_VARIANT,)
     if med3:
         return MED3_VARIANTS if head_dim == 128 else PREFETCH_VARIANTS
     return tuple(range(NUM_VARIANTS))
+
+
+def codeword_bytes(f) -> int:
+    """Bytes per codeword of the table the kernel gathers from for this flat: 8 (fp16
+    components), 4 for codebook=int8 (`codebook8`)."""
+    return 4 if f.codebook == "int8" else 8
 
 
 def qk_scale(head_dim: int) -> float:
@@ -106,11 +124,11 @@ def _declare(lib) -> str | None:
     lib.kvq_hqmq_run.argtypes = [P, P, P, P, P, P, P, P]
     lib.kvq_hqmq_run.restype = I
     lib.kvq_hqmq_decode.argtypes = [P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, LL, LL, P, P, P, P, P, P, LL,
-                                    LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F, P, P, P, P, I, I, P, P, I]
+                                    LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F, P, P, P, P, I, I, P, P, I, I]
     lib.kvq_hqmq_decode.restype = I
-    lib.kvq_hqmq_num_regs.argtypes = [I, I, I, I]
+    lib.kvq_hqmq_num_regs.argtypes = [I, I, I, I, I]
     lib.kvq_hqmq_num_regs.restype = I
-    lib.kvq_hqmq_occupancy.argtypes = [I, I, I, I]
+    lib.kvq_hqmq_occupancy.argtypes = [I, I, I, I, I]
     lib.kvq_hqmq_occupancy.restype = I
     return None
 
@@ -126,11 +144,12 @@ def available() -> bool:  # through the module's why_unavailable, as before Kern
     return why_unavailable() is None
 
 
-def num_regs(variant: int = 0, S: int = 96, med3: bool = False, head_dim: int = 128, fused: bool = False) -> int:
+def num_regs(variant: int = 0, S: int = 96, med3: bool = False, head_dim: int = 128, fused: bool = False,
+             cw: int = 8) -> int:
     """Registers per thread of a variant's instance (med3: its Med3x one; fused: the fused
-    build's); < 0: none / error."""
+    build's; cw 4: codebook=int8's); < 0: none / error."""
     lib = _FUSED.load() if fused else _load()
-    return -1 if lib is None else lib.kvq_hqmq_num_regs(variant, S, int(med3), head_dim)
+    return -1 if lib is None else lib.kvq_hqmq_num_regs(variant, S, int(med3), head_dim, cw)
 
 
 def head_dim_reason(D: int) -> str | None:
@@ -209,7 +228,7 @@ def _flat_info(f):
     if not isinstance(f, HQMQFlat):
         return f"no CUDA HQMQ kernel for {type(f).__name__}"
     ts = (f.codes, f.radius, f.r_max, f.sec, f.table, f.flags, f.outliers, f.outlier_index)
-    key = (tuple(map(id, ts)), f.D, f.S, f.code_bits, f.r_bits, f.log_radius, f.table_mode,
+    key = (tuple(map(id, ts)), f.D, f.S, f.code_bits, f.r_bits, f.log_radius, f.table_mode, f.codebook,
            None if f.sec is None else _version(f.sec))
     hit = _INFO.get(key)
     if hit is not None:
@@ -219,7 +238,8 @@ def _flat_info(f):
         med3 = None
         if f.has_outliers:  # strides in flag words / 8-byte items / ints (pointers: read per call)
             med3 = (bh_stride(f.flags) // (f.D // 32), bh_stride(f.outliers) // 4, bh_stride(f.outlier_index))
-        info = ((bh_stride(f.codes), bh_stride(f.radius), bh_stride(f.r_max)), codebook16(f), med3)
+        table = codebook8(f) if codeword_bytes(f) == 4 else codebook16(f)
+        info = ((bh_stride(f.codes), bh_stride(f.radius), bh_stride(f.r_max)), table, med3)
     else:
         info = why
     return _INFO.put(key, ts, info)
@@ -256,6 +276,8 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
             return i
     if k.has_outliers != v.has_outliers:
         return "Med3x outliers on one side only"
+    if k.codebook != v.codebook:
+        return f"K codebook={k.codebook}, V codebook={v.codebook} (one kernel instance reads both tables)"
     return None
 
 
@@ -268,15 +290,25 @@ def codebook16(f) -> torch.Tensor:
     return derived(f.sec, "cuda_hqmq.codebook16", lambda: codebook_from_secondaries(f.sec.float()).half().contiguous())
 
 
-def occupancy(variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False, head_dim: int = 128) -> int:
+def codebook8(f) -> torch.Tensor:
+    """codebook=int8's table for the kernel: [H, 24 S, 4] uint8, component k + 128 for the
+    format's k / 127 (quantizers/hqmq.py `int8_codewords`), built once per secondaries."""
+    def make():
+        cw = codebook_from_secondaries(f.sec.float())
+        return (torch.round(cw * INT8_SCALE) + 128).to(torch.uint8).contiguous()
+    return derived(f.sec, "cuda_hqmq.codebook8", make)
+
+
+def occupancy(variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False, head_dim: int = 128,
+              cw: int = 8) -> int:
     """CTAs of a variant resident per SM (the CUDA occupancy query; < 0 when unavailable:
-    no library, no such instance (NO_INSTANCE: no Med3x instance), a refused opt-in)."""
+    no library, no such instance (NO_INSTANCE: no Med3x / cw 4 instance), a refused opt-in)."""
     lib = _load()
     if lib is None:
         return -1
-    key = (variant, S <= 96, med3, head_dim)
+    key = (variant, S <= 96, med3, head_dim, cw)
     if key not in _OCC:
-        _OCC[key] = lib.kvq_hqmq_occupancy(variant, S, int(med3), head_dim)
+        _OCC[key] = lib.kvq_hqmq_occupancy(variant, S, int(med3), head_dim, cw)
     return _OCC[key]
 
 
@@ -284,7 +316,7 @@ _OCC: dict = {}
 
 
 def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm: int | None = None,
-           variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False, head_dim: int = 128):
+           variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False, head_dim: int = 128, cw: int = 8):
     """(number of splits, 16-token tiles per split), every split non-empty: num_splits if
     given, else about ctas_per_sm CTAs per SM if given, else the whole-wave rule: for
     w = 1, 2, ... waves of `slots = occupancy x SMs` CTAs, the most splits that fit w
@@ -294,7 +326,7 @@ def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm
     sms = sm_count(device)
 
     def whole_waves(tiles: int) -> int:
-        occ = occupancy(variant, S, med3, head_dim) if device.type == "cuda" else -1
+        occ = occupancy(variant, S, med3, head_dim, cw) if device.type == "cuda" else -1
         if occ <= 0:
             return max(-(-tiles // TILES_PER_SPLIT), math.ceil(MIN_CTAS_PER_SM * sms / max(1, rows)))
         slots = occ * sms
@@ -319,6 +351,8 @@ def auto_refusal(k) -> str | None:
                 f"backend='cuda' takes it)")
     if k.has_outliers and not AUTO_MED3:
         return "cuda.hqmq_decode.AUTO_MED3 is False: auto keeps Med3x caches on Triton"
+    if codeword_bytes(k) == 4 and not AUTO_INT8:
+        return "codebook=int8: cuda.hqmq_decode.AUTO_INT8 is False (not yet run on a GPU; backend='cuda' takes it)"
     return None
 
 
@@ -339,7 +373,8 @@ def workspace(q: torch.Tensor, k, *, num_splits: int | None = None, ctas_per_sm:
     call of a captured CUDA graph so the call allocates nothing."""
     med3 = k.has_outliers
     variant = (DEFAULT_VARIANT_MED3 if med3 else DEFAULT_VARIANT) if variant is None else variant
-    nsplit, _ = splits(k.B * k.H, k.T, q.device, num_splits, ctas_per_sm, variant, k.S, med3, k.D)
+    nsplit, _ = splits(k.B * k.H, k.T, q.device, num_splits, ctas_per_sm, variant, k.S, med3, k.D,
+                       codeword_bytes(k))
     ws = Workspace(k.B * q.shape[1], nsplit, k.D, q.device, out_dtype or q.dtype)
     if FUSED_COMBINE.on:  # (its counters now, not in a capture's first call)
         workspace_counters(ws, k.B * q.shape[1], q.device)
@@ -396,7 +431,8 @@ def _loaded():
 def _token_splits(k, device, num_splits, ctas_per_sm, variant) -> tuple[int, int]:
     """(splits, tiles per split) of a call on k's T tokens: with T itself, all a plan holds
     that follows the token count (`_retarget` relies on it)."""
-    return splits(k.B * k.H, k.T, device, num_splits, ctas_per_sm, variant, k.S, k.has_outliers, k.D)
+    return splits(k.B * k.H, k.T, device, num_splits, ctas_per_sm, variant, k.S, k.has_outliers, k.D,
+                  codeword_bytes(k))
 
 
 def _launch_values(q: torch.Tensor, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len):
@@ -410,6 +446,7 @@ def _launch_values(q: torch.Tensor, k, v, num_splits, ctas_per_sm, variant, out_
         raise ValueError("empty cache (T = 0)")
     vl = 0 if valid_len is None else _valid_len_ptr(valid_len, q)
     out = med3 is not None
+    cw = codeword_bytes(k)
     variant = (DEFAULT_VARIANT_MED3 if out else DEFAULT_VARIANT) if variant is None else variant
     if not 0 <= variant < NUM_VARIANTS:
         raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
@@ -417,7 +454,9 @@ def _launch_values(q: torch.Tensor, k, v, num_splits, ctas_per_sm, variant, out_
         raise ValueError(f"variant {variant} has no Med3x instance at head_dim {D} (variants: {variants(D, True)})")
     if variant not in variants(D):
         raise ValueError(f"variant {variant} has no instance at head_dim {D} (variants: {variants(D)})")
-    if occupancy(variant, k.S, out, D) <= 0:  # v8 with S > 96 (the shared-memory opt-in is refused)
+    if variant not in variants(D, out, cw):
+        raise ValueError(f"variant {variant} has no codebook=int8 instance (variants: {variants(D, out, cw)})")
+    if occupancy(variant, k.S, out, D, cw) <= 0:  # v8 with S > 96 (the shared-memory opt-in is refused)
         raise ValueError(f"variant {variant} does not fit the shared memory with S={k.S} at head_dim {D}")
     nsplit, per = _token_splits(k, q.device, num_splits, ctas_per_sm, variant)
     out_dtype = out_dtype or q.dtype
@@ -469,10 +508,10 @@ def _decode_per_call(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_d
             *(med3 or _NO_MED3_ARGS), B, H, Hq // H, T, k.S, per, nsplit, qk_scale(D), ws.po.data_ptr(),
             ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr(), QTYPE[out_dtype], variant, vl)
     if torch.cuda.current_device() == dev:  # the usual case: no device switch around the launch
-        err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev), D)
+        err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev), D, codeword_bytes(k))
     else:
         with torch.cuda.device(dev):
-            err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev), D)
+            err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev), D, codeword_bytes(k))
     if err:
         raise RuntimeError(f"CUDA HQMQ kernel launch failed: error {err}")
     return ws.out.view(B, Hq, 1, D)
@@ -494,7 +533,7 @@ class _PlanArgs(ctypes.Structure):  # mirrors HqmqPlan in hqmq_decode.cu (checke
                                                     "k_fs", "k_os", "k_is", "v_fs", "v_os", "v_is")]
                 + [(n, ctypes.c_int) for n in ("qtype", "otype", "variant", "D", "S", "B", "Hkv", "gqa", "T",
                                                "steps_per_split", "nsplit", "vlen")]
-                + [("qk_scale", ctypes.c_float)])
+                + [("qk_scale", ctypes.c_float), ("cw", ctypes.c_int)])
 
 
 class _Plan:
@@ -518,8 +557,8 @@ def _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len_give
     """(the kept plan of this call or None, its key, the tensors it reads)."""
     ts = _plan_tensors(k, v)
     key = (type(k), type(v), tuple(map(id, ts)),  # (not T: see _retarget)
-           k.B, k.H, k.D, k.S, k.code_bits, k.r_bits, k.log_radius, k.table_mode,
-           v.B, v.H, v.D, v.S, v.code_bits, v.r_bits, v.log_radius, v.table_mode,
+           k.B, k.H, k.D, k.S, k.code_bits, k.r_bits, k.log_radius, k.table_mode, k.codebook,
+           v.B, v.H, v.D, v.S, v.code_bits, v.r_bits, v.log_radius, v.table_mode, v.codebook,
            None if k.sec is None else _version(k.sec), None if v.sec is None else _version(v.sec),
            q.shape, q.dtype, q.device, valid_len_given, num_splits, ctas_per_sm, variant, out_dtype)
     return _PLANS.get(key), key, ts
@@ -554,6 +593,7 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len)
     a.B, a.Hkv, a.gqa, a.T, a.steps_per_split, a.nsplit = B, H, Hq // H, k.T, per, nsplit
     a.vlen = int(valid_len is not None)
     a.qk_scale = qk_scale(D)
+    a.cw = codeword_bytes(k)
     plan = _Plan()
     plan.args, plan.ptr, plan.keep = a, ctypes.addressof(a), (kt, vt)
     plan.nsplit, plan.rows_q, plan.D, plan.shape, plan.out_dtype = nsplit, B * Hq, D, (B, Hq, 1, D), out_dtype
@@ -620,6 +660,6 @@ def _launch_planned(plan, q, vl, workspace) -> torch.Tensor:
 
 
 __all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits",
-           "codebook16", "takes_by_default", "auto_refusal", "OPTIONS", "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS",
+           "codebook16", "codebook8", "codeword_bytes", "AUTO_INT8", "takes_by_default", "auto_refusal", "OPTIONS", "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS",
            "MED3_VARIANTS", "PREFETCH_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale",
            "head_dim_reason", "PLANNED"]

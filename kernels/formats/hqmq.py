@@ -132,7 +132,7 @@ def flatten_hqmq(packed: Packed, role: str | None = None, table_dtype=torch.floa
         table=torch.empty(0), rel=rel, dtype=packed.dtype,
         log_radius=cfg.radius == "log" and cfg.r > 1,
         code_pack="mixed" if q.code_layout(D // 4)[0] > 1 else "bits",  # G = 1: the bits layout exactly
-        sec=normalised_secondaries(packed.shared), ptab=units_on(packed.device),
+        sec=normalised_secondaries(packed.shared), ptab=units_on(packed.device), codebook=cfg.codebook,
     )
     flat = flat.with_table(table_mode, table_dtype)
     if q.med3:
@@ -554,5 +554,6 @@ FORMAT = Format(
     device_encoder=kernel_quantizer,
     kernels=(Kernel("triton", hqmq_decode_attention, title="Triton HQMQ kernel", row_start=True), CUDA),
     bench={"hqmq": "hqmq:S=96,r=4", "hqmq-med3": "hqmq:S=96,r=4,outliers=med3",
-           "hqmq-mixed": "hqmq:S=96,r=4,pack=mixed"},  # Triton (the CUDA kernel declines mixed codes)
+           "hqmq-mixed": "hqmq:S=96,r=4,pack=mixed",  # Triton (the CUDA kernel declines mixed codes)
+           "hqmq-int8": "hqmq:S=96,r=4,codebook=int8"},  # CUDA by opt-in until AUTO_INT8 (cuda/hqmq_decode.py)
 )

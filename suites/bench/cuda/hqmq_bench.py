@@ -2,7 +2,7 @@
 SDPA and the Triton HQMQ kernels (HQMQ, HQMQ + Med3x), at B=8 and B=1, T=32k.
 
     python -m kvqbench.suites.bench.cuda.hqmq_bench [--out DIR] [--shapes 8x32768,1x32768] [--quick] [--variants 0,3]
-                                                    [--med3-variants 0,2,9,10] [--head-dim 64]
+                                                    [--med3-variants 0,2,9,10] [--head-dim 64] [--codebook int8]
 
 Protocol as bench.py beside it (its `bench`: the toolkit's do_bench median, L2 flushed, rep 40 ms):
 Hq 32 / Hkv 8 / d 128 (--head-dim: 64 or 256, the variants with an instance there), fp16 q;
@@ -46,14 +46,18 @@ def main():
                     "cuda_hqmq.MED3_VARIANTS)")
     ap.add_argument("--head-dim", type=int, default=128, choices=cuda_hqmq.HEAD_DIMS,
                     help="head dim (d 64: HQMQ reaches 0.85x of its d 128 ratio, Med3x 0.74x, 2026-12-05)")
+    ap.add_argument("--codebook", default="exact", choices=("exact", "int8"),
+                    help="HQMQ's codebook= (int8: the 4-byte-codeword instances, v3 / Med3x v10)")
     a = ap.parse_args()
     D = a.head_dim
+    cw = 4 if a.codebook == "int8" else 8
+    extra = ",codebook=int8" if cw == 4 else ""
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     t0 = time.time()
     dev = torch.device("cuda")
     k, v = synthetic_kv(1, 8, 4096, D, dev)
     base = {}
-    for name, spec in (("hqmq", "hqmq:S=96,r=4"), ("hqmq-med3", "hqmq:S=96,r=4,outliers=med3")):
+    for name, spec in (("hqmq", "hqmq:S=96,r=4" + extra), ("hqmq-med3", "hqmq:S=96,r=4,outliers=med3" + extra)):
         (_, pk), (_, pv) = encode_kv(spec, k, v)
         base[name] = (flatten(pk, "K"), flatten(pv, "V"))
     rows = []
@@ -62,15 +66,15 @@ def main():
     if a.variants:
         variants = [int(x) for x in a.variants.split(",")]
     med3_variants = [int(x) for x in a.med3_variants.split(",")] if a.med3_variants else list(cuda_hqmq.MED3_VARIANTS)
-    variants = [vv for vv in variants if vv in cuda_hqmq.variants(D)]  # (those with an instance at D)
-    med3_variants = [vv for vv in med3_variants if vv in cuda_hqmq.variants(D, True)]
-    regs = {vv: cuda_hqmq.num_regs(vv, 96, head_dim=D) for vv in variants}
-    occ = {vv: cuda_hqmq.occupancy(vv, 96, head_dim=D) for vv in variants}
-    regs.update({f"med3/{vv}": cuda_hqmq.num_regs(vv, 96, True, head_dim=D) for vv in med3_variants})
-    occ.update({f"med3/{vv}": cuda_hqmq.occupancy(vv, 96, True, head_dim=D) for vv in med3_variants})
+    variants = [vv for vv in variants if vv in cuda_hqmq.variants(D, False, cw)]  # (those with an instance)
+    med3_variants = [vv for vv in med3_variants if vv in cuda_hqmq.variants(D, True, cw)]
+    regs = {vv: cuda_hqmq.num_regs(vv, 96, head_dim=D, cw=cw) for vv in variants}
+    occ = {vv: cuda_hqmq.occupancy(vv, 96, head_dim=D, cw=cw) for vv in variants}
+    regs.update({f"med3/{vv}": cuda_hqmq.num_regs(vv, 96, True, head_dim=D, cw=cw) for vv in med3_variants})
+    occ.update({f"med3/{vv}": cuda_hqmq.occupancy(vv, 96, True, head_dim=D, cw=cw) for vv in med3_variants})
     env = env_info()
     copy = copy_bandwidth()["GBps_read_plus_write"]
-    print(f"head_dim {D}; registers per variant:", regs, "CTAs/SM:", occ, f"copy {copy:.0f} GB/s", flush=True)
+    print(f"head_dim {D}, codebook={a.codebook}; registers per variant:", regs, "CTAs/SM:", occ, f"copy {copy:.0f} GB/s", flush=True)
 
     def add(B, T, method, us, sd, **extra):
         r = {"B": B, "T": T, "method": method, "us": us, "x_sdpa": sd / us, **extra}
@@ -96,7 +100,7 @@ def main():
             err = f"{rel_err(cuda_hqmq.decode(q, kf, vf, variant=vv, out_dtype=torch.float32), ref):.1e}"
             for ns in SPLITS.get(B, (None,)):
                 cfg = dict(variant=vv, num_splits=ns)
-                nsplit = cuda_hqmq.splits(B * 8, T, dev, ns, None, vv, head_dim=D)[0]
+                nsplit = cuda_hqmq.splits(B * 8, T, dev, ns, None, vv, head_dim=D, cw=cw)[0]
                 try:
                     fn = lambda cfg=cfg: cuda_hqmq.decode(q, kf, vf, **cfg)  # noqa: E731
                     t = bench(fn)
@@ -140,7 +144,7 @@ def main():
                 continue
             for ns in SPLITS.get(B, (None,))[:2]:
                 cfg = dict(variant=vv, num_splits=ns)
-                nsplit = cuda_hqmq.splits(B * 8, T, dev, ns, None, vv, 96, True, D)[0]
+                nsplit = cuda_hqmq.splits(B * 8, T, dev, ns, None, vv, 96, True, D, cw)[0]
                 t = bench(lambda cfg=cfg: cuda_hqmq.decode(q, kf3, vf3, **cfg))
                 add(B, T, "hqmq-med3-cuda", t, sd, cfg=cfg, nsplit=nsplit, err=err)
                 if B == 1:
