@@ -16,7 +16,7 @@ r_max / 15); q exact in fp16, base-2 softmax scale on the fp32 scores, P in fp16
 accumulation. reports/kernels/NOTES.md ("CUDA HQMQ decode") has the
 design, SASS counts and GPU figures.
 
-(About 590 lines, on purpose: the host side of one .cu source, its checks, split choice
+(About 665 lines, on purpose: the host side of one .cu source, its checks, split choice
 and the planned call's ctypes struct mirroring the .cu's `HqmqPlan`; the per-call path
 stays beside it while PLANNED is new, as the reference its GPU tests compare with.)
 """

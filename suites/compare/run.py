@@ -40,12 +40,12 @@ from .results import Run, RunError, calibration_stamps
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "canterbury"
 EXIT_PARTIAL = 3  # the report was written, but some configuration failed
-# Default windows of --window tokens. On a CPU the default sweep (32 specs, 20 of them
-# stochastic, 3 seeds each: 72 jobs) costs ~360 CPU-seconds per 512-token window (the whole
-# sweep, 12 min of user time for 2; the calibrated and fitted avq / flatvq rows dominate), so 2 windows,
-# not 4: measured 7 min 24 s wall from a fresh clone and an empty cache on a 2-core x86-64 VM
-# (model fetch + conversion 31 s, rows 408 s with the calibrated AVQ's EM fits;
-# reports/cpu2core_smollm2-135m_canterbury, 2026-12-05). A GPU affords 16.
+# Default windows of --window tokens. On a CPU the default sweep (33 specs, 21 of them
+# stochastic, 3 seeds each: 75 jobs) costs ~480 CPU-seconds per 512-token window (the whole
+# sweep, 16 min of user time for 2; the calibrated and fitted avq / flatvq rows dominate), so 2 windows,
+# not 4: measured 8 min 41 s wall from a fresh clone on a 2-core x86-64 VM (rows 507 s with
+# the calibrated AVQ's EM fits; 2026-12-06, the model and corpus already cached: 31 s more
+# on an empty cache, reports/cpu2core_smollm2-135m_canterbury). A GPU affords 16.
 CPU_WINDOWS, GPU_WINDOWS = 2, 16
 
 
