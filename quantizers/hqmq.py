@@ -124,6 +124,8 @@ def int8_codewords(cw: torch.Tensor) -> torch.Tensor:
     """codebook=int8's codewords: each component rounded to the nearest k / 127 (unit
     quaternions' components lie in [-1, 1], so |k| <= 127 and k fits an int8)."""
     return torch.round(cw * INT8_SCALE) / INT8_SCALE
+
+
 MEDIANS = ("write", "prefill")  # Med3x's median: over each write, or max(the prefill's kept, the write's)
 
 
