@@ -324,9 +324,10 @@ class _Args(ctypes.Structure):  # mirrors HostArgs in decode_attention.cu (check
 class _Plan:
     """What a call on one cache layout launches: the argument struct, the split count and
     the workspace size (`_PLANS` keeps it while the cache tensors it points into live);
-    `counts`: a host-count KIVI plan's counts it was last set to (`_kivi_counts`)."""
+    `counts`: a host-count KIVI plan's counts it was last set to (`_kivi_counts`), `cut` the
+    main / tail cut its split fields were made for (`_kivi_cut`)."""
     __slots__ = ("keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind", "splits_asked",
-                 "counts")
+                 "counts", "cut")
 
 
 _PLANS = PlanCache(64)  # layouts kept (kernels/common.py: while their tensors live, cleared when full)
@@ -473,12 +474,21 @@ def _retarget(plan, q, k, v) -> None:
     if plan.kind == 0:
         follow_tokens(plan, k, v, lambda: _token_fields(plan.args, k, q.device, *plan.splits_asked))
         return
-    check_token_counts(k, v)
+    # (each length property read once: T is T_quant + T_res, and an eager KIVI step pays these
+    # reads; check_token_counts' tests inline)
+    tqk, tqv = k.T_quant, v.T_quant
+    T = tqk + k.T_res
+    if tqv + v.T_res != T:
+        raise ValueError("K and V caches differ in shape")
+    if T == 0:
+        raise ValueError("empty cache (T = 0)")
     a = plan.args
-    if _kivi_cut(_host_lengths(k, v)[0], k.T) == _kivi_cut(a.n_main, a.T):
-        a.T, a.TQK, a.TQV = k.T, k.T_quant, v.T_quant
+    cut = _kivi_cut(min(tqk, tqv), T)  # (_host_lengths' n_main)
+    if cut == plan.cut:
+        a.T, a.TQK, a.TQV = T, tqk, tqv
     else:
         plan.nsplit = _kivi_token_fields(a, k, v, q.device, *plan.splits_asked, False)
+        plan.cut = cut
     plan.counts = _kivi_counts(k, v)
 
 
@@ -549,7 +559,9 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_cou
     plan.nsplit, plan.rows_q, plan.D, plan.out_dtype, plan.kind = nsplit, B * Hq, D, out_dtype, a.kind
     plan.splits_asked = (num_splits, ctas_per_sm)
     plan.shape = (B, Hq, 1, D)
-    plan.counts = _kivi_counts(k, v) if a.kind == 1 and not device_count else None
+    host_kivi = a.kind == 1 and not device_count
+    plan.counts = _kivi_counts(k, v) if host_kivi else None
+    plan.cut = _kivi_cut(a.n_main, a.T) if host_kivi else None  # (what `_retarget` compares a call's cut with)
     return plan
 
 
