@@ -354,6 +354,8 @@ __device__ __forceinline__ uint2 gather(const uint8_t* tab, uint32_t off) {
 }
 template <int CW>
 constexpr float CW_SCALE = CW == 8 ? 1.f : 1.f / 127.f;  // gathered codeword x CW_SCALE = the format's codeword
+template <int CW>
+constexpr float CW_UNSCALE = CW == 8 ? 1.f : 127.f;  // (exactly; 1 / CW_SCALE need not round to 127)
 
 // One K chunk's q.K step, shared by k_generic (D = 64) and tile_step's D = 128 path (one copy
 // of the gather + scale + mma): the codewords at table byte offsets o0 (token g) and o8 (g + 8)
@@ -838,14 +840,14 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
   }
   if constexpr (OUT && PF) {
     if (u.z >> KS) {  // the V outliers, weighted by P without r_max / 15 (CW 4: acc's scale, 127)
-      constexpr float o = 1.f / CW_SCALE<CW>;
+      constexpr float o = CW_UNSCALE<CW>;
       const uint32_t qb0 = movtrans(pack_half2(p0 * o, p1 * o)), qb1 = movtrans(pack_half2(p2 * o, p3 * o));
       if (u.w > OCAP) out_values<true, D>(acc, pb, u, orow, g, c, qb0, qb1);
       else out_values<false, D>(acc, pb, u, orow, g, c, qb0, qb1);
     }
   } else if constexpr (OUT) {
     if (outb >> 16) {  // the V outliers, weighted by P without r_max / 15 (CW 4: acc's scale, 127)
-      constexpr float o = 1.f / CW_SCALE<CW>;
+      constexpr float o = CW_UNSCALE<CW>;
       const uint32_t qb0 = movtrans(pack_half2(p0 * o, p1 * o)), qb1 = movtrans(pack_half2(p2 * o, p3 * o));
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
