@@ -162,8 +162,9 @@ class PlanCache:
     compared each tensor by identity before: an HQMQ call's 16 tensors; a decode_attention
     call through the CUDA path walked on a 2-core CPU, B=1, T=4096, same-run A/B: HQMQ 12.9 ->
     11.4 us, int4 11.2 -> 10.5, 2026-12-06). A tensor resized or restrided IN PLACE keeps
-    its id: the decode store never does that (it grows into new buffers). Cleared when `limit` plans are held: a plan is cheap to make
-    again. `builds` counts the plans put (tests)."""
+    its id: the decode store never does that (it grows into new buffers). Cleared when
+    `limit` plans are held: a plan is cheap to make again. `builds` counts the plans put
+    (tests)."""
 
     def __init__(self, limit: int = 64):
         self.limit = limit

@@ -120,10 +120,15 @@ CODEBOOKS = ("exact", "int8")  # decoded codeword precision (module docstring)
 INT8_SCALE = 127  # codebook=int8: components on the grid k / 127, |k| <= 127
 
 
+def int8_components(cw: torch.Tensor) -> torch.Tensor:
+    """codebook=int8's integers k = round(127 u) of codewords u (unit quaternions' components
+    lie in [-1, 1], so |k| <= 127 and k fits an int8; a kernel's int8 table stores them)."""
+    return torch.round(cw * INT8_SCALE)
+
+
 def int8_codewords(cw: torch.Tensor) -> torch.Tensor:
-    """codebook=int8's codewords: each component rounded to the nearest k / 127 (unit
-    quaternions' components lie in [-1, 1], so |k| <= 127 and k fits an int8)."""
-    return torch.round(cw * INT8_SCALE) / INT8_SCALE
+    """codebook=int8's codewords: each component rounded to the nearest k / 127."""
+    return int8_components(cw) / INT8_SCALE
 
 
 MEDIANS = ("write", "prefill")  # Med3x's median: over each write, or max(the prefill's kept, the write's)

@@ -324,10 +324,9 @@ class _Args(ctypes.Structure):  # mirrors HostArgs in decode_attention.cu (check
 class _Plan:
     """What a call on one cache layout launches: the argument struct, the split count and
     the workspace size (`_PLANS` keeps it while the cache tensors it points into live);
-    `counts`: a host-count KIVI plan's counts it was last set to (`_kivi_counts`), `cut` the
-    main / tail cut its split fields were made for (`_kivi_cut`)."""
+    `counts`: a host-count KIVI plan's counts it was last set to (`_kivi_counts`)."""
     __slots__ = ("keep", "args", "ptr", "nsplit", "rows_q", "D", "shape", "out_dtype", "kind", "splits_asked",
-                 "counts", "cut")
+                 "counts")
 
 
 _PLANS = PlanCache(64)  # layouts kept (kernels/common.py: while their tensors live, cleared when full)
@@ -474,21 +473,14 @@ def _retarget(plan, q, k, v) -> None:
     if plan.kind == 0:
         follow_tokens(plan, k, v, lambda: _token_fields(plan.args, k, q.device, *plan.splits_asked))
         return
-    # (each length property read once: T is T_quant + T_res, and an eager KIVI step pays these
-    # reads; check_token_counts' tests inline)
-    tqk, tqv = k.T_quant, v.T_quant
+    tqk, tqv = k.T_quant, v.T_quant  # (each length property read once: T is T_quant + T_res)
     T = tqk + k.T_res
-    if tqv + v.T_res != T:
-        raise ValueError("K and V caches differ in shape")
-    if T == 0:
-        raise ValueError("empty cache (T = 0)")
+    check_token_counts(T, tqv + v.T_res)
     a = plan.args
-    cut = _kivi_cut(min(tqk, tqv), T)  # (_host_lengths' n_main)
-    if cut == plan.cut:
+    if _kivi_cut(min(tqk, tqv), T) == _kivi_cut(a.n_main, a.T):  # (min: _host_lengths' n_main)
         a.T, a.TQK, a.TQV = T, tqk, tqv
     else:
         plan.nsplit = _kivi_token_fields(a, k, v, q.device, *plan.splits_asked, False)
-        plan.cut = cut
     plan.counts = _kivi_counts(k, v)
 
 
@@ -559,9 +551,7 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_cou
     plan.nsplit, plan.rows_q, plan.D, plan.out_dtype, plan.kind = nsplit, B * Hq, D, out_dtype, a.kind
     plan.splits_asked = (num_splits, ctas_per_sm)
     plan.shape = (B, Hq, 1, D)
-    host_kivi = a.kind == 1 and not device_count
-    plan.counts = _kivi_counts(k, v) if host_kivi else None
-    plan.cut = _kivi_cut(a.n_main, a.T) if host_kivi else None  # (what `_retarget` compares a call's cut with)
+    plan.counts = _kivi_counts(k, v) if a.kind == 1 and not device_count else None
     return plan
 
 

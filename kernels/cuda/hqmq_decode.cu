@@ -1051,8 +1051,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       __syncwarp();
     }
     const int tile = OUT ? first + 4 * (wp + NP * (j >> 2)) + (j & 3) : first + wp + j * NP;
-    tile_step<OUT, PF, DW, SPL, CW>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16, T, p.qk_scale, qb, acc, m, l, g, c, run,
-                       (j & 3) == 0, orow, pfb + (j & 1) * PfBuf::BYTES, xb + (j & 1) * 1024, hf, 1 + wp);
+    tile_step<OUT, PF, DW, SPL, CW>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16, T, p.qk_scale, qb, acc, m, l,
+                                    g, c, run, (j & 3) == 0, orow, pfb + (j & 1) * PfBuf::BYTES, xb + (j & 1) * 1024,
+                                    hf, 1 + wp);
     rd = rd == SMS - 1 ? 0 : rd + 1;
     wr = wr == SMS - 1 ? 0 : wr + 1;
   }
@@ -1132,13 +1133,13 @@ constexpr int VARIANTS[][3] = {{4, 4, 3}, {8, 4, 1}, {4, 3, 3}, {8, 2, 2}, {4, 6
                                {8, 4, 2}, {4, 2, 4}, {16, 4, 1}, {16, 5, 1}, {4, 3, 3}, {8, 2, 2}};
 constexpr int NVARIANTS = 11;
 constexpr bool PREFETCH[NVARIANTS] = {false, false, false, false, false, false, false, false, false, true, true};
-constexpr int TAB_SMALL = 192 * 96;   // S <= 96
-constexpr int TAB_LARGE = 192 * 170;  // S <= 170 (fill=true at 12 bits)
-static_assert(TAB_SMALL % 16 == 0, "table alignment");
+// bytes of one codebook (24 S codewords of cw bytes: 8 fp16 x 4, or 4 int8 x 4)
+constexpr int tab_bytes(int S, int cw) { return 24 * cw * S; }
+// Two table sizes per cw: S <= 96 and S <= 170 (fill=true at 12 bits), each a multiple of the
+// 16-byte copies for any S
+static_assert(tab_bytes(1, 4) % 16 == 0, "table alignment (16-byte copies)");
 // codebook=int8 (CW 4): 4-byte codewords, half the table; instances of the defaults alone
 // (v3, Med3x v10; the other variants lost to them on both GPUs: NOTES.md)
-template <int CW>
-constexpr int tab_bytes_per_S = 24 * CW;
 constexpr bool cw4_variant(int v) { return v == 3 || v == 10; }
 
 // Variants with a Med3x (OUT) instance: the outlier fragments take ~44 more registers (164
@@ -1228,8 +1229,8 @@ int act_t(int variant, What what, const Params* p, int rows, cudaStream_t s) {
 
 template <int D, int CW>
 int dispatch_cw(int variant, int S, bool out, What what, const Params* p, int rows, cudaStream_t s) {
-  constexpr int SMALL = TAB_SMALL * CW / 8, LARGE = TAB_LARGE * CW / 8;
-  const bool small = tab_bytes_per_S<CW> * S <= SMALL;
+  constexpr int SMALL = tab_bytes(96, CW), LARGE = tab_bytes(170, CW);
+  const bool small = S <= 96;
   if (out) return small ? act_t<SMALL, true, D, CW>(variant, what, p, rows, s)
                         : act_t<LARGE, true, D, CW>(variant, what, p, rows, s);
   return small ? act_t<SMALL, false, D, CW>(variant, what, p, rows, s)
@@ -1244,7 +1245,7 @@ int dispatch_d(int variant, int S, bool out, What what, const Params* p, int row
 // -1 for S outside 1..170 (the tables), a head dim other than 64 / 128 / 256 or cw other than
 // 8 / 4 (bytes per codeword), NO_INSTANCE for a variant without a Med3x (or cw 4) instance
 int dispatch(int variant, int S, bool out, What what, const Params* p, int rows, cudaStream_t s, int D, int cw) {
-  if (S < 1 || 192 * S > TAB_LARGE || (cw != 8 && cw != 4)) return -1;
+  if (S < 1 || S > 170 || (cw != 8 && cw != 4)) return -1;
   if (D == 128) return dispatch_d<128>(variant, S, out, what, p, rows, s, cw);
   if (D == 64) return dispatch_d<64>(variant, S, out, what, p, rows, s, cw);
   if (D == 256) return dispatch_d<256>(variant, S, out, what, p, rows, s, cw);
@@ -1294,7 +1295,7 @@ int run_plan(const HqmqPlan& a, const void* q, const int* vlen, float* po, float
   p.ki = (const int*)a.ki; p.vi = (const int*)a.vi;
   p.k_fs = a.k_fs; p.k_os = a.k_os; p.k_is = a.k_is; p.v_fs = a.v_fs; p.v_os = a.v_os; p.v_is = a.v_is;
   p.T = a.T; p.Hkv = a.Hkv; p.gqa = a.gqa; p.steps_per_split = a.steps_per_split; p.nsplit = a.nsplit;
-  p.tab_bytes = 24 * a.cw * a.S; p.qk_scale = a.qk_scale;
+  p.tab_bytes = tab_bytes(a.S, a.cw); p.qk_scale = a.qk_scale;
   p.po = po; p.pm = pm; p.pl = pl;
   p.counters = counters; p.out = out; p.otype = a.otype;
   if (FUSED_BUILD != (counters != nullptr)) return (int)cudaErrorInvalidValue;  // (fused: kvq_hqmq_run_fused)

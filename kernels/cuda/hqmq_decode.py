@@ -30,8 +30,8 @@ import torch
 
 from ...quantizers.derived import derived
 from ...quantizers.derived import tensor_version as _version
+from ...quantizers.hqmq import int8_components
 from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
-from ...quantizers.hqmq import INT8_SCALE
 from ..layout import HQMQFlat, codebook_from_secondaries
 from .library import (FUSED_COMBINE, FUSED_DEFINE, QTYPE, KernelLibrary, RoutedPlan, follow_tokens,
                       fresh_partials, fused_declare, on_current_stream, workspace_counters)
@@ -292,10 +292,10 @@ def codebook16(f) -> torch.Tensor:
 
 def codebook8(f) -> torch.Tensor:
     """codebook=int8's table for the kernel: [H, 24 S, 4] uint8, component k + 128 for the
-    format's k / 127 (quantizers/hqmq.py `int8_codewords`), built once per secondaries."""
+    format's k / 127 (quantizers/hqmq.py `int8_components`), built once per secondaries."""
     def make():
-        cw = codebook_from_secondaries(f.sec.float())
-        return (torch.round(cw * INT8_SCALE) + 128).to(torch.uint8).contiguous()
+        k = int8_components(codebook_from_secondaries(f.sec.float()))
+        return (k + 128).to(torch.uint8).contiguous()
     return derived(f.sec, "cuda_hqmq.codebook8", make)
 
 
@@ -660,6 +660,7 @@ def _launch_planned(plan, q, vl, workspace) -> torch.Tensor:
 
 
 __all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits",
-           "codebook16", "codebook8", "codeword_bytes", "AUTO_INT8", "takes_by_default", "auto_refusal", "OPTIONS", "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS",
+           "codebook16", "codebook8", "codeword_bytes", "AUTO_INT8", "takes_by_default", "auto_refusal", "OPTIONS",
+           "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS",
            "MED3_VARIANTS", "PREFETCH_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale",
            "head_dim_reason", "PLANNED"]

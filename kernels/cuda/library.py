@@ -160,12 +160,12 @@ class KernelLibrary:
 # host time, so what does not change between calls on one cache layout (the checks, strides,
 # the split plan, the launch arguments as a ctypes struct the .cu reads) is made once and kept.
 # ---------------------------------------------------------------------------------------
-def check_token_counts(k, v) -> None:
-    """The checks of a plan build that involve the token count, for a kept plan used at
-    another count (`follow_tokens`; KIVI's retarget)."""
-    if v.T != k.T:
+def check_token_counts(tk: int, tv: int) -> None:
+    """The checks of a plan build that involve the token counts (K's tk, V's tv), for a kept
+    plan used at other counts (`follow_tokens`; KIVI's retarget, which reads its lengths once)."""
+    if tv != tk:
         raise ValueError("K and V caches differ in shape")
-    if k.T == 0:
+    if tk == 0:
         raise ValueError("empty cache (T = 0)")
 
 
@@ -178,7 +178,7 @@ def follow_tokens(plan, k, v, resplit) -> None:
     `resplit()` sets them as a build does and returns the split count. In place: a plan
     serves one call at a time (two threads decoding the same cache buffers at once would
     race on it, as on the cache)."""
-    check_token_counts(k, v)
+    check_token_counts(k.T, v.T)
     if token_tiles(k.T) != token_tiles(plan.args.T):
         plan.nsplit = resplit()
     plan.args.T = k.T

@@ -5,9 +5,10 @@
 #   and suites/ in .gpuab/ (ignored; ~3 MB) with REV's hash in .gpuab/rev.
 # On the GPU machine, a call that carries .gpuab (and .gpu_commit) runs the same module twice:
 #   `bash suites/bench/gpu_ab.sh py -m kvqbench.suites.bench.cuda.hqmq_bench ...` runs it on
-#   the base tree (as package kvqbench, from /tmp/pp_base; its libraries build under their own
-#   source hash in /tmp/kvq_ext_base, so the two builds do not wait on one lock), with KVQBENCH_COMMIT=REV so results record the base; then call the module
-#   as usual (gpu_env.sh's /tmp/pp) for the working tree.
+#   the base tree (as package kvqbench, from /tmp/pp_base; its libraries build in
+#   /tmp/kvq_ext_base, so the two trees' builds do not wait on one lock), with
+#   KVQBENCH_COMMIT=REV so results record the base; then call the module as usual
+#   (gpu_env.sh's /tmp/pp) for the working tree.
 set -eu
 case "${1:-}" in
   prep)

@@ -1,8 +1,9 @@
 """The benchmark toolkit (suites/bench/toolkit.py) and the rigs' hygiene around it: the
 synthetic data is seeded and has its outlier channels, the tiler fits every layout
 (KIVI's window included) and refuses what does not fit, the timer, yardstick and
-environment record work on the CPU (their GPU paths where there is one), the asv
-benchmarks read the same toolkit from the checkout, the GPU-only rigs import here, and
+environment record work on the CPU (their GPU paths where there is one), latency runs set
+side by side (latency/ab.py), the asv benchmarks read the same toolkit from the checkout,
+the GPU-only rigs import here, and
 no rig under suites/bench/ defines its own copy of a toolkit helper, imports a private
 name from another file or edits sys.path."""
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -175,3 +177,20 @@ def test_no_rig_keeps_a_copy_of_a_toolkit_helper_or_edits_sys_path_or_imports_pr
             if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", "") == "sys":
                 problems.append(f"{rel}:{node.lineno} uses sys.path")
     assert not problems, "\n".join(problems)
+
+
+def test_ab_table_sets_runs_side_by_side_against_each_runs_own_sdpa(tmp_path):
+    from kvqbench.suites.bench.latency.ab import table
+
+    def run(name, sdpa, hqmq):  # an eager row (not a column's) and one without d (kept out, no error)
+        rows = [{"method": m, "B": 8, "T": 64, "d": 128, "latency_us": us}
+                for m, us in (("fp16-sdpa-graph", sdpa), ("fused-hqmq-graph", hqmq), ("fused-hqmq", 1.0))]
+        rows.append({"method": "fake-quant", "B": 8, "T": 64, "latency_us": 9.0})
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "latency.json").write_text(json.dumps({"latency": rows}))
+        return tmp_path / name
+    out = table([run("new", 300.0, 150.0), run("base", 200.0, 160.0)]).splitlines()
+    assert out[0] == "| B | T | d | method | new | base |"
+    hq = next(line for line in out if "fused-hqmq-graph" in line)
+    assert "150.0 (2.00x)" in hq and "160.0 (1.25x)" in hq  # each run's ratio is to its own SDPA
+    assert not any("| fused-hqmq |" in line for line in out)

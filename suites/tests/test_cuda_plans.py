@@ -273,8 +273,7 @@ def test_a_kept_kivi_plan_follows_its_group_and_window_counts(monkeypatch):
         return a
 
     a = fields_of(k, v)
-    plan = types.SimpleNamespace(args=a, nsplit=a.nsplit, kind=1, splits_asked=(None, None), counts=cd._kivi_counts(k, v),
-                                 cut=cd._kivi_cut(a.n_main, a.T))
+    plan = types.SimpleNamespace(args=a, nsplit=a.nsplit, kind=1, splits_asked=(None, None), counts=cd._kivi_counts(k, v))
     key, ts = cd._lookup(q, k, v, *options)[1:]
     monkeypatch.setattr(cd, "_PLANS", type(cd._PLANS)(8))
     cd._PLANS.put(key, ts, plan)

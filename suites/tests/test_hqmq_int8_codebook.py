@@ -13,6 +13,7 @@ rounded to k / 127 per component, the codes and bytes those of `codebook=exact`.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -101,7 +102,8 @@ def test_triton_reads_int8_codebook_caches(D, extra):
         out = decode_attention(q, kf, vf, backend="triton", out_dtype=torch.float32, num_splits=2)
         ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
         outs[spec] = (out, ref)
-        assert torch.isfinite(out).all() and ((out - ref).norm() / ref.norm()) < 1e-4, spec
+        # (the interpreter's arithmetic: ~1e-6 here; a GPU's fp16 operands: test_cuda_hqmq's tolerance)
+        assert torch.isfinite(out).all() and ((out - ref).norm() / ref.norm()) < (3e-3 if CUDA else 1e-4), spec
     (oe, re_), (oi, ri) = outs.values()
     assert ((oi - re_).norm() / re_.norm()) > ((oi - ri).norm() / ri.norm())  # it decodes the rounded codebook
 
@@ -162,12 +164,5 @@ def test_cuda_int8_valid_len_graph_and_planned_equals_per_call(monkeypatch):
                                                          out_dtype=torch.float32))
     graph.replay()
     torch.cuda.synchronize()
-    want = attend(q, *(dataclass_prefix(f, 1500) for f in (kf, vf)))
-    assert torch.allclose(out, want, atol=1e-5, rtol=1e-4)
-
-
-def dataclass_prefix(f, n):
-    """The flat's first n tokens as a flat of T = n (the same buffers)."""
-    import dataclasses
-
-    return dataclasses.replace(f, T=n)
+    want = attend(q, *(dataclasses.replace(f, T=1500) for f in (kf, vf)))  # (the first 1500 tokens)
+    assert torch.allclose(out, want, atol=1e-5, rtol=1e-4)  # (other splits: the combine's rounding)

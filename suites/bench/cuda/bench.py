@@ -36,7 +36,9 @@ SPECS = {"int4": "int4", "fp8": "fp8-e4m3", "kivi2": "kivi:bits=2", "kivi4": "ki
 
 def regs(name, variant, D=128):
     if name.startswith("kivi"):
-        return cuda_decode.num_regs_kivi(int(name[-1]), False, variant, D) if variant in cuda_decode.KIVI_VARIANTS else None
+        if variant not in cuda_decode.KIVI_VARIANTS:
+            return None
+        return cuda_decode.num_regs_kivi(int(name[-1]), False, variant, D)
     return cuda_decode.num_regs(METHODS[name], D, variant)
 
 
@@ -56,7 +58,8 @@ def run(shapes, out: Path, methods=tuple(METHODS), kivi_variants=None, kivi_ctas
     dev = torch.device("cuda")
     env = env_info()
     res = {"device": env["gpu"], "torch": env["torch"], "triton": env["triton"], "env": env,
-           "head_dim": D, "regs": {f"{m}/v{v}": regs(m, v, D) for m in METHODS for v in range(max(cuda_decode.KIVI_VARIANTS) + 1)},
+           "head_dim": D,
+           "regs": {f"{m}/v{v}": regs(m, v, D) for m in METHODS for v in range(max(cuda_decode.KIVI_VARIANTS) + 1)},
            "rows": []}
     res["regs"].update({f"kivi{b}/tail": cuda_decode.num_regs_kivi(b, True, head_dim=D) for b in (2, 4)})
     res["copy_bandwidth"] = copy_bandwidth()

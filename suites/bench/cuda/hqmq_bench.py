@@ -74,7 +74,8 @@ def main():
     occ.update({f"med3/{vv}": cuda_hqmq.occupancy(vv, 96, True, head_dim=D, cw=cw) for vv in med3_variants})
     env = env_info()
     copy = copy_bandwidth()["GBps_read_plus_write"]
-    print(f"head_dim {D}, codebook={a.codebook}; registers per variant:", regs, "CTAs/SM:", occ, f"copy {copy:.0f} GB/s", flush=True)
+    print(f"head_dim {D}, codebook={a.codebook}; registers per variant:", regs, "CTAs/SM:", occ,
+          f"copy {copy:.0f} GB/s", flush=True)
 
     def add(B, T, method, us, sd, **extra):
         r = {"B": B, "T": T, "method": method, "us": us, "x_sdpa": sd / us, **extra}

@@ -1,6 +1,6 @@
 """Latency suite runs side by side (suites/bench/gpu_ab.sh: a change and its base, timed in
-turn on one GPU machine): every graphed non-Triton row per (B, T, d, method) of any run as us and x the same
-run's graphed fp16 SDPA, one column per run, a Markdown table on stdout.
+turn on one GPU machine): every graphed non-Triton row per (B, T, d, method) of any run, as
+us and x the same run's graphed fp16 SDPA, one column per run; a Markdown table on stdout.
 
     python -m kvqbench.suites.bench.latency.ab RUN_DIR [RUN_DIR ...]   (each holds latency.json)
 """
@@ -12,8 +12,10 @@ from pathlib import Path
 
 
 def table(dirs: list[Path]) -> str:
-    runs = {d: {(r["B"], r["T"], r.get("d"), r["method"]): r for r in json.loads((d / "latency.json").read_text())["latency"]}
-            for d in dirs}
+    runs = {}
+    for d in dirs:
+        rows = json.loads((d / "latency.json").read_text())["latency"]
+        runs[d] = {(r["B"], r["T"], r.get("d"), r["method"]): r for r in rows}
     keys = sorted({k for rows in runs.values() for k in rows if k[3].endswith("-graph") and "triton" not in k[3]})
     lines = ["| B | T | d | method | " + " | ".join(d.name for d in dirs) + " |",
              "|---:|---:|---:|---|" + "---:|" * len(dirs)]

@@ -113,8 +113,7 @@ def cuda_path_on_cpu(spec: str, q, kf, vf, valid_len: bool = False):
             cd._token_fields(args, kf, q.device, *asked)
         plan = types.SimpleNamespace(ptr=0x5EED, nsplit=args.nsplit, rows_q=B * hq, D=d, shape=(B, hq, 1, d),
                                      out_dtype=q.dtype, kind=int(kivi), args=args, splits_asked=asked,
-                                     counts=cd._kivi_counts(kf, vf) if kivi else None,
-                                     cut=cd._kivi_cut(args.n_main, args.T) if kivi else None)
+                                     counts=cd._kivi_counts(kf, vf) if kivi else None)
         if mod is ch:
             key, ts = ch._lookup(q, kf, vf, None, None, None, None, valid_len)[1:]
         else:
