@@ -408,11 +408,16 @@ def fast(q: torch.Tensor, k, v) -> torch.Tensor | None:
     plan = _lookup(q, k, v, None, DEFAULT_CTAS_PER_SM, None, None)[0]
     if plan is None:
         return None
-    moved = _moved(plan, k, v, False)
-    if (moved or plan.kind == 0) and k.T != v.T:  # (KIVI counts a plan holds are of one T: read no further)
-        return None
-    if moved:
-        _retarget(plan, q, k, v)
+    if plan.kind == 0:  # (an eager decode step: _retarget's, with T read once)
+        T = k.T
+        if T != v.T:
+            return None
+        if plan.args.T != T:
+            follow_tokens(plan, T, T, _token_fields, plan.args, k, q.device, *plan.splits_asked)
+    else:  # (KIVI counts a plan holds are of one T: unmoved, read no further)
+        counts = _kivi_counts(k, v)
+        if counts != plan.counts and not _kivi_follow(plan, q, k, v, counts):
+            return None
     return _launch(plan, q, None, None)
 
 
@@ -440,9 +445,9 @@ def _host_lengths(k, v) -> tuple[int, int]:
 
 def _kivi_cut(n_main: int, T: int) -> tuple:
     """All of a host-count call's counts that `kivi_plan`'s cut reads: n_main and the tail's
-    16-token tiles (0: no tail). Calls alike in it are cut alike (a retarget then sets the
-    lengths only: most decode steps)."""
-    return n_main, token_tiles(T - n_main) if T > n_main else 0
+    16-token tiles (0: no tail; T >= n_main). Calls alike in it are cut alike (a retarget
+    then sets the lengths only: most decode steps)."""
+    return n_main, (T - n_main + 15) >> 4  # (token_tiles(T - n_main) where T > n_main, else 0)
 
 
 def _kivi_token_fields(a, k, v, device, num_splits, ctas_per_sm, device_count: bool) -> int:
@@ -471,17 +476,26 @@ def _retarget(plan, q, k, v) -> None:
     from the cut the struct holds). The rest of a plan is alike for every count of the same
     buffers."""
     if plan.kind == 0:
-        follow_tokens(plan, k, v, lambda: _token_fields(plan.args, k, q.device, *plan.splits_asked))
-        return
-    tqk, tqv = k.T_quant, v.T_quant  # (each length property read once: T is T_quant + T_res)
+        follow_tokens(plan, k.T, v.T, _token_fields, plan.args, k, q.device, *plan.splits_asked)
+    elif not _kivi_follow(plan, q, k, v, _kivi_counts(k, v)):
+        check_token_counts(k.T, v.T)  # (raises: K and V of different T, or none)
+
+
+def _kivi_follow(plan, q, k, v, counts) -> bool:
+    """A host-count KIVI plan set to the call's `counts` (`_kivi_counts(k, v)`), each length
+    read once: T is T_quant + T_res, T_quant n_groups * group. False, the plan untouched,
+    where K and V hold different T or none (the caller refuses them)."""
+    tqk, tqv = counts[0] * k.group, counts[2] * v.group
     T = tqk + k.T_res
-    check_token_counts(T, tqv + v.T_res)
+    if T != tqv + v.T_res or T == 0:
+        return False
     a = plan.args
     if _kivi_cut(min(tqk, tqv), T) == _kivi_cut(a.n_main, a.T):  # (min: _host_lengths' n_main)
         a.T, a.TQK, a.TQV = T, tqk, tqv
     else:
         plan.nsplit = _kivi_token_fields(a, k, v, q.device, *plan.splits_asked, False)
-    plan.counts = _kivi_counts(k, v)
+    plan.counts = counts
+    return True
 
 
 def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bool = False) -> _Plan:

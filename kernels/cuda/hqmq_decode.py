@@ -604,7 +604,7 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len)
 def _retarget(plan, q, k, v) -> None:
     """A kept plan set to this call's T (library.py `follow_tokens`; the splits by
     `_token_splits`, as a build makes them)."""
-    follow_tokens(plan, k, v, lambda: _resplit(plan.args, k, q.device, *plan.splits_asked))
+    follow_tokens(plan, k.T, v.T, _resplit, plan.args, k, q.device, *plan.splits_asked)
 
 
 def _resplit(a, k, device, num_splits, ctas_per_sm) -> int:
@@ -626,13 +626,14 @@ def fast(q: torch.Tensor, k, v) -> torch.Tensor | None:
     when none is kept (the route decides). The plan passed every check of the route when it
     was built, and the key holds what those checks read (the buffers' ids, the flats' fields,
     the codebooks' versions, q's shape, dtype and device); T is out of it (`_retarget`)."""
-    if not (PLANNED and _PLANS.plans) or type(k) is not HQMQFlat or type(v) is not HQMQFlat or k.T != v.T:
+    T = k.T
+    if not (PLANNED and _PLANS.plans) or type(k) is not HQMQFlat or type(v) is not HQMQFlat or T != v.T:
         return None
     plan = _lookup(q, k, v, None, None, None, None, False)[0]
     if plan is None:
         return None
-    if plan.args.T != k.T:
-        _retarget(plan, q, k, v)
+    if plan.args.T != T:  # (an eager decode step: _retarget's, with T read once)
+        follow_tokens(plan, T, T, _resplit, plan.args, k, q.device, *plan.splits_asked)
     return _launch_planned(plan, q, None, None)
 
 

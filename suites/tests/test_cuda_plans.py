@@ -293,6 +293,14 @@ def test_a_kept_kivi_plan_follows_its_group_and_window_counts(monkeypatch):
         assert len(cuts) - n == cut
         assert bytes(plan.args) == bytes(fields_of(k, v)) and not cd._kivi_moved(plan, k, v)
         assert plan.args.T == k.T and plan.nsplit == plan.args.nsplit
+    # K and V of different T: the fast route leaves the call to the route, a retarget refuses
+    # it as a build does, and the plan stays as it was
+    kept = bytes(plan.args)
+    k.n_res = 43
+    assert cd.fast(q, k, v) is None
+    with pytest.raises(ValueError, match="differ in shape"):
+        cd._retarget(plan, q, k, v)
+    assert bytes(plan.args) == kept and plan.counts == (8, 44, 5, 140)
     k.n_res = 0  # (a side without window rows: another plan, one that points into no window)
     assert cd._lookup(q, k, v, *options)[1] != key
 
