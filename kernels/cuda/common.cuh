@@ -147,6 +147,27 @@ __device__ __forceinline__ void combine_store(OutT* out, long long i, float num,
   }
 }
 
+// Programmatic dependent launch (sm_90+; library.py `PDL`): with `pdl_on` set, the combine is
+// launched with programmatic stream serialization, so the GPU may start it before the split
+// kernel has finished: every split CTA triggers its dependents as it starts (pdl_trigger), so
+// once the last wave of split CTAs is resident the combine's CTAs are launched into the slots
+// that the exiting split CTAs free, and each waits (pdl_wait) until the split grid has
+// completed and its partials are visible, then reads them. What it removes is the gap between
+// the two kernels (launch and ramp); the arithmetic and its order are unchanged, so the
+// result is the same bits. Without the attribute (pdl_on 0, or below sm_90) both
+// instructions do nothing.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+int pdl_on = 0;  // (the namespace is anonymous: one flag per library; set by its kvq_*set_pdl entry)
+
 // Merge the nsplit partials of each query row: one CTA per row, PARTS x D threads;
 // thread (part, d) sums the splits part, part + PARTS, ... (unrolled: many loads in
 // flight), then the parts are added in shared memory. GPU run 13: B=1 took 53 / 83 /
@@ -166,6 +187,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const float* _
   const float* pmr = pm + row * nsplit;
   const float* plr = pl + row * nsplit;
   const float* por = po + row * nsplit * D + d;
+  pdl_wait();  // (the split grid's partials, when launched as its programmatic dependent)
   float M = NEG_INF;
   for (int s = tid; s < nsplit; s += blockDim.x) M = fmaxf(M, pmr[s]);
 #pragma unroll
@@ -193,15 +215,33 @@ __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const float* _
 }
 
 // The combine launch of a call: rows_q query rows of D dims, out in otype (0 fp16, 1 bf16
-// bits, 2 fp32). Returns a cudaError_t.
+// bits, 2 fp32); with pdl_on, as the split kernel's programmatic dependent. Returns a cudaError_t.
+template <typename OutT>
+int launch_combine_t(const float* po, const float* pm, const float* pl, OutT* out, int rows_q, int nsplit, int D,
+                     int threads, cudaStream_t stream) {
+  if (!pdl_on) {
+    combine_kernel<OutT><<<rows_q, threads, 0, stream>>>(po, pm, pl, out, nsplit, D);
+    return (int)cudaGetLastError();
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(rows_q);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return (int)cudaLaunchKernelEx(&cfg, combine_kernel<OutT>, po, pm, pl, out, nsplit, D);
+}
 template <int D>
 int launch_combine(const float* po, const float* pm, const float* pl, void* out, int otype, int rows_q, int nsplit,
                    cudaStream_t stream) {
   const int threads = (COMBINE_THREADS / D) * D;
-  if (otype == 0) combine_kernel<__half><<<rows_q, threads, 0, stream>>>(po, pm, pl, (__half*)out, nsplit, D);
-  else if (otype == 1) combine_kernel<uint16_t><<<rows_q, threads, 0, stream>>>(po, pm, pl, (uint16_t*)out, nsplit, D);
-  else combine_kernel<float><<<rows_q, threads, 0, stream>>>(po, pm, pl, (float*)out, nsplit, D);
-  return (int)cudaGetLastError();
+  if (otype == 0) return launch_combine_t(po, pm, pl, (__half*)out, rows_q, nsplit, D, threads, stream);
+  if (otype == 1) return launch_combine_t(po, pm, pl, (uint16_t*)out, rows_q, nsplit, D, threads, stream);
+  return launch_combine_t(po, pm, pl, (float*)out, rows_q, nsplit, D, threads, stream);
 }
 
 // ---------------------------------------------------------------------------------

@@ -1250,6 +1250,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   // [128 hf, 128 hf + 128) of every row with d = 128's format F (DW dims), and the pair adds
   // its partial scores before the softmax (pair_add): 120-odd registers a thread as at 128,
   // where doubling every per-thread array took 165-217. Else wp = warp, NP = NW, DW = D.
+  pdl_trigger();  // (common.cuh: the combine may be launched once every split CTA is resident)
   constexpr int SPL = D / F::DIM, DW = F::DIM, NP = NW / SPL;
   constexpr int KS = DW / 16;  // k-steps of QK^T = m-tiles of PV
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1747,6 +1748,9 @@ extern "C" int kvq_run_fused(const void* args, const void* q, const int* vlen, f
 }
 
 extern "C" int kvq_fused_build() { return FUSED_BUILD; }
+
+// Programmatic dependent launch of the combine on (1) or off (0): common.cuh pdl_on (library.py PDL).
+extern "C" void kvq_set_pdl(int on) { pdl_on = on; }
 
 // Registers of the KIVI instances: tail = 0 the quantized part (variant), 1 the tail path.
 extern "C" int kvq_num_regs_kivi(int bits, int tail, int variant, int D) {

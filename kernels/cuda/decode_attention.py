@@ -51,7 +51,7 @@ import torch
 
 from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles, token_tiles
 from ..layout import FP8Flat, IntFlat, KIVIFlat, KIVIGraphFlat
-from .library import (FUSED_COMBINE, FUSED_DEFINE, QTYPE, KernelLibrary, RoutedPlan, check_token_counts,
+from .library import (FUSED_COMBINE, FUSED_DEFINE, PDL, QTYPE, KernelLibrary, RoutedPlan, check_token_counts,
                       follow_tokens, fresh_partials, fused_declare, on_current_stream,
                       workspace_counters)
 
@@ -112,6 +112,9 @@ def _declare(lib) -> str | None:
     lib.kvq_num_regs.restype = I
     lib.kvq_num_regs_kivi.argtypes = [I, I, I, I]
     lib.kvq_num_regs_kivi.restype = I
+    lib.kvq_set_pdl.argtypes = [I]
+    lib.kvq_set_pdl.restype = None
+    PDL.attach(lib.kvq_set_pdl)  # (the combine as the split kernel's programmatic dependent: library.py)
     return None
 
 

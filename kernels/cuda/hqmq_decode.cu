@@ -880,6 +880,7 @@ constexpr int dyn_smem() {
 template <int NW, int SMS, int TABB, int MINB, bool OUT, bool PF = false, int D = 128, bool FUSED = false,
           int CW = 8>
 __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params p) {
+  pdl_trigger();  // (common.cuh: the combine may be launched once every split CTA is resident)
   using Stage = ::Stage<D>;
   using PfBuf = ::PfBuf<D>;
   using FlagT = typename Dims<D>::FlagT;
@@ -1355,6 +1356,9 @@ extern "C" int kvq_hqmq_run_fused(const void* plan, const void* q, const int* vl
 }
 
 extern "C" int kvq_hqmq_fused_build() { return FUSED_BUILD; }
+
+// Programmatic dependent launch of the combine on (1) or off (0): common.cuh pdl_on (library.py PDL).
+extern "C" void kvq_hqmq_set_pdl(int on) { pdl_on = on; }
 
 extern "C" int kvq_hqmq_num_variants() { return NVARIANTS; }
 

@@ -33,7 +33,7 @@ from ...quantizers.derived import tensor_version as _version
 from ...quantizers.hqmq import int8_components
 from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import HQMQFlat, codebook_from_secondaries
-from .library import (FUSED_COMBINE, FUSED_DEFINE, QTYPE, KernelLibrary, RoutedPlan, follow_tokens,
+from .library import (FUSED_COMBINE, FUSED_DEFINE, PDL, QTYPE, KernelLibrary, RoutedPlan, follow_tokens,
                       fresh_partials, fused_declare, on_current_stream, workspace_counters)
 
 SOURCE = Path(__file__).parent / "hqmq_decode.cu"
@@ -130,6 +130,9 @@ def _declare(lib) -> str | None:
     lib.kvq_hqmq_num_regs.restype = I
     lib.kvq_hqmq_occupancy.argtypes = [I, I, I, I, I]
     lib.kvq_hqmq_occupancy.restype = I
+    lib.kvq_hqmq_set_pdl.argtypes = [I]
+    lib.kvq_hqmq_set_pdl.restype = None
+    PDL.attach(lib.kvq_hqmq_set_pdl)  # (the combine as the split kernel's programmatic dependent: library.py)
     return None
 
 

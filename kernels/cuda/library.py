@@ -280,7 +280,40 @@ def fused_declare(build: str, run: str, declare):
     return declare_fused
 
 
+class LaunchOverlap(Switch):
+    """THE SWITCH of programmatic dependent launch (common.cuh `pdl_on`): a CUDA call's combine
+    is launched as its split kernel's programmatic dependent, so the GPU starts the combine's
+    CTAs while the split kernel's last wave finishes (each waits for the split grid's
+    partials) instead of after it: the gap between the two kernels goes, the combine's
+    arithmetic and its order stay, so the result is the same bits. sm_90+ only (a library on
+    an older GPU is told 0). Off until its GPU tests and timings (reports/kernels/NOTES.md);
+    `KVQBENCH_PDL=1` turns it on for a process. A library, once loaded, is told the state
+    (`attach`: its kvq_*set_pdl entry), and again at every change of `on`."""
+
+    def __init__(self, on: bool):
+        self._setters: list = []
+        super().__init__(on)
+
+    @property
+    def on(self) -> bool:
+        return self._on
+
+    @on.setter
+    def on(self, value: bool) -> None:
+        self._on = bool(value)
+        for setter, capable in self._setters:
+            setter(int(self._on and capable))
+
+    def attach(self, setter) -> None:
+        """Tell a loaded library's `setter` (its ctypes entry, int -> void) the state, now and
+        at every change; PDL needs sm_90+, so an older device's library is always told 0."""
+        capable = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+        self._setters.append((setter, capable))
+        setter(int(self._on and capable))
+
+
 FUSED_COMBINE = FusedCombine(os.environ.get("KVQBENCH_FUSED_COMBINE", "0").strip() == "1")
+PDL = LaunchOverlap(os.environ.get("KVQBENCH_PDL", "0").strip() == "1")
 FUSED_DEFINE = ("-DKVQ_FUSED_COMBINE=1",)  # the fused build's nvcc flag (KernelLibrary extra)
 
 
@@ -383,6 +416,6 @@ def workspace_counters(ws, n: int, device) -> int:
 
 
 __all__ = ["FLAGS", "EXACT_FLAGS", "QTYPE", "FUSED_COMBINE", "FUSED_DEFINE", "FusedCombine", "KernelLibrary", "Switch", "fused_declare",
-           "RoutedPlan", "SCRATCH", "Scratch", "check_token_counts", "follow_tokens", "arch_flags",
+           "RoutedPlan", "SCRATCH", "Scratch", "LaunchOverlap", "PDL", "check_token_counts", "follow_tokens", "arch_flags",
            "build_dir", "compile_library", "fresh_partials", "load_library", "nvcc",
            "on_current_stream", "workspace_counters"]

@@ -69,6 +69,10 @@ def env_info() -> dict:
     from ..compare.provenance import kvqbench_version
 
     info["kvqbench"] = kvqbench_version()  # the commit measured (KVQBENCH_COMMIT names it on a copy)
+    from ...kernels.cuda import library as cuda_library
+
+    # how the CUDA calls launch their combine (library.py's switches: an A/B of either is two runs)
+    info["cuda_combine"] = cuda_library.FUSED_COMBINE.mode() + (", PDL" if cuda_library.PDL.on else "")
     if GPU:
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, sm_count=p.multi_processor_count, gpu_mem_GiB=round(p.total_memory / 2**30, 1),

@@ -1,9 +1,12 @@
 """What test_cuda_decode.py and test_cuda_hqmq.py share: the synthetic caches, the
 backend="cuda" call checked against the dequantize-then-attend reference, garbage
-capacity rows, and the last-token and graph-replay checks both kernels go through.
+capacity rows, and the last-token and graph-replay checks both kernels go through; and
+what the bit-for-bit tests of two launch paths share (test_cuda_fused_combine.py,
+test_cuda_pdl.py).
 Tolerances as test_kernels.py's GPU ones (fp16 operands, fp32 accumulation)."""
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -159,3 +162,36 @@ def in_threads(fn, n: int = 2) -> None:
         t.start()
     for t in threads:
         t.join()
+
+
+# ---- bit-for-bit comparisons of two launch paths (the fused combine, PDL) -----------------
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaN included: a valid length of 0 gives NaN for int4 / fp8 / KIVI)."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+@functools.lru_cache(maxsize=32)
+def case_flats(spec, B, Hkv, T, D, seed=0):
+    """(K flat, V flat) of spec's encodings of make()'s random caches (cached)."""
+    return flats(spec, make(B, Hkv, T, D, seed), make(B, Hkv, T, D, seed + 1, outlier="med3" in spec))
+
+
+def query(B, Hq, D, seed, dtype=torch.float16):
+    return torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEV)
+
+
+def vlen(n):
+    return torch.tensor([n], dtype=torch.int32, device=DEV)
+
+
+def kivi_views(spec, T, cap, D, seed):
+    """(q, K / V graph views at capacity cap) of a QuantizedCache of spec holding T tokens
+    (as test_cuda_decode.py's KIVI device-count tests make them)."""
+    from kvqbench.suites.harness.kv_cache import QuantizedCache
+
+    cache = QuantizedCache(spec, n_layers=1, fused=True, seed=3)
+    cache.update(make(2, 2, T, D, seed), make(2, 2, T, D, seed + 1, outlier=False), 0)
+    cache.reserve(cap)
+    layer = cache.layers[0]
+    return query(2, 8, D, seed + 2), tuple(layer.stores[r].graph_view(cap) for r in ("K", "V"))

@@ -13,7 +13,6 @@ the switch, the plumbing of the fused call (the CUDA path walked, host_time.py
 """
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
@@ -29,7 +28,8 @@ if not torch.cuda.is_available():
 from kvqbench.kernels.cuda import decode_attention as cuda_decode  # noqa: E402
 from kvqbench.kernels.cuda import hqmq_decode as cuda_hqmq  # noqa: E402
 from kvqbench.kernels.cuda import library  # noqa: E402
-from kvqbench.suites.tests.cuda_helpers import CUDA, DEV, flats, in_threads, make, warmed_capture  # noqa: E402
+from kvqbench.suites.tests.cuda_helpers import (CUDA, case_flats, in_threads, kivi_views, query, same_bits,  # noqa: E402
+                                               vlen, warmed_capture)
 
 pytestmark = pytest.mark.kernels
 
@@ -55,12 +55,6 @@ CASES = [(s, D) for s in SPECS for D in (64, 128, 256)] + [("fp8-e5m2", 128)]
 fused = library.FUSED_COMBINE.set
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit (NaN included: a valid length of 0 gives NaN for int4 / fp8 / KIVI)."""
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
-
-
 def module(spec):
     return cuda_hqmq if spec.startswith("hqmq") else cuda_decode
 
@@ -76,20 +70,6 @@ def both(spec, q, kf, vf, **kw):
     with fused(True):
         b = call(spec, q, kf, vf, **kw).clone()
     return a, b
-
-
-@functools.lru_cache(maxsize=32)
-def case_flats(spec, B, Hkv, T, D, seed=0):
-    """(K flat, V flat) of spec's encodings of make()'s random caches (cached)."""
-    return flats(spec, make(B, Hkv, T, D, seed), make(B, Hkv, T, D, seed + 1, outlier="med3" in spec))
-
-
-def query(B, Hq, D, seed, dtype=torch.float16):
-    return torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEV)
-
-
-def vlen(n):
-    return torch.tensor([n], dtype=torch.int32, device=DEV)
 
 
 def counters_at_zero() -> bool:
@@ -146,18 +126,6 @@ def test_fused_equals_unfused_in_every_variant(spec, D):
         for ns in (None, 7):
             a, b = both(spec, q, kf, vf, variant=variant, num_splits=ns, out_dtype=torch.float32)
             assert same_bits(a, b), (spec, D, variant, ns)
-
-
-def kivi_views(spec, T, cap, D, seed):
-    """(q, K / V graph views at capacity cap) of a QuantizedCache of spec holding T tokens
-    (as test_cuda_decode.py's KIVI device-count tests make them)."""
-    from kvqbench.suites.harness.kv_cache import QuantizedCache
-
-    cache = QuantizedCache(spec, n_layers=1, fused=True, seed=3)
-    cache.update(make(2, 2, T, D, seed), make(2, 2, T, D, seed + 1, outlier=False), 0)
-    cache.reserve(cap)
-    layer = cache.layers[0]
-    return query(2, 8, D, seed + 2), tuple(layer.stores[r].graph_view(cap) for r in ("K", "V"))
 
 
 @needs_cuda

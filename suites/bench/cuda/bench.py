@@ -143,7 +143,7 @@ def run(shapes, out: Path, methods=tuple(METHODS), kivi_variants=None, kivi_ctas
 
 def table(res: dict, best_only: bool = False) -> str:
     lines = [f"{res['device']}  torch {res['torch']}  triton {res['triton']}  copy {res['copy_GBps']:.0f} GB/s  "
-             f"head dim {res.get('head_dim', 128)}",
+             f"head dim {res.get('head_dim', 128)}  combine {res['env'].get('cuda_combine', '?')}",
              f"registers per thread: {res['regs']}",
              "| B | T | method | config | us | x faster than SDPA | GB/s | err vs triton | host us/call |",
              "|---|---|---|---|---:|---:|---:|---:|---:|"]

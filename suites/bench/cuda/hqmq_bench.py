@@ -75,7 +75,7 @@ def main():
     env = env_info()
     copy = copy_bandwidth()["GBps_read_plus_write"]
     print(f"head_dim {D}, codebook={a.codebook}; registers per variant:", regs, "CTAs/SM:", occ,
-          f"copy {copy:.0f} GB/s", flush=True)
+          f"copy {copy:.0f} GB/s, combine {env['cuda_combine']}", flush=True)
 
     def add(B, T, method, us, sd, **extra):
         r = {"B": B, "T": T, "method": method, "us": us, "x_sdpa": sd / us, **extra}
