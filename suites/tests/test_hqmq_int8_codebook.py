@@ -136,7 +136,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="the CUDA kernel needs a CUDA G
 @pytest.mark.parametrize("med3", [False, True])
 @pytest.mark.parametrize("T", [1, 333, 4099])
 def test_cuda_int8_matches_reference(D, med3, T):
-    from cuda_helpers import checked_call, make
+    from kvqbench.suites.tests.cuda_helpers import checked_call, make
 
     spec = INT8 + (",outliers=med3" if med3 else "")
     k, v = make(2, 2, T, D, 11), make(2, 2, T, D, 12, outlier=False)
@@ -147,7 +147,7 @@ def test_cuda_int8_matches_reference(D, med3, T):
 
 @needs_cuda
 def test_cuda_int8_valid_len_graph_and_planned_equals_per_call(monkeypatch):
-    from cuda_helpers import attend, flats, make, warmed_capture
+    from kvqbench.suites.tests.cuda_helpers import attend, flats, make, warmed_capture
 
     from kvqbench.kernels.cuda import hqmq_decode as cuda_hqmq
 
