@@ -2,7 +2,8 @@
 synthetic data is seeded and has its outlier channels, the tiler fits every layout
 (KIVI's window included) and refuses what does not fit, the timer, yardstick and
 environment record work on the CPU (their GPU paths where there is one), latency runs set
-side by side (latency/ab.py), the asv benchmarks read the same toolkit from the checkout,
+side by side (latency/ab.py), a call's kernels told apart in a trace
+(latency/kernel_times.py), the asv benchmarks read the same toolkit from the checkout,
 the GPU-only rigs import here, and
 no rig under suites/bench/ defines its own copy of a toolkit helper, imports a private
 name from another file or edits sys.path."""
@@ -194,3 +195,24 @@ def test_ab_table_sets_runs_side_by_side_against_each_runs_own_sdpa(tmp_path):
     hq = next(line for line in out if "fused-hqmq-graph" in line)
     assert "150.0 (2.00x)" in hq and "160.0 (1.25x)" in hq  # each run's ratio is to its own SDPA
     assert not any("| fused-hqmq |" in line for line in out)
+
+
+def test_kernel_times_splits_a_trace_into_calls():
+    """A call is its split kernel(s) up to its combine; gaps are measured between them (a
+    combine that starts before its split kernel ends, as a programmatic dependent: negative);
+    kernels after the last combine are no call; the medians skip a field a row lacks."""
+    from kvqbench.suites.bench.latency.kernel_times import call_times, main, medians
+
+    k = lambda name, ts, dur: {"name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = [k("combine_kernel<half>", 105.0, 4.0), k("split_kernel<Int4>", 0.0, 100.0),
+              k("split_kernel<Int4>", 110.0, 90.0), k("combine_kernel<half>", 195.0, 6.0),
+              k("split_kernel<Int4>", 203.0, 95.0)]  # (the last: no combine yet)
+    rows = call_times(events)
+    assert rows == [{"split_us": 100.0, "gap_us": 5.0, "combine_us": 4.0, "call_us": 109.0, "next_gap_us": 1.0},
+                    {"split_us": 90.0, "gap_us": -5.0, "combine_us": 6.0, "call_us": 91.0}]
+    assert medians(rows) == {"split_us": 95.0, "gap_us": 0.0, "combine_us": 5.0, "call_us": 100.0,
+                             "next_gap_us": 1.0}
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as e:
+            main([])
+        assert e.value.code == 2

@@ -26,6 +26,8 @@ Llama-3-70B at 128k.
     tuning.py             the launch-config tuner (greedy, at the focus shape)
     decode_step.py        the latency section (every method at every (B, T)); eager fused rows at B=1: host_us
     host_time.py          an eager call's host time; on a CPU with the launch stubbed: issue 28's table
+    kernel_times.py       a CUDA call's GPU time split: split kernel, gap, combine (a profiler trace; GPU)
+    ab.py                 latency runs side by side (a change against its base, gpu_ab.sh)
     encode_throughput.py  the HQMQ encode section
     memory.py             the memory section
     targets.py            issue 10's targets read off the rows; speed-ups over fp16 SDPA
