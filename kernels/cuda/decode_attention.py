@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles, token_tiles
+from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import FP8Flat, IntFlat, KIVIFlat, KIVIGraphFlat
 from .library import (FUSED_COMBINE, FUSED_DEFINE, PDL, QTYPE, KernelLibrary, RoutedPlan, check_token_counts,
                       follow_tokens, fresh_partials, fused_declare, on_current_stream,

@@ -29,7 +29,6 @@ except ImportError:  # pragma: no cover - no CUDA build on such hosts anyway
 
 import torch
 
-from ..common import token_tiles
 
 FLAGS = ["-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"]
 # A source whose results must equal torch's bit for bit (step_write.cu: the stored bytes of a
@@ -178,7 +177,7 @@ def follow_tokens(plan, T: int, Tv: int, resplit, *how) -> None:
     `resplit(*how)` sets them as a build does and returns the split count. In place: a plan
     serves one call at a time (two threads decoding the same cache buffers at once would
     race on it, as on the cache). Inline arithmetic, no closure: this runs on every eager
-    step (2026-12-07, CUDA path walked on a 2-core CPU: 1.14 -> 0.5 us a step)."""
+    step (2026-12-06, CUDA path walked on a 2-core CPU: an HQMQ retarget 1.14 -> 0.69 us)."""
     a = plan.args
     if T != Tv or T <= 0:
         check_token_counts(T, Tv)  # (raises)

@@ -9,7 +9,7 @@ passes for a CUDA tensor, the launch stubbed) or the plan functions are called d
 the tests that build real plans need a CUDA GPU. No timing here (host_time.py times it).
 The front's fast route (a default call on a kept plan skips the route's checks) is here too.
 
-(About 470 lines: why one file: every test here walks the same plan machinery, the plan
+(About 490 lines: why one file: every test here walks the same plan machinery, the plan
 cache, the routed slot, the fast route, retargets and the scratch buffer, through the same
 walked CUDA path; split by feature, each file would repeat that set-up.)
 """
@@ -486,3 +486,4 @@ def test_scratch_partials_across_streams_threads_and_a_graph(spec):
         g.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, want[0])
+

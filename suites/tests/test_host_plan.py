@@ -191,3 +191,15 @@ def test_errors_unchanged_with_a_plan(spec):
     unplanned = errors()
     _launches(lambda: decode_attention(q, kf, vf, backend="triton"))  # the good call's plan
     assert errors() == unplanned
+
+
+def test_the_inline_tile_counts_are_token_tiles():
+    """follow_tokens and KIVI's cut test tile counts with shifts (they run on every eager
+    step); both must stay the 16-token tiles of kernels/common.py `token_tiles`."""
+    from kvqbench.kernels.common import token_tiles
+    from kvqbench.kernels.cuda import decode_attention as cd
+
+    for T in range(1, 300):
+        assert ((T - 1) >> 4) + 1 == token_tiles(T), T
+        for n_main in range(0, T + 1, 7):
+            assert cd._kivi_cut(n_main, T) == (n_main, token_tiles(T - n_main) if T > n_main else 0), (n_main, T)
