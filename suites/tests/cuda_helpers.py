@@ -195,3 +195,61 @@ def kivi_views(spec, T, cap, D, seed):
     cache.reserve(cap)
     layer = cache.layers[0]
     return query(2, 8, D, seed + 2), tuple(layer.stores[r].graph_view(cap) for r in ("K", "V"))
+
+
+def cuda_call(spec, q, kf, vf, **kw):
+    """The CUDA kernel module's decode of spec's flats (HQMQ's or the int4 / fp8 / KIVI one)."""
+    from kvqbench.kernels.cuda import decode_attention, hqmq_decode
+
+    return (hqmq_decode if spec.startswith("hqmq") else decode_attention).decode(q, kf, vf, **kw)
+
+
+def both_ways(switch, spec, q, kf, vf, **kw):
+    """(off, on) outputs of one call with a library.py switch (`switch`: its `set`) off, then
+    on, on the same inputs (cloned: a workspace's output is reused)."""
+    with switch(False):
+        a = cuda_call(spec, q, kf, vf, **kw).clone()
+    with switch(True):
+        b = cuda_call(spec, q, kf, vf, **kw).clone()
+    return a, b
+
+
+def switch_reads_its_environment(var: str, expr: str) -> None:
+    """In fresh interpreters: `expr` (of `l`, kernels/cuda/library.py) prints False unset and
+    at "0", True at "1" of the environment variable `var`."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != var}
+    code = f"from kvqbench.kernels.cuda import library as l; print({expr})"
+    for value, want in ((None, "False"), ("1", "True"), ("0", "False")):
+        run_env = env if value is None else {**env, var: value}
+        r = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and r.stdout.split()[0] == want, (var, value, r.stdout, r.stderr[-500:])
+
+
+def replays_give_the_eager_bits(switch, spec, graph, out, q, kf, vf, vl, counts, qs, tag=()) -> None:
+    """Each replay of `graph` (a call into `out` with the device count `vl`, captured with the
+    switch on), after the count and q change to each of counts / qs, equals bit for bit the
+    eager call with the switch off."""
+    for n, qn in zip(counts, qs):
+        vl.fill_(n)
+        q.copy_(qn)
+        graph.replay()
+        with switch(False):
+            want = cuda_call(spec, q, kf, vf, valid_len=vlen(n), out_dtype=out.dtype)
+        assert same_bits(out, want), (*tag, n)
+
+
+def two_stream_case(spec, both):
+    """(kf, vf, two queries, each one's output with the switch off (`both`'s first), two side
+    streams after the current one's work): what the two-stream tests of a switch start from."""
+    kf, vf = case_flats(spec, 1, 8, 8192, 128, seed=70)
+    qs = [query(1, 32, 128, 71 + i) for i in range(2)]
+    want = [both(spec, q, kf, vf)[0] for q in qs]
+    streams = [torch.cuda.Stream() for _ in qs]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    return kf, vf, qs, want, streams
+

@@ -14,8 +14,6 @@ the switch, the plumbing of the fused call (the CUDA path walked, host_time.py
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import types
 
@@ -28,8 +26,10 @@ if not torch.cuda.is_available():
 from kvqbench.kernels.cuda import decode_attention as cuda_decode  # noqa: E402
 from kvqbench.kernels.cuda import hqmq_decode as cuda_hqmq  # noqa: E402
 from kvqbench.kernels.cuda import library  # noqa: E402
-from kvqbench.suites.tests.cuda_helpers import (CUDA, case_flats, in_threads, kivi_views, query, same_bits,  # noqa: E402
-                                               vlen, warmed_capture)
+from kvqbench.suites.tests.cuda_helpers import (CUDA, both_ways, case_flats, cuda_call, in_threads,  # noqa: E402
+                                               kivi_views, query, replays_give_the_eager_bits, same_bits,
+                                               switch_reads_its_environment, two_stream_case, vlen,
+                                               warmed_capture)
 
 pytestmark = pytest.mark.kernels
 
@@ -60,16 +60,12 @@ def module(spec):
 
 
 def call(spec, q, kf, vf, **kw):
-    return module(spec).decode(q, kf, vf, **kw)
+    return cuda_call(spec, q, kf, vf, **kw)
 
 
 def both(spec, q, kf, vf, **kw):
-    """(unfused, fused) outputs of one call on the same inputs (cloned: a workspace's is reused)."""
-    with fused(False):
-        a = call(spec, q, kf, vf, **kw).clone()
-    with fused(True):
-        b = call(spec, q, kf, vf, **kw).clone()
-    return a, b
+    """(unfused, fused) outputs of one call on the same inputs."""
+    return both_ways(fused, spec, q, kf, vf, **kw)
 
 
 def counters_at_zero() -> bool:
@@ -206,13 +202,7 @@ def test_fused_graph_replays_give_the_unfused_bits(spec, D):
         graph = torch.cuda.CUDAGraph()
         with fused(True), torch.cuda.graph(graph):
             out = call(spec, q, kf, vf, workspace=ws, valid_len=vl, out_dtype=torch.float32)
-        for n, qn in zip(counts, qs):
-            vl.fill_(n)
-            q.copy_(qn)
-            graph.replay()
-            with fused(False):
-                want = call(spec, q, kf, vf, valid_len=vlen(n), out_dtype=torch.float32)
-            assert same_bits(out, want), (spec, D, made_on, n)
+        replays_give_the_eager_bits(fused, spec, graph, out, q, kf, vf, vl, counts, qs, (spec, D, made_on))
         assert int(ws._kvq_counters.count_nonzero()) == 0
     if kivi:
         return  # (a KIVI graph view takes a device count only: done above)
@@ -230,12 +220,7 @@ def test_fused_calls_on_two_streams_and_two_threads_at_once(spec):
     """Fused calls without a workspace on two streams at once (the scratch partials and
     counters of each stream), from two threads on one stream (each thread's), and with a
     workspace each on two streams: every output equals the serial unfused one."""
-    kf, vf = case_flats(spec, 1, 8, 8192, 128, seed=70)
-    qs = [query(1, 32, 128, 71 + i) for i in range(2)]
-    want = [both(spec, q, kf, vf)[0] for q in qs]
-    streams = [torch.cuda.Stream() for _ in qs]
-    for s in streams:
-        s.wait_stream(torch.cuda.current_stream())
+    kf, vf, qs, want, streams = two_stream_case(spec, both)
     with fused(True):
         wss = [cuda_hqmq.workspace(q, kf) if spec.startswith("hqmq") else cuda_decode.make_workspace(q, kf, vf)
                for q in qs]
@@ -262,12 +247,10 @@ def test_fused_calls_on_two_streams_and_two_threads_at_once(spec):
 
 # ---- CPU: the switch, the fused call's plumbing, the counters' scratch, the build's flags --------
 def test_the_switch_is_off_by_default_and_the_environment_turns_it_on():
-    code = "from kvqbench.kernels.cuda import library as l; print(l.FUSED_COMBINE.on, l.FUSED_COMBINE.mode())"
-    env = {k: v for k, v in os.environ.items() if k != "KVQBENCH_FUSED_COMBINE"}
-    for value, want in ((None, "False split+combine"), ("1", "True fused"), ("0", "False split+combine")):
-        run_env = env if value is None else {**env, "KVQBENCH_FUSED_COMBINE": value}
-        r = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0 and r.stdout.strip() == want, (value, r.stdout, r.stderr[-500:])
+    switch_reads_its_environment("KVQBENCH_FUSED_COMBINE", "l.FUSED_COMBINE.on")
+    for on, mode in ((False, "split+combine"), (True, "fused")):
+        with fused(on):
+            assert library.FUSED_COMBINE.mode() == mode
 
 
 @pytest.mark.parametrize("spec", ["int4", "kivi:bits=4", HQMQ])

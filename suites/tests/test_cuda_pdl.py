@@ -13,8 +13,6 @@ its environment variable and how it reaches the loaded libraries.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,8 +23,9 @@ if not torch.cuda.is_available():
 from kvqbench.kernels.cuda import decode_attention as cuda_decode  # noqa: E402
 from kvqbench.kernels.cuda import hqmq_decode as cuda_hqmq  # noqa: E402
 from kvqbench.kernels.cuda import library  # noqa: E402
-from kvqbench.suites.tests.cuda_helpers import (CUDA, case_flats, kivi_views, query, same_bits,  # noqa: E402
-                                               vlen, warmed_capture)
+from kvqbench.suites.tests.cuda_helpers import (CUDA, both_ways, case_flats, cuda_call, kivi_views, query,  # noqa: E402
+                                               replays_give_the_eager_bits, same_bits, switch_reads_its_environment,
+                                               two_stream_case, vlen, warmed_capture)
 
 pytestmark = pytest.mark.kernels
 
@@ -46,20 +45,18 @@ HQMQ, MED3 = "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3"
 SPECS = ["int4", "fp8-e4m3", "kivi:bits=2", "kivi:bits=4", HQMQ, MED3]
 CASES = [(s, D) for s in SPECS for D in (64, 128, 256)]
 
-pdl = library.PDL.set
 
 
 def call(spec, q, kf, vf, **kw):
-    return (cuda_hqmq if spec.startswith("hqmq") else cuda_decode).decode(q, kf, vf, **kw)
+    return cuda_call(spec, q, kf, vf, **kw)
 
 
 def both(spec, q, kf, vf, **kw):
-    """(ordinary, PDL) outputs of one call on the same inputs (cloned: a workspace's is reused)."""
-    with pdl(False):
-        a = call(spec, q, kf, vf, **kw).clone()
-    with pdl(True):
-        b = call(spec, q, kf, vf, **kw).clone()
-    return a, b
+    """(ordinary, PDL) outputs of one call on the same inputs."""
+    return both_ways(pdl, spec, q, kf, vf, **kw)
+
+
+pdl = library.PDL.set
 
 
 # ---- GPU: the PDL launch gives the ordinary launch's bits --------------------------------------
@@ -149,13 +146,7 @@ def test_pdl_graph_replays_give_the_ordinary_bits(spec):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = call(spec, q, kf, vf, workspace=ws, valid_len=vl, out_dtype=torch.float32)
-    for n, qn in zip(counts, qs):
-        vl.fill_(n)
-        q.copy_(qn)
-        graph.replay()
-        with pdl(False):
-            want = call(spec, q, kf, vf, valid_len=vlen(n), out_dtype=torch.float32)
-        assert same_bits(out, want), (spec, n)
+    replays_give_the_eager_bits(pdl, spec, graph, out, q, kf, vf, vl, counts, qs, (spec,))
     if spec.startswith("kivi"):
         return  # (a KIVI graph view takes a device count only)
     with pdl(True):
@@ -171,12 +162,7 @@ def test_pdl_graph_replays_give_the_ordinary_bits(spec):
 def test_pdl_calls_on_two_streams_at_once(spec):
     """PDL calls without a workspace on two streams at once, twenty each, interleaved: every
     output equals the serial ordinary one (a combine waits for its own stream's split grid)."""
-    kf, vf = case_flats(spec, 1, 8, 8192, 128, seed=70)
-    qs = [query(1, 32, 128, 71 + i) for i in range(2)]
-    want = [both(spec, q, kf, vf)[0] for q in qs]
-    streams = [torch.cuda.Stream() for _ in qs]
-    for s in streams:
-        s.wait_stream(torch.cuda.current_stream())
+    kf, vf, qs, want, streams = two_stream_case(spec, both)
     outs = [[], []]
     with pdl(True):
         for _ in range(20):
@@ -190,12 +176,7 @@ def test_pdl_calls_on_two_streams_at_once(spec):
 
 # ---- CPU: the switch and how it reaches the libraries ------------------------------------------
 def test_the_switch_is_off_by_default_and_the_environment_turns_it_on():
-    code = "from kvqbench.kernels.cuda import library as l; print(l.PDL.on)"
-    env = {k: v for k, v in os.environ.items() if k != "KVQBENCH_PDL"}
-    for value, want in ((None, "False"), ("1", "True"), ("0", "False")):
-        run_env = env if value is None else {**env, "KVQBENCH_PDL": value}
-        r = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0 and r.stdout.strip() == want, (value, r.stdout, r.stderr[-500:])
+    switch_reads_its_environment("KVQBENCH_PDL", "l.PDL.on")
 
 
 def test_a_loaded_library_is_told_the_state_now_and_at_every_change(monkeypatch):
