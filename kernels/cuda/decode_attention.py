@@ -411,12 +411,12 @@ def fast(q: torch.Tensor, k, v) -> torch.Tensor | None:
     plan = _lookup(q, k, v, None, DEFAULT_CTAS_PER_SM, None, None)[0]
     if plan is None:
         return None
-    if plan.kind == 0:  # (an eager decode step: _retarget's, with T read once)
+    if plan.kind == 0:
         T = k.T
         if T != v.T:
             return None
-        if plan.args.T != T:
-            follow_tokens(plan, T, T, _token_fields, plan.args, k, q.device, *plan.splits_asked)
+        if plan.args.T != T:  # (an eager decode step)
+            _retarget(plan, q, k, v)
     else:  # (KIVI counts a plan holds are of one T: unmoved, read no further)
         counts = _kivi_counts(k, v)
         if counts != plan.counts and not _kivi_follow(plan, q, k, v, counts):

@@ -457,7 +457,7 @@ def _launch_values(q: torch.Tensor, k, v, num_splits, ctas_per_sm, variant, out_
         raise ValueError(f"variant {variant} has no Med3x instance at head_dim {D} (variants: {variants(D, True)})")
     if variant not in variants(D):
         raise ValueError(f"variant {variant} has no instance at head_dim {D} (variants: {variants(D)})")
-    if variant not in variants(D, out, cw):
+    if cw == 4 and variant not in variants(D, out, cw):
         raise ValueError(f"variant {variant} has no codebook=int8 instance (variants: {variants(D, out, cw)})")
     if occupancy(variant, k.S, out, D, cw) <= 0:  # v8 with S > 96 (the shared-memory opt-in is refused)
         raise ValueError(f"variant {variant} does not fit the shared memory with S={k.S} at head_dim {D}")
@@ -635,8 +635,8 @@ def fast(q: torch.Tensor, k, v) -> torch.Tensor | None:
     plan = _lookup(q, k, v, None, None, None, None, False)[0]
     if plan is None:
         return None
-    if plan.args.T != T:  # (an eager decode step: _retarget's, with T read once)
-        follow_tokens(plan, T, T, _resplit, plan.args, k, q.device, *plan.splits_asked)
+    if plan.args.T != T:  # (an eager decode step)
+        _retarget(plan, q, k, v)
     return _launch_planned(plan, q, None, None)
 
 
