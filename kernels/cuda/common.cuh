@@ -174,8 +174,9 @@ int pdl_on = 0;  // (the namespace is anonymous: one flag per library; set by it
 // 147 us at 132 / 264 / 528 splits (~0.23 us per split), which points at the first
 // version (one thread per dim walking every split, one dependent round trip each).
 constexpr int COMBINE_THREADS = 512;
+constexpr int COMBINE_HELD = 10;  // splits a thread loads before the max (at d 128: all of 40 splits)
 template <typename OutT>
-__global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const float* __restrict__ po,
+__global__ void __launch_bounds__(COMBINE_THREADS, 2) combine_kernel(const float* __restrict__ po,
                                                                   const float* __restrict__ pm,
                                                                   const float* __restrict__ pl, OutT* __restrict__ out,
                                                                   int nsplit, int D) {
@@ -188,6 +189,19 @@ __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const float* _
   const float* plr = pl + row * nsplit;
   const float* por = po + row * nsplit * D + d;
   pdl_wait();  // (the split grid's partials, when launched as its programmatic dependent)
+  // This thread's first COMBINE_HELD splits (s = part, part + parts, ...) are loaded before the max is
+  // known, so that their loads and the max's are one trip to L2 instead of two; the sums
+  // below take them in the same order as the loop after them takes the rest (the same bits).
+  float held_m[COMBINE_HELD], held_l[COMBINE_HELD], held_o[COMBINE_HELD];
+#pragma unroll
+  for (int i = 0; i < COMBINE_HELD; ++i) {
+    const int s = part + i * parts;
+    if (s < nsplit) {
+      held_m[i] = pmr[s];
+      held_l[i] = plr[s];
+      held_o[i] = por[(long long)s * D];
+    }
+  }
   float M = NEG_INF;
   for (int s = tid; s < nsplit; s += blockDim.x) M = fmaxf(M, pmr[s]);
 #pragma unroll
@@ -197,8 +211,16 @@ __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const float* _
   M = wmax[0];
   for (int i = 1; i < (int)(blockDim.x >> 5); ++i) M = fmaxf(M, wmax[i]);
   float num = 0.f, den = 0.f;
+#pragma unroll
+  for (int i = 0; i < COMBINE_HELD; ++i) {
+    if (part + i * parts < nsplit) {
+      const float w = combine_weight(held_m[i], M);
+      combine_add(den, w, held_l[i]);
+      combine_add(num, w, held_o[i]);
+    }
+  }
 #pragma unroll 4
-  for (int s = part; s < nsplit; s += parts) {
+  for (int s = part + COMBINE_HELD * parts; s < nsplit; s += parts) {
     const float w = combine_weight(pmr[s], M);
     combine_add(den, w, plr[s]);
     combine_add(num, w, por[(long long)s * D]);
