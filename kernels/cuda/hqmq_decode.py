@@ -84,9 +84,11 @@ PLANNED = True
 # fp16-table instances' registers unchanged, the 12 new 80-128 registers, no spills). The
 # kernel change was first timed as an experiment (reports/latency/cb8_experiment_h100_2026-12-06/:
 # B=8 T=32k on an H100, HQMQ d 128 150.3 -> 127.9 us, d 64 101.6 -> 87.1, Med3x d 128 185.7 ->
-# 178.6). Not yet run on a GPU in this form: auto leaves such caches to Triton until
-# test_cuda_hqmq.py's int8 tests pass on one; backend="cuda" takes them.
-AUTO_INT8 = False
+# 178.6). Its GPU tests passed on an H100 on 2026-12-07 (test_hqmq_int8_codebook.py, 27 on the
+# GPU, and test_cuda_hqmq.py: reference at d 64 / 128 / 256, Med3x, T = 1 / 333 / 4099, splits,
+# planned = per-call, valid_len in a graph; reports/latency/h100_2026-12-07/), so
+# auto routes such caches here (graphed B=8 T=32k on that H100: 129.6-130.1 us, exact 151.1-152.2).
+AUTO_INT8 = True
 
 
 def variants(head_dim: int = 128, med3: bool = False, cw: int = 8) -> tuple[int, ...]:

@@ -285,7 +285,10 @@ class LaunchOverlap(Switch):
     CTAs while the split kernel's last wave finishes (each waits for the split grid's
     partials) instead of after it: the gap between the two kernels goes, the combine's
     arithmetic and its order stay, so the result is the same bits. sm_90+ only (a library on
-    an older GPU is told 0). Off until its GPU tests and timings (reports/kernels/NOTES.md);
+    an older GPU is told 0). Its GPU tests pass (2026-12-07), but it stays off: eager calls
+    end 0.5-2 us sooner, graphed ones do not (H100, B=8 T=32k: as fast or 0.4-1.3 us slower;
+    B=1 HQMQ / Med3x 1.6 us slower: the waiting combine CTAs take slots from the split
+    kernel's tail, and a graph has no launch gap to hide; reports/latency/h100_2026-12-07/).
     `KVQBENCH_PDL=1` turns it on for a process. A library, once loaded, is told the state
     (`attach`: its kvq_*set_pdl entry), and again at every change of `on`."""
 
