@@ -213,6 +213,10 @@ def test_issue28_targets_read_graphed_rows_and_host_time():
     assert g["fused-int4-graph@b1"]["speedup"] == pytest.approx(40 / 42) and g["fused-int4-graph@b1"]["met"] is False
     assert g["fused-int4@host"]["met"] is True and g["fused-hqmq@host"]["met"] is False
     assert g["fused-fp8@host"]["met"] is None
+    assert "fused-hqmq-int8-graph" not in g  # the int8 codebook's row: judged beside HQMQ only where run
+    res["latency"].append({"method": "fused-hqmq-int8-graph", "B": 8, "T": 32768, "latency_us": 96.0, "backend": "cuda"})
+    g8 = targets(res["latency"], (8, 32768))["graphed"]["fused-hqmq-int8-graph"]
+    assert g8["speedup"] == pytest.approx(2.5) and g8["met"] is True and "int8 codebook" in g8["target"]
     for r in res["latency"]:  # an eager decode step pays the step figure: judged on the larger
         if (r["method"], r["B"]) == ("fused-int4", 1):
             r["host_us_step"] = 25.0
