@@ -190,8 +190,9 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 2) combine_kernel(const float
   const float* por = po + row * nsplit * D + d;
   pdl_wait();  // (the split grid's partials, when launched as its programmatic dependent)
   // This thread's first COMBINE_HELD splits (s = part, part + parts, ...) are loaded before the max is
-  // known, so that their loads and the max's are one trip to L2 instead of two; the sums
-  // below take them in the same order as the loop after them takes the rest (the same bits).
+  // known, so their L2 round trip overlaps the max's loads and reduction instead of following
+  // it; the sums below take them in the same order as the loop after them takes the rest (the
+  // same bits). Graphed A/B on an H100: 0.5-1 us of a B=8 call (reports/latency/h100_2026-12-07/).
   float held_m[COMBINE_HELD], held_l[COMBINE_HELD], held_o[COMBINE_HELD];
 #pragma unroll
   for (int i = 0; i < COMBINE_HELD; ++i) {

@@ -197,11 +197,16 @@ def kivi_views(spec, T, cap, D, seed):
     return query(2, 8, D, seed + 2), tuple(layer.stores[r].graph_view(cap) for r in ("K", "V"))
 
 
-def cuda_call(spec, q, kf, vf, **kw):
-    """The CUDA kernel module's decode of spec's flats (HQMQ's or the int4 / fp8 / KIVI one)."""
+def cuda_module(spec):
+    """The CUDA kernel module of a spec: HQMQ's, or the int4 / fp8 / KIVI one."""
     from kvqbench.kernels.cuda import decode_attention, hqmq_decode
 
-    return (hqmq_decode if spec.startswith("hqmq") else decode_attention).decode(q, kf, vf, **kw)
+    return hqmq_decode if spec.startswith("hqmq") else decode_attention
+
+
+def cuda_call(spec, q, kf, vf, **kw):
+    """That module's decode of spec's flats."""
+    return cuda_module(spec).decode(q, kf, vf, **kw)
 
 
 def both_ways(switch, spec, q, kf, vf, **kw):
@@ -252,4 +257,3 @@ def two_stream_case(spec, both):
     for s in streams:
         s.wait_stream(torch.cuda.current_stream())
     return kf, vf, qs, want, streams
-

@@ -26,8 +26,8 @@ if not torch.cuda.is_available():
 from kvqbench.kernels.cuda import decode_attention as cuda_decode  # noqa: E402
 from kvqbench.kernels.cuda import hqmq_decode as cuda_hqmq  # noqa: E402
 from kvqbench.kernels.cuda import library  # noqa: E402
-from kvqbench.suites.tests.cuda_helpers import (CUDA, both_ways, case_flats, cuda_call, in_threads,  # noqa: E402
-                                               kivi_views, query, replays_give_the_eager_bits, same_bits,
+from kvqbench.suites.tests.cuda_helpers import (CUDA, both_ways, case_flats, cuda_call, cuda_module,  # noqa: E402
+                                               in_threads, kivi_views, query, replays_give_the_eager_bits, same_bits,
                                                switch_reads_its_environment, two_stream_case, vlen,
                                                warmed_capture)
 
@@ -55,12 +55,7 @@ CASES = [(s, D) for s in SPECS for D in (64, 128, 256)] + [("fp8-e5m2", 128)]
 fused = library.FUSED_COMBINE.set
 
 
-def module(spec):
-    return cuda_hqmq if spec.startswith("hqmq") else cuda_decode
-
-
-def call(spec, q, kf, vf, **kw):
-    return cuda_call(spec, q, kf, vf, **kw)
+module, call = cuda_module, cuda_call
 
 
 def both(spec, q, kf, vf, **kw):

@@ -45,18 +45,13 @@ HQMQ, MED3 = "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3"
 SPECS = ["int4", "fp8-e4m3", "kivi:bits=2", "kivi:bits=4", HQMQ, MED3]
 CASES = [(s, D) for s in SPECS for D in (64, 128, 256)]
 
-
-
-def call(spec, q, kf, vf, **kw):
-    return cuda_call(spec, q, kf, vf, **kw)
+pdl = library.PDL.set
+call = cuda_call
 
 
 def both(spec, q, kf, vf, **kw):
     """(ordinary, PDL) outputs of one call on the same inputs."""
     return both_ways(pdl, spec, q, kf, vf, **kw)
-
-
-pdl = library.PDL.set
 
 
 # ---- GPU: the PDL launch gives the ordinary launch's bits --------------------------------------

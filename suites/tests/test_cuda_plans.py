@@ -486,4 +486,3 @@ def test_scratch_partials_across_streams_threads_and_a_graph(spec):
         g.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, want[0])
-

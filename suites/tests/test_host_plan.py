@@ -194,12 +194,22 @@ def test_errors_unchanged_with_a_plan(spec):
 
 
 def test_the_inline_tile_counts_are_token_tiles():
-    """follow_tokens and KIVI's cut test tile counts with shifts (they run on every eager
-    step); both must stay the 16-token tiles of kernels/common.py `token_tiles`."""
+    """follow_tokens and KIVI's cut count tiles with shifts (they run on every eager step);
+    both must stay the 16-token tiles of kernels/common.py `token_tiles`: a kept plan is
+    resplit exactly when the step moves its tile count, and the cut's tail is its tiles."""
+    import types
+
     from kvqbench.kernels.common import token_tiles
     from kvqbench.kernels.cuda import decode_attention as cd
+    from kvqbench.kernels.cuda.library import follow_tokens
 
+    for t0 in range(1, 70):
+        for T in range(1, 70):
+            resplits = []
+            plan = types.SimpleNamespace(args=types.SimpleNamespace(T=t0), nsplit=-1)
+            follow_tokens(plan, T, T, lambda: resplits.append(T) or 7)
+            assert plan.args.T == T and bool(resplits) == (token_tiles(T) != token_tiles(t0)), (t0, T)
+            assert plan.nsplit == (7 if resplits else -1)
     for T in range(1, 300):
-        assert ((T - 1) >> 4) + 1 == token_tiles(T), T
         for n_main in range(0, T + 1, 7):
             assert cd._kivi_cut(n_main, T) == (n_main, token_tiles(T - n_main) if T > n_main else 0), (n_main, T)
