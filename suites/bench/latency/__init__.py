@@ -27,6 +27,7 @@ Llama-3-70B at 128k.
     decode_step.py        the latency section (every method at every (B, T)); eager fused rows at B=1: host_us
     host_time.py          an eager call's host time; on a CPU with the launch stubbed: issue 28's table
     kernel_times.py       a CUDA call's GPU time split: split kernel, gap, combine (a profiler trace; GPU)
+    host_drift.py         which step of an eager call's host time grows after other work in the process
     ab.py                 latency runs side by side (a change against its base, gpu_ab.sh)
     encode_throughput.py  the HQMQ encode section
     memory.py             the memory section
