@@ -1,0 +1,6 @@
+source suites/bench/gpu_env.sh
+timeout 200 $PY .gpuprobe/host_probe2.py $OUT/probe > $OUT/host_probe2.txt 2>&1; echo "probe2 rc=$? t=$(( $(date +%s) - t0 ))"; grep -E "^(before|after|allocator|gc|threads)" $OUT/host_probe2.txt; tail -3 $OUT/host_probe2.txt; rm -rf $OUT/probe
+NCUB=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+M=l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,smsp__inst_executed.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,dram__bytes_read.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ldgsts.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum
+timeout 150 $NCUB --clock-control none --kernel-name-base mangled -k "regex:hqmq_decode_cu.*hqmq_split_kernel" --launch-skip 2 -c 2 --section SpeedOfLight --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis --metrics $M $PY .gpuprobe/med3_once.py 128 > $OUT/ncu_med3_d128.txt 2>&1; echo "ncu rc=$? t=$(( $(date +%s) - t0 ))"
+grep -E "Profiling|outlier|bytes K|hqmq_split_kernel|Duration|L1/TEX Cache|DRAM Through|Issue Slots|wavefronts|bank_conf|inst_executed|dram__bytes|ldgsts|op_ld.sum|Stall|Eligible Warps|Active Warps" $OUT/ncu_med3_d128.txt | head -60
