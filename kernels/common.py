@@ -164,12 +164,43 @@ class PlanCache:
     11.4 us, int4 11.2 -> 10.5, 2026-12-06). A tensor resized or restrided IN PLACE keeps
     its id: the decode store never does that (it grows into new buffers). Cleared when
     `limit` plans are held: a plan is cheap to make again. `builds` counts the plans put
-    (tests)."""
+    (tests).
+
+    In front of the dict, a memo on the K flat (`memo_get` / `memo_put`): the plan of its
+    last call, valid while both flats keep their `stamp` (kernels/layout.py `Stamped`: any
+    field set but the token counts renews it) and the call's other facts (q's shape, dtype
+    and device, the options) are equal, and this cache has not been cleared since. It saves
+    building the key (an HQMQ call reads 16 tensors and 18 fields for it) on every eager
+    decode step after a layout's first; the flats hold the tensors the plan points into."""
 
     def __init__(self, limit: int = 64):
         self.limit = limit
         self.plans: dict = {}
         self.builds = 0
+        self.generation = 0  # renewed by every clear: a memo of an older one is void
+
+    def memo_get(self, k, v, facts):
+        """The plan `memo_put` left on flat k for this v and these facts, None if void."""
+        m = k._plan_memo
+        if (m is not None and m[0] is self and m[2] is v and m[1] == self.generation
+                and m[3] == k.stamp and m[4] == v.stamp and m[5] == facts):
+            return m[6]
+        return None
+
+    def memo_put(self, k, v, facts, plan):
+        """Leave plan (kept here under the full key) on flat k for `memo_get`; returns it."""
+        k._plan_memo = (self, self.generation, v, k.stamp, v.stamp, facts, plan)
+        return plan
+
+    def find(self, k, v, facts, lookup, *args):
+        """The plan kept for a call on flats (k, v) with these facts, None if none: the memo,
+        else `lookup(*args)[0]` (the backend's full-key lookup), then memoised."""
+        plan = self.memo_get(k, v, facts)
+        if plan is None:
+            plan = lookup(*args)[0]
+            if plan is not None:
+                self.memo_put(k, v, facts, plan)
+        return plan
 
     def get(self, key):
         """The plan kept under key (its tensors are alive: the ones whose ids the key holds), None
@@ -180,7 +211,7 @@ class PlanCache:
     def put(self, key, tensors, plan):
         """Keep plan under key (tensors: the ones it points into, None where absent); returns it."""
         if len(self.plans) >= self.limit:
-            self.plans.clear()
+            self.clear()
         plans = self.plans
 
         def drop(_ref, key=key):  # a tensor of the entry is being freed: its id may be reused
@@ -196,6 +227,7 @@ class PlanCache:
 
     def clear(self) -> None:
         self.plans.clear()
+        self.generation += 1
 
 
 # ---------------------------------------------------------------------------------------

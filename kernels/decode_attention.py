@@ -86,13 +86,14 @@ def _route(q, k, v, backend: str, options: dict, valid_len, declined: dict | Non
 FAST_ROUTE = True
 
 
-def _fast(q, k, v):
+def _fast(q, k, v, valid_len=None):
     """An eager call's fast route (issue 28: host time per call): the first kernel auto
     tries, when the auto switch routes this cache to it, launches the call through a plan it
     keeps for exactly these layouts (`Kernel.fast`), skipping the route's checks, which that
     plan passed when it was made. None: no such plan (the first call on a layout, another
     switch state, a kernel without a fast route): the route decides. On an eager decode
-    step every call after a layout's first takes it."""
+    step every call after a layout's first takes it. A call with a valid_len takes the plan
+    made for a valid_len (its first call routed), which a kernel that reads none never makes."""
     fmt = registry.format_of_flat(type(k))
     if fmt is None:
         return None
@@ -100,9 +101,9 @@ def _fast(q, k, v):
     if not kerns:
         return None
     kern = kerns[0]
-    if kern.fast is None or (kern.auto is not None and kern.auto(k)):
+    if kern.fast is None or (kern.auto is not None and kern.auto(k)) or (valid_len is not None and not kern.valid_len):
         return None
-    return kern.fast(q, k, v)
+    return kern.fast(q, k, v) if valid_len is None else kern.fast(q, k, v, valid_len)
 
 
 def explain_backend(q, k, v, backend: str = "auto", valid_len=None, row_start=None, **options) -> Route:
@@ -150,8 +151,8 @@ def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", valid_len: to
     both backends; KIVI with `KIVIGraphFlat` views (`KernelStore.graph_view`: the window
     policy turns the length into each side's group and window counts on the device), on
     both backends ("auto" takes CUDA for them once `cuda.decode_attention.KIVI_VALID_LEN_AUTO`)."""
-    if FAST_ROUTE and backend == "auto" and valid_len is None and row_start is None and not kw:
-        out = _fast(q, k, v)
+    if FAST_ROUTE and backend == "auto" and row_start is None and not kw:
+        out = _fast(q, k, v, valid_len)
         if out is not None:
             return out
     kern, _ = _route(q, k, v, backend, kw, valid_len, row_start=row_start)

@@ -38,6 +38,7 @@ the backends (kernels/triton/, kernels/cuda/) read them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -65,6 +66,38 @@ def concat_field(packed: Packed, name: str) -> torch.Tensor:
     return (torch.cat(ts, dim=2) if len(ts) > 1 else ts[0]).contiguous()
 
 
+_STAMPS = itertools.count(1)
+# Fields set without a new stamp: the token counts (kept plans follow them: the CUDA
+# backends' `_retarget`; KIVI's plan keys read which of its counts are nonzero themselves)
+# and the memo itself.
+UNSTAMPED = frozenset({"T", "n_groups", "n_res", "_plan_memo"})
+_UNSET = object()
+
+
+class Stamped:
+    """Base of every `*Flat`: `stamp`, a number no state of any flat has had before, renewed
+    by every field set except the token counts (`UNSTAMPED`). What a backend derives from a
+    flat's other fields it can key on the stamp: one int read instead of every field
+    (kernels/common.py `PlanCache.memo_get`). Set in place or by the dataclass's __init__,
+    a field counts alike: KIVI's window flush sets `residual`, a Med3x build `flags`. A copy
+    (copy / deepcopy / pickle) gets stamps of its own and no memo: a deep copy's tensors are
+    not the ones a memo's plan points into."""
+    _plan_memo = None
+
+    def __setattr__(self, name, value):
+        if name not in UNSTAMPED and self.__dict__.get(name, _UNSET) is not value:  # (the same object: no change)
+            object.__setattr__(self, "stamp", next(_STAMPS))
+        object.__setattr__(self, name, value)
+
+    def __getstate__(self):
+        return {n: x for n, x in self.__dict__.items() if n not in ("stamp", "_plan_memo")}
+
+    def __setstate__(self, state):
+        for n, x in state.items():
+            setattr(self, n, x)
+        object.__setattr__(self, "stamp", next(_STAMPS))
+
+
 _POPCOUNT8 = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
 
 
@@ -72,7 +105,7 @@ _POPCOUNT8 = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.i
 # HQMQ
 # ---------------------------------------------------------------------------------------
 @dataclasses.dataclass
-class HQMQFlat:
+class HQMQFlat(Stamped):
     B: int
     H: int
     T: int  # valid tokens (codes.shape[2] is the capacity)
@@ -240,7 +273,7 @@ def whole_blocks(n: int) -> int:
 # naive int (per-token groups)
 # ---------------------------------------------------------------------------------------
 @dataclasses.dataclass
-class IntFlat:
+class IntFlat(Stamped):
     B: int
     H: int
     T: int  # valid tokens
@@ -270,7 +303,7 @@ class IntFlat:
 # KIVI
 # ---------------------------------------------------------------------------------------
 @dataclasses.dataclass
-class KIVIFlat:
+class KIVIFlat(Stamped):
     B: int
     H: int
     D: int
@@ -344,7 +377,7 @@ class KIVIGraphFlat(KIVIFlat):
 # fp8
 # ---------------------------------------------------------------------------------------
 @dataclasses.dataclass
-class FP8Flat:
+class FP8Flat(Stamped):
     B: int
     H: int
     T: int  # valid tokens
@@ -366,7 +399,7 @@ class FP8Flat:
 
 
 @dataclasses.dataclass
-class FP16Flat:
+class FP16Flat(Stamped):
     """The fp16 store: K or V as the fp16 quantizer stores them (the engine's baseline)."""
     B: int
     H: int

@@ -94,10 +94,12 @@ class Kernel:
     - `unsupported(q, k, v)`: why it cannot take this call's layout (must not build);
     - `why_unavailable()`: why it cannot run here at all (may build, once: it runs last).
     `renamed`: the front's option names this kernel knows by another name.
-    `fast(q, k, v)`: optional, the eager fast route of a call with no options, valid_len or
-    row_start, when this is the first kernel auto tries and `auto(k)` routes the cache here:
-    the result where the kernel keeps a plan made for exactly this call's layouts (one that
-    passed every check above when it was made), None to let the route decide."""
+    `fast(q, k, v[, valid_len])`: optional, the eager fast route of a call with no options
+    or row_start, when this is the first kernel auto tries and `auto(k)` routes the cache
+    here: the result where the kernel keeps a plan made for exactly this call's layouts
+    (and for a valid_len or not, as the call has one: a plan that passed every check above
+    when it was made), None to let the route decide. valid_len is passed only where given
+    and `valid_len` is True (the fast route checks the tensor itself, as the launch does)."""
     backend: str
     fn: Callable
     title: str = ""

@@ -166,7 +166,7 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
     if type(k) in _FORMAT and type(v) is type(k) and q.is_cuda and _PLANS.plans:
         # (a KIVI graph view is planned for a device count: the only call it takes)
         graph = _is_graph(k, v)
-        plan = _lookup(q, k, v, None, DEFAULT_CTAS_PER_SM, None, None, graph)[0]
+        plan = _find(q, k, v, None, DEFAULT_CTAS_PER_SM, None, None, graph)
         if plan is not None and (graph or k.T == v.T):  # (counts are out of the key: see _flat_key)
             ROUTED.offer(q, k, v, (None, DEFAULT_CTAS_PER_SM, None, None, graph), plan)
             return None
@@ -365,6 +365,16 @@ def _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: 
     return _PLANS.get(key), key, ts
 
 
+def _find(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bool = False):
+    """The cached plan of this call or None: the memo on k (PlanCache.memo_get: its facts are
+    what the key holds besides the flats' stamped fields; a host-count KIVI key's which
+    counts are nonzero), else the full key."""
+    facts = (q.dtype, q.shape, q.device, num_splits, ctas_per_sm, variant, out_dtype, device_count)
+    if not device_count and type(k) is not IntFlat and type(k) is not FP8Flat:  # (as _flat_key: KIVI)
+        facts += (k.n_groups > 0, k.T_res > 0, v.n_groups > 0, v.T_res > 0)
+    return _PLANS.find(k, v, facts, _lookup, q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count)
+
+
 def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bool = False) -> _Plan:
     if type(k) not in _FORMAT or type(v) is not type(k):
         raise ValueError(f"CUDA decode kernel: no CUDA kernel for {type(k).__name__}/{type(v).__name__}")
@@ -376,8 +386,9 @@ def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: bo
     device_count = device_count and isinstance(k, KIVIFlat)  # (int4 / fp8: the same plan either way)
     plan = ROUTED.take(q, k, v, (num_splits, ctas_per_sm, variant, out_dtype, device_count))
     if plan is None:
-        plan, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count)
+        plan = _find(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count)
         if plan is None:
+            _, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count)
             return _PLANS.put(key, ts, _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count))
     return _fit(plan, q, k, v, device_count)
 
@@ -397,7 +408,7 @@ def _moved(plan, k, v, device_count: bool) -> bool:
     return not device_count and _kivi_moved(plan, k, v)
 
 
-def fast(q: torch.Tensor, k, v) -> torch.Tensor | None:
+def fast(q: torch.Tensor, k, v, valid_len=None) -> torch.Tensor | None:
     """decode_attention's fast route (kernels/decode_attention.py `_fast`: backend="auto",
     no options, no valid_len or row_start, the auto switch routing this format here): the
     call launched by the plan kept for exactly its layouts, None when none is kept (the
@@ -405,10 +416,14 @@ def fast(q: torch.Tensor, k, v) -> torch.Tensor | None:
     built (a build runs `unsupported`, and raises where it refuses) and holds while the
     key's tensors live: the key is their ids, the flats' shapes and formats, and q's shape,
     dtype and device. What the key leaves out is checked here as `unsupported`'s planned
-    branch checks it (K and V of one T; a KIVI graph view needs a valid_len: the route)."""
-    if type(v) is not type(k) or not _PLANS.plans or _is_graph(k, v):
+    branch checks it (K and V of one T; a KIVI graph view needs a valid_len and a host-count
+    KIVI flat takes none: the route). valid_len: checked by the launch, as a routed call's."""
+    if type(v) is not type(k) or not _PLANS.plans:
         return None
-    plan = _lookup(q, k, v, None, DEFAULT_CTAS_PER_SM, None, None)[0]
+    graph = _is_graph(k, v)
+    if graph != (valid_len is not None) and (graph or type(k) not in (IntFlat, FP8Flat)):
+        return None
+    plan = _find(q, k, v, None, DEFAULT_CTAS_PER_SM, None, None, graph)
     if plan is None:
         return None
     if plan.kind == 0:
@@ -417,11 +432,11 @@ def fast(q: torch.Tensor, k, v) -> torch.Tensor | None:
             return None
         if plan.args.T != T:  # (an eager decode step)
             _retarget(plan, q, k, v)
-    else:  # (KIVI counts a plan holds are of one T: unmoved, read no further)
+    elif not graph:  # (KIVI counts a plan holds are of one T: unmoved, read no further)
         counts = _kivi_counts(k, v)
         if counts != plan.counts and not _kivi_follow(plan, q, k, v, counts):
             return None
-    return _launch(plan, q, None, None)
+    return _launch(plan, q, valid_len, None)
 
 
 def _kivi_counts(k, v) -> tuple:

@@ -258,7 +258,7 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
     on every call.)"""
     if PLANNED and _PLANS.plans and isinstance(k, HQMQFlat) and isinstance(v, HQMQFlat):
         for given in (False, True):
-            plan = _lookup(q, k, v, None, None, None, None, given)[0]
+            plan = _find(q, k, v, None, None, None, None, given)
             if plan is not None and k.T == v.T:  # (T is out of the key: see _retarget)
                 ROUTED.offer(q, k, v, (None, None, None, None, given), plan)
                 return None
@@ -559,15 +559,28 @@ def _plan_tensors(k, v) -> tuple:
             v.codes, v.radius, v.r_max, v.sec, v.table, v.flags, v.outliers, v.outlier_index)
 
 
+def _facts(q, k, v, *options) -> tuple:
+    """What a plan derives from besides the flats' fields: the codebooks' versions (the
+    secondaries written in place make other tables), q's shape, dtype and device, and the
+    options (num_splits, ctas_per_sm, variant, out_dtype, whether valid_len is given)."""
+    return (None if k.sec is None else _version(k.sec), None if v.sec is None else _version(v.sec),
+            q.shape, q.dtype, q.device, *options)
+
+
 def _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len_given: bool):
-    """(the kept plan of this call or None, its key, the tensors it reads)."""
+    """(the kept plan of this call or None, its full key, the tensors it reads)."""
     ts = _plan_tensors(k, v)
     key = (type(k), type(v), tuple(map(id, ts)),  # (not T: see _retarget)
            k.B, k.H, k.D, k.S, k.code_bits, k.r_bits, k.log_radius, k.table_mode, k.codebook,
            v.B, v.H, v.D, v.S, v.code_bits, v.r_bits, v.log_radius, v.table_mode, v.codebook,
-           None if k.sec is None else _version(k.sec), None if v.sec is None else _version(v.sec),
-           q.shape, q.dtype, q.device, valid_len_given, num_splits, ctas_per_sm, variant, out_dtype)
+           _facts(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len_given))
     return _PLANS.get(key), key, ts
+
+
+def _find(q, k, v, *options):
+    """The kept plan of this call or None: the memo on k (an eager decode step's flats are
+    the store's, their fields unchanged but T), else the full key."""
+    return _PLANS.find(k, v, _facts(q, k, v, *options), _lookup, q, k, v, *options)
 
 
 def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len):
@@ -575,8 +588,9 @@ def _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len):
     call: ValueError / RuntimeError as the per-call path) and kept."""
     plan = ROUTED.take(q, k, v, (num_splits, ctas_per_sm, variant, out_dtype, valid_len is not None))
     if plan is None:
-        plan, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len is not None)
+        plan = _find(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len is not None)
         if plan is None:
+            _, key, ts = _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len is not None)
             return _PLANS.put(key, ts, _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len))
     if plan.args.T != k.T:
         _retarget(plan, q, k, v)
@@ -626,21 +640,22 @@ def _decode_planned(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dt
     return _launch_planned(plan, q, vl, workspace)
 
 
-def fast(q: torch.Tensor, k, v) -> torch.Tensor | None:
+def fast(q: torch.Tensor, k, v, valid_len=None) -> torch.Tensor | None:
     """decode_attention's fast route (kernels/decode_attention.py `_fast`; the auto switch
     routes this cache here): the call launched by the plan kept for exactly its layouts, None
     when none is kept (the route decides). The plan passed every check of the route when it
     was built, and the key holds what those checks read (the buffers' ids, the flats' fields,
-    the codebooks' versions, q's shape, dtype and device); T is out of it (`_retarget`)."""
+    the codebooks' versions, q's shape, dtype and device); T is out of it (`_retarget`).
+    valid_len: the plan made for one (its tensor checked here, as the per-call path does)."""
     T = k.T
     if not (PLANNED and _PLANS.plans) or type(k) is not HQMQFlat or type(v) is not HQMQFlat or T != v.T:
         return None
-    plan = _lookup(q, k, v, None, None, None, None, False)[0]
+    plan = _find(q, k, v, None, None, None, None, valid_len is not None)
     if plan is None:
         return None
     if plan.args.T != T:  # (an eager decode step)
         _retarget(plan, q, k, v)
-    return _launch_planned(plan, q, None, None)
+    return _launch_planned(plan, q, None if valid_len is None else _valid_len_ptr(valid_len, q), None)
 
 
 def _launch_planned(plan, q, vl, workspace) -> torch.Tensor:

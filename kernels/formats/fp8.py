@@ -37,7 +37,7 @@ CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_decode.decode(q, k, v, **kw), t
               auto=lambda k: cuda_decode.auto_refusal(k), options=cuda_decode.OPTIONS,
               unsupported=lambda q, k, v: cuda_decode.unsupported(q, k, v),
               why_unavailable=lambda: cuda_decode.why_unavailable(), renamed=cuda_decode.RENAMED,
-              fast=lambda q, k, v: cuda_decode.fast(q, k, v))
+              fast=lambda q, k, v, valid_len=None: cuda_decode.fast(q, k, v, valid_len))
 
 FORMAT = Format(
     name="fp8", quantizer=FP8, flat=FP8Flat, flatten=flatten_fp8, token_fields=("codes",), step=encode_step,

@@ -544,7 +544,7 @@ CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_hqmq.decode(q, k, v, **kw), tit
               auto=lambda k: mixed_refusal(k) or cuda_hqmq.auto_refusal(k), options=cuda_hqmq.OPTIONS,
               unsupported=lambda q, k, v: mixed_refusal(k, v) or cuda_hqmq.unsupported(q, k, v),
               why_unavailable=lambda: cuda_hqmq.why_unavailable(), renamed=cuda_hqmq.RENAMED,
-              fast=lambda q, k, v: cuda_hqmq.fast(q, k, v))
+              fast=lambda q, k, v, valid_len=None: cuda_hqmq.fast(q, k, v, valid_len))
 
 FORMAT = Format(
     name="hqmq", quantizer=HQMQ, flat=HQMQFlat, flatten=flatten_hqmq, store=HQMQStore,

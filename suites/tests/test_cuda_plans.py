@@ -362,7 +362,7 @@ def test_eager_decode_steps_keep_one_cuda_plan_key(spec):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, B, H, T0 + steps, D, generator=g).to(DEV)
     q = torch.randn(B, 4, 1, D, device=DEV)
-    keys = []
+    keys, stamps = [], []
     with torch.inference_mode():
         cache = QuantizedCache(spec, n_layers=1, fused=True)
         cache.update(x[0, :, :, :T0], x[1, :, :, :T0], 0)
@@ -374,8 +374,12 @@ def test_eager_decode_steps_keep_one_cuda_plan_key(spec):
             assert k.T == v.T == t + 1
             options = (None, None, None, None, False) if mod is ch else (None, cd.DEFAULT_CTAS_PER_SM, None, None, False)
             keys.append(mod._lookup(q, k, v, *options)[1])
+            stamps.append((k.stamp, v.stamp))
+    bound = 1 + 2 * steps // 32 if spec.startswith("kivi") else 1
     distinct = len(set(keys))
-    assert distinct <= (1 + 2 * steps // 32 if spec.startswith("kivi") else 1), f"{distinct} plan keys in {steps} steps"
+    assert distinct <= bound, f"{distinct} plan keys in {steps} steps"
+    # (the memo in front of the key: PlanCache.memo_get serves while both stamps hold)
+    assert len(set(stamps)) <= bound, f"{len(set(stamps))} flat stamps in {steps} steps"
 
 
 def test_scratch_partials_are_kept_per_stream_and_never_while_capturing(monkeypatch):

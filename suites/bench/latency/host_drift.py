@@ -58,7 +58,8 @@ def parts(q, kf, vf, n: int | None = None) -> dict:
         key = hq._lookup(q, kf, vf, None, None, None, None, False)[1]
         out.update({
             "fast route": us(lambda: hq.fast(q, kf, vf)),
-            "plan key lookup": us(lambda: hq._lookup(q, kf, vf, None, None, None, None, False)),
+            "plan memo (the route's lookup)": us(lambda: hq._find(q, kf, vf, None, None, None, None, False)),
+            "plan key lookup (full key)": us(lambda: hq._lookup(q, kf, vf, None, None, None, None, False)),
             "key: tensors read": us(lambda: hq._plan_tensors(kf, vf)),
             "key: tensor ids": us(lambda: tuple(map(id, hq._plan_tensors(kf, vf)))),
             "key: flat fields": us(lambda: (FLAT_FIELDS(kf), FLAT_FIELDS(vf))),
@@ -67,7 +68,8 @@ def parts(q, kf, vf, n: int | None = None) -> dict:
             "key: dict get": us(lambda: hq._PLANS.plans.get(key)),
         })
     else:
-        out["plan key lookup"] = us(lambda: cd._lookup(q, kf, vf, None, cd.DEFAULT_CTAS_PER_SM, None, None))
+        out["plan memo (the route's lookup)"] = us(lambda: cd._find(q, kf, vf, None, cd.DEFAULT_CTAS_PER_SM, None, None))
+        out["plan key lookup (full key)"] = us(lambda: cd._lookup(q, kf, vf, None, cd.DEFAULT_CTAS_PER_SM, None, None))
     out.update({
         "q.shape / dtype / device": us(lambda: (q.shape, q.dtype, q.device)),
         "pure python": us(lambda: sum(range(200))),

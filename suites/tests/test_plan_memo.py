@@ -1,0 +1,182 @@
+"""The plan memo on flats (issue 28, host time per eager call): every `*Flat` carries a
+`stamp` renewed by any field set but the token counts (kernels/layout.py `Stamped`), and
+the CUDA backends' plan caches leave a call's plan on its K flat, served while both flats
+keep their stamps and the call's other facts hold (kernels/common.py `PlanCache.memo_get`),
+instead of building the full key (an HQMQ call reads 16 tensors and 18 fields for it).
+Also here: the fast route of a call with a valid_len (it takes the plan made for one).
+
+On a CPU the CUDA path is walked (host_time.py `cuda_path_on_cpu`: the launch stubbed);
+the last test needs a CUDA GPU. No timing here (host_time.py times it)."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import pickle
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from kvqbench.kernels import decode_attention as front  # noqa: E402
+from kvqbench.kernels.common import PlanCache  # noqa: E402
+from kvqbench.kernels.decode_attention import decode_attention  # noqa: E402
+from kvqbench.suites.bench.toolkit import kernel_flats  # noqa: E402
+
+pytestmark = pytest.mark.kernels
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SPECS = ["int4", "fp8", "kivi:bits=4", "hqmq:S=96,r=4", "hqmq:S=24,r=3,outliers=med3", "fp16"]
+
+
+def _flats(spec, B=1, T=128, H=2, d=64):
+    return kernel_flats(spec, B, T, H, d, 256 if spec.startswith("kivi") else 64, DEV)
+
+
+def _count_field(f) -> str:
+    return "n_groups" if hasattr(f, "n_groups") else "T"
+
+
+def _tensor_field(f) -> str:
+    return next(x.name for x in dataclasses.fields(f) if isinstance(getattr(f, x.name), torch.Tensor))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_field_set_renews_the_stamp_and_a_token_count_does_not(spec):
+    """A token count set (the store's per-step growth) keeps the stamp; any other field set
+    to another object renews it (to itself: no change, no renewal); replace, copy,
+    deepcopy and pickle give stamps of their own and no memo; no two flats share one."""
+    k, v = _flats(spec)
+    s0 = k.stamp
+    count = _count_field(k)
+    setattr(k, count, getattr(k, count) - 1)
+    assert k.stamp == s0
+    name = _tensor_field(k)
+    setattr(k, name, getattr(k, name))
+    assert k.stamp == s0
+    setattr(k, name, getattr(k, name).clone())
+    assert k.stamp > s0
+    k._plan_memo = ("a memo",)
+    copies = [dataclasses.replace(k), copy.copy(k), copy.deepcopy(k), pickle.loads(pickle.dumps(k))]
+    stamps = [k.stamp, v.stamp] + [c.stamp for c in copies]
+    assert len(set(stamps)) == len(stamps), stamps
+    assert all(c._plan_memo is None for c in copies)
+    assert all(getattr(c, count) == getattr(k, count) for c in copies)  # (the fields themselves copied)
+
+
+def test_the_memo_serves_only_the_flats_and_facts_it_was_left_for():
+    """memo_get answers the plan memo_put left while k and v are the same objects with their
+    stamps, the facts are equal and the cache is the one (not cleared since); a token count
+    moved keeps it; each other change voids it."""
+    k, v = _flats("hqmq:S=96,r=4")
+    cache, plan, facts = PlanCache(4), object(), ("q shape", "options")
+    assert cache.memo_get(k, v, facts) is None
+    assert cache.memo_put(k, v, facts, plan) is plan
+    k.T = v.T = k.T - 5
+    assert cache.memo_get(k, v, facts) is plan
+
+    def voided(change):
+        cache.memo_put(k, v, facts, plan)
+        return cache.memo_get(*change()) is None
+
+    assert voided(lambda: (k, v, ("q shape", "other options")))
+    assert voided(lambda: (k, dataclasses.replace(v), facts))
+    assert voided(lambda: (v, k, facts))
+    assert voided(lambda: setattr(k, "codes", k.codes.clone()) or (k, v, facts))
+    assert voided(lambda: setattr(v, "radius", v.radius.clone()) or (k, v, facts))
+    assert voided(lambda: cache.clear() or (k, v, facts))
+    cache.memo_put(k, v, facts, plan)
+    assert PlanCache(4).memo_get(k, v, facts) is None  # (another cache: another module's plans)
+    for i in range(5):  # (full at 4: the fifth put clears, as clear() does)
+        cache.put(("key", i), (), object())
+    assert cache.memo_get(k, v, facts) is None
+
+
+@pytest.mark.parametrize("spec", ["int4", "kivi:bits=4", "hqmq:S=96,r=4"])
+def test_a_field_set_in_place_is_not_served_from_the_memo(spec):
+    """Through the walked CUDA path: the fast route serves a repeated call from the memo; a
+    tensor field set in place on the same flat object (KIVI's window flush, a Med3x build)
+    voids it, and the full key then finds no plan for the new tensor (None: the route
+    decides, as it would for any new layout)."""
+    from kvqbench.suites.bench.latency.host_time import CudaLookingTensor, cuda_path_on_cpu
+
+    k, v = _flats(spec)
+    q = torch.randn(1, 4, 1, 64).half().as_subclass(CudaLookingTensor)
+    with cuda_path_on_cpu(spec, q, k, v) as launches:
+        assert front._fast(q, k, v) is not None and k._plan_memo is not None
+        assert front._fast(q, k, v) is not None and launches == [launches[0]] * 2
+        name = _tensor_field(k) if not spec.startswith("kivi") else "residual"
+        setattr(k, name, getattr(k, name).clone())
+        assert front._fast(q, k, v) is None and len(launches) == 2
+
+
+@pytest.mark.parametrize("spec", ["int4", "fp8", "hqmq:S=96,r=4", "hqmq:S=24,r=3,outliers=med3"])
+def test_the_fast_route_takes_a_valid_len_call_as_the_route_does(spec, monkeypatch):
+    """A call with a valid_len (on a plan kept for valid_len calls) skips the route's checks
+    and launches the plan the route launches, with the same q and valid_len; a valid_len of
+    the wrong dtype is refused by the fast route as by the route; a host-count KIVI flat
+    takes no valid_len on the fast route either (the route refuses it)."""
+    from kvqbench.kernels.cuda import decode_attention as cd
+    from kvqbench.kernels.cuda import hqmq_decode as ch
+    from kvqbench.suites.bench.latency.host_time import CudaLookingTensor, cuda_path_on_cpu
+
+    mod = ch if spec.startswith("hqmq") else cd
+    k, v = _flats(spec)
+    q = torch.randn(1, 4, 1, 64).half().as_subclass(CudaLookingTensor)
+    vl = torch.tensor([k.T - 3], dtype=torch.int32)
+    runs, real = {}, mod.unsupported
+    for fast in (False, True):
+        checked, calls = [], []
+        monkeypatch.setattr(mod, "unsupported", lambda *a: checked.append(1) or real(*a))
+        monkeypatch.setattr(front, "FAST_ROUTE", fast)
+        with cuda_path_on_cpu(spec, q, k, v, valid_len=True):
+            stub = mod.on_current_stream  # (by hand: the walk's exit restores the real launcher)
+            mod.on_current_stream = lambda dev, entry, *a: calls.append(a[:3]) or stub(dev, entry, *a)
+            out = decode_attention(q, k, v, valid_len=vl)
+            with pytest.raises(ValueError, match="valid_len"):
+                decode_attention(q, k, v, valid_len=vl.long())
+        runs[fast] = (calls, bool(checked), out.shape)
+    (route_calls, route_checked, shape), (fast_calls, fast_checked, fast_shape) = runs[False], runs[True]
+    assert route_checked and not fast_checked and shape == fast_shape
+    assert fast_calls == route_calls and fast_calls[0][2] == vl.data_ptr()
+
+    kk, kv = _flats("kivi:bits=4")
+    with cuda_path_on_cpu("kivi:bits=4", q, kk, kv):
+        assert front._fast(q, kk, kv) is not None
+        assert front._fast(q, kk, kv, torch.tensor([kk.T], dtype=torch.int32)) is None
+        with pytest.raises(ValueError, match="valid_len"):
+            decode_attention(q, kk, kv, valid_len=torch.tensor([kk.T], dtype=torch.int32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels need a CUDA GPU")
+@pytest.mark.parametrize("spec", ["int4", "fp8", "hqmq:S=96,r=4", "hqmq:S=24,r=3,outliers=med3"])
+def test_memoised_and_valid_len_fast_calls_read_the_valid_tokens_on_the_gpu(spec):
+    """On the GPU, backend auto: calls served from the memo and through the fast route with
+    a valid_len agree bit for bit with the same calls after the plans are cleared (built
+    afresh, through the route), as the valid length moves within one set of buffers."""
+    from kvqbench.kernels.cuda import decode_attention as cd
+    from kvqbench.kernels.cuda import hqmq_decode as ch
+
+    mod = ch if spec.startswith("hqmq") else cd
+    k, v = _flats(spec, T=300)
+    q = torch.randn(1, 4, 1, 64, device=DEV, dtype=torch.float16)
+    vl = torch.tensor([300], dtype=torch.int32, device=DEV)
+    if front.explain_backend(q, k, v).backend != "cuda":
+        pytest.skip("auto does not route this format to CUDA here")
+    for n in (300, 299, 171, 1):
+        k.T = v.T = n
+        vl.fill_(n - (n > 1))  # (valid_len below T: the kernel reads it)
+        memo = decode_attention(q, k, v)  # (the first n: a plan built; then the memo's)
+        memo_vl = decode_attention(q, k, v, valid_len=vl)
+        mod._PLANS.clear()
+        assert torch.equal(memo, decode_attention(q, k, v)), f"T={n}"
+        mod._PLANS.clear()
+        assert torch.equal(memo_vl, decode_attention(q, k, v, valid_len=vl)), f"T={n}"
+        k.T = v.T = vl.item()
+        mod._PLANS.clear()
+        assert torch.equal(memo_vl, decode_attention(q, k, v)), f"T={n}: valid_len read as T"
+        k.T = v.T = n
