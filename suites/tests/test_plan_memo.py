@@ -154,10 +154,11 @@ def test_the_fast_route_takes_a_valid_len_call_as_the_route_does(spec, monkeypat
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels need a CUDA GPU")
 @pytest.mark.parametrize("spec", ["int4", "fp8", "hqmq:S=96,r=4", "hqmq:S=24,r=3,outliers=med3"])
-def test_memoised_and_valid_len_fast_calls_read_the_valid_tokens_on_the_gpu(spec):
-    """On the GPU, backend auto: calls served from the memo and through the fast route with
-    a valid_len agree bit for bit with the same calls after the plans are cleared (built
-    afresh, through the route), as the valid length moves within one set of buffers."""
+def test_memoised_and_valid_len_fast_calls_give_a_fresh_plans_bits_on_the_gpu(spec):
+    """On the GPU, backend auto, as an eager decode's token count moves within one set of
+    buffers: calls through the fast route (the memo, or the full key then the memo; with a
+    valid_len equal to T or without) give bit for bit what a plan built afresh gives (valid_len
+    = T is the plain call's grid and tokens: test_cuda_*'s valid_len_equal_to_T tests)."""
     from kvqbench.kernels.cuda import decode_attention as cd
     from kvqbench.kernels.cuda import hqmq_decode as ch
 
@@ -167,16 +168,47 @@ def test_memoised_and_valid_len_fast_calls_read_the_valid_tokens_on_the_gpu(spec
     vl = torch.tensor([300], dtype=torch.int32, device=DEV)
     if front.explain_backend(q, k, v).backend != "cuda":
         pytest.skip("auto does not route this format to CUDA here")
-    for n in (300, 299, 171, 1):
+    mod._PLANS.clear()
+    decode_attention(q, k, v), decode_attention(q, k, v, valid_len=vl)  # (both plans made, by the route)
+    for n in (299, 171, 17, 1):
         k.T = v.T = n
-        vl.fill_(n - (n > 1))  # (valid_len below T: the kernel reads it)
-        memo = decode_attention(q, k, v)  # (the first n: a plan built; then the memo's)
-        memo_vl = decode_attention(q, k, v, valid_len=vl)
+        vl.fill_(n)
+        plain = [decode_attention(q, k, v) for _ in range(2)]  # (the full key, then the memo)
+        with_vl = [decode_attention(q, k, v, valid_len=vl) for _ in range(2)]
+        for out in plain[1:] + with_vl:
+            assert torch.equal(out, plain[0]), f"T={n}"
         mod._PLANS.clear()
-        assert torch.equal(memo, decode_attention(q, k, v)), f"T={n}"
-        mod._PLANS.clear()
-        assert torch.equal(memo_vl, decode_attention(q, k, v, valid_len=vl)), f"T={n}"
-        k.T = v.T = vl.item()
-        mod._PLANS.clear()
-        assert torch.equal(memo_vl, decode_attention(q, k, v)), f"T={n}: valid_len read as T"
-        k.T = v.T = n
+        assert torch.equal(decode_attention(q, k, v), plain[0]), f"T={n}: a fresh plan's bits differ"
+        decode_attention(q, k, v, valid_len=vl)  # (the valid_len plan again, for the next n's fast route)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels need a CUDA GPU")
+def test_a_kivi_graph_view_takes_the_fast_route_with_its_valid_len_on_the_gpu(monkeypatch):
+    """On the GPU: KIVI graph views (the device-position steps' flats, KernelStore.graph_view)
+    with a valid_len take the fast route once their plan is made (the route's checks are not
+    asked again), and its result equals the routed call's bit for bit as the device count
+    moves across a flush."""
+    from kvqbench.kernels.cuda import decode_attention as cd
+    from kvqbench.suites.harness.kv_cache import QuantizedCache
+
+    g = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(1, 2, 300, 64, generator=g).half().to(DEV) for _ in range(2))
+    cache = QuantizedCache("kivi:bits=4", n_layers=1, fused=True, seed=3)
+    cache.update(k, v, 0)
+    cache.reserve(400)
+    kg, vg = (cache.layers[0].stores[r].graph_view(400) for r in ("K", "V"))
+    q = torch.randn(1, 4, 1, 64, generator=g).half().to(DEV)
+    vl = torch.tensor([300], dtype=torch.int32, device=DEV)
+    if front.explain_backend(q, kg, vg, valid_len=vl).backend != "cuda":
+        pytest.skip("auto does not route KIVI graph views to CUDA here")
+    decode_attention(q, kg, vg, valid_len=vl)  # (the route: the plan made)
+    checked, real = [], cd.unsupported
+    monkeypatch.setattr(cd, "unsupported", lambda *a: checked.append(1) or real(*a))
+    for n in (300, 288, 257, 256, 100, 1):
+        vl.fill_(n)
+        fast = decode_attention(q, kg, vg, valid_len=vl)
+        assert not checked, f"n={n}: the route's checks ran"
+        with monkeypatch.context() as m:
+            m.setattr(front, "FAST_ROUTE", False)
+            assert torch.equal(fast, decode_attention(q, kg, vg, valid_len=vl)), f"n={n}"
+        checked.clear()
