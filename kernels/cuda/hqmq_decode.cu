@@ -521,8 +521,13 @@ __device__ __forceinline__ uint2 out_item(const uint8_t* pb, const int4& u, cons
   else return *reinterpret_cast<const uint2*>(pb + PfBuf<>::IT + 8 * sl);
 }
 
+// RUN (variant 11, PF = 2): a lane's next slot kept as a running count, one predicated add per
+// item it takes, instead of a popcount of the bits below each k-step (AND, POPC, ADD per item
+// slot and k-step: Nsight Compute put Med3x at +59% instructions over HQMQ on an H100,
+// reports/latency/h100_2026-12-07b/ncu_hqmq_med3_d128.txt). The same items in the same mma
+// slots, so the same bits.
 // scores (s[4] of tokens g, g+8) += qk * (the tile's K outliers) q; lane c's chunks KS c ..
-template <bool G, int D = 128>
+template <bool G, int D = 128, bool RUN = false>
 __device__ __forceinline__ void out_scores(float (&s)[4], const uint8_t* pb, const int4& u, const OutRows& orow,
                                            float qk, const uint32_t (&qb)[D / 16][2], int g, int c) {
   constexpr int KS = D / 16;
@@ -545,7 +550,13 @@ __device__ __forceinline__ void out_scores(float (&s)[4], const uint8_t* pb, con
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         a[i] = make_uint2(0u, 0u);
-        if ((bits[i] >> kk) & 1u) a[i] = out_item<G, true>(pb, u, orow, sl[i] + __popc(bits[i] & ((1u << kk) - 1u)));
+        if ((bits[i] >> kk) & 1u) {
+          if constexpr (RUN) {
+            a[i] = out_item<G, true>(pb, u, orow, sl[i]++);
+          } else {
+            a[i] = out_item<G, true>(pb, u, orow, sl[i] + __popc(bits[i] & ((1u << kk) - 1u)));
+          }
+        }
       }
       mma16816(so, a[0].x, a[1].x, a[0].y, a[1].y, qb[kk][0], qb[kk][1]);
     }
@@ -556,7 +567,7 @@ __device__ __forceinline__ void out_scores(float (&s)[4], const uint8_t* pb, con
 
 // O^T += (the tile's V outliers)^T P^T (qb0, qb1: P^T without r_max / 15); the lane's tokens
 // 2c, 2c+1, 2c+8, 2c+9, chunks VC g .. VC g + VC - 1 (4g .. 4g+3 at D = 128)
-template <bool G, int D = 128>
+template <bool G, int D = 128, bool RUN = false>  // (RUN: as out_scores)
 __device__ __forceinline__ void out_values(float (&acc)[D / 16][4], const uint8_t* pb, const int4& u,
                                            const OutRows& orow, int g, int c, uint32_t qb0, uint32_t qb1) {
   constexpr int KS = D / 16, VC = D / 32;
@@ -579,7 +590,13 @@ __device__ __forceinline__ void out_values(float (&acc)[D / 16][4], const uint8_
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         vo[j] = make_uint2(0u, 0u);
-        if ((bits[j] >> jj) & 1u) vo[j] = out_item<G, false>(pb, u, orow, sl[j] + __popc(bits[j] & ((1u << jj) - 1u)));
+        if ((bits[j] >> jj) & 1u) {
+          if constexpr (RUN) {
+            vo[j] = out_item<G, false>(pb, u, orow, sl[j]++);
+          } else {
+            vo[j] = out_item<G, false>(pb, u, orow, sl[j] + __popc(bits[j] & ((1u << jj) - 1u)));
+          }
+        }
       }
       mma16816(acc[2 * jj], __byte_perm(vo[0].x, vo[1].x, 0x5410), __byte_perm(vo[0].x, vo[1].x, 0x7632),
                __byte_perm(vo[2].x, vo[3].x, 0x5410), __byte_perm(vo[2].x, vo[3].x, 0x7632), qb0, qb1);
@@ -660,7 +677,7 @@ __device__ __forceinline__ void v_generic(const uint8_t* st, const uint8_t* vtab
 // tile j + 1's items after them)
 // SPL = 2 (head dim 256): D is the warp's 128 dims; its partial scores are added to its
 // partner's (pair_add: xb, hf, bar) before the softmax.
-template <bool OUT, bool PF = false, int D = 128, int SPL = 1, int CW = 8>
+template <bool OUT, int PF = 0, int D = 128, int SPL = 1, int CW = 8>  // (PF: 0, 1, 2 = 1 with RUN)
 __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab, const uint8_t* vtab, int moff_k,
                                           int moff_v, int t0, int T, float qk, const uint32_t (&qb)[D / 16][2],
                                           float (&acc)[D / 16][4], float (&m)[2], float (&l)[2], int g, int c,
@@ -760,8 +777,8 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
       __syncwarp();
     }
     if (u.z & ((1 << KS) - 1)) {  // the K outliers' scores, unscaled by r_max
-      if (u.w > OCAP) out_scores<true, D>(s, pb, u, orow, qk, qb, g, c);
-      else out_scores<false, D>(s, pb, u, orow, qk, qb, g, c);
+      if (u.w > OCAP) out_scores<true, D, PF == 2>(s, pb, u, orow, qk, qb, g, c);
+      else out_scores<false, D, PF == 2>(s, pb, u, orow, qk, qb, g, c);
     }
   } else if constexpr (OUT) {
     if (outb & 0xFFFFu) {  // the K outliers' scores, unscaled by r_max
@@ -842,8 +859,8 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
     if (u.z >> KS) {  // the V outliers, weighted by P without r_max / 15 (CW 4: acc's scale, 127)
       constexpr float o = CW_UNSCALE<CW>;
       const uint32_t qb0 = movtrans(pack_half2(p0 * o, p1 * o)), qb1 = movtrans(pack_half2(p2 * o, p3 * o));
-      if (u.w > OCAP) out_values<true, D>(acc, pb, u, orow, g, c, qb0, qb1);
-      else out_values<false, D>(acc, pb, u, orow, g, c, qb0, qb1);
+      if (u.w > OCAP) out_values<true, D, PF == 2>(acc, pb, u, orow, g, c, qb0, qb1);
+      else out_values<false, D, PF == 2>(acc, pb, u, orow, g, c, qb0, qb1);
     }
   } else if constexpr (OUT) {
     if (outb >> 16) {  // the V outliers, weighted by P without r_max / 15 (CW 4: acc's scale, 127)
@@ -877,7 +894,7 @@ constexpr int dyn_smem() {
 // PF (with OUT): the outliers one tile ahead, through a per-warp double buffer after the stages.
 // FUSED: the last CTA of a row group merges the group's partials into p.out (common.cuh
 // combine_rows), no combine launch after it.
-template <int NW, int SMS, int TABB, int MINB, bool OUT, bool PF = false, int D = 128, bool FUSED = false,
+template <int NW, int SMS, int TABB, int MINB, bool OUT, int PF = 0, int D = 128, bool FUSED = false,
           int CW = 8>
 __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params p) {
   pdl_trigger();  // (common.cuh: the combine may be launched once every split CTA is resident)
@@ -989,7 +1006,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   }
 #pragma unroll
   for (int i = 0; i < SMS - 1; ++i) {
-    copy_tile<NP, OUT, PF, D>(wsa + i * SB, cur, T, i < ntile, lane, i + 1 < ntile);
+    copy_tile<NP, OUT, PF != 0, D>(wsa + i * SB, cur, T, i < ntile, lane, i + 1 < ntile);
     cp_commit();
   }
   int run = 0;  // Med3x: outliers of this lane's role before the current tile, in its block
@@ -1029,7 +1046,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   int rd = 0, wr = SMS - 1;
   for (int j = 0; j < ntile; ++j) {
     __syncwarp();
-    copy_tile<NP, OUT, PF, D>(wsa + wr * SB, cur, T, j + SMS - 1 < ntile, lane, j + SMS < ntile);
+    copy_tile<NP, OUT, PF != 0, D>(wsa + wr * SB, cur, T, j + SMS - 1 < ntile, lane, j + SMS < ntile);
     cp_commit();
     if constexpr (OUT && PF) {
       // stage j: groups since it = tile j-1's items?, then per tile (stage, items) and the stage
@@ -1129,11 +1146,13 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
 // 2), 4 CTAs of 4 warps with 2, one CTA of 16 warps with 4 or 5 (one copy of the tables
 // per SM). 20 warps (102 registers) spilled 60 bytes offline: not taken.
 // 9, 10 (2026-12-02, for Med3x): v2's and v3's shapes with the outliers one tile ahead (PF);
-// their instance without outliers is v2's / v3's kernel itself.
-constexpr int VARIANTS[][3] = {{4, 4, 3}, {8, 4, 1}, {4, 3, 3}, {8, 2, 2}, {4, 6, 1},
-                               {8, 4, 2}, {4, 2, 4}, {16, 4, 1}, {16, 5, 1}, {4, 3, 3}, {8, 2, 2}};
-constexpr int NVARIANTS = 11;
-constexpr bool PREFETCH[NVARIANTS] = {false, false, false, false, false, false, false, false, false, true, true};
+// their instance without outliers is v2's / v3's kernel itself. 11 (2026-12-07, offline): v10
+// with running item slots (out_scores' RUN; PREFETCH 2); not yet run on a GPU. (An earlier 11
+// and 12, head dim 64's bypass copies, went on 2026-12-06: NOTES.md.)
+constexpr int VARIANTS[][3] = {{4, 4, 3}, {8, 4, 1}, {4, 3, 3}, {8, 2, 2}, {4, 6, 1}, {8, 4, 2},
+                               {4, 2, 4}, {16, 4, 1}, {16, 5, 1}, {4, 3, 3}, {8, 2, 2}, {8, 2, 2}};
+constexpr int NVARIANTS = 12;
+constexpr int PREFETCH[NVARIANTS] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2};  // (the kernel's PF)
 // bytes of one codebook (24 S codewords of cw bytes: 8 fp16 x 4, or 4 int8 x 4)
 constexpr int tab_bytes(int S, int cw) { return 24 * cw * S; }
 // Two table sizes per cw: S <= 96 and S <= 170 (fill=true at 12 bits), each a multiple of the
@@ -1148,14 +1167,14 @@ constexpr bool cw4_variant(int v) { return v == 3 || v == 10; }
 // spilled 108 bytes, so they have none and are refused for Med3x caches.
 // 9 and 10 (PF) hold no fragments across the quantized parts: see NOTES.md ("Med3x outliers one
 // tile ahead") for their registers.
-constexpr bool OUT_OK[NVARIANTS] = {true, false, true, false, false, false, false, false, false, true, true};
+constexpr bool OUT_OK[NVARIANTS] = {true, false, true, false, false, false, false, false, false, true, true, true};
 
 // Head dims 64 and 256 (2026-12, not yet timed on a GPU): Med3x through the prefetching
 // variants only (the direct path's outlier fragments are d = 128's alone; at 64 its chunk
 // bookkeeping differs).
 template <int D>
 constexpr bool out_ok(int v) {
-  return D == 128 ? OUT_OK[v] : PREFETCH[v];
+  return D == 128 ? OUT_OK[v] : PREFETCH[v] != 0;
 }
 // Head dim 64, 8-warp variants without Med3x: one more CTA per SM than at 128 (80 registers,
 // no spills offline; v3: 3 x 8 warps where the shared memory allows, S <= 96), for the
@@ -1167,12 +1186,12 @@ constexpr int minb_of() {
 
 template <int V, int TABB, bool OUT, int D>
 constexpr int smem_of() {
-  return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, OUT, OUT && PREFETCH[V], D>();
+  return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, OUT, OUT && PREFETCH[V] != 0, D>();
 }
 template <int V, int TABB, bool OUT, int D, int CW>
 constexpr auto kernel_of() {
   return hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, minb_of<V, D, OUT>(), OUT,
-                           OUT && PREFETCH[V], D, FUSED_BUILD, CW>;
+                           OUT ? PREFETCH[V] : 0, D, FUSED_BUILD, CW>;
 }
 
 // The dynamic shared-memory opt-in, once per instance (also before an occupancy query).
@@ -1224,6 +1243,7 @@ int act_t(int variant, What what, const Params* p, int rows, cudaStream_t s) {
     case 8: return act<8, TABB, OUT, D, CW>(what, p, rows, s);
     case 9: return act<9, TABB, OUT, D, CW>(what, p, rows, s);
     case 10: return act<10, TABB, OUT, D, CW>(what, p, rows, s);
+    case 11: return act<11, TABB, OUT, D, CW>(what, p, rows, s);
     default: return act<0, TABB, OUT, D, CW>(what, p, rows, s);
   }
 }

@@ -42,11 +42,13 @@ SOURCE = Path(__file__).parent / "hqmq_decode.cu"
 # 7 (16, 4, 1), 8 (16, 5, 1; not with S > 96: its shared memory). With the table copied by
 # cp.async every instance takes 120-126 registers, so shared memory sets the CTAs per SM
 # (v0 3, v3 2, v6 4, v7 1). 9 (4, 3, 3) and 10 (8, 2, 2) are Med3x's (PREFETCH_VARIANTS): the
-# outliers one tile ahead; without outliers they run v2's / v3's kernel itself. (11 and 12,
+# outliers one tile ahead; without outliers they run v2's / v3's kernel itself. 11 (8, 2, 2)
+# is v10 with running outlier slots (the .cu's RUN: fewer instructions per outlier k-step;
+# built offline 2026-12-07, not yet run on a GPU, so no default). (An earlier 11 and 12,
 # head dim 64's 16-byte bypass copies and padded V code rows, lost to v3 on the H100 on
 # 2026-12-06 and went: reports/kernels/NOTES.md.)
-NUM_VARIANTS = 11
-PREFETCH_VARIANTS = (9, 10)
+NUM_VARIANTS = 12
+PREFETCH_VARIANTS = (9, 10, 11)
 # The numbers behind these defaults and switches, call by call: reports/kernels/NOTES.md,
 # "Defaults of kernels/cuda and the runs that chose them".
 # v3: best, or within 0.5 us of it, at B=8 and B=1, T=32k on the H200.
@@ -63,7 +65,7 @@ AUTO = True
 # OUT_OK: v0, v2; the 128-register variants spilled) and the prefetching ones, 9 and 10, that
 # load a tile's outliers one tile ahead (v10 the fastest: ~1.2x HQMQ's time). Auto routes
 # Med3x caches here since the GPU tests passed with v10 (~5.5x Triton's speed).
-MED3_VARIANTS = (0, 2, 9, 10)
+MED3_VARIANTS = (0, 2, 9, 10, 11)
 DEFAULT_VARIANT_MED3 = 10
 AUTO_MED3 = True
 # Head dims with an instance in the .cu (Dims<D>), all routed by auto since their GPU tests:
