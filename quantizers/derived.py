@@ -18,7 +18,17 @@ from typing import Callable, Hashable, TypeVar
 import torch
 
 T = TypeVar("T")
-_CACHE: dict = {}  # (id(source), key) -> (weak reference, version, value)
+_CACHE: dict = {}  # (identity(source), key) -> (weak reference, version, value)
+
+# The identity number of an object in a per-call cache key: `object.__hash__`, not `id`.
+# CPython audits every id() call (event "builtins.id"), so once any library has installed a
+# Python audit hook each id() runs Python: filelock >= 4.3 installs one on CPython >= 3.12
+# when it first takes a lock (transformers' hub, our results file), and an HQMQ CUDA plan
+# key's 16 ids then cost ~3 us more per call (H100 host, 2026-12-07; Python 3.12 on a CPU
+# shows it: id() 25 -> 445 ns, reports/latency/audit_hook_cpu_2026-12-07.txt). object's
+# hash is CPython's pointer hash, the address rotated by 4 bits: one number per live
+# object, as id() is, and not audited. (A tensor's own __hash__ calls id().)
+identity = object.__hash__
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -29,7 +39,7 @@ def tensor_version(t: torch.Tensor) -> int:
 
 def derived(source: torch.Tensor, key: Hashable, build: Callable[[], T]) -> T:
     """build(), computed once per (source, key) while `source` lives unwritten."""
-    k = (id(source), key)
+    k = (identity(source), key)
     hit = _CACHE.get(k)
     if hit is not None and hit[0]() is source and hit[1] == tensor_version(source):
         return hit[2]
@@ -41,8 +51,8 @@ def derived(source: torch.Tensor, key: Hashable, build: Callable[[], T]) -> T:
 
 def _drop(k, dead_ref) -> None:
     hit = _CACHE.get(k)
-    if hit is not None and hit[0] is dead_ref:  # (a newer entry under a reused id stays)
+    if hit is not None and hit[0] is dead_ref:  # (a newer entry under a reused address stays)
         del _CACHE[k]
 
 
-__all__ = ["derived", "tensor_version"]
+__all__ = ["derived", "identity", "tensor_version"]

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from ...quantizers.derived import identity
 from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import FP8Flat, IntFlat, KIVIFlat, KIVIGraphFlat
 from .library import (FUSED_COMBINE, FUSED_DEFINE, PDL, QTYPE, KernelLibrary, RoutedPlan, check_token_counts,
@@ -360,7 +361,7 @@ def _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_count: 
     tk, ik = _flat_key(k, device_count)
     tv, iv = _flat_key(v, device_count)
     ts = tk + tv
-    key = (type(k), ik, iv, tuple(map(id, ts)), q.dtype, q.shape, q.device, num_splits, ctas_per_sm, variant,
+    key = (type(k), ik, iv, tuple(map(identity, ts)), q.dtype, q.shape, q.device, num_splits, ctas_per_sm, variant,
            out_dtype, device_count)
     return _PLANS.get(key), key, ts
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ...quantizers.derived import derived
+from ...quantizers.derived import derived, identity
 from ...quantizers.derived import tensor_version as _version
 from ...quantizers.hqmq import int8_components
 from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
@@ -236,7 +236,7 @@ def _flat_info(f):
     if not isinstance(f, HQMQFlat):
         return f"no CUDA HQMQ kernel for {type(f).__name__}"
     ts = (f.codes, f.radius, f.r_max, f.sec, f.table, f.flags, f.outliers, f.outlier_index)
-    key = (tuple(map(id, ts)), f.D, f.S, f.code_bits, f.r_bits, f.log_radius, f.table_mode, f.codebook,
+    key = (tuple(map(identity, ts)), f.D, f.S, f.code_bits, f.r_bits, f.log_radius, f.table_mode, f.codebook,
            None if f.sec is None else _version(f.sec))
     hit = _INFO.get(key)
     if hit is not None:
@@ -572,7 +572,7 @@ def _facts(q, k, v, *options) -> tuple:
 def _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len_given: bool):
     """(the kept plan of this call or None, its full key, the tensors it reads)."""
     ts = _plan_tensors(k, v)
-    key = (type(k), type(v), tuple(map(id, ts)),  # (not T: see _retarget)
+    key = (type(k), type(v), tuple(map(identity, ts)),  # (not T: see _retarget)
            k.B, k.H, k.D, k.S, k.code_bits, k.r_bits, k.log_radius, k.table_mode, k.codebook,
            v.B, v.H, v.D, v.S, v.code_bits, v.r_bits, v.log_radius, v.table_mode, v.codebook,
            _facts(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len_given))

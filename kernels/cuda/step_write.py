@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ...quantizers import get_quantizer
+from ...quantizers.derived import identity
 from .. import registry
 from ..formats import fp8 as fp8_format, fp16 as fp16_format, hqmq as hqmq_format, kivi as kivi_format
 from ..formats import naive_int as int_format
@@ -214,7 +215,7 @@ def _role(store, x: torch.Tensor, err: torch.Tensor) -> _Role:
 
 def _plan(k_store, v_store, k, v, errors) -> _Plan:
     ts = _tensors(k_store) + _tensors(v_store) + (errors.flags,)
-    key = (tuple(map(id, ts)), k.dtype, k.shape, k.stride(), v.stride())
+    key = (tuple(map(identity, ts)), k.dtype, k.shape, k.stride(), v.stride())
     plan = _PLANS.get(key)
     if plan is None:
         f = k_store.flat

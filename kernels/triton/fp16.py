@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...quantizers.derived import identity
 from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len
 from ..layout import FP16Flat
 from .common import (LOG2E, PlanCache, SplitPlan, finish, first_tile, from_floor, row_floor, run_split, scores,
@@ -58,7 +59,7 @@ def fp16_decode_attention(q: torch.Tensor, k: FP16Flat, v: FP16Flat, *, num_spli
                           row_start: torch.Tensor | None = None) -> torch.Tensor:
     T = k.T
     ts = (k.values, v.values)
-    layout = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.dtype, v.B, v.H, v.D)
+    layout = (type(k), type(v), *map(identity, ts), k.B, k.H, k.D, k.dtype, v.B, v.H, v.D)
     plan = _PLANS.lookup(layout, ts, _fp16_plan, q, k, v, valid_len, num_splits, block_t, num_warps, num_stages,
                          programs_per_sm, out_dtype, row_start=row_start)
     vl, _ = check_valid_len(valid_len, q)

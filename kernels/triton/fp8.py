@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...quantizers.derived import identity
 from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len
 from ..layout import FP8Flat
 from .common import (LOG2E, PlanCache, SplitPlan, first_tile, from_floor, row_floor, run_split, scores,
@@ -80,7 +81,7 @@ def fp8_decode_attention(q: torch.Tensor, k: FP8Flat, v: FP8Flat, *, num_splits:
                          row_start: torch.Tensor | None = None) -> torch.Tensor:
     T = k.T
     ts = (k.codes, v.codes, k.scale, v.scale)
-    layout = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.fmt, k.dtype, v.B, v.H, v.D, v.fmt)
+    layout = (type(k), type(v), *map(identity, ts), k.B, k.H, k.D, k.fmt, k.dtype, v.B, v.H, v.D, v.fmt)
     plan = _PLANS.lookup(layout, ts, _fp8_plan, q, k, v, valid_len, num_splits, block_t, num_warps, num_stages,
                          programs_per_sm, out_dtype, row_start=row_start)
     vl, _ = check_valid_len(valid_len, q)

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...quantizers.derived import identity
 from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len, interpreting
 from ..layout import OUTLIER_BLOCK, HQMQFlat
 from .common import (LOG2E, PlanCache, SplitPlan, f16x4, fast_path, finish, first_tile, from_floor, hamilton,
@@ -246,7 +247,7 @@ def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_spli
                           row_start: torch.Tensor | None = None) -> torch.Tensor:
     T = k.T
     ts = _flat_tensors(k) + _flat_tensors(v) + (k.ptab,)
-    layout = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.S, k.code_bits, k.r_bits, k.table_mode, k.dtype,
+    layout = (type(k), type(v), *map(identity, ts), k.B, k.H, k.D, k.S, k.code_bits, k.r_bits, k.table_mode, k.dtype,
            k.log_radius, k.code_pack, v.B, v.H, v.D, v.S, v.code_bits, v.r_bits, v.table_mode, v.dtype, v.log_radius,
            v.code_pack)
     plan = _PLANS.lookup(layout, ts, _hqmq_plan, q, k, v, valid_len, num_splits, block_t, num_warps, num_stages,

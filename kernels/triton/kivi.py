@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...quantizers.derived import identity
 from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len, pow2
 from ..layout import KIVIFlat, KIVIGraphFlat
 from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, first_tile, from_floor, nbytes_span, row_floor,
@@ -134,7 +135,7 @@ def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_spli
     device) of one capacity. `row_start`: per-row key starts (`decode_attention`)."""
     ts = (k.codes, k.scale, k.zero, k.residual, v.codes, v.scale, v.zero, v.residual)
     kg, vg = type(k) is KIVIGraphFlat, type(v) is KIVIGraphFlat
-    layout = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.bits, k.group, k.role, k.dtype, k.n_groups == 0,
+    layout = (type(k), type(v), *map(identity, ts), k.B, k.H, k.D, k.bits, k.group, k.role, k.dtype, k.n_groups == 0,
            v.B, v.H, v.D, v.bits, v.group, v.role, v.n_groups == 0, k.policy if kg else None,
            k.capacity if kg else None, v.policy if vg else None, v.capacity if vg else None)
     plan = _PLANS.lookup(layout, ts, _kivi_plan, q, k, v, valid_len, num_splits, block_t, num_warps, num_stages,

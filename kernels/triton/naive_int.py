@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...quantizers.derived import identity
 from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len, pow2
 from ..layout import IntFlat
 from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, finish, first_tile, from_floor, nbytes_span, row_floor,
@@ -77,7 +78,7 @@ def int_decode_attention(q: torch.Tensor, k: IntFlat, v: IntFlat, *, num_splits:
                          row_start: torch.Tensor | None = None) -> torch.Tensor:
     T = k.T
     ts = (k.codes, k.scale, k.zero, v.codes, v.scale, v.zero)
-    layout = (type(k), type(v), *map(id, ts), k.B, k.H, k.D, k.bits, k.group, k.dtype, v.B, v.H, v.D, v.bits, v.group)
+    layout = (type(k), type(v), *map(identity, ts), k.B, k.H, k.D, k.bits, k.group, k.dtype, v.B, v.H, v.D, v.bits, v.group)
     plan = _PLANS.lookup(layout, ts, _int_plan, q, k, v, valid_len, num_splits, block_t, num_warps, num_stages,
                          programs_per_sm, out_dtype, row_start=row_start)
     vl, _ = check_valid_len(valid_len, q)

@@ -212,3 +212,43 @@ def test_a_kivi_graph_view_takes_the_fast_route_with_its_valid_len_on_the_gpu(mo
             m.setattr(front, "FAST_ROUTE", False)
             assert torch.equal(fast, decode_attention(q, kg, vg, valid_len=vl)), f"n={n}"
         checked.clear()
+
+
+_AUDIT_PROBE = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from kvqbench.kernels.decode_attention import decode_attention
+from kvqbench.suites.bench.latency.host_time import CudaLookingTensor, cuda_path_on_cpu
+from kvqbench.suites.bench.toolkit import kernel_flats, stepping
+
+events = []
+sys.addaudithook(lambda event, args: events.append(event) if event == "builtins.id" else None)
+for spec in sys.argv[1:]:
+    kivi = spec.startswith("kivi")  # (KIVI: 300 tokens, 44 of them in the window, which stepping moves)
+    k, v = kernel_flats(spec, 1, 300 if kivi else 128, 2, 64, 300 if kivi else 64, "cpu")
+    q = torch.randn(1, 4, 1, 64).half().as_subclass(CudaLookingTensor)
+    with cuda_path_on_cpu(spec, q, k, v) as launches:
+        step = stepping(lambda: decode_attention(q, k, v), k, v)
+        step()  # (the memo left on the flats by the first call)
+        del events[:]
+        for _ in range(20):
+            step()
+        assert len(launches) == 21, (spec, len(launches))
+        print(spec, len(events))
+"""
+
+
+def test_an_eager_step_calls_no_audited_id():
+    """An eager step's decode call (the CUDA path walked: memo, retarget, launch) calls no
+    id(): each call is audited, and once a library has installed a Python audit hook
+    (filelock >= 4.3 on CPython >= 3.12, at its first lock) each costs a Python call (an
+    HQMQ plan key's 16 ids: ~3 us on an H100 host). In a subprocess: a hook cannot be removed."""
+    import subprocess
+    import sys
+
+    specs = ["int4", "fp8", "kivi:bits=4", "hqmq:S=96,r=4", "hqmq:S=24,r=3,outliers=med3"]
+    r = subprocess.run([sys.executable, "-c", _AUDIT_PROBE, *specs], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    counts = dict(line.rsplit(" ", 1) for line in r.stdout.strip().splitlines())
+    assert set(counts) == set(specs) and all(n == "0" for n in counts.values()), counts
