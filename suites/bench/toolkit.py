@@ -61,18 +61,20 @@ def _smi(query: str) -> str:
     return lines[0] if out.returncode == 0 and lines else ""
 
 
-def audit_state() -> str:
-    """What an id() call costs in this process against object.__hash__ (ns, best of 3): a
-    Python audit hook, once installed, runs on every id() (filelock >= 4.3 installs one on
-    Python >= 3.12 at its first lock). Host times per call depend on that state (kernels keep
-    id() off their per-call paths: quantizers/derived.py `identity`), so runs record it."""
+def audit_state() -> tuple[bool, str]:
+    """(whether a Python audit hook runs in this process, the reading that says so): what an
+    id() call costs against object.__hash__ (ns, best of 3). A hook, once installed, runs on
+    every id() (filelock >= 4.3 installs one on Python >= 3.12 at its first lock); host times
+    per call depend on that state (kernels keep id() off their per-call paths:
+    quantizers/derived.py `identity`), so runs record it. Hooked: id() > 100 ns dearer (a
+    hook costs 170-420 ns a call on a CPU; without one id() is the cheaper of the two)."""
     import timeit
 
     x, n = object(), 20000
     t_id = min(timeit.repeat(lambda: id(x), number=n, repeat=3)) / n * 1e9
     t_hash = min(timeit.repeat(lambda: object.__hash__(x), number=n, repeat=3)) / n * 1e9
-    hooked = " (a Python audit hook is in)" if t_id > t_hash + 100 else ""
-    return f"id() {t_id:.0f} ns, object.__hash__ {t_hash:.0f} ns{hooked}"
+    hooked = t_id > t_hash + 100
+    return hooked, f"id() {t_id:.0f} ns, object.__hash__ {t_hash:.0f} ns" + (" (a Python audit hook is in)" * hooked)
 
 
 def env_info() -> dict:
@@ -87,7 +89,7 @@ def env_info() -> dict:
 
     # how the CUDA calls launch their combine (library.py's switches: an A/B of either is two runs)
     info["cuda_combine"] = cuda_library.FUSED_COMBINE.mode() + (", PDL" if cuda_library.PDL.on else "")
-    info["id_call"] = audit_state()
+    info["python_audit_hook"], info["id_call"] = audit_state()  # (the state, compared by --resume; the reading)
     if GPU:
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, sm_count=p.multi_processor_count, gpu_mem_GiB=round(p.total_memory / 2**30, 1),

@@ -348,7 +348,7 @@ def main(argv=None) -> int:
         return 0
     modes = (False, True) if a.fused_combine else (None,)  # None: as KVQBENCH_FUSED_COMBINE set it
     print(f"host us per decode_attention call, {how} (Hq 32, Hkv 8, T={a.T}; least of 15 means of {a.n})")
-    print(f"process: Python {sys.version.split()[0]}, {audit_state()}")
+    print(f"process: Python {sys.version.split()[0]}, {audit_state()[1]}")
     print("combine: " + ("split (two launches) then fused (one), each row twice" if a.fused_combine
                          else combine_mode()))
     print("(vl: with a device valid_len; step: each call on another token count, as eager decode steps)")
