@@ -23,7 +23,7 @@ _CACHE: dict = {}  # (identity(source), key) -> (weak reference, version, value)
 # The identity number of an object in a per-call cache key: `object.__hash__`, not `id`.
 # CPython audits every id() call (event "builtins.id"), so once any library has installed a
 # Python audit hook each id() runs Python: filelock >= 4.3 installs one on CPython >= 3.12
-# when it first takes a lock (transformers' hub, our results file), and an HQMQ CUDA plan
+# when it is imported (so does every process that imports transformers), and an HQMQ CUDA plan
 # key's 16 ids then cost ~3 us more per call (H100 host, 2026-12-07; Python 3.12 on a CPU
 # shows it: id() 25 -> 445 ns, reports/latency/audit_hook_cpu_2026-12-07.txt). object's
 # hash is CPython's pointer hash, the address rotated by 4 bits: one number per live

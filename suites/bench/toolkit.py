@@ -64,7 +64,7 @@ def _smi(query: str) -> str:
 def audit_state() -> tuple[bool, str]:
     """(whether a Python audit hook runs in this process, the reading that says so): what an
     id() call costs against object.__hash__ (ns, best of 3). A hook, once installed, runs on
-    every id() (filelock >= 4.3 installs one on Python >= 3.12 at its first lock); host times
+    every id() (filelock >= 4.3 installs one on Python >= 3.12 at its import); host times
     per call depend on that state (kernels keep id() off their per-call paths:
     quantizers/derived.py `identity`), so runs record it. Hooked: id() > 100 ns dearer (a
     hook costs 170-420 ns a call on a CPU; without one id() is the cheaper of the two)."""

@@ -242,7 +242,7 @@ for spec in sys.argv[1:]:
 def test_an_eager_step_calls_no_audited_id():
     """An eager step's decode call (the CUDA path walked: memo, retarget, launch) calls no
     id(): each call is audited, and once a library has installed a Python audit hook
-    (filelock >= 4.3 on CPython >= 3.12, at its first lock) each costs a Python call (an
+    (filelock >= 4.3 on CPython >= 3.12, at its import) each costs a Python call (an
     HQMQ plan key's 16 ids: ~3 us on an H100 host). In a subprocess: a hook cannot be removed."""
     import subprocess
     import sys

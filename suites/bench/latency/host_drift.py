@@ -9,7 +9,7 @@ the latency suite at B=1 in the same process, then times them again, and prints 
 the difference. A run therefore names the step that grows.
 
 What grew was id(): CPython audits each call ("builtins.id"), and filelock >= 4.3 installs
-a Python audit hook on CPython >= 3.12 when it first takes a lock, which the suite does
+a Python audit hook on CPython >= 3.12 when it is imported, which the suite does
 (reproduced on a CPU under Python 3.12: id() 25 -> 445 ns; the GPU image runs 3.12). The
 keys now take `quantizers.derived.identity` (object.__hash__, not audited); the row "id()
 of the same (audited)" keeps the hook's cost in view, and `state` says whether the hook is in.

@@ -291,6 +291,12 @@ def host_breakdown(spec: str, B: int, T: int, hq: int = 32, hkv: int = 8, d: int
 
 
 def main(argv=None) -> int:
+    # The process state of a real decode: anything that imports transformers imports filelock,
+    # which on Python >= 3.12 installs an audit hook at import (every id() then runs Python:
+    # toolkit.audit_state). The latency suite's process has it; so has this one, so both
+    # time the same state (before 2026-12-07 they differed by 3.4 us per HQMQ call).
+    import filelock  # noqa: F401
+
     p = argparse.ArgumentParser(prog="python -m kvqbench.suites.bench.latency.host_time",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--B", type=int, nargs="+", default=[1, 8])
