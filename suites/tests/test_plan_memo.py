@@ -163,9 +163,9 @@ def test_memoised_and_valid_len_fast_calls_give_a_fresh_plans_bits_on_the_gpu(sp
     from kvqbench.kernels.cuda import hqmq_decode as ch
 
     mod = ch if spec.startswith("hqmq") else cd
-    k, v = _flats(spec, T=300)
+    k, v = _flats(spec, T=320)
     q = torch.randn(1, 4, 1, 64, device=DEV, dtype=torch.float16)
-    vl = torch.tensor([300], dtype=torch.int32, device=DEV)
+    vl = torch.tensor([320], dtype=torch.int32, device=DEV)
     if front.explain_backend(q, k, v).backend != "cuda":
         pytest.skip("auto does not route this format to CUDA here")
     mod._PLANS.clear()
