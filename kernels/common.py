@@ -154,10 +154,11 @@ def bh_stride(t: torch.Tensor, name: str = "buffer") -> int:
 # ---------------------------------------------------------------------------------------
 class PlanCache:
     """Launch plans by call key. A plan serves while every tensor it points into is alive: the
-    key must hold those tensors' ids and every int, dtype, option and q property the plan
-    derives from (anything else that changes then makes a new key). `put` keeps a weak
-    reference to each tensor whose callback drops the entry when the tensor is freed, which
-    CPython does before the id can be handed to another object: so a key found is a key of
+    key must hold those tensors' identities (quantizers/derived.py `identity`: id() without
+    its audit) and every int, dtype, option and q property the plan derives from (anything
+    else that changes then makes a new key). `put` keeps a weak reference to each tensor
+    whose callback drops the entry when the tensor is freed, which CPython does before its
+    address can be handed to another object: so a key found is a key of
     live tensors, the very objects the plan was made from, and `get` is one dict lookup (it
     compared each tensor by identity before: an HQMQ call's 16 tensors; a decode_attention
     call through the CUDA path walked on a 2-core CPU, B=1, T=4096, same-run A/B: HQMQ 12.9 ->

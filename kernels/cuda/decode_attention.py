@@ -411,11 +411,11 @@ def _moved(plan, k, v, device_count: bool) -> bool:
 
 def fast(q: torch.Tensor, k, v, valid_len=None) -> torch.Tensor | None:
     """decode_attention's fast route (kernels/decode_attention.py `_fast`: backend="auto",
-    no options, no valid_len or row_start, the auto switch routing this format here): the
+    no options or row_start, the auto switch routing this format here): the
     call launched by the plan kept for exactly its layouts, None when none is kept (the
     route then decides, as before). Every check the route makes held when the plan was
     built (a build runs `unsupported`, and raises where it refuses) and holds while the
-    key's tensors live: the key is their ids, the flats' shapes and formats, and q's shape,
+    key's tensors live: the key is their identities, the flats' shapes and formats, and q's shape,
     dtype and device. What the key leaves out is checked here as `unsupported`'s planned
     branch checks it (K and V of one T; a KIVI graph view needs a valid_len and a host-count
     KIVI flat takes none: the route). valid_len: checked by the launch, as a routed call's."""

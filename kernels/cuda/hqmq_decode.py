@@ -646,7 +646,7 @@ def fast(q: torch.Tensor, k, v, valid_len=None) -> torch.Tensor | None:
     """decode_attention's fast route (kernels/decode_attention.py `_fast`; the auto switch
     routes this cache here): the call launched by the plan kept for exactly its layouts, None
     when none is kept (the route decides). The plan passed every check of the route when it
-    was built, and the key holds what those checks read (the buffers' ids, the flats' fields,
+    was built, and the key holds what those checks read (the buffers' identities, the flats' fields,
     the codebooks' versions, q's shape, dtype and device); T is out of it (`_retarget`).
     valid_len: the plan made for one (its tensor checked here, as the per-call path does)."""
     T = k.T
