@@ -171,6 +171,14 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
             and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
 
 
+def small_flats(spec, B=1, T=128, H=2, d=64, t0=None):
+    """(K flat, V flat) of spec on DEV: the benchmarks' encoding of t0 synthetic tokens (KIVI
+    256, else 64) tiled to T (toolkit.kernel_flats; T a multiple of t0)."""
+    from kvqbench.suites.bench.toolkit import kernel_flats
+
+    return kernel_flats(spec, B, T, H, d, t0 or (256 if spec.startswith("kivi") else 64), DEV)
+
+
 @functools.lru_cache(maxsize=32)
 def case_flats(spec, B, Hkv, T, D, seed=0):
     """(K flat, V flat) of spec's encodings of make()'s random caches (cached)."""

@@ -36,7 +36,8 @@ def test_the_cuda_library_builds_for_sm90_and_matches_its_python(name, tmp_path,
         so = ctypes.CDLL(str(path))
     except OSError as e:  # (the CUDA runtime is linked statically; a driver-less loader may still refuse)
         pytest.skip(f"built, but not loadable here: {e}")
-    assert lib._declare(so) is None, lib._declare(so)
+    why = lib._declare(so)
+    assert why is None, why
     if lib is ch._LIB:
         so.kvq_hqmq_num_variants.restype = ctypes.c_int
         assert so.kvq_hqmq_num_variants() == ch.NUM_VARIANTS

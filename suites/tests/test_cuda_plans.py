@@ -28,16 +28,12 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from kvqbench.kernels import decode_attention as front  # noqa: E402
 from kvqbench.kernels.decode_attention import decode_attention  # noqa: E402
-from kvqbench.suites.bench.toolkit import kernel_flats  # noqa: E402
 from kvqbench.suites.tests.cuda_helpers import TOL, in_threads, rel_err  # noqa: E402
+from kvqbench.suites.tests.cuda_helpers import small_flats as _flats  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _flats(spec, B=1, T=128, H=2, d=64, t0=None):
-    return kernel_flats(spec, B, T, H, d, t0 or (256 if spec.startswith("kivi") else 64), DEV)
 
 
 # ---- the CUDA backends' routed plan (kernels/cuda/library.py RoutedPlan) ---------------------

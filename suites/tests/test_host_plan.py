@@ -23,16 +23,13 @@ pytest.importorskip("triton", reason="triton is not installed")
 from kvqbench.kernels import layout as L  # noqa: E402
 from kvqbench.kernels.decode_attention import decode_attention, reference_decode_attention  # noqa: E402
 from kvqbench.kernels.triton import common as tc  # noqa: E402
-from kvqbench.suites.bench.toolkit import encode_kv, kernel_flats, synthetic_kv  # noqa: E402
+from kvqbench.suites.bench.toolkit import encode_kv, synthetic_kv  # noqa: E402
+from kvqbench.suites.tests.cuda_helpers import small_flats as _flats  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SPECS = ["int4", "int2", "fp8", "kivi:bits=4", "hqmq:S=96,r=4", "hqmq:S=24,r=3,outliers=med3", "fp16"]
-
-
-def _flats(spec, B=1, T=128, H=2, d=64, t0=None):
-    return kernel_flats(spec, B, T, H, d, t0 or (256 if spec.startswith("kivi") else 64), DEV)
 
 
 def _norm(x):

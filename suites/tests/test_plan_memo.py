@@ -25,16 +25,12 @@ pytest.importorskip("triton", reason="triton is not installed")
 from kvqbench.kernels import decode_attention as front  # noqa: E402
 from kvqbench.kernels.common import PlanCache  # noqa: E402
 from kvqbench.kernels.decode_attention import decode_attention  # noqa: E402
-from kvqbench.suites.bench.toolkit import kernel_flats  # noqa: E402
+from kvqbench.suites.tests.cuda_helpers import DEV, cuda_module, kivi_views  # noqa: E402
+from kvqbench.suites.tests.cuda_helpers import small_flats as _flats  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SPECS = ["int4", "fp8", "kivi:bits=4", "hqmq:S=96,r=4", "hqmq:S=24,r=3,outliers=med3", "fp16"]
-
-
-def _flats(spec, B=1, T=128, H=2, d=64):
-    return kernel_flats(spec, B, T, H, d, 256 if spec.startswith("kivi") else 64, DEV)
 
 
 def _count_field(f) -> str:
@@ -120,11 +116,9 @@ def test_the_fast_route_takes_a_valid_len_call_as_the_route_does(spec, monkeypat
     and launches the plan the route launches, with the same q and valid_len; a valid_len of
     the wrong dtype is refused by the fast route as by the route; a host-count KIVI flat
     takes no valid_len on the fast route either (the route refuses it)."""
-    from kvqbench.kernels.cuda import decode_attention as cd
-    from kvqbench.kernels.cuda import hqmq_decode as ch
     from kvqbench.suites.bench.latency.host_time import CudaLookingTensor, cuda_path_on_cpu
 
-    mod = ch if spec.startswith("hqmq") else cd
+    mod = cuda_module(spec)
     k, v = _flats(spec)
     q = torch.randn(1, 4, 1, 64).half().as_subclass(CudaLookingTensor)
     vl = torch.tensor([k.T - 3], dtype=torch.int32)
@@ -159,10 +153,7 @@ def test_memoised_and_valid_len_fast_calls_give_a_fresh_plans_bits_on_the_gpu(sp
     buffers: calls through the fast route (the memo, or the full key then the memo; with a
     valid_len equal to T or without) give bit for bit what a plan built afresh gives (valid_len
     = T is the plain call's grid and tokens: test_cuda_*'s valid_len_equal_to_T tests)."""
-    from kvqbench.kernels.cuda import decode_attention as cd
-    from kvqbench.kernels.cuda import hqmq_decode as ch
-
-    mod = ch if spec.startswith("hqmq") else cd
+    mod = cuda_module(spec)
     k, v = _flats(spec, T=320)
     q = torch.randn(1, 4, 1, 64, device=DEV, dtype=torch.float16)
     vl = torch.tensor([320], dtype=torch.int32, device=DEV)
@@ -189,15 +180,8 @@ def test_a_kivi_graph_view_takes_the_fast_route_with_its_valid_len_on_the_gpu(mo
     asked again), and its result equals the routed call's bit for bit as the device count
     moves across a flush."""
     from kvqbench.kernels.cuda import decode_attention as cd
-    from kvqbench.suites.harness.kv_cache import QuantizedCache
 
-    g = torch.Generator().manual_seed(5)
-    k, v = (torch.randn(1, 2, 300, 64, generator=g).half().to(DEV) for _ in range(2))
-    cache = QuantizedCache("kivi:bits=4", n_layers=1, fused=True, seed=3)
-    cache.update(k, v, 0)
-    cache.reserve(400)
-    kg, vg = (cache.layers[0].stores[r].graph_view(400) for r in ("K", "V"))
-    q = torch.randn(1, 4, 1, 64, generator=g).half().to(DEV)
+    q, (kg, vg) = kivi_views("kivi:bits=4", 300, 400, 64, seed=5)
     vl = torch.tensor([300], dtype=torch.int32, device=DEV)
     if front.explain_backend(q, kg, vg, valid_len=vl).backend != "cuda":
         pytest.skip("auto does not route KIVI graph views to CUDA here")
