@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import platform
 import subprocess
+import sys
 import time
 
 import torch
@@ -62,19 +63,20 @@ def _smi(query: str) -> str:
 
 
 def audit_state() -> tuple[bool, str]:
-    """(whether a Python audit hook runs in this process, the reading that says so): what an
-    id() call costs against object.__hash__ (ns, best of 3). A hook, once installed, runs on
-    every id() (filelock >= 4.3 installs one on Python >= 3.12 at its import); host times
-    per call depend on that state (kernels keep id() off their per-call paths:
-    quantizers/derived.py `identity`), so runs record it. Hooked: id() > 100 ns dearer (a
-    hook costs 170-420 ns a call on a CPU; without one id() is the cheaper of the two)."""
+    """(whether filelock's audit hook is in this process, what an id() call costs against
+    object.__hash__). A Python audit hook, once installed, runs on every id(): filelock >=
+    4.3 installs one on Python >= 3.12 at its import (so every process that imports
+    transformers has it). Host times per call depend on that state (kernels keep id() off
+    their per-call paths: quantizers/derived.py `identity`), so runs record it. The flag is
+    read from the modules loaded, not from the timing (a condition --resume compares must
+    not move with the machine's noise); the reading (ns, best of 3) shows any other hook."""
     import timeit
 
+    hooked = sys.version_info >= (3, 12) and "filelock._core._fork" in sys.modules
     x, n = object(), 20000
     t_id = min(timeit.repeat(lambda: id(x), number=n, repeat=3)) / n * 1e9
     t_hash = min(timeit.repeat(lambda: object.__hash__(x), number=n, repeat=3)) / n * 1e9
-    hooked = t_id > t_hash + 100
-    return hooked, f"id() {t_id:.0f} ns, object.__hash__ {t_hash:.0f} ns" + (" (a Python audit hook is in)" * hooked)
+    return hooked, f"id() {t_id:.0f} ns, object.__hash__ {t_hash:.0f} ns" + (" (filelock's audit hook is in)" * hooked)
 
 
 def env_info() -> dict:
@@ -89,7 +91,7 @@ def env_info() -> dict:
 
     # how the CUDA calls launch their combine (library.py's switches: an A/B of either is two runs)
     info["cuda_combine"] = cuda_library.FUSED_COMBINE.mode() + (", PDL" if cuda_library.PDL.on else "")
-    info["python_audit_hook"], info["id_call"] = audit_state()  # (the state, compared by --resume; the reading)
+    info["filelock_audit_hook"], info["id_call"] = audit_state()  # (the state, compared by --resume; the reading)
     if GPU:
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, sm_count=p.multi_processor_count, gpu_mem_GiB=round(p.total_memory / 2**30, 1),

@@ -83,7 +83,7 @@ def _save(path: Path, run: dict) -> None:
 
 
 # Differences between two runs' environments that do not make their rows incomparable.
-RESUME_FREE = {"time", "sm_clock_now_MHz", "id_call"}  # (readings; python_audit_hook is the state)
+RESUME_FREE = {"time", "sm_clock_now_MHz", "id_call"}  # (readings; filelock_audit_hook is the state)
 
 
 def resumed(path: Path, run: dict) -> dict:

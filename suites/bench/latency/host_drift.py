@@ -87,10 +87,10 @@ def parts(q, kf, vf, n: int | None = None) -> dict:
 def state() -> dict:
     """What of the process the steps could depend on."""
     from ....kernels.cuda import hqmq_decode as hq
+    from ..toolkit import audit_state
 
     return {"hqmq plans kept": len(hq._PLANS.plans), "torch function modes": torch._C._len_torch_function_stack(),
-            "python objects": len(gc.get_objects()), "python": sys.version.split()[0],
-            "audit hook (filelock's)": "filelock._core._fork" in sys.modules and sys.version_info >= (3, 12)}
+            "python objects": len(gc.get_objects()), "python": sys.version.split()[0], "id()": audit_state()[1]}
 
 
 def run_suite(T: int, out: str) -> None:
