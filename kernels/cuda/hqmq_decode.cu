@@ -34,6 +34,9 @@
 //
 // Med3x caches (the OUT instances, see tile_step) add their fp16 outlier chunks by extra
 // mma; variants 9 and 10 (PF) stage each tile's outliers one tile ahead (out_meta).
+// Mixed-radix code rows (pack=mixed, S = 96, head dim 64 / 128: the MIX instances of v3)
+// land in the stage as copied and are rewritten there as 12-bit rows before the tile is
+// read (mixed_tile_to_bits), so the decode above is the same.
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -43,6 +46,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "mixed_codes.cuh"
 
 namespace {
 
@@ -169,6 +173,7 @@ struct CpCursor {
   int i;  // tiles copied so far (Med3x: position in the 64-token block)
   int fsh;  // D = 64: 1 when the role's flag rows start 2 bytes past a 4-byte boundary (odd capacity)
   int o1;   // D = 256: bytes from code chunk `lane` of the warp's half tile to chunk lane + 32
+  int kmis, vmis;  // MIX: bytes from the 16-byte boundary below the (b, h)'s K / V code rows to them
 };
 
 // Tokens from one tile of a warp to its next: NW tiles on (a warp takes every NW-th tile),
@@ -189,15 +194,46 @@ __device__ __forceinline__ void cp_async4_part(uint32_t dst, const void* src, in
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
 }
 
+// Bytes of a token's code row in global memory: 12-bit codes (Dims::CB) or mixed-radix (MIX)
+template <int D, bool MIX>
+__host__ __device__ constexpr int code_row_bytes() {
+  if constexpr (MIX) return mixed::Layout<D>::MB;
+  else return Dims<D>::CB;
+}
+
+// cp.async of 16 bytes of which only the first n (0..16) are read, the rest zero-filled
+__device__ __forceinline__ void cp_async16_part(uint32_t dst, const void* src, int n) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+
 // NW: the warps (D = 256: warp pairs) streaming tiles; CB, RB of the global rows (the
 // cursor's strides), the stage holds the warp's DW dims.
-template <int NW, bool OUT, bool PF = false, int D = 128>
+// MIX: mixed-radix code rows (mixed_codes.cuh; MB bytes a token): a tile's 16 rows are
+// 16 MB bytes, a multiple of 16, from `mis` bytes past a 16-byte boundary (the (b, h) row's
+// start: any capacity), copied as MB + 1 pieces of 16 bytes from that boundary into the
+// stage's code regions (the tile at byte mis), the bytes past the valid tokens zero-filled
+// (code 0); the tile loop rewrites them as 12-bit rows in place.
+template <int NW, bool OUT, bool PF = false, int D = 128, bool MIX = false>
 __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, bool on, int lane, bool on1 = false) {
   using Stage = ::Stage<D>;
   using DD = Dims<D>;
-  constexpr int CB = DD::CB, RB = DD::RB;
+  [[maybe_unused]] constexpr int CB = DD::CB;
+  constexpr int RB = DD::RB;
   const int STEP = tile_advance<NW, OUT>(cur.i);
-  if constexpr (D >= 128) {  // 48 code bytes a token in the stage (256: the warp's half of the row)
+  if constexpr (MIX) {
+    constexpr int MB = mixed::Layout<D>::MB, NPM = MB + 1;
+    const int vb = (T - cur.t0) * MB;  // the valid tokens' bytes from the tile's start (> 0 when on)
+#pragma unroll
+    for (int j = 0; j < (NPM + 31) / 32; ++j) {
+      const int i = lane + 32 * j;  // piece i: bytes 16 i .. 16 i + 15 from the boundary
+      if (i < NPM) {
+        const int nk = on ? max(0, min(16, cur.kmis + vb - 16 * i)) : 0;
+        const int nv = on ? max(0, min(16, cur.vmis + vb - 16 * i)) : 0;
+        cp_async16_part(st + Stage::KC + 16 * i, cur.c0 + 512 * j, nk);
+        cp_async16_part(st + Stage::VC + 16 * i, cur.vc0 + 512 * j, nv);
+      }
+    }
+  } else if constexpr (D >= 128) {  // 48 code bytes a token in the stage (256: the warp's half of the row)
     {
       const int i = lane;  // code chunk i: token i / 3
       const bool ok = on && cur.t0 + i / 3 < T;
@@ -266,8 +302,8 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, 
   }
   cur.i += 1;
   cur.t0 += STEP;
-  cur.c0 += STEP * CB;
-  cur.vc0 += STEP * CB;
+  cur.c0 += STEP * code_row_bytes<D, MIX>();
+  cur.vc0 += STEP * code_row_bytes<D, MIX>();
   cur.r += STEP * RB;
   cur.m += STEP * 2;
 }
@@ -672,6 +708,37 @@ __device__ __forceinline__ void v_generic(const uint8_t* st, const uint8_t* vtab
   }
 }
 
+// MIX: the landed stage's mixed-radix code rows (copy_tile) rewritten in place as the 12-bit
+// rows tile_step reads. Lane l takes row t = l & 15 of role l >> 4: its MB bytes at mis + MB t
+// from the region's start, its 12-bit row to CB t (16- / 8-byte stores without bank
+// conflicts). Every lane reads its row before any lane writes (the rows overlap). The caller
+// syncs the warp before the stage is read.
+template <int D>
+__device__ __forceinline__ void mixed_tile_to_bits(uint8_t* st, int lane, int mis) {
+  using L = mixed::Layout<D>;
+  constexpr int CB = Dims<D>::CB;
+  uint8_t* base = st + (lane < 16 ? Stage<D>::KC : Stage<D>::VC);
+  const int t = lane & 15, b0 = mis + L::MB * t, sh = 8 * (b0 & 3);
+  // (the words read past a row stay in the stage: the K region's run into V's, V's into the
+  // radius rows; their bits are masked off)
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(base + (b0 & ~3));
+  uint32_t r[L::NX + 1], x[L::NX], o[L::NO];
+#pragma unroll
+  for (int i = 0; i <= L::NX; ++i) r[i] = w[i];
+#pragma unroll
+  for (int i = 0; i < L::NX; ++i) x[i] = __funnelshift_r(r[i], r[i + 1], sh);
+  mixed::to_bits<D>(x, o);
+  __syncwarp();
+  if constexpr (CB % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < L::NO / 4; ++i)
+      reinterpret_cast<uint4*>(base + CB * t)[i] = make_uint4(o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < L::NO / 2; ++i) reinterpret_cast<uint2*>(base + CB * t)[i] = make_uint2(o[2 * i], o[2 * i + 1]);
+  }
+}
+
 // PF: the tile's outliers from its half pb of the warp's buffer (filled one tile ahead; its
 // item copies are the last group but two: the loop commits the stage of tile j + SMS - 1 and
 // tile j + 1's items after them)
@@ -894,9 +961,11 @@ constexpr int dyn_smem() {
 // PF (with OUT): the outliers one tile ahead, through a per-warp double buffer after the stages.
 // FUSED: the last CTA of a row group merges the group's partials into p.out (common.cuh
 // combine_rows), no combine launch after it.
+// MIX: mixed-radix code rows (S = 96, head dim 64 / 128, no Med3x: mixed_tile_to_bits).
 template <int NW, int SMS, int TABB, int MINB, bool OUT, int PF = 0, int D = 128, bool FUSED = false,
-          int CW = 8>
+          int CW = 8, bool MIX = false>
 __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params p) {
+  static_assert(!MIX || (!OUT && D <= 128), "mixed-radix rows: no Med3x, head dim 64 or 128");
   pdl_trigger();  // (common.cuh: the combine may be launched once every split CTA is resident)
   using Stage = ::Stage<D>;
   using PfBuf = ::PfBuf<D>;
@@ -949,8 +1018,13 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       cur.r = (lane < 16 ? p.kr + bh * p.k_rs : p.vr + bh * p.v_rs) + (long long)t0 * RB + RB * (lane & 15) +
               (RB / 2) * hf;
     } else {
-      cur.c0 = p.kc + bh * p.k_cs + (long long)t0 * CB + Dims<D>::PIECE * lane;
-      cur.vc0 = p.vc + bh * p.v_cs + (long long)t0 * CB + Dims<D>::PIECE * lane;
+      constexpr int piece = MIX ? 16 : Dims<D>::PIECE;  // (MIX: 16-byte pieces from a boundary)
+      const uint8_t* kb = p.kc + bh * p.k_cs + (long long)t0 * code_row_bytes<D, MIX>();
+      const uint8_t* vb = p.vc + bh * p.v_cs + (long long)t0 * code_row_bytes<D, MIX>();
+      cur.kmis = MIX ? (int)(reinterpret_cast<uintptr_t>(kb) & 15) : 0;  // (t0 MB: a multiple of 16)
+      cur.vmis = MIX ? (int)(reinterpret_cast<uintptr_t>(vb) & 15) : 0;
+      cur.c0 = kb - cur.kmis + piece * lane;
+      cur.vc0 = vb - cur.vmis + piece * lane;
       cur.r = (lane < 16 ? p.kr + bh * p.k_rs : p.vr + bh * p.v_rs) + (long long)t0 * RB + RB * (lane & 15);
     }
     const uint8_t* mk = reinterpret_cast<const uint8_t*>(p.km + bh * p.k_ms + t0);
@@ -1006,7 +1080,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   }
 #pragma unroll
   for (int i = 0; i < SMS - 1; ++i) {
-    copy_tile<NP, OUT, PF != 0, D>(wsa + i * SB, cur, T, i < ntile, lane, i + 1 < ntile);
+    copy_tile<NP, OUT, PF != 0, D, MIX>(wsa + i * SB, cur, T, i < ntile, lane, i + 1 < ntile);
     cp_commit();
   }
   int run = 0;  // Med3x: outliers of this lane's role before the current tile, in its block
@@ -1046,7 +1120,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   int rd = 0, wr = SMS - 1;
   for (int j = 0; j < ntile; ++j) {
     __syncwarp();
-    copy_tile<NP, OUT, PF != 0, D>(wsa + wr * SB, cur, T, j + SMS - 1 < ntile, lane, j + SMS < ntile);
+    copy_tile<NP, OUT, PF != 0, D, MIX>(wsa + wr * SB, cur, T, j + SMS - 1 < ntile, lane, j + SMS < ntile);
     cp_commit();
     if constexpr (OUT && PF) {
       // stage j: groups since it = tile j-1's items?, then per tile (stage, items) and the stage
@@ -1069,6 +1143,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       __syncwarp();
     }
     const int tile = OUT ? first + 4 * (wp + NP * (j >> 2)) + (j & 3) : first + wp + j * NP;
+    if constexpr (MIX) {
+      mixed_tile_to_bits<D>(stages + warp * (SMS * SB) + rd * SB, lane, lane < 16 ? cur.kmis : cur.vmis);
+      __syncwarp();
+    }
     tile_step<OUT, PF, DW, SPL, CW>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16, T, p.qk_scale, qb, acc, m, l,
                                     g, c, run, (j & 3) == 0, orow, pfb + (j & 1) * PfBuf::BYTES, xb + (j & 1) * 1024,
                                     hf, 1 + wp);
@@ -1161,6 +1239,9 @@ static_assert(tab_bytes(1, 4) % 16 == 0, "table alignment (16-byte copies)");
 // codebook=int8 (CW 4): 4-byte codewords, half the table; instances of the defaults alone
 // (v3, Med3x v10; the other variants lost to them on both GPUs: NOTES.md)
 constexpr bool cw4_variant(int v) { return v == 3 || v == 10; }
+// Mixed-radix code rows (pack=mixed at S = 96, head dim 64 / 128, no Med3x): instances of the
+// default variant alone, with either table (MIX: the stage's rows rewritten as 12-bit ones)
+constexpr int MIX_VARIANT = 3;
 
 // Variants with a Med3x (OUT) instance: the outlier fragments take ~44 more registers (164
 // for v0 / v2 under their 168 cap, no spills offline); the 128-register variants (v3, v6)
@@ -1188,16 +1269,16 @@ template <int V, int TABB, bool OUT, int D>
 constexpr int smem_of() {
   return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, OUT, OUT && PREFETCH[V] != 0, D>();
 }
-template <int V, int TABB, bool OUT, int D, int CW>
+template <int V, int TABB, bool OUT, int D, int CW, bool MIX = false>
 constexpr auto kernel_of() {
   return hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, minb_of<V, D, OUT>(), OUT,
-                           OUT ? PREFETCH[V] : 0, D, FUSED_BUILD, CW>;
+                           OUT ? PREFETCH[V] : 0, D, FUSED_BUILD, CW, MIX>;
 }
 
 // The dynamic shared-memory opt-in, once per instance (also before an occupancy query).
-template <int V, int TABB, bool OUT, int D, int CW>
+template <int V, int TABB, bool OUT, int D, int CW, bool MIX = false>
 int prepare() {
-  static cudaError_t e = cudaFuncSetAttribute(kernel_of<V, TABB, OUT, D, CW>(),
+  static cudaError_t e = cudaFuncSetAttribute(kernel_of<V, TABB, OUT, D, CW, MIX>(),
                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem_of<V, TABB, OUT, D>());
   return (int)e;
 }
@@ -1207,19 +1288,19 @@ constexpr int NO_INSTANCE = -1001;  // no Med3x instance of this variant
 
 // LAUNCH: 0 or a cudaError_t; OCCUPANCY: CTAs resident per SM (registers, shared memory,
 // threads), < 0 = -error; REGS: registers per thread, < 0 = -error.
-template <int V, int TABB, bool OUT, int D, int CW>
+template <int V, int TABB, bool OUT, int D, int CW, bool MIX = false>
 int act(What what, const Params* p, int rows, cudaStream_t stream) {
-  if constexpr ((OUT && !out_ok<D>(V)) || (CW == 4 && !cw4_variant(V))) {
+  if constexpr ((OUT && !out_ok<D>(V)) || (CW == 4 && !cw4_variant(V)) || (MIX && (V != MIX_VARIANT || OUT || D > 128))) {
     return NO_INSTANCE;
   } else {
-    constexpr auto k = kernel_of<V, TABB, OUT, D, CW>();
+    constexpr auto k = kernel_of<V, TABB, OUT, D, CW, MIX>();
     constexpr int NT = VARIANTS[V][0] * 32, SM = smem_of<V, TABB, OUT, D>();
     if (what == REGS) {
       cudaFuncAttributes a;
       const cudaError_t e = cudaFuncGetAttributes(&a, k);
       return e == cudaSuccess ? a.numRegs : -(int)e;
     }
-    if (const int e = prepare<V, TABB, OUT, D, CW>()) return what == LAUNCH ? e : -e;
+    if (const int e = prepare<V, TABB, OUT, D, CW, MIX>()) return what == LAUNCH ? e : -e;
     if (what == OCCUPANCY) {
       int n = 0;
       const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, NT, SM);
@@ -1249,27 +1330,34 @@ int act_t(int variant, What what, const Params* p, int rows, cudaStream_t s) {
 }
 
 template <int D, int CW>
-int dispatch_cw(int variant, int S, bool out, What what, const Params* p, int rows, cudaStream_t s) {
+int dispatch_cw(int variant, int S, bool out, What what, const Params* p, int rows, cudaStream_t s, bool mix) {
   constexpr int SMALL = tab_bytes(96, CW), LARGE = tab_bytes(170, CW);
   const bool small = S <= 96;
+  if (mix) {  // mixed-radix rows: radix 24 S = 2304 alone (mixed_codes.cuh)
+    if (S != 96) return -1;
+    if (out || variant != MIX_VARIANT) return NO_INSTANCE;
+    return act<MIX_VARIANT, SMALL, false, D, CW, true>(what, p, rows, s);
+  }
   if (out) return small ? act_t<SMALL, true, D, CW>(variant, what, p, rows, s)
                         : act_t<LARGE, true, D, CW>(variant, what, p, rows, s);
   return small ? act_t<SMALL, false, D, CW>(variant, what, p, rows, s)
                : act_t<LARGE, false, D, CW>(variant, what, p, rows, s);
 }
 template <int D>
-int dispatch_d(int variant, int S, bool out, What what, const Params* p, int rows, cudaStream_t s, int cw) {
-  return cw == 4 ? dispatch_cw<D, 4>(variant, S, out, what, p, rows, s)
-                 : dispatch_cw<D, 8>(variant, S, out, what, p, rows, s);
+int dispatch_d(int variant, int S, bool out, What what, const Params* p, int rows, cudaStream_t s, int cw, bool mix) {
+  return cw == 4 ? dispatch_cw<D, 4>(variant, S, out, what, p, rows, s, mix)
+                 : dispatch_cw<D, 8>(variant, S, out, what, p, rows, s, mix);
 }
 
 // -1 for S outside 1..170 (the tables), a head dim other than 64 / 128 / 256 or cw other than
-// 8 / 4 (bytes per codeword), NO_INSTANCE for a variant without a Med3x (or cw 4) instance
-int dispatch(int variant, int S, bool out, What what, const Params* p, int rows, cudaStream_t s, int D, int cw) {
+// 8 / 4 (bytes per codeword) or mixed-radix rows with S other than 96, NO_INSTANCE for a
+// variant without a Med3x (or cw 4, or mixed-radix) instance
+int dispatch(int variant, int S, bool out, What what, const Params* p, int rows, cudaStream_t s, int D, int cw,
+             bool mix) {
   if (S < 1 || S > 170 || (cw != 8 && cw != 4)) return -1;
-  if (D == 128) return dispatch_d<128>(variant, S, out, what, p, rows, s, cw);
-  if (D == 64) return dispatch_d<64>(variant, S, out, what, p, rows, s, cw);
-  if (D == 256) return dispatch_d<256>(variant, S, out, what, p, rows, s, cw);
+  if (D == 128) return dispatch_d<128>(variant, S, out, what, p, rows, s, cw, mix);
+  if (D == 64) return dispatch_d<64>(variant, S, out, what, p, rows, s, cw, mix);
+  if (D == 256) return mix ? NO_INSTANCE : dispatch_d<256>(variant, S, out, what, p, rows, s, cw, false);
   return -1;
 }
 
@@ -1293,10 +1381,11 @@ struct HqmqPlan {
   int vlen;  // 1: made for calls with a device valid count, 0: without (the loader keys plans by it)
   float qk_scale;  // log2(e) / sqrt(D)
   int cw;  // bytes per codeword: 8 (fp16) or 4 (codebook=int8); in the struct's former tail padding
+  int mix;  // 1: mixed-radix code rows (pack=mixed, S = 96, head dim 64 / 128: the MIX instances)
 };
 // The Python mirror is laid out by ctypes with the C rules: these pin the layout it assumes
 // (a field moved here without it fails the build, not a launch).
-static_assert(sizeof(HqmqPlan) == 264, "HqmqPlan: change _PlanArgs in hqmq_decode.py with it");
+static_assert(sizeof(HqmqPlan) == 272, "HqmqPlan: change _PlanArgs in hqmq_decode.py with it");
 static_assert(offsetof(HqmqPlan, k_cs) == 112 && offsetof(HqmqPlan, qtype) == 208 &&
                   offsetof(HqmqPlan, qk_scale) == 256,
               "HqmqPlan: change _PlanArgs in hqmq_decode.py with it");
@@ -1321,7 +1410,7 @@ int run_plan(const HqmqPlan& a, const void* q, const int* vlen, float* po, float
   p.counters = counters; p.out = out; p.otype = a.otype;
   if (FUSED_BUILD != (counters != nullptr)) return (int)cudaErrorInvalidValue;  // (fused: kvq_hqmq_run_fused)
   const int rows = a.B * a.Hkv;
-  const int e = dispatch(a.variant, a.S, a.kf != nullptr, LAUNCH, &p, rows, s, a.D, a.cw);
+  const int e = dispatch(a.variant, a.S, a.kf != nullptr, LAUNCH, &p, rows, s, a.D, a.cw, a.mix != 0);
   if (e) return e;
   if constexpr (FUSED_BUILD) return (int)cudaGetLastError();
   if (a.D == 64) return launch_combine<64>(po, pm, pl, out, a.otype, rows * a.gqa, a.nsplit, s);  // common.cuh
@@ -1341,11 +1430,12 @@ extern "C" int kvq_hqmq_decode(const void* q, int qtype, const void* kc, const v
                                const void* ki, const void* vi, long long k_fs, long long k_os, long long k_is,
                                long long v_fs, long long v_os, long long v_is, int B, int Hkv, int gqa, int T, int S,
                                int steps_per_split, int nsplit, float qk_scale, float* po, float* pm, float* pl,
-                               void* out, int otype, int variant, const int* vlen, void* stream, int D, int cw) {
+                               void* out, int otype, int variant, const int* vlen, void* stream, int D, int cw,
+                               int mix) {
   const HqmqPlan a = {kc, kr, km, vc, vr, vm, ktab, vtab, kf, vf, ko, vo, ki, vi,
                       k_cs, k_rs, k_ms, v_cs, v_rs, v_ms, k_fs, k_os, k_is, v_fs, v_os, v_is,
                       qtype, otype, variant, D, S, B, Hkv, gqa, T, steps_per_split, nsplit, vlen != nullptr, qk_scale,
-                      cw};
+                      cw, mix};
   return run_plan(a, q, vlen, po, pm, pl, out, (cudaStream_t)stream);
 }
 
@@ -1383,10 +1473,10 @@ extern "C" void kvq_hqmq_set_pdl(int on) { pdl_on = on; }
 extern "C" int kvq_hqmq_num_variants() { return NVARIANTS; }
 
 // CTAs per SM of a variant (out: its Med3x instance); < 0: -error, -1 bad S, NO_INSTANCE.
-extern "C" int kvq_hqmq_occupancy(int variant, int S, int out, int D, int cw) {
-  return dispatch(variant, S, out != 0, OCCUPANCY, nullptr, 0, nullptr, D, cw);
+extern "C" int kvq_hqmq_occupancy(int variant, int S, int out, int D, int cw, int mix) {
+  return dispatch(variant, S, out != 0, OCCUPANCY, nullptr, 0, nullptr, D, cw, mix != 0);
 }
 
-extern "C" int kvq_hqmq_num_regs(int variant, int S, int out, int D, int cw) {
-  return dispatch(variant, S, out != 0, REGS, nullptr, 0, nullptr, D, cw);
+extern "C" int kvq_hqmq_num_regs(int variant, int S, int out, int D, int cw, int mix) {
+  return dispatch(variant, S, out != 0, REGS, nullptr, 0, nullptr, D, cw, mix != 0);
 }

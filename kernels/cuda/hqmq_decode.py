@@ -92,16 +92,32 @@ PLANNED = True
 # auto routes such caches here (graphed B=8 T=32k on that H100: 129.6-130.1 us = 2.83x the same
 # run's graphed fp16 SDPA of 367.5 us; the exact codebook 151.1-152.2 us = 2.42x).
 AUTO_INT8 = True
+# pack=mixed caches (mixed-radix code rows, quantizers/packing.py `mixed_layout`): the .cu's
+# MIX instances of the default variant copy a tile's rows as they lie and rewrite them in
+# shared memory as 12-bit rows before the decode (mixed_codes.cuh), so the arithmetic is
+# v3's. Radix 2304 (S = 96) at head dim 64 and 128 (23- and 45-byte rows), no Med3x;
+# anything else stays on Triton with the reason. Not yet run on a GPU (2026-12-07), so auto
+# keeps them on Triton (AUTO_MIXED) until the GPU tests pass.
+MIXED_HEAD_DIMS = (64, 128)
+AUTO_MIXED = False
 
 
-def variants(head_dim: int = 128, med3: bool = False, cw: int = 8) -> tuple[int, ...]:
+def variants(head_dim: int = 128, med3: bool = False, cw: int = 8, mix: bool = False) -> tuple[int, ...]:
     """The variants with an instance at this head dim (med3: with a Med3x instance; cw 4:
-    for codebook=int8 caches, the defaults' alone)."""
+    for codebook=int8 caches, the defaults' alone; mix: for pack=mixed caches, the default's
+    alone)."""
+    if mix:
+        return () if med3 or head_dim not in MIXED_HEAD_DIMS else (DEFAULT_VARIANT,)
     if cw == 4:
         return (DEFAULT_VARIANT_MED3,) if med3 else (DEFAULT_VARIANT,)
     if med3:
         return MED3_VARIANTS if head_dim == 128 else PREFETCH_VARIANTS
     return tuple(range(NUM_VARIANTS))
+
+
+def mixed_rows(f) -> bool:
+    """Whether this flat's code rows are mixed-radix (pack=mixed): the .cu's MIX instances."""
+    return f.code_pack == "mixed"
 
 
 def codeword_bytes(f) -> int:
@@ -129,11 +145,11 @@ def _declare(lib) -> str | None:
     lib.kvq_hqmq_run.argtypes = [P, P, P, P, P, P, P, P]
     lib.kvq_hqmq_run.restype = I
     lib.kvq_hqmq_decode.argtypes = [P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, LL, LL, P, P, P, P, P, P, LL,
-                                    LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F, P, P, P, P, I, I, P, P, I, I]
+                                    LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F, P, P, P, P, I, I, P, P, I, I, I]
     lib.kvq_hqmq_decode.restype = I
-    lib.kvq_hqmq_num_regs.argtypes = [I, I, I, I, I]
+    lib.kvq_hqmq_num_regs.argtypes = [I, I, I, I, I, I]
     lib.kvq_hqmq_num_regs.restype = I
-    lib.kvq_hqmq_occupancy.argtypes = [I, I, I, I, I]
+    lib.kvq_hqmq_occupancy.argtypes = [I, I, I, I, I, I]
     lib.kvq_hqmq_occupancy.restype = I
     lib.kvq_hqmq_set_pdl.argtypes = [I]
     lib.kvq_hqmq_set_pdl.restype = None
@@ -153,11 +169,11 @@ def available() -> bool:  # through the module's why_unavailable, as before Kern
 
 
 def num_regs(variant: int = 0, S: int = 96, med3: bool = False, head_dim: int = 128, fused: bool = False,
-             cw: int = 8) -> int:
+             cw: int = 8, mix: bool = False) -> int:
     """Registers per thread of a variant's instance (med3: its Med3x one; fused: the fused
-    build's; cw 4: codebook=int8's); < 0: none / error."""
+    build's; cw 4: codebook=int8's; mix: pack=mixed's); < 0: none / error."""
     lib = _FUSED.load() if fused else _load()
-    return -1 if lib is None else lib.kvq_hqmq_num_regs(variant, S, int(med3), head_dim, cw)
+    return -1 if lib is None else lib.kvq_hqmq_num_regs(variant, S, int(med3), head_dim, cw, int(mix))
 
 
 def head_dim_reason(D: int) -> str | None:
@@ -189,6 +205,13 @@ def _flat_reason(f) -> str | None:
     if f.codes.dtype != torch.uint8 or f.radius.dtype != torch.uint8 or f.r_max.dtype != torch.float16:
         return "codes/radius must be uint8, r_max fp16"
     cb, rb, al = f.D * 3 // 8, f.D // 8, _align(f.D)
+    if mixed_rows(f):
+        G, W, _, cb = f.code_layout
+        if f.S != 96 or f.D not in MIXED_HEAD_DIMS or f.has_outliers:
+            return (f"mixed-radix codes (pack=mixed: {G} codes of radix {24 * f.S} per {W}-bit group, {cb}-byte "
+                    f"rows) at S={f.S}, head_dim {f.D}{', with Med3x' if f.has_outliers else ''}: the CUDA kernel "
+                    f"reads them at S=96, head_dim {' / '.join(map(str, MIXED_HEAD_DIMS))}, without Med3x; "
+                    f"Triton reads them")
     if f.codes.shape[-1] != cb or f.radius.shape[-1] != rb:
         return f"code/radius rows of {cb}/{rb} bytes expected"
     if not (f.codes.is_cuda and f.radius.is_cuda and f.r_max.is_cuda):
@@ -199,8 +222,12 @@ def _flat_reason(f) -> str | None:
         bh_stride(f.r_max, "r_max")
     except ValueError as e:
         return str(e)
-    if f.codes.data_ptr() % al or f.radius.data_ptr() % al or cs % al or rs % al:
-        return f"codes/radius not {al}-byte aligned (cp.async)"
+    if mixed_rows(f):  # a tile's rows are copied in 16-byte pieces from the boundary below them: any capacity
+        al_c, cs_c = 16, 0
+    else:
+        al_c, cs_c = al, cs
+    if f.codes.data_ptr() % al_c or f.radius.data_ptr() % al or cs_c % al or rs % al:
+        return f"codes/radius not {al_c}/{al}-byte aligned (cp.async)"
     if f.r_max.data_ptr() % 2:
         return "r_max not 2-byte aligned"
     if f.has_outliers:  # Med3x: flag words, the outlier list (8-byte items), the block starts
@@ -237,7 +264,7 @@ def _flat_info(f):
         return f"no CUDA HQMQ kernel for {type(f).__name__}"
     ts = (f.codes, f.radius, f.r_max, f.sec, f.table, f.flags, f.outliers, f.outlier_index)
     key = (tuple(map(identity, ts)), f.D, f.S, f.code_bits, f.r_bits, f.log_radius, f.table_mode, f.codebook,
-           None if f.sec is None else _version(f.sec))
+           f.code_pack, None if f.sec is None else _version(f.sec))
     hit = _INFO.get(key)
     if hit is not None:
         return hit
@@ -286,6 +313,8 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
         return "Med3x outliers on one side only"
     if k.codebook != v.codebook:
         return f"K codebook={k.codebook}, V codebook={v.codebook} (one kernel instance reads both tables)"
+    if k.code_pack != v.code_pack:
+        return f"K pack={k.code_pack}, V pack={v.code_pack} (one kernel instance reads both)"
     return None
 
 
@@ -308,15 +337,16 @@ def codebook8(f) -> torch.Tensor:
 
 
 def occupancy(variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False, head_dim: int = 128,
-              cw: int = 8) -> int:
+              cw: int = 8, mix: bool = False) -> int:
     """CTAs of a variant resident per SM (the CUDA occupancy query; < 0 when unavailable:
-    no library, no such instance (NO_INSTANCE: no Med3x / cw 4 instance), a refused opt-in)."""
+    no library, no such instance (NO_INSTANCE: no Med3x / cw 4 / mixed instance), a refused
+    opt-in)."""
     lib = _load()
     if lib is None:
         return -1
-    key = (variant, S <= 96, med3, head_dim, cw)
+    key = (variant, S if mix else S <= 96, med3, head_dim, cw, mix)
     if key not in _OCC:
-        _OCC[key] = lib.kvq_hqmq_occupancy(variant, S, int(med3), head_dim, cw)
+        _OCC[key] = lib.kvq_hqmq_occupancy(variant, S, int(med3), head_dim, cw, int(mix))
     return _OCC[key]
 
 
@@ -324,7 +354,8 @@ _OCC: dict = {}
 
 
 def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm: int | None = None,
-           variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False, head_dim: int = 128, cw: int = 8):
+           variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False, head_dim: int = 128, cw: int = 8,
+           mix: bool = False):
     """(number of splits, 16-token tiles per split), every split non-empty: num_splits if
     given, else about ctas_per_sm CTAs per SM if given, else the whole-wave rule: for
     w = 1, 2, ... waves of `slots = occupancy x SMs` CTAs, the most splits that fit w
@@ -334,7 +365,7 @@ def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm
     sms = sm_count(device)
 
     def whole_waves(tiles: int) -> int:
-        occ = occupancy(variant, S, med3, head_dim, cw) if device.type == "cuda" else -1
+        occ = occupancy(variant, S, med3, head_dim, cw, mix) if device.type == "cuda" else -1
         if occ <= 0:
             return max(-(-tiles // TILES_PER_SPLIT), math.ceil(MIN_CTAS_PER_SM * sms / max(1, rows)))
         slots = occ * sms
@@ -361,6 +392,9 @@ def auto_refusal(k) -> str | None:
         return "cuda.hqmq_decode.AUTO_MED3 is False: auto keeps Med3x caches on Triton"
     if codeword_bytes(k) == 4 and not AUTO_INT8:
         return "codebook=int8: cuda.hqmq_decode.AUTO_INT8 is False (not yet run on a GPU; backend='cuda' takes it)"
+    if mixed_rows(k) and not AUTO_MIXED:
+        return ("pack=mixed: cuda.hqmq_decode.AUTO_MIXED is False (not yet run on a GPU; backend='cuda' takes "
+                "S=96 at head_dim 64 / 128)")
     return None
 
 
@@ -382,7 +416,7 @@ def workspace(q: torch.Tensor, k, *, num_splits: int | None = None, ctas_per_sm:
     med3 = k.has_outliers
     variant = (DEFAULT_VARIANT_MED3 if med3 else DEFAULT_VARIANT) if variant is None else variant
     nsplit, _ = splits(k.B * k.H, k.T, q.device, num_splits, ctas_per_sm, variant, k.S, med3, k.D,
-                       codeword_bytes(k))
+                       codeword_bytes(k), mixed_rows(k))
     ws = Workspace(k.B * q.shape[1], nsplit, k.D, q.device, out_dtype or q.dtype)
     if FUSED_COMBINE.on:  # (its counters now, not in a capture's first call)
         workspace_counters(ws, k.B * q.shape[1], q.device)
@@ -440,7 +474,7 @@ def _token_splits(k, device, num_splits, ctas_per_sm, variant) -> tuple[int, int
     """(splits, tiles per split) of a call on k's T tokens: with T itself, all a plan holds
     that follows the token count (`_retarget` relies on it)."""
     return splits(k.B * k.H, k.T, device, num_splits, ctas_per_sm, variant, k.S, k.has_outliers, k.D,
-                  codeword_bytes(k))
+                  codeword_bytes(k), mixed_rows(k))
 
 
 def _launch_values(q: torch.Tensor, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len):
@@ -464,7 +498,10 @@ def _launch_values(q: torch.Tensor, k, v, num_splits, ctas_per_sm, variant, out_
         raise ValueError(f"variant {variant} has no instance at head_dim {D} (variants: {variants(D)})")
     if cw == 4 and variant not in variants(D, out, cw):
         raise ValueError(f"variant {variant} has no codebook=int8 instance (variants: {variants(D, out, cw)})")
-    if occupancy(variant, k.S, out, D, cw) <= 0:  # v8 with S > 96 (the shared-memory opt-in is refused)
+    mix = mixed_rows(k)
+    if mix and variant not in variants(D, out, cw, mix):
+        raise ValueError(f"variant {variant} has no pack=mixed instance (variants: {variants(D, out, cw, mix)})")
+    if occupancy(variant, k.S, out, D, cw, mix) <= 0:  # v8 with S > 96 (the shared-memory opt-in is refused)
         raise ValueError(f"variant {variant} does not fit the shared memory with S={k.S} at head_dim {D}")
     nsplit, per = _token_splits(k, q.device, num_splits, ctas_per_sm, variant)
     out_dtype = out_dtype or q.dtype
@@ -516,10 +553,12 @@ def _decode_per_call(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_d
             *(med3 or _NO_MED3_ARGS), B, H, Hq // H, T, k.S, per, nsplit, qk_scale(D), ws.po.data_ptr(),
             ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr(), QTYPE[out_dtype], variant, vl)
     if torch.cuda.current_device() == dev:  # the usual case: no device switch around the launch
-        err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev), D, codeword_bytes(k))
+        err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev), D, codeword_bytes(k),
+                                  int(mixed_rows(k)))
     else:
         with torch.cuda.device(dev):
-            err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev), D, codeword_bytes(k))
+            err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev), D, codeword_bytes(k),
+                                      int(mixed_rows(k)))
     if err:
         raise RuntimeError(f"CUDA HQMQ kernel launch failed: error {err}")
     return ws.out.view(B, Hq, 1, D)
@@ -541,7 +580,7 @@ class _PlanArgs(ctypes.Structure):  # mirrors HqmqPlan in hqmq_decode.cu (checke
                                                     "k_fs", "k_os", "k_is", "v_fs", "v_os", "v_is")]
                 + [(n, ctypes.c_int) for n in ("qtype", "otype", "variant", "D", "S", "B", "Hkv", "gqa", "T",
                                                "steps_per_split", "nsplit", "vlen")]
-                + [("qk_scale", ctypes.c_float), ("cw", ctypes.c_int)])
+                + [("qk_scale", ctypes.c_float), ("cw", ctypes.c_int), ("mix", ctypes.c_int)])
 
 
 class _Plan:
@@ -573,8 +612,8 @@ def _lookup(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len_give
     """(the kept plan of this call or None, its full key, the tensors it reads)."""
     ts = _plan_tensors(k, v)
     key = (type(k), type(v), tuple(map(identity, ts)),  # (not T: see _retarget)
-           k.B, k.H, k.D, k.S, k.code_bits, k.r_bits, k.log_radius, k.table_mode, k.codebook,
-           v.B, v.H, v.D, v.S, v.code_bits, v.r_bits, v.log_radius, v.table_mode, v.codebook,
+           k.B, k.H, k.D, k.S, k.code_bits, k.r_bits, k.log_radius, k.table_mode, k.codebook, k.code_pack,
+           v.B, v.H, v.D, v.S, v.code_bits, v.r_bits, v.log_radius, v.table_mode, v.codebook, v.code_pack,
            _facts(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len_given))
     return _PLANS.get(key), key, ts
 
@@ -616,6 +655,7 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len)
     a.vlen = int(valid_len is not None)
     a.qk_scale = qk_scale(D)
     a.cw = codeword_bytes(k)
+    a.mix = int(mixed_rows(k))
     plan = _Plan()
     plan.args, plan.ptr, plan.keep = a, ctypes.addressof(a), (kt, vt)
     plan.nsplit, plan.rows_q, plan.D, plan.shape, plan.out_dtype = nsplit, B * Hq, D, (B, Hq, 1, D), out_dtype
@@ -684,7 +724,7 @@ def _launch_planned(plan, q, vl, workspace) -> torch.Tensor:
 
 
 __all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits",
-           "codebook16", "codebook8", "codeword_bytes", "AUTO_INT8", "takes_by_default", "auto_refusal", "OPTIONS",
+           "codebook16", "codebook8", "codeword_bytes", "AUTO_INT8", "AUTO_MIXED", "MIXED_HEAD_DIMS", "mixed_rows", "takes_by_default", "auto_refusal", "OPTIONS",
            "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS",
            "MED3_VARIANTS", "PREFETCH_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale",
            "head_dim_reason", "PLANNED"]

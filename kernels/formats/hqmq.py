@@ -6,8 +6,9 @@ lists), its device step encoder (kernels/hqmq_encode.py's `hqmq_tokens`), its ke
 
 Mixed-radix codes (`pack=mixed`, quantizers/hqmq.py): the flat declares them
 (`HQMQFlat.code_pack`, `code_layout`); the Triton kernel and the step encoder read and
-write them; the CUDA kernel declines them (`mixed_refusal`: its .cu reads 12-bit fields),
-so backend="auto" runs Triton and `explain_backend` says why.
+write them; the CUDA kernel reads them at S=96, head_dim 64 / 128 without Med3x (its MIX
+instances rewrite a tile's rows as 12-bit rows in shared memory) and declines the rest with
+the reason (`cuda/hqmq_decode.py` `_flat_reason`), which `explain_backend` reports.
 
 Med3x in the store: the outliers PER (b, h), `outliers [B, H, Ocap, 4]`, and
 `outlier_index [B, H, ceil(Tcap/64)]`, the start of each 64-token block within its (b, h)
@@ -529,20 +530,9 @@ class HQMQStore(KernelStore):
 
 
 
-def mixed_refusal(*flats) -> str | None:
-    """Why the CUDA kernel cannot read these flats' code rows (None: it can): mixed-radix
-    codes (pack=mixed), which its .cu source does not decode (it reads 12-bit fields)."""
-    for f in flats:
-        if isinstance(f, HQMQFlat) and f.code_pack != "bits":
-            G, W, _, cb = f.code_layout
-            return (f"mixed-radix codes (pack=mixed: {G} codes of radix {24 * f.S} per {W}-bit group, "
-                    f"{cb}-byte rows): the CUDA HQMQ kernel reads whole-bit 12-bit codes only; Triton reads them")
-    return None
-
-
 CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_hqmq.decode(q, k, v, **kw), title="CUDA HQMQ kernel",
-              auto=lambda k: mixed_refusal(k) or cuda_hqmq.auto_refusal(k), options=cuda_hqmq.OPTIONS,
-              unsupported=lambda q, k, v: mixed_refusal(k, v) or cuda_hqmq.unsupported(q, k, v),
+              auto=lambda k: cuda_hqmq.auto_refusal(k), options=cuda_hqmq.OPTIONS,
+              unsupported=lambda q, k, v: cuda_hqmq.unsupported(q, k, v),
               why_unavailable=lambda: cuda_hqmq.why_unavailable(), renamed=cuda_hqmq.RENAMED,
               fast=lambda q, k, v, valid_len=None: cuda_hqmq.fast(q, k, v, valid_len))
 
@@ -554,6 +544,6 @@ FORMAT = Format(
     device_encoder=kernel_quantizer,
     kernels=(Kernel("triton", hqmq_decode_attention, title="Triton HQMQ kernel", row_start=True), CUDA),
     bench={"hqmq": "hqmq:S=96,r=4", "hqmq-med3": "hqmq:S=96,r=4,outliers=med3",
-           "hqmq-mixed": "hqmq:S=96,r=4,pack=mixed",  # Triton (the CUDA kernel declines mixed codes)
+           "hqmq-mixed": "hqmq:S=96,r=4,pack=mixed",  # CUDA by opt-in until AUTO_MIXED (cuda/hqmq_decode.py)
            "hqmq-int8": "hqmq:S=96,r=4,codebook=int8"},  # CUDA under auto since AUTO_INT8 (cuda/hqmq_decode.py)
 )

@@ -404,7 +404,7 @@ def test_default_splits_fill_whole_waves(monkeypatch):
     """The default split rule: the fewest whole waves of occupancy x SMs CTAs filled to at
     least FILL; every split non-empty; the old rule when the occupancy is unknown."""
     monkeypatch.setattr(cuda_hqmq, "sm_count", lambda device: 132)
-    monkeypatch.setattr(cuda_hqmq, "occupancy", lambda variant=0, S=96, med3=False, head_dim=128, cw=8: 3)
+    monkeypatch.setattr(cuda_hqmq, "occupancy", lambda variant=0, S=96, med3=False, head_dim=128, cw=8, mix=False: 3)
     dev = torch.device("cuda")
     assert cuda_hqmq.splits(64, 32768, dev) == (6, 342)  # B=8: 384 of 396 slots
     assert cuda_hqmq.splits(8, 32768, dev) == (49, 42)  # B=1: 392 of 396
@@ -422,7 +422,7 @@ def test_default_splits_fill_whole_waves(monkeypatch):
     for ns in (1, 3, 7, 10_000):
         n, per = cuda_hqmq.splits(8, 4099, dev, num_splits=ns, med3=True)
         assert per % 4 == 0 and n * per >= 257 and (n - 1) * per < 257
-    monkeypatch.setattr(cuda_hqmq, "occupancy", lambda variant=0, S=96, med3=False, head_dim=128, cw=8: -1)
+    monkeypatch.setattr(cuda_hqmq, "occupancy", lambda variant=0, S=96, med3=False, head_dim=128, cw=8, mix=False: -1)
     assert cuda_hqmq.splits(64, 32768, dev) == (32, 64)  # max(2048 / 64 tiles, 2 x 132 / 64)
 
 

@@ -9,8 +9,8 @@ log2(2304) = 11.17.
   the bytes the layout says (the measured bits fall);
 - the fused path: the Triton kernel reads the mixed rows (the same attention output as
   the bits rows, bit for bit), the device step encoder writes them (the old path's bytes
-  up to search ties), and the CUDA kernel declines them with a reason explain_backend
-  reports.
+  up to search ties), and the CUDA kernel's routing of them (its MIX instances read S=96
+  rows: test_cuda_mixed_codes.py) with the reasons explain_backend reports.
 
 CPU: the kernels run under the Triton interpreter, tiny shapes.
 """
@@ -143,21 +143,27 @@ def test_triton_reads_mixed_rows(spec, D):
     assert torch.isfinite(om).all() and torch.equal(om, ob)  # the same codes decoded the same way
 
 
-def test_cuda_declines_mixed_rows_and_explain_backend_says_why(monkeypatch):
+def test_cuda_routing_of_mixed_rows_and_explain_backend_says_why(monkeypatch):
+    """The CUDA kernel reads mixed rows at S=96 (test_cuda_mixed_codes.py); auto sends them
+    there only with AUTO_MIXED, and a layout it declines keeps Triton with the reason."""
     from kvqbench.kernels import registry
+    from kvqbench.kernels.cuda import hqmq_decode as cuda_hqmq
     from kvqbench.kernels.decode_attention import explain_backend
     from kvqbench.kernels.formats import hqmq as fmt
 
     x = _data((1, 2, 8, 128), 1, torch.float16)
-    km, vm = _flats("hqmq:S=96,r=4,pack=mixed", x, x)
-    kb, vb = _flats("hqmq:S=96,r=4", x, x)
     cuda = fmt.FORMAT.by_backend["cuda"]
-    assert "mixed-radix" in cuda.unsupported(_data((1, 4, 1, 128), 2), km, vm)
-    assert "mixed-radix" in cuda.auto(km)
-    assert fmt.mixed_refusal(kb, vb) is None
     monkeypatch.setattr(registry, "on_device", lambda q, device: True)  # as if q were on a CUDA device
-    route = explain_backend(_data((1, 4, 1, 128), 2, torch.float16), km, vm)
-    assert route.backend == "triton" and "mixed-radix" in route.declined["cuda"] and "mixed-radix" in route.reason
+    q = _data((1, 4, 1, 128), 2, torch.float16)
+    km, vm = _flats("hqmq:S=96,r=4,pack=mixed", x, x)
+    monkeypatch.setattr(cuda_hqmq, "AUTO_MIXED", False)
+    assert "AUTO_MIXED" in cuda.auto(km)
+    route = explain_backend(q, km, vm)
+    assert route.backend == "triton" and "AUTO_MIXED" in route.declined["cuda"]
+    kl, vl = _flats("hqmq:S=128,r=4,pack=mixed", x, x)  # radix 3072: no CUDA instance
+    assert "mixed-radix" in cuda_hqmq._flat_reason(kl) and "S=128" in cuda_hqmq._flat_reason(kl)
+    route = explain_backend(q, kl, vl)
+    assert route.backend == "triton" and "cuda" in route.declined
 
 
 @pytest.mark.parametrize("spec", ["hqmq:S=96,r=4,pack=mixed", "hqmq:S=24,r=3,outliers=med3,pack=mixed"])

@@ -1,0 +1,158 @@
+"""The CUDA HQMQ kernel on mixed-radix code rows (pack=mixed, S=96, head dim 64 / 128): its
+MIX instances copy a tile's rows as they lie and rewrite them in shared memory as 12-bit rows
+(kernels/cuda/mixed_codes.cuh) before v3's decode.
+
+- CPU (a C++ compiler): mixed_codes.cuh's `to_bits`, built as plain C++, against
+  quantizers/packing.py: every row of random and extreme codes, with garbage bytes after
+  the row, gives the 12-bit row `pack_bits` makes;
+- CPU: which caches the kernel declines, and why (S other than 96, Med3x, head dim 256);
+- GPU: the same codes stored mixed and as 12-bit rows give the same output bit for bit
+  (one decode after the rewrite), at T = 1 / 17 / 1000 / 4099, capacities that put the
+  (b, h) rows off a 16-byte boundary, splits, a device valid_len, both codebooks.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvqbench.kernels import layout as L
+from kvqbench.kernels.cuda import hqmq_decode as cuda_hqmq
+from kvqbench.quantizers.packing import mixed_layout, pack_bits, pack_mixed
+from kvqbench.suites.tests.cuda_helpers import CUDA, DEV, attend, flats, make, query, vlen, with_junk
+
+HEADER = Path(cuda_hqmq.SOURCE).parent / "mixed_codes.cuh"
+WHY = cuda_hqmq.why_unavailable() if CUDA else "no CUDA device"
+needs_cuda = pytest.mark.skipif(WHY is not None, reason=f"CUDA HQMQ kernel unavailable: {WHY}")
+BITS, MIXED = "hqmq:S=96,r=4", "hqmq:S=96,r=4,pack=mixed"
+NX = {64: 6, 128: 12}  # words holding a mixed row (mixed::Layout<D>::NX)
+
+HARNESS = r"""
+#include "mixed_codes.cuh"
+#include <string.h>
+template <int D>
+static void rows(const unsigned char* in, int n, int stride, uint32_t* out) {
+  using L = mixed::Layout<D>;
+  for (int r = 0; r < n; ++r) {
+    uint32_t x[L::NX], o[L::NO];
+    memcpy(x, in + (long)r * stride, sizeof x);
+    mixed::to_bits<D>(x, o);
+    memcpy(out + (long)r * L::NO, o, sizeof o);
+  }
+}
+extern "C" void rows64(const unsigned char* in, int n, int stride, uint32_t* out) { rows<64>(in, n, stride, out); }
+extern "C" void rows128(const unsigned char* in, int n, int stride, uint32_t* out) { rows<128>(in, n, stride, out); }
+"""
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to build mixed_codes.cuh's host harness")
+    d = tmp_path_factory.mktemp("mixed")
+    (d / "h.cpp").write_text(HARNESS)
+    so = d / "h.so"
+    r = subprocess.run([cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{HEADER.parent}", "-o", str(so),
+                        str(d / "h.cpp")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return ctypes.CDLL(str(so))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_to_bits_is_packings_12_bit_row(harness, D):
+    n_codes = D // 4
+    G, W, WL, MB = mixed_layout(2304, n_codes)
+    assert WL == 0 and MB <= 4 * NX[D]  # the header's layout is the packer's
+    g = torch.Generator().manual_seed(D)
+    codes = torch.randint(0, 2304, (4000, n_codes), generator=g)
+    codes[0], codes[1], codes[2, ::2] = 2303, 0, 2303  # every group at its extremes
+    rows = pack_mixed(codes, 2304)
+    assert rows.shape[1] == MB
+    stride = 4 * NX[D] + 4
+    buf = torch.randint(0, 256, (codes.shape[0], stride), generator=g, dtype=torch.uint8)  # garbage after each row
+    buf[:, :MB] = rows
+    out = torch.zeros(codes.shape[0], 3 * n_codes // 8, dtype=torch.int32)
+    fn = harness.rows64 if D == 64 else harness.rows128
+    fn(ctypes.c_void_p(buf.data_ptr()), codes.shape[0], stride, ctypes.c_void_p(out.data_ptr()))
+    want = pack_bits(codes, 12)
+    assert torch.equal(out.view(torch.uint8), want)
+
+
+def _cpu_flats(spec, D, T=40):
+    k, v = make(1, 2, T, D, 1).cpu(), make(1, 2, T, D, 2).cpu()
+    return flats(spec, k, v)
+
+
+@pytest.mark.parametrize("spec,D,why", [
+    ("hqmq:S=128,r=4,pack=mixed", 128, "S=128"),
+    ("hqmq:S=96,r=4,pack=mixed,outliers=med3", 128, "with Med3x"),
+    (MIXED, 256, "head_dim 256"),
+])
+def test_declined_layouts_name_the_reason(spec, D, why):
+    kf, _ = _cpu_flats(spec, D)
+    reason = cuda_hqmq._flat_reason(kf)
+    assert reason and "mixed-radix" in reason and why in reason and "Triton reads them" in reason
+
+
+def test_taken_layouts_get_past_the_code_checks():
+    for D in cuda_hqmq.MIXED_HEAD_DIMS:
+        kf, _ = _cpu_flats(MIXED, D)
+        assert cuda_hqmq.mixed_rows(kf) and cuda_hqmq._flat_reason(kf) == "cache buffers not on a CUDA device"
+        why = cuda_hqmq.auto_refusal(kf)
+        assert (why is None) == cuda_hqmq.AUTO_MIXED and (cuda_hqmq.AUTO_MIXED or "AUTO_MIXED" in why)
+
+
+def _pair(D, T, seed, junk=0, codebook=None):
+    """(bits K, V flats; mixed K, V flats) of one cache: the same codes; junk: capacity rows
+    of garbage after T (the mixed (b, h) rows then start off 16-byte boundaries)."""
+    k, v = make(2, 2, T, D, seed), make(2, 2, T, D, seed + 1, outlier=False)
+    extra = f",codebook={codebook}" if codebook else ""
+    out = []
+    for spec in (BITS + extra, MIXED + extra):
+        kf, vf = flats(spec, k, v)
+        if junk:
+            g = torch.Generator().manual_seed(seed)
+            kf, vf = (dataclasses.replace(f, **{n: with_junk(getattr(f, n), junk, g)
+                                                for n in ("codes", "radius", "r_max")}) for f in (kf, vf))
+        out.append((kf, vf))
+    assert out[1][0].code_pack == "mixed" and out[1][0].codes.shape[-1] < out[0][0].codes.shape[-1]
+    return out
+
+
+@needs_cuda
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("T,junk", [(1, 0), (17, 0), (1000, 5), (4099, 37)])
+def test_mixed_rows_decode_as_the_12_bit_rows(D, T, junk):
+    (kb, vb), (km, vm) = _pair(D, T, T, junk)
+    if junk:
+        assert (km.codes.stride(1) * km.codes.element_size()) % 16  # rows off the 16-byte boundary
+    q = query(2, 8, D, T + 1)
+    for ns in (None, 1, 3):
+        a, b = attend(q, kb, vb, num_splits=ns), attend(q, km, vm, num_splits=ns)
+        assert torch.isfinite(b).all() and torch.equal(a, b), f"D={D} T={T} splits={ns}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("D", [64, 128])
+def test_mixed_rows_with_int8_codebook_and_valid_len(D):
+    (kb, vb), (km, vm) = _pair(D, 777, 5, junk=23, codebook="int8")
+    q = query(2, 8, D, 9, torch.bfloat16)
+    n = vlen(500)
+    a, b = attend(q, kb, vb, valid_len=n), attend(q, km, vm, valid_len=n)
+    assert torch.isfinite(b).all() and torch.equal(a, b)
+    # the planned launch and the per-call one read the same rows
+    assert torch.equal(b, cuda_hqmq._decode_per_call(q, km, vm, None, None, None, None, torch.float32, n))
+
+
+@needs_cuda
+def test_mixed_rows_refuse_other_variants():
+    (_, _), (km, vm) = _pair(128, 100, 3)
+    q = query(2, 8, 128, 4)
+    with pytest.raises(ValueError, match="pack=mixed instance"):
+        attend(q, km, vm, variant=0)
