@@ -4,7 +4,8 @@ first use by library.py's loader (`KernelLibrary`), called through ctypes.
 Takes: `HQMQFlat` K and V with 12-bit codes (24 S <= 4096, S <= 170), r = 4 uniform
 radius levels, head_dim 64, 128 or 256 (HEAD_DIMS), with or without Med3x outliers (both
 sides alike; backend="auto" sends Med3x here only when AUTO_MED3; at head_dim 64 and 256
-through the prefetching variants only), GQA groups of 1..8, q
+through the prefetching variants only), mixed-radix code rows (pack=mixed) at S = 96,
+head_dim 64 / 128 without Med3x (MIXED_HEAD_DIMS), GQA groups of 1..8, q
 fp16/bf16/fp32. The kernel gathers codewords from the fp16 codebook `[H, 24 S, 4]` held
 in shared memory; when a flat carries another table (the default is the fp32
 secondaries) the fp16 codebook is built once per secondaries tensor and cached here.
@@ -16,7 +17,7 @@ r_max / 15); q exact in fp16, base-2 softmax scale on the fp32 scores, P in fp16
 accumulation. reports/kernels/NOTES.md ("CUDA HQMQ decode") has the
 design, SASS counts and GPU figures.
 
-(About 665 lines, on purpose: the host side of one .cu source, its checks, split choice
+(About 735 lines, on purpose: the host side of one .cu source, its checks, split choice
 and the planned call's ctypes struct mirroring the .cu's `HqmqPlan`; the per-call path
 stays beside it while PLANNED is new, as the reference its GPU tests compare with.)
 """
@@ -96,10 +97,14 @@ AUTO_INT8 = True
 # MIX instances of the default variant copy a tile's rows as they lie and rewrite them in
 # shared memory as 12-bit rows before the decode (mixed_codes.cuh), so the arithmetic is
 # v3's. Radix 2304 (S = 96) at head dim 64 and 128 (23- and 45-byte rows), no Med3x;
-# anything else stays on Triton with the reason. Not yet run on a GPU (2026-12-07), so auto
-# keeps them on Triton (AUTO_MIXED) until the GPU tests pass.
+# anything else stays on Triton with the reason. Its GPU tests passed on an H100 on
+# 2026-12-07 (test_cuda_mixed_codes.py: the mixed rows' output equal bit for bit to the
+# 12-bit rows' at T = 1 / 17 / 1000 / 4099, rows off 16-byte boundaries, splits, valid_len,
+# both codebooks), so auto routes them here: graphed B=8 T=32k on that H100, 204 us at d 128
+# (1.76x the same run's graphed fp16 SDPA; Triton's mixed kernel 508 us, v3 on 12-bit rows
+# 152 us) and 122 us at d 64 (1.57x; Triton 261, v3 103): reports/latency/h100_2026-12-07c/.
 MIXED_HEAD_DIMS = (64, 128)
-AUTO_MIXED = False
+AUTO_MIXED = True
 
 
 def variants(head_dim: int = 128, med3: bool = False, cw: int = 8, mix: bool = False) -> tuple[int, ...]:

@@ -156,3 +156,15 @@ def test_mixed_rows_refuse_other_variants():
     q = query(2, 8, 128, 4)
     with pytest.raises(ValueError, match="pack=mixed instance"):
         attend(q, km, vm, variant=0)
+
+
+@needs_cuda
+def test_auto_routes_mixed_rows_by_its_switch():
+    from kvqbench.kernels.decode_attention import decode_attention, explain_backend
+
+    (_, _), (km, vm) = _pair(128, 300, 8)
+    q = query(2, 8, 128, 9)
+    route = explain_backend(q, km, vm)
+    assert route.backend == ("cuda" if cuda_hqmq.AUTO_MIXED else "triton"), route.reason
+    if cuda_hqmq.AUTO_MIXED:
+        assert torch.equal(decode_attention(q, km, vm, out_dtype=torch.float32), attend(q, km, vm))

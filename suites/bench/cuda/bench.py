@@ -93,16 +93,16 @@ def run(shapes, out: Path, methods=tuple(METHODS), kivi_variants=None, kivi_ctas
                 rows.append({"B": B, "T": T, "method": f"{name}-cuda", "us": float("nan"), "error": str(e)[:200]})
                 print("FAILED", name, B, T, str(e)[:200], flush=True)
                 continue
-            kivi = name.startswith("kivi")  # KIVI: the shared-memory variants only
-            variants = cuda_decode.KIVI_VARIANTS if kivi else range(cuda_decode.NUM_VARIANTS)
+            kivi = name.startswith("kivi")
+            variants = cuda_decode.variants(kf)  # the instances at this head dim (256: the smem ones)
             if kivi and kivi_variants:  # the listed variants x split rules, at every B
                 cfgs = kivi_cfgs(kivi_variants, kivi_ctas)
             elif B > 1:
                 cfgs = [dict(variant=vv, ctas_per_sm=c) for vv in variants for c in (4, 8, 16)]
                 cfgs.append(dict())  # the defaults (variant 2, ~64 tiles per split)
             else:  # few rows: fewer, longer splits (the shared-memory pipeline keeps bytes in flight)
-                vs = sorted({best_variant.get(name, 2)} | (set(cuda_decode.KIVI_VARIANTS) if kivi
-                                                           else {0, *cuda_decode.SMEM_VARIANTS}))
+                vs = sorted(({best_variant.get(name, 2)} | (set(variants) if kivi
+                                                            else {0, *cuda_decode.SMEM_VARIANTS})) & set(variants))
                 cfgs = [dict(variant=vv, ctas_per_sm=c) for vv in vs for c in (2, 4, 8)]
             best = None
             for cfg in cfgs:
