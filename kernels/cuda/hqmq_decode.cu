@@ -34,7 +34,7 @@
 //
 // Med3x caches (the OUT instances, see tile_step) add their fp16 outlier chunks by extra
 // mma; variants 9 and 10 (PF) stage each tile's outliers one tile ahead (out_meta).
-// Mixed-radix code rows (pack=mixed, S = 96, head dim 64 / 128: the MIX instances of v3)
+// Mixed-radix code rows (pack=mixed, S = 96, head dim 64 / 128: the MIX instances of v3, v10)
 // land in the stage as copied and are rewritten there as 12-bit rows before the tile is
 // read (mixed_tile_to_bits), so the decode above is the same.
 
@@ -961,11 +961,11 @@ constexpr int dyn_smem() {
 // PF (with OUT): the outliers one tile ahead, through a per-warp double buffer after the stages.
 // FUSED: the last CTA of a row group merges the group's partials into p.out (common.cuh
 // combine_rows), no combine launch after it.
-// MIX: mixed-radix code rows (S = 96, head dim 64 / 128, no Med3x: mixed_tile_to_bits).
+// MIX: mixed-radix code rows (S = 96, head dim 64 / 128: mixed_tile_to_bits).
 template <int NW, int SMS, int TABB, int MINB, bool OUT, int PF = 0, int D = 128, bool FUSED = false,
           int CW = 8, bool MIX = false>
 __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params p) {
-  static_assert(!MIX || (!OUT && D <= 128), "mixed-radix rows: no Med3x, head dim 64 or 128");
+  static_assert(!MIX || D <= 128, "mixed-radix rows: head dim 64 or 128");
   pdl_trigger();  // (common.cuh: the combine may be launched once every split CTA is resident)
   using Stage = ::Stage<D>;
   using PfBuf = ::PfBuf<D>;
@@ -1239,9 +1239,10 @@ static_assert(tab_bytes(1, 4) % 16 == 0, "table alignment (16-byte copies)");
 // codebook=int8 (CW 4): 4-byte codewords, half the table; instances of the defaults alone
 // (v3, Med3x v10; the other variants lost to them on both GPUs: NOTES.md)
 constexpr bool cw4_variant(int v) { return v == 3 || v == 10; }
-// Mixed-radix code rows (pack=mixed at S = 96, head dim 64 / 128, no Med3x): instances of the
-// default variant alone, with either table (MIX: the stage's rows rewritten as 12-bit ones)
-constexpr int MIX_VARIANT = 3;
+// Mixed-radix code rows (pack=mixed at S = 96, head dim 64 / 128): instances of the default
+// variants alone (v3; Med3x v10), with either table (MIX: the stage's rows rewritten as
+// 12-bit ones before the tile; Med3x's outliers are read as on 12-bit rows)
+constexpr int MIX_VARIANT = 3, MIX_VARIANT_MED3 = 10;
 
 // Variants with a Med3x (OUT) instance: the outlier fragments take ~44 more registers (164
 // for v0 / v2 under their 168 cap, no spills offline); the 128-register variants (v3, v6)
@@ -1290,7 +1291,7 @@ constexpr int NO_INSTANCE = -1001;  // no Med3x instance of this variant
 // threads), < 0 = -error; REGS: registers per thread, < 0 = -error.
 template <int V, int TABB, bool OUT, int D, int CW, bool MIX = false>
 int act(What what, const Params* p, int rows, cudaStream_t stream) {
-  if constexpr ((OUT && !out_ok<D>(V)) || (CW == 4 && !cw4_variant(V)) || (MIX && (V != MIX_VARIANT || OUT || D > 128))) {
+  if constexpr ((OUT && !out_ok<D>(V)) || (CW == 4 && !cw4_variant(V)) || (MIX && (V != (OUT ? MIX_VARIANT_MED3 : MIX_VARIANT) || D > 128))) {
     return NO_INSTANCE;
   } else {
     constexpr auto k = kernel_of<V, TABB, OUT, D, CW, MIX>();
@@ -1335,8 +1336,9 @@ int dispatch_cw(int variant, int S, bool out, What what, const Params* p, int ro
   const bool small = S <= 96;
   if (mix) {  // mixed-radix rows: radix 24 S = 2304 alone (mixed_codes.cuh)
     if (S != 96) return -1;
-    if (out || variant != MIX_VARIANT) return NO_INSTANCE;
-    return act<MIX_VARIANT, SMALL, false, D, CW, true>(what, p, rows, s);
+    if (variant != (out ? MIX_VARIANT_MED3 : MIX_VARIANT)) return NO_INSTANCE;
+    return out ? act<MIX_VARIANT_MED3, SMALL, true, D, CW, true>(what, p, rows, s)
+               : act<MIX_VARIANT, SMALL, false, D, CW, true>(what, p, rows, s);
   }
   if (out) return small ? act_t<SMALL, true, D, CW>(variant, what, p, rows, s)
                         : act_t<LARGE, true, D, CW>(variant, what, p, rows, s);

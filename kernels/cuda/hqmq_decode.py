@@ -5,7 +5,7 @@ Takes: `HQMQFlat` K and V with 12-bit codes (24 S <= 4096, S <= 170), r = 4 unif
 radius levels, head_dim 64, 128 or 256 (HEAD_DIMS), with or without Med3x outliers (both
 sides alike; backend="auto" sends Med3x here only when AUTO_MED3; at head_dim 64 and 256
 through the prefetching variants only), mixed-radix code rows (pack=mixed) at S = 96,
-head_dim 64 / 128 without Med3x (MIXED_HEAD_DIMS), GQA groups of 1..8, q
+head_dim 64 / 128 (MIXED_HEAD_DIMS), GQA groups of 1..8, q
 fp16/bf16/fp32. The kernel gathers codewords from the fp16 codebook `[H, 24 S, 4]` held
 in shared memory; when a flat carries another table (the default is the fp32
 secondaries) the fp16 codebook is built once per secondaries tensor and cached here.
@@ -96,8 +96,8 @@ AUTO_INT8 = True
 # pack=mixed caches (mixed-radix code rows, quantizers/packing.py `mixed_layout`): the .cu's
 # MIX instances of the default variant copy a tile's rows as they lie and rewrite them in
 # shared memory as 12-bit rows before the decode (mixed_codes.cuh), so the arithmetic is
-# v3's. Radix 2304 (S = 96) at head dim 64 and 128 (23- and 45-byte rows), no Med3x;
-# anything else stays on Triton with the reason. Its GPU tests passed on an H100 on
+# v3's (Med3x: v10's, its outliers read as on 12-bit rows). Radix 2304 (S = 96) at head dim
+# 64 and 128 (23- and 45-byte rows); anything else stays on Triton with the reason. Its GPU tests passed on an H100 on
 # 2026-12-07 (test_cuda_mixed_codes.py: the mixed rows' output equal bit for bit to the
 # 12-bit rows' at T = 1 / 17 / 1000 / 4099, rows off 16-byte boundaries, splits, valid_len,
 # both codebooks), so auto routes them here: graphed B=8 T=32k on that H100, 204 us at d 128
@@ -105,6 +105,10 @@ AUTO_INT8 = True
 # 152 us) and 122 us at d 64 (1.57x; Triton 261, v3 103): reports/latency/h100_2026-12-07c/.
 MIXED_HEAD_DIMS = (64, 128)
 AUTO_MIXED = True
+# Med3x with mixed rows (the v10 MIX instances: 117-128 registers, no spills, sm_90a offline):
+# written 2026-12-07 after the GPU budget was spent, so auto keeps them on Triton until
+# test_cuda_mixed_codes.py's Med3x cases pass on a GPU (backend="cuda" takes them).
+AUTO_MIXED_MED3 = False
 
 
 def variants(head_dim: int = 128, med3: bool = False, cw: int = 8, mix: bool = False) -> tuple[int, ...]:
@@ -112,7 +116,7 @@ def variants(head_dim: int = 128, med3: bool = False, cw: int = 8, mix: bool = F
     for codebook=int8 caches, the defaults' alone; mix: for pack=mixed caches, the default's
     alone)."""
     if mix:
-        return () if med3 or head_dim not in MIXED_HEAD_DIMS else (DEFAULT_VARIANT,)
+        return () if head_dim not in MIXED_HEAD_DIMS else (DEFAULT_VARIANT_MED3,) if med3 else (DEFAULT_VARIANT,)
     if cw == 4:
         return (DEFAULT_VARIANT_MED3,) if med3 else (DEFAULT_VARIANT,)
     if med3:
@@ -212,11 +216,10 @@ def _flat_reason(f) -> str | None:
     cb, rb, al = f.D * 3 // 8, f.D // 8, _align(f.D)
     if mixed_rows(f):
         G, W, _, cb = f.code_layout
-        if f.S != 96 or f.D not in MIXED_HEAD_DIMS or f.has_outliers:
+        if f.S != 96 or f.D not in MIXED_HEAD_DIMS:
             return (f"mixed-radix codes (pack=mixed: {G} codes of radix {24 * f.S} per {W}-bit group, {cb}-byte "
-                    f"rows) at S={f.S}, head_dim {f.D}{', with Med3x' if f.has_outliers else ''}: the CUDA kernel "
-                    f"reads them at S=96, head_dim {' / '.join(map(str, MIXED_HEAD_DIMS))}, without Med3x; "
-                    f"Triton reads them")
+                    f"rows) at S={f.S}, head_dim {f.D}: the CUDA kernel reads them at S=96, head_dim "
+                    f"{' / '.join(map(str, MIXED_HEAD_DIMS))}; Triton reads them")
     if f.codes.shape[-1] != cb or f.radius.shape[-1] != rb:
         return f"code/radius rows of {cb}/{rb} bytes expected"
     if not (f.codes.is_cuda and f.radius.is_cuda and f.r_max.is_cuda):
@@ -400,6 +403,9 @@ def auto_refusal(k) -> str | None:
     if mixed_rows(k) and not AUTO_MIXED:
         return ("pack=mixed: cuda.hqmq_decode.AUTO_MIXED is False (not yet run on a GPU; backend='cuda' takes "
                 "S=96 at head_dim 64 / 128)")
+    if mixed_rows(k) and k.has_outliers and not AUTO_MIXED_MED3:
+        return ("Med3x with pack=mixed: cuda.hqmq_decode.AUTO_MIXED_MED3 is False (not yet run on a GPU; "
+                "backend='cuda' takes S=96 at head_dim 64 / 128)")
     return None
 
 
@@ -729,7 +735,7 @@ def _launch_planned(plan, q, vl, workspace) -> torch.Tensor:
 
 
 __all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits",
-           "codebook16", "codebook8", "codeword_bytes", "AUTO_INT8", "AUTO_MIXED", "MIXED_HEAD_DIMS", "mixed_rows", "takes_by_default", "auto_refusal", "OPTIONS",
+           "codebook16", "codebook8", "codeword_bytes", "AUTO_INT8", "AUTO_MIXED", "AUTO_MIXED_MED3", "MIXED_HEAD_DIMS", "mixed_rows", "takes_by_default", "auto_refusal", "OPTIONS",
            "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS",
            "MED3_VARIANTS", "PREFETCH_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale",
            "head_dim_reason", "PLANNED"]

@@ -6,8 +6,8 @@ lists), its device step encoder (kernels/hqmq_encode.py's `hqmq_tokens`), its ke
 
 Mixed-radix codes (`pack=mixed`, quantizers/hqmq.py): the flat declares them
 (`HQMQFlat.code_pack`, `code_layout`); the Triton kernel and the step encoder read and
-write them; the CUDA kernel reads them at S=96, head_dim 64 / 128 without Med3x (its MIX
-instances rewrite a tile's rows as 12-bit rows in shared memory) and declines the rest with
+write them; the CUDA kernel reads them at S=96, head_dim 64 / 128 (its MIX instances
+rewrite a tile's rows as 12-bit rows in shared memory) and declines the rest with
 the reason (`cuda/hqmq_decode.py` `_flat_reason`), which `explain_backend` reports.
 
 Med3x in the store: the outliers PER (b, h), `outliers [B, H, Ocap, 4]`, and

@@ -5,10 +5,11 @@ MIX instances copy a tile's rows as they lie and rewrite them in shared memory a
 - CPU (a C++ compiler): mixed_codes.cuh's `to_bits`, built as plain C++, against
   quantizers/packing.py: every row of random and extreme codes, with garbage bytes after
   the row, gives the 12-bit row `pack_bits` makes;
-- CPU: which caches the kernel declines, and why (S other than 96, Med3x, head dim 256);
+- CPU: which caches the kernel declines, and why (S other than 96, head dim 256), and the
+  auto switches (AUTO_MIXED; AUTO_MIXED_MED3 for Med3x);
 - GPU: the same codes stored mixed and as 12-bit rows give the same output bit for bit
   (one decode after the rewrite), at T = 1 / 17 / 1000 / 4099, capacities that put the
-  (b, h) rows off a 16-byte boundary, splits, a device valid_len, both codebooks.
+  (b, h) rows off a 16-byte boundary, splits, a device valid_len, both codebooks, Med3x.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ HEADER = Path(cuda_hqmq.SOURCE).parent / "mixed_codes.cuh"
 WHY = cuda_hqmq.why_unavailable() if CUDA else "no CUDA device"
 needs_cuda = pytest.mark.skipif(WHY is not None, reason=f"CUDA HQMQ kernel unavailable: {WHY}")
 BITS, MIXED = "hqmq:S=96,r=4", "hqmq:S=96,r=4,pack=mixed"
+MED3 = MIXED + ",outliers=med3"
 NX = {64: 6, 128: 12}  # words holding a mixed row (mixed::Layout<D>::NX)
 
 HARNESS = r"""
@@ -91,7 +93,7 @@ def _cpu_flats(spec, D, T=40):
 
 @pytest.mark.parametrize("spec,D,why", [
     ("hqmq:S=128,r=4,pack=mixed", 128, "S=128"),
-    ("hqmq:S=96,r=4,pack=mixed,outliers=med3", 128, "with Med3x"),
+    ("hqmq:S=128,r=4,pack=mixed,outliers=med3", 128, "S=128"),
     (MIXED, 256, "head_dim 256"),
 ])
 def test_declined_layouts_name_the_reason(spec, D, why):
@@ -100,19 +102,24 @@ def test_declined_layouts_name_the_reason(spec, D, why):
     assert reason and "mixed-radix" in reason and why in reason and "Triton reads them" in reason
 
 
-def test_taken_layouts_get_past_the_code_checks():
+@pytest.mark.parametrize("spec,switch", [(MIXED, "AUTO_MIXED"), (MED3, "AUTO_MIXED_MED3")])
+def test_taken_layouts_get_past_the_code_checks(spec, switch):
     for D in cuda_hqmq.MIXED_HEAD_DIMS:
-        kf, _ = _cpu_flats(MIXED, D)
+        kf, _ = _cpu_flats(spec, D)
         assert cuda_hqmq.mixed_rows(kf) and cuda_hqmq._flat_reason(kf) == "cache buffers not on a CUDA device"
+        assert cuda_hqmq.variants(D, kf.has_outliers, mix=True) == (
+            (cuda_hqmq.DEFAULT_VARIANT_MED3,) if kf.has_outliers else (cuda_hqmq.DEFAULT_VARIANT,))
+        on = cuda_hqmq.AUTO_MIXED and (switch == "AUTO_MIXED" or cuda_hqmq.AUTO_MIXED_MED3)
         why = cuda_hqmq.auto_refusal(kf)
-        assert (why is None) == cuda_hqmq.AUTO_MIXED and (cuda_hqmq.AUTO_MIXED or "AUTO_MIXED" in why)
+        assert (why is None) == on and (on or switch in why)
 
 
-def _pair(D, T, seed, junk=0, codebook=None):
+def _pair(D, T, seed, junk=0, codebook=None, med3=False):
     """(bits K, V flats; mixed K, V flats) of one cache: the same codes; junk: capacity rows
-    of garbage after T (the mixed (b, h) rows then start off 16-byte boundaries)."""
-    k, v = make(2, 2, T, D, seed), make(2, 2, T, D, seed + 1, outlier=False)
-    extra = f",codebook={codebook}" if codebook else ""
+    of garbage after T (the mixed (b, h) rows then start off 16-byte boundaries, as they do
+    whenever T 45 or T 23 is not a multiple of 16); med3: Med3x on both sides."""
+    k, v = make(2, 2, T, D, seed), make(2, 2, T, D, seed + 1, outlier=med3)
+    extra = (f",codebook={codebook}" if codebook else "") + (",outliers=med3" if med3 else "")
     out = []
     for spec in (BITS + extra, MIXED + extra):
         kf, vf = flats(spec, k, v)
@@ -148,6 +155,21 @@ def test_mixed_rows_with_int8_codebook_and_valid_len(D):
     assert torch.isfinite(b).all() and torch.equal(a, b)
     # the planned launch and the per-call one read the same rows
     assert torch.equal(b, cuda_hqmq._decode_per_call(q, km, vm, None, None, None, None, torch.float32, n))
+
+
+@needs_cuda
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("T", [1, 333, 4099])
+def test_med3_mixed_rows_decode_as_the_12_bit_rows(D, T):
+    (kb, vb), (km, vm) = _pair(D, T, T + 2, med3=True)
+    if T > 16:
+        assert km.n_outliers > 0 and vm.n_outliers > 0
+    q = query(2, 8, D, T)
+    for ns in (None, 3):
+        a, b = attend(q, kb, vb, num_splits=ns), attend(q, km, vm, num_splits=ns)
+        assert torch.isfinite(b).all() and torch.equal(a, b), f"D={D} T={T} splits={ns}"
+    n = vlen(max(1, T // 2))
+    assert torch.equal(attend(q, kb, vb, valid_len=n), attend(q, km, vm, valid_len=n))
 
 
 @needs_cuda
