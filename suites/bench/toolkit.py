@@ -30,6 +30,7 @@ plumbing check, not a figure.
 """
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -79,6 +80,20 @@ def audit_state() -> tuple[bool, str]:
     return hooked, f"id() {t_id:.0f} ns, object.__hash__ {t_hash:.0f} ns" + (" (filelock's audit hook is in)" * hooked)
 
 
+def host_cpu() -> tuple[str, float | None]:
+    """(the host CPU's model, its 1-minute load average or None): an eager call's host time
+    is this CPU's Python, so runs record both (on 2026-12-07 three H100 hosts read the same
+    code's per-call host time 14-20, 16-29 and 20-32 us)."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    return model or platform.processor() or "unknown CPU", load
+
+
 def env_info() -> dict:
     import triton
 
@@ -92,6 +107,7 @@ def env_info() -> dict:
     # how the CUDA calls launch their combine (library.py's switches: an A/B of either is two runs)
     info["cuda_combine"] = cuda_library.FUSED_COMBINE.mode() + (", PDL" if cuda_library.PDL.on else "")
     info["filelock_audit_hook"], info["id_call"] = audit_state()  # (the state, compared by --resume; the reading)
+    info["host_cpu"], info["host_load_1min"] = host_cpu()  # (readings: --resume lets them differ)
     if GPU:
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, sm_count=p.multi_processor_count, gpu_mem_GiB=round(p.total_memory / 2**30, 1),

@@ -83,7 +83,8 @@ def _save(path: Path, run: dict) -> None:
 
 
 # Differences between two runs' environments that do not make their rows incomparable.
-RESUME_FREE = {"time", "sm_clock_now_MHz", "id_call"}  # (readings; filelock_audit_hook is the state)
+# (readings; filelock_audit_hook is the state. A resumed run may land on another host of the same GPU)
+RESUME_FREE = {"time", "sm_clock_now_MHz", "id_call", "host_cpu", "host_load_1min"}
 
 
 def resumed(path: Path, run: dict) -> dict:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..toolkit import HOST_US_CALLS, audit_state, host_us, stepping
+from ..toolkit import HOST_US_CALLS, audit_state, host_cpu, host_us, stepping
 
 # formats of issue 28's table: label -> quantizer spec
 SPECS = {"int4": "int4", "fp8": "fp8", "kivi4": "kivi:bits=4", "hqmq": "hqmq:S=96,r=4",
@@ -354,7 +354,8 @@ def main(argv=None) -> int:
         return 0
     modes = (False, True) if a.fused_combine else (None,)  # None: as KVQBENCH_FUSED_COMBINE set it
     print(f"host us per decode_attention call, {how} (Hq 32, Hkv 8, T={a.T}; least of 15 means of {a.n})")
-    print(f"process: Python {sys.version.split()[0]}, {audit_state()[1]}")
+    cpu, load = host_cpu()
+    print(f"process: Python {sys.version.split()[0]}, {audit_state()[1]}; host {cpu}, load {load}")
     print("combine: " + ("split (two launches) then fused (one), each row twice" if a.fused_combine
                          else combine_mode()))
     print("(vl: with a device valid_len; step: each call on another token count, as eager decode steps)")

@@ -25,7 +25,9 @@ def write_markdown(path: Path, res: dict):
          "with `fp16-sdpa-graph`. "
          "x = same-run fp16 SDPA us / row us. host us: an eager fused call's issue time (the call returning, "
          "no sync; host_time.py), the Python it runs before its kernel; after the slash, the same when each "
-         "call has another token count, as eager decode steps do (`host_us_step`).", "",
+         "call has another token count, as eager decode steps do (`host_us_step`); it is the host CPU's "
+         f"Python: {env.get('host_cpu', 'host CPU not recorded')}, load {env.get('host_load_1min', '?')} at the start.",
+         "",
          "| B | T | method | backend | latency (us) | host us | x fp16 SDPA | GB/s | of copy BW | bytes (MB) | note |",
          "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (r["B"], r["T"], r["method"])):
