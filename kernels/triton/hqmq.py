@@ -10,7 +10,9 @@ at d=64 and d=128): `_mixed_codes_2_4` loads each group once and splits it with 
 divisions by the constant 24 S (int32 for G = 2 at S <= 96, uint64 otherwise); any other
 G: `_mixed_codes`, per chunk. Compiled for sm_90 without a GPU (kernels/aot_check.py's
 capture): S=96 d=128 176-180 registers at BT 64/128 (whole bits: 173-174), d=64 128-132
-(whole bits: 101-128); not timed on a GPU yet (the `hqmq-mixed` bench row).
+(whole bits: 101-128). Timed on an H100 (the `hqmq-mixed` bench row, graphed B=8 T=32k):
+508 us at d 128 against 406 on 12-bit rows; the CUDA kernel reads these rows in 204 us
+(reports/latency/h100_2026-12-07c/), so auto sends S=96 mixed caches there.
 """
 from __future__ import annotations
 
