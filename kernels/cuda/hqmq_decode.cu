@@ -1291,7 +1291,8 @@ constexpr int NO_INSTANCE = -1001;  // no Med3x instance of this variant
 // threads), < 0 = -error; REGS: registers per thread, < 0 = -error.
 template <int V, int TABB, bool OUT, int D, int CW, bool MIX = false>
 int act(What what, const Params* p, int rows, cudaStream_t stream) {
-  if constexpr ((OUT && !out_ok<D>(V)) || (CW == 4 && !cw4_variant(V)) || (MIX && (V != (OUT ? MIX_VARIANT_MED3 : MIX_VARIANT) || D > 128))) {
+  if constexpr ((OUT && !out_ok<D>(V)) || (CW == 4 && !cw4_variant(V)) ||
+                (MIX && (V != (OUT ? MIX_VARIANT_MED3 : MIX_VARIANT) || D > 128))) {
     return NO_INSTANCE;
   } else {
     constexpr auto k = kernel_of<V, TABB, OUT, D, CW, MIX>();

@@ -735,7 +735,8 @@ def _launch_planned(plan, q, vl, workspace) -> torch.Tensor:
 
 
 __all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits",
-           "codebook16", "codebook8", "codeword_bytes", "AUTO_INT8", "AUTO_MIXED", "AUTO_MIXED_MED3", "MIXED_HEAD_DIMS", "mixed_rows", "takes_by_default", "auto_refusal", "OPTIONS",
+           "codebook16", "codebook8", "codeword_bytes", "AUTO_INT8", "AUTO_MIXED", "AUTO_MIXED_MED3",
+           "MIXED_HEAD_DIMS", "mixed_rows", "takes_by_default", "auto_refusal", "OPTIONS",
            "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS",
            "MED3_VARIANTS", "PREFETCH_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale",
            "head_dim_reason", "PLANNED"]
