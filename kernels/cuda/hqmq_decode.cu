@@ -1224,8 +1224,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
 // 2), 4 CTAs of 4 warps with 2, one CTA of 16 warps with 4 or 5 (one copy of the tables
 // per SM). 20 warps (102 registers) spilled 60 bytes offline: not taken.
 // 9, 10 (2026-12-02, for Med3x): v2's and v3's shapes with the outliers one tile ahead (PF);
-// their instance without outliers is v2's / v3's kernel itself. 11 (2026-12-07, offline): v10
-// with running item slots (out_scores' RUN; PREFETCH 2); not yet run on a GPU. (An earlier 11
+// their instance without outliers is v2's / v3's kernel itself. 11 (2026-12-07): v10 with
+// running item slots (out_scores' RUN; PREFETCH 2); on the H100 as fast as v10 at d 128,
+// 2.6% faster at 64, 1.2% slower at 256 (NOTES.md): no default. (An earlier 11
 // and 12, head dim 64's bypass copies, went on 2026-12-06: NOTES.md.)
 constexpr int VARIANTS[][3] = {{4, 4, 3}, {8, 4, 1}, {4, 3, 3}, {8, 2, 2}, {4, 6, 1}, {8, 4, 2},
                                {4, 2, 4}, {16, 4, 1}, {16, 5, 1}, {4, 3, 3}, {8, 2, 2}, {8, 2, 2}};

@@ -45,7 +45,8 @@ SOURCE = Path(__file__).parent / "hqmq_decode.cu"
 # (v0 3, v3 2, v6 4, v7 1). 9 (4, 3, 3) and 10 (8, 2, 2) are Med3x's (PREFETCH_VARIANTS): the
 # outliers one tile ahead; without outliers they run v2's / v3's kernel itself. 11 (8, 2, 2)
 # is v10 with running outlier slots (the .cu's RUN: fewer instructions per outlier k-step;
-# built offline 2026-12-07, not yet run on a GPU, so no default). (An earlier 11 and 12,
+# 2026-12-07, H100, B=8 T=32k: as fast as v10 at d 128, 2.6% faster at 64, 1.2% slower at
+# 256, so no default). (An earlier 11 and 12,
 # head dim 64's 16-byte bypass copies and padded V code rows, lost to v3 on the H100 on
 # 2026-12-06 and went: reports/kernels/NOTES.md.)
 NUM_VARIANTS = 12
@@ -97,12 +98,13 @@ AUTO_INT8 = True
 # MIX instances of the default variant copy a tile's rows as they lie and rewrite them in
 # shared memory as 12-bit rows before the decode (mixed_codes.cuh), so the arithmetic is
 # v3's (Med3x: v10's, its outliers read as on 12-bit rows). Radix 2304 (S = 96) at head dim
-# 64 and 128 (23- and 45-byte rows); anything else stays on Triton with the reason. Its GPU tests passed on an H100 on
-# 2026-12-07 (test_cuda_mixed_codes.py: the mixed rows' output equal bit for bit to the
-# 12-bit rows' at T = 1 / 17 / 1000 / 4099, rows off 16-byte boundaries, splits, valid_len,
-# both codebooks), so auto routes them here: graphed B=8 T=32k on that H100, 204 us at d 128
-# (1.76x the same run's graphed fp16 SDPA; Triton's mixed kernel 508 us, v3 on 12-bit rows
-# 152 us) and 122 us at d 64 (1.57x; Triton 261, v3 103): reports/latency/h100_2026-12-07c/.
+# 64 and 128 (23- and 45-byte rows); anything else stays on Triton with the reason. Their
+# GPU tests passed on an H100 on 2026-12-07 (test_cuda_mixed_codes.py: the mixed rows'
+# output equal bit for bit to the 12-bit rows' at T = 1 / 17 / 1000 / 4099, rows off 16-byte
+# boundaries, splits, valid_len, both codebooks), so auto routes them here. Graphed B=8
+# T=32k on that H100: 204 us at d 128 (1.76x the same run's graphed fp16 SDPA; Triton's
+# mixed kernel 508 us, v3 on 12-bit rows 152 us) and 122 us at d 64 (1.57x; Triton 261,
+# v3 103): reports/latency/h100_2026-12-07c/.
 MIXED_HEAD_DIMS = (64, 128)
 AUTO_MIXED = True
 # Med3x with mixed rows (the v10 MIX instances: 117-128 registers, no spills, sm_90a offline):
@@ -230,11 +232,10 @@ def _flat_reason(f) -> str | None:
         bh_stride(f.r_max, "r_max")
     except ValueError as e:
         return str(e)
-    if mixed_rows(f):  # a tile's rows are copied in 16-byte pieces from the boundary below them: any capacity
-        al_c, cs_c = 16, 0
-    else:
-        al_c, cs_c = al, cs
-    if f.codes.data_ptr() % al_c or f.radius.data_ptr() % al or cs_c % al or rs % al:
+    # (mixed rows: a tile's are copied in 16-byte pieces from the boundary below them, so any
+    # row stride serves and only the buffer's start must be aligned)
+    al_c = 16 if mixed_rows(f) else al
+    if f.codes.data_ptr() % al_c or f.radius.data_ptr() % al or rs % al or (cs % al and not mixed_rows(f)):
         return f"codes/radius not {al_c}/{al}-byte aligned (cp.async)"
     if f.r_max.data_ptr() % 2:
         return "r_max not 2-byte aligned"

@@ -78,7 +78,8 @@ def int_decode_attention(q: torch.Tensor, k: IntFlat, v: IntFlat, *, num_splits:
                          row_start: torch.Tensor | None = None) -> torch.Tensor:
     T = k.T
     ts = (k.codes, k.scale, k.zero, v.codes, v.scale, v.zero)
-    layout = (type(k), type(v), *map(identity, ts), k.B, k.H, k.D, k.bits, k.group, k.dtype, v.B, v.H, v.D, v.bits, v.group)
+    layout = (type(k), type(v), *map(identity, ts), k.B, k.H, k.D, k.bits, k.group, k.dtype,
+              v.B, v.H, v.D, v.bits, v.group)
     plan = _PLANS.lookup(layout, ts, _int_plan, q, k, v, valid_len, num_splits, block_t, num_warps, num_stages,
                          programs_per_sm, out_dtype, row_start=row_start)
     vl, _ = check_valid_len(valid_len, q)

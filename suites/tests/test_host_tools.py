@@ -88,8 +88,8 @@ def test_host_drift_times_each_part_before_and_after_the_work_between(monkeypatc
     assert host_drift.main(["--T", "256", "--d", "64", "--n", "3"], between=lambda T, out: ran.append(T)) == 0
     assert ran == [256]
     lines = capsys.readouterr().out.splitlines()
-    for part in ("call", "fast route", "plan memo (the route's lookup)", "plan key lookup (full key)", "key: tensor identities",
-                 "key: dict get", "pure python"):
+    for part in ("call", "fast route", "plan memo (the route's lookup)", "plan key lookup (full key)",
+                 "key: tensor identities", "key: dict get", "pure python"):
         before, after, diff = (float(x) for x in next(ln for ln in lines if ln.startswith(part + " ")).split()[-3:])
         assert before > 0 and after > 0 and abs(after - before - diff) < 0.016  # (three figures rounded to 0.01)
     assert any(ln.startswith("state after:") and "hqmq plans kept" in ln for ln in lines)

@@ -75,8 +75,9 @@ def parts(q, kf, vf, n: int | None = None) -> dict:
             "key: dict get": us(lambda: hq._PLANS.plans.get(key)),
         })
     else:
-        out["plan memo (the route's lookup)"] = us(lambda: cd._find(q, kf, vf, None, cd.DEFAULT_CTAS_PER_SM, None, None))
-        out["plan key lookup (full key)"] = us(lambda: cd._lookup(q, kf, vf, None, cd.DEFAULT_CTAS_PER_SM, None, None))
+        opts = (None, cd.DEFAULT_CTAS_PER_SM, None, None)
+        out["plan memo (the route's lookup)"] = us(lambda: cd._find(q, kf, vf, *opts))
+        out["plan key lookup (full key)"] = us(lambda: cd._lookup(q, kf, vf, *opts))
     out.update({
         "q.shape / dtype / device": us(lambda: (q.shape, q.dtype, q.device)),
         "pure python": us(lambda: sum(range(200))),
