@@ -222,13 +222,13 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, 
   const int STEP = tile_advance<NW, OUT>(cur.i);
   if constexpr (MIX) {
     constexpr int MB = mixed::Layout<D>::MB, NPM = MB + 1;
-    const int vb = (T - cur.t0) * MB;  // the valid tokens' bytes from the tile's start (> 0 when on)
+    const int valid = (T - cur.t0) * MB;  // the valid tokens' bytes from the tile's start
 #pragma unroll
     for (int j = 0; j < (NPM + 31) / 32; ++j) {
       const int i = lane + 32 * j;  // piece i: bytes 16 i .. 16 i + 15 from the boundary
       if (i < NPM) {
-        const int nk = on ? max(0, min(16, cur.kmis + vb - 16 * i)) : 0;
-        const int nv = on ? max(0, min(16, cur.vmis + vb - 16 * i)) : 0;
+        const int nk = on ? max(0, min(16, cur.kmis + valid - 16 * i)) : 0;
+        const int nv = on ? max(0, min(16, cur.vmis + valid - 16 * i)) : 0;
         cp_async16_part(st + Stage::KC + 16 * i, cur.c0 + 512 * j, nk);
         cp_async16_part(st + Stage::VC + 16 * i, cur.vc0 + 512 * j, nv);
       }
