@@ -96,8 +96,14 @@ def check_q(q: torch.Tensor, H: int, D: int, B: int) -> None:
         raise ValueError(f"q {tuple(q.shape)} does not fit a cache of B={B}, Hkv={H}, d={D}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q dtype {q.dtype} not supported")
-    if D & (D - 1) or D < 16:
-        raise ValueError(f"head_dim must be a power of two >= 16, got {D}")
+    if not head_dim_ok(D):
+        raise ValueError(f"head_dim must be a multiple of 16 up to 256, or a power of two >= 16, got {D}")
+
+
+def head_dim_ok(D: int) -> bool:
+    """The head dims the Triton kernels take: powers of two from 16, and multiples of 16 up
+    to 256 (run padded to the next power of two, kernels/triton/common.py `pad_cols`)."""
+    return D >= 16 and (D & (D - 1) == 0 or (D % 16 == 0 and D <= 256))
 
 
 def check_valid_len(valid_len, q: torch.Tensor):
@@ -245,5 +251,5 @@ class Workspace:
         self.out = torch.empty(rows_q * D, dtype=out_dtype, device=device)
 
 
-__all__ = ["PlanCache", "interpreting", "sm_count", "ASSUMED_SM_COUNT", "choose_splits", "split_tiles", "pow2", "check_q",
+__all__ = ["PlanCache", "interpreting", "sm_count", "ASSUMED_SM_COUNT", "choose_splits", "split_tiles", "pow2", "head_dim_ok", "check_q",
            "check_valid_len", "check_row_start", "bh_stride", "Workspace"]

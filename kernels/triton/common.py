@@ -144,28 +144,72 @@ def dq_bytes(b, s, z, W: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------
+# head dims that are not powers of two (issue 28: "any multiple of 16 up to 256")
+# ---------------------------------------------------------------------------------------
+# tl.arange takes power-of-two extents, so a head dim such as 96 (Phi-3) or 80 (Phi-2) runs
+# as the next power of two of columns (`pad_cols`: 128), the padded ones masked on every
+# load and store (`pad_mask`): they read no byte and write none, the query's are zero, so
+# they add nothing to a score, and the V columns they accumulate are never stored. The same
+# holds for what a format counts along the head dim (groups, chunks, code words). A power
+# of two is its own pad and `pad_mask` leaves its masks as they were: those kernels compile
+# exactly as before. (The pad is an expression here, not a launch argument, so the kernels'
+# signatures and the shipped precompile manifests stay as they are.)
+@triton.jit
+def pad_cols(N: tl.constexpr):
+    """`[NP]`: 0 .. NP-1, NP the power of two from N (N itself when it is one, or past 256)."""
+    NP: tl.constexpr = 1 if N <= 1 else 2 if N <= 2 else 4 if N <= 4 else 8 if N <= 8 else 16 if N <= 16 else \
+        32 if N <= 32 else 64 if N <= 64 else 128 if N <= 128 else 256 if N <= 256 else N
+    return tl.arange(0, NP)
+
+
+@triton.jit
+def pad_mask(mask, cols, N: tl.constexpr):
+    """`mask` (broadcast against `cols`, from `pad_cols(N)`) with the padding off; `mask`
+    itself when N is a power of two."""
+    if (N & (N - 1)) == 0:
+        return mask
+    else:
+        return mask & (cols < N)
+
+
+def padded(n: int) -> int:
+    """`pad_cols`' extent, on the host."""
+    return n if n & (n - 1) == 0 or n > 256 else 1 << (n - 1).bit_length()
+
+
+def wide_or_padded(D: int) -> bool:
+    """Whether a head dim takes the wide launch defaults of the int, KIVI and HQMQ kernels:
+    past 128 columns, or padded (an H100 sweep, B=8 T=32k, reports/kernels/NOTES.md
+    "Head dims that are not powers of two": there the 128-column defaults spill or stall on
+    their second stage; HQMQ at 256 columns took 19-21 ms in 128-token tiles, 3.3-3.7 in 64)."""
+    return D > 128 or D & (D - 1) != 0
+
+
+# ---------------------------------------------------------------------------------------
 # flash-decoding: prologue, online softmax, partials, combine
 # ---------------------------------------------------------------------------------------
 @triton.jit
 def split_prologue(q_ptr, n_tiles, tiles_per_split, GROUP: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
                    FAST: tl.constexpr):
     """Program (kv row, split): its GROUP queries (padded to BH rows for tl.dot; fp16
-    when FAST, else fp32), empty softmax state and its run of token tiles."""
+    when FAST, else fp32; head dim padded by `pad_cols`), empty softmax state and its run
+    of token tiles."""
     pid_bh = tl.program_id(0)
     sp = tl.program_id(1)
     nsplit = tl.num_programs(1)
     hr = tl.arange(0, BH)
     hmask = hr < GROUP
     qrow = pid_bh * GROUP + hr  # (b*Hkv + h)*GROUP + i == b*Hq + h*GROUP + i
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + qrow.to(tl.int64)[:, None] * D + d[None, :], mask=hmask[:, None], other=0)
+    d = pad_cols(D)
+    q = tl.load(q_ptr + qrow.to(tl.int64)[:, None] * D + d[None, :], mask=pad_mask(hmask[:, None], d[None, :], D),
+                other=0)
     if FAST:
         q = q.to(tl.float16)
     else:
         q = q.to(tl.float32)
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, D], tl.float32)
+    acc = tl.zeros(q.shape, tl.float32)
     first = sp * tiles_per_split
     last = tl.minimum(first + tiles_per_split, n_tiles)
     return pid_bh, sp, nsplit, q, qrow, hmask, m_i, l_i, acc, first, last
@@ -199,9 +243,9 @@ def softmax_update(s, v, m_i, l_i, acc, FAST: tl.constexpr):
 
 @triton.jit
 def store_partial(po_ptr, pm_ptr, pl_ptr, acc, m_i, l_i, qrow, hmask, sp, nsplit, D: tl.constexpr):
-    d = tl.arange(0, D)
+    d = pad_cols(D)
     prow = qrow.to(tl.int64) * nsplit + sp
-    tl.store(po_ptr + prow[:, None] * D + d[None, :], acc, mask=hmask[:, None])
+    tl.store(po_ptr + prow[:, None] * D + d[None, :], acc, mask=pad_mask(hmask[:, None], d[None, :], D))
     tl.store(pm_ptr + prow, m_i, mask=hmask)
     tl.store(pl_ptr + prow, l_i, mask=hmask)
 
@@ -211,28 +255,32 @@ def combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NSPLIT, D: tl.constexpr, SB:
     """Merge the NSPLIT partial (output, max, sum) of each query row."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, SB)
-    d = tl.arange(0, D)
+    d = pad_cols(D)
     mx = tl.full([SB], float("-inf"), tl.float32)
     for s0 in range(0, NSPLIT, SB):
         sm = (s0 + s) < NSPLIT
         mx = tl.maximum(mx, tl.load(pm_ptr + row * NSPLIT + s0 + s, mask=sm, other=float("-inf")))
     M = tl.max(mx, axis=0)
     M = tl.where(M == float("-inf"), 0.0, M)  # every split empty (a fully masked row): no -inf - -inf below
-    num = tl.zeros([D], tl.float32)
+    num = tl.zeros(d.shape, tl.float32)
     den = tl.zeros([SB], tl.float32)
     for s0 in range(0, NSPLIT, SB):
         sm = (s0 + s) < NSPLIT
         m = tl.load(pm_ptr + row * NSPLIT + s0 + s, mask=sm, other=float("-inf"))
         w = tl.where(m > float("-inf"), tl.exp2(m - M), 0.0)
         den += w * tl.load(pl_ptr + row * NSPLIT + s0 + s, mask=sm, other=0)
-        o = tl.load(po_ptr + (row * NSPLIT + s0 + s)[:, None] * D + d[None, :], mask=sm[:, None], other=0)
+        o = tl.load(po_ptr + (row * NSPLIT + s0 + s)[:, None] * D + d[None, :], mask=pad_mask(sm[:, None], d[None, :], D),
+                    other=0)
         num += tl.sum(o * w[:, None], axis=0)
     # A row whose every key is masked (row_start past the valid length: every split's max
     # -inf, its sum 0) gets 0/1 = 0, as SDPA gives a fully masked row, not 0/0. Otherwise the
     # sum is >= 1 (the split holding the max weighs 1, and its sum counts exp2(0) = 1), so
     # the max changes nothing.
     tot = tl.maximum(tl.sum(den, axis=0), 1.0)
-    tl.store(out_ptr + row * D + d, (num / tot).to(out_ptr.dtype.element_ty))
+    if (D & (D - 1)) == 0:
+        tl.store(out_ptr + row * D + d, (num / tot).to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out_ptr + row * D + d, (num / tot).to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 # ---------------------------------------------------------------------------------------
@@ -241,14 +289,16 @@ def combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NSPLIT, D: tl.constexpr, SB:
 @triton.jit
 def unpack_rows(ptr, row_off, rmask, BT: tl.constexpr, NCOLS: tl.constexpr, W: tl.constexpr,
                 ROWB: tl.constexpr, NBYTES: tl.constexpr):
-    """`[BT, NCOLS]` int32 fields of width W from BT packed rows (byte offsets row_off [BT])."""
-    c = tl.arange(0, NCOLS)
+    """`[BT, NCOLS]` int32 fields of width W from BT packed rows (byte offsets row_off [BT]);
+    NCOLS padded by `pad_cols` (the padding reads nothing: 0)."""
+    c = pad_cols(NCOLS)
     bit = c * W
     byte = bit // 8
     p = ptr + row_off[:, None] + byte[None, :]
-    acc = tl.load(p, mask=rmask[:, None], other=0).to(tl.int32)
+    m = pad_mask(rmask[:, None], c[None, :], NCOLS)
+    acc = tl.load(p, mask=m, other=0).to(tl.int32)
     for i in tl.static_range(1, NBYTES):
-        nb = tl.load(p + i, mask=rmask[:, None] & (byte[None, :] + i < ROWB), other=0).to(tl.int32)
+        nb = tl.load(p + i, mask=m & (byte[None, :] + i < ROWB), other=0).to(tl.int32)
         acc = acc | (nb << (8 * i))
     return (acc >> (bit % 8)[None, :]) & ((1 << W) - 1)
 
@@ -428,7 +478,8 @@ def q_key(q):
     return q.shape, q.dtype, q.device
 
 
-__all__ = ["LOG2E", "PlanCache", "clear_plans", "plan_count", "SplitPlan", "TL_DTYPES", "combine_kernel", "dq_bytes", "f16x4", "fast_path", "finish",
+__all__ = ["LOG2E", "PlanCache", "clear_plans", "plan_count", "SplitPlan", "TL_DTYPES", "combine_kernel", "dq_bytes",
+           "f16x4", "fast_path", "finish", "pad_cols", "pad_mask", "padded", "wide_or_padded",
            "first_tile", "from_floor", "hamilton", "launch", "launch_split", "nbytes_span", "popc", "q_key", "row_floor",
            "run_split", "scores", "softmax_update",
            "split_prologue", "split_want", "store_partial", "table_quad", "unpack_rows", "valid_tokens"]

@@ -26,6 +26,7 @@ from ...quantizers.derived import identity
 from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len, interpreting
 from ..layout import OUTLIER_BLOCK, HQMQFlat
 from .common import (LOG2E, PlanCache, SplitPlan, f16x4, fast_path, finish, first_tile, from_floor, hamilton,
+                     pad_cols, pad_mask,
                      nbytes_span, popc, row_floor, run_split, scores, softmax_update, split_prologue, split_want, store_partial, table_quad,
                      unpack_rows, valid_tokens)
 
@@ -34,20 +35,22 @@ from .common import (LOG2E, PlanCache, SplitPlan, f16x4, fast_path, finish, firs
 def _mixed_codes(ptr, row_off, rmask, BT: tl.constexpr, NC: tl.constexpr, G: tl.constexpr, W: tl.constexpr,
                  WL: tl.constexpr, R: tl.constexpr, ROWB: tl.constexpr, NBYTES: tl.constexpr):
     """`[BT, NC]` int32 codes from BT mixed-radix rows (byte offsets row_off [BT]): chunk c
-    is digit c % G (least significant first) of the radix-R group c // G (module docstring)."""
-    c = tl.arange(0, NC)
+    is digit c % G (least significant first) of the radix-R group c // G (module docstring);
+    NC padded by `pad_cols`."""
+    c = pad_cols(NC)
     g = c // G
     bit = g * W
     byte = bit // 8
     sh = (bit % 8)[None, :]
     p = ptr + row_off[:, None] + byte[None, :]
-    acc = tl.load(p, mask=rmask[:, None], other=0).to(tl.int64) >> sh
+    m = pad_mask(rmask[:, None], c[None, :], NC)
+    acc = tl.load(p, mask=m, other=0).to(tl.int64) >> sh
     for i in tl.static_range(1, NBYTES):
-        nb = tl.load(p + i, mask=rmask[:, None] & (byte[None, :] + i < ROWB), other=0).to(tl.int64)
+        nb = tl.load(p + i, mask=m & (byte[None, :] + i < ROWB), other=0).to(tl.int64)
         up = 8 * i - sh  # where byte i lands; past bit 63 it holds no bit of a group (W <= 63)
         acc = acc | tl.where(up < 64, nb << tl.minimum(up, 63), 0)
     width = tl.where(g == NC // G, WL, W).to(tl.int64)  # the last group holds NC % G codes
-    acc = acc & ((tl.full([NC], 1, tl.int64) << width) - 1)[None, :]
+    acc = acc & ((tl.full(c.shape, 1, tl.int64) << width) - 1)[None, :]
     k = (c % G)[None, :]
     for j in tl.static_range(1, G):
         acc = tl.where(k >= j, acc // R, acc)
@@ -94,6 +97,15 @@ def _mixed_codes_2_4(ptr, row_off, rmask, BT: tl.constexpr, NC: tl.constexpr, G:
 
 
 @triton.jit
+def popc_wide(x, WIDE: tl.constexpr, INTERP: tl.constexpr):
+    """Set bits of x: int32, or int64 (WIDE) as its two halves."""
+    if WIDE:
+        return popc(x.to(tl.int32), INTERP) + popc((x >> 32).to(tl.int32), INTERP)
+    else:
+        return popc(x, INTERP)
+
+
+@triton.jit
 def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, table_ptr, ptab_ptr, rel_ptr,
                bh, h, t0, T, cs, rs, ms, fs, osb, isb,
                BT: tl.constexpr, D: tl.constexpr, CW: tl.constexpr, CB: tl.constexpr, CNB: tl.constexpr,
@@ -104,21 +116,25 @@ def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, tabl
     0/1 the codebook [H, 24S, 4] fp32/fp16, 2/3 the secondaries [H, S, 4] fp32/fp16
     and the 24 units, P[p]*S[s] formed here (bit identical to HQMQ.decode_tokens in
     fp32). Tables are viewed as int64 so a gather moves 8 bytes. FAST with the fp16
-    codebook: everything in fp16 (radius level table `rel_ptr` fp16 then)."""
+    codebook: everything in fp16 (radius level table `rel_ptr` fp16 then). A head dim that
+    is not a power of two runs padded (`pad_cols`): the padded chunks read no byte (code 0,
+    radius level 0, no outlier) and their columns meet zero queries or are never stored."""
     NC: tl.constexpr = D // 4
+    NCP: tl.constexpr = pad_cols(NC).shape[0]
     tok = t0 + tl.arange(0, BT)
     tmask = tok < T
     bh64 = bh.to(tl.int64)
-    if (CG == 2 or CG == 4) and NC % CG == 0:  # mixed radix, each group loaded once
+    if (CG == 2 or CG == 4) and NC % CG == 0 and ((NC // CG) & (NC // CG - 1)) == 0:  # mixed radix, each group loaded once
         code = _mixed_codes_2_4(codes_ptr + bh64 * cs, tok * CB, tmask, BT, NC, CG, CGW, 24 * S, CB, CNB)
     elif CG > 1:  # mixed-radix groups of CG codes (module docstring)
         code = _mixed_codes(codes_ptr + bh64 * cs, tok * CB, tmask, BT, NC, CG, CGW, CGL, 24 * S, CB, CNB)
     elif CW == 12 and NC % 8 == 0:  # eight 12-bit codes in three 32-bit words: 3 loads, not 12
-        g = tl.arange(0, NC // 8)
+        g = pad_cols(NC // 8)
         pw = (codes_ptr + bh64 * cs + (tok * CB)[:, None] + (g * 12)[None, :]).to(tl.pointer_type(tl.int32))
-        w0 = tl.load(pw, mask=tmask[:, None], other=0)
-        w1 = tl.load(pw + 1, mask=tmask[:, None], other=0)
-        w2 = tl.load(pw + 2, mask=tmask[:, None], other=0)
+        gm = pad_mask(tmask[:, None], g[None, :], NC // 8)
+        w0 = tl.load(pw, mask=gm, other=0)
+        w1 = tl.load(pw + 1, mask=gm, other=0)
+        w2 = tl.load(pw + 2, mask=gm, other=0)
         # code k of the group = bits 12k .. 12k+11 of the 96-bit little-endian word stream
         x0 = w0 & 0xFFF
         x1 = (w0 >> 12) & 0xFFF
@@ -129,20 +145,22 @@ def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, tabl
         x6 = (w2 >> 8) & 0xFFF
         x7 = (w2 >> 20) & 0xFFF
         code = tl.reshape(tl.join(tl.join(tl.join(x0, x4), tl.join(x2, x6)),
-                                  tl.join(tl.join(x1, x5), tl.join(x3, x7))), (BT, NC))  # x_{4p+2q+r}
+                                  tl.join(tl.join(x1, x5), tl.join(x3, x7))), (BT, NCP))  # x_{4p+2q+r}
     elif CW == 12:  # two 12-bit codes in three bytes
-        i3 = 3 * tl.arange(0, NC // 2)
-        pc = codes_ptr + bh64 * cs + (tok * CB)[:, None] + i3[None, :]
-        b0 = tl.load(pc, mask=tmask[:, None], other=0).to(tl.int32)
-        b1 = tl.load(pc + 1, mask=tmask[:, None], other=0).to(tl.int32)
-        b2 = tl.load(pc + 2, mask=tmask[:, None], other=0).to(tl.int32)
-        code = tl.reshape(tl.join(b0 | ((b1 & 15) << 8), (b1 >> 4) | (b2 << 4)), (BT, NC))
+        i2 = pad_cols(NC // 2)
+        pc = codes_ptr + bh64 * cs + (tok * CB)[:, None] + 3 * i2[None, :]
+        pm = pad_mask(tmask[:, None], i2[None, :], NC // 2)
+        b0 = tl.load(pc, mask=pm, other=0).to(tl.int32)
+        b1 = tl.load(pc + 1, mask=pm, other=0).to(tl.int32)
+        b2 = tl.load(pc + 2, mask=pm, other=0).to(tl.int32)
+        code = tl.reshape(tl.join(b0 | ((b1 & 15) << 8), (b1 >> 4) | (b2 << 4)), (BT, NCP))
     else:
         code = unpack_rows(codes_ptr + bh64 * cs, tok * CB, tmask, BT, NC, CW, CB, CNB)
     if RW == 4:  # two radius codes per byte: one vector load of the row
-        rb = tl.load(rad_ptr + bh64 * rs + (tok * RB)[:, None] + tl.arange(0, NC // 2)[None, :],
-                     mask=tmask[:, None], other=0).to(tl.int32)
-        rq = tl.reshape(tl.join(rb & 15, rb >> 4), (BT, NC))
+        i2 = pad_cols(NC // 2)
+        rb = tl.load(rad_ptr + bh64 * rs + (tok * RB)[:, None] + i2[None, :],
+                     mask=pad_mask(tmask[:, None], i2[None, :], NC // 2), other=0).to(tl.int32)
+        rq = tl.reshape(tl.join(rb & 15, rb >> 4), (BT, NCP))
     else:
         rq = unpack_rows(rad_ptr + bh64 * rs, tok * RB, tmask, BT, NC, RW, RB, RNB)
     rmax = tl.load(rmax_ptr + bh64 * ms + tok, mask=tmask, other=0)
@@ -158,7 +176,7 @@ def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, tabl
         if LOGR:
             rel = tl.load(rel_ptr + rq).to(tl.float32)
         else:  # uniform levels: q / L, the IEEE quotient torch computes
-            rel = tl.div_rn(rq.to(tl.float32), tl.full([BT, NC], (1 << RW) - 1, tl.float32))
+            rel = tl.div_rn(rq.to(tl.float32), tl.full([BT, NCP], (1 << RW) - 1, tl.float32))
         rhat = rmax[:, None] * rel  # as HQMQ.radius_levels: r_max * rel[q]
         if TAB < 2:  # codebook [H, 24S, 4], fp16 (TAB 1) or fp32 (TAB 0)
             c0, c1, c2, c3 = table_quad(table_ptr, (h * (24 * S) + code).to(tl.int64), TAB == 1)
@@ -175,15 +193,22 @@ def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, tabl
     v2 = c2 * rhat
     v3 = c3 * rhat
     if HAS_OUT:
-        fw = tl.zeros([BT], tl.int32)  # the token's flag bits, chunk c at bit c
+        # the token's flag bits, chunk c at bit c: 64-bit words past 32 chunks (head dim 256;
+        # int32 words there once shifted bytes 4-7 out and read wrong outliers)
+        FT: tl.constexpr = tl.int64 if FB > 4 else tl.int32
+        fw = tl.zeros([BT], FT)
         for i in tl.static_range(FB):
-            fw = fw | (tl.load(flags_ptr + bh64 * fs + tok * FB + i, mask=tmask, other=0).to(tl.int32) << (8 * i))
+            fw = fw | (tl.load(flags_ptr + bh64 * fs + tok * FB + i, mask=tmask, other=0).to(FT) << (8 * i))
         if tl.sum((fw != 0).to(tl.int32), axis=0) > 0:  # skip tiles without outliers
-            cnt = tl.reshape(popc(fw, INTERP), (BT // 64, 64))
+            cnt = tl.reshape(popc_wide(fw, FB > 4, INTERP), (BT // 64, 64))
             tok_ex = tl.reshape(tl.cumsum(cnt, axis=1) - cnt, (BT,))  # outliers earlier in the 64-block
-            c = tl.arange(0, NC)
+            c = pad_cols(NC)
             fl = (fw[:, None] >> c[None, :]) & 1
-            ch_ex = popc(fw[:, None] & ((1 << c) - 1)[None, :], INTERP)  # outliers earlier in the token
+            if FB > 4:
+                below = (tl.full(c.shape, 1, FT) << c) - 1
+            else:
+                below = (1 << c) - 1
+            ch_ex = popc_wide(fw[:, None] & below[None, :], FB > 4, INTERP)  # outliers earlier in the token
             base = tl.load(oidx_ptr + bh64 * isb + tok // 64, mask=tmask, other=0)
             oi = (base + tok_ex).to(tl.int64)[:, None] + ch_ex
             om = fl != 0
@@ -192,7 +217,7 @@ def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, tabl
             v1 = tl.where(om, o1, v1)
             v2 = tl.where(om, o2, v2)
             v3 = tl.where(om, o3, v3)
-    out = tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (BT, D))  # element 4c+k = v_k[c]
+    out = tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (BT, 4 * NCP))  # element 4c+k = v_k[c]
     return finish(out, FAST, RND), tmask
 
 
@@ -243,11 +268,14 @@ def _flat_tensors(f: HQMQFlat) -> tuple:
 
 
 def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_splits: int | None = None,
-                          block_t: int = 128, num_warps: int = 4, num_stages: int = 1,
+                          block_t: int | None = None, num_warps: int = 4, num_stages: int = 1,
                           programs_per_sm: int = 8, workspace: Workspace | None = None,
                           out_dtype=None, valid_len: torch.Tensor | None = None,
                           row_start: torch.Tensor | None = None) -> torch.Tensor:
+    """block_t: 128-token tiles, 64 past 128 columns (`wide_or_padded`: there 128 spilled)."""
     T = k.T
+    if block_t is None:
+        block_t = 64 if k.D > 128 else 128
     ts = _flat_tensors(k) + _flat_tensors(v) + (k.ptab,)
     layout = (type(k), type(v), *map(identity, ts), k.B, k.H, k.D, k.S, k.code_bits, k.r_bits, k.table_mode, k.dtype,
            k.log_radius, k.code_pack, v.B, v.H, v.D, v.S, v.code_bits, v.r_bits, v.table_mode, v.dtype, v.log_radius,

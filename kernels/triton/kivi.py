@@ -15,8 +15,8 @@ import triton.language as tl
 from ...quantizers.derived import identity
 from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len, pow2
 from ..layout import KIVIFlat, KIVIGraphFlat
-from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, first_tile, from_floor, nbytes_span, row_floor,
-                     run_split, scores, softmax_update, split_prologue, split_want, store_partial)
+from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, first_tile, pad_cols, pad_mask, from_floor, nbytes_span, row_floor,
+                     run_split, scores, softmax_update, split_prologue, split_want, store_partial, wide_or_padded)
 from .naive_int import int_tile
 
 
@@ -25,37 +25,39 @@ def _kivi_kt_tile(codes_ptr, scale_ptr, zero_ptr, bh, t0, NG, cs, ss,
                   BT: tl.constexpr, D: tl.constexpr, W: tl.constexpr, G: tl.constexpr, GB: tl.constexpr,
                   FAST: tl.constexpr, RND: tl.constexpr):
     """Keys per channel over G-token groups (codes [NGcap, D, GB] per kv row): the
-    TRANSPOSED tile k^T [D, BT] of tokens t0.. (BT a multiple of G, t0 too)."""
+    TRANSPOSED tile k^T [D, BT] of tokens t0.. (BT a multiple of G, t0 too; D padded:
+    `pad_cols`)."""
     NGT: tl.constexpr = BT // G
     bh64 = bh.to(tl.int64)
     gi = t0 // G + tl.arange(0, NGT)
     gm = gi < NG
-    j = tl.arange(0, D)
+    j = pad_cols(D)
+    DP: tl.constexpr = j.shape[0]
     by = tl.arange(0, GB)
     off = bh64 * cs + ((gi.to(tl.int64)[:, None] * D + j[None, :]) * GB)[:, :, None] + by[None, None, :]
-    b = tl.load(codes_ptr + off, mask=gm[:, None, None], other=0)  # [NGT, D, GB]
+    b = tl.load(codes_ptr + off, mask=pad_mask(gm[:, None, None], j[None, :, None], D), other=0)  # [NGT, DP, GB]
     so = bh64 * ss + gi.to(tl.int64)[:, None] * D + j[None, :]
-    sc = tl.load(scale_ptr + so, mask=gm[:, None], other=0)  # [NGT, D]
-    ze = tl.load(zero_ptr + so, mask=gm[:, None], other=0)
+    sc = tl.load(scale_ptr + so, mask=pad_mask(gm[:, None], j[None, :], D), other=0)  # [NGT, DP]
+    ze = tl.load(zero_ptr + so, mask=pad_mask(gm[:, None], j[None, :], D), other=0)
     if not FAST:
         sc = sc.to(tl.float32)
         ze = ze.to(tl.float32)
-    shp: tl.constexpr = (NGT, D, GB)
+    shp: tl.constexpr = (NGT, DP, GB)
     val = dq_bytes(b, tl.broadcast_to(sc[:, :, None], shp), tl.broadcast_to(ze[:, :, None], shp), W, FAST, RND)
     if NGT == 1:  # one group per tile: no transposition of groups and channels
-        return tl.reshape(val, (D, BT))  # token within its group = byte * (8/W) + field
+        return tl.reshape(val, (DP, BT))  # token within its group = byte * (8/W) + field
     else:
-        val = tl.reshape(val, (NGT, D, G))
-        return tl.reshape(tl.permute(val, (1, 0, 2)), (D, BT))
+        val = tl.reshape(val, (NGT, DP, G))
+        return tl.reshape(tl.permute(val, (1, 0, 2)), (DP, BT))
 
 
 @triton.jit
 def _fp16_tile(ptr, bh, t0, TR, rs, BT: tl.constexpr, D: tl.constexpr, FAST: tl.constexpr):
     tok = t0 + tl.arange(0, BT)
     tmask = (tok >= 0) & (tok < TR)
-    j = tl.arange(0, D)
+    j = pad_cols(D)
     off = bh.to(tl.int64) * rs + tl.maximum(tok, 0)[:, None] * D + j[None, :]
-    x = tl.load(ptr + off, mask=tmask[:, None], other=0)
+    x = tl.load(ptr + off, mask=pad_mask(tmask[:, None], j[None, :], D), other=0)
     if FAST:
         return x.to(tl.float16), tmask
     else:
@@ -127,12 +129,15 @@ _PLANS = PlanCache()
 
 
 def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_splits: int | None = None,
-                          block_t: int = 64, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 12,
+                          block_t: int = 64, num_warps: int = 4, num_stages: int | None = None, programs_per_sm: int = 12,
                           workspace: Workspace | None = None, out_dtype=None, valid_len=None,
                           row_start=None) -> torch.Tensor:
     """`valid_len` (a device token count, see `decode_attention`): k and v must be
     `KIVIGraphFlat`s (the window policy turns the length into each side's counts, on the
-    device) of one capacity. `row_start`: per-row key starts (`decode_attention`)."""
+    device) of one capacity. `row_start`: per-row key starts (`decode_attention`).
+    num_stages: 2, 1 past 128 columns or padded (`wide_or_padded`)."""
+    if num_stages is None:
+        num_stages = 1 if wide_or_padded(k.D) else 2
     ts = (k.codes, k.scale, k.zero, k.residual, v.codes, v.scale, v.zero, v.residual)
     kg, vg = type(k) is KIVIGraphFlat, type(v) is KIVIGraphFlat
     layout = (type(k), type(v), *map(identity, ts), k.B, k.H, k.D, k.bits, k.group, k.role, k.dtype, k.n_groups == 0,
@@ -182,7 +187,7 @@ def _kivi_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, p
     G, W = k.group, k.bits
     if 8 % W:
         raise ValueError(f"fused KIVI kernel supports 2, 4 or 8 bits, got {W}")
-    if not pow2(G) or D % G or not pow2(D // G) or G * W < 8:
+    if not pow2(G) or D % G or G * W < 8:
         raise ValueError(f"fused KIVI kernel needs a power-of-two group dividing head_dim, got G={G}")
     bt = max(block_t, G)
     if bt % G:

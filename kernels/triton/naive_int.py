@@ -13,23 +13,26 @@ import triton.language as tl
 from ...quantizers.derived import identity
 from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len, pow2
 from ..layout import IntFlat
-from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, finish, first_tile, from_floor, nbytes_span, row_floor,
+from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, finish, pad_cols, pad_mask, first_tile, from_floor, nbytes_span, row_floor,
                      run_split, scores, softmax_update, split_prologue, split_want, store_partial, unpack_rows,
-                     valid_tokens)
+                     valid_tokens, wide_or_padded)
 
 
 @triton.jit
 def int_tile(codes_ptr, scale_ptr, zero_ptr, bh, tok, tmask, cs, ss,
               BT: tl.constexpr, D: tl.constexpr, W: tl.constexpr, CB: tl.constexpr, CNB: tl.constexpr,
               G: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr):
-    """Per-token groups of G along the head dim: [BT, D] of rows `tok` of kv row bh.
+    """Per-token groups of G along the head dim: [BT, D] of rows `tok` of kv row bh (D
+    padded: `pad_cols`; G a power of two, so the padded groups fill the padded columns).
     VEC: W divides 8 and a group is whole bytes: bytes [BT, D/G, G*W/8], bit-trick decode."""
     NG: tl.constexpr = D // G
     bh64 = bh.to(tl.int64)
-    g = tl.arange(0, NG)
+    g = pad_cols(NG)
+    NGP: tl.constexpr = g.shape[0]
     so = bh64 * ss + tok[:, None] * NG + g[None, :]
-    sc = tl.load(scale_ptr + so, mask=tmask[:, None], other=0)
-    ze = tl.load(zero_ptr + so, mask=tmask[:, None], other=0)
+    gm = pad_mask(tmask[:, None], g[None, :], NG)
+    sc = tl.load(scale_ptr + so, mask=gm, other=0)
+    ze = tl.load(zero_ptr + so, mask=gm, other=0)
     if not FAST:
         sc = sc.to(tl.float32)
         ze = ze.to(tl.float32)
@@ -37,14 +40,14 @@ def int_tile(codes_ptr, scale_ptr, zero_ptr, bh, tok, tmask, cs, ss,
         GBY: tl.constexpr = G * W // 8
         j = tl.arange(0, GBY)
         off = bh64 * cs + (tok * CB)[:, None, None] + (g * GBY)[None, :, None] + j[None, None, :]
-        b = tl.load(codes_ptr + off, mask=tmask[:, None, None], other=0)
-        shp: tl.constexpr = (BT, NG, GBY)
+        b = tl.load(codes_ptr + off, mask=pad_mask(tmask[:, None, None], g[None, :, None], NG), other=0)
+        shp: tl.constexpr = (BT, NGP, GBY)
         val = dq_bytes(b, tl.broadcast_to(sc[:, :, None], shp), tl.broadcast_to(ze[:, :, None], shp), W, FAST, RND)
-        return tl.reshape(val, (BT, D))
+        return tl.reshape(val, (BT, NGP * G))
     else:
         code = unpack_rows(codes_ptr + bh64 * cs, tok * CB, tmask, BT, D, W, CB, CNB).to(tl.float32)
-        val = tl.reshape(code, (BT, NG, G)) * sc.to(tl.float32)[:, :, None] + ze.to(tl.float32)[:, :, None]
-        return finish(tl.reshape(val, (BT, D)), FAST, RND)
+        val = tl.reshape(code, (BT, NGP, G)) * sc.to(tl.float32)[:, :, None] + ze.to(tl.float32)[:, :, None]
+        return finish(tl.reshape(val, (BT, NGP * G)), FAST, RND)
 
 
 @triton.jit
@@ -72,11 +75,14 @@ _PLANS = PlanCache()
 
 
 def int_decode_attention(q: torch.Tensor, k: IntFlat, v: IntFlat, *, num_splits: int | None = None,
-                         block_t: int = 128, num_warps: int = 4, num_stages: int = 2, programs_per_sm: int = 8,
+                         block_t: int = 128, num_warps: int = 4, num_stages: int | None = None, programs_per_sm: int = 8,
                          workspace: Workspace | None = None, out_dtype=None,
                          valid_len: torch.Tensor | None = None,
                          row_start: torch.Tensor | None = None) -> torch.Tensor:
+    """num_stages: 2, 1 past 128 columns or padded (`wide_or_padded`)."""
     T = k.T
+    if num_stages is None:
+        num_stages = 1 if wide_or_padded(k.D) else 2
     ts = (k.codes, k.scale, k.zero, v.codes, v.scale, v.zero)
     layout = (type(k), type(v), *map(identity, ts), k.B, k.H, k.D, k.bits, k.group, k.dtype,
               v.B, v.H, v.D, v.bits, v.group)
@@ -100,8 +106,8 @@ def _int_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, pr
     if (v.B, v.H, v.T, v.D, v.bits, v.group) != (B, H, T, D, k.bits, k.group):
         raise ValueError("K and V int caches differ in shape or config")
     G, W = k.group, k.bits
-    if D % G or not pow2(D // G):
-        raise ValueError(f"fused int kernel needs head_dim/group a power of two, got {D}/{G}")
+    if D % G or not pow2(G):
+        raise ValueError(f"fused int kernel needs a power-of-two group dividing head_dim, got {D}/{G}")
     vec = 8 % W == 0 and (G * W) % 8 == 0 and pow2(G * W // 8)
     strides = [LOG2E / math.sqrt(D), bh_stride(k.codes, "codes"), bh_stride(k.scale, "scale"),
                bh_stride(v.codes, "codes"), bh_stride(v.scale, "scale")]

@@ -207,6 +207,23 @@ def test_fused_generate_equals_dense(model, spec):
     assert fused.nbytes() == dense.nbytes() and fused.get_seq_length() == dense.get_seq_length()
 
 
+@pytest.mark.parametrize("spec", ["hqmq:S=8,r=4,outliers=med3", "int4:group=16", "kivi:bits=2,group=8,residual=8"])
+def test_fused_generate_at_a_padded_head_dim(spec):
+    """A model whose head dim is not a power of two (48 here; Phi-3's 96) decodes through
+    the fused kernels (padded to 64, kernels/triton/common.py `pad_cols`), not step by step
+    through the dense fallback they once forced (every step counted in `fallbacks`)."""
+    m = tiny_llama(head_dim=48)
+    ids = tokens(20, batch=2).to(DEV)
+    with torch.inference_mode():
+        dense = QuantizedCache(spec, config=m.config)
+        out_dense = m.generate(ids, max_new_tokens=4, do_sample=False, **cache_kwargs(m, dense))
+        with fused_attention(m), old_prefill():
+            fused = QuantizedCache(spec, config=m.config, fused=True)
+            out_fused = m.generate(ids, max_new_tokens=4, do_sample=False, **cache_kwargs(m, fused))
+    assert all(layer.mode == "fused" and layer.fallbacks == 0 for layer in fused.layers)
+    assert torch.equal(out_dense, out_fused)
+
+
 @pytest.mark.parametrize("spec", ["int4", "hqmq:S=8,r=4,outliers=med3"])
 def test_prefill_then_decode_ppl_fused_equals_dense(model, spec):
     windows = tokens(40, batch=2, seed=5)

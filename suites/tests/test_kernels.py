@@ -9,6 +9,9 @@ plain fp32 softmax attention over ALL keys.
 
 The public kernel benchmark passed causal=True with one query, so it attended to
 the first key(s) only; `test_last_token_matters` would have caught that.
+
+(About 480 lines: every Triton decode kernel against one reference, with the store's
+capacity contract beside it; split by format it would repeat the helpers in each file.)
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed")
 from kvqbench.kernels import layout as L  # noqa: E402
 from kvqbench.kernels import registry  # noqa: E402
 from kvqbench.kernels.common import choose_splits, interpreting  # noqa: E402
-from kvqbench.kernels.decode_attention import decode_attention, reference_decode_attention  # noqa: E402
+from kvqbench.kernels.decode_attention import decode_attention, explain_backend, reference_decode_attention  # noqa: E402
 from kvqbench.kernels.hqmq_encode import encode_with_kernel, hqmq_search  # noqa: E402
 from kvqbench.quantizers import get_quantizer  # noqa: E402
 from kvqbench.quantizers.packing import unpack_bits  # noqa: E402
@@ -184,6 +187,38 @@ def test_decode_attention_matches_reference(spec, case):
     check(q, (qk, pk), vq, num_splits=splits)
 
 
+PADDED_SPECS = ["hqmq:S=96,r=4", "hqmq:S=24,r=3,outliers=med3", "hqmq:S=96,r=4,pack=mixed", "int4:group=16",
+                "int3:group=16", "kivi:bits=2,group=16,residual=16", "kivi:bits=4,group=16", "fp8-e4m3", "fp16"]
+
+
+@pytest.mark.parametrize("spec", PADDED_SPECS)
+@pytest.mark.parametrize("D", [48, 96, 208])
+def test_head_dims_that_are_not_powers_of_two(spec, D):
+    """Multiples of 16 such as Phi-3's 96 run padded to the next power of two
+    (kernels/triton/common.py `pad_cols`): the padded columns, groups and chunks read no
+    byte and write none. 208: 52 HQMQ chunks, so Med3x flag words past 32 bits. 70 tokens
+    cross a 64-token outlier block and a KIVI window; two splits."""
+    B, Hq, Hkv, T = 1, 4, 2, 70
+    k, v = make_kv(B, Hkv, T, D, "outlier", seed=D), make_kv(B, Hkv, T, D, seed=D + 1)
+    q = make_q(B, Hq, D)
+    kq, vq = build(spec, k, v)
+    # (on a GPU too: the CUDA kernels take head dims 64, 128 and 256 and say so)
+    assert explain_backend(q, L.flatten(kq[1], "K"), L.flatten(vq[1], "V")).backend == "triton"
+    check(q, kq, vq, num_splits=2)
+
+
+def test_med3_outliers_past_chunk_32():
+    """Head dim 256 (Gemma-3): 64 chunks, 8 flag bytes a token. The Triton kernel once read
+    them into a 32-bit word, losing or misplacing the outliers of chunks 32-63 (max error 3.9
+    against the reference). make_kv's outlier channels 129 and 254 are chunks 32 and 63."""
+    D = 256
+    k, v = make_kv(1, 2, 100, D, "outlier", seed=7), make_kv(1, 2, 100, D, seed=8)
+    kq, vq = build("hqmq:S=24,r=3,outliers=med3", k, v)
+    flags = L.flatten(kq[1], "K").flags
+    assert flags[..., 4:].any(), "no outlier past chunk 32: the test would not test it"
+    check(make_q(1, 4, D), kq, vq, num_splits=2, backend="triton")
+
+
 @pytest.mark.parametrize("spec", ["hqmq:S=24,r=3,outliers=med3", "hqmq:S=256,r=5,radius=log"])
 def test_hqmq_tables_and_other_widths(spec):
     """Every codeword source: secondaries (default) and the full codebook, fp32
@@ -325,6 +360,11 @@ def test_refuses_bad_input():
     pc = get_quantizer("int4:keys=per-channel", role="K").encode(k)
     with pytest.raises(ValueError, match="per-token"):
         L.flatten(pc)
+    for D in (40, 272):  # not a multiple of 16; past 256 and not a power of two
+        x = make_kv(1, 2, 8, D)
+        (_, px), _ = build("fp16", x, x)
+        with pytest.raises(ValueError, match=f"head_dim must be a multiple of 16 .* got {D}"):
+            decode_attention(make_q(1, 4, D), L.flatten(px, "K"), L.flatten(px, "V"))
 
 
 # ---------------------------------------------------------------------------------------
