@@ -108,9 +108,12 @@ AUTO_INT8 = True
 MIXED_HEAD_DIMS = (64, 128)
 AUTO_MIXED = True
 # Med3x with mixed rows (the v10 MIX instances: 117-128 registers, no spills, sm_90a offline):
-# written 2026-12-07 after the GPU budget was spent, so auto keeps them on Triton until
-# test_cuda_mixed_codes.py's Med3x cases pass on a GPU (backend="cuda" takes them).
-AUTO_MIXED_MED3 = False
+# their GPU tests passed on an H100 on 2026-12-07 (test_cuda_mixed_codes.py +
+# test_hqmq_mixed.py, 109 passed: bit for bit against Med3x on 12-bit rows at T = 1 / 333 /
+# 4099, splits, valid_len). Graphed B=8 T=32k there: 260.5 us at d 128 (Triton 825.0, Med3x
+# on 12-bit rows 185.7), 171.5 at d 64 (Triton 416.2, 12-bit 139.9);
+# reports/latency/h100_2026-12-07d/.
+AUTO_MIXED_MED3 = True
 
 
 def variants(head_dim: int = 128, med3: bool = False, cw: int = 8, mix: bool = False) -> tuple[int, ...]:

@@ -545,7 +545,6 @@ FORMAT = Format(
     kernels=(Kernel("triton", hqmq_decode_attention, title="Triton HQMQ kernel", row_start=True), CUDA),
     bench={"hqmq": "hqmq:S=96,r=4", "hqmq-med3": "hqmq:S=96,r=4,outliers=med3",
            "hqmq-mixed": "hqmq:S=96,r=4,pack=mixed",  # CUDA under auto since AUTO_MIXED (cuda/hqmq_decode.py)
-           # Med3x with mixed rows: CUDA by opt-in until AUTO_MIXED_MED3 (its GPU test)
-           "hqmq-med3-mixed": "hqmq:S=96,r=4,outliers=med3,pack=mixed",
+           "hqmq-med3-mixed": "hqmq:S=96,r=4,outliers=med3,pack=mixed",  # CUDA under auto since AUTO_MIXED_MED3
            "hqmq-int8": "hqmq:S=96,r=4,codebook=int8"},  # CUDA under auto since AUTO_INT8 (cuda/hqmq_decode.py)
 )
