@@ -178,10 +178,10 @@ def padded(n: int) -> int:
 
 
 def wide_or_padded(D: int) -> bool:
-    """Whether a head dim takes the wide launch defaults of the int, KIVI and HQMQ kernels:
+    """Whether a head dim takes the one-stage launch default of the int and KIVI kernels:
     past 128 columns, or padded (an H100 sweep, B=8 T=32k, reports/kernels/NOTES.md
-    "Head dims that are not powers of two": there the 128-column defaults spill or stall on
-    their second stage; HQMQ at 256 columns took 19-21 ms in 128-token tiles, 3.3-3.7 in 64)."""
+    "Head dims that are not powers of two": their second stage cost up to 2x at 256 columns
+    and 15-35% padded). HQMQ's wide default is its own (`hqmq_decode_attention`)."""
     return D > 128 or D & (D - 1) != 0
 
 

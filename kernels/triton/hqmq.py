@@ -268,14 +268,18 @@ def _flat_tensors(f: HQMQFlat) -> tuple:
 
 
 def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_splits: int | None = None,
-                          block_t: int | None = None, num_warps: int = 4, num_stages: int = 1,
+                          block_t: int | None = None, num_warps: int | None = None, num_stages: int = 1,
                           programs_per_sm: int = 8, workspace: Workspace | None = None,
                           out_dtype=None, valid_len: torch.Tensor | None = None,
                           row_start: torch.Tensor | None = None) -> torch.Tensor:
-    """block_t: 128-token tiles, 64 past 128 columns (`wide_or_padded`: there 128 spilled)."""
+    """block_t / num_warps: 128-token tiles of 4 warps; past 128 columns 64-token tiles of 8
+    warps, the one launch whose Med3x and plain instances both compile without spills there
+    with the engine's fp16 codebook (aot_check, sm_90: 128 / 4 spilled; reports/kernels/NOTES.md)."""
     T = k.T
     if block_t is None:
         block_t = 64 if k.D > 128 else 128
+    if num_warps is None:
+        num_warps = 8 if k.D > 128 else 4
     ts = _flat_tensors(k) + _flat_tensors(v) + (k.ptab,)
     layout = (type(k), type(v), *map(identity, ts), k.B, k.H, k.D, k.S, k.code_bits, k.r_bits, k.table_mode, k.dtype,
            k.log_radius, k.code_pack, v.B, v.H, v.D, v.S, v.code_bits, v.r_bits, v.table_mode, v.dtype, v.log_radius,
