@@ -10,7 +10,7 @@ plain fp32 softmax attention over ALL keys.
 The public kernel benchmark passed causal=True with one query, so it attended to
 the first key(s) only; `test_last_token_matters` would have caught that.
 
-(About 480 lines: every Triton decode kernel against one reference, with the store's
+(About 520 lines: every Triton decode kernel against one reference, with the store's
 capacity contract beside it; split by format it would repeat the helpers in each file.)
 """
 from __future__ import annotations
@@ -192,15 +192,15 @@ PADDED_SPECS = ["hqmq:S=96,r=4", "hqmq:S=24,r=3,outliers=med3", "hqmq:S=96,r=4,p
 
 
 @pytest.mark.parametrize("spec", PADDED_SPECS)
-@pytest.mark.parametrize("D", [48, 96, 208])
-def test_head_dims_that_are_not_powers_of_two(spec, D):
+@pytest.mark.parametrize("D,T", [(48, 70), (96, 70), (208, 70), (96, 1)])
+def test_head_dims_that_are_not_powers_of_two(spec, D, T):
     """Multiples of 16 such as Phi-3's 96 run padded to the next power of two
     (kernels/triton/common.py `pad_cols`): the padded columns, groups and chunks read no
     byte and write none. 208: 52 HQMQ chunks, so Med3x flag words past 32 bits. 70 tokens
-    cross a 64-token outlier block and a KIVI window; two splits. The buffers run on past
-    the valid tokens with NaN in their float fields: a padded column read past the last
-    token's row would meet the query's zero there and give NaN."""
-    B, Hq, Hkv, T = 1, 4, 2, 70
+    cross a 64-token outlier block and a KIVI window (and one token alone); two splits. The
+    buffers run on past the valid tokens with NaN in their float fields: a padded column
+    read past the last token's row would meet the query's zero there and give NaN."""
+    B, Hq, Hkv = 1, 4, 2
     k, v = make_kv(B, Hkv, T, D, "outlier", seed=D), make_kv(B, Hkv, T, D, seed=D + 1)
     q = make_q(B, Hq, D)
     (qk, pk), (qv, pv) = build(spec, k, v)
@@ -211,6 +211,23 @@ def test_head_dims_that_are_not_powers_of_two(spec, D):
     assert explain_backend(q, kf, vf).backend == "triton"
     out = decode_attention(q, kf, vf, out_dtype=torch.float32, num_splits=2)
     ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < tol(q.dtype), f"relative error {rel_err(out, ref):.3g}"
+
+
+@pytest.mark.parametrize("spec", ["hqmq:S=24,r=3,outliers=med3", "int4:group=16", "fp16"])
+def test_padded_head_dim_with_a_device_valid_length_and_row_starts(spec):
+    """A graphed step's call (a device valid length: the grid cut for the capacity) over a
+    left-padded batch (per-row key starts) at head dim 48, one call to the reference."""
+    D, T, cap = 48, 50, 90
+    k, v = make_kv(2, 2, cap, D, "outlier", seed=3), make_kv(2, 2, cap, D, seed=4)
+    (qk, pk), (qv, pv) = build(spec, k, v)
+    q = make_q(2, 4, D)
+    vl = torch.tensor([T], dtype=torch.int32, device=DEV)
+    rs = torch.tensor([0, 17], dtype=torch.int32, device=DEV)
+    out = decode_attention(q, L.flatten(pk, "K"), L.flatten(pv, "V"), backend="triton", valid_len=vl, row_start=rs,
+                           num_splits=3, out_dtype=torch.float32)
+    ref = reference_decode_attention(q, qk.decode(pk)[:, :, :T], qv.decode(pv)[:, :, :T], rs)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < tol(q.dtype), f"relative error {rel_err(out, ref):.3g}"
 
