@@ -188,7 +188,7 @@ def _kivi_plan(q, k, v, valid_len, num_splits, block_t, num_warps, num_stages, p
     if 8 % W:
         raise ValueError(f"fused KIVI kernel supports 2, 4 or 8 bits, got {W}")
     if not pow2(G) or D % G or G * W < 8:
-        raise ValueError(f"fused KIVI kernel needs a power-of-two group dividing head_dim, got G={G}")
+        raise ValueError(f"fused KIVI kernel needs a power-of-two group dividing head_dim, got G={G} at head_dim {D}")
     bt = max(block_t, G)
     if bt % G:
         raise ValueError(f"block_t {block_t} must be a multiple of the group {G}")
