@@ -130,6 +130,22 @@ def _kernel(full_name: str):
     return getattr(obj, attr)
 
 
+def stale(data: str) -> str | None:
+    """Why a recorded specialisation no longer fits its kernel (None: it does): the kernel is
+    gone, or its parameters are not the ones recorded (a parameter added since: the entry
+    cannot compile, and costs a failed compile on every fresh machine)."""
+    d = json.loads(data)
+    try:
+        names = list(_kernel(d["name"]).arg_names)
+    except (ImportError, AttributeError) as e:
+        return f"{d['name']}: {e}"
+    if list(d["signature"]) != names:
+        missing = [n for n in names if n not in d["signature"]]
+        extra = [n for n in d["signature"] if n not in names]
+        return f"{d['name']}: parameters differ (missing {missing}, gone {extra})"
+    return None
+
+
 class _DiskOnly:
     """A JITFunction as `JITFunction.preload` sees it, except that its final step compiles into
     the on-disk cache and keeps nothing (see the module's docstring for why). The CompiledKernel
