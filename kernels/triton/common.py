@@ -172,11 +172,6 @@ def pad_mask(mask, cols, N: tl.constexpr):
         return mask & (cols < N)
 
 
-def padded(n: int) -> int:
-    """`pad_cols`' extent, on the host."""
-    return n if n & (n - 1) == 0 or n > 256 else 1 << (n - 1).bit_length()
-
-
 def wide_or_padded(D: int) -> bool:
     """Whether a head dim takes the one-stage launch default of the int and KIVI kernels:
     past 128 columns, or padded (an H100 sweep, B=8 T=32k, reports/kernels/NOTES.md
@@ -479,7 +474,7 @@ def q_key(q):
 
 
 __all__ = ["LOG2E", "PlanCache", "clear_plans", "plan_count", "SplitPlan", "TL_DTYPES", "combine_kernel", "dq_bytes",
-           "f16x4", "fast_path", "finish", "pad_cols", "pad_mask", "padded", "wide_or_padded",
+           "f16x4", "fast_path", "finish", "pad_cols", "pad_mask", "wide_or_padded",
            "first_tile", "from_floor", "hamilton", "launch", "launch_split", "nbytes_span", "popc", "q_key", "row_floor",
            "run_split", "scores", "softmax_update",
            "split_prologue", "split_want", "store_partial", "table_quad", "unpack_rows", "valid_tokens"]
