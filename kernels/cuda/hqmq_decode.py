@@ -405,11 +405,11 @@ def auto_refusal(k) -> str | None:
     if codeword_bytes(k) == 4 and not AUTO_INT8:
         return "codebook=int8: cuda.hqmq_decode.AUTO_INT8 is False (not yet run on a GPU; backend='cuda' takes it)"
     if mixed_rows(k) and not AUTO_MIXED:
-        return ("pack=mixed: cuda.hqmq_decode.AUTO_MIXED is False (not yet run on a GPU; backend='cuda' takes "
-                "S=96 at head_dim 64 / 128)")
+        return ("pack=mixed: cuda.hqmq_decode.AUTO_MIXED is False: auto keeps such caches on Triton "
+                "(backend='cuda' takes S=96 at head_dim 64 / 128)")
     if mixed_rows(k) and k.has_outliers and not AUTO_MIXED_MED3:
-        return ("Med3x with pack=mixed: cuda.hqmq_decode.AUTO_MIXED_MED3 is False (not yet run on a GPU; "
-                "backend='cuda' takes S=96 at head_dim 64 / 128)")
+        return ("Med3x with pack=mixed: cuda.hqmq_decode.AUTO_MIXED_MED3 is False: auto keeps such caches on "
+                "Triton (backend='cuda' takes S=96 at head_dim 64 / 128)")
     return None
 
 

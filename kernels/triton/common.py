@@ -172,12 +172,12 @@ def pad_mask(mask, cols, N: tl.constexpr):
         return mask & (cols < N)
 
 
-def wide_or_padded(D: int) -> bool:
-    """Whether a head dim takes the one-stage launch default of the int and KIVI kernels:
-    past 128 columns, or padded (an H100 sweep, B=8 T=32k, reports/kernels/NOTES.md
-    "Head dims that are not powers of two": their second stage cost up to 2x at 256 columns
-    and 15-35% padded). HQMQ's wide default is its own (`hqmq_decode_attention`)."""
-    return D > 128 or D & (D - 1) != 0
+def default_stages(D: int) -> int:
+    """The int and KIVI kernels' pipeline stages at head dim D: 2 (their H200-swept default),
+    1 past 128 columns or when padded (an H100 sweep, B=8 T=32k, reports/kernels/NOTES.md,
+    fifteenth session: the second stage cost up to 2x at 256 columns and 15-35% padded).
+    HQMQ's wide default is its own (`hqmq_decode_attention`)."""
+    return 1 if D > 128 or D & (D - 1) else 2
 
 
 # ---------------------------------------------------------------------------------------
@@ -474,7 +474,7 @@ def q_key(q):
 
 
 __all__ = ["LOG2E", "PlanCache", "clear_plans", "plan_count", "SplitPlan", "TL_DTYPES", "combine_kernel", "dq_bytes",
-           "f16x4", "fast_path", "finish", "pad_cols", "pad_mask", "wide_or_padded",
+           "f16x4", "fast_path", "finish", "pad_cols", "pad_mask", "default_stages",
            "first_tile", "from_floor", "hamilton", "launch", "launch_split", "nbytes_span", "popc", "q_key", "row_floor",
            "run_split", "scores", "softmax_update",
            "split_prologue", "split_want", "store_partial", "table_quad", "unpack_rows", "valid_tokens"]

@@ -1,7 +1,8 @@
 """Triton decode attention over HQMQ caches (`HQMQFlat`), with or without Med3x outliers:
 the tile decoder (codes, radius levels, the codeword table, the outlier lookup), the
 split kernel and its host wrapper. Launch defaults (H200 sweep, reports/kernels/NOTES.md run 8):
-128-token tiles, 4 warps, no pipelining.
+128-token tiles, 4 warps, no pipelining; past 128 columns 64-token tiles of 8 warps
+(`hqmq_decode_attention`).
 
 Mixed-radix code rows (HQMQ pack=mixed, `HQMQFlat.code_layout` (G, W, W_last)): chunk c
 is digit c % G of group c // G, a W-bit field at bit (c // G) * W of the row (W_last bits
@@ -206,7 +207,7 @@ def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, tabl
             fl = (fw[:, None] >> c[None, :]) & 1
             if FB > 4:
                 below = (tl.full(c.shape, 1, FT) << c) - 1
-            else:
+            else:  # (the expression as before the 64-bit words: head dims to 128 compile as they did)
                 below = (1 << c) - 1
             ch_ex = popc_wide(fw[:, None] & below[None, :], FB > 4, INTERP)  # outliers earlier in the token
             base = tl.load(oidx_ptr + bh64 * isb + tok // 64, mask=tmask, other=0)

@@ -2,7 +2,7 @@
 over G-token groups (a transposed tile), values per-token groups (naive_int's tile), the
 fp16 windows; the split kernel gives the tail (windows plus a tile) a program of its own.
 Launch defaults (H200 sweep, reports/kernels/NOTES.md run 8): 64-token tiles, 4 warps, 2 stages,
-12 programs per SM.
+12 programs per SM; one stage past 128 columns or at a padded head dim (`default_stages`).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ...quantizers.derived import identity
 from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len, pow2
 from ..layout import KIVIFlat, KIVIGraphFlat
 from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, first_tile, pad_cols, pad_mask, from_floor, nbytes_span, row_floor,
-                     run_split, scores, softmax_update, split_prologue, split_want, store_partial, wide_or_padded)
+                     run_split, scores, softmax_update, split_prologue, split_want, store_partial, default_stages)
 from .naive_int import int_tile
 
 
@@ -135,9 +135,8 @@ def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_spli
     """`valid_len` (a device token count, see `decode_attention`): k and v must be
     `KIVIGraphFlat`s (the window policy turns the length into each side's counts, on the
     device) of one capacity. `row_start`: per-row key starts (`decode_attention`).
-    num_stages: 2, 1 past 128 columns or padded (`wide_or_padded`)."""
-    if num_stages is None:
-        num_stages = 1 if wide_or_padded(k.D) else 2
+    num_stages: `default_stages(D)` unless given."""
+    num_stages = num_stages or default_stages(k.D)
     ts = (k.codes, k.scale, k.zero, k.residual, v.codes, v.scale, v.zero, v.residual)
     kg, vg = type(k) is KIVIGraphFlat, type(v) is KIVIGraphFlat
     layout = (type(k), type(v), *map(identity, ts), k.B, k.H, k.D, k.bits, k.group, k.role, k.dtype, k.n_groups == 0,

@@ -1,6 +1,7 @@
 """Triton decode attention over naive int caches with per-token groups (`IntFlat`): the
 tile decoder (also KIVI's for its values), the split kernel and its host wrapper.
-Launch defaults (H200 sweep, reports/kernels/NOTES.md run 8): 128-token tiles, 4 warps, 2 stages.
+Launch defaults (H200 sweep, reports/kernels/NOTES.md run 8): 128-token tiles, 4 warps, 2 stages;
+one stage past 128 columns or at a padded head dim (`default_stages`).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid
 from ..layout import IntFlat
 from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, finish, pad_cols, pad_mask, first_tile, from_floor, nbytes_span, row_floor,
                      run_split, scores, softmax_update, split_prologue, split_want, store_partial, unpack_rows,
-                     valid_tokens, wide_or_padded)
+                     valid_tokens, default_stages)
 
 
 @triton.jit
@@ -79,10 +80,9 @@ def int_decode_attention(q: torch.Tensor, k: IntFlat, v: IntFlat, *, num_splits:
                          workspace: Workspace | None = None, out_dtype=None,
                          valid_len: torch.Tensor | None = None,
                          row_start: torch.Tensor | None = None) -> torch.Tensor:
-    """num_stages: 2, 1 past 128 columns or padded (`wide_or_padded`)."""
+    """num_stages: `default_stages(D)` unless given."""
     T = k.T
-    if num_stages is None:
-        num_stages = 1 if wide_or_padded(k.D) else 2
+    num_stages = num_stages or default_stages(k.D)
     ts = (k.codes, k.scale, k.zero, v.codes, v.scale, v.zero)
     layout = (type(k), type(v), *map(identity, ts), k.B, k.H, k.D, k.bits, k.group, k.dtype,
               v.B, v.H, v.D, v.bits, v.group)
