@@ -184,8 +184,12 @@ class Preloading:
         try:
             from triton.runtime.jit import JITFunction
 
-            JITFunction.preload(_DiskOnly(_kernel(json.loads(data)["name"])), data)
-        except Exception as e:  # stale or foreign: counted, never used
+            why = stale(data)  # (counted without the compile it would fail)
+            if why:
+                error = f"stale: {why}"[:200]
+            else:
+                JITFunction.preload(_DiskOnly(_kernel(json.loads(data)["name"])), data)
+        except Exception as e:  # foreign, or refused by Triton: counted, never used
             error = f"{type(e).__name__}: {e}"[:200]
         with self._lock:
             if error is None:
