@@ -290,6 +290,8 @@ def auto_refusal(k) -> str | None:
         return f"no CUDA kernel for {type(k).__name__}"
     if name not in CUDA_VERIFIED:
         return f"{name} is not in cuda.decode_attention.CUDA_VERIFIED"
+    if k.D not in HEAD_DIMS:  # (no instance: Triton serves it, padded when not a power of two)
+        return f"no CUDA kernel at head_dim {k.D} (the CUDA kernels take {', '.join(map(str, HEAD_DIMS))})"
     if k.D not in VERIFIED_HEAD_DIMS.get(name, ()):
         return (f"{name} at head_dim {k.D} is not in cuda.decode_attention.VERIFIED_HEAD_DIMS "
                 f"(not yet run on a GPU; backend='cuda' takes it)")

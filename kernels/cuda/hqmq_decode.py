@@ -397,6 +397,8 @@ def auto_refusal(k) -> str | None:
         return f"no CUDA HQMQ kernel for {type(k).__name__}"
     if not AUTO:
         return "cuda.hqmq_decode.AUTO is False"
+    if k.D not in HEAD_DIMS:  # (no instance: Triton serves it, padded when not a power of two)
+        return f"no CUDA HQMQ kernel at head_dim {k.D} (it takes {', '.join(map(str, HEAD_DIMS))})"
     if k.D not in AUTO_HEAD_DIMS:
         return (f"head_dim {k.D} is not in cuda.hqmq_decode.AUTO_HEAD_DIMS (not yet run on a GPU; "
                 f"backend='cuda' takes it)")

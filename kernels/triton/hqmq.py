@@ -1,8 +1,8 @@
 """Triton decode attention over HQMQ caches (`HQMQFlat`), with or without Med3x outliers:
 the tile decoder (codes, radius levels, the codeword table, the outlier lookup), the
 split kernel and its host wrapper. Launch defaults (H200 sweep, reports/kernels/NOTES.md run 8):
-128-token tiles, 4 warps, no pipelining; past 128 columns 64-token tiles of 8 warps
-(`hqmq_decode_attention`).
+128-token tiles, 4 warps, no pipelining; past 128 columns with an fp32 codeword table
+64-token tiles of 8 warps (`wide_launch`).
 
 Mixed-radix code rows (HQMQ pack=mixed, `HQMQFlat.code_layout` (G, W, W_last)): chunk c
 is digit c % G of group c // G, a W-bit field at bit (c // G) * W of the row (W_last bits
@@ -268,19 +268,31 @@ def _flat_tensors(f: HQMQFlat) -> tuple:
     return f.codes, f.radius, f.r_max, f.flags, f.outliers, f.outlier_index, f.table, f.rel, f.rel16
 
 
+def wide_launch(k: HQMQFlat) -> bool:
+    """Whether the default launch is 64-token tiles of 8 warps: past 128 columns with an fp32
+    table. There 128-token tiles of 4 warps spill (19-21 ms at 256 columns on an H100 against
+    3.2-3.7 for 64 / 8). With the engine's fp16 codebook they are the fastest but for Med3x at
+    256 columns (B=8 T=32k, H100, eager, one run, 2026-12-07; 192 / 256 columns, us): plain 806
+    / 965 against 918 / 1101 for 64 / 8 and 902 / 1062 for 64 / 4; Med3x 1208 / 1781 against
+    2074 / 2310 and 1535 / 1643 (reports/kernels/NOTES.md). int8 codewords (1-byte tables)
+    take the same rule, untimed there."""
+    return k.D > 128 and k.table.element_size() > 2
+
+
 def hqmq_decode_attention(q: torch.Tensor, k: HQMQFlat, v: HQMQFlat, *, num_splits: int | None = None,
                           block_t: int | None = None, num_warps: int | None = None, num_stages: int = 1,
                           programs_per_sm: int = 8, workspace: Workspace | None = None,
                           out_dtype=None, valid_len: torch.Tensor | None = None,
                           row_start: torch.Tensor | None = None) -> torch.Tensor:
-    """block_t / num_warps: 128-token tiles of 4 warps; past 128 columns 64-token tiles of 8
-    warps, the one launch whose Med3x and plain instances both compile without spills there
-    with the engine's fp16 codebook (aot_check, sm_90: 128 / 4 spilled; reports/kernels/NOTES.md)."""
+    """block_t / num_warps: 128-token tiles of 4 warps, except past 128 columns with an fp32
+    codeword table (not the engine's: `formats.hqmq.engine_table`), 64-token tiles of 8 warps
+    (`wide_launch`)."""
     T = k.T
+    wide = wide_launch(k)
     if block_t is None:
-        block_t = 64 if k.D > 128 else 128
+        block_t = 64 if wide else 128
     if num_warps is None:
-        num_warps = 8 if k.D > 128 else 4
+        num_warps = 8 if wide else 4
     ts = _flat_tensors(k) + _flat_tensors(v) + (k.ptab,)
     layout = (type(k), type(v), *map(identity, ts), k.B, k.H, k.D, k.S, k.code_bits, k.r_bits, k.table_mode, k.dtype,
            k.log_radius, k.code_pack, v.B, v.H, v.D, v.S, v.code_bits, v.r_bits, v.table_mode, v.dtype, v.log_radius,

@@ -28,6 +28,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed")
 
 from kvqbench.kernels import layout as L  # noqa: E402
 from kvqbench.kernels import registry  # noqa: E402
+from kvqbench.kernels.cuda import decode_attention as cuda_decode, hqmq_decode as cuda_hqmq  # noqa: E402
 from kvqbench.kernels.common import choose_splits, interpreting  # noqa: E402
 from kvqbench.kernels.decode_attention import decode_attention, explain_backend, reference_decode_attention  # noqa: E402
 from kvqbench.kernels.hqmq_encode import encode_with_kernel, hqmq_search  # noqa: E402
@@ -209,10 +210,24 @@ def test_head_dims_that_are_not_powers_of_two(spec, D, T):
         kf, vf = _nan_past(_with_capacity(kf, 30), T), _nan_past(_with_capacity(vf, 30, seed=1), T)
     # (on a GPU too: the CUDA kernels take head dims 64, 128 and 256 and say so)
     assert explain_backend(q, kf, vf).backend == "triton"
+    why = (cuda_hqmq if isinstance(kf, L.HQMQFlat) else cuda_decode).auto_refusal(kf)
+    assert why.startswith("no CUDA") and "not yet run" not in why, why  # not "waits for its GPU tests"
     out = decode_attention(q, kf, vf, out_dtype=torch.float32, num_splits=2)
     ref = reference_decode_attention(q, qk.decode(pk), qv.decode(pv))
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < tol(q.dtype), f"relative error {rel_err(out, ref):.3g}"
+
+
+def test_hqmq_wide_launch_follows_the_table():
+    """Past 128 columns HQMQ's Triton default is 64-token tiles of 8 warps only with an fp32
+    table (128-token tiles spill there); the engine's fp16 codebook keeps 128 / 4 (timed)."""
+    from kvqbench.kernels.formats.hqmq import configure
+    from kvqbench.kernels.triton.hqmq import wide_launch
+    for D, wide in ((128, False), (208, True), (256, True)):
+        (_, pk), _ = build("hqmq:S=24,r=3", make_kv(1, 1, 8, D), make_kv(1, 1, 8, D, seed=1))
+        kf = L.flatten(pk, "K")
+        assert wide_launch(kf) == wide, D
+        assert not wide_launch(configure(kf, ("codebook", torch.float16))), D
 
 
 @pytest.mark.parametrize("spec", ["hqmq:S=24,r=3,outliers=med3", "int4:group=16", "fp16"])
