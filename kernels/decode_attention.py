@@ -141,8 +141,9 @@ def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", valid_len: to
     row_start: None, or an int32 tensor `[B]` on q's device: batch row b attends to the
     keys at positions >= row_start[b] only (a left-padded batch: its pad counts), read by
     the kernel at run time (a graph replays it for the next batch's pads). A row with no
-    key left gets 0. The Triton kernels take it (`Kernel.row_start`); the CUDA ones
-    decline it, so "auto" sends such a call to Triton and "cuda" refuses it.
+    key left gets 0. Every built-in kernel takes it (`Kernel.row_start`); "auto" gives
+    it to a CUDA kernel once that module's AUTO_ROW_START is set (`Kernel.row_start_auto`;
+    before, Triton takes such calls) and "cuda" runs it either way.
 
     valid_len: None, or an int32 CUDA/CPU tensor of one element on q's device holding the
     number of valid tokens, read by the kernel at run time (so a CUDA graph can replay

@@ -90,7 +90,8 @@ class Kernel:
     - `options`: the launch options it takes (None: any); a call with others is not its;
     - `valid_len`: whether it takes a device valid length;
     - `row_start`: whether it takes per-row key starts (a left-padded batch: keys before
-      row_start[b] masked for row b); the built-in Triton kernels do, the CUDA ones not;
+      row_start[b] masked for row b), and `row_start_auto()` why auto does not give it
+      such calls yet (the switch a GPU run sets; None: it does);
     - `unsupported(q, k, v)`: why it cannot take this call's layout (must not build);
     - `why_unavailable()`: why it cannot run here at all (may build, once: it runs last).
     `renamed`: the front's option names this kernel knows by another name.
@@ -107,6 +108,7 @@ class Kernel:
     options: frozenset | None = None
     valid_len: bool = True
     row_start: bool = False
+    row_start_auto: Callable[[], str | None] | None = None
     unsupported: Callable[..., str | None] | None = None
     why_unavailable: Callable[[], str | None] | None = None
     renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -132,8 +134,12 @@ class Kernel:
                 return f"launch options {', '.join(sorted(foreign))} are not the {self.name}'s"
         if valid_len is not None and not self.valid_len:
             return f"the {self.name} takes no valid_len (device lengths)"
-        if row_start is not None and not self.row_start:
-            return f"the {self.name} takes no row_start (per-row key starts of a left-padded batch)"
+        if row_start is not None:
+            if not self.row_start:
+                return f"the {self.name} takes no row_start (per-row key starts of a left-padded batch)"
+            why = self.row_start_auto() if self.row_start_auto is not None else None
+            if why:
+                return why
         if self.unsupported is not None:
             why = self.unsupported(q, k, v)
             if why:

@@ -91,6 +91,9 @@ struct Params {
   // was sized for; the kernel reads min(*vlen, T) at run time, so one captured CUDA graph
   // serves every decode step (CTAs past it write an empty partial).
   const int* vlen;
+  // a left-padded batch: null, or a device int32 per batch row, its first key position
+  // (keys below it are masked: scores -inf; a row with none left gets 0)
+  const int* rstart;
   float qk_scale;       // log2(e) / sqrt(D)
   float* po;            // partials [B*Hq, nsplit, D], [B*Hq, nsplit] x2
   float* pm;
@@ -982,6 +985,8 @@ struct StreamOf<F, D, NW, GS, GD, 1> {
 // mma is token t0 + r for KIND 0, t0 + F::row_tok(r) for KIVI.
 // SPL = 2 (head dim 256): D is this warp's half; its partial scores are added to its
 // partner's (common.cuh pair_add: xb, hf, bar) before the softmax.
+// t0, tend: token positions shifted down by the row's first key lo (0 without row_start):
+// token t scores iff 0 <= t - lo < tend, one unsigned compare (the group steps alike).
 template <class F, int D, class R, int SPL = 1>
 __device__ __forceinline__ void tile_step(const R& r, int t0, int tend, float qk, const uint32_t (&qb)[D / 16][2],
                                           float (&acc)[D / 16][4], float (&m)[2], float (&l)[2], int g,
@@ -1019,8 +1024,8 @@ __device__ __forceinline__ void tile_step(const R& r, int t0, int tend, float qk
 #pragma unroll
   for (int i = 0; i < 4; ++i) s[i] *= qk;
   if constexpr (SPL == 2) pair_add(s, xb, hf, threadIdx.x & 31, bar);
-  if (t0 + tg >= tend) s[0] = s[1] = NEG_INF;
-  if (t0 + tg8 >= tend) s[2] = s[3] = NEG_INF;
+  if ((unsigned)(t0 + tg) >= (unsigned)tend) s[0] = s[1] = NEG_INF;  // (keys [0, tend) of the shifted range)
+  if ((unsigned)(t0 + tg8) >= (unsigned)tend) s[2] = s[3] = NEG_INF;
 
   // ---- online softmax per head (2c + e): common.cuh
   float p0, p1, p2, p3;
@@ -1147,10 +1152,10 @@ __device__ __forceinline__ void group_step(const uint8_t* st, int u0, int tend, 
     s1[i] *= qk;
   }
   if constexpr (SPL == 2) pair_add2(s0, s1, xb, hf, 4 * g + c, bar);
-  if (u0 + tg >= tend) s0[0] = s0[1] = NEG_INF;
-  if (u0 + tg8 >= tend) s0[2] = s0[3] = NEG_INF;
-  if (u0 + 16 + tg >= tend) s1[0] = s1[1] = NEG_INF;
-  if (u0 + 16 + tg8 >= tend) s1[2] = s1[3] = NEG_INF;
+  if ((unsigned)(u0 + tg) >= (unsigned)tend) s0[0] = s0[1] = NEG_INF;
+  if ((unsigned)(u0 + tg8) >= (unsigned)tend) s0[2] = s0[3] = NEG_INF;
+  if ((unsigned)(u0 + 16 + tg) >= (unsigned)tend) s1[0] = s1[1] = NEG_INF;
+  if ((unsigned)(u0 + 16 + tg8) >= (unsigned)tend) s1[2] = s1[3] = NEG_INF;
   float p[8];
   online_softmax2<KS>(s0, s1, m, l, acc, p);
 #pragma unroll
@@ -1192,10 +1197,10 @@ __device__ __forceinline__ void group_step_lb(const uint8_t* st, int u0, int ten
   }
   if constexpr (SPL == 2) pair_add2(s0, s1, xb, hf, 4 * g + c, bar);
   const int tg = F::lb_tok(0, g);  // row g of tile h: token tg + 2h; row g+8: + 1
-  if (u0 + tg >= tend) s0[0] = s0[1] = NEG_INF;
-  if (u0 + tg + 1 >= tend) s0[2] = s0[3] = NEG_INF;
-  if (u0 + tg + 2 >= tend) s1[0] = s1[1] = NEG_INF;
-  if (u0 + tg + 3 >= tend) s1[2] = s1[3] = NEG_INF;
+  if ((unsigned)(u0 + tg) >= (unsigned)tend) s0[0] = s0[1] = NEG_INF;
+  if ((unsigned)(u0 + tg + 1) >= (unsigned)tend) s0[2] = s0[3] = NEG_INF;
+  if ((unsigned)(u0 + tg + 2) >= (unsigned)tend) s1[0] = s1[1] = NEG_INF;
+  if ((unsigned)(u0 + tg + 3) >= (unsigned)tend) s1[2] = s1[3] = NEG_INF;
   float p[8];
   online_softmax2<KS>(s0, s1, m, l, acc, p);
   const uint16_t* vs = reinterpret_cast<const uint16_t*>(st + S::VSO);
@@ -1280,6 +1285,11 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   // tiles all lie past it keeps m = -inf, l = 0, acc = 0 and writes exactly that empty
   // partial, which the combine weighs by 0)
   int tend = p.vlen ? min(p.T, __ldg(p.vlen)) : p.T;
+  // a left-padded batch: the row's keys below lo are masked (the score masks see tokens
+  // shifted by lo); a row with no key left gets 0, not 0/0: its split 0 writes the neutral
+  // partial (m 0, l 1, o 0) below. Tiles below lo are read as any (Triton's skip them).
+  const int lo = p.rstart ? max(0, __ldg(p.rstart + bh / p.Hkv)) : 0;
+  const bool none = p.rstart && lo >= tend && p.split0 + blockIdx.y == 0;
   int t_first = p.t_first, sp = blockIdx.y, per = p.steps_per_split;
   bool tail_cta = false;
   int tqk = p.TQK, tqv = p.TQV;  // KIVI: each side's quantized tokens
@@ -1300,6 +1310,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
     }
   }
   const int nsteps = tend > t_first ? (tend - t_first + 15) / 16 : 0;  // tiles of [t_first, tend)
+  const int tlo = max(tend - lo, 0);  // (the masks' shifted bound)
   const int first = sp * per;
   const int last = min(first + per, nsteps);
   extern __shared__ __align__(16) uint8_t dsm[];
@@ -1315,7 +1326,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
         typename TF::Raw r;
         const int t0 = t_first + st * 16;
         TF::load(r, p, bh, t0, g, c, hf, tqk, tqv, tend);
-        tile_step<TF, DW, typename TF::Raw, SPL>(r, t0, tend, qk, qb, acc, m, l, g, xb + 2048 * (jt & 1), hf, 1 + wp);
+        tile_step<TF, DW, typename TF::Raw, SPL>(r, t0 - lo, tlo, qk, qb, acc, m, l, g, xb + 2048 * (jt & 1), hf,
+                                                 1 + wp);
         ++jt;
       }
     }
@@ -1345,7 +1357,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
         // prefetch STAGES-1 tiles ahead (the cursor is there)
         load_tile<F, NW>(buf[(i + STAGES - 1) % STAGES], cur, tend, st + (STAGES - 1) * NW < last, g, c);
         if (st >= last) break;  // warp-uniform
-        tile_step<F, D>(buf[i], t_first + st * 16, tend, qk, qb, acc, m, l, g);
+        tile_step<F, D>(buf[i], t_first + st * 16 - lo, tlo, qk, qb, acc, m, l, g);
       }
     }
   } else {
@@ -1373,17 +1385,17 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
       const int u0 = t_first + (ufirst + wp + j * NP) * TPU * 16;
       if constexpr (F::KIND == 1 && GS >= 2) {  // KIVI, a group per step (S::F is KiviQ)
         if constexpr (GS == 5 && S::F::BITS == 2)
-          group_step_lb<S, DW, SPL>(wsm + rd * S::BYTES, u0, tend, qk, qb, acc, m, l, g, c, xb + 2048 * (j & 1), hf,
+          group_step_lb<S, DW, SPL>(wsm + rd * S::BYTES, u0 - lo, tlo, qk, qb, acc, m, l, g, c, xb + 2048 * (j & 1), hf,
                                     1 + wp);
         else
-          group_step<S, DW, SPL>(wsm + rd * S::BYTES, u0, tend, qk, qb, acc, m, l, g, c, xb + 2048 * (j & 1), hf,
+          group_step<S, DW, SPL>(wsm + rd * S::BYTES, u0 - lo, tlo, qk, qb, acc, m, l, g, c, xb + 2048 * (j & 1), hf,
                                  1 + wp);
       } else {
 #pragma unroll
         for (int h = 0; h < TPU; ++h) {
           typename S::RawT r;
           S::read(r, wsm + rd * S::BYTES, g, c, h);
-          tile_step<F, DW, typename S::RawT, SPL>(r, u0 + 16 * h, tend, qk, qb, acc, m, l, g,
+          tile_step<F, DW, typename S::RawT, SPL>(r, u0 + 16 * h - lo, tlo, qk, qb, acc, m, l, g,
                                                   xb + 2048 * ((j * TPU + h) & 1), hf, 1 + wp);
         }
       }
@@ -1445,8 +1457,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
       for (int w = 0; w < NP; ++w) M = fmaxf(M, sm_m[w][hd]);
 #pragma unroll
       for (int w = 0; w < NP; ++w) L += (sm_m[w][hd] == NEG_INF) ? 0.f : sm_l[w][hd] * exp2f(sm_m[w][hd] - M);
-      p.pm[prow] = M;
-      p.pl[prow] = L;
+      p.pm[prow] = none ? 0.f : M;
+      p.pl[prow] = none ? 1.f : L;
     }
   }
   if constexpr (FUSED) {  // (sm_m is free once every thread is past last_of_group's barrier)
@@ -1703,13 +1715,14 @@ extern "C" int kvq_args_size() { return (int)sizeof(HostArgs); }
 
 // One decode call: q [B, Hq, 1, D] contiguous; vlen: null, or a device int32 holding the
 // valid token count (<= a.T; the kernel clamps to a.T; KIVI: with the plan of a graph
-// view, a.KP > 0); po / pm / pl the
+// view, a.KP > 0); rstart: null, or B device int32, each batch row's first key (a
+// left-padded batch: Params.rstart); po / pm / pl the
 // partials [B*Hq, nsplit, D] / [B*Hq, nsplit] x2 (fp32), out [B*Hq, D] in a.otype.
 // Launches only (no allocation, no synchronisation): capturable in a CUDA graph.
 // (args is a HostArgs*: a type of the anonymous namespace in the signature would give the
 // function internal linkage, and the library would not export it)
-static int run_call(const void* args, const void* q, const int* vlen, float* po, float* pm, float* pl, void* out,
-                    int* counters, void* stream) {
+static int run_call(const void* args, const void* q, const int* vlen, const int* rstart, float* po, float* pm,
+                    float* pl, void* out, int* counters, void* stream) {
   const HostArgs* a = static_cast<const HostArgs*>(args);
   Params p = {};
   p.q = q; p.qtype = a->qtype;
@@ -1725,6 +1738,7 @@ static int run_call(const void* args, const void* q, const int* vlen, float* po,
   const int rows = a->B * a->Hkv;
   cudaStream_t s = (cudaStream_t)stream;
   p.vlen = vlen;
+  p.rstart = rstart;
   if (a->kind == 1) {
     if (vlen && a->KP <= 0) return -2;  // KIVI: a device count needs the window policies (a graph view's plan)
     return run_kivi(*a, p, rows, out, s);
@@ -1732,19 +1746,19 @@ static int run_call(const void* args, const void* q, const int* vlen, float* po,
   return run_rows(*a, p, rows, out, s);
 }
 
-extern "C" int kvq_run(const void* args, const void* q, const int* vlen, float* po, float* pm, float* pl, void* out,
-                       void* stream) {
+extern "C" int kvq_run(const void* args, const void* q, const int* vlen, const int* rstart, float* po, float* pm,
+                       float* pl, void* out, void* stream) {
   if (FUSED_BUILD) return (int)cudaErrorInvalidValue;  // (this build's calls are kvq_run_fused's)
-  return run_call(args, q, vlen, po, pm, pl, out, nullptr, stream);
+  return run_call(args, q, vlen, rstart, po, pm, pl, out, nullptr, stream);
 }
 
 // The call of a FUSED_BUILD (library.py FusedCombine), one launch: as kvq_run, and counters:
 // B * Hkv int32 at zero (each launch leaves them at zero), this call's alone while it runs
 // (a call at the same time takes other counters, as it takes other partials).
-extern "C" int kvq_run_fused(const void* args, const void* q, const int* vlen, float* po, float* pm, float* pl,
-                             void* out, int* counters, void* stream) {
+extern "C" int kvq_run_fused(const void* args, const void* q, const int* vlen, const int* rstart, float* po,
+                             float* pm, float* pl, void* out, int* counters, void* stream) {
   if (!FUSED_BUILD || !counters) return (int)cudaErrorInvalidValue;
-  return run_call(args, q, vlen, po, pm, pl, out, counters, stream);
+  return run_call(args, q, vlen, rstart, po, pm, pl, out, counters, stream);
 }
 
 extern "C" int kvq_fused_build() { return FUSED_BUILD; }

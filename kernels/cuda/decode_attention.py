@@ -53,7 +53,7 @@ from ...quantizers.derived import identity
 from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import FP8Flat, IntFlat, KIVIFlat, KIVIGraphFlat
 from .library import (FUSED_COMBINE, FUSED_DEFINE, PDL, QTYPE, KernelLibrary, RoutedPlan, check_token_counts,
-                      follow_tokens, fresh_partials, fused_declare, on_current_stream,
+                      follow_tokens, fresh_partials, fused_declare, on_current_stream, row_start_ptr,
                       workspace_counters)
 
 SOURCE = Path(__file__).parent / "decode_attention.cu"
@@ -98,6 +98,18 @@ KIVI_TILE_STREAM = (5, 6)
 # window policies): auto takes them since their GPU tests passed (test_cuda_decode.py
 # "kivi_valid_len"); off, auto leaves them to Triton and backend="cuda" takes them.
 KIVI_VALID_LEN_AUTO = True
+# Left-padded batches (row_start: each batch row's first key, read on the device; keys below
+# it masked): backend="cuda" takes them; auto gives them to these kernels once their GPU tests
+# pass (test_padded_batches.py on a GPU), and keeps them on Triton until then.
+AUTO_ROW_START = False
+
+
+def row_start_refusal() -> str | None:
+    """Why backend="auto" keeps a call with row_start off these kernels (None: it does not)."""
+    if AUTO_ROW_START:
+        return None
+    return ("row_start: cuda.decode_attention.AUTO_ROW_START is False (its GPU tests have not run; "
+            "backend='cuda' takes it)")
 
 _FORMAT = {IntFlat: "int4", FP8Flat: "fp8", KIVIFlat: "kivi", KIVIGraphFlat: "kivi"}  # cache type -> CUDA_VERIFIED name
 
@@ -107,7 +119,7 @@ def _declare(lib) -> str | None:
     lib.kvq_args_size.restype = I
     if lib.kvq_args_size() != ctypes.sizeof(_Args):  # a struct out of step with the .cu: refuse, never misread
         return f"HostArgs is {lib.kvq_args_size()} bytes in the library, _Args {ctypes.sizeof(_Args)}"
-    lib.kvq_run.argtypes = [P, P, P, P, P, P, P, P]
+    lib.kvq_run.argtypes = [P, P, P, P, P, P, P, P, P]
     lib.kvq_run.restype = I
     lib.kvq_num_regs.argtypes = [I, I, I]
     lib.kvq_num_regs.restype = I
@@ -604,7 +616,7 @@ def make_workspace(q: torch.Tensor, k, v, *, num_splits: int | None = None,
 
 def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM,
            variant: int | None = None, workspace=None, out_dtype=None,
-           valid_len: torch.Tensor | None = None) -> torch.Tensor:
+           valid_len: torch.Tensor | None = None, row_start: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V over the valid tokens of int4 (`IntFlat`), fp8 (`FP8Flat`)
     or KIVI (`KIVIFlat`) caches; `[B, Hq, 1, d]` in out_dtype (default q's). Raises
     ValueError when `unsupported` gives a reason, RuntimeError when the kernels are
@@ -623,15 +635,21 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     side's window policy (A, P): max(0, T - A) // P * P tokens quantized, the rest in the
     window.
 
+    row_start: None, or an int32 tensor `[B]` on q's device, read on the device: batch row b
+    attends to the keys from row_start[b] on only (a left-padded batch); a row with none
+    left gets zeros.
+
     With a workspace, the result is its `out` buffer (overwritten by the next call with
     it); without one, a fresh tensor."""
+    rs = row_start_ptr(row_start, q)
     return _launch(_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len is not None),
-                   q, valid_len, workspace)
+                   q, valid_len, workspace, rs)
 
 
-def _launch(plan, q, valid_len, workspace) -> torch.Tensor:
+def _launch(plan, q, valid_len, workspace, rs=None) -> torch.Tensor:
     """A call's launch through its plan: the partials from the workspace when it fits (else
-    from the scratch buffer, with a fresh result), q's and valid_len's pointers."""
+    from the scratch buffer, with a fresh result), q's, valid_len's and the row starts'
+    pointers (rs: row_start's, or None)."""
     if not q.is_contiguous():
         q = q.contiguous()
     vptr = None
@@ -659,7 +677,7 @@ def _launch(plan, q, valid_len, workspace) -> torch.Tensor:
             ws._kvq_out = out  # (the view, made once per workspace)
         cptr = workspace_counters(ws, plan.rows_q, q.device) if fused else None
     entry = _FUSED.entry("kvq_run_fused") if fused else _LIB.lib.kvq_run
-    err = on_current_stream(q.get_device(), entry, plan.ptr, q.data_ptr(), vptr, po, pm, pl, optr,
+    err = on_current_stream(q.get_device(), entry, plan.ptr, q.data_ptr(), vptr, rs, po, pm, pl, optr,
                             *((cptr,) if fused else ()))
     if err:
         raise RuntimeError(f"CUDA decode kernel launch failed: error {err}")
@@ -695,4 +713,4 @@ def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | No
 __all__ = ["decode", "make_workspace", "unsupported", "takes_by_default", "auto_refusal", "OPTIONS", "RENAMED",
            "CUDA_VERIFIED", "format_name", "kivi_plan", "num_regs_kivi", "why_unavailable", "available", "splits",
            "num_regs", "SOURCE", "NUM_VARIANTS", "SMEM_VARIANTS", "KIVI_VARIANTS", "HEAD_DIMS", "VERIFIED_HEAD_DIMS",
-           "variants", "head_dim_reason"]
+           "AUTO_ROW_START", "row_start_refusal", "variants", "head_dim_reason"]

@@ -106,6 +106,7 @@ struct Params {
   const int* vi;
   long long k_fs, k_os, k_is, v_fs, v_os, v_is;
   const int* vlen;  // device-side valid length (nullptr: T); T is then the capacity bound
+  const int* rstart;  // a left-padded batch: null, or per batch row its first key (keys below masked)
   int qtype, T, Hkv, gqa, steps_per_split, nsplit, tab_bytes;  // tab_bytes = 24 S cw (one table)
   float qk_scale;
   float* po;
@@ -744,6 +745,8 @@ __device__ __forceinline__ void mixed_tile_to_bits(uint8_t* st, int lane, int mi
 // tile j + 1's items after them)
 // SPL = 2 (head dim 256): D is the warp's 128 dims; its partial scores are added to its
 // partner's (pair_add: xb, hf, bar) before the softmax.
+// t0, T: token positions shifted down by the row's first key lo (0 without row_start): token
+// t scores iff 0 <= t - lo < T, one unsigned compare.
 template <bool OUT, int PF = 0, int D = 128, int SPL = 1, int CW = 8>  // (PF: 0, 1, 2 = 1 with RUN)
 __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab, const uint8_t* vtab, int moff_k,
                                           int moff_v, int t0, int T, float qk, const uint32_t (&qb)[D / 16][2],
@@ -877,17 +880,19 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
     }
   }
   if constexpr (SPL == 2) pair_add(s, xb, hf, lane, bar);
-  if (t0 + g >= T) s[0] = s[1] = NEG_INF;
-  if (t0 + g + 8 >= T) s[2] = s[3] = NEG_INF;
+  if ((unsigned)(t0 + g) >= (unsigned)T) s[0] = s[1] = NEG_INF;  // (t0, T: shifted by the row's first key)
+  if ((unsigned)(t0 + g + 8) >= (unsigned)T) s[2] = s[3] = NEG_INF;
 
   // ---- online softmax per head (2c + e): common.cuh
   float p0, p1, p2, p3;
   online_softmax<KS>(s, m, l, acc, p0, p1, p2, p3);
   // V's r_max / 15 folded into P (v_t = (r_max_t / 15) rq cw): P^T carries p_t r_max_t / 15;
-  // zero past T, so no garbage r_max of the capacity reaches the sums
-  const float rv0 = t0 + g < T ? rm15(*reinterpret_cast<const uint16_t*>(st + Stage::VM + moff_v + 2 * g)) : 0.f;
-  const float rv1 =
-      t0 + g + 8 < T ? rm15(*reinterpret_cast<const uint16_t*>(st + Stage::VM + moff_v + 2 * (g + 8))) : 0.f;
+  // zero past T (and below the row's first key), so no garbage r_max of the capacity reaches the sums
+  const float rv0 =
+      (unsigned)(t0 + g) < (unsigned)T ? rm15(*reinterpret_cast<const uint16_t*>(st + Stage::VM + moff_v + 2 * g)) : 0.f;
+  const float rv1 = (unsigned)(t0 + g + 8) < (unsigned)T
+                        ? rm15(*reinterpret_cast<const uint16_t*>(st + Stage::VM + moff_v + 2 * (g + 8)))
+                        : 0.f;
   const uint32_t pb0 = movtrans(pack_half2(p0 * rv0, p1 * rv0));  // P^T: k = tokens 2c, 2c+1; n = head g
   const uint32_t pb1 = movtrans(pack_half2(p2 * rv1, p3 * rv1));  //      k = tokens 2c+8, 2c+9
 
@@ -993,6 +998,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   // tiles all lie past it run no tile and write an empty partial (m = -inf, l = 0, o = 0),
   // which the combine weights by 0.
   const int T = p.vlen ? max(0, min(__ldg(p.vlen), p.T)) : p.T;
+  // a left-padded batch: the row's keys below lo are masked (tile_step sees tokens shifted by
+  // lo, and Tlo keys past it); tiles below lo are read as any (Triton's skip them)
+  const int lo = p.rstart ? max(0, __ldg(p.rstart + bh / p.Hkv)) : 0;
+  const int Tlo = max(T - lo, 0);
   const int nsteps = (T + 15) / 16;
   const int first = sp * p.steps_per_split;
   const int last = min(first + p.steps_per_split, nsteps);
@@ -1147,9 +1156,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       mixed_tile_to_bits<D>(stages + warp * (SMS * SB) + rd * SB, lane, lane < 16 ? cur.kmis : cur.vmis);
       __syncwarp();
     }
-    tile_step<OUT, PF, DW, SPL, CW>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16, T, p.qk_scale, qb, acc, m, l,
-                                    g, c, run, (j & 3) == 0, orow, pfb + (j & 1) * PfBuf::BYTES, xb + (j & 1) * 1024,
-                                    hf, 1 + wp);
+    tile_step<OUT, PF, DW, SPL, CW>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16 - lo, Tlo, p.qk_scale, qb, acc,
+                                    m, l, g, c, run, (j & 3) == 0, orow, pfb + (j & 1) * PfBuf::BYTES,
+                                    xb + (j & 1) * 1024, hf, 1 + wp);
     rd = rd == SMS - 1 ? 0 : rd + 1;
     wr = wr == SMS - 1 ? 0 : wr + 1;
   }
@@ -1199,10 +1208,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       for (int w = 0; w < NP; ++w) M = fmaxf(M, sm_m[w][hd]);
 #pragma unroll
       for (int w = 0; w < NP; ++w) L += (sm_m[w][hd] == NEG_INF) ? 0.f : sm_l[w][hd] * exp2f(sm_m[w][hd] - M);
-      // No valid token at all (valid length 0): every split is empty and the combine would
-      // return 0/0; split 0 then says (m = 0, l = 1, o = 0), so the output is zeros, the
-      // flash-attention convention for a fully masked row.
-      const bool none = T == 0 && sp == 0;
+      // No valid token at all (valid length 0, or a row start at or past it): every split is
+      // empty and the combine would return 0/0; split 0 then says (m = 0, l = 1, o = 0), so
+      // the output is zeros, the flash-attention convention for a fully masked row.
+      const bool none = Tlo == 0 && sp == 0;
       p.pm[prow] = none ? 0.f : M;
       p.pl[prow] = none ? 1.f : L;
     }
@@ -1396,10 +1405,11 @@ static_assert(offsetof(HqmqPlan, k_cs) == 112 && offsetof(HqmqPlan, qtype) == 20
 
 // One decode call from a plan (the entries below): the split kernel of (variant, S,
 // Med3x, D), then the combine into `out` (a FUSED_BUILD: the split kernel alone, counters given).
-int run_plan(const HqmqPlan& a, const void* q, const int* vlen, float* po, float* pm, float* pl, void* out,
-             cudaStream_t s, int* counters = nullptr) {
+int run_plan(const HqmqPlan& a, const void* q, const int* vlen, const int* rstart, float* po, float* pm, float* pl,
+             void* out, cudaStream_t s, int* counters = nullptr) {
   Params p;
   p.vlen = vlen;
+  p.rstart = rstart;
   p.q = q; p.qtype = a.qtype;
   p.kc = (const uint8_t*)a.kc; p.kr = (const uint8_t*)a.kr; p.km = (const uint16_t*)a.km;
   p.vc = (const uint8_t*)a.vc; p.vr = (const uint8_t*)a.vr; p.vm = (const uint16_t*)a.vm;
@@ -1435,12 +1445,12 @@ extern "C" int kvq_hqmq_decode(const void* q, int qtype, const void* kc, const v
                                long long v_fs, long long v_os, long long v_is, int B, int Hkv, int gqa, int T, int S,
                                int steps_per_split, int nsplit, float qk_scale, float* po, float* pm, float* pl,
                                void* out, int otype, int variant, const int* vlen, void* stream, int D, int cw,
-                               int mix) {
+                               int mix, const int* rstart) {
   const HqmqPlan a = {kc, kr, km, vc, vr, vm, ktab, vtab, kf, vf, ko, vo, ki, vi,
                       k_cs, k_rs, k_ms, v_cs, v_rs, v_ms, k_fs, k_os, k_is, v_fs, v_os, v_is,
                       qtype, otype, variant, D, S, B, Hkv, gqa, T, steps_per_split, nsplit, vlen != nullptr, qk_scale,
                       cw, mix};
-  return run_plan(a, q, vlen, po, pm, pl, out, (cudaStream_t)stream);
+  return run_plan(a, q, vlen, rstart, po, pm, pl, out, (cudaStream_t)stream);
 }
 
 extern "C" int kvq_hqmq_plan_size() { return (int)sizeof(HqmqPlan); }
@@ -1448,25 +1458,26 @@ extern "C" int kvq_hqmq_plan_size() { return (int)sizeof(HqmqPlan); }
 // One decode call from a plan (a HqmqPlan*: a type of the anonymous namespace in the
 // signature would give the function internal linkage, and the library would not export it):
 // q [B, Hq, 1, D] contiguous; vlen null, or a device int32 valid count (the plan must have
-// been made for one: else -2); po / pm / pl the partials [B*Hq, nsplit, D] / [B*Hq, nsplit] x2
+// been made for one: else -2); rstart null, or B device int32: each batch row's first key
+// (a left-padded batch: Params.rstart); po / pm / pl the partials [B*Hq, nsplit, D] / [B*Hq, nsplit] x2
 // (fp32), out [B*Hq, D] in the plan's otype. Launches only (no allocation, no
 // synchronisation): capturable in a CUDA graph. Returns as kvq_hqmq_decode.
-extern "C" int kvq_hqmq_run(const void* plan, const void* q, const int* vlen, float* po, float* pm, float* pl,
-                            void* out, void* stream) {
+extern "C" int kvq_hqmq_run(const void* plan, const void* q, const int* vlen, const int* rstart, float* po, float* pm,
+                            float* pl, void* out, void* stream) {
   const HqmqPlan& a = *static_cast<const HqmqPlan*>(plan);
   if ((vlen != nullptr) != (a.vlen != 0)) return -2;
-  return run_plan(a, q, vlen, po, pm, pl, out, (cudaStream_t)stream);
+  return run_plan(a, q, vlen, rstart, po, pm, pl, out, (cudaStream_t)stream);
 }
 
 // The call of a FUSED_BUILD (library.py FusedCombine), one launch: as kvq_hqmq_run, and
 // counters: B * Hkv int32 at zero (each launch leaves them at zero), this call's alone
 // while it runs. Returns as kvq_hqmq_run.
-extern "C" int kvq_hqmq_run_fused(const void* plan, const void* q, const int* vlen, float* po, float* pm, float* pl,
-                                  void* out, int* counters, void* stream) {
+extern "C" int kvq_hqmq_run_fused(const void* plan, const void* q, const int* vlen, const int* rstart, float* po,
+                                  float* pm, float* pl, void* out, int* counters, void* stream) {
   const HqmqPlan& a = *static_cast<const HqmqPlan*>(plan);
   if ((vlen != nullptr) != (a.vlen != 0)) return -2;
   if (!counters) return (int)cudaErrorInvalidValue;
-  return run_plan(a, q, vlen, po, pm, pl, out, (cudaStream_t)stream, counters);
+  return run_plan(a, q, vlen, rstart, po, pm, pl, out, (cudaStream_t)stream, counters);
 }
 
 extern "C" int kvq_hqmq_fused_build() { return FUSED_BUILD; }

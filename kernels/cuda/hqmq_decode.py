@@ -35,7 +35,7 @@ from ...quantizers.hqmq import int8_components
 from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import HQMQFlat, codebook_from_secondaries
 from .library import (FUSED_COMBINE, FUSED_DEFINE, PDL, QTYPE, KernelLibrary, RoutedPlan, follow_tokens,
-                      fresh_partials, fused_declare, on_current_stream, workspace_counters)
+                      fresh_partials, fused_declare, on_current_stream, row_start_ptr, workspace_counters)
 
 SOURCE = Path(__file__).parent / "hqmq_decode.cu"
 # VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM):
@@ -77,6 +77,16 @@ AUTO_MED3 = True
 # the prefetching variants.
 HEAD_DIMS = (64, 128, 256)
 AUTO_HEAD_DIMS = (64, 128, 256)
+# Left-padded batches (row_start, read on the device): backend="cuda" takes them; auto once
+# their GPU tests pass (as cuda.decode_attention.AUTO_ROW_START).
+AUTO_ROW_START = False
+
+
+def row_start_refusal() -> str | None:
+    """Why backend="auto" keeps a call with row_start off this kernel (None: it does not)."""
+    if AUTO_ROW_START:
+        return None
+    return "row_start: cuda.hqmq_decode.AUTO_ROW_START is False (its GPU tests have not run; backend='cuda' takes it)"
 # The planned host path (issue 28, "thin host path"): the checks, strides, codebooks and
 # split plan of a call are made once per (cache layout, q shape / dtype / device, options,
 # valid_len given or not) into a ctypes struct the .cu reads (`_PlanArgs`, kvq_hqmq_run), so
@@ -156,10 +166,10 @@ def _declare(lib) -> str | None:
     lib.kvq_hqmq_plan_size.restype = I
     if lib.kvq_hqmq_plan_size() != ctypes.sizeof(_PlanArgs):  # a struct out of step with the .cu: refuse, never misread
         return f"HqmqPlan is {lib.kvq_hqmq_plan_size()} bytes in the library, _PlanArgs {ctypes.sizeof(_PlanArgs)}"
-    lib.kvq_hqmq_run.argtypes = [P, P, P, P, P, P, P, P]
+    lib.kvq_hqmq_run.argtypes = [P, P, P, P, P, P, P, P, P]
     lib.kvq_hqmq_run.restype = I
     lib.kvq_hqmq_decode.argtypes = [P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, LL, LL, P, P, P, P, P, P, LL,
-                                    LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F, P, P, P, P, I, I, P, P, I, I, I]
+                                    LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F, P, P, P, P, I, I, P, P, I, I, I, P]
     lib.kvq_hqmq_decode.restype = I
     lib.kvq_hqmq_num_regs.argtypes = [I, I, I, I, I, I]
     lib.kvq_hqmq_num_regs.restype = I
@@ -529,7 +539,7 @@ def _launch_values(q: torch.Tensor, k, v, num_splits, ctas_per_sm, variant, out_
 
 def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm: int | None = None,
            variant: int | None = None, workspace=None, out_dtype=None,
-           valid_len: torch.Tensor | None = None) -> torch.Tensor:
+           valid_len: torch.Tensor | None = None, row_start: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V over the valid tokens of HQMQ caches; `[B, Hq, 1, d]` in
     out_dtype (default q's), the workspace's buffer. ValueError when `unsupported` gives a
     reason, RuntimeError when the kernel is unavailable.
@@ -542,15 +552,20 @@ def decode(q: torch.Tensor, k, v, *, num_splits: int | None = None, ctas_per_sm:
     graph captured once serves every decode step: change the tensor's value on the device
     between replays.
 
+    row_start: None, or an int32 tensor `[B]` on q's device, read on the device: batch row b
+    attends to the keys from row_start[b] on only (a left-padded batch); a row with none
+    left gets zeros.
+
     With a workspace that fits, the result is a view of its `out` buffer (overwritten by
     the next call with it); without one, a fresh tensor. PLANNED picks the host path (the
     same launches either way)."""
+    rs = row_start_ptr(row_start, q)
     if PLANNED:
-        return _decode_planned(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len)
-    return _decode_per_call(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len)
+        return _decode_planned(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len, rs)
+    return _decode_per_call(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len, rs)
 
 
-def _decode_per_call(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len):
+def _decode_per_call(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len, rs=None):
     """Every check and argument made again on every call, ~45 ctypes arguments (the path
     until PLANNED; the planned path's tests compare against it)."""
     lib = _loaded()
@@ -571,11 +586,11 @@ def _decode_per_call(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_d
             ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr(), QTYPE[out_dtype], variant, vl)
     if torch.cuda.current_device() == dev:  # the usual case: no device switch around the launch
         err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev), D, codeword_bytes(k),
-                                  int(mixed_rows(k)))
+                                  int(mixed_rows(k)), rs)
     else:
         with torch.cuda.device(dev):
             err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev), D, codeword_bytes(k),
-                                      int(mixed_rows(k)))
+                                      int(mixed_rows(k)), rs)
     if err:
         raise RuntimeError(f"CUDA HQMQ kernel launch failed: error {err}")
     return ws.out.view(B, Hq, 1, D)
@@ -691,12 +706,12 @@ def _resplit(a, k, device, num_splits, ctas_per_sm) -> int:
     return a.nsplit
 
 
-def _decode_planned(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len):
+def _decode_planned(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len, rs=None):
     if not (isinstance(k, HQMQFlat) and isinstance(v, HQMQFlat)):  # no plan: the per-call path's error
-        return _decode_per_call(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len)
+        return _decode_per_call(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_dtype, valid_len, rs)
     plan = _plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len)
     vl = None if valid_len is None else _valid_len_ptr(valid_len, q)  # (a plan holds no valid_len tensor)
-    return _launch_planned(plan, q, vl, workspace)
+    return _launch_planned(plan, q, vl, workspace, rs)
 
 
 def fast(q: torch.Tensor, k, v, valid_len=None) -> torch.Tensor | None:
@@ -717,9 +732,10 @@ def fast(q: torch.Tensor, k, v, valid_len=None) -> torch.Tensor | None:
     return _launch_planned(plan, q, None if valid_len is None else _valid_len_ptr(valid_len, q), None)
 
 
-def _launch_planned(plan, q, vl, workspace) -> torch.Tensor:
+def _launch_planned(plan, q, vl, workspace, rs=None) -> torch.Tensor:
     """A planned call's launch: the partials from the workspace when it fits, else from the
-    scratch buffer with a fresh result."""
+    scratch buffer with a fresh result. vl, rs: the valid count's and the row starts' device
+    pointers, or None."""
     if not q.is_contiguous():
         q = q.contiguous()
     ws, part = workspace, None
@@ -733,7 +749,7 @@ def _launch_planned(plan, q, vl, workspace) -> torch.Tensor:
         part, out, po, pm, pl, optr, cptr = fresh_partials(plan.rows_q, plan.nsplit, plan.D, plan.shape,
                                                            plan.out_dtype, q.device, counters=fused)
     entry = _FUSED.entry("kvq_hqmq_run_fused") if fused else _LIB.lib.kvq_hqmq_run
-    err = on_current_stream(q.get_device(), entry, plan.ptr, q.data_ptr(), vl, po, pm, pl, optr,
+    err = on_current_stream(q.get_device(), entry, plan.ptr, q.data_ptr(), vl, rs, po, pm, pl, optr,
                             *((cptr,) if fused else ()))
     if err:
         raise RuntimeError(f"CUDA HQMQ kernel launch failed: error {err}")
@@ -745,4 +761,5 @@ __all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available",
            "MIXED_HEAD_DIMS", "mixed_rows", "takes_by_default", "auto_refusal", "OPTIONS",
            "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS",
            "MED3_VARIANTS", "PREFETCH_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale",
+           "AUTO_ROW_START", "row_start_refusal",
            "head_dim_reason", "PLANNED"]

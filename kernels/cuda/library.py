@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover - no CUDA build on such hosts anyway
 
 import torch
 
+from ..common import check_row_start
 
 FLAGS = ["-O3", "--use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"]
 # A source whose results must equal torch's bit for bit (step_write.cu: the stored bytes of a
@@ -186,6 +187,17 @@ def follow_tokens(plan, T: int, Tv: int, resplit, *how) -> None:
     a.T = T
 
 
+def row_start_ptr(row_start, q: torch.Tensor) -> int | None:
+    """The device pointer of a call's row_start (int32 `[B]` on q's device, each batch row's
+    first key: a left-padded batch), None without one; ValueError naming what is wrong
+    (kernels/common.py `check_row_start`, the Triton kernels' check). The kernels read it on
+    the device: a CUDA graph replays with the tensor's new values."""
+    if row_start is None:
+        return None
+    check_row_start(row_start, q)
+    return row_start.data_ptr()
+
+
 class RoutedPlan:
     """The plan the auto route's `unsupported` check found for a call, handed to the same
     call's launch so it does not look the plan up a second time (a lookup builds a key of
@@ -266,14 +278,14 @@ class FusedCombine(Switch):
 
 def fused_declare(build: str, run: str, declare):
     """The `declare` of a source's fused build (KernelLibrary's): the build flag `build`
-    checked, the entry `run` set (the default entry's eight pointers, then the counters),
+    checked, the entry `run` set (the default entry's nine pointers, then the counters),
     then the default build's own declarations."""
     def declare_fused(lib) -> str | None:
         getattr(lib, build).restype = ctypes.c_int
         if getattr(lib, build)() != 1:
             return "not a fused build (KVQ_FUSED_COMBINE)"
         entry = getattr(lib, run)
-        entry.argtypes = [ctypes.c_void_p] * 9
+        entry.argtypes = [ctypes.c_void_p] * 10
         entry.restype = ctypes.c_int
         return declare(lib)
     return declare_fused
@@ -420,4 +432,4 @@ def workspace_counters(ws, n: int, device) -> int:
 __all__ = ["FLAGS", "EXACT_FLAGS", "QTYPE", "FUSED_COMBINE", "FUSED_DEFINE", "FusedCombine", "KernelLibrary", "Switch", "fused_declare",
            "RoutedPlan", "SCRATCH", "Scratch", "LaunchOverlap", "PDL", "check_token_counts", "follow_tokens", "arch_flags",
            "build_dir", "compile_library", "fresh_partials", "load_library", "nvcc",
-           "on_current_stream", "workspace_counters"]
+           "on_current_stream", "row_start_ptr", "workspace_counters"]

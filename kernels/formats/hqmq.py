@@ -532,6 +532,7 @@ class HQMQStore(KernelStore):
 
 CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_hqmq.decode(q, k, v, **kw), title="CUDA HQMQ kernel",
               auto=lambda k: cuda_hqmq.auto_refusal(k), options=cuda_hqmq.OPTIONS,
+              row_start=True, row_start_auto=lambda: cuda_hqmq.row_start_refusal(),
               unsupported=lambda q, k, v: cuda_hqmq.unsupported(q, k, v),
               why_unavailable=lambda: cuda_hqmq.why_unavailable(), renamed=cuda_hqmq.RENAMED,
               fast=lambda q, k, v, valid_len=None: cuda_hqmq.fast(q, k, v, valid_len))

@@ -251,7 +251,7 @@ def test_the_switch_is_off_by_default_and_the_environment_turns_it_on():
 @pytest.mark.parametrize("spec", ["int4", "kivi:bits=4", HQMQ])
 def test_the_walked_cuda_path_takes_the_fused_entry_when_on(spec):
     """Through the front (backend auto) on a CPU that walks the CUDA path: off, the launch is
-    the default library's entry with its 7 pointers; on, the fused build's entry with the
+    the default library's entry with its 8 pointers; on, the fused build's entry with the
     counters after them (zeros: a fresh buffer here, or the workspace's own, made once)."""
     from kvqbench.kernels.common import Workspace
     from kvqbench.kernels.decode_attention import decode_attention
@@ -276,10 +276,11 @@ def test_the_walked_cuda_path_takes_the_fused_entry_when_on(spec):
             mod.decode(q, k, v, workspace=ws)
             mod.decode(q, k, v, workspace=ws)
     assert [c[0] for c in calls] == [plain, fused_entry, fused_entry, fused_entry]
-    assert len(calls[0][1]) == 7 and all(len(c[1]) == 8 for c in calls[1:])
+    assert len(calls[0][1]) == 8 and all(len(c[1]) == 9 for c in calls[1:])
+    assert all(c[1][3] is None for c in calls)  # (no row_start)
     cnt = ws._kvq_counters
     assert cnt.dtype == torch.int32 and cnt.numel() >= plan.rows_q and not cnt.any()
-    assert calls[2][1][7] == calls[3][1][7] == cnt.data_ptr()  # (made once, with the workspace)
+    assert calls[2][1][8] == calls[3][1][8] == cnt.data_ptr()  # (made once, with the workspace)
 
 
 def test_scratch_keeps_fused_counters_beside_its_partials(monkeypatch):

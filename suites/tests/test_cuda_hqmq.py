@@ -870,8 +870,8 @@ def test_plan_keying_and_invalidation(monkeypatch):
 
 def test_planned_call_passes_only_the_per_call_arguments(monkeypatch):
     """Any machine, the plan and the ctypes call stubbed: a planned call passes the plan's
-    pointer, q's (contiguous) data, the valid_len pointer (checked on every call, with the
-    per-call path's message) and the partial / out buffers (a fitting workspace's, else one
+    pointer, q's (contiguous) data, the valid_len and row_start pointers (checked on every
+    call, with the per-call path's messages) and the partial / out buffers (a fitting workspace's, else one
     fresh buffer laid out po | pm | pl), and raises on a launch error."""
     from types import SimpleNamespace
 
@@ -891,16 +891,16 @@ def test_planned_call_passes_only_the_per_call_arguments(monkeypatch):
         return cuda_hqmq._decode_planned(q, fk, fv, None, None, None, workspace, None, valid_len)
 
     out = call()
-    entry, (ptr, qp, vl, po, pm, pl, optr) = calls[-1]
-    assert (entry, ptr, qp, vl) == ("run", 1234, q.data_ptr(), None)
+    entry, (ptr, qp, vl, rs, po, pm, pl, optr) = calls[-1]
+    assert (entry, ptr, qp, vl, rs) == ("run", 1234, q.data_ptr(), None, None)
     assert out.shape == plan.shape and out.dtype == torch.float32 and optr == out.data_ptr()
     assert (pm - po, pl - pm) == (4 * 8 * 3 * 128, 4 * 8 * 3)
     ws = Workspace(8, 3, 128, q.device, torch.float32)
     out = call(workspace=ws)
-    assert calls[-1][1][3:] == (ws.po.data_ptr(), ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr())
+    assert calls[-1][1][4:] == (ws.po.data_ptr(), ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr())
     assert out.data_ptr() == ws.out.data_ptr() and out.shape == plan.shape
     call(workspace=Workspace(8, 2, 128, q.device, torch.float32))  # does not fit: fresh buffers
-    assert calls[-1][1][3] != ws.po.data_ptr()
+    assert calls[-1][1][4] != ws.po.data_ptr()
     vlen = torch.tensor([7], dtype=torch.int32)
     call(valid_len=vlen)
     assert calls[-1][1][2] == vlen.data_ptr()
@@ -908,6 +908,14 @@ def test_planned_call_passes_only_the_per_call_arguments(monkeypatch):
     with pytest.raises(ValueError, match="valid_len must be an int32 tensor of one element on q's device"):
         call(valid_len=torch.tensor([7]))
     assert len(calls) == n
+    rs = torch.tensor([0, 5], dtype=torch.int32)  # a left-padded batch: the starts' pointer, read on the device
+    cuda_hqmq.decode(q, fk, fv, row_start=rs)
+    assert calls[-1][1][3] == rs.data_ptr()
+    with pytest.raises(ValueError, match="row_start must be int32"):
+        cuda_hqmq.decode(q, fk, fv, row_start=rs.long())
+    with pytest.raises(ValueError, match=r"row_start must have shape \[B\]"):
+        cuda_hqmq.decode(q, fk, fv, row_start=rs[:1])
+    assert len(calls) == n + 1
     qt = torch.randn(2, 4, 1, 256)[..., ::2]
     assert not qt.is_contiguous()
     call(q=qt)

@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from kvqbench.kernels import layout as L  # noqa: E402
 from kvqbench.kernels import registry  # noqa: E402
+from kvqbench.kernels.cuda import decode_attention as cuda_decode, hqmq_decode as cuda_hqmq  # noqa: E402
 from kvqbench.kernels.decode_attention import (decode_attention, explain_backend,  # noqa: E402
                                                reference_decode_attention)
 from kvqbench.quantizers import get_quantizer  # noqa: E402
@@ -89,27 +90,97 @@ def test_bad_row_start_is_refused_naming_the_problem():
             decode_attention(q, kf, vf, backend="triton", row_start=rs)
 
 
-def test_cuda_kernels_decline_row_start_with_a_reason():
+def test_cuda_kernels_take_row_start_by_name_and_auto_waits_for_their_switch():
     for name in ("fp16", "naive_int", "fp8", "kivi", "hqmq"):  # the built-in formats' kernels
         for backend, kern in registry.formats()[name].by_backend.items():
-            assert kern.row_start == (backend == "triton"), (name, backend)
+            assert kern.row_start, (name, backend)
+            assert (kern.row_start_auto is not None) == (backend == "cuda"), (name, backend)
     cuda = registry.formats()["naive_int"].by_backend["cuda"]
     kf, vf, _, _ = _encoded("int4", T=16)
     q = torch.randn(3, 4, 1, 64, device=DEV)
     rs = torch.zeros(3, dtype=torch.int32, device=DEV)
-    # what the check says, past the device test a CPU cannot pass (a Kernel on any device)
-    anywhere = registry.Kernel("triton", cuda.fn, title="CUDA int4 kernel")
-    assert anywhere.declines(q, kf, vf, {}, None, rs) == ("the CUDA int4 kernel takes no row_start (per-row key "
-                                                          "starts of a left-padded batch)")
-    assert anywhere.declines(q, kf, vf, {}, None) is None
-    with pytest.raises(ValueError, match="CUDA int4 kernel takes no row_start.*backend='triton'"):
-        decode_attention(q, kf, vf, backend="cuda", row_start=rs)
-    route = explain_backend(q, kf, vf, row_start=rs)
-    assert route.backend == "triton"
+    # what the checks say, past the device test a CPU cannot pass (Kernels on any device)
+    blind = registry.Kernel("triton", cuda.fn, title="CUDA int4 kernel")
+    assert blind.declines(q, kf, vf, {}, None, rs) == ("the CUDA int4 kernel takes no row_start (per-row key "
+                                                       "starts of a left-padded batch)")
+    assert blind.declines(q, kf, vf, {}, None) is None
+    waits = registry.Kernel("triton", cuda.fn, title="CUDA int4 kernel", row_start=True,
+                            row_start_auto=cuda.row_start_auto)
+    assert waits.declines(q, kf, vf, {}, None, rs) == (None if cuda_decode.AUTO_ROW_START else
+                                                       cuda_decode.row_start_refusal())
+    assert waits.declines(q, kf, vf, {}, None) is None
+    for mod in (cuda_decode, cuda_hqmq):
+        with_switch(mod, True, lambda: None)  # (flipping it restores it)
+        assert (mod.row_start_refusal() is None) == mod.AUTO_ROW_START
     if not torch.cuda.is_available():
+        assert explain_backend(q, kf, vf, row_start=rs).backend == "triton"
         pytest.skip("the routed reason on a CUDA call needs CUDA (here CUDA declines for q's device first)")
-    qc, kc, vc = q.cuda().half(), *_encoded("int4", T=16)[:2]
-    assert "takes no row_start" in explain_backend(qc, kc, vc, row_start=rs.cuda()).declined["cuda"]
+    qc, (kc, vc) = q.cuda().half(), _encoded("int4", T=16)[:2]
+    route = explain_backend(qc, kc, vc, row_start=rs.cuda())
+    if cuda_decode.AUTO_ROW_START:
+        assert route.backend == "cuda"
+    else:
+        assert route.backend == "triton" and "AUTO_ROW_START" in route.declined["cuda"]
+
+
+def with_switch(mod, on: bool, fn):
+    """fn() with mod.AUTO_ROW_START set to on, the switch as before after."""
+    old, mod.AUTO_ROW_START = mod.AUTO_ROW_START, on
+    try:
+        return fn()
+    finally:
+        mod.AUTO_ROW_START = old
+
+
+# The CUDA kernels' row_start (GPU only): against the reference and each row alone, every
+# family at the head dims they take; odd T over several splits, a row starting mid-tile, one
+# with a single key, one with none (zeros), a row at 0 bit for bit the call without row_start;
+# both combine paths; a device valid length below the capacity (a graphed step's call).
+CUDA_ROW_CASES = [("int4", 128), ("int4", 256), ("fp8-e4m3", 64), ("kivi:bits=2", 128), ("kivi:bits=4", 64),
+                  ("hqmq:S=96,r=4", 128), ("hqmq:S=96,r=4", 64), ("hqmq:S=96,r=4,outliers=med3", 128),
+                  ("hqmq:S=96,r=4,pack=mixed", 128), ("hqmq:S=96,r=4", 256)]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["combine", "fused"])
+@pytest.mark.parametrize("spec,D", CUDA_ROW_CASES, ids=[f"{s}-d{d}" for s, d in CUDA_ROW_CASES])
+def test_cuda_row_start_equals_the_reference(spec, D, fused):
+    if not torch.cuda.is_available():
+        pytest.skip("the CUDA kernels need a GPU")
+    from kvqbench.kernels.cuda.library import FUSED_COMBINE
+
+    B, T = 5, 333
+    kf, vf, kd, vd = _encoded(spec, B=B, T=T, D=D)
+    q = torch.randn(B, 8, 1, D, generator=torch.Generator().manual_seed(5)).half().cuda()
+    rs = torch.tensor([0, 37, T - 1, T, 200], dtype=torch.int32, device="cuda")
+    with FUSED_COMBINE.set(fused):
+        out = decode_attention(q, kf, vf, backend="cuda", row_start=rs, out_dtype=torch.float32, num_splits=7)
+        plain = decode_attention(q, kf, vf, backend="cuda", out_dtype=torch.float32, num_splits=7)
+    ref = reference_decode_attention(q.float(), kd, vd, rs)
+    assert torch.isfinite(out).all() and torch.equal(out[3], torch.zeros_like(out[3]))  # no key left: 0
+    assert torch.equal(out[0], plain[0])  # a row from 0: the call without row_start, bit for bit
+    for b in (1, 2, 4):
+        alone = reference_decode_attention(q[b:b + 1].float(), kd[b:b + 1, :, int(rs[b]):], vd[b:b + 1, :, int(rs[b]):])
+        assert rel_err(out[b], alone[0]) < 3e-3, (spec, b, rel_err(out[b], alone[0]))
+        assert rel_err(out[b], ref[b]) < 3e-3, (spec, b)
+    assert rel_err(out[1], plain[1]) > 1e-2  # the mask matters here (else no test)
+
+
+@pytest.mark.parametrize("spec", ["int4", "hqmq:S=96,r=4,outliers=med3"])
+def test_cuda_row_start_with_a_device_valid_length(spec):
+    if not torch.cuda.is_available():
+        pytest.skip("the CUDA kernels need a GPU")
+    kf, vf, kd, vd = _encoded(spec, B=3, T=300, D=128)
+    q = torch.randn(3, 8, 1, 128, generator=torch.Generator().manual_seed(6)).half().cuda()
+    rs = torch.tensor([3, 0, 250], dtype=torch.int32, device="cuda")
+    vl = torch.tensor([251], dtype=torch.int32, device="cuda")
+    out = decode_attention(q, kf, vf, backend="cuda", valid_len=vl, row_start=rs, out_dtype=torch.float32)
+    ref = reference_decode_attention(q.float(), kd[:, :, :251], vd[:, :, :251], rs)
+    assert rel_err(out, ref) < 3e-3
+
+
+def rel_err(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 # ---- generate -----------------------------------------------------------------------------
