@@ -101,7 +101,7 @@ KIVI_VALID_LEN_AUTO = True
 # Left-padded batches (row_start: each batch row's first key, read on the device; keys below
 # it masked): backend="cuda" takes them; auto gives them to these kernels once their GPU tests
 # pass (test_padded_batches.py on a GPU), and keeps them on Triton until then.
-AUTO_ROW_START = False
+AUTO_ROW_START = True
 
 
 def row_start_refusal() -> str | None:

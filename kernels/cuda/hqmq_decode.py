@@ -79,7 +79,7 @@ HEAD_DIMS = (64, 128, 256)
 AUTO_HEAD_DIMS = (64, 128, 256)
 # Left-padded batches (row_start, read on the device): backend="cuda" takes them; auto once
 # their GPU tests pass (as cuda.decode_attention.AUTO_ROW_START).
-AUTO_ROW_START = False
+AUTO_ROW_START = True
 
 
 def row_start_refusal() -> str | None:
