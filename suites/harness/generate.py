@@ -20,7 +20,7 @@ What it does, as a serving engine does (the `deployed` protocol of perplexity.py
   row's prompt is right-aligned after its pad count; the prefill gets a 2-D attention
   mask and per-row position ids (token index minus the pad count), the cache the pad
   counts (`QuantizedCache.set_row_start`), so every later read masks each row's pads (the
-  fused Triton kernels' `row_start`, the dense history's SDPA, device steps and graphs
+  fused kernels' `row_start`, CUDA and Triton, the dense history's SDPA, device steps and graphs
   alike) and every step's positions are the row's own. The pad token id is 0 (any id
   would do: masked). Where padding cannot apply, rows are grouped by prompt length and
   each group runs as its own batch (`out.why` says so): `spec=None` (transformers'

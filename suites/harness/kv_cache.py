@@ -853,7 +853,7 @@ class QuantizedCache(Cache):
         pad count; a sequence of ints or an integer tensor `[B]`; None: no padding). Set
         before the prompt's write (a fresh or `rewind`ed cache). Then:
         - every read masks each row's keys before its start: the fused kernels
-          (`decode_attention(row_start=)`, Triton: the CUDA kernels decline it), the dense
+          (`decode_attention(row_start=)`, CUDA or Triton), the dense
           history's SDPA and device-position steps alike; a one-token write hands attention
           a `PackedHistory` handle in every mode, so the model must run the "kvqbench"
           attention (`fused_attention(model)`); a multi-token write (the prompt) is masked
