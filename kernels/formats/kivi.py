@@ -538,7 +538,7 @@ class KIVIStore(KernelStore):
 
 CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_decode.decode(q, k, v, **kw), title="CUDA KIVI kernel",
               auto=lambda k: cuda_decode.auto_refusal(k), options=cuda_decode.OPTIONS,
-              row_start=True, row_start_auto=lambda: cuda_decode.row_start_refusal(),
+              row_start=True, row_start_auto=lambda: cuda_decode.row_start_refusal("kivi"),
               # graph views only: the kernel derives each side's counts from the device length
               # by the window policies (kernels/cuda/decode_attention.py)
               valid_len=True,

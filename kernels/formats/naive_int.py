@@ -47,7 +47,7 @@ def encode_step(store, x: torch.Tensor, errors: torch.Tensor, t0: int, pos=None)
 
 CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_decode.decode(q, k, v, **kw), title="CUDA int4 kernel",
               auto=lambda k: cuda_decode.auto_refusal(k), options=cuda_decode.OPTIONS,
-              row_start=True, row_start_auto=lambda: cuda_decode.row_start_refusal(),
+              row_start=True, row_start_auto=lambda: cuda_decode.row_start_refusal("int4"),
               unsupported=lambda q, k, v: cuda_decode.unsupported(q, k, v),
               why_unavailable=lambda: cuda_decode.why_unavailable(), renamed=cuda_decode.RENAMED,
               fast=lambda q, k, v, valid_len=None: cuda_decode.fast(q, k, v, valid_len))

@@ -106,30 +106,22 @@ def test_cuda_kernels_take_row_start_by_name_and_auto_waits_for_their_switch():
     assert blind.declines(q, kf, vf, {}, None) is None
     waits = registry.Kernel("triton", cuda.fn, title="CUDA int4 kernel", row_start=True,
                             row_start_auto=cuda.row_start_auto)
-    assert waits.declines(q, kf, vf, {}, None, rs) == (None if cuda_decode.AUTO_ROW_START else
-                                                       cuda_decode.row_start_refusal())
+    assert waits.declines(q, kf, vf, {}, None, rs) == cuda_decode.row_start_refusal("int4")
     assert waits.declines(q, kf, vf, {}, None) is None
-    for mod in (cuda_decode, cuda_hqmq):
-        with_switch(mod, True, lambda: None)  # (flipping it restores it)
-        assert (mod.row_start_refusal() is None) == mod.AUTO_ROW_START
+    # the switches: per format in cuda.decode_attention (fp8 kept on Triton), one for HQMQ
+    assert cuda_decode.row_start_refusal("int4") is None and cuda_decode.row_start_refusal("kivi") is None
+    assert "fp8 is not in cuda.decode_attention.AUTO_ROW_START" in cuda_decode.row_start_refusal("fp8")
+    assert registry.formats()["fp8"].by_backend["cuda"].row_start_auto() == cuda_decode.row_start_refusal("fp8")
+    assert (cuda_hqmq.row_start_refusal() is None) == cuda_hqmq.AUTO_ROW_START
     if not torch.cuda.is_available():
         assert explain_backend(q, kf, vf, row_start=rs).backend == "triton"
         pytest.skip("the routed reason on a CUDA call needs CUDA (here CUDA declines for q's device first)")
-    qc, (kc, vc) = q.cuda().half(), _encoded("int4", T=16)[:2]
-    route = explain_backend(qc, kc, vc, row_start=rs.cuda())
-    if cuda_decode.AUTO_ROW_START:
-        assert route.backend == "cuda"
-    else:
-        assert route.backend == "triton" and "AUTO_ROW_START" in route.declined["cuda"]
-
-
-def with_switch(mod, on: bool, fn):
-    """fn() with mod.AUTO_ROW_START set to on, the switch as before after."""
-    old, mod.AUTO_ROW_START = mod.AUTO_ROW_START, on
-    try:
-        return fn()
-    finally:
-        mod.AUTO_ROW_START = old
+    for spec, takes in (("int4", True), ("fp8-e4m3", False), ("hqmq:S=96,r=4", cuda_hqmq.AUTO_ROW_START)):
+        kc, vc = _encoded(spec, T=16)[:2]
+        route = explain_backend(q.cuda().half(), kc, vc, row_start=rs.cuda())
+        assert route.backend == ("cuda" if takes else "triton"), (spec, route)
+        if not takes:
+            assert "AUTO_ROW_START" in route.declined["cuda"], spec
 
 
 # The CUDA kernels' row_start (GPU only): against the reference and each row alone, every
