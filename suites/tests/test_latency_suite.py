@@ -44,7 +44,8 @@ def test_report_schema_and_files(one_shape_run):
     assert list(json.loads((out / "latency.json").read_text())) == TOP_KEYS
     rows = {r["method"]: r for r in res["latency"] if "latency_us" in r}
     triton = {f"{m}-triton" for m in FUSED_SPECS}
-    assert set(rows) == {"fp16-sdpa", *METHOD_SPECS, *triton}
+    padded = {f"{m}-padded" for m in FUSED_SPECS}  # the focus's left-padded batch, auto with row_start
+    assert set(rows) == {"fp16-sdpa", *METHOD_SPECS, *triton, *padded}
     for method, row in rows.items():
         assert ROW_KEYS <= set(row), method
         assert row["bytes"] > 0 and row["latency_us"] > 0
@@ -68,12 +69,15 @@ def test_report_schema_and_files(one_shape_run):
         assert rows[method]["why_not_cuda"] == "q is not on a CUDA device"
     # the CUDA rows and the B=1 graph replays: reported as not run, with the reason, never a number
     skipped = {r["method"]: r["skipped"] for r in res["latency"] if "skipped" in r}
-    want = ({f"{m}-cuda" for m in FUSED_SPECS} | {f"{m}-graph" for m in ["fp16-sdpa", *FUSED_SPECS, *triton]}
+    want = ({f"{m}-cuda" for m in FUSED_SPECS} | {f"{m}-graph" for m in ["fp16-sdpa", *FUSED_SPECS, *triton, *padded]}
+            | {f"{m}-padded-cuda" for m in FUSED_SPECS}
             # FlashInfer's peer rows: a GPU's, where it is installed
             | {"flashinfer-fp16", "flashinfer-fp8", "flashinfer-fp16-tc", "flashinfer-fp8-tc"})
     assert set(skipped) == want
     assert all(why.startswith("not run here: ") for why in skipped.values())
-    assert skipped["fused-int4-cuda"] == "not run here: torch has no CUDA device"
+    assert skipped["fused-int4-cuda"] == skipped["fused-int4-padded-cuda"] == "not run here: torch has no CUDA device"
+    for m in padded:  # (B=1 here: its one row starts at 0)
+        assert rows[m]["backend"] == "triton" and rows[m]["pad_fraction"] == 0.0 and "row_start" in rows[m]["config"]
     assert "FlashInfer" in skipped["flashinfer-fp8"]
     assert set(res["memory"]["rows"][0]) >= {"spec", "bits_per_element", "projection_GB"}
     assert res["memory"]["rows"][0]["bits_per_element"] == 16.0  # fp16 first
@@ -83,6 +87,15 @@ def test_report_schema_and_files(one_shape_run):
     assert "fused-kivi2-cuda: not run here: torch has no CUDA device" in md
     assert (out / "latency.png").stat().st_size > 0
     assert (out / "latency_roofline.png").stat().st_size > 0
+
+
+def test_the_padded_batch_starts_each_row_later():
+    from kvqbench.suites.bench.latency.methods import padded_starts
+
+    rs = padded_starts(8, 32768, "cpu")
+    assert rs.dtype == torch.int32 and rs.tolist() == [1024 * b for b in range(8)]
+    assert float(rs.sum()) / (8 * 32768) == pytest.approx(0.109, abs=1e-3)
+    assert padded_starts(40, 64, "cpu").max() == 63  # (every row keeps a key)
 
 
 def test_fused_output_matches_the_reference(one_shape_run):

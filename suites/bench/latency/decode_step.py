@@ -9,7 +9,8 @@ path); `fake-quant`; `flashinfer-fp16` / `-fp8` (FlashInfer's batch decode over 
 row's K/V, where it is installed; skipped with the reason elsewhere). At B=1 and at the
 focus shape every timed call is also timed as a CUDA-graph replay (`<row>-graph`; the fp16
 baseline too): at B=1 the eager call tracks host time, and issue 28 judges graphed calls
-at the focus (`graphed`).
+at the focus (`graphed`). At the focus a left-padded batch too (`fused-<x>-padded`, auto
+with row_start, and the other backend's `-padded-triton` / `-padded-cuda`: `_padded_rows`).
 
 Each row carries the bytes the method must read at least (the flats' read_nbytes:
 packed K+V cache and lookup tables, or fp16 K+V; plus q and the output), the achieved
@@ -31,7 +32,7 @@ from ..toolkit import (DEVICE, GPU, HOST_US_CALLS, LAUNCH_ERRORS, describe_error
 from .caches import EncodedCache, tiled
 from .config import DEFAULT_LAUNCH, LatencyConfig
 from .methods import (FLASHINFER_PAGE, FLASHINFER_ROWS, auto_backend, cuda_refusal, fake_quant_callable,
-                      flashinfer_callable, flashinfer_refusal, fused_callable, run_sdpa, sdpa_callable,
+                      flashinfer_callable, flashinfer_refusal, fused_callable, padded_starts, run_sdpa, sdpa_callable,
                       shipped_callable)
 from .tuning import greedy_tune, launch_stages
 
@@ -191,6 +192,8 @@ def _fused_rows(cfg: LatencyConfig, out: _Rows, q, method: str, cache: EncodedCa
         out.failed(method, e)
         return
     _timed(out, method, shipped_callable(q, kf, vf), nbytes, ship, graph, check, flats=(kf, vf))
+    if (B, T) == cfg.focus:
+        _padded_rows(out, q, method, kf, vf, nbytes, base)
 
     tri = f"{method}-triton"
     chosen, trials = tuning["chosen"], tuning["trials"]
@@ -217,6 +220,32 @@ def _fused_rows(cfg: LatencyConfig, out: _Rows, q, method: str, cache: EncodedCa
     _timed(out, f"{method}-cuda", shipped_callable(q, kf, vf, "cuda"), nbytes,
            {**base, "backend": "cuda", "config": "defaults (backend=cuda)",
             "note": f"opt-in, not what auto runs: {why}"}, graph, check, flats=(kf, vf))
+
+
+def _padded_rows(out: _Rows, q, method: str, kf, vf, nbytes: int, base: dict):
+    """At the focus shape, a left-padded batch (`padded_starts`: what prompts of different
+    lengths give): fused-<x>-padded, the shipped call with row_start (the backend auto takes
+    and why not CUDA), then the other backend's call with the same starts
+    (`-padded-triton`, or `-padded-cuda` by opt-in), eager and graphed. bytes: the whole cache
+    (a kernel that skips the pads' tiles reads fewer: Triton's do)."""
+    rs = padded_starts(out.B, out.T, q.device)
+    extra = {**base, "pad_fraction": float(rs.sum()) / (out.B * out.T),
+             "note": f"left-padded batch: row b's keys from b T / 32 on; {int(rs.sum())} pad tokens"}
+    try:
+        backend, why = auto_backend(q, kf, vf, rs)
+    except ROW_ERRORS as e:
+        out.failed(f"{method}-padded", e)
+        return
+    ship = {**extra, "backend": backend, "config": "defaults (backend=auto), row_start",
+            **({"why_not_cuda": why} if why else {})}
+    _timed(out, f"{method}-padded", shipped_callable(q, kf, vf, row_start=rs), nbytes, ship, True)
+    other = "triton" if backend == "cuda" else "cuda"
+    refusal = cuda_refusal(q, kf, vf) if other == "cuda" else None
+    if refusal:
+        out.skipped(f"{method}-padded-cuda", f"not run here: {refusal}")
+        return
+    _timed(out, f"{method}-padded-{other}", shipped_callable(q, kf, vf, other, row_start=rs), nbytes,
+           {**extra, "backend": other, "config": f"defaults (backend={other}), row_start"}, True)
 
 
 def latency_section(cfg: LatencyConfig, caches: dict[str, EncodedCache], copy_GBps: float, sm_count: int,

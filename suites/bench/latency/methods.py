@@ -84,9 +84,26 @@ def fused_callable(q, kf, vf, launch: dict):
     return lambda: decode_attention(q, kf, vf, backend="triton", **launch)
 
 
-def shipped_callable(q, kf, vf, backend: str = "auto"):
-    """decode_attention as a caller uses it: no launch options (each backend's defaults)."""
-    return lambda: decode_attention(q, kf, vf, backend=backend)
+def shipped_callable(q, kf, vf, backend: str = "auto", row_start=None):
+    """decode_attention as a caller uses it: no launch options (each backend's defaults);
+    row_start: a left-padded batch's first keys (`padded_starts`), or None."""
+    if row_start is None:
+        return lambda: decode_attention(q, kf, vf, backend=backend)
+    return lambda: decode_attention(q, kf, vf, backend=backend, row_start=row_start)
+
+
+def padded_starts(B: int, T: int, device) -> torch.Tensor:
+    """The latency suite's left-padded batch: row b's keys from b T / 32 on (B=8, T=32k: 0,
+    1k, .., 7k; 11% of the tokens pads), what prompts of different lengths give a batch."""
+    return (torch.arange(B, device=device, dtype=torch.int32) * (T // 32)).clamp_max(T - 1)
+
+
+def auto_backend(q, kf, vf, row_start=None) -> tuple[str, str | None]:
+    """(the backend decode_attention(q, kf, vf[, row_start]) runs without options, why not
+    CUDA): the front's `explain_backend` (its rules, not a copy). Rows measured on a GPU also
+    check the answer against the outputs (`same_output_as_backend`)."""
+    route = explain_backend(q, kf, vf, row_start=row_start)
+    return route.backend, route.declined.get("cuda")
 
 
 def cuda_refusal(q, kf, vf) -> str | None:
@@ -98,14 +115,6 @@ def cuda_refusal(q, kf, vf) -> str | None:
     if kernel is None:
         return f"no CUDA kernel for {type(kf).__name__}"
     return kernel.refusal(q, kf, vf)
-
-
-def auto_backend(q, kf, vf) -> tuple[str, str | None]:
-    """(the backend decode_attention(q, kf, vf) runs without options, why not CUDA): the
-    front's `explain_backend` (its rules, not a copy). Rows measured on a GPU also check
-    the answer against the outputs (`same_output_as_backend`)."""
-    route = explain_backend(q, kf, vf)
-    return route.backend, route.declined.get("cuda")
 
 
 def fake_quant_callable(q, cache: EncodedCache, kf, vf):

@@ -22,7 +22,9 @@ def write_markdown(path: Path, res: dict):
          "backend's defaults (backend = the one that ran; why not CUDA in the note); `fused-<x>-triton` the "
          "Triton kernel with the tuner's config; `fused-<x>-cuda` the CUDA kernel by opt-in where auto does "
          "not take it; `-graph` the same call replayed as a CUDA graph (B=1 and the focus shape), compared "
-         "with `fp16-sdpa-graph`. "
+         "with `fp16-sdpa-graph`; at the focus `fused-<x>-padded` a left-padded batch (row b's keys from "
+         "b T / 32 on, `row_start`), auto and the other backend (`-padded-triton` / `-padded-cuda`), its bytes "
+         "the whole cache. "
          "x = same-run fp16 SDPA us / row us. host us: an eager fused call's issue time (the call returning, "
          "no sync; host_time.py), the Python it runs before its kernel; after the slash, the same when each "
          "call has another token count, as eager decode steps do (`host_us_step`); it is the host CPU's "
@@ -137,7 +139,8 @@ def write_roofline(path: Path, res: dict) -> bool:
 
     shapes = res.get("targets", {}).get("shapes", {})
     shapes = [tuple(shapes.get("focus_B_T", (8, 32768))), tuple(shapes.get("b1_B_T", (1, 32768)))]
-    rows = [r for r in res["latency"] if "latency_us" in r and "bytes" in r and r.get("method") != "fake-quant"]
+    rows = [r for r in res["latency"] if "latency_us" in r and "bytes" in r and r.get("method") != "fake-quant"
+            and "-padded" not in r["method"]]  # (a padded batch's calls need not read all of their bytes)
     panels = [(s, [r for r in rows if (r["B"], r["T"]) == s]) for s in dict.fromkeys(shapes)]
     panels = [p for p in panels if p[1]]
     if not panels:
