@@ -37,7 +37,7 @@ views (`KernelStore.graph_view`): each side's window policy turns the count into
 quantized tokens and window rows in the kernel, as the Triton kernel does; the grid is cut
 for the capacity. backend="auto" takes such calls while KIVI_VALID_LEN_AUTO.
 
-(About 620 lines, on purpose: the host side of one .cu source, three formats of one
+(About 720 lines, on purpose: the host side of one .cu source, three formats of one
 template; its launch-argument struct mirrors the .cu's, and its constants keep the GPU
 runs that chose them beside them; the fused combine's build and call beside the default's.)
 """

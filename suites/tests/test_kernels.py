@@ -10,7 +10,7 @@ plain fp32 softmax attention over ALL keys.
 The public kernel benchmark passed causal=True with one query, so it attended to
 the first key(s) only; `test_last_token_matters` would have caught that.
 
-(About 520 lines: every Triton decode kernel against one reference, with the store's
+(About 530 lines: every Triton decode kernel against one reference, with the store's
 capacity contract beside it; split by format it would repeat the helpers in each file.)
 """
 from __future__ import annotations
