@@ -37,6 +37,10 @@ views (`KernelStore.graph_view`): each side's window policy turns the count into
 quantized tokens and window rows in the kernel, as the Triton kernel does; the grid is cut
 for the capacity. backend="auto" takes such calls while KIVI_VALID_LEN_AUTO.
 
+row_start: a left-padded batch's first key per batch row, read on the device (the keys
+below it masked; a row with none left gets 0). backend="auto" takes such calls for the
+formats in AUTO_ROW_START.
+
 (About 720 lines, on purpose: the host side of one .cu source, three formats of one
 template; its launch-argument struct mirrors the .cu's, and its constants keep the GPU
 runs that chose them beside them; the fused combine's build and call beside the default's.)

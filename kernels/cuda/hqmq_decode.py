@@ -6,7 +6,8 @@ radius levels, head_dim 64, 128 or 256 (HEAD_DIMS), with or without Med3x outlie
 sides alike; backend="auto" sends Med3x here only when AUTO_MED3; at head_dim 64 and 256
 through the prefetching variants only), mixed-radix code rows (pack=mixed) at S = 96,
 head_dim 64 / 128 (MIXED_HEAD_DIMS), GQA groups of 1..8, q
-fp16/bf16/fp32. The kernel gathers codewords from the fp16 codebook `[H, 24 S, 4]` held
+fp16/bf16/fp32, a device valid length and a left-padded batch's `row_start` (auto while
+AUTO_ROW_START). The kernel gathers codewords from the fp16 codebook `[H, 24 S, 4]` held
 in shared memory; when a flat carries another table (the default is the fp32
 secondaries) the fp16 codebook is built once per secondaries tensor and cached here.
 
@@ -17,7 +18,7 @@ r_max / 15); q exact in fp16, base-2 softmax scale on the fp32 scores, P in fp16
 accumulation. reports/kernels/NOTES.md ("CUDA HQMQ decode") has the
 design, SASS counts and GPU figures.
 
-(About 735 lines, on purpose: the host side of one .cu source, its checks, split choice
+(About 765 lines, on purpose: the host side of one .cu source, its checks, split choice
 and the planned call's ctypes struct mirroring the .cu's `HqmqPlan`; the per-call path
 stays beside it while PLANNED is new, as the reference its GPU tests compare with.)
 """
