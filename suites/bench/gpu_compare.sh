@@ -144,7 +144,7 @@ time|time-ahead|record)
     # whatever ran on this machine before (a fresh machine's first run), a round 2 finds what
     # round 1 compiled
     export TRITON_CACHE_DIR=$(mktemp -d /tmp/triton_cache.XXXX) KVQBENCH_BENCH_KEEP=$OUT/compare_$1
-    timeout "$2" $PY -m pytest -q -s -m bench --benchmark-enable -p no:cacheprovider suites/bench/bench_compare.py \
+    timeout -s INT "$2" $PY -m pytest -q -s -m bench --benchmark-enable -p no:cacheprovider suites/bench/bench_compare.py \
       -k "$CASE and not 4ranks" --benchmark-json "$OUT/bench_compare_$1.json" 2>&1 \
       | tee "$OUT/compare_$1.log" | grep -v USDT | cut -c1-200 | tail -40
     # the kept reports as one archive: the run tool returns only a few files per call (a

@@ -2,7 +2,8 @@
 # decode/gpu_decode.sh, gpu_compare.sh), from the repository root: the environment of one
 # GPU call. The package goes on PYTHONPATH through a symlinked kvqbench/ (no install step
 # on a bare machine), the build cache under /tmp; prints the GPU, versions and date into
-# $OUT/env.txt.
+# $OUT/env.txt. Run pytest under `timeout -s INT`: cut short by SIGINT it still prints its
+# summary (the failures' names); the default SIGTERM lost them (2026-12-07).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PP=/tmp/pp; mkdir -p $PP/kvqbench

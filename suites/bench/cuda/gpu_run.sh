@@ -23,7 +23,7 @@ source "$(dirname "$0")/../gpu_env.sh"
 [ -n "${PYTEST_N:-}" ] && [ -n "$XD" ] && XD="-n $PYTEST_N"  # more xdist workers than gpu_env.sh's 8
 $PY -c "from kvqbench.kernels.cuda import decode_attention as c; print('why_unavailable:', c.why_unavailable()); print('regs', {v: c.num_regs(0, 128, v) for v in range(c.NUM_VARIANTS)}, {v: c.num_regs(1, 128, v) for v in range(c.NUM_VARIANTS)}); print('kivi regs', {b: [c.num_regs_kivi(b, False, v) for v in c.KIVI_VARIANTS] for b in (2, 4)}, 'CUDA_VERIFIED', sorted(c.CUDA_VERIFIED))" 2>&1 | tail -5 | tee "$OUT/build.txt"
 echo "build+load $(( $(date +%s) - t0 )) s"
-timeout "$T_TEST" $PY -m pytest -q $XD ${TEST_FILES:-suites/tests/test_cuda_decode.py suites/tests/test_kernels.py} -k "${TEST_K:-int4 or fp8 or kivi or cuda or auto or splits or unsupported or backend or valid_len or plan}" -p no:cacheprovider 2>&1 \
+timeout -s INT "$T_TEST" $PY -m pytest -q -rf $XD ${TEST_FILES:-suites/tests/test_cuda_decode.py suites/tests/test_kernels.py} -k "${TEST_K:-int4 or fp8 or kivi or cuda or auto or splits or unsupported or backend or valid_len or plan}" -p no:cacheprovider 2>&1 \
   | tee "$OUT/tests.log" | grep -vE "^(SKIPPED|PASSED)" | tail -30
 echo "tests done at $(( $(date +%s) - t0 )) s"
 if [ "${NCU:-}" ]; then

@@ -21,7 +21,7 @@ for spec in ('hqmq:S=96,r=4', 'hqmq:S=96,r=4,outliers=med3'):
 echo "encoder warm-up done at $(( $(date +%s) - t0 )) s"
 # -v: one line per test in tests.log, so a run cut by the limit still says which passed
 # (call 17b's -q dots did not); the summary shows failures and the slowest tests
-timeout "$T_TEST" $PY -m pytest -v -rfE --durations=12 $XD suites/tests/test_cuda_hqmq.py -p no:cacheprovider 2>&1 \
+timeout -s INT "$T_TEST" $PY -m pytest -v -rfE --durations=12 $XD suites/tests/test_cuda_hqmq.py -p no:cacheprovider 2>&1 \
   | tee "$OUT/tests.log" | grep -vE "(PASSED|SKIPPED|PytestBenchmarkWarning|warner\()" | tail -40
 echo "tests done at $(( $(date +%s) - t0 )) s"
 timeout "$T_BENCH" $PY -m kvqbench.suites.bench.cuda.hqmq_bench --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -100

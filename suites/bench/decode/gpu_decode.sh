@@ -8,7 +8,7 @@
 T_TEST=${1:-100}; T_BENCH=${2:-330}; shift 2 || true
 source "$(dirname "$0")/../gpu_env.sh"
 export PYTHONUNBUFFERED=1
-timeout "$T_TEST" $PY -m pytest -q -x -n 4 -p no:cacheprovider suites/tests/test_graph_step.py \
+timeout -s INT "$T_TEST" $PY -m pytest -q -rf -x -n 4 -p no:cacheprovider suites/tests/test_graph_step.py \
   2>&1 | tee "$OUT/tests.log" | grep -vE "^(SKIPPED|PASSED|USDT)" | tail -25
 echo "tests done at $(( $(date +%s) - t0 )) s"
 BENCH_ARGS=("$@")
