@@ -251,5 +251,6 @@ class Workspace:
         self.out = torch.empty(rows_q * D, dtype=out_dtype, device=device)
 
 
-__all__ = ["PlanCache", "interpreting", "sm_count", "ASSUMED_SM_COUNT", "choose_splits", "split_tiles", "pow2", "head_dim_ok", "check_q",
+__all__ = ["PlanCache", "interpreting", "sm_count", "ASSUMED_SM_COUNT", "choose_splits", "split_tiles", "pow2",
+           "head_dim_ok", "check_q",
            "check_valid_len", "check_row_start", "bh_stride", "Workspace"]

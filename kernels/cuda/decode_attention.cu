@@ -1287,7 +1287,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   int tend = p.vlen ? min(p.T, __ldg(p.vlen)) : p.T;
   // a left-padded batch: the row's keys below lo are masked (the score masks see tokens
   // shifted by lo); a row with no key left gets 0, not 0/0: its split 0 writes the neutral
-  // partial (m 0, l 1, o 0) below. Tiles below lo are read as any (Triton's skip them).
+  // partial (m 0, l 1, o 0) below. Tiles below lo are read as any (the Triton kernels skip them).
   const int lo = p.rstart ? max(0, __ldg(p.rstart + bh / p.Hkv)) : 0;
   const bool none = p.rstart && lo >= tend && p.split0 + blockIdx.y == 0;
   int t_first = p.t_first, sp = blockIdx.y, per = p.steps_per_split;

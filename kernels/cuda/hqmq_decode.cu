@@ -999,7 +999,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   // which the combine weights by 0.
   const int T = p.vlen ? max(0, min(__ldg(p.vlen), p.T)) : p.T;
   // a left-padded batch: the row's keys below lo are masked (tile_step sees tokens shifted by
-  // lo, and Tlo keys past it); tiles below lo are read as any (Triton's skip them)
+  // lo, and Tlo keys past it); tiles below lo are read as any (the Triton kernels skip them)
   const int lo = p.rstart ? max(0, __ldg(p.rstart + bh / p.Hkv)) : 0;
   const int Tlo = max(T - lo, 0);
   const int nsteps = (T + 15) / 16;

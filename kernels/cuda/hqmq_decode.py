@@ -90,6 +90,8 @@ def row_start_refusal() -> str | None:
     if AUTO_ROW_START:
         return None
     return "row_start: cuda.hqmq_decode.AUTO_ROW_START is False (backend='cuda' takes it)"
+
+
 # The planned host path (issue 28, "thin host path"): the checks, strides, codebooks and
 # split plan of a call are made once per (cache layout, q shape / dtype / device, options,
 # valid_len given or not) into a ctypes struct the .cu reads (`_PlanArgs`, kvq_hqmq_run), so

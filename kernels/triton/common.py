@@ -264,8 +264,8 @@ def combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NSPLIT, D: tl.constexpr, SB:
         m = tl.load(pm_ptr + row * NSPLIT + s0 + s, mask=sm, other=float("-inf"))
         w = tl.where(m > float("-inf"), tl.exp2(m - M), 0.0)
         den += w * tl.load(pl_ptr + row * NSPLIT + s0 + s, mask=sm, other=0)
-        o = tl.load(po_ptr + (row * NSPLIT + s0 + s)[:, None] * D + d[None, :], mask=pad_mask(sm[:, None], d[None, :], D),
-                    other=0)
+        o = tl.load(po_ptr + (row * NSPLIT + s0 + s)[:, None] * D + d[None, :],
+                    mask=pad_mask(sm[:, None], d[None, :], D), other=0)
         num += tl.sum(o * w[:, None], axis=0)
     # A row whose every key is masked (row_start past the valid length: every split's max
     # -inf, its sum 0) gets 0/1 = 0, as SDPA gives a fully masked row, not 0/0. Otherwise the

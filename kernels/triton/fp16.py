@@ -16,18 +16,18 @@ import triton.language as tl
 from ...quantizers.derived import identity
 from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len
 from ..layout import FP16Flat
-from .common import (LOG2E, PlanCache, SplitPlan, pad_cols, pad_mask, finish, first_tile, from_floor, row_floor, run_split, scores,
-                     softmax_update, split_prologue, split_want, store_partial, valid_tokens)
+from .common import (LOG2E, PlanCache, SplitPlan, finish, first_tile, from_floor, pad_cols, pad_mask, row_floor,
+                     run_split, scores, softmax_update, split_prologue, split_want, store_partial, valid_tokens)
 
 
 @triton.jit
 def _fp16_tile(ptr, bh, tok, tmask, cs, D: tl.constexpr, FAST: tl.constexpr, RND: tl.constexpr):
-    """Rows `tok` of kv row bh, [BT, D] (D padded: `pad_cols`): fp16 as stored (FAST) or upcast and rounded to
-    the cache dtype, as `Quantizer.decode` rounds them (the interpreter's bf16 is wrong
-    unless upcast first)."""
+    """Rows `tok` of kv row bh, [BT, D] (D padded: `pad_cols`): fp16 as stored (FAST) or
+    upcast and rounded to the cache dtype, as `Quantizer.decode` rounds them (the
+    interpreter's bf16 is wrong unless upcast first)."""
     j = pad_cols(D)
-    x = tl.load(ptr + bh.to(tl.int64) * cs + tok[:, None] * D + j[None, :], mask=pad_mask(tmask[:, None], j[None, :], D),
-                other=0.0)
+    x = tl.load(ptr + bh.to(tl.int64) * cs + tok[:, None] * D + j[None, :],
+                mask=pad_mask(tmask[:, None], j[None, :], D), other=0.0)
     return finish(x.to(tl.float32), FAST, RND)
 
 

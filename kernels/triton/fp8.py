@@ -14,15 +14,15 @@ import triton.language as tl
 from ...quantizers.derived import identity
 from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len
 from ..layout import FP8Flat
-from .common import (LOG2E, PlanCache, SplitPlan, pad_cols, pad_mask, first_tile, from_floor, row_floor, run_split, scores,
-                     softmax_update, split_prologue, split_want, store_partial, valid_tokens)
+from .common import (LOG2E, PlanCache, SplitPlan, first_tile, from_floor, pad_cols, pad_mask, row_floor, run_split,
+                     scores, softmax_update, split_prologue, split_want, store_partial, valid_tokens)
 
 
 @triton.jit
 def _fp8_tile(codes_ptr, bh, tok, tmask, cs, scale, D: tl.constexpr, E5: tl.constexpr,
               FAST: tl.constexpr, RND: tl.constexpr):
-    """fp8 codes [BT, D] (D padded: `pad_cols`): FAST the unscaled fp16 values (the scale is folded by the
-    caller); else the scaled values rounded to the cache dtype, as decode rounds them."""
+    """fp8 codes [BT, D] (D padded: `pad_cols`): FAST the unscaled fp16 values (the scale is
+    folded by the caller); else the scaled values rounded to the cache dtype, as decode rounds them."""
     j = pad_cols(D)
     b = tl.load(codes_ptr + bh.to(tl.int64) * cs + tok[:, None] * D + j[None, :],
                 mask=pad_mask(tmask[:, None], j[None, :], D), other=0)

@@ -27,9 +27,8 @@ from ...quantizers.derived import identity
 from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len, interpreting
 from ..layout import OUTLIER_BLOCK, HQMQFlat
 from .common import (LOG2E, PlanCache, SplitPlan, f16x4, fast_path, finish, first_tile, from_floor, hamilton,
-                     pad_cols, pad_mask,
-                     nbytes_span, popc, row_floor, run_split, scores, softmax_update, split_prologue, split_want, store_partial, table_quad,
-                     unpack_rows, valid_tokens)
+                     nbytes_span, pad_cols, pad_mask, popc, row_floor, run_split, scores, softmax_update,
+                     split_prologue, split_want, store_partial, table_quad, unpack_rows, valid_tokens)
 
 
 @triton.jit
@@ -125,7 +124,8 @@ def _hqmq_tile(codes_ptr, rad_ptr, rmax_ptr, flags_ptr, outl_ptr, oidx_ptr, tabl
     tok = t0 + tl.arange(0, BT)
     tmask = tok < T
     bh64 = bh.to(tl.int64)
-    if (CG == 2 or CG == 4) and NC % CG == 0 and ((NC // CG) & (NC // CG - 1)) == 0:  # mixed radix, each group loaded once
+    # mixed radix, each group loaded once (a power-of-two group count: not at a padded head dim)
+    if (CG == 2 or CG == 4) and NC % CG == 0 and ((NC // CG) & (NC // CG - 1)) == 0:
         code = _mixed_codes_2_4(codes_ptr + bh64 * cs, tok * CB, tmask, BT, NC, CG, CGW, 24 * S, CB, CNB)
     elif CG > 1:  # mixed-radix groups of CG codes (module docstring)
         code = _mixed_codes(codes_ptr + bh64 * cs, tok * CB, tmask, BT, NC, CG, CGW, CGL, 24 * S, CB, CNB)

@@ -15,8 +15,9 @@ import triton.language as tl
 from ...quantizers.derived import identity
 from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len, pow2
 from ..layout import KIVIFlat, KIVIGraphFlat
-from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, first_tile, pad_cols, pad_mask, from_floor, nbytes_span, row_floor,
-                     run_split, scores, softmax_update, split_prologue, split_want, store_partial, default_stages)
+from .common import (LOG2E, PlanCache, SplitPlan, default_stages, dq_bytes, first_tile, from_floor, nbytes_span,
+                     pad_cols, pad_mask, row_floor, run_split, scores, softmax_update, split_prologue, split_want,
+                     store_partial)
 from .naive_int import int_tile
 
 
@@ -129,14 +130,16 @@ _PLANS = PlanCache()
 
 
 def kivi_decode_attention(q: torch.Tensor, k: KIVIFlat, v: KIVIFlat, *, num_splits: int | None = None,
-                          block_t: int = 64, num_warps: int = 4, num_stages: int | None = None, programs_per_sm: int = 12,
+                          block_t: int = 64, num_warps: int = 4, num_stages: int | None = None,
+                          programs_per_sm: int = 12,
                           workspace: Workspace | None = None, out_dtype=None, valid_len=None,
                           row_start=None) -> torch.Tensor:
     """`valid_len` (a device token count, see `decode_attention`): k and v must be
     `KIVIGraphFlat`s (the window policy turns the length into each side's counts, on the
     device) of one capacity. `row_start`: per-row key starts (`decode_attention`).
     num_stages: `default_stages(D)` unless given."""
-    num_stages = num_stages or default_stages(k.D)
+    if num_stages is None:
+        num_stages = default_stages(k.D)
     ts = (k.codes, k.scale, k.zero, k.residual, v.codes, v.scale, v.zero, v.residual)
     kg, vg = type(k) is KIVIGraphFlat, type(v) is KIVIGraphFlat
     layout = (type(k), type(v), *map(identity, ts), k.B, k.H, k.D, k.bits, k.group, k.role, k.dtype, k.n_groups == 0,

@@ -14,9 +14,9 @@ import triton.language as tl
 from ...quantizers.derived import identity
 from ..common import Workspace, bh_stride, check_q, check_row_start, check_valid_len, pow2
 from ..layout import IntFlat
-from .common import (LOG2E, PlanCache, SplitPlan, dq_bytes, finish, pad_cols, pad_mask, first_tile, from_floor, nbytes_span, row_floor,
-                     run_split, scores, softmax_update, split_prologue, split_want, store_partial, unpack_rows,
-                     valid_tokens, default_stages)
+from .common import (LOG2E, PlanCache, SplitPlan, default_stages, dq_bytes, finish, first_tile, from_floor,
+                     nbytes_span, pad_cols, pad_mask, row_floor, run_split, scores, softmax_update, split_prologue,
+                     split_want, store_partial, unpack_rows, valid_tokens)
 
 
 @triton.jit
@@ -76,13 +76,15 @@ _PLANS = PlanCache()
 
 
 def int_decode_attention(q: torch.Tensor, k: IntFlat, v: IntFlat, *, num_splits: int | None = None,
-                         block_t: int = 128, num_warps: int = 4, num_stages: int | None = None, programs_per_sm: int = 8,
+                         block_t: int = 128, num_warps: int = 4, num_stages: int | None = None,
+                         programs_per_sm: int = 8,
                          workspace: Workspace | None = None, out_dtype=None,
                          valid_len: torch.Tensor | None = None,
                          row_start: torch.Tensor | None = None) -> torch.Tensor:
     """num_stages: `default_stages(D)` unless given."""
     T = k.T
-    num_stages = num_stages or default_stages(k.D)
+    if num_stages is None:
+        num_stages = default_stages(k.D)
     ts = (k.codes, k.scale, k.zero, v.codes, v.scale, v.zero)
     layout = (type(k), type(v), *map(identity, ts), k.B, k.H, k.D, k.bits, k.group, k.dtype,
               v.B, v.H, v.D, v.bits, v.group)

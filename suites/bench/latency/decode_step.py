@@ -229,8 +229,9 @@ def _padded_rows(out: _Rows, q, method: str, kf, vf, nbytes: int, base: dict):
     (`-padded-triton`, or `-padded-cuda` by opt-in), eager and graphed. bytes: the whole cache
     (a kernel that skips the pads' tiles reads fewer: Triton's do)."""
     rs = padded_starts(out.B, out.T, q.device)
-    extra = {**base, "pad_fraction": float(rs.sum()) / (out.B * out.T),
-             "note": f"left-padded batch: row b's keys from b T / 32 on; {int(rs.sum())} pad tokens"}
+    pads = int(rs.sum())
+    extra = {**base, "pad_fraction": pads / (out.B * out.T),
+             "note": f"left-padded batch: row b's keys from b T / 32 on; {pads} pad tokens"}
     try:
         backend, why = auto_backend(q, kf, vf, rs)
     except ROW_ERRORS as e:
