@@ -1287,7 +1287,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   int tend = p.vlen ? min(p.T, __ldg(p.vlen)) : p.T;
   // a left-padded batch: the row's keys below lo are masked (the score masks see tokens
   // shifted by lo); a row with no key left gets 0, not 0/0: its split 0 writes the neutral
-  // partial (m 0, l 1, o 0) below. Tiles below lo are read as any (the Triton kernels skip them).
+  // partial (m 0, l 1, o 0) below.
   const int lo = p.rstart ? max(0, __ldg(p.rstart + bh / p.Hkv)) : 0;
   const bool none = p.rstart && lo >= tend && p.split0 + blockIdx.y == 0;
   int t_first = p.t_first, sp = blockIdx.y, per = p.steps_per_split;
@@ -1311,8 +1311,10 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   }
   const int nsteps = tend > t_first ? (tend - t_first + 15) / 16 : 0;  // tiles of [t_first, tend)
   const int tlo = max(tend - lo, 0);  // (the masks' shifted bound)
-  const int first = sp * per;
-  const int last = min(first + per, nsteps);
+  const int last = min(sp * per + per, nsteps);
+  // tiles wholly below the row's first key are neither read nor scored (a split of pads runs
+  // none); the stream rounds a start down to its unit (KIVI: a group), whose keys are masked
+  const int first = max(sp * per, (lo - t_first) / 16);  // (lo <= t_first: sp * per)
   extern __shared__ __align__(16) uint8_t dsm[];
   // SPL = 2: the pair's score exchange, after every warp's stages: two buffers of 2 KB
   constexpr int XB = pipe_bytes<F, D, NW, SMS, GS>();

@@ -999,12 +999,14 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   // which the combine weights by 0.
   const int T = p.vlen ? max(0, min(__ldg(p.vlen), p.T)) : p.T;
   // a left-padded batch: the row's keys below lo are masked (tile_step sees tokens shifted by
-  // lo, and Tlo keys past it); tiles below lo are read as any (the Triton kernels skip them)
+  // lo, and Tlo keys past it)
   const int lo = p.rstart ? max(0, __ldg(p.rstart + bh / p.Hkv)) : 0;
   const int Tlo = max(T - lo, 0);
   const int nsteps = (T + 15) / 16;
-  const int first = sp * p.steps_per_split;
-  const int last = min(first + p.steps_per_split, nsteps);
+  const int last = min(sp * p.steps_per_split + p.steps_per_split, nsteps);
+  // tiles wholly below the row's first key are neither read nor scored (a split of pads runs
+  // none); Med3x starts on the block holding lo (its outlier offsets run per 64-token block)
+  const int first = max(sp * p.steps_per_split, OUT ? (lo >> 6) << 2 : lo >> 4);
 
   // ---- start this warp's pipeline first (the DRAM stream), then the tables
   CpCursor<D> cur;
