@@ -103,12 +103,13 @@ KIVI_TILE_STREAM = (5, 6)
 # "kivi_valid_len"); off, auto leaves them to Triton and backend="cuda" takes them.
 KIVI_VALID_LEN_AUTO = True
 # Left-padded batches (row_start: each batch row's first key, read on the device; keys below
-# it masked): backend="cuda" takes them for every format; auto gives them to the formats named
-# here (their GPU tests passed, H100, 2026-12-07: test_padded_batches.py). fp8 stays on
-# Triton: these kernels read the pad tiles, which Triton skips, and fp8 is the one format
-# where that lost (B=8 T=32k d 128, rows starting at 0..7k, graphed: 204.7 us against Triton's
-# 191.3; int4 142.6 against 209.0, KIVI-2 104.5 against 344.5; reports/latency/h100_2026-12-07e/).
-AUTO_ROW_START = {"int4", "kivi"}
+# it masked, tiles wholly below it skipped as Triton skips them): backend="cuda" takes them for
+# every format; auto gives them to the formats named here (their GPU tests passed, H100,
+# 2026-12-07: test_padded_batches.py). B=8 T=32k d 128, rows starting at 0..7k, graphed, CUDA
+# against Triton with row_start: int4 127.9 against 206.9 us, fp8 180.5 against 187.5, KIVI-2
+# 96.0 against 346.0 (reports/latency/h100_2026-12-07f/). fp8 joined once the pad tiles were
+# skipped (reading them, it lost: 204.7 against 191.3, reports/latency/h100_2026-12-07e/).
+AUTO_ROW_START = {"int4", "fp8", "kivi"}
 
 
 def row_start_refusal(name: str) -> str | None:
@@ -116,8 +117,7 @@ def row_start_refusal(name: str) -> str | None:
     (None: it does not)."""
     if name in AUTO_ROW_START:
         return None
-    return (f"row_start: {name} is not in cuda.decode_attention.AUTO_ROW_START (these kernels read the pad "
-            f"tiles Triton skips; backend='cuda' takes it)")
+    return f"row_start: {name} is not in cuda.decode_attention.AUTO_ROW_START (backend='cuda' takes it)"
 
 
 _FORMAT = {IntFlat: "int4", FP8Flat: "fp8", KIVIFlat: "kivi", KIVIGraphFlat: "kivi"}  # cache type -> CUDA_VERIFIED name

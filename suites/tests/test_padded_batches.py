@@ -91,7 +91,7 @@ def test_bad_row_start_is_refused_naming_the_problem():
             decode_attention(q, kf, vf, backend="triton", row_start=rs)
 
 
-def test_cuda_kernels_take_row_start_by_name_and_auto_waits_for_their_switch():
+def test_cuda_kernels_take_row_start_by_name_and_auto_waits_for_their_switch(monkeypatch):
     for name in ("fp16", "naive_int", "fp8", "kivi", "hqmq"):  # the built-in formats' kernels
         for backend, kern in registry.formats()[name].by_backend.items():
             assert kern.row_start, (name, backend)
@@ -109,8 +109,10 @@ def test_cuda_kernels_take_row_start_by_name_and_auto_waits_for_their_switch():
                             row_start_auto=cuda.row_start_auto)
     assert waits.declines(q, kf, vf, {}, None, rs) == cuda_decode.row_start_refusal("int4")
     assert waits.declines(q, kf, vf, {}, None) is None
-    # the switches: per format in cuda.decode_attention (fp8 kept on Triton), one for HQMQ
-    assert cuda_decode.row_start_refusal("int4") is None and cuda_decode.row_start_refusal("kivi") is None
+    # the switches: per format in cuda.decode_attention (all three on; fp8 taken out here to
+    # see a refusal routed), one for HQMQ
+    assert all(cuda_decode.row_start_refusal(n) is None for n in ("int4", "fp8", "kivi"))
+    monkeypatch.setattr(cuda_decode, "AUTO_ROW_START", {"int4", "kivi"})
     assert "fp8 is not in cuda.decode_attention.AUTO_ROW_START" in cuda_decode.row_start_refusal("fp8")
     assert registry.formats()["fp8"].by_backend["cuda"].row_start_auto() == cuda_decode.row_start_refusal("fp8")
     assert (cuda_hqmq.row_start_refusal() is None) == cuda_hqmq.AUTO_ROW_START
