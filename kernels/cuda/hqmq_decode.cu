@@ -34,9 +34,11 @@
 //
 // Med3x caches (the OUT instances, see tile_step) add their fp16 outlier chunks by extra
 // mma; variants 9 and 10 (PF) stage each tile's outliers one tile ahead (out_meta).
-// Mixed-radix code rows (pack=mixed, S = 96, head dim 64 / 128: the MIX instances of v3, v10)
-// land in the stage as copied and are rewritten there as 12-bit rows before the tile is
-// read (mixed_tile_to_bits), so the decode above is the same.
+// Mixed-radix code rows (pack=mixed, S = 96, head dim 64 / 128 / 256: the MIX instances of
+// v3, v10) land in the stage as copied and are rewritten there as 12-bit rows before the
+// tile is read (mixed_tile_to_bits), so the decode above is the same. At 256 each half of a
+// row (8 groups of 45 bits: 45 bytes) is a head dim 128 row, so each warp of a pair copies
+// and rewrites its half as d 128 does.
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -195,10 +197,12 @@ __device__ __forceinline__ void cp_async4_part(uint32_t dst, const void* src, in
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
 }
 
-// Bytes of a token's code row in global memory: 12-bit codes (Dims::CB) or mixed-radix (MIX)
+// Bytes of a token's code row in global memory: 12-bit codes (Dims::CB) or mixed-radix (MIX;
+// head dim 256: two head dim 128 rows, packing.py's groups of 4 codes falling on byte 45)
 template <int D, bool MIX>
 __host__ __device__ constexpr int code_row_bytes() {
-  if constexpr (MIX) return mixed::Layout<D>::MB;
+  if constexpr (MIX && D == 256) return 2 * mixed::Layout<128>::MB;
+  else if constexpr (MIX) return mixed::Layout<D>::MB;
   else return Dims<D>::CB;
 }
 
@@ -213,7 +217,11 @@ __device__ __forceinline__ void cp_async16_part(uint32_t dst, const void* src, i
 // 16 MB bytes, a multiple of 16, from `mis` bytes past a 16-byte boundary (the (b, h) row's
 // start: any capacity), copied as MB + 1 pieces of 16 bytes from that boundary into the
 // stage's code regions (the tile at byte mis), the bytes past the valid tokens zero-filled
-// (code 0); the tile loop rewrites them as 12-bit rows in place.
+// (code 0); the tile loop rewrites them as 12-bit rows in place. Head dim 256: the warp's
+// 45-byte halves lie 90 bytes apart, so each goes to its own 48-byte slot of the stage (token
+// t at 48 t, the 12-bit half row's place) as the 12 words from the 4-byte boundary below it
+// (that boundary is 2 t + mis bytes below, mis the tile's first half row's; the words' bytes
+// past the half row are not read: cp.async's source size), 6 copies a lane.
 template <int NW, bool OUT, bool PF = false, int D = 128, bool MIX = false>
 __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, bool on, int lane, bool on1 = false) {
   using Stage = ::Stage<D>;
@@ -221,7 +229,21 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, 
   [[maybe_unused]] constexpr int CB = DD::CB;
   constexpr int RB = DD::RB;
   const int STEP = tile_advance<NW, OUT>(cur.i);
-  if constexpr (MIX) {
+  if constexpr (MIX && D == 256) {
+    constexpr int HB = mixed::Layout<128>::MB, RW = (HB + 3 + 3) / 4;  // 45 bytes, 12 words a slot
+    static_assert(RW * 4 == Stage::CB, "a half row's words fill its 12-bit slot");
+    // (not unrolled: unrolled, nvcc kept the 12 source offsets, the same every tile, live across
+    // the tile loop and spilled 120-216 bytes under the 128-register cap)
+#pragma unroll 1
+    for (int j = 0; j < 16 * RW / 32; ++j) {
+      const int i = lane + 32 * j, t = i / RW, w = i - RW * t;  // word w of token t's slot
+      const bool ok = on && cur.t0 + t < T;
+      const int ak = (2 * t + cur.kmis) & 3, av = (2 * t + cur.vmis) & 3;  // the half rows' bytes past a boundary
+      const int row = code_row_bytes<D, MIX>() * t + 4 * w;  // from the tile's first half row
+      cp_async4_part(st + Stage::KC + 4 * i, cur.c0 + row - ak, ok ? max(0, min(4, ak + HB - 4 * w)) : 0);
+      cp_async4_part(st + Stage::VC + 4 * i, cur.vc0 + row - av, ok ? max(0, min(4, av + HB - 4 * w)) : 0);
+    }
+  } else if constexpr (MIX) {
     constexpr int MB = mixed::Layout<D>::MB, NPM = MB + 1;
     const int valid = (T - cur.t0) * MB;  // the valid tokens' bytes from the tile's start
 #pragma unroll
@@ -713,13 +735,16 @@ __device__ __forceinline__ void v_generic(const uint8_t* st, const uint8_t* vtab
 // rows tile_step reads. Lane l takes row t = l & 15 of role l >> 4: its MB bytes at mis + MB t
 // from the region's start, its 12-bit row to CB t (16- / 8-byte stores without bank
 // conflicts). Every lane reads its row before any lane writes (the rows overlap). The caller
-// syncs the warp before the stage is read.
+// syncs the warp before the stage is read. Head dim 256: the warp's half rows (head dim 128
+// rows) lie in slots of CB = 48 bytes, token t's at (2 t + mis) % 4 bytes into its slot
+// (copy_tile), and go back to the same slot.
 template <int D>
 __device__ __forceinline__ void mixed_tile_to_bits(uint8_t* st, int lane, int mis) {
-  using L = mixed::Layout<D>;
-  constexpr int CB = Dims<D>::CB;
+  constexpr int DW = Dims<D>::DW;  // (256: the warp's half)
+  using L = mixed::Layout<DW>;
+  constexpr int CB = Stage<D>::CB;
   uint8_t* base = st + (lane < 16 ? Stage<D>::KC : Stage<D>::VC);
-  const int t = lane & 15, b0 = mis + L::MB * t, sh = 8 * (b0 & 3);
+  const int t = lane & 15, b0 = D == 256 ? CB * t + ((2 * t + mis) & 3) : mis + L::MB * t, sh = 8 * (b0 & 3);
   // (the words read past a row stay in the stage: the K region's run into V's, V's into the
   // radius rows; their bits are masked off)
   const uint32_t* w = reinterpret_cast<const uint32_t*>(base + (b0 & ~3));
@@ -728,7 +753,7 @@ __device__ __forceinline__ void mixed_tile_to_bits(uint8_t* st, int lane, int mi
   for (int i = 0; i <= L::NX; ++i) r[i] = w[i];
 #pragma unroll
   for (int i = 0; i < L::NX; ++i) x[i] = __funnelshift_r(r[i], r[i + 1], sh);
-  mixed::to_bits<D>(x, o);
+  mixed::to_bits<DW>(x, o);
   __syncwarp();
   if constexpr (CB % 16 == 0) {
 #pragma unroll
@@ -966,11 +991,10 @@ constexpr int dyn_smem() {
 // PF (with OUT): the outliers one tile ahead, through a per-warp double buffer after the stages.
 // FUSED: the last CTA of a row group merges the group's partials into p.out (common.cuh
 // combine_rows), no combine launch after it.
-// MIX: mixed-radix code rows (S = 96, head dim 64 / 128: mixed_tile_to_bits).
+// MIX: mixed-radix code rows (S = 96, head dim 64 / 128 / 256: mixed_tile_to_bits).
 template <int NW, int SMS, int TABB, int MINB, bool OUT, int PF = 0, int D = 128, bool FUSED = false,
           int CW = 8, bool MIX = false>
 __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params p) {
-  static_assert(!MIX || D <= 128, "mixed-radix rows: head dim 64 or 128");
   pdl_trigger();  // (common.cuh: the combine may be launched once every split CTA is resident)
   using Stage = ::Stage<D>;
   using PfBuf = ::PfBuf<D>;
@@ -1021,7 +1045,15 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       if constexpr (D == 64) cur.fsh = (int)((reinterpret_cast<uintptr_t>(cur.frow) >> 1) & 1);
       cur.irow = lane < 16 ? p.ki + bh * p.k_is : p.vi + bh * p.v_is;
     }
-    if constexpr (SPL == 2) {  // chunk i (16 B) of the warp's half tile: token i / 3, bytes 48 hf + 16 (i % 3)
+    if constexpr (SPL == 2 && MIX) {  // the warp's half row of token t0 (45 bytes at 45 hf of 90)
+      constexpr int RBY = code_row_bytes<D, MIX>();
+      cur.c0 = p.kc + bh * p.k_cs + (long long)t0 * RBY + (RBY / 2) * hf;
+      cur.vc0 = p.vc + bh * p.v_cs + (long long)t0 * RBY + (RBY / 2) * hf;
+      cur.kmis = (int)(reinterpret_cast<uintptr_t>(cur.c0) & 3);
+      cur.vmis = (int)(reinterpret_cast<uintptr_t>(cur.vc0) & 3);
+      cur.r = (lane < 16 ? p.kr + bh * p.k_rs : p.vr + bh * p.v_rs) + (long long)t0 * RB + RB * (lane & 15) +
+              (RB / 2) * hf;
+    } else if constexpr (SPL == 2) {  // chunk i (16 B) of the warp's half tile: token i / 3, bytes 48 hf + 16 (i % 3)
       const int o0 = (lane / 3) * CB + 16 * (lane % 3), i1 = lane + 32;
       cur.o1 = (i1 / 3) * CB + 16 * (i1 % 3) - o0;
       cur.c0 = p.kc + bh * p.k_cs + (long long)t0 * CB + (CB / 2) * hf + o0;
@@ -1251,7 +1283,7 @@ static_assert(tab_bytes(1, 4) % 16 == 0, "table alignment (16-byte copies)");
 // codebook=int8 (CW 4): 4-byte codewords, half the table; instances of the defaults alone
 // (v3, Med3x v10; the other variants lost to them on both GPUs: NOTES.md)
 constexpr bool cw4_variant(int v) { return v == 3 || v == 10; }
-// Mixed-radix code rows (pack=mixed at S = 96, head dim 64 / 128): instances of the default
+// Mixed-radix code rows (pack=mixed at S = 96, head dim 64 / 128 / 256): instances of the default
 // variants alone (v3; Med3x v10), with either table (MIX: the stage's rows rewritten as
 // 12-bit ones before the tile; Med3x's outliers are read as on 12-bit rows)
 constexpr int MIX_VARIANT = 3, MIX_VARIANT_MED3 = 10;
@@ -1304,7 +1336,7 @@ constexpr int NO_INSTANCE = -1001;  // no Med3x instance of this variant
 template <int V, int TABB, bool OUT, int D, int CW, bool MIX = false>
 int act(What what, const Params* p, int rows, cudaStream_t stream) {
   if constexpr ((OUT && !out_ok<D>(V)) || (CW == 4 && !cw4_variant(V)) ||
-                (MIX && (V != (OUT ? MIX_VARIANT_MED3 : MIX_VARIANT) || D > 128))) {
+                (MIX && V != (OUT ? MIX_VARIANT_MED3 : MIX_VARIANT))) {
     return NO_INSTANCE;
   } else {
     constexpr auto k = kernel_of<V, TABB, OUT, D, CW, MIX>();
@@ -1372,7 +1404,7 @@ int dispatch(int variant, int S, bool out, What what, const Params* p, int rows,
   if (S < 1 || S > 170 || (cw != 8 && cw != 4)) return -1;
   if (D == 128) return dispatch_d<128>(variant, S, out, what, p, rows, s, cw, mix);
   if (D == 64) return dispatch_d<64>(variant, S, out, what, p, rows, s, cw, mix);
-  if (D == 256) return mix ? NO_INSTANCE : dispatch_d<256>(variant, S, out, what, p, rows, s, cw, false);
+  if (D == 256) return dispatch_d<256>(variant, S, out, what, p, rows, s, cw, mix);
   return -1;
 }
 
@@ -1396,7 +1428,7 @@ struct HqmqPlan {
   int vlen;  // 1: made for calls with a device valid count, 0: without (the loader keys plans by it)
   float qk_scale;  // log2(e) / sqrt(D)
   int cw;  // bytes per codeword: 8 (fp16) or 4 (codebook=int8); in the struct's former tail padding
-  int mix;  // 1: mixed-radix code rows (pack=mixed, S = 96, head dim 64 / 128: the MIX instances)
+  int mix;  // 1: mixed-radix code rows (pack=mixed, S = 96, head dim 64 / 128 / 256: the MIX instances)
 };
 // The Python mirror is laid out by ctypes with the C rules: these pin the layout it assumes
 // (a field moved here without it fails the build, not a launch).

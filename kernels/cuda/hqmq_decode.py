@@ -5,7 +5,7 @@ Takes: `HQMQFlat` K and V with 12-bit codes (24 S <= 4096, S <= 170), r = 4 unif
 radius levels, head_dim 64, 128 or 256 (HEAD_DIMS), with or without Med3x outliers (both
 sides alike; backend="auto" sends Med3x here only when AUTO_MED3; at head_dim 64 and 256
 through the prefetching variants only), mixed-radix code rows (pack=mixed) at S = 96,
-head_dim 64 / 128 (MIXED_HEAD_DIMS), GQA groups of 1..8, q
+head_dim 64 / 128 / 256 (MIXED_HEAD_DIMS; auto at AUTO_MIXED_HEAD_DIMS), GQA groups of 1..8, q
 fp16/bf16/fp32, a device valid length and a left-padded batch's `row_start` (auto while
 AUTO_ROW_START). The kernel gathers codewords from the fp16 codebook `[H, 24 S, 4]` held
 in shared memory; when a flat carries another table (the default is the fp32
@@ -113,15 +113,20 @@ AUTO_INT8 = True
 # MIX instances of the default variant copy a tile's rows as they lie and rewrite them in
 # shared memory as 12-bit rows before the decode (mixed_codes.cuh), so the arithmetic is
 # v3's (Med3x: v10's, its outliers read as on 12-bit rows). Radix 2304 (S = 96) at head dim
-# 64 and 128 (23- and 45-byte rows); anything else stays on Triton with the reason. Their
+# 64, 128 and 256 (23-, 45- and 90-byte rows; at 256 each half is a d 128 row, which each warp
+# of a pair copies word by word into its own slot); anything else stays on Triton with the reason. Their
 # GPU tests passed on an H100 on 2026-12-07 (test_cuda_mixed_codes.py: the mixed rows'
 # output equal bit for bit to the 12-bit rows' at T = 1 / 17 / 1000 / 4099, rows off 16-byte
 # boundaries, splits, valid_len, both codebooks), so auto routes them here. Graphed B=8
 # T=32k on that H100: 204 us at d 128 (1.76x the same run's graphed fp16 SDPA; Triton's
 # mixed kernel 508 us, v3 on 12-bit rows 152 us) and 122 us at d 64 (1.57x; Triton 261,
 # v3 103): reports/latency/h100_2026-12-07c/.
-MIXED_HEAD_DIMS = (64, 128)
+MIXED_HEAD_DIMS = (64, 128, 256)
 AUTO_MIXED = True
+# The head dims auto sends mixed rows here at; backend="cuda" takes every MIXED_HEAD_DIMS.
+# 256 (Gemma-3's head dim: Triton ran its mixed rows at 0.52x the same run's fp16 SDPA, Med3x
+# mixed 0.30x; H100, 2026-12-07, reports/latency/h100_2026-12-07f/) joins once its GPU tests pass.
+AUTO_MIXED_HEAD_DIMS = (64, 128)
 # Med3x with mixed rows (the v10 MIX instances: 117-128 registers, no spills, sm_90a offline):
 # their GPU tests passed on an H100 on 2026-12-07 (test_cuda_mixed_codes.py +
 # test_hqmq_mixed.py, 109 passed: bit for bit against Med3x on 12-bit rows at T = 1 / 333 /
@@ -421,12 +426,15 @@ def auto_refusal(k) -> str | None:
         return "cuda.hqmq_decode.AUTO_MED3 is False: auto keeps Med3x caches on Triton"
     if codeword_bytes(k) == 4 and not AUTO_INT8:
         return "codebook=int8: cuda.hqmq_decode.AUTO_INT8 is False (not yet run on a GPU; backend='cuda' takes it)"
+    takes = f"backend='cuda' takes S=96 at head_dim {' / '.join(map(str, MIXED_HEAD_DIMS))}"
     if mixed_rows(k) and not AUTO_MIXED:
-        return ("pack=mixed: cuda.hqmq_decode.AUTO_MIXED is False: auto keeps such caches on Triton "
-                "(backend='cuda' takes S=96 at head_dim 64 / 128)")
+        return f"pack=mixed: cuda.hqmq_decode.AUTO_MIXED is False: auto keeps such caches on Triton ({takes})"
+    if mixed_rows(k) and k.D not in AUTO_MIXED_HEAD_DIMS:
+        return (f"pack=mixed at head_dim {k.D}: not in cuda.hqmq_decode.AUTO_MIXED_HEAD_DIMS (not yet run on "
+                f"a GPU; {takes})")
     if mixed_rows(k) and k.has_outliers and not AUTO_MIXED_MED3:
         return ("Med3x with pack=mixed: cuda.hqmq_decode.AUTO_MIXED_MED3 is False: auto keeps such caches on "
-                "Triton (backend='cuda' takes S=96 at head_dim 64 / 128)")
+                f"Triton ({takes})")
     return None
 
 
@@ -763,7 +771,7 @@ def _launch_planned(plan, q, vl, workspace, rs=None) -> torch.Tensor:
 
 __all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits",
            "codebook16", "codebook8", "codeword_bytes", "AUTO_INT8", "AUTO_MIXED", "AUTO_MIXED_MED3",
-           "MIXED_HEAD_DIMS", "mixed_rows", "takes_by_default", "auto_refusal", "OPTIONS",
+           "AUTO_MIXED_HEAD_DIMS", "MIXED_HEAD_DIMS", "mixed_rows", "takes_by_default", "auto_refusal", "OPTIONS",
            "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS",
            "MED3_VARIANTS", "PREFETCH_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale",
            "AUTO_ROW_START", "row_start_refusal",

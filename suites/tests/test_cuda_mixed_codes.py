@@ -1,12 +1,14 @@
-"""The CUDA HQMQ kernel on mixed-radix code rows (pack=mixed, S=96, head dim 64 / 128): its
-MIX instances copy a tile's rows as they lie and rewrite them in shared memory as 12-bit rows
-(kernels/cuda/mixed_codes.cuh) before v3's decode.
+"""The CUDA HQMQ kernel on mixed-radix code rows (pack=mixed, S=96, head dim 64 / 128 / 256):
+its MIX instances copy a tile's rows as they lie and rewrite them in shared memory as 12-bit
+rows (kernels/cuda/mixed_codes.cuh) before v3's decode (head dim 256: each warp of a pair its
+half of every row, itself a head-dim-128 row).
 
 - CPU (a C++ compiler): mixed_codes.cuh's `to_bits`, built as plain C++, against
   quantizers/packing.py: every row of random and extreme codes, with garbage bytes after
-  the row, gives the 12-bit row `pack_bits` makes;
-- CPU: which caches the kernel declines, and why (S other than 96, head dim 256), and the
-  auto switches (AUTO_MIXED; AUTO_MIXED_MED3 for Med3x);
+  the row, gives the 12-bit row `pack_bits` makes; a head-dim-256 row is two head-dim-128
+  rows (what the kernel's halves rely on);
+- CPU: which caches the kernel declines, and why (S other than 96), and the auto switches
+  (AUTO_MIXED; AUTO_MIXED_MED3 for Med3x; AUTO_MIXED_HEAD_DIMS);
 - GPU: the same codes stored mixed and as 12-bit rows give the same output bit for bit
   (one decode after the rewrite), at T = 1 / 17 / 1000 / 4099, capacities that put the
   (b, h) rows off a 16-byte boundary, splits, a device valid_len, both codebooks, Med3x.
@@ -86,6 +88,17 @@ def test_to_bits_is_packings_12_bit_row(harness, D):
     assert torch.equal(out.view(torch.uint8), want)
 
 
+def test_a_head_dim_256_row_is_two_head_dim_128_rows():
+    """The d 256 MIX instances copy each half of a row (45 bytes at 0 and 45) as a d 128 row:
+    packing.py's groups of 4 codes (45 bits) end on byte 45 after 8 groups."""
+    assert mixed_layout(2304, 64) == (4, 45, 0, 90) and mixed_layout(2304, 32) == (4, 45, 0, 45)
+    g = torch.Generator().manual_seed(256)
+    codes = torch.randint(0, 2304, (3000, 64), generator=g)
+    codes[0], codes[1], codes[2, ::3] = 2303, 0, 2303
+    halves = torch.cat([pack_mixed(codes[:, :32], 2304), pack_mixed(codes[:, 32:], 2304)], dim=1)
+    assert torch.equal(pack_mixed(codes, 2304), halves)
+
+
 def _cpu_flats(spec, D, T=40):
     k, v = make(1, 2, T, D, 1).cpu(), make(1, 2, T, D, 2).cpu()
     return flats(spec, k, v)
@@ -94,7 +107,7 @@ def _cpu_flats(spec, D, T=40):
 @pytest.mark.parametrize("spec,D,why", [
     ("hqmq:S=128,r=4,pack=mixed", 128, "S=128"),
     ("hqmq:S=128,r=4,pack=mixed,outliers=med3", 128, "S=128"),
-    (MIXED, 256, "head_dim 256"),
+    ("hqmq:S=128,r=4,pack=mixed", 256, "S=128"),
 ])
 def test_declined_layouts_name_the_reason(spec, D, why):
     kf, _ = _cpu_flats(spec, D)
@@ -109,9 +122,11 @@ def test_taken_layouts_get_past_the_code_checks(spec, switch):
         assert cuda_hqmq.mixed_rows(kf) and cuda_hqmq._flat_reason(kf) == "cache buffers not on a CUDA device"
         assert cuda_hqmq.variants(D, kf.has_outliers, mix=True) == (
             (cuda_hqmq.DEFAULT_VARIANT_MED3,) if kf.has_outliers else (cuda_hqmq.DEFAULT_VARIANT,))
-        on = cuda_hqmq.AUTO_MIXED and (switch == "AUTO_MIXED" or cuda_hqmq.AUTO_MIXED_MED3)
+        switched = cuda_hqmq.AUTO_MIXED and (switch == "AUTO_MIXED" or cuda_hqmq.AUTO_MIXED_MED3)
+        on = switched and D in cuda_hqmq.AUTO_MIXED_HEAD_DIMS
         why = cuda_hqmq.auto_refusal(kf)
-        assert (why is None) == on and (on or switch in why)
+        assert (why is None) == on, (D, why)
+        assert on or (switch if not switched else "AUTO_MIXED_HEAD_DIMS") in why, (D, why)
 
 
 def _pair(D, T, seed, junk=0, codebook=None, med3=False):
@@ -133,7 +148,7 @@ def _pair(D, T, seed, junk=0, codebook=None, med3=False):
 
 
 @needs_cuda
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("T,junk", [(1, 0), (17, 0), (1000, 5), (4099, 37)])
 def test_mixed_rows_decode_as_the_12_bit_rows(D, T, junk):
     (kb, vb), (km, vm) = _pair(D, T, T, junk)
@@ -146,7 +161,7 @@ def test_mixed_rows_decode_as_the_12_bit_rows(D, T, junk):
 
 
 @needs_cuda
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_mixed_rows_with_int8_codebook_and_valid_len(D):
     (kb, vb), (km, vm) = _pair(D, 777, 5, junk=23, codebook="int8")
     q = query(2, 8, D, 9, torch.bfloat16)
@@ -158,7 +173,7 @@ def test_mixed_rows_with_int8_codebook_and_valid_len(D):
 
 
 @needs_cuda
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("T", [1, 333, 4099])
 def test_med3_mixed_rows_decode_as_the_12_bit_rows(D, T):
     (kb, vb), (km, vm) = _pair(D, T, T + 2, med3=True)
