@@ -124,9 +124,13 @@ AUTO_INT8 = True
 MIXED_HEAD_DIMS = (64, 128, 256)
 AUTO_MIXED = True
 # The head dims auto sends mixed rows here at; backend="cuda" takes every MIXED_HEAD_DIMS.
-# 256 (Gemma-3's head dim: Triton ran its mixed rows at 0.52x the same run's fp16 SDPA, Med3x
-# mixed 0.30x; H100, 2026-12-07, reports/latency/h100_2026-12-07f/) joins once its GPU tests pass.
-AUTO_MIXED_HEAD_DIMS = (64, 128)
+# 256 (Gemma-3's head dim) since its GPU tests passed (H100, 2026-12-07: test_cuda_mixed_codes.py
+# + test_hqmq_mixed.py, 118 passed, bit for bit against the 12-bit rows at T = 1 / 17 / 1000 /
+# 4099, junk capacity, splits, valid_len, int8 codebook, Med3x). Graphed B=8 T=32k d 256 there,
+# x the same run's graphed fp16 SDPA (737.9 us): mixed 480.0 us = 1.54x (Triton 1389.9 = 0.53x;
+# 12-bit rows 310.9 = 2.37x), Med3x mixed 589.4 = 1.25x (Triton 2421.6 = 0.30x; 12-bit 383.2);
+# reports/latency/h100_2026-12-07f/mixed_d256_probe.txt.
+AUTO_MIXED_HEAD_DIMS = (64, 128, 256)
 # Med3x with mixed rows (the v10 MIX instances: 117-128 registers, no spills, sm_90a offline):
 # their GPU tests passed on an H100 on 2026-12-07 (test_cuda_mixed_codes.py +
 # test_hqmq_mixed.py, 109 passed: bit for bit against Med3x on 12-bit rows at T = 1 / 333 /

@@ -152,7 +152,7 @@ def _pair(D, T, seed, junk=0, codebook=None, med3=False):
 @pytest.mark.parametrize("T,junk", [(1, 0), (17, 0), (1000, 5), (4099, 37)])
 def test_mixed_rows_decode_as_the_12_bit_rows(D, T, junk):
     (kb, vb), (km, vm) = _pair(D, T, T, junk)
-    if junk:
+    if junk and D != 256:  # (256: a warp's half rows start 45 bytes into the rows, off any boundary)
         assert (km.codes.stride(1) * km.codes.element_size()) % 16  # rows off the 16-byte boundary
     q = query(2, 8, D, T + 1)
     for ns in (None, 1, 3):
