@@ -133,7 +133,7 @@ def test_cuda_kernels_take_row_start_by_name_and_auto_waits_for_their_switch(mon
 # both combine paths; a device valid length below the capacity (a graphed step's call).
 CUDA_ROW_CASES = [("int4", 128), ("int4", 256), ("fp8-e4m3", 64), ("kivi:bits=2", 128), ("kivi:bits=4", 64),
                   ("hqmq:S=96,r=4", 128), ("hqmq:S=96,r=4", 64), ("hqmq:S=96,r=4,outliers=med3", 128),
-                  ("hqmq:S=96,r=4,pack=mixed", 128), ("hqmq:S=96,r=4", 256)]
+                  ("hqmq:S=96,r=4,pack=mixed", 128), ("hqmq:S=96,r=4", 256), ("hqmq:S=96,r=4,pack=mixed", 256)]
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["combine", "fused"])
