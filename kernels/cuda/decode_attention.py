@@ -38,8 +38,8 @@ quantized tokens and window rows in the kernel, as the Triton kernel does; the g
 for the capacity. backend="auto" takes such calls while KIVI_VALID_LEN_AUTO.
 
 row_start: a left-padded batch's first key per batch row, read on the device (the keys
-below it masked; a row with none left gets 0). backend="auto" takes such calls for the
-formats in AUTO_ROW_START.
+below it masked, the tiles wholly below it skipped; a row with none left gets 0).
+backend="auto" takes such calls while AUTO_ROW_START.
 
 (About 720 lines, on purpose: the host side of one .cu source, three formats of one
 template; its launch-argument struct mirrors the .cu's, and its constants keep the GPU
@@ -104,20 +104,20 @@ KIVI_TILE_STREAM = (5, 6)
 KIVI_VALID_LEN_AUTO = True
 # Left-padded batches (row_start: each batch row's first key, read on the device; keys below
 # it masked, tiles wholly below it skipped as Triton skips them): backend="cuda" takes them for
-# every format; auto gives them to the formats named here (their GPU tests passed, H100,
+# every format; auto too while this is on (int4, fp8 and KIVI passed their GPU tests, H100,
 # 2026-12-07: test_padded_batches.py). B=8 T=32k d 128, rows starting at 0..7k, graphed, CUDA
 # against Triton with row_start: int4 127.9 against 206.9 us, fp8 180.5 against 187.5, KIVI-2
 # 96.0 against 346.0 (reports/latency/h100_2026-12-07f/). fp8 joined once the pad tiles were
 # skipped (reading them, it lost: 204.7 against 191.3, reports/latency/h100_2026-12-07e/).
-AUTO_ROW_START = {"int4", "fp8", "kivi"}
+AUTO_ROW_START = True
 
 
 def row_start_refusal(name: str) -> str | None:
     """Why backend="auto" keeps a call of format `name` with row_start off these kernels
     (None: it does not)."""
-    if name in AUTO_ROW_START:
+    if AUTO_ROW_START:
         return None
-    return f"row_start: {name} is not in cuda.decode_attention.AUTO_ROW_START (backend='cuda' takes it)"
+    return f"row_start: cuda.decode_attention.AUTO_ROW_START is False ({name}: backend='cuda' takes it)"
 
 
 _FORMAT = {IntFlat: "int4", FP8Flat: "fp8", KIVIFlat: "kivi", KIVIGraphFlat: "kivi"}  # cache type -> CUDA_VERIFIED name

@@ -109,22 +109,22 @@ def test_cuda_kernels_take_row_start_by_name_and_auto_waits_for_their_switch(mon
                             row_start_auto=cuda.row_start_auto)
     assert waits.declines(q, kf, vf, {}, None, rs) == cuda_decode.row_start_refusal("int4")
     assert waits.declines(q, kf, vf, {}, None) is None
-    # the switches: per format in cuda.decode_attention (all three on; fp8 taken out here to
-    # see a refusal routed), one for HQMQ
+    # the switches, on since the GPU tests below passed: one per CUDA module
     assert all(cuda_decode.row_start_refusal(n) is None for n in ("int4", "fp8", "kivi"))
-    monkeypatch.setattr(cuda_decode, "AUTO_ROW_START", {"int4", "kivi"})
-    assert "fp8 is not in cuda.decode_attention.AUTO_ROW_START" in cuda_decode.row_start_refusal("fp8")
-    assert registry.formats()["fp8"].by_backend["cuda"].row_start_auto() == cuda_decode.row_start_refusal("fp8")
     assert (cuda_hqmq.row_start_refusal() is None) == cuda_hqmq.AUTO_ROW_START
+    if torch.cuda.is_available():  # auto routes such calls to CUDA, and back to Triton with a switch off
+        for spec in ("int4", "fp8-e4m3", "hqmq:S=96,r=4"):
+            kc, vc = _encoded(spec, T=16)[:2]
+            assert explain_backend(q.cuda().half(), kc, vc, row_start=rs.cuda()).backend == "cuda", spec
+    monkeypatch.setattr(cuda_decode, "AUTO_ROW_START", False)
+    assert "fp8: backend='cuda' takes it" in cuda_decode.row_start_refusal("fp8")
+    assert registry.formats()["fp8"].by_backend["cuda"].row_start_auto() == cuda_decode.row_start_refusal("fp8")
     if not torch.cuda.is_available():
         assert explain_backend(q, kf, vf, row_start=rs).backend == "triton"
         pytest.skip("the routed reason on a CUDA call needs CUDA (here CUDA declines for q's device first)")
-    for spec, takes in (("int4", True), ("fp8-e4m3", False), ("hqmq:S=96,r=4", cuda_hqmq.AUTO_ROW_START)):
-        kc, vc = _encoded(spec, T=16)[:2]
-        route = explain_backend(q.cuda().half(), kc, vc, row_start=rs.cuda())
-        assert route.backend == ("cuda" if takes else "triton"), (spec, route)
-        if not takes:
-            assert "AUTO_ROW_START" in route.declined["cuda"], spec
+    kc, vc = _encoded("int4", T=16)[:2]
+    route = explain_backend(q.cuda().half(), kc, vc, row_start=rs.cuda())
+    assert route.backend == "triton" and "AUTO_ROW_START is False" in route.declined["cuda"], route
 
 
 # The CUDA kernels' row_start (GPU only): against the reference and each row alone, every
