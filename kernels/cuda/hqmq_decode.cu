@@ -159,8 +159,17 @@ struct Stage {  // of one warp: its DW dims' bytes (the whole row's flags)
   static constexpr int FL = BYTES, OX = FL + 2 * FLR;  // K at +0, V at +FLR (flags) / +4 (start)
   static constexpr int BYTES_OUT = OX + 16;  // 2288 at D = 128
 };
-template <bool OUT, int D = 128>
-constexpr int STAGE_BYTES = OUT ? Stage<D>::BYTES_OUT : Stage<D>::BYTES;
+// MIX at head dim 256 without Med3x (RAW16): a tile's raw half rows land in 64-byte slots
+// (16-byte pieces from the boundary below each: see copy_tile), K's from the stage's start
+// over its code regions, V's in MIX_RAW bytes past the stage's end. Med3x keeps 4-byte pieces
+// into the 12-bit rows' 48-byte places: with 1 KB more per stage, v10's CTA (118 KB with the
+// fp16 codebook) would leave one CTA per SM.
+template <bool OUT, int D, bool MIX>
+constexpr bool RAW16 = MIX && D == 256 && !OUT;
+template <bool OUT, int D, bool MIX>
+constexpr int MIX_RAW = RAW16<OUT, D, MIX> ? 16 * 64 : 0;
+template <bool OUT, int D = 128, bool MIX = false>
+constexpr int STAGE_BYTES = (OUT ? Stage<D>::BYTES_OUT : Stage<D>::BYTES) + MIX_RAW<OUT, D, MIX>;
 
 // A lane's global source pointers for its copies of the next tile (advanced by warp strides).
 template <int D>
@@ -221,7 +230,10 @@ __device__ __forceinline__ void cp_async16_part(uint32_t dst, const void* src, i
 // 45-byte halves lie 90 bytes apart, so each goes to its own 48-byte slot of the stage (token
 // t at 48 t, the 12-bit half row's place) as the 12 words from the 4-byte boundary below it
 // (that boundary is 2 t + mis bytes below, mis the tile's first half row's; the words' bytes
-// past the half row are not read: cp.async's source size), 6 copies a lane.
+// past the half row are not read: cp.async's source size), 6 copies a lane. Without Med3x
+// (RAW16) the same half rows go to 64-byte slots instead (K's over the code regions, V's past
+// the stage: MIX_RAW) as 4 pieces of 16 bytes from the boundary below each ((10 t + mis) % 16
+// bytes below), 2 copies a lane per role that bypass L1.
 template <int NW, bool OUT, bool PF = false, int D = 128, bool MIX = false>
 __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, bool on, int lane, bool on1 = false) {
   using Stage = ::Stage<D>;
@@ -229,7 +241,21 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, 
   [[maybe_unused]] constexpr int CB = DD::CB;
   constexpr int RB = DD::RB;
   const int STEP = tile_advance<NW, OUT>(cur.i);
-  if constexpr (MIX && D == 256) {
+  if constexpr (RAW16<OUT, D, MIX>) {
+    constexpr int HB = mixed::Layout<128>::MB, RAWV = STAGE_BYTES<OUT, D, MIX> - MIX_RAW<OUT, D, MIX>;
+    static_assert(16 * 64 <= Stage::KR, "K's raw slots stay clear of the radius rows");
+    // (not unrolled, as below)
+#pragma unroll 1
+    for (int j = 0; j < 2; ++j) {
+      const int i = lane + 32 * j, t = i >> 2, pc = i & 3;  // piece pc of token t's half row
+      const bool ok = on && cur.t0 + t < T;
+      // the half row's bytes past a 16-byte boundary (90 bytes a row: 10 t more each token)
+      const int ak = (10 * t + cur.kmis) & 15, av = (10 * t + cur.vmis) & 15;
+      const int row = code_row_bytes<D, MIX>() * t + 16 * pc;  // from the tile's first half row
+      cp_async16_part(st + 64 * t + 16 * pc, cur.c0 + row - ak, ok ? max(0, min(16, ak + HB - 16 * pc)) : 0);
+      cp_async16_part(st + RAWV + 64 * t + 16 * pc, cur.vc0 + row - av, ok ? max(0, min(16, av + HB - 16 * pc)) : 0);
+    }
+  } else if constexpr (MIX && D == 256) {
     constexpr int HB = mixed::Layout<128>::MB, RW = (HB + 3 + 3) / 4;  // 45 bytes, 12 words a slot
     static_assert(RW * 4 == Stage::CB, "a half row's words fill its 12-bit slot");
     // (not unrolled: unrolled, nvcc kept the 12 source offsets, the same every tile, live across
@@ -737,17 +763,22 @@ __device__ __forceinline__ void v_generic(const uint8_t* st, const uint8_t* vtab
 // conflicts). Every lane reads its row before any lane writes (the rows overlap). The caller
 // syncs the warp before the stage is read. Head dim 256: the warp's half rows (head dim 128
 // rows) lie in slots of CB = 48 bytes, token t's at (2 t + mis) % 4 bytes into its slot
-// (copy_tile), and go back to the same slot.
+// (copy_tile), and go back to the same slot; with raw_v (RAW16) in 64-byte slots, token t's
+// (10 t + mis) % 16 bytes in (K's from the stage's start, V's at raw_v), and go to the 12-bit
+// rows' places.
 template <int D>
-__device__ __forceinline__ void mixed_tile_to_bits(uint8_t* st, int lane, int mis) {
+__device__ __forceinline__ void mixed_tile_to_bits(uint8_t* st, int lane, int mis, int raw_v = 0) {
   constexpr int DW = Dims<D>::DW;  // (256: the warp's half)
   using L = mixed::Layout<DW>;
   constexpr int CB = Stage<D>::CB;
   uint8_t* base = st + (lane < 16 ? Stage<D>::KC : Stage<D>::VC);
-  const int t = lane & 15, b0 = D == 256 ? CB * t + ((2 * t + mis) & 3) : mis + L::MB * t, sh = 8 * (b0 & 3);
+  const int t = lane & 15;
+  const uint8_t* src = raw_v ? st + (lane < 16 ? 0 : raw_v) + 64 * t : base;
+  const int b0 = raw_v ? (10 * t + mis) & 15 : D == 256 ? CB * t + ((2 * t + mis) & 3) : mis + L::MB * t;
+  const int sh = 8 * (b0 & 3);
   // (the words read past a row stay in the stage: the K region's run into V's, V's into the
   // radius rows; their bits are masked off)
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(base + (b0 & ~3));
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(src + (b0 & ~3));
   uint32_t r[L::NX + 1], x[L::NX], o[L::NO];
 #pragma unroll
   for (int i = 0; i <= L::NX; ++i) r[i] = w[i];
@@ -976,10 +1007,10 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
   }
 }
 
-template <int NW, int SMS, int TABB, bool OUT, bool PF = false, int D = 128>
+template <int NW, int SMS, int TABB, bool OUT, bool PF = false, int D = 128, bool MIX = false>
 constexpr int dyn_smem() {
   constexpr int SPL = Dims<D>::SPL, NP = NW / SPL;  // (D = 256: the pairs' score exchange, 2 KB each)
-  constexpr int body = 2 * TABB + SMS * NW * STAGE_BYTES<OUT, D> + (OUT && PF ? NW * 2 * PfBuf<D>::BYTES : 0) +
+  constexpr int body = 2 * TABB + SMS * NW * STAGE_BYTES<OUT, D, MIX> + (OUT && PF ? NW * 2 * PfBuf<D>::BYTES : 0) +
                        (SPL == 2 ? NP * 2048 : 0);
   constexpr int red = NP * 8 * D * 4;
   return body > red ? body : red;
@@ -1002,7 +1033,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   // SPL = 2 (D = 256): warp pairs (wp) stream the tiles, warp hf of a pair takes dims
   // [128 hf, 128 hf + 128) (DW) of every row; else wp = warp, NP = NW, DW = D.
   constexpr int SPL = Dims<D>::SPL, NP = NW / SPL, DW = Dims<D>::DW;
-  constexpr int SB = STAGE_BYTES<OUT, D>, KS = DW / 16, CB = Dims<D>::CB, RB = Dims<D>::RB;
+  constexpr int SB = STAGE_BYTES<OUT, D, MIX>, KS = DW / 16, CB = Dims<D>::CB, RB = Dims<D>::RB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wp = warp / SPL, hf = warp % SPL;
   const int g = lane >> 2, c = lane & 3;
@@ -1049,8 +1080,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       constexpr int RBY = code_row_bytes<D, MIX>();
       cur.c0 = p.kc + bh * p.k_cs + (long long)t0 * RBY + (RBY / 2) * hf;
       cur.vc0 = p.vc + bh * p.v_cs + (long long)t0 * RBY + (RBY / 2) * hf;
-      cur.kmis = (int)(reinterpret_cast<uintptr_t>(cur.c0) & 3);
-      cur.vmis = (int)(reinterpret_cast<uintptr_t>(cur.vc0) & 3);
+      // (the same every tile: 16 tokens of 90 bytes; RAW16 reads it mod 16, the word copies mod 4)
+      cur.kmis = (int)(reinterpret_cast<uintptr_t>(cur.c0) & 15);
+      cur.vmis = (int)(reinterpret_cast<uintptr_t>(cur.vc0) & 15);
       cur.r = (lane < 16 ? p.kr + bh * p.k_rs : p.vr + bh * p.v_rs) + (long long)t0 * RB + RB * (lane & 15) +
               (RB / 2) * hf;
     } else if constexpr (SPL == 2) {  // chunk i (16 B) of the warp's half tile: token i / 3, bytes 48 hf + 16 (i % 3)
@@ -1187,7 +1219,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     }
     const int tile = OUT ? first + 4 * (wp + NP * (j >> 2)) + (j & 3) : first + wp + j * NP;
     if constexpr (MIX) {
-      mixed_tile_to_bits<D>(stages + warp * (SMS * SB) + rd * SB, lane, lane < 16 ? cur.kmis : cur.vmis);
+      mixed_tile_to_bits<D>(stages + warp * (SMS * SB) + rd * SB, lane, lane < 16 ? cur.kmis : cur.vmis,
+                            RAW16<OUT, D, MIX> ? SB - MIX_RAW<OUT, D, MIX> : 0);
       __syncwarp();
     }
     tile_step<OUT, PF, DW, SPL, CW>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16 - lo, Tlo, p.qk_scale, qb, acc,
@@ -1310,9 +1343,9 @@ constexpr int minb_of() {
   return D == 64 && !OUT && VARIANTS[V][0] == 8 ? VARIANTS[V][2] + 1 : VARIANTS[V][2];
 }
 
-template <int V, int TABB, bool OUT, int D>
+template <int V, int TABB, bool OUT, int D, bool MIX = false>
 constexpr int smem_of() {
-  return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, OUT, OUT && PREFETCH[V] != 0, D>();
+  return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, OUT, OUT && PREFETCH[V] != 0, D, MIX>();
 }
 template <int V, int TABB, bool OUT, int D, int CW, bool MIX = false>
 constexpr auto kernel_of() {
@@ -1324,7 +1357,7 @@ constexpr auto kernel_of() {
 template <int V, int TABB, bool OUT, int D, int CW, bool MIX = false>
 int prepare() {
   static cudaError_t e = cudaFuncSetAttribute(kernel_of<V, TABB, OUT, D, CW, MIX>(),
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem_of<V, TABB, OUT, D>());
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem_of<V, TABB, OUT, D, MIX>());
   return (int)e;
 }
 
@@ -1340,7 +1373,7 @@ int act(What what, const Params* p, int rows, cudaStream_t stream) {
     return NO_INSTANCE;
   } else {
     constexpr auto k = kernel_of<V, TABB, OUT, D, CW, MIX>();
-    constexpr int NT = VARIANTS[V][0] * 32, SM = smem_of<V, TABB, OUT, D>();
+    constexpr int NT = VARIANTS[V][0] * 32, SM = smem_of<V, TABB, OUT, D, MIX>();
     if (what == REGS) {
       cudaFuncAttributes a;
       const cudaError_t e = cudaFuncGetAttributes(&a, k);
