@@ -159,13 +159,15 @@ struct Stage {  // of one warp: its DW dims' bytes (the whole row's flags)
   static constexpr int FL = BYTES, OX = FL + 2 * FLR;  // K at +0, V at +FLR (flags) / +4 (start)
   static constexpr int BYTES_OUT = OX + 16;  // 2288 at D = 128
 };
-// MIX at head dim 256 without Med3x (RAW16): a tile's raw half rows land in 64-byte slots
-// (16-byte pieces from the boundary below each: see copy_tile), K's from the stage's start
-// over its code regions, V's in MIX_RAW bytes past the stage's end. Med3x keeps 4-byte pieces
-// into the 12-bit rows' 48-byte places: with 1 KB more per stage, v10's CTA (118 KB with the
-// fp16 codebook) would leave one CTA per SM.
+// MIX at head dim 256 (RAW16): a tile's raw half rows land in 64-byte slots (16-byte pieces
+// from the boundary below each: see copy_tile), K's from the stage's start over its code
+// regions, V's in MIX_RAW bytes past the stage's end. With Med3x that 1 KB more per stage
+// would leave one v10 CTA of 8 warps per SM (118 KB with the fp16 codebook), so Med3x's
+// instance there is one CTA of 16 warps (WIDE_MIX: 200 KB, the tables once per SM).
 template <bool OUT, int D, bool MIX>
-constexpr bool RAW16 = MIX && D == 256 && !OUT;
+constexpr bool RAW16 = MIX && D == 256;
+template <bool OUT, int D, bool MIX>
+constexpr bool WIDE_MIX = RAW16<OUT, D, MIX> && OUT;
 template <bool OUT, int D, bool MIX>
 constexpr int MIX_RAW = RAW16<OUT, D, MIX> ? 16 * 64 : 0;
 template <bool OUT, int D = 128, bool MIX = false>
@@ -227,13 +229,12 @@ __device__ __forceinline__ void cp_async16_part(uint32_t dst, const void* src, i
 // start: any capacity), copied as MB + 1 pieces of 16 bytes from that boundary into the
 // stage's code regions (the tile at byte mis), the bytes past the valid tokens zero-filled
 // (code 0); the tile loop rewrites them as 12-bit rows in place. Head dim 256: the warp's
-// 45-byte halves lie 90 bytes apart, so each goes to its own 48-byte slot of the stage (token
-// t at 48 t, the 12-bit half row's place) as the 12 words from the 4-byte boundary below it
-// (that boundary is 2 t + mis bytes below, mis the tile's first half row's; the words' bytes
-// past the half row are not read: cp.async's source size), 6 copies a lane. Without Med3x
-// (RAW16) the same half rows go to 64-byte slots instead (K's over the code regions, V's past
-// the stage: MIX_RAW) as 4 pieces of 16 bytes from the boundary below each ((10 t + mis) % 16
-// bytes below), 2 copies a lane per role that bypass L1.
+// 45-byte halves lie 90 bytes apart, so each goes to its own 64-byte slot (RAW16: K's over the
+// code regions, V's past the stage: MIX_RAW) as 4 pieces of 16 bytes from the boundary below
+// it ((10 t + mis) % 16 bytes below, mis the tile's first half row's; the pieces' bytes past
+// the half row are not read: cp.async's source size), 2 copies a lane per role that bypass L1.
+// (Until 2026-12-07 they were 12 four-byte words into the 12-bit rows' 48-byte places, through
+// L1: 1.15-1.5x slower tiles, NOTES.md.)
 template <int NW, bool OUT, bool PF = false, int D = 128, bool MIX = false>
 __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, bool on, int lane, bool on1 = false) {
   using Stage = ::Stage<D>;
@@ -254,20 +255,6 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, 
       const int row = code_row_bytes<D, MIX>() * t + 16 * pc;  // from the tile's first half row
       cp_async16_part(st + 64 * t + 16 * pc, cur.c0 + row - ak, ok ? max(0, min(16, ak + HB - 16 * pc)) : 0);
       cp_async16_part(st + RAWV + 64 * t + 16 * pc, cur.vc0 + row - av, ok ? max(0, min(16, av + HB - 16 * pc)) : 0);
-    }
-  } else if constexpr (MIX && D == 256) {
-    constexpr int HB = mixed::Layout<128>::MB, RW = (HB + 3 + 3) / 4;  // 45 bytes, 12 words a slot
-    static_assert(RW * 4 == Stage::CB, "a half row's words fill its 12-bit slot");
-    // (not unrolled: unrolled, nvcc kept the 12 source offsets, the same every tile, live across
-    // the tile loop and spilled 120-216 bytes under the 128-register cap)
-#pragma unroll 1
-    for (int j = 0; j < 16 * RW / 32; ++j) {
-      const int i = lane + 32 * j, t = i / RW, w = i - RW * t;  // word w of token t's slot
-      const bool ok = on && cur.t0 + t < T;
-      const int ak = (2 * t + cur.kmis) & 3, av = (2 * t + cur.vmis) & 3;  // the half rows' bytes past a boundary
-      const int row = code_row_bytes<D, MIX>() * t + 4 * w;  // from the tile's first half row
-      cp_async4_part(st + Stage::KC + 4 * i, cur.c0 + row - ak, ok ? max(0, min(4, ak + HB - 4 * w)) : 0);
-      cp_async4_part(st + Stage::VC + 4 * i, cur.vc0 + row - av, ok ? max(0, min(4, av + HB - 4 * w)) : 0);
     }
   } else if constexpr (MIX) {
     constexpr int MB = mixed::Layout<D>::MB, NPM = MB + 1;
@@ -1338,18 +1325,25 @@ constexpr bool out_ok(int v) {
 // Head dim 64, 8-warp variants without Med3x: one more CTA per SM than at 128 (80 registers,
 // no spills offline; v3: 3 x 8 warps where the shared memory allows, S <= 96), for the
 // latency a tile of half the work leaves exposed. (Med3x v10 spilled 64 bytes so capped.)
-template <int V, int D, bool OUT>
+// Med3x mixed rows at 256 (WIDE_MIX): 16 warps in one CTA per SM, the warps per SM of v10's 2 x 8.
+template <int V, int D, bool OUT, bool MIX = false>
 constexpr int minb_of() {
-  return D == 64 && !OUT && VARIANTS[V][0] == 8 ? VARIANTS[V][2] + 1 : VARIANTS[V][2];
+  return WIDE_MIX<OUT, D, MIX> ? 1 : D == 64 && !OUT && VARIANTS[V][0] == 8 ? VARIANTS[V][2] + 1 : VARIANTS[V][2];
+}
+template <int V, int D, bool OUT, bool MIX = false>
+constexpr int warps_of() {
+  return WIDE_MIX<OUT, D, MIX> ? 16 : VARIANTS[V][0];
 }
 
 template <int V, int TABB, bool OUT, int D, bool MIX = false>
 constexpr int smem_of() {
-  return dyn_smem<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, OUT, OUT && PREFETCH[V] != 0, D, MIX>();
+  return dyn_smem<warps_of<V, D, OUT, MIX>(), VARIANTS[V][1], (TABB + 15) / 16 * 16, OUT, OUT && PREFETCH[V] != 0, D,
+                  MIX>();
 }
 template <int V, int TABB, bool OUT, int D, int CW, bool MIX = false>
 constexpr auto kernel_of() {
-  return hqmq_split_kernel<VARIANTS[V][0], VARIANTS[V][1], (TABB + 15) / 16 * 16, minb_of<V, D, OUT>(), OUT,
+  return hqmq_split_kernel<warps_of<V, D, OUT, MIX>(), VARIANTS[V][1], (TABB + 15) / 16 * 16,
+                           minb_of<V, D, OUT, MIX>(), OUT,
                            OUT ? PREFETCH[V] : 0, D, FUSED_BUILD, CW, MIX>;
 }
 
@@ -1373,7 +1367,7 @@ int act(What what, const Params* p, int rows, cudaStream_t stream) {
     return NO_INSTANCE;
   } else {
     constexpr auto k = kernel_of<V, TABB, OUT, D, CW, MIX>();
-    constexpr int NT = VARIANTS[V][0] * 32, SM = smem_of<V, TABB, OUT, D, MIX>();
+    constexpr int NT = warps_of<V, D, OUT, MIX>() * 32, SM = smem_of<V, TABB, OUT, D, MIX>();
     if (what == REGS) {
       cudaFuncAttributes a;
       const cudaError_t e = cudaFuncGetAttributes(&a, k);

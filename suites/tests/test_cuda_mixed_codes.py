@@ -11,7 +11,8 @@ half of every row, itself a head-dim-128 row).
   (AUTO_MIXED; AUTO_MIXED_MED3 for Med3x; AUTO_MIXED_HEAD_DIMS);
 - GPU: the same codes stored mixed and as 12-bit rows give the same output bit for bit
   (one decode after the rewrite), at T = 1 / 17 / 1000 / 4099, capacities that put the
-  (b, h) rows off a 16-byte boundary, splits, a device valid_len, both codebooks, Med3x.
+  (b, h) rows off a 16-byte boundary, splits, a device valid_len, both codebooks, Med3x
+  (at head dim 256 within the kernels' tolerance: its mixed instance has 16 warps a CTA).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 from kvqbench.kernels import layout as L
 from kvqbench.kernels.cuda import hqmq_decode as cuda_hqmq
 from kvqbench.quantizers.packing import mixed_layout, pack_bits, pack_mixed
-from kvqbench.suites.tests.cuda_helpers import CUDA, DEV, attend, flats, make, query, vlen, with_junk
+from kvqbench.suites.tests.cuda_helpers import CUDA, DEV, TOL, attend, flats, make, query, rel_err, vlen, with_junk
 
 HEADER = Path(cuda_hqmq.SOURCE).parent / "mixed_codes.cuh"
 WHY = cuda_hqmq.why_unavailable() if CUDA else "no CUDA device"
@@ -180,11 +181,19 @@ def test_med3_mixed_rows_decode_as_the_12_bit_rows(D, T):
     if T > 16:
         assert km.n_outliers > 0 and vm.n_outliers > 0
     q = query(2, 8, D, T)
+    # At 256 Med3x's mixed instance is one CTA of 16 warps (hqmq_decode.cu WIDE_MIX) against
+    # the 12-bit rows' two of 8: its warps take other tiles, so the softmax's running maxima
+    # and the fp32 sums run in another order. Same codes, so within the kernels' bound against
+    # the reference (TOL), not bit for bit.
+    same = torch.equal if D != 256 else (lambda a, b: rel_err(a, b) < TOL[torch.float32])
     for ns in (None, 3):
         a, b = attend(q, kb, vb, num_splits=ns), attend(q, km, vm, num_splits=ns)
-        assert torch.isfinite(b).all() and torch.equal(a, b), f"D={D} T={T} splits={ns}"
+        assert torch.isfinite(b).all() and same(a, b), f"D={D} T={T} splits={ns} rel {rel_err(a, b):.1e}"
     n = vlen(max(1, T // 2))
-    assert torch.equal(attend(q, kb, vb, valid_len=n), attend(q, km, vm, valid_len=n))
+    assert same(attend(q, kb, vb, valid_len=n), attend(q, km, vm, valid_len=n))
+    # the planned launch and the per-call one read the same rows
+    assert torch.equal(attend(q, km, vm, valid_len=n),
+                       cuda_hqmq._decode_per_call(q, km, vm, None, None, None, None, torch.float32, n))
 
 
 @needs_cuda
