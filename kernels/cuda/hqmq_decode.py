@@ -110,37 +110,15 @@ PLANNED = True
 # run's graphed fp16 SDPA of 367.5 us; the exact codebook 151.1-152.2 us = 2.42x).
 AUTO_INT8 = True
 # pack=mixed caches (mixed-radix code rows, quantizers/packing.py `mixed_layout`): the .cu's
-# MIX instances of the default variant copy a tile's rows as they lie and rewrite them in
-# shared memory as 12-bit rows before the decode (mixed_codes.cuh), so the arithmetic is
-# v3's (Med3x: v10's, its outliers read as on 12-bit rows). Radix 2304 (S = 96) at head dim
-# 64, 128 and 256 (23-, 45- and 90-byte rows; at 256 each half is a d 128 row, which each warp
-# of a pair copies in 16-byte pieces into its own slot); anything else stays on Triton with the reason. Their
-# GPU tests passed on an H100 on 2026-12-07 (test_cuda_mixed_codes.py: the mixed rows'
-# output equal bit for bit to the 12-bit rows' at T = 1 / 17 / 1000 / 4099, rows off 16-byte
-# boundaries, splits, valid_len, both codebooks), so auto routes them here. Graphed B=8
-# T=32k on that H100: 204 us at d 128 (1.76x the same run's graphed fp16 SDPA; Triton's
-# mixed kernel 508 us, v3 on 12-bit rows 152 us) and 122 us at d 64 (1.57x; Triton 261,
-# v3 103): reports/latency/h100_2026-12-07c/.
+# MIX instances of the default variants copy a tile's rows as they lie and rewrite them in
+# shared memory as 12-bit rows before v3's (Med3x: v10's) decode (mixed_codes.cuh). Radix 2304
+# (S = 96) at head dim 64, 128, 256 (at 256 each half row is a d 128 row); Triton serves the rest.
 MIXED_HEAD_DIMS = (64, 128, 256)
+# auto takes them at every MIXED_HEAD_DIMS since their GPU tests passed (bit for bit against the
+# 12-bit rows; Med3x at 256, whose instance has 16 warps a CTA, within the tolerance) and they
+# beat Triton 2.1-4.5x (H100, 2026-12-07; figures and history: reports/kernels/NOTES.md, "Defaults").
 AUTO_MIXED = True
-# The head dims auto sends mixed rows here at; backend="cuda" takes every MIXED_HEAD_DIMS.
-# 256 (Gemma-3's head dim) since its GPU tests passed (H100, 2026-12-07: test_cuda_mixed_codes.py
-# + test_hqmq_mixed.py, 118 passed, bit for bit against the 12-bit rows at T = 1 / 17 / 1000 /
-# 4099, junk capacity, splits, valid_len, int8 codebook, Med3x). Graphed B=8 T=32k d 256 there,
-# x the same run's graphed fp16 SDPA (737.9 us): mixed 480.0 us = 1.54x (Triton 1389.9 = 0.53x;
-# 12-bit rows 310.9 = 2.37x), Med3x mixed 589.4 = 1.25x (Triton 2421.6 = 0.30x; 12-bit 383.2);
-# reports/latency/h100_2026-12-07f/mixed_d256_probe.txt. The copies then went from 12 four-byte
-# words a half row (through L1) to 4 sixteen-byte pieces (bypassing it): mixed 477.3 -> 419.5 us
-# (1.76x); Med3x mixed, its instance one CTA of 16 warps to hold them (WIDE_MIX in the .cu),
-# 587.6 -> 539.7 us (1.37x); reports/latency/h100_2026-12-07g/.
 AUTO_MIXED_HEAD_DIMS = (64, 128, 256)
-# Med3x with mixed rows (the v10 MIX instances: 117-128 registers, no spills, sm_90a offline;
-# at 256 v10's per-warp pipeline in one CTA of 16 warps): their GPU tests passed on an H100 on
-# 2026-12-07 (test_cuda_mixed_codes.py + test_hqmq_mixed.py, 109 passed: bit for bit against
-# Med3x on 12-bit rows at T = 1 / 333 / 4099, splits, valid_len; at 256, since the 16-warp
-# CTA, within the kernels' tolerance). Graphed B=8 T=32k there: 260.5 us at d 128 (Triton 825.0, Med3x
-# on 12-bit rows 185.7), 171.5 at d 64 (Triton 416.2, 12-bit 139.9);
-# reports/latency/h100_2026-12-07d/.
 AUTO_MIXED_MED3 = True
 
 
