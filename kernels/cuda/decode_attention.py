@@ -104,11 +104,8 @@ KIVI_TILE_STREAM = (5, 6)
 KIVI_VALID_LEN_AUTO = True
 # Left-padded batches (row_start: each batch row's first key, read on the device; keys below
 # it masked, tiles wholly below it skipped as Triton skips them): backend="cuda" takes them for
-# every format; auto too while this is on (int4, fp8 and KIVI passed their GPU tests, H100,
-# 2026-12-07: test_padded_batches.py). B=8 T=32k d 128, rows starting at 0..7k, graphed, CUDA
-# against Triton with row_start: int4 127.9 against 206.9 us, fp8 180.5 against 187.5, KIVI-2
-# 96.0 against 346.0 (reports/latency/h100_2026-12-07f/). fp8 joined once the pad tiles were
-# skipped (reading them, it lost: 204.7 against 191.3, reports/latency/h100_2026-12-07e/).
+# every format; auto too while this is on (every format passed its GPU tests and beat Triton
+# with row_start once the pad tiles were skipped; figures: NOTES.md, "Defaults").
 AUTO_ROW_START = True
 
 

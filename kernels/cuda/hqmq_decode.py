@@ -79,9 +79,7 @@ AUTO_MED3 = True
 HEAD_DIMS = (64, 128, 256)
 AUTO_HEAD_DIMS = (64, 128, 256)
 # Left-padded batches (row_start, read on the device; keys below masked): auto routes them
-# here since their GPU tests passed (H100, 2026-12-07, test_padded_batches.py; B=8 T=32k d 128,
-# rows starting at 0..7k, graphed: HQMQ 152.5 us against Triton's 480.5, Med3x 185.3 against
-# 679.9; reports/latency/h100_2026-12-07e/).
+# here since their GPU tests passed, ~3.2-3.7x faster than Triton's (NOTES.md, "Defaults").
 AUTO_ROW_START = True
 
 
@@ -99,15 +97,8 @@ def row_start_refusal() -> str | None:
 # eager call on the H200: 31-45 us, against 59-93 per call without the plan).
 PLANNED = True
 # codebook=int8 caches (quantizers/hqmq.py): 4-byte codewords (`codebook8`), instances of the
-# default variants (3; Med3x 10) at every head dim, compiled for sm_90a (2026-12-06: the 70
-# fp16-table instances' registers unchanged, the 12 new 80-128 registers, no spills). The
-# kernel change was first timed as an experiment (reports/latency/cb8_experiment_h100_2026-12-06/:
-# B=8 T=32k on an H100, HQMQ d 128 150.3 -> 127.9 us, d 64 101.6 -> 87.1, Med3x d 128 185.7 ->
-# 178.6). Its GPU tests passed on an H100 on 2026-12-07 (test_hqmq_int8_codebook.py, 27 on the
-# GPU, and test_cuda_hqmq.py: reference at d 64 / 128 / 256, Med3x, T = 1 / 333 / 4099, splits,
-# planned = per-call, valid_len in a graph; reports/latency/h100_2026-12-07/), so
-# auto routes such caches here (graphed B=8 T=32k on that H100: 129.6-130.1 us = 2.83x the same
-# run's graphed fp16 SDPA of 367.5 us; the exact codebook 151.1-152.2 us = 2.42x).
+# default variants (3; Med3x 10) at every head dim. auto routes them here since their GPU tests
+# passed; half the table's bytes cut the gathers that bound HQMQ (d 128: -15%; NOTES.md, "Defaults").
 AUTO_INT8 = True
 # pack=mixed caches (mixed-radix code rows, quantizers/packing.py `mixed_layout`): the .cu's
 # MIX instances of the default variants copy a tile's rows as they lie and rewrite them in
