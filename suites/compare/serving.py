@@ -12,7 +12,6 @@ another run (the latency suite's, named with its GPU, date and shape), never of 
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 SPEED_AT = {"B": 8, "T": 32768}  # issue 28's shape of the latency suite: its graphed rows
@@ -46,17 +45,13 @@ def latency_figures(folder: Path, head_dim: int) -> tuple[str | None, dict[str, 
     """(where the figures come from, spec -> (backend, graphed fp16 SDPA time over the graphed
     fused call's at SPEED_AT)) from the newest latency suite JSON under <folder>/../latency/
     whose shape has this head dim; (None, {}) when there is none."""
-    found = []
-    for path in Path(folder).parent.glob("latency/**/latency.json"):
-        try:
-            lat = json.loads(path.read_text())
-            if lat["shape"]["d"] == head_dim:
-                found.append((str(lat["env"].get("time", "")), path, lat))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # not a latency suite file: not a source
-    if not found:
+    from ..bench.latency.head_dims import newest_runs
+
+    found = newest_runs(Path(folder).parent / "latency").get(head_dim)
+    if found is None:
         return None, {}
-    when, path, lat = max(found, key=lambda f: f[0])
+    path, lat = found
+    when = str(lat["env"].get("time", ""))
     ratios = {}
     for method, spec in lat.get("method_specs", {}).items():
         for r in lat.get("latency", []):  # (the route backend="auto" took: `fused-<x>`, not `-triton` / `-cuda`)

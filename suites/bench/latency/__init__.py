@@ -32,6 +32,7 @@ Llama-3-70B at 128k.
     encode_throughput.py  the HQMQ encode section
     memory.py             the memory section
     targets.py            issue 10's targets read off the rows; speed-ups over fp16 SDPA
+    head_dims.py          issue 28's rules across head dims, from the newest run at each (no GPU)
     render.py             latency.md, latency.png, latency_roofline.png from the result dict
     run.py                one run: sections in order, latency.json saved after each
     __main__.py           the command line
