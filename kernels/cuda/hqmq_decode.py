@@ -403,13 +403,15 @@ def auto_refusal(k) -> str | None:
         return "cuda.hqmq_decode.AUTO_MED3 is False: auto keeps Med3x caches on Triton"
     if codeword_bytes(k) == 4 and not AUTO_INT8:
         return "codebook=int8: cuda.hqmq_decode.AUTO_INT8 is False (not yet run on a GPU; backend='cuda' takes it)"
+    if not mixed_rows(k):  # (the fast route asks this on every call: the refusals' text only when refusing)
+        return None
     takes = f"backend='cuda' takes S=96 at head_dim {' / '.join(map(str, MIXED_HEAD_DIMS))}"
-    if mixed_rows(k) and not AUTO_MIXED:
+    if not AUTO_MIXED:
         return f"pack=mixed: cuda.hqmq_decode.AUTO_MIXED is False: auto keeps such caches on Triton ({takes})"
-    if mixed_rows(k) and k.D not in AUTO_MIXED_HEAD_DIMS:
+    if k.D not in AUTO_MIXED_HEAD_DIMS:
         return (f"pack=mixed at head_dim {k.D}: not in cuda.hqmq_decode.AUTO_MIXED_HEAD_DIMS (not yet run on "
                 f"a GPU; {takes})")
-    if mixed_rows(k) and k.has_outliers and not AUTO_MIXED_MED3:
+    if k.has_outliers and not AUTO_MIXED_MED3:
         return ("Med3x with pack=mixed: cuda.hqmq_decode.AUTO_MIXED_MED3 is False: auto keeps such caches on "
                 f"Triton ({takes})")
     return None
