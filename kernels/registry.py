@@ -93,7 +93,9 @@ class Kernel:
       row_start[b] masked for row b), and `row_start_auto()` why auto does not give it
       such calls yet (the switch a GPU run sets; None: it does);
     - `unsupported(q, k, v)`: why it cannot take this call's layout (must not build);
-    - `why_unavailable()`: why it cannot run here at all (may build, once: it runs last).
+    - `why_unavailable()`: why it cannot run here at all (may build, once);
+    - `fits(q, k, v)`: why this device cannot hold the instance the call would launch (its
+      library loaded: e.g. a CTA's shared memory past an older GPU's limit; runs last).
     `renamed`: the front's option names this kernel knows by another name.
     `fast(q, k, v[, valid_len])`: optional, the eager fast route of a call with no options
     or row_start, when this is the first kernel auto tries and `auto(k)` routes the cache
@@ -113,6 +115,7 @@ class Kernel:
     why_unavailable: Callable[[], str | None] | None = None
     renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)
     fast: Callable[..., Any] | None = None
+    fits: Callable[..., str | None] | None = None
 
     @property
     def name(self) -> str:
@@ -145,8 +148,10 @@ class Kernel:
             if why:
                 return why
         if self.why_unavailable is not None:
-            return self.why_unavailable()
-        return None
+            why = self.why_unavailable()
+            if why:
+                return why
+        return self.fits(q, k, v) if self.fits is not None else None
 
 
     def refusal(self, q, k, v) -> str | None:
@@ -159,7 +164,10 @@ class Kernel:
         b = _BACKENDS[self.backend]
         if not on_device(q, b.device):
             return f"q is not on a {b.title} device"
-        return self.unsupported(q, k, v) if self.unsupported is not None else None
+        why = self.unsupported(q, k, v) if self.unsupported is not None else None
+        if why:
+            return why
+        return self.fits(q, k, v) if self.fits is not None else None
 
 
 @dataclasses.dataclass(eq=False)

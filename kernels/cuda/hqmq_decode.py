@@ -362,6 +362,23 @@ def occupancy(variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False, h
 _OCC: dict = {}
 
 
+def fits(q: torch.Tensor, k, v) -> str | None:
+    """Why this GPU cannot hold the default instance a call on these caches launches (None:
+    it can), from the loaded library's occupancy query: e.g. Med3x with pack=mixed at head
+    dim 256 takes 200 KB of shared memory a CTA, past an A100's 163 KB opt-in (auto then
+    takes Triton). Asked after the library loaded (kernels/registry.py `Kernel.fits`)."""
+    if not isinstance(k, HQMQFlat) or _LIB.lib is None or not torch.cuda.is_available():
+        return None  # (no library: why_unavailable said so; a CPU process launches nothing)
+    med3 = k.has_outliers
+    variant = DEFAULT_VARIANT_MED3 if med3 else DEFAULT_VARIANT
+    occ = occupancy(variant, k.S, med3, k.D, codeword_bytes(k), mixed_rows(k))
+    if occ > 0:
+        return None
+    return (f"variant {variant}'s instance for these caches (head_dim {k.D}, S={k.S}{', Med3x' if med3 else ''}"
+            f"{', pack=mixed' if mixed_rows(k) else ''}) cannot be resident on {torch.cuda.get_device_name(q.device)} "
+            f"(occupancy query {occ}: its shared memory is past this GPU's per-block limit)")
+
+
 def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm: int | None = None,
            variant: int = DEFAULT_VARIANT, S: int = 96, med3: bool = False, head_dim: int = 128, cw: int = 8,
            mix: bool = False):
@@ -751,7 +768,7 @@ def _launch_planned(plan, q, vl, workspace, rs=None) -> torch.Tensor:
 __all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits",
            "codebook16", "codebook8", "codeword_bytes", "AUTO_INT8", "AUTO_MIXED", "AUTO_MIXED_MED3",
            "AUTO_MIXED_HEAD_DIMS", "MIXED_HEAD_DIMS", "mixed_rows", "takes_by_default", "auto_refusal", "OPTIONS",
-           "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS",
+           "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS", "fits",
            "MED3_VARIANTS", "PREFETCH_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale",
            "AUTO_ROW_START", "row_start_refusal",
            "head_dim_reason", "PLANNED"]

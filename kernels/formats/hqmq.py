@@ -535,7 +535,8 @@ CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_hqmq.decode(q, k, v, **kw), tit
               row_start=True, row_start_auto=lambda: cuda_hqmq.row_start_refusal(),
               unsupported=lambda q, k, v: cuda_hqmq.unsupported(q, k, v),
               why_unavailable=lambda: cuda_hqmq.why_unavailable(), renamed=cuda_hqmq.RENAMED,
-              fast=lambda q, k, v, valid_len=None: cuda_hqmq.fast(q, k, v, valid_len))
+              fast=lambda q, k, v, valid_len=None: cuda_hqmq.fast(q, k, v, valid_len),
+              fits=lambda q, k, v: cuda_hqmq.fits(q, k, v))
 
 FORMAT = Format(
     name="hqmq", quantizer=HQMQ, flat=HQMQFlat, flatten=flatten_hqmq, store=HQMQStore,

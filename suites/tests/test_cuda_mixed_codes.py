@@ -214,3 +214,34 @@ def test_auto_routes_mixed_rows_by_its_switch():
     assert route.backend == ("cuda" if cuda_hqmq.AUTO_MIXED else "triton"), route.reason
     if cuda_hqmq.AUTO_MIXED:
         assert torch.equal(decode_attention(q, km, vm, out_dtype=torch.float32), attend(q, km, vm))
+
+
+
+def test_an_instance_this_gpu_cannot_hold_is_declined_by_name(monkeypatch):
+    """kernels/registry.py `Kernel.fits`, asked last: where the occupancy query of the default
+    instance reads 0 or an error (its shared memory past the GPU's limit: Med3x mixed at 256
+    takes 200 KB a CTA, an A100 allows 163 KB), auto declines the CUDA kernel naming it, so
+    Triton takes the call; where it reads >= 1, the CUDA kernel does. The library and the
+    device are stood in for (q looks like a CUDA tensor: host_time.py's CPU walk; the layout
+    checks pass), so this runs on a CPU."""
+    import types
+
+    from kvqbench.kernels import registry
+    from kvqbench.suites.bench.latency.host_time import CudaLookingTensor
+
+    kern = registry.format_of_flat(L.HQMQFlat).by_backend["cuda"]
+    (_, _), (km, vm) = _pair(256, 40, 2, med3=True)
+    q = query(1, 8, 256, 3).cpu().as_subclass(CudaLookingTensor)
+    asked = []
+    monkeypatch.setattr(cuda_hqmq, "_LIB", types.SimpleNamespace(lib=object()))
+    monkeypatch.setattr(cuda_hqmq, "why_unavailable", lambda: None)
+    monkeypatch.setattr(cuda_hqmq, "unsupported", lambda q, k, v: None)  # (the layout checks: tested above)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU-S")
+    monkeypatch.setattr(cuda_hqmq, "occupancy", lambda *a: asked.append(a) or -1)
+    why = kern.declines(q, km, vm, {}, None)
+    assert why and "variant 10" in why and "Med3x, pack=mixed" in why and "GPU-S" in why, why
+    assert asked[-1] == (cuda_hqmq.DEFAULT_VARIANT_MED3, 96, True, 256, 8, True)
+    assert kern.refusal(q, km, vm) == why  # (backend="cuda" by name: the same reason)
+    monkeypatch.setattr(cuda_hqmq, "occupancy", lambda *a: 1)
+    assert kern.declines(q, km, vm, {}, None) is None
