@@ -134,7 +134,8 @@ def decode_attention(q: torch.Tensor, k, v, backend: str = "auto", valid_len: to
     (CUDA: `cuda.decode_attention.CUDA_VERIFIED`: int4, fp8, KIVI; `cuda.hqmq_decode.AUTO`
     / `AUTO_MED3`), the call carries launch options it does not take (Triton's block_t,
     num_warps, num_stages select Triton), a valid_len it cannot read, a layout it refuses
-    (`unsupported`), or its library does not build here (`why_unavailable`); Triton takes
+    (`unsupported`), its library does not build here (`why_unavailable`), or this GPU cannot
+    hold the instance it would launch (`fits`: shared memory); Triton takes
     the rest. `explain_backend` says which and why. `programs_per_sm` means CTAs per SM
     for the CUDA kernels.
 
