@@ -164,14 +164,14 @@ struct Stage {  // of one warp: its DW dims' bytes (the whole row's flags)
 // regions, V's in MIX_RAW bytes past the stage's end. With Med3x that 1 KB more per stage
 // would leave one v10 CTA of 8 warps per SM (118 KB with the fp16 codebook), so Med3x's
 // instance there is one CTA of 16 warps (WIDE_MIX: 200 KB, the tables once per SM).
-template <bool OUT, int D, bool MIX>
+template <int D, bool MIX>
 constexpr bool RAW16 = MIX && D == 256;
 template <bool OUT, int D, bool MIX>
-constexpr bool WIDE_MIX = RAW16<OUT, D, MIX> && OUT;
-template <bool OUT, int D, bool MIX>
-constexpr int MIX_RAW = RAW16<OUT, D, MIX> ? 16 * 64 : 0;
+constexpr bool WIDE_MIX = OUT && RAW16<D, MIX>;
+template <int D, bool MIX>
+constexpr int MIX_RAW = RAW16<D, MIX> ? 16 * 64 : 0;
 template <bool OUT, int D = 128, bool MIX = false>
-constexpr int STAGE_BYTES = (OUT ? Stage<D>::BYTES_OUT : Stage<D>::BYTES) + MIX_RAW<OUT, D, MIX>;
+constexpr int STAGE_BYTES = (OUT ? Stage<D>::BYTES_OUT : Stage<D>::BYTES) + MIX_RAW<D, MIX>;
 
 // A lane's global source pointers for its copies of the next tile (advanced by warp strides).
 template <int D>
@@ -233,8 +233,6 @@ __device__ __forceinline__ void cp_async16_part(uint32_t dst, const void* src, i
 // code regions, V's past the stage: MIX_RAW) as 4 pieces of 16 bytes from the boundary below
 // it ((10 t + mis) % 16 bytes below, mis the tile's first half row's; the pieces' bytes past
 // the half row are not read: cp.async's source size), 2 copies a lane per role that bypass L1.
-// (Until 2026-12-07 they were 12 four-byte words into the 12-bit rows' 48-byte places, through
-// L1: 1.15-1.5x slower tiles, NOTES.md.)
 template <int NW, bool OUT, bool PF = false, int D = 128, bool MIX = false>
 __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, bool on, int lane, bool on1 = false) {
   using Stage = ::Stage<D>;
@@ -242,8 +240,8 @@ __device__ __forceinline__ void copy_tile(uint32_t st, CpCursor<D>& cur, int T, 
   [[maybe_unused]] constexpr int CB = DD::CB;
   constexpr int RB = DD::RB;
   const int STEP = tile_advance<NW, OUT>(cur.i);
-  if constexpr (RAW16<OUT, D, MIX>) {
-    constexpr int HB = mixed::Layout<128>::MB, RAWV = STAGE_BYTES<OUT, D, MIX> - MIX_RAW<OUT, D, MIX>;
+  if constexpr (RAW16<D, MIX>) {
+    constexpr int HB = mixed::Layout<128>::MB, RAWV = STAGE_BYTES<OUT, D, MIX> - MIX_RAW<D, MIX>;
     static_assert(16 * 64 <= Stage::KR, "K's raw slots stay clear of the radius rows");
     // (not unrolled, as below)
 #pragma unroll 1
@@ -748,11 +746,9 @@ __device__ __forceinline__ void v_generic(const uint8_t* st, const uint8_t* vtab
 // rows tile_step reads. Lane l takes row t = l & 15 of role l >> 4: its MB bytes at mis + MB t
 // from the region's start, its 12-bit row to CB t (16- / 8-byte stores without bank
 // conflicts). Every lane reads its row before any lane writes (the rows overlap). The caller
-// syncs the warp before the stage is read. Head dim 256: the warp's half rows (head dim 128
-// rows) lie in slots of CB = 48 bytes, token t's at (2 t + mis) % 4 bytes into its slot
-// (copy_tile), and go back to the same slot; with raw_v (RAW16) in 64-byte slots, token t's
-// (10 t + mis) % 16 bytes in (K's from the stage's start, V's at raw_v), and go to the 12-bit
-// rows' places.
+// syncs the warp before the stage is read. Head dim 256 (RAW16): the warp's half rows (head
+// dim 128 rows) lie in 64-byte slots, token t's (10 t + mis) % 16 bytes in (K's from the
+// stage's start, V's at raw_v), and go to the 12-bit rows' places.
 template <int D>
 __device__ __forceinline__ void mixed_tile_to_bits(uint8_t* st, int lane, int mis, int raw_v = 0) {
   constexpr int DW = Dims<D>::DW;  // (256: the warp's half)
@@ -761,7 +757,7 @@ __device__ __forceinline__ void mixed_tile_to_bits(uint8_t* st, int lane, int mi
   uint8_t* base = st + (lane < 16 ? Stage<D>::KC : Stage<D>::VC);
   const int t = lane & 15;
   const uint8_t* src = raw_v ? st + (lane < 16 ? 0 : raw_v) + 64 * t : base;
-  const int b0 = raw_v ? (10 * t + mis) & 15 : D == 256 ? CB * t + ((2 * t + mis) & 3) : mis + L::MB * t;
+  const int b0 = raw_v ? (10 * t + mis) & 15 : mis + L::MB * t;
   const int sh = 8 * (b0 & 3);
   // (the words read past a row stay in the stage: the K region's run into V's, V's into the
   // radius rows; their bits are masked off)
@@ -1067,7 +1063,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       constexpr int RBY = code_row_bytes<D, MIX>();
       cur.c0 = p.kc + bh * p.k_cs + (long long)t0 * RBY + (RBY / 2) * hf;
       cur.vc0 = p.vc + bh * p.v_cs + (long long)t0 * RBY + (RBY / 2) * hf;
-      // (the same every tile: 16 tokens of 90 bytes; RAW16 reads it mod 16, the word copies mod 4)
+      // (the same every tile: 16 tokens of 90 bytes are a multiple of 16)
       cur.kmis = (int)(reinterpret_cast<uintptr_t>(cur.c0) & 15);
       cur.vmis = (int)(reinterpret_cast<uintptr_t>(cur.vc0) & 15);
       cur.r = (lane < 16 ? p.kr + bh * p.k_rs : p.vr + bh * p.v_rs) + (long long)t0 * RB + RB * (lane & 15) +
@@ -1207,7 +1203,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     const int tile = OUT ? first + 4 * (wp + NP * (j >> 2)) + (j & 3) : first + wp + j * NP;
     if constexpr (MIX) {
       mixed_tile_to_bits<D>(stages + warp * (SMS * SB) + rd * SB, lane, lane < 16 ? cur.kmis : cur.vmis,
-                            RAW16<OUT, D, MIX> ? SB - MIX_RAW<OUT, D, MIX> : 0);
+                            RAW16<D, MIX> ? SB - MIX_RAW<D, MIX> : 0);
       __syncwarp();
     }
     tile_step<OUT, PF, DW, SPL, CW>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16 - lo, Tlo, p.qk_scale, qb, acc,

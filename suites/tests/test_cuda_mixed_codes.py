@@ -216,7 +216,6 @@ def test_auto_routes_mixed_rows_by_its_switch():
         assert torch.equal(decode_attention(q, km, vm, out_dtype=torch.float32), attend(q, km, vm))
 
 
-
 def test_an_instance_this_gpu_cannot_hold_is_declined_by_name(monkeypatch):
     """kernels/registry.py `Kernel.fits`, asked last: where the occupancy query of the default
     instance reads 0 or an error (its shared memory past the GPU's limit: Med3x mixed at 256

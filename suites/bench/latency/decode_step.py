@@ -227,7 +227,7 @@ def _padded_rows(out: _Rows, q, method: str, kf, vf, nbytes: int, base: dict):
     lengths give): fused-<x>-padded, the shipped call with row_start (the backend auto takes
     and why not CUDA), then the other backend's call with the same starts
     (`-padded-triton`, or `-padded-cuda` by opt-in), eager and graphed. bytes: the whole cache
-    (a kernel that skips the pads' tiles reads fewer: Triton's do)."""
+    (the kernels skip the tiles wholly below a row's first key, so they read fewer)."""
     rs = padded_starts(out.B, out.T, q.device)
     pads = int(rs.sum())
     extra = {**base, "pad_fraction": pads / (out.B * out.T),

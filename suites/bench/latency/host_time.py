@@ -32,8 +32,7 @@ import torch
 
 from ..toolkit import HOST_US_CALLS, audit_state, host_cpu, host_us, stepping
 
-# formats of issue 28's table: label -> quantizer spec (every fused format of the latency
-# suite: its host column read Med3x with pack=mixed at 31-35 us where Med3x read ~20)
+# formats of issue 28's table: label -> quantizer spec (every fused format of the latency suite)
 SPECS = {"int4": "int4", "fp8": "fp8", "kivi4": "kivi:bits=4", "kivi2": "kivi:bits=2", "hqmq": "hqmq:S=96,r=4",
          "hqmq-int8": "hqmq:S=96,r=4,codebook=int8", "hqmq-mixed": "hqmq:S=96,r=4,pack=mixed",
          "med3": "hqmq:S=96,r=4,outliers=med3", "med3-mixed": "hqmq:S=96,r=4,outliers=med3,pack=mixed", "fp16": "fp16"}
