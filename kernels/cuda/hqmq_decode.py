@@ -79,7 +79,8 @@ AUTO_MED3 = True
 HEAD_DIMS = (64, 128, 256)
 AUTO_HEAD_DIMS = (64, 128, 256)
 # Left-padded batches (row_start, read on the device; keys below masked): auto routes them
-# here since their GPU tests passed, ~3.2-3.7x faster than Triton's (NOTES.md, "Defaults").
+# here since their GPU tests passed, 3.2-3.7x faster than Triton's (H100, B=8 T=32k d 128, graphed,
+# rows from 0..7k; NOTES.md, "Defaults").
 AUTO_ROW_START = True
 
 
@@ -98,7 +99,8 @@ def row_start_refusal() -> str | None:
 PLANNED = True
 # codebook=int8 caches (quantizers/hqmq.py): 4-byte codewords (`codebook8`), instances of the
 # default variants (3; Med3x 10) at every head dim. auto routes them here since their GPU tests
-# passed; half the table's bytes cut the gathers that bound HQMQ (d 128: -15%; NOTES.md, "Defaults").
+# passed; half the table's bytes cut the gathers that bound HQMQ (H100, B=8 T=32k d 128, eager: -15%
+# kernel time; NOTES.md, "Defaults").
 AUTO_INT8 = True
 # pack=mixed caches (mixed-radix code rows, quantizers/packing.py `mixed_layout`): the .cu's
 # MIX instances of the default variants copy a tile's rows as they lie and rewrite them in
@@ -107,7 +109,7 @@ AUTO_INT8 = True
 MIXED_HEAD_DIMS = (64, 128, 256)
 # auto takes them at every MIXED_HEAD_DIMS since their GPU tests passed (bit for bit against the
 # 12-bit rows; Med3x at 256, whose instance has 16 warps a CTA, within the tolerance) and they
-# beat Triton 2.1-4.5x (H100, 2026-12-07; figures and history: reports/kernels/NOTES.md, "Defaults").
+# beat Triton 2.1-4.5x (H100, B=8 T=32k, graphed, 2026-12-07; figures: reports/kernels/NOTES.md, "Defaults").
 AUTO_MIXED = True
 AUTO_MIXED_HEAD_DIMS = (64, 128, 256)
 AUTO_MIXED_MED3 = True
