@@ -1532,12 +1532,26 @@ int launch_cfg(const Params& p, int rows, int grid_y, cudaStream_t stream) {
   return 0;
 }
 
+// What an instance is asked (query_of): its registers per thread, or the CTAs resident per
+// SM (registers, threads and shared memory, after the opt-in a launch makes); < 0: -error.
+enum Query { REGS = 0, OCCUPANCY = 1 };
+
 template <class F, int D, int STAGES, int MINB, int SMS, int GS>
-int regs_cfg() {
-  cudaFuncAttributes a;
-  const cudaError_t e =
-      cudaFuncGetAttributes(&a, split_kernel<F, D, 4 * (D / F::DIM), STAGES, MINB, SMS, GS, FUSED_BUILD>);
-  return e == cudaSuccess ? a.numRegs : -(int)e;
+int query_cfg(Query what) {
+  constexpr int NW = 4 * (D / F::DIM), smem = dyn_smem<F, D, NW, SMS, GS>();
+  auto k = split_kernel<F, D, NW, STAGES, MINB, SMS, GS, FUSED_BUILD>;
+  cudaError_t e;
+  if (what == REGS) {
+    cudaFuncAttributes a;
+    e = cudaFuncGetAttributes(&a, k);
+    return e == cudaSuccess ? a.numRegs : -(int)e;
+  }
+  // (a GPU whose opt-in is below the instance's stages, e.g. Ada's 99 KB at head dim 256, refuses here)
+  if (smem > 0 && (e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
+    return -(int)e;
+  int n = 0;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, NW * 32, smem);
+  return e == cudaSuccess ? n : -(int)e;
 }
 
 // variant V of a format: VARIANTS (int4, fp8: 0..5) or KVARIANTS (KIVI: 2..12); else invalid
@@ -1560,19 +1574,19 @@ int launch_v(const Params& p, int rows, int grid_y, cudaStream_t stream) {
 }
 
 template <class F, int D, int V>
-int regs_v() {
+int query_v(Query what) {
   if constexpr (F::KIND == 1) {
     if constexpr (V < KVARIANT0 || V >= KVARIANT0 + NKVARIANTS || KVARIANTS[V - KVARIANT0][2] < 0 ||
                   (D != 128 && KVARIANTS[V - KVARIANT0][2] == 0)) {
       return -1;
     } else {
       constexpr int MINB = kivi_minb_of<D>(KVARIANTS[V - KVARIANT0][0]), SMS = KVARIANTS[V - KVARIANT0][1];
-      return regs_cfg<F, D, 1, MINB, SMS, KVARIANTS[V - KVARIANT0][2]>();
+      return query_cfg<F, D, 1, MINB, SMS, KVARIANTS[V - KVARIANT0][2]>(what);
     }
   } else if constexpr (V >= NVARIANTS || (D > 128 && VARIANTS[V][2] == 0)) {
     return -1;
   } else {
-    return regs_cfg<F, D, VARIANTS[V][0], minb_of<D>(VARIANTS[V][1]), sms_of<F, D>(VARIANTS[V][2]), 0>();
+    return query_cfg<F, D, VARIANTS[V][0], minb_of<D>(VARIANTS[V][1]), sms_of<F, D>(VARIANTS[V][2]), 0>(what);
   }
 }
 
@@ -1606,21 +1620,21 @@ int launch(const Params& p, int rows, void* out, int otype, int variant, cudaStr
 }
 
 template <class F, int D>
-int regs_of(int variant) {
+int query_of(int variant, Query what) {
   switch (variant) {
-    case 0: return regs_v<F, D, 0>();
-    case 1: return regs_v<F, D, 1>();
-    case 2: return regs_v<F, D, 2>();
-    case 3: return regs_v<F, D, 3>();
-    case 4: return regs_v<F, D, 4>();
-    case 5: return regs_v<F, D, 5>();
-    case 6: return regs_v<F, D, 6>();
-    case 7: return regs_v<F, D, 7>();
-    case 8: return regs_v<F, D, 8>();
-    case 9: return regs_v<F, D, 9>();
-    case 10: return regs_v<F, D, 10>();
-    case 11: return regs_v<F, D, 11>();
-    case 12: return regs_v<F, D, 12>();
+    case 0: return query_v<F, D, 0>(what);
+    case 1: return query_v<F, D, 1>(what);
+    case 2: return query_v<F, D, 2>(what);
+    case 3: return query_v<F, D, 3>(what);
+    case 4: return query_v<F, D, 4>(what);
+    case 5: return query_v<F, D, 5>(what);
+    case 6: return query_v<F, D, 6>(what);
+    case 7: return query_v<F, D, 7>(what);
+    case 8: return query_v<F, D, 8>(what);
+    case 9: return query_v<F, D, 9>(what);
+    case 10: return query_v<F, D, 10>(what);
+    case 11: return query_v<F, D, 11>(what);
+    case 12: return query_v<F, D, 12>(what);
     default: return -1;
   }
 }
@@ -1671,7 +1685,7 @@ static int run_rows(const HostArgs& a, const Params& p, int rows, void* out, cud
   KVQ_DISPATCH(launch, (p, rows, out, a.otype, a.variant, s))
 }
 
-// The KIVI instance of (head dim, bits), handed to `act` (KiviRun, KiviRegs); -1 for any other.
+// The KIVI instance of (head dim, bits), handed to `act` (KiviRun, KiviQuery); -1 for any other.
 template <class Act>
 int kivi_dispatch(int D, int bits, const Act& act) {
   if (bits != 2 && bits != 4) return -1;
@@ -1689,10 +1703,11 @@ struct KiviRun {
   template <class F, int D>
   int go() const { return launch<F, D>(p, rows, out, otype, variant, s); }
 };
-struct KiviRegs {
+struct KiviQuery {
   int variant;
+  Query what;
   template <class F, int D>
-  int go() const { return regs_of<F, D>(variant); }
+  int go() const { return query_of<F, D>(variant, what); }
 };
 
 // KIVI, head dim 64 / 128 / 256, groups of 32, 2 or 4 bits, ONE launch: tokens [n_main, T) (the
@@ -1771,10 +1786,16 @@ extern "C" void kvq_set_pdl(int on) { pdl_on = on; }
 // Registers of the KIVI instances: tail = 0 the quantized part (variant), 1 the tail path.
 extern "C" int kvq_num_regs_kivi(int bits, int tail, int variant, int D) {
   if (tail) variant = 2;  // (the tail path is a branch of the same kernel since run 17)
-  return kivi_dispatch(D, bits, KiviRegs{variant});
+  return kivi_dispatch(D, bits, KiviQuery{variant, REGS});
 }
 
 extern "C" int kvq_num_variants() { return NVARIANTS; }
 
 // Registers per thread of an instance (the loader records them; NOTES.md quotes ptxas).
-extern "C" int kvq_num_regs(int fmt, int D, int variant) { KVQ_DISPATCH(regs_of, (variant)) }
+extern "C" int kvq_num_regs(int fmt, int D, int variant) { KVQ_DISPATCH(query_of, (variant, REGS)) }
+
+// CTAs of an instance resident per SM (< 0: -error, -1: no such head dim / format / variant).
+extern "C" int kvq_occupancy(int fmt, int D, int variant) { KVQ_DISPATCH(query_of, (variant, OCCUPANCY)) }
+extern "C" int kvq_occupancy_kivi(int bits, int variant, int D) {
+  return kivi_dispatch(D, bits, KiviQuery{variant, OCCUPANCY});
+}

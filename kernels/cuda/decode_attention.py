@@ -41,7 +41,7 @@ row_start: a left-padded batch's first key per batch row, read on the device (th
 below it masked, the tiles wholly below it skipped; a row with none left gets 0).
 backend="auto" takes such calls while AUTO_ROW_START.
 
-(About 720 lines, on purpose: the host side of one .cu source, three formats of one
+(About 760 lines, on purpose: the host side of one .cu source, three formats of one
 template; its launch-argument struct mirrors the .cu's, and its constants keep the GPU
 runs that chose them beside them; the fused combine's build and call beside the default's.)
 """
@@ -131,6 +131,8 @@ def _declare(lib) -> str | None:
     lib.kvq_num_regs.restype = I
     lib.kvq_num_regs_kivi.argtypes = [I, I, I, I]
     lib.kvq_num_regs_kivi.restype = I
+    for name in ("kvq_occupancy", "kvq_occupancy_kivi"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [I, I, I], I
     lib.kvq_set_pdl.argtypes = [I]
     lib.kvq_set_pdl.restype = None
     PDL.attach(lib.kvq_set_pdl)  # (the combine as the split kernel's programmatic dependent: library.py)
@@ -158,6 +160,44 @@ def num_regs_kivi(bits: int, tail: bool = False, variant: int = 2, head_dim: int
     branch of the variant-2 kernel)."""
     lib = _FUSED.load() if fused else _load()
     return -1 if lib is None else lib.kvq_num_regs_kivi(bits, int(tail), variant, head_dim)
+
+
+def occupancy(k, variant: int | None = None) -> int:
+    """CTAs of the instance a call on cache `k` launches (its format and head dim; variant:
+    the default one if None) resident per SM: the CUDA occupancy query after the shared-memory
+    opt-in; < 0 when unavailable (no library, no such instance, an opt-in this GPU refuses)."""
+    lib = _load()
+    if lib is None or format_name(k) is None:
+        return -1
+    if isinstance(k, KIVIFlat):
+        variant = DEFAULT_VARIANT["kivi"] if variant is None else variant
+        key = ("kivi", k.bits, variant, k.D)
+    else:
+        fmt = 0 if isinstance(k, IntFlat) else 1 if k.fmt == "e4m3" else 2
+        variant = DEFAULT_VARIANT[fmt] if variant is None else variant
+        key = (fmt, variant, k.D)
+    if key not in _OCC:
+        _OCC[key] = (lib.kvq_occupancy_kivi(k.bits, variant, k.D) if key[0] == "kivi"
+                     else lib.kvq_occupancy(fmt, k.D, variant))
+    return _OCC[key]
+
+
+_OCC: dict = {}
+
+
+def fits(q: torch.Tensor, k, v) -> str | None:
+    """Why this GPU cannot hold the default instance a call on these caches launches (None:
+    it can): e.g. the head-dim-256 stages (up to SMEM256, 192 KB a CTA) past an Ada GPU's
+    99 KB opt-in; auto then takes Triton. Asked after the library loaded (kernels/registry.py
+    `Kernel.fits`), as cuda.hqmq_decode.fits."""
+    if format_name(k) is None or _LIB.lib is None or not torch.cuda.is_available():
+        return None  # (no library: why_unavailable said so; a CPU process launches nothing)
+    occ = occupancy(k)
+    if occ > 0:
+        return None
+    return (f"the default {format_name(k)} instance at head_dim {k.D} cannot be resident on "
+            f"{torch.cuda.get_device_name(q.device)} (occupancy query {occ}: its shared memory is past "
+            f"this GPU's per-block limit)")
 
 
 def variants(k) -> tuple[int, ...]:
@@ -718,5 +758,5 @@ def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | No
 
 __all__ = ["decode", "make_workspace", "unsupported", "takes_by_default", "auto_refusal", "OPTIONS", "RENAMED",
            "CUDA_VERIFIED", "format_name", "kivi_plan", "num_regs_kivi", "why_unavailable", "available", "splits",
-           "num_regs", "SOURCE", "NUM_VARIANTS", "SMEM_VARIANTS", "KIVI_VARIANTS", "HEAD_DIMS", "VERIFIED_HEAD_DIMS",
+           "num_regs", "occupancy", "fits", "SOURCE", "NUM_VARIANTS", "SMEM_VARIANTS", "KIVI_VARIANTS", "HEAD_DIMS", "VERIFIED_HEAD_DIMS",
            "AUTO_ROW_START", "row_start_refusal", "variants", "head_dim_reason"]

@@ -544,7 +544,8 @@ CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_decode.decode(q, k, v, **kw), t
               valid_len=True,
               unsupported=lambda q, k, v: cuda_decode.unsupported(q, k, v),
               why_unavailable=lambda: cuda_decode.why_unavailable(), renamed=cuda_decode.RENAMED,
-              fast=lambda q, k, v, valid_len=None: cuda_decode.fast(q, k, v, valid_len))
+              fast=lambda q, k, v, valid_len=None: cuda_decode.fast(q, k, v, valid_len),
+              fits=lambda q, k, v: cuda_decode.fits(q, k, v))
 
 FORMAT = Format(
     name="kivi", quantizer=KIVI, flat=(KIVIFlat, KIVIGraphFlat), flatten=flatten_kivi, store=KIVIStore,

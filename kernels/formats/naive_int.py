@@ -50,7 +50,8 @@ CUDA = Kernel("cuda", lambda q, k, v, **kw: cuda_decode.decode(q, k, v, **kw), t
               row_start=True, row_start_auto=lambda: cuda_decode.row_start_refusal("int4"),
               unsupported=lambda q, k, v: cuda_decode.unsupported(q, k, v),
               why_unavailable=lambda: cuda_decode.why_unavailable(), renamed=cuda_decode.RENAMED,
-              fast=lambda q, k, v, valid_len=None: cuda_decode.fast(q, k, v, valid_len))
+              fast=lambda q, k, v, valid_len=None: cuda_decode.fast(q, k, v, valid_len),
+              fits=lambda q, k, v: cuda_decode.fits(q, k, v))
 
 FORMAT = Format(
     name="naive_int", quantizer=NaiveInt, flat=IntFlat, flatten=flatten_int,

@@ -8,7 +8,8 @@
 #   the base tree (as package kvqbench, from /tmp/pp_base; its libraries build in
 #   /tmp/kvq_ext_base, so the two trees' builds do not wait on one lock), with
 #   KVQBENCH_COMMIT=REV so results record the base; then call the module as usual
-#   (gpu_env.sh's /tmp/pp) for the working tree.
+#   (gpu_env.sh's /tmp/pp) for the working tree. Prebuild the base's libraries too:
+#   `gpu_ab.sh prebuild` (after prep) puts them in .gpubuild beside the working tree's.
 set -eu
 case "${1:-}" in
   prep)
@@ -23,7 +24,14 @@ case "${1:-}" in
     PPB=/tmp/pp_base; mkdir -p $PPB/kvqbench
     for d in kernels quantizers suites; do ln -sfn "$PWD/.gpuab/tree/$d" $PPB/kvqbench/$d; done
     echo "base tree: $(cat .gpuab/rev)"
-    PYTHONPATH=$PPB KVQBENCH_COMMIT=$(cat .gpuab/rev) TORCH_EXTENSIONS_DIR=/tmp/kvq_ext_base PYTHONDONTWRITEBYTECODE=1 \
+    # (a prebuilt .gpubuild holds both trees' libraries: their names carry their sources' hashes)
+    EXT=/tmp/kvq_ext_base; [ -d .gpubuild/kvqbench_cuda_decode ] && EXT=$PWD/.gpubuild
+    PYTHONPATH=$PPB KVQBENCH_COMMIT=$(cat .gpuab/rev) TORCH_EXTENSIONS_DIR=$EXT PYTHONDONTWRITEBYTECODE=1 \
       ${PYTHON:-python} "$@" ;;
-  *) echo "usage: gpu_ab.sh prep [REV] | py ARGS..." >&2; exit 2 ;;
+  prebuild)
+    [ -f .gpuab/rev ] || { echo "gpu_ab.sh: run 'prep' first" >&2; exit 2; }
+    PPB=/tmp/pp_base_cpu; mkdir -p $PPB/kvqbench
+    for d in kernels quantizers suites; do ln -sfn "$PWD/.gpuab/tree/$d" $PPB/kvqbench/$d; done
+    PYTHONPATH=$PPB ${PYTHON:-python} -m kvqbench.suites.bench.gpu_prebuild --out "$PWD/.gpubuild" ;;
+  *) echo "usage: gpu_ab.sh prep [REV] | prebuild | py ARGS..." >&2; exit 2 ;;
 esac

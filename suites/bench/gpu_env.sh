@@ -9,6 +9,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PP=/tmp/pp; mkdir -p $PP/kvqbench
 for d in kernels quantizers suites; do ln -sfn "$PWD/$d" $PP/kvqbench/$d; done
 export PYTHONPATH=$PP TORCH_EXTENSIONS_DIR=/tmp/kvq_ext PYTHONDONTWRITEBYTECODE=1
+# libraries built on the CPU machine (`python -m kvqbench.suites.bench.gpu_prebuild`, carry
+# .gpubuild): a fresh machine then spends no device time in nvcc; a library whose hash
+# (source, flags, nvcc version) differs from the prebuilt ones is built here as before
+[ -d .gpubuild/kvqbench_cuda_decode ] && export TORCH_EXTENSIONS_DIR=$PWD/.gpubuild
 # the commit measured: that machine's copy of the tree keeps a stale .git, so the caller writes
 # `git rev-parse HEAD > .gpu_commit` (ignored; name it in the call's carry) and results record it
 [ -f .gpu_commit ] && export KVQBENCH_COMMIT=$(cat .gpu_commit)

@@ -5,7 +5,7 @@ On a machine without a CUDA GPU or nvcc every kernel test skips, with the reason
 `cuda_decode.why_unavailable()` gives; the dispatch tests at the end run anywhere.
 Tolerances as test_kernels.py's GPU ones (fp16 operands, fp32 accumulation).
 
-(About 730 lines: one file per CUDA source, as kernels/cuda/ has them: the GPU tests of one
+(About 890 lines: one file per CUDA source, as kernels/cuda/ has them: the GPU tests of one
 .cu source's three formats (int4, fp8, KIVI) and head dims, run by name in a GPU call.)
 """
 from __future__ import annotations
@@ -849,3 +849,44 @@ def test_head_dims_taken_and_auto_gated():
                                                             x96.to(DEV)))]))
     else:
         assert "CUDA" in cuda_decode.unsupported(torch.randn(1, 4, 1, 96), f96, f96)
+
+
+@pytest.mark.parametrize("spec", ["int4", "fp8", "kivi:bits=2"])
+def test_an_instance_this_gpu_cannot_hold_is_declined_by_name(spec, monkeypatch):
+    """kernels/registry.py `Kernel.fits` for int4 / fp8 / KIVI (as for HQMQ in
+    test_cuda_mixed_codes.py): where the default instance's occupancy query reads 0 or an
+    error (head dim 256's stages past an Ada GPU's 99 KB opt-in), auto declines the CUDA
+    kernel naming the format, head dim and GPU, and backend="cuda" refuses with the same
+    reason; where it reads >= 1 the CUDA kernel takes the call. The library and device are
+    stood in for, so this runs on a CPU; on a GPU the real query must read >= 1 for every
+    default instance at 64 / 128 / 256 (the H100 / H200 hold them all)."""
+    import types
+
+    from kvqbench.kernels import registry
+    from kvqbench.suites.bench.latency.host_time import CudaLookingTensor
+
+    kf = _kivi_flats(spec, 300, D=256)[0] if spec.startswith("kivi") else \
+        L.flatten(get_quantizer(spec, role="K").encode(torch.randn(1, 2, 40, 256)))
+    kern = registry.format_of_flat(type(kf)).by_backend["cuda"]
+    if CUDA:
+        assert cuda_decode.occupancy(kf) >= 1
+        for D in (64, 128):
+            f = _kivi_flats(spec, 300, D=D)[0] if spec.startswith("kivi") else \
+                L.flatten(get_quantizer(spec, role="K").encode(torch.randn(1, 2, 40, D)))
+            assert cuda_decode.occupancy(f) >= 1, (spec, D)
+    q = torch.randn(1, 4, 1, 256).as_subclass(CudaLookingTensor)
+    asked = []
+    monkeypatch.setattr(cuda_decode, "_LIB", types.SimpleNamespace(lib=object()))
+    monkeypatch.setattr(cuda_decode, "why_unavailable", lambda: None)
+    monkeypatch.setattr(cuda_decode, "unsupported", lambda q, k, v: None)  # (the layout checks: tested above)
+    monkeypatch.setattr(cuda_decode, "auto_refusal", lambda k: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU-S")
+    monkeypatch.setattr(cuda_decode, "occupancy", lambda k: asked.append(k) or 0)
+    why = kern.declines(q, kf, kf, {}, None)
+    name = cuda_decode.format_name(kf)
+    assert why and f"default {name} instance at head_dim 256" in why and "GPU-S" in why, why
+    assert asked[-1] is kf
+    assert kern.refusal(q, kf, kf) == why  # (backend="cuda" by name: the same reason)
+    monkeypatch.setattr(cuda_decode, "occupancy", lambda k: 2)
+    assert kern.declines(q, kf, kf, {}, None) is None

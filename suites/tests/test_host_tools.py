@@ -93,3 +93,37 @@ def test_host_drift_times_each_part_before_and_after_the_work_between(monkeypatc
         before, after, diff = (float(x) for x in next(ln for ln in lines if ln.startswith(part + " ")).split()[-3:])
         assert before > 0 and after > 0 and abs(after - before - diff) < 0.016  # (three figures rounded to 0.01)
     assert any(ln.startswith("state after:") and "hqmq plans kept" in ln for ln in lines)
+
+
+def test_gpu_prebuild_builds_every_kernel_library_and_fails_by_name(tmp_path, monkeypatch, capsys):
+    """suites/bench/gpu_prebuild.py builds every KernelLibrary of kernels/cuda (a new source's
+    library would otherwise meet nvcc on the GPU, in device time), into --out as
+    compile_library names them, and exits 1 naming a library whose build failed."""
+    import importlib
+    import os
+    import pkgutil
+
+    from kvqbench.kernels import cuda as cuda_pkg
+    from kvqbench.kernels.cuda import library
+    from kvqbench.suites.bench import gpu_prebuild
+
+    found = set()
+    for m in pkgutil.iter_modules(cuda_pkg.__path__):
+        mod = importlib.import_module(f"{cuda_pkg.__name__}.{m.name}")
+        found |= {id(x) for x in vars(mod).values() if isinstance(x, library.KernelLibrary)}
+    assert found and {id(x) for x in gpu_prebuild.libraries()} == found
+
+    def fake(source, stem, cap, extra, base):
+        assert cap == (8, 6) and os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path.resolve())
+        if stem == "kvq_hqmq_fused":
+            raise RuntimeError("nvcc failed (1): boom")
+        p = tmp_path / f"{stem}.so"
+        p.write_bytes(b"x")
+        return p
+
+    monkeypatch.setattr(library, "compile_library", fake)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert gpu_prebuild.main(["--cap", "8.6", "--out", str(tmp_path), "--jobs", "2"]) == 1
+    out, err = capsys.readouterr()
+    assert "kvq_hqmq_fused: FAILED RuntimeError: nvcc failed (1): boom" in err
+    assert "kvq_decode:" in out and "kvq_step_write:" in out
