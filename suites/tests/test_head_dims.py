@@ -75,3 +75,18 @@ def test_the_command_writes_its_files_and_needs_a_d128_run(tmp_path, capsys):
     assert "| int4 | 2.67 (cuda) | >= 2.7 **no** |" in md and "1.00 (2 GPUs)" in md
     assert json.loads((tmp_path / "out" / "head_dims.json").read_text())["runs"]["256"]["gpu"] == "GPU-B"
     assert (tmp_path / "out" / "head_dims.png").stat().st_size > 0
+
+
+def test_gpu_keeps_every_column_on_one_card(tmp_path, capsys):
+    """--gpu: only runs on the named card stand for their head dims (issue 28's rules are the
+    H200's), a newer run on another card is passed over, and no d 128 run on it exits 2."""
+    write(tmp_path, "h200_d128", run(128, {"int4": ("cuda", 150.0)}, gpu="NVIDIA H200", time="2026-12-07 19:00:00"))
+    write(tmp_path, "h100_d128", run(128, {"int4": ("cuda", 120.0)}, gpu="NVIDIA H100 80GB HBM3",
+                                     time="2026-12-08 10:00:00"))
+    assert hd.main(["--root", str(tmp_path), "--out", str(tmp_path / "a"), "--gpu", "H200"]) == 0
+    assert "h200_d128" in (tmp_path / "a" / "head_dims.md").read_text()
+    assert "on a GPU named *H200*" in (tmp_path / "a" / "head_dims.md").read_text()
+    assert hd.main(["--root", str(tmp_path), "--out", str(tmp_path / "b")]) == 0  # (no filter: the newest)
+    assert "h100_d128" in (tmp_path / "b" / "head_dims.md").read_text()
+    assert hd.main(["--root", str(tmp_path), "--gpu", "B200"]) == 2
+    assert "on a B200" in capsys.readouterr().err

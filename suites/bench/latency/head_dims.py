@@ -12,6 +12,7 @@ column names its GPU and date, and a share across two GPUs is marked so.
 
     python -m kvqbench.suites.bench.latency.head_dims                 # reports/latency -> reports/latency/head_dims/
     python -m kvqbench.suites.bench.latency.head_dims --root DIR --out DIR
+    python -m kvqbench.suites.bench.latency.head_dims --gpu H200     # only runs on that card (issue 28's)
 
 Writes head_dims.md, head_dims.json and head_dims.png (the B=8 speed-ups per format and head
 dim, issue 28's d 128 targets marked). Exit 2 when no run at d 128 is found.
@@ -117,7 +118,8 @@ def markdown(board: dict) -> str:
          f"head dims every format on CUDA and >= {HEAD_DIM_SHARE} of its d 128 speed-up (share; judged at d "
          f"{' and '.join(map(str, SHARE_RULED))}); x B=1 >= {B1_GRAPHED}; Med3x's time <= {MED3_WITHIN_GRAPHED}x "
          "HQMQ's (Med3x mixed: HQMQ mixed's); hqmq-int8 is read against HQMQ's target. **no** marks a rule "
-         "missed. Nothing measured here: each column is the newest latency suite run at its head dim.", "",
+         "missed. Nothing measured here: each column is the newest latency suite run at its head dim"
+         + (f" on a GPU named *{board['gpu']}*." if board.get("gpu") else "."), "",
          "| head dim | run | GPU | time | commit |", "|---:|---|---|---|---|"]
     for d in dims:
         r = board["runs"][d]
@@ -182,13 +184,15 @@ def main(argv=None) -> int:
                                 description=__doc__.splitlines()[0])
     p.add_argument("--root", type=Path, default=Path("reports/latency"), help="folder searched for latency.json")
     p.add_argument("--out", type=Path, help="output folder (default <root>/head_dims)")
+    p.add_argument("--gpu", default="", help="only runs whose GPU name contains this (e.g. H200: the card issue "
+                                             "28's rules name), so that no column comes from another card")
     a = p.parse_args(argv)
-    runs = newest_runs(a.root, keep=has_focus)
+    runs = newest_runs(a.root, keep=lambda lat: has_focus(lat) and a.gpu in str(lat["env"].get("gpu", "")))
     if 128 not in runs:
         print(f"head_dims: no latency suite run at head dim 128 with graphed rows at B={FOCUS[0]} / {B1[0]}, "
-              f"T={FOCUS[1]} under {a.root}", file=sys.stderr)
+              f"T={FOCUS[1]}{f' on a {a.gpu}' if a.gpu else ''} under {a.root}", file=sys.stderr)
         return 2
-    board = scoreboard(runs)
+    board = scoreboard(runs) | {"gpu": a.gpu}
     out = a.out or a.root / "head_dims"
     out.mkdir(parents=True, exist_ok=True)
     (out / "head_dims.json").write_text(json.dumps(board, indent=1))
