@@ -55,6 +55,10 @@ def main(argv=None) -> int:
                 print(f"{stem}: FAILED {err}", file=sys.stderr)
             else:
                 print(f"{stem}: {path} ({path.stat().st_size / 2**20:.1f} MiB, {time.time() - t0:.0f} s)", flush=True)
+    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    total = sum(f.stat().st_size for f in root.rglob("*.so")) / 2**20
+    print(f"{root}: {total:.0f} MiB of libraries" + ("  (the run tool carries 64 MiB in all: remove the folder "
+                                                     "and build again to drop stale ones)" if total > 40 else ""))
     return 1 if failed else 0
 
 
