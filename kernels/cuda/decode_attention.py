@@ -758,5 +758,5 @@ def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | No
 
 __all__ = ["decode", "make_workspace", "unsupported", "takes_by_default", "auto_refusal", "OPTIONS", "RENAMED",
            "CUDA_VERIFIED", "format_name", "kivi_plan", "num_regs_kivi", "why_unavailable", "available", "splits",
-           "num_regs", "occupancy", "fits", "SOURCE", "NUM_VARIANTS", "SMEM_VARIANTS", "KIVI_VARIANTS", "HEAD_DIMS", "VERIFIED_HEAD_DIMS",
-           "AUTO_ROW_START", "row_start_refusal", "variants", "head_dim_reason"]
+           "num_regs", "occupancy", "fits", "SOURCE", "NUM_VARIANTS", "SMEM_VARIANTS", "KIVI_VARIANTS", "HEAD_DIMS",
+           "VERIFIED_HEAD_DIMS", "AUTO_ROW_START", "row_start_refusal", "variants", "head_dim_reason"]
