@@ -127,3 +127,18 @@ def test_gpu_prebuild_builds_every_kernel_library_and_fails_by_name(tmp_path, mo
     out, err = capsys.readouterr()
     assert "kvq_hqmq_fused: FAILED RuntimeError: nvcc failed (1): boom" in err
     assert "kvq_decode:" in out and "kvq_step_write:" in out
+
+
+def test_audit_state_names_an_audit_hook_that_is_not_filelocks():
+    """toolkit.audit_state reads whether a Python audit hook slows id() (every host figure of
+    a process depends on it): a process with a hook of its own (not filelock's) is named so,
+    one without none is. Subprocesses: a hook cannot be removed once added."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n{}\nfrom kvqbench.suites.bench.toolkit import audit_state\nprint(audit_state()[1])")
+    plain = subprocess.run([sys.executable, "-c", code.format("")], capture_output=True, text=True, check=True)
+    hooked = subprocess.run([sys.executable, "-c", code.format("sys.addaudithook(lambda e, a: None)")],
+                            capture_output=True, text=True, check=True)
+    assert "audit hook" not in plain.stdout, plain.stdout
+    assert "an audit hook is in" in hooked.stdout, hooked.stdout
