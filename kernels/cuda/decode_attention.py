@@ -57,8 +57,8 @@ from ...quantizers.derived import identity
 from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import FP8Flat, IntFlat, KIVIFlat, KIVIGraphFlat
 from .library import (FUSED_COMBINE, FUSED_DEFINE, PDL, QTYPE, KernelLibrary, RoutedPlan, check_token_counts,
-                      follow_tokens, fresh_partials, fused_declare, on_current_stream, row_start_ptr,
-                      workspace_counters)
+                      follow_tokens, fresh_partials, fused_declare, on_current_stream, residency_refusal,
+                      row_start_ptr, workspace_counters)
 
 SOURCE = Path(__file__).parent / "decode_attention.cu"
 # The numbers behind every default below (variants, splits, switches), run by run, are in
@@ -192,12 +192,7 @@ def fits(q: torch.Tensor, k, v) -> str | None:
     `Kernel.fits`), as cuda.hqmq_decode.fits."""
     if format_name(k) is None or _LIB.lib is None or not torch.cuda.is_available():
         return None  # (no library: why_unavailable said so; a CPU process launches nothing)
-    occ = occupancy(k)
-    if occ > 0:
-        return None
-    return (f"the default {format_name(k)} instance at head_dim {k.D} cannot be resident on "
-            f"{torch.cuda.get_device_name(q.device)} (occupancy query {occ}: its shared memory is past "
-            f"this GPU's per-block limit)")
+    return residency_refusal(occupancy(k), f"the default {format_name(k)} instance at head_dim {k.D}", q.device)
 
 
 def variants(k) -> tuple[int, ...]:

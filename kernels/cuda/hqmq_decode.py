@@ -36,7 +36,8 @@ from ...quantizers.hqmq import int8_components
 from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import HQMQFlat, codebook_from_secondaries
 from .library import (FUSED_COMBINE, FUSED_DEFINE, PDL, QTYPE, KernelLibrary, RoutedPlan, follow_tokens,
-                      fresh_partials, fused_declare, on_current_stream, row_start_ptr, workspace_counters)
+                      fresh_partials, fused_declare, on_current_stream, residency_refusal, row_start_ptr,
+                      workspace_counters)
 
 SOURCE = Path(__file__).parent / "hqmq_decode.cu"
 # VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM):
@@ -373,12 +374,9 @@ def fits(q: torch.Tensor, k, v) -> str | None:
         return None  # (no library: why_unavailable said so; a CPU process launches nothing)
     med3 = k.has_outliers
     variant = DEFAULT_VARIANT_MED3 if med3 else DEFAULT_VARIANT
-    occ = occupancy(variant, k.S, med3, k.D, codeword_bytes(k), mixed_rows(k))
-    if occ > 0:
-        return None
-    return (f"variant {variant}'s instance for these caches (head_dim {k.D}, S={k.S}{', Med3x' if med3 else ''}"
-            f"{', pack=mixed' if mixed_rows(k) else ''}) cannot be resident on {torch.cuda.get_device_name(q.device)} "
-            f"(occupancy query {occ}: its shared memory is past this GPU's per-block limit)")
+    return residency_refusal(occupancy(variant, k.S, med3, k.D, codeword_bytes(k), mixed_rows(k)),
+                             f"variant {variant}'s instance for these caches (head_dim {k.D}, S={k.S}"
+                             f"{', Med3x' if med3 else ''}{', pack=mixed' if mixed_rows(k) else ''})", q.device)
 
 
 def splits(rows: int, T: int, device, num_splits: int | None = None, ctas_per_sm: int | None = None,

@@ -187,6 +187,16 @@ def follow_tokens(plan, T: int, Tv: int, resplit, *how) -> None:
     a.T = T
 
 
+def residency_refusal(occupancy: int, instance: str, device) -> str | None:
+    """A loader's `fits` answer from its occupancy query of the instance a call would launch:
+    None when at least one CTA is resident per SM, else why not (its shared memory past this
+    GPU's per-block opt-in: the query reads 0, or the opt-in's error)."""
+    if occupancy > 0:
+        return None
+    return (f"{instance} cannot be resident on {torch.cuda.get_device_name(device)} (occupancy query "
+            f"{occupancy}: its shared memory is past this GPU's per-block limit)")
+
+
 def row_start_ptr(row_start, q: torch.Tensor) -> int | None:
     """The device pointer of a call's row_start (int32 `[B]` on q's device, each batch row's
     first key: a left-padded batch), None without one; ValueError naming what is wrong
@@ -432,4 +442,4 @@ def workspace_counters(ws, n: int, device) -> int:
 __all__ = ["FLAGS", "EXACT_FLAGS", "QTYPE", "FUSED_COMBINE", "FUSED_DEFINE", "FusedCombine", "KernelLibrary", "Switch", "fused_declare",
            "RoutedPlan", "SCRATCH", "Scratch", "LaunchOverlap", "PDL", "check_token_counts", "follow_tokens", "arch_flags",
            "build_dir", "compile_library", "fresh_partials", "load_library", "nvcc",
-           "on_current_stream", "row_start_ptr", "workspace_counters"]
+           "on_current_stream", "residency_refusal", "row_start_ptr", "workspace_counters"]

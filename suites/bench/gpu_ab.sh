@@ -11,6 +11,8 @@
 #   (gpu_env.sh's /tmp/pp) for the working tree. Prebuild the base's libraries too:
 #   `gpu_ab.sh prebuild` (after prep) puts them in .gpubuild beside the working tree's.
 set -eu
+# base_package DIR: DIR/kvqbench as the base tree's package (its kernels/, quantizers/, suites/)
+base_package() { mkdir -p "$1/kvqbench"; for d in kernels quantizers suites; do ln -sfn "$PWD/.gpuab/tree/$d" "$1/kvqbench/$d"; done; }
 case "${1:-}" in
   prep)
     rev=$(git rev-parse "${2:-HEAD}")
@@ -21,8 +23,7 @@ case "${1:-}" in
   py)
     shift
     [ -f .gpuab/rev ] || { echo "gpu_ab.sh: no .gpuab here (run 'prep' on the CPU machine and carry .gpuab)" >&2; exit 2; }
-    PPB=/tmp/pp_base; mkdir -p $PPB/kvqbench
-    for d in kernels quantizers suites; do ln -sfn "$PWD/.gpuab/tree/$d" $PPB/kvqbench/$d; done
+    PPB=/tmp/pp_base; base_package $PPB
     echo "base tree: $(cat .gpuab/rev)"
     # (a prebuilt .gpubuild holds both trees' libraries: their names carry their sources' hashes)
     EXT=/tmp/kvq_ext_base; [ -d .gpubuild/kvqbench_cuda_decode ] && EXT=$PWD/.gpubuild
@@ -30,8 +31,7 @@ case "${1:-}" in
       ${PYTHON:-python} "$@" ;;
   prebuild)
     [ -f .gpuab/rev ] || { echo "gpu_ab.sh: run 'prep' first" >&2; exit 2; }
-    PPB=/tmp/pp_base_cpu; mkdir -p $PPB/kvqbench
-    for d in kernels quantizers suites; do ln -sfn "$PWD/.gpuab/tree/$d" $PPB/kvqbench/$d; done
+    PPB=/tmp/pp_base_cpu; base_package $PPB
     PYTHONPATH=$PPB ${PYTHON:-python} -m kvqbench.suites.bench.gpu_prebuild --out "$PWD/.gpubuild" ;;
   *) echo "usage: gpu_ab.sh prep [REV] | prebuild | py ARGS..." >&2; exit 2 ;;
 esac

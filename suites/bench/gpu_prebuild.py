@@ -35,10 +35,21 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=".gpubuild", help="the folder to use as TORCH_EXTENSIONS_DIR")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="nvcc processes side by side")
     a = ap.parse_args(argv)
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(a.out).resolve())  # read by build_dir() at each build
+    root = Path(a.out).resolve()
+    old = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(root)  # read by build_dir() at each build
+    try:
+        return _build_all(root, tuple(int(x) for x in a.cap.split(".")), a.jobs)
+    finally:  # (an in-process caller keeps its own build root)
+        if old is None:
+            os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = old
+
+
+def _build_all(root: Path, cap: tuple[int, int], jobs: int) -> int:
     from ...kernels.cuda.library import compile_library
 
-    cap = tuple(int(x) for x in a.cap.split("."))
     t0 = time.time()
 
     def build(lib):
@@ -48,14 +59,13 @@ def main(argv=None) -> int:
             return lib.stem, None, f"{type(e).__name__}: {e}"
 
     failed = 0
-    with ThreadPoolExecutor(max(1, a.jobs)) as pool:
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
         for stem, path, err in pool.map(build, libraries()):
             if err:
                 failed += 1
                 print(f"{stem}: FAILED {err}", file=sys.stderr)
             else:
                 print(f"{stem}: {path} ({path.stat().st_size / 2**20:.1f} MiB, {time.time() - t0:.0f} s)", flush=True)
-    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
     total = sum(f.stat().st_size for f in root.rglob("*.so")) / 2**20
     print(f"{root}: {total:.0f} MiB of libraries" + ("  (the run tool carries 64 MiB in all: remove the folder "
                                                      "and build again to drop stale ones)" if total > 40 else ""))

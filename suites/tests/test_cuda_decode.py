@@ -865,15 +865,16 @@ def test_an_instance_this_gpu_cannot_hold_is_declined_by_name(spec, monkeypatch)
     from kvqbench.kernels import registry
     from kvqbench.suites.bench.latency.host_time import CudaLookingTensor
 
-    kf = _kivi_flats(spec, 300, D=256)[0] if spec.startswith("kivi") else \
-        L.flatten(get_quantizer(spec, role="K").encode(torch.randn(1, 2, 40, 256)))
+    def k_flat(D):
+        if spec.startswith("kivi"):
+            return _kivi_flats(spec, 300, D=D)[0]
+        return L.flatten(get_quantizer(spec, role="K").encode(torch.randn(1, 2, 40, D)))
+
+    kf = k_flat(256)
     kern = registry.format_of_flat(type(kf)).by_backend["cuda"]
     if CUDA:
-        assert cuda_decode.occupancy(kf) >= 1
-        for D in (64, 128):
-            f = _kivi_flats(spec, 300, D=D)[0] if spec.startswith("kivi") else \
-                L.flatten(get_quantizer(spec, role="K").encode(torch.randn(1, 2, 40, D)))
-            assert cuda_decode.occupancy(f) >= 1, (spec, D)
+        for D in (64, 128, 256):
+            assert cuda_decode.occupancy(k_flat(D)) >= 1, (spec, D)
     q = torch.randn(1, 4, 1, 256).as_subclass(CudaLookingTensor)
     asked = []
     monkeypatch.setattr(cuda_decode, "_LIB", types.SimpleNamespace(lib=object()))

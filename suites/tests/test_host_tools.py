@@ -122,8 +122,9 @@ def test_gpu_prebuild_builds_every_kernel_library_and_fails_by_name(tmp_path, mo
         return p
 
     monkeypatch.setattr(library, "compile_library", fake)
-    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/elsewhere")
     assert gpu_prebuild.main(["--cap", "8.6", "--out", str(tmp_path), "--jobs", "2"]) == 1
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == "/elsewhere"  # (the caller's build root is kept)
     out, err = capsys.readouterr()
     assert "kvq_hqmq_fused: FAILED RuntimeError: nvcc failed (1): boom" in err
     assert "kvq_decode:" in out and "kvq_step_write:" in out
