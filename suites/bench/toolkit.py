@@ -66,14 +66,16 @@ def _smi(query: str) -> str:
 def audit_state() -> tuple[bool, str]:
     """(whether filelock's audit hook is in this process, what an id() call costs against
     object.__hash__). A Python audit hook, once installed, runs on every id(): filelock >=
-    4.3 installs one on Python >= 3.12 at its import (so every process that imports
+    4.3 (module filelock._core._fork) and the GPU image's 3.32.5 (filelock._api) install
+    one, `_audit_fork_safety`, on Python >= 3.12 at import (so every process that imports
     transformers has it). Host times per call depend on that state (kernels keep id() off
     their per-call paths: quantizers/derived.py `identity`), so runs record it. The flag is
     read from the modules loaded, not from the timing (a condition --resume compares must
     not move with the machine's noise); the reading (ns, best of 3) shows any other hook."""
     import timeit
 
-    hooked = sys.version_info >= (3, 12) and "filelock._core._fork" in sys.modules
+    hooked = sys.version_info >= (3, 12) and any(  # (found by its function: the module moved)
+        hasattr(mod, "_audit_fork_safety") for name, mod in list(sys.modules.items()) if name.startswith("filelock"))
     x, n = object(), 20000
     t_id = min(timeit.repeat(lambda: id(x), number=n, repeat=3)) / n * 1e9
     t_hash = min(timeit.repeat(lambda: object.__hash__(x), number=n, repeat=3)) / n * 1e9
@@ -81,7 +83,9 @@ def audit_state() -> tuple[bool, str]:
     # id() raises an audit event and object.__hash__ does not: unhooked, id() costs about half
     # of it (0.5 on this project's CPU machine), a trivial Python hook lifts it to ~2x (1.0:
     # a factor 2 from either). The GPU hosts of 2026-12-07 read 2.8x (H100: id() 234 ns,
-    # H200: 664) with filelock's hook out: another hook was in, e.g. the image's.
+    # H200: 664) while this flag read false: it was filelock's hook under filelock._api, the
+    # image's 3.32.5 (an H100 that evening: id() 24 ns after `import torch, triton`, 181 after
+    # `import filelock`).
     if not hooked and t_id > t_hash:
         note = " (an audit hook is in: id() costs more than object.__hash__)"
     return hooked, f"id() {t_id:.0f} ns, object.__hash__ {t_hash:.0f} ns" + note

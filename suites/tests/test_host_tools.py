@@ -4,6 +4,8 @@ figure, and host_drift.py's parts timed before and after other work. No figure i
 beyond being measured (host microseconds are a GPU host's, in reports/latency/)."""
 from __future__ import annotations
 
+import sys
+
 
 def test_host_time_breakdown_names_where_a_call_goes(monkeypatch):
     """`host_time --breakdown` (CPU: the launch stubbed): route, kernel function and whole
@@ -147,3 +149,24 @@ def test_audit_state_names_an_audit_hook_that_is_not_filelocks():
     assert "audit hook is in" in hooked.stdout, hooked.stdout  # (filelock's, where it is imported, or another)
     id_ns = [float(re.search(r"id\(\) (\d+) ns", r.stdout).group(1)) for r in (plain, hooked)]
     assert id_ns[0] < id_ns[1], (plain.stdout, hooked.stdout)
+
+
+def test_audit_state_finds_filelocks_hook_in_either_module(monkeypatch):
+    """filelock's fork-safety hook lives in filelock._core._fork (4.3) or filelock._api (the
+    GPU image's 3.32.5, which the flag missed on 2026-12-07): either module, once loaded on
+    Python >= 3.12, sets the flag; a filelock without the hook's function does not."""
+    import types
+
+    from kvqbench.suites.bench.toolkit import audit_state
+
+    monkeypatch.setattr(sys, "version_info", (3, 12, 3, "final", 0))
+    for name in [m for m in sys.modules if m.startswith("filelock")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "filelock", types.ModuleType("filelock"))
+    assert audit_state()[0] is False
+    for name in ("filelock._api", "filelock._core._fork"):
+        mod = types.ModuleType(name)
+        mod._audit_fork_safety = lambda event, args: None
+        monkeypatch.setitem(sys.modules, name, mod)
+        assert audit_state()[0] is True, name
+        monkeypatch.delitem(sys.modules, name)
