@@ -57,8 +57,8 @@ from ...quantizers.derived import identity
 from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import FP8Flat, IntFlat, KIVIFlat, KIVIGraphFlat
 from .library import (FUSED_COMBINE, FUSED_DEFINE, PDL, QTYPE, KernelLibrary, RoutedPlan, check_token_counts,
-                      follow_tokens, fresh_partials, fused_declare, gqa_refusal, head_split, on_current_stream,
-                      residency_refusal, row_start_ptr, workspace_counters)
+                      follow_tokens, fresh_partials, fused_declare, gqa_refusal, head_split, HeadSplitField,
+                      on_current_stream, residency_refusal, row_start_ptr, workspace_counters)
 
 SOURCE = Path(__file__).parent / "decode_attention.cu"
 # The numbers behind every default below (variants, splits, switches), run by run, are in
@@ -373,21 +373,13 @@ RENAMED = {"programs_per_sm": "ctas_per_sm"}
 # a plan (a ctypes struct the C side reads: kvq_run takes one pointer plus the per-call q,
 # valid count, workspace and stream).
 # ---------------------------------------------------------------------------------------
-class _Args(ctypes.Structure):  # mirrors HostArgs in decode_attention.cu (checked by kvq_args_size)
+class _Args(HeadSplitField, ctypes.Structure):  # mirrors HostArgs in decode_attention.cu (checked by kvq_args_size)
     _fields_ = ([(n, ctypes.c_void_p) for n in ("kc", "ks", "kz", "kr", "vc", "vs", "vz", "vr", "khs", "vhs")]
                 + [(n, ctypes.c_longlong) for n in ("k_cs", "k_ss", "k_rs", "v_cs", "v_ss", "v_rs")]
                 + [(n, ctypes.c_int) for n in ("kind", "fmt", "D", "qtype", "otype", "variant", "B", "Hkv", "gqa", "T",
                                                "per", "nsplit", "TQK", "TQV", "n_main", "per_main", "nsplit_main",
                                                "per_tail", "nsplit_tail", "KA", "KP", "VA", "VP", "qsh")]
                 + [("qk_scale", ctypes.c_float)])
-
-    @property
-    def qs(self) -> int:  # CTAs per kv row (library.head_split; the struct holds its log2)
-        return 1 << self.qsh
-
-    @qs.setter
-    def qs(self, n: int) -> None:
-        self.qsh = {1: 0, 2: 1}[n]
 
 
 class _Plan:

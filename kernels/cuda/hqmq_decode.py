@@ -36,8 +36,8 @@ from ...quantizers.hqmq import int8_components
 from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import HQMQFlat, codebook_from_secondaries
 from .library import (FUSED_COMBINE, FUSED_DEFINE, PDL, QTYPE, KernelLibrary, RoutedPlan, follow_tokens,
-                      fresh_partials, fused_declare, gqa_refusal, head_split, on_current_stream, residency_refusal,
-                      row_start_ptr, workspace_counters)
+                      fresh_partials, fused_declare, gqa_refusal, head_split, HeadSplitField, on_current_stream,
+                      residency_refusal, row_start_ptr, workspace_counters)
 
 SOURCE = Path(__file__).parent / "hqmq_decode.cu"
 # VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM):
@@ -616,7 +616,7 @@ def _decode_per_call(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_d
 # eager calls is never launched with a device count, nor one made for graphs without).
 # Data pointers and strides are read once: the store never moves a tensor's storage in place.
 # ---------------------------------------------------------------------------------------
-class _PlanArgs(ctypes.Structure):  # mirrors HqmqPlan in hqmq_decode.cu (checked by kvq_hqmq_plan_size)
+class _PlanArgs(HeadSplitField, ctypes.Structure):  # mirrors HqmqPlan in hqmq_decode.cu (checked by kvq_hqmq_plan_size)
     _fields_ = ([(n, ctypes.c_void_p) for n in ("kc", "kr", "km", "vc", "vr", "vm", "ktab", "vtab",
                                                 "kf", "vf", "ko", "vo", "ki", "vi")]
                 + [(n, ctypes.c_longlong) for n in ("k_cs", "k_rs", "k_ms", "v_cs", "v_rs", "v_ms",
@@ -624,14 +624,6 @@ class _PlanArgs(ctypes.Structure):  # mirrors HqmqPlan in hqmq_decode.cu (checke
                 + [(n, ctypes.c_int) for n in ("qtype", "otype", "variant", "D", "S", "B", "Hkv", "gqa", "T",
                                                "steps_per_split", "nsplit", "vlen")]
                 + [("qk_scale", ctypes.c_float), ("cw", ctypes.c_int), ("mix", ctypes.c_int), ("qsh", ctypes.c_int)])
-
-    @property
-    def qs(self) -> int:  # CTAs per kv row (library.head_split; the struct holds its log2)
-        return 1 << self.qsh
-
-    @qs.setter
-    def qs(self, n: int) -> None:
-        self.qsh = {1: 0, 2: 1}[n]
 
 
 class _Plan:

@@ -213,6 +213,19 @@ def head_split(gqa: int) -> int:
     return 2 if 8 < gqa <= MAX_GQA and gqa % 2 == 0 else 0
 
 
+class HeadSplitField:
+    """`qs` (CTAs per kv row: 1 or 2) over a launch struct's `qsh` field (its log2, what the
+    kernels shift by); mixed into the loaders' ctypes structs."""
+
+    @property
+    def qs(self) -> int:
+        return 1 << self.qsh
+
+    @qs.setter
+    def qs(self, n: int) -> None:
+        self.qsh = {1: 0, 2: 1}[n]
+
+
 def gqa_refusal(q: torch.Tensor, H: int) -> str | None:
     """Why the CUDA kernels do not take q's GQA group over H kv heads (None: they do)."""
     if q.dim() != 4 or q.shape[1] % H or not head_split(q.shape[1] // H):
@@ -467,4 +480,4 @@ __all__ = ["FLAGS", "EXACT_FLAGS", "QTYPE", "FUSED_COMBINE", "FUSED_DEFINE", "Fu
            "RoutedPlan", "SCRATCH", "Scratch", "LaunchOverlap", "PDL", "check_token_counts", "follow_tokens", "arch_flags",
            "build_dir", "compile_library", "fresh_partials", "load_library", "nvcc",
            "on_current_stream", "residency_refusal", "row_start_ptr", "workspace_counters", "MAX_GQA", "head_split",
-           "gqa_refusal"]
+           "gqa_refusal", "HeadSplitField"]
