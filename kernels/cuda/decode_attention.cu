@@ -87,6 +87,11 @@ struct Params {
   // quantized tokens max(0, T - A) / P * P; TQK, TQV and n_main then come from the count
   int KA, KP, VA, VP;
   int qtype, T, Hkv, gqa, steps_per_split, nsplit;
+  // log2 of the CTAs per kv row (library.py head_split): a GQA group over 8 q heads runs as 2
+  // CTAs of gqa heads each, side by side in the grid (blockIdx.x = kv row * 2 + which half:
+  // the second read of the kv row mostly hits L2); a shift, not a division, so that no
+  // instance gains registers
+  int qsh;
   // the valid token count on the device (null: T). T is then the capacity bound the grid
   // was sized for; the kernel reads min(*vlen, T) at run time, so one captured CUDA graph
   // serves every decode step (CTAs past it write an empty partial).
@@ -1261,7 +1266,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wp = warp / SPL, hf = warp % SPL;
   const int g = lane >> 2, c = lane & 3;
-  const int bh = blockIdx.x;
+  const int bh = (int)blockIdx.x >> p.qsh;  // this CTA's kv row (b Hkv + h); blockIdx.x: its q-head group
   const int h = bh % p.Hkv;
   constexpr int NG = F::NG;
 
@@ -1270,7 +1275,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   uint32_t qb[KS][2];
   {
     const bool real = g < p.gqa;
-    const long long row = (long long)bh * p.gqa + g;
+    const long long row = (long long)blockIdx.x * p.gqa + g;
     if (p.qtype == 0) load_q<F, DW, D>(reinterpret_cast<const __half*>(p.q), row, real, 1.f, c, qb, hf);
     else if (p.qtype == 1) load_q<F, DW, D>(reinterpret_cast<const uint16_t*>(p.q), row, real, 1.f, c, qb, hf);
     else load_q<F, DW, D>(reinterpret_cast<const float*>(p.q), row, real, 1.f, c, qb, hf);
@@ -1451,7 +1456,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
     float o = 0.f;
 #pragma unroll
     for (int w = 0; w < NP; ++w) o += red[w][hd][d];
-    const long long prow = ((long long)bh * p.gqa + hd) * p.nsplit + p.split0 + blockIdx.y;
+    const long long prow = ((long long)blockIdx.x * p.gqa + hd) * p.nsplit + p.split0 + blockIdx.y;
     p.po[prow * D + d] = o;
     if (d == 0) {
       float M = NEG_INF, L = 0.f;
@@ -1464,8 +1469,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
     }
   }
   if constexpr (FUSED) {  // (sm_m is free once every thread is past last_of_group's barrier)
-    if (last_of_group(p.counters + bh, p.nsplit))
-      combine_rows<D>(p.po, p.pm, p.pl, p.out, p.otype, (long long)bh * p.gqa, p.gqa, p.nsplit, &sm_m[0][0]);
+    if (last_of_group(p.counters + blockIdx.x, p.nsplit))
+      combine_rows<D>(p.po, p.pm, p.pl, p.out, p.otype, (long long)blockIdx.x * p.gqa, p.gqa, p.nsplit, &sm_m[0][0]);
   }
 }
 
@@ -1651,7 +1656,7 @@ struct HostArgs {
   int kind;     // 0: int4 / fp8 token rows, 1: KIVI
   int fmt;      // kind 0: 0 int4 (groups of 32), 1 fp8 e4m3, 2 e5m2; kind 1: bits (2 or 4)
   int D, qtype, otype, variant;
-  int B, Hkv, gqa, T;  // kind 0: T = the capacity bound when a valid count is passed
+  int B, Hkv, gqa, T;  // kind 0: T = the capacity bound when a valid count is passed; gqa: heads a CTA
   int per, nsplit;     // kind 0: tiles per split, splits; kind 1: nsplit = main + tail
   // KIVI: TQK / TQV quantized tokens, tokens [0, n_main) in nsplit_main splits of per_main
   // tiles through the pipeline, [n_main, T) in nsplit_tail splits of per_tail by the tail path
@@ -1659,6 +1664,7 @@ struct HostArgs {
   // KIVI graph views: the window policies (KP = 0: none; the call takes no device count),
   // T the capacity, the splits cut for it
   int KA, KP, VA, VP;
+  int qsh;         // log2 of the CTAs per kv row (Params.qsh): 0 or 1
   float qk_scale;  // log2(e) / sqrt(D)
 };
 
@@ -1748,11 +1754,12 @@ static int run_call(const void* args, const void* q, const int* vlen, const int*
   p.kr = (const uint16_t*)a->kr; p.vr = (const uint16_t*)a->vr;
   p.khs = a->khs; p.vhs = a->vhs;
   p.k_cs = a->k_cs; p.k_ss = a->k_ss; p.v_cs = a->v_cs; p.v_ss = a->v_ss; p.k_rs = a->k_rs; p.v_rs = a->v_rs;
-  p.T = a->T; p.Hkv = a->Hkv; p.gqa = a->gqa;
+  p.T = a->T; p.Hkv = a->Hkv; p.gqa = a->gqa; p.qsh = a->qsh;
   p.steps_per_split = a->per; p.nsplit = a->nsplit; p.qk_scale = a->qk_scale;
   p.po = po; p.pm = pm; p.pl = pl;
   p.counters = counters; p.out = out; p.otype = a->otype;
-  const int rows = a->B * a->Hkv;
+  if (a->qsh < 0 || a->qsh > 1) return (int)cudaErrorInvalidValue;
+  const int rows = (a->B * a->Hkv) << a->qsh;  // the grid's rows: 1 or 2 CTAs per kv row
   cudaStream_t s = (cudaStream_t)stream;
   p.vlen = vlen;
   p.rstart = rstart;

@@ -57,8 +57,8 @@ from ...quantizers.derived import identity
 from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import FP8Flat, IntFlat, KIVIFlat, KIVIGraphFlat
 from .library import (FUSED_COMBINE, FUSED_DEFINE, PDL, QTYPE, KernelLibrary, RoutedPlan, check_token_counts,
-                      follow_tokens, fresh_partials, fused_declare, on_current_stream, residency_refusal,
-                      row_start_ptr, workspace_counters)
+                      follow_tokens, fresh_partials, fused_declare, gqa_refusal, head_split, HeadSplitField,
+                      on_current_stream, residency_refusal, row_start_ptr, workspace_counters)
 
 SOURCE = Path(__file__).parent / "decode_attention.cu"
 # The numbers behind every default below (variants, splits, switches), run by run, are in
@@ -236,8 +236,9 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
     why = head_dim_reason(D)
     if why:
         return why
-    if q.dim() != 4 or q.shape[1] % H or not 1 <= q.shape[1] // H <= 8:
-        return f"GQA group of q {tuple(q.shape)} over {H} kv heads (the CUDA kernels take 1..8)"
+    why = gqa_refusal(q, H)
+    if why:
+        return why
     row_align = 16  # cp.async copies 16-byte chunks of codes (rows are 32..128 bytes)
     if isinstance(k, IntFlat):
         for f in (k, v):
@@ -292,8 +293,9 @@ def _kivi_unsupported(q: torch.Tensor, k, v) -> str | None:
         return "K and V KIVI caches differ in length or type"
     if (v.B, v.H, v.D) != (k.B, k.H, k.D):
         return "K and V KIVI caches differ in shape"
-    if q.dim() != 4 or q.shape[1] % k.H or not 1 <= q.shape[1] // k.H <= 8:
-        return f"GQA group of q {tuple(q.shape)} over {k.H} kv heads (the CUDA kernels take 1..8)"
+    why = gqa_refusal(q, k.H)
+    if why:
+        return why
     for f, role in ((k, "K"), (v, "V")):
         if f.residual.dtype != torch.float16 or ((graph or f.T_res) and f.residual.data_ptr() % 16):
             return f"{role} window must be fp16, 16-byte aligned"
@@ -371,12 +373,12 @@ RENAMED = {"programs_per_sm": "ctas_per_sm"}
 # a plan (a ctypes struct the C side reads: kvq_run takes one pointer plus the per-call q,
 # valid count, workspace and stream).
 # ---------------------------------------------------------------------------------------
-class _Args(ctypes.Structure):  # mirrors HostArgs in decode_attention.cu (checked by kvq_args_size)
+class _Args(HeadSplitField, ctypes.Structure):  # mirrors HostArgs in decode_attention.cu (checked by kvq_args_size)
     _fields_ = ([(n, ctypes.c_void_p) for n in ("kc", "ks", "kz", "kr", "vc", "vs", "vz", "vr", "khs", "vhs")]
                 + [(n, ctypes.c_longlong) for n in ("k_cs", "k_ss", "k_rs", "v_cs", "v_ss", "v_rs")]
                 + [(n, ctypes.c_int) for n in ("kind", "fmt", "D", "qtype", "otype", "variant", "B", "Hkv", "gqa", "T",
                                                "per", "nsplit", "TQK", "TQV", "n_main", "per_main", "nsplit_main",
-                                               "per_tail", "nsplit_tail", "KA", "KP", "VA", "VP")]
+                                               "per_tail", "nsplit_tail", "KA", "KP", "VA", "VP", "qsh")]
                 + [("qk_scale", ctypes.c_float)])
 
 
@@ -528,7 +530,7 @@ def _kivi_token_fields(a, k, v, device, num_splits, ctas_per_sm, device_count: b
     """The launch fields that follow a KIVI call's counts (host counts; a graph view's
     device count: its capacity cut): T, the quantized lengths, the main / tail cut and
     their splits (the only ones: `_retarget` relies on it). Returns nsplit."""
-    n_main, (ns_m, per_m), (ns_t, per_t) = kivi_plan(k, v, device, num_splits, ctas_per_sm, device_count)
+    n_main, (ns_m, per_m), (ns_t, per_t) = kivi_plan(k, v, device, num_splits, ctas_per_sm, device_count, a.qs)
     if not device_count:
         a.T, a.TQK, a.TQV, a.n_main = k.T, k.T_quant, v.T_quant, n_main
     a.per_main, a.nsplit_main, a.per_tail, a.nsplit_tail = per_m, ns_m, per_t, ns_t
@@ -539,7 +541,7 @@ def _kivi_token_fields(a, k, v, device, num_splits, ctas_per_sm, device_count: b
 def _token_fields(a, k, device, num_splits, ctas_per_sm):
     """The launch fields that follow the token count T of an int4 / fp8 call: T, the split
     count and tiles per split (the only ones: `_retarget` relies on it). Returns nsplit."""
-    nsplit, per = splits(k.B * k.H, k.T, device, num_splits, ctas_per_sm)
+    nsplit, per = splits(k.B * k.H * a.qs, k.T, device, num_splits, ctas_per_sm)  # (the grid's rows)
     a.T, a.per, a.nsplit = k.T, per, nsplit
     return nsplit
 
@@ -592,7 +594,8 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_cou
         raise ValueError(f"out dtype {out_dtype}")
     Hq = q.shape[1]
     a = _Args()
-    a.D, a.qtype, a.otype, a.B, a.Hkv, a.gqa, a.T = D, QTYPE[q.dtype], QTYPE[out_dtype], B, H, Hq // H, T
+    a.qs = head_split(Hq // H)  # (>= 1: unsupported took the group)
+    a.D, a.qtype, a.otype, a.B, a.Hkv, a.gqa, a.T = D, QTYPE[q.dtype], QTYPE[out_dtype], B, H, Hq // H // a.qs, T
     a.qk_scale = 1.4426950408889634 / math.sqrt(D)
     keep = []
     if isinstance(k, KIVIFlat):
@@ -726,7 +729,7 @@ def _launch(plan, q, valid_len, workspace, rs=None) -> torch.Tensor:
 
 
 def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | None = DEFAULT_CTAS_PER_SM,
-              device_count: bool = False):
+              device_count: bool = False, qs: int = 1):
     """How a KIVI call is cut: (n_main, (splits, tiles per split) of tokens [0, n_main),
     (splits, tiles per split) of the tail [n_main, T)). n_main = min(TQK, TQV): both sides
     quantized (whole groups, whole tiles); its splits hold whole groups (an even number of
@@ -734,8 +737,9 @@ def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | No
     part, the tail (the windows, usually < R + G tokens) takes the default rule.
     device_count (graph views): cut for the most either part can hold at any count up to
     the capacity C: n_main(C) (it grows with the count), and a tail of at most
-    max(A + P) - 1 tokens over the sides (T - q(T) < A + P for q(T) = max(0, T - A) // P * P)."""
-    rows = k.B * k.H
+    max(A + P) - 1 tokens over the sides (T - q(T) < A + P for q(T) = max(0, T - A) // P * P).
+    qs: CTAs per kv row (library.head_split), which the grid's rows count."""
+    rows = k.B * k.H * qs
     if device_count:
         C = k.capacity
         n_main = min(max(0, C - a) // p * p for a, p in (k.policy, v.policy))

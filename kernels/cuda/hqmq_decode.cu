@@ -110,6 +110,7 @@ struct Params {
   const int* vlen;  // device-side valid length (nullptr: T); T is then the capacity bound
   const int* rstart;  // a left-padded batch: null, or per batch row its first key (keys below masked)
   int qtype, T, Hkv, gqa, steps_per_split, nsplit, tab_bytes;  // tab_bytes = 24 S cw (one table)
+  int qsh;  // log2 of the CTAs per kv row (decode_attention.cu Params.qsh); gqa = heads a CTA
   float qk_scale;
   float* po;
   float* pm;
@@ -1020,7 +1021,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wp = warp / SPL, hf = warp % SPL;
   const int g = lane >> 2, c = lane & 3;
-  const int bh = blockIdx.x, sp = blockIdx.y;
+  const int bh = (int)blockIdx.x >> p.qsh, sp = blockIdx.y;  // kv row (b Hkv + h; blockIdx.x: q-head group), split
   const int h = bh % p.Hkv;
   // (the other head dims name their dynamic shared memory apart: with one symbol for all, the
   // 64 / 256 instances changed how nvcc unrolled d = 128 v8's table copy)
@@ -1151,7 +1152,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   uint32_t qb[KS][2];
   {
     const bool real = g < p.gqa;
-    const long long row = (long long)bh * p.gqa + g;
+    const long long row = (long long)blockIdx.x * p.gqa + g;
     if (p.qtype == 0) load_q<DW, D>(reinterpret_cast<const __half*>(p.q), row, real, c, qb, hf);
     else if (p.qtype == 1) load_q<DW, D>(reinterpret_cast<const uint16_t*>(p.q), row, real, c, qb, hf);
     else load_q<DW, D>(reinterpret_cast<const float*>(p.q), row, real, c, qb, hf);
@@ -1250,7 +1251,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     float o = 0.f;
 #pragma unroll
     for (int w = 0; w < NP; ++w) o += red[w][hd][d];
-    const long long prow = ((long long)bh * p.gqa + hd) * p.nsplit + sp;
+    const long long prow = ((long long)blockIdx.x * p.gqa + hd) * p.nsplit + sp;
     p.po[prow * D + d] = o;
     if (d == 0) {
       float M = NEG_INF, L = 0.f;
@@ -1267,8 +1268,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     }
   }
   if constexpr (FUSED) {  // (sm_m is free once every thread is past last_of_group's barrier)
-    if (last_of_group(p.counters + bh, p.nsplit))
-      combine_rows<D>(p.po, p.pm, p.pl, p.out, p.otype, (long long)bh * p.gqa, p.gqa, p.nsplit, &sm_m[0][0]);
+    if (last_of_group(p.counters + blockIdx.x, p.nsplit))
+      combine_rows<D>(p.po, p.pm, p.pl, p.out, p.otype, (long long)blockIdx.x * p.gqa, p.gqa, p.nsplit, &sm_m[0][0]);
   }
 }
 
@@ -1452,6 +1453,7 @@ struct HqmqPlan {
   float qk_scale;  // log2(e) / sqrt(D)
   int cw;  // bytes per codeword: 8 (fp16) or 4 (codebook=int8); in the struct's former tail padding
   int mix;  // 1: mixed-radix code rows (pack=mixed, S = 96, head dim 64 / 128 / 256: the MIX instances)
+  int qsh;  // log2 of the CTAs per kv row (Params.qsh), 0 or 1; gqa: the heads of one CTA; in the former tail padding
 };
 // The Python mirror is laid out by ctypes with the C rules: these pin the layout it assumes
 // (a field moved here without it fails the build, not a launch).
@@ -1475,12 +1477,13 @@ int run_plan(const HqmqPlan& a, const void* q, const int* vlen, const int* rstar
   p.kf = (const uint32_t*)a.kf; p.vf = (const uint32_t*)a.vf; p.ko = (const uint2*)a.ko; p.vo = (const uint2*)a.vo;
   p.ki = (const int*)a.ki; p.vi = (const int*)a.vi;
   p.k_fs = a.k_fs; p.k_os = a.k_os; p.k_is = a.k_is; p.v_fs = a.v_fs; p.v_os = a.v_os; p.v_is = a.v_is;
-  p.T = a.T; p.Hkv = a.Hkv; p.gqa = a.gqa; p.steps_per_split = a.steps_per_split; p.nsplit = a.nsplit;
+  p.T = a.T; p.Hkv = a.Hkv; p.gqa = a.gqa; p.qsh = a.qsh; p.steps_per_split = a.steps_per_split; p.nsplit = a.nsplit;
   p.tab_bytes = tab_bytes(a.S, a.cw); p.qk_scale = a.qk_scale;
   p.po = po; p.pm = pm; p.pl = pl;
   p.counters = counters; p.out = out; p.otype = a.otype;
   if (FUSED_BUILD != (counters != nullptr)) return (int)cudaErrorInvalidValue;  // (fused: kvq_hqmq_run_fused)
-  const int rows = a.B * a.Hkv;
+  if (a.qsh < 0 || a.qsh > 1) return (int)cudaErrorInvalidValue;
+  const int rows = (a.B * a.Hkv) << a.qsh;  // the grid's rows: 1 or 2 CTAs per kv row
   const int e = dispatch(a.variant, a.S, a.kf != nullptr, LAUNCH, &p, rows, s, a.D, a.cw, a.mix != 0);
   if (e) return e;
   if constexpr (FUSED_BUILD) return (int)cudaGetLastError();
@@ -1502,11 +1505,11 @@ extern "C" int kvq_hqmq_decode(const void* q, int qtype, const void* kc, const v
                                long long v_fs, long long v_os, long long v_is, int B, int Hkv, int gqa, int T, int S,
                                int steps_per_split, int nsplit, float qk_scale, float* po, float* pm, float* pl,
                                void* out, int otype, int variant, const int* vlen, void* stream, int D, int cw,
-                               int mix, const int* rstart) {
+                               int mix, const int* rstart, int qsh) {
   const HqmqPlan a = {kc, kr, km, vc, vr, vm, ktab, vtab, kf, vf, ko, vo, ki, vi,
                       k_cs, k_rs, k_ms, v_cs, v_rs, v_ms, k_fs, k_os, k_is, v_fs, v_os, v_is,
                       qtype, otype, variant, D, S, B, Hkv, gqa, T, steps_per_split, nsplit, vlen != nullptr, qk_scale,
-                      cw, mix};
+                      cw, mix, qsh};
   return run_plan(a, q, vlen, rstart, po, pm, pl, out, (cudaStream_t)stream);
 }
 

@@ -5,9 +5,9 @@ Takes: `HQMQFlat` K and V with 12-bit codes (24 S <= 4096, S <= 170), r = 4 unif
 radius levels, head_dim 64, 128 or 256 (HEAD_DIMS), with or without Med3x outliers (both
 sides alike; backend="auto" sends Med3x here only when AUTO_MED3; at head_dim 64 and 256
 through the prefetching variants only), mixed-radix code rows (pack=mixed) at S = 96,
-head_dim 64 / 128 / 256 (MIXED_HEAD_DIMS; auto at AUTO_MIXED_HEAD_DIMS), GQA groups of 1..8, q
-fp16/bf16/fp32, a device valid length and a left-padded batch's `row_start` (auto while
-AUTO_ROW_START). The kernel gathers codewords from the fp16 codebook `[H, 24 S, 4]` held
+head_dim 64 / 128 / 256 (MIXED_HEAD_DIMS; auto at AUTO_MIXED_HEAD_DIMS), GQA groups of 1..8
+(and 10, 12, 14, 16 as two CTAs of half the heads: library.head_split), q fp16/bf16/fp32, a
+device valid length and a left-padded batch's `row_start` (auto while AUTO_ROW_START). The kernel gathers codewords from the fp16 codebook `[H, 24 S, 4]` held
 in shared memory; when a flat carries another table (the default is the fp32
 secondaries) the fp16 codebook is built once per secondaries tensor and cached here.
 
@@ -36,8 +36,8 @@ from ...quantizers.hqmq import int8_components
 from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import HQMQFlat, codebook_from_secondaries
 from .library import (FUSED_COMBINE, FUSED_DEFINE, PDL, QTYPE, KernelLibrary, RoutedPlan, follow_tokens,
-                      fresh_partials, fused_declare, on_current_stream, residency_refusal, row_start_ptr,
-                      workspace_counters)
+                      fresh_partials, fused_declare, gqa_refusal, head_split, HeadSplitField, on_current_stream,
+                      residency_refusal, row_start_ptr, workspace_counters)
 
 SOURCE = Path(__file__).parent / "hqmq_decode.cu"
 # VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM):
@@ -159,7 +159,7 @@ def _declare(lib) -> str | None:
     lib.kvq_hqmq_run.argtypes = [P, P, P, P, P, P, P, P, P]
     lib.kvq_hqmq_run.restype = I
     lib.kvq_hqmq_decode.argtypes = [P, I, P, P, P, P, P, P, P, P, LL, LL, LL, LL, LL, LL, P, P, P, P, P, P, LL,
-                                    LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F, P, P, P, P, I, I, P, P, I, I, I, P]
+                                    LL, LL, LL, LL, LL, I, I, I, I, I, I, I, F, P, P, P, P, I, I, P, P, I, I, I, P, I]
     lib.kvq_hqmq_decode.restype = I
     lib.kvq_hqmq_num_regs.argtypes = [I, I, I, I, I, I]
     lib.kvq_hqmq_num_regs.restype = I
@@ -315,8 +315,9 @@ def unsupported(q: torch.Tensor, k, v) -> str | None:
         return why
     if v.D != k.D:
         return f"K head_dim {k.D}, V {v.D}"
-    if q.dim() != 4 or q.shape[1] % k.H or not 1 <= q.shape[1] // k.H <= 8:
-        return f"GQA group of q {tuple(q.shape)} over {k.H} kv heads (1..8)"
+    why = gqa_refusal(q, k.H)
+    if why:
+        return why
     for f in (k, v):
         i = _flat_info(f)
         if isinstance(i, str):
@@ -451,8 +452,7 @@ def workspace(q: torch.Tensor, k, *, num_splits: int | None = None, ctas_per_sm:
     call of a captured CUDA graph so the call allocates nothing."""
     med3 = k.has_outliers
     variant = (DEFAULT_VARIANT_MED3 if med3 else DEFAULT_VARIANT) if variant is None else variant
-    nsplit, _ = splits(k.B * k.H, k.T, q.device, num_splits, ctas_per_sm, variant, k.S, med3, k.D,
-                       codeword_bytes(k), mixed_rows(k))
+    nsplit, _ = _token_splits(k, q.device, num_splits, ctas_per_sm, variant, head_split(q.shape[1] // k.H))
     ws = Workspace(k.B * q.shape[1], nsplit, k.D, q.device, out_dtype or q.dtype)
     if FUSED_COMBINE.on:  # (its counters now, not in a capture's first call)
         workspace_counters(ws, k.B * q.shape[1], q.device)
@@ -473,8 +473,9 @@ def _checked(q: torch.Tensor, k, v):
         raise ValueError("CUDA HQMQ kernel: q is not on a CUDA device")
     if q.dtype not in QTYPE:
         raise ValueError(f"CUDA HQMQ kernel: q dtype {q.dtype}")
-    if not 1 <= q.shape[1] // H <= 8:
-        raise ValueError(f"CUDA HQMQ kernel: GQA group of q {tuple(q.shape)} over {H} kv heads (1..8)")
+    why = gqa_refusal(q, H)
+    if why:
+        raise ValueError(f"CUDA HQMQ kernel: {why}")
     ik, iv = _flat_info(k), _flat_info(v)
     for i in (ik, iv):
         if isinstance(i, str):
@@ -506,10 +507,11 @@ def _loaded():
     return lib
 
 
-def _token_splits(k, device, num_splits, ctas_per_sm, variant) -> tuple[int, int]:
+def _token_splits(k, device, num_splits, ctas_per_sm, variant, qs: int) -> tuple[int, int]:
     """(splits, tiles per split) of a call on k's T tokens: with T itself, all a plan holds
-    that follows the token count (`_retarget` relies on it)."""
-    return splits(k.B * k.H, k.T, device, num_splits, ctas_per_sm, variant, k.S, k.has_outliers, k.D,
+    that follows the token count (`_retarget` relies on it). qs: CTAs per kv row
+    (library.head_split), which the grid's rows count."""
+    return splits(k.B * k.H * qs, k.T, device, num_splits, ctas_per_sm, variant, k.S, k.has_outliers, k.D,
                   codeword_bytes(k), mixed_rows(k))
 
 
@@ -539,7 +541,7 @@ def _launch_values(q: torch.Tensor, k, v, num_splits, ctas_per_sm, variant, out_
         raise ValueError(f"variant {variant} has no pack=mixed instance (variants: {variants(D, out, cw, mix)})")
     if occupancy(variant, k.S, out, D, cw, mix) <= 0:  # v8 with S > 96 (the shared-memory opt-in is refused)
         raise ValueError(f"variant {variant} does not fit the shared memory with S={k.S} at head_dim {D}")
-    nsplit, per = _token_splits(k, q.device, num_splits, ctas_per_sm, variant)
+    nsplit, per = _token_splits(k, q.device, num_splits, ctas_per_sm, variant, head_split(q.shape[1] // H))
     out_dtype = out_dtype or q.dtype
     if out_dtype not in QTYPE:
         raise ValueError(f"out dtype {out_dtype}")
@@ -584,22 +586,22 @@ def _decode_per_call(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_d
     if not q.is_contiguous():
         q = q.contiguous()
     Hq = q.shape[1]
-    rows_q = B * Hq
+    rows_q, qs = B * Hq, head_split(Hq // H)
     ws = workspace
     if ws is None or ws.nsplit != nsplit or ws.out.dtype != out_dtype or ws.out.numel() != rows_q * D:
         ws = Workspace(rows_q, nsplit, D, q.device, out_dtype)
     dev = q.device.index
     args = (q.data_ptr(), QTYPE[q.dtype], k.codes.data_ptr(), k.radius.data_ptr(), k.r_max.data_ptr(),
             v.codes.data_ptr(), v.radius.data_ptr(), v.r_max.data_ptr(), kt.data_ptr(), vt.data_ptr(), *strides,
-            *(med3 or _NO_MED3_ARGS), B, H, Hq // H, T, k.S, per, nsplit, qk_scale(D), ws.po.data_ptr(),
+            *(med3 or _NO_MED3_ARGS), B, H, Hq // H // qs, T, k.S, per, nsplit, qk_scale(D), ws.po.data_ptr(),
             ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr(), QTYPE[out_dtype], variant, vl)
     if torch.cuda.current_device() == dev:  # the usual case: no device switch around the launch
         err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev), D, codeword_bytes(k),
-                                  int(mixed_rows(k)), rs)
+                                  int(mixed_rows(k)), rs, qs >> 1)
     else:
         with torch.cuda.device(dev):
             err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev), D, codeword_bytes(k),
-                                      int(mixed_rows(k)), rs)
+                                      int(mixed_rows(k)), rs, qs >> 1)
     if err:
         raise RuntimeError(f"CUDA HQMQ kernel launch failed: error {err}")
     return ws.out.view(B, Hq, 1, D)
@@ -614,14 +616,14 @@ def _decode_per_call(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_d
 # eager calls is never launched with a device count, nor one made for graphs without).
 # Data pointers and strides are read once: the store never moves a tensor's storage in place.
 # ---------------------------------------------------------------------------------------
-class _PlanArgs(ctypes.Structure):  # mirrors HqmqPlan in hqmq_decode.cu (checked by kvq_hqmq_plan_size)
+class _PlanArgs(HeadSplitField, ctypes.Structure):  # mirrors HqmqPlan in hqmq_decode.cu (checked by kvq_hqmq_plan_size)
     _fields_ = ([(n, ctypes.c_void_p) for n in ("kc", "kr", "km", "vc", "vr", "vm", "ktab", "vtab",
                                                 "kf", "vf", "ko", "vo", "ki", "vi")]
                 + [(n, ctypes.c_longlong) for n in ("k_cs", "k_rs", "k_ms", "v_cs", "v_rs", "v_ms",
                                                     "k_fs", "k_os", "k_is", "v_fs", "v_os", "v_is")]
                 + [(n, ctypes.c_int) for n in ("qtype", "otype", "variant", "D", "S", "B", "Hkv", "gqa", "T",
                                                "steps_per_split", "nsplit", "vlen")]
-                + [("qk_scale", ctypes.c_float), ("cw", ctypes.c_int), ("mix", ctypes.c_int)])
+                + [("qk_scale", ctypes.c_float), ("cw", ctypes.c_int), ("mix", ctypes.c_int), ("qsh", ctypes.c_int)])
 
 
 class _Plan:
@@ -692,7 +694,8 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len)
     if med3 is not None:  # else the pointers stay null: kvq_hqmq_run takes the instance without outliers
         (a.kf, a.vf, a.ko, a.vo, a.ki, a.vi, a.k_fs, a.k_os, a.k_is, a.v_fs, a.v_os, a.v_is) = med3
     a.qtype, a.otype, a.variant, a.D, a.S = QTYPE[q.dtype], QTYPE[out_dtype], variant, D, k.S
-    a.B, a.Hkv, a.gqa, a.T, a.steps_per_split, a.nsplit = B, H, Hq // H, k.T, per, nsplit
+    a.qs = head_split(Hq // H)  # (>= 1: _launch_values took the group)
+    a.B, a.Hkv, a.gqa, a.T, a.steps_per_split, a.nsplit = B, H, Hq // H // a.qs, k.T, per, nsplit
     a.vlen = int(valid_len is not None)
     a.qk_scale = qk_scale(D)
     a.cw = codeword_bytes(k)
@@ -711,7 +714,7 @@ def _retarget(plan, q, k, v) -> None:
 
 
 def _resplit(a, k, device, num_splits, ctas_per_sm) -> int:
-    a.nsplit, a.steps_per_split = _token_splits(k, device, num_splits, ctas_per_sm, a.variant)
+    a.nsplit, a.steps_per_split = _token_splits(k, device, num_splits, ctas_per_sm, a.variant, a.qs)
     return a.nsplit
 
 

@@ -197,6 +197,43 @@ def residency_refusal(occupancy: int, instance: str, device) -> str | None:
             f"{occupancy}: its shared memory is past this GPU's per-block limit)")
 
 
+# GQA groups: a CTA holds at most 8 q heads of its kv head (the n8 of mma.m16n8k16). An even
+# group of 10..16 runs as 2 CTAs per kv row, half the heads each; both read the kv head's
+# bytes, side by side in the grid, so the second read mostly hits L2 (Qwen3-235B: 64 q heads
+# over 4 kv heads). The kernels find the kv row by a shift (Params.qsh = log2 of the CTAs per
+# row): a division there cost up to 15 more registers in every instance, spills in some.
+MAX_GQA = 16
+
+
+def head_split(gqa: int) -> int:
+    """CTAs per kv row for a GQA group of `gqa` q heads: 1 for 1..8, 2 for 10, 12, 14, 16;
+    0 when the kernels do not take it (odd groups over 8, groups over 16)."""
+    if 1 <= gqa <= 8:
+        return 1
+    return 2 if 8 < gqa <= MAX_GQA and gqa % 2 == 0 else 0
+
+
+class HeadSplitField:
+    """`qs` (CTAs per kv row: 1 or 2) over a launch struct's `qsh` field (its log2, what the
+    kernels shift by); mixed into the loaders' ctypes structs."""
+
+    @property
+    def qs(self) -> int:
+        return 1 << self.qsh
+
+    @qs.setter
+    def qs(self, n: int) -> None:
+        self.qsh = {1: 0, 2: 1}[n]
+
+
+def gqa_refusal(q: torch.Tensor, H: int) -> str | None:
+    """Why the CUDA kernels do not take q's GQA group over H kv heads (None: they do)."""
+    if q.dim() != 4 or q.shape[1] % H or not head_split(q.shape[1] // H):
+        return (f"GQA group of q {tuple(q.shape)} over {H} kv heads (the CUDA kernels take 1..8, and 10, 12, 14, 16 "
+                f"as two CTAs of half the heads)")
+    return None
+
+
 def row_start_ptr(row_start, q: torch.Tensor) -> int | None:
     """The device pointer of a call's row_start (int32 `[B]` on q's device, each batch row's
     first key: a left-padded batch), None without one; ValueError naming what is wrong
@@ -442,4 +479,5 @@ def workspace_counters(ws, n: int, device) -> int:
 __all__ = ["FLAGS", "EXACT_FLAGS", "QTYPE", "FUSED_COMBINE", "FUSED_DEFINE", "FusedCombine", "KernelLibrary", "Switch", "fused_declare",
            "RoutedPlan", "SCRATCH", "Scratch", "LaunchOverlap", "PDL", "check_token_counts", "follow_tokens", "arch_flags",
            "build_dir", "compile_library", "fresh_partials", "load_library", "nvcc",
-           "on_current_stream", "residency_refusal", "row_start_ptr", "workspace_counters"]
+           "on_current_stream", "residency_refusal", "row_start_ptr", "workspace_counters", "MAX_GQA", "head_split",
+           "gqa_refusal", "HeadSplitField"]

@@ -50,7 +50,7 @@ def test_matches_reference(spec, T, B, dtype):
 
 @needs_cuda
 @pytest.mark.parametrize("spec", SPECS)
-@pytest.mark.parametrize("gqa", [1, 8])
+@pytest.mark.parametrize("gqa", [1, 8, 12, 16])  # (12, 16: two CTAs per kv row, library.head_split)
 @pytest.mark.parametrize("T", [33, 4099])
 def test_gqa(spec, gqa, T):
     check(spec, 3, 2 * gqa, 2, T, 128, torch.float16, seed=gqa + T)
@@ -343,7 +343,7 @@ def test_kivi_matches_reference(spec, T, B, dtype):
 
 @needs_cuda
 @pytest.mark.parametrize("spec", KIVI_SPECS)
-@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("gqa", [1, 4, 16])
 @pytest.mark.parametrize("T", [97, 4099])
 def test_kivi_gqa(spec, gqa, T):
     check_kivi(spec, 3, 2 * gqa, 2, T, torch.float16, seed=gqa + T)
@@ -743,7 +743,7 @@ def test_head_dims_fp32_q_and_long(spec, D):
 
 @needs_cuda
 @pytest.mark.parametrize("spec,D", NEW_HEADS)
-@pytest.mark.parametrize("gqa", [1, 2, 8])
+@pytest.mark.parametrize("gqa", [1, 2, 8, 14])
 def test_head_dims_gqa(spec, D, gqa):
     check_head(spec, 3, 2 * gqa, 2, 777, D, seed=gqa + D)
 
@@ -891,3 +891,30 @@ def test_an_instance_this_gpu_cannot_hold_is_declined_by_name(spec, monkeypatch)
     assert kern.refusal(q, kf, kf) == why  # (backend="cuda" by name: the same reason)
     monkeypatch.setattr(cuda_decode, "occupancy", lambda k: 2)
     assert kern.declines(q, kf, kf, {}, None) is None
+
+
+def test_gqa_groups_over_8_run_as_ctas_of_equal_groups():
+    """Any machine: an even GQA group of 10..16 q heads runs as 2 CTAs per kv row, half the
+    heads each (library.head_split; a CTA's mma holds 8 heads); odd groups over 8 and groups
+    over 16 are refused by name (Triton takes them), as is a q that is no whole group. A plan
+    for a group of 16 (decode_attention's launch struct, built on a CPU by the plan's own
+    fields) holds 8 heads a CTA, 2 CTAs per kv row, and splits cut for twice the rows."""
+    from kvqbench.kernels import common
+    from kvqbench.kernels.cuda.library import gqa_refusal, head_split
+
+    assert [head_split(g) for g in range(0, 18)] == [0] + [1] * 8 + [0, 2, 0, 2, 0, 2, 0, 2, 0]
+    for Hq, H in ((18, 2), (22, 2), (34, 2), (5, 2)):
+        why = gqa_refusal(torch.randn(1, Hq, 1, 64), H)
+        assert why and "GQA group" in why and f"over {H} kv heads" in why
+    assert gqa_refusal(torch.randn(1, 32, 1, 64), 2) is None
+    k = L.flatten(get_quantizer("int4", role="K").encode(torch.randn(1, 2, 4096, 64)))
+    a = cuda_decode._Args()
+    assert (a.qs, a.qsh) == (1, 0)  # (a fresh struct: one CTA per kv row)
+    a.qs = head_split(16)
+    old = common.ASSUMED_SM_COUNT
+    try:
+        common.ASSUMED_SM_COUNT = 132
+        ns16 = cuda_decode._token_fields(a, k, torch.device("cpu"), None, None)
+        assert (a.qs, a.qsh, ns16) == (2, 1, cuda_decode.splits(k.B * k.H * 2, k.T, torch.device("cpu"))[0])
+    finally:
+        common.ASSUMED_SM_COUNT = old

@@ -67,7 +67,7 @@ def test_matches_reference(T, B, dtype):
 
 
 @needs_cuda
-@pytest.mark.parametrize("gqa", [1, 3, 8])
+@pytest.mark.parametrize("gqa", [1, 3, 8, 10, 16])  # (10, 16: two CTAs per kv row, library.head_split)
 def test_gqa(gqa):
     check(2, 2 * gqa, 2, 777, seed=gqa)
 
@@ -483,7 +483,7 @@ def test_head_dims_match_reference(D, spec, T, B, dtype):
 @needs_cuda
 @pytest.mark.parametrize("D", NEW_DIMS)
 @pytest.mark.parametrize("spec", [SPEC, MED3])
-@pytest.mark.parametrize("gqa", [1, 2, 8])
+@pytest.mark.parametrize("gqa", [1, 2, 8, 16])
 def test_head_dims_gqa(D, spec, gqa):
     check(2, 2 * gqa, 2, 777, seed=gqa, spec=spec, D=D)
 

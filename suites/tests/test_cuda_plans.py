@@ -223,7 +223,7 @@ def test_a_kept_plan_follows_the_token_count_instead_of_a_build(spec, monkeypatc
     a.variant = ch.DEFAULT_VARIANT if hq else 0
 
     def splits_at(f):  # what a build at f.T sets: (splits, tiles per split)
-        return ch._token_splits(f, q.device, None, None, a.variant) if hq else cd.splits(f.B * f.H, f.T, q.device)
+        return ch._token_splits(f, q.device, None, None, a.variant, a.qs) if hq else cd.splits(f.B * f.H, f.T, q.device)
 
     (a.nsplit, per), a.T = splits_at(k), k.T  # (as a build at T = 256 leaves them)
     if hq:

@@ -1,0 +1,35 @@
+"""Branch cuda-gqa16: a GQA group of 16 (Qwen3-235B: 64 q heads over 4 kv heads) on the CUDA
+kernels, which run it as 2 CTAs per kv row, against Triton (which took every such call
+before) and the same run's fp16 SDPA. Graphed calls, B=8 and B=1, T=32k, d 128; the CUDA
+output against Triton's (relative max error). GPU only; package on PYTHONPATH (gpu_env.sh)."""
+import torch
+import triton.testing as tt
+
+from kvqbench.kernels.decode_attention import decode_attention
+from kvqbench.kernels.formats.hqmq import configure, engine_table
+from kvqbench.suites.bench.toolkit import fp16_sdpa, graph_replay, kernel_flats
+
+HQ, HKV, D, T = 64, 4, 128, 32768
+SPECS = ("int4", "fp8", "kivi:bits=2", "kivi:bits=4", "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3")
+
+
+def graphed_us(f):
+    f(); torch.cuda.synchronize()
+    return 1000 * tt.do_bench(graph_replay(f), warmup=25, rep=100)
+
+
+for B in (8, 1):
+    sdpa = graphed_us(fp16_sdpa(B, T, "cuda", hq=HQ, hkv=HKV, d=D)[1])
+    print(f"B={B} T={T} Hq {HQ} Hkv {HKV} d {D}: graphed fp16 SDPA {sdpa:.1f} us", flush=True)
+    q = torch.randn(B, HQ, 1, D, device="cuda").half()
+    for spec in SPECS:
+        kf, vf = kernel_flats(spec, B, T, HKV, D, 512, "cuda")
+        if spec.startswith("hqmq"):
+            kf, vf = configure(kf, engine_table("cuda")), configure(vf, engine_table("cuda"))
+        oc = decode_attention(q, kf, vf, backend="cuda").float()
+        ot = decode_attention(q, kf, vf, backend="triton").float()
+        err = ((oc - ot).abs().max() / ot.abs().max()).item()
+        cu = graphed_us(lambda: decode_attention(q, kf, vf, backend="cuda"))
+        tr = graphed_us(lambda: decode_attention(q, kf, vf, backend="triton"))
+        print(f"  {spec:30s} CUDA {cu:7.1f} us ({sdpa / cu:.2f}x)  Triton {tr:7.1f} us ({sdpa / tr:.2f}x)  "
+              f"rel err vs Triton {err:.1e}", flush=True)
