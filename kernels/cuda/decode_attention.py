@@ -16,8 +16,9 @@ faster than its Triton kernel on the H200: reports/latency/).
 
 Formats: `IntFlat` with 4 bits and groups of 32 (the `int4` spec), head_dim 64, 128 or
 256; `FP8Flat` e4m3 / e5m2 (sm_89+), head_dim 64, 128 or 256 (256: the shared-memory
-variants only). GQA groups up to 8 query heads per kv head. Anything else: `unsupported(q, k, v)` names the reason (the dispatcher then
-uses Triton). Numerics as the Triton FAST path: K/V decoded to fp16 with one rounding
+variants only). GQA groups of 1..8 query heads per kv head, and 10, 12, 14, 16 as two CTAs
+of half the heads each (library.head_split). Anything else: `unsupported(q, k, v)` names the
+reason (the dispatcher then uses Triton). Numerics as the Triton FAST path: K/V decoded to fp16 with one rounding
 of s*x + z (int4), q rounded to fp16 unscaled, the base-2 softmax scale applied to the
 fp32 scores, P rounded to fp16, fp32 accumulation.
 
