@@ -1,0 +1,116 @@
+"""Instruction census of a CUDA kernel's loops, read from its SASS on the CPU machine (no
+GPU): how many instructions one trip of each loop issues, by opcode. A design's cost in
+instructions can be read before any device time is spent (issue 28's kernels are bound by
+their instruction chains on the H200: an int4 tile at d 128 is 418 instructions, 225 of them
+the nibble decode; reports/kernels/NOTES.md, twentieth session).
+
+    python -m kvqbench.suites.bench.gpu_prebuild          # the libraries, into .gpubuild/
+    python -m kvqbench.suites.bench.cuda.sass_census .gpubuild/kvqbench_cuda_decode/kvq_decode_sm90_*.so --list
+    python -m kvqbench.suites.bench.cuda.sass_census LIB.so "split_kernel<(anonymous namespace)::Int4<128>, 128, 4, 1, 1, 4, 0, false>"
+
+The kernel is named by a substring of its demangled name (`--list` prints them), which must
+match one kernel. A loop is a predicated backward branch; its trip is every instruction
+from the branch's target to the branch, conditional blocks inside included (each is listed with its
+length, e.g. the softmax's lazy rescale, which most trips skip). Uses the cuobjdump that
+ships inside Triton's package and c++filt.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
+_TARGET = re.compile(r"0x([0-9a-f]+)")
+
+
+def cuobjdump() -> str:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        raise FileNotFoundError(f"no cuobjdump in Triton's package ({tool})")
+    return tool
+
+
+def functions(sass: str) -> dict[str, list[tuple[int, str, str, bool]]]:
+    """{mangled name: [(address, opcode, operands, predicated)]} of cuobjdump -sass text."""
+    out, cur = {}, None
+    for line in sass.splitlines():
+        if "Function : " in line:
+            cur = out.setdefault(line.split("Function : ", 1)[1].strip(), [])
+        elif cur is not None and (m := _INSTR.search(line)):
+            cur.append((int(m.group(1), 16), m.group(3), m.group(4).strip(), bool(m.group(2))))
+    return out
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    try:
+        r = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True)
+        return dict(zip(names, r.stdout.splitlines()))
+    except (OSError, subprocess.CalledProcessError):
+        return {n: n for n in names}
+
+
+def loops(code: list[tuple[int, str, str, bool]]) -> list[dict]:
+    """Each predicated backward branch as a loop: its span, trip length, opcodes and the forward
+    branches inside it (conditional blocks: their length)."""
+    addr = [a for a, *_ in code]
+    found = []
+    for a, op, args, pred in code:
+        # a loop closes with a predicated branch back; an unpredicated one is out-of-line code
+        # (a divergent collective's fallback) returning into the body
+        if op != "BRA" or not pred or not (t := _TARGET.search(args)) or int(t.group(1), 16) >= a:
+            continue
+        lo = int(t.group(1), 16)
+        body = [x for x in code if lo <= x[0] <= a]
+        skips = []
+        for b, bop, bargs, pred in body:
+            tt = _TARGET.search(bargs) if bop == "BRA" else None
+            if tt and pred and b < int(tt.group(1), 16) <= a:
+                skips.append((b, int(tt.group(1), 16), sum(1 for x in addr if b < x < int(tt.group(1), 16))))
+        found.append({"start": lo, "end": a, "count": len(body),
+                      "opcodes": Counter(op.split(".")[0] for _, op, _, _ in body), "skips": skips})
+    return sorted(found, key=lambda d: -d["count"])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("library", help="a built kernels/cuda library (.so), e.g. from gpu_prebuild")
+    ap.add_argument("kernel", nargs="?", default="", help="a substring of the kernel's demangled name")
+    ap.add_argument("--list", action="store_true", help="print the kernels' demangled names")
+    ap.add_argument("--top", type=int, default=24, help="opcodes shown per loop")
+    ap.add_argument("--top-blocks", type=int, default=6, help="largest conditional blocks shown per loop")
+    a = ap.parse_args(argv)
+    r = subprocess.run([cuobjdump(), "-sass", a.library], capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"sass_census: cuobjdump failed on {a.library}: {r.stderr.strip()[:300]}", file=sys.stderr)
+        return 1
+    fns = functions(r.stdout)
+    names = demangle(list(fns))
+    if a.list or not a.kernel:
+        print("\n".join(sorted(names.values())))
+        return 0
+    hits = [m for m, d in names.items() if a.kernel in d]
+    if len(hits) != 1:
+        print(f"sass_census: {len(hits)} kernels match {a.kernel!r} (one needed; --list names them)"
+              + "".join(f"\n  {names[m]}" for m in hits[:10]), file=sys.stderr)
+        return 2
+    code = fns[hits[0]]
+    print(f"{names[hits[0]]}: {len(code)} instructions")
+    for lp in loops(code):
+        print(f"loop 0x{lp['start']:x}-0x{lp['end']:x}: {lp['count']} instructions a trip")
+        print("  " + ", ".join(f"{op} {n}" for op, n in lp["opcodes"].most_common(a.top)))
+        big = sorted(lp["skips"], key=lambda x: -x[2])[:a.top_blocks]
+        for b, t, n in sorted(big):
+            print(f"  conditional block at 0x{b:x} -> 0x{t:x}: {n} instructions (skipped when its branch is taken)")
+        if len(lp["skips"]) > len(big):
+            print(f"  ({len(lp['skips']) - len(big)} smaller conditional blocks not shown)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
