@@ -17,7 +17,7 @@ faster than its Triton kernel on the H200: reports/latency/).
 Formats: `IntFlat` with 4 bits and groups of 32 (the `int4` spec), head_dim 64, 128 or
 256; `FP8Flat` e4m3 / e5m2 (sm_89+), head_dim 64, 128 or 256 (256: the shared-memory
 variants only). GQA groups of 1..8 query heads per kv head, and 10, 12, 14, 16 as two CTAs
-of half the heads each (library.head_split). Anything else: `unsupported(q, k, v)` names the
+of half the heads each (launch.head_split). Anything else: `unsupported(q, k, v)` names the
 reason (the dispatcher then uses Triton). Numerics as the Triton FAST path: K/V decoded to fp16 with one rounding
 of s*x + z (int4), q rounded to fp16 unscaled, the base-2 softmax scale applied to the
 fp32 scores, P rounded to fp16, fp32 accumulation.
@@ -57,9 +57,9 @@ import torch
 from ...quantizers.derived import identity
 from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import FP8Flat, IntFlat, KIVIFlat, KIVIGraphFlat
-from .library import (FUSED_COMBINE, FUSED_DEFINE, PDL, QTYPE, KernelLibrary, RoutedPlan, check_token_counts,
-                      follow_tokens, fresh_partials, fused_declare, gqa_refusal, head_split, HeadSplitField,
-                      on_current_stream, residency_refusal, row_start_ptr, workspace_counters)
+from .launch import (HeadSplitField, RoutedPlan, check_token_counts, follow_tokens, fresh_partials, gqa_refusal,
+                     head_split, on_current_stream, residency_refusal, row_start_ptr, workspace_counters)
+from .library import FUSED_COMBINE, FUSED_DEFINE, PDL, QTYPE, KernelLibrary, fused_declare
 
 SOURCE = Path(__file__).parent / "decode_attention.cu"
 # The numbers behind every default below (variants, splits, switches), run by run, are in
@@ -392,7 +392,7 @@ class _Plan:
 
 
 _PLANS = PlanCache(64)  # layouts kept (kernels/common.py: while their tensors live, cleared when full)
-# The plan the auto route's check found, handed to the same call's launch (library.py
+# The plan the auto route's check found, handed to the same call's launch (launch.py
 # RoutedPlan; test_cuda_plans.py checks the route's offer is what the launch takes). On an
 # H100 (host_time --breakdown, B=1, T=32768, d=128, off then on in one run, 2026-12-06) an
 # eager call's host time went int4 24.3 -> 22.8 us, fp8 23.7 -> 22.1, KIVI-4 28.7 -> 25.0,
@@ -403,7 +403,7 @@ ROUTED = RoutedPlan(enabled=True)
 def _flat_key(f, device_count: bool):
     """(tensors a plan reads, the ints that place the valid tokens in them) of a flat
     (device_count: a KIVI graph view's call with valid_len, placed by its policy and capacity).
-    int4 / fp8: not the token count (a kept plan follows it: `_retarget`, library.py
+    int4 / fp8: not the token count (a kept plan follows it: `_retarget`, launch.py
     `follow_tokens`). KIVI: whether each side has quantized groups and window rows (which
     buffers the plan points into), not their counts."""
     if type(f) is IntFlat:
@@ -548,7 +548,7 @@ def _token_fields(a, k, device, num_splits, ctas_per_sm):
 
 
 def _retarget(plan, q, k, v) -> None:
-    """A kept plan set to this call's token count: int4 / fp8 by library.py `follow_tokens`;
+    """A kept plan set to this call's token count: int4 / fp8 by launch.py `follow_tokens`;
     KIVI its group and window counts (the split fields re-cut only when `_kivi_cut` moves
     from the cut the struct holds). The rest of a plan is alike for every count of the same
     buffers."""
@@ -739,7 +739,7 @@ def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | No
     device_count (graph views): cut for the most either part can hold at any count up to
     the capacity C: n_main(C) (it grows with the count), and a tail of at most
     max(A + P) - 1 tokens over the sides (T - q(T) < A + P for q(T) = max(0, T - A) // P * P).
-    qs: CTAs per kv row (library.head_split), which the grid's rows count."""
+    qs: CTAs per kv row (launch.head_split), which the grid's rows count."""
     rows = k.B * k.H * qs
     if device_count:
         C = k.capacity

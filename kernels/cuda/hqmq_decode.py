@@ -6,7 +6,7 @@ radius levels, head_dim 64, 128 or 256 (HEAD_DIMS), with or without Med3x outlie
 sides alike; backend="auto" sends Med3x here only when AUTO_MED3; at head_dim 64 and 256
 through the prefetching variants only), mixed-radix code rows (pack=mixed) at S = 96,
 head_dim 64 / 128 / 256 (MIXED_HEAD_DIMS; auto at AUTO_MIXED_HEAD_DIMS), GQA groups of 1..8
-(and 10, 12, 14, 16 as two CTAs of half the heads: library.head_split), q fp16/bf16/fp32, a
+(and 10, 12, 14, 16 as two CTAs of half the heads: launch.head_split), q fp16/bf16/fp32, a
 device valid length and a left-padded batch's `row_start` (auto while AUTO_ROW_START). The kernel gathers codewords from the fp16 codebook `[H, 24 S, 4]` held
 in shared memory; when a flat carries another table (the default is the fp32
 secondaries) the fp16 codebook is built once per secondaries tensor and cached here.
@@ -35,9 +35,9 @@ from ...quantizers.derived import tensor_version as _version
 from ...quantizers.hqmq import int8_components
 from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import HQMQFlat, codebook_from_secondaries
-from .library import (FUSED_COMBINE, FUSED_DEFINE, PDL, QTYPE, KernelLibrary, RoutedPlan, follow_tokens,
-                      fresh_partials, fused_declare, gqa_refusal, head_split, HeadSplitField, on_current_stream,
-                      residency_refusal, row_start_ptr, workspace_counters)
+from .launch import (HeadSplitField, RoutedPlan, follow_tokens, fresh_partials, gqa_refusal, head_split,
+                     on_current_stream, residency_refusal, row_start_ptr, workspace_counters)
+from .library import FUSED_COMBINE, FUSED_DEFINE, PDL, QTYPE, KernelLibrary, fused_declare
 
 SOURCE = Path(__file__).parent / "hqmq_decode.cu"
 # VARIANTS in the .cu: (warps per CTA, cp.async stages per warp, min CTAs per SM):
@@ -510,7 +510,7 @@ def _loaded():
 def _token_splits(k, device, num_splits, ctas_per_sm, variant, qs: int) -> tuple[int, int]:
     """(splits, tiles per split) of a call on k's T tokens: with T itself, all a plan holds
     that follows the token count (`_retarget` relies on it). qs: CTAs per kv row
-    (library.head_split), which the grid's rows count."""
+    (launch.head_split), which the grid's rows count."""
     return splits(k.B * k.H * qs, k.T, device, num_splits, ctas_per_sm, variant, k.S, k.has_outliers, k.D,
                   codeword_bytes(k), mixed_rows(k))
 
@@ -633,7 +633,7 @@ class _Plan:
 
 
 _PLANS = PlanCache()
-# The plan the auto route's check found, handed to the same call's launch (library.py
+# The plan the auto route's check found, handed to the same call's launch (launch.py
 # RoutedPlan; decode_attention.py's ROUTED gives the H100 figures it rests on).
 ROUTED = RoutedPlan(enabled=True)
 
@@ -708,7 +708,7 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, valid_len)
 
 
 def _retarget(plan, q, k, v) -> None:
-    """A kept plan set to this call's T (library.py `follow_tokens`; the splits by
+    """A kept plan set to this call's T (launch.py `follow_tokens`; the splits by
     `_token_splits`, as a build makes them)."""
     follow_tokens(plan, k.T, v.T, _resplit, plan.args, k, q.device, *plan.splits_asked)
 

@@ -37,7 +37,8 @@ from ..formats import naive_int as int_format
 from ..common import PlanCache
 from ..formats.kivi import KIVIStore
 from ..store import KernelStore
-from .library import EXACT_FLAGS, KernelLibrary, Switch, on_current_stream
+from .launch import on_current_stream
+from .library import EXACT_FLAGS, KernelLibrary, Switch
 
 SOURCE = Path(__file__).parent / "step_write.cu"
 _XTYPE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}

@@ -50,7 +50,7 @@ def test_matches_reference(spec, T, B, dtype):
 
 @needs_cuda
 @pytest.mark.parametrize("spec", SPECS)
-@pytest.mark.parametrize("gqa", [1, 8, 12, 16])  # (12, 16: two CTAs per kv row, library.head_split)
+@pytest.mark.parametrize("gqa", [1, 8, 12, 16])  # (12, 16: two CTAs per kv row, launch.head_split)
 @pytest.mark.parametrize("T", [33, 4099])
 def test_gqa(spec, gqa, T):
     check(spec, 3, 2 * gqa, 2, T, 128, torch.float16, seed=gqa + T)
@@ -895,12 +895,12 @@ def test_an_instance_this_gpu_cannot_hold_is_declined_by_name(spec, monkeypatch)
 
 def test_gqa_groups_over_8_run_as_ctas_of_equal_groups():
     """Any machine: an even GQA group of 10..16 q heads runs as 2 CTAs per kv row, half the
-    heads each (library.head_split; a CTA's mma holds 8 heads); odd groups over 8 and groups
+    heads each (launch.head_split; a CTA's mma holds 8 heads); odd groups over 8 and groups
     over 16 are refused by name (Triton takes them), as is a q that is no whole group. A plan
     for a group of 16 (decode_attention's launch struct, built on a CPU by the plan's own
     fields) holds 8 heads a CTA, 2 CTAs per kv row, and splits cut for twice the rows."""
     from kvqbench.kernels import common
-    from kvqbench.kernels.cuda.library import gqa_refusal, head_split
+    from kvqbench.kernels.cuda.launch import gqa_refusal, head_split
 
     assert [head_split(g) for g in range(0, 18)] == [0] + [1] * 8 + [0, 2, 0, 2, 0, 2, 0, 2, 0]
     for Hq, H in ((18, 2), (22, 2), (34, 2), (5, 2)):

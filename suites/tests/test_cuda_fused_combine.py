@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
 
 from kvqbench.kernels.cuda import decode_attention as cuda_decode  # noqa: E402
 from kvqbench.kernels.cuda import hqmq_decode as cuda_hqmq  # noqa: E402
-from kvqbench.kernels.cuda import library  # noqa: E402
+from kvqbench.kernels.cuda import launch, library  # noqa: E402
 from kvqbench.suites.tests.cuda_helpers import (CUDA, both_ways, case_flats, cuda_call, cuda_module,  # noqa: E402
                                                in_threads, kivi_views, query, replays_give_the_eager_bits, same_bits,
                                                switch_reads_its_environment, two_stream_case, vlen,
@@ -65,7 +65,7 @@ def both(spec, q, kf, vf, **kw):
 
 def counters_at_zero() -> bool:
     torch.cuda.synchronize()
-    return all(int(c.count_nonzero()) == 0 for c in library.SCRATCH.cnts.values())
+    return all(int(c.count_nonzero()) == 0 for c in launch.SCRATCH.cnts.values())
 
 
 # ---- GPU: the fused call gives the unfused call's bits -----------------------------------------
@@ -226,7 +226,7 @@ def test_fused_calls_on_two_streams_and_two_threads_at_once(spec):
                     outs[i].append(call(spec, q, kf, vf))
                     ws_outs[i].append(call(spec, q, kf, vf, workspace=wss[i]).clone())
         torch.cuda.synchronize()
-        assert {s.cuda_stream for s in streams} <= {key[1] for key in library.SCRATCH.cnts}  # counters per stream
+        assert {s.cuda_stream for s in streams} <= {key[1] for key in launch.SCRATCH.cnts}  # counters per stream
         threaded = [[], []]
 
         def loop(i):
@@ -289,12 +289,12 @@ def test_scratch_keeps_fused_counters_beside_its_partials(monkeypatch):
     more; fresh ones while capturing, for another device or on a CPU; held_bytes and clear
     count them; the unfused take is unchanged."""
     made, zeroed = [], []
-    scratch = library.Scratch(limit=4, alloc=lambda size, device: made.append(size) or torch.empty(size),
+    scratch = launch.Scratch(limit=4, alloc=lambda size, device: made.append(size) or torch.empty(size),
                               zeros=lambda n, device: zeroed.append(n) or torch.zeros(n, dtype=torch.int32))
     streams, current, capturing = {0: 7}, [0], [False]
-    monkeypatch.setattr(library, "_raw_stream", lambda index: streams[index])
-    monkeypatch.setattr(library, "_cur_device", lambda: current[0])
-    monkeypatch.setattr(library, "_capturing", lambda: capturing[0])
+    monkeypatch.setattr(launch, "_raw_stream", lambda index: streams[index])
+    monkeypatch.setattr(launch, "_cur_device", lambda: current[0])
+    monkeypatch.setattr(launch, "_capturing", lambda: capturing[0])
     gpu0, gpu1 = types.SimpleNamespace(type="cuda", index=0), types.SimpleNamespace(type="cuda", index=1)
 
     def take_fused(size, n, device):  # what a fused call takes: its partials, then its counters
@@ -321,7 +321,7 @@ def test_scratch_keeps_fused_counters_beside_its_partials(monkeypatch):
     assert scratch.held_bytes() == sum(b.numel() * 4 for b in scratch.bufs.values()) + 4 * 16 * 3
     scratch.clear()
     assert not scratch.bufs and not scratch.cnts
-    part, out, po, pm, pl, optr, cptr = library.fresh_partials(4, 3, 8, torch.Size((1, 4, 1, 8)), torch.float16,
+    part, out, po, pm, pl, optr, cptr = launch.fresh_partials(4, 3, 8, torch.Size((1, 4, 1, 8)), torch.float16,
                                                               torch.device("cpu"), counters=True)
     buf, cnt = part
     assert (po, pm, pl, optr) == (buf.data_ptr(), po + 4 * 12 * 8, po + 4 * 12 * 9, out.data_ptr())

@@ -67,7 +67,7 @@ def test_matches_reference(T, B, dtype):
 
 
 @needs_cuda
-@pytest.mark.parametrize("gqa", [1, 3, 8, 10, 16])  # (10, 16: two CTAs per kv row, library.head_split)
+@pytest.mark.parametrize("gqa", [1, 3, 8, 10, 16])  # (10, 16: two CTAs per kv row, launch.head_split)
 def test_gqa(gqa):
     check(2, 2 * gqa, 2, 777, seed=gqa)
 

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.kernels
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-# ---- the CUDA backends' routed plan (kernels/cuda/library.py RoutedPlan) ---------------------
+# ---- the CUDA backends' routed plan (kernels/cuda/launch.py RoutedPlan) ---------------------
 def test_routed_plan_serves_only_the_call_that_found_it():
     """A plan the route's check offers is taken by the same call (same q, k, v objects,
     same options) once; any other call, options or a second take finds nothing; off, the
@@ -44,7 +44,7 @@ def test_routed_plan_serves_only_the_call_that_found_it():
     import gc
     import weakref
 
-    from kvqbench.kernels.cuda.library import RoutedPlan
+    from kvqbench.kernels.cuda.launch import RoutedPlan
 
     k, v = _flats("int4")
     q = torch.randn(1, 4, 1, 64)
@@ -71,7 +71,7 @@ def test_cuda_plan_takes_the_routed_plan_without_a_lookup(backend, monkeypatch):
     options it looked up) and looks up nothing; with other options it looks up as before."""
     from kvqbench.kernels.cuda import decode_attention as cd
     from kvqbench.kernels.cuda import hqmq_decode as ch
-    from kvqbench.kernels.cuda.library import RoutedPlan
+    from kvqbench.kernels.cuda.launch import RoutedPlan
 
     mod, spec = (cd, "int4") if backend == "int4" else (ch, "hqmq:S=96,r=4")
     k, v = _flats(spec)
@@ -106,7 +106,7 @@ def test_the_auto_route_hands_its_plan_to_the_launch(spec, valid_len, monkeypatc
     the slot off) and this fails (checked by changing either tuple)."""
     from kvqbench.kernels.cuda import decode_attention as cd
     from kvqbench.kernels.cuda import hqmq_decode as ch
-    from kvqbench.kernels.cuda.library import RoutedPlan
+    from kvqbench.kernels.cuda.launch import RoutedPlan
     from kvqbench.suites.bench.latency.host_time import CudaLookingTensor, cuda_path_on_cpu
 
     mod = ch if spec.startswith("hqmq") else cd
@@ -136,7 +136,7 @@ def _walked_call(spec, k, v, q, fast: bool, monkeypatch, **kw):
     """(the launch's arguments but the result pointer, out's shape and dtype, whether the
     route's checks ran) of one `decode_attention` call on the CUDA path walked on a CPU."""
     from kvqbench.kernels.cuda import decode_attention as cd
-    from kvqbench.kernels.cuda import hqmq_decode as ch, library
+    from kvqbench.kernels.cuda import hqmq_decode as ch, launch
     from kvqbench.suites.bench.latency.host_time import cuda_path_on_cpu
 
     mod = ch if spec.startswith("hqmq") else cd
@@ -152,7 +152,7 @@ def _walked_call(spec, k, v, q, fast: bool, monkeypatch, **kw):
         mod.on_current_stream = lambda dev, entry, *a: calls.append(a) or stub(dev, entry, *a)
         out = decode_attention(q, k, v, **kw)
         assert mod._PLANS.builds == 1 and launches  # (the hand-kept plan, launched)
-    assert mod.on_current_stream is library.on_current_stream  # (the real launcher back)
+    assert mod.on_current_stream is launch.on_current_stream  # (the real launcher back)
     (args,) = calls
     return args[:3], (out.shape, out.dtype), bool(checked)  # (plan, q, valid_len: the partials move)
 
@@ -386,14 +386,14 @@ def test_scratch_partials_are_kept_per_stream_and_never_while_capturing(monkeypa
     fresh one; `limit` held: the cache starts over. The result tensor is fresh every call."""
     import threading
 
-    from kvqbench.kernels.cuda import library
+    from kvqbench.kernels.cuda import launch
 
     made = []
-    scratch = library.Scratch(limit=4, alloc=lambda size, device: made.append(size) or torch.empty(size))
+    scratch = launch.Scratch(limit=4, alloc=lambda size, device: made.append(size) or torch.empty(size))
     streams, current, capturing = {0: 7, 1: 70}, [0], [False]
-    monkeypatch.setattr(library, "_raw_stream", lambda index: streams[index])
-    monkeypatch.setattr(library, "_cur_device", lambda: current[0])
-    monkeypatch.setattr(library, "_capturing", lambda: capturing[0])
+    monkeypatch.setattr(launch, "_raw_stream", lambda index: streams[index])
+    monkeypatch.setattr(launch, "_cur_device", lambda: current[0])
+    monkeypatch.setattr(launch, "_capturing", lambda: capturing[0])
     gpu0, gpu1 = types.SimpleNamespace(type="cuda", index=0), types.SimpleNamespace(type="cuda", index=1)
     a = scratch.take(100, gpu0)
     assert scratch.take(100, gpu0) is a and scratch.take(60, gpu0) is a and made == [100]
@@ -421,7 +421,7 @@ def test_scratch_partials_are_kept_per_stream_and_never_while_capturing(monkeypa
     scratch.take(10, gpu0)  # one more key: the cache starts over at the limit
     assert len(scratch.bufs) == 1
     cpu = torch.device("cpu")
-    (buf, cnt), out, po, pm, pl, optr, cptr = library.fresh_partials(4, 3, 8, torch.Size((1, 4, 1, 8)),
+    (buf, cnt), out, po, pm, pl, optr, cptr = launch.fresh_partials(4, 3, 8, torch.Size((1, 4, 1, 8)),
                                                                      torch.float16, cpu)
     assert cnt is None and cptr is None  # (no counters for a call that is not fused)
     assert out.shape == (1, 4, 1, 8) and out.dtype == torch.float16 and optr == out.data_ptr()
@@ -431,14 +431,14 @@ def test_scratch_partials_are_kept_per_stream_and_never_while_capturing(monkeypa
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="streams and graphs need a CUDA GPU")
 @pytest.mark.parametrize("spec", ["int4", "hqmq:S=96,r=4", "kivi:bits=4"])
 def test_scratch_partials_across_streams_threads_and_a_graph(spec):
-    """On the GPU, calls without a workspace (partials from library.py's Scratch): on two
+    """On the GPU, calls without a workspace (partials from launch.py's Scratch): on two
     streams at once (a buffer each), and from two threads on one stream (a buffer each),
     give the serial results bit for bit, many times over; a graph captured on a stream the
     scratch serves takes none of its buffers, and replays the eager result after eager
     calls with other inputs ran on that stream in between."""
     import threading
 
-    from kvqbench.kernels.cuda.library import SCRATCH
+    from kvqbench.kernels.cuda.launch import SCRATCH
 
     kivi = spec.startswith("kivi")
 

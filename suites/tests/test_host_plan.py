@@ -198,7 +198,7 @@ def test_the_inline_tile_counts_are_token_tiles():
 
     from kvqbench.kernels.common import token_tiles
     from kvqbench.kernels.cuda import decode_attention as cd
-    from kvqbench.kernels.cuda.library import follow_tokens
+    from kvqbench.kernels.cuda.launch import follow_tokens
 
     for t0 in range(1, 70):
         for T in range(1, 70):

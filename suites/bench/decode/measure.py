@@ -167,7 +167,7 @@ def measure_modes(model, spec: str | None, *, context: int, batch: int, steps: i
     `kernels.graphs.GraphedDecodeStep` (its first warm-up steps run uncaptured, see
     there). A cache the graph cannot take (DynamicCache; KIVI, Med3x) gives a row with
     `skipped` (the reason) instead of timings: never the eager figures under another name."""
-    from ....kernels.cuda.library import SCRATCH
+    from ....kernels.cuda.launch import SCRATCH
     from ....kernels.graphs import GraphedDecodeStep
 
     for m in modes:
