@@ -7,7 +7,9 @@ hashing the source, flags and nvcc version; concurrent builders wait for one nvc
 lock) and the library appears by an atomic rename. `KernelLibrary` builds and loads one
 source once per process, at first use: importing this module runs no nvcc and touches no
 GPU. `load_library` says why a library cannot be had here (no CUDA torch, ROCm, a GPU
-older than sm_80, no nvcc, a failed build).
+older than sm_80, no nvcc, a failed build). The switches a built library is told (the fused
+combine, programmatic dependent launch) live here too; what every launch shares (plans,
+GQA split, scratch partials) is launch.py.
 """
 from __future__ import annotations
 
