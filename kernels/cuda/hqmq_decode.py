@@ -36,7 +36,7 @@ from ...quantizers.hqmq import int8_components
 from ..common import PlanCache, Workspace, bh_stride, check_q, sm_count, split_tiles
 from ..layout import HQMQFlat, codebook_from_secondaries
 from .launch import (HeadSplitField, RoutedPlan, follow_tokens, fresh_partials, gqa_refusal, head_split,
-                     on_current_stream, residency_refusal, row_start_ptr, workspace_counters)
+                     head_split_shift, on_current_stream, residency_refusal, row_start_ptr, workspace_counters)
 from .library import FUSED_COMBINE, FUSED_DEFINE, PDL, QTYPE, KernelLibrary, fused_declare
 
 SOURCE = Path(__file__).parent / "hqmq_decode.cu"
@@ -597,11 +597,11 @@ def _decode_per_call(q, k, v, num_splits, ctas_per_sm, variant, workspace, out_d
             ws.pm.data_ptr(), ws.pl.data_ptr(), ws.out.data_ptr(), QTYPE[out_dtype], variant, vl)
     if torch.cuda.current_device() == dev:  # the usual case: no device switch around the launch
         err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev), D, codeword_bytes(k),
-                                  int(mixed_rows(k)), rs, qs >> 1)
+                                  int(mixed_rows(k)), rs, head_split_shift(qs))
     else:
         with torch.cuda.device(dev):
             err = lib.kvq_hqmq_decode(*args, torch._C._cuda_getCurrentRawStream(dev), D, codeword_bytes(k),
-                                      int(mixed_rows(k)), rs, qs >> 1)
+                                      int(mixed_rows(k)), rs, head_split_shift(qs))
     if err:
         raise RuntimeError(f"CUDA HQMQ kernel launch failed: error {err}")
     return ws.out.view(B, Hq, 1, D)

@@ -79,7 +79,13 @@ class HeadSplitField:
 
     @qs.setter
     def qs(self, n: int) -> None:
-        self.qsh = {1: 0, 2: 1}[n]
+        self.qsh = head_split_shift(n)
+
+
+def head_split_shift(qs: int) -> int:
+    """The kernels' `qsh` for `qs` CTAs per kv row (1 or 2): the shift from a CTA's row to
+    its kv row."""
+    return {1: 0, 2: 1}[qs]
 
 
 def gqa_refusal(q: torch.Tensor, H: int) -> str | None:

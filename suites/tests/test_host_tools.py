@@ -132,23 +132,27 @@ def test_gpu_prebuild_builds_every_kernel_library_and_fails_by_name(tmp_path, mo
     assert "kvq_decode:" in out and "kvq_step_write:" in out
 
 
-def test_audit_state_names_an_audit_hook_that_is_not_filelocks():
-    """toolkit.audit_state reads whether a Python audit hook slows id() (every host figure of
-    a process depends on it): a process given a hook of its own (not filelock's) is named so,
-    and its id() reads dearer than the same process without it. (Whether the plain process
-    is flagged is the machine's business: a filelock imported at startup, as the GPU image's
-    3.32.5 is, brings its own.) Subprocesses: a hook cannot be removed once added."""
-    import re
-    import subprocess
-    import sys
+def test_audit_state_names_an_audit_hook_that_is_not_filelocks(monkeypatch):
+    """toolkit.audit_state names a hook that is not filelock's from its reading: id() (which
+    raises an audit event) dearer than object.__hash__ (which does not). The rule is tested on
+    stood-in readings, not on this machine's clock (a timed assert flakes on a loaded CI
+    runner); that a real hook lifts id() past __hash__ is the GPU hosts' reading (toolkit's
+    comment: 2.8x on two hosts, 0.5x unhooked here)."""
+    import timeit
 
-    code = ("import sys\n{}\nfrom kvqbench.suites.bench.toolkit import audit_state\nprint(audit_state()[1])")
-    plain = subprocess.run([sys.executable, "-c", code.format("")], capture_output=True, text=True, check=True)
-    hooked = subprocess.run([sys.executable, "-c", code.format("sys.addaudithook(lambda e, a: None)")],
-                            capture_output=True, text=True, check=True)
-    assert "audit hook is in" in hooked.stdout, hooked.stdout  # (filelock's, where it is imported, or another)
-    id_ns = [float(re.search(r"id\(\) (\d+) ns", r.stdout).group(1)) for r in (plain, hooked)]
-    assert id_ns[0] < id_ns[1], (plain.stdout, hooked.stdout)
+    from kvqbench.suites.bench.toolkit import audit_state
+
+    for name in [m for m in sys.modules if m.startswith("filelock")]:
+        monkeypatch.delitem(sys.modules, name)  # (no filelock: the timing rule alone decides)
+    readings = {}  # which lambda timeit is given: id's first, then __hash__'s
+    for t_id, t_hash, named in ((0.9, 1.0, False), (2.8, 1.0, True)):
+        calls = iter((t_id, t_hash))
+        monkeypatch.setattr(timeit, "repeat", lambda *a, **k: [next(calls) * 20000e-9] * 3)
+        hooked, text = audit_state()
+        assert hooked is False
+        assert ("an audit hook is in" in text) is named, text
+        readings[named] = text
+    assert "id() 3 ns, object.__hash__ 1 ns" in readings[True], readings
 
 
 def test_audit_state_finds_filelocks_hook_in_either_module(monkeypatch):
