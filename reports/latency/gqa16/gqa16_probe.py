@@ -1,10 +1,12 @@
 """Branch cuda-gqa16: a GQA group of 16 (Qwen3-235B: 64 q heads over 4 kv heads) on the CUDA
 kernels, which run it as 2 CTAs per kv row, against Triton (which took every such call
 before) and the same run's fp16 SDPA. Graphed calls, B=8 and B=1, T=32k, d 128; the CUDA
-output against Triton's (relative max error). GPU only; package on PYTHONPATH (gpu_env.sh)."""
+output against Triton's (relative max error); int4 and fp8 also as JOINT_VARIANT (both halves in
+one CTA). GPU only; package on PYTHONPATH (gpu_env.sh)."""
 import torch
 import triton.testing as tt
 
+from kvqbench.kernels.cuda.decode_attention import JOINT_VARIANT
 from kvqbench.kernels.decode_attention import decode_attention
 from kvqbench.kernels.formats.hqmq import configure, engine_table
 from kvqbench.suites.bench.toolkit import fp16_sdpa, graph_replay, kernel_flats
@@ -33,3 +35,9 @@ for B in (8, 1):
         tr = graphed_us(lambda: decode_attention(q, kf, vf, backend="triton"))
         print(f"  {spec:30s} CUDA {cu:7.1f} us ({sdpa / cu:.2f}x)  Triton {tr:7.1f} us ({sdpa / tr:.2f}x)  "
               f"rel err vs Triton {err:.1e}", flush=True)
+        if spec in ("int4", "fp8"):  # both halves in one CTA (JOINT_VARIANT), against the default's two CTAs
+            oj = decode_attention(q, kf, vf, backend="cuda", variant=JOINT_VARIANT).float()
+            errj = ((oj - ot).abs().max() / ot.abs().max()).item()
+            cj = graphed_us(lambda: decode_attention(q, kf, vf, backend="cuda", variant=JOINT_VARIANT))
+            print(f"  {spec + ' joint (variant 6)':30s} CUDA {cj:7.1f} us ({sdpa / cj:.2f}x)  "
+                  f"{cu / cj:.2f}x the two-CTA launch  rel err vs Triton {errj:.1e}", flush=True)
