@@ -34,3 +34,17 @@ def test_census_reads_loops_and_their_blocks():
     assert lp["opcodes"] == {"LDS": 1, "HFMA2": 1, "BRA": 2, "FMUL": 2, "HMMA": 1}
     assert lp["skips"] == [(0x30, 0x60, 2)]
     assert loops(fns["_Z5otherv"]) == []
+
+
+def test_compare_names_identical_moved_new_and_gone_kernels():
+    """--against: kernels matched by name (an appended default template argument ", 1>"
+    matched to the name without it); opcodes and operands decide identical or not; addresses
+    and predicates aside."""
+    from kvqbench.suites.bench.cuda.sass_census import compare
+
+    a = [(0, "MOV", "R1, R2", False), (16, "EXIT", "", False)]
+    b = [(0, "MOV", "R1, R3", False), (16, "EXIT", "", False)]
+    old = {"k<int, 2>(P)": a, "k<int, 3>(P)": a, "gone<1>(P)": a}
+    new = {"k<int, 2, 1>(P)": [(32, *x[1:]) for x in a], "k<int, 3, 1>(P)": b, "k<int, 2, 2>(P)": a}
+    assert compare(old, new) == {"identical": ["k<int, 2>(P)"], "differ": ["k<int, 3>(P)"],
+                                 "gone": ["gone<1>(P)"], "new": ["k<int, 2, 2>(P)"]}

@@ -8,6 +8,12 @@ the nibble decode; reports/kernels/NOTES.md, twentieth session).
     python -m kvqbench.suites.bench.cuda.sass_census .gpubuild/kvqbench_cuda_decode/kvq_decode_sm90_*.so --list
     python -m kvqbench.suites.bench.cuda.sass_census LIB.so "split_kernel<(anonymous namespace)::Int4<128>, 128, 4, 1, 1, 4, 0, false>"
 
+`--against OLD.so` instead compares two builds kernel by kernel (opcodes and operands, by
+demangled name): which instances a change left byte-identical, which it moved, which are
+new or gone; a template parameter with a default appended to a kernel (", 1>" at the end of
+its arguments) is matched to the name without it. A kernel change whose other instances
+stay identical needs no new GPU run for them.
+
 The kernel is named by a substring of its demangled name (`--list` prints them), which must
 match one kernel. A loop is a predicated backward branch; its trip is every instruction
 from the branch's target to the branch, conditional blocks inside included (each is listed with its
@@ -77,20 +83,58 @@ def loops(code: list[tuple[int, str, str, bool]]) -> list[dict]:
     return sorted(found, key=lambda d: -d["count"])
 
 
+def read(library: str) -> tuple[dict, dict]:
+    """({mangled name: code}, {mangled name: demangled name}) of a built library."""
+    r = subprocess.run([cuobjdump(), "-sass", library], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"cuobjdump failed on {library}: {r.stderr.strip()[:300]}")
+    fns = functions(r.stdout)
+    return fns, demangle(list(fns))
+
+
+def compare(old: dict, new: dict) -> dict:
+    """Kernels of two builds ({demangled name: code}) by name: identical (opcodes and
+    operands), differ, gone, new. A new name ending in an appended default template argument
+    (", 1>(") is matched to the old name without it."""
+    def text(code):
+        return [(op, args) for _, op, args, _ in code]
+
+    norm = {re.sub(r", 1>\(", ">(", n): n for n in new}
+    out = {"identical": [], "differ": [], "gone": [], "new": []}
+    for n, code in old.items():
+        m = n if n in new else norm.get(n)
+        if m is None:
+            out["gone"].append(n)
+        else:
+            out["identical" if text(code) == text(new[m]) else "differ"].append(n)
+    matched = {n if n in new else norm.get(n) for n in old}
+    out["new"] = [n for n in new if n not in matched]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("library", help="a built kernels/cuda library (.so), e.g. from gpu_prebuild")
     ap.add_argument("kernel", nargs="?", default="", help="a substring of the kernel's demangled name")
     ap.add_argument("--list", action="store_true", help="print the kernels' demangled names")
+    ap.add_argument("--against", metavar="OLD.so", help="compare every kernel with another build of the library")
     ap.add_argument("--top", type=int, default=24, help="opcodes shown per loop")
     ap.add_argument("--top-blocks", type=int, default=6, help="largest conditional blocks shown per loop")
     a = ap.parse_args(argv)
-    r = subprocess.run([cuobjdump(), "-sass", a.library], capture_output=True, text=True)
-    if r.returncode != 0:
-        print(f"sass_census: cuobjdump failed on {a.library}: {r.stderr.strip()[:300]}", file=sys.stderr)
+    try:
+        fns, names = read(a.library)
+        if a.against:
+            ofns, onames = read(a.against)
+    except RuntimeError as e:
+        print(f"sass_census: {e}", file=sys.stderr)
         return 1
-    fns = functions(r.stdout)
-    names = demangle(list(fns))
+    if a.against:
+        res = compare({onames[m]: c for m, c in ofns.items()}, {names[m]: c for m, c in fns.items()})
+        print(", ".join(f"{k} {len(v)}" for k, v in res.items()) + f" (of {len(ofns)} kernels in {a.against})")
+        for k in ("differ", "gone", "new"):
+            for n in res[k]:
+                print(f"  {k}: {n}")
+        return 0
     if a.list or not a.kernel:
         print("\n".join(sorted(names.values())))
         return 0
