@@ -1,18 +1,19 @@
 """Branch cuda-gqa16: a GQA group of 16 (Qwen3-235B: 64 q heads over 4 kv heads) on the CUDA
 kernels, which run it as 2 CTAs per kv row, against Triton (which took every such call
 before) and the same run's fp16 SDPA. Graphed calls, B=8 and B=1, T=32k, d 128; the CUDA
-output against Triton's (relative max error); int4 and fp8 also as JOINT_VARIANT (both halves in
-one CTA). GPU only; package on PYTHONPATH (gpu_env.sh)."""
+output against Triton's (relative max error); int4, fp8 and HQMQ also as their JOINT_VARIANT
+(both halves in one CTA). GPU only; package on PYTHONPATH (gpu_env.sh)."""
 import torch
 import triton.testing as tt
 
-from kvqbench.kernels.cuda.decode_attention import JOINT_VARIANT
+from kvqbench.kernels.cuda import decode_attention as cd, hqmq_decode as ch
 from kvqbench.kernels.decode_attention import decode_attention
 from kvqbench.kernels.formats.hqmq import configure, engine_table
 from kvqbench.suites.bench.toolkit import fp16_sdpa, graph_replay, kernel_flats
 
 HQ, HKV, D, T = 64, 4, 128, 32768
 SPECS = ("int4", "fp8", "kivi:bits=2", "kivi:bits=4", "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3")
+JOINT = {"int4": cd.JOINT_VARIANT, "fp8": cd.JOINT_VARIANT, "hqmq:S=96,r=4": ch.JOINT_VARIANT}
 
 
 def graphed_us(f):
@@ -35,9 +36,10 @@ for B in (8, 1):
         tr = graphed_us(lambda: decode_attention(q, kf, vf, backend="triton"))
         print(f"  {spec:30s} CUDA {cu:7.1f} us ({sdpa / cu:.2f}x)  Triton {tr:7.1f} us ({sdpa / tr:.2f}x)  "
               f"rel err vs Triton {err:.1e}", flush=True)
-        if spec in ("int4", "fp8"):  # both halves in one CTA (JOINT_VARIANT), against the default's two CTAs
-            oj = decode_attention(q, kf, vf, backend="cuda", variant=JOINT_VARIANT).float()
+        jv = JOINT.get(spec)
+        if jv is not None:  # both halves in one CTA (JOINT_VARIANT), against the default's two CTAs
+            oj = decode_attention(q, kf, vf, backend="cuda", variant=jv).float()
             errj = ((oj - ot).abs().max() / ot.abs().max()).item()
-            cj = graphed_us(lambda: decode_attention(q, kf, vf, backend="cuda", variant=JOINT_VARIANT))
-            print(f"  {spec + ' joint (variant 6)':30s} CUDA {cj:7.1f} us ({sdpa / cj:.2f}x)  "
+            cj = graphed_us(lambda: decode_attention(q, kf, vf, backend="cuda", variant=jv))
+            print(f"  {spec + f' joint (variant {jv})':30s} CUDA {cj:7.1f} us ({sdpa / cj:.2f}x)  "
                   f"{cu / cj:.2f}x the two-CTA launch  rel err vs Triton {errj:.1e}", flush=True)
