@@ -94,15 +94,24 @@ def compile_captured(cap: _Capture, arch: int):
     return out
 
 
+def cuobjdump() -> str:
+    """The cuobjdump that ships inside Triton's package (no CUDA toolkit needed);
+    FileNotFoundError naming the path where the package has none."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        raise FileNotFoundError(f"no cuobjdump in Triton's package ({tool})")
+    return tool
+
+
 def cubin_resources(cubin: bytes) -> str:
     """Registers, spills (stack/local) and shared memory, read from the cubin with
     the cuobjdump that ships inside Triton's package."""
     import subprocess
     import tempfile
 
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = cuobjdump()
     with tempfile.TemporaryDirectory() as d:
         f = os.path.join(d, "k.cubin")
         open(f, "wb").write(cubin)

@@ -136,8 +136,8 @@ def test_audit_state_names_an_audit_hook_that_is_not_filelocks():
     """toolkit.audit_state reads whether a Python audit hook slows id() (every host figure of
     a process depends on it): a process given a hook of its own (not filelock's) is named so,
     and its id() reads dearer than the same process without it. (Whether the plain process
-    is flagged is the machine's business: the GPU hosts' image carries a hook of its own.)
-    Subprocesses: a hook cannot be removed once added."""
+    is flagged is the machine's business: a filelock imported at startup, as the GPU image's
+    3.32.5 is, brings its own.) Subprocesses: a hook cannot be removed once added."""
     import re
     import subprocess
     import sys

@@ -23,23 +23,15 @@ ships inside Triton's package and c++filt.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
 from collections import Counter
 
+from ....kernels.aot_check import cuobjdump
+
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
 _TARGET = re.compile(r"0x([0-9a-f]+)")
-
-
-def cuobjdump() -> str:
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        raise FileNotFoundError(f"no cuobjdump in Triton's package ({tool})")
-    return tool
 
 
 def functions(sass: str) -> dict[str, list[tuple[int, str, str, bool]]]:
@@ -61,25 +53,30 @@ def demangle(names: list[str]) -> dict[str, str]:
         return {n: n for n in names}
 
 
+def _branch_target(op: str, args: str) -> int | None:
+    """The address a BRA jumps to, None for any other instruction."""
+    t = _TARGET.search(args) if op == "BRA" else None
+    return int(t.group(1), 16) if t else None
+
+
 def loops(code: list[tuple[int, str, str, bool]]) -> list[dict]:
     """Each predicated backward branch as a loop: its span, trip length, opcodes and the forward
     branches inside it (conditional blocks: their length)."""
-    addr = [a for a, *_ in code]
     found = []
-    for a, op, args, pred in code:
+    for end, op, args, pred in code:
+        lo = _branch_target(op, args)
         # a loop closes with a predicated branch back; an unpredicated one is out-of-line code
         # (a divergent collective's fallback) returning into the body
-        if op != "BRA" or not pred or not (t := _TARGET.search(args)) or int(t.group(1), 16) >= a:
+        if lo is None or not pred or lo >= end:
             continue
-        lo = int(t.group(1), 16)
-        body = [x for x in code if lo <= x[0] <= a]
+        body = [x for x in code if lo <= x[0] <= end]
         skips = []
-        for b, bop, bargs, pred in body:
-            tt = _TARGET.search(bargs) if bop == "BRA" else None
-            if tt and pred and b < int(tt.group(1), 16) <= a:
-                skips.append((b, int(tt.group(1), 16), sum(1 for x in addr if b < x < int(tt.group(1), 16))))
-        found.append({"start": lo, "end": a, "count": len(body),
-                      "opcodes": Counter(op.split(".")[0] for _, op, _, _ in body), "skips": skips})
+        for b, bop, bargs, bpred in body:
+            t = _branch_target(bop, bargs)
+            if t is not None and bpred and b < t <= end:
+                skips.append((b, t, sum(1 for x in body if b < x[0] < t)))
+        found.append({"start": lo, "end": end, "count": len(body),
+                      "opcodes": Counter(o.split(".")[0] for _, o, _, _ in body), "skips": skips})
     return sorted(found, key=lambda d: -d["count"])
 
 
@@ -101,13 +98,14 @@ def compare(old: dict, new: dict) -> dict:
 
     norm = {re.sub(r", 1>\(", ">(", n): n for n in new}
     out = {"identical": [], "differ": [], "gone": [], "new": []}
+    matched = set()
     for n, code in old.items():
         m = n if n in new else norm.get(n)
         if m is None:
             out["gone"].append(n)
         else:
+            matched.add(m)
             out["identical" if text(code) == text(new[m]) else "differ"].append(n)
-    matched = {n if n in new else norm.get(n) for n in old}
     out["new"] = [n for n in new if n not in matched]
     return out
 
@@ -125,7 +123,7 @@ def main(argv=None) -> int:
         fns, names = read(a.library)
         if a.against:
             ofns, onames = read(a.against)
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:  # (cuobjdump failed, or Triton ships none)
         print(f"sass_census: {e}", file=sys.stderr)
         return 1
     if a.against:
