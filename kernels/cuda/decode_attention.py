@@ -72,7 +72,9 @@ NUM_VARIANTS = 6
 # JOINT_VARIANT, split_kernel HH = 2: K and V decoded once for 16 heads; int4 / fp8 at head dim
 # 64 / 128). Offline, sm_90a: an int4 d 128 tile 530 instructions for 16 heads against 2 x 419
 # as two CTAs, fp8 369 against 2 x 259, 177-190 registers (no spills): 2 CTAs per SM, not 4.
-# By request only (variant=6) until a GPU has tested and timed it.
+# By request only (variant=6): on an H100 (gqa 16, d 128, T=32k, graphed; 2026-12-08) int4 was
+# 1.03x the two-CTA launch's speed at B=8 and 0.84x at B=1, fp8 0.97x / 0.86x (HQMQ's joint
+# variant, 1.67x / 1.24x, became its default; reports/latency/h100_2026-12-08/).
 JOINT_VARIANT = 6
 SMEM_VARIANTS = (2, 3, 4, 5)
 # KIVI's own variants (KVARIANTS in the .cu): 2, 3, 4 stream whole 32-token groups per stage;
