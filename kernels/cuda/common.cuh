@@ -75,6 +75,19 @@ __device__ __forceinline__ uint32_t nibbles_magic(uint32_t x) {
 // Med3x -1.9%, HQMQ d 64 -2.6%, KIVI-2 -0.7%, int4 / fp8 / KIVI-4 within 0.3%
 // (reports/latency/lazy_max_ab_h100_2026-12-06/). Offline it cost 1-11 registers in some
 // instances; the non-default KIVI d 128 variants 2 / 3 (128-register cap) spill 8-28 bytes.
+// A split kernel's running state per q-head half (HH: halves a CTA takes; 2 for a GQA group of
+// 16 in one CTA): O^T at 0, maxima at -inf, sums at 0
+template <int HH, int KS>
+__device__ __forceinline__ void zero_halves(float (&acc)[HH][KS][4], float (&m)[HH][2], float (&l)[HH][2]) {
+#pragma unroll
+  for (int hh = 0; hh < HH; ++hh) {
+#pragma unroll
+    for (int i = 0; i < KS; ++i) acc[hh][i][0] = acc[hh][i][1] = acc[hh][i][2] = acc[hh][i][3] = 0.f;
+    m[hh][0] = m[hh][1] = NEG_INF;
+    l[hh][0] = l[hh][1] = 0.f;
+  }
+}
+
 template <int KS>
 __device__ __forceinline__ void online_softmax(const float (&s)[4], float (&m)[2], float (&l)[2], float (&acc)[KS][4],
                                                float& p0, float& p1, float& p2, float& p3) {

@@ -242,6 +242,28 @@ struct Raw {
   uint32_t k[2][F::KW];  // tokens g, g+8
   uint32_t v[4][F::VW];  // tokens 2c, 2c+1, 2c+8, 2c+9
   uint32_t ks[2], kz[2], vs[4], vz[4];  // fp16 bits in the low half (int formats)
+  // the K scale / zero of tokens g, g+8 as (s, s), (z, z); zeros for formats without
+  __device__ __forceinline__ void k_pairs(uint32_t (&s2)[2], uint32_t (&z2)[2]) const {
+    s2[0] = s2[1] = z2[0] = z2[1] = 0;
+    if constexpr (F::ZERO) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        s2[j] = __byte_perm(ks[j], 0, 0x1010);
+        z2[j] = __byte_perm(kz[j], 0, 0x1010);
+      }
+    }
+  }
+  // the V scale / zero of token pairs (2c, 2c+1), (2c+8, 2c+9) as (s_t, s_t+1), (z_t, z_t+1)
+  __device__ __forceinline__ void v_pairs(uint32_t (&s2)[2], uint32_t (&z2)[2]) const {
+    s2[0] = s2[1] = z2[0] = z2[1] = 0;
+    if constexpr (F::ZERO) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        s2[j] = __byte_perm(vs[2 * j], vs[2 * j + 1], 0x5410);
+        z2[j] = __byte_perm(vz[2 * j], vz[2 * j + 1], 0x5410);
+      }
+    }
+  }
 };
 
 // A lane's pointers into the next tile to load (its first token t0 + g for K, t0 + 2c
@@ -1002,14 +1024,8 @@ __device__ __forceinline__ void tile_step(const R& r, int t0, int tend, float qk
   float s[4] = {0.f, 0.f, 0.f, 0.f};
   int tg = g, tg8 = g + 8;  // the tokens of score rows g, g+8
   if constexpr (F::KIND == 0) {
-    uint32_t ks2[2] = {0, 0}, kz2[2] = {0, 0};  // (s, s), (z, z) of tokens g, g+8
-    if constexpr (F::ZERO) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        ks2[j] = __byte_perm(r.ks[j], 0, 0x1010);
-        kz2[j] = __byte_perm(r.kz[j], 0, 0x1010);
-      }
-    }
+    uint32_t ks2[2], kz2[2];  // (s, s), (z, z) of tokens g, g+8
+    r.k_pairs(ks2, kz2);
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
       mma16816(s, F::kfrag(r.k[0], kk, 0, ks2[0], kz2[0]), F::kfrag(r.k[1], kk, 0, ks2[1], kz2[1]),
@@ -1040,14 +1056,8 @@ __device__ __forceinline__ void tile_step(const R& r, int t0, int tend, float qk
 
   // ---- O^T += V^T P^T
   if constexpr (F::KIND == 0) {
-    uint32_t vs2[2] = {0, 0}, vz2[2] = {0, 0};
-    if constexpr (F::ZERO) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        vs2[j] = __byte_perm(r.vs[2 * j], r.vs[2 * j + 1], 0x5410);  // (s_t, s_t+1)
-        vz2[j] = __byte_perm(r.vz[2 * j], r.vz[2 * j + 1], 0x5410);  // (z_t, z_t+1)
-      }
-    }
+    uint32_t vs2[2], vz2[2];
+    r.v_pairs(vs2, vz2);
 #pragma unroll
     for (int mt = 0; mt < KS; ++mt) {
       uint32_t a0, a1, a2, a3;
@@ -1062,6 +1072,53 @@ __device__ __forceinline__ void tile_step(const R& r, int t0, int tend, float qk
       F::vstep(r, mt, a);
       mma16816(acc[mt], a[0], a[1], a[2], a[3], pb0, pb1);
     }
+  }
+}
+
+// tile_step for a GQA group of 16 in one CTA (HH = 2 head halves of 8, JOINT_VARIANT): each K
+// and V fragment is decoded once and goes through two mma, one per half (each with its own
+// q, scores, softmax and O^T), where two CTAs of half the heads each decode every byte of
+// the row (int4: 225 of a tile's 419 instructions are the decode; sass_census). Token-row
+// formats (KIND 0), a whole row a warp (SPL 1). The score scaling and masks repeat tile_step's
+// (per half); tile_step is otherwise left as it was, and every instance of the default build
+// stays byte-identical (sass_census --against: 95 of 95).
+template <class F, int D, class R>
+__device__ __forceinline__ void tile_step_joint(const R& r, int t0, int tend, float qk,
+                                                const uint32_t (&qb)[2][D / 16][2], float (&acc)[2][D / 16][4],
+                                                float (&m)[2][2], float (&l)[2][2], int g) {
+  static_assert(F::KIND == 0, "the joint step reads token rows");
+  constexpr int KS = D / 16;
+  float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  uint32_t ks2[2], kz2[2];
+  r.k_pairs(ks2, kz2);
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+    const uint32_t a0 = F::kfrag(r.k[0], kk, 0, ks2[0], kz2[0]), a1 = F::kfrag(r.k[1], kk, 0, ks2[1], kz2[1]);
+    const uint32_t a2 = F::kfrag(r.k[0], kk, 1, ks2[0], kz2[0]), a3 = F::kfrag(r.k[1], kk, 1, ks2[1], kz2[1]);
+    mma16816(s[0], a0, a1, a2, a3, qb[0][kk][0], qb[0][kk][1]);
+    mma16816(s[1], a0, a1, a2, a3, qb[1][kk][0], qb[1][kk][1]);
+  }
+  uint32_t pb0[2], pb1[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[hh][i] *= qk;
+    if ((unsigned)(t0 + g) >= (unsigned)tend) s[hh][0] = s[hh][1] = NEG_INF;
+    if ((unsigned)(t0 + g + 8) >= (unsigned)tend) s[hh][2] = s[hh][3] = NEG_INF;
+    float p0, p1, p2, p3;
+    online_softmax<KS>(s[hh], m[hh], l[hh], acc[hh], p0, p1, p2, p3);
+    pb0[hh] = movtrans(pack_half2(p0, p1));
+    pb1[hh] = movtrans(pack_half2(p2, p3));
+  }
+  uint32_t vs2[2], vz2[2];
+  r.v_pairs(vs2, vz2);
+#pragma unroll
+  for (int mt = 0; mt < KS; ++mt) {
+    uint32_t a0, a1, a2, a3;
+    F::vpair(r.v[0], r.v[1], mt, vs2[0], vz2[0], a0, a1);
+    F::vpair(r.v[2], r.v[3], mt, vs2[1], vz2[1], a2, a3);
+    mma16816(acc[0][mt], a0, a1, a2, a3, pb0[0], pb1[0]);
+    mma16816(acc[1][mt], a0, a1, a2, a3, pb0[1], pb1[1]);
   }
 }
 
@@ -1254,7 +1311,9 @@ constexpr int dyn_smem() {
 // SMS > 0: the shared-memory pipeline of SMS stages per warp (STAGES unused).
 // GS: KIVI's stream (StreamOf). FUSED: the last CTA of a row group merges the group's
 // partials into p.out (common.cuh combine_rows), no combine launch after it.
-template <class F, int D, int NW, int STAGES, int MINB, int SMS, int GS, bool FUSED = false>
+// HH: q-head halves a CTA takes (2: a GQA group of 16 as one CTA per kv row, tile_step_joint;
+// blockIdx.x is then the kv row and half hh the q-head group 2 blockIdx.x + hh of p.qsh's two).
+template <class F, int D, int NW, int STAGES, int MINB, int SMS, int GS, bool FUSED = false, int HH = 1>
 __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   // Head dim 256 (SPL = 2): warp pairs (wp) take the tiles, warp hf of a pair the dims
   // [128 hf, 128 hf + 128) of every row with d = 128's format F (DW dims), and the pair adds
@@ -1266,25 +1325,31 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wp = warp / SPL, hf = warp % SPL;
   const int g = lane >> 2, c = lane & 3;
-  const int bh = (int)blockIdx.x >> p.qsh;  // this CTA's kv row (b Hkv + h); blockIdx.x: its q-head group
+  static_assert(HH == 1 || (HH == 2 && F::KIND == 0 && SPL == 1), "joint halves: token rows, whole rows a warp");
+  // this CTA's kv row (b Hkv + h); blockIdx.x: its q-head group (HH = 2: its kv row)
+  const int bh = HH == 1 ? (int)blockIdx.x >> p.qsh : (int)blockIdx.x;
   const int h = bh % p.Hkv;
   constexpr int NG = F::NG;
 
   float qk = p.qk_scale;
   if (!F::ZERO && p.khs) qk *= p.khs[h];  // fp8: q . (s k8) = s (q . k8)
-  uint32_t qb[KS][2];
-  {
-    const bool real = g < p.gqa;
-    const long long row = (long long)blockIdx.x * p.gqa + g;
-    if (p.qtype == 0) load_q<F, DW, D>(reinterpret_cast<const __half*>(p.q), row, real, 1.f, c, qb, hf);
-    else if (p.qtype == 1) load_q<F, DW, D>(reinterpret_cast<const uint16_t*>(p.q), row, real, 1.f, c, qb, hf);
-    else load_q<F, DW, D>(reinterpret_cast<const float*>(p.q), row, real, 1.f, c, qb, hf);
-  }
-
-  float acc[KS][4];  // O^T: rows dims g D/8 + 2mt (+1 for c2, c3), cols heads 2c, 2c+1
+  uint32_t qbh[HH][KS][2];
 #pragma unroll
-  for (int i = 0; i < KS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+  for (int hh = 0; hh < HH; ++hh) {
+    const bool real = g < p.gqa;
+    const long long row = ((long long)blockIdx.x * HH + hh) * p.gqa + g;
+    if (p.qtype == 0) load_q<F, DW, D>(reinterpret_cast<const __half*>(p.q), row, real, 1.f, c, qbh[hh], hf);
+    else if (p.qtype == 1) load_q<F, DW, D>(reinterpret_cast<const uint16_t*>(p.q), row, real, 1.f, c, qbh[hh], hf);
+    else load_q<F, DW, D>(reinterpret_cast<const float*>(p.q), row, real, 1.f, c, qbh[hh], hf);
+  }
+  uint32_t(&qb)[KS][2] = qbh[0];
+
+  float acch[HH][KS][4];  // O^T: rows dims g D/8 + 2mt (+1 for c2, c3), cols heads 2c, 2c+1
+  float mh[HH][2], lh[HH][2];
+  zero_halves(acch, mh, lh);
+  float(&acc)[KS][4] = acch[0];
+  float(&m)[2] = mh[0];
+  float(&l)[2] = lh[0];
 
   // valid tokens: p.T, or the device count (may be below T, down to none: a CTA whose
   // tiles all lie past it keeps m = -inf, l = 0, acc = 0 and writes exactly that empty
@@ -1364,7 +1429,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
         // prefetch STAGES-1 tiles ahead (the cursor is there)
         load_tile<F, NW>(buf[(i + STAGES - 1) % STAGES], cur, tend, st + (STAGES - 1) * NW < last, g, c);
         if (st >= last) break;  // warp-uniform
-        tile_step<F, D>(buf[i], t_first + st * 16 - lo, tlo, qk, qb, acc, m, l, g);
+        if constexpr (HH == 2) tile_step_joint<F, D>(buf[i], t_first + st * 16 - lo, tlo, qk, qbh, acch, mh, lh, g);
+        else tile_step<F, D>(buf[i], t_first + st * 16 - lo, tlo, qk, qb, acc, m, l, g);
       }
     }
   } else {
@@ -1402,8 +1468,11 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
         for (int h = 0; h < TPU; ++h) {
           typename S::RawT r;
           S::read(r, wsm + rd * S::BYTES, g, c, h);
-          tile_step<F, DW, typename S::RawT, SPL>(r, u0 + 16 * h - lo, tlo, qk, qb, acc, m, l, g,
-                                                  xb + 2048 * ((j * TPU + h) & 1), hf, 1 + wp);
+          if constexpr (HH == 2)
+            tile_step_joint<F, DW, typename S::RawT>(r, u0 + 16 * h - lo, tlo, qk, qbh, acch, mh, lh, g);
+          else
+            tile_step<F, DW, typename S::RawT, SPL>(r, u0 + 16 * h - lo, tlo, qk, qb, acc, m, l, g,
+                                                    xb + 2048 * ((j * TPU + h) & 1), hf, 1 + wp);
         }
       }
       rd = rd == NS - 1 ? 0 : rd + 1;
@@ -1412,6 +1481,16 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
     cp_wait<0>();
   }
 
+  // (HH = 2: the merge and partial below once per half, the CTA's threads in step)
+  __shared__ float sm_m[NP][8], sm_l[NP][8];
+  __shared__ float red_static[SMS ? 1 : NP][SMS ? 1 : 8][SMS ? 1 : D];
+  float(*red)[8][D] = SMS ? reinterpret_cast<float(*)[8][D]>(dsm) : reinterpret_cast<float(*)[8][D]>(&red_static[0][0][0]);
+#pragma unroll
+  for (int hh = 0; hh < HH; ++hh) {
+  float(&m)[2] = mh[hh];
+  float(&l)[2] = lh[hh];
+  float(&acc)[KS][4] = acch[hh];
+  if (hh > 0) __syncthreads();  // (the last half's reads of sm_m, sm_l and red are done)
   // ---- the warp's sums over its tokens (l is per lane so far)
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
@@ -1426,9 +1505,6 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
   // int4 / fp8 ones byte-identical but changed the instruction order of the 16 KIVI
   // kernels, which no GPU run has tested or timed in that form.
   // (a pair's two warps hold the same m, l: both write them; each its half of the dims)
-  __shared__ float sm_m[NP][8], sm_l[NP][8];
-  __shared__ float red_static[SMS ? 1 : NP][SMS ? 1 : 8][SMS ? 1 : D];
-  float(*red)[8][D] = SMS ? reinterpret_cast<float(*)[8][D]>(dsm) : reinterpret_cast<float(*)[8][D]>(&red_static[0][0][0]);
   if (g == 0) {
     sm_m[wp][2 * c] = m[0]; sm_m[wp][2 * c + 1] = m[1];
     sm_l[wp][2 * c] = l[0]; sm_l[wp][2 * c + 1] = l[1];
@@ -1456,7 +1532,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
     float o = 0.f;
 #pragma unroll
     for (int w = 0; w < NP; ++w) o += red[w][hd][d];
-    const long long prow = ((long long)blockIdx.x * p.gqa + hd) * p.nsplit + p.split0 + blockIdx.y;
+    const long long prow = (((long long)blockIdx.x * HH + hh) * p.gqa + hd) * p.nsplit + p.split0 + blockIdx.y;
     p.po[prow * D + d] = o;
     if (d == 0) {
       float M = NEG_INF, L = 0.f;
@@ -1468,9 +1544,15 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
       p.pl[prow] = none ? 1.f : L;
     }
   }
+  }
   if constexpr (FUSED) {  // (sm_m is free once every thread is past last_of_group's barrier)
-    if (last_of_group(p.counters + blockIdx.x, p.nsplit))
-      combine_rows<D>(p.po, p.pm, p.pl, p.out, p.otype, (long long)blockIdx.x * p.gqa, p.gqa, p.nsplit, &sm_m[0][0]);
+    if (last_of_group(p.counters + blockIdx.x, p.nsplit)) {
+      if constexpr (HH == 1)
+        combine_rows<D>(p.po, p.pm, p.pl, p.out, p.otype, (long long)blockIdx.x * p.gqa, p.gqa, p.nsplit, &sm_m[0][0]);
+      else  // (both halves' rows: 2 blockIdx.x gqa on, 2 gqa of them)
+        combine_rows<D>(p.po, p.pm, p.pl, p.out, p.otype, (long long)blockIdx.x * HH * p.gqa, HH * p.gqa, p.nsplit,
+                        &sm_m[0][0]);
+    }
   }
 }
 
@@ -1479,6 +1561,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) split_kernel(const Params p) {
 // cap, may spill), shared-memory stages (0: the register path)}.
 constexpr int VARIANTS[][3] = {{2, 1, 0}, {3, 3, 0}, {1, 1, 4}, {1, 4, 3}, {1, 3, 6}, {1, 2, 8}};
 constexpr int NVARIANTS = 6;
+// JOINT_VARIANT: variant 2's launch with both q-head halves of a GQA group over 8 in one CTA
+// (split_kernel's HH = 2), head dim 64 / 128; for head-split calls only (qsh = 1).
+constexpr int JOINT_VARIANT = 6, JOINT_OF = 2;
 // KIVI's variants 2..6 (run 17): {min CTAs per SM, shared-memory stages in 16-token tiles
 // (the group stream holds SMS / 2 groups, at least 2), GS: group stream (1) or run 16's
 // tile stream (0)}. The group stream unrolls a stage's two tiles: 137-140 registers
@@ -1520,11 +1605,12 @@ constexpr int sms_of(int sms) {
   }
 }
 
-template <class F, int D, int STAGES, int MINB, int SMS, int GS>
+// rows: the grid's rows of a one-half CTA (B Hkv << qsh); HH = 2 launches half as many.
+template <class F, int D, int STAGES, int MINB, int SMS, int GS, int HH = 1>
 int launch_cfg(const Params& p, int rows, int grid_y, cudaStream_t stream) {
   constexpr int NW = 4 * (D / F::DIM);  // (head dim 256: 4 warp pairs)
   constexpr int smem = dyn_smem<F, D, NW, SMS, GS>();
-  auto k = split_kernel<F, D, NW, STAGES, MINB, SMS, GS, FUSED_BUILD>;
+  auto k = split_kernel<F, D, NW, STAGES, MINB, SMS, GS, FUSED_BUILD, HH>;
   if constexpr (smem > 0) {  // dynamic + static (256 B) may pass the default 48 KiB (fp8, 3 stages: 48 KiB + 256 B)
     static bool set = false;  // once per instance (benign race: the same value)
     if (!set) {
@@ -1533,7 +1619,7 @@ int launch_cfg(const Params& p, int rows, int grid_y, cudaStream_t stream) {
       set = true;
     }
   }
-  k<<<dim3(rows, grid_y), NW * 32, smem, stream>>>(p);
+  k<<<dim3(rows / HH, grid_y), NW * 32, smem, stream>>>(p);
   return 0;
 }
 
@@ -1541,10 +1627,10 @@ int launch_cfg(const Params& p, int rows, int grid_y, cudaStream_t stream) {
 // SM (registers, threads and shared memory, after the opt-in a launch makes); < 0: -error.
 enum Query { REGS = 0, OCCUPANCY = 1 };
 
-template <class F, int D, int STAGES, int MINB, int SMS, int GS>
+template <class F, int D, int STAGES, int MINB, int SMS, int GS, int HH = 1>
 int query_cfg(Query what) {
   constexpr int NW = 4 * (D / F::DIM), smem = dyn_smem<F, D, NW, SMS, GS>();
-  auto k = split_kernel<F, D, NW, STAGES, MINB, SMS, GS, FUSED_BUILD>;
+  auto k = split_kernel<F, D, NW, STAGES, MINB, SMS, GS, FUSED_BUILD, HH>;
   cudaError_t e;
   if (what == REGS) {
     cudaFuncAttributes a;
@@ -1570,6 +1656,14 @@ int launch_v(const Params& p, int rows, int grid_y, cudaStream_t stream) {
       constexpr int MINB = kivi_minb_of<D>(KVARIANTS[V - KVARIANT0][0]), SMS = KVARIANTS[V - KVARIANT0][1];
       return launch_cfg<F, D, 1, MINB, SMS, KVARIANTS[V - KVARIANT0][2]>(p, rows, grid_y, stream);
     }
+  } else if constexpr (V == JOINT_VARIANT) {
+    if constexpr (D > 128) {
+      return (int)cudaErrorInvalidValue;
+    } else {
+      if (p.qsh != 1) return (int)cudaErrorInvalidValue;  // (two halves to join)
+      return launch_cfg<F, D, VARIANTS[JOINT_OF][0], VARIANTS[JOINT_OF][1], VARIANTS[JOINT_OF][2], 0, 2>(
+          p, rows, grid_y, stream);
+    }
   } else if constexpr (V >= NVARIANTS || (D > 128 && VARIANTS[V][2] == 0)) {
     return (int)cudaErrorInvalidValue;
   } else {
@@ -1587,6 +1681,12 @@ int query_v(Query what) {
     } else {
       constexpr int MINB = kivi_minb_of<D>(KVARIANTS[V - KVARIANT0][0]), SMS = KVARIANTS[V - KVARIANT0][1];
       return query_cfg<F, D, 1, MINB, SMS, KVARIANTS[V - KVARIANT0][2]>(what);
+    }
+  } else if constexpr (V == JOINT_VARIANT) {
+    if constexpr (D > 128) {
+      return -1;
+    } else {
+      return query_cfg<F, D, VARIANTS[JOINT_OF][0], VARIANTS[JOINT_OF][1], VARIANTS[JOINT_OF][2], 0, 2>(what);
     }
   } else if constexpr (V >= NVARIANTS || (D > 128 && VARIANTS[V][2] == 0)) {
     return -1;

@@ -68,6 +68,14 @@ SOURCE = Path(__file__).parent / "decode_attention.cu"
 # and 1 (3, 3, 0) hold prefetched tiles in registers; 2..5 stream each warp's tiles through a
 # cp.async shared-memory pipeline of 4, 3, 6, 8 stages (115-118 registers, no spills).
 NUM_VARIANTS = 6
+# Variant 6: variant 2's launch with both halves of a GQA group of 10..16 in one CTA (the .cu's
+# JOINT_VARIANT, split_kernel HH = 2: K and V decoded once for 16 heads; int4 / fp8 at head dim
+# 64 / 128). Offline, sm_90a: an int4 d 128 tile 530 instructions for 16 heads against 2 x 419
+# as two CTAs, fp8 369 against 2 x 259, 177-190 registers (no spills): 2 CTAs per SM, not 4.
+# By request only (variant=6): on an H100 (gqa 16, d 128, T=32k, graphed; 2026-12-08) int4 was
+# 1.03x the two-CTA launch's speed at B=8 and 0.84x at B=1, fp8 0.97x / 0.86x (HQMQ's joint
+# variant, 1.67x / 1.24x, became its default; reports/latency/h100_2026-12-08/).
+JOINT_VARIANT = 6
 SMEM_VARIANTS = (2, 3, 4, 5)
 # KIVI's own variants (KVARIANTS in the .cu): 2, 3, 4 stream whole 32-token groups per stage;
 # 5, 6 one-tile stages; 7, 8, 9 a group's two tiles in one step (one softmax pass per group);
@@ -539,10 +547,27 @@ def _kivi_token_fields(a, k, v, device, num_splits, ctas_per_sm, device_count: b
     return a.nsplit
 
 
+def _row_variant(variant: int | None, fmt: int, k, group: int) -> int:
+    """The int4 / fp8 variant a call launches (the format's default if None), or ValueError
+    naming why not: out of range, no instance at the head dim, or JOINT_VARIANT for a GQA
+    group it does not take (10..16 at head dim 64 / 128 only)."""
+    variant = DEFAULT_VARIANT[fmt] if variant is None else variant
+    if variant == JOINT_VARIANT:
+        if head_split(group) != 2 or k.D > 128:
+            raise ValueError(f"variant {JOINT_VARIANT} (both q-head halves in one CTA) takes GQA groups of 10, 12, 14, "
+                             f"16 at head_dim 64 / 128; this call: a group of {group} at head_dim {k.D}")
+    elif not 0 <= variant < NUM_VARIANTS:
+        raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1} (or {JOINT_VARIANT} for GQA groups over 8)")
+    elif variant not in variants(k):
+        raise ValueError(f"variant {variant} has no instance at head_dim {k.D} (variants: {variants(k)})")
+    return variant
+
+
 def _token_fields(a, k, device, num_splits, ctas_per_sm):
     """The launch fields that follow the token count T of an int4 / fp8 call: T, the split
     count and tiles per split (the only ones: `_retarget` relies on it). Returns nsplit."""
-    nsplit, per = splits(k.B * k.H * a.qs, k.T, device, num_splits, ctas_per_sm)  # (the grid's rows)
+    rows = k.B * k.H * (1 if a.variant == JOINT_VARIANT else a.qs)  # (the grid's rows: CTAs per split)
+    nsplit, per = splits(rows, k.T, device, num_splits, ctas_per_sm)
     a.T, a.per, a.nsplit = k.T, per, nsplit
     return nsplit
 
@@ -618,7 +643,6 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_cou
             (a.KA, a.KP), (a.VA, a.VP) = k.policy, v.policy
         nsplit = _kivi_token_fields(a, k, v, q.device, num_splits, ctas_per_sm, device_count)
     else:
-        nsplit = _token_fields(a, k, q.device, num_splits, ctas_per_sm)
         if isinstance(k, IntFlat):
             a.kind, a.fmt = 0, 0
             a.kc, a.ks, a.kz = k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr()
@@ -632,11 +656,8 @@ def _build_plan(q, k, v, num_splits, ctas_per_sm, variant, out_dtype, device_cou
             keep += [ks, vs]  # (the same tensors when already fp32 and contiguous, as FP8Flat keeps them)
             a.kc, a.vc, a.khs, a.vhs = k.codes.data_ptr(), v.codes.data_ptr(), ks.data_ptr(), vs.data_ptr()
             a.k_cs, a.v_cs = bh_stride(k.codes), bh_stride(v.codes)
-        variant = DEFAULT_VARIANT[a.fmt] if variant is None else variant
-        if not 0 <= variant < NUM_VARIANTS:
-            raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
-        if variant not in variants(k):
-            raise ValueError(f"variant {variant} has no instance at head_dim {D} (variants: {variants(k)})")
+        a.variant = variant = _row_variant(variant, a.fmt, k, Hq // H)
+        nsplit = _token_fields(a, k, q.device, num_splits, ctas_per_sm)
     a.variant = variant
     plan = _Plan()
     plan.keep, plan.args, plan.ptr = keep, a, ctypes.addressof(a)
@@ -758,5 +779,5 @@ def kivi_plan(k, v, device, num_splits: int | None = None, ctas_per_sm: int | No
 
 __all__ = ["decode", "make_workspace", "unsupported", "takes_by_default", "auto_refusal", "OPTIONS", "RENAMED",
            "CUDA_VERIFIED", "format_name", "kivi_plan", "num_regs_kivi", "why_unavailable", "available", "splits",
-           "num_regs", "occupancy", "fits", "SOURCE", "NUM_VARIANTS", "SMEM_VARIANTS", "KIVI_VARIANTS", "HEAD_DIMS",
+           "num_regs", "occupancy", "fits", "SOURCE", "NUM_VARIANTS", "JOINT_VARIANT", "SMEM_VARIANTS", "KIVI_VARIANTS", "HEAD_DIMS",
            "VERIFIED_HEAD_DIMS", "AUTO_ROW_START", "row_start_refusal", "variants", "head_dim_reason"]

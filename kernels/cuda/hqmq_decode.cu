@@ -464,6 +464,39 @@ __device__ __forceinline__ void pv_chunk(float (&a0)[4], float (&a1)[4], const u
            u32(__hmul2(h2(__byte_perm(c8.y, c9.y, 0x7632)), r89)), pb0, pb1);
 }
 
+// The joint step's chunks (tile_step_joint: a GQA group of 16 as one CTA): k_chunk's and
+// pv_chunk's gathers and scaling as A fragments, each fed to two mma by the caller. (Not
+// shared with k_chunk / pv_chunk: routing those through these changed the SASS of 15 of the
+// 103 existing instances, offline; kept apart, every existing instance is byte-identical.)
+template <int CW>
+__device__ __forceinline__ void k_frags(uint32_t (&a)[4], const uint8_t* ktab, uint32_t o0, uint32_t o8, uint32_t x,
+                                        bool hi) {
+  const __half2 rh = hi ? nibbles<true>(x) : nibbles<false>(x);
+  const uint2 cg = gather<CW>(ktab, o0), cg8 = gather<CW>(ktab, o8);
+  const __half2 rg = __low2half2(rh), rg8 = __high2half2(rh);
+  a[0] = u32(__hmul2(h2(cg.x), rg));
+  a[1] = u32(__hmul2(h2(cg8.x), rg8));
+  a[2] = u32(__hmul2(h2(cg.y), rg));
+  a[3] = u32(__hmul2(h2(cg8.y), rg8));
+}
+template <int CW>
+__device__ __forceinline__ void pv_frags(uint32_t (&f)[2][4], const uint8_t* vtab, uint32_t o0, uint32_t o1, uint32_t o2,
+                                         uint32_t o3, uint32_t x01, uint32_t x89, bool hi) {
+  const __half2 r01 = hi ? nibbles<true>(x01) : nibbles<false>(x01);
+  const __half2 r89 = hi ? nibbles<true>(x89) : nibbles<false>(x89);
+  const uint2 c0 = gather<CW>(vtab, o0), c1 = gather<CW>(vtab, o1);
+  const uint2 c8 = gather<CW>(vtab, o2), c9 = gather<CW>(vtab, o3);
+  const uint32_t lo[4] = {c0.x, c1.x, c8.x, c9.x}, hi4[4] = {c0.y, c1.y, c8.y, c9.y};
+#pragma unroll
+  for (int y = 0; y < 2; ++y) {
+    const uint32_t* w = y ? hi4 : lo;
+    f[y][0] = u32(__hmul2(h2(__byte_perm(w[0], w[1], 0x5410)), r01));
+    f[y][1] = u32(__hmul2(h2(__byte_perm(w[0], w[1], 0x7632)), r01));
+    f[y][2] = u32(__hmul2(h2(__byte_perm(w[2], w[3], 0x5410)), r89));
+    f[y][3] = u32(__hmul2(h2(__byte_perm(w[2], w[3], 0x7632)), r89));
+  }
+}
+
 // Med3x outliers are ADDED by two more mma per tile: the format stores radius code 0 for an
 // outlier chunk (quantizers/hqmq.py encode: rq of where(outlier, 0, r); kernels/step_encode.py
 // writes the same bytes), so the quantized path contributes 0 there, and
@@ -991,6 +1024,107 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
   }
 }
 
+// tile_step for a GQA group of 16 in one CTA (HH = 2 q-head halves of 8, JOINT_VARIANT): plain
+// HQMQ at head dim 128, tile_step's arithmetic for each half in its order, but every codeword
+// gathered and scaled once for both halves' mma (HQMQ is bound by its gathers: two CTAs of
+// half the heads each gather every codeword of the row). Its row reads, code offsets, masks
+// and P fold repeat tile_step's D = 128 path on purpose: tile_step is left as it was, so every
+// existing instance stays byte-identical (sass_census --against: 103 of 103; routing k_chunk /
+// pv_chunk through shared helpers had moved 15).
+template <int CW>
+__device__ __forceinline__ void tile_step_joint(const uint8_t* st, const uint8_t* ktab, const uint8_t* vtab,
+                                                int moff_k, int moff_v, int t0, int T, float qk,
+                                                const uint32_t (&qb)[2][8][2], float (&acc)[2][8][4],
+                                                float (&m)[2][2], float (&l)[2][2], int g, int c) {
+  using Stage = ::Stage<128>;
+  constexpr int KS = 8, CB = Dims<128>::CB, RB = Dims<128>::RB;
+  float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  float rk[2];
+  {
+    uint32_t w[2][3], rw[2], rmb[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int t = g + 8 * i;
+      const uint8_t* row = st + Stage::KC + t * CB + 12 * c;
+      w[i][0] = *reinterpret_cast<const uint32_t*>(row);
+      w[i][1] = *reinterpret_cast<const uint32_t*>(row + 4);
+      w[i][2] = *reinterpret_cast<const uint32_t*>(row + 8);
+      rw[i] = *reinterpret_cast<const uint32_t*>(st + Stage::KR + t * RB + 4 * c);
+      rmb[i] = *reinterpret_cast<const uint16_t*>(st + Stage::KM + moff_k + 2 * t);
+    }
+    rk[0] = rm15(rmb[0]);
+    rk[1] = rm15(rmb[1]);
+    const uint32_t rlo = __byte_perm(rw[0], rw[1], 0x5410), rhi = __byte_perm(rw[0], rw[1], 0x7632);
+    uint32_t off[2][8];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      off[i][0] = code8<0, CW>(w[i][0], w[i][1], w[i][2]);
+      off[i][1] = code8<1, CW>(w[i][0], w[i][1], w[i][2]);
+      off[i][2] = code8<2, CW>(w[i][0], w[i][1], w[i][2]);
+      off[i][3] = code8<3, CW>(w[i][0], w[i][1], w[i][2]);
+      off[i][4] = code8<4, CW>(w[i][0], w[i][1], w[i][2]);
+      off[i][5] = code8<5, CW>(w[i][0], w[i][1], w[i][2]);
+      off[i][6] = code8<6, CW>(w[i][0], w[i][1], w[i][2]);
+      off[i][7] = code8<7, CW>(w[i][0], w[i][1], w[i][2]);
+    }
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+      uint32_t x = kk < 4 ? rlo : rhi;
+      if (kk & 2) x >>= 8;
+      uint32_t a[4];
+      k_frags<CW>(a, ktab, off[0][kk], off[1][kk], x, kk & 1);
+      mma16816(s[0], a[0], a[1], a[2], a[3], qb[0][kk][0], qb[0][kk][1]);
+      mma16816(s[1], a[0], a[1], a[2], a[3], qb[1][kk][0], qb[1][kk][1]);
+    }
+  }
+  const float qc = qk * CW_SCALE<CW>;
+  const float rv0 =
+      (unsigned)(t0 + g) < (unsigned)T ? rm15(*reinterpret_cast<const uint16_t*>(st + Stage::VM + moff_v + 2 * g)) : 0.f;
+  const float rv1 = (unsigned)(t0 + g + 8) < (unsigned)T
+                        ? rm15(*reinterpret_cast<const uint16_t*>(st + Stage::VM + moff_v + 2 * (g + 8)))
+                        : 0.f;
+  uint32_t pb0[2], pb1[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    s[hh][0] *= qc * rk[0]; s[hh][1] *= qc * rk[0]; s[hh][2] *= qc * rk[1]; s[hh][3] *= qc * rk[1];
+    if ((unsigned)(t0 + g) >= (unsigned)T) s[hh][0] = s[hh][1] = NEG_INF;
+    if ((unsigned)(t0 + g + 8) >= (unsigned)T) s[hh][2] = s[hh][3] = NEG_INF;
+    float p0, p1, p2, p3;
+    online_softmax<KS>(s[hh], m[hh], l[hh], acc[hh], p0, p1, p2, p3);
+    pb0[hh] = movtrans(pack_half2(p0 * rv0, p1 * rv0));
+    pb1[hh] = movtrans(pack_half2(p2 * rv1, p3 * rv1));
+  }
+  const int sh = 16 * (g & 1);
+  const int wo = 4 * ((3 * g) >> 1);
+  uint32_t off[4][4];
+  uint32_t rb[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int t = 2 * c + (j & 1) + 8 * (j >> 1);
+    const uint8_t* row = st + Stage::VC + t * CB + wo;
+    const uint32_t w0 = *reinterpret_cast<const uint32_t*>(row), w1 = *reinterpret_cast<const uint32_t*>(row + 4);
+    const uint32_t lo = __funnelshift_r(w0, w1, sh), hi = w1 >> sh;
+    constexpr int L = CW_SHIFT<CW>;
+    off[j][0] = (lo << L) & CW_MASK<CW>;
+    off[j][1] = (lo >> (12 - L)) & CW_MASK<CW>;
+    off[j][2] = __funnelshift_r(lo, hi, 24 - L) & CW_MASK<CW>;
+    off[j][3] = (hi >> (4 - L)) & CW_MASK<CW>;
+    rb[j] = *reinterpret_cast<const uint16_t*>(st + Stage::VR + t * RB + 2 * g);
+  }
+  const uint32_t u01 = __byte_perm(rb[0], rb[1], 0x5410), u89 = __byte_perm(rb[2], rb[3], 0x5410);
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj) {
+    const uint32_t x01 = (jj & 2) ? (u01 >> 8) : u01, x89 = (jj & 2) ? (u89 >> 8) : u89;
+    uint32_t f[2][4];
+    pv_frags<CW>(f, vtab, off[0][jj], off[1][jj], off[2][jj], off[3][jj], x01, x89, (jj & 1) != 0);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      mma16816(acc[hh][2 * jj], f[0][0], f[0][1], f[0][2], f[0][3], pb0[hh], pb1[hh]);
+      mma16816(acc[hh][2 * jj + 1], f[1][0], f[1][1], f[1][2], f[1][3], pb0[hh], pb1[hh]);
+    }
+  }
+}
+
 template <int NW, int SMS, int TABB, bool OUT, bool PF = false, int D = 128, bool MIX = false>
 constexpr int dyn_smem() {
   constexpr int SPL = Dims<D>::SPL, NP = NW / SPL;  // (D = 256: the pairs' score exchange, 2 KB each)
@@ -1007,8 +1141,10 @@ constexpr int dyn_smem() {
 // FUSED: the last CTA of a row group merges the group's partials into p.out (common.cuh
 // combine_rows), no combine launch after it.
 // MIX: mixed-radix code rows (S = 96, head dim 64 / 128 / 256: mixed_tile_to_bits).
+// HH: q-head halves a CTA takes (2: JOINT_VARIANT, a GQA group of 16 as one CTA per kv row,
+// tile_step_joint; blockIdx.x is then the kv row, half hh the q-head group 2 blockIdx.x + hh).
 template <int NW, int SMS, int TABB, int MINB, bool OUT, int PF = 0, int D = 128, bool FUSED = false,
-          int CW = 8, bool MIX = false>
+          int CW = 8, bool MIX = false, int HH = 1>
 __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params p) {
   pdl_trigger();  // (common.cuh: the combine may be launched once every split CTA is resident)
   using Stage = ::Stage<D>;
@@ -1021,7 +1157,9 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wp = warp / SPL, hf = warp % SPL;
   const int g = lane >> 2, c = lane & 3;
-  const int bh = (int)blockIdx.x >> p.qsh, sp = blockIdx.y;  // kv row (b Hkv + h; blockIdx.x: q-head group), split
+  static_assert(HH == 1 || (HH == 2 && !OUT && D == 128 && !MIX), "joint halves: plain HQMQ at head dim 128");
+  // kv row (b Hkv + h; blockIdx.x: q-head group, HH = 2: the kv row), split
+  const int bh = HH == 1 ? (int)blockIdx.x >> p.qsh : (int)blockIdx.x, sp = blockIdx.y;
   const int h = bh % p.Hkv;
   // (the other head dims name their dynamic shared memory apart: with one symbol for all, the
   // 64 / 256 instances changed how nvcc unrolled d = 128 v8's table copy)
@@ -1149,18 +1287,22 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     orow.v = p.vo + bh * p.v_os;
   }
 
-  uint32_t qb[KS][2];
-  {
-    const bool real = g < p.gqa;
-    const long long row = (long long)blockIdx.x * p.gqa + g;
-    if (p.qtype == 0) load_q<DW, D>(reinterpret_cast<const __half*>(p.q), row, real, c, qb, hf);
-    else if (p.qtype == 1) load_q<DW, D>(reinterpret_cast<const uint16_t*>(p.q), row, real, c, qb, hf);
-    else load_q<DW, D>(reinterpret_cast<const float*>(p.q), row, real, c, qb, hf);
-  }
-  float acc[KS][4];
+  uint32_t qbh[HH][KS][2];
 #pragma unroll
-  for (int i = 0; i < KS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+  for (int hh = 0; hh < HH; ++hh) {
+    const bool real = g < p.gqa;
+    const long long row = ((long long)blockIdx.x * HH + hh) * p.gqa + g;
+    if (p.qtype == 0) load_q<DW, D>(reinterpret_cast<const __half*>(p.q), row, real, c, qbh[hh], hf);
+    else if (p.qtype == 1) load_q<DW, D>(reinterpret_cast<const uint16_t*>(p.q), row, real, c, qbh[hh], hf);
+    else load_q<DW, D>(reinterpret_cast<const float*>(p.q), row, real, c, qbh[hh], hf);
+  }
+  uint32_t(&qb)[KS][2] = qbh[0];
+  float acch[HH][KS][4];
+  float mh[HH][2], lh[HH][2];
+  zero_halves(acch, mh, lh);
+  float(&acc)[KS][4] = acch[0];
+  float(&m)[2] = mh[0];
+  float(&l)[2] = lh[0];
   // PF: tile 0's bookkeeping and item copies into buffer half 0 (fl0 is 0 for a warp without
   // tiles: nothing to copy); its own group, after the prologue's stages
   uint8_t* pfb = stages + NW * SMS * SB + warp * 2 * PfBuf::BYTES;
@@ -1207,14 +1349,25 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
                             RAW16<D, MIX> ? SB - MIX_RAW<D, MIX> : 0);
       __syncwarp();
     }
-    tile_step<OUT, PF, DW, SPL, CW>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16 - lo, Tlo, p.qk_scale, qb, acc,
-                                    m, l, g, c, run, (j & 3) == 0, orow, pfb + (j & 1) * PfBuf::BYTES,
-                                    xb + (j & 1) * 1024, hf, 1 + wp);
+    if constexpr (HH == 2)
+      tile_step_joint<CW>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16 - lo, Tlo, p.qk_scale, qbh, acch, mh, lh,
+                          g, c);
+    else
+      tile_step<OUT, PF, DW, SPL, CW>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16 - lo, Tlo, p.qk_scale, qb,
+                                      acc, m, l, g, c, run, (j & 3) == 0, orow, pfb + (j & 1) * PfBuf::BYTES,
+                                      xb + (j & 1) * 1024, hf, 1 + wp);
     rd = rd == SMS - 1 ? 0 : rd + 1;
     wr = wr == SMS - 1 ? 0 : wr + 1;
   }
   cp_wait<0>();
 
+  // (HH = 2: the merge and partial below once per half; each starts at a barrier)
+  __shared__ float sm_m[NP][8], sm_l[NP][8];
+#pragma unroll
+  for (int hh = 0; hh < HH; ++hh) {
+  float(&m)[2] = mh[hh];
+  float(&l)[2] = lh[hh];
+  float(&acc)[KS][4] = acch[hh];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
 #pragma unroll
@@ -1222,8 +1375,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   }
   // (the merge and partial write as decode_attention.cu's, kept apart: it says why)
   // (a pair's two warps hold the same m, l: both write them; each its half of the dims)
-  __shared__ float sm_m[NP][8], sm_l[NP][8];
-  __syncthreads();  // every warp is done with the tables and stages: reuse them for the merge
+  __syncthreads();  // every warp is done with the tables and stages (HH = 2: and the last half's reads)
   float(*red)[8][D] = reinterpret_cast<float(*)[8][D]>(dsm_of);
   if (g == 0) {
     sm_m[wp][2 * c] = m[0]; sm_m[wp][2 * c + 1] = m[1];
@@ -1251,7 +1403,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
     float o = 0.f;
 #pragma unroll
     for (int w = 0; w < NP; ++w) o += red[w][hd][d];
-    const long long prow = ((long long)blockIdx.x * p.gqa + hd) * p.nsplit + sp;
+    const long long prow = (((long long)blockIdx.x * HH + hh) * p.gqa + hd) * p.nsplit + sp;
     p.po[prow * D + d] = o;
     if (d == 0) {
       float M = NEG_INF, L = 0.f;
@@ -1267,9 +1419,15 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       p.pl[prow] = none ? 1.f : L;
     }
   }
+  }
   if constexpr (FUSED) {  // (sm_m is free once every thread is past last_of_group's barrier)
-    if (last_of_group(p.counters + blockIdx.x, p.nsplit))
-      combine_rows<D>(p.po, p.pm, p.pl, p.out, p.otype, (long long)blockIdx.x * p.gqa, p.gqa, p.nsplit, &sm_m[0][0]);
+    if (last_of_group(p.counters + blockIdx.x, p.nsplit)) {
+      if constexpr (HH == 1)
+        combine_rows<D>(p.po, p.pm, p.pl, p.out, p.otype, (long long)blockIdx.x * p.gqa, p.gqa, p.nsplit, &sm_m[0][0]);
+      else  // (both halves' rows)
+        combine_rows<D>(p.po, p.pm, p.pl, p.out, p.otype, (long long)blockIdx.x * HH * p.gqa, HH * p.gqa, p.nsplit,
+                        &sm_m[0][0]);
+    }
   }
 }
 
@@ -1288,10 +1446,13 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
 // running item slots (out_scores' RUN; PREFETCH 2); on the H100 as fast as v10 at d 128,
 // 2.6% faster at 64, 1.2% slower at 256 (NOTES.md): no default. (An earlier 11
 // and 12, head dim 64's bypass copies, went on 2026-12-06: NOTES.md.)
+// 12 (JOINT_VARIANT, branch gqa16-joint): v3's 8 warps and 2 stages with both q-head halves of a
+// GQA group of 10..16 in one CTA per kv row (HH = 2: tile_step_joint), plain HQMQ at head dim
+// 128 only, uncapped (the second half's q, O^T, m, l: one CTA per SM).
 constexpr int VARIANTS[][3] = {{4, 4, 3}, {8, 4, 1}, {4, 3, 3}, {8, 2, 2}, {4, 6, 1}, {8, 4, 2},
-                               {4, 2, 4}, {16, 4, 1}, {16, 5, 1}, {4, 3, 3}, {8, 2, 2}, {8, 2, 2}};
-constexpr int NVARIANTS = 12;
-constexpr int PREFETCH[NVARIANTS] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2};  // (the kernel's PF)
+                               {4, 2, 4}, {16, 4, 1}, {16, 5, 1}, {4, 3, 3}, {8, 2, 2}, {8, 2, 2}, {8, 2, 1}};
+constexpr int NVARIANTS = 13, JOINT_VARIANT = 12;  // (hqmq_decode.py: NUM_VARIANTS 12, JOINT_VARIANT apart)
+constexpr int PREFETCH[NVARIANTS] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 0};  // (the kernel's PF)
 // bytes of one codebook (24 S codewords of cw bytes: 8 fp16 x 4, or 4 int8 x 4)
 constexpr int tab_bytes(int S, int cw) { return 24 * cw * S; }
 // Two table sizes per cw: S <= 96 and S <= 170 (fill=true at 12 bits), each a multiple of the
@@ -1299,7 +1460,7 @@ constexpr int tab_bytes(int S, int cw) { return 24 * cw * S; }
 static_assert(tab_bytes(1, 4) % 16 == 0, "table alignment (16-byte copies)");
 // codebook=int8 (CW 4): 4-byte codewords, half the table; instances of the defaults alone
 // (v3, Med3x v10; the other variants lost to them on both GPUs: NOTES.md)
-constexpr bool cw4_variant(int v) { return v == 3 || v == 10; }
+constexpr bool cw4_variant(int v) { return v == 3 || v == 10 || v == JOINT_VARIANT; }
 // Mixed-radix code rows (pack=mixed at S = 96, head dim 64 / 128 / 256): instances of the default
 // variants alone (v3; Med3x v10), with either table (MIX: the stage's rows rewritten as
 // 12-bit ones before the tile; Med3x's outliers are read as on 12-bit rows)
@@ -1310,7 +1471,7 @@ constexpr int MIX_VARIANT = 3, MIX_VARIANT_MED3 = 10;
 // spilled 108 bytes, so they have none and are refused for Med3x caches.
 // 9 and 10 (PF) hold no fragments across the quantized parts: see NOTES.md ("Med3x outliers one
 // tile ahead") for their registers.
-constexpr bool OUT_OK[NVARIANTS] = {true, false, true, false, false, false, false, false, false, true, true, true};
+constexpr bool OUT_OK[NVARIANTS] = {true, false, true, false, false, false, false, false, false, true, true, true, false};
 
 // Head dims 64 and 256 (2026-12, not yet timed on a GPU): Med3x through the prefetching
 // variants only (the direct path's outlier fragments are d = 128's alone; at 64 its chunk
@@ -1341,7 +1502,7 @@ template <int V, int TABB, bool OUT, int D, int CW, bool MIX = false>
 constexpr auto kernel_of() {
   return hqmq_split_kernel<warps_of<V, D, OUT, MIX>(), VARIANTS[V][1], (TABB + 15) / 16 * 16,
                            minb_of<V, D, OUT, MIX>(), OUT,
-                           OUT ? PREFETCH[V] : 0, D, FUSED_BUILD, CW, MIX>;
+                           OUT ? PREFETCH[V] : 0, D, FUSED_BUILD, CW, MIX, V == JOINT_VARIANT ? 2 : 1>;
 }
 
 // The dynamic shared-memory opt-in, once per instance (also before an occupancy query).
@@ -1360,7 +1521,7 @@ constexpr int NO_INSTANCE = -1001;  // no Med3x instance of this variant
 template <int V, int TABB, bool OUT, int D, int CW, bool MIX = false>
 int act(What what, const Params* p, int rows, cudaStream_t stream) {
   if constexpr ((OUT && !out_ok<D>(V)) || (CW == 4 && !cw4_variant(V)) ||
-                (MIX && V != (OUT ? MIX_VARIANT_MED3 : MIX_VARIANT))) {
+                (MIX && V != (OUT ? MIX_VARIANT_MED3 : MIX_VARIANT)) || (V == JOINT_VARIANT && (OUT || D != 128))) {
     return NO_INSTANCE;
   } else {
     constexpr auto k = kernel_of<V, TABB, OUT, D, CW, MIX>();
@@ -1376,7 +1537,12 @@ int act(What what, const Params* p, int rows, cudaStream_t stream) {
       const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, NT, SM);
       return e == cudaSuccess ? n : -(int)e;
     }
-    k<<<dim3(rows, p->nsplit), NT, SM, stream>>>(*p);
+    if constexpr (V == JOINT_VARIANT) {
+      if (p->qsh != 1) return (int)cudaErrorInvalidValue;  // (two halves to join)
+      k<<<dim3(rows / 2, p->nsplit), NT, SM, stream>>>(*p);
+    } else {
+      k<<<dim3(rows, p->nsplit), NT, SM, stream>>>(*p);
+    }
     return 0;
   }
 }
@@ -1395,6 +1561,7 @@ int act_t(int variant, What what, const Params* p, int rows, cudaStream_t s) {
     case 9: return act<9, TABB, OUT, D, CW>(what, p, rows, s);
     case 10: return act<10, TABB, OUT, D, CW>(what, p, rows, s);
     case 11: return act<11, TABB, OUT, D, CW>(what, p, rows, s);
+    case 12: return act<12, TABB, OUT, D, CW>(what, p, rows, s);
     default: return act<0, TABB, OUT, D, CW>(what, p, rows, s);
   }
 }

@@ -53,6 +53,14 @@ SOURCE = Path(__file__).parent / "hqmq_decode.cu"
 # 2026-12-06 and went: reports/kernels/NOTES.md.)
 NUM_VARIANTS = 12
 PREFETCH_VARIANTS = (9, 10, 11)
+# Variant 12: v3's shape with both q-head halves of a GQA group of 10..16 in one CTA per kv row
+# (the .cu's JOINT_VARIANT, hqmq_split_kernel HH = 2: each codeword gathered once for 16
+# heads); plain HQMQ at head dim 128, either codebook. Offline, sm_90a: 599 instructions a tile
+# for 16 heads against v3's 2 x 499 as two CTAs, 186-193 registers, no spills (one CTA of 8
+# warps per SM). The default of the calls it takes (`default_variant`): H100, gqa 16 (Hq 64 /
+# Hkv 4) d 128 T=32k graphed, 155.2 -> 92.9 us at B=8 and 35.5 -> 28.5 at B=1 against the
+# two-CTA launch (reports/latency/h100_2026-12-08/). Out of `variants()` (the tests' loops).
+JOINT_VARIANT = 12
 # The numbers behind these defaults and switches, call by call: reports/kernels/NOTES.md,
 # "Defaults of kernels/cuda and the runs that chose them".
 # v3: best, or within 0.5 us of it, at B=8 and B=1, T=32k on the H200.
@@ -374,7 +382,8 @@ def fits(q: torch.Tensor, k, v) -> str | None:
     if not isinstance(k, HQMQFlat) or _LIB.lib is None or not torch.cuda.is_available():
         return None  # (no library: why_unavailable said so; a CPU process launches nothing)
     med3 = k.has_outliers
-    variant = DEFAULT_VARIANT_MED3 if med3 else DEFAULT_VARIANT
+    variant = default_variant(head_split(q.shape[1] // k.H) if q.dim() == 4 and q.shape[1] % k.H == 0 else 1,
+                              k.D, med3, mixed_rows(k))
     return residency_refusal(occupancy(variant, k.S, med3, k.D, codeword_bytes(k), mixed_rows(k)),
                              f"variant {variant}'s instance for these caches (head_dim {k.D}, S={k.S}"
                              f"{', Med3x' if med3 else ''}{', pack=mixed' if mixed_rows(k) else ''})", q.device)
@@ -450,9 +459,10 @@ def workspace(q: torch.Tensor, k, *, num_splits: int | None = None, ctas_per_sm:
     """A Workspace sized for `decode(q, k, ...)` with these split arguments (the splits
     follow k.T, the capacity bound when a valid_len tensor is passed): give it to every
     call of a captured CUDA graph so the call allocates nothing."""
-    med3 = k.has_outliers
-    variant = (DEFAULT_VARIANT_MED3 if med3 else DEFAULT_VARIANT) if variant is None else variant
-    nsplit, _ = _token_splits(k, q.device, num_splits, ctas_per_sm, variant, head_split(q.shape[1] // k.H))
+    qs = head_split(q.shape[1] // k.H)
+    if variant is None:
+        variant = default_variant(qs, k.D, k.has_outliers, mixed_rows(k))
+    nsplit, _ = _token_splits(k, q.device, num_splits, ctas_per_sm, variant, qs)
     ws = Workspace(k.B * q.shape[1], nsplit, k.D, q.device, out_dtype or q.dtype)
     if FUSED_COMBINE.on:  # (its counters now, not in a capture's first call)
         workspace_counters(ws, k.B * q.shape[1], q.device)
@@ -507,11 +517,31 @@ def _loaded():
     return lib
 
 
+def default_variant(qs: int, D: int, med3: bool, mix: bool) -> int:
+    """The variant a call without variant= launches: JOINT_VARIANT where it takes the call
+    (a GQA group over 8 heads, qs = 2: one CTA decodes for both halves), else Med3x's or
+    plain HQMQ's default."""
+    if qs == 2 and D == 128 and not med3 and not mix:  # (joint_refusal's rule, as a test)
+        return JOINT_VARIANT
+    return DEFAULT_VARIANT_MED3 if med3 else DEFAULT_VARIANT
+
+
+def joint_refusal(qs: int, D: int, med3: bool, mix: bool) -> None:
+    """ValueError naming why JOINT_VARIANT does not take a call: a GQA group that is not two
+    halves of 5..8 heads (qs: launch.head_split's CTAs per kv row), a head dim but 128, Med3x
+    outliers or pack=mixed rows."""
+    why = [w for w, bad in (("a GQA group of 10, 12, 14 or 16", qs != 2), ("head_dim 128", D != 128),
+                            ("no Med3x outliers", med3), ("12-bit code rows (not pack=mixed)", mix)) if bad]
+    if why:
+        raise ValueError(f"variant {JOINT_VARIANT} (both q-head halves in one CTA) needs " + ", ".join(why))
+
+
 def _token_splits(k, device, num_splits, ctas_per_sm, variant, qs: int) -> tuple[int, int]:
     """(splits, tiles per split) of a call on k's T tokens: with T itself, all a plan holds
     that follows the token count (`_retarget` relies on it). qs: CTAs per kv row
     (launch.head_split), which the grid's rows count."""
-    return splits(k.B * k.H * qs, k.T, device, num_splits, ctas_per_sm, variant, k.S, k.has_outliers, k.D,
+    rows = k.B * k.H * (1 if variant == JOINT_VARIANT else qs)  # (the grid's rows)
+    return splits(rows, k.T, device, num_splits, ctas_per_sm, variant, k.S, k.has_outliers, k.D,
                   codeword_bytes(k), mixed_rows(k))
 
 
@@ -527,17 +557,20 @@ def _launch_values(q: torch.Tensor, k, v, num_splits, ctas_per_sm, variant, out_
     vl = 0 if valid_len is None else _valid_len_ptr(valid_len, q)
     out = med3 is not None
     cw = codeword_bytes(k)
-    variant = (DEFAULT_VARIANT_MED3 if out else DEFAULT_VARIANT) if variant is None else variant
-    if not 0 <= variant < NUM_VARIANTS:
-        raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1}")
-    if out and variant not in variants(D, True):
-        raise ValueError(f"variant {variant} has no Med3x instance at head_dim {D} (variants: {variants(D, True)})")
-    if variant not in variants(D):
-        raise ValueError(f"variant {variant} has no instance at head_dim {D} (variants: {variants(D)})")
-    if cw == 4 and variant not in variants(D, out, cw):
-        raise ValueError(f"variant {variant} has no codebook=int8 instance (variants: {variants(D, out, cw)})")
     mix = mixed_rows(k)
-    if mix and variant not in variants(D, out, cw, mix):
+    if variant is None:
+        variant = default_variant(head_split(q.shape[1] // H), D, out, mix)
+    if variant == JOINT_VARIANT:
+        joint_refusal(head_split(q.shape[1] // H), D, out, mix)
+    elif not 0 <= variant < NUM_VARIANTS:
+        raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1} (or {JOINT_VARIANT} for GQA groups over 8)")
+    elif out and variant not in variants(D, True):
+        raise ValueError(f"variant {variant} has no Med3x instance at head_dim {D} (variants: {variants(D, True)})")
+    elif variant not in variants(D):
+        raise ValueError(f"variant {variant} has no instance at head_dim {D} (variants: {variants(D)})")
+    elif cw == 4 and variant not in variants(D, out, cw):
+        raise ValueError(f"variant {variant} has no codebook=int8 instance (variants: {variants(D, out, cw)})")
+    elif mix and variant not in variants(D, out, cw, mix):
         raise ValueError(f"variant {variant} has no pack=mixed instance (variants: {variants(D, out, cw, mix)})")
     if occupancy(variant, k.S, out, D, cw, mix) <= 0:  # v8 with S > 96 (the shared-memory opt-in is refused)
         raise ValueError(f"variant {variant} does not fit the shared memory with S={k.S} at head_dim {D}")
@@ -771,7 +804,7 @@ def _launch_planned(plan, q, vl, workspace, rs=None) -> torch.Tensor:
 __all__ = ["decode", "workspace", "unsupported", "why_unavailable", "available", "num_regs", "occupancy", "splits",
            "codebook16", "codebook8", "codeword_bytes", "AUTO_INT8", "AUTO_MIXED", "AUTO_MIXED_MED3",
            "AUTO_MIXED_HEAD_DIMS", "MIXED_HEAD_DIMS", "mixed_rows", "takes_by_default", "auto_refusal", "OPTIONS",
-           "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS", "fits",
+           "RENAMED", "AUTO", "AUTO_MED3", "NUM_VARIANTS", "JOINT_VARIANT", "joint_refusal", "default_variant", "fits",
            "MED3_VARIANTS", "PREFETCH_VARIANTS", "SOURCE", "HEAD_DIMS", "AUTO_HEAD_DIMS", "variants", "qk_scale",
            "AUTO_ROW_START", "row_start_refusal",
            "head_dim_reason", "PLANNED"]

@@ -40,4 +40,4 @@ def test_the_cuda_library_builds_for_sm90_and_matches_its_python(name, tmp_path,
     assert why is None, why
     if lib is ch._LIB:
         so.kvq_hqmq_num_variants.restype = ctypes.c_int
-        assert so.kvq_hqmq_num_variants() == ch.NUM_VARIANTS
+        assert so.kvq_hqmq_num_variants() == ch.JOINT_VARIANT + 1  # (0 .. NUM_VARIANTS - 1, then the joint one)

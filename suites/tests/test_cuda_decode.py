@@ -58,6 +58,26 @@ def test_gqa(spec, gqa, T):
 
 @needs_cuda
 @pytest.mark.parametrize("spec", SPECS + ["fp8-e5m2"])
+@pytest.mark.parametrize("gqa,D", [(16, 128), (12, 128), (16, 64), (10, 64)])
+@pytest.mark.parametrize("T", [1, 33, 4099])
+@pytest.mark.parametrize("fused", [False, True])
+def test_joint_variant_matches_the_two_cta_launch(spec, gqa, D, T, fused):
+    """Variant 6 (both q-head halves of a group over 8 in one CTA, each K / V fragment
+    decoded once for two mma) gives the reference, and the two-CTA launch of variant 2 bit
+    for bit at the same split count (each half's arithmetic is variant 2's, in its order),
+    with the combine launched after it or fused into it. (Default splits: the reference
+    only; the joint launch cuts for half the rows, so its split count differs.)"""
+    J = cuda_decode.JOINT_VARIANT
+    with library.FUSED_COMBINE.set(fused):
+        check(spec, 3, 2 * gqa, 2, T, D, torch.float16, seed=gqa + T, variant=J)
+        for ns in (1, 3):
+            one = check(spec, 3, 2 * gqa, 2, T, D, torch.float16, seed=gqa + T, variant=J, num_splits=ns)[0]
+            two = check(spec, 3, 2 * gqa, 2, T, D, torch.float16, seed=gqa + T, variant=2, num_splits=ns)[0]
+            assert torch.equal(one, two), f"{spec} gqa {gqa} d {D} T {T} splits {ns}: {(one - two).abs().max()}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", SPECS + ["fp8-e5m2"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_head_dims_formats_and_fp32_q(spec, D):
     check(spec, 2, 8, 2, 777, D, torch.float16, seed=D)
@@ -916,5 +936,33 @@ def test_gqa_groups_over_8_run_as_ctas_of_equal_groups():
         common.ASSUMED_SM_COUNT = 132
         ns16 = cuda_decode._token_fields(a, k, torch.device("cpu"), None, None)
         assert (a.qs, a.qsh, ns16) == (2, 1, cuda_decode.splits(k.B * k.H * 2, k.T, torch.device("cpu"))[0])
+    finally:
+        common.ASSUMED_SM_COUNT = old
+
+
+def test_joint_variant_takes_groups_over_8_in_one_cta_per_kv_row():
+    """Any machine: variant 6 (JOINT_VARIANT: both halves of a GQA group of 10..16 in one CTA,
+    K and V decoded once) is refused by name for a group of 8 or less, an odd group, or head
+    dim 256, and is cut into splits for one CTA per kv row (B * Hkv rows), where the two-CTA
+    launch of the same group cuts for twice the rows."""
+    from kvqbench.kernels import common
+
+    k = L.flatten(get_quantizer("int4", role="K").encode(torch.randn(1, 2, 4096, 64)))
+    k256 = L.flatten(get_quantizer("int4", role="K").encode(torch.randn(1, 2, 64, 256)))
+    J = cuda_decode.JOINT_VARIANT
+    assert cuda_decode._row_variant(J, 0, k, 16) == J and cuda_decode._row_variant(None, 0, k, 16) != J
+    for group, kk in ((4, k), (8, k), (9, k), (16, k256)):
+        with pytest.raises(ValueError, match=f"variant {J} .*a group of {group} at head_dim {kk.D}"):
+            cuda_decode._row_variant(J, 0, kk, group)
+    old = common.ASSUMED_SM_COUNT
+    try:
+        common.ASSUMED_SM_COUNT = 132
+        cut = {}
+        for variant in (2, J):
+            a = cuda_decode._Args()
+            a.qs, a.variant = 2, variant
+            cut[variant] = cuda_decode._token_fields(a, k, torch.device("cpu"), None, None)
+        cpu = torch.device("cpu")
+        assert cut == {2: cuda_decode.splits(k.B * k.H * 2, k.T, cpu)[0], J: cuda_decode.splits(k.B * k.H, k.T, cpu)[0]}
     finally:
         common.ASSUMED_SM_COUNT = old
