@@ -820,6 +820,71 @@ __device__ __forceinline__ void mixed_tile_to_bits(uint8_t* st, int lane, int mi
 // partner's (pair_add: xb, hf, bar) before the softmax.
 // t0, T: token positions shifted down by the row's first key lo (0 without row_start): token
 // t scores iff 0 <= t - lo < T, one unsigned compare.
+// The K code rows of tokens g, g+8 at head dim 128 (the lane's chunks 8c .. 8c+7) from a stage:
+// each chunk's table byte offset (off[token][chunk]), r_max / 15 of both tokens in fp32 (rk:
+// applied to the fp32 scores) and their chunk radii (rlo: chunks 0-3 of g, g+8; rhi: 4-7).
+// tile_step and tile_step_joint read them alike.
+template <int CW>
+__device__ __forceinline__ void k_row_offsets(const uint8_t* st, int moff_k, int g, int c, uint32_t (&off)[2][8],
+                                              float (&rk)[2], uint32_t& rlo, uint32_t& rhi) {
+  using Stage = ::Stage<128>;
+  constexpr int CB = Dims<128>::CB, RB = Dims<128>::RB;
+  uint32_t w[2][3], rw[2], rmb[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int t = g + 8 * i;
+    const uint8_t* row = st + Stage::KC + t * CB + 12 * c;
+    w[i][0] = *reinterpret_cast<const uint32_t*>(row);
+    w[i][1] = *reinterpret_cast<const uint32_t*>(row + 4);
+    w[i][2] = *reinterpret_cast<const uint32_t*>(row + 8);
+    rw[i] = *reinterpret_cast<const uint32_t*>(st + Stage::KR + t * RB + 4 * c);
+    rmb[i] = *reinterpret_cast<const uint16_t*>(st + Stage::KM + moff_k + 2 * t);
+  }
+  rk[0] = rm15(rmb[0]);
+  rk[1] = rm15(rmb[1]);
+  rlo = __byte_perm(rw[0], rw[1], 0x5410);
+  rhi = __byte_perm(rw[0], rw[1], 0x7632);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    off[i][0] = code8<0, CW>(w[i][0], w[i][1], w[i][2]);
+    off[i][1] = code8<1, CW>(w[i][0], w[i][1], w[i][2]);
+    off[i][2] = code8<2, CW>(w[i][0], w[i][1], w[i][2]);
+    off[i][3] = code8<3, CW>(w[i][0], w[i][1], w[i][2]);
+    off[i][4] = code8<4, CW>(w[i][0], w[i][1], w[i][2]);
+    off[i][5] = code8<5, CW>(w[i][0], w[i][1], w[i][2]);
+    off[i][6] = code8<6, CW>(w[i][0], w[i][1], w[i][2]);
+    off[i][7] = code8<7, CW>(w[i][0], w[i][1], w[i][2]);
+  }
+}
+
+// The V code rows of tokens 2c, 2c+1, 2c+8, 2c+9 at head dim 128 (the lane's chunks 4g .. 4g+3):
+// each chunk's table byte offset (off[token][chunk]) and the tokens' chunk radii as byte pairs
+// (u01: tokens 2c, 2c+1; u89: 2c+8, 2c+9; each t.b0 t.b1 t1.b0 t1.b1).
+template <int CW>
+__device__ __forceinline__ void v_row_offsets(const uint8_t* st, int g, int c, uint32_t (&off)[4][4], uint32_t& u01,
+                                              uint32_t& u89) {
+  using Stage = ::Stage<128>;
+  constexpr int CB = Dims<128>::CB, RB = Dims<128>::RB;
+  const int sh = 16 * (g & 1);
+  const int wo = 4 * ((3 * g) >> 1);  // byte of the word holding bit 48 g of the row
+  uint32_t rb[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int t = 2 * c + (j & 1) + 8 * (j >> 1);
+    const uint8_t* row = st + Stage::VC + t * CB + wo;
+    const uint32_t w0 = *reinterpret_cast<const uint32_t*>(row), w1 = *reinterpret_cast<const uint32_t*>(row + 4);
+    const uint32_t lo = __funnelshift_r(w0, w1, sh), hi = w1 >> sh;  // bits 48g .. 48g+47 of the row
+    constexpr int L = CW_SHIFT<CW>;
+    off[j][0] = (lo << L) & CW_MASK<CW>;  // code * CW: a byte offset into the table
+    off[j][1] = (lo >> (12 - L)) & CW_MASK<CW>;
+    off[j][2] = __funnelshift_r(lo, hi, 24 - L) & CW_MASK<CW>;
+    off[j][3] = (hi >> (4 - L)) & CW_MASK<CW>;
+    rb[j] = *reinterpret_cast<const uint16_t*>(st + Stage::VR + t * RB + 2 * g);
+  }
+  u01 = __byte_perm(rb[0], rb[1], 0x5410);
+  u89 = __byte_perm(rb[2], rb[3], 0x5410);
+}
+
 template <bool OUT, int PF = 0, int D = 128, int SPL = 1, int CW = 8>  // (PF: 0, 1, 2 = 1 with RUN)
 __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab, const uint8_t* vtab, int moff_k,
                                           int moff_v, int t0, int T, float qk, const uint32_t (&qb)[D / 16][2],
@@ -828,7 +893,7 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
                                           const uint8_t* pb = nullptr, uint8_t* xb = nullptr, int hf = 0,
                                           int bar = 0) {
   using Stage = ::Stage<D>;
-  constexpr int KS = D / 16, CB = Dims<D>::CB, RB = Dims<D>::RB;
+  constexpr int KS = D / 16;
   static_assert(D == 128 || !OUT || PF, "the direct Med3x path (variants 0, 2) is head dim 128's only");
   const int lane = 4 * g + c;
   int4 u = make_int4(0, 0, 0, 0);  // PF: {k0, v0, mask, n} of the tile (warp-uniform)
@@ -875,33 +940,8 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
   if constexpr (D != 128) {
     k_generic<D, CW>(st, ktab, moff_k, qb, s, rk, g, c);
   } else {
-    uint32_t w[2][3], rw[2], rmb[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int t = g + 8 * i;
-      const uint8_t* row = st + Stage::KC + t * CB + 12 * c;
-      w[i][0] = *reinterpret_cast<const uint32_t*>(row);
-      w[i][1] = *reinterpret_cast<const uint32_t*>(row + 4);
-      w[i][2] = *reinterpret_cast<const uint32_t*>(row + 8);
-      rw[i] = *reinterpret_cast<const uint32_t*>(st + Stage::KR + t * RB + 4 * c);
-      rmb[i] = *reinterpret_cast<const uint16_t*>(st + Stage::KM + moff_k + 2 * t);
-    }
-    rk[0] = rm15(rmb[0]);  // r_max / 15 of tokens g, g+8 in fp32: applied to the fp32 scores
-    rk[1] = rm15(rmb[1]);
-    const uint32_t rlo = __byte_perm(rw[0], rw[1], 0x5410);  // chunks 0-3 of g, g+8
-    const uint32_t rhi = __byte_perm(rw[0], rw[1], 0x7632);  // chunks 4-7
-    uint32_t off[2][8];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      off[i][0] = code8<0, CW>(w[i][0], w[i][1], w[i][2]);
-      off[i][1] = code8<1, CW>(w[i][0], w[i][1], w[i][2]);
-      off[i][2] = code8<2, CW>(w[i][0], w[i][1], w[i][2]);
-      off[i][3] = code8<3, CW>(w[i][0], w[i][1], w[i][2]);
-      off[i][4] = code8<4, CW>(w[i][0], w[i][1], w[i][2]);
-      off[i][5] = code8<5, CW>(w[i][0], w[i][1], w[i][2]);
-      off[i][6] = code8<6, CW>(w[i][0], w[i][1], w[i][2]);
-      off[i][7] = code8<7, CW>(w[i][0], w[i][1], w[i][2]);
-    }
+    uint32_t off[2][8], rlo, rhi;
+    k_row_offsets<CW>(st, moff_k, g, c, off, rk, rlo, rhi);
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
       uint32_t x = kk < 4 ? rlo : rhi;
@@ -973,24 +1013,8 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
   if constexpr (D != 128) {
     v_generic<D, CW>(st, vtab, acc, pb0, pb1, g, c);
   } else {
-  const int sh = 16 * (g & 1);
-  const int wo = 4 * ((3 * g) >> 1);  // byte of the word holding bit 48 g of the row
-  uint32_t off[4][4];  // [token 2c, 2c+1, 2c+8, 2c+9][chunk jj] table byte offsets
-  uint32_t rb[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int t = 2 * c + (j & 1) + 8 * (j >> 1);
-    const uint8_t* row = st + Stage::VC + t * CB + wo;
-    const uint32_t w0 = *reinterpret_cast<const uint32_t*>(row), w1 = *reinterpret_cast<const uint32_t*>(row + 4);
-    const uint32_t lo = __funnelshift_r(w0, w1, sh), hi = w1 >> sh;  // bits 48g .. 48g+47 of the row
-    constexpr int L = CW_SHIFT<CW>;
-    off[j][0] = (lo << L) & CW_MASK<CW>;  // code * CW: a byte offset into the table
-    off[j][1] = (lo >> (12 - L)) & CW_MASK<CW>;
-    off[j][2] = __funnelshift_r(lo, hi, 24 - L) & CW_MASK<CW>;
-    off[j][3] = (hi >> (4 - L)) & CW_MASK<CW>;
-    rb[j] = *reinterpret_cast<const uint16_t*>(st + Stage::VR + t * RB + 2 * g);
-  }
-  const uint32_t u01 = __byte_perm(rb[0], rb[1], 0x5410), u89 = __byte_perm(rb[2], rb[3], 0x5410);  // t.b0 t.b1 t1.b0 t1.b1
+  uint32_t off[4][4], u01, u89;  // [token 2c, 2c+1, 2c+8, 2c+9][chunk jj] table byte offsets; radii
+  v_row_offsets<CW>(st, g, c, off, u01, u89);
   // chunk jj of the lane = m-tiles 2 jj (dims 4jj, 4jj+1 = rows g, g+8) and 2 jj + 1 (dims 4jj+2, +3):
   // dim 16 g + 2 mt + row, as the merge below expects
 #pragma unroll
@@ -1027,46 +1051,22 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
 // tile_step for a GQA group of 16 in one CTA (HH = 2 q-head halves of 8, JOINT_VARIANT): plain
 // HQMQ at head dim 128, tile_step's arithmetic for each half in its order, but every codeword
 // gathered and scaled once for both halves' mma (HQMQ is bound by its gathers: two CTAs of
-// half the heads each gather every codeword of the row). Its row reads, code offsets, masks
-// and P fold repeat tile_step's D = 128 path on purpose: tile_step is left as it was, so every
-// existing instance stays byte-identical (sass_census --against: 103 of 103; routing k_chunk /
-// pv_chunk through shared helpers had moved 15).
+// half the heads each gather every codeword of the row). The row reads and code offsets are
+// tile_step's (k_row_offsets / v_row_offsets); its masks and P fold repeat tile_step's D = 128
+// path on purpose, and the gathers stand apart from k_chunk / pv_chunk (routing those through
+// shared helpers had moved 15 of the 103 existing instances' SASS).
 template <int CW>
 __device__ __forceinline__ void tile_step_joint(const uint8_t* st, const uint8_t* ktab, const uint8_t* vtab,
                                                 int moff_k, int moff_v, int t0, int T, float qk,
                                                 const uint32_t (&qb)[2][8][2], float (&acc)[2][8][4],
                                                 float (&m)[2][2], float (&l)[2][2], int g, int c) {
   using Stage = ::Stage<128>;
-  constexpr int KS = 8, CB = Dims<128>::CB, RB = Dims<128>::RB;
+  constexpr int KS = 8;
   float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   float rk[2];
   {
-    uint32_t w[2][3], rw[2], rmb[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int t = g + 8 * i;
-      const uint8_t* row = st + Stage::KC + t * CB + 12 * c;
-      w[i][0] = *reinterpret_cast<const uint32_t*>(row);
-      w[i][1] = *reinterpret_cast<const uint32_t*>(row + 4);
-      w[i][2] = *reinterpret_cast<const uint32_t*>(row + 8);
-      rw[i] = *reinterpret_cast<const uint32_t*>(st + Stage::KR + t * RB + 4 * c);
-      rmb[i] = *reinterpret_cast<const uint16_t*>(st + Stage::KM + moff_k + 2 * t);
-    }
-    rk[0] = rm15(rmb[0]);
-    rk[1] = rm15(rmb[1]);
-    const uint32_t rlo = __byte_perm(rw[0], rw[1], 0x5410), rhi = __byte_perm(rw[0], rw[1], 0x7632);
-    uint32_t off[2][8];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      off[i][0] = code8<0, CW>(w[i][0], w[i][1], w[i][2]);
-      off[i][1] = code8<1, CW>(w[i][0], w[i][1], w[i][2]);
-      off[i][2] = code8<2, CW>(w[i][0], w[i][1], w[i][2]);
-      off[i][3] = code8<3, CW>(w[i][0], w[i][1], w[i][2]);
-      off[i][4] = code8<4, CW>(w[i][0], w[i][1], w[i][2]);
-      off[i][5] = code8<5, CW>(w[i][0], w[i][1], w[i][2]);
-      off[i][6] = code8<6, CW>(w[i][0], w[i][1], w[i][2]);
-      off[i][7] = code8<7, CW>(w[i][0], w[i][1], w[i][2]);
-    }
+    uint32_t off[2][8], rlo, rhi;
+    k_row_offsets<CW>(st, moff_k, g, c, off, rk, rlo, rhi);
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
       uint32_t x = kk < 4 ? rlo : rhi;
@@ -1094,24 +1094,8 @@ __device__ __forceinline__ void tile_step_joint(const uint8_t* st, const uint8_t
     pb0[hh] = movtrans(pack_half2(p0 * rv0, p1 * rv0));
     pb1[hh] = movtrans(pack_half2(p2 * rv1, p3 * rv1));
   }
-  const int sh = 16 * (g & 1);
-  const int wo = 4 * ((3 * g) >> 1);
-  uint32_t off[4][4];
-  uint32_t rb[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int t = 2 * c + (j & 1) + 8 * (j >> 1);
-    const uint8_t* row = st + Stage::VC + t * CB + wo;
-    const uint32_t w0 = *reinterpret_cast<const uint32_t*>(row), w1 = *reinterpret_cast<const uint32_t*>(row + 4);
-    const uint32_t lo = __funnelshift_r(w0, w1, sh), hi = w1 >> sh;
-    constexpr int L = CW_SHIFT<CW>;
-    off[j][0] = (lo << L) & CW_MASK<CW>;
-    off[j][1] = (lo >> (12 - L)) & CW_MASK<CW>;
-    off[j][2] = __funnelshift_r(lo, hi, 24 - L) & CW_MASK<CW>;
-    off[j][3] = (hi >> (4 - L)) & CW_MASK<CW>;
-    rb[j] = *reinterpret_cast<const uint16_t*>(st + Stage::VR + t * RB + 2 * g);
-  }
-  const uint32_t u01 = __byte_perm(rb[0], rb[1], 0x5410), u89 = __byte_perm(rb[2], rb[3], 0x5410);
+  uint32_t off[4][4], u01, u89;  // [token 2c, 2c+1, 2c+8, 2c+9][chunk jj] table byte offsets; radii
+  v_row_offsets<CW>(st, g, c, off, u01, u89);
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj) {
     const uint32_t x01 = (jj & 2) ? (u01 >> 8) : u01, x89 = (jj & 2) ? (u89 >> 8) : u89;
