@@ -1055,13 +1055,20 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
 // tile_step's (k_row_offsets / v_row_offsets); its masks and P fold repeat tile_step's D = 128
 // path on purpose, and the gathers stand apart from k_chunk / pv_chunk (routing those through
 // shared helpers had moved 15 of the 103 existing instances' SASS).
-template <int CW>
+// OUT (Med3x, PF = 1: v10's outliers one tile ahead): each half adds the tile's outlier scores
+// and values as tile_step does (out_scores / out_values once per half: the items are few, and
+// each half's sums keep v10's order).
+template <int CW, bool OUT = false, int PF = 0>
 __device__ __forceinline__ void tile_step_joint(const uint8_t* st, const uint8_t* ktab, const uint8_t* vtab,
                                                 int moff_k, int moff_v, int t0, int T, float qk,
                                                 const uint32_t (&qb)[2][8][2], float (&acc)[2][8][4],
-                                                float (&m)[2][2], float (&l)[2][2], int g, int c) {
+                                                float (&m)[2][2], float (&l)[2][2], int g, int c,
+                                                const OutRows& orow = OutRows{}, const uint8_t* pb = nullptr) {
+  static_assert(!OUT || PF == 1, "the joint Med3x step is v10's (outliers one tile ahead)");
   using Stage = ::Stage<128>;
   constexpr int KS = 8;
+  int4 u = make_int4(0, 0, 0, 0);  // OUT: {k0, v0, mask, n} of the tile (warp-uniform)
+  if constexpr (OUT) u = *reinterpret_cast<const int4*>(pb + PfBuf<128>::U);
   float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   float rk[2];
   {
@@ -1084,15 +1091,33 @@ __device__ __forceinline__ void tile_step_joint(const uint8_t* st, const uint8_t
                         ? rm15(*reinterpret_cast<const uint16_t*>(st + Stage::VM + moff_v + 2 * (g + 8)))
                         : 0.f;
   uint32_t pb0[2], pb1[2];
+  [[maybe_unused]] uint32_t qo0[2], qo1[2];  // OUT: P^T without r_max / 15, for the V outliers
+  if constexpr (OUT) {
+    if (u.z) {  // the tile's item copies have landed (each lane's), and every lane's are visible
+      cp_wait<2>();
+      __syncwarp();
+    }
+  }
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     s[hh][0] *= qc * rk[0]; s[hh][1] *= qc * rk[0]; s[hh][2] *= qc * rk[1]; s[hh][3] *= qc * rk[1];
+    if constexpr (OUT) {
+      if (u.z & ((1 << KS) - 1)) {  // the K outliers' scores, unscaled by r_max
+        if (u.w > OCAP) out_scores<true, 128>(s[hh], pb, u, orow, qk, qb[hh], g, c);
+        else out_scores<false, 128>(s[hh], pb, u, orow, qk, qb[hh], g, c);
+      }
+    }
     if ((unsigned)(t0 + g) >= (unsigned)T) s[hh][0] = s[hh][1] = NEG_INF;
     if ((unsigned)(t0 + g + 8) >= (unsigned)T) s[hh][2] = s[hh][3] = NEG_INF;
     float p0, p1, p2, p3;
     online_softmax<KS>(s[hh], m[hh], l[hh], acc[hh], p0, p1, p2, p3);
     pb0[hh] = movtrans(pack_half2(p0 * rv0, p1 * rv0));
     pb1[hh] = movtrans(pack_half2(p2 * rv1, p3 * rv1));
+    if constexpr (OUT) {  // (CW 4: acc's scale, 127)
+      constexpr float o = CW_UNSCALE<CW>;
+      qo0[hh] = movtrans(pack_half2(p0 * o, p1 * o));
+      qo1[hh] = movtrans(pack_half2(p2 * o, p3 * o));
+    }
   }
   uint32_t off[4][4], u01, u89;  // [token 2c, 2c+1, 2c+8, 2c+9][chunk jj] table byte offsets; radii
   v_row_offsets<CW>(st, g, c, off, u01, u89);
@@ -1105,6 +1130,15 @@ __device__ __forceinline__ void tile_step_joint(const uint8_t* st, const uint8_t
     for (int hh = 0; hh < 2; ++hh) {
       mma16816(acc[hh][2 * jj], f[0][0], f[0][1], f[0][2], f[0][3], pb0[hh], pb1[hh]);
       mma16816(acc[hh][2 * jj + 1], f[1][0], f[1][1], f[1][2], f[1][3], pb0[hh], pb1[hh]);
+    }
+  }
+  if constexpr (OUT) {
+    if (u.z >> KS) {  // the V outliers, weighted by P without r_max / 15
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        if (u.w > OCAP) out_values<true, 128>(acc[hh], pb, u, orow, g, c, qo0[hh], qo1[hh]);
+        else out_values<false, 128>(acc[hh], pb, u, orow, g, c, qo0[hh], qo1[hh]);
+      }
     }
   }
 }
@@ -1141,7 +1175,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wp = warp / SPL, hf = warp % SPL;
   const int g = lane >> 2, c = lane & 3;
-  static_assert(HH == 1 || (HH == 2 && !OUT && D == 128 && !MIX), "joint halves: plain HQMQ at head dim 128");
+  static_assert(HH == 1 || (HH == 2 && (!OUT || PF == 1) && D == 128 && !MIX),
+                "joint halves: HQMQ or Med3x v10's path at head dim 128, 12-bit rows");
   // kv row (b Hkv + h; blockIdx.x: q-head group, HH = 2: the kv row), split
   const int bh = HH == 1 ? (int)blockIdx.x >> p.qsh : (int)blockIdx.x, sp = blockIdx.y;
   const int h = bh % p.Hkv;
@@ -1334,8 +1369,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
       __syncwarp();
     }
     if constexpr (HH == 2)
-      tile_step_joint<CW>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16 - lo, Tlo, p.qk_scale, qbh, acch, mh, lh,
-                          g, c);
+      tile_step_joint<CW, OUT, PF>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16 - lo, Tlo, p.qk_scale, qbh,
+                                   acch, mh, lh, g, c, orow, pfb + (j & 1) * PfBuf::BYTES);
     else
       tile_step<OUT, PF, DW, SPL, CW>(wsm + rd * SB, ktab, vtab, moff_k, moff_v, tile * 16 - lo, Tlo, p.qk_scale, qb,
                                       acc, m, l, g, c, run, (j & 3) == 0, orow, pfb + (j & 1) * PfBuf::BYTES,
@@ -1430,13 +1465,14 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
 // running item slots (out_scores' RUN; PREFETCH 2); on the H100 as fast as v10 at d 128,
 // 2.6% faster at 64, 1.2% slower at 256 (NOTES.md): no default. (An earlier 11
 // and 12, head dim 64's bypass copies, went on 2026-12-06: NOTES.md.)
-// 12 (JOINT_VARIANT, branch gqa16-joint): v3's 8 warps and 2 stages with both q-head halves of a
-// GQA group of 10..16 in one CTA per kv row (HH = 2: tile_step_joint), plain HQMQ at head dim
-// 128 only, uncapped (the second half's q, O^T, m, l: one CTA per SM).
+// 12 (JOINT_VARIANT, 2026-12-08): v3's 8 warps and 2 stages with both q-head halves of a GQA
+// group of 10..16 in one CTA per kv row (HH = 2: tile_step_joint), at head dim 128 only,
+// uncapped (the second half's q, O^T, m, l: one CTA per SM); its Med3x instance is v10's path
+// (the outliers one tile ahead, PREFETCH 1).
 constexpr int VARIANTS[][3] = {{4, 4, 3}, {8, 4, 1}, {4, 3, 3}, {8, 2, 2}, {4, 6, 1}, {8, 4, 2},
                                {4, 2, 4}, {16, 4, 1}, {16, 5, 1}, {4, 3, 3}, {8, 2, 2}, {8, 2, 2}, {8, 2, 1}};
 constexpr int NVARIANTS = 13, JOINT_VARIANT = 12;  // (hqmq_decode.py: NUM_VARIANTS 12, JOINT_VARIANT apart)
-constexpr int PREFETCH[NVARIANTS] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 0};  // (the kernel's PF)
+constexpr int PREFETCH[NVARIANTS] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 1};  // (the kernel's PF, Med3x instances)
 // bytes of one codebook (24 S codewords of cw bytes: 8 fp16 x 4, or 4 int8 x 4)
 constexpr int tab_bytes(int S, int cw) { return 24 * cw * S; }
 // Two table sizes per cw: S <= 96 and S <= 170 (fill=true at 12 bits), each a multiple of the
@@ -1455,7 +1491,7 @@ constexpr int MIX_VARIANT = 3, MIX_VARIANT_MED3 = 10;
 // spilled 108 bytes, so they have none and are refused for Med3x caches.
 // 9 and 10 (PF) hold no fragments across the quantized parts: see NOTES.md ("Med3x outliers one
 // tile ahead") for their registers.
-constexpr bool OUT_OK[NVARIANTS] = {true, false, true, false, false, false, false, false, false, true, true, true, false};
+constexpr bool OUT_OK[NVARIANTS] = {true, false, true, false, false, false, false, false, false, true, true, true, true};
 
 // Head dims 64 and 256 (2026-12, not yet timed on a GPU): Med3x through the prefetching
 // variants only (the direct path's outlier fragments are d = 128's alone; at 64 its chunk
@@ -1505,7 +1541,7 @@ constexpr int NO_INSTANCE = -1001;  // no Med3x instance of this variant
 template <int V, int TABB, bool OUT, int D, int CW, bool MIX = false>
 int act(What what, const Params* p, int rows, cudaStream_t stream) {
   if constexpr ((OUT && !out_ok<D>(V)) || (CW == 4 && !cw4_variant(V)) ||
-                (MIX && V != (OUT ? MIX_VARIANT_MED3 : MIX_VARIANT)) || (V == JOINT_VARIANT && (OUT || D != 128))) {
+                (MIX && V != (OUT ? MIX_VARIANT_MED3 : MIX_VARIANT)) || (V == JOINT_VARIANT && D != 128)) {
     return NO_INSTANCE;
   } else {
     constexpr auto k = kernel_of<V, TABB, OUT, D, CW, MIX>();

@@ -73,44 +73,48 @@ def test_gqa(gqa):
 
 
 @needs_cuda
-@pytest.mark.parametrize("spec", [SPEC, "hqmq:S=96,r=4,codebook=int8"])
+@pytest.mark.parametrize("spec", [SPEC, "hqmq:S=96,r=4,codebook=int8", MED3, MED3 + ",codebook=int8"])
 @pytest.mark.parametrize("gqa", [10, 12, 16])
 @pytest.mark.parametrize("T", [1, 33, 4099])
 @pytest.mark.parametrize("fused", [False, True])
 def test_joint_variant_matches_the_two_cta_launch(spec, gqa, T, fused):
     """Variant 12 (JOINT_VARIANT: both q-head halves of a group over 8 in one CTA, every
-    codeword gathered once for both) gives the reference, and v3's two-CTA launch bit for bit
-    at the same split count (each half's arithmetic is v3's, in its order), with the combine
-    launched after it or fused into it. (Default splits: the reference only; the joint
-    launch cuts for half the rows.) A call without variant= launches it (`default_variant`)."""
+    codeword gathered once for both) gives the reference, and the two-CTA launch of v3 (Med3x:
+    v10, whose outlier path its Med3x instance runs per half) bit for bit at the same split
+    count (each half's arithmetic in its order), with the combine launched after it or fused
+    into it. (Default splits: the reference only; the joint launch cuts for half the rows.)
+    A call without variant= launches it (`default_variant`)."""
     from kvqbench.kernels.cuda import library
 
     J = cuda_hqmq.JOINT_VARIANT
+    pair = cuda_hqmq.DEFAULT_VARIANT_MED3 if "med3" in spec else cuda_hqmq.DEFAULT_VARIANT
     with library.FUSED_COMBINE.set(fused):
         joint = check(3, 2 * gqa, 2, T, seed=gqa + T, spec=spec, variant=J)[0]
         default = check(3, 2 * gqa, 2, T, seed=gqa + T, spec=spec)[0]
         assert torch.equal(joint, default), f"{spec} gqa {gqa} T {T}: the default is not variant {J}"
         for ns in (1, 3):
             one = check(3, 2 * gqa, 2, T, seed=gqa + T, spec=spec, variant=J, num_splits=ns)[0]
-            two = check(3, 2 * gqa, 2, T, seed=gqa + T, spec=spec, variant=3, num_splits=ns)[0]
+            two = check(3, 2 * gqa, 2, T, seed=gqa + T, spec=spec, variant=pair, num_splits=ns)[0]
             assert torch.equal(one, two), f"{spec} gqa {gqa} T {T} splits {ns}: {(one - two).abs().max()}"
 
 
 def test_joint_variant_refuses_what_it_does_not_run():
-    """Any machine: variant 12 names what it needs (a group of 10..16, head dim 128, no
-    Med3x outliers, 12-bit rows), is the default exactly there, and cuts its splits for one
-    CTA per kv row."""
+    """Any machine: variant 12 names what it needs (a group of 10..16, head dim 128, 12-bit
+    rows; Med3x or not), is the default exactly there, and cuts its splits for one CTA per kv
+    row."""
     from kvqbench.kernels import common
 
-    cuda_hqmq.joint_refusal(2, 128, False, False)  # (takes it)
+    cuda_hqmq.joint_refusal(2, 128, False, False)  # (takes it, with Med3x outliers too)
+    cuda_hqmq.joint_refusal(2, 128, True, False)
     J, plain, med3 = cuda_hqmq.JOINT_VARIANT, cuda_hqmq.DEFAULT_VARIANT, cuda_hqmq.DEFAULT_VARIANT_MED3
-    assert cuda_hqmq.default_variant(2, 128, False, False) == J  # (the calls it takes launch it)
+    for args in ((2, 128, False, False), (2, 128, True, False)):  # (the calls it takes launch it)
+        assert cuda_hqmq.default_variant(*args) == J, args
     for args, want in (((1, 128, False, False), plain), ((2, 64, False, False), plain),
-                       ((2, 256, False, False), plain), ((2, 128, True, False), med3), ((2, 128, False, True), plain),
-                       ((1, 128, True, True), med3)):
+                       ((2, 256, True, False), med3), ((2, 128, False, True), plain), ((2, 128, True, True), med3),
+                       ((1, 128, True, False), med3)):
         assert cuda_hqmq.default_variant(*args) == want, args
     for args, word in (((1, 128, False, False), "GQA group"), ((2, 64, False, False), "head_dim 128"),
-                       ((2, 128, True, False), "Med3x"), ((2, 128, False, True), "pack=mixed")):
+                       ((2, 128, True, True), "pack=mixed"), ((2, 128, False, True), "pack=mixed")):
         with pytest.raises(ValueError, match=word):
             cuda_hqmq.joint_refusal(*args)
     fk = encoded(1, 2, 4096, 0)[0]

@@ -2,8 +2,8 @@
 kernels, which run it as 2 CTAs per kv row, against Triton (which took every such call
 before) and the same run's fp16 SDPA. Graphed calls, B=8 and B=1, T=32k, d 128; the CUDA
 output against Triton's (relative max error); int4, fp8 and HQMQ also as their JOINT_VARIANT
-(both halves in one CTA; HQMQ's default for such calls since 2026-12-08, read against v3's two
-CTAs). GPU only; package on PYTHONPATH (gpu_env.sh)."""
+(both halves in one CTA; HQMQ's and Med3x's default for such calls since 2026-12-08, read
+against v3's / v10's two CTAs). GPU only; package on PYTHONPATH (gpu_env.sh)."""
 import torch
 import triton.testing as tt
 
@@ -14,10 +14,11 @@ from kvqbench.suites.bench.toolkit import fp16_sdpa, graph_replay, kernel_flats
 
 HQ, HKV, D, T = 64, 4, 128, 32768
 SPECS = ("int4", "fp8", "kivi:bits=2", "kivi:bits=4", "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3")
-JOINT = {"int4": cd.JOINT_VARIANT, "fp8": cd.JOINT_VARIANT, "hqmq:S=96,r=4": ch.JOINT_VARIANT}
+JOINT = {"int4": cd.JOINT_VARIANT, "fp8": cd.JOINT_VARIANT, "hqmq:S=96,r=4": ch.JOINT_VARIANT,
+         "hqmq:S=96,r=4,outliers=med3": ch.JOINT_VARIANT}
 # the two-CTA launch to read the joint one against: the default (None), or plain HQMQ's v3 since
-# the joint variant became HQMQ's default for these calls (2026-12-08)
-TWO_CTA = {"hqmq:S=96,r=4": ch.DEFAULT_VARIANT}
+# the joint variant became their default for these calls (2026-12-08)
+TWO_CTA = {"hqmq:S=96,r=4": ch.DEFAULT_VARIANT, "hqmq:S=96,r=4,outliers=med3": ch.DEFAULT_VARIANT_MED3}
 
 
 def graphed_us(f):
