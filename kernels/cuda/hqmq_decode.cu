@@ -1175,8 +1175,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wp = warp / SPL, hf = warp % SPL;
   const int g = lane >> 2, c = lane & 3;
-  static_assert(HH == 1 || (HH == 2 && (!OUT || PF == 1) && D == 128 && !MIX),
-                "joint halves: HQMQ or Med3x v10's path at head dim 128, 12-bit rows");
+  static_assert(HH == 1 || (HH == 2 && (!OUT || PF == 1) && D == 128),
+                "joint halves: HQMQ or Med3x v10's path at head dim 128");
   // kv row (b Hkv + h; blockIdx.x: q-head group, HH = 2: the kv row), split
   const int bh = HH == 1 ? (int)blockIdx.x >> p.qsh : (int)blockIdx.x, sp = blockIdx.y;
   const int h = bh % p.Hkv;
@@ -1468,7 +1468,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) hqmq_split_kernel(const Params 
 // 12 (JOINT_VARIANT, 2026-12-08): v3's 8 warps and 2 stages with both q-head halves of a GQA
 // group of 10..16 in one CTA per kv row (HH = 2: tile_step_joint), at head dim 128 only,
 // uncapped (the second half's q, O^T, m, l: one CTA per SM); its Med3x instance is v10's path
-// (the outliers one tile ahead, PREFETCH 1).
+// (the outliers one tile ahead, PREFETCH 1); mixed-radix rows too (MIX: the tile rewritten first).
 constexpr int VARIANTS[][3] = {{4, 4, 3}, {8, 4, 1}, {4, 3, 3}, {8, 2, 2}, {4, 6, 1}, {8, 4, 2},
                                {4, 2, 4}, {16, 4, 1}, {16, 5, 1}, {4, 3, 3}, {8, 2, 2}, {8, 2, 2}, {8, 2, 1}};
 constexpr int NVARIANTS = 13, JOINT_VARIANT = 12;  // (hqmq_decode.py: NUM_VARIANTS 12, JOINT_VARIANT apart)
@@ -1482,7 +1482,7 @@ static_assert(tab_bytes(1, 4) % 16 == 0, "table alignment (16-byte copies)");
 // (v3, Med3x v10; the other variants lost to them on both GPUs: NOTES.md)
 constexpr bool cw4_variant(int v) { return v == 3 || v == 10 || v == JOINT_VARIANT; }
 // Mixed-radix code rows (pack=mixed at S = 96, head dim 64 / 128 / 256): instances of the default
-// variants alone (v3; Med3x v10), with either table (MIX: the stage's rows rewritten as
+// variants alone (v3; Med3x v10; JOINT_VARIANT at 128), with either table (MIX: the stage's rows rewritten as
 // 12-bit ones before the tile; Med3x's outliers are read as on 12-bit rows)
 constexpr int MIX_VARIANT = 3, MIX_VARIANT_MED3 = 10;
 
@@ -1541,7 +1541,8 @@ constexpr int NO_INSTANCE = -1001;  // no Med3x instance of this variant
 template <int V, int TABB, bool OUT, int D, int CW, bool MIX = false>
 int act(What what, const Params* p, int rows, cudaStream_t stream) {
   if constexpr ((OUT && !out_ok<D>(V)) || (CW == 4 && !cw4_variant(V)) ||
-                (MIX && V != (OUT ? MIX_VARIANT_MED3 : MIX_VARIANT)) || (V == JOINT_VARIANT && D != 128)) {
+                (MIX && V != JOINT_VARIANT && V != (OUT ? MIX_VARIANT_MED3 : MIX_VARIANT)) ||
+                (V == JOINT_VARIANT && D != 128)) {
     return NO_INSTANCE;
   } else {
     constexpr auto k = kernel_of<V, TABB, OUT, D, CW, MIX>();
@@ -1592,6 +1593,9 @@ int dispatch_cw(int variant, int S, bool out, What what, const Params* p, int ro
   const bool small = S <= 96;
   if (mix) {  // mixed-radix rows: radix 24 S = 2304 alone (mixed_codes.cuh)
     if (S != 96) return -1;
+    if (variant == JOINT_VARIANT)  // (head dim 128: act refuses the others)
+      return out ? act<JOINT_VARIANT, SMALL, true, D, CW, true>(what, p, rows, s)
+                 : act<JOINT_VARIANT, SMALL, false, D, CW, true>(what, p, rows, s);
     if (variant != (out ? MIX_VARIANT_MED3 : MIX_VARIANT)) return NO_INSTANCE;
     return out ? act<MIX_VARIANT_MED3, SMALL, true, D, CW, true>(what, p, rows, s)
                : act<MIX_VARIANT, SMALL, false, D, CW, true>(what, p, rows, s);

@@ -60,7 +60,8 @@ PREFETCH_VARIANTS = (9, 10, 11)
 # warps per SM). The default of the calls it takes (`default_variant`): H100, gqa 16 (Hq 64 /
 # Hkv 4) d 128 T=32k graphed, 155.2 -> 92.9 us at B=8 and 35.5 -> 28.5 at B=1 against the
 # two-CTA launch (reports/latency/h100_2026-12-08/). Its Med3x instance runs v10's outlier
-# path once per half (203-204 registers, no spills offline). Out of `variants()` (the tests' loops).
+# path once per half (203-204 registers, no spills offline), its pack=mixed ones rewrite the tile
+# first as v3's / v10's do. Out of `variants()` (the tests' loops).
 JOINT_VARIANT = 12
 # The numbers behind these defaults and switches, call by call: reports/kernels/NOTES.md,
 # "Defaults of kernels/cuda and the runs that chose them".
@@ -522,17 +523,16 @@ def default_variant(qs: int, D: int, med3: bool, mix: bool) -> int:
     """The variant a call without variant= launches: JOINT_VARIANT where it takes the call
     (a GQA group over 8 heads, qs = 2: one CTA decodes for both halves), else Med3x's or
     plain HQMQ's default."""
-    if qs == 2 and D == 128 and not mix:  # (joint_refusal's rule, as a test)
+    if qs == 2 and D == 128:  # (joint_refusal's rule, as a test)
         return JOINT_VARIANT
     return DEFAULT_VARIANT_MED3 if med3 else DEFAULT_VARIANT
 
 
 def joint_refusal(qs: int, D: int, med3: bool, mix: bool) -> None:
     """ValueError naming why JOINT_VARIANT does not take a call: a GQA group that is not two
-    halves of 5..8 heads (qs: launch.head_split's CTAs per kv row), a head dim but 128, or
-    pack=mixed rows. (Med3x: its instance runs v10's outlier path per half.)"""
-    why = [w for w, bad in (("a GQA group of 10, 12, 14 or 16", qs != 2), ("head_dim 128", D != 128),
-                            ("12-bit code rows (not pack=mixed)", mix)) if bad]
+    halves of 5..8 heads (qs: launch.head_split's CTAs per kv row) or a head dim but 128.
+    (Med3x: its instance runs v10's outlier path per half; pack=mixed rows are rewritten first.)"""
+    why = [w for w, bad in (("a GQA group of 10, 12, 14 or 16", qs != 2), ("head_dim 128", D != 128)) if bad]
     if why:
         raise ValueError(f"variant {JOINT_VARIANT} (both q-head halves in one CTA) needs " + ", ".join(why))
 

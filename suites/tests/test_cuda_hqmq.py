@@ -73,7 +73,8 @@ def test_gqa(gqa):
 
 
 @needs_cuda
-@pytest.mark.parametrize("spec", [SPEC, "hqmq:S=96,r=4,codebook=int8", MED3, MED3 + ",codebook=int8"])
+@pytest.mark.parametrize("spec", [SPEC, "hqmq:S=96,r=4,codebook=int8", MED3, MED3 + ",codebook=int8",
+                                  SPEC + ",pack=mixed", MED3 + ",pack=mixed"])
 @pytest.mark.parametrize("gqa", [10, 12, 16])
 @pytest.mark.parametrize("T", [1, 33, 4099])
 @pytest.mark.parametrize("fused", [False, True])
@@ -99,22 +100,20 @@ def test_joint_variant_matches_the_two_cta_launch(spec, gqa, T, fused):
 
 
 def test_joint_variant_refuses_what_it_does_not_run():
-    """Any machine: variant 12 names what it needs (a group of 10..16, head dim 128, 12-bit
-    rows; Med3x or not), is the default exactly there, and cuts its splits for one CTA per kv
-    row."""
+    """Any machine: variant 12 names what it needs (a group of 10..16, head dim 128; Med3x or
+    not, 12-bit or mixed rows), is the default exactly there, and cuts its splits for one CTA
+    per kv row."""
     from kvqbench.kernels import common
 
-    cuda_hqmq.joint_refusal(2, 128, False, False)  # (takes it, with Med3x outliers too)
-    cuda_hqmq.joint_refusal(2, 128, True, False)
     J, plain, med3 = cuda_hqmq.JOINT_VARIANT, cuda_hqmq.DEFAULT_VARIANT, cuda_hqmq.DEFAULT_VARIANT_MED3
-    for args in ((2, 128, False, False), (2, 128, True, False)):  # (the calls it takes launch it)
-        assert cuda_hqmq.default_variant(*args) == J, args
+    for args in ((2, 128, False, False), (2, 128, True, False), (2, 128, False, True), (2, 128, True, True)):
+        cuda_hqmq.joint_refusal(*args)  # (takes it: Med3x or not, 12-bit or mixed rows)
+        assert cuda_hqmq.default_variant(*args) == J, args  # (and the calls it takes launch it)
     for args, want in (((1, 128, False, False), plain), ((2, 64, False, False), plain),
-                       ((2, 256, True, False), med3), ((2, 128, False, True), plain), ((2, 128, True, True), med3),
-                       ((1, 128, True, False), med3)):
+                       ((2, 256, True, False), med3), ((1, 128, True, True), med3), ((2, 64, False, True), plain)):
         assert cuda_hqmq.default_variant(*args) == want, args
     for args, word in (((1, 128, False, False), "GQA group"), ((2, 64, False, False), "head_dim 128"),
-                       ((2, 128, True, True), "pack=mixed"), ((2, 128, False, True), "pack=mixed")):
+                       ((2, 256, True, True), "head_dim 128")):
         with pytest.raises(ValueError, match=word):
             cuda_hqmq.joint_refusal(*args)
     fk = encoded(1, 2, 4096, 0)[0]
