@@ -13,12 +13,14 @@ from kvqbench.kernels.formats.hqmq import configure, engine_table
 from kvqbench.suites.bench.toolkit import fp16_sdpa, graph_replay, kernel_flats
 
 HQ, HKV, D, T = 64, 4, 128, 32768
-SPECS = ("int4", "fp8", "kivi:bits=2", "kivi:bits=4", "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3")
+SPECS = ("int4", "fp8", "kivi:bits=2", "kivi:bits=4", "hqmq:S=96,r=4", "hqmq:S=96,r=4,outliers=med3",
+         "hqmq:S=96,r=4,pack=mixed")
 JOINT = {"int4": cd.JOINT_VARIANT, "fp8": cd.JOINT_VARIANT, "hqmq:S=96,r=4": ch.JOINT_VARIANT,
-         "hqmq:S=96,r=4,outliers=med3": ch.JOINT_VARIANT}
+         "hqmq:S=96,r=4,outliers=med3": ch.JOINT_VARIANT, "hqmq:S=96,r=4,pack=mixed": ch.JOINT_VARIANT}
 # the two-CTA launch to read the joint one against: the default (None), or plain HQMQ's v3 since
 # the joint variant became their default for these calls (2026-12-08)
-TWO_CTA = {"hqmq:S=96,r=4": ch.DEFAULT_VARIANT, "hqmq:S=96,r=4,outliers=med3": ch.DEFAULT_VARIANT_MED3}
+TWO_CTA = {"hqmq:S=96,r=4": ch.DEFAULT_VARIANT, "hqmq:S=96,r=4,outliers=med3": ch.DEFAULT_VARIANT_MED3,
+           "hqmq:S=96,r=4,pack=mixed": ch.DEFAULT_VARIANT}
 
 
 def graphed_us(f):
