@@ -60,8 +60,9 @@ PREFETCH_VARIANTS = (9, 10, 11)
 # warps per SM). The default of the calls it takes (`default_variant`): H100, gqa 16 (Hq 64 /
 # Hkv 4) d 128 T=32k graphed, 155.2 -> 92.9 us at B=8 and 35.5 -> 28.5 at B=1 against the
 # two-CTA launch (reports/latency/h100_2026-12-08/). Its Med3x instance runs v10's outlier
-# path once per half (203-204 registers, no spills offline), its pack=mixed ones rewrite the tile
-# first as v3's / v10's do. Out of `variants()` (the tests' loops).
+# path once per half (203-204 registers, no spills offline; 187.9 -> 164.1 us at B=8), its
+# pack=mixed ones rewrite the tile first as v3's / v10's do (205.9 -> 126.4 us). Out of
+# `variants()` (the tests' loops).
 JOINT_VARIANT = 12
 # The numbers behind these defaults and switches, call by call: reports/kernels/NOTES.md,
 # "Defaults of kernels/cuda and the runs that chose them".
