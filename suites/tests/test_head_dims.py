@@ -77,6 +77,19 @@ def test_the_command_writes_its_files_and_needs_a_d128_run(tmp_path, capsys):
     assert (tmp_path / "out" / "head_dims.png").stat().st_size > 0
 
 
+def test_a_run_at_other_heads_is_not_a_column(tmp_path):
+    """A latency run at another GQA group (`--heads 64 4`) is newer but not issue 28's shape:
+    the d 128 column stays the Hq 32 / Hkv 8 run (a run that names no heads had those)."""
+    write(tmp_path, "d128", run(128, {"int4": ("cuda", 150.0)}, time="2026-12-07 10:00:00"))
+    gqa16 = run(128, {"int4": ("cuda", 90.0)}, time="2026-12-08 10:00:00")
+    gqa16["shape"] |= {"Hq": 64, "Hkv": 4}
+    write(tmp_path, "gqa16", gqa16)
+    assert hd.main(["--root", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    md = (tmp_path / "out" / "head_dims.md").read_text()
+    assert "d128/latency.json" in md and "gqa16" not in md
+    assert hd.issue_shape({"shape": {"d": 128, "Hq": 32, "Hkv": 8}}) and not hd.issue_shape(gqa16)
+
+
 def test_gpu_keeps_every_column_on_one_card(tmp_path, capsys):
     """--gpu: only runs on the named card stand for their head dims (issue 28's rules are the
     H200's), a newer run on another card is passed over, and no d 128 run on it exits 2."""

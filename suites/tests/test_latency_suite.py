@@ -287,9 +287,37 @@ def test_failures_and_usage_errors(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main(["--out", str(tmp_path)])
         assert e.value.code == 2 and "--smoke" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:  # shape options set the GPU run, not the smoke run
-        main(["--smoke", "--head-dim", "64", "--out", str(tmp_path)])
-    assert e.value.code == 2 and "--head-dim" in capsys.readouterr().err
+    for opts in (["--head-dim", "64"], ["--heads", "64", "4"]):  # shape options set the GPU run, not the smoke run
+        with pytest.raises(SystemExit) as e:
+            main(["--smoke", *opts, "--out", str(tmp_path)])
+        assert e.value.code == 2 and "--head-dim / --heads" in capsys.readouterr().err
+
+
+def test_targets_section_names_a_run_at_other_heads():
+    from kvqbench.suites.bench.latency.render import target_lines
+
+    assert not any("Hq 64" in ln for ln in target_lines({}, {"Hq": 32, "Hkv": 8, "d": 128}))
+    lines = target_lines({}, {"Hq": 64, "Hkv": 4, "d": 128})
+    assert any("Hq 64 / Hkv 4" in ln and "not as the issues' verdicts" in ln for ln in lines)
+
+
+def test_heads_set_the_gpu_runs_gqa_group(monkeypatch, tmp_path, capsys):
+    """--heads HQ HKV: the GPU run's query / kv heads (a model's GQA group); a group that does
+    not divide, or a head count below 1, is a usage error naming it. (The run itself is
+    stood in: this test reads the config it is given.)"""
+    from kvqbench.suites.bench.latency import __main__ as cli, run as run_mod
+
+    seen = {}
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(run_mod, "run_latency", lambda cfg, out, log: seen.setdefault("cfg", cfg) and {})
+    monkeypatch.setattr("kvqbench.suites.bench.latency.render.render", lambda out, res: None)
+    cli.main(["--heads", "64", "4", "--tokens", "32768", "--batches", "8", "1", "--out", str(tmp_path)])
+    cfg = seen["cfg"]
+    assert (cfg.hq, cfg.hkv, cfg.d, cfg.focus) == (64, 4, 128, (8, 32768)) and cfg.shape["Hq"] == 64
+    for heads, word in ((["30", "8"], "multiple of KV heads"), (["32", "0"], "positive")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--heads", *heads, "--out", str(tmp_path)])
+        assert e.value.code == 2 and word in capsys.readouterr().err
 
 
 def test_config_refuses_a_focus_it_does_not_measure():

@@ -1,6 +1,7 @@
 """`python -m kvqbench.suites.bench.latency`: the latency report from the command line.
 
     python -m kvqbench.suites.bench.latency --out reports/latency    # GPU: everything
+    python -m kvqbench.suites.bench.latency --heads 64 4 --tokens 32768 --batches 8 1   # a model's GQA group
     python -m kvqbench.suites.bench.latency --smoke --out /tmp/x     # CPU: plumbing only
     python -m kvqbench.suites.bench.latency --render reports/latency/latency.json
 
@@ -32,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--skip-encode", action="store_true")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--head-dim", type=int, help="head dim of the GPU run (default 128; the models' 64 and 256 too)")
+    ap.add_argument("--heads", type=int, nargs=2, metavar=("HQ", "HKV"),
+                    help="query and kv heads of the GPU run (default 32 8, Llama-3-8B's; e.g. 64 4, Qwen3-235B's "
+                         "group of 16)")
     ap.add_argument("--tokens", type=int, nargs="+", help="cached tokens T of the GPU run (default 4k 16k 32k 128k)")
     ap.add_argument("--batches", type=int, nargs="+", help="batch sizes B of the GPU run (default 1 8 32)")
     ap.add_argument("--render", metavar="LATENCY_JSON", type=Path,
@@ -63,9 +67,12 @@ def main(argv=None) -> dict:
 
     options = dict(budget_s=a.budget_s, tune=not a.no_tune, encode=not a.skip_encode, memory=not a.skip_memory)
     shape = {k: v for k, v in dict(d=a.head_dim, tokens=a.tokens and tuple(a.tokens),
-                                   batches=a.batches and tuple(a.batches)).items() if v}
+                                   batches=a.batches and tuple(a.batches), hq=a.heads and a.heads[0],
+                                   hkv=a.heads and a.heads[1]).items() if v}
     if shape and a.smoke:
-        ap.error("--head-dim / --tokens / --batches set the GPU run's shapes; --smoke has its own")
+        ap.error("--head-dim / --heads / --tokens / --batches set the GPU run's shapes; --smoke has its own")
+    if a.heads and min(a.heads) < 1:
+        ap.error(f"--heads {a.heads[0]} {a.heads[1]}: head counts must be positive")
     if shape:
         full = LatencyConfig.full()
         b, t = shape.get("batches", full.batches), shape.get("tokens", full.tokens)

@@ -29,6 +29,7 @@ from .targets import B1_GRAPHED, BESIDE_GRAPHED, GRAPHED_TARGETS, MED3_WITHIN_GR
 HEAD_DIM_SHARE = 0.9  # issue 28: d 64 / d 256 speed-up >= 0.9 of the format's d 128 one
 SHARE_RULED = (64, 256)  # the head dims the rule names (others, e.g. d 96, show the share unjudged)
 FOCUS, B1 = (8, 32768), (1, 32768)
+ISSUE_HEADS = (32, 8)  # (Hq, Hkv): the shape issue 28's rules are set for
 BASE = "fp16-sdpa-graph"
 # Med3x and the HQMQ row its time is held to
 MED3_PAIRS = {"fused-hqmq-med3": "fused-hqmq", "fused-hqmq-med3-mixed": "fused-hqmq-mixed"}
@@ -52,6 +53,13 @@ def newest_runs(root: Path, keep=None) -> dict[int, tuple[Path, dict]]:
         if (keep is None or keep(lat)) and (d not in best or when > best[d][0]):
             best[d] = (when, path, lat)
     return {d: (p, lat) for d, (_, p, lat) in sorted(best.items())}
+
+
+def issue_shape(lat: dict) -> bool:
+    """Whether a run has issue 28's heads (Hq 32 / Hkv 8; a run at another GQA group, e.g.
+    `--heads 64 4`, is not one of its columns). Runs before the shape named its heads had them."""
+    shape = lat.get("shape", {})
+    return (shape.get("Hq", ISSUE_HEADS[0]), shape.get("Hkv", ISSUE_HEADS[1])) == ISSUE_HEADS
 
 
 def has_focus(lat: dict) -> bool:
@@ -188,7 +196,8 @@ def main(argv=None) -> int:
     p.add_argument("--gpu", default="", help="only runs whose GPU name contains this (e.g. H200: the card issue "
                                              "28's rules name), so that no column comes from another card")
     a = p.parse_args(argv)
-    runs = newest_runs(a.root, keep=lambda lat: has_focus(lat) and a.gpu in str(lat["env"].get("gpu", "")))
+    runs = newest_runs(a.root, keep=lambda lat: has_focus(lat) and issue_shape(lat)
+                       and a.gpu in str(lat["env"].get("gpu", "")))
     if 128 not in runs:
         print(f"head_dims: no latency suite run at head dim 128 with graphed rows at B={FOCUS[0]} / {B1[0]}, "
               f"T={FOCUS[1]}{f' on a {a.gpu}' if a.gpu else ''} under {a.root}", file=sys.stderr)

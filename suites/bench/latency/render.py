@@ -43,7 +43,7 @@ def write_markdown(path: Path, res: dict):
     if skipped:
         L += ["", "Not measured:", ""] + [f"- B={r['B']} T={r['T']} {r.get('method', '')}: "
                                           f"{r.get('skipped') or r.get('error')}" for r in skipped]
-    L += target_lines(res["targets"])
+    L += target_lines(res["targets"], res.get("shape", {}))
     enc = res.get("encode")
     if enc:
         L += ["", "## HQMQ encode throughput", "", f"Shape {enc['shape']} ({enc['chunks']} chunks).", "",
@@ -78,9 +78,14 @@ def _fmt(v, spec=".1f"):
     return "" if v is None else format(v, spec)
 
 
-def target_lines(t: dict) -> list[str]:
-    """The targets section: issue 10's targets as a table (from targets.targets), the rest as JSON."""
+def target_lines(t: dict, shape: dict | None = None) -> list[str]:
+    """The targets section: issue 10's targets as a table (from targets.targets), the rest as JSON.
+    shape: the run's (a run at other heads than the issues' Hq 32 / Hkv 8 says so first)."""
     L = ["", "## Targets (issue 10; reported, not asserted)", ""]
+    heads = ((shape or {}).get("Hq", 32), (shape or {}).get("Hkv", 8))
+    if heads != (32, 8):
+        L += [f"The issues set these targets for Hq 32 / Hkv 8 (Llama-3-8B); this run has Hq {heads[0]} / Hkv "
+              f"{heads[1]}: its rows read as this shape's ratios, not as the issues' verdicts.", ""]
     if "focus" not in t:  # a report from before the issue-10 targets
         return L + ["```", json.dumps(t, indent=1), "```"]
     met = {True: "yes", False: "**no**", None: "not measured"}
