@@ -305,18 +305,19 @@ def test_heads_set_the_gpu_runs_gqa_group(monkeypatch, tmp_path, capsys):
     """--heads HQ HKV: the GPU run's query / kv heads (a model's GQA group); a group that does
     not divide, or a head count below 1, is a usage error naming it. (The run itself is
     stood in: this test reads the config it is given.)"""
-    from kvqbench.suites.bench.latency import __main__ as cli, run as run_mod
+    from kvqbench.suites.bench.latency.__main__ import main
 
     seen = {}
-    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(run_mod, "run_latency", lambda cfg, out, log: seen.setdefault("cfg", cfg) and {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("kvqbench.suites.bench.latency.run.run_latency",
+                        lambda cfg, out, log: seen.setdefault("cfg", cfg) and {})
     monkeypatch.setattr("kvqbench.suites.bench.latency.render.render", lambda out, res: None)
-    cli.main(["--heads", "64", "4", "--tokens", "32768", "--batches", "8", "1", "--out", str(tmp_path)])
+    main(["--heads", "64", "4", "--tokens", "32768", "--batches", "8", "1", "--out", str(tmp_path)])
     cfg = seen["cfg"]
     assert (cfg.hq, cfg.hkv, cfg.d, cfg.focus) == (64, 4, 128, (8, 32768)) and cfg.shape["Hq"] == 64
     for heads, word in ((["30", "8"], "multiple of KV heads"), (["32", "0"], "positive")):
         with pytest.raises(SystemExit) as e:
-            cli.main(["--heads", *heads, "--out", str(tmp_path)])
+            main(["--heads", *heads, "--out", str(tmp_path)])
         assert e.value.code == 2 and word in capsys.readouterr().err
 
 
