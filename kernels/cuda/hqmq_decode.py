@@ -386,7 +386,7 @@ def fits(q: torch.Tensor, k, v) -> str | None:
         return None  # (no library: why_unavailable said so; a CPU process launches nothing)
     med3 = k.has_outliers
     variant = default_variant(head_split(q.shape[1] // k.H) if q.dim() == 4 and q.shape[1] % k.H == 0 else 1,
-                              k.D, med3, mixed_rows(k))
+                              k.D, med3)
     return residency_refusal(occupancy(variant, k.S, med3, k.D, codeword_bytes(k), mixed_rows(k)),
                              f"variant {variant}'s instance for these caches (head_dim {k.D}, S={k.S}"
                              f"{', Med3x' if med3 else ''}{', pack=mixed' if mixed_rows(k) else ''})", q.device)
@@ -464,7 +464,7 @@ def workspace(q: torch.Tensor, k, *, num_splits: int | None = None, ctas_per_sm:
     call of a captured CUDA graph so the call allocates nothing."""
     qs = head_split(q.shape[1] // k.H)
     if variant is None:
-        variant = default_variant(qs, k.D, k.has_outliers, mixed_rows(k))
+        variant = default_variant(qs, k.D, k.has_outliers)
     nsplit, _ = _token_splits(k, q.device, num_splits, ctas_per_sm, variant, qs)
     ws = Workspace(k.B * q.shape[1], nsplit, k.D, q.device, out_dtype or q.dtype)
     if FUSED_COMBINE.on:  # (its counters now, not in a capture's first call)
@@ -520,16 +520,16 @@ def _loaded():
     return lib
 
 
-def default_variant(qs: int, D: int, med3: bool, mix: bool) -> int:
+def default_variant(qs: int, D: int, med3: bool) -> int:
     """The variant a call without variant= launches: JOINT_VARIANT where it takes the call
-    (a GQA group over 8 heads, qs = 2: one CTA decodes for both halves), else Med3x's or
-    plain HQMQ's default."""
+    (a GQA group over 8 heads, qs = 2: one CTA decodes for both halves; any codebook, Med3x
+    or not, 12-bit or mixed rows), else Med3x's or plain HQMQ's default."""
     if qs == 2 and D == 128:  # (joint_refusal's rule, as a test)
         return JOINT_VARIANT
     return DEFAULT_VARIANT_MED3 if med3 else DEFAULT_VARIANT
 
 
-def joint_refusal(qs: int, D: int, med3: bool, mix: bool) -> None:
+def joint_refusal(qs: int, D: int) -> None:
     """ValueError naming why JOINT_VARIANT does not take a call: a GQA group that is not two
     halves of 5..8 heads (qs: launch.head_split's CTAs per kv row) or a head dim but 128.
     (Med3x: its instance runs v10's outlier path per half; pack=mixed rows are rewritten first.)"""
@@ -561,9 +561,9 @@ def _launch_values(q: torch.Tensor, k, v, num_splits, ctas_per_sm, variant, out_
     cw = codeword_bytes(k)
     mix = mixed_rows(k)
     if variant is None:
-        variant = default_variant(head_split(q.shape[1] // H), D, out, mix)
+        variant = default_variant(head_split(q.shape[1] // H), D, out)
     if variant == JOINT_VARIANT:
-        joint_refusal(head_split(q.shape[1] // H), D, out, mix)
+        joint_refusal(head_split(q.shape[1] // H), D)
     elif not 0 <= variant < NUM_VARIANTS:
         raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1} (or {JOINT_VARIANT} for GQA groups over 8)")
     elif out and variant not in variants(D, True):

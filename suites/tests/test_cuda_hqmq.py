@@ -106,14 +106,13 @@ def test_joint_variant_refuses_what_it_does_not_run():
     from kvqbench.kernels import common
 
     J, plain, med3 = cuda_hqmq.JOINT_VARIANT, cuda_hqmq.DEFAULT_VARIANT, cuda_hqmq.DEFAULT_VARIANT_MED3
-    for args in ((2, 128, False, False), (2, 128, True, False), (2, 128, False, True), (2, 128, True, True)):
-        cuda_hqmq.joint_refusal(*args)  # (takes it: Med3x or not, 12-bit or mixed rows)
-        assert cuda_hqmq.default_variant(*args) == J, args  # (and the calls it takes launch it)
-    for args, want in (((1, 128, False, False), plain), ((2, 64, False, False), plain),
-                       ((2, 256, True, False), med3), ((1, 128, True, True), med3), ((2, 64, False, True), plain)):
+    cuda_hqmq.joint_refusal(2, 128)  # (takes it: Med3x or not, 12-bit or mixed rows)
+    for med in (False, True):  # (and the calls it takes launch it)
+        assert cuda_hqmq.default_variant(2, 128, med) == J, med
+    for args, want in (((1, 128, False), plain), ((2, 64, False), plain), ((2, 256, True), med3),
+                       ((1, 128, True), med3), ((0, 128, False), plain)):
         assert cuda_hqmq.default_variant(*args) == want, args
-    for args, word in (((1, 128, False, False), "GQA group"), ((2, 64, False, False), "head_dim 128"),
-                       ((2, 256, True, True), "head_dim 128")):
+    for args, word in (((1, 128), "GQA group"), ((2, 64), "head_dim 128"), ((2, 256), "head_dim 128")):
         with pytest.raises(ValueError, match=word):
             cuda_hqmq.joint_refusal(*args)
     fk = encoded(1, 2, 4096, 0)[0]
