@@ -385,8 +385,7 @@ def fits(q: torch.Tensor, k, v) -> str | None:
     if not isinstance(k, HQMQFlat) or _LIB.lib is None or not torch.cuda.is_available():
         return None  # (no library: why_unavailable said so; a CPU process launches nothing)
     med3 = k.has_outliers
-    variant = default_variant(head_split(q.shape[1] // k.H) if q.dim() == 4 and q.shape[1] % k.H == 0 else 1,
-                              k.D, med3)
+    variant = default_variant(head_split(q.shape[1] // k.H), k.D, med3)
     return residency_refusal(occupancy(variant, k.S, med3, k.D, codeword_bytes(k), mixed_rows(k)),
                              f"variant {variant}'s instance for these caches (head_dim {k.D}, S={k.S}"
                              f"{', Med3x' if med3 else ''}{', pack=mixed' if mixed_rows(k) else ''})", q.device)
@@ -520,20 +519,25 @@ def _loaded():
     return lib
 
 
+def _joint_needs(qs: int, D: int) -> list[str]:
+    """What JOINT_VARIANT needs and a call lacks (empty: it takes the call): a GQA group of two
+    halves of 5..8 heads (qs: launch.head_split's CTAs per kv row) and head dim 128. (Any
+    codebook, Med3x or not, 12-bit or mixed rows: its Med3x instance runs v10's outlier path
+    per half, pack=mixed rows are rewritten first.)"""
+    return [w for w, bad in (("a GQA group of 10, 12, 14 or 16", qs != 2), ("head_dim 128", D != 128)) if bad]
+
+
 def default_variant(qs: int, D: int, med3: bool) -> int:
     """The variant a call without variant= launches: JOINT_VARIANT where it takes the call
-    (a GQA group over 8 heads, qs = 2: one CTA decodes for both halves; any codebook, Med3x
-    or not, 12-bit or mixed rows), else Med3x's or plain HQMQ's default."""
-    if qs == 2 and D == 128:  # (joint_refusal's rule, as a test)
+    (one CTA decodes for both halves), else Med3x's or plain HQMQ's default."""
+    if not _joint_needs(qs, D):
         return JOINT_VARIANT
     return DEFAULT_VARIANT_MED3 if med3 else DEFAULT_VARIANT
 
 
 def joint_refusal(qs: int, D: int) -> None:
-    """ValueError naming why JOINT_VARIANT does not take a call: a GQA group that is not two
-    halves of 5..8 heads (qs: launch.head_split's CTAs per kv row) or a head dim but 128.
-    (Med3x: its instance runs v10's outlier path per half; pack=mixed rows are rewritten first.)"""
-    why = [w for w, bad in (("a GQA group of 10, 12, 14 or 16", qs != 2), ("head_dim 128", D != 128)) if bad]
+    """ValueError naming why JOINT_VARIANT does not take a call (`_joint_needs`)."""
+    why = _joint_needs(qs, D)
     if why:
         raise ValueError(f"variant {JOINT_VARIANT} (both q-head halves in one CTA) needs " + ", ".join(why))
 
@@ -560,10 +564,11 @@ def _launch_values(q: torch.Tensor, k, v, num_splits, ctas_per_sm, variant, out_
     out = med3 is not None
     cw = codeword_bytes(k)
     mix = mixed_rows(k)
+    qs = head_split(q.shape[1] // H)
     if variant is None:
-        variant = default_variant(head_split(q.shape[1] // H), D, out)
+        variant = default_variant(qs, D, out)
     if variant == JOINT_VARIANT:
-        joint_refusal(head_split(q.shape[1] // H), D)
+        joint_refusal(qs, D)
     elif not 0 <= variant < NUM_VARIANTS:
         raise ValueError(f"variant must be in 0..{NUM_VARIANTS - 1} (or {JOINT_VARIANT} for GQA groups over 8)")
     elif out and variant not in variants(D, True):
@@ -576,7 +581,7 @@ def _launch_values(q: torch.Tensor, k, v, num_splits, ctas_per_sm, variant, out_
         raise ValueError(f"variant {variant} has no pack=mixed instance (variants: {variants(D, out, cw, mix)})")
     if occupancy(variant, k.S, out, D, cw, mix) <= 0:  # v8 with S > 96 (the shared-memory opt-in is refused)
         raise ValueError(f"variant {variant} does not fit the shared memory with S={k.S} at head_dim {D}")
-    nsplit, per = _token_splits(k, q.device, num_splits, ctas_per_sm, variant, head_split(q.shape[1] // H))
+    nsplit, per = _token_splits(k, q.device, num_splits, ctas_per_sm, variant, qs)
     out_dtype = out_dtype or q.dtype
     if out_dtype not in QTYPE:
         raise ValueError(f"out dtype {out_dtype}")
