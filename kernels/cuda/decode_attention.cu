@@ -253,6 +253,12 @@ struct Raw {
       }
     }
   }
+  // the V^T fragment of m-tile mt (tokens 2c, 2c+1 | 2c+8, 2c+9), with v_pairs' scales / zeros
+  __device__ __forceinline__ void v_frag(int mt, const uint32_t (&s2)[2], const uint32_t (&z2)[2],
+                                         uint32_t (&a)[4]) const {
+    F::vpair(v[0], v[1], mt, s2[0], z2[0], a[0], a[1]);
+    F::vpair(v[2], v[3], mt, s2[1], z2[1], a[2], a[3]);
+  }
   // the V scale / zero of token pairs (2c, 2c+1), (2c+8, 2c+9) as (s_t, s_t+1), (z_t, z_t+1)
   __device__ __forceinline__ void v_pairs(uint32_t (&s2)[2], uint32_t (&z2)[2]) const {
     s2[0] = s2[1] = z2[0] = z2[1] = 0;
@@ -1060,10 +1066,9 @@ __device__ __forceinline__ void tile_step(const R& r, int t0, int tend, float qk
     r.v_pairs(vs2, vz2);
 #pragma unroll
     for (int mt = 0; mt < KS; ++mt) {
-      uint32_t a0, a1, a2, a3;
-      F::vpair(r.v[0], r.v[1], mt, vs2[0], vz2[0], a0, a1);
-      F::vpair(r.v[2], r.v[3], mt, vs2[1], vz2[1], a2, a3);
-      mma16816(acc[mt], a0, a1, a2, a3, pb0, pb1);
+      uint32_t a[4];
+      r.v_frag(mt, vs2, vz2, a);
+      mma16816(acc[mt], a[0], a[1], a[2], a[3], pb0, pb1);
     }
   } else {
 #pragma unroll
@@ -1114,11 +1119,10 @@ __device__ __forceinline__ void tile_step_joint(const R& r, int t0, int tend, fl
   r.v_pairs(vs2, vz2);
 #pragma unroll
   for (int mt = 0; mt < KS; ++mt) {
-    uint32_t a0, a1, a2, a3;
-    F::vpair(r.v[0], r.v[1], mt, vs2[0], vz2[0], a0, a1);
-    F::vpair(r.v[2], r.v[3], mt, vs2[1], vz2[1], a2, a3);
-    mma16816(acc[0][mt], a0, a1, a2, a3, pb0[0], pb1[0]);
-    mma16816(acc[1][mt], a0, a1, a2, a3, pb0[1], pb1[1]);
+    uint32_t a[4];
+    r.v_frag(mt, vs2, vz2, a);
+    mma16816(acc[0][mt], a[0], a[1], a[2], a[3], pb0[0], pb1[0]);
+    mma16816(acc[1][mt], a[0], a[1], a[2], a[3], pb0[1], pb1[1]);
   }
 }
 

@@ -857,6 +857,12 @@ __device__ __forceinline__ void k_row_offsets(const uint8_t* st, int moff_k, int
   }
 }
 
+// The radius bytes of k-step kk's chunk for tokens g, g+8 (from k_row_offsets' rlo / rhi).
+__device__ __forceinline__ uint32_t k_radii(uint32_t rlo, uint32_t rhi, int kk) {
+  const uint32_t x = kk < 4 ? rlo : rhi;
+  return (kk & 2) ? x >> 8 : x;
+}
+
 // The V code rows of tokens 2c, 2c+1, 2c+8, 2c+9 at head dim 128 (the lane's chunks 4g .. 4g+3):
 // each chunk's table byte offset (off[token][chunk]) and the tokens' chunk radii as byte pairs
 // (u01: tokens 2c, 2c+1; u89: 2c+8, 2c+9; each t.b0 t.b1 t1.b0 t1.b1).
@@ -944,8 +950,7 @@ __device__ __forceinline__ void tile_step(const uint8_t* st, const uint8_t* ktab
     k_row_offsets<CW>(st, moff_k, g, c, off, rk, rlo, rhi);
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
-      uint32_t x = kk < 4 ? rlo : rhi;
-      if (kk & 2) x >>= 8;
+      const uint32_t x = k_radii(rlo, rhi, kk);
       k_chunk<CW>(s, ktab, off[0][kk], off[1][kk], x, kk & 1, qb[kk][0], qb[kk][1]);
     }
   }
@@ -1076,8 +1081,7 @@ __device__ __forceinline__ void tile_step_joint(const uint8_t* st, const uint8_t
     k_row_offsets<CW>(st, moff_k, g, c, off, rk, rlo, rhi);
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
-      uint32_t x = kk < 4 ? rlo : rhi;
-      if (kk & 2) x >>= 8;
+      const uint32_t x = k_radii(rlo, rhi, kk);
       uint32_t a[4];
       k_frags<CW>(a, ktab, off[0][kk], off[1][kk], x, kk & 1);
       mma16816(s[0], a[0], a[1], a[2], a[3], qb[0][kk][0], qb[0][kk][1]);
